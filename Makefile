@@ -1,0 +1,23 @@
+# Two commands for a new user (see README): `make demo` and `make test`. Both set everything up first.
+.PHONY: setup demo test lint format bench lock
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/vla-rl demo
+
+test: setup
+	.venv/bin/python -m ruff check .
+	.venv/bin/python -m ruff format --check .
+	.venv/bin/python -m pytest -m "not slow" -q
+
+lint: setup
+	.venv/bin/python -m ruff check . && .venv/bin/python -m ruff format --check .
+
+format: setup
+	.venv/bin/python -m ruff check --fix . && .venv/bin/python -m ruff format .
+
+bench: setup
+	.venv/bin/python bench/sim_speed.py
+	.venv/bin/python bench/store_speed.py

@@ -1,0 +1,132 @@
+"""Read the episode store as torch tensors for training.
+
+Images stay uint8 channels-last ``[H, W, 3]`` as stored: converting to float CHW is the policy's
+preprocessing (it knows its normalisation), and uint8 keeps loaded datasets 4x smaller.
+Only committed frames are ever read (see :mod:`fleet.store`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fleet.store import Episode, EpisodeStore
+
+
+def episode_tensors(ep: Episode) -> dict[str, Any]:
+    """One episode as tensors (sharing memory with the numpy arrays) plus its id, task and revisions."""
+    return {
+        "episode_id": ep.meta.episode_id,
+        "task": ep.meta.task,
+        "revisions": list(ep.meta.revisions),
+        "cameras": {name: torch.from_numpy(img) for name, img in ep.cameras.items()},
+        **{
+            key: torch.from_numpy(getattr(ep, key))
+            for key in (
+                "state", "action", "proposed_action", "reward", "terminated", "truncated",
+                "controller", "segment", "revision", "timestamp",
+            )
+        },
+    }
+
+
+def _select(
+    store: EpisodeStore, episode_ids: Iterable[str] | None, task: str | None, closed_only: bool
+) -> list[str]:
+    ids = store.episode_ids() if episode_ids is None else list(episode_ids)
+    out = []
+    for eid in ids:
+        meta = store.read_metadata(eid)
+        if (task is None or meta.task == task) and (meta.is_closed or not closed_only):
+            out.append(eid)
+    return out
+
+
+def iter_episode_tensors(
+    store: EpisodeStore,
+    *,
+    episode_ids: Iterable[str] | None = None,
+    task: str | None = None,
+    closed_only: bool = True,
+    cameras: bool = True,
+) -> Iterator[dict[str, Any]]:
+    """Yield selected episodes (all, or ``episode_ids``; filtered by task / closed) as :func:`episode_tensors`."""
+    for eid in _select(store, episode_ids, task, closed_only):
+        yield episode_tensors(store.read_episode(eid, cameras=cameras))
+
+
+class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
+    """Fixed-length action-chunk samples, one per committed frame of the selected episodes.
+
+    Sample ``i`` (frame ``t`` of episode ``e``) holds the observation at ``t``
+    (``observation.state`` float32 [S], ``observation.images.<camera>`` uint8 [H, W, 3]),
+    ``action`` float32 [horizon, A] = actions ``t .. t+horizon-1`` with the episode's last action
+    repeated past its end, ``action_is_pad`` bool [horizon] marking those repeats, and ``reward``
+    (float32), ``controller`` (int64, :class:`fleet.store.Controller` code), ``episode_index``
+    (into :attr:`episode_ids`) and ``frame_index`` (int64). Keys follow LeRobot's naming.
+
+    All committed frames are loaded into memory at construction: fine for our dataset sizes
+    (100k frames of two 128x128 cameras is ~10 GB; use ``cameras=False`` for state-only training).
+    Every selected episode must have the same spec.
+    """
+
+    def __init__(
+        self,
+        store: EpisodeStore,
+        horizon: int,
+        *,
+        episode_ids: Iterable[str] | None = None,
+        task: str | None = None,
+        closed_only: bool = True,
+        cameras: bool = True,
+    ) -> None:
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.horizon = horizon
+        self.episode_ids = _select(store, episode_ids, task, closed_only)
+        episodes = [store.read_episode(eid, cameras=cameras) for eid in self.episode_ids]
+        episodes = [ep for ep in episodes if ep.length]
+        self.episode_ids = [ep.meta.episode_id for ep in episodes]
+        if not episodes:
+            raise ValueError(f"no episodes with frames selected from {store}")
+        spec = episodes[0].meta.spec
+        for ep in episodes[1:]:
+            if ep.meta.spec != spec:
+                raise ValueError(f"episode {ep.meta.episode_id} has spec {ep.meta.spec.name!r}, not {spec.name!r}")
+        self.spec = spec
+        lengths = np.array([ep.length for ep in episodes])
+        self._ends = np.cumsum(lengths)  # global index one past each episode's last frame
+        self._starts = self._ends - lengths
+        self._episode_of = np.repeat(np.arange(len(episodes)), lengths)
+        self._state = np.concatenate([ep.state for ep in episodes])
+        self._action = np.concatenate([ep.action for ep in episodes])
+        self._reward = np.concatenate([ep.reward for ep in episodes])
+        self._controller = np.concatenate([ep.controller for ep in episodes]).astype(np.int64)
+        self._images = {c: np.concatenate([ep.cameras[c] for ep in episodes]) for c in episodes[0].cameras}
+
+    def __len__(self) -> int:
+        return len(self._episode_of)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        e = int(self._episode_of[i])
+        start, end = int(self._starts[e]), int(self._ends[e])
+        window = np.arange(i, i + self.horizon)
+        sample = {
+            "observation.state": torch.from_numpy(self._state[i].copy()),
+            "action": torch.from_numpy(self._action[np.minimum(window, end - 1)]),
+            "action_is_pad": torch.from_numpy(window >= end),
+            "reward": torch.tensor(self._reward[i]),
+            "controller": torch.tensor(self._controller[i]),
+            "episode_index": torch.tensor(e, dtype=torch.int64),
+            "frame_index": torch.tensor(i - start, dtype=torch.int64),
+        }
+        for name, imgs in self._images.items():
+            sample[f"observation.images.{name}"] = torch.from_numpy(imgs[i].copy())
+        return sample

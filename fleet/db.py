@@ -1,0 +1,278 @@
+"""Metadata DB: episodes, their segments, and labels (SQLAlchemy 2.0).
+
+The episode store holds frames; this DB holds what we query and what we change after the fact.
+Labels live only here, so relabelling never rewrites frames. SQLite is the default
+(``sqlite:///<store root>/metadata.db``, WAL journal + busy timeout + ``BEGIN IMMEDIATE`` so several
+writer processes take turns instead of failing); any SQLAlchemy URL (e.g. PostgreSQL) works.
+
+Timestamps are unix seconds (float), like the store's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
+
+from fleet.store import EpisodeMeta, Segment
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class EpisodeRow(Base):
+    __tablename__ = "episodes"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    robot_id: Mapped[str] = mapped_column(String(128), index=True)
+    task: Mapped[str] = mapped_column(String(256), index=True)
+    instruction: Mapped[str] = mapped_column(Text)
+    store_path: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # open | closed
+    outcome: Mapped[str | None] = mapped_column(String(64))
+    success: Mapped[bool | None]
+    length: Mapped[int] = mapped_column(default=0)
+    num_segments: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[float]
+    closed_at: Mapped[float | None]
+    revisions: Mapped[list[str]] = mapped_column(JSON, default=list)  # checkpoint revisions used
+    segments: Mapped[list[SegmentRow]] = relationship(
+        cascade="all, delete-orphan", order_by="SegmentRow.index", back_populates="episode"
+    )
+
+
+class SegmentRow(Base):
+    __tablename__ = "segments"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    controller: Mapped[str] = mapped_column(String(32))
+    start: Mapped[int]
+    end: Mapped[int | None]
+    reason: Mapped[str | None] = mapped_column(Text)
+    episode: Mapped[EpisodeRow] = relationship(back_populates="segments")
+
+
+class LabelRow(Base):
+    __tablename__ = "labels"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    segment_index: Mapped[int | None]  # None: the label is about the whole episode
+    key: Mapped[str] = mapped_column(String(128), index=True)
+    value: Mapped[Any] = mapped_column(JSON)
+    author: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float]
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """An episode as the DB knows it (a detached copy; editing it changes nothing)."""
+
+    id: str
+    robot_id: str
+    task: str
+    instruction: str
+    store_path: str
+    status: str
+    outcome: str | None
+    success: bool | None
+    length: int
+    created_at: float
+    closed_at: float | None
+    revisions: tuple[str, ...]
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Label:
+    id: int
+    episode_id: str
+    segment_index: int | None
+    key: str
+    value: Any
+    author: str
+    created_at: float
+
+
+def default_url(store_root: str | os.PathLike[str]) -> str:
+    """The SQLite DB that sits next to an episode store."""
+    return f"sqlite:///{Path(store_root).absolute() / 'metadata.db'}"
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    """WAL + busy timeout + foreign keys, and write-locking transactions.
+
+    pysqlite's deferred BEGIN lets two processes both read and then both try to upgrade to a write
+    lock; in WAL mode one of them then fails with SQLITE_BUSY without waiting. ``BEGIN IMMEDIATE``
+    takes the write lock up front, so the busy timeout applies and writers queue.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class MetadataDB:
+    """Episodes, segments and labels. Safe to use from several processes (each opens its own)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = create_engine(url)
+        if self.engine.dialect.name == "sqlite":
+            _sqlite_setup(self.engine)
+        # On SQLite this runs under BEGIN IMMEDIATE, so concurrent first opens cannot race.
+        Base.metadata.create_all(self.engine)
+
+    @classmethod
+    def for_store(cls, store_root: str | os.PathLike[str]) -> MetadataDB:
+        return cls(default_url(store_root))
+
+    def __repr__(self) -> str:
+        return f"MetadataDB({self.engine.url.render_as_string(hide_password=True)!r})"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ episodes
+    def record_episode_open(self, meta: EpisodeMeta, store_path: str) -> None:
+        """Insert (or reset) the episode's row when its writer starts."""
+        with Session(self.engine) as s, s.begin():
+            row = s.get(EpisodeRow, meta.episode_id) or EpisodeRow(id=meta.episode_id)
+            row.robot_id = meta.robot_id
+            row.task = meta.task
+            row.instruction = meta.instruction
+            row.store_path = store_path
+            row.status = meta.status
+            row.length = meta.length
+            row.created_at = meta.created
+            row.revisions = list(meta.revisions)
+            s.add(row)
+
+    def record_episode_closed(self, meta: EpisodeMeta) -> None:
+        """Record the final length, outcome, revisions and segments of a closed episode."""
+        if not meta.is_closed:
+            raise ValueError(f"episode {meta.episode_id} is not closed")
+        with Session(self.engine) as s, s.begin():
+            row = s.get(EpisodeRow, meta.episode_id, options=[selectinload(EpisodeRow.segments)])
+            if row is None:
+                raise KeyError(f"episode {meta.episode_id!r} was never recorded as open")
+            row.status = meta.status
+            row.outcome = meta.outcome
+            row.success = meta.success
+            row.length = meta.length
+            row.closed_at = meta.closed
+            row.revisions = list(meta.revisions)
+            row.num_segments = len(meta.segments)
+            row.segments.clear()
+            s.flush()  # delete the old segment rows before inserting rows with the same keys
+            row.segments.extend(
+                SegmentRow(
+                    index=seg.index,
+                    kind=seg.kind.value,
+                    controller=seg.controller.label,
+                    start=seg.start,
+                    end=seg.end,
+                    reason=seg.reason,
+                )
+                for seg in meta.segments
+            )
+
+    def episode(self, episode_id: str) -> EpisodeRecord | None:
+        with Session(self.engine) as s:
+            row = s.get(EpisodeRow, episode_id, options=[selectinload(EpisodeRow.segments)])
+            return None if row is None else _record(row)
+
+    def episodes(
+        self, task: str | None = None, status: str | None = None, success: bool | None = None
+    ) -> list[EpisodeRecord]:
+        """Episodes ordered by creation time, filtered by task / status / success when given."""
+        q = select(EpisodeRow).options(selectinload(EpisodeRow.segments)).order_by(EpisodeRow.created_at, EpisodeRow.id)
+        if task is not None:
+            q = q.where(EpisodeRow.task == task)
+        if status is not None:
+            q = q.where(EpisodeRow.status == status)
+        if success is not None:
+            q = q.where(EpisodeRow.success == success)
+        with Session(self.engine) as s:
+            return [_record(r) for r in s.scalars(q)]
+
+    # ------------------------------------------------------------------ labels
+    def add_label(
+        self, episode_id: str, key: str, value: Any, *, author: str, segment_index: int | None = None
+    ) -> int:
+        """Attach a label (any JSON value) to an episode or one of its segments; returns the label id.
+
+        Labels are never overwritten: a relabel is a newer label with the same key.
+        """
+        if not key:
+            raise ValueError("label key must be non-empty")
+        with Session(self.engine) as s, s.begin():
+            if s.get(EpisodeRow, episode_id) is None:
+                raise KeyError(f"no episode {episode_id!r} in the metadata DB")
+            row = LabelRow(
+                episode_id=episode_id,
+                segment_index=segment_index,
+                key=key,
+                value=value,
+                author=author,
+                created_at=time.time(),
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def labels(self, episode_id: str | None = None, key: str | None = None) -> list[Label]:
+        """Labels in the order they were added, filtered by episode / key when given."""
+        q = select(LabelRow).order_by(LabelRow.id)
+        if episode_id is not None:
+            q = q.where(LabelRow.episode_id == episode_id)
+        if key is not None:
+            q = q.where(LabelRow.key == key)
+        with Session(self.engine) as s:
+            return [
+                Label(r.id, r.episode_id, r.segment_index, r.key, r.value, r.author, r.created_at)
+                for r in s.scalars(q)
+            ]
+
+
+def _record(row: EpisodeRow) -> EpisodeRecord:
+    return EpisodeRecord(
+        id=row.id,
+        robot_id=row.robot_id,
+        task=row.task,
+        instruction=row.instruction,
+        store_path=row.store_path,
+        status=row.status,
+        outcome=row.outcome,
+        success=row.success,
+        length=row.length,
+        created_at=row.created_at,
+        closed_at=row.closed_at,
+        revisions=tuple(row.revisions),
+        segments=tuple(
+            Segment.from_dict(
+                {"index": g.index, "kind": g.kind, "controller": g.controller, "start": g.start, "end": g.end,
+                 "reason": g.reason}
+            )
+            for g in row.segments
+        ),
+    )

@@ -1,0 +1,940 @@
+"""Append-only Zarr v3 episode store.
+
+Layout::
+
+    <root>/zarr.json                      root group (attrs mark it as an episode store)
+    <root>/episodes/<episode_id>/         one zarr group per episode
+        zarr.json                         group attrs: the episode's creation metadata (informational)
+        commit.json                       the commit record: committed length + all metadata (authoritative)
+        cameras/<name>                    uint8   [T, H, W, 3]
+        state, action, proposed_action    float32 [T, S] / [T, A] / [T, A] (all-NaN row = no proposal)
+        reward                            float32 [T]
+        terminated, truncated             bool    [T]
+        controller                        uint8   [T]  (:class:`Controller`)
+        segment                           int32   [T]  (index into the segments list)
+        revision                          int16   [T]  (index into the revisions table)
+        timestamp                         float64 [T]  (unix seconds)
+
+One group per episode means concurrent writers of *different* episodes, even in different processes,
+never touch the same array (two processes appending to one zarr array corrupt it).
+
+Commit protocol. A writer buffers validated frames in memory and writes them in chunk-aligned blocks
+(one-frame appends rewrite the whole chunk and are ~50x slower). After a block's data is in every
+array, the writer replaces ``commit.json`` atomically (temp file + optional fsync + ``os.replace``)
+with the new committed length. Arrays may be longer than that: the writer grows them ahead of the
+data, and a writer killed between writing data and committing leaves rows nobody committed. Readers
+trust only ``commit.json``'s length, so such rows are never returned.
+
+Why a separate file rather than zarr attributes: zarr 3.4's ``LocalStore`` does write each key through
+a temp file and ``os.replace``, so ``zarr.json`` is atomic against a killed process, but it never
+fsyncs and a killed write leaves ``*.partial`` files behind; a dedicated commit file lets us order
+data before commit explicitly, fsync both when asked, and snapshot length, segments and revisions
+together in one atomic write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+import zarr
+
+from vla_rl.spec import RobotSpec, SpecError
+
+if TYPE_CHECKING:
+    from fleet.db import MetadataDB
+
+log = logging.getLogger(__name__)
+
+STORE_FORMAT = "vla-rl-episode-store"
+STORE_VERSION = 1
+COMMIT_FILE = "commit.json"
+DEFAULT_CHUNK_LEN = 64
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_MAX_REVISIONS = int(np.iinfo(np.int16).max) + 1
+
+
+class Controller(IntEnum):
+    """Who produced a frame's executed action. Stored as uint8."""
+
+    POLICY = 0
+    HUMAN = 1
+    SCRIPTED = 2
+
+    @classmethod
+    def parse(cls, value: Controller | str | int) -> Controller:
+        """Accept the enum, its lower-case name ("policy", ...) or its integer code."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        elif isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+            try:
+                return cls(int(value))
+            except ValueError:
+                pass
+        names = "|".join(c.name.lower() for c in cls)
+        raise SpecError("controller", f"one of {names} (or codes 0-{len(cls) - 1})", repr(value))
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class SegmentKind(StrEnum):
+    """What a stretch of an episode was: the policy acting, a human intervening, or a reset."""
+
+    AUTONOMOUS = "autonomous"
+    INTERVENTION = "intervention"
+    RESET = "reset"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Frames ``[start, end)`` of an episode. ``end`` is None while the segment is still running."""
+
+    index: int
+    kind: SegmentKind
+    controller: Controller
+    start: int
+    end: int | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "kind": self.kind.value,
+            "controller": self.controller.label,
+            "start": self.start,
+            "end": self.end,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Segment:
+        end = d.get("end")
+        return cls(
+            index=int(d["index"]),
+            kind=SegmentKind(d["kind"]),
+            controller=Controller.parse(d["controller"]),
+            start=int(d["start"]),
+            end=None if end is None else int(end),
+            reason=d.get("reason"),
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeMeta:
+    """Everything about an episode except its frames; the content of ``commit.json``."""
+
+    episode_id: str
+    robot_id: str
+    task: str
+    instruction: str
+    spec: RobotSpec
+    chunk_len: int
+    created: float
+    length: int = 0
+    status: str = "open"
+    revisions: tuple[str, ...] = ()
+    segments: tuple[Segment, ...] = ()
+    outcome: str | None = None
+    success: bool | None = None
+    closed: float | None = None
+
+    @property
+    def is_closed(self) -> bool:
+        return self.status == "closed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": STORE_VERSION,
+            "episode_id": self.episode_id,
+            "robot_id": self.robot_id,
+            "task": self.task,
+            "instruction": self.instruction,
+            "spec": self.spec.to_dict(),
+            "chunk_len": self.chunk_len,
+            "created": self.created,
+            "length": self.length,
+            "status": self.status,
+            "revisions": list(self.revisions),
+            "segments": [s.to_dict() for s in self.segments],
+            "outcome": self.outcome,
+            "success": self.success,
+            "closed": self.closed,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EpisodeMeta:
+        success = d.get("success")
+        closed = d.get("closed")
+        return cls(
+            episode_id=str(d["episode_id"]),
+            robot_id=str(d["robot_id"]),
+            task=str(d["task"]),
+            instruction=str(d["instruction"]),
+            spec=RobotSpec.from_dict(d["spec"]),
+            chunk_len=int(d["chunk_len"]),
+            created=float(d["created"]),
+            length=int(d["length"]),
+            status=str(d["status"]),
+            revisions=tuple(str(r) for r in d.get("revisions", ())),
+            segments=tuple(Segment.from_dict(s) for s in d.get("segments", ())),
+            outcome=d.get("outcome"),
+            success=None if success is None else bool(success),
+            closed=None if closed is None else float(closed),
+        )
+
+
+@dataclass
+class Episode:
+    """The committed frames of one episode as numpy arrays (leading dim = ``meta.length``)."""
+
+    meta: EpisodeMeta
+    cameras: dict[str, np.ndarray]
+    state: np.ndarray
+    action: np.ndarray
+    proposed_action: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    controller: np.ndarray
+    segment: np.ndarray
+    revision: np.ndarray
+    timestamp: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return self.meta.length
+
+    @property
+    def has_proposal(self) -> np.ndarray:
+        """bool [T]: whether the policy proposed an action at each frame."""
+        return ~np.isnan(self.proposed_action).all(axis=1)
+
+
+def _layout(spec: RobotSpec) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Array name -> (per-frame shape, dtype) for every array of an episode with this spec."""
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {
+        f"cameras/{c.name}": (c.shape, np.dtype(np.uint8)) for c in spec.cameras
+    }
+    out.update(
+        state=((spec.state_dim,), np.dtype(np.float32)),
+        action=((spec.action_dim,), np.dtype(np.float32)),
+        proposed_action=((spec.action_dim,), np.dtype(np.float32)),
+        reward=((), np.dtype(np.float32)),
+        terminated=((), np.dtype(np.bool_)),
+        truncated=((), np.dtype(np.bool_)),
+        controller=((), np.dtype(np.uint8)),
+        segment=((), np.dtype(np.int32)),
+        revision=((), np.dtype(np.int16)),
+        timestamp=((), np.dtype(np.float64)),
+    )
+    return out
+
+
+def _array(group: zarr.Group, key: str) -> zarr.Array:
+    arr = group.get(key)
+    if not isinstance(arr, zarr.Array):
+        raise KeyError(f"array {key!r} is missing from {group.store_path}")
+    return arr
+
+
+def _check_id(what: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(f"{what} must match {_ID_RE.pattern}, got {value!r}")
+    return value
+
+
+def _write_json_atomic(path: Path, data: Mapping[str, Any], fsync: bool) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, sort_keys=True)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _scalars(name: str, value: Any, n: int | None, kind: str) -> np.ndarray:
+    """A per-frame scalar field as an array of shape (n,) (or () for one frame) with dtype kind in ``kind``."""
+    arr = np.asarray(value)
+    want = () if n is None else (n,)
+    if arr.dtype.kind not in kind or arr.shape != want:
+        what = {"b": "bool", "fiu": "a real number"}[kind]
+        raise SpecError(name, f"{what} of shape {list(want)}", f"{arr.dtype.name} of shape {list(arr.shape)}")
+    return arr
+
+
+class EpisodeWriter:
+    """Appends frames to one open episode. Get one from :meth:`EpisodeStore.create_episode`.
+
+    Frames are validated on entry (a bad frame raises :class:`SpecError` naming the field and leaves
+    the writer and the store untouched), buffered, and written one chunk-aligned block at a time.
+    :meth:`flush` writes and commits whatever is buffered; :meth:`close` flushes and records the
+    outcome. Used as a context manager, an episode left unclosed (an exception, or a forgotten
+    ``close``) is closed with outcome ``"aborted"``.
+    """
+
+    def __init__(
+        self, store: EpisodeStore, meta: EpisodeMeta, group: zarr.Group, db: MetadataDB | None
+    ) -> None:
+        self._store = store
+        self._meta = meta
+        self._dir = store.episodes_dir / meta.episode_id
+        self._db = db
+        self._layout = _layout(meta.spec)
+        self._arrays: dict[str, zarr.Array] = {k: _array(group, k) for k in self._layout}
+        self._capacity = 0
+        self._length = 0
+        self._pending: dict[str, list[np.ndarray]] = {k: [] for k in self._layout}
+        self._n_pending = 0
+        self._revisions: list[str] = []
+        self._revision_index: dict[str, int] = {}
+        self._segments: list[Segment] = []
+        self._last_timestamp = -math.inf
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def episode_id(self) -> str:
+        return self._meta.episode_id
+
+    @property
+    def spec(self) -> RobotSpec:
+        return self._meta.spec
+
+    @property
+    def num_frames(self) -> int:
+        """Frames accepted so far (committed + buffered)."""
+        return self._length + self._n_pending
+
+    @property
+    def committed(self) -> int:
+        """Frames a reader can see now."""
+        return self._length
+
+    @property
+    def segment_index(self) -> int:
+        """Index of the current segment, -1 before the first one."""
+        return len(self._segments) - 1
+
+    # ------------------------------------------------------------------ segments
+    def begin_segment(
+        self,
+        kind: SegmentKind | str = SegmentKind.AUTONOMOUS,
+        controller: Controller | str | int = Controller.POLICY,
+        reason: str | None = None,
+    ) -> int:
+        """End the current segment at the current frame and start a new one; returns its index.
+
+        Frames added afterwards belong to it. If frames arrive before any segment was begun, an
+        autonomous segment controlled by the first frame's controller is started implicitly.
+        """
+        self._check_open()
+        try:
+            seg_kind = SegmentKind(kind)
+        except ValueError:
+            kinds = "|".join(k.value for k in SegmentKind)
+            raise SpecError("segment.kind", f"one of {kinds}", repr(kind)) from None
+        ctrl = Controller.parse(controller)
+        if reason is not None and not isinstance(reason, str):
+            raise SpecError("segment.reason", "a string or None", type(reason).__name__)
+        self._end_segment()
+        self._segments.append(Segment(len(self._segments), seg_kind, ctrl, self.num_frames, None, reason))
+        return len(self._segments) - 1
+
+    def _end_segment(self) -> None:
+        if self._segments and self._segments[-1].end is None:
+            last = self._segments[-1]
+            self._segments[-1] = Segment(last.index, last.kind, last.controller, last.start, self.num_frames, last.reason)
+
+    # ------------------------------------------------------------------ frames
+    def add_frame(
+        self,
+        cameras: Mapping[str, np.ndarray],
+        state: np.ndarray,
+        action: np.ndarray,
+        proposed_action: np.ndarray | None = None,
+        reward: float = 0.0,
+        terminated: bool = False,
+        truncated: bool = False,
+        controller: Controller | str | int | None = None,
+        revision: str = "",
+        timestamp: float | None = None,
+    ) -> int:
+        """Validate and buffer one frame; returns its index in the episode.
+
+        ``action`` is what was executed, ``proposed_action`` what the policy proposed (None or an
+        all-NaN row: no proposal). ``controller`` defaults to the current segment's controller,
+        ``revision`` is the checkpoint revision that produced the action ("" for none), ``timestamp``
+        defaults to now and may not go backwards.
+        """
+        return self._add(cameras, state, action, proposed_action, reward, terminated, truncated,
+                         controller, revision, timestamp, None)
+
+    def add_frames(self, batch: Mapping[str, Any]) -> int:
+        """Validate and buffer N frames given as stacked arrays; returns the index of the first.
+
+        Keys: ``cameras`` ({name: uint8 [N,H,W,3]}), ``state`` [N,S], ``action`` [N,A] (float32) and,
+        optionally, ``proposed_action`` ([N,A] float32, all-NaN rows = none), ``reward`` [N],
+        ``terminated``/``truncated`` (bool [N]), ``controller`` (one value or [N]), ``revision`` (one
+        string or N strings), ``timestamp`` ([N] float). The whole batch is checked before any frame
+        is buffered.
+        """
+        unknown = set(batch) - {
+            "cameras", "state", "action", "proposed_action", "reward", "terminated", "truncated",
+            "controller", "revision", "timestamp",
+        }
+        if unknown:
+            raise SpecError(sorted(unknown)[0], "a known frame field", "an unknown key")
+        if "action" not in batch:
+            raise SpecError("action", "float32 [N, action_dim]", "nothing (missing)")
+        action = batch["action"]
+        n = int(action.shape[0]) if isinstance(action, np.ndarray) and action.ndim == 2 else -1
+        if n < 0:
+            raise SpecError("action", f"float32 [N, {self.spec.action_dim}]", repr(getattr(action, "shape", action)))
+        if n == 0:
+            return self.num_frames
+        return self._add(
+            batch.get("cameras", {}),
+            batch.get("state"),
+            action,
+            batch.get("proposed_action"),
+            batch.get("reward", np.zeros(n, np.float32)),
+            batch.get("terminated", np.zeros(n, bool)),
+            batch.get("truncated", np.zeros(n, bool)),
+            batch.get("controller"),
+            batch.get("revision", ""),
+            batch.get("timestamp"),
+            n,
+        )
+
+    def _add(
+        self,
+        cameras: Mapping[str, Any],
+        state: Any,
+        action: Any,
+        proposed: Any,
+        reward: Any,
+        terminated: Any,
+        truncated: Any,
+        controller: Any,
+        revision: Any,
+        timestamp: Any,
+        n: int | None,
+    ) -> int:
+        """Validate everything (n=None: one frame, else a batch of n), then buffer. Nothing changes on error."""
+        self._check_open()
+        spec = self.spec
+        if not isinstance(cameras, Mapping):
+            raise SpecError("cameras", "a mapping camera name -> image", type(cameras).__name__)
+        spec.check_images(cameras, batch=n)
+        spec.check_state(state, batch=n)
+        spec.check_action(action, batch=n)
+        rows = 1 if n is None else n
+        if proposed is None:
+            proposed = np.full((rows, spec.action_dim), np.nan, np.float32)
+        else:
+            spec.check_action(proposed, name="proposed_action", batch=n, finite=False)
+            p = proposed.reshape(rows, spec.action_dim)
+            partial = ~(np.isnan(p).all(axis=1) | np.isfinite(p).all(axis=1))
+            if partial.any():
+                at = "" if n is None else f" (row {int(np.argmax(partial))})"
+                raise SpecError("proposed_action", "finite values, or all NaN for no proposal", f"a partly NaN/inf row{at}")
+        rew = _scalars("reward", reward, n, "fiu")
+        if not np.isfinite(rew).all():
+            raise SpecError("reward", "a finite number", "NaN or inf")
+        term = _scalars("terminated", terminated, n, "b")
+        trunc = _scalars("truncated", truncated, n, "b")
+        ctrl = self._controllers(controller, rows, n)
+        rev_idx, new_revs = self._revision_indices(revision, rows, n)
+        ts = self._timestamps(timestamp, rows, n)
+
+        # Everything is valid: buffer (copies, so callers may reuse their arrays).
+        if not self._segments:
+            self.begin_segment(SegmentKind.AUTONOMOUS, Controller(int(ctrl[0])))
+        for r in new_revs:
+            self._revision_index[r] = len(self._revisions)
+            self._revisions.append(r)
+        first = self.num_frames
+        block: dict[str, np.ndarray] = {f"cameras/{k}": v for k, v in cameras.items()}
+        block.update(
+            state=state, action=action, proposed_action=proposed, reward=rew, terminated=term,
+            truncated=trunc, controller=ctrl, segment=np.full(rows, self.segment_index, np.int32),
+            revision=rev_idx, timestamp=ts,
+        )
+        for key, (shape, dtype) in self._layout.items():
+            self._pending[key].append(np.array(block[key], dtype=dtype, copy=True).reshape(rows, *shape))
+        self._n_pending += rows
+        self._last_timestamp = float(ts[-1])
+        total = self.num_frames
+        boundary = total - total % self._meta.chunk_len
+        if boundary > self._length:
+            self._write(boundary - self._length)
+        return first
+
+    def _controllers(self, value: Any, rows: int, n: int | None) -> np.ndarray:
+        if value is None:
+            default = self._segments[-1].controller if self._segments else Controller.POLICY
+            return np.full(rows, int(default), np.uint8)
+        if n is None or isinstance(value, str | int | np.integer):
+            return np.full(rows, int(Controller.parse(value)), np.uint8)
+        arr = np.asarray(value)
+        if arr.shape != (n,):
+            raise SpecError("controller", f"one value or shape [{n}]", f"shape {list(arr.shape)}")
+        return np.array([int(Controller.parse(v.item() if isinstance(v, np.generic) else v)) for v in arr], np.uint8)
+
+    def _revision_indices(self, value: Any, rows: int, n: int | None) -> tuple[np.ndarray, list[str]]:
+        """Indices into the revisions table, and the revisions this adds to it (not yet added)."""
+        if isinstance(value, str):
+            names = [value] * rows
+        elif n is not None and isinstance(value, Sequence | np.ndarray):
+            names = [v.item() if isinstance(v, np.generic) else v for v in value]
+        else:
+            names = []
+        if len(names) != rows or not all(isinstance(v, str) for v in names):
+            raise SpecError("revision", "a string (or one string per frame)", repr(value)[:80])
+        new: list[str] = []
+        idx = np.empty(rows, np.int16)
+        for i, name in enumerate(names):
+            j = self._revision_index.get(name)
+            if j is None:
+                if name not in new:
+                    new.append(name)
+                j = len(self._revisions) + new.index(name)
+            if j >= _MAX_REVISIONS:
+                raise SpecError("revision", f"at most {_MAX_REVISIONS} distinct revisions per episode", "more")
+            idx[i] = j
+        return idx, new
+
+    def _timestamps(self, value: Any, rows: int, n: int | None) -> np.ndarray:
+        if value is None:
+            return np.full(rows, max(time.time(), self._last_timestamp), np.float64)
+        arr = _scalars("timestamp", value, n, "fiu").astype(np.float64).reshape(rows)
+        if not np.isfinite(arr).all():
+            raise SpecError("timestamp", "finite unix seconds", "NaN or inf")
+        if arr[0] < self._last_timestamp or (np.diff(arr) < 0).any():
+            raise SpecError("timestamp", f"non-decreasing times (last was {self._last_timestamp})", "a time going backwards")
+        return arr
+
+    # ------------------------------------------------------------------ writing
+    def _write(self, n: int) -> None:
+        """Write the first ``n`` buffered frames at [committed, committed + n), then commit them."""
+        start, end = self._length, self._length + n
+        if end > self._capacity:
+            # Grow ahead (doubling, whole chunks) so that resizing, which rewrites every array's
+            # zarr.json, happens O(log T) times; rows past the committed length are never read.
+            cl = self._meta.chunk_len
+            cap = max(end, 2 * self._capacity)
+            cap = -(-cap // cl) * cl
+            for key, (shape, _) in self._layout.items():
+                self._arrays[key].resize((cap, *shape))
+            self._capacity = cap
+        # The buffer is only trimmed once every array holds the block, so a failed write can be retried.
+        data = {k: parts[0] if len(parts) == 1 else np.concatenate(parts) for k, parts in self._pending.items()}
+        for key, arr in data.items():
+            self._arrays[key][start:end] = arr[:n]
+        self._pending = {k: [arr[n:]] if len(arr) > n else [] for k, arr in data.items()}
+        self._n_pending -= n
+        if self._store.fsync:
+            self._fsync_rows(start, end)
+        self._length = end
+        self._commit()
+
+    def _fsync_rows(self, start: int, end: int) -> None:
+        """fsync the chunk files holding rows [start, end) and every array's metadata, before the commit."""
+        cl = self._meta.chunk_len
+        dirs: set[Path] = set()
+        for key, arr in self._arrays.items():
+            adir = self._dir / key
+            files = [adir / "zarr.json"]
+            for c in range(start // cl, (end - 1) // cl + 1):
+                files.append(adir / arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1)))
+            for f in files:
+                if f.exists():  # a chunk of a zero-width array is never written
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    dirs.add(f.parent)
+        for d in dirs:
+            _fsync_dir(d)
+
+    def _snapshot(self, **final: Any) -> EpisodeMeta:
+        """Metadata as of the committed length: segments that start after it are left out."""
+        n = self._length
+        segs = tuple(
+            s if s.end is not None and s.end <= n else Segment(s.index, s.kind, s.controller, s.start, None, s.reason)
+            for s in self._segments
+            if s.start <= n
+        )
+        d = self._meta.to_dict() | {
+            "length": n,
+            "revisions": list(self._revisions),
+            "segments": [s.to_dict() for s in segs],
+        }
+        return EpisodeMeta.from_dict(d | final)
+
+    def _commit(self, **final: Any) -> None:
+        self._meta = self._snapshot(**final)
+        _write_json_atomic(self._dir / COMMIT_FILE, self._meta.to_dict(), self._store.fsync)
+
+    def flush(self) -> int:
+        """Write and commit every buffered frame (e.g. before acknowledging them); returns the committed length."""
+        self._check_open()
+        if self._n_pending:
+            self._write(self._n_pending)
+        return self._length
+
+    def close(self, outcome: str = "success", success: bool | None = None) -> EpisodeMeta:
+        """Flush, end the last segment, trim the arrays and commit the final metadata.
+
+        ``success`` defaults to ``outcome == "success"``. Records the episode in the DB if the writer
+        has one. Returns the final metadata.
+        """
+        self._check_open()
+        if not isinstance(outcome, str) or not outcome:
+            raise ValueError(f"outcome must be a non-empty string, got {outcome!r}")
+        self.flush()
+        self._end_segment()
+        if self._capacity != self._length:
+            for key, (shape, _) in self._layout.items():
+                self._arrays[key].resize((self._length, *shape))
+            self._capacity = self._length
+        self._commit(
+            status="closed",
+            outcome=outcome,
+            success=(outcome == "success") if success is None else bool(success),
+            closed=time.time(),
+        )
+        self._closed = True
+        if self._db is not None:
+            self._db.record_episode_closed(self._meta)
+        return self._meta
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"episode {self.episode_id} is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._closed:
+            self.close(outcome="aborted", success=False)
+
+
+class EpisodeStore:
+    """A directory of episodes (see the module docstring for layout and commit protocol).
+
+    ``EpisodeStore(root)`` opens an existing store; ``create=True`` creates it if missing.
+    ``fsync=True`` makes every commit durable against power loss (data files, then the commit file,
+    are fsynced); without it commits are still atomic against a killed process. ``db``, if given, is
+    the default metadata DB that writers record episodes in.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], create: bool = False, *, fsync: bool = False, db: MetadataDB | None = None
+    ) -> None:
+        self.root = Path(root).absolute()
+        self.episodes_dir = self.root / "episodes"
+        self.fsync = fsync
+        self.db = db
+        marker = self.root / "zarr.json"
+        if not marker.exists():
+            if not create:
+                what = "does not exist" if not self.root.exists() else "is not an episode store"
+                raise FileNotFoundError(f"no episode store at {self.root}: the directory {what} (pass create=True to make one)")
+            self.root.mkdir(parents=True, exist_ok=True)
+            zarr.open_group(self.root, mode="a", attributes={"format": STORE_FORMAT, "version": STORE_VERSION})
+        attrs = json.loads(marker.read_text()).get("attributes", {})
+        if attrs.get("format") != STORE_FORMAT:
+            raise ValueError(f"{self.root} is a zarr group but not an episode store (attributes: {attrs})")
+        if attrs.get("version") != STORE_VERSION:
+            raise ValueError(f"{self.root}: store version {attrs.get('version')} is not supported (want {STORE_VERSION})")
+        self.episodes_dir.mkdir(exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"EpisodeStore({str(self.root)!r})"
+
+    # ------------------------------------------------------------------ writing
+    def create_episode(
+        self,
+        spec: RobotSpec,
+        *,
+        robot_id: str,
+        task: str,
+        instruction: str | None = None,
+        chunk_len: int = DEFAULT_CHUNK_LEN,
+        episode_id: str | None = None,
+        db: MetadataDB | None = None,
+    ) -> EpisodeWriter:
+        """Create an empty episode and return its writer.
+
+        ``instruction`` defaults to the spec's; ``episode_id`` defaults to ``<UTC time>-<robot>-<random>``
+        (sortable by creation time). ``db`` overrides the store's DB for this episode.
+        """
+        if not isinstance(robot_id, str) or not robot_id:
+            raise ValueError(f"robot_id must be a non-empty string, got {robot_id!r}")
+        if not isinstance(task, str) or not task:
+            raise ValueError(f"task must be a non-empty string, got {task!r}")
+        if not isinstance(chunk_len, int) or chunk_len < 1:
+            raise ValueError(f"chunk_len must be a positive int, got {chunk_len!r}")
+        if episode_id is None:
+            safe_robot = re.sub(r"[^A-Za-z0-9_.-]", "_", robot_id)[:64]
+            episode_id = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{safe_robot}-{uuid.uuid4().hex[:8]}"
+        _check_id("episode_id", episode_id)
+        ep_dir = self.episodes_dir / episode_id
+        try:
+            ep_dir.mkdir()  # exclusive: two writers can never share an episode
+        except FileExistsError:
+            raise ValueError(f"episode {episode_id!r} already exists in {self.root}") from None
+        meta = EpisodeMeta(
+            episode_id=episode_id,
+            robot_id=robot_id,
+            task=task,
+            instruction=spec.instruction if instruction is None else instruction,
+            spec=spec,
+            chunk_len=chunk_len,
+            created=time.time(),
+        )
+        group = zarr.open_group(ep_dir, mode="w-", attributes={"vla_rl": meta.to_dict() | {"see": COMMIT_FILE}})
+        for key, (shape, dtype) in _layout(spec).items():
+            fill: float | int | bool = math.nan if key == "proposed_action" else False if dtype == np.bool_ else 0
+            group.create_array(
+                key,
+                shape=(0, *shape),
+                chunks=(chunk_len, *(max(d, 1) for d in shape)),
+                dtype=dtype,
+                fill_value=fill,
+            )
+        _write_json_atomic(ep_dir / COMMIT_FILE, meta.to_dict(), self.fsync)
+        db = db if db is not None else self.db
+        if db is not None:
+            db.record_episode_open(meta, str(self.root))
+        return EpisodeWriter(self, meta, group, db)
+
+    # ------------------------------------------------------------------ reading
+    def episode_ids(self) -> list[str]:
+        """Ids of all episodes with a commit record (open and closed), sorted."""
+        return sorted(p.parent.name for p in self.episodes_dir.glob(f"*/{COMMIT_FILE}"))
+
+    def read_metadata(self, episode_id: str) -> EpisodeMeta:
+        """The episode's committed metadata (cheap: reads only ``commit.json``)."""
+        path = self.episodes_dir / _check_id("episode_id", episode_id) / COMMIT_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise KeyError(f"no episode {episode_id!r} in {self.root}") from None
+        return EpisodeMeta.from_dict(json.loads(text))
+
+    def read_episode(self, episode_id: str, cameras: bool = True) -> Episode:
+        """Committed frames of one episode (``cameras=False`` skips the images, leaving ``cameras`` empty).
+
+        The commit record is read before the arrays, so every row it counts is already written even
+        while a writer is appending.
+        """
+        meta = self.read_metadata(episode_id)
+        group = zarr.open_group(self.episodes_dir / episode_id, mode="r")
+        n = meta.length
+        data: dict[str, np.ndarray] = {}
+        for key in _layout(meta.spec):
+            if key.startswith("cameras/") and not cameras:
+                continue
+            data[key] = _array(group, key)[:n]
+        return Episode(
+            meta=meta,
+            cameras={c: data[f"cameras/{c}"] for c in meta.spec.camera_names if cameras},
+            **{k: v for k, v in data.items() if not k.startswith("cameras/")},
+        )
+
+    def iter_episodes(
+        self, task: str | None = None, closed_only: bool = True, cameras: bool = True
+    ) -> Iterator[Episode]:
+        """Episodes in id order, optionally only one task's, by default only closed ones."""
+        for eid in self.episode_ids():
+            meta = self.read_metadata(eid)
+            if (task is None or meta.task == task) and (meta.is_closed or not closed_only):
+                yield self.read_episode(eid, cameras=cameras)
+
+    def info(self) -> dict[str, Any]:
+        """Summary: episode/frame counts, bytes on disk, and per-task counts and success rates."""
+        tasks: dict[str, dict[str, Any]] = {}
+        n_open = frames = 0
+        metas = [self.read_metadata(eid) for eid in self.episode_ids()]
+        for m in metas:
+            t = tasks.setdefault(m.task, {"episodes": 0, "closed": 0, "successes": 0, "frames": 0})
+            t["episodes"] += 1
+            t["frames"] += m.length
+            frames += m.length
+            if m.is_closed:
+                t["closed"] += 1
+                t["successes"] += int(bool(m.success))
+            else:
+                n_open += 1
+        for t in tasks.values():
+            t["success_rate"] = t["successes"] / t["closed"] if t["closed"] else None
+        size = sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+        return {
+            "root": str(self.root),
+            "episodes": len(metas),
+            "open_episodes": n_open,
+            "frames": frames,
+            "bytes": size,
+            "tasks": dict(sorted(tasks.items())),
+        }
+
+    # ------------------------------------------------------------------ checking
+    def verify(self, db: MetadataDB | None = None) -> list[str]:
+        """Check every episode; returns the problems found (empty: the store is consistent).
+
+        Open episodes and rows beyond the committed length (left by a killed writer, or grown ahead)
+        are not problems; they are logged at INFO level. With ``db``, every closed episode must also
+        have a DB row with the same length, outcome, success and segments.
+        """
+        problems: list[str] = []
+        for d in sorted(p for p in self.episodes_dir.iterdir() if p.is_dir()):
+            if not (d / COMMIT_FILE).exists():
+                log.info("%s: no commit record (creation was interrupted); ignored", d.name)
+                continue
+            problems.extend(f"{d.name}: {p}" for p in self._verify_episode(d.name, db))
+        return problems
+
+    def _verify_episode(self, eid: str, db: MetadataDB | None) -> list[str]:
+        try:
+            meta = self.read_metadata(eid)
+        except (ValueError, KeyError, TypeError) as e:
+            return [f"unreadable commit record: {e}"]
+        if meta.episode_id != eid:
+            return [f"commit record names episode {meta.episode_id!r}"]
+        n = meta.length
+        try:
+            group = zarr.open_group(self.episodes_dir / eid, mode="r")
+        except Exception as e:  # any zarr failure to open means the episode is unreadable
+            return [f"cannot open zarr group: {e}"]
+        out: list[str] = []
+        layout = _layout(meta.spec)
+        rows: dict[str, int] = {}
+        for key, (shape, dtype) in layout.items():
+            arr = group.get(key)
+            if not isinstance(arr, zarr.Array):
+                out.append(f"array {key} is missing")
+                continue
+            rows[key] = arr.shape[0]
+            if arr.dtype != dtype or tuple(arr.shape[1:]) != shape:
+                out.append(f"array {key} is {arr.dtype}{list(arr.shape)}, spec wants {dtype}[T, {list(shape)}]")
+            elif arr.shape[0] < n:
+                out.append(f"array {key} has {arr.shape[0]} rows, fewer than the {n} committed")
+            elif meta.is_closed and arr.shape[0] != n:
+                out.append(f"closed episode: array {key} has {arr.shape[0]} rows, length is {n}")
+        if out:
+            return out
+        extra = max(rows.values()) - n
+        partial = sum(1 for _ in (self.episodes_dir / eid).rglob("*.partial"))
+        if not meta.is_closed:
+            log.info("%s: open, %d committed frames (+%d uncommitted rows ignored)", eid, n, extra)
+        if partial:
+            log.info("%s: %d leftover *.partial files from an interrupted write (ignored)", eid, partial)
+
+        v = {k: _array(group, k)[:n] for k in layout if not k.startswith("cameras/")}
+        if not np.isin(v["controller"], [int(c) for c in Controller]).all():
+            out.append(f"controller holds invalid codes {sorted(set(v['controller'].tolist()) - {int(c) for c in Controller})}")
+        out.extend(_check_segments(meta, v["segment"]))
+        if n and not ((v["revision"] >= 0) & (v["revision"] < len(meta.revisions))).all():
+            out.append(f"revision indices outside the table of {len(meta.revisions)}")
+        ts = v["timestamp"]
+        if not np.isfinite(ts).all():
+            out.append("timestamp has NaN/inf")
+        elif (np.diff(ts) < 0).any():
+            out.append("timestamps go backwards")
+        for key in ("state", "action", "reward"):
+            if not np.isfinite(v[key]).all():
+                out.append(f"{key} has NaN/inf in committed frames")
+        p = v["proposed_action"]
+        if n and not (np.isnan(p).all(axis=1) | np.isfinite(p).all(axis=1)).all():
+            out.append("proposed_action has partly NaN rows")
+        if meta.is_closed and (meta.outcome is None or meta.success is None or meta.closed is None):
+            out.append("closed without outcome/success/closed time")
+        if db is not None and meta.is_closed:
+            out.extend(_check_db(meta, db))
+        return out
+
+
+def _check_segments(meta: EpisodeMeta, seg: np.ndarray) -> list[str]:
+    """Segments list contiguous and consistent with the per-frame segment index."""
+    out: list[str] = []
+    n = meta.length
+    segs = meta.segments
+    if n and not segs:
+        return ["frames but no segments"]
+    for i, s in enumerate(segs):
+        if s.index != i:
+            out.append(f"segment {i} has index {s.index}")
+        if i and (segs[i - 1].end is None or segs[i - 1].end != s.start):
+            out.append(f"segment {i} starts at {s.start}, previous ends at {segs[i - 1].end}")
+        if s.end is not None and not s.start <= s.end <= n:
+            out.append(f"segment {i} spans [{s.start}, {s.end}) outside [0, {n}]")
+    if segs and segs[0].start != 0:
+        out.append(f"first segment starts at {segs[0].start}")
+    if meta.is_closed and segs and segs[-1].end != n:
+        out.append(f"closed episode: last segment ends at {segs[-1].end}, length is {n}")
+    if out or not n:
+        return out
+    if (np.diff(seg) < 0).any():
+        return ["segment index decreases"]
+    if seg.min() < 0 or seg.max() >= len(segs):
+        return [f"segment index outside the {len(segs)} segments"]
+    starts = np.array([s.start for s in segs])
+    ends = np.array([n if s.end is None else s.end for s in segs])
+    t = np.arange(n)
+    if not ((starts[seg] <= t) & (t < ends[seg])).all():
+        out.append("per-frame segment index disagrees with the segments list")
+    return out
+
+
+def _check_db(meta: EpisodeMeta, db: MetadataDB) -> list[str]:
+    rec = db.episode(meta.episode_id)
+    if rec is None:
+        return ["closed episode has no DB row"]
+    out = []
+    if rec.status != "closed":
+        out.append(f"DB status is {rec.status!r}")
+    for name, mine, theirs in (
+        ("length", meta.length, rec.length),
+        ("outcome", meta.outcome, rec.outcome),
+        ("success", meta.success, rec.success),
+        ("segments", [s.to_dict() for s in meta.segments], [s.to_dict() for s in rec.segments]),
+    ):
+        if mine != theirs:
+            out.append(f"DB {name} {theirs!r} differs from store {mine!r}")
+    return out

@@ -1,0 +1,1 @@
+"""Flow-matching VLA policies (encoders, action expert, samplers, value heads). Coming with the policy issue."""

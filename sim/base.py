@@ -1,0 +1,131 @@
+"""The one interface every simulated robot follows.
+
+A :class:`SimEnv` is a single robot in a single simulator process. Its observations follow the robot
+spec (``vla_rl.spec``): ``{"cameras": {name: uint8[H, W, 3]}, "state": float32[S], "instruction": str}``;
+its actions are float32 in [-1, 1] (end-effector delta position x/y/z and a gripper command where
++1 opens and -1 closes, for every task, so policies and experts carry across simulators).
+
+``step`` returns ``(obs, reward, terminated, truncated, info)`` with ``info`` holding
+
+* ``success`` (bool), ``sparse_reward`` (1.0 on success, else 0.0), ``dense_reward`` (task shaping, in [0, 1]),
+* ``privileged``: simulator ground truth (object and goal positions, ...) that scripted experts and
+  the simulated operator use. Policies never see it unless they are given ``obs="state"``.
+
+An episode terminates on success and is truncated at ``max_episode_steps``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from vla_rl.spec import RobotSpec
+
+ObsMode = Literal["state", "rgb"]
+RewardMode = Literal["sparse", "dense"]
+Observation = dict[str, Any]
+Privileged = dict[str, np.ndarray]
+
+OBS_MODES: tuple[str, ...] = ("state", "rgb")
+REWARD_MODES: tuple[str, ...] = ("sparse", "dense")
+
+# One action layout for every task: [dx, dy, dz, gripper], each in [-1, 1].
+ACTION_NAMES = ("ee_dx", "ee_dy", "ee_dz", "gripper")
+GRIPPER_OPEN = 1.0
+GRIPPER_CLOSED = -1.0
+
+
+@dataclass(frozen=True)
+class EnvOptions:
+    """Construction options shared by every backend (validated here, once)."""
+
+    obs: ObsMode = "state"
+    image_size: int = 128
+    max_episode_steps: int | None = None
+    reward: RewardMode = "dense"
+
+    def __post_init__(self) -> None:
+        if self.obs not in OBS_MODES:
+            raise ValueError(f"obs: expected one of {list(OBS_MODES)}, got {self.obs!r}")
+        if self.reward not in REWARD_MODES:
+            raise ValueError(f"reward: expected one of {list(REWARD_MODES)}, got {self.reward!r}")
+        if not 16 <= self.image_size <= 512:
+            raise ValueError(f"image_size: expected 16..512 pixels, got {self.image_size}")
+        if self.max_episode_steps is not None and self.max_episode_steps <= 0:
+            raise ValueError(f"max_episode_steps: expected a positive integer, got {self.max_episode_steps}")
+
+
+class SimEnv(abc.ABC):
+    """One simulated robot. Subclasses implement the backend hooks; the episode logic lives here."""
+
+    task: str
+    spec: RobotSpec
+    max_episode_steps: int
+
+    def __init__(self, options: EnvOptions) -> None:
+        self.options = options
+        self._elapsed = 0
+
+    # ---------------------------------------------------------------- backend hooks
+    @abc.abstractmethod
+    def _reset_backend(self, seed: int | None) -> None: ...
+
+    @abc.abstractmethod
+    def _step_backend(self, action: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _observe(self) -> Observation: ...
+
+    @abc.abstractmethod
+    def _evaluate(self) -> tuple[bool, float]:
+        """(success, dense reward in [0, 1]) for the current simulator state."""
+
+    @abc.abstractmethod
+    def privileged(self) -> Privileged:
+        """Ground-truth state for scripted experts (positions in metres, world frame)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    # ---------------------------------------------------------------- episode logic
+    def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        self._reset_backend(seed)
+        self._elapsed = 0
+        success, dense = self._evaluate()
+        return self._observe(), self._info(success, dense)
+
+    def step(self, action: np.ndarray) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        action = np.asarray(action, dtype=np.float32)
+        if action.shape != (self.spec.action_dim,):
+            raise ValueError(f"action: expected shape [{self.spec.action_dim}], got {list(action.shape)}")
+        if not np.isfinite(action).all():
+            raise ValueError("action: expected finite values, got NaN or inf")
+        self._step_backend(np.clip(action, -1.0, 1.0))
+        self._elapsed += 1
+        success, dense = self._evaluate()
+        info = self._info(success, dense)
+        reward = info["dense_reward"] if self.options.reward == "dense" else info["sparse_reward"]
+        truncated = (not success) and self._elapsed >= self.max_episode_steps
+        return self._observe(), float(reward), bool(success), bool(truncated), info
+
+    def _info(self, success: bool, dense: float) -> dict[str, Any]:
+        return {
+            "success": bool(success),
+            "sparse_reward": 1.0 if success else 0.0,
+            "dense_reward": float(dense),
+            "elapsed_steps": self._elapsed,
+            "privileged": self.privileged(),
+        }
+
+    @property
+    def elapsed_steps(self) -> int:
+        return self._elapsed
+
+    def __enter__(self) -> SimEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""The task table: every simulated task vla-rl knows, and the one factory that builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.base import EnvOptions, ObsMode, RewardMode, SimEnv
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    name: str  # our id, "<backend>/<task>"
+    backend: str  # "maniskill" | "robosuite"
+    backend_id: str  # the simulator's own env name
+    instruction: str
+    max_episode_steps: int  # default episode length at 20 Hz
+    cameras: tuple[str, ...]  # cameras in rgb mode
+    state_dim: dict[str, int]  # obs mode -> state vector size (a test checks these against the sims)
+    action_dim: int = 4  # [dx, dy, dz, gripper] for every task
+    control_hz: float = 20.0
+
+
+TASKS: dict[str, TaskInfo] = {
+    t.name: t
+    for t in (
+        TaskInfo(
+            "maniskill/PushCube-v1",
+            "maniskill",
+            "PushCube-v1",
+            "push the cube into the target region",
+            50,
+            ("base_camera",),
+            {"state": 35, "rgb": 25},
+        ),
+        TaskInfo(
+            "maniskill/PickCube-v1",
+            "maniskill",
+            "PickCube-v1",
+            "pick up the cube and move it to the goal",
+            50,
+            ("base_camera",),
+            {"state": 42, "rgb": 29},
+        ),
+        # ManiSkill's default 50 steps leave the expert too little room once noise is added.
+        TaskInfo(
+            "maniskill/StackCube-v1",
+            "maniskill",
+            "StackCube-v1",
+            "stack the red cube on top of the green cube",
+            80,
+            ("base_camera", "hand_camera"),
+            {"state": 48, "rgb": 25},
+        ),
+        TaskInfo(
+            "robosuite/Lift",
+            "robosuite",
+            "Lift",
+            "lift the cube off the table",
+            80,
+            ("agentview",),
+            {"state": 60, "rgb": 50},
+        ),
+    )
+}
+
+
+def list_tasks() -> list[TaskInfo]:
+    return list(TASKS.values())
+
+
+def resolve_task(task: str) -> TaskInfo:
+    """Accept the full id (``maniskill/PickCube-v1``) or a unique short form (``PickCube``)."""
+    if task in TASKS:
+        return TASKS[task]
+    matches = [t for t in TASKS.values() if task.lower() in t.name.lower()]
+    if len(matches) == 1:
+        return matches[0]
+    raise ValueError(f"task: expected one of {sorted(TASKS)} (or a unique part of one), got {task!r}")
+
+
+def make_env(
+    task: str,
+    obs: ObsMode = "state",
+    image_size: int = 128,
+    max_episode_steps: int | None = None,
+    reward: RewardMode = "dense",
+) -> SimEnv:
+    """Build one simulated robot for ``task`` (see :func:`list_tasks`)."""
+    info = resolve_task(task)
+    options = EnvOptions(obs=obs, image_size=image_size, max_episode_steps=max_episode_steps, reward=reward)
+    if info.backend == "maniskill":
+        from sim.maniskill import ManiSkillEnv
+
+        return ManiSkillEnv(info, options)
+    from sim.robosuite_env import RobosuiteEnv
+
+    return RobosuiteEnv(info, options)

@@ -1,0 +1,130 @@
+"""robosuite ``Lift`` (Panda) behind :class:`sim.base.SimEnv`.
+
+robosuite's BASIC controller is OSC_POSE with a 7-d action (position x 0.05 m, rotation x 0.5 rad,
+gripper -1 open / +1 close). We expose the common 4-d layout [dx, dy, dz, gripper(+1 open)]: rotation
+is held at zero (Lift needs none) and the gripper sign is flipped, so the same policies and experts
+work across simulators.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv
+from sim.registry import TaskInfo
+from vla_rl.spec import CameraSpec, RobotSpec
+
+LIFT_HEIGHT = 0.04  # robosuite's own success threshold above the table
+
+
+def _configure_rendering() -> None:
+    # Headless: EGL through Mesa works on CPU-only machines; respect a user's choice (e.g. osmesa).
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    if os.environ["MUJOCO_GL"] == "osmesa":
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+    import logging
+
+    logging.getLogger("robosuite_logs").setLevel(logging.ERROR)
+
+
+class RobosuiteEnv(SimEnv):
+    camera = "agentview"  # must match the TaskInfo cameras
+
+    def __init__(self, info: TaskInfo, options: EnvOptions) -> None:
+        super().__init__(options)
+        _configure_rendering()
+        import robosuite as suite
+        from robosuite.controllers import load_composite_controller_config
+
+        self.task = info.name
+        self.max_episode_steps = options.max_episode_steps or info.max_episode_steps
+        rgb = options.obs == "rgb"
+        self._env = suite.make(
+            info.backend_id,
+            robots="Panda",
+            controller_configs=load_composite_controller_config(controller="BASIC", robot="Panda"),
+            use_camera_obs=rgb,
+            camera_names=[self.camera] if rgb else None,
+            camera_heights=options.image_size,
+            camera_widths=options.image_size,
+            has_renderer=False,
+            has_offscreen_renderer=rgb,
+            reward_shaping=True,
+            control_freq=int(info.control_hz),
+            horizon=10**9,  # our SimEnv owns truncation
+            ignore_done=True,
+            hard_reset=False,  # reloading the MuJoCo model every episode costs ~0.5 s
+            seed=0,
+        )
+        self._raw: dict[str, Any] = self._env.reset()
+        self._dense = 0.0
+        state_dim = int(self._flat_state().shape[0])
+        self.spec = RobotSpec(
+            name=info.name,
+            state_dim=state_dim,
+            action_dim=info.action_dim,
+            control_hz=info.control_hz,
+            instruction=info.instruction,
+            cameras=(CameraSpec(self.camera, options.image_size, options.image_size),) if rgb else (),
+            action_names=ACTION_NAMES,
+            extras={"backend": "robosuite", "obs": options.obs, "controller": "OSC_POSE"},
+        )
+
+    def _reset_backend(self, seed: int | None) -> None:
+        if seed is not None:
+            # robosuite draws placements from its own RandomState: reseed it for a reproducible episode.
+            self._env.rng = np.random.default_rng(seed)
+            for sampler in self._placement_samplers():
+                sampler.rng = self._env.rng
+        self._raw = self._env.reset()
+        self._dense = 0.0
+
+    def _placement_samplers(self) -> list[Any]:
+        root = getattr(self._env, "placement_initializer", None)
+        if root is None:
+            return []
+        return [root, *getattr(root, "samplers", {}).values()]
+
+    def _step_backend(self, action: np.ndarray) -> None:
+        full = np.zeros(7, dtype=np.float64)
+        full[:3] = action[:3]
+        full[6] = -action[3]  # ours: +1 open; robosuite: +1 close
+        self._raw, reward, _done, _info = self._env.step(full)
+        self._dense = float(np.clip(reward / 2.25, 0.0, 1.0))  # Lift's shaped reward peaks at 2.25
+
+    def _evaluate(self) -> tuple[bool, float]:
+        return bool(self._env._check_success()), self._dense
+
+    def _flat_state(self) -> np.ndarray:
+        keys = ["robot0_proprio-state"] + (["object-state"] if self.options.obs == "state" else [])
+        return np.concatenate([np.asarray(self._raw[k]).reshape(-1) for k in keys]).astype(np.float32)
+
+    def _observe(self) -> Observation:
+        cameras = {}
+        if self.options.obs == "rgb":
+            # robosuite renders OpenGL-style, bottom row first.
+            cameras[self.camera] = np.ascontiguousarray(self._raw[f"{self.camera}_image"][::-1])
+        return {"cameras": cameras, "state": self._flat_state(), "instruction": self.spec.instruction}
+
+    def privileged(self) -> Privileged:
+        # np.array copies: body_xpos rows are views into live MuJoCo memory.
+        cube = np.array(self._env.sim.data.body_xpos[self._env.cube_body_id], dtype=np.float64)
+        table_z = float(self._env.model.mujoco_arena.table_offset[2])
+        grasped = bool(
+            self._env._check_grasp(gripper=self._env.robots[0].gripper, object_geoms=self._env.cube)
+        )
+        qpos = np.asarray(self._raw["robot0_gripper_qpos"], dtype=np.float64)
+        return {
+            "tcp_pos": np.array(self._raw["robot0_eef_pos"], dtype=np.float64),
+            "obj_pos": cube,
+            "goal_pos": np.array([cube[0], cube[1], table_z + LIFT_HEIGHT + 0.06]),
+            "gripper_width": np.float64(abs(qpos[0]) + abs(qpos[1])),
+            "is_grasped": np.bool_(grasped),
+            "obj_half_size": np.float64(0.02),
+        }
+
+    def close(self) -> None:
+        self._env.close()
