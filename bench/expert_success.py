@@ -1,6 +1,6 @@
 """Scripted-expert success rate per task and noise level (seeded episodes, obs="state").
 
-    python bench/expert_success.py [--episodes 20] [--noise 0 0.3 1.0] [--out PATH]
+python bench/expert_success.py [--episodes 20] [--noise 0 0.3 1.0] [--out PATH]
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sim  # noqa: E402
-from common import table, write_results  # noqa: E402
+from common import table, write_results
+
+import sim
 
 
 def success(task: str, episodes: int, noise: float) -> tuple[int, float]:
@@ -39,8 +40,15 @@ def main() -> None:
     for task in sim.TASKS:
         for noise in args.noise:
             wins, mean_steps = success(task, args.episodes, noise)
-            results.append({"task": task, "noise": noise, "episodes": args.episodes, "successes": wins,
-                            "mean_steps": round(mean_steps, 1)})
+            results.append(
+                {
+                    "task": task,
+                    "noise": noise,
+                    "episodes": args.episodes,
+                    "successes": wins,
+                    "mean_steps": round(mean_steps, 1),
+                }
+            )
             print(results[-1], flush=True)
     rows = [[r["task"], r["noise"], f"{r['successes']}/{r['episodes']}", r["mean_steps"]] for r in results]
     print()

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sim  # noqa: E402
-from common import table, write_results  # noqa: E402
+from common import table, write_results
+
+import sim
 
 
 def single(task: str, obs: str, steps: int, image_size: int) -> float:

@@ -2,7 +2,7 @@
 
 Configurations: (a) images: two 128x128x3 cameras + state + action, (b) vectors only; both with
 chunk_len 64, written one frame at a time (``add_frame``, what a robot's control loop does) and in
-batches (``add_frames``). MB/s counts the uncompressed frame payload. The raw-disk baseline writes
+batches (``add_frames``, also with ``fsync=True``: every commit durable against power loss). MB/s counts the uncompressed frame payload. The raw-disk baseline writes
 the same number of bytes with plain file writes and one fsync at the end, on the same filesystem
 and in the same run, so the store/raw ratio is comparable across machines. Reads go through
 :class:`fleet.dataset.ChunkDataset` (load into memory, then iterate with a DataLoader).
@@ -63,8 +63,10 @@ def frame_bytes(spec: RobotSpec) -> int:
     return img + 4 * (spec.state_dim + 2 * spec.action_dim) + 4 + 2 + 1 + 4 + 2 + 8
 
 
-def bench_write(root: Path, spec: RobotSpec, pool: dict[str, Any], frames: int, seconds: float, batched: bool) -> dict[str, Any]:
-    store = EpisodeStore(root, create=True)
+def bench_write(
+    root: Path, spec: RobotSpec, pool: dict[str, Any], frames: int, seconds: float, batched: bool, fsync: bool
+) -> dict[str, Any]:
+    store = EpisodeStore(root, create=True, fsync=fsync)
     w = store.create_episode(spec, robot_id="bench", task="bench/write", chunk_len=CHUNK_LEN)
     t0 = time.perf_counter()
     n = 0
@@ -72,12 +74,14 @@ def bench_write(root: Path, spec: RobotSpec, pool: dict[str, Any], frames: int, 
         if batched:
             k = min(CHUNK_LEN, frames - n)
             idx = np.arange(n, n + k) % POOL
-            w.add_frames({
-                "cameras": {c: a[idx] for c, a in pool["cameras"].items()},
-                "state": pool["state"][idx],
-                "action": pool["action"][idx],
-                "proposed_action": pool["action"][idx],
-            })
+            w.add_frames(
+                {
+                    "cameras": {c: a[idx] for c, a in pool["cameras"].items()},
+                    "state": pool["state"][idx],
+                    "action": pool["action"][idx],
+                    "proposed_action": pool["action"][idx],
+                }
+            )
             n += k
         else:
             i = n % POOL
@@ -125,6 +129,8 @@ def bench_read(root: Path, spec: RobotSpec, horizon: int = 16) -> dict[str, Any]
     ds = ChunkDataset(store, horizon=horizon)
     load_s = time.perf_counter() - t0
     loader = torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, num_workers=0)
+    for _ in zip(range(10), loader, strict=False):  # warm up: the first batches pay for page faults
+        pass
     t0 = time.perf_counter()
     seen = sum(len(batch["action"]) for batch in loader)
     iter_s = time.perf_counter() - t0
@@ -152,13 +158,16 @@ def machine_info(workdir: Path) -> dict[str, Any]:
         "torch": torch.__version__,
         "workdir": str(workdir),
         "workdir_free_gb": shutil.disk_usage(workdir).free / 1e9,
+        "load_avg_1m_at_start": os.getloadavg()[0],  # other work on the machine skews every number
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/store_speed.json"))
-    ap.add_argument("--frames", type=int, default=2048, help="frames per image run (vector runs write 10x more)")
+    ap.add_argument(
+        "--frames", type=int, default=2048, help="frames per image run (vector runs write 10x more)"
+    )
     ap.add_argument("--seconds", type=float, default=20.0, help="stop a write run after this long")
     ap.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -172,27 +181,44 @@ def main(argv: list[str] | None = None) -> int:
             spec = make_spec(images)
             pool = make_pool(spec, rng)
             root = workdir / config
-            for api, batched in (("add_frame", False), ("add_frames", True)):
-                wr = bench_write(root, spec, pool, frames, args.seconds, batched)
+            for api, batched, fsync in (
+                ("add_frame", False, False),
+                ("add_frames", True, False),
+                ("add_frames+fsync", True, True),
+            ):
+                wr = bench_write(root, spec, pool, frames, args.seconds, batched, fsync)
                 raw = bench_raw_disk(workdir / "raw.bin", wr["payload_bytes"])
                 wr["raw_disk"] = raw
                 wr["store_over_raw"] = wr["mb_per_s"] / raw["mb_per_s"]
                 results["runs"][f"{config}/{api}"] = wr
-                rows.append((f"{config}/{api}", wr["frames"], wr["frames_per_s"], wr["mb_per_s"],
-                             raw["mb_per_s"], wr["store_over_raw"], wr["compression_ratio"]))
+                rows.append(
+                    (
+                        f"{config}/{api}",
+                        wr["frames"],
+                        wr["frames_per_s"],
+                        wr["mb_per_s"],
+                        raw["mb_per_s"],
+                        wr["store_over_raw"],
+                        wr["compression_ratio"],
+                    )
+                )
             rd = bench_read(root, spec)
             results["runs"][f"{config}/read"] = rd
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"{'write run':<22}{'frames':>8}{'frames/s':>11}{'MB/s':>9}{'raw MB/s':>10}{'store/raw':>11}{'compr.':>8}")
+    print(
+        f"{'write run':<26}{'frames':>8}{'frames/s':>11}{'MB/s':>9}{'raw MB/s':>10}{'store/raw':>11}{'compr.':>8}"
+    )
     for name, n, fps, mbs, raw_mbs, ratio, comp in rows:
-        print(f"{name:<22}{n:>8}{fps:>11.0f}{mbs:>9.1f}{raw_mbs:>10.1f}{ratio:>11.2f}{comp:>8.2f}")
-    print(f"\n{'read run':<22}{'frames':>8}{'load fr/s':>11}{'load MB/s':>11}{'samples/s':>11}")
+        print(f"{name:<26}{n:>8}{fps:>11.0f}{mbs:>9.1f}{raw_mbs:>10.1f}{ratio:>11.2f}{comp:>8.2f}")
+    print(f"\n{'read run':<26}{'frames':>8}{'load fr/s':>11}{'load MB/s':>11}{'samples/s':>11}")
     for config in ("images", "vectors"):
         rd = results["runs"][f"{config}/read"]
-        print(f"{config + '/ChunkDataset':<22}{rd['frames']:>8}{rd['load_frames_per_s']:>11.0f}"
-              f"{rd['load_mb_per_s']:>11.1f}{rd['samples_per_s']:>11.0f}")
+        print(
+            f"{config + '/ChunkDataset':<26}{rd['frames']:>8}{rd['load_frames_per_s']:>11.0f}"
+            f"{rd['load_mb_per_s']:>11.1f}{rd['samples_per_s']:>11.0f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out}")

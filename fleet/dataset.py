@@ -27,8 +27,16 @@ def episode_tensors(ep: Episode) -> dict[str, Any]:
         **{
             key: torch.from_numpy(getattr(ep, key))
             for key in (
-                "state", "action", "proposed_action", "reward", "terminated", "truncated",
-                "controller", "segment", "revision", "timestamp",
+                "state",
+                "action",
+                "proposed_action",
+                "reward",
+                "terminated",
+                "truncated",
+                "controller",
+                "segment",
+                "revision",
+                "timestamp",
             )
         },
     }
@@ -96,7 +104,9 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         spec = episodes[0].meta.spec
         for ep in episodes[1:]:
             if ep.meta.spec != spec:
-                raise ValueError(f"episode {ep.meta.episode_id} has spec {ep.meta.spec.name!r}, not {spec.name!r}")
+                raise ValueError(
+                    f"episode {ep.meta.episode_id} has spec {ep.meta.spec.name!r}, not {spec.name!r}"
+                )
         self.spec = spec
         lengths = np.array([ep.length for ep in episodes])
         self._ends = np.cumsum(lengths)  # global index one past each episode's last frame

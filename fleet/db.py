@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, select
+from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, make_url, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
 
 from fleet.store import EpisodeMeta, Segment
+
+_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another process's transaction
 
 
 class Base(DeclarativeBase):
@@ -120,7 +122,7 @@ def _sqlite_setup(engine: Engine) -> None:
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_S * 1000}")
         cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.execute("PRAGMA foreign_keys = ON")
@@ -136,8 +138,10 @@ class MetadataDB:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
+        sqlite = make_url(url).get_backend_name() == "sqlite"
+        # The driver-level timeout also covers the dialect's first queries, which run before our hook.
+        self.engine = create_engine(url, connect_args={"timeout": _BUSY_TIMEOUT_S} if sqlite else {})
+        if sqlite:
             _sqlite_setup(self.engine)
         # On SQLite this runs under BEGIN IMMEDIATE, so concurrent first opens cannot race.
         Base.metadata.create_all(self.engine)
@@ -205,7 +209,11 @@ class MetadataDB:
         self, task: str | None = None, status: str | None = None, success: bool | None = None
     ) -> list[EpisodeRecord]:
         """Episodes ordered by creation time, filtered by task / status / success when given."""
-        q = select(EpisodeRow).options(selectinload(EpisodeRow.segments)).order_by(EpisodeRow.created_at, EpisodeRow.id)
+        q = (
+            select(EpisodeRow)
+            .options(selectinload(EpisodeRow.segments))
+            .order_by(EpisodeRow.created_at, EpisodeRow.id)
+        )
         if task is not None:
             q = q.where(EpisodeRow.task == task)
         if status is not None:
@@ -270,8 +278,14 @@ def _record(row: EpisodeRow) -> EpisodeRecord:
         revisions=tuple(row.revisions),
         segments=tuple(
             Segment.from_dict(
-                {"index": g.index, "kind": g.kind, "controller": g.controller, "start": g.start, "end": g.end,
-                 "reason": g.reason}
+                {
+                    "index": g.index,
+                    "kind": g.kind,
+                    "controller": g.controller,
+                    "start": g.start,
+                    "end": g.end,
+                    "reason": g.reason,
+                }
             )
             for g in row.segments
         ),

@@ -46,6 +46,7 @@ class EnvOptions:
     image_size: int = 128
     max_episode_steps: int | None = None
     reward: RewardMode = "dense"
+    render_size: int | None = None  # enable SimEnv.render() at this square size (for videos)
 
     def __post_init__(self) -> None:
         if self.obs not in OBS_MODES:
@@ -54,6 +55,8 @@ class EnvOptions:
             raise ValueError(f"reward: expected one of {list(REWARD_MODES)}, got {self.reward!r}")
         if not 16 <= self.image_size <= 512:
             raise ValueError(f"image_size: expected 16..512 pixels, got {self.image_size}")
+        if self.render_size is not None and not 16 <= self.render_size <= 1024:
+            raise ValueError(f"render_size: expected 16..1024 pixels, got {self.render_size}")
         if self.max_episode_steps is not None and self.max_episode_steps <= 0:
             raise ValueError(f"max_episode_steps: expected a positive integer, got {self.max_episode_steps}")
 
@@ -86,6 +89,10 @@ class SimEnv(abc.ABC):
     @abc.abstractmethod
     def privileged(self) -> Privileged:
         """Ground-truth state for scripted experts (positions in metres, world frame)."""
+
+    def render(self) -> np.ndarray:
+        """A third-person uint8 [H, W, 3] view for videos (needs ``render_size``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot render")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

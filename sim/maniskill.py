@@ -51,6 +51,11 @@ class ManiSkillEnv(SimEnv):
         )
         if options.obs == "rgb":
             kwargs["sensor_configs"] = dict(width=options.image_size, height=options.image_size)
+        if options.render_size:
+            kwargs["render_mode"] = "rgb_array"
+            kwargs["human_render_camera_configs"] = dict(
+                width=options.render_size, height=options.render_size
+            )
         self._env = gym.make(info.backend_id, **kwargs)
         self._u = self._env.unwrapped
         self._camera_names = info.cameras if options.obs == "rgb" else ()
@@ -95,14 +100,18 @@ class ManiSkillEnv(SimEnv):
 
     def _observe(self) -> Observation:
         cameras = {
-            name: _np(self._obs["sensor_data"][name]["rgb"][0], np.uint8)
-            for name in self._camera_names
+            name: _np(self._obs["sensor_data"][name]["rgb"][0], np.uint8) for name in self._camera_names
         }
         return {
             "cameras": cameras,
             "state": self._flat_state(self._obs),
             "instruction": self.spec.instruction,
         }
+
+    def render(self) -> np.ndarray:
+        if not self.options.render_size:
+            raise RuntimeError("render: build the env with render_size=... to enable rendering")
+        return _np(self._env.render()[0], np.uint8)
 
     def privileged(self) -> Privileged:
         u = self._u

@@ -84,10 +84,17 @@ def make_env(
     image_size: int = 128,
     max_episode_steps: int | None = None,
     reward: RewardMode = "dense",
+    render_size: int | None = None,
 ) -> SimEnv:
     """Build one simulated robot for ``task`` (see :func:`list_tasks`)."""
     info = resolve_task(task)
-    options = EnvOptions(obs=obs, image_size=image_size, max_episode_steps=max_episode_steps, reward=reward)
+    options = EnvOptions(
+        obs=obs,
+        image_size=image_size,
+        max_episode_steps=max_episode_steps,
+        reward=reward,
+        render_size=render_size,
+    )
     if info.backend == "maniskill":
         from sim.maniskill import ManiSkillEnv
 

@@ -51,7 +51,7 @@ class RobosuiteEnv(SimEnv):
             camera_heights=options.image_size,
             camera_widths=options.image_size,
             has_renderer=False,
-            has_offscreen_renderer=rgb,
+            has_offscreen_renderer=rgb or bool(options.render_size),
             reward_shaping=True,
             control_freq=int(info.control_hz),
             horizon=10**9,  # our SimEnv owns truncation
@@ -108,6 +108,14 @@ class RobosuiteEnv(SimEnv):
             # robosuite renders OpenGL-style, bottom row first.
             cameras[self.camera] = np.ascontiguousarray(self._raw[f"{self.camera}_image"][::-1])
         return {"cameras": cameras, "state": self._flat_state(), "instruction": self.spec.instruction}
+
+    def render(self) -> np.ndarray:
+        if not self.options.render_size:
+            raise RuntimeError("render: build the env with render_size=... to enable rendering")
+        size = self.options.render_size
+        return np.ascontiguousarray(
+            self._env.sim.render(camera_name="frontview", width=size, height=size)[::-1]
+        )
 
     def privileged(self) -> Privileged:
         # np.array copies: body_xpos rows are views into live MuJoCo memory.

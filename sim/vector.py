@@ -42,6 +42,8 @@ def _worker(conn: Connection, make_kwargs: dict[str, Any]) -> None:
                 conn.send(("ok", env.reset(seed=arg)))
             elif cmd == "step":
                 conn.send(("ok", env.step(arg)))
+            elif cmd == "render":
+                conn.send(("ok", env.render()))
             elif cmd == "close":
                 conn.send(("ok", None))
                 return
@@ -98,13 +100,19 @@ class VectorSimEnv:
         max_episode_steps: int | None = None,
         reward: RewardMode = "dense",
         processes: bool | None = None,
+        render_size: int | None = None,
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs: expected >= 1, got {num_envs}")
         self.num_envs = num_envs
         self.seed = seed
         make_kwargs = dict(
-            task=task, obs=obs, image_size=image_size, max_episode_steps=max_episode_steps, reward=reward
+            task=task,
+            obs=obs,
+            image_size=image_size,
+            max_episode_steps=max_episode_steps,
+            reward=reward,
+            render_size=render_size,
         )
         self._episode_count = np.zeros(num_envs, dtype=np.int64)
         self._local: list[SimEnv] = []
@@ -130,7 +138,11 @@ class VectorSimEnv:
 
     def _map(self, cmd: str, args: list[Any]) -> list[Any]:
         if self._local:
-            env_call = {"reset": lambda e, a: e.reset(seed=a), "step": lambda e, a: e.step(a)}[cmd]
+            env_call = {
+                "reset": lambda e, a: e.reset(seed=a),
+                "step": lambda e, a: e.step(a),
+                "render": lambda e, a: e.render(),
+            }[cmd]
             return [env_call(e, a) for e, a in zip(self._local, args, strict=True)]
         for r, a in zip(self._remotes, args, strict=True):
             r.send(cmd, a)
@@ -193,6 +205,10 @@ class VectorSimEnv:
         step_info["privileged"] = self._stack_privileged(infos)
         step_info["episode_seed"] = np.array([self._episode_seed(i) for i in range(self.num_envs)])
         return self._stack_obs(obs_list), reward, terminated, truncated, step_info
+
+    def render(self) -> np.ndarray:
+        """uint8 [N, H, W, 3] third-person views (build with ``render_size``)."""
+        return np.stack(self._map("render", [None] * self.num_envs))
 
     def close(self) -> None:
         for e in self._local:

@@ -84,8 +84,19 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     assert {t["name"] for t in listing} == set(sim.TASKS)
 
     demos = _cli(
-        "--log-format", "json", "sim", "demos", "--task", "PushCube", "--episodes", "2", "--store", str(store),
-        "--seed", "3", "--no-progress",
+        "--log-format",
+        "json",
+        "sim",
+        "demos",
+        "--task",
+        "PushCube",
+        "--episodes",
+        "2",
+        "--store",
+        str(store),
+        "--seed",
+        "3",
+        "--no-progress",
     )
     assert "recorded 2 episodes" in demos.stdout
     log_lines = [json.loads(line) for line in demos.stderr.splitlines() if line.startswith("{")]

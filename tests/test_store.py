@@ -63,9 +63,7 @@ def make_frames(n: int, seed: int) -> Frames:
 
 
 def take(frames: Frames, i: int, j: int) -> Frames:
-    return {
-        k: {c: a[i:j] for c, a in v.items()} if k == "cameras" else v[i:j] for k, v in frames.items()
-    }
+    return {k: {c: a[i:j] for c, a in v.items()} if k == "cameras" else v[i:j] for k, v in frames.items()}
 
 
 def add_singly(w: EpisodeWriter, frames: Frames, i: int, j: int) -> None:
@@ -93,7 +91,16 @@ def assert_frames_equal(ep: Episode, frames: Frames, n: int) -> None:
     for c in SPEC.camera_names:
         np.testing.assert_array_equal(ep.cameras[c], exp["cameras"][c], err_msg=c)
         assert ep.cameras[c].dtype == np.uint8
-    for key in ("state", "action", "proposed_action", "reward", "terminated", "truncated", "controller", "timestamp"):
+    for key in (
+        "state",
+        "action",
+        "proposed_action",
+        "reward",
+        "terminated",
+        "truncated",
+        "controller",
+        "timestamp",
+    ):
         got = getattr(ep, key)
         assert got.dtype == np.asarray(exp[key]).dtype, key
         # tobytes: NaN rows must match bit for bit too.
@@ -114,7 +121,9 @@ def child_writer(root: str, seed: int, n: int, chunk_len: int, db_url: str, wait
     """
     store = EpisodeStore(root, db=MetadataDB(db_url) if db_url else None)
     frames = make_frames(n, seed)
-    w = store.create_episode(SPEC, robot_id=f"robot-{seed}", task=TASK, chunk_len=chunk_len, episode_id=f"ep-{seed}")
+    w = store.create_episode(
+        SPEC, robot_id=f"robot-{seed}", task=TASK, chunk_len=chunk_len, episode_id=f"ep-{seed}"
+    )
     w.begin_segment("autonomous", "policy")
     print("ready", flush=True)
     if wait_go:
@@ -132,12 +141,18 @@ def child_writer(root: str, seed: int, n: int, chunk_len: int, db_url: str, wait
     print("closed", flush=True)
 
 
-def spawn_writer(root: Path, seed: int, n: int, chunk_len: int, db_url: str = "", wait_go: bool = False) -> subprocess.Popen[str]:
+def spawn_writer(
+    root: Path, seed: int, n: int, chunk_len: int, db_url: str = "", wait_go: bool = False
+) -> subprocess.Popen[str]:
     code = f"import test_store; test_store.child_writer({str(root)!r}, {seed}, {n}, {chunk_len}, {db_url!r}, {wait_go})"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])}
     return subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -181,7 +196,8 @@ def test_round_trip_bit_exact_across_flushes_and_chunks(tmp_path: Path) -> None:
     ]
     np.testing.assert_array_equal(ep.segment, np.repeat([0, 1, 2], [40, 50, 60]).astype(np.int32))
     np.testing.assert_array_equal(ep.has_proposal, np.arange(150) % 4 != 0)
-    assert (ep.meta.episode_id, ep.meta.robot_id, ep.meta.task, ep.meta.instruction) == ("ep-1", "r0", TASK, SPEC.instruction)
+    assert (ep.meta.episode_id, ep.meta.robot_id, ep.meta.task) == ("ep-1", "r0", TASK)
+    assert ep.meta.instruction == SPEC.instruction
     assert ep.meta.spec == SPEC and ep.meta.chunk_len == 64
     group = zarr.open_group(store.episodes_dir / "ep-1", mode="r")
     assert group["cameras/base_camera"].shape == (150, 32, 32, 3)  # trimmed at close
@@ -192,15 +208,22 @@ def test_round_trip_bit_exact_across_flushes_and_chunks(tmp_path: Path) -> None:
 def test_context_manager_aborts_and_defaults(tmp_path: Path) -> None:
     store = EpisodeStore(tmp_path, create=True)
     frames = make_frames(5, seed=2)
-    with pytest.raises(RuntimeError, match="boom"), store.create_episode(SPEC, robot_id="r/0 x", task=TASK) as w:
-        w.add_frame(cameras={c: a[0] for c, a in frames["cameras"].items()}, state=frames["state"][0],
-                    action=frames["action"][0])
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        store.create_episode(SPEC, robot_id="r/0 x", task=TASK) as w,
+    ):
+        w.add_frame(
+            cameras={c: a[0] for c, a in frames["cameras"].items()},
+            state=frames["state"][0],
+            action=frames["action"][0],
+        )
         raise RuntimeError("boom")
     (eid,) = store.episode_ids()
     assert re.fullmatch(r"\d{8}T\d{6}Z-r_0_x-[0-9a-f]{8}", eid)
     ep = store.read_episode(eid)
     assert (ep.meta.status, ep.meta.outcome, ep.meta.success, ep.length) == ("closed", "aborted", False, 1)
-    assert ep.controller.tolist() == [Controller.POLICY] and ep.revision.tolist() == [0] and ep.meta.revisions == ("",)
+    assert ep.controller.tolist() == [Controller.POLICY]
+    assert ep.revision.tolist() == [0] and ep.meta.revisions == ("",)
     assert np.isnan(ep.proposed_action).all() and ep.reward.tolist() == [0.0]
     with pytest.raises(RuntimeError, match="closed"):
         w.flush()
@@ -209,6 +232,29 @@ def test_context_manager_aborts_and_defaults(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="create=True"):
         EpisodeStore(tmp_path / "missing")
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="maps fds to paths through /proc")
+def test_fsync_syncs_data_before_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fsync=True, every chunk file a block wrote is fsynced before commit.json is replaced."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store = EpisodeStore(tmp_path, create=True, fsync=True)
+    frames = make_frames(40, seed=7)
+    w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="ep")
+    synced.clear()
+    w.add_frames(take(frames, 0, 20))  # writes and commits rows [0, 16): chunk 0 of every array
+    commit_at = next(i for i, p in enumerate(synced) if ".commit.json." in p)
+    before = {str(Path(p).relative_to(store.episodes_dir.resolve() / "ep")) for p in synced[:commit_at]}
+    assert {"state/c/0/0", "cameras/base_camera/c/0/0/0/0", "timestamp/c/0", "state/zarr.json"} <= before
+    w.close()
+    assert_frames_equal(store.read_episode("ep"), frames, 20)
 
 
 # ---------------------------------------------------------------------- crash safety
@@ -328,6 +374,7 @@ def _with(**change: Any) -> Callable[[dict[str, Any]], None]:
                 f["cameras"][k[4:]] = v
             else:
                 f[k] = v
+
     return apply
 
 
@@ -375,7 +422,11 @@ def test_bad_frames_are_rejected_naming_the_field_and_change_nothing(tmp_path: P
             w.add_frame(**f)
     bad_batches: list[tuple[str, Frames]] = [
         ("state", take(frames, 31, 40) | {"state": frames["state"][31:39]}),
-        ("proposed_action", take(frames, 31, 40) | {"proposed_action": np.where(np.eye(9, 4, dtype=bool), np.nan, 1).astype(np.float32)}),
+        (
+            "proposed_action",
+            take(frames, 31, 40)
+            | {"proposed_action": np.where(np.eye(9, 4, dtype=bool), np.nan, 1).astype(np.float32)},
+        ),
         ("controller", take(frames, 31, 40) | {"controller": ["policy"] * 8 + ["robot"]}),
         ("timestamp", take(frames, 31, 40) | {"timestamp": frames["timestamp"][31:40][::-1].copy()}),
         ("revision", take(frames, 31, 40) | {"revision": ["a"] * 8}),
@@ -448,7 +499,8 @@ def test_metadata_db_records_episodes_segments_labels(tmp_path: Path) -> None:
     db.add_label("ep-a", "quality", {"score": 0.9}, author="bob")  # a relabel adds, never overwrites
     db.add_label("ep-b", "note", "ok", author="alice")
     assert [(lb.author, lb.value, lb.segment_index) for lb in db.labels("ep-a", key="quality")] == [
-        ("alice", "bad", 1), ("bob", {"score": 0.9}, None),
+        ("alice", "bad", 1),
+        ("bob", {"score": 0.9}, None),
     ]
     assert db.labels(key="note")[0].episode_id == "ep-b" and db.labels()[0].id == first
     with pytest.raises(KeyError):
@@ -502,8 +554,10 @@ def test_chunk_dataset_pads_at_episode_end(tmp_path: Path) -> None:
     assert ds[-1]["action_is_pad"].tolist() == [False, True, True, True]
 
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=5)))
-    assert batch["action"].shape == (5, 4, SPEC.action_dim) and batch["observation.images.hand_camera"].shape == (5, 32, 32, 3)
+    assert batch["action"].shape == (5, 4, SPEC.action_dim)
+    assert batch["observation.images.hand_camera"].shape == (5, 32, 32, 3)
 
     eps = list(iter_episode_tensors(store, closed_only=False))
     assert [e["episode_id"] for e in eps] == ["ep-0", "ep-1", "ep-open"]
-    assert eps[1]["cameras"]["hand_camera"].shape == (3, 32, 32, 3) and eps[1]["action"].dtype == torch.float32
+    assert eps[1]["cameras"]["hand_camera"].shape == (3, 32, 32, 3)
+    assert eps[1]["action"].dtype == torch.float32

@@ -85,7 +85,16 @@ def cmd_sim_list(args: argparse.Namespace) -> int:
         ]
         for t in tasks
     ]
-    header = ["task", "obs", "state dim (state/rgb)", "action", "cameras (rgb)", "rate", "steps", "instruction"]
+    header = [
+        "task",
+        "obs",
+        "state dim (state/rgb)",
+        "action",
+        "cameras (rgb)",
+        "rate",
+        "steps",
+        "instruction",
+    ]
     print(_table(rows, header))
     print("\nActions are float32 in [-1, 1]; gripper +1 opens, -1 closes. Images are uint8 HxWx3.")
     return 0
@@ -161,8 +170,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.store.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:
         ns = argparse.Namespace(
-            task=task, episodes=args.episodes, noise=args.noise, seed=args.seed, store=args.store, db=None,
-            obs=args.obs, image_size=args.image_size, num_envs=args.num_envs, max_steps=None,
+            task=task,
+            episodes=args.episodes,
+            noise=args.noise,
+            seed=args.seed,
+            store=args.store,
+            db=None,
+            obs=args.obs,
+            image_size=args.image_size,
+            num_envs=args.num_envs,
+            max_steps=None,
             no_progress=args.no_progress,
         )
         cmd_sim_demos(ns)
@@ -187,15 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(parent: Any, name: str, func: Callable[[argparse.Namespace], int], help_: str, desc: str = "") -> Any:
+    def add(
+        parent: Any, name: str, func: Callable[[argparse.Namespace], int], help_: str, desc: str = ""
+    ) -> Any:
         sp = parent.add_parser(name, help=help_, description=desc or help_, formatter_class=fmt)
         sp.set_defaults(func=func)
         return sp
 
     def demo_options(sp: argparse.ArgumentParser, episodes: int) -> None:
-        sp.add_argument("--episodes", type=int, default=episodes, help="episodes to record (default %(default)s)")
         sp.add_argument(
-            "--noise", type=float, default=0.0,
+            "--episodes", type=int, default=episodes, help="episodes to record (default %(default)s)"
+        )
+        sp.add_argument(
+            "--noise",
+            type=float,
+            default=0.0,
             help="expert sloppiness in [0, 2]: 0 = clean demos; 0.3 still ~100%% success; "
             "1.0 leaves 15-65%% depending on the task (default %(default)s)",
         )
@@ -206,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     d = add(
-        sub, "demo", cmd_demo, "run the main job on embedded defaults",
+        sub,
+        "demo",
+        cmd_demo,
+        "run the main job on embedded defaults",
         "Record scripted demonstrations for the default tasks into a local store, then show what the "
         "store holds and verify it. Re-running adds more episodes to the same store.",
     )
@@ -219,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     sl = add(sim_sub, "list", cmd_sim_list, "list simulated tasks with their robot specs")
     sl.add_argument("--json", action="store_true", help="machine-readable output")
     sd = add(
-        sim_sub, "demos", cmd_sim_demos, "record scripted-expert demonstrations into an episode store",
+        sim_sub,
+        "demos",
+        cmd_sim_demos,
+        "record scripted-expert demonstrations into an episode store",
         "Run the privileged scripted expert for a task and write every frame (cameras, state, action, "
         "reward, flags, controller=scripted) to a Zarr episode store, with one row per episode in the "
         "metadata DB.\n\nexample:\n  vla-rl sim demos --task PickCube --episodes 50 --noise 0.5 "
@@ -238,7 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
     si.add_argument("--json", action="store_true", help="machine-readable output")
     sv = add(
-        store_sub, "verify", cmd_store_verify, "integrity check; exit code 1 on any inconsistency",
+        store_sub,
+        "verify",
+        cmd_store_verify,
+        "integrity check; exit code 1 on any inconsistency",
         "Check every episode's arrays against its committed length and spec, its controller, segment, "
         "revision and timestamp columns, and (unless --no-db) its row in the metadata DB.",
     )

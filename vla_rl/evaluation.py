@@ -1,0 +1,212 @@
+"""Evaluate a chunk policy in simulation: vectorised rollouts with receding-horizon execution.
+
+The policy predicts an H-step action chunk; each robot executes the first ``n_exec`` actions and asks
+again (DESIGN.md "Action chunk"). Episodes are exactly the seeds ``seed .. seed + episodes - 1``, so two
+checkpoints evaluated with the same seed face the same initial states — the promotion gate compares
+like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from sim.vector import VectorSimEnv
+from vla_rl.spec import RobotSpec
+
+log = logging.getLogger(__name__)
+
+
+class ChunkPolicy(Protocol):
+    """Anything that maps a batch of observations to action chunks (env units, float32 [N, H, A])."""
+
+    spec: RobotSpec
+    chunk_len: int
+
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray: ...
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (sane at 0% and 100%, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    success: bool
+    length: int
+    dense_return: float
+
+
+@dataclass
+class EvalResult:
+    task: str
+    episodes: int
+    successes: int
+    success_rate: float
+    ci95: tuple[float, float]
+    mean_length: float
+    mean_dense_return: float
+    n_exec: int
+    seconds: float
+    per_episode: list[EpisodeResult] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lo, hi = self.ci95
+        return (
+            f"{self.task}: success {self.successes}/{self.episodes} = {self.success_rate:.0%} "
+            f"(95% CI {lo:.0%}-{hi:.0%}), mean length {self.mean_length:.1f}, {self.seconds:.0f} s"
+        )
+
+
+def _save_video(frames: list[np.ndarray], path: Path, fps: float) -> Path:
+    import imageio.v3 as iio
+
+    try:
+        iio.imwrite(path.with_suffix(".mp4"), np.stack(frames), fps=fps, codec="libx264", plugin="pyav")
+        return path.with_suffix(".mp4")
+    except Exception:  # no codec available: a GIF always works
+        iio.imwrite(path.with_suffix(".gif"), np.stack(frames), duration=1000 / fps, loop=0)
+        return path.with_suffix(".gif")
+
+
+def evaluate(
+    policy: ChunkPolicy,
+    task: str,
+    episodes: int = 20,
+    num_envs: int = 2,
+    seed: int = 100_000,
+    n_exec: int | None = None,
+    video_dir: Path | None = None,
+    num_videos: int = 0,
+    render_size: int = 128,
+    max_episode_steps: int | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
+
+    ``n_exec`` defaults to half the chunk (receding horizon). The default seed is far from the
+    demonstration seeds (which start at 0) so training episodes are not re-used as tests.
+    """
+    if episodes < 1:
+        raise ValueError(f"episodes: expected >= 1, got {episodes}")
+    n_exec = n_exec or max(1, policy.chunk_len // 2)
+    if not 1 <= n_exec <= policy.chunk_len:
+        raise ValueError(f"n_exec: expected 1..{policy.chunk_len} (the chunk length), got {n_exec}")
+    spec = policy.spec
+    obs_mode = "rgb" if spec.cameras else "state"
+    image_size = spec.cameras[0].height if spec.cameras else 128
+    num_envs = max(1, min(num_envs, episodes))
+    want_video = video_dir is not None and num_videos > 0
+    t0 = time.perf_counter()
+    env = VectorSimEnv(
+        task,
+        num_envs=num_envs,
+        seed=seed,
+        obs=obs_mode,
+        image_size=image_size,  # type: ignore[arg-type]
+        max_episode_steps=max_episode_steps,
+        render_size=render_size if want_video else None,
+    )
+    if env.spec.state_dim != spec.state_dim or env.spec.camera_names != spec.camera_names:
+        env.close()
+        raise ValueError(
+            f"policy spec {spec.name} (state {spec.state_dim}, cameras {list(spec.camera_names)}) does not match "
+            f"task {env.task} (state {env.spec.state_dim}, cameras {list(env.spec.camera_names)})"
+        )
+    limit = seed + episodes
+    results: dict[int, EpisodeResult] = {}
+    queues: list[deque[np.ndarray]] = [deque() for _ in range(num_envs)]
+    returns = np.zeros(num_envs)
+    frames: dict[int, list[np.ndarray]] = {}
+    video_seeds = set(range(seed, seed + num_videos)) if want_video else set()
+    bar = tqdm(total=episodes, desc=f"eval {env.task}", unit="ep", disable=not progress)
+    try:
+        obs, info = env.reset()
+        ep_seed = info["episode_seed"].copy()
+        calls = 0
+        while len(results) < episodes:
+            need = [i for i in range(num_envs) if not queues[i]]
+            if need:
+                sub = {
+                    "cameras": {k: v[need] for k, v in obs["cameras"].items()},
+                    "state": obs["state"][need],
+                    "instruction": [obs["instruction"][i] for i in need],
+                }
+                chunks = policy.predict_chunks(sub, seed=seed * 1000 + calls)
+                calls += 1
+                for j, i in enumerate(need):
+                    queues[i].extend(chunks[j, :n_exec])
+            if video_seeds & set(ep_seed.tolist()):
+                views = env.render()
+                for i, s in enumerate(ep_seed.tolist()):
+                    if s in video_seeds:
+                        frames.setdefault(s, []).append(views[i])
+            actions = np.stack([q.popleft() for q in queues]).astype(np.float32)
+            obs, _reward, terminated, truncated, info = env.step(actions)
+            returns += info["dense_reward"]
+            for i in np.flatnonzero(terminated | truncated):
+                s = int(ep_seed[i])
+                if s < limit and s not in results:
+                    results[s] = EpisodeResult(
+                        s, bool(info["success"][i]), int(info["elapsed_steps"][i]), float(returns[i])
+                    )
+                    bar.update(1)
+                    bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
+                queues[i].clear()
+                returns[i] = 0.0
+            ep_seed = info["episode_seed"].copy()
+    finally:
+        bar.close()
+        env.close()
+    per = [results[s] for s in sorted(results)]
+    videos: list[str] = []
+    if want_video:
+        assert video_dir is not None
+        video_dir.mkdir(parents=True, exist_ok=True)
+        for s in sorted(frames):
+            tag = "success" if results.get(s) and results[s].success else "failure"
+            videos.append(str(_save_video(frames[s], video_dir / f"seed{s}_{tag}", spec.control_hz)))
+    wins = sum(r.success for r in per)
+    result = EvalResult(
+        task=env.task,
+        episodes=len(per),
+        successes=wins,
+        success_rate=wins / len(per),
+        ci95=wilson_interval(wins, len(per)),
+        mean_length=float(np.mean([r.length for r in per])),
+        mean_dense_return=float(np.mean([r.dense_return for r in per])),
+        n_exec=n_exec,
+        seconds=time.perf_counter() - t0,
+        per_episode=per,
+        videos=videos,
+    )
+    log.info(
+        "evaluated",
+        extra={
+            "task": result.task,
+            "success_rate": result.success_rate,
+            "episodes": result.episodes,
+            "seconds": round(result.seconds, 1),
+        },
+    )
+    return result

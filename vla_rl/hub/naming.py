@@ -1,0 +1,105 @@
+"""Validation of repo ids, ref names and file paths, shared by the local Hub server and the registry client.
+
+The server keys everything on disk by these strings, so they are checked before any path is built from them:
+a repo id can never name a directory outside the data folder, and a file path inside a repo can never make a
+client that downloads the repo (``snapshot_download``) write outside its target folder. The rules follow the
+real Hub's where they are stricter than ours, so a name accepted here is also accepted there.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Hub rule: alphanumerics plus '-', '_', '.'; no '--' or '..'; '-' and '.' neither start nor end; 96 chars max.
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+# Branch and tag names this server stores. No '/', so a ref is always one URL path segment.
+_REF = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9_])?$")
+# Revisions a client may ask the real Hub for: ref names, commit shas, and slashed refs like refs/pr/1.
+_CLIENT_REVISION = re.compile(r"^[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*$")
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+MAX_PATH_BYTES = 1024
+
+
+def _check_name(part: str, what: str, repo_id: str) -> None:
+    if not _NAME.fullmatch(part) or "--" in part or ".." in part:
+        raise ValueError(
+            f"invalid {what} {part!r} in repo id {repo_id!r}: expected 1-96 characters from [A-Za-z0-9._-], "
+            "starting and ending with a letter or digit, without '--' or '..'"
+        )
+
+
+def validate_repo_id(repo_id: str) -> tuple[str, str]:
+    """Return ``(namespace, name)`` of an ``org/name`` repo id, or raise ValueError saying what was expected."""
+    if not isinstance(repo_id, str):
+        raise ValueError(f"repo id must be a string like 'org/name', got {type(repo_id).__name__}")
+    parts = repo_id.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"invalid repo id {repo_id!r}: expected exactly one '/', as in 'org/name'")
+    namespace, name = parts
+    _check_name(namespace, "namespace", repo_id)
+    _check_name(name, "name", repo_id)
+    if name.lower().endswith(".git"):
+        raise ValueError(f"invalid repo id {repo_id!r}: the name must not end with '.git'")
+    return namespace, name
+
+
+def validate_ref_name(ref: str, what: str = "ref") -> str:
+    """Check a branch or tag name this server can store; return it unchanged.
+
+    A 40-hex name is refused because it would be ambiguous with a commit sha when resolving revisions.
+    """
+    if not isinstance(ref, str) or not _REF.fullmatch(ref) or ".." in ref or ref.endswith(".lock"):
+        raise ValueError(
+            f"invalid {what} name {ref!r}: expected 1-128 characters from [A-Za-z0-9._-] (no '/'), "
+            "starting with a letter or digit, without '..', not ending in '.lock'"
+        )
+    if COMMIT_SHA.fullmatch(ref):
+        raise ValueError(f"invalid {what} name {ref!r}: a 40-hex name would be ambiguous with a commit sha")
+    return ref
+
+
+def validate_client_revision(revision: str) -> str:
+    """Check a revision a client may send to any Hub: a branch, a tag or a commit sha (slashes allowed)."""
+    if (
+        not isinstance(revision, str)
+        or not revision
+        or len(revision) > 255
+        or not _CLIENT_REVISION.fullmatch(revision)
+        or ".." in revision
+    ):
+        raise ValueError(
+            f"invalid revision {revision!r}: expected a branch name, a tag name or a 40-hex commit sha "
+            "(characters [A-Za-z0-9._-/], no '..')"
+        )
+    return revision
+
+
+def validate_repo_path(path: str) -> str:
+    """Check a file path inside a repo (``dir/file.ext``); return it unchanged.
+
+    Refused: empty, absolute, backslashes, control characters, empty / '.' / '..' / '.git' segments, a trailing
+    '/', and more than 1024 UTF-8 bytes.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError("invalid path in repo: expected a non-empty relative path like 'dir/file.ext'")
+    problem = None
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        problem = f"longer than {MAX_PATH_BYTES} bytes"
+    elif path.startswith("/"):
+        problem = "absolute paths are not allowed"
+    elif "\\" in path:
+        problem = "backslashes are not allowed (use '/')"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in path):
+        problem = "control characters are not allowed"
+    else:
+        for seg in path.split("/"):
+            if seg in ("", ".", ".."):
+                problem = "empty, '.' and '..' segments are not allowed"
+                break
+            if seg == ".git":
+                problem = "'.git' segments are not allowed"
+                break
+    if problem:
+        raise ValueError(f"invalid path in repo {path!r}: {problem}")
+    return path
