@@ -121,22 +121,44 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self._episode_of)
 
+    @property
+    def states(self) -> np.ndarray:
+        """Every selected frame's state, float32 [N, S] (read-only view; e.g. for normalisation stats)."""
+        v = self._state.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def actions(self) -> np.ndarray:
+        """Every selected frame's executed action, float32 [N, A] (read-only view)."""
+        v = self._action.view()
+        v.flags.writeable = False
+        return v
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        i %= len(self)
-        e = int(self._episode_of[i])
-        start, end = int(self._starts[e]), int(self._ends[e])
-        window = np.arange(i, i + self.horizon)
-        sample = {
-            "observation.state": torch.from_numpy(self._state[i].copy()),
-            "action": torch.from_numpy(self._action[np.minimum(window, end - 1)]),
-            "action_is_pad": torch.from_numpy(window >= end),
-            "reward": torch.tensor(self._reward[i]),
-            "controller": torch.tensor(self._controller[i]),
-            "episode_index": torch.tensor(e, dtype=torch.int64),
-            "frame_index": torch.tensor(i - start, dtype=torch.int64),
+        return {k: v[0] for k, v in self.batch(np.array([i % len(self)])).items()}
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """Samples ``indices`` stacked along a leading batch dim, gathered in one vectorised step.
+
+        Faster than a DataLoader over ``__getitem__`` on a few CPU cores: training samples random
+        index batches from this directly.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        e = self._episode_of[idx]
+        start, end = self._starts[e], self._ends[e]
+        window = idx[:, None] + np.arange(self.horizon)[None, :]
+        out = {
+            "observation.state": torch.from_numpy(self._state[idx]),
+            "action": torch.from_numpy(self._action[np.minimum(window, end[:, None] - 1)]),
+            "action_is_pad": torch.from_numpy(window >= end[:, None]),
+            "reward": torch.from_numpy(self._reward[idx]),
+            "controller": torch.from_numpy(self._controller[idx]),
+            "episode_index": torch.from_numpy(e.astype(np.int64)),
+            "frame_index": torch.from_numpy(idx - start),
         }
         for name, imgs in self._images.items():
-            sample[f"observation.images.{name}"] = torch.from_numpy(imgs[i].copy())
-        return sample
+            out[f"observation.images.{name}"] = torch.from_numpy(imgs[idx])
+        return out
