@@ -30,6 +30,10 @@ from vla_rl.spec import RobotSpec
 
 
 def _worker(conn: Connection, make_kwargs: dict[str, Any]) -> None:
+    import torch
+
+    # One simulator per process already fills the cores; torch's own thread pool would only fight them.
+    torch.set_num_threads(1)
     from sim.registry import make_env
 
     env: SimEnv | None = None

@@ -5,6 +5,9 @@
     vla-rl sim demos --task T ...     record scripted-expert demonstrations into an episode store
     vla-rl store info PATH            episodes, frames, bytes, per-task success
     vla-rl store verify PATH          integrity check (exit code 1 on any inconsistency)
+    vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
+    vla-rl eval --checkpoint REF ...  success rate (95% Wilson CI), episode length, videos, JSON
+    vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
 
 Every command takes ``--log-format json`` for structured logs and ``--help`` for its options.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +29,7 @@ from vla_rl.logs import setup_logging
 log = logging.getLogger("vla_rl")
 
 DEFAULT_STORE = Path("runs/demo/store")
+DEFAULT_HUB = "http://127.0.0.1:8808"  # the embedded registry (`vla-rl hub serve`)
 
 
 class CliError(Exception):
@@ -164,6 +169,113 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- train / eval
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    from sim.registry import resolve_task
+    from vla_rl.train.sft import SFTConfig, train_sft
+
+    try:
+        task = resolve_task(args.task).name
+    except ValueError as e:
+        raise CliError(f"--task {e}. See: vla-rl sim list") from None
+    cfg = SFTConfig(
+        task=task,
+        store=args.store,
+        out=args.out,
+        success_only=args.success_only,
+        max_episodes=args.max_episodes,
+        chunk_len=args.chunk_len,
+        n_exec=args.n_exec,
+        d_model=args.d_model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        device=args.device,
+        checkpoint_every=args.checkpoint_every,
+        resume=not args.no_resume,
+        progress=not args.no_progress,
+        instruction_encoder=args.instruction_encoder,
+    )
+    try:
+        result = train_sft(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from None
+    print(
+        f"trained {result.steps} steps in {result.seconds / 60:.1f} min ({result.samples_per_s:.0f} samples/s): "
+        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f}; checkpoint {result.checkpoint}"
+    )
+    if args.push:
+        from vla_rl.hub.registry import parse_ref, push_folder
+
+        ref = parse_ref(args.push)
+        sha = push_folder(
+            result.checkpoint, ref.repo_id, message=f"sft {task}: {result.steps} steps", tag=args.tag
+        )
+        print(f"pushed to hub://{ref.repo_id} commit {sha[:12]}" + (f" tag {args.tag}" if args.tag else ""))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from sim.registry import resolve_task
+    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.evaluation import evaluate
+    from vla_rl.policy_loading import load_policy
+
+    try:
+        lp = load_policy(args.checkpoint, device=args.device)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise CliError(f"--checkpoint {args.checkpoint}: {e}") from None
+    lp.num_steps = args.num_steps
+    task = resolve_task(args.task).name if args.task else lp.spec.name
+    result = evaluate(
+        lp,
+        task,
+        episodes=args.episodes,
+        num_envs=args.num_envs,
+        seed=args.seed,
+        n_exec=args.n_exec,
+        video_dir=args.videos_dir,
+        num_videos=args.videos,
+        progress=not args.no_progress,
+    )
+    print(result.summary())
+    out = {"checkpoint": args.checkpoint, "commit": lp.commit, **result.to_dict()}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2))
+        print(f"results: {args.out}")
+    for v in result.videos:
+        print(f"video: {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- hub
+def cmd_hub_serve(args: argparse.Namespace) -> int:
+    from vla_rl.hub.server import serve
+
+    serve(args.data, host=args.host, port=args.port, token=args.token or None)
+    return 0
+
+
+def cmd_hub_push(args: argparse.Namespace) -> int:
+    from vla_rl.hub.registry import push_folder
+
+    sha = push_folder(args.folder, args.repo, message=args.message, tag=args.tag, branch=args.branch)
+    print(f"hub://{args.repo}@{sha}" + (f"  (tag {args.tag})" if args.tag else ""))
+    return 0
+
+
+def cmd_hub_pull(args: argparse.Namespace) -> int:
+    from vla_rl.checkpoint import load_checkpoint
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(args.ref, cache_dir=args.cache_dir)
+    load_checkpoint(ckpt.path)  # verify hashes before telling anyone to use it
+    print(f"{ckpt.path}  (commit {ckpt.commit}, hashes verified)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- main job
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded main job. For now: demonstrations into a fresh store, then info and verify."""
@@ -202,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"vla-rl {__version__}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    p.add_argument(
+        "--hub",
+        default=os.environ.get("VLA_RL_HUB", DEFAULT_HUB),
+        help="Hub endpoint for hub:// refs (env VLA_RL_HUB; default %(default)s, the embedded registry; "
+        "https://huggingface.co for the real Hub)",
+    )
+    p.add_argument("--hub-token", default=None, help="Hub token (env VLA_RL_HUB_TOKEN or HF_TOKEN)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(
@@ -277,6 +396,85 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("path", type=Path)
     sv.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
     sv.add_argument("--no-db", action="store_true", help="check the Zarr store only")
+
+    train_p = add(sub, "train", lambda a: (train_p.print_help(), 0)[1], "train policies")
+    train_sub = train_p.add_subparsers(dest="train_command", metavar="SUBCOMMAND")
+    ts = add(
+        train_sub,
+        "sft",
+        cmd_train_sft,
+        "supervised flow-matching training on demonstrations",
+        "Train a flow-matching VLA on a store's episodes of one task: AdamW, warmup + cosine, EMA, grad "
+        "clipping, bf16 on CUDA. Writes checkpoints to OUT/checkpoints (last = OUT/checkpoints/last), "
+        "TensorBoard logs to OUT/tb, and resumes exactly from OUT/train_state.pt when re-run.\n\n"
+        "example:\n  vla-rl train sft --task PushCube --store runs/push/store --out runs/push/sft --steps 3000",
+    )
+    ts.add_argument("--task", required=True, help="task id or a unique part of it")
+    ts.add_argument("--store", type=Path, required=True, help="episode store with demonstrations")
+    ts.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, train state)")
+    ts.add_argument("--steps", type=int, default=3000, help="optimiser steps (default %(default)s)")
+    ts.add_argument("--batch-size", type=int, default=128)
+    ts.add_argument("--lr", type=float, default=3e-4)
+    ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--chunk-len", type=int, default=10, help="actions per chunk H (default %(default)s)")
+    ts.add_argument("--n-exec", type=int, default=5, help="actions executed per chunk (default %(default)s)")
+    ts.add_argument("--d-model", type=int, default=128, help="transformer width (default %(default)s)")
+    ts.add_argument("--instruction-encoder", choices=["minilm", "none"], default="minilm")
+    ts.add_argument("--success-only", action="store_true", help="train on successful episodes only")
+    ts.add_argument("--max-episodes", type=int, default=None, help="use at most N episodes (oldest first)")
+    ts.add_argument("--checkpoint-every", type=int, default=1000)
+    ts.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
+    ts.add_argument("--no-resume", action="store_true", help="start over even if OUT has a train state")
+    ts.add_argument("--push", default=None, metavar="hub://org/name", help="push the final checkpoint there")
+    ts.add_argument("--tag", default=None, help="tag the pushed commit (with --push)")
+    ts.add_argument("--no-progress", action="store_true")
+
+    ev = add(
+        sub,
+        "eval",
+        cmd_eval,
+        "evaluate a checkpoint in simulation",
+        "Vectorised sim rollouts with receding-horizon chunk execution. Reports success with a 95% Wilson "
+        "interval and mean episode length; optionally saves rollout videos and a JSON result.\n\n"
+        "example:\n  vla-rl eval --checkpoint runs/push/sft/checkpoints/last --episodes 50 --num-envs 2",
+    )
+    ev.add_argument("--checkpoint", required=True, help="hub://org/name@rev or a checkpoint folder")
+    ev.add_argument("--task", default=None, help="task (default: the checkpoint's robot spec)")
+    ev.add_argument("--episodes", type=int, default=20)
+    ev.add_argument("--num-envs", type=int, default=2, help="simulator processes")
+    ev.add_argument("--seed", type=int, default=100_000, help="first episode seed (default %(default)s)")
+    ev.add_argument("--n-exec", type=int, default=None, help="actions executed per chunk (default H/2)")
+    ev.add_argument("--num-steps", type=int, default=None, help="denoising steps K (default: the model's)")
+    ev.add_argument("--videos", type=int, default=0, help="save this many rollouts as MP4/GIF")
+    ev.add_argument("--videos-dir", type=Path, default=Path("runs/eval_videos"))
+    ev.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--no-progress", action="store_true")
+
+    hub_p = add(sub, "hub", lambda a: (hub_p.print_help(), 0)[1], "checkpoint registry (Hub-compatible)")
+    hub_sub = hub_p.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
+    hs = add(
+        hub_sub,
+        "serve",
+        cmd_hub_serve,
+        "run the embedded Hub-compatible registry",
+        "Serve model repos stored under --data with the Hugging Face Hub's HTTP API, so the real "
+        "huggingface_hub client pushes and pulls checkpoints here. Writes need the token when one is set "
+        "(--token or VLA_RL_HUB_TOKEN). Binds 127.0.0.1 unless told otherwise.",
+    )
+    hs.add_argument("--data", type=Path, default=Path("runs/hub"), help="repository storage folder")
+    hs.add_argument("--host", default="127.0.0.1")
+    hs.add_argument("--port", type=int, default=8808)
+    hs.add_argument("--token", default=os.environ.get("VLA_RL_HUB_TOKEN"), help="write token")
+    hp = add(hub_sub, "push", cmd_hub_push, "push a checkpoint folder as a commit (and tag)")
+    hp.add_argument("folder", type=Path)
+    hp.add_argument("--repo", required=True, help="org/name")
+    hp.add_argument("--tag", default=None)
+    hp.add_argument("--branch", default="main")
+    hp.add_argument("--message", default="upload checkpoint")
+    hl = add(hub_sub, "pull", cmd_hub_pull, "download a checkpoint by ref and verify its hashes")
+    hl.add_argument("ref", help="hub://org/name@rev (branch, tag or commit)")
+    hl.add_argument("--cache-dir", type=Path, default=None)
     return p
 
 
@@ -284,6 +482,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    from vla_rl.hub.registry import configure_hub
+
+    # Before anything imports huggingface_hub (lerobot, transformers): it reads these at import.
+    configure_hub(
+        args.hub, args.hub_token or os.environ.get("VLA_RL_HUB_TOKEN") or os.environ.get("HF_TOKEN")
+    )
     try:
         return int(args.func(args) or 0)
     except CliError as e:

@@ -1,0 +1,197 @@
+"""SFT end to end on real demos, exact resume, checkpoints through the Hub registry, and the CLI path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleet.store import EpisodeStore
+from sim.demos import record_demos
+from vla_rl.checkpoint import CheckpointError, load_checkpoint, read_info
+from vla_rl.evaluation import evaluate
+from vla_rl.hub.registry import configure_hub, pull, push_folder
+from vla_rl.hub.server import HubServer
+from vla_rl.policy_loading import load_policy
+from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
+
+TASK = "maniskill/PushCube-v1"
+TOKEN = "test-token"
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("demos") / "store"
+    record_demos(EpisodeStore(root, create=True), TASK, episodes=8, noise=0.3, seed=0, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> HubServer:
+    server = HubServer(tmp_path_factory.mktemp("hub"), token=TOKEN).start()
+    configure_hub(server.url, TOKEN)
+    yield server
+    server.stop()
+
+
+def _cfg(store: Path, out: Path, **kw: object) -> SFTConfig:
+    base = dict(
+        task=TASK,
+        store=store,
+        out=out,
+        steps=120,
+        batch_size=32,
+        checkpoint_every=60,
+        log_every=20,
+        d_model=64,
+        expert_n_layers=2,
+        n_layers=1,
+        instruction_encoder="none",
+        progress=False,
+    )
+    base.update(kw)
+    return SFTConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def trained(demo_store: Path, tmp_path_factory: pytest.TempPathFactory) -> SFTResult:
+    out = tmp_path_factory.mktemp("sft") / "run"
+    return train_sft(_cfg(demo_store, out, steps=200, checkpoint_every=100, instruction_encoder="minilm"))
+
+
+def test_sft_loss_falls_and_checkpoint_evaluates(trained: SFTResult) -> None:
+    result = trained
+    assert result.final_loss < 0.5 * result.first_loss, (result.first_loss, result.final_loss)
+    info = read_info(result.checkpoint)
+    assert info.lineage.algorithm == "sft" and info.lineage.data["episodes"] == 8
+    assert info.robot_spec.name == TASK
+    stats = info.normalization
+    assert len(stats["action"]["min"]) == 4 and len(stats["state"]["mean"]) == info.robot_spec.state_dim
+    tb = result.checkpoint.parent.parent / "tb"
+    assert tb.is_dir() and any(tb.iterdir())
+
+    lp = load_policy(result.checkpoint)
+    res = evaluate(lp, TASK, episodes=2, num_envs=1, seed=123, progress=False)
+    assert res.episodes == 2 and [r.seed for r in res.per_episode] == [123, 124]
+    assert all(0 < r.length <= 50 for r in res.per_episode)
+
+
+def test_resume_is_exact(demo_store: Path, tmp_path: Path) -> None:
+    kw = dict(steps=40, checkpoint_every=15, warmup_steps=5)  # cosine decay active, odd checkpoint spacing
+    straight = train_sft(_cfg(demo_store, tmp_path / "a", **kw))
+    train_sft(_cfg(demo_store, tmp_path / "b", stop_at=23, **kw))  # preempted at step 23
+    resumed = train_sft(_cfg(demo_store, tmp_path / "b", **kw))
+    assert resumed.steps == straight.steps == 40
+    _, w_a = load_checkpoint(straight.checkpoint)
+    _, w_b = load_checkpoint(resumed.checkpoint)
+    assert w_a.keys() == w_b.keys()
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a), "resumed run must match the uninterrupted one"
+
+
+def test_push_pull_by_tag_is_bit_exact_and_tamper_is_refused(
+    trained: SFTResult, tmp_path: Path, hub: HubServer
+) -> None:
+    folder = trained.checkpoint.parent / "step_000100"
+    sha1 = push_folder(folder, "fleet/push-policy", message="round 0", tag="v1")
+    _, original = load_checkpoint(folder)
+
+    # A second, different commit on main must not change what v1 points to.
+    sha2 = push_folder(trained.checkpoint, "fleet/push-policy", message="round 1", tag="v2")
+    assert sha1 != sha2
+
+    pulled = pull("hub://fleet/push-policy@v1", cache_dir=tmp_path / "cache")
+    assert pulled.commit == sha1
+    info, weights = load_checkpoint(pulled.path)
+    assert weights.keys() == original.keys()
+    assert all(torch.equal(weights[k], original[k]) for k in weights)
+    assert pull("hub://fleet/push-policy@main", cache_dir=tmp_path / "cache").commit == sha2
+
+    lp = load_policy("hub://fleet/push-policy@v1", cache_dir=tmp_path / "cache2")
+    assert lp.commit == sha1 and lp.spec.name == TASK
+
+    # Flip one byte of the weights: loading must refuse, naming the file.
+    tampered = tmp_path / "tampered"
+    subprocess.run(["cp", "-r", str(folder), str(tampered)], check=True)
+    raw = bytearray((tampered / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (tampered / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its hash check"):
+        load_checkpoint(tampered)
+    (tampered / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(tampered)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path / "cache")
+
+
+def test_cli_train_push_eval(demo_store: Path, tmp_path: Path, hub: HubServer) -> None:
+    env = {**os.environ, "VLA_RL_HUB": hub.url, "VLA_RL_HUB_TOKEN": TOKEN}
+    base = [sys.executable, "-m", "vla_rl.cli"]
+    train = subprocess.run(
+        [
+            *base,
+            "train",
+            "sft",
+            "--task",
+            "PushCube",
+            "--store",
+            str(demo_store),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "30",
+            "--batch-size",
+            "16",
+            "--d-model",
+            "32",
+            "--instruction-encoder",
+            "none",
+            "--push",
+            "hub://fleet/cli-policy",
+            "--tag",
+            "sft-0",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert train.returncode == 0, train.stderr
+    assert "pushed to hub://fleet/cli-policy" in train.stdout
+    out = tmp_path / "eval.json"
+    ev = subprocess.run(
+        [
+            *base,
+            "eval",
+            "--checkpoint",
+            "hub://fleet/cli-policy@sft-0",
+            "--episodes",
+            "2",
+            "--num-envs",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert ev.returncode == 0, ev.stderr
+    result = json.loads(out.read_text())
+    assert result["episodes"] == 2 and len(result["commit"]) == 40 and 0 <= result["success_rate"] <= 1
+    bad = subprocess.run(
+        [*base, "eval", "--checkpoint", str(tmp_path / "nowhere"), "--episodes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert bad.returncode == 2 and "--checkpoint" in bad.stderr

@@ -1,0 +1,1 @@
+"""Trainers: SFT now; advantage-weighted, QAM and pi-RL noise + PPO as their issue lands."""

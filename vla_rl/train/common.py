@@ -1,0 +1,151 @@
+"""Pieces every trainer shares: data selection, EMA, LR schedule, exact resume, logging, checkpoints.
+
+Exact resume works by making every step a pure function of (run seed, step): the batch indices come
+from ``np.random.default_rng([seed, step])`` and torch's global RNG (flow noise, flow time, image
+augmentation, dropout) is reseeded with :func:`seed_step` before each step. A resumed run therefore
+replays the very same batches and noise as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleet.dataset import ChunkDataset
+from fleet.store import EpisodeStore
+
+log = logging.getLogger(__name__)
+TRAIN_STATE = "train_state.pt"
+
+
+# ---------------------------------------------------------------------------- data
+def select_episodes(
+    store: EpisodeStore, task: str, success_only: bool = False, max_episodes: int | None = None
+) -> list[str]:
+    """Closed episodes of ``task`` in creation order (optionally successful ones only, capped)."""
+    metas = [store.read_metadata(e) for e in store.episode_ids()]
+    metas = [m for m in metas if m.task == task and m.is_closed and (m.success or not success_only)]
+    metas.sort(key=lambda m: (m.created, m.episode_id))
+    if max_episodes is not None:
+        metas = metas[:max_episodes]
+    if not metas:
+        what = "successful " if success_only else ""
+        raise ValueError(
+            f"store {store.root} holds no closed {what}episodes of task {task!r}; "
+            f"record some with: vla-rl sim demos --task {task} --store {store.root}"
+        )
+    return [m.episode_id for m in metas]
+
+
+def batch_to_policy_inputs(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """ChunkDataset keys (LeRobot naming) -> the policy's observation/action dict, on ``device``."""
+    prefix = "observation.images."
+    return {
+        "state": batch["observation.state"].to(device, non_blocking=True),
+        "cameras": {k[len(prefix) :]: v.to(device) for k, v in batch.items() if k.startswith(prefix)},
+        "action": batch["action"].to(device, non_blocking=True),
+        "action_is_pad": batch["action_is_pad"].to(device, non_blocking=True),
+    }
+
+
+def sample_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    return np.random.default_rng([seed, step]).integers(0, n, size=batch_size)
+
+
+def seed_step(seed: int, step: int) -> None:
+    torch.manual_seed((seed * 1_000_003 + step) % (2**63))
+
+
+def dataset_digest(ds: ChunkDataset) -> dict[str, Any]:
+    """What a checkpoint records about its training data (its lineage ``data`` field)."""
+    return {"episodes": len(ds.episode_ids), "frames": len(ds), "episode_ids_head": ds.episode_ids[:3]}
+
+
+# ---------------------------------------------------------------------------- optimisation
+class EMA:
+    """Exponential moving average of a model's parameters and buffers (evaluated and shipped)."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        # Warm up the decay so early, random weights are forgotten quickly (as in timm's ModelEmaV2).
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for ema_p, p in zip(self.model.state_dict().values(), model.state_dict().values(), strict=True):
+            if ema_p.dtype.is_floating_point:
+                ema_p.lerp_(p.detach(), 1 - d)
+            else:
+                ema_p.copy_(p)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.updates = int(state["updates"])
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def autocast_for(device: torch.device, amp: str) -> Any:
+    """bf16 autocast on CUDA when asked (``amp="auto"`` or ``"bf16"``); a no-op context on CPU."""
+    enabled = device.type == "cuda" and amp in ("auto", "bf16")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+# ---------------------------------------------------------------------------- resume
+def save_train_state(path: Path, **state: Any) -> None:
+    """Atomically save trainer state (tensors and plain data) for exact resume."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_train_state(path: Path) -> dict[str, Any]:
+    # weights_only: the restricted unpickler (tensors, dicts, numbers, strings) never runs code.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    d = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    return json.loads(json.dumps(d, default=str))
+
+
+# ---------------------------------------------------------------------------- progress
+class Throughput:
+    """Samples per second over the last logging window."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.n = 0
+
+    def add(self, n: int) -> None:
+        self.n += n
+
+    def rate(self) -> float:
+        now = time.perf_counter()
+        r = self.n / max(now - self.t, 1e-9)
+        self.t, self.n = now, 0
+        return r
