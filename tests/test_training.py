@@ -106,7 +106,7 @@ def test_push_pull_by_tag_is_bit_exact_and_tamper_is_refused(
 
     pulled = pull("hub://fleet/push-policy@v1", cache_dir=tmp_path / "cache")
     assert pulled.commit == sha1
-    info, weights = load_checkpoint(pulled.path)
+    _, weights = load_checkpoint(pulled.path)
     assert weights.keys() == original.keys()
     assert all(torch.equal(weights[k], original[k]) for k in weights)
     assert pull("hub://fleet/push-policy@main", cache_dir=tmp_path / "cache").commit == sha2
@@ -125,7 +125,7 @@ def test_push_pull_by_tag_is_bit_exact_and_tamper_is_refused(
     (tampered / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing"):
         load_checkpoint(tampered)
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
         load_checkpoint(tmp_path / "cache")
 
 
