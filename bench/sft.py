@@ -102,9 +102,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="override every setting's training steps")
     p.add_argument("--episodes", type=int, default=None, help="override every setting's eval episodes")
     p.add_argument("--work", type=Path, default=Path("runs/bench_sft"))
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads for training (1 is robust on 2 shared cores)"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
 
     rows = [run(name, seed, args, args.work) for name in args.settings for seed in args.seeds]
     summary = []
