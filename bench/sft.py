@@ -109,7 +109,14 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    rows = [run(name, seed, args, args.work) for name in args.settings for seed in args.seeds]
+    meta = {"args": vars(args) | {"work": str(args.work)}}
+    rows = []
+    for name in args.settings:
+        for seed in args.seeds:
+            rows.append(run(name, seed, args, args.work))
+            write_results(
+                "sft", meta | {"rows": rows, "complete": False}, args.out
+            )  # survive an interruption
     summary = []
     for name in args.settings:
         rs = [r for r in rows if r["setting"] == name]
@@ -142,9 +149,7 @@ def main() -> None:
             ],
         )
     )
-    print(
-        f"\nwrote {write_results('sft', {'args': vars(args) | {'work': str(args.work)}, 'rows': rows}, args.out)}"
-    )
+    print(f"\nwrote {write_results('sft', meta | {'rows': rows, 'complete': True}, args.out)}")
 
 
 if __name__ == "__main__":

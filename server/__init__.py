@@ -1,1 +1,5 @@
-"""gRPC policy server, its client library and the web dashboard. Coming with the server issue."""
+"""gRPC policy server (:mod:`server.policy_server`), its slim client (:mod:`server.client`) and wire codec.
+
+Kept import-free so that ``import server.client`` pulls in neither torch nor the model code: robots need
+only numpy, grpcio and Pillow. The dashboard will live here too.
+"""

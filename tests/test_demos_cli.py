@@ -106,6 +106,13 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     assert info["episodes"] == 2 and info["tasks"][TASK]["episodes"] == 2 and info["bytes"] > 0
     assert "consistent" in _cli("store", "verify", str(store)).stdout
 
+    # LeRobot round trip through the CLI: export, import into a new store, same frame count.
+    _cli("store", "export-lerobot", str(store), str(tmp_path / "lerobot"), "--repo-id", "test/push")
+    assert (tmp_path / "lerobot" / "meta" / "info.json").is_file()
+    _cli("store", "import-lerobot", str(tmp_path / "lerobot"), str(tmp_path / "imported"))
+    imported = json.loads(_cli("store", "info", str(tmp_path / "imported"), "--json").stdout)
+    assert imported["episodes"] == 2 and imported["frames"] == info["frames"]
+
     # Damage one episode: a committed length beyond the data must be caught.
     commit = next((store / "episodes").glob("*/commit.json"))
     meta = json.loads(commit.read_text())

@@ -8,6 +8,8 @@
     vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
     vla-rl eval --checkpoint REF ...  success rate (95% Wilson CI), episode length, videos, JSON
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
+    vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
+    vla-rl client act --server ADDR   one chunk from a server for a simulated observation
 
 Every command takes ``--log-format json`` for structured logs and ``--help`` for its options.
 """
@@ -28,7 +30,6 @@ from vla_rl.logs import setup_logging
 
 log = logging.getLogger("vla_rl")
 
-DEFAULT_STORE = Path("runs/demo/store")
 DEFAULT_HUB = "http://127.0.0.1:8808"  # the embedded registry (`vla-rl hub serve`)
 
 
@@ -169,6 +170,26 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_store_export_lerobot(args: argparse.Namespace) -> int:
+    from fleet.lerobot_io import export_lerobot
+
+    store, _db = _open_store(args.path)
+    out = export_lerobot(store, args.out, args.repo_id, task=args.task, use_videos=args.videos)
+    print(
+        f"LeRobot v3 dataset written to {out} (load it with LeRobotDataset({args.repo_id!r}, root={str(out)!r}))"
+    )
+    return 0
+
+
+def cmd_store_import_lerobot(args: argparse.Namespace) -> int:
+    from fleet.lerobot_io import import_lerobot
+
+    store, db = _open_store(args.store, create=True)
+    ids = import_lerobot(args.dataset, store, robot_id=args.robot_id, task=args.task, db=db)
+    print(f"imported {len(ids)} episodes into {store.root}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- train / eval
 def cmd_train_sft(args: argparse.Namespace) -> int:
     from sim.registry import resolve_task
@@ -250,6 +271,61 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- serving
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.policy_server import serve
+
+    follow: bool | str | None = args.follow
+    if follow == "self":
+        follow = True
+    serve(
+        args.checkpoint,
+        follow=follow,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_wait_us=args.max_wait_us,
+        token=args.token or None,
+        model_id=args.model_id,
+        max_queue=args.max_queue,
+        follow_interval_s=args.follow_interval,
+        device=args.device,
+    )
+    return 0
+
+
+def cmd_client_act(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from server.client import PolicyClient, PolicyError
+    from sim.registry import make_env, resolve_task
+
+    client = PolicyClient(args.server, timeout_s=args.timeout)
+    try:
+        info = client.info()
+        model = info[args.model_id] if args.model_id else next(iter(info.values()))
+        spec = json.loads(model.robot_spec_json)
+        task = resolve_task(args.task).name if args.task else spec["name"]
+        obs_mode = "rgb" if spec.get("cameras") else "state"
+        image_size = spec["cameras"][0]["height"] if spec.get("cameras") else 128
+        with make_env(task, obs=obs_mode, image_size=image_size) as env:  # type: ignore[arg-type]
+            obs, _ = env.reset(seed=args.seed)
+        batch_obs = {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}
+        res = client.act(batch_obs, seed=args.seed, model_id=model.model_id)
+    except PolicyError as e:
+        raise CliError(f"{args.server}: {e}") from None
+    np.set_printoptions(precision=3, suppress=True)
+    print(f"model {model.model_id} ({model.policy_type}) commit {res.commit[:12]} on {model.device}")
+    print(f"chunk [{res.actions.shape[0]} x {res.actions.shape[1]}], execute the first {res.n_exec}:")
+    print(res.actions)
+    t = res.timing
+    print(
+        f"timing: queue {t.queue_us} us, decode {t.decode_us} us, inference {t.inference_us} us, "
+        f"total {t.total_us} us (batch of {res.batch_size})"
+    )
+    return 0
+
+
 # ---------------------------------------------------------------------------- hub
 def cmd_hub_serve(args: argparse.Namespace) -> int:
     from vla_rl.hub.server import serve
@@ -278,27 +354,34 @@ def cmd_hub_pull(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- main job
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded main job. For now: demonstrations into a fresh store, then info and verify."""
-    args.store.mkdir(parents=True, exist_ok=True)
-    for task in args.tasks:
-        ns = argparse.Namespace(
-            task=task,
-            episodes=args.episodes,
+    """The embedded main job: demos -> store -> SFT -> registry -> eval (see vla_rl.main_job)."""
+    from vla_rl.main_job import DemoJobConfig, run_demo
+
+    res = run_demo(
+        DemoJobConfig(
+            workdir=args.workdir,
+            task=args.task,
+            demos=args.episodes,
             noise=args.noise,
-            seed=args.seed,
-            store=args.store,
-            db=None,
-            obs=args.obs,
-            image_size=args.image_size,
+            steps=args.steps,
+            eval_episodes=args.eval_episodes,
             num_envs=args.num_envs,
-            max_steps=None,
-            no_progress=args.no_progress,
+            seed=args.seed,
+            progress=not args.no_progress,
         )
-        cmd_sim_demos(ns)
+    )
     print()
-    cmd_store_info(argparse.Namespace(path=args.store, db=None, json=False))
+    cmd_store_info(argparse.Namespace(path=res.store, db=None, json=False))
     print()
-    return cmd_store_verify(argparse.Namespace(path=args.store, db=None, no_db=False))
+    status = cmd_store_verify(argparse.Namespace(path=res.store, db=None, no_db=False))
+    print()
+    print(f"checkpoint  {res.checkpoint_ref} (commit {res.commit[:12]})")
+    print(f"expert      {res.demo_success:.0%} success on the demonstrations")
+    print(f"policy      {res.eval.summary()}")
+    for v in res.eval.videos:
+        print(f"video       {v}")
+    print(f"total       {res.minutes:.1f} min")
+    return status
 
 
 # ---------------------------------------------------------------------------- parser
@@ -330,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    def demo_options(sp: argparse.ArgumentParser, episodes: int) -> None:
+    def demo_options(sp: argparse.ArgumentParser, episodes: int, obs_options: bool = True) -> None:
         sp.add_argument(
             "--episodes", type=int, default=episodes, help="episodes to record (default %(default)s)"
         )
@@ -342,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
             "1.0 leaves 15-65%% depending on the task (default %(default)s)",
         )
         sp.add_argument("--seed", type=int, default=0, help="first episode seed (default %(default)s)")
-        sp.add_argument("--obs", choices=["state", "rgb"], default="state", help="observation mode")
-        sp.add_argument("--image-size", type=int, default=128, help="camera height = width in rgb mode")
+        if obs_options:
+            sp.add_argument("--obs", choices=["state", "rgb"], default="state", help="observation mode")
+            sp.add_argument("--image-size", type=int, default=128, help="camera height = width in rgb mode")
         sp.add_argument("--num-envs", type=int, default=1, help="simulator processes in parallel")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -352,12 +436,19 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         cmd_demo,
         "run the main job on embedded defaults",
-        "Record scripted demonstrations for the default tasks into a local store, then show what the "
-        "store holds and verify it. Re-running adds more episodes to the same store.",
+        "One pass of the loop on this machine, nothing to start beforehand: record scripted "
+        "demonstrations into a Zarr store + SQLite DB, train a flow-matching policy with SFT, push it as a "
+        "tagged checkpoint to an embedded Hub-compatible registry, pull it back by tag and evaluate it in "
+        "simulation (with a video). Takes ~4 min on 2 CPU cores. WORKDIR is cleared first.",
     )
-    d.add_argument("--tasks", nargs="+", default=["maniskill/PushCube-v1", "maniskill/PickCube-v1"])
-    d.add_argument("--store", type=Path, default=DEFAULT_STORE, help="store directory (default %(default)s)")
-    demo_options(d, episodes=10)
+    d.add_argument(
+        "--workdir", type=Path, default=Path("runs/demo"), help="output folder (default %(default)s)"
+    )
+    d.add_argument("--task", default="maniskill/PushCube-v1", help="task (default %(default)s)")
+    d.add_argument("--steps", type=int, default=1500, help="SFT steps (default %(default)s)")
+    d.add_argument("--eval-episodes", type=int, default=20)
+    demo_options(d, episodes=30, obs_options=False)
+    d.set_defaults(noise=0.3, num_envs=2)
 
     sim_p = add(sub, "sim", lambda a: (sim_p.print_help(), 0)[1], "simulated robots")
     sim_sub = sim_p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND")
@@ -396,6 +487,31 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("path", type=Path)
     sv.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
     sv.add_argument("--no-db", action="store_true", help="check the Zarr store only")
+    se = add(
+        store_sub,
+        "export-lerobot",
+        cmd_store_export_lerobot,
+        "write episodes as a LeRobot v3 dataset",
+        "Export a store's closed episodes (state, action, images, reward, done, success, and controller / "
+        "intervention / segment columns) as a LeRobot v3 dataset on local disk.",
+    )
+    se.add_argument("path", type=Path, help="episode store")
+    se.add_argument("out", type=Path, help="new dataset folder (must not exist or be empty)")
+    se.add_argument("--repo-id", required=True, help="dataset name, e.g. fleet/pushcube")
+    se.add_argument("--task", default=None, help="only this task's episodes")
+    se.add_argument("--videos", action="store_true", help="encode cameras as video instead of PNG images")
+    sm = add(
+        store_sub,
+        "import-lerobot",
+        cmd_store_import_lerobot,
+        "bring a LeRobot v3 dataset into a store",
+        "Import a LeRobot v3 dataset from local disk; segments split where the controller (intervention "
+        "column) changes; frames without one count as human teleoperation.",
+    )
+    sm.add_argument("dataset", help="dataset root folder")
+    sm.add_argument("store", type=Path, help="episode store (created if missing)")
+    sm.add_argument("--robot-id", default="lerobot")
+    sm.add_argument("--task", default=None, help="task id to record (default: the dataset's robot type)")
 
     train_p = add(sub, "train", lambda a: (train_p.print_help(), 0)[1], "train policies")
     train_sub = train_p.add_subparsers(dest="train_command", metavar="SUBCOMMAND")
@@ -450,6 +566,46 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, default=None, help="write results JSON here")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--no-progress", action="store_true")
+
+    sv_p = add(
+        sub,
+        "serve",
+        cmd_serve,
+        "serve action chunks over gRPC (batched, hot-swappable)",
+        "Serve a checkpoint to many robots: dynamic batching across clients, bounded queue "
+        "(RESOURCE_EXHAUSTED when full), deadlines, health + reflection, and live checkpoint swaps "
+        "(LoadCheckpoint / Promote / Rollback with the token, or --follow a moving ref such as "
+        "hub://org/name@prod). Binds 127.0.0.1 unless told otherwise.\n\n"
+        "example:\n  vla-rl serve --checkpoint hub://fleet/push@prod --follow self --token $TOKEN",
+    )
+    sv_p.add_argument("--checkpoint", required=True, help="hub://org/name@rev or a checkpoint folder")
+    sv_p.add_argument(
+        "--follow", default=None, help="a ref to follow for new revisions ('self' = --checkpoint)"
+    )
+    sv_p.add_argument("--follow-interval", type=float, default=30.0, help="seconds between ref polls")
+    sv_p.add_argument("--host", default="127.0.0.1")
+    sv_p.add_argument("--port", type=int, default=50061)
+    sv_p.add_argument("--max-batch", type=int, default=16, help="largest batch per forward pass")
+    sv_p.add_argument("--max-wait-us", type=int, default=2000, help="how long a batch waits to fill")
+    sv_p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
+    sv_p.add_argument("--model-id", default="default")
+    sv_p.add_argument("--token", default=os.environ.get("VLA_RL_SERVER_TOKEN"), help="enables control calls")
+    sv_p.add_argument("--device", default="auto")
+
+    cl_p = add(sub, "client", lambda a: (cl_p.print_help(), 0)[1], "talk to a policy server")
+    cl_sub = cl_p.add_subparsers(dest="client_command", metavar="SUBCOMMAND")
+    ca = add(
+        cl_sub,
+        "act",
+        cmd_client_act,
+        "one action chunk for a simulated observation (a quick check)",
+        "Reset the task's simulator, send its first observation to the server, print the chunk and timing.",
+    )
+    ca.add_argument("--server", default="127.0.0.1:50061")
+    ca.add_argument("--task", default=None, help="task (default: the served model's robot spec)")
+    ca.add_argument("--model-id", default="")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--timeout", type=float, default=10.0)
 
     hub_p = add(sub, "hub", lambda a: (hub_p.print_help(), 0)[1], "checkpoint registry (Hub-compatible)")
     hub_sub = hub_p.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")

@@ -53,5 +53,5 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Simulator libraries are chatty at INFO.
-    for noisy in ("mani_skill", "robosuite_logs", "sapien", "httpx", "urllib3"):
+    for noisy in ("mani_skill", "robosuite_logs", "sapien", "httpx", "urllib3", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

