@@ -573,7 +573,9 @@ def test_cli_serve_and_client_act(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "vla_rl.cli"]
     proc = subprocess.Popen(
         [*cli, "serve", "--checkpoint", str(folder), "--port", str(port), "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         probe = PolicyClient(f"127.0.0.1:{port}", timeout_s=1.0)
@@ -589,7 +591,9 @@ def test_cli_serve_and_client_act(tmp_path: Path) -> None:
             time.sleep(0.5)
         out = subprocess.run(
             [*cli, "client", "act", "--server", f"127.0.0.1:{port}", "--seed", "4"],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert out.returncode == 0, out.stderr
         assert "chunk [" in out.stdout and "commit local:" in out.stdout and "inference" in out.stdout
