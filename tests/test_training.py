@@ -195,3 +195,23 @@ def test_cli_train_push_eval(demo_store: Path, tmp_path: Path, hub: HubServer) -
         env=env,
     )
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr
+
+
+def test_main_job_runs_the_loop(tmp_path: Path) -> None:
+    """`vla-rl demo` at toy scale: demos -> store -> SFT -> embedded registry -> pull by tag -> eval."""
+    from vla_rl.main_job import DemoJobConfig, run_demo
+
+    res = run_demo(
+        DemoJobConfig(
+            workdir=tmp_path / "demo",
+            demos=3,
+            steps=20,
+            batch_size=16,
+            eval_episodes=2,
+            num_envs=1,
+            progress=False,
+        )
+    )
+    assert res.checkpoint_ref == "hub://demo/policy@sft-0" and len(res.commit) == 40
+    assert res.eval.episodes == 2 and len(res.eval.videos) == 1
+    assert EpisodeStore(res.store).info()["episodes"] == 3
