@@ -390,8 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vla-rl",
         description="Improve robot VLA policies while they are deployed: simulated robots, an episode "
-        "store for the fleet's data, and (coming) policy serving and post-training rounds.",
-        epilog="Start with `vla-rl demo`, then `vla-rl store info runs/demo/store`.",
+        "store for the fleet's data, flow-matching policies trained with SFT, a Hub-compatible checkpoint "
+        "registry, and a batched gRPC policy server (post-training rounds are coming).",
+        epilog="Start with `vla-rl demo` (the whole loop at small scale, ~4 min), then "
+        "`vla-rl store info runs/demo/store` and `vla-rl eval --checkpoint runs/demo/sft/checkpoints/last`.",
         formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"vla-rl {__version__}")
