@@ -215,3 +215,23 @@ def test_main_job_runs_the_loop(tmp_path: Path) -> None:
     assert res.checkpoint_ref == "hub://demo/policy@sft-0" and len(res.commit) == 40
     assert res.eval.episodes == 2 and len(res.eval.videos) == 1
     assert EpisodeStore(res.store).info()["episodes"] == 3
+
+
+@pytest.mark.slow
+def test_sft_reaches_80_percent_on_pushcube_state(tmp_path: Path) -> None:
+    """The learning target of bench/sft.py at a smaller budget (30 noisy demos, 1500 steps, ~5 min)."""
+    store = EpisodeStore(tmp_path / "store", create=True)
+    record_demos(store, TASK, episodes=30, noise=0.5, seed=0, num_envs=2, progress=False)
+    result = train_sft(
+        SFTConfig(
+            task=TASK,
+            store=store.root,
+            out=tmp_path / "sft",
+            steps=1500,
+            batch_size=64,
+            checkpoint_every=1500,
+            progress=False,
+        )
+    )
+    res = evaluate(load_policy(result.checkpoint), TASK, episodes=30, num_envs=2, progress=False)
+    assert res.success_rate >= 0.8, res.summary()
