@@ -43,7 +43,9 @@ def machine() -> dict[str, Any]:
 def write_results(name: str, results: Any, out: Path | None = None) -> Path:
     path = out or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"bench": name, "machine": machine(), "results": results}, indent=2, default=str))
+    path.write_text(
+        json.dumps({"bench": name, "machine": machine(), "results": results}, indent=2, default=str)
+    )
     return path
 
 
