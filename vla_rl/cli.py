@@ -54,6 +54,16 @@ def _open_store(path: Path, create: bool = False, db_url: str | None = None) -> 
     return store, _open_db(store.root, db_url)
 
 
+def _task_arg(name: str) -> str:
+    """The full task id for a --task value, or a one-line error pointing at `vla-rl sim list`."""
+    from sim.registry import resolve_task
+
+    try:
+        return resolve_task(name).name
+    except ValueError as e:
+        raise CliError(f"--task {e}. See: vla-rl sim list") from None
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
@@ -108,12 +118,8 @@ def cmd_sim_list(args: argparse.Namespace) -> int:
 
 def cmd_sim_demos(args: argparse.Namespace) -> int:
     from sim.demos import record_demos
-    from sim.registry import resolve_task
 
-    try:
-        task = resolve_task(args.task).name
-    except ValueError as e:
-        raise CliError(f"--task {e}. See: vla-rl sim list") from None
+    task = _task_arg(args.task)
     store, db = _open_store(args.store, create=True, db_url=args.db)
     store.db = db
     report = record_demos(
@@ -192,13 +198,9 @@ def cmd_store_import_lerobot(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- train / eval
 def cmd_train_sft(args: argparse.Namespace) -> int:
-    from sim.registry import resolve_task
     from vla_rl.train.sft import SFTConfig, train_sft
 
-    try:
-        task = resolve_task(args.task).name
-    except ValueError as e:
-        raise CliError(f"--task {e}. See: vla-rl sim list") from None
+    task = _task_arg(args.task)
     cfg = SFTConfig(
         task=task,
         store=args.store,
@@ -238,7 +240,6 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from sim.registry import resolve_task
     from vla_rl.checkpoint import CheckpointError
     from vla_rl.evaluation import evaluate
     from vla_rl.policy_loading import load_policy
@@ -248,7 +249,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         raise CliError(f"--checkpoint {args.checkpoint}: {e}") from None
     lp.num_steps = args.num_steps
-    task = resolve_task(args.task).name if args.task else lp.spec.name
+    task = _task_arg(args.task) if args.task else lp.spec.name
     result = evaluate(
         lp,
         task,
@@ -298,14 +299,14 @@ def cmd_client_act(args: argparse.Namespace) -> int:
     import numpy as np
 
     from server.client import PolicyClient, PolicyError
-    from sim.registry import make_env, resolve_task
+    from sim.registry import make_env
 
     client = PolicyClient(args.server, timeout_s=args.timeout)
     try:
         info = client.info()
         model = info[args.model_id] if args.model_id else next(iter(info.values()))
         spec = json.loads(model.robot_spec_json)
-        task = resolve_task(args.task).name if args.task else spec["name"]
+        task = _task_arg(args.task) if args.task else spec["name"]
         obs_mode = "rgb" if spec.get("cameras") else "state"
         image_size = spec["cameras"][0]["height"] if spec.get("cameras") else 128
         with make_env(task, obs=obs_mode, image_size=image_size) as env:  # type: ignore[arg-type]
