@@ -25,6 +25,7 @@ from torch import nn
 
 from fleet.dataset import ChunkDataset
 from fleet.store import EpisodeStore
+from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
 log = logging.getLogger(__name__)
 TRAIN_STATE = "train_state.pt"
@@ -131,6 +132,34 @@ def load_train_state(path: Path) -> dict[str, Any]:
 def config_dict(cfg: Any) -> dict[str, Any]:
     d = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
     return json.loads(json.dumps(d, default=str))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def save_derived_checkpoint(
+    path: Path,
+    model: nn.Module,
+    base: CheckpointInfo,
+    *,
+    algorithm: str,
+    parent_revision: str | None,
+    data: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    round_index: int | None = None,
+) -> CheckpointInfo:
+    """Save a post-trained copy of ``base``: same policy type, spec and normalisation, new weights and
+    a lineage naming the algorithm and the parent it was trained from."""
+    config = getattr(model, "config", None)
+    info = CheckpointInfo(
+        policy_type=base.policy_type,
+        model_config=config.to_dict() if config is not None else base.model_config,
+        robot_spec=base.robot_spec,
+        normalization=base.normalization,
+        lineage=Lineage(
+            algorithm=algorithm, parent_revision=parent_revision, round=round_index, data=dict(data or {})
+        ),
+        metrics=dict(metrics or {}),
+    )
+    return save_checkpoint(path, model.state_dict(), info)
 
 
 # ---------------------------------------------------------------------------- progress
