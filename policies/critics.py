@@ -8,6 +8,7 @@ RL action). See ../shared/reference/algorithms.md sections 2 (QAM critic), 4a (A
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -72,7 +73,7 @@ class ChunkQEnsemble(nn.Module):
             raise ValueError(f"members: expected >= 1, got {members}")
         self.members, self.feature_dim, self.chunk_dim = members, feature_dim, chunk_dim
         dims = [feature_dim + chunk_dim, *hidden]
-        self.layers = nn.ModuleList(EnsembleLinear(members, a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(EnsembleLinear(members, a, b) for a, b in itertools.pairwise(dims))
         self.norms = nn.ModuleList(nn.LayerNorm(h) if layer_norm else nn.Identity() for h in hidden)
         self.out = EnsembleLinear(members, dims[-1], 1)
 
