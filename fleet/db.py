@@ -1,4 +1,4 @@
-"""Metadata DB: episodes, their segments, and labels (SQLAlchemy 2.0).
+"""Metadata DB: episodes, their segments, labels, and post-training rounds (SQLAlchemy 2.0).
 
 The episode store holds frames; this DB holds what we query and what we change after the fact.
 Labels live only here, so relabelling never rewrites frames. SQLite is the default
@@ -73,6 +73,64 @@ class LabelRow(Base):
     value: Mapped[Any] = mapped_column(JSON)
     author: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[float]
+
+
+class RoundRow(Base):
+    """One post-training round: what it trained on, how, what it produced, and whether it shipped."""
+
+    __tablename__ = "rounds"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)  # the round number
+    algo: Mapped[str] = mapped_column(String(32), index=True)
+    task: Mapped[str] = mapped_column(String(256), index=True)
+    base_ref: Mapped[str] = mapped_column(Text)
+    base_revision: Mapped[str | None] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), index=True)  # see ROUND_STATUSES
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # selection + snapshot
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    checkpoint_ref: Mapped[str | None] = mapped_column(Text)  # e.g. hub://org/name@round-3
+    checkpoint_revision: Mapped[str | None] = mapped_column(String(128))
+    promoted: Mapped[bool] = mapped_column(default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float]
+    finished_at: Mapped[float | None]
+
+
+ROUND_STATUSES = ("running", "succeeded", "failed")
+_ROUND_FIELDS = (
+    "status",
+    "base_revision",
+    "config",
+    "data",
+    "metrics",
+    "checkpoint_ref",
+    "checkpoint_revision",
+    "promoted",
+    "error",
+    "finished_at",
+)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A round as the DB knows it (detached copy)."""
+
+    id: int
+    algo: str
+    task: str
+    base_ref: str
+    base_revision: str | None
+    status: str
+    config: dict[str, Any]
+    data: dict[str, Any]
+    metrics: dict[str, Any]
+    checkpoint_ref: str | None
+    checkpoint_revision: str | None
+    promoted: bool
+    error: str | None
+    created_at: float
+    finished_at: float | None
 
 
 @dataclass(frozen=True)
@@ -260,6 +318,79 @@ class MetadataDB:
                 Label(r.id, r.episode_id, r.segment_index, r.key, r.value, r.author, r.created_at)
                 for r in s.scalars(q)
             ]
+
+    # ------------------------------------------------------------------ rounds
+    def create_round(self, *, algo: str, task: str, base_ref: str, config: dict[str, Any]) -> int:
+        """Record a new round as ``running``; returns its number (1, 2, ...)."""
+        with Session(self.engine) as s, s.begin():
+            row = RoundRow(
+                algo=algo,
+                task=task,
+                base_ref=base_ref,
+                status="running",
+                config=config,
+                data={},
+                metrics={},
+                created_at=time.time(),
+            )
+            s.add(row)
+            s.flush()
+            return int(row.id)
+
+    def update_round(self, round_id: int, **fields: Any) -> RoundRecord:
+        """Set some of a round's fields (status, metrics, checkpoint_ref, promoted, error, ...)."""
+        unknown = set(fields) - set(_ROUND_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"update_round: unknown fields {sorted(unknown)}; expected some of {_ROUND_FIELDS}"
+            )
+        if "status" in fields and fields["status"] not in ROUND_STATUSES:
+            raise ValueError(f"status: expected one of {ROUND_STATUSES}, got {fields['status']!r}")
+        with Session(self.engine) as s, s.begin():
+            row = s.get(RoundRow, round_id)
+            if row is None:
+                raise KeyError(f"no round {round_id}")
+            for k, v in fields.items():
+                setattr(row, k, v)
+            s.flush()
+            return _round_record(row)
+
+    def round(self, round_id: int) -> RoundRecord | None:
+        with Session(self.engine) as s:
+            row = s.get(RoundRow, round_id)
+            return _round_record(row) if row is not None else None
+
+    def rounds(self, task: str | None = None) -> list[RoundRecord]:
+        """Rounds in order, optionally for one task."""
+        q = select(RoundRow).order_by(RoundRow.id)
+        if task is not None:
+            q = q.where(RoundRow.task == task)
+        with Session(self.engine) as s:
+            return [_round_record(r) for r in s.scalars(q)]
+
+    def round_revisions(self) -> dict[int, list[str]]:
+        """Round number -> the checkpoint revisions it produced (for selecting data by round)."""
+        return {r.id: [r.checkpoint_revision] for r in self.rounds() if r.checkpoint_revision}
+
+
+def _round_record(row: RoundRow) -> RoundRecord:
+    return RoundRecord(
+        id=row.id,
+        algo=row.algo,
+        task=row.task,
+        base_ref=row.base_ref,
+        base_revision=row.base_revision,
+        status=row.status,
+        config=dict(row.config or {}),
+        data=dict(row.data or {}),
+        metrics=dict(row.metrics or {}),
+        checkpoint_ref=row.checkpoint_ref,
+        checkpoint_revision=row.checkpoint_revision,
+        promoted=bool(row.promoted),
+        error=row.error,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+    )
 
 
 def _record(row: EpisodeRow) -> EpisodeRecord:

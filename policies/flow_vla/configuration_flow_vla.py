@@ -107,6 +107,15 @@ class FlowVLAConfig:
     noise_head_detach: bool = False
     """Stop gradients from the noise head into the action expert (train only the head's own weights)."""
 
+    # ---------------------------------------------------------------- advantage conditioning (RECAP)
+    advantage_conditioning: bool = False
+    """RECAP: condition on an improvement indicator (0 = unconditional, 1 = negative, 2 = positive) via
+    a learned embedding added to every prefix token. Zero-initialised, so turning it on for an SFT
+    model starts from exactly that model. Observations without ``"advantage"`` act as positive."""
+    guidance_scale: float = 1.0
+    """CFG weight β at inference: v = (1 - β) v_uncond + β v_positive. 1 = just condition on positive
+    (one pass); > 1 sharpens towards better-than-average actions (two prefix passes)."""
+
     # ---------------------------------------------------------------- normalisation
     action_norm: str = "min_max"
     """'min_max': each action dim's [min, max] maps to [-1, 1] (the robot-spec contract, and the range
@@ -168,6 +177,11 @@ class FlowVLAConfig:
             raise ConfigError(
                 "noise_head_hidden", f"must be non-empty positive ints, got {self.noise_head_hidden}"
             )
+        if not isinstance(self.advantage_conditioning, bool):
+            raise ConfigError(
+                "advantage_conditioning", f"must be a bool, got {self.advantage_conditioning!r}"
+            )
+        _number_in(self, "guidance_scale", 0.0, math.inf)
         if self.action_norm not in ACTION_NORM_MODES:
             raise ConfigError("action_norm", f"must be one of {ACTION_NORM_MODES}, got {self.action_norm!r}")
         if self.normalization_stats is not None:

@@ -61,6 +61,7 @@ from .uncertainty import accel_score
 
 Tensor = torch.Tensor
 Method = Literal["ode", "sde", "noise"]
+ADVANTAGE_UNCONDITIONAL, ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE = 0, 1, 2
 
 
 # ---------------------------------------------------------------------- containers
@@ -215,6 +216,7 @@ class FlowVLAPolicy(nn.Module):
         self.trunk_norm = nn.LayerNorm(d)
         self.expert = ActionExpert(c)
         self.noise_head = NoiseHead(d, c.action_dim, c.noise_head_hidden, c.noise_std_min, c.noise_std_max)
+        self.advantage_embedding = nn.Embedding(3, d) if c.advantage_conditioning else None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -222,6 +224,8 @@ class FlowVLAPolicy(nn.Module):
         than GPT-style N(0, 0.02)); small random token embeddings; the noise head starts mid-range."""
         nn.init.trunc_normal_(self.slot_emb, std=0.02)
         nn.init.trunc_normal_(self.expert.pos, std=0.02)
+        if self.advantage_embedding is not None:
+            nn.init.zeros_(self.advantage_embedding.weight)
 
     # ------------------------------------------------------------------ construction / IO
     @classmethod
@@ -286,10 +290,31 @@ class FlowVLAPolicy(nn.Module):
                     key = "shared" if c.share_image_encoder else cam.name
                     tokens.append(self.image_encoders[key](x))
         h = torch.cat(tokens, dim=1) + self.slot_emb
+        if self.advantage_embedding is not None:
+            h = h + self.advantage_embedding(self._advantage_indicator(obs, b))[:, None]
         for blk in self.trunk:
             h = blk(h)
         h = self.trunk_norm(h)
         return PrefixCache(h, self.expert.cache_kv(h))
+
+    def _advantage_indicator(self, obs: Mapping[str, Any], b: int) -> Tensor:
+        """``obs["advantage"]``: int ``[B]`` (0 unconditional, 1 negative, 2 positive); default positive."""
+        ind = obs.get("advantage")
+        if ind is None:
+            return torch.full((b,), ADVANTAGE_POSITIVE, dtype=torch.long, device=self.device)
+        ind = self._as_tensor(ind).long().reshape(-1)
+        if ind.shape[0] != b or bool(((ind < 0) | (ind > 2)).any()):
+            raise ValueError(f"advantage: expected {b} values in {{0, 1, 2}}, got {ind.tolist()[:8]}")
+        return ind
+
+    def _guided_prefixes(self, obs: Mapping[str, Any]) -> tuple[PrefixCache, PrefixCache] | None:
+        """(unconditional, positive) prefixes when classifier-free guidance applies to ``obs``."""
+        c = self.config
+        if not c.advantage_conditioning or c.guidance_scale == 1.0 or "advantage" in obs:
+            return None
+        b = self._batch_size(obs)
+        uncond = self.encode_prefix({**obs, "advantage": torch.zeros(b, dtype=torch.long)})
+        return uncond, self.encode_prefix(obs)
 
     # ------------------------------------------------------------------ velocity
     def velocity(
@@ -407,9 +432,17 @@ class FlowVLAPolicy(nn.Module):
         on each other (batched == unbatched up to float rounding).
         """
         c = self.config
-        prefix = (
-            obs_or_prefix if isinstance(obs_or_prefix, PrefixCache) else self.encode_prefix(obs_or_prefix)
+        guided = (
+            self._guided_prefixes(obs_or_prefix)
+            if method == "ode" and not isinstance(obs_or_prefix, PrefixCache)
+            else None
         )
+        if guided is not None:
+            prefix = guided[1]
+        else:
+            prefix = (
+                obs_or_prefix if isinstance(obs_or_prefix, PrefixCache) else self.encode_prefix(obs_or_prefix)
+            )
         b, n, k = prefix.batch_size, num_samples, num_steps or c.num_inference_steps
         event = (c.chunk_len, c.action_dim)
         dtype = prefix.tokens.dtype
@@ -428,7 +461,16 @@ class FlowVLAPolicy(nn.Module):
         rows = prefix.repeat_interleave(n)
         mask = self.logprob_mask()
         chain = None
-        if method == "ode":
+        if method == "ode" and guided is not None:
+            # CFG (RECAP / CFGRL): v = (1 - β) v_uncond + β v_positive
+            uncond_rows, beta = guided[0].repeat_interleave(n), c.guidance_scale
+            res = euler_sample(
+                lambda x, t: (1 - beta) * self.velocity(uncond_rows, x, t) + beta * self.velocity(rows, x, t),
+                x0,
+                k,
+                return_iterates=return_iterates,
+            )
+        elif method == "ode":
             res = euler_sample(lambda x, t: self.velocity(rows, x, t), x0, k, return_iterates=return_iterates)
         elif method == "sde":
             schedule = schedule or SDESchedule()

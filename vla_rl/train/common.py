@@ -61,6 +61,25 @@ def batch_to_policy_inputs(batch: Mapping[str, torch.Tensor], device: torch.devi
     }
 
 
+@torch.no_grad()
+def observation_features(policy: Any, obs: Mapping[str, Any]) -> torch.Tensor:
+    """Critic / value input for a batch of observations, from a (frozen) flow VLA.
+
+    State-only policies: the normalised proprio state (a small standalone critic learns fastest from
+    it). With cameras: the policy's pooled trunk features (``PrefixCache.pooled()``), as π0.5's
+    VLM-side value head does. No gradient reaches the policy.
+    """
+    if not policy.config.cameras and policy.config.state_dim > 0:
+        return policy.normalizer.normalize_state(obs["state"].float())
+    return policy.encode_prefix(obs).pooled().float()
+
+
+def feature_dim(policy: Any) -> int:
+    """Width of :func:`observation_features` for ``policy``."""
+    c = policy.config
+    return c.state_dim if not c.cameras and c.state_dim > 0 else c.d_model
+
+
 def sample_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, n, size=batch_size)
 

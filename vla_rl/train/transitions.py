@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -49,6 +50,8 @@ __all__ = [
     "RewardKind",
     "TransitionBuffer",
     "credit_labels",
+    "load_transitions",
+    "next_observation",
     "select_episode_ids",
     "step_rewards",
 ]
@@ -199,6 +202,28 @@ def select_episode_ids(
             f"check the selection, or record data with: vla-rl sim demos --task {selection.task}"
         )
     return [m.episode_id for m in metas]
+
+
+def load_transitions(
+    store: EpisodeStore | str | Path,
+    selection: DataSelection,
+    *,
+    db: MetadataDB | None = None,
+    reward: RewardKind = "sparse",
+    gamma: float = 0.99,
+    max_steps: int | None = None,
+    cameras: bool = True,
+) -> TransitionBuffer:
+    """Select episodes (rounds resolved through the DB's rounds table) and load them as a buffer."""
+    store = store if isinstance(store, EpisodeStore) else EpisodeStore(store)
+    if db is None and (selection.labels or selection.rounds):
+        db = MetadataDB.for_store(store.root)
+    ids = select_episode_ids(
+        store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
+    )
+    return TransitionBuffer.from_store(
+        store, ids, reward=reward, gamma=gamma, max_steps=max_steps, cameras=cameras
+    )
 
 
 # ---------------------------------------------------------------------------- rewards and credit

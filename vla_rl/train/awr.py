@@ -1,0 +1,357 @@
+"""Advantage-weighted (AWR) and advantage-conditioned (RECAP) flow matching: one algorithm, one file.
+
+Both fit a value function on the fleet's experience, score every autonomous frame's action chunk by
+its advantage, and re-train the flow policy to prefer better-than-average actions
+(algorithms.md section 4):
+
+1. **Value.** V(s) regressed on credit-aware Monte-Carlo returns (see
+   :mod:`vla_rl.train.transitions`: returns are cut at human takeovers, which count as failures of the
+   autonomous stretch) of non-human frames. ``value="categorical"``: RECAP/DIVL's distributional
+   head (cross-entropy on atoms spanning the data's return range); ``"expectile"``: IQL's
+   asymmetric L2 (tau > 0.5 leans optimistic).
+2. **Advantage.** A_t = G_t - V(s_t), computed once for every frame with the value frozen.
+3. **Policy extraction**, from the base checkpoint:
+
+   * ``variant="awr"``: weighted flow matching, w = min(exp(A / (beta * std A)), w_max) (advantages
+     scaled by their std over autonomous frames so beta means the same on every task);
+   * ``variant="recap"``: binarised indicator I = 1[A > eps], eps the quantile that makes
+     ``positive_fraction`` of autonomous frames positive; the policy is conditioned on it (dropped
+     to "unconditional" with ``unconditional_prob``) and acts conditioned on positive at deployment,
+     optionally with classifier-free guidance (``guidance_scale``).
+
+**Intervention-aware credit.** Human-controlled frames never get an advantage from an outcome: they
+are kept as positive behaviour cloning (AWR weight ``human_weight``; RECAP indicator positive).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fleet.db import MetadataDB
+from fleet.store import Controller
+from policies.critics import CategoricalValue, ValueMLP, expectile_loss
+from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from policies.flow_vla.modeling_flow_vla import (
+    ADVANTAGE_NEGATIVE,
+    ADVANTAGE_POSITIVE,
+    ADVANTAGE_UNCONDITIONAL,
+)
+from vla_rl.policy_loading import load_policy, pick_device
+from vla_rl.train.common import (
+    EMA,
+    batch_to_policy_inputs,
+    config_dict,
+    observation_features,
+    save_derived_checkpoint,
+    seed_step,
+    warmup_cosine,
+)
+from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AWRConfig", "AWRResult", "awr_weights", "recap_indicators", "train_awr"]
+
+
+@dataclass
+class AWRConfig:
+    """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
+
+    base: str
+    """Checkpoint to improve (hub://org/name@rev or a local folder); also the initial policy."""
+    store: Path
+    """Episode store with the experience (demos, autonomous rollouts, interventions)."""
+    out: Path
+    """Output folder: ``checkpoint/`` and TensorBoard logs."""
+    selection: DataSelection | None = None
+    """Which episodes to learn from; default: every closed episode of the base checkpoint's task."""
+    db_url: str | None = None
+    """Metadata DB (needed for label / round selections); default: the store's SQLite file."""
+    variant: Literal["awr", "recap"] = "awr"
+
+    # value function
+    value: Literal["categorical", "expectile"] = "categorical"
+    reward: RewardKind = "steps_to_go"
+    """Return definition (see transitions.py). steps_to_go makes faster successes better, as RECAP."""
+    gamma: float = 1.0
+    """Discount of the Monte-Carlo returns (RECAP uses 1 with steps-to-go rewards)."""
+    value_steps: int = 1500
+    value_lr: float = 1e-3
+    value_hidden: tuple[int, ...] = (256, 256)
+    value_bins: int = 51
+    """Atoms of the categorical value, spanning the data's return range."""
+    expectile: float = 0.7
+    """tau of the expectile value (value="expectile")."""
+
+    # policy extraction
+    steps: int = 1500
+    batch_size: int = 128
+    lr: float = 1e-4
+    """Lower than SFT's: we fine-tune a working policy."""
+    weight_decay: float = 1e-4
+    warmup_steps: int = 50
+    grad_clip: float = 1.0
+    ema_decay: float = 0.995
+    beta: float = 1.0
+    """AWR temperature on std-normalised advantages: smaller = greedier."""
+    w_max: float = 20.0
+    """AWR weight clip (AWR's 20; IQL uses 100)."""
+    human_weight: float = 1.0
+    """AWR weight of human-intervention frames (plain behaviour cloning)."""
+    positive_fraction: float = 0.3
+    """RECAP: share of autonomous frames labelled positive (RLinf's positive_quantile)."""
+    unconditional_prob: float = 0.3
+    """RECAP: probability of dropping the indicator during training (learns the unconditional policy)."""
+    guidance_scale: float = 1.0
+    """RECAP: CFG weight saved into the checkpoint for deployment (1 = condition on positive)."""
+
+    # bookkeeping
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    """CPU threads for torch; 0 = all cores but one."""
+    log_every: int = 50
+    progress: bool = True
+    round_index: int | None = None
+    """Post-training round number recorded in the checkpoint's lineage."""
+
+    def __post_init__(self) -> None:
+        self.store, self.out = Path(self.store), Path(self.out)
+        self.value_hidden = tuple(self.value_hidden)
+        if self.variant not in ("awr", "recap"):
+            raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
+        if self.value not in ("categorical", "expectile"):
+            raise ValueError(f"value: expected categorical or expectile, got {self.value!r}")
+        for name in ("value_steps", "steps", "batch_size", "log_every", "value_bins"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("lr", "value_lr", "beta", "w_max"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        for name in ("positive_fraction", "expectile"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"{name}: expected in (0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.unconditional_prob < 1.0:
+            raise ValueError(f"unconditional_prob: expected in [0, 1), got {self.unconditional_prob}")
+        if self.human_weight < 0 or self.guidance_scale < 0:
+            raise ValueError("human_weight and guidance_scale: expected >= 0")
+
+
+@dataclass
+class AWRResult:
+    checkpoint: Path
+    seconds: float
+    metrics: dict[str, Any]
+    curve: list[dict[str, float]] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def awr_weights(
+    adv: np.ndarray, human: np.ndarray, beta: float, w_max: float, human_weight: float
+) -> np.ndarray:
+    """``min(exp(A / (beta * std_A)), w_max)`` for autonomous frames (std over them), ``human_weight``
+    for human frames."""
+    auto = ~human
+    scale = float(adv[auto].std()) if auto.sum() > 1 else 1.0
+    scale = scale if scale > 1e-8 else 1.0
+    w = np.minimum(np.exp(np.clip(adv / (beta * scale), -50.0, 50.0)), w_max)
+    return np.where(human, human_weight, w).astype(np.float32)
+
+
+def recap_indicators(
+    adv: np.ndarray, human: np.ndarray, positive_fraction: float
+) -> tuple[np.ndarray, float]:
+    """Indicator per frame (positive / negative) and the threshold eps: the (1 - fraction) quantile of
+    autonomous advantages. Human frames are always positive."""
+    auto = ~human
+    eps = float(np.quantile(adv[auto], 1.0 - positive_fraction)) if auto.any() else 0.0
+    ind = np.where(adv > eps, ADVANTAGE_POSITIVE, ADVANTAGE_NEGATIVE)
+    return np.where(human, ADVANTAGE_POSITIVE, ind).astype(np.int64), eps
+
+
+# ---------------------------------------------------------------------------- training
+def _all_features(policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device) -> torch.Tensor:
+    feats = []
+    for start in range(0, len(buf), 1024):
+        idx = np.arange(start, min(start + 1024, len(buf)))
+        obs = batch_to_policy_inputs(buf.batch(idx, horizon=1, n_step=1), device)
+        feats.append(observation_features(policy, obs))
+    return torch.cat(feats)
+
+
+def _fit_value(
+    cfg: AWRConfig, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
+) -> tuple[torch.nn.Module, float]:
+    """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
+    lo, hi = float(returns.min()), float(returns.max())
+    if hi - lo < 1e-6:
+        lo, hi = lo - 1.0, hi + 1.0
+    head: torch.nn.Module
+    if cfg.value == "categorical":
+        head = CategoricalValue(feats.shape[1], cfg.value_bins, lo, hi, cfg.value_hidden).to(feats.device)
+    else:
+        head = ValueMLP(feats.shape[1], cfg.value_hidden).to(feats.device)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)
+    rng = np.random.default_rng([cfg.seed, 1])
+    loss_val = float("nan")
+    for _step in tqdm(range(cfg.value_steps), desc=bar_desc, unit="step", disable=not cfg.progress):
+        rows = torch.from_numpy(rng.choice(train_rows, size=cfg.batch_size))
+        f, g = feats[rows], returns[rows]
+        if isinstance(head, CategoricalValue):
+            loss = head.loss(f, g)
+        else:
+            loss = expectile_loss(head(f), g, cfg.expectile)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_val = float(loss.detach())
+    return head.eval(), loss_val
+
+
+def train_awr(cfg: AWRConfig) -> AWRResult:
+    """Fit the value, score advantages, re-train the policy; returns the checkpoint and metrics."""
+    t0 = time.perf_counter()
+    device = pick_device(cfg.device)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.manual_seed(cfg.seed)
+    base = load_policy(cfg.base, device=str(device))
+    spec = base.info.robot_spec
+    selection = cfg.selection or DataSelection(task=spec.name)
+    if selection.task != spec.name:
+        raise ValueError(f"selection.task: the base checkpoint is for {spec.name!r}, not {selection.task!r}")
+    db = MetadataDB(cfg.db_url) if cfg.db_url else None
+    buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
+    if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
+        raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
+    human = buf.array("controller") == int(Controller.HUMAN)
+    data = {
+        "selection": selection.to_dict(),
+        "episodes": len(buf.episode_ids),
+        "frames": len(buf),
+        "human_frames": int(human.sum()),
+        "episode_ids_head": buf.episode_ids[:3],
+    }
+    log.info(
+        f"{cfg.variant} start",
+        extra={"base": cfg.base, **{k: v for k, v in data.items() if k != "selection"}},
+    )
+
+    # 1. value on credit-aware returns of autonomous frames
+    feats = _all_features(base.policy, buf, device)
+    returns = torch.from_numpy(buf.array("mc_return")).to(device)
+    auto_rows = np.flatnonzero(~human)
+    if len(auto_rows) == 0:
+        raise ValueError("the selected episodes hold no autonomous frames to score; select rollouts too")
+    value, value_loss = _fit_value(cfg, feats, returns, auto_rows, "value")
+
+    # 2. advantages (value frozen)
+    with torch.no_grad():
+        adv = (returns - value(feats)).cpu().numpy()
+    metrics: dict[str, Any] = {
+        "value_loss": value_loss,
+        "adv_std": float(adv[~human].std()),
+        "value_return_corr": float(
+            np.corrcoef(value(feats).detach().cpu().numpy(), returns.cpu().numpy())[0, 1]
+        )
+        if len(buf) > 2
+        else float("nan"),
+    }
+    if cfg.variant == "awr":
+        weights = awr_weights(adv, human, cfg.beta, cfg.w_max, cfg.human_weight)
+        w_auto = weights[~human]
+        metrics.update(
+            weight_mean=float(w_auto.mean()),
+            weight_max=float(w_auto.max()),
+            effective_sample_frac=float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum())),
+        )
+        per_frame = torch.from_numpy(weights)
+    else:
+        indicators, eps = recap_indicators(adv, human, cfg.positive_fraction)
+        metrics.update(threshold=eps, positive_frac=float((indicators[~human] == ADVANTAGE_POSITIVE).mean()))
+        per_frame = torch.from_numpy(indicators)
+
+    # 3. policy extraction, starting from the base weights
+    model_cfg = base.policy.config
+    if cfg.variant == "recap":
+        model_cfg = FlowVLAConfig.from_dict(
+            {**model_cfg.to_dict(), "advantage_conditioning": True, "guidance_scale": cfg.guidance_scale}
+        )
+    model = FlowVLAPolicy(model_cfg).to(device)
+    missing, unexpected = model.load_state_dict(base.policy.state_dict(), strict=False)
+    if unexpected or set(missing) - {"advantage_embedding.weight"}:
+        raise RuntimeError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
+    ema = EMA(model, cfg.ema_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.steps, 0.1)
+    )
+    instruction_emb = None
+    if model_cfg.uses_instruction:
+        from policies.flow_vla import embed_instructions
+
+        instruction_emb = embed_instructions([spec.instruction]).to(device)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(cfg.out / "tb"))
+    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+    for k, v in metrics.items():
+        writer.add_scalar(f"value/{k}", v, 0)
+    curve: list[dict[str, float]] = []
+    model.train()
+    bar = tqdm(range(cfg.steps), desc=cfg.variant, unit="step", disable=not cfg.progress)
+    loss_val = float("nan")
+    for step in bar:
+        seed_step(cfg.seed, step)
+        idx = np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size)
+        batch = batch_to_policy_inputs(buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device)
+        if instruction_emb is not None:
+            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
+        sel = per_frame[idx].to(device)
+        if cfg.variant == "awr":
+            loss, m = model.flow_matching_loss(batch, weights=sel)
+        else:
+            drop = torch.rand(cfg.batch_size, device=device) < cfg.unconditional_prob
+            batch["advantage"] = torch.where(drop, torch.full_like(sel, ADVANTAGE_UNCONDITIONAL), sel)
+            loss, m = model.flow_matching_loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        ema.update(model)
+        loss_val = float(m["loss"])
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            writer.add_scalar("train/loss", loss_val, step + 1)
+            writer.add_scalar("train/mse", float(m["mse"]), step + 1)
+            curve.append({"step": step + 1, "loss": loss_val, "mse": float(m["mse"])})
+            bar.set_postfix(loss=f"{loss_val:.4f}")
+    writer.close()
+    metrics["final_loss"] = loss_val
+    ckpt = cfg.out / "checkpoint"
+    save_derived_checkpoint(
+        ckpt,
+        ema.model,
+        base.info,
+        algorithm=cfg.variant,
+        parent_revision=base.commit if base.commit else cfg.base,
+        data=data,
+        metrics={"train_steps": cfg.steps, **{k: round(v, 6) for k, v in metrics.items()}},
+        round_index=cfg.round_index,
+    )
+    seconds = time.perf_counter() - t0
+    log.info(f"{cfg.variant} done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
+    return AWRResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)
