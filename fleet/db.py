@@ -99,6 +99,7 @@ class RoundRow(Base):
 
 ROUND_STATUSES = ("running", "succeeded", "failed")
 _ROUND_FIELDS = (
+    "task",
     "status",
     "base_revision",
     "config",

@@ -6,6 +6,7 @@
     vla-rl store info PATH            episodes, frames, bytes, per-task success
     vla-rl store verify PATH          integrity check (exit code 1 on any inconsistency)
     vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
+    vla-rl round start|list|show      post-training rounds: train, evaluate vs base, push, promote
     vla-rl eval --checkpoint REF ...  success rate (95% Wilson CI), episode length, videos, JSON
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
     vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
@@ -239,6 +240,76 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_round_start(args: argparse.Namespace) -> int:
+    from vla_rl.rounds import RoundConfig, RoundError, parse_overrides, start_round
+
+    try:
+        cfg = RoundConfig(
+            algo=args.algo,
+            base=args.base,
+            store=args.store,
+            data=args.data,
+            task=_task_arg(args.task) if args.task else None,
+            db_url=args.db,
+            out=args.out,
+            repo=args.repo,
+            push=not args.no_push,
+            promote_ref=args.promote_ref,
+            margin=args.margin,
+            eval_episodes=args.eval_episodes,
+            eval_envs=args.eval_envs,
+            eval_seed=args.eval_seed,
+            overrides=parse_overrides(args.set),
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        rec = start_round(cfg)
+    except (RoundError, ValueError, FileNotFoundError) as e:
+        raise CliError(f"{e} (the round's row in the DB records the failure: vla-rl round list)") from None
+    print(_round_line(rec))
+    print(f"gate: {rec.metrics.get('gate', {}).get('reason', '')}")
+    return 0
+
+
+def _round_line(r: Any) -> str:
+    m = r.metrics
+    score = (
+        f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
+        if "success" in m
+        else "-"
+    )
+    flag = "promoted" if r.promoted else ("" if r.status != "succeeded" else "not promoted")
+    return f"round {r.id:>3}  {r.algo:<10} {r.status:<9} {score:<38} {flag:<12} {r.checkpoint_ref or ''}"
+
+
+def cmd_round_list(args: argparse.Namespace) -> int:
+    db = _open_db(args.store, args.db)
+    rounds = db.rounds(task=_task_arg(args.task) if args.task else None)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps([asdict(r) for r in rounds], indent=2, default=str))
+        return 0
+    if not rounds:
+        print("no rounds yet; start one with: vla-rl round start --algo awr --base REF --store PATH")
+    for r in rounds:
+        print(_round_line(r))
+    return 0
+
+
+def cmd_round_show(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    db = _open_db(args.store, args.db)
+    r = db.round(args.round)
+    if r is None:
+        raise CliError(
+            f"no round {args.round} in {db}; list them with: vla-rl round list --store {args.store}"
+        )
+    print(json.dumps(asdict(r), indent=2, default=str))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from vla_rl.checkpoint import CheckpointError
     from vla_rl.evaluation import evaluate
@@ -392,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vla-rl",
         description="Improve robot VLA policies while they are deployed: simulated robots, an episode "
         "store for the fleet's data, flow-matching policies trained with SFT, a Hub-compatible checkpoint "
-        "registry, and a batched gRPC policy server (post-training rounds are coming).",
+        "registry, a batched gRPC policy server, and post-training rounds that publish better checkpoints.",
         epilog="Start with `vla-rl demo` (the whole loop at small scale, ~4 min), then "
         "`vla-rl store info runs/demo/store` and `vla-rl eval --checkpoint runs/demo/sft/checkpoints/last`.",
         formatter_class=fmt,
@@ -515,6 +586,73 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("store", type=Path, help="episode store (created if missing)")
     sm.add_argument("--robot-id", default="lerobot")
     sm.add_argument("--task", default=None, help="task id to record (default: the dataset's robot type)")
+
+    round_p = add(
+        sub,
+        "round",
+        lambda a: (round_p.print_help(), 0)[1],
+        "post-training rounds: train on fleet data, evaluate, push, promote",
+    )
+    round_sub = round_p.add_subparsers(dest="round_command", metavar="SUBCOMMAND")
+    rs = add(
+        round_sub,
+        "start",
+        cmd_round_start,
+        "run one post-training round",
+        "Select data from the store + DB, train with ALGO starting from BASE, evaluate the result and the "
+        "base on the same simulated seeds, push the checkpoint to the Hub with tag round-N, and move the "
+        "served ref (--promote-ref, default prod) to it only if it beats the base by more than --margin. "
+        "Every round is recorded in the metadata DB (vla-rl round list|show).\n\n"
+        "algorithms: sft (retrain on the selection), awr (advantage-weighted flow matching), recap "
+        "(advantage-conditioned, RECAP), qam (Q-learning with adjoint matching), flow-noise / flow-sde "
+        "(π-RL noise injection + PPO in simulation).\n\n"
+        "example:\n  vla-rl round start --algo awr --base hub://fleet/pick@prod --store runs/fleet/store \\\n"
+        "      --data 'since=2026-11-01,robot=arm-1|arm-2' --margin 0.05 --set steps=1000 --set beta=0.5",
+    )
+    rs.add_argument("--algo", required=True, choices=["sft", "awr", "recap", "qam", "flow-noise", "flow-sde"])
+    rs.add_argument("--base", required=True, help="checkpoint to improve: hub://org/name@rev or a folder")
+    rs.add_argument("--store", type=Path, required=True, help="episode store with the experience")
+    rs.add_argument(
+        "--data",
+        default=None,
+        help="data selection: comma-separated key=value with | between alternatives; keys robot, since, "
+        "until (unix or ISO date), revision, round, success, max, label.<name> (default: all episodes)",
+    )
+    rs.add_argument("--task", default=None, help="task (default: the base checkpoint's)")
+    rs.add_argument("--db", default=None, help="metadata DB URL (default: sqlite next to the store)")
+    rs.add_argument("--out", type=Path, default=Path("runs/rounds"), help="work folder (default %(default)s)")
+    rs.add_argument("--repo", default=None, help="Hub repo to push to (default: the base ref's repo)")
+    rs.add_argument("--no-push", action="store_true", help="keep the checkpoint local (no promotion)")
+    rs.add_argument("--promote-ref", default="prod", help="ref that servers follow (default %(default)s)")
+    rs.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="promote only if success beats the base's by more than this fraction (default %(default)s)",
+    )
+    rs.add_argument("--eval-episodes", type=int, default=50, help="evaluation episodes for both checkpoints")
+    rs.add_argument("--eval-envs", type=int, default=2, help="simulator processes for evaluation")
+    rs.add_argument("--eval-seed", type=int, default=100_000, help="first evaluation seed")
+    rs.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="algorithm hyper-parameter (repeatable; JSON values), e.g. --set steps=1000 --set beta=0.5",
+    )
+    rs.add_argument("--seed", type=int, default=0)
+    rs.add_argument("--no-progress", action="store_true")
+    for name, func, help_ in (
+        ("list", cmd_round_list, "list rounds with their scores and promotion"),
+        ("show", cmd_round_show, "one round's full record (config, data, metrics, curve) as JSON"),
+    ):
+        rp = add(round_sub, name, func, help_)
+        if name == "show":
+            rp.add_argument("round", type=int, help="round number")
+        rp.add_argument("--store", type=Path, required=True, help="episode store (its DB holds the rounds)")
+        rp.add_argument("--db", default=None, help="metadata DB URL (default: sqlite next to the store)")
+        if name == "list":
+            rp.add_argument("--task", default=None)
+            rp.add_argument("--json", action="store_true")
 
     train_p = add(sub, "train", lambda a: (train_p.print_help(), 0)[1], "train policies")
     train_sub = train_p.add_subparsers(dest="train_command", metavar="SUBCOMMAND")

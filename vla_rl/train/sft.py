@@ -67,6 +67,8 @@ class SFTConfig:
     """Train only on successful episodes ("filtered BC"); all closed episodes otherwise."""
     max_episodes: int | None = None
     """Use at most this many episodes (oldest first), e.g. to study data scaling."""
+    episode_ids: list[str] | None = None
+    """Train on exactly these episodes (a round's data selection); overrides the two filters above."""
 
     # model (see FlowVLAConfig for what each means)
     chunk_len: int = 10
@@ -158,7 +160,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     device = pick_device(cfg.device)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     store = EpisodeStore(cfg.store)
-    episode_ids = select_episodes(store, cfg.task, cfg.success_only, cfg.max_episodes)
+    episode_ids = cfg.episode_ids or select_episodes(store, cfg.task, cfg.success_only, cfg.max_episodes)
     ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)
     stats = compute_normalization_stats(ds.states, ds.actions)
     model_cfg = FlowVLAConfig.from_robot_spec(

@@ -1,0 +1,173 @@
+"""Post-training rounds end to end against the Hub-compatible registry: gate, promotion, DB records, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleet.db import MetadataDB
+from fleet.store import EpisodeStore
+from sim.demos import record_demos
+from vla_rl.checkpoint import read_info
+from vla_rl.cli import main as cli_main
+from vla_rl.hub.registry import configure_hub, push_folder, resolve
+from vla_rl.hub.server import HubServer
+from vla_rl.rounds import RoundConfig, parse_overrides, start_round
+from vla_rl.train.sft import SFTConfig, train_sft
+
+TASK = "maniskill/PushCube-v1"
+TOKEN = "round-token"
+REPO = "fleet/pushcube"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[HubServer, Path, str]:
+    """Hub + store with 10 demos + a small SFT base (~50% on PushCube) pushed and tagged prod."""
+    hub = HubServer(tmp_path_factory.mktemp("hub"), token=TOKEN).start()
+    configure_hub(hub.url, TOKEN)
+    root = tmp_path_factory.mktemp("rounds") / "store"
+    record_demos(EpisodeStore(root, create=True), TASK, episodes=10, noise=0.3, seed=0, progress=False)
+    sft = train_sft(
+        SFTConfig(
+            task=TASK,
+            store=root,
+            out=tmp_path_factory.mktemp("sft"),
+            steps=300,
+            batch_size=64,
+            d_model=64,
+            n_layers=1,
+            expert_n_layers=2,
+            instruction_encoder="none",
+            checkpoint_every=300,
+            progress=False,
+        )
+    )
+    push_folder(sft.checkpoint, REPO, message="base", tag="prod")
+    yield hub, root, f"hub://{REPO}@prod"
+    hub.stop()
+
+
+def _cfg(root: Path, base: str, out: Path, **kw: object) -> RoundConfig:
+    args = dict(
+        algo="awr",
+        base=base,
+        store=root,
+        out=out,
+        eval_episodes=4,
+        eval_envs=1,
+        progress=False,
+        overrides={"value_steps": 40, "steps": 40, "batch_size": 32},
+    )
+    args.update(kw)
+    return RoundConfig(**args)  # type: ignore[arg-type]
+
+
+def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) -> None:
+    _hub, root, base = setup
+    db = MetadataDB.for_store(root)
+    prod_before = resolve(base)
+    # A deliberately broken candidate: a huge learning rate wrecks the policy.
+    wrecked = start_round(
+        _cfg(
+            root,
+            base,
+            tmp_path,
+            overrides={"value_steps": 20, "steps": 30, "lr": 0.5, "warmup_steps": 1, "ema_decay": 0.0},
+        ),
+        db=db,
+    )
+    m = wrecked.metrics
+    assert wrecked.status == "succeeded" and m["base_success"] > 0
+    assert m["success"] < m["base_success"] and not m["gate"]["passed"]
+    assert not wrecked.promoted and resolve(base) == prod_before  # prod did not move
+    assert wrecked.checkpoint_ref == f"hub://{REPO}@round-{wrecked.id}"
+    assert resolve(wrecked.checkpoint_ref) == wrecked.checkpoint_revision  # pushed and tagged anyway
+    assert wrecked.base_revision == prod_before
+
+    # A permissive gate promotes: prod moves to the new commit, whose card records the evaluation.
+    ok = start_round(_cfg(root, base, tmp_path, algo="recap", margin=-0.99), db=db)
+    assert ok.promoted and resolve(base) == ok.checkpoint_revision != prod_before
+    assert ok.metrics["base_eval_source"] == f"round {wrecked.id}"  # same commit + seeds: not re-run
+    from vla_rl.hub.registry import pull
+
+    pulled = pull(base)
+    info = read_info(pulled.path)
+    assert info.lineage.algorithm == "recap" and info.lineage.parent_revision == prod_before
+    assert info.lineage.round == ok.id and info.metrics["success_rate"] == ok.metrics["success"]
+    assert "success" in (Path(pulled.path) / "README.md").read_text().lower()
+    assert db.round_revisions()[ok.id] == [ok.checkpoint_revision]
+    assert [r.id for r in db.rounds(task=TASK)][-2:] == [wrecked.id, ok.id]
+
+
+def test_failed_round_is_recorded(setup, tmp_path: Path) -> None:
+    _hub, root, base = setup
+    db = MetadataDB.for_store(root)
+    with pytest.raises(ValueError, match="unknown AWRConfig fields"):
+        start_round(_cfg(root, base, tmp_path, overrides={"colour": "red"}), db=db)
+    last = db.rounds()[-1]
+    assert last.status == "failed" and "colour" in (last.error or "") and last.finished_at
+    with pytest.raises(ValueError, match="no closed episodes"):
+        start_round(_cfg(root, base, tmp_path, data="robot=nobody"), db=db)
+    assert db.rounds()[-1].status == "failed"
+
+
+def test_config_and_override_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="algo: expected one of"):
+        RoundConfig(algo="dqn", base="hub://a/b@prod", store=tmp_path)
+    with pytest.raises(ValueError, match="repo: the base is a local folder"):
+        RoundConfig(algo="awr", base=str(tmp_path), store=tmp_path)
+    assert parse_overrides(["steps=10", "beta=0.5", "value=expectile", "x=[1,2]"]) == {
+        "steps": 10,
+        "beta": 0.5,
+        "value": "expectile",
+        "x": [1, 2],
+    }
+    with pytest.raises(ValueError, match="--set: expected key=value"):
+        parse_overrides(["steps"])
+
+
+def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hub, root, base = setup
+    common = ["--hub", hub.url, "--hub-token", TOKEN]
+    rc = cli_main(
+        [
+            *common,
+            "round",
+            "start",
+            "--algo",
+            "awr",
+            "--base",
+            base,
+            "--store",
+            str(root),
+            "--out",
+            str(tmp_path),
+            "--no-push",
+            "--eval-episodes",
+            "2",
+            "--eval-envs",
+            "1",
+            "--set",
+            "value_steps=10",
+            "--set",
+            "steps=10",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "awr" in out and "gate:" in out
+    assert cli_main([*common, "round", "list", "--store", str(root)]) == 0
+    listing = capsys.readouterr().out
+    assert "succeeded" in listing and "failed" in listing  # the earlier failed round is listed too
+    rid = MetadataDB.for_store(root).rounds()[-1].id
+    assert cli_main([*common, "round", "show", str(rid), "--store", str(root)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["id"] == rid and shown["config"]["algo"] == "awr" and shown["promoted"] is False
+    assert cli_main([*common, "round", "show", "9999", "--store", str(root)]) == 2
+    assert "no round 9999" in capsys.readouterr().err
+    rc = cli_main(
+        [*common, "round", "start", "--algo", "awr", "--base", base, "--store", str(root), "--data", "bogus"]
+    )
+    assert rc == 2 and "expected key=value" in capsys.readouterr().err
