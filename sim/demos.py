@@ -1,4 +1,4 @@
-"""Record scripted-expert demonstrations into an episode store.
+"""Record scripted-expert demonstrations (and autonomous policy rollouts) into an episode store.
 
 Frame ``t`` of an episode holds the observation the expert saw, the action it executed, and the
 reward / terminated / truncated that action produced. Demonstrations are one autonomous segment
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -129,5 +129,111 @@ def record_demos(
             "frames": report.frames,
             "seconds": round(report.seconds, 2),
         },
+    )
+    return report
+
+
+def record_rollouts(
+    store: EpisodeStore,
+    policy: Any,
+    task: str,
+    episodes: int,
+    seed: int = 0,
+    num_envs: int = 1,
+    n_exec: int | None = None,
+    revision: str = "",
+    max_episode_steps: int | None = None,
+    robot_prefix: str = "sim",
+    progress: bool = True,
+) -> DemoReport:
+    """Run ``policy`` (a :class:`vla_rl.evaluation.ChunkPolicy`: ``predict_chunks(obs, seed)``,
+    ``spec``, ``chunk_len``) autonomously and write every frame to ``store``: controller ``policy``,
+    the executed action also as the proposal, and ``revision`` (the checkpoint that acted).
+
+    Receding horizon: each robot executes the first ``n_exec`` actions of a chunk (default H/2), then
+    asks again. Episode seeds follow the vector env's sequence, so the same call writes the same frames.
+    """
+    if episodes < 1:
+        raise ValueError(f"episodes: expected >= 1, got {episodes}")
+    n_exec = n_exec or max(1, policy.chunk_len // 2)
+    spec = policy.spec
+    num_envs = min(num_envs, episodes)
+    t0 = time.perf_counter()
+    env = VectorSimEnv(
+        task,
+        num_envs=num_envs,
+        seed=seed,
+        obs="rgb" if spec.cameras else "state",
+        image_size=spec.cameras[0].height if spec.cameras else 128,
+        max_episode_steps=max_episode_steps,
+    )
+    report = DemoReport(task=env.task)
+    try:
+        observation, info = env.reset()
+        started = num_envs
+
+        def open_writer(i: int) -> EpisodeWriter:
+            w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
+            w.begin_segment("autonomous", controller="policy", reason=f"policy rollout {revision}".strip())
+            return w
+
+        writers: list[EpisodeWriter | None] = [open_writer(i) for i in range(num_envs)]
+        queues: list[list[np.ndarray]] = [[] for _ in range(num_envs)]
+        calls = 0
+        bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
+        while report.episodes < episodes:
+            need = [i for i in range(num_envs) if not queues[i]]
+            if need:
+                sub = {
+                    "cameras": {k: v[need] for k, v in observation["cameras"].items()},
+                    "state": observation["state"][need],
+                    "instruction": [observation["instruction"][i] for i in need],
+                }
+                chunks = policy.predict_chunks(sub, seed=seed * 1000 + calls)
+                calls += 1
+                for j, i in enumerate(need):
+                    queues[i] = list(chunks[j, :n_exec])
+            actions = np.stack([q.pop(0) for q in queues]).astype(np.float32)
+            next_obs, reward, terminated, truncated, info = env.step(actions)
+            now = time.time()
+            for i, w in enumerate(writers):
+                if terminated[i] or truncated[i]:
+                    queues[i] = []
+                if w is None:
+                    continue
+                w.add_frame(
+                    cameras={k: v[i] for k, v in observation["cameras"].items()},
+                    state=observation["state"][i],
+                    action=actions[i],
+                    proposed_action=actions[i],
+                    reward=float(reward[i]),
+                    terminated=bool(terminated[i]),
+                    truncated=bool(truncated[i]),
+                    controller="policy",
+                    revision=revision,
+                    timestamp=now,
+                )
+                if terminated[i] or truncated[i]:
+                    success = bool(info["success"][i])
+                    meta = w.close(outcome="success" if success else "failure", success=success)
+                    report.episodes += 1
+                    report.successes += success
+                    report.frames += meta.length
+                    report.episode_ids.append(meta.episode_id)
+                    bar.update(1)
+                    bar.set_postfix(success=f"{report.success_rate:.0%}")
+                    if started < episodes:
+                        writers[i] = open_writer(i)
+                        started += 1
+                    else:
+                        writers[i] = None
+            observation = next_obs
+        bar.close()
+    finally:
+        env.close()
+    report.seconds = time.perf_counter() - t0
+    log.info(
+        "recorded rollouts",
+        extra={"task": report.task, "episodes": report.episodes, "success_rate": report.success_rate},
     )
     return report

@@ -11,7 +11,7 @@ import torch
 from fleet.store import Controller, EpisodeStore, SegmentKind
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE
-from sim.demos import record_demos
+from sim.demos import record_demos, record_rollouts
 from vla_rl.checkpoint import read_info
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.awr import AWRConfig, awr_weights, recap_indicators, train_awr
@@ -136,6 +136,14 @@ def base_and_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
             progress=False,
         )
     )
+    # the base's own autonomous rollouts join the data, as a deployed fleet's would
+    rep = record_rollouts(
+        store, load_policy(sft.checkpoint), TASK, episodes=2, seed=500, revision="rev-base", progress=False
+    )
+    for eid in rep.episode_ids:
+        ep = store.read_episode(eid)
+        assert (ep.controller == int(Controller.POLICY)).all() and ep.meta.revisions == ("rev-base",)
+        assert np.array_equal(ep.proposed_action, ep.action) and ep.meta.is_closed
     return sft.checkpoint, root
 
 
