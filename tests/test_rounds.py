@@ -98,6 +98,8 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
     assert info.lineage.round == ok.id and info.metrics["success_rate"] == ok.metrics["success"]
     assert "success" in (Path(pulled.path) / "README.md").read_text().lower()
     assert db.round_revisions()[ok.id] == [ok.checkpoint_revision]
+    assert sum(ok.data["episode_lengths"].values()) == ok.data["frames"] > 0  # the exact data snapshot
+    assert info.lineage.data["digest"] == ok.data["digest"]
     assert [r.id for r in db.rounds(task=TASK)][-2:] == [wrecked.id, ok.id]
 
 

@@ -181,6 +181,10 @@ def test_select_and_load_from_store(tmp_path) -> None:
     assert len(buf) == 12
     human = buf.array("controller") == H_
     assert human.sum() == 3 and (buf.array("credit")[human] == -1).all()
+    snap = buf.snapshot()
+    assert snap["episode_lengths"] == {a: 6, b: 6} and snap["frames"] == 12 and len(snap["digest"]) == 40
+    assert TransitionBuffer.from_store(store, [a, b]).snapshot()["digest"] == snap["digest"]
+    assert TransitionBuffer.from_store(store, [a, c]).snapshot()["digest"] != snap["digest"]
     assert buf.array("credit")[:6].tolist() == [1] * 6 and buf.array("credit")[6:9].tolist() == [0] * 3
 
 

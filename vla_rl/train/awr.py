@@ -236,12 +236,13 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
     human = buf.array("controller") == int(Controller.HUMAN)
+    snap = buf.snapshot()
     data = {
         "selection": selection.to_dict(),
-        "episodes": len(buf.episode_ids),
-        "frames": len(buf),
+        "episodes": snap["episodes"],
+        "frames": snap["frames"],
         "human_frames": int(human.sum()),
-        "episode_ids_head": buf.episode_ids[:3],
+        "digest": snap["digest"],
     }
     log.info(
         f"{cfg.variant} start",
@@ -348,10 +349,16 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
         base.info,
         algorithm=cfg.variant,
         parent_revision=base.commit if base.commit else cfg.base,
-        data=data,
+        data=data,  # the digest pins the exact episodes; the round's DB row lists them
         metrics={"train_steps": cfg.steps, **{k: round(v, 6) for k, v in metrics.items()}},
         round_index=cfg.round_index,
     )
     seconds = time.perf_counter() - t0
     log.info(f"{cfg.variant} done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
-    return AWRResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)
+    return AWRResult(
+        checkpoint=ckpt,
+        seconds=seconds,
+        metrics=metrics,
+        curve=curve,
+        data={**data, "episode_lengths": snap["episode_lengths"]},
+    )

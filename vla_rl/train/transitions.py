@@ -26,6 +26,7 @@ checkpoint revisions, rounds, labels, outcome), or are appended online (:meth:`a
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -436,6 +437,22 @@ class TransitionBuffer:
     @property
     def actions(self) -> np.ndarray:
         return self._consolidate()["action"]
+
+    def snapshot(self) -> dict[str, Any]:
+        """What exactly this buffer holds: episode ids with their frame counts and a digest over them,
+        so a round's data can be audited or re-selected even after the store has grown."""
+        lengths = [
+            int(n) for n in np.bincount(self._consolidate()["episode"], minlength=len(self.episode_ids))
+        ]
+        h = hashlib.sha1(usedforsecurity=False)
+        for eid, n in zip(self.episode_ids, lengths, strict=True):
+            h.update(f"{eid}:{n};".encode())
+        return {
+            "episodes": len(self.episode_ids),
+            "frames": len(self),
+            "digest": h.hexdigest(),
+            "episode_lengths": dict(zip(self.episode_ids, lengths, strict=True)),
+        }
 
     def array(self, name: str) -> np.ndarray:
         """A per-frame array by name (``controller``, ``credit``, ``mc_return``, ``reward``, ...)."""

@@ -1,0 +1,293 @@
+"""Offline-to-online post-training on a task where SFT from noisy, limited demos is mediocre.
+
+Protocol per seed (everything seeded; stages are cached under --work so reruns skip finished work):
+
+1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default);
+2. SFT base for ``--sft-steps``; evaluate on ``--eval-episodes`` held-out seeds (100000+);
+3. the fleet's experience: ``--rollouts`` autonomous episodes of the SFT base (controller policy,
+   revision = the base), stored next to the demos;
+4. each algorithm starts from the SFT base on that data (and, for online ones, the same env-step
+   budget ``--env-steps`` in the vectorised sim) and is evaluated on the SAME seeds.
+
+Prints a markdown table (success per seed, mean, delta vs SFT, wall time), writes
+bench/results/rl.json and a plot bench/results/rl.png (per-algorithm success; learning curves of
+online algorithms).
+
+    python bench/rl.py                                  # all algorithms, 3 seeds (hours on 2 cores)
+    python bench/rl.py --seeds 0 --algos awr recap      # one seed, offline algorithms only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, table, write_results
+
+from fleet.store import EpisodeStore
+from sim.demos import record_demos, record_rollouts
+from vla_rl.evaluation import evaluate
+from vla_rl.policy_loading import load_policy
+from vla_rl.train.awr import AWRConfig, train_awr
+from vla_rl.train.sft import SFTConfig, train_sft
+
+OFFLINE = ("awr", "recap", "qam")
+ONLINE = ("qam-o2o", "flow-noise", "flow-sde")
+ALL = OFFLINE + ONLINE
+
+
+def _cached(path: Path, fn: Any) -> dict[str, Any]:
+    """Run ``fn()`` unless ``path`` holds its JSON result from an earlier run."""
+    if path.exists():
+        return json.loads(path.read_text())
+    res = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
+def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
+    ev = evaluate(
+        load_policy(ckpt), args.task, episodes=args.eval_episodes, num_envs=2, seed=100_000, progress=False
+    )
+    return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
+
+
+def _train(
+    algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Train one algorithm from the SFT base; returns checkpoint path, seconds, curve, metrics."""
+    common = dict(seed=seed, progress=not args.no_progress)
+    if algo in ("awr", "recap"):
+        r = train_awr(AWRConfig(base=str(base), store=store, out=out, variant=algo, **common, **args.awr))  # type: ignore[arg-type]
+        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
+    if algo in ("qam", "qam-o2o"):
+        from vla_rl.train.qam import QAMConfig, train_qam
+
+        env_steps = 0 if algo == "qam" else args.env_steps
+        r = train_qam(
+            QAMConfig(base=str(base), store=store, out=out, env_steps=env_steps, **common, **args.qam)
+        )
+        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
+    if algo in ("flow-noise", "flow-sde"):
+        from vla_rl.train.ppo import PPOConfig, train_ppo
+
+        method = "noise" if algo == "flow-noise" else "sde"
+        r = train_ppo(
+            PPOConfig(
+                base=str(base),
+                task=args.task,
+                out=out,
+                method=method,
+                env_steps=args.env_steps,
+                **common,
+                **args.ppo,
+            )
+        )
+        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
+    raise ValueError(f"unknown algorithm {algo!r}")
+
+
+def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    work = args.work / f"seed{seed}"
+    store_path = work / "store"
+
+    def demos() -> dict[str, Any]:
+        rep = record_demos(
+            EpisodeStore(store_path, create=True),
+            args.task,
+            episodes=args.demos,
+            noise=args.noise,
+            seed=seed * 10_000,
+            num_envs=2,
+            progress=False,
+        )
+        return {"success_rate": rep.success_rate, "frames": rep.frames, "seconds": rep.seconds}
+
+    demo = _cached(work / "demos.json", demos)
+
+    def sft() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        r = train_sft(
+            SFTConfig(
+                task=args.task,
+                store=store_path,
+                out=work / "sft",
+                steps=args.sft_steps,
+                batch_size=128,
+                seed=seed,
+                threads=1,
+                progress=not args.no_progress,
+            )
+        )
+        return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0}
+
+    base = _cached(work / "sft.json", sft)
+    base_ckpt = Path(base["checkpoint"])
+    base_eval = _cached(work / "sft_eval.json", lambda: _eval(base_ckpt, args))
+
+    def rollouts() -> dict[str, Any]:
+        lp = load_policy(base_ckpt)
+        rep = record_rollouts(
+            EpisodeStore(store_path),
+            lp,
+            args.task,
+            episodes=args.rollouts,
+            seed=50_000 + seed * 10_000,
+            num_envs=2,
+            revision=lp.commit,
+            robot_prefix="fleet",
+            progress=False,
+        )
+        return {"success_rate": rep.success_rate, "frames": rep.frames, "seconds": rep.seconds}
+
+    roll = _cached(work / "rollouts.json", rollouts) if args.rollouts else {}
+    results: dict[str, Any] = {
+        "seed": seed,
+        "demos": demo,
+        "rollouts": roll,
+        "sft": {**base_eval, "seconds": base["seconds"]},
+    }
+    for algo in args.algos:
+        tag = algo + (f"-{args.tag}" if args.tag else "")
+
+        def one(algo: str = algo, tag: str = tag) -> dict[str, Any]:
+            trained = _train(algo, base_ckpt, store_path, work / tag, seed, args)
+            return {**trained, **_eval(Path(trained["checkpoint"]), args)}
+
+        try:
+            results[algo] = _cached(work / f"{tag}.json", one)
+        except ImportError as e:
+            results[algo] = {"error": f"not available: {e}"}
+        r = results[algo]
+        print(
+            f"seed {seed} {algo:<10} "
+            + (
+                f"success {r['success']:.0%} (SFT {base_eval['success']:.0%}) in {r['seconds'] / 60:.1f} min"
+                if "success" in r
+                else r["error"]
+            ),
+            flush=True,
+        )
+    return results
+
+
+def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["sft", *algos]
+    means = [
+        np.mean([s[a]["success"] for s in per_seed if "success" in s.get(a, {})] or [np.nan]) for a in names
+    ]
+    ax1.bar(names, [100 * m for m in means], color=["#888"] + ["#3a7"] * len(algos))
+    for i, a in enumerate(names):
+        pts = [100 * s[a]["success"] for s in per_seed if "success" in s.get(a, {})]
+        ax1.scatter([i] * len(pts), pts, color="k", s=12, zorder=3)
+    ax1.set_ylabel("success (%)")
+    ax1.set_title("success after post-training (dots: seeds)")
+    ax1.tick_params(axis="x", rotation=30)
+    for a in algos:
+        for s in per_seed:
+            curve = s.get(a, {}).get("curve") or []
+            xs = [
+                c.get("env_steps")
+                for c in curve
+                if c.get("env_steps") is not None and c.get("success") is not None
+            ]
+            ys = [
+                100 * c["success"]
+                for c in curve
+                if c.get("env_steps") is not None and c.get("success") is not None
+            ]
+            if xs:
+                ax2.plot(xs, ys, label=f"{a} seed {s['seed']}")
+    ax2.set_xlabel("env steps")
+    ax2.set_ylabel("rollout success (%)")
+    ax2.set_title("online learning curves")
+    if ax2.lines:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="maniskill/PickCube-v1")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--algos", nargs="+", default=list(ALL), choices=ALL)
+    p.add_argument("--demos", type=int, default=30)
+    p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument("--sft-steps", type=int, default=1500)
+    p.add_argument(
+        "--rollouts", type=int, default=100, help="autonomous episodes of the SFT base (the fleet data)"
+    )
+    p.add_argument("--env-steps", type=int, default=20_000, help="online budget per online algorithm")
+    p.add_argument("--eval-episodes", type=int, default=50)
+    p.add_argument(
+        "--awr", type=json.loads, default={}, help="AWRConfig overrides as JSON, e.g. '{\"beta\": 0.5}'"
+    )
+    p.add_argument("--qam", type=json.loads, default={}, help="QAMConfig overrides as JSON")
+    p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
+    p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
+    p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/rl.json)")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    per_seed = [run_seed(s, args) for s in args.seeds]
+    header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]
+    rows = []
+    sft_mean = float(np.mean([s["sft"]["success"] for s in per_seed]))
+    for a in ["sft", *args.algos]:
+        vals = [s[a].get("success") for s in per_seed]
+        ok = [v for v in vals if v is not None]
+        mean = float(np.mean(ok)) if ok else float("nan")
+        secs = [s[a].get("seconds", 0) for s in per_seed]
+        rows.append(
+            [
+                a,
+                *[f"{v:.0%}" if v is not None else "n/a" for v in vals],
+                f"{mean:.0%}" if ok else "n/a",
+                "-" if a == "sft" or not ok else f"{100 * (mean - sft_mean):+.0f} pts",
+                f"{np.mean(secs) / 60:.1f}",
+            ]
+        )
+    print(table(rows, header))
+    out = write_results(
+        "rl",
+        {
+            "task": args.task,
+            "budgets": {
+                "demos": args.demos,
+                "noise": args.noise,
+                "sft_steps": args.sft_steps,
+                "rollouts": args.rollouts,
+                "env_steps": args.env_steps,
+                "eval_episodes": args.eval_episodes,
+            },
+            "overrides": {"awr": args.awr, "qam": args.qam, "ppo": args.ppo},
+            "per_seed": per_seed,
+            "table": {"header": header, "rows": rows},
+            "seconds": time.perf_counter() - t0,
+        },
+        out=args.out,
+    )
+    _plot(per_seed, list(args.algos), (args.out or RESULTS / "rl.json").with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
