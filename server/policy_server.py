@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -52,7 +52,7 @@ from server.proto import policy_service_pb2 as pb
 from server.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl import __version__
 from vla_rl.checkpoint import CheckpointError
-from vla_rl.policy_loading import LoadedPolicy, load_policy
+from vla_rl.policy_loading import LoadedPolicy, load_servable
 from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.server")
@@ -97,41 +97,56 @@ def spec_problems(serving: RobotSpec, new: RobotSpec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- versions
-@dataclass
-class ServedVersion:
-    """One loaded, verified checkpoint and how to run a batch through it."""
+class ServedModel(Protocol):
+    """What the server needs from a hosted model: our flow VLA (:class:`FlowVLAModel`) or a LeRobot policy
+    (:class:`policies.lerobot_adapter.LeRobotModel`)."""
 
-    loaded: LoadedPolicy
-    loaded_at: float = field(default_factory=time.time)
-
-    @property
-    def commit(self) -> str:
-        return self.loaded.commit
+    ref: str
+    commit: str
 
     @property
-    def spec(self) -> RobotSpec:
-        return self.loaded.spec
-
+    def spec(self) -> RobotSpec: ...
     @property
-    def chunk_len(self) -> int:
-        return self.loaded.chunk_len
-
+    def chunk_len(self) -> int: ...
     @property
-    def action_dim(self) -> int:
-        return self.loaded.spec.action_dim
-
+    def n_exec(self) -> int: ...
     @property
-    def n_exec(self) -> int:
-        return int(self.loaded.policy.config.n_exec)
+    def policy_type(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def noise_shape(self) -> tuple[int, int] | None: ...  # per-request initial noise; None = takes none
 
     def infer(
         self,
         states: np.ndarray,
         cameras: Mapping[str, np.ndarray],
         instructions: list[str],
-        noise: np.ndarray,
+        noise: np.ndarray | None,
+    ) -> np.ndarray: ...
+
+
+class FlowVLAModel:
+    """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`."""
+
+    def __init__(self, loaded: LoadedPolicy) -> None:
+        self.loaded = loaded
+        self.ref, self.commit = loaded.ref, loaded.commit
+
+    spec = property(lambda self: self.loaded.spec)
+    chunk_len = property(lambda self: self.loaded.chunk_len)
+    n_exec = property(lambda self: int(self.loaded.policy.config.n_exec))
+    policy_type = property(lambda self: self.loaded.info.policy_type)
+    device = property(lambda self: self.loaded.policy.device)
+    noise_shape = property(lambda self: (self.loaded.chunk_len, self.loaded.spec.action_dim))
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
     ) -> np.ndarray:
-        """float32 [B, H, A] env-unit chunks for a batch, from explicit initial noise [B, H, A]."""
         policy = self.loaded.policy
         device = policy.device
         with torch.inference_mode():
@@ -141,9 +156,58 @@ class ServedVersion:
                 "instruction": instructions,
             }
             out = policy.predict_action_chunk(
-                obs, num_steps=self.loaded.num_steps, noise=torch.from_numpy(noise).to(device)
+                obs,
+                num_steps=self.loaded.num_steps,
+                noise=None if noise is None else torch.from_numpy(noise).to(device),
             )
             return out.float().cpu().numpy()
+
+
+class ServedVersion:
+    """One loaded, verified model (a vla-rl checkpoint or a LeRobot policy) and how to run a batch through it."""
+
+    def __init__(self, model: LoadedPolicy | ServedModel) -> None:
+        self.model: ServedModel = FlowVLAModel(model) if isinstance(model, LoadedPolicy) else model
+        self.loaded_at = time.time()
+
+    @property
+    def commit(self) -> str:
+        return self.model.commit
+
+    @property
+    def spec(self) -> RobotSpec:
+        return self.model.spec
+
+    @property
+    def chunk_len(self) -> int:
+        return self.model.chunk_len
+
+    @property
+    def action_dim(self) -> int:
+        return self.model.spec.action_dim
+
+    @property
+    def n_exec(self) -> int:
+        return self.model.n_exec
+
+    @property
+    def noise_shape(self) -> tuple[int, int] | None:
+        return self.model.noise_shape
+
+    def initial_noise(self, seed: int) -> np.ndarray | None:
+        shape = self.noise_shape
+        return None if shape is None else initial_noise(seed, *shape)
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> np.ndarray:
+        """float32 [B, H, A] env-unit chunks for a batch, from explicit initial noise [B, *noise_shape]
+        (None for a model that takes none)."""
+        return self.model.infer(states, cameras, instructions, noise)
 
     def warm_up(self) -> None:
         """One forward pass on a blank observation: fails early (and off the serving path) on a broken
@@ -151,8 +215,8 @@ class ServedVersion:
         spec = self.spec
         states = np.zeros((1, spec.state_dim), np.float32)
         cams = {c.name: np.zeros((1, *c.shape), np.uint8) for c in spec.cameras}
-        noise = initial_noise(0, self.chunk_len, self.action_dim)[None]
-        out = self.infer(states, cams, [spec.instruction], noise)
+        noise = self.initial_noise(0)
+        out = self.infer(states, cams, [spec.instruction], None if noise is None else noise[None])
         if out.shape != (1, self.chunk_len, self.action_dim):
             raise CheckpointError(
                 f"warm-up: expected actions [1, {self.chunk_len}, {self.action_dim}], got {list(out.shape)}"
@@ -315,15 +379,24 @@ class ModelSlot:
                 self._run_batch(live, version, start_ns)
 
     def _run_batch(self, live: list[_Pending], version: ServedVersion, start_ns: int) -> None:
-        h, a = version.chunk_len, version.action_dim
+        shape = version.noise_shape
         try:
-            noise = np.stack(
-                [it.noise if it.noise is not None else initial_noise(it.seed, h, a) for it in live]
-            )
-            if noise.shape != (len(live), h, a):
+            noise = None
+            if shape is not None:
+                noise = np.stack(
+                    [it.noise if it.noise is not None else initial_noise(it.seed, *shape) for it in live]
+                )
+                if (
+                    noise.shape[1:] != shape
+                ):  # explicit noise checked against the version serving before a swap
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"noise: expected float32{list(shape)} for commit {version.commit}, got {list(noise.shape[1:])}",
+                    )
+            elif any(it.noise is not None for it in live):
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"noise: expected float32[{h}, {a}] for commit {version.commit}, got {list(noise.shape[1:])}",
+                    f"noise: commit {version.commit} takes no initial noise; send a seed or nothing",
                 )
             states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
@@ -364,7 +437,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
     def _decode(self, req: pb.ActRequest, context: grpc.aio.ServicerContext) -> tuple[ModelSlot, _Pending]:
         slot = self.s.slot(req.model_id)
         spec = slot.active.spec
-        h, a = slot.active.chunk_len, spec.action_dim
+        noise_shape = slot.active.noise_shape
         if len(req.request_id) > MAX_REQUEST_ID_CHARS:
             raise SpecError(
                 "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters", f"{len(req.request_id)}"
@@ -397,7 +470,13 @@ class _Service(pb_grpc.PolicyServiceServicer):
         if req.noise.dtype or req.noise.shape or req.noise.data:
             if req.HasField("seed"):
                 raise SpecError("noise", "either seed or noise, not both", "both")
-            noise = from_tensor(req.noise, "noise", dtype="float32", shape=(h, a))
+            if noise_shape is None:
+                raise SpecError(
+                    "noise",
+                    f"no noise: {slot.active.model.policy_type} takes no initial noise (send a seed or nothing)",
+                    "a noise tensor",
+                )
+            noise = from_tensor(req.noise, "noise", dtype="float32", shape=noise_shape)
             if not np.isfinite(noise).all():
                 raise SpecError("noise", "finite values", "NaN or inf")
         seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
@@ -647,7 +726,7 @@ class PolicyServer:
 
     def _load_version(self, ref: str, slot: ModelSlot | None, force: bool) -> ServedVersion:
         try:
-            version = ServedVersion(load_policy(ref, device=self.device, cache_dir=self.cache_dir))
+            version = ServedVersion(load_servable(ref, device=self.device, cache_dir=self.cache_dir))
         except CheckpointError as e:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {e}") from None
         except ValueError as e:
@@ -693,7 +772,7 @@ class PolicyServer:
         v = s.active
         return pb.ModelInfo(
             model_id=s.model_id,
-            ref=v.loaded.ref,
+            ref=v.model.ref,
             commit=v.commit,
             previous_commit=s.previous.commit if s.previous else "",
             staged_commit=s.staged.commit if s.staged else "",
@@ -702,8 +781,8 @@ class PolicyServer:
             chunk_len=v.chunk_len,
             n_exec=v.n_exec,
             control_hz=v.spec.control_hz,
-            policy_type=v.loaded.info.policy_type,
-            device=str(v.loaded.policy.device),
+            policy_type=v.model.policy_type,
+            device=str(v.model.device),
             last_load_error=s.last_load_error,
             served=s.served,
             batches=s.batches,
