@@ -237,6 +237,7 @@ class _Pending:
     noise: np.ndarray | None
     deadline: float | None  # time.monotonic() after which nobody waits for the answer
     enqueued_ns: int
+    peer: str = ""  # the connection it came on: one robot, for the adaptive batching wait
     future: concurrent.futures.Future[_Result] = field(default_factory=concurrent.futures.Future)
 
 
@@ -254,7 +255,15 @@ class ModelSlot:
     """One model id: its serving version (plus previous and staged ones), bounded queue and batcher thread."""
 
     def __init__(
-        self, model_id: str, version: ServedVersion, *, max_batch: int, max_wait_us: int, max_queue: int
+        self,
+        model_id: str,
+        version: ServedVersion,
+        *,
+        max_batch: int,
+        max_wait_us: int,
+        max_queue: int,
+        adaptive_wait: bool = True,
+        activity_window_s: float = 1.0,
     ) -> None:
         if max_batch < 1 or max_queue < 1 or max_wait_us < 0:
             raise ValueError(
@@ -265,6 +274,9 @@ class ModelSlot:
         self.previous: ServedVersion | None = None
         self.staged: ServedVersion | None = None
         self.max_batch, self.max_wait_us, self.max_queue = max_batch, max_wait_us, max_queue
+        self.adaptive_wait, self.activity_window_s = adaptive_wait, activity_window_s
+        self._last_seen: dict[str, float] = {}  # peer -> time.monotonic() of its last request
+        self._queued_peers: collections.Counter[str] = collections.Counter()
         self.last_load_error = ""
         self.last_failed_commit = ""
         self.followed_ref = ""
@@ -301,6 +313,8 @@ class ModelSlot:
                     f"model {self.model_id!r}: request queue full ({self.max_queue} waiting); retry with backoff",
                 )
             self._queue.append(item)
+            self._last_seen[item.peer] = time.monotonic()
+            self._queued_peers[item.peer] += 1
             self._cond.notify()
 
     # -- swaps: all under the batcher's lock, so they land between batches
@@ -334,6 +348,24 @@ class ModelSlot:
             return self.active
 
     # -- the batcher
+    def active_clients(self) -> int:
+        """Connections that sent a request within the last ``activity_window_s`` (or have one queued)."""
+        with self._cond:
+            self._forget_idle_peers()
+            return len(self._last_seen)
+
+    def _forget_idle_peers(self) -> None:
+        cutoff = time.monotonic() - self.activity_window_s
+        for peer in [p for p, t in self._last_seen.items() if t < cutoff and not self._queued_peers[p]]:
+            del self._last_seen[peer]
+            del self._queued_peers[peer]
+
+    def _nobody_else_expected(self) -> bool:
+        """Every recently active connection already has a request queued: waiting longer cannot grow the
+        batch (a closed-loop robot sends its next request only after this reply), so dispatch now."""
+        self._forget_idle_peers()
+        return all(self._queued_peers[p] for p in self._last_seen)
+
     def _take_batch(self) -> tuple[list[_Pending], ServedVersion] | None:
         with self._cond:
             while not self._queue and not self._stopping:
@@ -341,15 +373,20 @@ class ModelSlot:
             if self._stopping:
                 return None
             # Gather up to max_batch, waiting at most max_wait_us after the oldest request arrived: a
-            # lone robot pays at most max_wait_us, a crowd fills the batch without waiting.
+            # crowd fills the batch without waiting. With adaptive_wait a lone robot (or a batch that
+            # already holds every active robot) goes at once instead of paying max_wait_us.
             until = self._queue[0].enqueued_ns / 1e9 + self.max_wait_us / 1e6
             while len(self._queue) < self.max_batch and not self._stopping:
+                if self.adaptive_wait and self._nobody_else_expected():
+                    break
                 remaining = until - time.perf_counter_ns() / 1e9
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
             n = min(self.max_batch, len(self._queue))
             batch = [self._queue.popleft() for _ in range(n)]
+            for item in batch:
+                self._queued_peers[item.peer] -= 1
             return batch, self.active  # the version is read once per batch: swaps land between batches
 
     def _run(self) -> None:
@@ -495,6 +532,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             noise=noise,
             deadline=deadline,
             enqueued_ns=0,
+            peer=context.peer() or "",
         )
         return slot, item
 
@@ -632,6 +670,9 @@ class PolicyServer:
         cache_dir: str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         torch_threads: int | None = None,
+        adaptive_wait: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if not models:
             raise ValueError("PolicyServer needs at least one model (model id -> checkpoint reference)")
@@ -639,7 +680,17 @@ class PolicyServer:
         if unknown:
             raise ValueError(f"follow names model ids that are not served: {sorted(unknown)}")
         self.host, self.port = host, port
-        self.batching = {"max_batch": max_batch, "max_wait_us": max_wait_us, "max_queue": max_queue}
+        self.batching = {
+            "max_batch": max_batch,
+            "max_wait_us": max_wait_us,
+            "max_queue": max_queue,
+            "adaptive_wait": adaptive_wait,
+        }
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both tls_cert (PEM certificate chain) and tls_key (PEM private key)")
+        self.tls: tuple[bytes, bytes] | None = None
+        if tls_cert is not None and tls_key is not None:
+            self.tls = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())
         self.token = token
         self.device = device
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -791,6 +842,8 @@ class PolicyServer:
             max_batch=s.max_batch,
             max_wait_us=s.max_wait_us,
             max_queue=s.max_queue,
+            adaptive_wait=s.adaptive_wait,
+            active_clients=s.active_clients(),
         )
 
     def swap_response(self, s: ModelSlot) -> pb.SwapResponse:
@@ -844,7 +897,16 @@ class PolicyServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._aio
         )
-        port = self._aio.add_insecure_port(f"{self.host}:{self.port}")
+        if self.tls is not None:
+            creds = grpc.ssl_server_credentials([self.tls])
+            port = self._aio.add_secure_port(f"{self.host}:{self.port}", creds)
+        else:
+            if self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning(
+                    "control token sent in clear text: bind 127.0.0.1 or give --tls-cert/--tls-key",
+                    extra={"host": self.host},
+                )
+            port = self._aio.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:
             raise OSError(f"could not bind the policy server to {self.host}:{self.port}")
         self.port = port
@@ -931,11 +993,16 @@ def serve(
     follow_interval_s: float = 30.0,
     device: str = "auto",
     cache_dir: str | os.PathLike[str] | None = None,
+    adaptive_wait: bool = True,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
 ) -> None:
     """Serve ``checkpoint`` as ``model_id`` until interrupted (what ``vla-rl serve`` runs).
 
+    ``checkpoint`` is a vla-rl checkpoint or a LeRobot policy folder (picked by its ``config.json``).
     ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
     ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
+    ``tls_cert``/``tls_key`` (PEM files) serve over TLS.
     """
     follow_ref = str(checkpoint) if follow is True else (follow or None)
     server = PolicyServer(
@@ -950,6 +1017,9 @@ def serve(
         follow_interval_s=follow_interval_s,
         device=device,
         cache_dir=cache_dir,
+        adaptive_wait=adaptive_wait,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
     )
     server.start()
     try:
