@@ -417,3 +417,17 @@ def test_follows_prod_on_the_hub_without_failed_requests(
         np.testing.assert_allclose(
             r.actions, expected(reference["a" if r.commit == v1 else "b"], obs, seed), atol=1e-5
         )
+
+
+def test_robot_side_modules_do_not_import_torch() -> None:
+    """Robots install numpy, grpcio and Pillow only: the clients and the action queue must not pull in torch."""
+    import sys
+
+    code = (
+        "import sys, server.client, server.aio_client, server.action_queue; assert 'torch' not in sys.modules"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
