@@ -3,17 +3,29 @@
 Every call has a deadline (``timeout_s``), because a robot blocked forever on a dead server is worse than
 one that gets an error and stops safely (LeRobot #3979: ``Ready()`` without a deadline hangs). Errors come
 back as :class:`PolicyError` with the gRPC status code and the server's message, which names the field.
+
+When the server goes away (restart, rolling update) a call keeps retrying UNAVAILABLE with exponential
+backoff and jitter (:class:`Backoff`) *within its deadline*, so a robot rides out a restart shorter than its
+budget and gets an error, not a hang, for a longer one. Inference calls are safe to repeat (no state on the
+server); control calls are never retried. The channel's own reconnect backoff is capped at the same maximum,
+so a server that comes back is found within ``Backoff.max_s`` (gRPC's default cap is 120 s).
+
+:mod:`server.aio_client` is the asyncio twin; :mod:`server.action_queue` turns chunks into a steady
+action stream for a control loop.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import queue
+import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -25,11 +37,65 @@ from server.proto import policy_service_pb2_grpc as pb_grpc
 __all__ = [
     "ActResult",
     "ActStream",
+    "Backoff",
     "PolicyClient",
     "PolicyError",
     "Timing",
     "build_request",
+    "channel_credentials",
+    "channel_options",
 ]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter for retrying UNAVAILABLE: ``initial_s * multiplier**n``, capped at
+    ``max_s``, each delay scaled by a random factor in ``[1 - jitter, 1 + jitter]`` so that a fleet of robots
+    does not reconnect in lock-step."""
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial_s <= self.max_s) or self.multiplier < 1 or not 0 <= self.jitter < 1:
+            raise ValueError(
+                f"Backoff needs 0 < initial_s <= max_s, multiplier >= 1, 0 <= jitter < 1; got {self}"
+            )
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        base = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 64))
+        return base * (1.0 + self.jitter * (2.0 * (rng or random).random() - 1.0))
+
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+DEFAULT_BACKOFF = Backoff()
+
+
+def channel_options(max_message_bytes: int, backoff: Backoff | None) -> list[tuple[str, Any]]:
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    if backoff is not None:  # the channel's own reconnect attempts, capped like ours
+        opts += [
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(backoff.max_s * 1000))),
+        ]
+    return opts
+
+
+def channel_credentials(tls_ca: str | os.PathLike[str] | bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM root certificate(s) ``tls_ca`` (a path or the bytes); None = plaintext."""
+    if tls_ca is None:
+        return None
+    pem = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=pem)
 
 
 class PolicyError(Exception):
@@ -123,29 +189,40 @@ class ActStream:
     Each request carries its budget (``timeout_ms``) so the server drops it unanswered-for rather than run
     it late, and the client waits at most that long (plus a margin for the reply to travel): a stream
     whose reply does not come in time is cancelled, since a later reply could no longer be matched.
+    A stream that the server closes (restart) is reopened on the next ``act`` with the client's backoff,
+    within that call's budget; the request is sent again on the new stream.
     """
 
     _END = object()
     _MARGIN_S = 1.0
 
     def __init__(self, stub: pb_grpc.PolicyServiceStub, client: PolicyClient, model_id: str) -> None:
+        self._stub = stub
         self._client = client
         self._model_id = model_id
-        self._requests: queue.Queue[Any] = queue.Queue()
-        self._replies: queue.Queue[pb.ActResponse | PolicyError] = queue.Queue()
-        self._call = stub.StreamAct(iter(self._requests.get, self._END))
         self._lock = threading.Lock()
         self._broken: PolicyError | None = None
-        self._reader = threading.Thread(target=self._read, name="act-stream-reader", daemon=True)
+        self._closed = False
+        self.reopened = 0
+        self._open()
+
+    def _open(self) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._replies: queue.Queue[pb.ActResponse | PolicyError] = queue.Queue()
+        self._call = self._stub.StreamAct(iter(self._requests.get, self._END))
+        self._reader = threading.Thread(
+            target=self._read, args=(self._call, self._replies), name="act-stream-reader", daemon=True
+        )
         self._reader.start()
 
-    def _read(self) -> None:
+    @staticmethod
+    def _read(call: Any, replies: queue.Queue[Any]) -> None:
         try:
-            for resp in self._call:
-                self._replies.put(resp)
-            self._replies.put(PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed by the server"))
+            for resp in call:
+                replies.put(resp)
+            replies.put(PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed by the server"))
         except grpc.RpcError as e:
-            self._replies.put(PolicyError.from_rpc(e))
+            replies.put(PolicyError.from_rpc(e))
 
     def act(
         self,
@@ -164,22 +241,42 @@ class ActStream:
             image_format=self._client.image_format,
             timeout_ms=max(1, int(timeout * 1000)),
         )
+        deadline = time.monotonic() + timeout + self._MARGIN_S
+        backoff = self._client.backoff
+        attempt = 0
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            t0 = time.perf_counter_ns()
-            self._requests.put(req)
-            try:
-                reply = self._replies.get(timeout=timeout + self._MARGIN_S)
-            except queue.Empty:
-                self._broken = PolicyError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout + self._MARGIN_S:.1f} s"
-                )
-                self.close()
-                raise self._broken from None
-            if isinstance(reply, PolicyError):
-                self._broken = reply
-                raise reply
+            while True:
+                if self._broken is not None:
+                    delay = backoff.delay(attempt) if backoff is not None else 0.0
+                    if (
+                        self._closed
+                        or backoff is None
+                        or self._broken.code not in RETRYABLE
+                        or time.monotonic() + delay >= deadline
+                    ):
+                        raise self._broken
+                    time.sleep(delay)
+                    attempt += 1
+                    self._call.cancel()
+                    self._open()
+                    self._broken = None
+                    self.reopened += 1
+                    self._client.retries += 1
+                t0 = time.perf_counter_ns()
+                self._requests.put(req)
+                try:
+                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    self._broken = PolicyError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout + self._MARGIN_S:.1f} s"
+                    )
+                    self._requests.put(self._END)
+                    self._call.cancel()
+                    raise self._broken from None
+                if isinstance(reply, PolicyError):
+                    self._broken = reply
+                    continue  # reopen (UNAVAILABLE, within the budget) or raise, at the top
+                break
         if reply.request_id != req.request_id:  # cannot happen with an in-order server; never mis-route
             raise PolicyError(
                 grpc.StatusCode.INTERNAL, f"reply for {reply.request_id!r} to request {req.request_id!r}"
@@ -187,6 +284,7 @@ class ActStream:
         return _result(reply, t0)
 
     def close(self) -> None:
+        self._closed = True
         self._requests.put(self._END)
         self._call.cancel()
 
@@ -198,7 +296,10 @@ class ActStream:
 
 
 class PolicyClient:
-    """Blocking client: ``act`` for chunks, ``info`` for the served models, control calls with a token."""
+    """Blocking client: ``act`` for chunks, ``info`` for the served models, control calls with a token.
+
+    ``tls_ca`` (PEM root certificate, path or bytes) connects over TLS; ``backoff=None`` turns retries off.
+    """
 
     def __init__(
         self,
@@ -209,19 +310,22 @@ class PolicyClient:
         model_id: str = "",
         image_format: str = "raw",
         max_message_bytes: int = 64 * 1024 * 1024,
+        tls_ca: str | os.PathLike[str] | bytes | None = None,
+        backoff: Backoff | None = DEFAULT_BACKOFF,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.model_id = model_id
         self.image_format = image_format
+        self.backoff = backoff
+        self.retries = 0  # calls repeated after UNAVAILABLE (and streams reopened)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.keepalive_time_ms", 30_000),
-            ],
+        opts = channel_options(max_message_bytes, backoff)
+        creds = channel_credentials(tls_ca)
+        self._channel = (
+            grpc.secure_channel(address, creds, options=opts)
+            if creds is not None
+            else grpc.insecure_channel(address, options=opts)
         )
         self._stub = pb_grpc.PolicyServiceStub(self._channel)
 
@@ -249,18 +353,36 @@ class PolicyClient:
     def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
         """Send a prepared ``ActRequest`` (lets tests and tools send what ``build_request`` would refuse)."""
         t0 = time.perf_counter_ns()
-        try:
-            resp = self._stub.Act(req, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise PolicyError.from_rpc(e) from None
+        resp = self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
         return _result(resp, t0)
+
+    def _retrying(self, call: Callable[[float], T], timeout_s: float | None) -> T:
+        """``call(remaining_s)``, repeated after UNAVAILABLE with backoff until the deadline."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return call(max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                err = PolicyError.from_rpc(e)
+            if self.backoff is None or err.code not in RETRYABLE:
+                raise err
+            delay = self.backoff.delay(attempt)
+            if time.monotonic() + delay >= deadline:
+                raise err
+            time.sleep(delay)
+            attempt += 1
+            self.retries += 1
 
     def stream(self, model_id: str | None = None) -> ActStream:
         return ActStream(self._stub, self, self.model_id if model_id is None else model_id)
 
     def info(self, model_id: str = "", timeout_s: float | None = None) -> dict[str, pb.ModelInfo]:
         """Served models by id: commit, spec JSON, chunk length, n_exec, last load error, counters."""
-        resp = self._call(self._stub.GetInfo, pb.GetInfoRequest(model_id=model_id), timeout_s)
+        req = pb.GetInfoRequest(model_id=model_id)
+        resp = self._retrying(
+            lambda t: self._stub.GetInfo(req, timeout=t, metadata=self._metadata), timeout_s
+        )
         return {m.model_id: m for m in resp.models}
 
     def load_checkpoint(
@@ -298,6 +420,7 @@ class PolicyClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def _call(self, method: Any, req: Any, timeout_s: float | None) -> Any:
+        """A call that is not repeated (control calls change state; health is a probe)."""
         try:
             return method(req, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:

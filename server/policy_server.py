@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -52,7 +52,7 @@ from server.proto import policy_service_pb2 as pb
 from server.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl import __version__
 from vla_rl.checkpoint import CheckpointError
-from vla_rl.policy_loading import LoadedPolicy, load_policy
+from vla_rl.policy_loading import LoadedPolicy, load_servable
 from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.server")
@@ -97,41 +97,56 @@ def spec_problems(serving: RobotSpec, new: RobotSpec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- versions
-@dataclass
-class ServedVersion:
-    """One loaded, verified checkpoint and how to run a batch through it."""
+class ServedModel(Protocol):
+    """What the server needs from a hosted model: our flow VLA (:class:`FlowVLAModel`) or a LeRobot policy
+    (:class:`policies.lerobot_adapter.LeRobotModel`)."""
 
-    loaded: LoadedPolicy
-    loaded_at: float = field(default_factory=time.time)
-
-    @property
-    def commit(self) -> str:
-        return self.loaded.commit
+    ref: str
+    commit: str
 
     @property
-    def spec(self) -> RobotSpec:
-        return self.loaded.spec
-
+    def spec(self) -> RobotSpec: ...
     @property
-    def chunk_len(self) -> int:
-        return self.loaded.chunk_len
-
+    def chunk_len(self) -> int: ...
     @property
-    def action_dim(self) -> int:
-        return self.loaded.spec.action_dim
-
+    def n_exec(self) -> int: ...
     @property
-    def n_exec(self) -> int:
-        return int(self.loaded.policy.config.n_exec)
+    def policy_type(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def noise_shape(self) -> tuple[int, int] | None: ...  # per-request initial noise; None = takes none
 
     def infer(
         self,
         states: np.ndarray,
         cameras: Mapping[str, np.ndarray],
         instructions: list[str],
-        noise: np.ndarray,
+        noise: np.ndarray | None,
+    ) -> np.ndarray: ...
+
+
+class FlowVLAModel:
+    """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`."""
+
+    def __init__(self, loaded: LoadedPolicy) -> None:
+        self.loaded = loaded
+        self.ref, self.commit = loaded.ref, loaded.commit
+
+    spec = property(lambda self: self.loaded.spec)
+    chunk_len = property(lambda self: self.loaded.chunk_len)
+    n_exec = property(lambda self: int(self.loaded.policy.config.n_exec))
+    policy_type = property(lambda self: self.loaded.info.policy_type)
+    device = property(lambda self: self.loaded.policy.device)
+    noise_shape = property(lambda self: (self.loaded.chunk_len, self.loaded.spec.action_dim))
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
     ) -> np.ndarray:
-        """float32 [B, H, A] env-unit chunks for a batch, from explicit initial noise [B, H, A]."""
         policy = self.loaded.policy
         device = policy.device
         with torch.inference_mode():
@@ -141,9 +156,58 @@ class ServedVersion:
                 "instruction": instructions,
             }
             out = policy.predict_action_chunk(
-                obs, num_steps=self.loaded.num_steps, noise=torch.from_numpy(noise).to(device)
+                obs,
+                num_steps=self.loaded.num_steps,
+                noise=None if noise is None else torch.from_numpy(noise).to(device),
             )
             return out.float().cpu().numpy()
+
+
+class ServedVersion:
+    """One loaded, verified model (a vla-rl checkpoint or a LeRobot policy) and how to run a batch through it."""
+
+    def __init__(self, model: LoadedPolicy | ServedModel) -> None:
+        self.model: ServedModel = FlowVLAModel(model) if isinstance(model, LoadedPolicy) else model
+        self.loaded_at = time.time()
+
+    @property
+    def commit(self) -> str:
+        return self.model.commit
+
+    @property
+    def spec(self) -> RobotSpec:
+        return self.model.spec
+
+    @property
+    def chunk_len(self) -> int:
+        return self.model.chunk_len
+
+    @property
+    def action_dim(self) -> int:
+        return self.model.spec.action_dim
+
+    @property
+    def n_exec(self) -> int:
+        return self.model.n_exec
+
+    @property
+    def noise_shape(self) -> tuple[int, int] | None:
+        return self.model.noise_shape
+
+    def initial_noise(self, seed: int) -> np.ndarray | None:
+        shape = self.noise_shape
+        return None if shape is None else initial_noise(seed, *shape)
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> np.ndarray:
+        """float32 [B, H, A] env-unit chunks for a batch, from explicit initial noise [B, *noise_shape]
+        (None for a model that takes none)."""
+        return self.model.infer(states, cameras, instructions, noise)
 
     def warm_up(self) -> None:
         """One forward pass on a blank observation: fails early (and off the serving path) on a broken
@@ -151,8 +215,8 @@ class ServedVersion:
         spec = self.spec
         states = np.zeros((1, spec.state_dim), np.float32)
         cams = {c.name: np.zeros((1, *c.shape), np.uint8) for c in spec.cameras}
-        noise = initial_noise(0, self.chunk_len, self.action_dim)[None]
-        out = self.infer(states, cams, [spec.instruction], noise)
+        noise = self.initial_noise(0)
+        out = self.infer(states, cams, [spec.instruction], None if noise is None else noise[None])
         if out.shape != (1, self.chunk_len, self.action_dim):
             raise CheckpointError(
                 f"warm-up: expected actions [1, {self.chunk_len}, {self.action_dim}], got {list(out.shape)}"
@@ -173,6 +237,7 @@ class _Pending:
     noise: np.ndarray | None
     deadline: float | None  # time.monotonic() after which nobody waits for the answer
     enqueued_ns: int
+    peer: str = ""  # the connection it came on: one robot, for the adaptive batching wait
     future: concurrent.futures.Future[_Result] = field(default_factory=concurrent.futures.Future)
 
 
@@ -190,7 +255,15 @@ class ModelSlot:
     """One model id: its serving version (plus previous and staged ones), bounded queue and batcher thread."""
 
     def __init__(
-        self, model_id: str, version: ServedVersion, *, max_batch: int, max_wait_us: int, max_queue: int
+        self,
+        model_id: str,
+        version: ServedVersion,
+        *,
+        max_batch: int,
+        max_wait_us: int,
+        max_queue: int,
+        adaptive_wait: bool = True,
+        activity_window_s: float = 1.0,
     ) -> None:
         if max_batch < 1 or max_queue < 1 or max_wait_us < 0:
             raise ValueError(
@@ -201,6 +274,9 @@ class ModelSlot:
         self.previous: ServedVersion | None = None
         self.staged: ServedVersion | None = None
         self.max_batch, self.max_wait_us, self.max_queue = max_batch, max_wait_us, max_queue
+        self.adaptive_wait, self.activity_window_s = adaptive_wait, activity_window_s
+        self._last_seen: dict[str, float] = {}  # peer -> time.monotonic() of its last request
+        self._queued_peers: collections.Counter[str] = collections.Counter()
         self.last_load_error = ""
         self.last_failed_commit = ""
         self.followed_ref = ""
@@ -237,6 +313,8 @@ class ModelSlot:
                     f"model {self.model_id!r}: request queue full ({self.max_queue} waiting); retry with backoff",
                 )
             self._queue.append(item)
+            self._last_seen[item.peer] = time.monotonic()
+            self._queued_peers[item.peer] += 1
             self._cond.notify()
 
     # -- swaps: all under the batcher's lock, so they land between batches
@@ -270,6 +348,24 @@ class ModelSlot:
             return self.active
 
     # -- the batcher
+    def active_clients(self) -> int:
+        """Connections that sent a request within the last ``activity_window_s`` (or have one queued)."""
+        with self._cond:
+            self._forget_idle_peers()
+            return len(self._last_seen)
+
+    def _forget_idle_peers(self) -> None:
+        cutoff = time.monotonic() - self.activity_window_s
+        for peer in [p for p, t in self._last_seen.items() if t < cutoff and not self._queued_peers[p]]:
+            del self._last_seen[peer]
+            del self._queued_peers[peer]
+
+    def _nobody_else_expected(self) -> bool:
+        """Every recently active connection already has a request queued: waiting longer cannot grow the
+        batch (a closed-loop robot sends its next request only after this reply), so dispatch now."""
+        self._forget_idle_peers()
+        return all(self._queued_peers[p] for p in self._last_seen)
+
     def _take_batch(self) -> tuple[list[_Pending], ServedVersion] | None:
         with self._cond:
             while not self._queue and not self._stopping:
@@ -277,15 +373,20 @@ class ModelSlot:
             if self._stopping:
                 return None
             # Gather up to max_batch, waiting at most max_wait_us after the oldest request arrived: a
-            # lone robot pays at most max_wait_us, a crowd fills the batch without waiting.
+            # crowd fills the batch without waiting. With adaptive_wait a lone robot (or a batch that
+            # already holds every active robot) goes at once instead of paying max_wait_us.
             until = self._queue[0].enqueued_ns / 1e9 + self.max_wait_us / 1e6
             while len(self._queue) < self.max_batch and not self._stopping:
+                if self.adaptive_wait and self._nobody_else_expected():
+                    break
                 remaining = until - time.perf_counter_ns() / 1e9
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
             n = min(self.max_batch, len(self._queue))
             batch = [self._queue.popleft() for _ in range(n)]
+            for item in batch:
+                self._queued_peers[item.peer] -= 1
             return batch, self.active  # the version is read once per batch: swaps land between batches
 
     def _run(self) -> None:
@@ -315,15 +416,24 @@ class ModelSlot:
                 self._run_batch(live, version, start_ns)
 
     def _run_batch(self, live: list[_Pending], version: ServedVersion, start_ns: int) -> None:
-        h, a = version.chunk_len, version.action_dim
+        shape = version.noise_shape
         try:
-            noise = np.stack(
-                [it.noise if it.noise is not None else initial_noise(it.seed, h, a) for it in live]
-            )
-            if noise.shape != (len(live), h, a):
+            noise = None
+            if shape is not None:
+                noise = np.stack(
+                    [it.noise if it.noise is not None else initial_noise(it.seed, *shape) for it in live]
+                )
+                if (
+                    noise.shape[1:] != shape
+                ):  # explicit noise checked against the version serving before a swap
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"noise: expected float32{list(shape)} for commit {version.commit}, got {list(noise.shape[1:])}",
+                    )
+            elif any(it.noise is not None for it in live):
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"noise: expected float32[{h}, {a}] for commit {version.commit}, got {list(noise.shape[1:])}",
+                    f"noise: commit {version.commit} takes no initial noise; send a seed or nothing",
                 )
             states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
@@ -364,7 +474,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
     def _decode(self, req: pb.ActRequest, context: grpc.aio.ServicerContext) -> tuple[ModelSlot, _Pending]:
         slot = self.s.slot(req.model_id)
         spec = slot.active.spec
-        h, a = slot.active.chunk_len, spec.action_dim
+        noise_shape = slot.active.noise_shape
         if len(req.request_id) > MAX_REQUEST_ID_CHARS:
             raise SpecError(
                 "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters", f"{len(req.request_id)}"
@@ -397,7 +507,13 @@ class _Service(pb_grpc.PolicyServiceServicer):
         if req.noise.dtype or req.noise.shape or req.noise.data:
             if req.HasField("seed"):
                 raise SpecError("noise", "either seed or noise, not both", "both")
-            noise = from_tensor(req.noise, "noise", dtype="float32", shape=(h, a))
+            if noise_shape is None:
+                raise SpecError(
+                    "noise",
+                    f"no noise: {slot.active.model.policy_type} takes no initial noise (send a seed or nothing)",
+                    "a noise tensor",
+                )
+            noise = from_tensor(req.noise, "noise", dtype="float32", shape=noise_shape)
             if not np.isfinite(noise).all():
                 raise SpecError("noise", "finite values", "NaN or inf")
         seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
@@ -416,6 +532,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             noise=noise,
             deadline=deadline,
             enqueued_ns=0,
+            peer=context.peer() or "",
         )
         return slot, item
 
@@ -553,6 +670,9 @@ class PolicyServer:
         cache_dir: str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         torch_threads: int | None = None,
+        adaptive_wait: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if not models:
             raise ValueError("PolicyServer needs at least one model (model id -> checkpoint reference)")
@@ -560,7 +680,17 @@ class PolicyServer:
         if unknown:
             raise ValueError(f"follow names model ids that are not served: {sorted(unknown)}")
         self.host, self.port = host, port
-        self.batching = {"max_batch": max_batch, "max_wait_us": max_wait_us, "max_queue": max_queue}
+        self.batching = {
+            "max_batch": max_batch,
+            "max_wait_us": max_wait_us,
+            "max_queue": max_queue,
+            "adaptive_wait": adaptive_wait,
+        }
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both tls_cert (PEM certificate chain) and tls_key (PEM private key)")
+        self.tls: tuple[bytes, bytes] | None = None
+        if tls_cert is not None and tls_key is not None:
+            self.tls = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())
         self.token = token
         self.device = device
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -647,7 +777,7 @@ class PolicyServer:
 
     def _load_version(self, ref: str, slot: ModelSlot | None, force: bool) -> ServedVersion:
         try:
-            version = ServedVersion(load_policy(ref, device=self.device, cache_dir=self.cache_dir))
+            version = ServedVersion(load_servable(ref, device=self.device, cache_dir=self.cache_dir))
         except CheckpointError as e:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {e}") from None
         except ValueError as e:
@@ -693,7 +823,7 @@ class PolicyServer:
         v = s.active
         return pb.ModelInfo(
             model_id=s.model_id,
-            ref=v.loaded.ref,
+            ref=v.model.ref,
             commit=v.commit,
             previous_commit=s.previous.commit if s.previous else "",
             staged_commit=s.staged.commit if s.staged else "",
@@ -702,8 +832,8 @@ class PolicyServer:
             chunk_len=v.chunk_len,
             n_exec=v.n_exec,
             control_hz=v.spec.control_hz,
-            policy_type=v.loaded.info.policy_type,
-            device=str(v.loaded.policy.device),
+            policy_type=v.model.policy_type,
+            device=str(v.model.device),
             last_load_error=s.last_load_error,
             served=s.served,
             batches=s.batches,
@@ -712,6 +842,8 @@ class PolicyServer:
             max_batch=s.max_batch,
             max_wait_us=s.max_wait_us,
             max_queue=s.max_queue,
+            adaptive_wait=s.adaptive_wait,
+            active_clients=s.active_clients(),
         )
 
     def swap_response(self, s: ModelSlot) -> pb.SwapResponse:
@@ -765,7 +897,16 @@ class PolicyServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._aio
         )
-        port = self._aio.add_insecure_port(f"{self.host}:{self.port}")
+        if self.tls is not None:
+            creds = grpc.ssl_server_credentials([self.tls])
+            port = self._aio.add_secure_port(f"{self.host}:{self.port}", creds)
+        else:
+            if self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning(
+                    "control token sent in clear text: bind 127.0.0.1 or give --tls-cert/--tls-key",
+                    extra={"host": self.host},
+                )
+            port = self._aio.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:
             raise OSError(f"could not bind the policy server to {self.host}:{self.port}")
         self.port = port
@@ -852,11 +993,16 @@ def serve(
     follow_interval_s: float = 30.0,
     device: str = "auto",
     cache_dir: str | os.PathLike[str] | None = None,
+    adaptive_wait: bool = True,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
 ) -> None:
     """Serve ``checkpoint`` as ``model_id`` until interrupted (what ``vla-rl serve`` runs).
 
+    ``checkpoint`` is a vla-rl checkpoint or a LeRobot policy folder (picked by its ``config.json``).
     ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
     ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
+    ``tls_cert``/``tls_key`` (PEM files) serve over TLS.
     """
     follow_ref = str(checkpoint) if follow is True else (follow or None)
     server = PolicyServer(
@@ -871,6 +1017,9 @@ def serve(
         follow_interval_s=follow_interval_s,
         device=device,
         cache_dir=cache_dir,
+        adaptive_wait=adaptive_wait,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
     )
     server.start()
     try:

@@ -350,6 +350,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     follow: bool | str | None = args.follow
     if follow == "self":
         follow = True
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together (PEM certificate chain and its private key)")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not path.is_file():
+            raise CliError(f"{flag} {path}: no such file")
     serve(
         args.checkpoint,
         follow=follow,
@@ -362,6 +367,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         follow_interval_s=args.follow_interval,
         device=args.device,
+        adaptive_wait=not args.no_adaptive_wait,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     return 0
 
@@ -372,7 +380,9 @@ def cmd_client_act(args: argparse.Namespace) -> int:
     from server.client import PolicyClient, PolicyError
     from sim.registry import make_env
 
-    client = PolicyClient(args.server, timeout_s=args.timeout)
+    if args.tls_ca is not None and not args.tls_ca.is_file():
+        raise CliError(f"--tls-ca {args.tls_ca}: no such file")
+    client = PolicyClient(args.server, timeout_s=args.timeout, tls_ca=args.tls_ca)
     try:
         info = client.info()
         model = info[args.model_id] if args.model_id else next(iter(info.values()))
@@ -716,8 +726,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Serve a checkpoint to many robots: dynamic batching across clients, bounded queue "
         "(RESOURCE_EXHAUSTED when full), deadlines, health + reflection, and live checkpoint swaps "
         "(LoadCheckpoint / Promote / Rollback with the token, or --follow a moving ref such as "
-        "hub://org/name@prod). Binds 127.0.0.1 unless told otherwise.\n\n"
-        "example:\n  vla-rl serve --checkpoint hub://fleet/push@prod --follow self --token $TOKEN",
+        "hub://org/name@prod). --checkpoint may also be a LeRobot policy folder (config.json with a "
+        '"type", e.g. ACT or Diffusion, saved by save_pretrained with its processors). '
+        "Binds 127.0.0.1 unless told otherwise; --tls-cert/--tls-key serve over TLS.\n\n"
+        "examples:\n  vla-rl serve --checkpoint hub://fleet/push@prod --follow self --token $TOKEN\n"
+        "  vla-rl serve --checkpoint outputs/train/act_so100/checkpoints/last/pretrained_model",
     )
     sv_p.add_argument("--checkpoint", required=True, help="hub://org/name@rev or a checkpoint folder")
     sv_p.add_argument(
@@ -727,7 +740,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv_p.add_argument("--host", default="127.0.0.1")
     sv_p.add_argument("--port", type=int, default=50061)
     sv_p.add_argument("--max-batch", type=int, default=16, help="largest batch per forward pass")
-    sv_p.add_argument("--max-wait-us", type=int, default=2000, help="how long a batch waits to fill")
+    sv_p.add_argument(
+        "--max-wait-us", type=int, default=2000, help="longest a batch waits to fill (default %(default)s)"
+    )
+    sv_p.add_argument(
+        "--no-adaptive-wait",
+        action="store_true",
+        help="always wait --max-wait-us for a batch to fill, even when every active robot is already in it",
+    )
+    sv_p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve over TLS")
+    sv_p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     sv_p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     sv_p.add_argument("--model-id", default="default")
     sv_p.add_argument("--token", default=os.environ.get("VLA_RL_SERVER_TOKEN"), help="enables control calls")
@@ -747,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--model-id", default="")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--timeout", type=float, default=10.0)
+    ca.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate(s): connect over TLS")
 
     hub_p = add(sub, "hub", lambda a: (hub_p.print_help(), 0)[1], "checkpoint registry (Hub-compatible)")
     hub_sub = hub_p.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ import torch
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.checkpoint import CheckpointError, CheckpointInfo, load_checkpoint
 from vla_rl.spec import RobotSpec
+
+if TYPE_CHECKING:
+    from policies.lerobot_adapter import LeRobotModel
 
 POLICY_TYPES = ("flow_vla",)
 
@@ -79,6 +82,25 @@ def load_policy(
     from vla_rl.hub.registry import pull
 
     ckpt = pull(str(ref), cache_dir=cache_dir)
-    info, weights = load_checkpoint(ckpt.path)
+    return _load_folder(Path(ckpt.path), ckpt.commit, str(ref), device)
+
+
+def _load_folder(path: Path, commit: str, ref: str, device: str) -> LoadedPolicy:
+    info, weights = load_checkpoint(path)
     policy = build_policy(info, weights).to(pick_device(device)).eval()
-    return LoadedPolicy(policy=policy, info=info, path=Path(ckpt.path), commit=ckpt.commit, ref=str(ref))
+    return LoadedPolicy(policy=policy, info=info, path=path, commit=commit, ref=ref)
+
+
+def load_servable(
+    ref: str | os.PathLike[str], device: str = "auto", cache_dir: Path | None = None
+) -> LoadedPolicy | LeRobotModel:
+    """Like :func:`load_policy`, but a LeRobot policy folder (``config.json`` with ``"type"``) is loaded
+    through :mod:`policies.lerobot_adapter`: what the policy server hosts."""
+    from policies.lerobot_adapter import is_lerobot_folder, load_lerobot
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(str(ref), cache_dir=cache_dir)
+    path = Path(ckpt.path)
+    if is_lerobot_folder(path):
+        return load_lerobot(path, commit=ckpt.commit, ref=str(ref), device=pick_device(device))
+    return _load_folder(path, ckpt.commit, str(ref), device)

@@ -119,7 +119,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue")
+    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue", "adaptive_wait", "active_clients")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,8 @@ class ModelInfo(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_WAIT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     ref: str
     commit: str
@@ -160,7 +162,9 @@ class ModelInfo(_message.Message):
     max_batch: int
     max_wait_us: int
     max_queue: int
-    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    adaptive_wait: bool
+    active_clients: int
+    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("models", "server_version")

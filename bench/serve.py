@@ -1,0 +1,517 @@
+"""Policy serving: our gRPC server vs LeRobot's async policy server, same LeRobot ACT model, in one run.
+
+1. **Concurrency.** One randomly initialised LeRobot ACT (default size, 51.6M params, no pretrained
+   backbone; 3x224x224 camera + 6-d state, chunk 100) saved with ``save_pretrained`` and its processors, served
+   by LeRobot's ``lerobot.async_inference.policy_server`` and by ours (the LeRobot adapter), each in its own
+   process with the same torch thread count. 1, 4 and 16 closed-loop clients (threads of this process, one
+   gRPC channel each) ask for chunks for ``--duration`` seconds. LeRobot's side is driven with its own
+   message format and calls, as its ``RobotClient`` makes them: ``Ready`` + ``SendPolicyInstructions`` once
+   (each robot client would reload the policy), then per request ``SendObservations`` (a pickled
+   ``TimedObservation`` with ``must_go=True``, so none is filtered out) and ``GetActions`` until a chunk
+   comes back (re-sending the observation after an empty reply, as a control loop keeps sending them).
+   Its ``inference_latency`` pacing is set to 0. Reported: p50/p99 latency of a request
+   (observation sent -> chunk received) and aggregate chunks/s, ours/LeRobot ratios; for LeRobot also how
+   many chunks answered *another* client's observation (its single-slot observation queue is shared).
+   Ours: one ``StreamAct`` stream per client, dynamic batching (max batch 16, adaptive wait).
+2. **Overhead.** One client, one request at a time: end-to-end round trip minus the server's measured
+   forward pass (``timing.inference_us``), for the same ACT request and for our flow VLA (3x224x224 + state,
+   K=10 denoising steps); with adaptive batching wait on, and off (the batcher waits ``max_wait_us`` = 2 ms).
+
+The bench client unpickles LeRobot's replies: that is LeRobot's protocol (ours never unpickles anything),
+acceptable only because the LeRobot server is our own child process on loopback.
+
+    nice -n 19 .venv/bin/python bench/serve.py [--duration 20] [--threads 2] [--clients 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pickle  # nosec: only to speak LeRobot's protocol to our own child process, see the docstring
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+from common import table, write_results  # noqa: E402
+
+from server.client import PolicyClient, PolicyError  # noqa: E402
+from vla_rl.spec import CameraSpec, RobotSpec  # noqa: E402
+
+SPEC = RobotSpec("so100", 6, 6, 30.0, "", cameras=(CameraSpec("front", 224, 224),))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ------------------------------------------------------------------------------------------------ models
+def make_models(folder: Path) -> dict[str, Path]:
+    import torch
+
+    from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+    from policies.lerobot_adapter import save_random_policy
+    from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+
+    act = save_random_policy(folder / "act", "act", SPEC, seed=0)
+    cfg = FlowVLAConfig.from_robot_spec(SPEC, instruction_encoder="none", num_inference_steps=10)
+    torch.manual_seed(0)
+    flow = folder / "flow_vla"
+    save_checkpoint(
+        flow,
+        FlowVLAPolicy(cfg).state_dict(),
+        CheckpointInfo("flow_vla", cfg.to_dict(), SPEC, {}, Lineage("bench")),
+    )
+    return {"act": act, "flow": flow}
+
+
+def obs(rng: np.random.Generator) -> dict[str, Any]:
+    return {
+        "state": rng.normal(size=SPEC.state_dim).astype(np.float32),
+        "cameras": {"front": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ servers
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    return env
+
+
+def serve_ours_main(args: argparse.Namespace) -> None:
+    """``--serve-ours``: host the bench models in this (child) process until SIGTERM."""
+    import torch
+
+    from server.policy_server import PolicyServer
+
+    torch.set_num_threads(args.threads)
+    models = dict(kv.split("=", 1) for kv in args.serve_ours.split(","))
+    srv = PolicyServer(
+        models,
+        port=args.port,
+        device="cpu",
+        max_batch=16,
+        max_wait_us=2000,
+        adaptive_wait=not args.no_adaptive,
+    ).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    srv.stop()
+
+
+@contextlib.contextmanager
+def our_server(models: dict[str, Path], threads: int, adaptive: bool) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve-ours", ",".join(f"{k}={v}" for k, v in models.items())]
+    cmd += ["--port", str(port), "--threads", str(threads)] + ([] if adaptive else ["--no-adaptive"])
+    proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    address = f"127.0.0.1:{port}"
+    try:
+        with PolicyClient(address, timeout_s=2) as c:
+            deadline = time.monotonic() + 600
+            while True:
+                with contextlib.suppress(PolicyError):
+                    if c.health() == "SERVING":
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"our server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                if time.monotonic() > deadline:
+                    raise TimeoutError("our server did not start")
+                time.sleep(0.5)
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def lerobot_server(threads: int, workdir: Path) -> Iterator[str]:
+    import grpc
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "lerobot.async_inference.policy_server",
+        "--host=127.0.0.1",
+        f"--port={port}",
+    ]
+    cmd += ["--fps=30", "--inference_latency=0", "--obs_queue_timeout=2"]
+    proc = subprocess.Popen(
+        cmd, env=child_env(threads), cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(address) as ch:
+            grpc.channel_ready_future(ch).result(timeout=300)
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ------------------------------------------------------------------------------------------------ load
+def run_clients(
+    n: int,
+    duration: float,
+    make_client: Callable[[int], tuple[Callable[[int], dict[str, Any]], Callable[[], None]]],
+) -> dict[str, Any]:
+    """``n`` closed-loop clients for ``duration`` s after one warm-up request each; per-request records."""
+    records: list[dict[str, Any]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(n + 1)
+    box: dict[str, float] = {}
+
+    def worker(k: int) -> None:
+        request, close = make_client(k)
+        try:
+            request(0)  # warm-up (connection, first batch), not recorded
+        except Exception as e:
+            errors.append(f"warm-up: {type(e).__name__}: {e}")
+        barrier.wait()
+        i = 1
+        while time.monotonic() < box["end"]:
+            try:
+                rec = request(i)
+            except Exception as e:  # counted, not fatal: a server that fails requests shows it here
+                with lock:
+                    errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                time.sleep(0.05)
+                continue
+            with lock:
+                records.append(rec)
+            i += 1
+        close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    box["end"] = float("inf")
+    barrier.wait()
+    start = time.monotonic()
+    box["end"] = start + duration
+    load0 = loadavg()
+    for t in threads:
+        t.join(duration + 120)
+    elapsed = time.monotonic() - start
+    lat = [r["latency_ms"] for r in records]
+    own = [r for r in records if r.get("own", True)]
+    return {
+        "clients": n,
+        "seconds": round(elapsed, 2),
+        "chunks": len(records),
+        "chunks_per_s": round(len(records) / elapsed, 3),
+        "own_chunks_per_s": round(len(own) / elapsed, 3),
+        "p50_ms": round(pct(lat, 50), 1),
+        "p99_ms": round(pct(lat, 99), 1),
+        "mean_batch": round(statistics.fmean(r.get("batch", 1) for r in records), 2) if records else None,
+        "empty_replies": sum(r.get("empty", 0) for r in records),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "loadavg_start": load0,
+        "loadavg_end": loadavg(),
+    }
+
+
+def our_client(
+    address: str, model_id: str
+) -> Callable[[int], tuple[Callable[[int], dict[str, Any]], Callable[[], None]]]:
+    def make(k: int) -> tuple[Callable[[int], dict[str, Any]], Callable[[], None]]:
+        rng = np.random.default_rng(k)
+        o = obs(rng)
+        c = PolicyClient(address, timeout_s=600, model_id=model_id)
+        s = c.stream()
+
+        def request(i: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            r = s.act(o, seed=i, timeout_s=600)
+            return {"latency_ms": (time.perf_counter() - t0) * 1000, "batch": r.batch_size}
+
+        def close() -> None:
+            s.close()
+            c.close()
+
+        return request, close
+
+    return make
+
+
+def lerobot_setup(address: str, folder: Path) -> dict[str, Any]:
+    """What RobotClient.start() does once: Ready, then SendPolicyInstructions (loads the policy)."""
+    import grpc
+    from lerobot.async_inference.helpers import RemotePolicyConfig
+    from lerobot.transport import services_pb2, services_pb2_grpc
+    from lerobot.utils.feature_utils import hw_to_dataset_features
+
+    hw = {f"j{i}.pos": float for i in range(SPEC.state_dim)} | {"front": (224, 224, 3)}
+    features = hw_to_dataset_features(hw, "observation", use_video=False)
+    with grpc.insecure_channel(address) as ch:
+        stub = services_pb2_grpc.AsyncInferenceStub(ch)
+        stub.Ready(services_pb2.Empty(), timeout=60)
+        cfg = RemotePolicyConfig("act", str(folder), features, actions_per_chunk=100, device="cpu")
+        stub.SendPolicyInstructions(services_pb2.PolicySetup(data=pickle.dumps(cfg)), timeout=600)
+    return features
+
+
+def lerobot_client(
+    address: str,
+) -> Callable[[int], tuple[Callable[[int], dict[str, Any]], Callable[[], None]]]:
+    import grpc
+    from lerobot.async_inference.helpers import TimedObservation
+    from lerobot.transport import services_pb2, services_pb2_grpc
+    from lerobot.transport.utils import send_bytes_in_chunks
+
+    def make(k: int) -> tuple[Callable[[int], dict[str, Any]], Callable[[], None]]:
+        rng = np.random.default_rng(k)
+        o = obs(rng)
+        raw = {f"j{i}.pos": float(v) for i, v in enumerate(o["state"])} | {"front": o["cameras"]["front"]}
+        ch = grpc.insecure_channel(address)
+        stub = services_pb2_grpc.AsyncInferenceStub(ch)
+
+        def request(i: int) -> dict[str, Any]:
+            timestep = k * 1_000_000 + i
+            t0 = time.perf_counter()
+            timed = TimedObservation(timestamp=time.time(), timestep=timestep, observation=raw, must_go=True)
+            payload = pickle.dumps(timed)
+            empty = 0
+            while True:
+                pieces = send_bytes_in_chunks(payload, services_pb2.Observation, silent=True)
+                stub.SendObservations(pieces, timeout=600)
+                reply = stub.GetActions(services_pb2.Empty(), timeout=600)
+                if reply.data:
+                    break
+                # Empty after obs_queue_timeout: another client's observation replaced ours in the server's
+                # one-slot queue. A robot's control loop keeps sending observations; so do we.
+                empty += 1
+                if time.perf_counter() - t0 > 600:
+                    raise TimeoutError("no chunk in 600 s")
+            actions = pickle.loads(reply.data)  # nosec: our own child process, LeRobot's protocol
+            return {
+                "latency_ms": (time.perf_counter() - t0) * 1000,
+                "own": actions[0].get_timestep() == timestep,
+                "empty": empty,
+            }
+
+        return request, ch.close
+
+    return make
+
+
+def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
+    """One client, ``n`` sequential requests: round trip minus the server's forward pass."""
+    rng = np.random.default_rng(123)
+    o = obs(rng)
+    with PolicyClient(address, timeout_s=600, model_id=model_id) as c:
+        s = c.stream() if mode == "stream" else None
+        act = s.act if s is not None else c.act
+        for _ in range(3):
+            act(o, seed=0)
+        e2e, srv, inf = [], [], []
+        for i in range(n):
+            r = act(o, seed=i)
+            t = r.timing
+            e2e.append((t.round_trip_us - t.inference_us) / 1000)
+            srv.append((t.total_us - t.inference_us) / 1000)
+            inf.append(t.inference_us / 1000)
+        if s is not None:
+            s.close()
+    return {
+        "model": model_id,
+        "mode": mode,
+        "requests": n,
+        "overhead_p50_ms": round(pct(e2e, 50), 3),
+        "overhead_p99_ms": round(pct(e2e, 99), 3),
+        "server_overhead_p50_ms": round(pct(srv, 50), 3),
+        "forward_p50_ms": round(pct(inf, 50), 1),
+        "loadavg": loadavg(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per (server, clients) point")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each server process")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--overhead-requests", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--serve-ours", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--no-adaptive", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_ours:
+        serve_ours_main(args)
+        return
+    clients = [int(x) for x in args.clients.split(",")]
+    results: dict[str, Any] = {
+        "conditions": {
+            "duration_s": args.duration,
+            "server_torch_threads": args.threads,
+            "cores": os.cpu_count(),
+            "loadavg_at_start": loadavg(),
+            "model": "LeRobot ACT, default size, random weights, no pretrained backbone; 3x224x224 + 6-d state; "
+            "chunk 100",
+            "lerobot_server": "lerobot.async_inference.policy_server, inference_latency=0, obs_queue_timeout=2, "
+            "one Ready + SendPolicyInstructions, then SendObservations(must_go) + GetActions per request",
+            "ours": "StreamAct per client, max_batch 16, max_wait_us 2000, adaptive wait",
+        }
+    }
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+        work = Path(tmp)
+        print("building models ...", flush=True)
+        models = make_models(work)
+        compare: list[dict[str, Any]] = []
+        overheads: list[dict[str, Any]] = []
+        print("starting LeRobot's server and ours (both stay up; points alternate to spread load drift) ...")
+        with (
+            lerobot_server(args.threads, work) as le_addr,
+            our_server(models, args.threads, adaptive=True) as addr,
+        ):
+            lerobot_setup(le_addr, models["act"])
+            for i, n in enumerate(clients):
+                order = ["lerobot", "ours"] if i % 2 == 0 else ["ours", "lerobot"]
+                for name in order:
+                    make = lerobot_client(le_addr) if name == "lerobot" else our_client(addr, "act")
+                    r = run_clients(n, args.duration, make)
+                    compare.append({"server": name, **r})
+                    print(
+                        f"  {name:<8}{n:>2} clients: {r['chunks_per_s']} chunks/s p50 {r['p50_ms']} ms",
+                        flush=True,
+                    )
+            for model in ("act", "flow"):
+                for mode in ("stream", "unary"):
+                    overheads.append(
+                        {"adaptive_wait": True, **overhead(addr, model, args.overhead_requests, mode)}
+                    )
+        print("our server, adaptive wait off ...", flush=True)
+        with our_server({"flow": models["flow"]}, args.threads, adaptive=False) as address:
+            for mode in ("stream", "unary"):
+                overheads.append(
+                    {"adaptive_wait": False, **overhead(address, "flow", args.overhead_requests, mode)}
+                )
+    ratios = []
+    for n in clients:
+        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
+        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
+        ratios.append(
+            {
+                "clients": n,
+                "throughput_ratio": round(ou["chunks_per_s"] / le["chunks_per_s"], 2)
+                if le["chunks_per_s"]
+                else None,
+                "own_throughput_ratio": round(ou["chunks_per_s"] / le["own_chunks_per_s"], 2)
+                if le["own_chunks_per_s"]
+                else None,
+                "p50_ratio": round(ou["p50_ms"] / le["p50_ms"], 2) if le["p50_ms"] else None,
+                "p99_ratio": round(ou["p99_ms"] / le["p99_ms"], 2) if le["p99_ms"] else None,
+            }
+        )
+    results.update(compare=compare, ratios=ratios, overhead=overheads)
+    results["conditions"]["loadavg_at_end"] = loadavg()
+    rows = [
+        [
+            r["server"],
+            r["clients"],
+            r["chunks_per_s"],
+            r["own_chunks_per_s"],
+            r["p50_ms"],
+            r["p99_ms"],
+            r["mean_batch"],
+            r["empty_replies"],
+            r["errors"],
+            "/".join(map(str, r["loadavg_start"])),
+        ]
+        for r in compare
+    ]
+    header = [
+        "server",
+        "clients",
+        "chunks/s",
+        "own chunks/s",
+        "p50 ms",
+        "p99 ms",
+        "batch",
+        "empty",
+        "err",
+        "load",
+    ]
+    print()
+    print(table(rows, header))
+    print()
+    print(
+        table(
+            [
+                [
+                    r["clients"],
+                    r["throughput_ratio"],
+                    r["own_throughput_ratio"],
+                    r["p50_ratio"],
+                    r["p99_ratio"],
+                ]
+                for r in ratios
+            ],
+            [
+                "clients",
+                "chunks/s ours/LeRobot",
+                "vs LeRobot own-obs chunks/s",
+                "p50 ours/LeRobot",
+                "p99 ours/LeRobot",
+            ],
+        )
+    )
+    print()
+    print(
+        table(
+            [
+                [
+                    o["model"],
+                    o["mode"],
+                    o["adaptive_wait"],
+                    o["overhead_p50_ms"],
+                    o["overhead_p99_ms"],
+                    o["server_overhead_p50_ms"],
+                    o["forward_p50_ms"],
+                ]
+                for o in overheads
+            ],
+            ["model", "call", "adaptive", "overhead p50 ms", "p99 ms", "in-server p50 ms", "forward p50 ms"],
+        )
+    )
+    path = write_results("serve", results, args.out)
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()
