@@ -6,7 +6,8 @@ its advantage, and re-train the flow policy to prefer better-than-average action
 
 1. **Value.** V(s) regressed on credit-aware Monte-Carlo returns (see
    :mod:`vla_rl.train.transitions`: returns are cut at human takeovers, which count as failures of the
-   autonomous stretch) of non-human frames. ``value="categorical"``: RECAP/DIVL's distributional
+   autonomous stretch) of non-human frames, cross-fitted: each episode is scored by a value that did
+   not see it (a value fitted on the same returns memorises them and leaves only noise). ``value="categorical"``: RECAP/DIVL's distributional
    head (cross-entropy on atoms spanning the data's return range); ``"expectile"``: IQL's
    asymmetric L2 (tau > 0.5 leans optimistic).
 2. **Advantage.** A_t = G_t - V(s_t), computed once for every frame with the value frozen.
@@ -85,6 +86,9 @@ class AWRConfig:
     gamma: float = 1.0
     """Discount of the Monte-Carlo returns (RECAP uses 1 with steps-to-go rewards)."""
     value_steps: int = 1500
+    """Gradient steps per value fit (one fit per fold)."""
+    value_folds: int = 2
+    """Cross-fitting: each episode's advantages come from a value fitted on the other folds (1 = off)."""
     value_lr: float = 1e-3
     value_hidden: tuple[int, ...] = (256, 256)
     value_bins: int = 51
@@ -131,7 +135,7 @@ class AWRConfig:
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
         if self.value not in ("categorical", "expectile"):
             raise ValueError(f"value: expected categorical or expectile, got {self.value!r}")
-        for name in ("value_steps", "steps", "batch_size", "log_every", "value_bins"):
+        for name in ("value_steps", "value_folds", "steps", "batch_size", "log_every", "value_bins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         for name in ("lr", "value_lr", "beta", "w_max"):
@@ -195,7 +199,8 @@ def _fit_value(
     cfg: AWRConfig, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
 ) -> tuple[torch.nn.Module, float]:
     """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
-    lo, hi = float(returns.min()), float(returns.max())
+    fit = returns[torch.from_numpy(train_rows).to(returns.device)]
+    lo, hi = float(fit.min()), float(fit.max())
     if hi - lo < 1e-6:
         lo, hi = lo - 1.0, hi + 1.0
     head: torch.nn.Module
@@ -218,6 +223,32 @@ def _fit_value(
         opt.step()
         loss_val = float(loss.detach())
     return head.eval(), loss_val
+
+
+def _cross_fitted_values(
+    cfg: AWRConfig, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
+) -> tuple[torch.Tensor, float]:
+    """V(s) for every frame from a value fitted WITHOUT that frame's episode (``value_folds`` folds).
+
+    A value trained on the very returns it is compared with memorises them (each trajectory's states
+    identify it), so G - V collapses to noise; out-of-fold values give honest advantages.
+    """
+    n_ep = int(episode.max()) + 1
+    folds = min(cfg.value_folds, n_ep)
+    fold_of = np.random.default_rng([cfg.seed, 2]).permutation(n_ep) % folds
+    frame_fold = fold_of[episode]
+    values = torch.empty_like(returns)
+    losses = []
+    for k in range(folds):
+        train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
+        if len(train_rows) == 0:
+            train_rows = np.flatnonzero(~human)
+        head, loss = _fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}")
+        rows = torch.from_numpy(np.flatnonzero(frame_fold == k)).to(feats.device)
+        with torch.no_grad():
+            values[rows] = head(feats[rows]).to(values.dtype)
+        losses.append(loss)
+    return values, float(np.mean(losses))
 
 
 def train_awr(cfg: AWRConfig) -> AWRResult:
@@ -249,23 +280,19 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
         extra={"base": cfg.base, **{k: v for k, v in data.items() if k != "selection"}},
     )
 
-    # 1. value on credit-aware returns of autonomous frames
+    # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
     feats = _all_features(base.policy, buf, device)
     returns = torch.from_numpy(buf.array("mc_return")).to(device)
-    auto_rows = np.flatnonzero(~human)
-    if len(auto_rows) == 0:
+    if not (~human).any():
         raise ValueError("the selected episodes hold no autonomous frames to score; select rollouts too")
-    value, value_loss = _fit_value(cfg, feats, returns, auto_rows, "value")
+    values, value_loss = _cross_fitted_values(cfg, feats, returns, buf.array("episode"), human)
 
-    # 2. advantages (value frozen)
-    with torch.no_grad():
-        adv = (returns - value(feats)).cpu().numpy()
+    # 2. advantages (values frozen)
+    adv = (returns - values).cpu().numpy()
     metrics: dict[str, Any] = {
         "value_loss": value_loss,
         "adv_std": float(adv[~human].std()),
-        "value_return_corr": float(
-            np.corrcoef(value(feats).detach().cpu().numpy(), returns.cpu().numpy())[0, 1]
-        )
+        "value_return_corr": float(np.corrcoef(values.cpu().numpy(), returns.cpu().numpy())[0, 1])
         if len(buf) > 2
         else float("nan"),
     }
