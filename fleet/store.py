@@ -367,9 +367,14 @@ class EpisodeWriter:
         meta = self._meta
         n = meta.length
         self._length = n
-        # Arrays may be longer than the commit (grown ahead, or a killed resize); the shortest one
-        # bounds where we can write without resizing.
-        self._capacity = min(a.shape[0] for a in self._arrays.values())
+        # Arrays may be longer than the commit (grown ahead) and, after a writer killed in the middle of
+        # growing or trimming them, of different lengths: bring them to one length, which close() trims.
+        rows = {k: a.shape[0] for k, a in self._arrays.items()}
+        cap = max(rows.values())
+        for key, (shape, _) in self._layout.items():
+            if rows[key] != cap:
+                self._arrays[key].resize((cap, *shape))
+        self._capacity = cap
         self._revisions = list(meta.revisions)
         self._revision_index = {r: i for i, r in enumerate(self._revisions)}
         segs = list(meta.segments)

@@ -10,6 +10,7 @@
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
     vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
     vla-rl client act --server ADDR   one chunk from a server for a simulated observation
+    vla-rl collect --store PATH       fleet collector: robots stream episodes into a store, exactly once
 
 Every command takes ``--log-format json`` for structured logs and ``--help`` for its options.
 """
@@ -327,6 +328,32 @@ def cmd_client_act(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- fleet
+def cmd_collect(args: argparse.Namespace) -> int:
+    from fleet.collector import serve
+
+    robots = {r.strip() for r in args.robots.split(",") if r.strip()} if args.robots else None
+    try:
+        serve(
+            args.store,
+            args.db,
+            host=args.host,
+            port=args.port,
+            token=args.token or None,
+            fsync=args.fsync,
+            chunk_len=args.chunk_len,
+            camera_zstd_level=args.camera_zstd_level,
+            max_batch_frames=args.max_batch_frames,
+            max_pending_bytes=int(args.max_pending_mb * 1024 * 1024),
+            store_workers=args.store_workers,
+            allowed_robots=robots,
+            metrics_port=args.metrics_port,
+        )
+    except (ValueError, RuntimeError, OSError) as e:
+        raise CliError(f"collect: {e}") from None
+    return 0
+
+
 # ---------------------------------------------------------------------------- hub
 def cmd_hub_serve(args: argparse.Namespace) -> int:
     from vla_rl.hub.server import serve
@@ -594,6 +621,51 @@ def build_parser() -> argparse.ArgumentParser:
     sv_p.add_argument("--model-id", default="default")
     sv_p.add_argument("--token", default=os.environ.get("VLA_RL_SERVER_TOKEN"), help="enables control calls")
     sv_p.add_argument("--device", default="auto")
+
+    co = add(
+        sub,
+        "collect",
+        cmd_collect,
+        "run the fleet collector (robots stream episodes into a store)",
+        "Receive frames, segments (autonomous / intervention / reset, with who was in control and why) and "
+        "episode outcomes from many robots over gRPC (fleet/proto/collector.proto) and write them into an "
+        "episode store + metadata DB. A message is acknowledged once it is durable (in the store's "
+        "write-ahead log; with --fsync, on disk); robots resend what is not acknowledged after a reconnect "
+        "and duplicates are dropped, so every frame is stored exactly once, across collector restarts too. "
+        "Bad frames are refused with a message naming the field. Per-robot counters in Prometheus format "
+        "on --metrics-port (/metrics) and through the GetStats call.\n\n"
+        "example:\n  vla-rl collect --store runs/fleet/store --port 50071 --token $VLA_RL_COLLECTOR_TOKEN "
+        "--metrics-port 9171",
+    )
+    co.add_argument("--store", type=Path, required=True, help="episode store directory (created if missing)")
+    co.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
+    co.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
+    co.add_argument("--port", type=int, default=50071, help="gRPC port (0 = any free port; printed on start)")
+    co.add_argument(
+        "--token",
+        default=os.environ.get("VLA_RL_COLLECTOR_TOKEN"),
+        help="robots must send it (env VLA_RL_COLLECTOR_TOKEN)",
+    )
+    co.add_argument(
+        "--fsync", action="store_true", help="fsync every acknowledged message (power-loss safe, slower)"
+    )
+    co.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    co.add_argument("--robots", default=None, help="comma-separated robot ids to accept (default: any)")
+    co.add_argument("--chunk-len", type=int, default=64, help="frames per Zarr chunk (default %(default)s)")
+    co.add_argument(
+        "--camera-zstd-level",
+        type=int,
+        default=1,
+        help="zstd level of camera arrays (default %(default)s; 3 = smaller, slower)",
+    )
+    co.add_argument("--max-batch-frames", type=int, default=64, help="largest FrameBatch accepted")
+    co.add_argument(
+        "--max-pending-mb",
+        type=float,
+        default=1024,
+        help="frame MB waiting for the store before robots are slowed",
+    )
+    co.add_argument("--store-workers", type=int, default=2, help="threads writing into the Zarr store")
 
     cl_p = add(sub, "client", lambda a: (cl_p.print_help(), 0)[1], "talk to a policy server")
     cl_sub = cl_p.add_subparsers(dest="client_command", metavar="SUBCOMMAND")
