@@ -940,6 +940,7 @@ class EpisodeStore:
             "frames": frames,
             "bytes": size,
             "tasks": dict(sorted(tasks.items())),
+            "robots": _robot_summary(metas),
         }
 
     # ------------------------------------------------------------------ checking
@@ -1020,6 +1021,42 @@ class EpisodeStore:
         if db is not None and meta.is_closed:
             out.extend(_check_db(meta, db))
         return out
+
+
+def _robot_summary(metas: Sequence[EpisodeMeta]) -> dict[str, dict[str, Any]]:
+    """Per robot: episodes, success, and how its frames split into segment kinds (who was in control).
+
+    ``intervention_rate`` is the fraction of frames in intervention segments; ``takeovers`` counts
+    intervention segments; ``episodes_with_intervention`` the episodes that had at least one.
+    """
+    robots: dict[str, dict[str, Any]] = {}
+    for m in metas:
+        r = robots.setdefault(
+            m.robot_id,
+            {
+                "episodes": 0,
+                "closed": 0,
+                "successes": 0,
+                "frames": 0,
+                "segments": {k.value: 0 for k in SegmentKind},
+                "frames_by_kind": {k.value: 0 for k in SegmentKind},
+                "episodes_with_intervention": 0,
+            },
+        )
+        r["episodes"] += 1
+        r["frames"] += m.length
+        if m.is_closed:
+            r["closed"] += 1
+            r["successes"] += int(bool(m.success))
+        for seg in m.segments:
+            r["segments"][seg.kind.value] += 1
+            r["frames_by_kind"][seg.kind.value] += (m.length if seg.end is None else seg.end) - seg.start
+        r["episodes_with_intervention"] += int(any(g.kind == SegmentKind.INTERVENTION for g in m.segments))
+    for r in robots.values():
+        r["success_rate"] = r["successes"] / r["closed"] if r["closed"] else None
+        r["intervention_rate"] = r["frames_by_kind"]["intervention"] / r["frames"] if r["frames"] else None
+        r["takeovers"] = r["segments"]["intervention"]
+    return dict(sorted(robots.items()))
 
 
 def _check_segments(meta: EpisodeMeta, seg: np.ndarray) -> list[str]:

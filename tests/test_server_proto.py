@@ -42,7 +42,15 @@ def test_fleet_stubs_are_fresh_and_import(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     server_out, fleet_out = tmp_path / "server", tmp_path / "fleet"
     subprocess.run(
-        ["nice", "-n", "19", "bash", str(ROOT / "scripts" / "gen_protos.sh"), str(server_out), str(fleet_out)],
+        [
+            "nice",
+            "-n",
+            "19",
+            "bash",
+            str(ROOT / "scripts" / "gen_protos.sh"),
+            str(server_out),
+            str(fleet_out),
+        ],
         check=True,
         env=env,
         capture_output=True,
