@@ -123,6 +123,9 @@ class SyntheticRobotConfig:
     batch_interval_s: float = 0.05
     takeover: bool = True  # an intervention segment in the middle of every episode
     close_timeout_s: float = 120.0
+    duration_s: float | None = None  # stop after this long (the last episode ends early, "timeout")
+    max_buffer_bytes: int = 1024 * 1024 * 1024
+    start_at: float | None = None  # unix time to start streaming (lines robots up after their imports)
 
 
 def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
@@ -151,20 +154,32 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
         token=cfg.token,
         max_batch_frames=cfg.max_batch_frames,
         batch_interval_s=cfg.batch_interval_s,
+        max_buffer_bytes=cfg.max_buffer_bytes,
+        block_s=600.0,
     )
+    if cfg.start_at is not None:
+        time.sleep(max(0.0, cfg.start_at - time.time()))
+    cpu0 = time.process_time()
     period = 1.0 / cfg.hz if cfg.hz > 0 else 0.0
     t_start = time.perf_counter()
+    stop_at = t_start + cfg.duration_s if cfg.duration_s else float("inf")
     next_t = time.perf_counter()
     last_ts = 0.0
     frames = 0
     for e in range(cfg.episodes):
+        if time.perf_counter() >= stop_at:
+            break
         eid = new_episode_id(cfg.robot_id)
         client.start_episode(eid, kind="autonomous", controller="policy", reason="policy")
         n = cfg.frames_per_episode
         a, b = (n // 3, n // 2) if cfg.takeover else (n, n)
         segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
         seg = 0
+        length = n
         for i in range(n):
+            if time.perf_counter() >= stop_at:
+                length = i
+                break
             if cfg.takeover and i == a:
                 client.begin_segment("intervention", "human", reason="synthetic takeover")
                 segments.append({"start": i, "kind": "intervention", "controller": 1})
@@ -188,18 +203,23 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
             client.add_frame(
                 cams, state, action, proposed, reward, i == n - 1, False, ctrl, "synthetic-rev", timestamp=ts
             )
-            digest = frame_digest(cams, state, action, proposed, reward, i == n - 1, False, ctrl, ts)
-            record.frame(eid, i, digest, ctrl, seg)
+            if cfg.record_path:
+                digest = frame_digest(cams, state, action, proposed, reward, i == n - 1, False, ctrl, ts)
+                record.frame(eid, i, digest, ctrl, seg)
             if period:
                 next_t += period
                 delay = next_t - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-        client.end_episode("success", True)
-        record.episode(eid, n, segments, "success")
-        frames += n
+        outcome = "success" if length == n else "timeout"
+        client.end_episode(outcome, length == n)
+        record.episode(eid, length, segments, outcome)
+        frames += length
     elapsed = time.perf_counter() - t_start
+    t_close = time.perf_counter()
     ok = client.close(cfg.close_timeout_s)
+    close_s = time.perf_counter() - t_close
+    cpu_s = time.process_time() - cpu0
     record.close()
     if cfg.result_path:
         lat = np.array(client.stats.ack_latency_s, np.float64)
@@ -210,6 +230,8 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
                     "robot_id": cfg.robot_id,
                     "frames": frames,
                     "seconds": elapsed,
+                    "close_seconds": close_s,
+                    "cpu_seconds": cpu_s,
                     "all_acked": ok,
                     "frames_acked": st.frames_acked,
                     "reconnects": st.reconnects,
