@@ -116,6 +116,8 @@ def run_collector_phase(
     frames_per_episode: int,
     buffer_bytes: int,
     zstd_level: int,
+    batch_frames: int,
+    batch_interval_s: float,
 ) -> dict[str, Any]:
     store = work / f"store-{name}"
     port = free_port()
@@ -147,8 +149,8 @@ def run_collector_phase(
             seed=i,
             images=str(images),
             result_path=str(work / f"{name}-robot-{i}.json"),
-            max_batch_frames=4 if hz > 0 else 16,
-            batch_interval_s=0.02,
+            max_batch_frames=batch_frames if hz > 0 else 16,
+            batch_interval_s=batch_interval_s,
             duration_s=seconds,
             max_buffer_bytes=buffer_bytes,
             start_at=start_at,
@@ -170,6 +172,7 @@ def run_collector_phase(
     coll.wait(120)
     results = [json.loads((work / f"{name}-robot-{i}.json").read_text()) for i in range(robots)]
     lat = np.concatenate([np.array(r["ack_latency_s"]) for r in results]) * 1000
+    age = np.concatenate([np.array(r["frame_age_at_ack_s"]) for r in results]) * 1000
     produced = sum(r["frames"] for r in results)
     stream_s = max(r["seconds"] for r in results)
     close_s = max(r["close_seconds"] for r in results)
@@ -189,6 +192,7 @@ def run_collector_phase(
         "phase": name,
         "robots": robots,
         "hz_per_robot": hz,
+        "batch": f"<= {batch_frames} frames or {batch_interval_s * 1000:g} ms",
         "seconds_streaming": round(stream_s, 2),
         "frames_produced": produced,
         "frames_in_store": stored,
@@ -201,6 +205,8 @@ def run_collector_phase(
         "ack_ms_p50": round(float(np.percentile(lat, 50)), 2),
         "ack_ms_p99": round(float(np.percentile(lat, 99)), 2),
         "ack_ms_max": round(float(lat.max()), 2),
+        "frame_age_at_ack_ms_p50": round(float(np.percentile(age, 50)), 2),
+        "frame_age_at_ack_ms_p99": round(float(np.percentile(age, 99)), 2),
         "ack_samples": len(lat),
         "drain_after_stop_s": round(close_s, 2),
         "collector_cpu_cores": round((c1 - c0) / wall, 2),
@@ -294,6 +300,8 @@ def main() -> None:
     ap.add_argument("--capacity-seconds", type=float, default=20.0, help="unthrottled run length (0 = skip)")
     ap.add_argument("--lerobot-frames", type=int, default=600, help="frames per LeRobot mode (0 = skip)")
     ap.add_argument("--camera-zstd-level", type=int, default=1)
+    ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
+    ap.add_argument("--batch-ms", type=float, default=100.0, help="robot client batch_interval_s, in ms")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -326,6 +334,8 @@ def main() -> None:
             args.frames_per_episode,
             1 << 30,
             args.camera_zstd_level,
+            args.batch_frames,
+            args.batch_ms / 1000,
         )
     )
     print(json.dumps(phases[-1]), flush=True)
@@ -343,6 +353,8 @@ def main() -> None:
                 args.frames_per_episode,
                 64 << 20,
                 args.camera_zstd_level,
+                args.batch_frames,
+                args.batch_ms / 1000,
             )
         )
         print(json.dumps(phases[-1]), flush=True)
@@ -364,6 +376,7 @@ def main() -> None:
                 f"{p['camera_frames_per_s']:.0f}",
                 f"{p['frames_in_store']}/{p['frames_produced']}",
                 f"{p['ack_ms_p50']:.1f} / {p['ack_ms_p99']:.1f}",
+                f"{p['frame_age_at_ack_ms_p50']:.0f} / {p['frame_age_at_ack_ms_p99']:.0f}",
                 f"{p['collector_cpu_cores']:.2f} (+{p['robots_cpu_cores']:.2f} robots)",
                 f"{p['bytes_on_disk'] / 2**20:.0f} MB ({p['disk_over_raw']:.2f} of raw)",
             ]
@@ -375,11 +388,20 @@ def main() -> None:
                 f"{r['camera_frames_per_s']:.0f}",
                 f"{r['frames']}/{r['frames']}",
                 "-",
+                "-",
                 f"{r['cpu_cores']:.2f}",
                 f"{r['bytes_on_disk'] / 2**20:.0f} MB",
             ]
         )
-    header = ["run", "camera-frames/s", "stored/produced", "ack ms p50 / p99", "CPU cores", "on disk"]
+    header = [
+        "run",
+        "camera-frames/s",
+        "stored/produced",
+        "ack ms p50 / p99",
+        "frame age at ack ms p50 / p99",
+        "CPU cores",
+        "on disk",
+    ]
     print()
     print(table(rows, header))
     best = max(p["camera_frames_per_s"] for p in phases)

@@ -96,6 +96,7 @@ class _Item:
     nbytes: int
     seq_end: int = 0  # frames: seq + n
     index: int = 0  # segment index
+    t_first: float = 0.0  # frames: perf_counter() when the batch's first frame was added
 
 
 @dataclass
@@ -126,7 +127,11 @@ class ClientStats:
     pending_bytes: int = 0
     connected: bool = False
     last_error: str = ""
+    # send -> durable ack of each FrameBatch, and the age of its oldest frame at the ack (adds the batching wait)
     ack_latency_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=200_000))
+    frame_age_at_ack_s: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=200_000)
+    )
 
 
 class _Connection:
@@ -176,7 +181,7 @@ class RobotClient:
         self._eps: dict[str, _Ep] = {}
         self._current: _Ep | None = None
         self._unsent: collections.deque[pb.RobotMessage | _Item] = collections.deque()
-        self._inflight: dict[int, tuple[float, str]] = {}
+        self._inflight: dict[int, tuple[float, str, float]] = {}  # msg_id -> (sent, body, first frame added)
         self._ids = itertools.count(1)
         self._conn: _Connection | None = None
         self._gens = itertools.count(1)
@@ -304,7 +309,7 @@ class RobotClient:
             ep.last_ts = ts
             ctrl = ep.controller if controller is None else Controller.parse(controller)
             if not ep.batch:
-                ep.batch_t0 = time.monotonic()
+                ep.batch_t0 = time.perf_counter()
             ep.batch.append(
                 {
                     "cameras": {k: np.array(v, np.uint8) for k, v in cameras.items()},
@@ -412,7 +417,7 @@ class RobotClient:
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
         msg = pb.RobotMessage(frames=fb)
-        self._queue(ep, _Item("frames", msg, msg.ByteSize(), seq_end=seq + n))
+        self._queue(ep, _Item("frames", msg, msg.ByteSize(), seq_end=seq + n, t_first=ep.batch_t0))
 
     # ------------------------------------------------------------------ network
     def _run(self) -> None:
@@ -493,7 +498,8 @@ class RobotClient:
                 for x in out:
                     msg = x.msg if isinstance(x, _Item) else x
                     msg.msg_id = next(self._ids)
-                    self._inflight[msg.msg_id] = (now, msg.WhichOneof("body"))
+                    t_first = x.t_first if isinstance(x, _Item) else now
+                    self._inflight[msg.msg_id] = (now, msg.WhichOneof("body"), t_first)
                     self.stats.messages_sent += 1
                     conn.outq.put(msg)
 
@@ -543,6 +549,7 @@ class RobotClient:
             sent = self._inflight.pop(ack.msg_id, None)
             if sent is not None and sent[1] == "frames":
                 self.stats.ack_latency_s.append(now - sent[0])
+                self.stats.frame_age_at_ack_s.append(now - sent[2])
             self.stats.duplicates_dropped_by_collector += ack.duplicates
             ep = self._eps.get(ack.episode_id)
             if ep is None:

@@ -126,6 +126,7 @@ class SyntheticRobotConfig:
     duration_s: float | None = None  # stop after this long (the last episode ends early, "timeout")
     max_buffer_bytes: int = 1024 * 1024 * 1024
     start_at: float | None = None  # unix time to start streaming (lines robots up after their imports)
+    start_file: str | None = None  # or: start once this file exists (a test's starting gun)
 
 
 def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
@@ -159,6 +160,8 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
     )
     if cfg.start_at is not None:
         time.sleep(max(0.0, cfg.start_at - time.time()))
+    while cfg.start_file and not os.path.exists(cfg.start_file):
+        time.sleep(0.01)
     cpu0 = time.process_time()
     period = 1.0 / cfg.hz if cfg.hz > 0 else 0.0
     t_start = time.perf_counter()
@@ -239,6 +242,7 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
                     "rejects": st.rejects,
                     "errors": client.errors,
                     "ack_latency_s": lat.tolist(),
+                    "frame_age_at_ack_s": list(client.stats.frame_age_at_ack_s),
                 }
             )
         )

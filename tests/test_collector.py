@@ -561,16 +561,18 @@ def test_sigkill_collector_while_8_robots_stream(
             record_path=str(tmp_path / f"robot-{i}.jsonl"),
             result_path=str(tmp_path / f"robot-{i}.json"),
             max_batch_frames=4,
+            start_file=str(tmp_path / "go"),
         )
         p = ctx.Process(target=synthetic_robot_main, args=(cfg,), daemon=True)
         p.start()
         robots.append(p)
     try:
-        # kill the collector once every robot streams (robots are then mid-episode)
+        # every robot connected (each client says Hello first): start them together, kill mid-episode
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and log_path.read_text().count("robot connected") < 8:
             time.sleep(0.05)
-        time.sleep(0.4)
+        (tmp_path / "go").touch()
+        time.sleep(0.5)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         time.sleep(1.0)  # robots keep producing; their clients buffer
@@ -605,3 +607,61 @@ def test_sigkill_collector_while_8_robots_stream(
     results = [__import__("json").loads(p.read_text()) for p in sorted(tmp_path.glob("robot-*.json"))]
     assert all(r["all_acked"] and r["rejects"] == 0 for r in results)
     assert sum(r["reconnects"] for r in results) >= 8  # every robot lost its collector and came back
+
+
+def test_garbage_bytes_are_refused_and_the_stream_survives(collector: Collector) -> None:
+    with grpc.insecure_channel(collector.address) as ch:
+        call = ch.stream_stream(
+            "/vla_rl.fleet.v1.Collector/Stream",
+            request_serializer=None,
+            response_deserializer=pb.CollectorMessage.FromString,
+        )
+        msgs = [b"\xff\xff\xff not protobuf", hello().SerializeToString()]
+        replies = list(call(iter(msgs), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10))
+    assert (
+        replies[0].reject.code == SC.INVALID_ARGUMENT.value[0]
+        and "not a RobotMessage" in replies[0].reject.message
+    )
+    assert replies[1].WhichOneof("body") == "welcome"
+
+
+def test_store_resume_episode_after_a_killed_writer(tmp_path: Path) -> None:
+    """EpisodeStore.resume_episode (what recovery uses): uncommitted rows are overwritten, arrays of
+    different lengths (a writer killed while resizing) are evened out, segments and times continue."""
+    store = EpisodeStore(tmp_path / "s", create=True)
+    w = store.create_episode(SPEC, robot_id="arm", task="t", chunk_len=8, camera_zstd_level=-1)
+    rng = np.random.default_rng(0)
+
+    def frames(n: int, t0: float) -> dict[str, Any]:
+        return {
+            "cameras": {"front": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)},
+            "state": rng.standard_normal((n, 5), dtype=np.float32),
+            "action": rng.uniform(-1, 1, (n, 3)).astype(np.float32),
+            "timestamp": t0 + np.arange(n, dtype=np.float64),
+        }
+
+    w.begin_segment("autonomous", "policy")
+    first = frames(12, 100.0)
+    w.add_frames(first)  # 8 committed, 4 buffered (lost with the writer)
+    w.begin_segment("intervention", "human", reason="stall")
+    w.add_frames(frames(6, 112.0))  # 16 committed; the intervention began at frame 12
+    zarr_arrays = w._arrays
+    zarr_arrays["reward"].resize((40,))  # as if killed half-way through growing the arrays
+    del w
+    meta = store.read_metadata(store.episode_ids()[0])
+    assert meta.length == 16 and [s.start for s in meta.segments] == [0, 12]
+    r = store.resume_episode(meta.episode_id)
+    assert r.num_frames == 16 and r.segment_index == 1 and r.segments[1].reason == "stall"
+    with pytest.raises(Exception, match="timestamp"):
+        r.add_frames(frames(1, 50.0))  # before the last committed time
+    r.add_frames(frames(5, 200.0))
+    r.begin_segment("autonomous", "policy", reason="handback")
+    r.add_frames(frames(3, 210.0))
+    meta = r.close("success")
+    assert meta.length == 24 and [(s.start, s.end) for s in meta.segments] == [(0, 12), (12, 21), (21, 24)]
+    assert store.verify() == []
+    ep = store.read_episode(meta.episode_id)
+    np.testing.assert_array_equal(ep.cameras["front"][:12], first["cameras"]["front"])
+    np.testing.assert_array_equal(ep.controller, [0] * 12 + [1] * 9 + [0] * 3)
+    with pytest.raises(ValueError, match="closed"):
+        store.resume_episode(meta.episode_id)
