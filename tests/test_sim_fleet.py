@@ -185,3 +185,15 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
     assert main(["store", "info", str(tmp_path / "store")]) == 0
     out = capsys.readouterr().out
     assert "intervention rate (frames)" in out and "sim-0" in out and "sim-1" in out
+
+
+def test_fleet_and_collect_cli_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLA_RL_COLLECTOR_TOKEN", raising=False)
+    assert main(["fleet", "sim", "--robots", "0"]) == 2
+    assert "--robots and --episodes must be >= 1" in capsys.readouterr().err
+    assert main(["fleet", "sim", "--max-fraction", "3"]) == 2
+    assert "max_fraction" in capsys.readouterr().err
+    assert main(["collect", "--store", str(tmp_path / "s"), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "pass a token" in capsys.readouterr().err
