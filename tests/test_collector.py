@@ -523,6 +523,15 @@ def test_connection_drops_mid_episode(collector: Collector) -> None:
     assert all(EpisodeStore(collector.store.root).read_metadata(e).is_closed for (e, _, _) in got)
 
 
+def busy_logs(store: Path) -> int:
+    """Write-ahead logs holding frames (a log can vanish while we look: its episode closed)."""
+    n = 0
+    for f in (store / "wal").glob("*.wal"):
+        with contextlib.suppress(FileNotFoundError):
+            n += f.stat().st_size > 0
+    return n
+
+
 def start_collector_process(store: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
@@ -572,11 +581,26 @@ def test_sigkill_collector_while_8_robots_stream(
         while time.monotonic() < deadline and log_path.read_text().count("robot connected") < 8:
             time.sleep(0.05)
         (tmp_path / "go").touch()
-        time.sleep(0.5)
+        # kill once most robots have acknowledged frames of an open episode (their logs are not empty)
+        deadline = time.monotonic() + 60
+        while (
+            time.monotonic() < deadline
+            and sum(f.stat().st_size > 0 for f in (store / "wal").glob("*.wal")) < 6
+        ):
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         time.sleep(1.0)  # robots keep producing; their clients buffer
         proc = start_collector_process(store, port, log_path)
+        # a malformed batch from another robot is refused while the 8 catch up
+        send, recv, close = raw_stream(f"127.0.0.1:{port}")
+        send(hello("bad-robot", spec))
+        send(pb.RobotMessage(start=pb.StartEpisode(episode_id="bad-ep")))
+        send(segment("bad-ep", 0, 0))
+        send(batch("bad-ep", 0, 2))  # 16 px frames, but this spec has two cameras
+        replies = [recv() for _ in range(4)]
+        close()
+        assert "frames.cameras" in replies[3].reject.message
         for p in robots:
             p.join(120)
             assert p.exitcode == 0
@@ -586,6 +610,7 @@ def test_sigkill_collector_while_8_robots_stream(
     assert "episode recovered" in log_path.read_text()
     records, eps = read_records(sorted(tmp_path.glob("robot-*.jsonl")))
     assert len(records) == 8 * episodes * frames
+    assert EpisodeStore(store).read_metadata("bad-ep").length == 0
     got = store_digests(store)
     produced = collections.Counter((f["episode"], f["seq"], f["digest"]) for f in records)
     assert got == produced  # every frame exactly once, nothing else
