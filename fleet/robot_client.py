@@ -97,6 +97,8 @@ class _Item:
     seq_end: int = 0  # frames: seq + n
     index: int = 0  # segment index
     t_first: float = 0.0  # frames: perf_counter() when the batch's first frame was added
+    frames: int = 0  # frames: how many
+    frame_bytes: int = 0  # frames: what they count for in the buffer limit
 
 
 @dataclass
@@ -109,6 +111,7 @@ class _Ep:
     controller: Controller = Controller.POLICY
     batch: list[dict[str, Any]] = field(default_factory=list)
     batch_t0: float = 0.0
+    batch_bytes: int = 0
     committed: int = 0
     ended_sent: bool = False
     last_ts: float = float("-inf")
@@ -324,12 +327,18 @@ class RobotClient:
                     "timestamp": ts,
                 }
             )
+            ep.batch_bytes += frame_bytes
             seq = ep.frames
             ep.frames += 1
             self.stats.frames_added += 1
             self.stats.pending_frames += 1
             self.stats.pending_bytes += frame_bytes
-            if len(ep.batch) >= self.max_batch_frames or self.batch_interval_s <= 0:
+            # Seal at the frame limit, or early for big frames so a message stays well under the gRPC limit.
+            if (
+                len(ep.batch) >= self.max_batch_frames
+                or self.batch_interval_s <= 0
+                or ep.batch_bytes >= self.max_message_bytes // 4
+            ):
                 self._seal(ep)
         return seq
 
@@ -399,6 +408,7 @@ class RobotClient:
     def _seal(self, ep: _Ep) -> None:
         """Turn the frames batched so far into one FrameBatch message (caller holds the lock)."""
         frames, ep.batch = ep.batch, []
+        nbytes, ep.batch_bytes = ep.batch_bytes, 0
         if not frames:
             return
         n = len(frames)
@@ -417,7 +427,18 @@ class RobotClient:
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
         msg = pb.RobotMessage(frames=fb)
-        self._queue(ep, _Item("frames", msg, msg.ByteSize(), seq_end=seq + n, t_first=ep.batch_t0))
+        self._queue(
+            ep,
+            _Item(
+                "frames",
+                msg,
+                msg.ByteSize(),
+                seq_end=seq + n,
+                t_first=ep.batch_t0,
+                frames=n,
+                frame_bytes=nbytes,
+            ),
+        )
 
     # ------------------------------------------------------------------ network
     def _run(self) -> None:
@@ -577,12 +598,9 @@ class RobotClient:
     def _release(self, it: _Item, acked: bool) -> None:
         """Forget a message's frames (acknowledged, or refused) in the buffer accounting."""
         if it.kind == "frames":
-            n = int(it.msg.frames.action.shape[0])
-            self.stats.frames_acked += n if acked else 0
-            self.stats.pending_frames -= n
-            self.stats.pending_bytes -= sum(len(t.data) for t in it.msg.frames.cameras.values()) + (
-                len(it.msg.frames.state.data) + 2 * len(it.msg.frames.action.data) + 32 * n
-            )
+            self.stats.frames_acked += it.frames if acked else 0
+            self.stats.pending_frames -= it.frames
+            self.stats.pending_bytes -= it.frame_bytes
 
     def _on_reject(self, rej: pb.Reject, conn: _Connection) -> None:
         """A refused message can never succeed as it is: drop it and keep its error (nothing was stored)."""
