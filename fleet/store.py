@@ -351,7 +351,14 @@ class EpisodeWriter:
         self._dir = store.episodes_dir / meta.episode_id
         self._db = db
         self._layout = _layout(meta.spec)
-        self._arrays: dict[str, zarr.Array] = {k: _array(group, k) for k in self._layout}
+        # Camera chunks are never all zero in practice, and checking (zarr skips writing chunks that equal
+        # the fill value) costs a pass over megabytes per chunk: ~15% of image write time.
+        self._arrays: dict[str, zarr.Array] = {
+            k: _array(group, k).with_config({"write_empty_chunks": True})
+            if k.startswith("cameras/")
+            else _array(group, k)
+            for k in self._layout
+        }
         self._capacity = 0
         self._length = 0
         self._pending: dict[str, list[np.ndarray]] = {k: [] for k in self._layout}
