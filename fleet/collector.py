@@ -810,18 +810,18 @@ class Collector:
         batch = decode_frames(fb, ep.spec, self.max_batch_frames, -math.inf)
         n = len(batch["action"])
         dup = ep.committed - fb.seq
+        if dup < n and batch["timestamp"][dup] < ep.last_ts:
+            raise RequestError(
+                SC.INVALID_ARGUMENT,
+                f"frames.timestamp: expected non-decreasing times (last stored {ep.last_ts:.6f}), got a time going back",
+                ep.id,
+            )
         acc = self.accounts[robot]
         acc.frames_received += n
         self.metrics.received.labels(robot).inc(n)
         if dup >= n:
             self._count_duplicates(robot, n, counted=True)
             return _ack(msg.msg_id, ep.id, ep.committed, ep.segments, ep.ended, ep.closed, n)
-        if batch["timestamp"][dup] < ep.last_ts:
-            raise RequestError(
-                SC.INVALID_ARGUMENT,
-                f"frames.timestamp: expected non-decreasing times (last stored {ep.last_ts:.6f}), got a time going back",
-                ep.id,
-            )
         ep.wal.append(raw if raw is not None else msg.SerializeToString())
         new = n - dup
         nbytes = sum(a.nbytes for a in batch["cameras"].values()) + batch["state"].nbytes * 2

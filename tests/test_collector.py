@@ -284,6 +284,8 @@ def test_bad_input_rejected_while_other_robots_stream(collector: Collector) -> N
     send(batch("raw-ep", 0, 3))
     a = recv().ack
     assert a.committed == 3
+    r = reject(batch("raw-ep", 3, 2, timestamp=np.array([5.0, 6.0])))
+    assert r.code == SC.INVALID_ARGUMENT.value[0] and "frames.timestamp: expected non-decreasing" in r.message
     close()
     assert good.close(30) and good.stats.rejects == 0
     assert collector.drain(30)
@@ -297,9 +299,11 @@ def test_bad_input_rejected_while_other_robots_stream(collector: Collector) -> N
         time.sleep(0.05)
     assert EpisodeStore(collector.store.root).read_metadata("raw-ep").length == 3
     stats = {r.robot_id: r for r in collector.stats().robots}
-    assert stats["raw-0"].frames_rejected == 2 + 5 * 2 + 2 + 65 + 2 and stats["good-1"].frames_rejected == 0
     assert (
-        'messages_rejected_total{code="INVALID_ARGUMENT",robot="raw-0"} 5.0'
+        stats["raw-0"].frames_rejected == 2 + 5 * 2 + 2 + 65 + 2 + 2 and stats["good-1"].frames_rejected == 0
+    )
+    assert (
+        'messages_rejected_total{code="INVALID_ARGUMENT",robot="raw-0"} 6.0'
         in collector.stats().prometheus_text
     )
 
