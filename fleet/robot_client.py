@@ -315,7 +315,8 @@ class RobotClient:
                 ep.batch_t0 = time.perf_counter()
             ep.batch.append(
                 {
-                    "cameras": {k: np.array(v, np.uint8) for k, v in cameras.items()},
+                    # Raw bytes now (the caller may reuse its buffers), joined once per batch in _seal.
+                    "cameras": {k: np.ascontiguousarray(v).tobytes() for k, v in cameras.items()},
                     "state": np.array(state, np.float32),
                     "action": np.array(action, np.float32),
                     "proposed_action": np.array(proposed, np.float32),
@@ -414,8 +415,12 @@ class RobotClient:
         n = len(frames)
         seq = ep.frames - n
         fb = pb.FrameBatch(episode_id=ep.id, seq=seq)
-        for name in self.spec.camera_names:
-            fb.cameras[name].CopyFrom(to_tensor(np.stack([f["cameras"][name] for f in frames])))
+        for cam in self.spec.cameras:
+            # Filled in place: building a Tensor and CopyFrom-ing it would copy the pixels twice more.
+            t = fb.cameras[cam.name]
+            t.dtype = "uint8"
+            t.shape.extend((n, *cam.shape))
+            t.data = b"".join(f["cameras"][cam.name] for f in frames)
         for key in ("state", "action", "proposed_action"):
             getattr(fb, key).CopyFrom(to_tensor(np.stack([f[key] for f in frames])))
         fb.reward.CopyFrom(to_tensor(np.array([f["reward"] for f in frames], np.float32)))
