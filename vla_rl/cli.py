@@ -3,7 +3,7 @@
     vla-rl demo                       generate demonstrations and show what the store holds
     vla-rl sim list                   simulated tasks, observation modes and robot specs
     vla-rl sim demos --task T ...     record scripted-expert demonstrations into an episode store
-    vla-rl store info PATH            episodes, frames, bytes, per-task success
+    vla-rl store info PATH            episodes, frames, bytes, per-task success, per-robot interventions
     vla-rl store verify PATH          integrity check (exit code 1 on any inconsistency)
     vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
     vla-rl round start|list|show      post-training rounds: train, evaluate vs base, push, promote
@@ -11,6 +11,8 @@
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
     vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
     vla-rl client act --server ADDR   one chunk from a server for a simulated observation
+    vla-rl collect --store PATH       fleet collector: robots stream episodes into a store, exactly once
+    vla-rl fleet sim --robots N ...   simulated robots + operator takeovers streaming to a collector
 
 Every command takes ``--log-format json`` for structured logs and ``--help`` for its options.
 """
@@ -161,6 +163,26 @@ def cmd_store_info(args: argparse.Namespace) -> int:
             rows.append([name, t["episodes"], t["frames"], f"{t['successes']}/{t['closed']}", rate])
         print()
         print(_table(rows, ["task", "episodes", "frames", "successes", "success rate"]))
+    if info["robots"]:
+        rows = []
+        for name, r in info["robots"].items():
+            rate = "-" if r["success_rate"] is None else f"{r['success_rate']:.0%}"
+            irate = "-" if r["intervention_rate"] is None else f"{r['intervention_rate']:.1%}"
+            seg = r["segments"]
+            rows.append(
+                [
+                    name,
+                    r["episodes"],
+                    r["frames"],
+                    f"{r['successes']}/{r['closed']} ({rate})",
+                    f"{seg['autonomous']} / {seg['intervention']} / {seg['reset']}",
+                    f"{r['episodes_with_intervention']}/{r['episodes']}",
+                    irate,
+                ]
+            )
+        print()
+        header = ["robot", "episodes", "frames", "success", "segments (auto / interv / reset)"]
+        print(_table(rows, [*header, "episodes w/ takeover", "intervention rate (frames)"]))
     return 0
 
 
@@ -408,6 +430,85 @@ def cmd_client_act(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- fleet
+def cmd_collect(args: argparse.Namespace) -> int:
+    from fleet.collector import serve
+
+    robots = {r.strip() for r in args.robots.split(",") if r.strip()} if args.robots else None
+    try:
+        serve(
+            args.store,
+            args.db,
+            host=args.host,
+            port=args.port,
+            token=args.token or None,
+            fsync=args.fsync,
+            chunk_len=args.chunk_len,
+            camera_zstd_level=args.camera_zstd_level,
+            max_batch_frames=args.max_batch_frames,
+            max_pending_bytes=int(args.max_pending_mb * 1024 * 1024),
+            store_workers=args.store_workers,
+            allowed_robots=robots,
+            metrics_port=args.metrics_port,
+        )
+    except (ValueError, RuntimeError, OSError) as e:
+        raise CliError(f"collect: {e}") from None
+    return 0
+
+
+def cmd_fleet_sim(args: argparse.Namespace) -> int:
+    from sim.fleet_runner import FleetConfig, run_sim_fleet
+    from sim.operator import OperatorRules
+
+    if args.robots < 1 or args.episodes < 1:
+        raise CliError("--robots and --episodes must be >= 1")
+    try:
+        rules = OperatorRules(
+            stall_steps=args.stall_steps,
+            drift_radius=args.drift_radius,
+            spot_check_prob=args.spot_check,
+            drive_steps=args.drive_steps,
+            max_takeovers=args.max_takeovers,
+            max_fraction=args.max_fraction,
+            noise=args.operator_noise,
+        )
+    except ValueError as e:
+        raise CliError(f"operator rules: {e}") from None
+    cfg = FleetConfig(
+        robots=args.robots,
+        server=args.server,
+        collector=args.collector,
+        task=_task_arg(args.task) if args.task else None,
+        episodes=args.episodes,
+        seed=args.seed,
+        operators=args.operators,
+        rules=rules,
+        collector_token=args.token or None,
+        model_id=args.model_id,
+        max_episode_steps=args.max_steps,
+        record_dir=str(args.record_dir) if args.record_dir else None,
+        robot_prefix=args.robot_prefix,
+    )
+    try:
+        result = run_sim_fleet(cfg, progress=not args.no_progress)
+    except RuntimeError as e:
+        raise CliError(str(e)) from None
+    print()
+    print(result.table())
+    total = sum(s.episodes for s in result.robots.values())
+    human = sum(s.human_steps for s in result.robots.values())
+    steps = sum(s.steps for s in result.robots.values())
+    succ = sum(s.successes for s in result.robots.values())
+    print(
+        f"\n{total} episodes in {result.seconds:.0f} s: success {succ}/{total}, operator drove "
+        f"{human}/{steps} frames ({human / max(steps, 1):.0%}); robots waited for a busy operator "
+        f"{result.operator_busy_waits} times"
+    )
+    for e in result.errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if result.errors else 0
+
+
 # ---------------------------------------------------------------------------- hub
 def cmd_hub_serve(args: argparse.Namespace) -> int:
     from vla_rl.hub.server import serve
@@ -556,7 +657,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     store_p = add(sub, "store", lambda a: (store_p.print_help(), 0)[1], "inspect and check episode stores")
     store_sub = store_p.add_subparsers(dest="store_command", metavar="SUBCOMMAND")
-    si = add(store_sub, "info", cmd_store_info, "episodes, frames, bytes and per-task success of a store")
+    si = add(
+        store_sub,
+        "info",
+        cmd_store_info,
+        "episodes, frames, bytes, per-task success and per-robot segments of a store",
+        "Summarise a store: episodes, frames and bytes on disk; success per task; and per robot the "
+        "segments (autonomous / intervention / reset), how many episodes had a takeover, the fraction of "
+        "frames under intervention, and success.",
+    )
     si.add_argument("path", type=Path)
     si.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
     si.add_argument("--json", action="store_true", help="machine-readable output")
@@ -754,6 +863,100 @@ def build_parser() -> argparse.ArgumentParser:
     sv_p.add_argument("--model-id", default="default")
     sv_p.add_argument("--token", default=os.environ.get("VLA_RL_SERVER_TOKEN"), help="enables control calls")
     sv_p.add_argument("--device", default="auto")
+
+    co = add(
+        sub,
+        "collect",
+        cmd_collect,
+        "run the fleet collector (robots stream episodes into a store)",
+        "Receive frames, segments (autonomous / intervention / reset, with who was in control and why) and "
+        "episode outcomes from many robots over gRPC (fleet/proto/collector.proto) and write them into an "
+        "episode store + metadata DB. A message is acknowledged once it is durable (in the store's "
+        "write-ahead log; with --fsync, on disk); robots resend what is not acknowledged after a reconnect "
+        "and duplicates are dropped, so every frame is stored exactly once, across collector restarts too. "
+        "Bad frames are refused with a message naming the field. Per-robot counters in Prometheus format "
+        "on --metrics-port (/metrics) and through the GetStats call.\n\n"
+        "example:\n  vla-rl collect --store runs/fleet/store --port 50071 --token $VLA_RL_COLLECTOR_TOKEN "
+        "--metrics-port 9171",
+    )
+    co.add_argument("--store", type=Path, required=True, help="episode store directory (created if missing)")
+    co.add_argument("--db", default=None, help="metadata DB URL (default: sqlite file inside the store)")
+    co.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
+    co.add_argument("--port", type=int, default=50071, help="gRPC port (0 = any free port; printed on start)")
+    co.add_argument(
+        "--token",
+        default=os.environ.get("VLA_RL_COLLECTOR_TOKEN"),
+        help="robots must send it (env VLA_RL_COLLECTOR_TOKEN)",
+    )
+    co.add_argument(
+        "--fsync", action="store_true", help="fsync every acknowledged message (power-loss safe, slower)"
+    )
+    co.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    co.add_argument("--robots", default=None, help="comma-separated robot ids to accept (default: any)")
+    co.add_argument("--chunk-len", type=int, default=64, help="frames per Zarr chunk (default %(default)s)")
+    co.add_argument(
+        "--camera-zstd-level",
+        type=int,
+        default=1,
+        help="zstd level of camera arrays (default %(default)s; 3 = smaller, slower)",
+    )
+    co.add_argument("--max-batch-frames", type=int, default=64, help="largest FrameBatch accepted")
+    co.add_argument(
+        "--max-pending-mb",
+        type=float,
+        default=1024,
+        help="frame MB waiting for the store before robots are slowed",
+    )
+    co.add_argument("--store-workers", type=int, default=2, help="threads writing into the Zarr store")
+
+    fl_p = add(sub, "fleet", lambda a: (fl_p.print_help(), 0)[1], "simulated robot fleets")
+    fl_sub = fl_p.add_subparsers(dest="fleet_command", metavar="SUBCOMMAND")
+    fs = add(
+        fl_sub,
+        "sim",
+        cmd_fleet_sim,
+        "N simulated robots acting through a policy server, streaming to a collector",
+        "Run N simulated robots (one process each) that get action chunks from the policy server and stream "
+        "every frame, segment and outcome to the collector. A simulated operator (the task's privileged "
+        "scripted expert) watches them and takes over when the policy stalls (no progress for --stall-steps), "
+        "drifts (gripper farther than --drift-radius from the object) or at random (--spot-check), drives "
+        "for --drive-steps and hands back, within a budget per episode (--max-takeovers, --max-fraction). "
+        "--operators robots can be driven at once (default 1: one teleoperator watching the whole fleet). "
+        "Episode outcomes and intervention rates are reported live; a per-robot table at the end.\n\n"
+        "example:\n  vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 "
+        "--collector 127.0.0.1:50071",
+    )
+    fs.add_argument("--robots", type=int, default=4, help="simulated robots (processes)")
+    fs.add_argument("--episodes", type=int, default=5, help="episodes per robot")
+    fs.add_argument("--task", default=None, help="task (default: the served model's robot spec)")
+    fs.add_argument("--server", default="127.0.0.1:50061", help="policy server address")
+    fs.add_argument("--collector", default="127.0.0.1:50071", help="collector address")
+    fs.add_argument("--token", default=os.environ.get("VLA_RL_COLLECTOR_TOKEN"), help="collector token")
+    fs.add_argument("--model-id", default="", help="served model (default: the only one)")
+    fs.add_argument("--seed", type=int, default=0)
+    fs.add_argument("--max-steps", type=int, default=None, help="episode step limit (default: the task's)")
+    fs.add_argument("--operators", type=int, default=1, help="robots the operator can drive at once")
+    fs.add_argument(
+        "--stall-steps", type=int, default=8, help="take over after N steps without progress (0 = off)"
+    )
+    fs.add_argument(
+        "--drift-radius",
+        type=float,
+        default=0.3,
+        help="take over when the gripper is this far (m) from the object",
+    )
+    fs.add_argument("--spot-check", type=float, default=0.0, help="chance per step of a random takeover")
+    fs.add_argument("--drive-steps", type=int, default=15, help="steps per takeover (0 = to the end)")
+    fs.add_argument("--max-takeovers", type=int, default=3, help="per episode")
+    fs.add_argument(
+        "--max-fraction", type=float, default=0.5, help="of an episode's steps under operator control"
+    )
+    fs.add_argument("--operator-noise", type=float, default=0.0, help="operator sloppiness (expert noise)")
+    fs.add_argument(
+        "--record-dir", type=Path, default=None, help="write what each robot did, frame by frame (JSON lines)"
+    )
+    fs.add_argument("--robot-prefix", default="sim", help="robot ids are PREFIX-0, PREFIX-1, ...")
+    fs.add_argument("--no-progress", action="store_true")
 
     cl_p = add(sub, "client", lambda a: (cl_p.print_help(), 0)[1], "talk to a policy server")
     cl_sub = cl_p.add_subparsers(dest="client_command", metavar="SUBCOMMAND")

@@ -1,0 +1,589 @@
+"""Simulated fleets that stream everything to a collector.
+
+* :func:`run_sim_fleet` (``vla-rl fleet sim``): N simulated robots, one process each, acting through the
+  policy server (receding horizon over a ``StreamAct`` stream), watched by a shared
+  :class:`~sim.operator.SimulatedOperator` that takes over when the policy stalls or drifts, and
+  streaming every frame, segment and outcome to the collector through :class:`~fleet.robot_client.RobotClient`.
+  Episode outcomes and intervention rates are reported live, per robot.
+* :func:`synthetic_robot_main`: a robot without a simulator that streams deterministic frames (smooth
+  synthetic images or a pool of rendered ones) at a fixed rate, with a takeover in every episode. Fault
+  tests and ``bench/collect.py`` run many of them, as real processes, to load the collector.
+
+Both can write what they did, frame by frame (episode, seq, content hash, controller, segment), to a
+JSON-lines file, so a test can check the store against the robots' own record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
+
+log = logging.getLogger("vla_rl.fleet")
+
+
+# ------------------------------------------------------------------------------------------ records
+class _Record:
+    """What a robot did, one JSON line per frame and per episode (None path = record nothing)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - lives as long as the robot
+
+    def frame(self, episode: str, seq: int, digest: str, controller: int, segment: int) -> None:
+        if self._f:
+            self._f.write(
+                json.dumps(
+                    {
+                        "episode": episode,
+                        "seq": seq,
+                        "digest": digest,
+                        "controller": controller,
+                        "segment": segment,
+                    }
+                )
+                + "\n"
+            )
+
+    def episode(self, episode: str, length: int, segments: list[dict[str, Any]], outcome: str) -> None:
+        if self._f:
+            self._f.write(
+                json.dumps({"episode": episode, "length": length, "segments": segments, "outcome": outcome})
+                + "\n"
+            )
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+
+
+def read_records(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Frame records and episode records (by id) from robots' JSON-lines files."""
+    frames: list[dict[str, Any]] = []
+    episodes: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            rec = json.loads(line)
+            if "seq" in rec:
+                frames.append(rec)
+            else:
+                episodes[rec["episode"]] = rec
+    return frames, episodes
+
+
+# ------------------------------------------------------------------------------------------ synthetic robots
+def smooth_image_pool(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    """uint8 [n, H, W, 3] camera-like frames: a lit gradient background and moving flat-shaded boxes.
+
+    No sensor noise, so they compress like rendered simulator frames rather than like random bytes.
+    """
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:height, :width].astype(np.float32)
+    base = np.stack([x / width * 120 + 60, y / height * 90 + 80, (x + y) / (width + height) * 60 + 100], -1)
+    out = np.empty((n, height, width, 3), np.uint8)
+    boxes = rng.uniform(0.1, 0.7, (4, 2)) * (height, width)
+    vel = rng.normal(0, 1.5, (4, 2))
+    colors = rng.integers(30, 255, (4, 3))
+    for i in range(n):
+        img = base.copy()
+        for b in range(4):
+            cy, cx = (boxes[b] + vel[b] * i) % (height * 0.8, width * 0.8)
+            img[int(cy) : int(cy) + height // 6, int(cx) : int(cx) + width // 6] = colors[b]
+        out[i] = img.astype(np.uint8)
+    return out
+
+
+@dataclass
+class SyntheticRobotConfig:
+    robot_id: str
+    collector: str
+    spec: dict[str, Any]  # RobotSpec.to_dict()
+    task: str = "synthetic/replay"
+    token: str | None = None
+    episodes: int = 2
+    frames_per_episode: int = 60
+    hz: float = 0.0  # frames per second (0 = as fast as possible)
+    seed: int = 0
+    images: str | None = None  # .npz of {camera name: uint8 [P, H, W, 3]} pools; None = smooth synthetic
+    record_path: str | None = None
+    result_path: str | None = None
+    max_batch_frames: int = 8
+    batch_interval_s: float = 0.05
+    takeover: bool = True  # an intervention segment in the middle of every episode
+    close_timeout_s: float = 120.0
+    duration_s: float | None = None  # stop after this long (the last episode ends early, "timeout")
+    max_buffer_bytes: int = 1024 * 1024 * 1024
+    start_at: float | None = None  # unix time to start streaming (lines robots up after their imports)
+    start_file: str | None = None  # or: start once this file exists (a test's starting gun)
+
+
+def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
+    """Process entry point: stream ``episodes`` episodes of deterministic frames, record them, report."""
+    from fleet.robot_client import RobotClient, frame_digest
+    from fleet.store import new_episode_id
+    from vla_rl.spec import RobotSpec
+
+    spec = RobotSpec.from_dict(cfg.spec)
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.images:
+        data = np.load(cfg.images)
+        pools = {c.name: np.asarray(data[c.name]) for c in spec.cameras}
+    else:
+        pools = {
+            c.name: smooth_image_pool(32, c.height, c.width, cfg.seed * 7 + k)
+            for k, c in enumerate(spec.cameras)
+        }
+    tag = zlib.crc32(cfg.robot_id.encode())
+    record = _Record(cfg.record_path)
+    client = RobotClient(
+        cfg.collector,
+        cfg.robot_id,
+        spec,
+        cfg.task,
+        token=cfg.token,
+        max_batch_frames=cfg.max_batch_frames,
+        batch_interval_s=cfg.batch_interval_s,
+        max_buffer_bytes=cfg.max_buffer_bytes,
+        block_s=600.0,
+    )
+    if cfg.start_at is not None:
+        time.sleep(max(0.0, cfg.start_at - time.time()))
+    while cfg.start_file and not os.path.exists(cfg.start_file):
+        time.sleep(0.01)
+    cpu0 = time.process_time()
+    period = 1.0 / cfg.hz if cfg.hz > 0 else 0.0
+    t_start = time.perf_counter()
+    stop_at = t_start + cfg.duration_s if cfg.duration_s else float("inf")
+    next_t = time.perf_counter()
+    last_ts = 0.0
+    frames = 0
+    for e in range(cfg.episodes):
+        if time.perf_counter() >= stop_at:
+            break
+        eid = new_episode_id(cfg.robot_id)
+        client.start_episode(eid, kind="autonomous", controller="policy", reason="policy")
+        n = cfg.frames_per_episode
+        a, b = (n // 3, n // 2) if cfg.takeover else (n, n)
+        segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
+        seg = 0
+        length = n
+        for i in range(n):
+            if time.perf_counter() >= stop_at:
+                length = i
+                break
+            if cfg.takeover and i == a:
+                client.begin_segment("intervention", "human", reason="synthetic takeover")
+                segments.append({"start": i, "kind": "intervention", "controller": 1})
+                seg += 1
+            if cfg.takeover and i == b:
+                client.begin_segment("autonomous", "policy", reason="handback")
+                segments.append({"start": i, "kind": "autonomous", "controller": 0})
+                seg += 1
+            ctrl = segments[-1]["controller"]
+            cams = {}
+            for name, pool in pools.items():
+                img = pool[(frames + i) % len(pool)].copy()
+                img[0, :12, 0] = np.frombuffer(np.array([tag, e, i], np.uint32).tobytes(), np.uint8)
+                cams[name] = img
+            state = rng.standard_normal(spec.state_dim).astype(np.float32)
+            action = rng.uniform(-1, 1, spec.action_dim).astype(np.float32)
+            proposed = action if ctrl == 0 else np.full(spec.action_dim, np.nan, np.float32)
+            reward = float(i == n - 1)
+            ts = max(time.time(), last_ts)
+            last_ts = ts
+            client.add_frame(
+                cams, state, action, proposed, reward, i == n - 1, False, ctrl, "synthetic-rev", timestamp=ts
+            )
+            if cfg.record_path:
+                digest = frame_digest(cams, state, action, proposed, reward, i == n - 1, False, ctrl, ts)
+                record.frame(eid, i, digest, ctrl, seg)
+            if period:
+                next_t += period
+                delay = next_t - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+        outcome = "success" if length == n else "timeout"
+        client.end_episode(outcome, length == n)
+        record.episode(eid, length, segments, outcome)
+        frames += length
+    elapsed = time.perf_counter() - t_start
+    t_close = time.perf_counter()
+    ok = client.close(cfg.close_timeout_s)
+    close_s = time.perf_counter() - t_close
+    cpu_s = time.process_time() - cpu0
+    record.close()
+    if cfg.result_path:
+        lat = np.array(client.stats.ack_latency_s, np.float64)
+        st = client.stats
+        Path(cfg.result_path).write_text(
+            json.dumps(
+                {
+                    "robot_id": cfg.robot_id,
+                    "frames": frames,
+                    "seconds": elapsed,
+                    "close_seconds": close_s,
+                    "cpu_seconds": cpu_s,
+                    "all_acked": ok,
+                    "frames_acked": st.frames_acked,
+                    "reconnects": st.reconnects,
+                    "messages_resent": st.messages_resent,
+                    "rejects": st.rejects,
+                    "errors": client.errors,
+                    "ack_latency_s": lat.tolist(),
+                    "frame_age_at_ack_s": list(client.stats.frame_age_at_ack_s),
+                }
+            )
+        )
+
+
+# ------------------------------------------------------------------------------------------ sim robots
+@dataclass
+class SimRobotConfig:
+    robot_id: str
+    index: int
+    task: str
+    server: str
+    collector: str
+    episodes: int
+    seed: int
+    rules: dict[str, Any]
+    obs: str = "state"
+    image_size: int = 128
+    max_episode_steps: int | None = None
+    token: str | None = None  # collector token
+    model_id: str = ""
+    record_path: str | None = None
+    torch_free: bool = True
+
+
+@dataclass
+class EpisodeReport:
+    robot_id: str
+    episode_id: str
+    index: int
+    success: bool
+    outcome: str
+    steps: int
+    human_steps: int
+    takeovers: int
+    reasons: list[str]
+    seconds: float
+    busy_waits: int = 0
+
+
+def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+    """Process entry point: run episodes through the policy server, stream them, report each episode."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        _sim_robot(cfg, desk, reports)
+    except Exception as e:  # the parent must hear about it rather than wait forever
+        log.exception("sim robot failed", extra={"robot": cfg.robot_id})
+        reports.put(("error", cfg.robot_id, f"{type(e).__name__}: {e}"))
+    finally:
+        reports.put(("done", cfg.robot_id, None))
+
+
+def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+    from fleet.robot_client import RobotClient, frame_digest
+    from fleet.store import new_episode_id
+    from server.client import PolicyClient
+    from sim.registry import make_env
+
+    rules = OperatorRules(**cfg.rules)
+    env = make_env(cfg.task, obs=cfg.obs, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps)  # type: ignore[arg-type]
+    operator = SimulatedOperator(env.task, rules, desk)
+    policy = PolicyClient(cfg.server, timeout_s=30.0, model_id=cfg.model_id)
+    stream = policy.stream()
+    client = RobotClient(cfg.collector, cfg.robot_id, env.spec, env.task, token=cfg.token)
+    record = _Record(cfg.record_path)
+    last_ts = 0.0
+    try:
+        for e in range(cfg.episodes):
+            t0 = time.perf_counter()
+            seed = cfg.seed + cfg.index * 100_000 + e
+            obs, info = env.reset(seed=seed)
+            operator.reset(seed, env.max_episode_steps)
+            eid = new_episode_id(cfg.robot_id)
+            client.start_episode(
+                eid, instruction=obs["instruction"], kind="autonomous", controller="policy", reason="policy"
+            )
+            segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
+            chunk: np.ndarray | None = None
+            k, n_exec, commit = 0, 1, ""
+            t = 0
+            terminated = truncated = False
+            while not (terminated or truncated):
+                ev = operator.observe(t, info["privileged"], float(info["dense_reward"]))
+                if ev is not None:
+                    kind, ctrl = ("intervention", 1) if ev.kind == "takeover" else ("autonomous", 0)
+                    client.begin_segment(kind, ctrl, reason=ev.reason)
+                    segments.append({"start": t, "kind": kind, "controller": ctrl, "reason": ev.reason})
+                    chunk = None
+                if operator.driving:
+                    action = operator.act(info["privileged"])
+                    proposed = np.full(env.spec.action_dim, np.nan, np.float32)
+                    ctrl, revision = 1, ""
+                else:
+                    if chunk is None or k >= n_exec:
+                        res = stream.act(
+                            {
+                                "state": obs["state"],
+                                "cameras": obs["cameras"],
+                                "instruction": obs["instruction"],
+                            },
+                            seed=seed * 1000 + t,
+                        )
+                        chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
+                    proposed = np.asarray(chunk[k], np.float32)
+                    k += 1
+                    action = np.clip(proposed, -1.0, 1.0).astype(np.float32)
+                    ctrl, revision = 0, commit
+                next_obs, reward, terminated, truncated, next_info = env.step(action)
+                ts = max(time.time(), last_ts)
+                last_ts = ts
+                client.add_frame(
+                    obs["cameras"],
+                    obs["state"],
+                    action,
+                    proposed,
+                    reward,
+                    terminated,
+                    truncated,
+                    ctrl,
+                    revision,
+                    ts,
+                )
+                digest = frame_digest(
+                    obs["cameras"], obs["state"], action, proposed, reward, terminated, truncated, ctrl, ts
+                )
+                record.frame(eid, t, digest, ctrl, len(segments) - 1)
+                obs, info = next_obs, next_info
+                t += 1
+            success = bool(info["success"])
+            outcome = "success" if success else ("timeout" if truncated else "failure")
+            operator.end_episode()
+            client.end_episode(outcome, success)
+            record.episode(eid, t, segments, outcome)
+            reports.put(
+                (
+                    "episode",
+                    cfg.robot_id,
+                    asdict(
+                        EpisodeReport(
+                            cfg.robot_id,
+                            eid,
+                            e,
+                            success,
+                            outcome,
+                            t,
+                            operator.human_steps,
+                            operator.takeovers,
+                            operator.reasons,
+                            time.perf_counter() - t0,
+                            desk.busy_waits if desk else 0,
+                        )
+                    ),
+                )
+            )
+        if not client.close(120.0):
+            reports.put(
+                ("error", cfg.robot_id, f"not every frame was acknowledged: {client.stats.last_error}")
+            )
+    finally:
+        record.close()
+        stream.close()
+        policy.close()
+        env.close()
+
+
+# ------------------------------------------------------------------------------------------ the fleet
+@dataclass
+class FleetConfig:
+    robots: int
+    server: str
+    collector: str
+    task: str | None = None  # default: the served model's robot spec
+    episodes: int = 5
+    seed: int = 0
+    operators: int = 1  # robots the operator can drive at once
+    rules: OperatorRules = field(default_factory=OperatorRules)
+    collector_token: str | None = None
+    model_id: str = ""
+    max_episode_steps: int | None = None
+    record_dir: str | None = None  # one JSON-lines record per robot (what it did, frame by frame)
+    robot_prefix: str = "sim"
+
+
+@dataclass
+class RobotSummary:
+    robot_id: str
+    episodes: int = 0
+    successes: int = 0
+    steps: int = 0
+    human_steps: int = 0
+    takeovers: int = 0
+    episodes_with_takeover: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / max(self.episodes, 1)
+
+    @property
+    def intervention_rate(self) -> float:
+        """Fraction of frames under operator control."""
+        return self.human_steps / max(self.steps, 1)
+
+    def add(self, r: dict[str, Any]) -> None:
+        self.episodes += 1
+        self.successes += int(r["success"])
+        self.steps += r["steps"]
+        self.human_steps += r["human_steps"]
+        self.takeovers += r["takeovers"]
+        self.episodes_with_takeover += int(r["takeovers"] > 0)
+        self.reasons.update(reason.split(":")[0] for reason in r["reasons"])
+
+
+@dataclass
+class FleetResult:
+    robots: dict[str, RobotSummary]
+    episodes: list[dict[str, Any]]
+    errors: list[str]
+    seconds: float
+    operator_busy_waits: int
+
+    def table(self) -> str:
+        from vla_rl.cli import _table
+
+        rows = [
+            [
+                s.robot_id,
+                s.episodes,
+                f"{s.successes}/{s.episodes} ({s.success_rate:.0%})",
+                f"{s.intervention_rate:.0%}",
+                s.takeovers,
+                ", ".join(f"{k} {v}" for k, v in sorted(s.reasons.items())) or "-",
+            ]
+            for s in self.robots.values()
+        ]
+        return _table(rows, ["robot", "episodes", "success", "intervention rate", "takeovers", "why"])
+
+
+def _spec_from_server(server: str, model_id: str) -> tuple[dict[str, Any], str]:
+    from server.client import PolicyClient
+
+    with PolicyClient(server, timeout_s=30.0) as c:
+        info = c.info()
+    if not info:
+        raise RuntimeError(f"policy server {server} serves no model")
+    model = info[model_id] if model_id else next(iter(info.values()))
+    return json.loads(model.robot_spec_json), model.model_id
+
+
+def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
+    """Run the fleet until every robot has done its episodes; report live; return per-robot summaries."""
+    from tqdm import tqdm
+
+    from sim.registry import resolve_task
+
+    spec, model_id = _spec_from_server(cfg.server, cfg.model_id)
+    task = resolve_task(cfg.task or spec["name"]).name
+    cams = spec.get("cameras") or []
+    obs_mode = "rgb" if cams else "state"
+    image_size = int(cams[0]["height"]) if cams else 128
+    ctx = mp.get_context("spawn")
+    desk = OperatorDesk(cfg.operators, ctx)
+    reports: Any = ctx.Queue()
+    if cfg.record_dir:
+        Path(cfg.record_dir).mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(cfg.robots):
+        rid = f"{cfg.robot_prefix}-{i}"
+        rc = SimRobotConfig(
+            robot_id=rid,
+            index=i,
+            task=task,
+            server=cfg.server,
+            collector=cfg.collector,
+            episodes=cfg.episodes,
+            seed=cfg.seed,
+            rules=cfg.rules.to_dict(),
+            obs=obs_mode,
+            image_size=image_size,
+            max_episode_steps=cfg.max_episode_steps,
+            token=cfg.collector_token,
+            model_id=model_id,
+            record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
+        )
+        p = ctx.Process(target=sim_robot_main, args=(rc, desk, reports), name=f"sim-robot-{i}", daemon=True)
+        p.start()
+        procs.append(p)
+    summaries = {
+        f"{cfg.robot_prefix}-{i}": RobotSummary(f"{cfg.robot_prefix}-{i}") for i in range(cfg.robots)
+    }
+    episodes: list[dict[str, Any]] = []
+    errors: list[str] = []
+    running = set(summaries)
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not progress)
+    try:
+        while running:
+            try:
+                kind, rid, payload = reports.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p.name for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead and len(dead) >= len(running):
+                    errors.append(f"robot processes died: {dead}")
+                    break
+                continue
+            if kind == "done":
+                running.discard(rid)
+            elif kind == "error":
+                errors.append(f"{rid}: {payload}")
+                log.error("robot failed", extra={"robot": rid, "error": payload})
+            elif kind == "episode":
+                s = summaries[rid]
+                s.add(payload)
+                episodes.append(payload)
+                bar.update(1)
+                total = defaultdict(int)
+                for x in summaries.values():
+                    total["steps"] += x.steps
+                    total["human"] += x.human_steps
+                    total["succ"] += x.successes
+                    total["eps"] += x.episodes
+                bar.set_postfix(
+                    success=f"{total['succ'] / max(total['eps'], 1):.0%}",
+                    intervention=f"{total['human'] / max(total['steps'], 1):.0%}",
+                )
+                log.info(
+                    f"{rid} episode {payload['index'] + 1}/{cfg.episodes}: {payload['outcome']} in {payload['steps']} steps, "
+                    f"operator {payload['human_steps']} steps ({payload['takeovers']} takeovers) | {rid}: success "
+                    f"{s.successes}/{s.episodes}, intervention rate {s.intervention_rate:.0%}",
+                    extra={
+                        "robot": rid,
+                        "episode": payload["episode_id"],
+                        "outcome": payload["outcome"],
+                        "intervention_rate": round(s.intervention_rate, 3),
+                        "success_rate": round(s.success_rate, 3),
+                    },
+                )
+    finally:
+        bar.close()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, desk.busy_waits)

@@ -1,0 +1,187 @@
+"""A simulated teleoperator: watches robots, takes over when the policy stalls or drifts, hands back.
+
+It stands in for the human of a real deployment (HELP's teleoperator watching 12 robots, LWD's fleet),
+so that the data path and the credit assignment that depends on "who was in control of each frame" can
+be exercised in simulation. It drives with the task's privileged scripted expert
+(:func:`sim.experts.make_expert`), which is reactive and can take over at any state.
+
+Rules (:class:`OperatorRules`), checked before each step while the policy is in control:
+
+* **stall**: the dense reward has not beaten its best by ``progress_eps`` for ``stall_steps`` steps;
+* **drift**: the gripper is more than ``drift_radius`` metres from the object (it left the workspace);
+* **spot check**: with probability ``spot_check_prob`` per step, at random.
+
+A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
+which keeps it at least ``min_autonomous_steps``. The operator works within a budget per episode: at most
+``max_takeovers`` takeovers and ``max_fraction`` of the episode's step limit under its control. It can be
+shared: an :class:`OperatorDesk` with ``capacity`` seats is passed to several robots (even in other
+processes); a robot that needs help while every seat is busy keeps running its policy and asks again
+on the next step, like a robot waiting for the one teleoperator watching many.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from sim.base import Privileged
+from sim.experts import ScriptedExpert, make_expert
+
+
+@dataclass(frozen=True)
+class OperatorRules:
+    stall_steps: int = 8  # no progress for this many steps -> take over (0 = never)
+    progress_eps: float = 0.01  # dense-reward gain that counts as progress
+    drift_radius: float = (
+        0.3  # metres between gripper and object beyond which the robot has drifted (0 = off)
+    )
+    spot_check_prob: float = 0.0  # chance per autonomous step of a random takeover
+    drive_steps: int = 15  # steps per takeover (0 = until the episode ends)
+    min_autonomous_steps: int = 3  # after a handback, the policy keeps control at least this long
+    max_takeovers: int = 3  # per episode
+    max_fraction: float = 0.5  # of the episode's step limit under operator control
+    noise: float = 0.0  # the operator's own sloppiness (expert noise)
+
+    def __post_init__(self) -> None:
+        for name in ("stall_steps", "drive_steps", "min_autonomous_steps", "max_takeovers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"max_fraction: expected a value in [0, 1], got {self.max_fraction}")
+        if not 0.0 <= self.spot_check_prob <= 1.0:
+            raise ValueError(f"spot_check_prob: expected a value in [0, 1], got {self.spot_check_prob}")
+        if self.drift_radius < 0 or self.progress_eps < 0:
+            raise ValueError("drift_radius and progress_eps: expected >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class OperatorDesk:
+    """Seats of operator attention shared by robots (process-safe: pass it to ``mp`` workers at start)."""
+
+    def __init__(self, capacity: int = 1, ctx: Any = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        ctx = ctx or mp.get_context("spawn")
+        self.capacity = capacity
+        self._sem = ctx.BoundedSemaphore(capacity)
+        self._busy_waits = ctx.Value("q", 0)
+
+    def try_acquire(self) -> bool:
+        ok = bool(self._sem.acquire(block=False))
+        if not ok:
+            with self._busy_waits.get_lock():
+                self._busy_waits.value += 1
+        return ok
+
+    def release(self) -> None:
+        self._sem.release()
+
+    @property
+    def busy_waits(self) -> int:
+        """How many times a robot needed help while every seat was taken."""
+        return int(self._busy_waits.value)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change of control: ``takeover`` (operator drives from this step) or ``handback``."""
+
+    kind: str
+    reason: str
+
+
+class SimulatedOperator:
+    """One robot's view of the operator: decides takeovers, drives, hands back (see the module docstring)."""
+
+    def __init__(
+        self, task: str, rules: OperatorRules | None = None, desk: OperatorDesk | None = None
+    ) -> None:
+        self.task = task
+        self.rules = rules or OperatorRules()
+        self.desk = desk
+        self.expert: ScriptedExpert = make_expert(task, noise=self.rules.noise, seed=0)
+        self.rng = np.random.default_rng(0)
+        self.driving = False
+        self.reset(0, 1)
+
+    def reset(self, seed: int, max_steps: int) -> None:
+        """A new episode (``max_steps`` = its step limit, for the time budget)."""
+        if self.driving:
+            self._release()
+        self.rng = np.random.default_rng(seed)
+        self.expert.reset(seed)
+        self.max_steps = max_steps
+        self.takeovers = 0
+        self.human_steps = 0
+        self.driven = 0
+        self.best = -np.inf
+        self.last_progress = 0
+        self.since_handback = 10**9
+        self.reasons: list[str] = []
+
+    @property
+    def budget_steps(self) -> int:
+        return int(self.rules.max_fraction * self.max_steps)
+
+    def observe(self, t: int, priv: Privileged, dense_reward: float) -> Event | None:
+        """Look at the robot before step ``t``; returns a change of control, if any."""
+        r = self.rules
+        if self.driving:
+            if self.human_steps >= self.budget_steps:
+                return self._handback(t, dense_reward, f"operator budget used ({self.human_steps} steps)")
+            if r.drive_steps and self.driven >= r.drive_steps:
+                return self._handback(t, dense_reward, f"drove {self.driven} steps")
+            return None
+        self.since_handback += 1
+        if dense_reward > self.best + r.progress_eps:
+            self.best = dense_reward
+            self.last_progress = t
+        reason = None
+        dist = float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(priv["obj_pos"])))
+        if r.drift_radius and dist > r.drift_radius:
+            reason = f"drift: gripper {dist:.2f} m from the object (> {r.drift_radius:g})"
+        elif r.stall_steps and t - self.last_progress >= r.stall_steps:
+            reason = f"stall: no progress for {t - self.last_progress} steps"
+        elif r.spot_check_prob and self.rng.random() < r.spot_check_prob:
+            reason = "spot check"
+        if reason is None or self.since_handback < r.min_autonomous_steps:
+            return None
+        if self.takeovers >= r.max_takeovers or self.human_steps >= self.budget_steps:
+            return None
+        if self.desk is not None and not self.desk.try_acquire():
+            return None  # every seat is busy: the policy keeps going, ask again next step
+        self.driving = True
+        self.takeovers += 1
+        self.driven = 0
+        self.expert.reset(
+            int(self.rng.integers(2**31))
+        )  # fresh memory: the state is whatever the policy left
+        self.reasons.append(reason)
+        return Event("takeover", reason)
+
+    def act(self, priv: Privileged) -> np.ndarray:
+        """The operator's action for this step (call only while :attr:`driving`)."""
+        self.driven += 1
+        self.human_steps += 1
+        return self.expert.act(priv)
+
+    def end_episode(self) -> None:
+        if self.driving:
+            self._release()
+
+    def _handback(self, t: int, dense_reward: float, reason: str) -> Event:
+        self._release()
+        self.since_handback = 0
+        self.best = dense_reward  # judge the policy from where the operator left it
+        self.last_progress = t
+        return Event("handback", reason)
+
+    def _release(self) -> None:
+        self.driving = False
+        if self.desk is not None:
+            self.desk.release()

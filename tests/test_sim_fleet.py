@@ -1,0 +1,199 @@
+"""Sim fleet: robots act through a real policy server, a shared simulated operator takes over, and the
+collector's store ends up with exactly what the robots did (frames, segment boundaries, controller flags).
+
+The policy is a tiny randomly initialised flow VLA (weak on purpose: the operator has work to do); robots
+are real ManiSkill processes in state mode with short episodes.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fleet.collector import Collector
+from fleet.robot_client import frame_digest
+from fleet.store import EpisodeStore
+from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from server.policy_server import PolicyServer
+from sim.base import ACTION_NAMES
+from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
+from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
+from sim.registry import resolve_task
+from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.cli import main
+from vla_rl.spec import RobotSpec
+
+torch.set_num_threads(1)
+TOKEN = "fleet-test-token"
+TASK = "maniskill/PushCube-v1"
+
+
+def task_spec(task: str = TASK) -> RobotSpec:
+    t = resolve_task(task)
+    return RobotSpec(
+        t.name, t.state_dim["state"], t.action_dim, t.control_hz, t.instruction, action_names=ACTION_NAMES
+    )
+
+
+def tiny_checkpoint(folder: Path, spec: RobotSpec, seed: int = 0) -> Path:
+    cfg = FlowVLAConfig.from_robot_spec(
+        spec,
+        d_model=32,
+        n_layers=1,
+        expert_n_layers=1,
+        n_heads=2,
+        instruction_encoder="none",
+        chunk_len=4,
+        n_exec=2,
+        num_inference_steps=2,
+    )
+    torch.manual_seed(seed)
+    info = CheckpointInfo("flow_vla", cfg.to_dict(), spec, {}, Lineage("test"))
+    save_checkpoint(folder, FlowVLAPolicy(cfg).state_dict(), info)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ operator rules
+def _priv(
+    tcp: tuple[float, float, float], obj: tuple[float, float, float] = (0.0, 0.0, 0.02)
+) -> dict[str, np.ndarray]:
+    return {
+        "tcp_pos": np.array(tcp),
+        "obj_pos": np.array(obj),
+        "goal_pos": np.array([0.1, 0.0, 0.02]),
+        "gripper_width": np.float64(0.08),
+        "is_grasped": np.bool_(False),
+        "obj_half_size": np.float64(0.02),
+    }
+
+
+def test_operator_rules_budget_and_shared_desk() -> None:
+    rules = OperatorRules(
+        stall_steps=3, drive_steps=2, min_autonomous_steps=1, max_takeovers=2, max_fraction=0.2
+    )
+    desk = OperatorDesk(capacity=1)
+    a = SimulatedOperator(TASK, rules, desk)
+    b = SimulatedOperator(TASK, rules, desk)
+    a.reset(0, max_steps=20)  # budget: 4 operator steps
+    b.reset(1, max_steps=20)
+    near = _priv((0.0, 0.0, 0.1))
+    events = []
+    for t in range(4):  # no progress after t=0: stall at t=3
+        events.append(a.observe(t, near, 0.5))
+    assert events[:3] == [None, None, None] and events[3] is not None
+    assert events[3].kind == "takeover" and events[3].reason.startswith("stall: no progress for 3 steps")
+    assert a.driving
+    # b drifts away while the only seat is taken: it keeps its policy and asks again
+    far = _priv((0.5, 0.0, 0.1))
+    assert b.observe(0, far, 0.1) is None and desk.busy_waits == 1 and not b.driving
+    a.act(near)
+    a.act(near)
+    ev = a.observe(4, near, 0.5)
+    assert ev is not None and ev.kind == "handback" and ev.reason == "drove 2 steps" and not a.driving
+    ev = b.observe(1, far, 0.1)
+    assert ev is not None and ev.kind == "takeover" and ev.reason.startswith("drift")
+    assert b.act(far).shape == (4,)
+    # a stalls again, but b holds the only seat: a keeps its policy until the seat is free
+    waits = desk.busy_waits
+    assert all(a.observe(t, near, 0.5) is None for t in range(5, 12)) and desk.busy_waits > waits
+    t = 11
+    b.end_episode()  # frees the seat
+    ev = a.observe(t + 1, near, 0.5)
+    assert ev is not None and ev.kind == "takeover"
+    a.act(near)
+    a.act(near)
+    ev = a.observe(t + 2, near, 0.5)
+    assert ev is not None and ev.kind == "handback" and "budget" in ev.reason and a.human_steps == 4
+    assert all(a.observe(t + 3 + i, near, 0.5) is None for i in range(10))  # budget spent
+    with pytest.raises(ValueError, match="max_fraction"):
+        OperatorRules(max_fraction=2.0)
+
+
+# ------------------------------------------------------------------------------------------ the fleet
+def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
+    server = PolicyServer({"push": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
+    collector = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16).start()
+    try:
+        rules = OperatorRules(stall_steps=4, drive_steps=5, max_takeovers=2, max_fraction=0.6)
+        cfg = FleetConfig(
+            robots=2,
+            server=server.address,
+            collector=collector.address,
+            episodes=2,
+            max_episode_steps=25,
+            rules=rules,
+            collector_token=TOKEN,
+            record_dir=str(tmp_path / "records"),
+        )
+        result = run_sim_fleet(cfg, progress=False)
+        assert result.errors == []
+        assert collector.drain(60)
+        commit = server.slots["push"].active.commit
+    finally:
+        collector.stop()
+        server.stop()
+    assert {r: s.episodes for r, s in result.robots.items()} == {"sim-0": 2, "sim-1": 2}
+    frames, episodes = read_records(sorted((tmp_path / "records").glob("*.jsonl")))
+    store = EpisodeStore(tmp_path / "store")
+    assert sorted(store.episode_ids()) == sorted(episodes)
+    got: collections.Counter[tuple[str, int, str]] = collections.Counter()
+    n_interventions = 0
+    for eid, rec in episodes.items():
+        ep = store.read_episode(eid)
+        assert ep.meta.is_closed and ep.length == rec["length"]
+        segs = [(g.start, g.kind.value, int(g.controller), g.reason) for g in ep.meta.segments]
+        assert segs == [
+            (x["start"], x["kind"], x["controller"], x.get("reason", "policy")) for x in rec["segments"]
+        ]
+        n_interventions += sum(1 for g in ep.meta.segments if g.kind.value == "intervention")
+        mine = sorted((f for f in frames if f["episode"] == eid), key=lambda f: f["seq"])
+        assert ep.controller.tolist() == [f["controller"] for f in mine]
+        assert ep.segment.tolist() == [f["segment"] for f in mine]
+        human = ep.controller == 1
+        assert not ep.has_proposal[human].any() and ep.has_proposal[~human].all()
+        revs = np.array(ep.meta.revisions)[ep.revision]
+        assert (revs[~human] == commit).all() and (revs[human] == "").all()
+        for i in range(ep.length):
+            got[
+                (
+                    eid,
+                    i,
+                    frame_digest(
+                        {},
+                        ep.state[i],
+                        ep.action[i],
+                        ep.proposed_action[i],
+                        float(ep.reward[i]),
+                        bool(ep.terminated[i]),
+                        bool(ep.truncated[i]),
+                        int(ep.controller[i]),
+                        float(ep.timestamp[i]),
+                    ),
+                )
+            ] += 1
+    assert got == collections.Counter((f["episode"], f["seq"], f["digest"]) for f in frames)
+    assert n_interventions >= 1  # the weak policy needed help
+    info = store.info()["robots"]
+    for rid, s in result.robots.items():
+        assert info[rid]["intervention_rate"] == pytest.approx(s.intervention_rate)
+        assert info[rid]["successes"] == s.successes
+    assert main(["store", "info", str(tmp_path / "store")]) == 0
+    out = capsys.readouterr().out
+    assert "intervention rate (frames)" in out and "sim-0" in out and "sim-1" in out
+
+
+def test_fleet_and_collect_cli_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLA_RL_COLLECTOR_TOKEN", raising=False)
+    assert main(["fleet", "sim", "--robots", "0"]) == 2
+    assert "--robots and --episodes must be >= 1" in capsys.readouterr().err
+    assert main(["fleet", "sim", "--max-fraction", "3"]) == 2
+    assert "max_fraction" in capsys.readouterr().err
+    assert main(["collect", "--store", str(tmp_path / "s"), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "pass a token" in capsys.readouterr().err
