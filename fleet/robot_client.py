@@ -313,6 +313,7 @@ class RobotClient:
             ctrl = ep.controller if controller is None else Controller.parse(controller)
             if not ep.batch:
                 ep.batch_t0 = time.perf_counter()
+                self._cond.notify_all()  # the sender times the batch from now
             ep.batch.append(
                 {
                     # Raw bytes now (the caller may reuse its buffers), joined once per batch in _seal.
