@@ -352,3 +352,15 @@ def test_train_ppo_end_to_end(method: str, tmp_path: Path) -> None:
     assert any(not torch.equal(w_new[k], w_old[k]) for k in w_old), "the actor update changed nothing"
     assert (tmp_path / "run" / "critic.pt").is_file() and (tmp_path / "run" / "curve.json").is_file()
     assert any((tmp_path / "run" / "tb").iterdir())
+
+
+def test_cli_train_ppo_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vla_rl.cli import main
+
+    missing = tmp_path / "no-such-checkpoint"
+    assert main(["train", "ppo", "--base", str(missing), "--out", str(tmp_path / "o")]) == 2
+    assert "no-such-checkpoint" in capsys.readouterr().err
+    base = _sim_checkpoint(tmp_path / "base")
+    argv = ["train", "ppo", "--base", str(base), "--out", str(tmp_path / "o"), "--method", "sde"]
+    assert main([*argv, "--num-steps", "1"]) == 2
+    assert "num_steps" in capsys.readouterr().err
