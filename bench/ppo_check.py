@@ -115,6 +115,9 @@ def main() -> None:
     p.add_argument("--actor-lr", type=float, default=3e-5)
     p.add_argument("--critic-lr", type=float, default=3e-4)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--minibatch-size", type=int, default=64)
+    p.add_argument("--critic-warmup", type=int, default=2, help="critic-only iterations first")
+    p.add_argument("--target-kl", type=float, default=None)
     p.add_argument("--noise-std", type=float, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--logprob-reduction", default="sum", choices=["sum", "mean"])
     p.add_argument("--episodes", type=int, default=50, help="evaluation episodes (seeds 100000..)")
@@ -145,6 +148,9 @@ def main() -> None:
         actor_lr=args.actor_lr,
         critic_lr=args.critic_lr,
         update_epochs=args.epochs,
+        minibatch_size=args.minibatch_size,
+        critic_warmup_iterations=args.critic_warmup,
+        target_kl=args.target_kl,
         noise_std_range=tuple(args.noise_std) if args.noise_std else None,
         logprob_reduction=args.logprob_reduction,
         seed=args.seed,

@@ -261,12 +261,14 @@ def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
     assert [float(c.obs["state"][1]) for c in r0] == [0, 2, 0, 2]  # the new episode starts a new chunk
     if reward == "sparse":
         assert [c.reward for c in r0] == [0.0, 1.0, 0.0, 1.0]
-    else:  # dense: 0.25 per step, and success pays 1 for each of the 6 - 3 remaining steps
-        assert [c.reward for c in r0] == [0.5, 0.25 + 3, 0.5, 0.25 + 3]
+    else:  # success + γ Φ(s') - Φ(s) with Φ = the dense reward (0.25), 0 at reset and after success
+        np.testing.assert_allclose([c.reward for c in r0], [0.99 * 0.25, 1 - 0.25, 0.99 * 0.25, 1 - 0.25])
     assert r0[0].next_value == pytest.approx(r0[1].value) and r0[1].next_value == 0.0
     assert r0[0].value == pytest.approx(v([0, 0, 0])) and r0[1].value == pytest.approx(v([0, 2, 0]))
     # Robot 1: three full chunks, the last truncated and bootstrapped from the final observation.
     assert [c.steps for c in r1] == [2, 2, 2] and [c.truncated for c in r1] == [False, False, True]
+    shaped = [0.99 * 0.25, 0.99 * 0.25 - 0.25, 0.99 * 0.25 - 0.25]  # truncation keeps Φ(final obs)
+    np.testing.assert_allclose([c.reward for c in r1], shaped if reward == "dense" else [0, 0, 0])
     assert r1[0].next_value == pytest.approx(r1[1].value)
     assert r1[2].next_value == pytest.approx(v([1, 6, 0])) and r1[2].next_value != pytest.approx(r1[2].value)
     # The executed actions are the first n_exec of each chunk (identity normalisation, clipped to [-1, 1]).

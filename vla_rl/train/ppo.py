@@ -116,9 +116,12 @@ class PPOConfig:
     rollout_steps: int = 100
     """Vector-env steps per iteration: each iteration collects num_envs * rollout_steps env steps."""
     reward: str = "sparse"
-    """'sparse': 1 on success (episodes terminate on success). 'dense': the sim's shaped reward in [0, 1]
-    per step, and a success counts as reward 1 for each of the episode's remaining steps (an absorbing
-    goal state; otherwise hovering near the goal pays more than finishing)."""
+    """'sparse': 1 on success (episodes terminate on success). 'dense': the same success reward plus
+    potential-based shaping with the sim's dense reward Φ in [0, 1] (Ng et al. 1999): a chunk from s to
+    s' earns ``success + γ_chunk Φ(s') - Φ(s)`` (Φ = 0 at episode start and after termination). Shaping
+    keeps the optimal policy and the return scale of 'sparse' (values stay in about [-1, 1], where the
+    0.2 value clip makes sense) but credits progress chunk by chunk; summing the raw dense reward instead
+    would pay a policy for hovering near the goal rather than finishing."""
     gamma: float = 0.99
     """Discount per chunk (``discount='chunk'``, RLinf) or per env step (``'step'``: γ^steps per chunk)."""
     discount: str = "chunk"
@@ -458,6 +461,7 @@ class _Chunk:
     truncated: bool = False
     success: bool = False
     next_value: float | None = None
+    potential: float = 0.0  # Φ(s) at the chunk's first observation ('dense' reward)
 
 
 def _obs_row(obs: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -539,8 +543,8 @@ class _Rollout:
         self.waiting: list[_Chunk | None] = [None] * n  # completed, needs V(next obs) from the next chunk
         self.done: list[list[_Chunk]] = [[] for _ in range(n)]
         self.episodes: list[bool] = []  # success of each episode finished in this iteration
+        self.potential = np.zeros(n)  # Φ of each robot's current observation (last dense reward)
         self.obs, _ = env.reset(seed=cfg.env_seed)
-        self.max_steps = env.max_episode_steps
 
     def _refill(self) -> None:
         need = [i for i, q in enumerate(self.queues) if not q]
@@ -551,6 +555,7 @@ class _Rollout:
             if self.waiting[i] is not None:
                 self.waiting[i].next_value = chunks[j].value
                 self.waiting[i] = None
+            chunks[j].potential = float(self.potential[i])
             self.pending[i] = chunks[j]
             self.queues[i].extend(actions[j])
 
@@ -561,21 +566,22 @@ class _Rollout:
             self._refill()
             actions = np.stack([q.popleft() for q in self.queues])
             self.obs, _, terminated, truncated, info = self.env.step(actions)
-            reward = info["sparse_reward"] if self.cfg.reward == "sparse" else info["dense_reward"]
             trunc_rows: list[int] = []
             for i in range(n):
                 c = self.pending[i]
                 assert c is not None
-                c.reward += float(reward[i])
+                c.reward += float(info["sparse_reward"][i])
                 c.steps += 1
-                if terminated[i] or truncated[i]:
-                    c.terminated, c.truncated, c.success = (
-                        bool(terminated[i]),
-                        bool(truncated[i]),
-                        bool(info["success"][i]),
-                    )
-                    if c.success and self.cfg.reward == "dense":  # absorbing goal: 1 per remaining step
-                        c.reward += float(max(0, self.max_steps - int(info["elapsed_steps"][i])))
+                ended = bool(terminated[i] or truncated[i])
+                if ended or not self.queues[i]:
+                    if self.cfg.reward == "dense":
+                        phi_next = 0.0 if terminated[i] else float(info["dense_reward"][i])
+                        g = float(chunk_discounts(np.array([c.steps]), self.cfg.gamma, self.cfg.discount)[0])
+                        c.reward += g * phi_next - c.potential
+                    self.potential[i] = 0.0 if ended else float(info["dense_reward"][i])
+                if ended:
+                    c.terminated, c.truncated = bool(terminated[i]), bool(truncated[i])
+                    c.success = bool(info["success"][i])
                     self.episodes.append(c.success)
                     self.queues[i].clear()
                     if c.truncated and not c.terminated:
