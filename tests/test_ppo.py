@@ -22,6 +22,7 @@ from vla_rl.train.ppo import (
     _Rollout,
     _Sampler,
     chunk_discounts,
+    collect_groups,
     gae,
     group_advantages,
     ppo_policy_loss,
@@ -205,16 +206,19 @@ class ScriptedEnv:
     num_envs = 2
     max_episode_steps = 6
 
-    def __init__(self) -> None:
+    def __init__(self, robot1_wins_after_reset: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.t = np.zeros(2, dtype=int)
         self.ep = np.zeros(2, dtype=int)
         self.actions: list[np.ndarray] = []
+        self.resets: list[int | None] = []
+        self.robot1_wins = robot1_wins_after_reset  # after the n-th reset() robot 1 succeeds at step 4
 
     def _obs(self) -> dict[str, Any]:
         state = np.stack([[i, self.t[i], self.ep[i]] for i in range(2)]).astype(np.float32)
         return {"state": state, "cameras": {}, "instruction": ["x", "x"]}
 
     def reset(self, seed: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        self.resets.append(seed)
         self.t[:] = 0
         return self._obs(), {}
 
@@ -222,8 +226,8 @@ class ScriptedEnv:
         assert actions.shape == (2, 2)
         self.actions.append(actions)
         self.t += 1
-        success = np.array([self.t[0] == 3, False])
-        truncated = np.array([False, self.t[1] >= 6])
+        success = np.array([self.t[0] == 3, self.t[1] == 4 and len(self.resets) - 1 in self.robot1_wins])
+        truncated = np.array([False, self.t[1] >= 6 and not success[1]])
         final = {}
         for i in np.flatnonzero(success | truncated):
             final[int(i)] = {"state": self._obs()["state"][i], "cameras": {}, "instruction": "x"}
@@ -232,7 +236,6 @@ class ScriptedEnv:
             "success": success,
             "sparse_reward": success.astype(np.float32),
             "dense_reward": np.full(2, 0.25, dtype=np.float32),
-            "elapsed_steps": np.array([3 if success[0] else self.t[0], 6 if truncated[1] else self.t[1]]),
             "final_obs": final,
         }
         return self._obs(), success.astype(np.float32), success, truncated, info
@@ -284,6 +287,25 @@ def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
     assert len(done2[0]) == 1 and done2[0][0] is pending and pending is not None and pending.steps == 2
 
 
+def test_grpo_groups_replay_initial_states_and_standardise_success() -> None:
+    policy = tiny_policy()
+    cfg = PPOConfig(base="unused", out=Path("unused"), advantage="grpo", group_size=3, seed=2)
+    sampler = _Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    env = ScriptedEnv(robot1_wins_after_reset={0, 2})  # robot 1 wins in rounds 0 and 2, loses round 1
+    chunks, adv, episodes, steps = collect_groups(cfg, env, sampler, seed=77)
+    assert env.resets == [77, 77, 77]  # every round starts from the same initial states
+    assert episodes == [True, True, True, False, True, True]  # (round, robot) order
+    # rounds 0 and 2: both robots done after 4 steps (robot 0 keeps acting in its next episode, untrained);
+    # round 1: robot 1 runs to its time limit at 6
+    assert steps == 2 * (4 + 6 + 4)
+    robot = [int(c.obs["state"][0]) for c in chunks]
+    assert robot == [0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1]  # first episodes only: 2 + 2, 2 + 3, 2 + 2 chunks
+    std = np.std([1.0, 0.0, 1.0])
+    win, loss = (1 - 2 / 3) / (std + 1e-6), (0 - 2 / 3) / (std + 1e-6)
+    expected = [0, 0, win, win, 0, 0, loss, loss, loss, 0, 0, win, win]  # robot 0 always wins: no signal
+    np.testing.assert_allclose(adv, expected, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- config
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="method"):
@@ -294,6 +316,8 @@ def test_config_errors_name_the_field() -> None:
         PPOConfig(base="b", out=Path("o"), dual_clip=0.5)
     with pytest.raises(ValueError, match="noise_std_range"):
         PPOConfig(base="b", out=Path("o"), noise_std_range=(0.2, 0.1))
+    with pytest.raises(ValueError, match="advantage"):
+        PPOConfig(base="b", out=Path("o"), advantage="vtrace")
     assert PPOConfig(base="b", out=Path("o"), method="sde").algorithm == "flow-sde"
 
 
@@ -366,3 +390,26 @@ def test_cli_train_ppo_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureF
     argv = ["train", "ppo", "--base", str(base), "--out", str(tmp_path / "o"), "--method", "sde"]
     assert main([*argv, "--num-steps", "1"]) == 2
     assert "num_steps" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_grpo_end_to_end(tmp_path: Path) -> None:
+    base = _sim_checkpoint(tmp_path / "base")
+    cfg = PPOConfig(
+        base=str(base),
+        out=tmp_path / "run",
+        advantage="grpo",
+        group_size=2,
+        num_steps=3,
+        num_envs=2,
+        env_steps=40,
+        max_episode_steps=8,
+        minibatch_size=8,
+        update_epochs=1,
+        progress=False,
+    )
+    result = train_ppo(cfg)
+    # one iteration = 2 rounds x 8 steps x 2 robots (a random policy never succeeds early)
+    assert [r["env_steps"] for r in result.curve] == [32, 64] and result.episodes == 8
+    assert all(math.isfinite(r["policy_loss"]) and math.isnan(r["value_loss"]) for r in result.curve)
+    assert read_info(result.checkpoint).lineage.algorithm == "flow-noise"

@@ -260,6 +260,8 @@ def cmd_train_ppo(args: argparse.Namespace) -> int:
             reward=args.reward,
             gamma=args.gamma,
             gae_lambda=args.gae_lambda,
+            advantage=args.advantage,
+            group_size=args.group_size,
             update_epochs=args.epochs,
             minibatch_size=args.minibatch_size,
             actor_lr=args.actor_lr,
@@ -626,6 +628,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--reward", choices=["sparse", "dense"], default="sparse", help="default %(default)s")
     tp.add_argument("--gamma", type=float, default=0.99)
     tp.add_argument("--gae-lambda", type=float, default=0.95)
+    tp.add_argument(
+        "--advantage",
+        choices=["gae", "grpo"],
+        default="gae",
+        help="gae (critic) or grpo (success standardised over --group-size replays of each start)",
+    )
+    tp.add_argument("--group-size", type=int, default=8, help="GRPO episodes per initial state")
     tp.add_argument("--epochs", type=int, default=4, help="PPO epochs per iteration")
     tp.add_argument("--minibatch-size", type=int, default=64, help="chunks per gradient step")
     tp.add_argument("--actor-lr", type=float, default=1e-5)

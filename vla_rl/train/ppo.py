@@ -26,6 +26,9 @@ minibatches, AdamW with separate actor / critic learning rates and gradient clip
 separate small MLP (not saved in the policy checkpoint): on the normalised state (default; what learnt
 best for the state-only model) or on the pooled, detached prefix tokens (π0.5-style, for camera models).
 
+``advantage="grpo"`` replaces the critic by GRPO: each iteration replays the same initial states
+``group_size`` times and every chunk gets its episode's success standardised within its group.
+
 What is shipped: a derived checkpoint (``save_derived_checkpoint``; lineage algorithm ``flow-noise`` or
 ``flow-sde``, parent = the base's commit) whose config's ``num_inference_steps`` is the K used in RL,
 because the fine-tuned velocity field is tuned for that Euler grid. Deployment runs the deterministic
@@ -75,6 +78,7 @@ CRITICS = ("state", "prefix")
 DISCOUNTS = ("chunk", "step")
 LOGPROB_REDUCTIONS = ("sum", "mean")
 TRAIN_SCOPES = ("all", "expert")
+ADVANTAGES = ("gae", "grpo")
 
 
 # ============================================================================ config
@@ -132,6 +136,14 @@ class PPOConfig:
     env_seed: int = 50_000
     """Seed of the first training episode (demos start at 0, evaluation at 100000)."""
 
+    # ------------------------------------------------------------ advantages
+    advantage: str = "gae"
+    """'gae': GAE with the critic. 'grpo': no critic; each iteration replays the same initial states
+    ``group_size`` times (robot i always gets seed ``s + i``), and every chunk of an episode gets the
+    episode's success standardised within its group (RLinf GRPO; ``rollout_steps`` is then unused)."""
+    group_size: int = 8
+    """G, episodes per initial state in GRPO (RLinf 8)."""
+
     # ------------------------------------------------------------ PPO
     clip: float = 0.2
     """PPO ratio clip ε."""
@@ -186,7 +198,16 @@ class PPOConfig:
         _choice(self, "discount", DISCOUNTS)
         _choice(self, "logprob_reduction", LOGPROB_REDUCTIONS)
         _choice(self, "train_scope", TRAIN_SCOPES)
-        for name in ("num_envs", "env_steps", "rollout_steps", "update_epochs", "minibatch_size", "threads"):
+        _choice(self, "advantage", ADVANTAGES)
+        for name in (
+            "num_envs",
+            "env_steps",
+            "rollout_steps",
+            "update_epochs",
+            "minibatch_size",
+            "threads",
+            "group_size",
+        ):
             _positive_int(self, name)
         _positive_int(self, "num_steps")
         if self.method == "sde" and self.num_steps < 2:
@@ -535,7 +556,7 @@ class _Sampler:
 class _Rollout:
     """Steps the robots chunk by chunk; completed chunks accumulate per robot, in time order."""
 
-    def __init__(self, cfg: PPOConfig, env: Any, sampler: _Sampler) -> None:
+    def __init__(self, cfg: PPOConfig, env: Any, sampler: _Sampler, seed: int | None = None) -> None:
         self.cfg, self.env, self.sampler = cfg, env, sampler
         n = env.num_envs
         self.queues: list[deque[np.ndarray]] = [deque() for _ in range(n)]
@@ -544,7 +565,7 @@ class _Rollout:
         self.done: list[list[_Chunk]] = [[] for _ in range(n)]
         self.episodes: list[bool] = []  # success of each episode finished in this iteration
         self.potential = np.zeros(n)  # Φ of each robot's current observation (last dense reward)
-        self.obs, _ = env.reset(seed=cfg.env_seed)
+        self.obs, _ = env.reset(seed=cfg.env_seed if seed is None else seed)
 
     def _refill(self) -> None:
         need = [i for i, q in enumerate(self.queues) if not q]
@@ -615,6 +636,41 @@ def _obs_row_single(o: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": np.asarray(o["state"]), "cameras": {k: np.asarray(v) for k, v in o["cameras"].items()}}
 
 
+def collect_groups(
+    cfg: PPOConfig, env: Any, sampler: _Sampler, seed: int
+) -> tuple[list[_Chunk], np.ndarray, list[bool], int]:
+    """GRPO rollouts: ``group_size`` rounds from the same initial states (``env.reset(seed)`` gives robot
+    i seed ``seed + i`` every time); each round keeps each robot's first episode. Returns the chunks,
+    their group-normalised advantages, the episodes' successes and the env steps spent (robots that
+    finish early keep stepping until the slowest is done; those steps count but are not trained on)."""
+    n = env.num_envs
+    chunks: list[_Chunk] = []
+    chunk_group: list[tuple[int, int]] = []  # (robot, round) of each kept chunk
+    successes = np.zeros((cfg.group_size, n))
+    steps = 0
+    for rnd in range(cfg.group_size):
+        rollout = _Rollout(cfg, env, sampler, seed=seed)
+        first: list[list[_Chunk] | None] = [None] * n
+        while any(f is None for f in first):
+            steps += rollout.collect(1)
+            for i in range(n):
+                if first[i] is None:
+                    ends = [j for j, c in enumerate(rollout.done[i]) if c.terminated or c.truncated]
+                    if ends:
+                        first[i] = rollout.done[i][: ends[0] + 1]
+        for i, episode in enumerate(first):
+            assert episode is not None
+            successes[rnd, i] = float(episode[-1].success)
+            chunks += episode
+            chunk_group += [(i, rnd)] * len(episode)
+    # group = robot (its initial state); one return per (round, robot) episode
+    adv_ep = group_advantages(successes.reshape(-1), np.tile(np.arange(n), cfg.group_size)).reshape(
+        cfg.group_size, n
+    )
+    adv = np.array([adv_ep[rnd, i] for i, rnd in chunk_group])
+    return chunks, adv, [bool(x) for x in successes.reshape(-1)], steps
+
+
 # ============================================================================ training
 def _prepare_policy(cfg: PPOConfig, base: LoadedPolicy, device: torch.device) -> FlowVLAPolicy:
     """A trainable copy of the base policy with the RL-time config (K, noise bounds)."""
@@ -667,8 +723,11 @@ def _flatten(done: list[list[_Chunk]], cfg: PPOConfig) -> tuple[list[_Chunk], np
 def train_ppo(cfg: PPOConfig) -> PPOResult:
     """Fine-tune ``cfg.base`` with PPO in simulation; see the module docstring.
 
-    ``curve`` rows: ``iteration, env_steps, episodes, rollout_success, chunk_return, policy_loss,
-    value_loss, entropy, approx_kl, clipfrac, explained_var, noise_std, seconds``.
+    ``curve`` rows: ``iteration, env_steps`` (cumulative), ``episodes`` finished in the iteration and
+    their ``rollout_success`` (noise-injected policy), ``chunks`` and their mean ``chunk_return``, the
+    mean ``policy_loss, value_loss, entropy, approx_kl, clipfrac`` over minibatches, ``explained_var``
+    of the rollout values, the Flow-Noise ``noise_std``, ``epochs_run`` and ``seconds``. Losses are NaN
+    in critic warm-up iterations.
     """
     from sim.vector import VectorSimEnv
 
@@ -730,14 +789,21 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     env_steps = episodes_total = iteration = 0
     bar = tqdm(total=cfg.env_steps, desc=f"ppo {cfg.algorithm}", unit="step", disable=not cfg.progress)
     try:
-        rollout = _Rollout(cfg, env, sampler)
+        rollout = _Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
         while env_steps < cfg.env_steps:
             t_iter = time.perf_counter()
-            steps = min(cfg.rollout_steps, math.ceil((cfg.env_steps - env_steps) / cfg.num_envs))
-            env_steps += rollout.collect(steps)
-            done, episodes = rollout.take()
+            if cfg.advantage == "grpo":
+                seed = cfg.env_seed + iteration * cfg.num_envs  # fresh initial states every iteration
+                chunks, adv, episodes, taken = collect_groups(cfg, env, sampler, seed)
+                ret = np.zeros_like(adv)
+            else:
+                steps = min(cfg.rollout_steps, math.ceil((cfg.env_steps - env_steps) / cfg.num_envs))
+                assert rollout is not None
+                taken = rollout.collect(steps)
+                done, episodes = rollout.take()
+                chunks, adv, ret = _flatten(done, cfg)
+            env_steps += taken
             episodes_total += len(episodes)
-            chunks, adv, ret = _flatten(done, cfg)
             stats = _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, emb, iteration)
             row = {
                 "iteration": iteration,
@@ -756,7 +822,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             log.info(
                 "ppo iteration", extra={k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
             )
-            bar.update(steps * cfg.num_envs)
+            bar.update(taken)
             bar.set_postfix(succ=f"{row['rollout_success']:.0%}", kl=f"{row['approx_kl']:.4f}")
             iteration += 1
             if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
@@ -855,12 +921,13 @@ def _update(
     v_old = torch.as_tensor([c.value for c in chunks], device=device, dtype=torch.float32)
     returns = torch.as_tensor(ret, device=device, dtype=torch.float32)
     advantages = torch.as_tensor(adv, device=device, dtype=torch.float32)
-    if m > 1:
+    grpo = cfg.advantage == "grpo"
+    if m > 1 and not grpo:  # GRPO advantages are already standardised within their groups
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     norm = 1.0
     if cfg.logprob_reduction == "mean":
         norm = float(cfg.num_steps + 1) if cfg.method == "noise" else 1.0
-    train_actor = iteration >= cfg.critic_warmup_iterations
+    train_actor = grpo or iteration >= cfg.critic_warmup_iterations
     schedule = SDESchedule("flow_sde", cfg.noise_level) if cfg.method == "sde" else None
     rng = np.random.default_rng([cfg.seed, 2, iteration])
     sums: dict[str, float] = {}
@@ -889,21 +956,24 @@ def _update(
                 if entropy is not None:
                     loss = loss - cfg.entropy_coef * entropy
                     stats["entropy"] = entropy.detach()
-            if cfg.critic == "prefix" and (prefix is None or not cfg.critic_detach):
-                prefix = policy.encode_prefix(obs)
-            v = value_fn(obs, prefix)
-            vl = value_loss(v, v_old[mb_t], returns[mb_t], cfg.value_clip)
-            stats["value_loss"] = vl.detach()
+            if not grpo:  # GRPO has no critic
+                if cfg.critic == "prefix" and (prefix is None or not cfg.critic_detach):
+                    prefix = policy.encode_prefix(obs)
+                v = value_fn(obs, prefix)
+                vl = value_loss(v, v_old[mb_t], returns[mb_t], cfg.value_clip)
+                stats["value_loss"] = vl.detach()
+                loss = loss + vl
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            (
-                loss + vl
-            ).backward()  # disjoint parameter sets (a non-detached prefix critic also trains the trunk)
+            # one backward: actor and critic own disjoint parameters (a prefix critic with
+            # critic_detach=False also trains the trunk, on purpose)
+            loss.backward()
             if train_actor:
                 torch.nn.utils.clip_grad_norm_(_params(actor_opt), cfg.grad_clip)
                 actor_opt.step()
-            torch.nn.utils.clip_grad_norm_(_params(critic_opt), cfg.grad_clip)
-            critic_opt.step()
+            if not grpo:
+                torch.nn.utils.clip_grad_norm_(_params(critic_opt), cfg.grad_clip)
+                critic_opt.step()
             for k, val in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(val)
             count += 1
@@ -917,7 +987,9 @@ def _update(
         for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
     }
     var = float(returns.var()) if m > 1 else nan
-    out["explained_var"] = 1.0 - float((returns - v_old).var()) / var if m > 1 and var > 0 else nan
+    out["explained_var"] = (
+        1.0 - float((returns - v_old).var()) / var if m > 1 and var > 0 and not grpo else nan
+    )
     out["noise_std"] = (
         _mean_noise_std(policy, chunks[: cfg.minibatch_size], emb) if cfg.method == "noise" else nan
     )
