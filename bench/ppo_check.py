@@ -33,6 +33,7 @@ from vla_rl.train.ppo import PPOConfig, train_ppo
 from vla_rl.train.sft import SFTConfig, train_sft
 
 TASK = "maniskill/PickCube-v1"
+ACTOR_LR = {"sde": 1e-5, "noise": 3e-6}
 
 
 def make_weak_base(work: Path, demos: int, noise: float, steps: int, seed: int) -> Path:
@@ -109,13 +110,13 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["noise", "sde"], choices=["noise", "sde"])
     p.add_argument("--env-steps", type=int, default=30_000)
     p.add_argument("--num-envs", type=int, default=4)
-    p.add_argument("--rollout-steps", type=int, default=100)
+    p.add_argument("--rollout-steps", type=int, default=400)
     p.add_argument("--k", type=int, default=4, help="denoising steps during RL")
     p.add_argument("--reward", default="dense", choices=["sparse", "dense"])
-    p.add_argument("--actor-lr", type=float, default=3e-5)
+    p.add_argument("--actor-lr", type=float, default=None, help="default: 1e-5 for sde, 3e-6 for noise")
     p.add_argument("--critic-lr", type=float, default=3e-4)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--minibatch-size", type=int, default=64)
+    p.add_argument("--minibatch-size", type=int, default=160)
     p.add_argument("--critic-warmup", type=int, default=2, help="critic-only iterations first")
     p.add_argument("--target-kl", type=float, default=None)
     p.add_argument("--noise-std", type=float, nargs=2, default=None, metavar=("MIN", "MAX"))

@@ -624,8 +624,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--entropy-coef", type=float, default=0.005)
     tp.add_argument("--num-envs", type=int, default=4, help="simulator processes (default 4)")
     tp.add_argument("--env-steps", type=int, default=50_000, help="env-step budget (default 50000)")
-    tp.add_argument("--rollout-steps", type=int, default=100, help="vector steps per iteration")
-    tp.add_argument("--reward", choices=["sparse", "dense"], default="sparse", help="default %(default)s")
+    tp.add_argument("--rollout-steps", type=int, default=400, help="vector steps per iteration")
+    tp.add_argument(
+        "--reward",
+        choices=["sparse", "dense"],
+        default="dense",
+        help="sparse success, or success + potential shaping by the sim's dense reward (default)",
+    )
     tp.add_argument("--gamma", type=float, default=0.99)
     tp.add_argument("--gae-lambda", type=float, default=0.95)
     tp.add_argument(
@@ -636,8 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("--group-size", type=int, default=8, help="GRPO episodes per initial state")
     tp.add_argument("--epochs", type=int, default=4, help="PPO epochs per iteration")
-    tp.add_argument("--minibatch-size", type=int, default=64, help="chunks per gradient step")
-    tp.add_argument("--actor-lr", type=float, default=1e-5)
+    tp.add_argument("--minibatch-size", type=int, default=160, help="chunks per gradient step")
+    tp.add_argument("--actor-lr", type=float, default=1e-5, help="1e-5 suits sde; use ~3e-6 for noise")
     tp.add_argument("--critic-lr", type=float, default=3e-4)
     tp.add_argument("--critic", choices=["state", "prefix"], default="state", help="value head input")
     tp.add_argument("--eval-episodes", type=int, default=0, help="evaluate the result (seeds from 100000)")

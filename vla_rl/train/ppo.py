@@ -84,7 +84,8 @@ ADVANTAGES = ("gae", "grpo")
 # ============================================================================ config
 @dataclass
 class PPOConfig:
-    """Every knob of a PPO fine-tuning run. Defaults are what worked for PickCube state (see bench/ppo_check.py)."""
+    """Every knob of a PPO fine-tuning run. Defaults follow RLinf's π_RL where they apply; the batch,
+    learning-rate and reward defaults are the ones tried on PickCube state (README, bench/ppo_check.py)."""
 
     base: str
     """Checkpoint to start from: ``hub://org/name@rev`` or a local folder (a flow_vla SFT checkpoint)."""
@@ -117,9 +118,9 @@ class PPOConfig:
     """Parallel simulated robots (one process each)."""
     env_steps: int = 50_000
     """Budget: total env steps (summed over robots) to train for."""
-    rollout_steps: int = 100
+    rollout_steps: int = 400
     """Vector-env steps per iteration: each iteration collects num_envs * rollout_steps env steps."""
-    reward: str = "sparse"
+    reward: str = "dense"
     """'sparse': 1 on success (episodes terminate on success). 'dense': the same success reward plus
     potential-based shaping with the sim's dense reward Φ in [0, 1] (Ng et al. 1999): a chunk from s to
     s' earns ``success + γ_chunk Φ(s') - Φ(s)`` (Φ = 0 at episode start and after termination). Shaping
@@ -152,16 +153,18 @@ class PPOConfig:
     value_clip: float = 0.2
     """Clip of the value prediction around its rollout value; 0 disables it."""
     update_epochs: int = 4
-    minibatch_size: int = 64
+    minibatch_size: int = 160
     """Transitions (chunks) per gradient step."""
     actor_lr: float = 1e-5
+    """Flow-SDE moved ~0.01-0.03 approx-KL per iteration at 1e-5; Flow-Noise's 80-term exact chain
+    log-prob is far more sensitive (KL 0.6 at 1e-5, ~0.02-0.06 at 2e-6 to 3e-6): use ~3e-6 there."""
     critic_lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     """Max global grad norm, applied to the actor and to the critic separately."""
     target_kl: float | None = None
     """Stop the iteration's epochs early once the approximate KL exceeds this; None = never."""
-    critic_warmup_iterations: int = 1
+    critic_warmup_iterations: int = 2
     """Iterations that train only the critic (a fresh critic's advantages are noise)."""
     train_scope: str = "all"
     """'all' policy weights, or 'expert': only the action expert and noise head (RLinf freezes the VLM)."""
