@@ -7,6 +7,7 @@
     vla-rl store verify PATH          integrity check (exit code 1 on any inconsistency)
     vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
     vla-rl round start|list|show      post-training rounds: train, evaluate vs base, push, promote
+    vla-rl train ppo --base REF ...   PPO fine-tuning in simulation (Flow-Noise / Flow-SDE)
     vla-rl eval --checkpoint REF ...  success rate (95% Wilson CI), episode length, videos, JSON
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
     vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
@@ -329,6 +330,51 @@ def cmd_round_show(args: argparse.Namespace) -> int:
             f"no round {args.round} in {db}; list them with: vla-rl round list --store {args.store}"
         )
     print(json.dumps(asdict(r), indent=2, default=str))
+    return 0
+
+
+def cmd_train_ppo(args: argparse.Namespace) -> int:
+    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.train.ppo import PPOConfig, train_ppo
+
+    try:
+        cfg = PPOConfig(
+            base=args.base,
+            out=args.out,
+            task=_task_arg(args.task) if args.task else None,
+            method=args.method,
+            num_steps=args.num_steps,
+            noise_level=args.noise_level,
+            noise_std_range=tuple(args.noise_std) if args.noise_std else None,
+            entropy_coef=args.entropy_coef,
+            num_envs=args.num_envs,
+            env_steps=args.env_steps,
+            rollout_steps=args.rollout_steps,
+            reward=args.reward,
+            gamma=args.gamma,
+            gae_lambda=args.gae_lambda,
+            advantage=args.advantage,
+            group_size=args.group_size,
+            update_epochs=args.epochs,
+            minibatch_size=args.minibatch_size,
+            actor_lr=args.actor_lr,
+            critic_lr=args.critic_lr,
+            critic=args.critic,
+            seed=args.seed,
+            device=args.device,
+            eval_episodes=args.eval_episodes,
+            progress=not args.no_progress,
+        )
+        result = train_ppo(cfg)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from None
+    succ = [r["rollout_success"] for r in result.curve]
+    print(
+        f"trained {result.env_steps} env steps ({result.episodes} episodes, {result.iterations} iterations) in "
+        f"{result.seconds / 60:.1f} min; rollout success {succ[0]:.0%} -> {succ[-1]:.0%}; "
+        f"checkpoint {result.checkpoint}"
+        + (f"; eval success {result.metrics['eval_success']:.0%}" if "eval_success" in result.metrics else "")
+    )
     return 0
 
 
@@ -804,6 +850,62 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--push", default=None, metavar="hub://org/name", help="push the final checkpoint there")
     ts.add_argument("--tag", default=None, help="tag the pushed commit (with --push)")
     ts.add_argument("--no-progress", action="store_true")
+
+    tp = add(
+        train_sub,
+        "ppo",
+        cmd_train_ppo,
+        "PPO fine-tuning in simulation with noise injected into the flow (π_RL Flow-Noise / Flow-SDE)",
+        "Start from a flow_vla checkpoint and fine-tune it with PPO in the vectorised simulator. The RL "
+        "action is the executed sub-chunk; its log-likelihood comes from noise injected into the "
+        "denoising chain: 'noise' learns a bounded per-step std on every step, 'sde' makes one random "
+        "step an SDE step. Writes OUT/checkpoints/last (lineage: flow-noise|flow-sde, parent = base "
+        "commit), OUT/curve.json and TensorBoard logs in OUT/tb.\n\n"
+        "example:\n  vla-rl train ppo --base runs/pick/sft/checkpoints/last --out runs/pick/ppo "
+        "--method noise --env-steps 30000",
+    )
+    tp.add_argument("--base", required=True, help="checkpoint to start from: hub://org/name@rev or a folder")
+    tp.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, curve, logs)")
+    tp.add_argument("--task", default=None, help="task (default: the checkpoint's robot spec)")
+    tp.add_argument("--method", choices=["noise", "sde"], default="noise", help="default %(default)s")
+    tp.add_argument("--num-steps", type=int, default=4, help="denoising steps K during RL (default 4)")
+    tp.add_argument("--noise-level", type=float, default=0.5, help="Flow-SDE noise level a (default 0.5)")
+    tp.add_argument(
+        "--noise-std",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="Flow-Noise std bounds (default: the checkpoint's, 0.08 0.16)",
+    )
+    tp.add_argument("--entropy-coef", type=float, default=0.005)
+    tp.add_argument("--num-envs", type=int, default=4, help="simulator processes (default 4)")
+    tp.add_argument("--env-steps", type=int, default=50_000, help="env-step budget (default 50000)")
+    tp.add_argument("--rollout-steps", type=int, default=400, help="vector steps per iteration")
+    tp.add_argument(
+        "--reward",
+        choices=["sparse", "dense"],
+        default="dense",
+        help="sparse success, or success + potential shaping by the sim's dense reward (default)",
+    )
+    tp.add_argument("--gamma", type=float, default=0.99)
+    tp.add_argument("--gae-lambda", type=float, default=0.95)
+    tp.add_argument(
+        "--advantage",
+        choices=["gae", "grpo"],
+        default="gae",
+        help="gae (critic) or grpo (success standardised over --group-size replays of each start)",
+    )
+    tp.add_argument("--group-size", type=int, default=8, help="GRPO episodes per initial state")
+    tp.add_argument("--epochs", type=int, default=4, help="PPO epochs per iteration")
+    tp.add_argument("--minibatch-size", type=int, default=160, help="chunks per gradient step")
+    tp.add_argument("--actor-lr", type=float, default=1e-5, help="1e-5 suits sde; use ~3e-6 for noise")
+    tp.add_argument("--critic-lr", type=float, default=3e-4)
+    tp.add_argument("--critic", choices=["state", "prefix"], default="state", help="value head input")
+    tp.add_argument("--eval-episodes", type=int, default=0, help="evaluate the result (seeds from 100000)")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--device", default="auto")
+    tp.add_argument("--no-progress", action="store_true")
 
     ev = add(
         sub,
