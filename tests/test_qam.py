@@ -115,7 +115,9 @@ def test_am_loss_hand_computed_and_minimised_at_the_adjoint_target() -> None:
         for j in range(k):
             s = float(sigma[j])
             for e in range(d):
-                want += ((2 / s) * (float(v_fine[i, j, e]) - float(v_base[i, j, e])) + s * float(adj[i, j, e])) ** 2
+                want += (
+                    (2 / s) * (float(v_fine[i, j, e]) - float(v_base[i, j, e])) + s * float(adj[i, j, e])
+                ) ** 2
     want /= b
     assert math.isclose(float(adjoint_matching_loss(v_fine, v_base, adj, sigma)), want, rel_tol=1e-5)
 
@@ -242,7 +244,9 @@ def test_lambda_zero_leaves_the_fine_policy_at_the_base(tiny_base: tuple[Path, P
     out["loss_am"].backward()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in learner.fine.parameters())
     # with λ > 0 the same (untrained-critic) setup pulls the fine policy away from the base
-    learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path, inv_temp=5.0))
+    learner = QAMLearner(
+        load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path, inv_temp=5.0)
+    )
     out = learner.losses(batch, nxt, train_actor=True)
     assert float(out["loss_am"]) > 0 and torch.isfinite(out["loss_q"])
 
@@ -311,3 +315,17 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]
+
+
+def test_cli_train_qam_names_a_missing_base(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    args = ["train", "qam", "--base", str(tmp_path / "nowhere"), "--store", str(tmp_path), "--out", "o"]
+    r = subprocess.run(
+        [sys.executable, "-m", "vla_rl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--base" in r.stderr, r.stderr
