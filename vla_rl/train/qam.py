@@ -404,6 +404,20 @@ class QAMLearner(nn.Module):
         s = self.fine.sample(obs_or_prefix, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
         return self.clip_norm(s.actions[:, 0])
 
+    @torch.no_grad()
+    def q_gain(self, obs: Mapping[str, Any]) -> Tensor:
+        """Diagnostic: mean Q̄(s, fine chunk) − Q̄(s, base chunk), both ODE samples from the same noise.
+        Positive means adjoint matching moved the fine policy uphill on the critic."""
+        b = obs["state"].shape[0]
+        noise = torch.randn(b, self.horizon, self.action_dim, device=obs["state"].device)
+        base = self.base.sample(obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
+        a_base = self.clip_norm(base.actions[:, 0])
+        a_fine = self.sample_fine(obs, noise)
+        feats = self.features(obs)
+        q_fine = self.critic_target(feats, a_fine[:, : self.n_exec]).mean(0)
+        q_base = self.critic_target(feats, a_base[:, : self.n_exec]).mean(0)
+        return (q_fine - q_base).mean()
+
     # ------------------------------------------------------------------ losses
     def losses(
         self, batch: Mapping[str, Any], next_obs: Mapping[str, Any], train_actor: bool
@@ -753,8 +767,9 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             polyak_update(learner.base_target, learner.base, cfg.tau)
         polyak_update(learner.critic_target, learner.critic, cfg.tau)
         step += 1
-        last_metrics = {k: float(v) for k, v in out.items()} | norms
+        last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
         if step % cfg.log_every == 0:
+            last_metrics["q_gain"] = float(learner.q_gain(batch))
             row: dict[str, Any] = {"step": step, "env_steps": env_steps, "phase": phase, **last_metrics}
             if rollouts is not None and rollouts.successes:
                 row["rollout_success"] = float(np.mean(rollouts.successes))
