@@ -410,7 +410,9 @@ class QAMLearner(nn.Module):
         Positive means adjoint matching moved the fine policy uphill on the critic."""
         b = obs["state"].shape[0]
         noise = torch.randn(b, self.horizon, self.action_dim, device=obs["state"].device)
-        base = self.adjoint_base.sample(obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
+        base = self.adjoint_base.sample(
+            obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None]
+        )
         a_base = self.clip_norm(base.actions[:, 0])
         a_fine = self.sample_fine(obs, noise)
         feats = self.features(obs)
