@@ -8,6 +8,7 @@
     vla-rl train sft --task T ...     flow-matching SFT on a store's episodes -> checkpoint folders
     vla-rl round start|list|show      post-training rounds: train, evaluate vs base, push, promote
     vla-rl train ppo --base REF ...   PPO fine-tuning in simulation (Flow-Noise / Flow-SDE)
+    vla-rl train qam --base REF ...   QAM (Q-learning with adjoint matching), offline and online
     vla-rl eval --checkpoint REF ...  success rate (95% Wilson CI), episode length, videos, JSON
     vla-rl hub serve|push|pull        the embedded Hub-compatible registry and checkpoint transfer
     vla-rl serve --checkpoint REF     gRPC policy server (batching, live swaps)
@@ -375,6 +376,54 @@ def cmd_train_ppo(args: argparse.Namespace) -> int:
         f"checkpoint {result.checkpoint}"
         + (f"; eval success {result.metrics['eval_success']:.0%}" if "eval_success" in result.metrics else "")
     )
+    return 0
+
+
+def cmd_train_qam(args: argparse.Namespace) -> int:
+    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.train.qam import QAMConfig, train_qam
+
+    if not args.base.startswith("hub://") and not Path(args.base).is_dir():
+        raise CliError(f"--base {args.base}: no such checkpoint folder (or give hub://org/name@rev)")
+    try:
+        cfg = QAMConfig(
+            base=args.base,
+            store=args.store,
+            out=args.out,
+            task=_task_arg(args.task) if args.task else None,
+            data=args.data,
+            reward=args.reward,
+            gamma=args.gamma,
+            inv_temp=args.inv_temp,
+            rho=args.rho,
+            members=args.members,
+            critic_hidden=tuple(args.critic_hidden),
+            flow_steps=args.flow_steps,
+            train_base=args.train_base,
+            batch_size=args.batch_size,
+            actor_lr=args.actor_lr,
+            critic_lr=args.critic_lr,
+            offline_steps=args.offline_steps,
+            env_steps=args.env_steps,
+            utd=args.utd,
+            start_online_after=args.start_online_after,
+            num_envs=args.num_envs,
+            final_eval_episodes=args.eval_episodes,
+            seed=args.seed,
+            device=args.device,
+            resume=not args.no_resume,
+            progress=not args.no_progress,
+        )
+        result = train_qam(cfg)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+        raise CliError(str(e)) from None
+    line = (
+        f"qam: {result.steps} updates, {result.env_steps} env steps in {result.seconds / 60:.1f} min; "
+        f"checkpoint {result.checkpoint}"
+    )
+    if "eval_success" in result.metrics:
+        line += f"; eval success {result.metrics['eval_success']:.0%}"
+    print(line)
     return 0
 
 
@@ -906,6 +955,48 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--device", default="auto")
     tp.add_argument("--no-progress", action="store_true")
+
+    tq = add(
+        train_sub,
+        "qam",
+        cmd_train_qam,
+        "Q-learning with adjoint matching from a base checkpoint (offline, then optionally online)",
+        "QAM (algorithms.md section 2): a chunked critic ensemble trained by n-step TD, and a fine copy of "
+        "the base flow policy trained by adjoint matching toward base * exp(inv_temp * Q). Offline updates "
+        "on the store's episodes, then --env-steps of online rollouts in simulation appended to the replay. "
+        "Writes OUT/checkpoints/last (lineage algorithm qam), OUT/tb and OUT/curve.json; resumes from "
+        "OUT/train_state.pt.\n\n"
+        "example:\n  vla-rl train qam --base runs/pick/sft/checkpoints/last --store runs/pick/store "
+        "--out runs/pick/qam --offline-steps 300 --env-steps 4000 --inv-temp 100 --flow-steps 5",
+    )
+    tq.add_argument("--base", required=True, help="base (SFT) checkpoint: hub://org/name@rev or a folder")
+    tq.add_argument("--store", type=Path, required=True, help="episode store with the offline data")
+    tq.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, train state)")
+    tq.add_argument("--task", default=None, help="task id (default: the base checkpoint's)")
+    tq.add_argument(
+        "--data", default=None, help="data selection, e.g. 'robot=arm-1,since=2026-11-01,max=200'"
+    )
+    tq.add_argument("--reward", choices=["steps_to_go", "sparse", "dense"], default="steps_to_go")
+    tq.add_argument("--gamma", type=float, default=0.99)
+    tq.add_argument("--inv-temp", type=float, default=1.0, help="lambda: target base*exp(lambda*Q)")
+    tq.add_argument("--rho", type=float, default=0.5, help="ensemble pessimism (mean - rho*std)")
+    tq.add_argument("--members", type=int, default=10, help="critic ensemble size")
+    tq.add_argument("--critic-hidden", type=int, nargs="+", default=[512, 512, 512, 512])
+    tq.add_argument("--flow-steps", type=int, default=10, help="denoising steps K (default %(default)s)")
+    tq.add_argument("--train-base", action="store_true", help="keep training the behaviour flow (L_BC)")
+    tq.add_argument("--batch-size", type=int, default=256)
+    tq.add_argument("--actor-lr", type=float, default=3e-5)
+    tq.add_argument("--critic-lr", type=float, default=3e-4)
+    tq.add_argument("--offline-steps", type=int, default=1000, help="updates on the offline data")
+    tq.add_argument("--env-steps", type=int, default=0, help="online env-step budget (0 = offline only)")
+    tq.add_argument("--utd", type=float, default=1.0, help="updates per env step online")
+    tq.add_argument("--start-online-after", type=int, default=0, help="env steps before online updates")
+    tq.add_argument("--num-envs", type=int, default=2, help="simulator processes online")
+    tq.add_argument("--eval-episodes", type=int, default=0, help="final evaluation episodes (0 = none)")
+    tq.add_argument("--seed", type=int, default=0)
+    tq.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, ...")
+    tq.add_argument("--no-resume", action="store_true", help="start over even if OUT has a train state")
+    tq.add_argument("--no-progress", action="store_true")
 
     ev = add(
         sub,

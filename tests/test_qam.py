@@ -1,0 +1,378 @@
+"""QAM: the pure pieces against independent computations, and short offline / online runs end to end."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fleet.store import EpisodeStore
+from policies.critics import ChunkQEnsemble
+from sim.demos import record_demos
+from vla_rl.checkpoint import load_checkpoint, read_info
+from vla_rl.policy_loading import load_policy
+from vla_rl.train.qam import (
+    QAMConfig,
+    QAMLearner,
+    adjoint_matching_loss,
+    am_velocity_target,
+    critic_loss,
+    critic_td_target,
+    lean_adjoint,
+    memoryless_sigma,
+    simulate_fine_sde,
+    terminal_adjoint,
+    train_qam,
+)
+from vla_rl.train.sft import SFTConfig, train_sft
+
+TASK = "maniskill/PushCube-v1"
+
+
+class TinyVelocity(nn.Module):
+    """A small nonlinear v(x, t) on [B, H, A] that mixes across the chunk (like the action expert)."""
+
+    def __init__(self, h: int, a: int) -> None:
+        super().__init__()
+        self.h, self.a = h, a
+        self.net = nn.Sequential(nn.Linear(h * a + 1, 16), nn.Tanh(), nn.Linear(16, h * a))
+
+    def forward(self, x: torch.Tensor, t: float) -> torch.Tensor:
+        b = x.shape[0]
+        tt = torch.full((b, 1), float(t), dtype=x.dtype)
+        return self.net(torch.cat([x.reshape(b, -1), tt], 1)).reshape(b, self.h, self.a)
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def test_memoryless_sigma_values() -> None:
+    s = memoryless_sigma(10)
+    assert s.shape == (10,)
+    assert math.isclose(float(s[0]), math.sqrt(2 * 1.1 / 0.1), rel_tol=1e-6)
+    assert math.isclose(float(s[9]), math.sqrt(2 * 0.2 / 1.0), rel_tol=1e-6)
+    assert (s[1:] < s[:-1]).all()  # noise shrinks toward the data end
+    with pytest.raises(ValueError, match="flow_steps"):
+        memoryless_sigma(1)
+
+
+def test_simulate_fine_sde_hand_loop_and_base_last_step() -> None:
+    torch.manual_seed(0)
+    k, h = 4, 0.25
+    fine = TinyVelocity(3, 2)
+    base = TinyVelocity(3, 2)
+    x0 = torch.randn(2, 3, 2)
+    eps = torch.randn(2, k - 1, 3, 2)
+    it = simulate_fine_sde(fine, base, x0, k, eps)
+    assert it.shape == (2, k + 1, 3, 2) and not it.requires_grad
+    x = x0
+    sig = [math.sqrt(2 * (1 - i * h + h) / (i * h + h)) for i in range(k)]
+    with torch.no_grad():
+        for i in range(k - 1):
+            x = x + h * (2 * fine(x, i * h) - x / (i * h + h)) + math.sqrt(h) * sig[i] * eps[:, i]
+            torch.testing.assert_close(it[:, i + 1], x)
+        # the last step is the base's deterministic Euler step, not the fine policy's
+        torch.testing.assert_close(it[:, k], x + h * base(x, (k - 1) * h))
+        assert not torch.allclose(it[:, k], x + h * fine(x, (k - 1) * h))
+    with pytest.raises(ValueError, match="step_noise"):
+        simulate_fine_sde(fine, base, x0, k, eps[:, :1])
+
+
+def test_lean_adjoint_equals_vjp_through_the_base_drift() -> None:
+    torch.manual_seed(1)
+    k, h, b, hh, a = 5, 0.2, 3, 3, 2
+    base = TinyVelocity(hh, a)
+    iterates = torch.randn(b, k + 1, hh, a)
+    terminal = torch.randn(b, hh, a)
+    got = lean_adjoint(base, iterates, terminal, k)
+    assert got.shape == (b, k + 1, hh, a)
+    torch.testing.assert_close(got[:, k], terminal)
+    # independent: the full Jacobian of b(x) = 2 v(x, t + h) - x / (t + h) per sample, ã += h Jᵀ ã
+    adj = terminal.clone()
+    for i in range(k - 1, -1, -1):
+        t = i * h
+        for row in range(b):
+
+            def drift(x: torch.Tensor, t: float = t) -> torch.Tensor:
+                return (2 * base(x[None], t + h) - x[None] / (t + h))[0]
+
+            jac = torch.func.jacrev(drift)(iterates[row, i]).reshape(hh * a, hh * a)
+            adj[row] = adj[row] + h * (jac.T @ adj[row].reshape(-1)).reshape(hh, a)
+        torch.testing.assert_close(got[:, i], adj, rtol=1e-5, atol=1e-6)
+    # no parameter of the base received a gradient (VJPs are w.r.t. x only)
+    assert all(p.grad is None for p in base.parameters())
+
+
+def test_am_loss_hand_computed_and_minimised_at_the_adjoint_target() -> None:
+    torch.manual_seed(2)
+    b, k, d = 2, 3, 2
+    v_fine, v_base, adj = torch.randn(b, k, d), torch.randn(b, k, d), torch.randn(b, k, d)
+    sigma = memoryless_sigma(k)
+    want = 0.0
+    for i in range(b):
+        for j in range(k):
+            s = float(sigma[j])
+            for e in range(d):
+                want += (
+                    (2 / s) * (float(v_fine[i, j, e]) - float(v_base[i, j, e])) + s * float(adj[i, j, e])
+                ) ** 2
+    want /= b
+    assert math.isclose(float(adjoint_matching_loss(v_fine, v_base, adj, sigma)), want, rel_tol=1e-5)
+
+    target = am_velocity_target(v_base, adj, sigma)
+    torch.testing.assert_close(target, v_base - 0.5 * sigma.view(1, k, 1) ** 2 * adj)
+    v = target.clone().requires_grad_(True)
+    loss = adjoint_matching_loss(v, v_base, adj, sigma)
+    (g,) = torch.autograd.grad(loss, v)
+    assert float(loss.detach()) < 1e-10 and g.abs().max() < 1e-5
+    # regressing a free tensor converges to the target
+    free = torch.zeros(b, k, d, requires_grad=True)
+    opt = torch.optim.Adam([free], lr=0.05)
+    for _ in range(1500):
+        opt.zero_grad()
+        adjoint_matching_loss(free, v_base, adj, sigma).backward()
+        opt.step()
+    torch.testing.assert_close(free.detach(), target, atol=2e-3, rtol=0)
+
+
+def test_critic_td_target_and_loss_hand_computed() -> None:
+    q_next = torch.tensor([[1.0, -2.0, 0.5], [3.0, -2.0, 1.5]])  # [M=2, B=3]
+    reward_n = torch.tensor([0.1, -0.2, 1.0])
+    bootstrap = torch.tensor([1.0, 1.0, 0.0])
+    gamma, n, rho = 0.9, 3, 0.5
+    y = critic_td_target(q_next, reward_n, bootstrap, gamma, n, rho)
+    # member mean / population std: [2, -2, 1] / [1, 0, 0.5]
+    want = [0.1 + 0.9**3 * (2.0 - 0.5 * 1.0), -0.2 + 0.9**3 * (-2.0), 1.0]
+    torch.testing.assert_close(y, torch.tensor(want))
+    q = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    valid = torch.tensor([1.0, 0.0, 1.0])
+    loss = critic_loss(q, y, valid)
+    terms = [(q[m, j] - y[j]) ** 2 * valid[j] for m in range(2) for j in range(3)]
+    assert math.isclose(float(loss), float(sum(terms)) / 6, rel_tol=1e-6)
+
+
+def test_terminal_adjoint_is_minus_lambda_grad_q_on_executed_actions_only() -> None:
+    torch.manual_seed(3)
+    b, hh, a, n_exec, lam = 4, 5, 2, 2, 3.0
+    critic = ChunkQEnsemble(3, n_exec * a, members=3, hidden=(16,))
+    feats = torch.randn(b, 3)
+    x = torch.randn(b, hh, a) * 0.5
+    x[0, 0, 0] = 1.7  # outside [-1, 1]: clipped, so no gradient there
+    adj = terminal_adjoint(lambda c: critic(feats, c), x, n_exec, lam, clip=True)
+    assert adj.shape == x.shape
+    assert (adj[:, n_exec:] == 0).all(), "non-executed actions must get no adjoint"
+    assert adj[0, 0, 0] == 0 and (adj[:, :n_exec].abs().sum((1, 2)) > 0).all()
+    xe = x[:, :n_exec].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(critic(feats, xe.clamp(-1, 1)).mean(0).sum(), xe)
+    torch.testing.assert_close(adj[:, :n_exec], -lam * g)
+    assert (terminal_adjoint(lambda c: critic(feats, c), x, n_exec, 0.0) == 0).all()
+
+
+def test_adjoint_matching_tilts_a_gaussian_toward_exp_lambda_q() -> None:
+    """End to end on a problem with a known answer: base = the exact flow of N(0, I); Q(a) = c·a, so
+    π* ∝ N(0, I)·exp(λ c·a) = N(λc, I). A fine flow (base + a learned correction) trained only by the
+    pieces above (SDE simulation, terminal and lean adjoint, AM loss) must move its mean to ≈ λc."""
+    torch.manual_seed(5)
+    k, lam, d = 6, 1.0, 2
+    c = torch.tensor([0.5, -0.25])
+
+    def base_v(x: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        t = t.view(-1, 1) if isinstance(t, torch.Tensor) else t
+        return x * (2 * t - 1) / ((1 - t) ** 2 + t**2)  # E[x1 - x0 | x_t] for x0, x1 ~ N(0, I)
+
+    corr = nn.Sequential(nn.Linear(d + 1, 64), nn.SiLU(), nn.Linear(64, d))
+    nn.init.zeros_(corr[-1].weight)
+    nn.init.zeros_(corr[-1].bias)
+
+    def fine_v(x: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        tt = t if isinstance(t, torch.Tensor) else torch.full((x.shape[0],), float(t))
+        return base_v(x, tt) + corr(torch.cat([x, tt.view(-1, 1)], 1))
+
+    def ode_mean(v: object) -> torch.Tensor:
+        with torch.no_grad():
+            x = torch.randn(4096, d)
+            for i in range(k):
+                x = x + v(x, i / k) / k  # type: ignore[operator]
+        return x.mean(0)
+
+    opt = torch.optim.Adam(corr.parameters(), lr=1e-3)
+    sigma, b = memoryless_sigma(k), 64
+    ts = (torch.arange(k) / k).repeat(b)
+    for _ in range(200):
+        it = simulate_fine_sde(fine_v, base_v, torch.randn(b, d), k, torch.randn(b, k - 1, d))
+        adj_k = terminal_adjoint(
+            lambda a: (a.reshape(a.shape[0], -1) @ c)[None], it[:, -1:], 1, lam, clip=False
+        )
+        adj = lean_adjoint(base_v, it, adj_k[:, 0], k)[:, :k]
+        xs = it[:, :k].reshape(b * k, d)
+        with torch.no_grad():
+            vb = base_v(xs, ts).reshape(b, k, d)
+        loss = adjoint_matching_loss(fine_v(xs, ts).reshape(b, k, d), vb, adj, sigma)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert ode_mean(base_v).abs().max() < 0.06
+    torch.testing.assert_close(ode_mean(fine_v), lam * c, atol=0.1, rtol=0)
+
+
+# ---------------------------------------------------------------------------- on a real policy
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("qam")
+    store = EpisodeStore(root / "store", create=True)
+    record_demos(store, TASK, episodes=3, noise=0.5, seed=0, max_episode_steps=20, progress=False)
+    res = train_sft(
+        SFTConfig(
+            task=TASK,
+            store=store.root,
+            out=root / "sft",
+            steps=10,
+            batch_size=16,
+            checkpoint_every=10,
+            d_model=32,
+            n_layers=1,
+            expert_n_layers=1,
+            n_heads=2,
+            chunk_len=4,
+            n_exec=2,
+            instruction_encoder="none",
+            threads=1,
+            progress=False,
+        )
+    )
+    return store.root, res.checkpoint
+
+
+def _cfg(tiny_base: tuple[Path, Path], out: Path, **kw: object) -> QAMConfig:
+    store, base = tiny_base
+    args: dict[str, object] = dict(
+        base=str(base),
+        store=store,
+        out=out,
+        offline_steps=6,
+        batch_size=8,
+        members=2,
+        critic_hidden=(16, 16),
+        flow_steps=3,
+        inv_temp=5.0,
+        log_every=2,
+        checkpoint_every=100,
+        threads=1,
+        progress=False,
+        device="cpu",
+    )
+    args.update(kw)
+    return QAMConfig(**args)  # type: ignore[arg-type]
+
+
+def _learner_batch(learner: QAMLearner, b: int = 6) -> tuple[dict, dict]:
+    torch.manual_seed(4)
+    s = learner.base.config.state_dim
+    batch = {
+        "state": torch.randn(b, s),
+        "cameras": {},
+        "action": torch.rand(b, learner.horizon, learner.action_dim) * 2 - 1,
+        "action_is_pad": torch.zeros(b, learner.horizon, dtype=torch.bool),
+        "reward_n": torch.zeros(b),
+        "bootstrap": torch.ones(b),
+        "valid": torch.ones(b),
+    }
+    return batch, {"state": torch.randn(b, s), "cameras": {}}
+
+
+def test_lambda_zero_leaves_the_fine_policy_at_the_base(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
+    base = load_policy(tiny_base[1], device="cpu").policy
+    learner = QAMLearner(base, _cfg(tiny_base, tmp_path, inv_temp=0.0))
+    batch, nxt = _learner_batch(learner)
+    out = learner.losses(batch, nxt, train_actor=True)
+    assert float(out["loss_am"].detach()) == 0.0 and float(out["adjoint_norm"]) == 0.0
+    out["loss_am"].backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in learner.fine.parameters())
+    # with λ > 0 the same (untrained-critic) setup pulls the fine policy away from the base
+    learner = QAMLearner(
+        load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path, inv_temp=5.0)
+    )
+    out = learner.losses(batch, nxt, train_actor=True)
+    assert float(out["loss_am"].detach()) > 0 and torch.isfinite(out["loss_q"])
+
+
+def test_offline_run_writes_a_qam_checkpoint_and_resumes_exactly(
+    tiny_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    res = train_qam(_cfg(tiny_base, tmp_path / "a", train_base=True))
+    assert res.steps == 6 and res.env_steps == 0
+    assert [r["step"] for r in res.curve] == [2, 4, 6]
+    for row in res.curve:
+        for key in ("loss_q", "loss_am", "loss_bc", "q_mean"):
+            assert math.isfinite(row[key]), row
+    info = read_info(res.checkpoint)
+    base_info = read_info(tiny_base[1])
+    assert info.lineage.algorithm == "qam" and info.lineage.parent_revision.startswith("local:")
+    assert info.model_config["num_inference_steps"] == 3  # deployed on the grid it was trained on
+    assert info.robot_spec == base_info.robot_spec and info.normalization == base_info.normalization
+    lp = load_policy(res.checkpoint, device="cpu")
+    _, w_base = load_checkpoint(tiny_base[1])
+    _, w_fine = load_checkpoint(res.checkpoint)
+    assert any(not torch.equal(w_base[k], w_fine[k]) for k in w_base), "the fine policy must have moved"
+    obs = {"state": np.zeros((2, lp.spec.state_dim), np.float32), "cameras": {}, "instruction": ["x", "x"]}
+    assert lp.predict_chunks(obs, seed=0).shape == (2, 4, lp.spec.action_dim)
+
+    # preempted at step 4 then resumed == straight
+    train_qam(_cfg(tiny_base, tmp_path / "b", train_base=True, stop_at=4))
+    resumed = train_qam(_cfg(tiny_base, tmp_path / "b", train_base=True))
+    assert resumed.steps == 6
+    _, w_b = load_checkpoint(resumed.checkpoint)
+    assert all(torch.equal(w_fine[k], w_b[k]) for k in w_fine), "resumed run must match the straight one"
+
+
+def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
+    res = train_qam(
+        _cfg(
+            tiny_base,
+            tmp_path / "online",
+            offline_steps=2,
+            env_steps=24,
+            num_envs=2,
+            max_episode_steps=6,
+            utd=0.25,
+            start_online_after=4,
+        )
+    )
+    assert res.env_steps == 24
+    assert res.metrics["online_episodes"] == 4  # 2 envs x 12 steps / 6-step episodes
+    assert res.steps == 2 + 5  # (24 - 4) env steps x 0.25 updates each
+    online = [r for r in res.curve if r["phase"] == "online"]
+    assert online and all(math.isfinite(r["loss_q"]) and math.isfinite(r["loss_am"]) for r in online)
+    info = read_info(res.checkpoint)
+    assert info.lineage.algorithm == "qam" and info.lineage.data["online_episodes"] == 4
+    assert info.lineage.data["env_steps"] == 24
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    base = dict(base="x", store=tmp_path, out=tmp_path)
+    for kw, field_name in (
+        ({"flow_steps": 1}, "flow_steps"),
+        ({"inv_temp": -1.0}, "inv_temp"),
+        ({"reward": "bogus"}, "reward"),
+        ({"feature_mode": "pixels"}, "feature_mode"),
+        ({"offline_steps": 0, "env_steps": 0}, "offline_steps"),
+        ({"utd": 0.0}, "utd"),
+    ):
+        with pytest.raises(ValueError, match=field_name):
+            QAMConfig(**base, **kw)  # type: ignore[arg-type]
+
+
+def test_cli_train_qam_names_a_missing_base(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    args = ["train", "qam", "--base", str(tmp_path / "nowhere"), "--store", str(tmp_path), "--out", "o"]
+    r = subprocess.run(
+        [sys.executable, "-m", "vla_rl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--base" in r.stderr, r.stderr

@@ -1,0 +1,868 @@
+"""QAM: Q-learning with Adjoint Matching (Li & Levine, arXiv 2601.14234), offline and offline-to-online.
+
+One algorithm, one file. Every equation follows ``ColinQiyangLi/qam`` ``agents/qam.py`` as transcribed
+in ../shared/reference/algorithms.md section 2 (time convention: t = 0 noise, t = 1 data, as our
+policies). Networks on a flow VLA (section 7 checklist):
+
+* **base** v_β: the SFT checkpoint's velocity field. Frozen by default; with ``train_base`` it keeps
+  training with the behaviour flow-matching loss L_BC and the adjoint uses its Polyak copy v̄_β (the
+  reference's ``target_actor_slow``).
+* **fine** v_θ: a trainable copy of the base, trained ONLY by adjoint matching; the deployed policy.
+* **critic**: a chunked Q ensemble (:class:`policies.critics.ChunkQEnsemble`) on the *executed*
+  sub-chunk a_{t:t+n} (n = ``n_exec`` of the H predicted actions, normalised and clipped), with a Polyak
+  target Q̄, trained by n-step TD with a pessimistic ensemble target (mean − ρ·std) and γ^n.
+
+The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp``. One update:
+
+1. ``L_Q = mean_{m,B} valid·(Q_m(s, a) − y)²``, ``y = R_n + γ^n·bootstrap·(mean_m Q̄_m − ρ std_m Q̄_m)(s', a')``
+   with a' ~ fine policy at s' = s_{t+n} (Euler ODE, clipped);
+2. ``L_BC``: the base's flow-matching loss (only with ``train_base``);
+3. adjoint matching: simulate the fine policy under the memoryless SDE (last step deterministic with
+   the base), take the terminal adjoint ``ã_K = −λ ∇_a mean_m Q̄(s, clip(a))`` (zero on the actions
+   that are not executed), integrate the *lean* adjoint backward through the base drift only
+   (vector-Jacobian products, no backprop through the fine policy), and regress
+   ``L_AM = mean_B Σ_i ||(2/σ_i)(v_θ − v̄_β)(x_i, t_i) + σ_i ã_i||²``, i.e.
+   ``v_θ → v̄_β − (σ_i²/2)·ã_i``.
+
+Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
+Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
+:class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment) and every
+finished episode is appended; ``utd`` updates per env step until an env-step budget is spent.
+
+Output folder::
+
+    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with vla_rl.policy_loading)
+    <out>/train_state.pt      models, optimisers, step, env steps, online episodes (resume)
+    <out>/tb/                 TensorBoard (losses, Q statistics, rollout / eval success)
+    <out>/curve.json          the learning curve (also returned in QAMResult)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from fleet.store import Controller, EpisodeStore
+from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
+from policies.flow_vla import FlowVLAPolicy
+from policies.flow_vla.modeling_flow_vla import PrefixCache
+from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.spec import RobotSpec
+from vla_rl.train.common import (
+    TRAIN_STATE,
+    batch_to_policy_inputs,
+    config_dict,
+    load_train_state,
+    sample_indices,
+    save_derived_checkpoint,
+    save_train_state,
+    seed_step,
+)
+from vla_rl.train.transitions import (
+    REWARD_KINDS,
+    DataSelection,
+    RewardKind,
+    TransitionBuffer,
+    next_observation,
+    select_episode_ids,
+)
+
+log = logging.getLogger(__name__)
+Tensor = torch.Tensor
+VelocityFn = Callable[[Tensor, float], Tensor]
+FeatureMode = Literal["auto", "state", "trunk"]
+
+__all__ = [
+    "QAMConfig",
+    "QAMResult",
+    "adjoint_matching_loss",
+    "am_velocity_target",
+    "critic_td_target",
+    "lean_adjoint",
+    "memoryless_sigma",
+    "simulate_fine_sde",
+    "terminal_adjoint",
+    "train_qam",
+]
+
+
+# ============================================================================ pure pieces
+def memoryless_sigma(num_steps: int, device: torch.device | None = None) -> Tensor:
+    """QAM's memoryless noise ``σ_i = sqrt(2 (1 − t_i + h) / (t_i + h))``, ``t_i = i / K``, ``h = 1 / K``.
+
+    ``[K]`` float32. The shift by h (in numerator and denominator) avoids the t = 0 singularity; it is
+    not :class:`policies.flow_vla.sampling.SDESchedule`'s clamp, so QAM keeps its own formula.
+    """
+    if num_steps < 2:
+        raise ValueError(f"flow_steps: expected >= 2, got {num_steps}")
+    h = 1.0 / num_steps
+    t = torch.arange(num_steps, dtype=torch.float32, device=device) * h
+    return torch.sqrt(2.0 * (1.0 - t + h) / (t + h))
+
+
+@torch.no_grad()
+def simulate_fine_sde(
+    fine_v: VelocityFn, base_v: VelocityFn, x0: Tensor, num_steps: int, step_noise: Tensor
+) -> Tensor:
+    """Iterates ``[B, K + 1, ...]`` of the fine policy under the memoryless SDE (no gradients).
+
+    ``x_{i+1} = x_i + h [2 v_θ(x_i, t_i) − x_i / (t_i + h)] + sqrt(h) σ_i ε_i`` for i < K − 1, and a
+    deterministic last step with the base, ``x_K = x_{K−1} + h v̄_β(x_{K−1}, t_{K−1})``.
+    ``step_noise`` ``[B, K − 1, ...]`` holds the standard normals ε_i.
+    """
+    k, h = num_steps, 1.0 / num_steps
+    if step_noise.shape != (x0.shape[0], k - 1, *x0.shape[1:]):
+        raise ValueError(
+            f"step_noise: expected {[x0.shape[0], k - 1, *x0.shape[1:]]}, got {list(step_noise.shape)}"
+        )
+    sigma = memoryless_sigma(k, x0.device).tolist()
+    xs = [x0]
+    x = x0
+    for i in range(k - 1):
+        t = i * h
+        drift = 2.0 * fine_v(x, t) - x / (t + h)
+        x = x + h * drift + math.sqrt(h) * sigma[i] * step_noise[:, i]
+        xs.append(x)
+    xs.append(x + h * base_v(x, (k - 1) * h))
+    return torch.stack(xs, 1)
+
+
+def terminal_adjoint(
+    q_fn: Callable[[Tensor], Tensor], x_final: Tensor, n_exec: int, inv_temp: float, clip: bool = True
+) -> Tensor:
+    """``ã_K = −λ ∇_a mean_m Q̄(s, clip(a))`` at the final iterate ``x_final`` ``[B, H, A]``.
+
+    ``q_fn(chunk [B, n_exec, A]) -> [M, B]`` scores the executed sub-chunk only, so the gradient is
+    zero on the H − n_exec actions that are never executed (and, through the clip, on elements outside
+    [−1, 1]). Summing Q over the batch gives each row its own gradient.
+    """
+    with torch.enable_grad():
+        a = x_final.detach().requires_grad_(True)
+        exec_part = a[:, :n_exec]
+        if clip:
+            exec_part = exec_part.clamp(-1.0, 1.0)
+        q = q_fn(exec_part).mean(0).sum()
+        (grad,) = torch.autograd.grad(q, a)
+    return -inv_temp * grad
+
+
+def lean_adjoint(base_v: VelocityFn, iterates: Tensor, terminal: Tensor, num_steps: int) -> Tensor:
+    """Lean adjoint ``[B, K + 1, ...]`` integrated backward through the base drift only.
+
+    ``b(x, t) = 2 v̄_β(x, t + h) − x / (t + h)`` (the reference evaluates v̄_β at t_i + h) and
+    ``ã_i = ã_{i+1} + h [∂b/∂x (x_i, t_i)]ᵀ ã_{i+1}`` for i = K − 1 .. 0, from ``ã_K = terminal``.
+    Each step is one vector-Jacobian product through ``base_v`` w.r.t. x (parameters get no gradient).
+    """
+    k, h = num_steps, 1.0 / num_steps
+    adj = [terminal.detach()]
+    a = terminal.detach()
+    for i in range(k - 1, -1, -1):
+        t = i * h
+        with torch.enable_grad():
+            x = iterates[:, i].detach().requires_grad_(True)
+            v = base_v(x, t + h)
+            (vjp_v,) = torch.autograd.grad(v, x, grad_outputs=a)
+        a = a + h * (2.0 * vjp_v - a / (t + h))
+        adj.append(a.detach())
+    return torch.stack(adj[::-1], 1)
+
+
+def am_velocity_target(v_base: Tensor, adjoint: Tensor, sigma: Tensor) -> Tensor:
+    """What adjoint matching regresses v_θ to: ``v̄_β − (σ_i² / 2) ã_i`` (``[B, K, ...]``, σ ``[K]``)."""
+    s = sigma.view(1, -1, *([1] * (v_base.ndim - 2)))
+    return v_base - 0.5 * s.square() * adjoint
+
+
+def adjoint_matching_loss(v_fine: Tensor, v_base: Tensor, adjoint: Tensor, sigma: Tensor) -> Tensor:
+    """``mean_B Σ_i Σ_dims ((2/σ_i)(v_θ − v̄_β) + σ_i ã_i)²`` over ``[B, K, ...]`` tensors, σ ``[K]``."""
+    s = sigma.view(1, -1, *([1] * (v_fine.ndim - 2)))
+    residual = (2.0 / s) * (v_fine - v_base) + s * adjoint
+    return residual.square().flatten(1).sum(1).mean()
+
+
+def critic_td_target(
+    q_next: Tensor, reward_n: Tensor, bootstrap: Tensor, gamma: float, n_step: int, rho: float
+) -> Tensor:
+    """``y = R_n + γ^n · bootstrap · (mean_m Q̄ − ρ std_m Q̄)`` from target-ensemble values ``[M, B]``."""
+    return reward_n + (gamma**n_step) * bootstrap * pessimistic(q_next, rho)
+
+
+def critic_loss(q: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+    """``mean_{m,B} valid · (Q_m − y)²`` (the reference's plain mean, invalid rows count as zeros)."""
+    return (valid[None] * (q - target[None]).square()).mean()
+
+
+# ============================================================================ config
+@dataclass
+class QAMConfig:
+    """Every knob of a QAM run (offline, then optionally online). Defaults follow the reference where it
+    applies to a VLA; CPU-friendly budgets are set by the caller (bench/qam_check.py)."""
+
+    base: str
+    """Base checkpoint (the SFT policy): a local folder or a hub://org/name@rev reference."""
+    store: Path
+    """Episode store holding the offline data (demos, earlier rollouts)."""
+    out: Path
+    """Output folder: checkpoints, train state, TensorBoard logs, curve.json."""
+    task: str | None = None
+    """Task id; None = the base checkpoint's robot spec name."""
+    data: str | None = None
+    """Data selection in DataSelection's text form (robot=..,since=..,label.k=v,max=..); None = all."""
+
+    # ---- RL problem
+    reward: RewardKind = "steps_to_go"
+    """Reward relabelling: 'steps_to_go' (−1/T per step; our form of OGBench's −1·[not success]),
+    'sparse' (1 on success) or 'dense' (the simulator's shaped reward)."""
+    gamma: float = 0.99
+    """Per-step discount; the chunked TD uses γ^n_exec."""
+
+    # ---- QAM
+    inv_temp: float = 1.0
+    """λ: target π* ∝ π_β·exp(λ Q). Scales the terminal adjoint; the knob that matters most. With
+    steps_to_go rewards Q lives in about [−1/(1−γ)/T, 0], so λ must be larger than OGBench's 1–30."""
+    rho: float = 0.5
+    """Ensemble pessimism in the TD target: mean − ρ·std over members."""
+    members: int = 10
+    """Critic ensemble size M."""
+    critic_hidden: tuple[int, ...] = (512, 512, 512, 512)
+    """Critic MLP widths (reference 4×512 with LayerNorm)."""
+    tau: float = 0.005
+    """Polyak rate of the target critic (and of the target base with train_base)."""
+    flow_steps: int = 10
+    """K: denoising steps for the SDE simulation, the adjoint and TD-target sampling. The saved fine
+    policy's num_inference_steps is set to K (it is trained on that grid). Fewer (5) is faster on CPU."""
+    clip_actions: bool = True
+    """Clip normalised actions to [−1, 1] before Q (min-max normalisation only: the data's range)."""
+    train_base: bool = False
+    """Keep training the behaviour flow with L_BC and use its Polyak copy as the adjoint's base (the
+    reference). False freezes the SFT policy as the base (cheaper; the prior never drifts)."""
+    feature_mode: FeatureMode = "auto"
+    """Critic input: 'state' = normalised state; 'trunk' = the frozen base's mean-pooled trunk tokens
+    (needed with cameras); 'auto' = trunk when the policy has cameras, else state."""
+
+    # ---- optimisation
+    batch_size: int = 256
+    critic_lr: float = 3e-4
+    actor_lr: float = 3e-5
+    """Fine-policy learning rate (lower than the reference's 3e-4: the fine policy starts pretrained)."""
+    base_lr: float = 3e-5
+    """Behaviour-flow learning rate (train_base only)."""
+    grad_clip: float = 1.0
+    """Global-norm clip, applied to each module's gradients separately so a large L_AM never shrinks
+    the critic's step."""
+    critic_warmup: int = 0
+    """Updates at the start during which only the critic learns (the actor waits for a sane Q)."""
+
+    # ---- schedule
+    offline_steps: int = 1000
+    """Gradient updates on the offline data before going online."""
+    env_steps: int = 0
+    """Online budget in environment steps (all envs together); 0 = offline only."""
+    utd: float = 1.0
+    """Gradient updates per environment step during the online phase."""
+    start_online_after: int = 0
+    """Online env steps collected before online updates start (reference: 5000)."""
+    num_envs: int = 2
+    """Simulator processes for online rollouts."""
+    online_seed: int = 200_000
+    """First episode seed of online rollouts (demos start at 0, evaluation at 100000)."""
+    max_episode_steps: int | None = None
+    """Online episode length limit; None = the task's."""
+
+    # ---- bookkeeping
+    eval_every: int = 0
+    """Evaluate the fine policy every this many updates (0 = only if final_eval_episodes)."""
+    eval_episodes: int = 10
+    final_eval_episodes: int = 0
+    """Episodes of a final evaluation recorded in the metrics (0 = none)."""
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    """CPU threads for torch; 0 = all cores but one."""
+    log_every: int = 50
+    checkpoint_every: int = 1000
+    resume: bool = True
+    """Continue from <out>/train_state.pt when it exists (exact in the offline phase)."""
+    stop_at: int | None = None
+    """Stop after this many updates, as a preempted job would (tests of resume)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.store, self.out = Path(self.store), Path(self.out)
+        self.critic_hidden = tuple(int(h) for h in self.critic_hidden)
+        for name in ("members", "flow_steps", "batch_size", "log_every", "checkpoint_every", "num_envs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.flow_steps < 2:
+            raise ValueError(
+                f"flow_steps: expected >= 2 (the last step is the base's), got {self.flow_steps}"
+            )
+        for name in ("offline_steps", "env_steps", "start_online_after", "eval_every", "critic_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if self.offline_steps == 0 and self.env_steps == 0:
+            raise ValueError("offline_steps/env_steps: at least one must be > 0")
+        if self.reward not in REWARD_KINDS:
+            raise ValueError(f"reward: expected one of {list(REWARD_KINDS)}, got {self.reward!r}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        if self.inv_temp < 0:
+            raise ValueError(f"inv_temp: expected >= 0, got {self.inv_temp}")
+        if self.rho < 0:
+            raise ValueError(f"rho: expected >= 0, got {self.rho}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"tau: expected in (0, 1], got {self.tau}")
+        if self.utd <= 0:
+            raise ValueError(f"utd: expected > 0, got {self.utd}")
+        for name in ("critic_lr", "actor_lr", "base_lr", "grad_clip"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if self.feature_mode not in ("auto", "state", "trunk"):
+            raise ValueError(f"feature_mode: expected auto|state|trunk, got {self.feature_mode!r}")
+        if self.eval_episodes < 1 or self.final_eval_episodes < 0:
+            raise ValueError("eval_episodes: expected >= 1 and final_eval_episodes >= 0")
+
+
+@dataclass
+class QAMResult:
+    checkpoint: Path
+    """The fine policy (``<out>/checkpoints/last``)."""
+    seconds: float
+    steps: int
+    """Gradient updates in all (offline + online)."""
+    env_steps: int
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    """step / env_steps / phase / losses / Q statistics / rollout_success / eval_success rows."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+# ============================================================================ the learner
+class QAMLearner(nn.Module):
+    """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target."""
+
+    def __init__(self, base: FlowVLAPolicy, cfg: QAMConfig) -> None:
+        super().__init__()
+        pc = base.config
+        self.cfg = cfg
+        self.n_exec, self.horizon, self.action_dim = pc.n_exec, pc.chunk_len, pc.action_dim
+        self.clip = cfg.clip_actions and pc.action_norm == "min_max"
+        mode = cfg.feature_mode
+        if mode == "auto":
+            mode = "trunk" if pc.cameras else "state"
+        if mode == "state" and pc.state_dim == 0:
+            raise ValueError("feature_mode: 'state' needs a policy with a state input; use 'trunk'")
+        self.feature_mode = mode
+        self.base = base
+        self.base.requires_grad_(cfg.train_base)
+        # The adjoint's base: a Polyak copy when the base trains, else the frozen base itself.
+        self.base_target = copy.deepcopy(base).requires_grad_(False) if cfg.train_base else None
+        # The critic's feature net: a frozen snapshot of the pretrained trunk (features never drift).
+        self.feature_net = copy.deepcopy(base).requires_grad_(False) if mode == "trunk" else None
+        self.fine = copy.deepcopy(base).requires_grad_(True)
+        self.fine.config.num_inference_steps = cfg.flow_steps
+        feature_dim = pc.state_dim if mode == "state" else pc.d_model
+        self.critic = ChunkQEnsemble(
+            feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
+        )
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+
+    @property
+    def adjoint_base(self) -> FlowVLAPolicy:
+        return self.base_target if self.base_target is not None else self.base
+
+    def clip_norm(self, a: Tensor) -> Tensor:
+        return a.clamp(-1.0, 1.0) if self.clip else a
+
+    @torch.no_grad()
+    def features(self, obs: Mapping[str, Any]) -> Tensor:
+        if self.feature_net is not None:
+            return self.feature_net.encode_prefix(obs).pooled()
+        return self.base.normalizer.normalize_state(obs["state"].float())
+
+    def dataset_chunk(self, actions: Tensor) -> Tensor:
+        """Env-unit ``[B, H, A]`` -> the normalised, clipped executed part ``[B, n_exec, A]``."""
+        return self.clip_norm(self.base.normalizer.normalize_action(actions.float()))[:, : self.n_exec]
+
+    @torch.no_grad()
+    def sample_fine(self, obs_or_prefix: Mapping[str, Any] | PrefixCache, noise: Tensor) -> Tensor:
+        """Normalised, clipped chunks ``[B, H, A]`` from the fine policy (Euler ODE, K steps)."""
+        s = self.fine.sample(obs_or_prefix, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
+        return self.clip_norm(s.actions[:, 0])
+
+    @torch.no_grad()
+    def q_gain(self, obs: Mapping[str, Any]) -> Tensor:
+        """Diagnostic: mean Q̄(s, fine chunk) − Q̄(s, base chunk), both ODE samples from the same noise.
+        Positive means adjoint matching moved the fine policy uphill on the critic."""
+        b = obs["state"].shape[0]
+        noise = torch.randn(b, self.horizon, self.action_dim, device=obs["state"].device)
+        base = self.adjoint_base.sample(
+            obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None]
+        )
+        a_base = self.clip_norm(base.actions[:, 0])
+        a_fine = self.sample_fine(obs, noise)
+        feats = self.features(obs)
+        q_fine = self.critic_target(feats, a_fine[:, : self.n_exec]).mean(0)
+        q_base = self.critic_target(feats, a_base[:, : self.n_exec]).mean(0)
+        return (q_fine - q_base).mean()
+
+    # ------------------------------------------------------------------ losses
+    def losses(
+        self, batch: Mapping[str, Any], next_obs: Mapping[str, Any], train_actor: bool
+    ) -> dict[str, Tensor]:
+        cfg, k = self.cfg, self.cfg.flow_steps
+        b = batch["state"].shape[0]
+        event = (self.horizon, self.action_dim)
+        out: dict[str, Tensor] = {}
+
+        # ---- critic: chunked n-step TD with a pessimistic target ensemble
+        feats = self.features(batch)
+        with torch.no_grad():
+            a_next = self.sample_fine(next_obs, torch.randn(b, *event, device=feats.device))
+            q_next = self.critic_target(self.features(next_obs), a_next[:, : self.n_exec])
+            y = critic_td_target(
+                q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
+            )
+        q = self.critic(feats, self.dataset_chunk(batch["action"]))
+        out["loss_q"] = critic_loss(q, y, batch["valid"])
+        out["q_mean"] = q.mean().detach()
+        out["target_mean"] = y.mean().detach()
+
+        # ---- behaviour flow (only when the base keeps training)
+        if cfg.train_base:
+            out["loss_bc"], _ = self.base.flow_matching_loss(batch)
+
+        # ---- adjoint matching for the fine policy
+        if train_actor:
+            fine_prefix = self.fine.encode_prefix(batch)
+            with torch.no_grad():
+                base_prefix = self.adjoint_base.encode_prefix(batch)
+
+            def fine_v(x: Tensor, t: float) -> Tensor:
+                return self.fine.velocity(fine_prefix, x, t)
+
+            def base_v(x: Tensor, t: float) -> Tensor:
+                return self.adjoint_base.velocity(base_prefix, x, t)
+
+            x0 = torch.randn(b, *event, device=feats.device)
+            eps = torch.randn(b, k - 1, *event, device=feats.device)
+            iterates = simulate_fine_sde(fine_v, base_v, x0, k, eps)
+
+            def q_fn(chunk: Tensor) -> Tensor:
+                return self.critic_target(feats, chunk)
+
+            adj_k = terminal_adjoint(q_fn, iterates[:, -1], self.n_exec, cfg.inv_temp, self.clip)
+            adj = lean_adjoint(base_v, iterates, adj_k, k)[:, :k]
+            xs = iterates[:, :k].reshape(b * k, *event)
+            ts = (torch.arange(k, device=xs.device, dtype=xs.dtype) / k).repeat(b)
+            with torch.no_grad():
+                v_base = self.adjoint_base.velocity(base_prefix, xs, ts).reshape(b, k, *event)
+            v_fine = self.fine.velocity(fine_prefix, xs, ts).reshape(b, k, *event)
+            sigma = memoryless_sigma(k, xs.device)
+            out["loss_am"] = adjoint_matching_loss(v_fine, v_base, adj, sigma)
+            out["adjoint_norm"] = adj_k.flatten(1).norm(dim=1).mean().detach()
+            out["final_action_abs"] = iterates[:, -1, : self.n_exec].abs().mean().detach()
+        return out
+
+
+# ============================================================================ online rollouts
+class _Rollouts:
+    """Fine-policy episodes in a VectorSimEnv, appended to the replay buffer as they finish."""
+
+    def __init__(
+        self, learner: QAMLearner, spec: RobotSpec, cfg: QAMConfig, instruction_emb: Tensor | None
+    ) -> None:
+        from sim.vector import VectorSimEnv
+
+        self.learner, self.cfg, self.spec = learner, cfg, spec
+        obs_mode = "rgb" if self.spec.cameras else "state"
+        image_size = self.spec.cameras[0].height if self.spec.cameras else 128
+        self.env = VectorSimEnv(
+            spec.name,
+            num_envs=cfg.num_envs,
+            seed=cfg.online_seed,
+            obs=obs_mode,  # type: ignore[arg-type]
+            image_size=image_size,
+            max_episode_steps=cfg.max_episode_steps,
+        )
+        self.instruction_emb = instruction_emb
+        self.obs, _ = self.env.reset()
+        self.queues: list[deque[np.ndarray]] = [deque() for _ in range(cfg.num_envs)]
+        self.frames: list[dict[str, list[Any]]] = [self._empty() for _ in range(cfg.num_envs)]
+        self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
+        self.successes: deque[bool] = deque(maxlen=20)
+
+    @staticmethod
+    def _empty() -> dict[str, list[Any]]:
+        return {"state": [], "action": [], "reward": [], "terminated": [], "cameras": []}
+
+    @torch.no_grad()
+    def step(self, buffer: TransitionBuffer, episodes: list[dict[str, np.ndarray]]) -> int:
+        """One vector step; returns the number of episodes that finished."""
+        lr, device = self.learner, self.learner.base.device
+        need = [i for i in range(self.cfg.num_envs) if not self.queues[i]]
+        if need:
+            obs = {
+                "state": torch.as_tensor(self.obs["state"][need], device=device),
+                "cameras": {
+                    k: torch.as_tensor(v[need], device=device) for k, v in self.obs["cameras"].items()
+                },
+            }
+            if self.instruction_emb is not None:
+                obs["instruction_embedding"] = self.instruction_emb.expand(len(need), -1)
+            noise = torch.randn(len(need), lr.horizon, lr.action_dim, generator=self.gen).to(device)
+            lr.fine.eval()
+            chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(obs, noise)).cpu().numpy()
+            lr.fine.train()
+            for j, i in enumerate(need):
+                self.queues[i].extend(chunks[j, : lr.n_exec])
+        actions = np.stack([q.popleft() for q in self.queues]).astype(np.float32)
+        for i in range(self.cfg.num_envs):
+            f = self.frames[i]
+            f["state"].append(self.obs["state"][i])
+            f["action"].append(actions[i])
+            if self.spec.cameras:
+                f["cameras"].append({k: v[i] for k, v in self.obs["cameras"].items()})
+        self.obs, _r, terminated, truncated, info = self.env.step(actions)
+        finished = 0
+        for i in range(self.cfg.num_envs):
+            f = self.frames[i]
+            f["reward"].append(float(info["dense_reward"][i]))
+            f["terminated"].append(bool(terminated[i]))
+            if terminated[i] or truncated[i]:
+                ep = {
+                    "state": np.stack(f["state"]).astype(np.float32),
+                    "action": np.stack(f["action"]).astype(np.float32),
+                    "reward": np.asarray(f["reward"], np.float32),
+                    "terminated": np.asarray(f["terminated"], bool),
+                    "controller": np.full(len(f["state"]), int(Controller.POLICY), np.int64),
+                    "success": np.asarray(bool(info["success"][i])),
+                }
+                for name in self.spec.camera_names if f["cameras"] else ():
+                    ep[f"camera.{name}"] = np.stack([c[name] for c in f["cameras"]])
+                _add_episode(buffer, ep)
+                episodes.append(ep)
+                self.successes.append(bool(info["success"][i]))
+                self.frames[i] = self._empty()
+                self.queues[i].clear()
+                finished += 1
+        return finished
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _add_episode(buffer: TransitionBuffer, ep: Mapping[str, np.ndarray]) -> None:
+    cams = {k[len("camera.") :]: v for k, v in ep.items() if k.startswith("camera.")}
+    buffer.add_episode(
+        state=ep["state"],
+        action=ep["action"],
+        reward=ep["reward"],
+        terminated=ep["terminated"],
+        controller=ep["controller"],
+        success=bool(ep["success"]),
+        cameras=cams or None,
+    )
+
+
+class _EvalView:
+    """The fine policy as a ChunkPolicy for :func:`vla_rl.evaluation.evaluate` (K = flow_steps)."""
+
+    def __init__(self, learner: QAMLearner, loaded: LoadedPolicy) -> None:
+        self._lp = LoadedPolicy(
+            policy=learner.fine, info=loaded.info, path=loaded.path, commit="training", ref=loaded.ref
+        )
+        self._lp.num_steps = learner.cfg.flow_steps
+        self.spec, self.chunk_len = loaded.spec, learner.horizon
+
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        was = self._lp.policy.training
+        self._lp.policy.eval()
+        try:
+            return self._lp.predict_chunks(obs, seed)
+        finally:
+            self._lp.policy.train(was)
+
+
+# ============================================================================ training
+def train_qam(cfg: QAMConfig) -> QAMResult:
+    """Run (or resume) QAM: ``offline_steps`` updates on the store's data, then ``env_steps`` online."""
+    t_start = time.perf_counter()
+    device = pick_device(cfg.device)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+    loaded = load_policy(cfg.base, device=str(device))
+    base = loaded.policy
+    spec = loaded.spec
+    task = cfg.task or spec.name
+    if task != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
+    store = EpisodeStore(cfg.store)
+    selection = DataSelection.parse(task, cfg.data)
+    db = None
+    if selection.labels or selection.rounds:
+        from fleet.db import MetadataDB
+
+        db = MetadataDB.for_store(store.root)
+    episode_ids = select_episode_ids(store, selection, db)
+    buffer = TransitionBuffer.from_store(
+        store, episode_ids, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(spec.cameras)
+    )
+    offline_frames = len(buffer)
+
+    torch.manual_seed(cfg.seed)
+    learner = QAMLearner(base, cfg).to(device)
+    learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
+    if cfg.train_base:
+        learner.base.train()
+    opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
+    opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
+    opt_base = torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
+
+    instruction_emb = None
+    if base.config.uses_instruction:
+        from policies.flow_vla import embed_instructions
+
+        instruction_emb = embed_instructions([spec.instruction]).to(device)
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    state_path = cfg.out / TRAIN_STATE
+    step, env_steps = 0, 0
+    curve: list[dict[str, Any]] = []
+    online_episodes: list[dict[str, np.ndarray]] = []
+    if cfg.resume and state_path.exists():
+        st = load_train_state(state_path)
+        learner.load_state_dict(st["learner"])
+        opt_critic.load_state_dict(st["opt_critic"])
+        opt_actor.load_state_dict(st["opt_actor"])
+        if opt_base is not None:
+            opt_base.load_state_dict(st["opt_base"])
+        step, env_steps = int(st["step"]), int(st["env_steps"])
+        curve = json.loads(st["curve"])
+        for ep in st["online_episodes"]:
+            ep_np = {k: v.numpy() for k, v in ep.items()}
+            _add_episode(buffer, ep_np)
+            online_episodes.append(ep_np)
+        log.info("resumed", extra={"step": step, "env_steps": env_steps, "from": str(state_path)})
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(cfg.out / "tb"), purge_step=step)
+    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", step)
+    log.info(
+        "qam start",
+        extra={
+            "task": task,
+            "base": cfg.base,
+            "episodes": len(episode_ids),
+            "frames": offline_frames,
+            "feature_mode": learner.feature_mode,
+            "device": str(device),
+            "offline_steps": cfg.offline_steps,
+            "env_steps": cfg.env_steps,
+        },
+    )
+
+    def save(final: bool = False) -> None:
+        ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
+        save_derived_checkpoint(
+            ckpt,
+            learner.fine,
+            loaded.info,
+            algorithm="qam",
+            parent_revision=loaded.commit,
+            data={
+                "store": str(cfg.store),
+                "task": task,
+                "selection": selection.to_dict(),
+                "offline_episodes": len(episode_ids),
+                "offline_frames": offline_frames,
+                "online_episodes": len(online_episodes),
+                "env_steps": env_steps,
+                "reward": cfg.reward,
+            },
+            metrics={"train_steps": step, "env_steps": env_steps, "inv_temp": cfg.inv_temp},
+        )
+        last = cfg.out / "checkpoints" / "last"
+        shutil.rmtree(last, ignore_errors=True)
+        shutil.copytree(ckpt, last)
+        save_train_state(
+            state_path,
+            learner=learner.state_dict(),
+            opt_critic=opt_critic.state_dict(),
+            opt_actor=opt_actor.state_dict(),
+            opt_base=opt_base.state_dict() if opt_base is not None else {},
+            step=step,
+            env_steps=env_steps,
+            curve=json.dumps(curve),
+            online_episodes=[
+                {k: torch.from_numpy(np.asarray(v)) for k, v in ep.items()} for ep in online_episodes
+            ],
+        )
+        (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
+        if final:
+            log.info("checkpoint", extra={"step": step, "env_steps": env_steps, "path": str(ckpt)})
+
+    def evaluate_fine(episodes: int) -> float:
+        from vla_rl.evaluation import evaluate
+
+        res = evaluate(
+            _EvalView(learner, loaded), task, episodes=episodes, num_envs=cfg.num_envs, progress=False
+        )
+        return res.success_rate
+
+    params = {
+        "critic": list(learner.critic.parameters()),
+        "actor": list(learner.fine.parameters()),
+        "base": list(learner.base.parameters()) if cfg.train_base else [],
+    }
+    last_metrics: dict[str, float] = {}
+
+    def update(phase: str, rollouts: _Rollouts | None) -> None:
+        nonlocal step, last_metrics
+        seed_step(cfg.seed, step)
+        raw = buffer.batch(
+            sample_indices(len(buffer), cfg.batch_size, cfg.seed, step),
+            horizon=learner.horizon,
+            n_step=learner.n_exec,
+        )
+        batch = batch_to_policy_inputs(raw, device)
+        nxt = batch_to_policy_inputs(
+            {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]}, device
+        )
+        for key in ("reward_n", "bootstrap", "valid"):
+            batch[key] = raw[key].to(device)
+        if instruction_emb is not None:
+            batch["instruction_embedding"] = nxt["instruction_embedding"] = instruction_emb.expand(
+                cfg.batch_size, -1
+            )
+        train_actor = step >= cfg.critic_warmup
+        out = learner.losses(batch, nxt, train_actor)
+        total = out["loss_q"] + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
+        for opt in (opt_critic, opt_actor, opt_base):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+        total.backward()
+        norms = {}
+        for name, ps in params.items():
+            if ps:
+                norms[f"grad_norm_{name}"] = float(torch.nn.utils.clip_grad_norm_(ps, cfg.grad_clip))
+        opt_critic.step()
+        if train_actor:
+            opt_actor.step()
+        if opt_base is not None:
+            opt_base.step()
+            assert learner.base_target is not None
+            polyak_update(learner.base_target, learner.base, cfg.tau)
+        polyak_update(learner.critic_target, learner.critic, cfg.tau)
+        step += 1
+        last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
+        if step % cfg.log_every == 0:
+            last_metrics["q_gain"] = float(learner.q_gain(batch))
+            row: dict[str, Any] = {"step": step, "env_steps": env_steps, "phase": phase, **last_metrics}
+            if rollouts is not None and rollouts.successes:
+                row["rollout_success"] = float(np.mean(rollouts.successes))
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                row["eval_success"] = evaluate_fine(cfg.eval_episodes)
+            for k, v in row.items():
+                if isinstance(v, float):
+                    writer.add_scalar(f"{phase}/{k}", v, step)
+            curve.append(row)
+            bar.set_postfix(
+                q=f"{last_metrics['loss_q']:.3g}",
+                am=f"{last_metrics.get('loss_am', float('nan')):.3g}",
+                **({"succ": f"{row['rollout_success']:.0%}"} if "rollout_success" in row else {}),
+            )
+        elif cfg.eval_every and step % cfg.eval_every == 0:
+            curve.append(
+                {
+                    "step": step,
+                    "env_steps": env_steps,
+                    "phase": phase,
+                    "eval_success": evaluate_fine(cfg.eval_episodes),
+                }
+            )
+        if step % cfg.checkpoint_every == 0:
+            save()
+
+    # ---- offline phase
+    bar = tqdm(
+        total=cfg.offline_steps,
+        initial=min(step, cfg.offline_steps),
+        desc="qam offline",
+        unit="step",
+        disable=not cfg.progress,
+    )
+    learner.fine.train()
+    stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
+    while step < min(cfg.offline_steps, stop_at):
+        update("offline", None)
+        bar.update(1)
+    bar.close()
+    if step >= stop_at:  # preempted: keep everything needed to resume
+        save()
+        return QAMResult(
+            cfg.out / "checkpoints" / "last", time.perf_counter() - t_start, step, env_steps, curve
+        )
+    if cfg.offline_steps and step == cfg.offline_steps and env_steps == 0:
+        save()
+
+    # ---- online phase
+    if cfg.env_steps > env_steps:
+        rollouts = _Rollouts(learner, spec, cfg, instruction_emb)
+        bar = tqdm(
+            total=cfg.env_steps,
+            initial=env_steps,
+            desc="qam online",
+            unit="env step",
+            disable=not cfg.progress,
+        )
+        due = 0.0
+        try:
+            while env_steps < cfg.env_steps and step < stop_at:
+                rollouts.step(buffer, online_episodes)
+                env_steps += cfg.num_envs
+                bar.update(cfg.num_envs)
+                if env_steps > cfg.start_online_after:
+                    due += cfg.utd * cfg.num_envs
+                    while due >= 1.0:
+                        update("online", rollouts)
+                        due -= 1.0
+        finally:
+            rollouts.close()
+            bar.close()
+    save(final=True)
+    metrics: dict[str, Any] = dict(last_metrics)
+    metrics.update(
+        offline_frames=offline_frames,
+        online_episodes=len(online_episodes),
+        online_success=float(np.mean([bool(e["success"]) for e in online_episodes]))
+        if online_episodes
+        else None,
+    )
+    if cfg.final_eval_episodes:
+        metrics["eval_success"] = evaluate_fine(cfg.final_eval_episodes)
+    writer.close()
+    seconds = time.perf_counter() - t_start
+    (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
+    return QAMResult(
+        checkpoint=cfg.out / "checkpoints" / "last",
+        seconds=seconds,
+        steps=step,
+        env_steps=env_steps,
+        curve=curve,
+        metrics=metrics,
+    )
