@@ -173,3 +173,25 @@ def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.Ca
         [*common, "round", "start", "--algo", "awr", "--base", base, "--store", str(root), "--data", "bogus"]
     )
     assert rc == 2 and "expected key=value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("algo", "overrides"),
+    [
+        ("qam", {"offline_steps": 4, "batch_size": 16, "flow_steps": 3, "members": 2, "critic_hidden": [32]}),
+        (
+            "flow-sde",
+            {"env_steps": 40, "num_envs": 1, "rollout_steps": 20, "minibatch_size": 8, "update_epochs": 1},
+        ),
+    ],
+)
+def test_rounds_run_qam_and_ppo(setup, tmp_path: Path, algo: str, overrides: dict) -> None:
+    _hub, root, base = setup
+    rec = start_round(
+        _cfg(root, base, tmp_path, algo=algo, push=False, eval_episodes=1, overrides=overrides),
+        db=MetadataDB.for_store(root),
+    )
+    assert rec.status == "succeeded" and not rec.promoted and rec.checkpoint_revision is None
+    info = read_info(rec.checkpoint_ref)
+    assert info.lineage.algorithm == algo and info.lineage.round == rec.id
+    assert info.metrics["round"] == rec.id and "success_rate" in info.metrics

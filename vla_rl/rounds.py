@@ -13,6 +13,7 @@ themselves (see ``vla-rl serve --follow``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -170,10 +171,55 @@ def _run_awr(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> 
     return TrainOutput(r.checkpoint, r.seconds, r.metrics, r.data, r.curve)
 
 
+def _run_qam(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
+    """QAM offline (``--set env_steps=0``, the default) or offline-to-online (``--set env_steps=N``)."""
+    from vla_rl.train.qam import QAMConfig, train_qam
+
+    c = _build(
+        QAMConfig,
+        cfg.overrides,
+        base=cfg.base,
+        store=cfg.store,
+        out=out,
+        task=sel.task,
+        data=cfg.data,
+        seed=cfg.seed,
+        progress=cfg.progress,
+    )
+    r = train_qam(c)
+    return TrainOutput(
+        r.checkpoint, r.seconds, r.metrics, {"selection": sel.to_dict(), "env_steps": r.env_steps}, r.curve
+    )
+
+
+def _run_ppo(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
+    """Flow-Noise / Flow-SDE PPO: online in simulation (the store's data is not used)."""
+    from vla_rl.train.ppo import PPOConfig, train_ppo
+
+    c = _build(
+        PPOConfig,
+        cfg.overrides,
+        base=cfg.base,
+        out=out,
+        task=sel.task,
+        method="noise" if cfg.algo == "flow-noise" else "sde",
+        seed=cfg.seed,
+        progress=cfg.progress,
+        round_index=round_id,
+    )
+    r = train_ppo(c)
+    return TrainOutput(
+        r.checkpoint, r.seconds, r.metrics, {"env_steps": r.env_steps, "episodes": r.episodes}, r.curve
+    )
+
+
 _TRAINERS: dict[str, Callable[[RoundConfig, DataSelection, Path, int], TrainOutput]] = {
     "sft": _run_sft,
     "awr": _run_awr,
     "recap": _run_awr,
+    "qam": _run_qam,
+    "flow-noise": _run_ppo,
+    "flow-sde": _run_ppo,
 }
 
 
@@ -256,10 +302,11 @@ def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
             "base_success_rate": base_score["success"],
             "round": round_id,
         }
+        lineage = dataclasses.replace(info.lineage, round=round_id)
         save_checkpoint(
             trained.checkpoint,
             weights,
-            info.__class__(**{**info.__dict__, "metrics": {**info.metrics, **eval_metrics}}),
+            dataclasses.replace(info, lineage=lineage, metrics={**info.metrics, **eval_metrics}),
         )
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
