@@ -69,13 +69,11 @@ def run_ppo_check(
         out["base_success"] = success(base, None, episodes, num_envs)
         out["base_success_at_k"] = success(base, k, episodes, num_envs)
     for method in methods:
+        kw = dict(ppo_kw)
+        if kw.get("actor_lr") is None:  # Flow-Noise's exact 80-term chain log-prob needs a smaller step
+            kw["actor_lr"] = ACTOR_LR[method]
         cfg = PPOConfig(
-            base=str(base),
-            out=work / f"ppo-{method}",
-            method=method,
-            num_envs=num_envs,
-            progress=False,
-            **ppo_kw,
+            base=str(base), out=work / f"ppo-{method}", method=method, num_envs=num_envs, progress=False, **kw
         )
         t0 = time.perf_counter()
         res = train_ppo(cfg)

@@ -219,6 +219,10 @@ class PPOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+        for name in _NUMBERS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}: expected a finite number, got {v!r}")
         for name, lo, hi in (("gamma", 0.0, 1.0), ("gae_lambda", 0.0, 1.0)):
             v = getattr(self, name)
             if not lo <= v <= hi:
@@ -250,6 +254,21 @@ class PPOConfig:
     def algorithm(self) -> str:
         """Lineage name of what this run ships."""
         return f"flow-{self.method}"
+
+
+_NUMBERS = (
+    "noise_level",
+    "entropy_coef",
+    "gamma",
+    "gae_lambda",
+    "clip",
+    "dual_clip",
+    "value_clip",
+    "actor_lr",
+    "critic_lr",
+    "weight_decay",
+    "grad_clip",
+)
 
 
 def _choice(cfg: Any, name: str, options: tuple[str, ...]) -> None:
