@@ -316,6 +316,8 @@ def test_config_errors_name_the_field() -> None:
         PPOConfig(base="b", out=Path("o"), dual_clip=0.5)
     with pytest.raises(ValueError, match="noise_std_range"):
         PPOConfig(base="b", out=Path("o"), noise_std_range=(0.2, 0.1))
+    with pytest.raises(ValueError, match="actor_lr: expected a finite number"):
+        PPOConfig(base="b", out=Path("o"), actor_lr=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="advantage"):
         PPOConfig(base="b", out=Path("o"), advantage="vtrace")
     assert PPOConfig(base="b", out=Path("o"), method="sde").algorithm == "flow-sde"

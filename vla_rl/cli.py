@@ -948,7 +948,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--group-size", type=int, default=8, help="GRPO episodes per initial state")
     tp.add_argument("--epochs", type=int, default=4, help="PPO epochs per iteration")
     tp.add_argument("--minibatch-size", type=int, default=160, help="chunks per gradient step")
-    tp.add_argument("--actor-lr", type=float, default=1e-5, help="1e-5 suits sde; use ~3e-6 for noise")
+    tp.add_argument("--actor-lr", type=float, default=3e-6, help="3e-6 worked for sde; try ~1e-6 for noise")
     tp.add_argument("--critic-lr", type=float, default=3e-4)
     tp.add_argument("--critic", choices=["state", "prefix"], default="state", help="value head input")
     tp.add_argument("--eval-episodes", type=int, default=0, help="evaluate the result (seeds from 100000)")
