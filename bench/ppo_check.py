@@ -1,7 +1,7 @@
 """Does PPO (Flow-Noise / Flow-SDE) improve a mediocre SFT policy? Success before and after, same seeds.
 
 Without ``--base`` it first makes the weak base: ``--demos`` noisy scripted demonstrations of PickCube
-(state) and a short SFT run (30 demos at noise 0.5 and 1500 steps gave 36-38% here; Flow-SDE at lr 3e-6 took it to 50% in
+(state) and a short SFT run (30 demos at noise 0.5 and 1500 steps gave 36-38% here; Flow-SDE at lr 3e-6 took it to 50% and 38% (two seeds) in
 24k env steps). Then, for each
 method, ``train_ppo`` with a fixed env-step budget, and ``evaluate`` on the same ``--episodes`` held-out
 seeds (from 100000) for the base (at its own K and at the RL K) and for each fine-tuned policy.

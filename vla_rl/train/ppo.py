@@ -156,7 +156,7 @@ class PPOConfig:
     minibatch_size: int = 160
     """Transitions (chunks) per gradient step."""
     actor_lr: float = 3e-6
-    """Flow-SDE on PickCube: 3e-6 improved (36% -> 50%), 1e-5 (approx-KL 0.01-0.03 per iteration)
+    """Flow-SDE on PickCube: 3e-6 gave 36% -> 50% and 38% (two seeds), 1e-5 (approx-KL 0.01-0.03)
     degraded. Flow-Noise's 80-term exact chain log-prob is ~10x more sensitive (KL 0.6 after one
     iteration at 1e-5, 0.02-0.06 at 2e-6 to 3e-6, no gain): try ~1e-6 there."""
     critic_lr: float = 3e-4
