@@ -37,6 +37,14 @@ class DemoReport:
     def success_rate(self) -> float:
         return self.successes / max(self.episodes, 1)
 
+    def close_episode(self, writer: EpisodeWriter, success: bool) -> None:
+        """Close ``writer``'s episode with its outcome and count it."""
+        meta = writer.close(outcome="success" if success else "failure", success=success)
+        self.episodes += 1
+        self.successes += success
+        self.frames += meta.length
+        self.episode_ids.append(meta.episode_id)
+
 
 def record_demos(
     store: EpisodeStore,
@@ -100,12 +108,7 @@ def record_demos(
                     timestamp=now,
                 )
                 if terminated[i] or truncated[i]:
-                    success = bool(info["success"][i])
-                    meta = w.close(outcome="success" if success else "failure", success=success)
-                    report.episodes += 1
-                    report.successes += success
-                    report.frames += meta.length
-                    report.episode_ids.append(meta.episode_id)
+                    report.close_episode(w, bool(info["success"][i]))
                     bar.update(1)
                     bar.set_postfix(success=f"{report.success_rate:.0%}")
                     # Start the next episode in this env only while more are needed.
@@ -214,12 +217,7 @@ def record_rollouts(
                     timestamp=now,
                 )
                 if terminated[i] or truncated[i]:
-                    success = bool(info["success"][i])
-                    meta = w.close(outcome="success" if success else "failure", success=success)
-                    report.episodes += 1
-                    report.successes += success
-                    report.frames += meta.length
-                    report.episode_ids.append(meta.episode_id)
+                    report.close_episode(w, bool(info["success"][i]))
                     bar.update(1)
                     bar.set_postfix(success=f"{report.success_rate:.0%}")
                     if started < episodes:
