@@ -83,13 +83,14 @@ def from_tensor(
     for d in dims:
         n *= d
     need = n * np_dtype.itemsize
-    if len(msg.data) != need:
+    data = msg.data  # every access of a protobuf bytes field is a fresh copy: read it once
+    if len(data) != need:
         raise SpecError(
             field,
             f"{need} bytes for {msg.dtype}{dims}",
-            f"{len(msg.data)} bytes ({'truncated' if len(msg.data) < need else 'too many'})",
+            f"{len(data)} bytes ({'truncated' if len(data) < need else 'too many'})",
         )
-    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims)
+    arr = np.frombuffer(data, dtype=np_dtype).reshape(dims)
     return arr.astype(arr.dtype.newbyteorder("="), copy=False)
 
 

@@ -26,7 +26,7 @@ from server.policy_server import PolicyServer, ServedVersion, initial_noise
 from server.proto import policy_service_pb2 as pb
 from vla_rl.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.policy_loading import load_policy
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 torch.set_num_threads(1)
 
@@ -157,6 +157,30 @@ def test_encoded_images(client: PolicyClient) -> None:
         if fmt == "png":  # lossless: the same pixels, the same chunk
             np.testing.assert_allclose(got, raw, atol=1e-5)
         assert got.shape == (H, A) and np.isfinite(got).all()
+
+
+def test_from_tensor_reads_the_bytes_once() -> None:
+    """Each access of a protobuf bytes field copies it; the decoder must take one copy, not two."""
+    from server.codec import from_tensor
+
+    class Counting:
+        def __init__(self, t: pb.Tensor) -> None:
+            self.dtype, self.shape, self._data, self.reads = t.dtype, t.shape, t.data, 0
+
+        @property
+        def data(self) -> bytes:
+            self.reads += 1
+            return self._data
+
+    want = np.arange(12, dtype=np.float32).reshape(3, 4)
+    msg = Counting(to_tensor(want))
+    got = from_tensor(msg, "x", dtype="float32", shape=(3, 4))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(got, want)
+    assert msg.reads == 1 and not got.flags.writeable
+    short = Counting(pb.Tensor(dtype="float32", shape=[3, 4], data=b"\0" * 8))
+    with pytest.raises(SpecError, match=r"48 bytes.*8 bytes \(truncated"):
+        from_tensor(short, "x")  # type: ignore[arg-type]
+    assert short.reads == 1
 
 
 def test_reflection_lists_the_service(server: PolicyServer) -> None:
