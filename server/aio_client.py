@@ -10,33 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 import numpy as np
 
-from server.client import (
-    DEFAULT_BACKOFF,
-    RETRYABLE,
+from server.client_common import (
     ActResult,
-    Backoff,
+    ClientBase,
     PolicyError,
-    _result,
-    build_request,
-    channel_credentials,
-    channel_options,
+    RetryBudget,
+    check_reply,
+    parse_response,
 )
 from server.proto import policy_service_pb2 as pb
-from server.proto import policy_service_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncActStream", "AsyncPolicyClient"]
 
 T = TypeVar("T")
-_ids = itertools.count()
 
 
 class AsyncActStream:
@@ -66,26 +60,16 @@ class AsyncActStream:
         timeout_s: float | None = None,
     ) -> ActResult:
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
-        req = build_request(
-            obs,
-            model_id=self._model_id,
-            seed=seed,
-            noise=noise,
-            request_id=f"a{next(_ids)}",
-            image_format=self._client.image_format,
-            timeout_ms=max(1, int(timeout * 1000)),
-        )
-        deadline = time.monotonic() + timeout + self._MARGIN_S
-        backoff = self._client.backoff
-        attempt = 0
+        req = self._client._act_request(obs, seed, noise, self._model_id, None, "a", timeout_s=timeout)
+        budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
         async with self._lock:
             while True:
                 if self._call is None:
                     self._open()
                 t0 = time.perf_counter_ns()
                 try:
-                    await asyncio.wait_for(self._call.write(req), max(0.001, deadline - time.monotonic()))
-                    reply = await asyncio.wait_for(self._call.read(), max(0.001, deadline - time.monotonic()))
+                    await asyncio.wait_for(self._call.write(req), budget.remaining())
+                    reply = await asyncio.wait_for(self._call.read(), budget.remaining())
                 except TimeoutError:
                     self._reset()  # a late reply could no longer be matched to its request
                     raise PolicyError(
@@ -102,20 +86,12 @@ class AsyncActStream:
                     reply = PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed by the server")
                 if isinstance(reply, PolicyError):
                     self._reset()
-                    delay = backoff.delay(attempt) if backoff is not None else 0.0
-                    if backoff is None or reply.code not in RETRYABLE or time.monotonic() + delay >= deadline:
-                        raise reply
-                    await asyncio.sleep(delay)
-                    attempt += 1
+                    await asyncio.sleep(budget.delay_or_raise(reply))
                     self.reopened += 1
                     self._client.retries += 1
                     continue
                 break
-        if reply.request_id != req.request_id:
-            raise PolicyError(
-                grpc.StatusCode.INTERNAL, f"reply for {reply.request_id!r} to request {req.request_id!r}"
-            )
-        return _result(reply, t0)
+        return check_reply(reply, req, t0)
 
     def _reset(self) -> None:
         if self._call is not None:
@@ -135,52 +111,19 @@ class AsyncActStream:
         await self.close()
 
 
-class AsyncPolicyClient:
+class AsyncPolicyClient(ClientBase):
     """``await client.act(obs)`` and friends; see :class:`server.client.PolicyClient` for the semantics."""
 
-    def __init__(
-        self,
-        address: str,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-        *,
-        model_id: str = "",
-        image_format: str = "raw",
-        max_message_bytes: int = 64 * 1024 * 1024,
-        tls_ca: str | os.PathLike[str] | bytes | None = None,
-        backoff: Backoff | None = DEFAULT_BACKOFF,
-    ) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.model_id = model_id
-        self.image_format = image_format
-        self.backoff = backoff
-        self.retries = 0
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        opts = channel_options(max_message_bytes, backoff)
-        creds = channel_credentials(tls_ca)
-        self._channel = (
-            grpc.aio.secure_channel(address, creds, options=opts)
-            if creds is not None
-            else grpc.aio.insecure_channel(address, options=opts)
-        )
-        self._stub = pb_grpc.PolicyServiceStub(self._channel)
+    _grpc = grpc.aio
 
     async def _retrying(self, call: Callable[[float], Awaitable[T]], timeout_s: float | None) -> T:
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        attempt = 0
+        budget = self._budget(timeout_s)
         while True:
             try:
-                return await call(max(0.001, deadline - time.monotonic()))
+                return await call(budget.remaining())
             except grpc.RpcError as e:
                 err = PolicyError.from_rpc(e)
-            if self.backoff is None or err.code not in RETRYABLE:
-                raise err
-            delay = self.backoff.delay(attempt)
-            if time.monotonic() + delay >= deadline:
-                raise err
-            await asyncio.sleep(delay)
-            attempt += 1
+            await asyncio.sleep(budget.delay_or_raise(err))
             self.retries += 1
 
     async def act(
@@ -193,27 +136,22 @@ class AsyncPolicyClient:
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ActResult:
-        req = build_request(
-            obs,
-            model_id=self.model_id if model_id is None else model_id,
-            seed=seed,
-            noise=noise,
-            request_id=request_id if request_id is not None else f"ua{next(_ids)}",
-            image_format=self.image_format,
-        )
+        req = self._act_request(obs, seed, noise, model_id, request_id, "ua")
         return await self.act_request(req, timeout_s)
 
     async def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
         t0 = time.perf_counter_ns()
         resp = await self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
-        return _result(resp, t0)
+        return parse_response(resp, t0)
 
     def stream(self, model_id: str | None = None) -> AsyncActStream:
-        return AsyncActStream(self, self.model_id if model_id is None else model_id)
+        return AsyncActStream(self, self._model(model_id))
 
     async def info(self, model_id: str = "", timeout_s: float | None = None) -> dict[str, pb.ModelInfo]:
         req = pb.GetInfoRequest(model_id=model_id)
-        resp = await self._retrying(lambda t: self._stub.GetInfo(req, timeout=t), timeout_s)
+        resp = await self._retrying(
+            lambda t: self._stub.GetInfo(req, timeout=t, metadata=self._metadata), timeout_s
+        )
         return {m.model_id: m for m in resp.models}
 
     async def load_checkpoint(
@@ -225,28 +163,22 @@ class AsyncPolicyClient:
         stage_only: bool = False,
         timeout_s: float = 300.0,
     ) -> pb.LoadCheckpointResponse:
-        req = pb.LoadCheckpointRequest(
-            model_id=self.model_id if model_id is None else model_id,
-            ref=ref,
-            force=force,
-            stage_only=stage_only,
+        return await self._call(
+            self._stub.LoadCheckpoint, self._load_request(ref, model_id, force, stage_only), timeout_s
         )
-        return await self._call(self._stub.LoadCheckpoint, req, timeout_s)
 
     async def promote(self, model_id: str | None = None, timeout_s: float | None = None) -> pb.SwapResponse:
-        req = pb.ModelRequest(model_id=self.model_id if model_id is None else model_id)
-        return await self._call(self._stub.Promote, req, timeout_s)
+        return await self._call(
+            self._stub.Promote, pb.ModelRequest(model_id=self._model(model_id)), timeout_s
+        )
 
     async def rollback(self, model_id: str | None = None, timeout_s: float | None = None) -> pb.SwapResponse:
-        req = pb.ModelRequest(model_id=self.model_id if model_id is None else model_id)
-        return await self._call(self._stub.Rollback, req, timeout_s)
+        return await self._call(
+            self._stub.Rollback, pb.ModelRequest(model_id=self._model(model_id)), timeout_s
+        )
 
     async def health(self, service: str = "", timeout_s: float | None = None) -> str:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        resp = await self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return self._health_name(await self._call(*self._health_check(service), timeout_s))
 
     async def _call(self, method: Any, req: Any, timeout_s: float | None) -> Any:
         try:

@@ -1,0 +1,294 @@
+"""What the blocking (:mod:`server.client`) and asyncio (:mod:`server.aio_client`) clients share.
+
+Everything here is independent of how a call waits: the retry policy (:class:`Backoff` and one call's
+:class:`RetryBudget`), channel options and TLS, building requests (:func:`build_request` and the control
+requests) and turning replies into :class:`ActResult` or :class:`PolicyError`. The two clients add only the
+waiting (``time.sleep`` / ``await asyncio.sleep``, threads / ``grpc.aio``). Like the clients, this imports
+numpy, grpcio, Pillow and the generated protobuf code only (no torch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from server.codec import encode_image, from_tensor, to_tensor
+from server.proto import policy_service_pb2 as pb
+from server.proto import policy_service_pb2_grpc as pb_grpc
+
+__all__ = [
+    "DEFAULT_BACKOFF",
+    "RETRYABLE",
+    "ActResult",
+    "Backoff",
+    "ClientBase",
+    "PolicyError",
+    "RetryBudget",
+    "Timing",
+    "build_request",
+    "channel_credentials",
+    "channel_options",
+    "check_reply",
+    "parse_response",
+]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter for retrying UNAVAILABLE: ``initial_s * multiplier**n``, capped at
+    ``max_s``, each delay scaled by a random factor in ``[1 - jitter, 1 + jitter]`` so that a fleet of robots
+    does not reconnect in lock-step."""
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial_s <= self.max_s) or self.multiplier < 1 or not 0 <= self.jitter < 1:
+            raise ValueError(
+                f"Backoff needs 0 < initial_s <= max_s, multiplier >= 1, 0 <= jitter < 1; got {self}"
+            )
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        base = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 64))
+        return base * (1.0 + self.jitter * (2.0 * (rng or random).random() - 1.0))
+
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+DEFAULT_BACKOFF = Backoff()
+
+
+class PolicyError(Exception):
+    """A call failed: ``code`` is the gRPC status, ``message`` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code.name}: {message}")
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> PolicyError:
+        return cls(e.code(), e.details() or "")  # type: ignore[attr-defined]
+
+
+class RetryBudget:
+    """One call's deadline and retries: after an error, :meth:`delay_or_raise` says how long to pause before
+    repeating it, or raises the error when it is not retryable, retries are off (``backoff=None``) or the
+    pause would pass the deadline. The caller does the waiting (blocking or awaited)."""
+
+    def __init__(self, backoff: Backoff | None, budget_s: float) -> None:
+        self.backoff = backoff
+        self.deadline = time.monotonic() + budget_s
+        self.attempt = 0
+
+    def remaining(self, floor: float = 0.001) -> float:
+        return max(floor, self.deadline - time.monotonic())
+
+    def delay_or_raise(self, err: PolicyError) -> float:
+        if self.backoff is None or err.code not in RETRYABLE:
+            raise err
+        delay = self.backoff.delay(self.attempt)
+        if time.monotonic() + delay >= self.deadline:
+            raise err
+        self.attempt += 1
+        return delay
+
+
+def channel_options(max_message_bytes: int, backoff: Backoff | None) -> list[tuple[str, Any]]:
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    if backoff is not None:  # the channel's own reconnect attempts, capped like ours
+        opts += [
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(backoff.max_s * 1000))),
+        ]
+    return opts
+
+
+def channel_credentials(tls_ca: str | os.PathLike[str] | bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM root certificate(s) ``tls_ca`` (a path or the bytes); None = plaintext."""
+    if tls_ca is None:
+        return None
+    pem = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Server-side microseconds (see ``Timing`` in the proto) plus the client's round trip."""
+
+    queue_us: int
+    decode_us: int
+    inference_us: int
+    total_us: int
+    round_trip_us: int
+
+
+@dataclass(frozen=True)
+class ActResult:
+    """One action chunk and where it came from."""
+
+    actions: np.ndarray  # float32 [H, A]
+    commit: str
+    timing: Timing
+    batch_size: int
+    seed: int
+    n_exec: int
+    model_id: str
+    request_id: str
+
+
+def build_request(
+    obs: Mapping[str, Any],
+    *,
+    model_id: str = "",
+    seed: int | None = None,
+    noise: np.ndarray | None = None,
+    request_id: str = "",
+    image_format: str = "raw",
+    timeout_ms: int = 0,
+) -> pb.ActRequest:
+    """An ``ActRequest`` from ``{"state": float32[S], "cameras": {name: uint8[H, W, 3]}, "instruction": str}``."""
+    o = pb.Observation(instruction=str(obs.get("instruction") or ""))
+    if obs.get("state") is not None:
+        o.state.CopyFrom(to_tensor(np.asarray(obs["state"])))
+    for name, img in (obs.get("cameras") or {}).items():
+        o.cameras[name].CopyFrom(encode_image(np.asarray(img), image_format))
+    req = pb.ActRequest(model_id=model_id, request_id=request_id, observation=o, timeout_ms=timeout_ms)
+    if seed is not None:
+        req.seed = int(seed)
+    if noise is not None:
+        req.noise.CopyFrom(to_tensor(np.asarray(noise, dtype=np.float32)))
+    return req
+
+
+_CODES = {c.value[0]: c.value for c in grpc.StatusCode}
+
+
+def parse_response(resp: pb.ActResponse, t0: int) -> ActResult:
+    """The chunk in ``resp`` (sent at ``time.perf_counter_ns() == t0``), or its error as :class:`PolicyError`."""
+    if resp.HasField("error"):
+        raise PolicyError(grpc.StatusCode(_CODES[resp.error.code]), resp.error.message)
+    t = resp.timing
+    return ActResult(
+        actions=from_tensor(resp.actions, "actions", dtype="float32"),
+        commit=resp.commit,
+        timing=Timing(
+            t.queue_us, t.decode_us, t.inference_us, t.total_us, (time.perf_counter_ns() - t0) // 1000
+        ),
+        batch_size=resp.batch_size,
+        seed=resp.seed,
+        n_exec=resp.n_exec,
+        model_id=resp.model_id,
+        request_id=resp.request_id,
+    )
+
+
+def check_reply(reply: pb.ActResponse, req: pb.ActRequest, t0: int) -> ActResult:
+    """A stream's reply to ``req``: cannot be another request's with an in-order server; never mis-route."""
+    if reply.request_id != req.request_id:
+        raise PolicyError(
+            grpc.StatusCode.INTERNAL, f"reply for {reply.request_id!r} to request {req.request_id!r}"
+        )
+    return parse_response(reply, t0)
+
+
+_ids = itertools.count()
+
+
+class ClientBase:
+    """Settings, channel and request building of both clients; subclasses set ``_grpc`` (``grpc`` or
+    ``grpc.aio``) and add the calls.
+
+    ``tls_ca`` (PEM root certificate, path or bytes) connects over TLS; ``backoff=None`` turns retries off.
+    """
+
+    _grpc: Any = grpc
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        *,
+        model_id: str = "",
+        image_format: str = "raw",
+        max_message_bytes: int = 64 * 1024 * 1024,
+        tls_ca: str | os.PathLike[str] | bytes | None = None,
+        backoff: Backoff | None = DEFAULT_BACKOFF,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.model_id = model_id
+        self.image_format = image_format
+        self.backoff = backoff
+        self.retries = 0  # calls repeated after UNAVAILABLE (and streams reopened)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        opts = channel_options(max_message_bytes, backoff)
+        creds = channel_credentials(tls_ca)
+        self._channel = (
+            self._grpc.secure_channel(address, creds, options=opts)
+            if creds is not None
+            else self._grpc.insecure_channel(address, options=opts)
+        )
+        self._stub = pb_grpc.PolicyServiceStub(self._channel)
+
+    def _budget(self, timeout_s: float | None) -> RetryBudget:
+        return RetryBudget(self.backoff, timeout_s or self.timeout_s)
+
+    def _model(self, model_id: str | None) -> str:
+        return self.model_id if model_id is None else model_id
+
+    def _act_request(
+        self,
+        obs: Mapping[str, Any],
+        seed: int | None,
+        noise: np.ndarray | None,
+        model_id: str | None,
+        request_id: str | None,
+        prefix: str,
+        timeout_s: float | None = None,
+    ) -> pb.ActRequest:
+        """``build_request`` with this client's defaults; ``timeout_s`` (streams) goes along as the budget."""
+        return build_request(
+            obs,
+            model_id=self._model(model_id),
+            seed=seed,
+            noise=noise,
+            request_id=request_id if request_id is not None else f"{prefix}{next(_ids)}",
+            image_format=self.image_format,
+            timeout_ms=0 if timeout_s is None else max(1, int(timeout_s * 1000)),
+        )
+
+    def _load_request(
+        self, ref: str, model_id: str | None, force: bool, stage_only: bool
+    ) -> pb.LoadCheckpointRequest:
+        return pb.LoadCheckpointRequest(
+            model_id=self._model(model_id), ref=ref, force=force, stage_only=stage_only
+        )
+
+    def _health_check(self, service: str) -> tuple[Any, Any]:
+        """The health service's ``Check`` method on this channel and its request for ``service``."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        return health_pb2_grpc.HealthStub(self._channel).Check, health_pb2.HealthCheckRequest(service=service)
+
+    @staticmethod
+    def _health_name(resp: Any) -> str:
+        from grpc_health.v1 import health_pb2
+
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
