@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -332,43 +332,13 @@ def test_config_without_robot_spec_counterpart_is_refused(folders: dict[str, Pat
 
 
 @pytest.mark.slow  # ~50 s on 2 shared cores (lerobot import + model load in a fresh process)
-def test_cli_serve_picks_the_lerobot_adapter(folders: dict[str, Path]) -> None:
+def test_cli_serve_picks_the_lerobot_adapter(
+    folders: dict[str, Path], cli_server: Callable[..., str]
+) -> None:
     """`vla-rl serve --checkpoint LEROBOT_FOLDER` in its own process: the folder's "type" picks the adapter.
 
     The short version is every other test here: PolicyServer picks the adapter the same way in-process."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    CLI = [sys.executable, "-m", "vla_rl.cli"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [*CLI, "serve", "--checkpoint", str(folders["act"]), "--port", str(port), "--device", "cpu"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
-    try:
-        with PolicyClient(f"127.0.0.1:{port}", timeout_s=2.0) as c:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if c.health() == "SERVING":
-                        break
-                except PolicyError:
-                    pass
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(0.5)
-            assert c.info()["default"].policy_type == "lerobot/act"
-            assert c.act(make_obs(np.random.default_rng(6)), timeout_s=30).actions.shape == (6, 3)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    address = cli_server("--checkpoint", str(folders["act"]), "--device", "cpu", env={"OMP_NUM_THREADS": "1"})
+    with PolicyClient(address, timeout_s=2.0) as c:
+        assert c.info()["default"].policy_type == "lerobot/act"
+        assert c.act(make_obs(np.random.default_rng(6)), timeout_s=30).actions.shape == (6, 3)

@@ -579,10 +579,8 @@ def test_queue_full_and_expired_requests(ckpts: dict[str, Path]) -> None:
         srv.stop()
 
 
-def test_cli_serve_and_client_act(tmp_path: Path) -> None:
+def test_cli_serve_and_client_act(tmp_path: Path, cli_server: Callable[..., str]) -> None:
     """`vla-rl serve` in its own process, `vla-rl client act` against it with a real simulator observation."""
-    import signal
-    import socket
     import subprocess
     import sys
 
@@ -591,39 +589,12 @@ def test_cli_serve_and_client_act(tmp_path: Path) -> None:
     info = TASKS["maniskill/PushCube-v1"]
     spec = RobotSpec(info.name, info.state_dim["state"], info.action_dim, info.control_hz, info.instruction)
     folder = make_checkpoint(tmp_path / "push", seed=3, spec=spec)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = [sys.executable, "-m", "vla_rl.cli"]
-    proc = subprocess.Popen(
-        [*cli, "serve", "--checkpoint", str(folder), "--port", str(port), "--device", "cpu"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    address = cli_server("--checkpoint", str(folder), "--device", "cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "vla_rl.cli", "client", "act", "--server", address, "--seed", "4"],
+        capture_output=True,
         text=True,
+        timeout=300,
     )
-    try:
-        probe = PolicyClient(f"127.0.0.1:{port}", timeout_s=1.0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if probe.health() == "SERVING":
-                    break
-            except PolicyError:
-                pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
-        out = subprocess.run(
-            [*cli, "client", "act", "--server", f"127.0.0.1:{port}", "--seed", "4"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr
-        assert "chunk [" in out.stdout and "commit local:" in out.stdout and "inference" in out.stdout
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    assert out.returncode == 0, out.stderr
+    assert "chunk [" in out.stdout and "commit local:" in out.stdout and "inference" in out.stdout

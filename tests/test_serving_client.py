@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -55,12 +54,6 @@ def server(ckpts: dict[str, Path]) -> Iterator[PolicyServer]:
     srv = start({"arm": ckpts["a"]}, max_batch=8, max_wait_us=5000)
     yield srv
     srv.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- asyncio
@@ -142,8 +135,8 @@ def test_adaptive_wait_still_batches_a_crowd(ckpts: dict[str, Path]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reconnect
-def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path]) -> None:
-    port = free_port()
+def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path], free_port: int) -> None:
+    port = free_port
     obs = make_obs(np.random.default_rng(2))
     srv = start({"arm": ckpts["a"]}, port=port)
     box: dict[str, PolicyServer] = {}
@@ -178,8 +171,8 @@ def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path])
             box["srv"].stop()
 
 
-def test_async_reconnect(ckpts: dict[str, Path]) -> None:
-    port = free_port()
+def test_async_reconnect(ckpts: dict[str, Path], free_port: int) -> None:
+    port = free_port
     obs = make_obs(np.random.default_rng(3))
 
     async def main() -> None:

@@ -1,0 +1,69 @@
+"""Fixtures shared by several test files: a free loopback port and a `vla-rl serve` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+CLI = [sys.executable, "-m", "vla_rl.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for servers that must come back on the same port)."""
+    return _free_port()
+
+
+@pytest.fixture
+def cli_server() -> Iterator[Callable[..., str]]:
+    """``start(*serve_args, env=None, timeout_s=120) -> "127.0.0.1:PORT"``: `vla-rl serve *serve_args` in its
+    own process on a free port, returned once its health service says SERVING; stopped with SIGINT (as a
+    user would) after the test, killed if it does not stop within 20 s."""
+    from server.client import PolicyClient, PolicyError
+
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*serve_args: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> str:
+        port = _free_port()
+        proc = subprocess.Popen(
+            [*CLI, "serve", *serve_args, "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=None if env is None else os.environ | env,
+        )
+        procs.append(proc)
+        address = f"127.0.0.1:{port}"
+        with PolicyClient(address, timeout_s=2.0) as probe:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    if probe.health() == "SERVING":
+                        return address
+                except PolicyError:
+                    pass
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.5)
+
+    yield start
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
