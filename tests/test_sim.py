@@ -135,3 +135,51 @@ def test_vector_env_in_processes_matches_single_envs() -> None:
     assert proc_seeds == local_seeds
     assert proc_seeds[:2] == [10, 11] and {12, 13} <= set(proc_seeds[2:])
     assert all(np.array_equal(x, y) for x, y in zip(proc_states, local_states, strict=True))
+
+
+def test_vector_env_workers_die_with_a_sigtermed_parent() -> None:
+    """SIGTERM on a process driving a VectorSimEnv must not leave its workers behind, even when a process it
+    forked keeps the workers' pipes open (so they never see EOF)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = (
+        "import os, time, sim\n"
+        "env = sim.make('maniskill/PushCube-v1', num_envs=2, seed=0, obs='state', processes=True)\n"
+        "env.reset()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(120)\n"
+        "    os._exit(0)\n"
+        "print(pid, *(r.proc.pid for r in env._remotes), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    fork_pid, *workers = (int(x) for x in proc.stdout.readline().split())
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    try:
+        assert len(workers) == 2 and all(alive(w) for w in workers)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM  # the parent's own exit is unchanged
+        deadline = time.monotonic() + 5
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if alive(w)], "workers outlived their parent"
+    finally:
+        for pid in (fork_pid, *workers):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
