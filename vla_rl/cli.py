@@ -22,11 +22,12 @@ Every command takes ``--log-format json`` for structured logs and ``--help`` for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,16 @@ class CliError(Exception):
 
 
 # ---------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _user_errors(*types: type[Exception], prefix: str = "", suffix: str = "") -> Iterator[None]:
+    """Turn the listed exceptions (bad input the user can fix) into one ``CliError`` line: prefix, the
+    exception's own message, suffix (usually which flag, or how to fix it)."""
+    try:
+        yield
+    except types as e:
+        raise CliError(f"{prefix}{e}{suffix}") from None
+
+
 def _open_db(store_root: Path, url: str | None) -> Any:
     from fleet.db import MetadataDB
 
@@ -52,10 +63,10 @@ def _open_db(store_root: Path, url: str | None) -> Any:
 def _open_store(path: Path, create: bool = False, db_url: str | None = None) -> tuple[Any, Any]:
     from fleet.store import EpisodeStore
 
-    try:
+    with _user_errors(
+        FileNotFoundError, ValueError, suffix=f". Create one with: vla-rl sim demos --store {path} ..."
+    ):
         store = EpisodeStore(path, create=create)
-    except (FileNotFoundError, ValueError) as e:
-        raise CliError(f"{e}. Create one with: vla-rl sim demos --store {path} ...") from None
     return store, _open_db(store.root, db_url)
 
 
@@ -63,10 +74,8 @@ def _task_arg(name: str) -> str:
     """The full task id for a --task value, or a one-line error pointing at `vla-rl sim list`."""
     from sim.registry import resolve_task
 
-    try:
+    with _user_errors(ValueError, prefix="--task ", suffix=". See: vla-rl sim list"):
         return resolve_task(name).name
-    except ValueError as e:
-        raise CliError(f"--task {e}. See: vla-rl sim list") from None
 
 
 def _human_bytes(n: float) -> str:
@@ -245,10 +254,8 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         instruction_encoder=args.instruction_encoder,
     )
-    try:
+    with _user_errors(FileNotFoundError, ValueError):
         result = train_sft(cfg)
-    except (FileNotFoundError, ValueError) as e:
-        raise CliError(str(e)) from None
     print(
         f"trained {result.steps} steps in {result.seconds / 60:.1f} min ({result.samples_per_s:.0f} samples/s): "
         f"loss {result.first_loss:.4f} -> {result.final_loss:.4f}; checkpoint {result.checkpoint}"
@@ -267,7 +274,12 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
 def cmd_round_start(args: argparse.Namespace) -> int:
     from vla_rl.rounds import RoundConfig, RoundError, parse_overrides, start_round
 
-    try:
+    with _user_errors(
+        RoundError,
+        ValueError,
+        FileNotFoundError,
+        suffix=" (the round's row in the DB records the failure: vla-rl round list)",
+    ):
         cfg = RoundConfig(
             algo=args.algo,
             base=args.base,
@@ -288,8 +300,6 @@ def cmd_round_start(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         rec = start_round(cfg)
-    except (RoundError, ValueError, FileNotFoundError) as e:
-        raise CliError(f"{e} (the round's row in the DB records the failure: vla-rl round list)") from None
     print(_round_line(rec))
     print(f"gate: {rec.metrics.get('gate', {}).get('reason', '')}")
     return 0
@@ -338,7 +348,7 @@ def cmd_train_ppo(args: argparse.Namespace) -> int:
     from vla_rl.checkpoint import CheckpointError
     from vla_rl.train.ppo import PPOConfig, train_ppo
 
-    try:
+    with _user_errors(CheckpointError, FileNotFoundError, ValueError):
         cfg = PPOConfig(
             base=args.base,
             out=args.out,
@@ -367,8 +377,6 @@ def cmd_train_ppo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         result = train_ppo(cfg)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        raise CliError(str(e)) from None
     succ = [r["rollout_success"] for r in result.curve]
     print(
         f"trained {result.env_steps} env steps ({result.episodes} episodes, {result.iterations} iterations) in "
@@ -385,7 +393,7 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
 
     if not args.base.startswith("hub://") and not Path(args.base).is_dir():
         raise CliError(f"--base {args.base}: no such checkpoint folder (or give hub://org/name@rev)")
-    try:
+    with _user_errors(FileNotFoundError, ValueError, CheckpointError):
         cfg = QAMConfig(
             base=args.base,
             store=args.store,
@@ -415,8 +423,6 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         result = train_qam(cfg)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
-        raise CliError(str(e)) from None
     line = (
         f"qam: {result.steps} updates, {result.env_steps} env steps in {result.seconds / 60:.1f} min; "
         f"checkpoint {result.checkpoint}"
@@ -432,10 +438,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from vla_rl.evaluation import evaluate
     from vla_rl.policy_loading import load_policy
 
-    try:
+    with _user_errors(
+        CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {args.checkpoint}: "
+    ):
         lp = load_policy(args.checkpoint, device=args.device)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        raise CliError(f"--checkpoint {args.checkpoint}: {e}") from None
     lp.num_steps = args.num_steps
     task = _task_arg(args.task) if args.task else lp.spec.name
     result = evaluate(
@@ -500,7 +506,7 @@ def cmd_client_act(args: argparse.Namespace) -> int:
     if args.tls_ca is not None and not args.tls_ca.is_file():
         raise CliError(f"--tls-ca {args.tls_ca}: no such file")
     client = PolicyClient(args.server, timeout_s=args.timeout, tls_ca=args.tls_ca)
-    try:
+    with _user_errors(PolicyError, prefix=f"{args.server}: "):
         info = client.info()
         model = info[args.model_id] if args.model_id else next(iter(info.values()))
         spec = json.loads(model.robot_spec_json)
@@ -511,8 +517,6 @@ def cmd_client_act(args: argparse.Namespace) -> int:
             obs, _ = env.reset(seed=args.seed)
         batch_obs = {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}
         res = client.act(batch_obs, seed=args.seed, model_id=model.model_id)
-    except PolicyError as e:
-        raise CliError(f"{args.server}: {e}") from None
     np.set_printoptions(precision=3, suppress=True)
     print(f"model {model.model_id} ({model.policy_type}) commit {res.commit[:12]} on {model.device}")
     print(f"chunk [{res.actions.shape[0]} x {res.actions.shape[1]}], execute the first {res.n_exec}:")
@@ -530,7 +534,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from fleet.collector import serve
 
     robots = {r.strip() for r in args.robots.split(",") if r.strip()} if args.robots else None
-    try:
+    with _user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
         serve(
             args.store,
             args.db,
@@ -546,8 +550,6 @@ def cmd_collect(args: argparse.Namespace) -> int:
             allowed_robots=robots,
             metrics_port=args.metrics_port,
         )
-    except (ValueError, RuntimeError, OSError) as e:
-        raise CliError(f"collect: {e}") from None
     return 0
 
 
@@ -557,7 +559,7 @@ def cmd_fleet_sim(args: argparse.Namespace) -> int:
 
     if args.robots < 1 or args.episodes < 1:
         raise CliError("--robots and --episodes must be >= 1")
-    try:
+    with _user_errors(ValueError, prefix="operator rules: "):
         rules = OperatorRules(
             stall_steps=args.stall_steps,
             drift_radius=args.drift_radius,
@@ -567,8 +569,6 @@ def cmd_fleet_sim(args: argparse.Namespace) -> int:
             max_fraction=args.max_fraction,
             noise=args.operator_noise,
         )
-    except ValueError as e:
-        raise CliError(f"operator rules: {e}") from None
     cfg = FleetConfig(
         robots=args.robots,
         server=args.server,
@@ -584,10 +584,8 @@ def cmd_fleet_sim(args: argparse.Namespace) -> int:
         record_dir=str(args.record_dir) if args.record_dir else None,
         robot_prefix=args.robot_prefix,
     )
-    try:
+    with _user_errors(RuntimeError):
         result = run_sim_fleet(cfg, progress=not args.no_progress)
-    except RuntimeError as e:
-        raise CliError(str(e)) from None
     print()
     print(result.table())
     total = sum(s.episodes for s in result.robots.values())
