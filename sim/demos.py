@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from sim.experts import make_expert
 from sim.vector import VectorSimEnv
+from vla_rl.evaluation import ChunkQueues
 
 if TYPE_CHECKING:
     from fleet.store import EpisodeStore, EpisodeWriter
@@ -181,27 +182,14 @@ def record_rollouts(
             return w
 
         writers: list[EpisodeWriter | None] = [open_writer(i) for i in range(num_envs)]
-        queues: list[list[np.ndarray]] = [[] for _ in range(num_envs)]
-        calls = 0
+        chunks = ChunkQueues(policy, num_envs, n_exec, seed)
         bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
         while report.episodes < episodes:
-            need = [i for i in range(num_envs) if not queues[i]]
-            if need:
-                sub = {
-                    "cameras": {k: v[need] for k, v in observation["cameras"].items()},
-                    "state": observation["state"][need],
-                    "instruction": [observation["instruction"][i] for i in need],
-                }
-                chunks = policy.predict_chunks(sub, seed=seed * 1000 + calls)
-                calls += 1
-                for j, i in enumerate(need):
-                    queues[i] = list(chunks[j, :n_exec])
-            actions = np.stack([q.pop(0) for q in queues]).astype(np.float32)
+            actions = chunks.actions(observation)
             next_obs, reward, terminated, truncated, info = env.step(actions)
+            chunks.drop(np.flatnonzero(terminated | truncated))
             now = time.time()
             for i, w in enumerate(writers):
-                if terminated[i] or truncated[i]:
-                    queues[i] = []
                 if w is None:
                     continue
                 w.add_frame(

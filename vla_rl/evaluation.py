@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +33,39 @@ class ChunkPolicy(Protocol):
     chunk_len: int
 
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray: ...
+
+
+class ChunkQueues:
+    """Receding-horizon execution over a vector env: each env executes the first ``n_exec`` actions of its
+    chunk, then asks again. The envs that ran dry ask together (one batched ``predict_chunks`` call),
+    seeded ``seed * 1000 + call index`` so that a run is reproducible."""
+
+    def __init__(self, policy: ChunkPolicy, num_envs: int, n_exec: int, seed: int) -> None:
+        self.policy = policy
+        self.n_exec = n_exec
+        self.seed = seed
+        self.calls = 0
+        self._queues: list[deque[np.ndarray]] = [deque() for _ in range(num_envs)]
+
+    def actions(self, obs: Mapping[str, Any]) -> np.ndarray:
+        """float32 [N, A]: every env's next action for the batched ``obs``."""
+        need = [i for i, q in enumerate(self._queues) if not q]
+        if need:
+            sub = {
+                "cameras": {k: v[need] for k, v in obs["cameras"].items()},
+                "state": obs["state"][need],
+                "instruction": [obs["instruction"][i] for i in need],
+            }
+            chunks = self.policy.predict_chunks(sub, seed=self.seed * 1000 + self.calls)
+            self.calls += 1
+            for j, i in enumerate(need):
+                self._queues[i].extend(chunks[j, : self.n_exec])
+        return np.stack([q.popleft() for q in self._queues]).astype(np.float32)
+
+    def drop(self, envs: Iterable[int]) -> None:
+        """Forget the rest of the chunks of ``envs``, whose episodes ended (their next obs starts a new one)."""
+        for i in envs:
+            self._queues[i].clear()
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -135,7 +169,7 @@ def evaluate(
         )
     limit = seed + episodes
     results: dict[int, EpisodeResult] = {}
-    queues: list[deque[np.ndarray]] = [deque() for _ in range(num_envs)]
+    chunks = ChunkQueues(policy, num_envs, n_exec, seed)
     returns = np.zeros(num_envs)
     frames: dict[int, list[np.ndarray]] = {}
     video_seeds = set(range(seed, seed + num_videos)) if want_video else set()
@@ -143,25 +177,13 @@ def evaluate(
     try:
         obs, info = env.reset()
         ep_seed = info["episode_seed"].copy()
-        calls = 0
         while len(results) < episodes:
-            need = [i for i in range(num_envs) if not queues[i]]
-            if need:
-                sub = {
-                    "cameras": {k: v[need] for k, v in obs["cameras"].items()},
-                    "state": obs["state"][need],
-                    "instruction": [obs["instruction"][i] for i in need],
-                }
-                chunks = policy.predict_chunks(sub, seed=seed * 1000 + calls)
-                calls += 1
-                for j, i in enumerate(need):
-                    queues[i].extend(chunks[j, :n_exec])
+            actions = chunks.actions(obs)
             if video_seeds & set(ep_seed.tolist()):
                 views = env.render()
                 for i, s in enumerate(ep_seed.tolist()):
                     if s in video_seeds:
                         frames.setdefault(s, []).append(views[i])
-            actions = np.stack([q.popleft() for q in queues]).astype(np.float32)
             obs, _reward, terminated, truncated, info = env.step(actions)
             returns += info["dense_reward"]
             for i in np.flatnonzero(terminated | truncated):
@@ -172,7 +194,7 @@ def evaluate(
                     )
                     bar.update(1)
                     bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
-                queues[i].clear()
+                chunks.drop([i])
                 returns[i] = 0.0
             ep_seed = info["episode_seed"].copy()
     finally:
