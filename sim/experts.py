@@ -137,6 +137,16 @@ class PushExpert(ScriptedExpert):
         return _move(tcp, np.append(start, low_z)), GRIPPER_CLOSED
 
 
+@dataclass
+class ReachExpert(ScriptedExpert):
+    """Move to the (biased) goal, close the gripper once within a centimetre of where it aims."""
+
+    def plan(self, priv: Privileged) -> tuple[np.ndarray, float]:
+        tcp, aim = priv["tcp_pos"], priv["goal_pos"] + self.bias
+        there = float(np.linalg.norm(aim - tcp)) < 0.01
+        return _move(tcp, aim), GRIPPER_CLOSED if there else GRIPPER_OPEN
+
+
 def make_expert(task: str, noise: float = 0.0, seed: int | None = None) -> ScriptedExpert:
     """The scripted expert for ``task`` (a task id from :func:`sim.list_tasks`)."""
     from sim.registry import resolve_task
@@ -148,4 +158,6 @@ def make_expert(task: str, noise: float = 0.0, seed: int | None = None) -> Scrip
         return PickPlaceExpert(noise=noise, seed=seed, release=True)
     if task.endswith("PickCube-v1") or task == "robosuite/Lift":
         return PickPlaceExpert(noise=noise, seed=seed)
+    if task == "kinematic/Reach-v0":
+        return ReachExpert(noise=noise, seed=seed)
     raise ValueError(f"task: no scripted expert for {task!r}")

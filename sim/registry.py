@@ -10,7 +10,7 @@ from sim.base import EnvOptions, ObsMode, RewardMode, SimEnv
 @dataclass(frozen=True)
 class TaskInfo:
     name: str  # our id, "<backend>/<task>"
-    backend: str  # "maniskill" | "robosuite"
+    backend: str  # "maniskill" | "robosuite" | "kinematic"
     backend_id: str  # the simulator's own env name
     instruction: str
     max_episode_steps: int  # default episode length at 20 Hz
@@ -60,6 +60,16 @@ TASKS: dict[str, TaskInfo] = {
             ("agentview",),
             {"state": 60, "rgb": 50},
         ),
+        # No physics engine: thousands of steps/s, for tests that an algorithm learns (sim/kinematic.py).
+        TaskInfo(
+            "kinematic/Reach-v0",
+            "kinematic",
+            "Reach-v0",
+            "move the gripper to the goal and close it there",
+            20,
+            ("top_camera",),
+            {"state": 7, "rgb": 4},
+        ),
     )
 }
 
@@ -99,6 +109,10 @@ def make_env(
         from sim.maniskill import ManiSkillEnv
 
         return ManiSkillEnv(info, options)
+    if info.backend == "kinematic":
+        from sim.kinematic import KinematicReachEnv
+
+        return KinematicReachEnv(info, options)
     from sim.robosuite_env import RobosuiteEnv
 
     return RobosuiteEnv(info, options)

@@ -13,7 +13,7 @@ TASK_NAMES = sorted(TASKS)
 
 def _rollout(env: sim.SimEnv, seed: int, actions: np.ndarray) -> list[np.ndarray]:
     obs, info = env.reset(seed=seed)
-    out = [obs["state"], *obs["cameras"].values(), info["privileged"]["obj_pos"]]
+    out = [obs["state"], *obs["cameras"].values(), info["privileged"]["goal_pos"]]
     for a in actions:
         obs, reward, terminated, truncated, info = env.step(a)
         out += [obs["state"], *obs["cameras"].values(), np.array([reward, terminated, truncated])]
