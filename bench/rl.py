@@ -123,10 +123,10 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 store=store_path,
                 out=work / "sft",
                 steps=args.sft_steps,
-                batch_size=128,
                 seed=seed,
                 threads=1,
                 progress=not args.no_progress,
+                **{"batch_size": 128, **args.sft},
             )
         )
         return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0}
@@ -239,6 +239,12 @@ def main() -> None:
     p.add_argument(
         "--awr", type=json.loads, default={}, help="AWRConfig overrides as JSON, e.g. '{\"beta\": 0.5}'"
     )
+    p.add_argument(
+        "--sft",
+        type=json.loads,
+        default={},
+        help='SFTConfig overrides as JSON, e.g. \'{"chunk_len": 4, "n_exec": 2, "d_model": 64}\'',
+    )
     p.add_argument("--qam", type=json.loads, default={}, help="QAMConfig overrides as JSON")
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
@@ -278,7 +284,7 @@ def main() -> None:
                 "env_steps": args.env_steps,
                 "eval_episodes": args.eval_episodes,
             },
-            "overrides": {"awr": args.awr, "qam": args.qam, "ppo": args.ppo},
+            "overrides": {"sft": args.sft, "awr": args.awr, "qam": args.qam, "ppo": args.ppo},
             "per_seed": per_seed,
             "table": {"header": header, "rows": rows},
             "seconds": time.perf_counter() - t0,

@@ -155,12 +155,16 @@ def test_group_advantages() -> None:
 
 
 # ----------------------------------------------------------------------------- chain log-probs
-@pytest.mark.parametrize("method", ["noise", "sde"])
+@pytest.mark.parametrize("method", ["noise", "sde", "sde-all"])
 def test_stored_chain_rescores_to_the_recorded_log_prob(method: str) -> None:
     """What the sampler records, rebuilt as _update does, scores to the same log-prob: PPO's first ratio
     is exactly 1. A parameter change moves it (the score is a function of the weights)."""
     policy = tiny_policy(num_inference_steps=4)
-    cfg = PPOConfig(base="unused", out=Path("unused"), method=method, num_steps=4, seed=3)
+    sde_steps = "all" if method == "sde-all" else "one"
+    method = method.removesuffix("-all")
+    cfg = PPOConfig(
+        base="unused", out=Path("unused"), method=method, num_steps=4, seed=3, sde_steps=sde_steps
+    )
     sampler = _Sampler(cfg, policy, ValueFn(cfg, policy), None)
     rng = np.random.default_rng(0)
     rows = [{"state": rng.normal(size=3).astype(np.float32), "cameras": {}} for _ in range(5)]
@@ -169,7 +173,9 @@ def test_stored_chain_rescores_to_the_recorded_log_prob(method: str) -> None:
         c, actions = sampler.act(rows)
         chunks += c
         assert actions.shape == (5, 2, 2)
-    if method == "sde":
+    if method == "sde" and sde_steps == "all":
+        assert all(c.stochastic.all() for c in chunks)  # the exact joint: every step draws noise
+    elif method == "sde":
         steps = {int(np.flatnonzero(c.stochastic)[0]) for c in chunks}
         assert all(c.stochastic.sum() == 1 for c in chunks) and steps <= {0, 1, 2}  # never the last
     iterates = torch.as_tensor(np.stack([c.iterates for c in chunks]))

@@ -162,7 +162,7 @@ def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.Ca
     assert rc == 0 and "awr" in out and "gate:" in out
     assert cli_main([*common, "round", "list", "--store", str(root)]) == 0
     listing = capsys.readouterr().out
-    assert "succeeded" in listing and "failed" in listing  # the earlier failed round is listed too
+    assert "succeeded" in listing and "awr" in listing  # (no dependence on other tests' rounds)
     rid = MetadataDB.for_store(root).rounds()[-1].id
     assert cli_main([*common, "round", "show", str(rid), "--store", str(root)]) == 0
     shown = json.loads(capsys.readouterr().out)

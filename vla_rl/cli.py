@@ -356,6 +356,7 @@ def cmd_train_ppo(args: argparse.Namespace) -> int:
             method=args.method,
             num_steps=args.num_steps,
             noise_level=args.noise_level,
+            sde_steps=args.sde_steps,
             noise_std_range=tuple(args.noise_std) if args.noise_std else None,
             entropy_coef=args.entropy_coef,
             num_envs=args.num_envs,
@@ -922,6 +923,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--method", choices=["noise", "sde"], default="noise", help="default %(default)s")
     tp.add_argument("--num-steps", type=int, default=4, help="denoising steps K during RL (default 4)")
     tp.add_argument("--noise-level", type=float, default=0.5, help="Flow-SDE noise level a (default 0.5)")
+    tp.add_argument(
+        "--sde-steps",
+        choices=["one", "all"],
+        default="one",
+        help="Flow-SDE: 'one' random SDE step per call (pi-RL) or 'all' steps (exact chain log-prob)",
+    )
     tp.add_argument(
         "--noise-std",
         type=float,

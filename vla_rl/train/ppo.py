@@ -79,6 +79,7 @@ DISCOUNTS = ("chunk", "step")
 LOGPROB_REDUCTIONS = ("sum", "mean")
 TRAIN_SCOPES = ("all", "expert")
 ADVANTAGES = ("gae", "grpo")
+SDE_STEPS = ("one", "all")
 
 
 # ============================================================================ config
@@ -103,6 +104,11 @@ class PPOConfig:
     ``num_inference_steps``."""
     noise_level: float = 0.5
     """Flow-SDE a in σ = a sqrt(s / (1 - s)) (RLinf 0.5; sqrt(2) is the memoryless SDE). 'sde' only."""
+    sde_steps: str = "one"
+    """Flow-SDE: 'one' (π-RL: one random SDE step per call, the log-prob of that transition only; the
+    ODE steps after it also depend on the weights, which that log-prob ignores) or 'all' (every step
+    SDE, the exact joint log-prob of the chain). On kinematic/Reach at actor lr 3e-5, 'one' drove
+    rollout success down (42% -> 22% in 20k steps) while 'all' and Flow-Noise went up (README). 'sde' only."""
     noise_std_range: tuple[float, float] | None = None
     """Flow-Noise (min, max) bound of the learnable per-step std, in normalised action units; None keeps
     the base config's (RLinf default 0.08-0.16). 'noise' only."""
@@ -203,6 +209,7 @@ class PPOConfig:
         _choice(self, "logprob_reduction", LOGPROB_REDUCTIONS)
         _choice(self, "train_scope", TRAIN_SCOPES)
         _choice(self, "advantage", ADVANTAGES)
+        _choice(self, "sde_steps", SDE_STEPS)
         for name in (
             "num_envs",
             "env_steps",
@@ -541,7 +548,8 @@ class _Sampler:
         obs = _stack_obs(rows, self.emb)
         prefix = p.encode_prefix(obs)
         steps = None
-        if self.cfg.method == "sde":  # one SDE step per call, same index for the batch, never the last
+        if self.cfg.method == "sde" and self.cfg.sde_steps == "one":
+            # one SDE step per call, same index for the batch, never the last (RLinf's ignore_last)
             steps = [int(self.rng.integers(0, k - 1))]
         s = p.sample(
             prefix,
