@@ -40,7 +40,7 @@ from vla_rl.train.awr import AWRConfig, train_awr
 from vla_rl.train.sft import SFTConfig, train_sft
 
 OFFLINE = ("awr", "recap", "qam")
-ONLINE = ("qam-o2o", "flow-noise", "flow-sde")
+ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all")
 ALL = OFFLINE + ONLINE
 
 
@@ -77,16 +77,18 @@ def _train(
             QAMConfig(base=str(base), store=store, out=out, env_steps=env_steps, **common, **args.qam)
         )
         return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
-    if algo in ("flow-noise", "flow-sde"):
+    if algo in ("flow-noise", "flow-sde", "flow-sde-all"):
         from vla_rl.train.ppo import PPOConfig, train_ppo
 
         method = "noise" if algo == "flow-noise" else "sde"
+        sde_steps = "all" if algo == "flow-sde-all" else "one"
         r = train_ppo(
             PPOConfig(
                 base=str(base),
                 task=args.task,
                 out=out,
                 method=method,
+                sde_steps=sde_steps,
                 env_steps=args.env_steps,
                 **common,
                 **args.ppo,
@@ -202,16 +204,15 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
     for a in algos:
         for s in per_seed:
             curve = s.get(a, {}).get("curve") or []
-            xs = [
-                c.get("env_steps")
+            # online rows carry the rollout success of the (exploring) policy at that env step
+            pts = [
+                (c["env_steps"], 100 * c["rollout_success"])
                 for c in curve
-                if c.get("env_steps") is not None and c.get("success") is not None
+                if c.get("env_steps")
+                and isinstance(c.get("rollout_success"), float)
+                and np.isfinite(c["rollout_success"])
             ]
-            ys = [
-                100 * c["success"]
-                for c in curve
-                if c.get("env_steps") is not None and c.get("success") is not None
-            ]
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             if xs:
                 ax2.plot(xs, ys, label=f"{a} seed {s['seed']}")
     ax2.set_xlabel("env steps")

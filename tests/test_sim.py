@@ -183,3 +183,16 @@ def test_vector_env_workers_die_with_a_sigtermed_parent() -> None:
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+def test_kinematic_reach_noise_knob_and_top_camera() -> None:
+    """The physics-free test bed: noisy demos are mediocre, and its camera shows where things are."""
+    assert _expert_success("kinematic/Reach-v0", 40, noise=0.0) == 1.0
+    assert _expert_success("kinematic/Reach-v0", 40, noise=1.0) <= 0.5
+    with sim.make_env("kinematic/Reach-v0", obs="rgb", image_size=32) as env:
+        obs, info = env.reset(seed=0)
+        before = obs["cameras"]["top_camera"].copy()
+        obs, *_ = env.step(np.array([1.0, 0.0, 0.0, 1.0], dtype=np.float32))  # 10 cm along +x
+        after = obs["cameras"]["top_camera"]
+    assert not np.array_equal(before, after), "moving the gripper must change the top-down image"
+    assert obs["state"].shape == (4,)
