@@ -55,9 +55,11 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fleet import wire
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore, EpisodeWriter, SegmentKind
+from fleet.wire import WireTensor
 from server.codec import from_tensor, to_tensor
 from vla_rl import __version__
 from vla_rl.spec import RobotSpec, SpecError
@@ -147,8 +149,31 @@ class WriteAheadLog:
 
 
 # ------------------------------------------------------------------------------------------ decoding
-def decode_frames(msg: pb.FrameBatch, spec: RobotSpec, max_frames: int, last_ts: float) -> dict[str, Any]:
-    """A validated ``FrameBatch`` as ``EpisodeWriter.add_frames`` input; :class:`SpecError` names the field."""
+def parse_message(raw: bytes) -> tuple[pb.RobotMessage, dict[str, WireTensor] | None]:
+    """A received message, and for a ``FrameBatch`` its cameras as views of ``raw`` (see fleet/wire.py).
+
+    The cameras are None when the message was parsed whole (then they are in the message).
+    Raises protobuf's ``DecodeError`` for bytes that are not a ``RobotMessage``.
+    """
+    split = wire.split_cameras(raw)
+    if split is None:
+        return pb.RobotMessage.FromString(raw), None
+    small, cameras = split
+    return pb.RobotMessage.FromString(small), cameras
+
+
+def decode_frames(
+    msg: pb.FrameBatch,
+    spec: RobotSpec,
+    max_frames: int,
+    last_ts: float,
+    wire_cameras: Mapping[str, WireTensor] | None = None,
+) -> dict[str, Any]:
+    """A validated ``FrameBatch`` as ``EpisodeWriter.add_frames`` input; :class:`SpecError` names the field.
+
+    ``wire_cameras`` (from :func:`parse_message`) replaces ``msg.cameras``; its arrays are read-only
+    views of the received bytes.
+    """
     if not msg.HasField("action"):
         raise SpecError("frames.action", f"float32 [N, {spec.action_dim}]", "nothing (missing)")
     dims = list(msg.action.shape)
@@ -169,7 +194,8 @@ def decode_frames(msg: pb.FrameBatch, spec: RobotSpec, max_frames: int, last_ts:
             raise SpecError(f"frames.{name}", "finite values", "NaN or inf")
         return arr
 
-    extra = set(msg.cameras) - set(spec.camera_names)
+    wire_cams: Mapping[str, Any] = msg.cameras if wire_cameras is None else wire_cameras
+    extra = set(wire_cams) - set(spec.camera_names)
     if extra:
         raise SpecError(
             f"frames.cameras.{sorted(extra)[0]}",
@@ -179,10 +205,11 @@ def decode_frames(msg: pb.FrameBatch, spec: RobotSpec, max_frames: int, last_ts:
     cameras = {}
     for cam in spec.cameras:
         key = f"frames.cameras.{cam.name}"
-        if cam.name not in msg.cameras:
+        if cam.name not in wire_cams:
             raise SpecError(key, f"uint8 [{n}, {cam.height}, {cam.width}, 3]", "nothing (camera missing)")
+        t = wire_cams[cam.name]
         cameras[cam.name] = from_tensor(
-            _Once(msg.cameras[cam.name]), key, dtype="uint8", shape=(n, *cam.shape)
+            _Once(t) if wire_cameras is None else t, key, dtype="uint8", shape=(n, *cam.shape)
         )
     out: dict[str, Any] = {
         "cameras": cameras,
@@ -291,6 +318,7 @@ class _Session:
     task: str = ""
     spec: RobotSpec | None = None
     raw: bytes | None = None  # the message being handled, as received
+    cameras: dict[str, WireTensor] | None = None  # its cameras, when parse_message split them off
 
 
 class _Metrics:
@@ -543,7 +571,7 @@ class Collector:
             last_ts=float(writer._last_timestamp),
         )
         for raw in records:
-            msg = pb.RobotMessage.FromString(raw)
+            msg, cams = parse_message(raw)
             body = msg.WhichOneof("body")
             if body == "segment":
                 op = _Op("segment", msg.segment)
@@ -553,7 +581,7 @@ class Collector:
                 n = int(fb.action.shape[0])
                 if fb.seq + n <= ep.committed:
                     continue  # already in Zarr: skip without decoding the pixels
-                batch = decode_frames(fb, spec, max(n, 1), -math.inf)
+                batch = decode_frames(fb, spec, max(n, 1), -math.inf, cams)
                 op = _Op("frames", fb, batch)
                 ep.committed = fb.seq + n
                 ep.last_ts = float(batch["timestamp"][-1])
@@ -587,14 +615,18 @@ class Collector:
             )
 
     def handle(
-        self, session: _Session, msg: pb.RobotMessage, raw: bytes | None = None
+        self,
+        session: _Session,
+        msg: pb.RobotMessage,
+        raw: bytes | None = None,
+        cameras: dict[str, WireTensor] | None = None,
     ) -> pb.CollectorMessage:
         """One message of a stream -> its reply. Raises :class:`_Unavailable` to end the stream.
 
         ``raw`` is the message as received; the log stores it as is (re-serialising a message with two
-        224 px camera batches costs ~1 ms of CPU per frame).
+        224 px camera batches costs ~1 ms of CPU per frame). ``cameras``: see :func:`parse_message`.
         """
-        session.raw = raw
+        session.raw, session.cameras = raw, cameras
         body = msg.WhichOneof("body")
         try:
             if body == "hello":
@@ -802,12 +834,16 @@ class Collector:
                 f"frames: send SegmentMarker 0 of {ep.id} before its first frame",
                 ep.id,
             )
-        raw = session.raw
+        raw, cams = session.raw, session.cameras
         if not fb.HasField("timestamp") and len(fb.action.shape) == 2:
+            if cams is not None:  # the log gets a re-serialised message: take the cameras back into it
+                assert raw is not None
+                msg, cams = pb.RobotMessage.FromString(raw), None
+                fb = msg.frames
             n = int(fb.action.shape[0])
             fb.timestamp.CopyFrom(to_tensor(np.full(n, max(time.time(), ep.last_ts), np.float64)))
             raw = None  # the log must hold the times we filled in
-        batch = decode_frames(fb, ep.spec, self.max_batch_frames, -math.inf)
+        batch = decode_frames(fb, ep.spec, self.max_batch_frames, -math.inf, cams)
         n = len(batch["action"])
         dup = ep.committed - fb.seq
         if dup < n and batch["timestamp"][dup] < ep.last_ts:
@@ -1103,7 +1139,7 @@ class _Service:
             for raw in request_iterator:
                 self.c.wait_for_room(context.is_active)
                 try:
-                    msg = pb.RobotMessage.FromString(raw)
+                    msg, cams = parse_message(raw)
                 except Exception:  # protobuf's DecodeError; never crash a stream on bytes
                     yield pb.CollectorMessage(
                         reject=pb.Reject(
@@ -1112,7 +1148,7 @@ class _Service:
                     )
                     continue
                 try:
-                    yield self.c.handle(session, msg, raw)
+                    yield self.c.handle(session, msg, raw, cams)
                 except _Unavailable as e:
                     log.error("cannot make a message durable; ending the stream", extra={"error": str(e)})
                     context.abort(SC.UNAVAILABLE, f"collector cannot write now ({e}); reconnect and resend")

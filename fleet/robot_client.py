@@ -36,8 +36,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from fleet import wire
 from fleet.proto import collector_pb2 as pb
-from fleet.proto import collector_pb2_grpc as pb_grpc
 from fleet.store import Controller, SegmentKind, new_episode_id
 from server.codec import to_tensor
 from vla_rl import __version__
@@ -89,10 +89,11 @@ def frame_digest(
 
 @dataclass
 class _Item:
-    """One message waiting for its acknowledgement."""
+    """One message waiting for its acknowledgement, serialised once (it may be sent more than once)."""
 
-    kind: str  # frames | segment | end
-    msg: pb.RobotMessage
+    kind: str  # start | frames | segment | end
+    data: bytes  # the RobotMessage as it goes on the wire
+    msg_id: int
     nbytes: int
     seq_end: int = 0  # frames: seq + n
     index: int = 0  # segment index
@@ -104,12 +105,12 @@ class _Item:
 @dataclass
 class _Ep:
     id: str
-    start: pb.RobotMessage
+    start: _Item
     pending: collections.deque[_Item] = field(default_factory=collections.deque)
     frames: int = 0  # frames added
     segments: int = 0  # segments begun
     controller: Controller = Controller.POLICY
-    batch: list[dict[str, Any]] = field(default_factory=list)
+    batch: list[tuple[Any, ...]] = field(default_factory=list)  # scalars of each batched frame
     batch_t0: float = 0.0
     batch_bytes: int = 0
     committed: int = 0
@@ -179,11 +180,11 @@ class RobotClient:
             hello=pb.Hello(
                 robot_id=robot_id, task=task, robot_spec_json=spec.to_json(), client_version=__version__
             )
-        )
+        ).SerializeToString()
         self._cond = threading.Condition()
         self._eps: dict[str, _Ep] = {}
         self._current: _Ep | None = None
-        self._unsent: collections.deque[pb.RobotMessage | _Item] = collections.deque()
+        self._unsent: collections.deque[_Item] = collections.deque()
         self._inflight: dict[int, tuple[float, str, float]] = {}  # msg_id -> (sent, body, first frame added)
         self._ids = itertools.count(1)
         self._conn: _Connection | None = None
@@ -205,7 +206,21 @@ class RobotClient:
                 ("grpc.max_reconnect_backoff_ms", int(reconnect_backoff_s[1] * 1000)),
             ],
         )
-        self._stub = pb_grpc.CollectorStub(self._channel)
+        # Messages are serialised when they are built (see fleet/wire.py), so the stream sends bytes as they are.
+        self._stream = self._channel.stream_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['Collector'].full_name}/Stream",
+            request_serializer=None,
+            response_deserializer=pb.CollectorMessage.FromString,
+        )
+        # The pixels of the frames being batched, copied in by add_frame (reused: no allocation per frame).
+        b = max_batch_frames
+        self._cam_buf = {c.name: np.empty((b, *c.shape), np.uint8) for c in spec.cameras}
+        self._vec_buf = {
+            "state": np.empty((b, spec.state_dim), np.float32),
+            "action": np.empty((b, spec.action_dim), np.float32),
+            "proposed_action": np.empty((b, spec.action_dim), np.float32),
+        }
+        self._cam_heads: dict[tuple[str, int], bytes] = {}
         self._pump = threading.Thread(target=self._run, name=f"robot-client-{robot_id}", daemon=True)
         self._pump.start()
 
@@ -225,7 +240,7 @@ class RobotClient:
                 raise RuntimeError(f"episode {self._current.id} is still open: end it first")
             if eid in self._eps:
                 raise ValueError(f"episode {eid} was already started by this client")
-            ep = _Ep(eid, pb.RobotMessage(start=pb.StartEpisode(episode_id=eid, instruction=instruction)))
+            ep = _Ep(eid, self._item("start", start=pb.StartEpisode(episode_id=eid, instruction=instruction)))
             self._eps[eid] = ep
             self._current = ep
             self._unsent.append(ep.start)
@@ -249,19 +264,19 @@ class RobotClient:
             ep = self._need_episode()
             self._seal(ep)
             index = ep.segments
-            msg = pb.RobotMessage(
-                segment=pb.SegmentMarker(
-                    episode_id=ep.id,
-                    index=index,
-                    start=ep.frames,
-                    kind=_KIND[seg_kind],
-                    controller=int(ctrl),
-                    reason=reason or "",
-                )
+            marker = pb.SegmentMarker(
+                episode_id=ep.id,
+                index=index,
+                start=ep.frames,
+                kind=_KIND[seg_kind],
+                controller=int(ctrl),
+                reason=reason or "",
             )
             ep.segments += 1
             ep.controller = ctrl
-            self._queue(ep, _Item("segment", msg, msg.ByteSize(), index=index))
+            item = self._item("segment", segment=marker)
+            item.index = index
+            self._queue(ep, item)
         return index
 
     def add_frame(
@@ -314,21 +329,13 @@ class RobotClient:
             if not ep.batch:
                 ep.batch_t0 = time.perf_counter()
                 self._cond.notify_all()  # the sender times the batch from now
-            ep.batch.append(
-                {
-                    # Raw bytes now (the caller may reuse its buffers), joined once per batch in _seal.
-                    "cameras": {k: np.ascontiguousarray(v).tobytes() for k, v in cameras.items()},
-                    "state": np.array(state, np.float32),
-                    "action": np.array(action, np.float32),
-                    "proposed_action": np.array(proposed, np.float32),
-                    "reward": float(reward),
-                    "terminated": bool(terminated),
-                    "truncated": bool(truncated),
-                    "controller": int(ctrl),
-                    "revision": revision,
-                    "timestamp": ts,
-                }
-            )
+            # Copied now (the caller may reuse its arrays), into the batch's buffers.
+            k = len(ep.batch)
+            for name, img in cameras.items():
+                self._cam_buf[name][k] = img
+            vec = self._vec_buf
+            vec["state"][k], vec["action"][k], vec["proposed_action"][k] = state, action, proposed
+            ep.batch.append((float(reward), bool(terminated), bool(truncated), int(ctrl), revision, ts))
             ep.batch_bytes += frame_bytes
             seq = ep.frames
             ep.frames += 1
@@ -352,9 +359,8 @@ class RobotClient:
             end = pb.EndEpisode(episode_id=ep.id, length=ep.frames, outcome=outcome)
             if success is not None:
                 end.success = bool(success)
-            msg = pb.RobotMessage(end=end)
             ep.ended_sent = True
-            self._queue(ep, _Item("end", msg, msg.ByteSize()))
+            self._queue(ep, self._item("end", end=end))
             self._current = None
 
     @property
@@ -415,36 +421,36 @@ class RobotClient:
             return
         n = len(frames)
         seq = ep.frames - n
+        reward, terminated, truncated, controller, revs, times = zip(*frames, strict=True)
         fb = pb.FrameBatch(episode_id=ep.id, seq=seq)
-        for cam in self.spec.cameras:
-            # Filled in place: building a Tensor and CopyFrom-ing it would copy the pixels twice more.
-            t = fb.cameras[cam.name]
-            t.dtype = "uint8"
-            t.shape.extend((n, *cam.shape))
-            t.data = b"".join(f["cameras"][cam.name] for f in frames)
-        for key in ("state", "action", "proposed_action"):
-            getattr(fb, key).CopyFrom(to_tensor(np.stack([f[key] for f in frames])))
-        fb.reward.CopyFrom(to_tensor(np.array([f["reward"] for f in frames], np.float32)))
-        fb.terminated.CopyFrom(to_tensor(np.array([f["terminated"] for f in frames], np.bool_)))
-        fb.truncated.CopyFrom(to_tensor(np.array([f["truncated"] for f in frames], np.bool_)))
-        fb.controller.CopyFrom(to_tensor(np.array([f["controller"] for f in frames], np.uint8)))
-        fb.timestamp.CopyFrom(to_tensor(np.array([f["timestamp"] for f in frames], np.float64)))
-        revs = [f["revision"] for f in frames]
+        for key, buf in self._vec_buf.items():
+            getattr(fb, key).CopyFrom(to_tensor(buf[:n]))
+        fb.reward.CopyFrom(to_tensor(np.array(reward, np.float32)))
+        fb.terminated.CopyFrom(to_tensor(np.array(terminated, np.bool_)))
+        fb.truncated.CopyFrom(to_tensor(np.array(truncated, np.bool_)))
+        fb.controller.CopyFrom(to_tensor(np.array(controller, np.uint8)))
+        fb.timestamp.CopyFrom(to_tensor(np.array(times, np.float64)))
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
-        msg = pb.RobotMessage(frames=fb)
-        self._queue(
-            ep,
-            _Item(
-                "frames",
-                msg,
-                msg.ByteSize(),
-                seq_end=seq + n,
-                t_first=ep.batch_t0,
-                frames=n,
-                frame_bytes=nbytes,
-            ),
-        )
+        # The pixels bypass protobuf: one copy, from the batch buffers into the message (fleet/wire.py).
+        cams = []
+        for cam in self.spec.cameras:
+            head = self._cam_heads.get((cam.name, n))
+            if head is None:
+                head = self._cam_heads[(cam.name, n)] = wire.camera_entry(
+                    cam.name, (n, *cam.shape), n * cam.height * cam.width * 3
+                )
+            cams.append((head, self._cam_buf[cam.name][:n].data))
+        msg_id = next(self._ids)
+        data = wire.frames_message(msg_id, fb.SerializeToString(), cams)
+        item = _Item("frames", data, msg_id, len(data), seq + n, 0, ep.batch_t0, n, nbytes)
+        self._queue(ep, item)
+
+    def _item(self, kind: str, **body: Any) -> _Item:
+        """A small message (start, segment, end), serialised with its id."""
+        msg_id = next(self._ids)
+        data = pb.RobotMessage(msg_id=msg_id, **body).SerializeToString()
+        return _Item(kind, data, msg_id, len(data))
 
     # ------------------------------------------------------------------ network
     def _run(self) -> None:
@@ -469,9 +475,7 @@ class RobotClient:
         conn = _Connection(next(self._gens))
         conn.outq.put(self._hello)
         try:
-            conn.call = self._stub.Stream(
-                iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True
-            )
+            conn.call = self._stream(iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as e:  # pragma: no cover - the sync API reports errors on iteration
             self.stats.last_error = str(e)
             return None
@@ -522,13 +526,11 @@ class RobotClient:
                 out = list(self._unsent)
                 self._unsent.clear()
                 now = time.perf_counter()
-                for x in out:
-                    msg = x.msg if isinstance(x, _Item) else x
-                    msg.msg_id = next(self._ids)
-                    t_first = x.t_first if isinstance(x, _Item) else now
-                    self._inflight[msg.msg_id] = (now, msg.WhichOneof("body"), t_first)
+                for it in out:
+                    # A resent message keeps its id: acks of the dropped connection were forgotten (_drop).
+                    self._inflight[it.msg_id] = (now, it.kind, it.t_first if it.frames else now)
                     self.stats.messages_sent += 1
-                    conn.outq.put(msg)
+                    conn.outq.put(it.data)
 
     def _drop(self, conn: _Connection) -> None:
         conn.outq.put(_END)
@@ -627,7 +629,7 @@ class RobotClient:
             ep = self._eps.get(rej.episode_id)
             if ep is not None:
                 for it in list(ep.pending):
-                    if it.msg.msg_id == rej.msg_id:
+                    if it.msg_id == rej.msg_id:
                         ep.pending.remove(it)
                         self._release(it, acked=False)
             self._cond.notify_all()
