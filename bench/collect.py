@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--frames-per-episode", type=int, default=300)
     ap.add_argument("--capacity-seconds", type=float, default=20.0, help="unthrottled run length (0 = skip)")
     ap.add_argument("--lerobot-frames", type=int, default=600, help="frames per LeRobot mode (0 = skip)")
-    ap.add_argument("--camera-zstd-level", type=int, default=1)
+    ap.add_argument("--camera-zstd-level", type=int, default=-3)
     ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
     ap.add_argument("--batch-ms", type=float, default=100.0, help="robot client batch_interval_s, in ms")
     ap.add_argument("--workdir", type=Path, default=None)

@@ -167,3 +167,23 @@ def split_cameras(raw: bytes) -> tuple[bytes, dict[str, WireTensor]] | None:
         return b"".join([*head, _field(_FRAMES, len(small)), small]), cams
     except (_Bad, UnicodeDecodeError):
         return None
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep and reuse freed big buffers instead of returning them to the OS (process-wide).
+
+    For processes that move many megabyte buffers: the collector (every received batch, chunk block and
+    compressed chunk) and streaming robots. By default glibc maps each from
+    the OS and unmaps it when freed, so each new one page-faults in fresh zeroed pages: measured as
+    ~8% of the collector's CPU. For a long-running service whose memory is bounded anyway
+    (``max_pending_bytes``), reusing them is the better trade. No-op where glibc is not the allocator.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 64 * 1024 * 1024)  # above a chunk block (128 x 150 kB)
+        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+    except (OSError, AttributeError):
+        pass
