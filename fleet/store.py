@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -273,6 +274,35 @@ def _write_pool() -> futures.ThreadPoolExecutor:
     return futures.ThreadPoolExecutor(
         max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="episode-store"
     )
+
+
+class _BlockPool:
+    """Pending-frame blocks of closed writers, for the next ones (a collector opens an episode every few
+    seconds per robot). A fresh 20 MB block page-faults on its first pass: ~0.2 ms of CPU per frame."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((shape, dtype.str))
+            if free:
+                block = free.pop()
+                self._bytes -= block.nbytes
+                return block
+        return np.empty(shape, dtype)
+
+    def give(self, block: np.ndarray) -> None:
+        with self._lock:
+            if self._bytes + block.nbytes <= self.max_bytes:
+                self._free.setdefault((block.shape, block.dtype.str), []).append(block)
+                self._bytes += block.nbytes
+
+
+_BLOCKS = _BlockPool(512 * 1024 * 1024)
 
 
 # A forked child inherits the pool object but not its threads: jobs would never run. Start afresh.
@@ -638,10 +668,17 @@ class EpisodeWriter:
             return
         cap = max(rows, self._meta.chunk_len, 2 * have)
         for key, (shape, dtype) in self._layout.items():
-            block = np.empty((cap, *shape), dtype)
+            block = _BLOCKS.take((cap, *shape), dtype)
             if self._n_pending:
                 block[: self._n_pending] = self._pending[key][: self._n_pending]
+            if key in self._pending:
+                _BLOCKS.give(self._pending[key])
             self._pending[key] = block
+
+    def _release_blocks(self) -> None:
+        for block in self._pending.values():
+            _BLOCKS.give(block)
+        self._pending = {}
 
     def _write(self, n: int) -> None:
         """Write the first ``n`` buffered frames at [committed, committed + n), then commit them."""
@@ -731,7 +768,7 @@ class EpisodeWriter:
         if not isinstance(outcome, str) or not outcome:
             raise ValueError(f"outcome must be a non-empty string, got {outcome!r}")
         self.flush()
-        self._pending = {}
+        self._release_blocks()
         self._end_segment()
         if self._capacity != self._length:
             for key, (shape, _) in self._layout.items():
