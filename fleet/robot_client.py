@@ -145,6 +145,7 @@ class _Connection:
         self.welcome = threading.Event()
         self.dead = threading.Event()
         self.call: Any = None
+        self.reader: threading.Thread | None = None
 
 
 class RobotClient:
@@ -188,6 +189,7 @@ class RobotClient:
         self._inflight: dict[int, tuple[float, str, float]] = {}  # msg_id -> (sent, body, first frame added)
         self._ids = itertools.count(1)
         self._conn: _Connection | None = None
+        self._live: set[_Connection] = set()  # connections not dropped yet
         self._gens = itertools.count(1)
         self._closing = False
         self._stopped = threading.Event()
@@ -388,8 +390,19 @@ class RobotClient:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._pump.join(5.0)
+        # Leave no call or thread of this client behind, or the interpreter may wait for them at exit
+        # (a robot process was once seen hanging in teardown for minutes after close() returned): the
+        # sender stops; every stream gets its end-of-requests and is cancelled; the channel closes;
+        # the readers (which see the cancellation) finish.
+        self._pump.join(10.0)
+        with self._cond:
+            conns = list(self._live)
+        for conn in conns:
+            self._drop(conn)
         self._channel.close()
+        for conn in conns:
+            if conn.reader is not None:
+                conn.reader.join(5.0)
         return ok
 
     def __enter__(self) -> RobotClient:
@@ -474,14 +487,21 @@ class RobotClient:
     def _connect(self) -> _Connection | None:
         conn = _Connection(next(self._gens))
         conn.outq.put(self._hello)
-        try:
-            conn.call = self._stream(iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True)
-        except grpc.RpcError as e:  # pragma: no cover - the sync API reports errors on iteration
-            self.stats.last_error = str(e)
-            return None
-        threading.Thread(
+        with self._cond:
+            if self._closing:
+                return None
+            try:
+                conn.call = self._stream(
+                    iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True
+                )
+            except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
+                self.stats.last_error = str(e)
+                return None
+            self._live.add(conn)
+        conn.reader = threading.Thread(
             target=self._read, args=(conn,), name=f"robot-client-read-{self.robot_id}", daemon=True
-        ).start()
+        )
+        conn.reader.start()
         # Nothing but the Hello goes out before the Welcome: a refused Hello must not get the data refused.
         while not conn.welcome.wait(0.1):
             if conn.dead.is_set() or self._closing:
@@ -537,6 +557,7 @@ class RobotClient:
         if conn.call is not None:
             conn.call.cancel()
         with self._cond:
+            self._live.discard(conn)
             if self._conn is conn:
                 self._conn = None
                 self.stats.connected = False

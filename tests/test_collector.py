@@ -694,3 +694,51 @@ def test_store_resume_episode_after_a_killed_writer(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ep.controller, [0] * 12 + [1] * 9 + [0] * 3)
     with pytest.raises(ValueError, match="closed"):
         store.resume_episode(meta.episode_id)
+
+
+_EXIT_SCRIPT = """
+import sys, time
+import numpy as np
+from fleet.robot_client import RobotClient
+from vla_rl.spec import CameraSpec, RobotSpec
+
+spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
+client = RobotClient(sys.argv[1], "arm-exit", spec, "t", token=sys.argv[2], reconnect_backoff_s=(0.05, 0.2))
+for _ in range(2):
+    client.start_episode()
+    for i in range(20):
+        client.add_frame(
+            {"front": np.zeros((16, 16, 3), np.uint8)}, np.zeros(5, np.float32), np.zeros(3, np.float32)
+        )
+    client.end_episode("success")
+ok = client.close(float(sys.argv[3]))
+print("closed", ok, flush=True)
+"""
+
+
+@pytest.mark.parametrize("collector_up", [True, False], ids=["acked", "collector-down"])
+def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: bool) -> None:
+    """A robot program ends by itself once close() returns: no grpc thread keeps the interpreter alive."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    c = Collector(tmp_path / "s", port=0, token=TOKEN).start() if collector_up else None
+    address = c.address if c is not None else f"127.0.0.1:{free_port()}"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EXIT_SCRIPT, address, TOKEN, "30" if collector_up else "1"],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        closed_at = time.monotonic()
+        assert line.strip() == f"closed {collector_up}", line
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the robot process did not exit within 10 s after close() returned")
+        assert proc.returncode == 0
+        assert time.monotonic() - closed_at < 5
+    finally:
+        if c is not None:
+            c.stop()
