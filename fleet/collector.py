@@ -139,7 +139,7 @@ class WriteAheadLog:
                     rest = rest[os.write(fd, rest) :]
             # Now in the page cache: survives a killed process.
             if self.fsync:
-                os.fsync(self._f.fileno())  # on the disk: survives power loss
+                os.fdatasync(fd)  # on the disk: survives power loss (one per message, not per frame)
         except OSError as e:
             try:
                 self._f.truncate(start)
