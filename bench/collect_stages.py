@@ -31,6 +31,7 @@ from fleet.collector import WriteAheadLog, decode_frames, parse_message
 from fleet.proto import collector_pb2 as pb
 from fleet.robot_client import RobotClient
 from fleet.store import EpisodeStore
+from fleet.wire import keep_freed_memory
 from vla_rl.spec import CameraSpec, RobotSpec
 
 
@@ -85,11 +86,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=480)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--chunk-len", type=int, default=64)
+    ap.add_argument(
+        "--chunk-len", type=int, default=128, help="frames per Zarr chunk (the collector's default)"
+    )
     ap.add_argument("--zstd-level", type=int, default=-3, help="camera zstd level of the store stage")
     ap.add_argument("--codecs", action=argparse.BooleanOptionalAction, default=True, help="codec table")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    keep_freed_memory()  # as the collector and the synthetic robots do
     size = 224
     pools = np.load(frame_pool("rendered", size))
     pools = {c: np.asarray(pools[c]) for c in CAMERAS}
@@ -111,16 +115,18 @@ def main() -> None:
     # --- robot side
     imgs: list[dict[str, np.ndarray]] = []
 
-    def gen() -> None:
-        for i in range(n):
-            cams = {}
-            for c, pool in pools.items():
-                img = pool[i % len(pool)].copy()
-                img[0, :4, 0] = np.frombuffer(np.uint32(i).tobytes(), np.uint8)
-                cams[c] = img
-            imgs.append(cams)
+    buf = {c: np.empty_like(pool[0]) for c, pool in pools.items()}
 
-    res["robot: make frame (bench only)"] = cpu_ms(gen, n)
+    def gen(keep: bool) -> None:  # as synthetic robots do: into a reused buffer, stamped
+        for i in range(n):
+            for c, pool in pools.items():
+                np.copyto(buf[c], pool[i % len(pool)])
+                buf[c][0, :4, 0] = np.frombuffer(np.uint32(i).tobytes(), np.uint8)
+            if keep:
+                imgs.append({c: b.copy() for c, b in buf.items()})
+
+    res["robot: make frame (bench only)"] = cpu_ms(lambda: gen(False), n)
+    gen(True)  # the frames for the later stages (not timed)
     # Nothing listens there: the client buffers and never sends, so only its own work is timed.
     client = RobotClient(f"127.0.0.1:{free_port()}", "stage", spec, "t", max_batch_frames=args.batch)
     client.start_episode("stage-ep")
