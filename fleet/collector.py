@@ -37,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import fcntl
+import functools
 import hmac
 import logging
 import math
@@ -435,7 +436,6 @@ class Collector:
         self._lock_fd: int | None = None
         self._server: _AioServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
         self._metrics_server: Any = None
         self._flusher: threading.Thread | None = None
 
@@ -458,15 +458,10 @@ class Collector:
         ]
         # grpc.aio: every stream is a coroutine on one event loop thread. The thread-per-stream server
         # spent ~17% more CPU per message handing each one between threads.
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, name="collector-grpc", daemon=True
-        )
-        self._loop_thread.start()
+        self._loop = _aio_loop()
         try:
             self.port = self._run_in_loop(self._serve(opts))
         except BaseException:
-            self._close_loop()
             self._unlock_store()
             raise
         if self.metrics_port is not None:
@@ -512,22 +507,11 @@ class Collector:
         self._server = _AioServer(server, self._loop)
         return port
 
-    def _close_loop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        if self._loop_thread is not None:
-            self._loop_thread.join(10)
-        if not loop.is_running():
-            loop.close()
-
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop taking messages, then write everything received into the store (episodes stay open)."""
         self._stop.set()
         if self._server is not None:
             self._server.stop(grace_s).wait()
-        self._close_loop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         with self._episodes_lock:
@@ -1205,6 +1189,17 @@ class _Service:
         except RequestError as e:
             await context.abort(e.code, e.message)
         return self.c.stats()
+
+
+@functools.cache
+def _aio_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of every collector in this process (grpc.aio binds itself to one loop; never closed)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="collector-grpc", daemon=True).start()
+    return loop
+
+
+os.register_at_fork(after_in_child=_aio_loop.cache_clear)  # the loop's thread does not survive a fork
 
 
 class _AioServer:

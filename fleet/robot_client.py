@@ -26,11 +26,15 @@ import collections
 import hashlib
 import itertools
 import logging
+import os
 import queue
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -148,6 +152,50 @@ class _Connection:
         self.reader: threading.Thread | None = None
 
 
+class _Spool:
+    """Unacknowledged messages on disk, one file per episode (``<dir>/<episode>.spool``): length + CRC32 +
+    the message as sent. Written before a message can be sent, deleted once its episode is acknowledged
+    as ended, so a robot process that dies loses nothing it had sealed into a message."""
+
+    _REC = struct.Struct("<II")
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, Any] = {}
+
+    def append(self, eid: str, data: bytes) -> None:
+        f = self._files.get(eid)
+        if f is None:
+            f = self._files[eid] = open(self.root / f"{eid}.spool", "ab", buffering=0)  # noqa: SIM115
+        os.writev(f.fileno(), (self._REC.pack(len(data), zlib.crc32(data)), data))
+
+    def done(self, eid: str) -> None:
+        f = self._files.pop(eid, None)
+        if f is not None:
+            f.close()
+        (self.root / f"{eid}.spool").unlink(missing_ok=True)
+
+    def load(self) -> list[tuple[str, list[bytes]]]:
+        """Every spooled episode (oldest first) with its intact records; a torn last record is cut off."""
+        out = []
+        for path in sorted(self.root.glob("*.spool"), key=lambda p: p.stat().st_mtime):
+            data = path.read_bytes()
+            records, pos = [], 0
+            while pos + self._REC.size <= len(data):
+                n, crc = self._REC.unpack_from(data, pos)
+                payload = data[pos + self._REC.size : pos + self._REC.size + n]
+                if len(payload) != n or zlib.crc32(payload) != crc:
+                    break
+                records.append(payload)
+                pos += self._REC.size + n
+            if pos < len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(pos)
+            out.append((path.stem, records))
+        return out
+
+
 class RobotClient:
     """Streams one robot's episodes to a collector (see the module docstring). Thread-safe."""
 
@@ -165,6 +213,7 @@ class RobotClient:
         block_s: float = 30.0,
         max_message_bytes: int = 32 * 1024 * 1024,
         reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.address = address
         self.robot_id = robot_id
@@ -188,6 +237,7 @@ class RobotClient:
         self._unsent: collections.deque[_Item] = collections.deque()
         self._inflight: dict[int, tuple[float, str, float]] = {}  # msg_id -> (sent, body, first frame added)
         self._ids = itertools.count(1)
+        self._spool = _Spool(Path(spool_dir)) if spool_dir is not None else None
         self._conn: _Connection | None = None
         self._live: set[_Connection] = set()  # connections not dropped yet
         self._gens = itertools.count(1)
@@ -223,6 +273,9 @@ class RobotClient:
             "proposed_action": np.empty((b, spec.action_dim), np.float32),
         }
         self._cam_heads: dict[tuple[str, int], bytes] = {}
+        if self._spool is not None:
+            with self._cond:
+                self._restore_spool(self._spool)
         self._pump = threading.Thread(target=self._run, name=f"robot-client-{robot_id}", daemon=True)
         self._pump.start()
 
@@ -245,6 +298,8 @@ class RobotClient:
             ep = _Ep(eid, self._item("start", start=pb.StartEpisode(episode_id=eid, instruction=instruction)))
             self._eps[eid] = ep
             self._current = ep
+            if self._spool is not None:
+                self._spool.append(eid, ep.start.data)
             self._unsent.append(ep.start)
             self._cond.notify_all()
         self.begin_segment(kind, controller, reason)
@@ -411,6 +466,55 @@ class RobotClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ spool
+    def _restore_spool(self, spool: _Spool) -> None:
+        """Take back what a previous process of this robot spooled and never got acknowledged.
+
+        Its episodes are resent as they were; one it did not end is ended here as ``aborted`` at the
+        frames it had sealed (frames still being batched when it died were never spooled).
+        """
+        loaded = spool.load()
+        top = max((pb.RobotMessage.FromString(d).msg_id for _, recs in loaded for d in recs), default=0)
+        self._ids = itertools.count(top + 1)  # ids stay unique: acks and rejects are matched by them
+        for eid, records in loaded:
+            ep: _Ep | None = None
+            for data in records:
+                msg = pb.RobotMessage.FromString(data)
+                body = msg.WhichOneof("body")
+                if body == "start":
+                    ep = _Ep(eid, _Item("start", data, msg.msg_id, len(data)))
+                    continue
+                if ep is None:
+                    break  # cannot happen: the start is spooled first
+                item = _Item(body or "", data, msg.msg_id, len(data))
+                if body == "frames":
+                    n = int(msg.frames.action.shape[0])
+                    item.seq_end, item.frames, item.frame_bytes = msg.frames.seq + n, n, len(data)
+                    item.t_first = time.perf_counter()
+                    ep.frames = max(ep.frames, item.seq_end)
+                    self.stats.pending_frames += n
+                    self.stats.pending_bytes += len(data)
+                elif body == "segment":
+                    item.index = msg.segment.index
+                    ep.segments = max(ep.segments, item.index + 1)
+                elif body == "end":
+                    ep.ended_sent = True
+                ep.pending.append(item)
+            if ep is None:
+                spool.done(eid)
+                continue
+            self._eps[eid] = ep
+            self._unsent.append(ep.start)
+            self._unsent.extend(ep.pending)
+            if not ep.ended_sent:
+                end = pb.EndEpisode(episode_id=eid, length=ep.frames, outcome="aborted", success=False)
+                ep.ended_sent = True
+                self._queue(ep, self._item("end", end=end))
+            log.warning(
+                "resending spooled episode of a previous run",
+                extra={"robot": self.robot_id, "episode": eid, "frames": ep.frames},
+            )
+
     # ------------------------------------------------------------------ buffering
     def _need_episode(self) -> _Ep:
         if self._current is None:
@@ -422,6 +526,8 @@ class RobotClient:
         return any(ep is not self._current or ep.pending or ep.batch for ep in self._eps.values())
 
     def _queue(self, ep: _Ep, item: _Item) -> None:
+        if self._spool is not None:
+            self._spool.append(ep.id, item.data)  # before it can be sent: a crash keeps it
         ep.pending.append(item)
         self._unsent.append(item)
         self._cond.notify_all()
@@ -622,6 +728,8 @@ class RobotClient:
                 ep.pending.clear()
                 ep.ended_sent = True
                 del self._eps[ep.id]
+                if self._spool is not None:
+                    self._spool.done(ep.id)
             self._cond.notify_all()
 
     def _release(self, it: _Item, acked: bool) -> None:
