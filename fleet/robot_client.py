@@ -16,8 +16,14 @@ collector goes away, the thread reconnects with backoff and resends everything n
 collector drops what it already has, so nothing is lost or stored twice. The buffer is in memory and
 bounded (``max_buffer_bytes``): when it is full, ``add_frame`` waits up to ``block_s`` and then raises
 :class:`BufferFull`, so a robot offline for too long notices instead of silently losing frames.
+With ``spool_dir``, every message is also appended to a file there before it can be sent, and the file
+is deleted once its episode is acknowledged as ended: a robot process that dies loses nothing it had
+sealed into a message (only the batch being filled, at most ``max_batch_frames``). The next client with
+that ``spool_dir`` resends it and ends an unfinished episode as ``aborted``.
 
-Needs numpy and grpcio only (no torch); messages use the same tensor codec as the policy client.
+Needs numpy and grpcio only (no torch); messages use the same tensor codec as the policy client, except
+that camera pixels are written onto the wire directly (see :mod:`fleet.wire`). ``close()`` leaves no
+stream or thread behind, so a robot program exits as soon as it returns.
 """
 
 from __future__ import annotations
