@@ -162,10 +162,11 @@ def run_collector_phase(
     time.sleep(max(0.0, start_at - time.time()))
     c0, t0 = cpu_seconds([cproc]), time.perf_counter()
     psutil.cpu_percent(None)
-    load0 = os.getloadavg()[0]
+    load0 = os.getloadavg()
     for p in procs:
         p.join(seconds + 600)
     t1 = time.perf_counter()
+    load1 = os.getloadavg()
     c1 = cpu_seconds([cproc])
     machine_cpu = psutil.cpu_percent(None)
     coll.send_signal(signal.SIGTERM)
@@ -218,7 +219,9 @@ def run_collector_phase(
         "robots_cpu_ms_per_frame": round(sum(r["cpu_seconds"] for r in results) / produced * 1000, 3),
         "robots_cpu_cores": round(sum(r["cpu_seconds"] for r in results) / wall, 2),
         "machine_cpu_percent": machine_cpu,
-        "load_avg_1m_before": round(load0, 2),
+        "load_avg_1m_before": round(load0[0], 2),
+        "load_avg_before": [round(x, 2) for x in load0],
+        "load_avg_after": [round(x, 2) for x in load1],
         "bytes_on_disk": size,
         "bytes_raw": raw,
         "disk_over_raw": round(size / raw, 3),
@@ -226,6 +229,12 @@ def run_collector_phase(
         "reconnects": sum(r["reconnects"] for r in results),
         "rejects": sum(r["rejects"] for r in results),
     }
+    # What carries over from a loaded machine: CPU per frame. Collector + co-located robots, on 2 cores:
+    per_frame = out["collector_cpu_ms_per_frame"] + out["robots_cpu_ms_per_frame"]
+    out["camera_frames_per_s_2_cores_from_cpu"] = round(2 * 2 * 1000 / per_frame)
+    out["camera_frames_per_s_2_cores_collector_only"] = round(
+        2 * 2 * 1000 / out["collector_cpu_ms_per_frame"]
+    )
     shutil.rmtree(store, ignore_errors=True)
     return out
 
@@ -306,7 +315,7 @@ def main() -> None:
     ap.add_argument("--frames-per-episode", type=int, default=300)
     ap.add_argument("--capacity-seconds", type=float, default=20.0, help="unthrottled run length (0 = skip)")
     ap.add_argument("--lerobot-frames", type=int, default=600, help="frames per LeRobot mode (0 = skip)")
-    ap.add_argument("--camera-zstd-level", type=int, default=1)
+    ap.add_argument("--camera-zstd-level", type=int, default=-3)
     ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
     ap.add_argument("--batch-ms", type=float, default=100.0, help="robot client batch_interval_s, in ms")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -415,6 +424,12 @@ def main() -> None:
     ratios = {r["phase"]: round(best / r["camera_frames_per_s"], 1) for r in lerobot}
     for name, ratio in ratios.items():
         print(f"collector / {name}: {ratio}x camera-frames/s")
+    for p in phases:
+        print(
+            f"{p['phase']}: load average {p['load_avg_before']} before, {p['load_avg_after']} after; "
+            f"from CPU per frame, 2 idle cores would take {p['camera_frames_per_s_2_cores_from_cpu']} "
+            f"camera-frames/s with the robots on them, {p['camera_frames_per_s_2_cores_collector_only']} without"
+        )
     m = machine()
     path = write_results(
         "collect",

@@ -16,8 +16,14 @@ collector goes away, the thread reconnects with backoff and resends everything n
 collector drops what it already has, so nothing is lost or stored twice. The buffer is in memory and
 bounded (``max_buffer_bytes``): when it is full, ``add_frame`` waits up to ``block_s`` and then raises
 :class:`BufferFull`, so a robot offline for too long notices instead of silently losing frames.
+With ``spool_dir``, every message is also appended to a file there before it can be sent, and the file
+is deleted once its episode is acknowledged as ended: a robot process that dies loses nothing it had
+sealed into a message (only the batch being filled, at most ``max_batch_frames``). The next client with
+that ``spool_dir`` resends it and ends an unfinished episode as ``aborted``.
 
-Needs numpy and grpcio only (no torch); messages use the same tensor codec as the policy client.
+Needs numpy and grpcio only (no torch); messages use the same tensor codec as the policy client, except
+that camera pixels are written onto the wire directly (see :mod:`fleet.wire`). ``close()`` leaves no
+stream or thread behind, so a robot program exits as soon as it returns.
 """
 
 from __future__ import annotations
@@ -26,18 +32,22 @@ import collections
 import hashlib
 import itertools
 import logging
+import os
 import queue
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
+from fleet import wire
 from fleet.proto import collector_pb2 as pb
-from fleet.proto import collector_pb2_grpc as pb_grpc
 from fleet.store import Controller, SegmentKind, new_episode_id
 from server.codec import to_tensor
 from vla_rl import __version__
@@ -89,10 +99,11 @@ def frame_digest(
 
 @dataclass
 class _Item:
-    """One message waiting for its acknowledgement."""
+    """One message waiting for its acknowledgement, serialised once (it may be sent more than once)."""
 
-    kind: str  # frames | segment | end
-    msg: pb.RobotMessage
+    kind: str  # start | frames | segment | end
+    data: bytes  # the RobotMessage as it goes on the wire
+    msg_id: int
     nbytes: int
     seq_end: int = 0  # frames: seq + n
     index: int = 0  # segment index
@@ -104,12 +115,12 @@ class _Item:
 @dataclass
 class _Ep:
     id: str
-    start: pb.RobotMessage
+    start: _Item
     pending: collections.deque[_Item] = field(default_factory=collections.deque)
     frames: int = 0  # frames added
     segments: int = 0  # segments begun
     controller: Controller = Controller.POLICY
-    batch: list[dict[str, Any]] = field(default_factory=list)
+    batch: list[tuple[Any, ...]] = field(default_factory=list)  # scalars of each batched frame
     batch_t0: float = 0.0
     batch_bytes: int = 0
     committed: int = 0
@@ -144,6 +155,51 @@ class _Connection:
         self.welcome = threading.Event()
         self.dead = threading.Event()
         self.call: Any = None
+        self.reader: threading.Thread | None = None
+
+
+class _Spool:
+    """Unacknowledged messages on disk, one file per episode (``<dir>/<episode>.spool``): length + CRC32 +
+    the message as sent. Written before a message can be sent, deleted once its episode is acknowledged
+    as ended, so a robot process that dies loses nothing it had sealed into a message."""
+
+    _REC = struct.Struct("<II")
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, Any] = {}
+
+    def append(self, eid: str, data: bytes) -> None:
+        f = self._files.get(eid)
+        if f is None:
+            f = self._files[eid] = open(self.root / f"{eid}.spool", "ab", buffering=0)  # noqa: SIM115
+        os.writev(f.fileno(), (self._REC.pack(len(data), zlib.crc32(data)), data))
+
+    def done(self, eid: str) -> None:
+        f = self._files.pop(eid, None)
+        if f is not None:
+            f.close()
+        (self.root / f"{eid}.spool").unlink(missing_ok=True)
+
+    def load(self) -> list[tuple[str, list[bytes]]]:
+        """Every spooled episode (oldest first) with its intact records; a torn last record is cut off."""
+        out = []
+        for path in sorted(self.root.glob("*.spool"), key=lambda p: p.stat().st_mtime):
+            data = path.read_bytes()
+            records, pos = [], 0
+            while pos + self._REC.size <= len(data):
+                n, crc = self._REC.unpack_from(data, pos)
+                payload = data[pos + self._REC.size : pos + self._REC.size + n]
+                if len(payload) != n or zlib.crc32(payload) != crc:
+                    break
+                records.append(payload)
+                pos += self._REC.size + n
+            if pos < len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(pos)
+            out.append((path.stem, records))
+        return out
 
 
 class RobotClient:
@@ -163,6 +219,7 @@ class RobotClient:
         block_s: float = 30.0,
         max_message_bytes: int = 32 * 1024 * 1024,
         reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.address = address
         self.robot_id = robot_id
@@ -179,14 +236,16 @@ class RobotClient:
             hello=pb.Hello(
                 robot_id=robot_id, task=task, robot_spec_json=spec.to_json(), client_version=__version__
             )
-        )
+        ).SerializeToString()
         self._cond = threading.Condition()
         self._eps: dict[str, _Ep] = {}
         self._current: _Ep | None = None
-        self._unsent: collections.deque[pb.RobotMessage | _Item] = collections.deque()
+        self._unsent: collections.deque[_Item] = collections.deque()
         self._inflight: dict[int, tuple[float, str, float]] = {}  # msg_id -> (sent, body, first frame added)
         self._ids = itertools.count(1)
+        self._spool = _Spool(Path(spool_dir)) if spool_dir is not None else None
         self._conn: _Connection | None = None
+        self._live: set[_Connection] = set()  # connections not dropped yet
         self._gens = itertools.count(1)
         self._closing = False
         self._stopped = threading.Event()
@@ -205,7 +264,24 @@ class RobotClient:
                 ("grpc.max_reconnect_backoff_ms", int(reconnect_backoff_s[1] * 1000)),
             ],
         )
-        self._stub = pb_grpc.CollectorStub(self._channel)
+        # Messages are serialised when they are built (see fleet/wire.py), so the stream sends bytes as they are.
+        self._stream = self._channel.stream_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['Collector'].full_name}/Stream",
+            request_serializer=None,
+            response_deserializer=pb.CollectorMessage.FromString,
+        )
+        # The pixels of the frames being batched, copied in by add_frame (reused: no allocation per frame).
+        b = max_batch_frames
+        self._cam_buf = {c.name: np.empty((b, *c.shape), np.uint8) for c in spec.cameras}
+        self._vec_buf = {
+            "state": np.empty((b, spec.state_dim), np.float32),
+            "action": np.empty((b, spec.action_dim), np.float32),
+            "proposed_action": np.empty((b, spec.action_dim), np.float32),
+        }
+        self._cam_heads: dict[tuple[str, int], bytes] = {}
+        if self._spool is not None:
+            with self._cond:
+                self._restore_spool(self._spool)
         self._pump = threading.Thread(target=self._run, name=f"robot-client-{robot_id}", daemon=True)
         self._pump.start()
 
@@ -225,9 +301,11 @@ class RobotClient:
                 raise RuntimeError(f"episode {self._current.id} is still open: end it first")
             if eid in self._eps:
                 raise ValueError(f"episode {eid} was already started by this client")
-            ep = _Ep(eid, pb.RobotMessage(start=pb.StartEpisode(episode_id=eid, instruction=instruction)))
+            ep = _Ep(eid, self._item("start", start=pb.StartEpisode(episode_id=eid, instruction=instruction)))
             self._eps[eid] = ep
             self._current = ep
+            if self._spool is not None:
+                self._spool.append(eid, ep.start.data)
             self._unsent.append(ep.start)
             self._cond.notify_all()
         self.begin_segment(kind, controller, reason)
@@ -249,19 +327,19 @@ class RobotClient:
             ep = self._need_episode()
             self._seal(ep)
             index = ep.segments
-            msg = pb.RobotMessage(
-                segment=pb.SegmentMarker(
-                    episode_id=ep.id,
-                    index=index,
-                    start=ep.frames,
-                    kind=_KIND[seg_kind],
-                    controller=int(ctrl),
-                    reason=reason or "",
-                )
+            marker = pb.SegmentMarker(
+                episode_id=ep.id,
+                index=index,
+                start=ep.frames,
+                kind=_KIND[seg_kind],
+                controller=int(ctrl),
+                reason=reason or "",
             )
             ep.segments += 1
             ep.controller = ctrl
-            self._queue(ep, _Item("segment", msg, msg.ByteSize(), index=index))
+            item = self._item("segment", segment=marker)
+            item.index = index
+            self._queue(ep, item)
         return index
 
     def add_frame(
@@ -314,21 +392,13 @@ class RobotClient:
             if not ep.batch:
                 ep.batch_t0 = time.perf_counter()
                 self._cond.notify_all()  # the sender times the batch from now
-            ep.batch.append(
-                {
-                    # Raw bytes now (the caller may reuse its buffers), joined once per batch in _seal.
-                    "cameras": {k: np.ascontiguousarray(v).tobytes() for k, v in cameras.items()},
-                    "state": np.array(state, np.float32),
-                    "action": np.array(action, np.float32),
-                    "proposed_action": np.array(proposed, np.float32),
-                    "reward": float(reward),
-                    "terminated": bool(terminated),
-                    "truncated": bool(truncated),
-                    "controller": int(ctrl),
-                    "revision": revision,
-                    "timestamp": ts,
-                }
-            )
+            # Copied now (the caller may reuse its arrays), into the batch's buffers.
+            k = len(ep.batch)
+            for name, img in cameras.items():
+                self._cam_buf[name][k] = img
+            vec = self._vec_buf
+            vec["state"][k], vec["action"][k], vec["proposed_action"][k] = state, action, proposed
+            ep.batch.append((float(reward), bool(terminated), bool(truncated), int(ctrl), revision, ts))
             ep.batch_bytes += frame_bytes
             seq = ep.frames
             ep.frames += 1
@@ -352,9 +422,8 @@ class RobotClient:
             end = pb.EndEpisode(episode_id=ep.id, length=ep.frames, outcome=outcome)
             if success is not None:
                 end.success = bool(success)
-            msg = pb.RobotMessage(end=end)
             ep.ended_sent = True
-            self._queue(ep, _Item("end", msg, msg.ByteSize()))
+            self._queue(ep, self._item("end", end=end))
             self._current = None
 
     @property
@@ -382,8 +451,19 @@ class RobotClient:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._pump.join(5.0)
+        # Leave no call or thread of this client behind, or the interpreter may wait for them at exit
+        # (a robot process was once seen hanging in teardown for minutes after close() returned): the
+        # sender stops; every stream gets its end-of-requests and is cancelled; the channel closes;
+        # the readers (which see the cancellation) finish.
+        self._pump.join(10.0)
+        with self._cond:
+            conns = list(self._live)
+        for conn in conns:
+            self._drop(conn)
         self._channel.close()
+        for conn in conns:
+            if conn.reader is not None:
+                conn.reader.join(5.0)
         return ok
 
     def __enter__(self) -> RobotClient:
@@ -391,6 +471,55 @@ class RobotClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ spool
+    def _restore_spool(self, spool: _Spool) -> None:
+        """Take back what a previous process of this robot spooled and never got acknowledged.
+
+        Its episodes are resent as they were; one it did not end is ended here as ``aborted`` at the
+        frames it had sealed (frames still being batched when it died were never spooled).
+        """
+        loaded = spool.load()
+        top = max((pb.RobotMessage.FromString(d).msg_id for _, recs in loaded for d in recs), default=0)
+        self._ids = itertools.count(top + 1)  # ids stay unique: acks and rejects are matched by them
+        for eid, records in loaded:
+            ep: _Ep | None = None
+            for data in records:
+                msg = pb.RobotMessage.FromString(data)
+                body = msg.WhichOneof("body")
+                if body == "start":
+                    ep = _Ep(eid, _Item("start", data, msg.msg_id, len(data)))
+                    continue
+                if ep is None:
+                    break  # cannot happen: the start is spooled first
+                item = _Item(body or "", data, msg.msg_id, len(data))
+                if body == "frames":
+                    n = int(msg.frames.action.shape[0])
+                    item.seq_end, item.frames, item.frame_bytes = msg.frames.seq + n, n, len(data)
+                    item.t_first = time.perf_counter()
+                    ep.frames = max(ep.frames, item.seq_end)
+                    self.stats.pending_frames += n
+                    self.stats.pending_bytes += len(data)
+                elif body == "segment":
+                    item.index = msg.segment.index
+                    ep.segments = max(ep.segments, item.index + 1)
+                elif body == "end":
+                    ep.ended_sent = True
+                ep.pending.append(item)
+            if ep is None:
+                spool.done(eid)
+                continue
+            self._eps[eid] = ep
+            self._unsent.append(ep.start)
+            self._unsent.extend(ep.pending)
+            if not ep.ended_sent:
+                end = pb.EndEpisode(episode_id=eid, length=ep.frames, outcome="aborted", success=False)
+                ep.ended_sent = True
+                self._queue(ep, self._item("end", end=end))
+            log.warning(
+                "resending spooled episode of a previous run",
+                extra={"robot": self.robot_id, "episode": eid, "frames": ep.frames},
+            )
 
     # ------------------------------------------------------------------ buffering
     def _need_episode(self) -> _Ep:
@@ -403,6 +532,8 @@ class RobotClient:
         return any(ep is not self._current or ep.pending or ep.batch for ep in self._eps.values())
 
     def _queue(self, ep: _Ep, item: _Item) -> None:
+        if self._spool is not None:
+            self._spool.append(ep.id, item.data)  # before it can be sent: a crash keeps it
         ep.pending.append(item)
         self._unsent.append(item)
         self._cond.notify_all()
@@ -415,36 +546,36 @@ class RobotClient:
             return
         n = len(frames)
         seq = ep.frames - n
+        reward, terminated, truncated, controller, revs, times = zip(*frames, strict=True)
         fb = pb.FrameBatch(episode_id=ep.id, seq=seq)
-        for cam in self.spec.cameras:
-            # Filled in place: building a Tensor and CopyFrom-ing it would copy the pixels twice more.
-            t = fb.cameras[cam.name]
-            t.dtype = "uint8"
-            t.shape.extend((n, *cam.shape))
-            t.data = b"".join(f["cameras"][cam.name] for f in frames)
-        for key in ("state", "action", "proposed_action"):
-            getattr(fb, key).CopyFrom(to_tensor(np.stack([f[key] for f in frames])))
-        fb.reward.CopyFrom(to_tensor(np.array([f["reward"] for f in frames], np.float32)))
-        fb.terminated.CopyFrom(to_tensor(np.array([f["terminated"] for f in frames], np.bool_)))
-        fb.truncated.CopyFrom(to_tensor(np.array([f["truncated"] for f in frames], np.bool_)))
-        fb.controller.CopyFrom(to_tensor(np.array([f["controller"] for f in frames], np.uint8)))
-        fb.timestamp.CopyFrom(to_tensor(np.array([f["timestamp"] for f in frames], np.float64)))
-        revs = [f["revision"] for f in frames]
+        for key, buf in self._vec_buf.items():
+            getattr(fb, key).CopyFrom(to_tensor(buf[:n]))
+        fb.reward.CopyFrom(to_tensor(np.array(reward, np.float32)))
+        fb.terminated.CopyFrom(to_tensor(np.array(terminated, np.bool_)))
+        fb.truncated.CopyFrom(to_tensor(np.array(truncated, np.bool_)))
+        fb.controller.CopyFrom(to_tensor(np.array(controller, np.uint8)))
+        fb.timestamp.CopyFrom(to_tensor(np.array(times, np.float64)))
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
-        msg = pb.RobotMessage(frames=fb)
-        self._queue(
-            ep,
-            _Item(
-                "frames",
-                msg,
-                msg.ByteSize(),
-                seq_end=seq + n,
-                t_first=ep.batch_t0,
-                frames=n,
-                frame_bytes=nbytes,
-            ),
-        )
+        # The pixels bypass protobuf: one copy, from the batch buffers into the message (fleet/wire.py).
+        cams = []
+        for cam in self.spec.cameras:
+            head = self._cam_heads.get((cam.name, n))
+            if head is None:
+                head = self._cam_heads[(cam.name, n)] = wire.camera_entry(
+                    cam.name, (n, *cam.shape), n * cam.height * cam.width * 3
+                )
+            cams.append((head, self._cam_buf[cam.name][:n].data))
+        msg_id = next(self._ids)
+        data = wire.frames_message(msg_id, fb.SerializeToString(), cams)
+        item = _Item("frames", data, msg_id, len(data), seq + n, 0, ep.batch_t0, n, nbytes)
+        self._queue(ep, item)
+
+    def _item(self, kind: str, **body: Any) -> _Item:
+        """A small message (start, segment, end), serialised with its id."""
+        msg_id = next(self._ids)
+        data = pb.RobotMessage(msg_id=msg_id, **body).SerializeToString()
+        return _Item(kind, data, msg_id, len(data))
 
     # ------------------------------------------------------------------ network
     def _run(self) -> None:
@@ -468,16 +599,21 @@ class RobotClient:
     def _connect(self) -> _Connection | None:
         conn = _Connection(next(self._gens))
         conn.outq.put(self._hello)
-        try:
-            conn.call = self._stub.Stream(
-                iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True
-            )
-        except grpc.RpcError as e:  # pragma: no cover - the sync API reports errors on iteration
-            self.stats.last_error = str(e)
-            return None
-        threading.Thread(
+        with self._cond:
+            if self._closing:
+                return None
+            try:
+                conn.call = self._stream(
+                    iter(conn.outq.get, _END), metadata=self._metadata, wait_for_ready=True
+                )
+            except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
+                self.stats.last_error = str(e)
+                return None
+            self._live.add(conn)
+        conn.reader = threading.Thread(
             target=self._read, args=(conn,), name=f"robot-client-read-{self.robot_id}", daemon=True
-        ).start()
+        )
+        conn.reader.start()
         # Nothing but the Hello goes out before the Welcome: a refused Hello must not get the data refused.
         while not conn.welcome.wait(0.1):
             if conn.dead.is_set() or self._closing:
@@ -522,19 +658,18 @@ class RobotClient:
                 out = list(self._unsent)
                 self._unsent.clear()
                 now = time.perf_counter()
-                for x in out:
-                    msg = x.msg if isinstance(x, _Item) else x
-                    msg.msg_id = next(self._ids)
-                    t_first = x.t_first if isinstance(x, _Item) else now
-                    self._inflight[msg.msg_id] = (now, msg.WhichOneof("body"), t_first)
+                for it in out:
+                    # A resent message keeps its id: acks of the dropped connection were forgotten (_drop).
+                    self._inflight[it.msg_id] = (now, it.kind, it.t_first if it.frames else now)
                     self.stats.messages_sent += 1
-                    conn.outq.put(msg)
+                    conn.outq.put(it.data)
 
     def _drop(self, conn: _Connection) -> None:
         conn.outq.put(_END)
         if conn.call is not None:
             conn.call.cancel()
         with self._cond:
+            self._live.discard(conn)
             if self._conn is conn:
                 self._conn = None
                 self.stats.connected = False
@@ -599,6 +734,8 @@ class RobotClient:
                 ep.pending.clear()
                 ep.ended_sent = True
                 del self._eps[ep.id]
+                if self._spool is not None:
+                    self._spool.done(ep.id)
             self._cond.notify_all()
 
     def _release(self, it: _Item, acked: bool) -> None:
@@ -627,7 +764,7 @@ class RobotClient:
             ep = self._eps.get(rej.episode_id)
             if ep is not None:
                 for it in list(ep.pending):
-                    if it.msg.msg_id == rej.msg_id:
+                    if it.msg_id == rej.msg_id:
                         ep.pending.remove(it)
                         self._release(it, acked=False)
             self._cond.notify_all()

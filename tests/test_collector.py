@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -694,3 +695,132 @@ def test_store_resume_episode_after_a_killed_writer(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ep.controller, [0] * 12 + [1] * 9 + [0] * 3)
     with pytest.raises(ValueError, match="closed"):
         store.resume_episode(meta.episode_id)
+
+
+_EXIT_SCRIPT = """
+import sys, time
+import numpy as np
+from fleet.robot_client import RobotClient
+from vla_rl.spec import CameraSpec, RobotSpec
+
+spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
+client = RobotClient(sys.argv[1], "arm-exit", spec, "t", token=sys.argv[2], reconnect_backoff_s=(0.05, 0.2))
+for _ in range(2):
+    client.start_episode()
+    for i in range(20):
+        client.add_frame(
+            {"front": np.zeros((16, 16, 3), np.uint8)}, np.zeros(5, np.float32), np.zeros(3, np.float32)
+        )
+    client.end_episode("success")
+ok = client.close(float(sys.argv[3]))
+print("closed", ok, flush=True)
+"""
+
+
+@pytest.mark.parametrize("collector_up", [True, False], ids=["acked", "collector-down"])
+def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: bool) -> None:
+    """A robot program ends by itself once close() returns: no grpc thread keeps the interpreter alive."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    c = Collector(tmp_path / "s", port=0, token=TOKEN).start() if collector_up else None
+    address = c.address if c is not None else f"127.0.0.1:{free_port()}"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EXIT_SCRIPT, address, TOKEN, "30" if collector_up else "1"],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        closed_at = time.monotonic()
+        assert line.strip() == f"closed {collector_up}", line
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the robot process did not exit within 10 s after close() returned")
+        assert proc.returncode == 0
+        assert time.monotonic() - closed_at < 5
+    finally:
+        if c is not None:
+            c.stop()
+
+
+_SPOOL_SCRIPT = """
+import json, sys, time
+import numpy as np
+from fleet.robot_client import RobotClient, frame_digest
+from vla_rl.spec import CameraSpec, RobotSpec
+
+spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
+address, token, spool, phase = sys.argv[1:5]
+client = RobotClient(
+    address, "arm-spool", spec, "t", token=token, spool_dir=spool, max_batch_frames=4,
+    reconnect_backoff_s=(0.05, 0.2),
+)
+if phase == "resend":
+    print("closed", client.close(60), flush=True)
+    sys.exit(0)
+rng = np.random.default_rng(11)
+client.start_episode(episode_id="spool-ep")
+digests = []
+
+def frames(k):
+    for _ in range(k):
+        i = len(digests)
+        cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
+        state, action = rng.standard_normal(5).astype(np.float32), rng.uniform(-1, 1, 3).astype(np.float32)
+        client.add_frame(cams, state, action, timestamp=100.0 + i)
+        digests.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 100.0 + i))
+
+frames(8)
+assert client.flush(30)
+print("acked", flush=True)
+sys.stdin.readline()  # the collector is down now
+frames(14)  # 12 more sealed (spooled, never acknowledged), 2 still batching when the process dies
+print(json.dumps(digests), flush=True)
+time.sleep(600)
+"""
+
+
+def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
+    """SIGKILL a robot with unacknowledged frames; its next process resends them from the spool: every
+    sealed frame lands exactly once, and the episode is closed as aborted."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    root, spool, port = tmp_path / "s", tmp_path / "spool", free_port()
+    address = f"127.0.0.1:{port}"
+    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    robot = subprocess.Popen(
+        [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "stream"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert robot.stdin is not None and robot.stdout is not None
+    try:
+        assert robot.stdout.readline().decode().strip() == "acked"
+        c.stop()
+        robot.stdin.write(b"go\n")
+        robot.stdin.flush()
+        digests = json.loads(robot.stdout.readline())
+        robot.send_signal(signal.SIGKILL)
+        robot.wait(10)
+    finally:
+        robot.kill()
+    assert len(digests) == 22 and len(list(spool.glob("*.spool"))) == 1
+    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "resend"],
+            capture_output=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.stdout.decode().strip() == "closed True", out.stderr.decode()[-2000:]
+        assert c.drain(30)
+    finally:
+        c.stop()
+    meta = EpisodeStore(root).read_metadata("spool-ep")
+    assert meta.is_closed and meta.outcome == "aborted" and meta.length == 20
+    got = store_digests(root)
+    assert sorted(d for (_, _, d) in got) == sorted(digests[:20])  # each once, none of the unsealed two
+    assert not list(spool.glob("*.spool"))  # acknowledged: the spool is empty
