@@ -190,7 +190,7 @@ def test_kinematic_reach_noise_knob_and_top_camera() -> None:
     assert _expert_success("kinematic/Reach-v0", 40, noise=0.0) == 1.0
     assert _expert_success("kinematic/Reach-v0", 40, noise=1.0) <= 0.5
     with sim.make_env("kinematic/Reach-v0", obs="rgb", image_size=32) as env:
-        obs, info = env.reset(seed=0)
+        obs, _info = env.reset(seed=0)
         before = obs["cameras"]["top_camera"].copy()
         obs, *_ = env.step(np.array([1.0, 0.0, 0.0, 1.0], dtype=np.float32))  # 10 cm along +x
         after = obs["cameras"]["top_camera"]
