@@ -12,7 +12,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from vla_rl.checkpoint import read_info
 from vla_rl.cli import main as cli_main
-from vla_rl.hub.registry import configure_hub, push_folder, resolve
+from vla_rl.hub.registry import configure_hub, pull, push_folder, resolve
 from vla_rl.hub.server import HubServer
 from vla_rl.rounds import RoundConfig, parse_overrides, start_round
 from vla_rl.train.sft import SFTConfig, train_sft
@@ -90,8 +90,6 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
     ok = start_round(_cfg(root, base, tmp_path, algo="recap", margin=-0.99), db=db)
     assert ok.promoted and resolve(base) == ok.checkpoint_revision != prod_before
     assert ok.metrics["base_eval_source"] == f"round {wrecked.id}"  # same commit + seeds: not re-run
-    from vla_rl.hub.registry import pull
-
     pulled = pull(base)
     info = read_info(pulled.path)
     assert info.lineage.algorithm == "recap" and info.lineage.parent_revision == prod_before
@@ -195,3 +193,66 @@ def test_rounds_run_qam_and_ppo(setup, tmp_path: Path, algo: str, overrides: dic
     info = read_info(rec.checkpoint_ref)
     assert info.lineage.algorithm == algo and info.lineage.round == rec.id
     assert info.metrics["round"] == rec.id and "success_rate" in info.metrics
+
+
+def test_round_with_a_camera_policy(tmp_path: Path) -> None:
+    """A camera (rgb) policy through a whole round: demos with images -> SFT with the image encoder ->
+    RECAP round (value on the trunk features, advantage-conditioned flow) -> rgb evaluation against the
+    base on the same seeds -> pushed, tagged checkpoint whose spec still has the camera. Uses the
+    physics-free kinematic task so the cameras cost nothing."""
+    task, repo = "kinematic/Reach-v0", "fleet/reach-rgb"
+    hub = HubServer(tmp_path / "hub", token=TOKEN).start()
+    try:
+        configure_hub(hub.url, TOKEN)
+        root = tmp_path / "store"
+        record_demos(
+            EpisodeStore(root, create=True),
+            task,
+            episodes=6,
+            noise=0.3,
+            obs="rgb",
+            image_size=32,
+            progress=False,
+        )
+        sft = train_sft(
+            SFTConfig(
+                task=task,
+                store=root,
+                out=tmp_path / "sft",
+                steps=30,
+                batch_size=16,
+                chunk_len=4,
+                n_exec=2,
+                d_model=32,
+                n_layers=1,
+                expert_n_layers=1,
+                instruction_encoder="none",
+                checkpoint_every=30,
+                progress=False,
+            )
+        )
+        assert [c.name for c in read_info(sft.checkpoint).robot_spec.cameras] == ["top_camera"]
+        push_folder(sft.checkpoint, repo, message="base", tag="prod")
+        db = MetadataDB.for_store(root)
+        rec = start_round(
+            _cfg(
+                root,
+                f"hub://{repo}@prod",
+                tmp_path / "round",
+                algo="recap",
+                task=task,
+                margin=-0.99,
+                overrides={"value_steps": 10, "steps": 10, "batch_size": 8},
+            ),
+            db=db,
+        )
+        assert rec.status == "succeeded" and rec.promoted
+        assert rec.metrics["base_success"] is not None and rec.metrics["success"] is not None
+        assert resolve(f"hub://{repo}@prod") == rec.checkpoint_revision
+        pulled = read_info(pull(rec.checkpoint_ref).path)
+        assert [c.name for c in pulled.robot_spec.cameras] == ["top_camera"] and pulled.robot_spec.cameras[
+            0
+        ].height == 32
+        assert pulled.lineage.algorithm == "recap" and pulled.lineage.round == rec.id
+    finally:
+        hub.stop()
