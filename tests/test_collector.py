@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fleet.collector import Collector, WriteAheadLog
+from fleet.collector import Collector, WriteAheadLog, _ProcessWriter
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.proto import collector_pb2_grpc as pb_grpc
@@ -364,14 +364,19 @@ def test_duplicates_and_overlaps_are_dropped(collector: Collector) -> None:
 
 
 def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = Collector._apply
+    import fleet.store_writer
 
-    def slow_apply(self: Collector, ep: Any, op: Any) -> None:
+    slow = fleet.store_writer.apply_record
+
+    def slow_apply(w: Any, raw: bytes) -> bool:
         time.sleep(0.02)
-        slow(self, ep, op)
+        return slow(w, raw)
 
-    monkeypatch.setattr(Collector, "_apply", slow_apply)
-    with Collector(tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8) as c:
+    # store_writers=0: the writer runs in this process, so the slow-down applies to it
+    monkeypatch.setattr(fleet.store_writer, "apply_record", slow_apply)
+    with Collector(
+        tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8, store_writers=0
+    ) as c:
         client = RobotClient(
             c.address, "arm-1", SPEC, "t", token=TOKEN, max_batch_frames=1, batch_interval_s=0
         )
@@ -435,9 +440,10 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         sent.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 2000.0 + i))
     assert client.flush(30)
     assert EpisodeStore(root).read_metadata(eid).length == 0  # acknowledged, only in the log (chunk of 64)
-    # "crash": the server goes away without writing its buffers, as after SIGKILL
+    # "crash": the server and its store writer go away without writing their buffers, as after SIGKILL
     assert c._server is not None
     c._server.stop(0).wait()
+    crash_writers(c)
     c._unlock_store()
     log = root / "wal" / f"{eid}.wal"
     with open(log, "ab") as f:
@@ -458,7 +464,15 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         assert sorted(d for (_, _, d) in got) == sorted(sent)
     finally:
         c2.stop()
-        c._workers.shutdown(wait=False)
+
+
+def crash_writers(c: Collector) -> None:
+    """SIGKILL a collector's store writer processes, as if the whole collector had been killed."""
+    c._stop.set()  # no restarts: this collector is "dead"
+    for w in c._writers:
+        assert isinstance(w, _ProcessWriter)
+        w.kill()
+        w.join(10)
 
 
 # ------------------------------------------------------------------------------------------ real processes
