@@ -122,7 +122,9 @@ def segment(
     )
 
 
-def stream_episodes(client: RobotClient, episodes: int, frames: int, seed: int) -> list[tuple[str, int, str]]:
+def stream_episodes(
+    client: RobotClient, episodes: int, frames: int, seed: int, pace_s: float = 0.0
+) -> list[tuple[str, int, str]]:
     """Episodes with a takeover in the middle; returns (episode, seq, digest) of every frame produced."""
     rng = np.random.default_rng(seed)
     out = []
@@ -142,6 +144,8 @@ def stream_episodes(client: RobotClient, episodes: int, frames: int, seed: int) 
             ts = max(time.time(), ts)
             client.add_frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
             out.append((eid, i, frame_digest(cams, state, action, prop, 0.5, False, False, ctrl, ts)))
+            if pace_s:
+                time.sleep(pace_s)
         client.end_episode("success")
     return out
 
@@ -393,6 +397,55 @@ def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pyt
             )
         )
         assert waited > 0.1
+
+
+def test_killed_store_writer_is_restarted_and_every_frame_lands_once(tmp_path: Path) -> None:
+    """SIGKILL the store writer processes three times while 4 robots stream: each restart replays the logs
+    from the Zarr commits; every frame is stored exactly once and nothing else appears."""
+    c = Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
+    try:
+        sent: list[tuple[str, int, str]] = []
+        clients = [
+            RobotClient(c.address, f"arm-{i}", SPEC, "t", token=TOKEN, max_batch_frames=4) for i in range(4)
+        ]
+        threads = [
+            threading.Thread(target=lambda cl=cl, i=i: sent.extend(stream_episodes(cl, 3, 80, i, 0.02)))
+            for i, cl in enumerate(clients)
+        ]
+        for t in threads:
+            t.start()
+
+        def stored() -> int:
+            return sum(a.frames_stored for a in c.accounts.values())
+
+        open_at_kill: list[int] = []
+        for k in (0, 1, 0):  # kill mid-stream, each time once the writers have stored more frames
+            before, deadline = stored(), time.monotonic() + 30
+            while stored() < before + 16 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            victim = c._writers[k]
+            assert isinstance(victim, _ProcessWriter)
+            with c._episodes_lock:
+                open_at_kill.append(sum(ep.writer == k for ep in c._episodes.values()))
+            victim.kill()
+            deadline = time.monotonic() + 30
+            while c._writers[k] is victim and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c._writers[k] is not victim, "the dead writer was not replaced"
+        assert min(open_at_kill) > 0, open_at_kill  # each writer died with episodes half written
+        for t in threads:
+            t.join(120)
+        assert all(cl.close(60) for cl in clients)
+        assert c.drain(60)
+        assert collections.Counter(sent) == store_digests(c.store.root)  # exactly once, no phantoms
+        assert len(sent) == 4 * 3 * 80
+        assert c.store.verify(db=c.db) == []
+        assert not list((c.store.root / "wal").glob("*.wal"))  # every episode closed, its log deleted
+        for a in c.accounts.values():
+            assert a.frames_stored == a.frames_committed == 240 and a.episodes_closed == 3
+        assert "vla_rl_collector_store_writer_restarts_total 3.0" in c.stats().prometheus_text
+    finally:
+        c.stop()
 
 
 def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> None:
