@@ -105,6 +105,25 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def thread_cpu(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds by thread (process role, OS thread name, thread id)."""
+    out: dict[str, float] = {}
+    for p in procs:
+        try:
+            threads = p.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                name = Path(f"/proc/{p.pid}/task/{t.id}/comm").read_text().strip()
+            except OSError:
+                continue
+            # Python threads are all "python" to the OS; the id tells them apart between samples
+            key = f"{'writer' if p.ppid() != os.getpid() else 'intake'}:{name}:{t.id}"
+            out[key] = out.get(key, 0.0) + t.user_time + t.system_time
+    return out
+
+
 def run_collector_phase(
     name: str,
     work: Path,
@@ -164,6 +183,7 @@ def run_collector_phase(
     time.sleep(max(0.0, start_at - time.time()))
     writers0 = cproc.children(recursive=True)  # the store writer process(es)
     c0, w0, t0 = cpu_seconds([cproc]), cpu_seconds(writers0), time.perf_counter()
+    th0 = thread_cpu([cproc, *writers0])
     psutil.cpu_percent(None)
     load0 = os.getloadavg()
     for p in procs:
@@ -172,6 +192,7 @@ def run_collector_phase(
     load1 = os.getloadavg()
     writers1 = cproc.children(recursive=True)
     c1, w1 = cpu_seconds([cproc]), cpu_seconds(writers0)
+    th1 = thread_cpu([cproc, *writers0])
     writers_restarted = {p.pid for p in writers1} != {p.pid for p in writers0}
     machine_cpu = psutil.cpu_percent(None)
     coll.send_signal(signal.SIGTERM)
@@ -230,6 +251,12 @@ def run_collector_phase(
         "store_writer_cpu_ms_per_frame": round((w1 - w0) / produced * 1000, 3),
         "robots_cpu_ms_per_frame": round(sum(r["cpu_seconds"] for r in results) / produced * 1000, 3),
         "robots_cpu_cores": round(sum(r["cpu_seconds"] for r in results) / wall, 2),
+        # where the collector's CPU goes, by thread (cores over the run; threads over 0.01 cores)
+        "collector_thread_cores": {
+            k: round((v - th0.get(k, 0.0)) / wall, 3)
+            for k, v in sorted(th1.items(), key=lambda kv: -(kv[1] - th0.get(kv[0], 0.0)))
+            if (v - th0.get(k, 0.0)) / wall >= 0.01
+        },
         "machine_cpu_percent": machine_cpu,
         "load_avg_1m_before": round(load0[0], 2),
         "load_avg_before": [round(x, 2) for x in load0],
