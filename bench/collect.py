@@ -124,6 +124,19 @@ def thread_cpu(procs: list[psutil.Process]) -> dict[str, float]:
     return out
 
 
+def run_queue_wait(procs: list[psutil.Process]) -> tuple[float, float]:
+    """Seconds the processes' threads ran, and waited runnable for a CPU (``/proc/*/task/*/schedstat``)."""
+    run = wait = 0.0
+    for p in procs:
+        for task in Path(f"/proc/{p.pid}/task").glob("*"):
+            try:
+                r, w, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):
+                continue
+            run, wait = run + int(r) / 1e9, wait + int(w) / 1e9
+    return run, wait
+
+
 def run_collector_phase(
     name: str,
     work: Path,
@@ -184,6 +197,7 @@ def run_collector_phase(
     writers0 = cproc.children(recursive=True)  # the store writer process(es)
     c0, w0, t0 = cpu_seconds([cproc]), cpu_seconds(writers0), time.perf_counter()
     th0 = thread_cpu([cproc, *writers0])
+    rq0 = run_queue_wait([cproc])
     psutil.cpu_percent(None)
     load0 = os.getloadavg()
     for p in procs:
@@ -193,6 +207,7 @@ def run_collector_phase(
     writers1 = cproc.children(recursive=True)
     c1, w1 = cpu_seconds([cproc]), cpu_seconds(writers0)
     th1 = thread_cpu([cproc, *writers0])
+    rq1 = run_queue_wait([cproc])
     writers_restarted = {p.pid for p in writers1} != {p.pid for p in writers0}
     machine_cpu = psutil.cpu_percent(None)
     coll.send_signal(signal.SIGTERM)
@@ -257,6 +272,9 @@ def run_collector_phase(
             for k, v in sorted(th1.items(), key=lambda kv: -(kv[1] - th0.get(kv[0], 0.0)))
             if (v - th0.get(k, 0.0)) / wall >= 0.01
         },
+        # the intake process's threads: for each second they ran, how long they were runnable but waited
+        # for a CPU (other processes had it): > 0.3 or so means acks wait on the scheduler, not on work
+        "intake_run_queue_wait_per_run_s": round((rq1[1] - rq0[1]) / max(rq1[0] - rq0[0], 1e-9), 2),
         "machine_cpu_percent": machine_cpu,
         "load_avg_1m_before": round(load0[0], 2),
         "load_avg_before": [round(x, 2) for x in load0],
