@@ -432,6 +432,7 @@ class Collector:
         self.store_writers = store_writers
         self._writers: list[_WriterHandle] = []
         self._writer_deaths: list[float] = []
+        self._dead_writers: set[int] = set()
         self._next_writer = 0
         self._stop = threading.Event()
         self._lock_fd: int | None = None
@@ -790,6 +791,7 @@ class Collector:
             return self._resume(eid, meta.robot_id, meta.spec)
         if len(msg.start.instruction) > 2000:
             raise RequestError(SC.INVALID_ARGUMENT, "start.instruction: at most 2000 characters", eid)
+        writer = self._assign_writer()  # before creating anything: it refuses when no writer is left
         leftover = self.store.episodes_dir / eid
         if leftover.exists():
             # A folder without a commit record: a creation killed half-way. Nothing in it was ever
@@ -814,7 +816,7 @@ class Collector:
             committed=0,
             segments=0,
             last_ts=-math.inf,
-            writer=self._assign_writer(),
+            writer=writer,
         )
         with self._episodes_lock:
             self._episodes[eid] = ep
@@ -992,9 +994,11 @@ class Collector:
         )
 
     def _assign_writer(self) -> int:
-        i = self._next_writer % len(self._writers)
+        alive = [i for i in range(len(self._writers)) if i not in self._dead_writers]
+        if not alive:
+            raise _Unavailable("every store writer process has failed (see the collector's log)")
         self._next_writer += 1
-        return i
+        return alive[self._next_writer % len(alive)]
 
     def _hand_off(self, ep: _Episode, nbytes: int) -> None:
         """Tell the episode's writer that its log grew by ``nbytes`` (caller holds ``ep.lock``)."""
@@ -1062,35 +1066,43 @@ class Collector:
     def _writer_died(self, handle: _ProcessWriter) -> None:
         """A writer process exited unasked: start another, which replays its episodes' logs from their
         Zarr commits (nothing lost, nothing twice). Dying again and again is a failure: say so loudly."""
-        if self._stop.is_set():
+        if self._stop.is_set() or handle not in self._writers:
             return
-        index = self._writers.index(handle) if handle in self._writers else -1
-        if index < 0:
-            return
+        index = self._writers.index(handle)
         now = time.monotonic()
         self._writer_deaths = [t for t in self._writer_deaths if now - t < 60] + [now]
+        new: _WriterHandle | None = None
+        if len(self._writer_deaths) <= 5:
+            try:
+                new = self._new_writer(index)
+            except OSError:
+                log.exception("could not start a store writer process", extra={"writer": index})
+        if new is None:
+            self._dead_writers.add(index)  # new episodes go to the others; its own are refused
+            why = f"the store writer process died {len(self._writer_deaths)} times in a minute"
+        else:
+            self._writers[index] = new  # from here on, every log append is posted to the new one
+            self.metrics.writer_restarts.inc()
         with self._episodes_lock:
             eps = [ep for ep in self._episodes.values() if ep.writer == index]
-        if len(self._writer_deaths) > 5:
+        if new is None:
             log.critical(
                 "store writer process keeps dying; its episodes are refused until the collector restarts",
                 extra={"writer": index, "exit_code": handle.returncode, "episodes": len(eps)},
             )
-            for ep in eps:
-                with ep.lock:
-                    ep.error = f"the store writer process died {len(self._writer_deaths)} times in a minute"
-                    self._release(ep, ep.wal.size)
-            return
-        log.error(
-            "store writer process died; restarting it (it replays the logs)",
-            extra={"writer": index, "exit_code": handle.returncode, "episodes": len(eps)},
-        )
-        self.metrics.writer_restarts.inc()
-        new = self._new_writer(index)
-        self._writers[index] = new
+        else:
+            log.error(
+                "store writer process died; restarting it (it replays the logs)",
+                extra={"writer": index, "exit_code": handle.returncode, "episodes": len(eps)},
+            )
         for ep in eps:
             with ep.lock:
-                if not ep.closed and ep.wal.size:
+                if ep.closed:
+                    continue
+                if new is None:
+                    ep.error = why
+                    self._release(ep, ep.wal.size)
+                elif ep.wal.size:
                     new.post_data(ep.id, ep.wal.size)
 
     def _stored(self, ep: _Episode, n: int) -> None:

@@ -448,6 +448,43 @@ def test_killed_store_writer_is_restarted_and_every_frame_lands_once(tmp_path: P
         c.stop()
 
 
+def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None:
+    """Past 5 deaths a minute the writer is not restarted: its episodes' streams get UNAVAILABLE (no silent
+    acks of frames nobody will write), and the next collector replays what was acknowledged."""
+    root = tmp_path / "s"
+    c = Collector(root, port=0, token=TOKEN, chunk_len=8).start()
+    try:
+        send, recv, close = raw_stream(c.address)
+        send(hello())
+        send(pb.RobotMessage(start=pb.StartEpisode(episode_id="doomed")))
+        send(segment("doomed", 0, 0))
+        send(batch("doomed", 0, 4))
+        assert [recv().WhichOneof("body") for _ in range(4)] == ["welcome", "ack", "ack", "ack"]
+        c._writer_deaths = [time.monotonic()] * 5  # as if it had died five times already
+        victim = c._writers[0]
+        assert isinstance(victim, _ProcessWriter)
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while 0 not in c._dead_writers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c._writers[0] is victim  # not restarted
+        send(batch("doomed", 4, 4))
+        with pytest.raises(grpc.RpcError) as err:
+            recv()
+        assert err.value.code() == SC.UNAVAILABLE
+        close()
+    finally:
+        c.stop()
+    with Collector(root, port=0, token=TOKEN, chunk_len=8) as c2:
+        assert c2.drain(30)
+        send, recv, close = raw_stream(c2.address)
+        send(hello())
+        send(pb.RobotMessage(start=pb.StartEpisode(episode_id="doomed")))
+        assert [recv().WhichOneof("body") for _ in range(2)] == ["welcome", "ack"]
+        close()
+    assert EpisodeStore(root).read_metadata("doomed").length == 4  # flushed on stop, from the log
+
+
 def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> None:
     port = free_port()
     client = RobotClient(
