@@ -105,6 +105,38 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def thread_cpu(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds by thread (process role, OS thread name, thread id)."""
+    out: dict[str, float] = {}
+    for p in procs:
+        try:
+            threads = p.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                name = Path(f"/proc/{p.pid}/task/{t.id}/comm").read_text().strip()
+            except OSError:
+                continue
+            # Python threads are all "python" to the OS; the id tells them apart between samples
+            key = f"{'writer' if p.ppid() != os.getpid() else 'intake'}:{name}:{t.id}"
+            out[key] = out.get(key, 0.0) + t.user_time + t.system_time
+    return out
+
+
+def run_queue_wait(procs: list[psutil.Process]) -> tuple[float, float]:
+    """Seconds the processes' threads ran, and waited runnable for a CPU (``/proc/*/task/*/schedstat``)."""
+    run = wait = 0.0
+    for p in procs:
+        for task in Path(f"/proc/{p.pid}/task").glob("*"):
+            try:
+                r, w, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):
+                continue
+            run, wait = run + int(r) / 1e9, wait + int(w) / 1e9
+    return run, wait
+
+
 def run_collector_phase(
     name: str,
     work: Path,
@@ -118,6 +150,7 @@ def run_collector_phase(
     zstd_level: int,
     batch_frames: int,
     batch_interval_s: float,
+    store_writers: int = 1,
 ) -> dict[str, Any]:
     store = work / f"store-{name}"
     port = free_port()
@@ -126,6 +159,7 @@ def run_collector_phase(
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "--log-level", "warning", "collect"]
     cmd += ["--store", str(store), "--port", str(port), "--token", TOKEN]
     cmd += ["--camera-zstd-level", str(zstd_level), "--max-batch-frames", "64"]
+    cmd += ["--store-writers", str(store_writers)]
     with open(log_path, "ab") as log_f:
         coll = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_f, env=env)
     assert coll.stdout is not None
@@ -160,14 +194,21 @@ def run_collector_phase(
         p.start()
         procs.append(p)
     time.sleep(max(0.0, start_at - time.time()))
-    c0, t0 = cpu_seconds([cproc]), time.perf_counter()
+    writers0 = cproc.children(recursive=True)  # the store writer process(es)
+    c0, w0, t0 = cpu_seconds([cproc]), cpu_seconds(writers0), time.perf_counter()
+    th0 = thread_cpu([cproc, *writers0])
+    rq0 = run_queue_wait([cproc])
     psutil.cpu_percent(None)
     load0 = os.getloadavg()
     for p in procs:
         p.join(seconds + 600)
     t1 = time.perf_counter()
     load1 = os.getloadavg()
-    c1 = cpu_seconds([cproc])
+    writers1 = cproc.children(recursive=True)
+    c1, w1 = cpu_seconds([cproc]), cpu_seconds(writers0)
+    th1 = thread_cpu([cproc, *writers0])
+    rq1 = run_queue_wait([cproc])
+    writers_restarted = {p.pid for p in writers1} != {p.pid for p in writers0}
     machine_cpu = psutil.cpu_percent(None)
     coll.send_signal(signal.SIGTERM)
     coll.wait(120)
@@ -214,10 +255,26 @@ def run_collector_phase(
         "frame_age_at_ack_ms_p99": round(float(np.percentile(age, 99)), 2),
         "ack_samples": len(lat),
         "drain_after_stop_s": round(close_s, 2),
-        "collector_cpu_cores": round((c1 - c0) / wall, 2),
-        "collector_cpu_ms_per_frame": round((c1 - c0) / produced * 1000, 3),
+        "store_writers": store_writers,
+        "store_writers_restarted": writers_restarted,
+        # collector = the intake process (gRPC, validation, log append, acks) + its store writer process(es)
+        "collector_cpu_cores": round((c1 - c0 + w1 - w0) / wall, 2),
+        "collector_intake_cpu_cores": round((c1 - c0) / wall, 2),
+        "store_writer_cpu_cores": round((w1 - w0) / wall, 2),
+        "collector_cpu_ms_per_frame": round((c1 - c0 + w1 - w0) / produced * 1000, 3),
+        "collector_intake_cpu_ms_per_frame": round((c1 - c0) / produced * 1000, 3),
+        "store_writer_cpu_ms_per_frame": round((w1 - w0) / produced * 1000, 3),
         "robots_cpu_ms_per_frame": round(sum(r["cpu_seconds"] for r in results) / produced * 1000, 3),
         "robots_cpu_cores": round(sum(r["cpu_seconds"] for r in results) / wall, 2),
+        # where the collector's CPU goes, by thread (cores over the run; threads over 0.01 cores)
+        "collector_thread_cores": {
+            k: round((v - th0.get(k, 0.0)) / wall, 3)
+            for k, v in sorted(th1.items(), key=lambda kv: -(kv[1] - th0.get(kv[0], 0.0)))
+            if (v - th0.get(k, 0.0)) / wall >= 0.01
+        },
+        # the intake process's threads: for each second they ran, how long they were runnable but waited
+        # for a CPU (other processes had it): > 0.3 or so means acks wait on the scheduler, not on work
+        "intake_run_queue_wait_per_run_s": round((rq1[1] - rq0[1]) / max(rq1[0] - rq0[0], 1e-9), 2),
         "machine_cpu_percent": machine_cpu,
         "load_avg_1m_before": round(load0[0], 2),
         "load_avg_before": [round(x, 2) for x in load0],
@@ -318,6 +375,12 @@ def main() -> None:
     ap.add_argument("--camera-zstd-level", type=int, default=-3)
     ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
     ap.add_argument("--batch-ms", type=float, default=100.0, help="robot client batch_interval_s, in ms")
+    ap.add_argument(
+        "--store-writers",
+        type=int,
+        default=1,
+        help="collector --store-writers (0 = in the collector's process)",
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -352,6 +415,7 @@ def main() -> None:
             args.camera_zstd_level,
             args.batch_frames,
             args.batch_ms / 1000,
+            args.store_writers,
         )
     )
     print(json.dumps(phases[-1]), flush=True)
@@ -371,6 +435,7 @@ def main() -> None:
                 args.camera_zstd_level,
                 args.batch_frames,
                 args.batch_ms / 1000,
+                args.store_writers,
             )
         )
         print(json.dumps(phases[-1]), flush=True)

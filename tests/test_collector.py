@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fleet.collector import Collector, WriteAheadLog
+from fleet.collector import Collector, WriteAheadLog, _ProcessWriter
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.proto import collector_pb2_grpc as pb_grpc
@@ -122,7 +122,9 @@ def segment(
     )
 
 
-def stream_episodes(client: RobotClient, episodes: int, frames: int, seed: int) -> list[tuple[str, int, str]]:
+def stream_episodes(
+    client: RobotClient, episodes: int, frames: int, seed: int, pace_s: float = 0.0
+) -> list[tuple[str, int, str]]:
     """Episodes with a takeover in the middle; returns (episode, seq, digest) of every frame produced."""
     rng = np.random.default_rng(seed)
     out = []
@@ -142,6 +144,8 @@ def stream_episodes(client: RobotClient, episodes: int, frames: int, seed: int) 
             ts = max(time.time(), ts)
             client.add_frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
             out.append((eid, i, frame_digest(cams, state, action, prop, 0.5, False, False, ctrl, ts)))
+            if pace_s:
+                time.sleep(pace_s)
         client.end_episode("success")
     return out
 
@@ -364,14 +368,19 @@ def test_duplicates_and_overlaps_are_dropped(collector: Collector) -> None:
 
 
 def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = Collector._apply
+    import fleet.store_writer
 
-    def slow_apply(self: Collector, ep: Any, op: Any) -> None:
+    slow = fleet.store_writer.apply_record
+
+    def slow_apply(w: Any, raw: bytes) -> bool:
         time.sleep(0.02)
-        slow(self, ep, op)
+        return slow(w, raw)
 
-    monkeypatch.setattr(Collector, "_apply", slow_apply)
-    with Collector(tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8) as c:
+    # store_writers=0: the writer runs in this process, so the slow-down applies to it
+    monkeypatch.setattr(fleet.store_writer, "apply_record", slow_apply)
+    with Collector(
+        tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8, store_writers=0
+    ) as c:
         client = RobotClient(
             c.address, "arm-1", SPEC, "t", token=TOKEN, max_batch_frames=1, batch_interval_s=0
         )
@@ -388,6 +397,92 @@ def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pyt
             )
         )
         assert waited > 0.1
+
+
+def test_killed_store_writer_is_restarted_and_every_frame_lands_once(tmp_path: Path) -> None:
+    """SIGKILL the store writer processes three times while 4 robots stream: each restart replays the logs
+    from the Zarr commits; every frame is stored exactly once and nothing else appears."""
+    c = Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
+    try:
+        sent: list[tuple[str, int, str]] = []
+        clients = [
+            RobotClient(c.address, f"arm-{i}", SPEC, "t", token=TOKEN, max_batch_frames=4) for i in range(4)
+        ]
+        threads = [
+            threading.Thread(target=lambda cl=cl, i=i: sent.extend(stream_episodes(cl, 3, 80, i, 0.02)))
+            for i, cl in enumerate(clients)
+        ]
+        for t in threads:
+            t.start()
+
+        def stored() -> int:
+            return sum(a.frames_stored for a in c.accounts.values())
+
+        open_at_kill: list[int] = []
+        for k in (0, 1, 0):  # kill mid-stream, each time once the writers have stored more frames
+            before, deadline = stored(), time.monotonic() + 30
+            while stored() < before + 16 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            victim = c._writers[k]
+            assert isinstance(victim, _ProcessWriter)
+            with c._episodes_lock:
+                open_at_kill.append(sum(ep.writer == k for ep in c._episodes.values()))
+            victim.kill()
+            deadline = time.monotonic() + 30
+            while c._writers[k] is victim and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c._writers[k] is not victim, "the dead writer was not replaced"
+        assert min(open_at_kill) > 0, open_at_kill  # each writer died with episodes half written
+        for t in threads:
+            t.join(120)
+        assert all(cl.close(60) for cl in clients)
+        assert c.drain(60)
+        assert collections.Counter(sent) == store_digests(c.store.root)  # exactly once, no phantoms
+        assert len(sent) == 4 * 3 * 80
+        assert c.store.verify(db=c.db) == []
+        assert not list((c.store.root / "wal").glob("*.wal"))  # every episode closed, its log deleted
+        for a in c.accounts.values():
+            assert a.frames_stored == a.frames_committed == 240 and a.episodes_closed == 3
+        assert "vla_rl_collector_store_writer_restarts_total 3.0" in c.stats().prometheus_text
+    finally:
+        c.stop()
+
+
+def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None:
+    """Past 5 deaths a minute the writer is not restarted: its episodes' streams get UNAVAILABLE (no silent
+    acks of frames nobody will write), and the next collector replays what was acknowledged."""
+    root = tmp_path / "s"
+    c = Collector(root, port=0, token=TOKEN, chunk_len=8).start()
+    try:
+        send, recv, close = raw_stream(c.address)
+        send(hello())
+        send(pb.RobotMessage(start=pb.StartEpisode(episode_id="doomed")))
+        send(segment("doomed", 0, 0))
+        send(batch("doomed", 0, 4))
+        assert [recv().WhichOneof("body") for _ in range(4)] == ["welcome", "ack", "ack", "ack"]
+        c._writer_deaths = [time.monotonic()] * 5  # as if it had died five times already
+        victim = c._writers[0]
+        assert isinstance(victim, _ProcessWriter)
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while 0 not in c._dead_writers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c._writers[0] is victim  # not restarted
+        send(batch("doomed", 4, 4))
+        with pytest.raises(grpc.RpcError) as err:
+            recv()
+        assert err.value.code() == SC.UNAVAILABLE
+        close()
+    finally:
+        c.stop()
+    with Collector(root, port=0, token=TOKEN, chunk_len=8) as c2:
+        assert c2.drain(30)
+        send, recv, close = raw_stream(c2.address)
+        send(hello())
+        send(pb.RobotMessage(start=pb.StartEpisode(episode_id="doomed")))
+        assert [recv().WhichOneof("body") for _ in range(2)] == ["welcome", "ack"]
+        close()
+    assert EpisodeStore(root).read_metadata("doomed").length == 4  # flushed on stop, from the log
 
 
 def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> None:
@@ -435,9 +530,10 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         sent.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 2000.0 + i))
     assert client.flush(30)
     assert EpisodeStore(root).read_metadata(eid).length == 0  # acknowledged, only in the log (chunk of 64)
-    # "crash": the server goes away without writing its buffers, as after SIGKILL
+    # "crash": the server and its store writer go away without writing their buffers, as after SIGKILL
     assert c._server is not None
     c._server.stop(0).wait()
+    crash_writers(c)
     c._unlock_store()
     log = root / "wal" / f"{eid}.wal"
     with open(log, "ab") as f:
@@ -458,7 +554,15 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         assert sorted(d for (_, _, d) in got) == sorted(sent)
     finally:
         c2.stop()
-        c._workers.shutdown(wait=False)
+
+
+def crash_writers(c: Collector) -> None:
+    """SIGKILL a collector's store writer processes, as if the whole collector had been killed."""
+    c._stop.set()  # no restarts: this collector is "dead"
+    for w in c._writers:
+        assert isinstance(w, _ProcessWriter)
+        w.kill()
+        w.join(10)
 
 
 # ------------------------------------------------------------------------------------------ real processes

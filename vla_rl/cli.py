@@ -552,7 +552,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
             camera_zstd_level=args.camera_zstd_level,
             max_batch_frames=args.max_batch_frames,
             max_pending_bytes=int(args.max_pending_mb * 1024 * 1024),
-            store_workers=args.store_workers,
+            store_writers=args.store_writers,
             allowed_robots=robots,
             metrics_port=args.metrics_port,
         )
@@ -1117,7 +1117,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="frame MB waiting for the store before robots are slowed",
     )
-    co.add_argument("--store-workers", type=int, default=2, help="threads writing into the Zarr store")
+    co.add_argument(
+        "--store-writers",
+        type=int,
+        default=1,
+        help="processes writing the logged frames into Zarr, beside the one taking messages (default "
+        "%(default)s; 0 = a thread in the collector's process, which then shares its one core)",
+    )
 
     fl_p = add(sub, "fleet", lambda a: (fl_p.print_help(), 0)[1], "simulated robot fleets")
     fl_sub = fl_p.add_subparsers(dest="fleet_command", metavar="SUBCOMMAND")
