@@ -151,6 +151,7 @@ def run_collector_phase(
     batch_frames: int,
     batch_interval_s: float,
     store_writers: int = 1,
+    lockstep: bool = False,
 ) -> dict[str, Any]:
     store = work / f"store-{name}"
     port = free_port()
@@ -169,7 +170,7 @@ def run_collector_phase(
     cproc = psutil.Process(coll.pid)
     ctx = mp.get_context("spawn")
     start_at = time.time() + 4.0 + 0.5 * robots  # after every robot process has imported and connected
-    episodes = math.ceil(seconds * max(hz, 1) / frames_per_episode) + (1000 if hz <= 0 else 0)
+    episodes = math.ceil(seconds * max(hz, 1) / frames_per_episode) + 1 + (1000 if hz <= 0 else 0)
     procs = []
     for i in range(robots):
         cfg = SyntheticRobotConfig(
@@ -179,6 +180,8 @@ def run_collector_phase(
             token=TOKEN,
             episodes=episodes,
             frames_per_episode=frames_per_episode,
+            # Real fleets do not end episodes in lockstep; --lockstep keeps the worst case measurable.
+            first_episode_frames=None if lockstep else frames_per_episode - i * frames_per_episode // robots,
             hz=hz,
             seed=i,
             images=str(images),
@@ -234,6 +237,7 @@ def run_collector_phase(
     out = {
         "phase": name,
         "robots": robots,
+        "episode_boundaries": "in lockstep" if lockstep else "staggered",
         "hz_per_robot": hz,
         "batch": f"<= {batch_frames} frames or {batch_interval_s * 1000:g} ms",
         "seconds_streaming": round(stream_s, 2),
@@ -371,6 +375,13 @@ def main() -> None:
     ap.add_argument("--images", choices=["rendered", "smooth"], default="rendered")
     ap.add_argument("--frames-per-episode", type=int, default=300)
     ap.add_argument("--capacity-seconds", type=float, default=20.0, help="unthrottled run length (0 = skip)")
+    ap.add_argument(
+        "--lockstep-seconds",
+        type=float,
+        default=30.0,
+        help="also run the worst case where all robots start and end episodes together (0 = skip); the "
+        "rate run staggers each robot's first episode so boundaries spread out, as in a real fleet",
+    )
     ap.add_argument("--lerobot-frames", type=int, default=600, help="frames per LeRobot mode (0 = skip)")
     ap.add_argument("--camera-zstd-level", type=int, default=-3)
     ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
@@ -419,6 +430,30 @@ def main() -> None:
         )
     )
     print(json.dumps(phases[-1]), flush=True)
+    if args.lockstep_seconds > 0:
+        print(
+            f"lockstep run: every robot's episodes start and end together, {args.lockstep_seconds:g} s",
+            flush=True,
+        )
+        phases.append(
+            run_collector_phase(
+                "rate-lockstep",
+                work,
+                images,
+                spec,
+                args.robots,
+                args.hz,
+                args.lockstep_seconds,
+                args.frames_per_episode,
+                1 << 30,
+                args.camera_zstd_level,
+                args.batch_frames,
+                args.batch_ms / 1000,
+                args.store_writers,
+                lockstep=True,
+            )
+        )
+        print(json.dumps(phases[-1]), flush=True)
     if args.capacity_seconds > 0:
         print(f"capacity run: {args.robots} robots unthrottled for {args.capacity_seconds:g} s", flush=True)
         phases.append(
@@ -453,7 +488,8 @@ def main() -> None:
         rows.append(
             [
                 f"collector, {p['robots']} robots"
-                + (f" x {p['hz_per_robot']:g} Hz" if p["hz_per_robot"] else ", unthrottled"),
+                + (f" x {p['hz_per_robot']:g} Hz" if p["hz_per_robot"] else ", unthrottled")
+                + (", episodes in lockstep" if p.get("episode_boundaries") == "in lockstep" else ""),
                 f"{p['camera_frames_per_s']:.0f}",
                 f"{p['frames_in_store']}/{p['frames_produced']}",
                 f"{p['ack_ms_p50']:.1f} / {p['ack_ms_p99']:.1f}",

@@ -422,7 +422,10 @@ class Collector:
         self._connected: dict[str, int] = collections.defaultdict(int)
         self._episodes: dict[str, _Episode] = {}
         self._episodes_lock = threading.Lock()
-        self._start_lock = threading.Lock()
+        # One lock per episode id being started: two streams of one robot must not create or resume an
+        # episode twice, while different episodes (a fleet starting together) are created in parallel.
+        self._start_locks: dict[str, threading.Lock] = {}
+        self._start_locks_guard = threading.Lock()
         self._pending_bytes = 0
         self._room = threading.Condition()
         if store_writers < 0:
@@ -602,6 +605,9 @@ class Collector:
         A store writer then replays the log into Zarr from the commit on (what is committed is skipped).
         """
         meta = self.store.read_metadata(eid)
+        # A collector killed between writing the episode's commit record and its DB row left it out of
+        # the DB; (re)recording the open row from the store's committed state is idempotent.
+        self.db.record_episode_open(meta, str(self.store.root))
         path = self.wal_dir / f"{eid}.wal"
         records: list[bytes] = []
         if path.exists():
@@ -754,19 +760,32 @@ class Collector:
                 SC.INVALID_ARGUMENT, f"start.episode_id: expected {_ID_RE.pattern}, got {eid!r}"
             )
         assert session.spec is not None
-        with self._start_lock:  # two streams of one robot must not create or resume an episode twice
-            with self._episodes_lock:
-                ep = self._episodes.get(eid)
-            if ep is None:
-                ep_or_ack = self._open_episode(session, msg, eid)
-                if isinstance(ep_or_ack, pb.CollectorMessage):
-                    return ep_or_ack
-                ep = ep_or_ack
+        with self._start_locks_guard:
+            start_lock = self._start_locks.setdefault(eid, threading.Lock())
+        try:
+            with start_lock:
+                ep_or_ack = self._start_locked(session, msg, eid)
+        finally:
+            with self._start_locks_guard:
+                if not start_lock.locked():
+                    self._start_locks.pop(eid, None)
+        if isinstance(ep_or_ack, pb.CollectorMessage):
+            return ep_or_ack
+        ep = ep_or_ack
         if ep.robot_id != session.robot_id:
             raise RequestError(
                 SC.PERMISSION_DENIED, f"start.episode_id: {eid} belongs to robot {ep.robot_id!r}", eid
             )
         return _ack(msg.msg_id, eid, ep.committed, ep.segments, ep.ended, ep.closed)
+
+    def _start_locked(
+        self, session: _Session, msg: pb.RobotMessage, eid: str
+    ) -> _Episode | pb.CollectorMessage:
+        """The open episode ``eid`` (resumed or created), or the ack of a closed one; the caller holds
+        ``eid``'s start lock."""
+        with self._episodes_lock:
+            ep = self._episodes.get(eid)
+        return ep if ep is not None else self._open_episode(session, msg, eid)
 
     def _open_episode(
         self, session: _Session, msg: pb.RobotMessage, eid: str
@@ -807,6 +826,7 @@ class Collector:
             chunk_len=self.chunk_len,
             episode_id=eid,
             camera_zstd_level=self.camera_zstd_level if session.spec.cameras else None,
+            open_writer=False,
         )
         ep = _Episode(
             id=eid,
@@ -1242,7 +1262,14 @@ class _Service:
                     )
                     continue
                 try:
-                    reply = self.c.handle(session, msg, raw, cams)
+                    if msg.WhichOneof("body") == "start":
+                        # Creating an episode (Zarr arrays, commit record) takes ~50 ms of file work;
+                        # on the event loop, a fleet whose episodes start together stalled every
+                        # robot's acks for seconds. A thread keeps the other streams flowing (starts
+                        # are serialised by Collector._start_lock; the rest of handle is thread-safe).
+                        reply = await asyncio.to_thread(self.c.handle, session, msg, raw, cams)
+                    else:
+                        reply = self.c.handle(session, msg, raw, cams)
                 except _Unavailable as e:
                     log.error("cannot make a message durable; ending the stream", extra={"error": str(e)})
                     await context.abort(

@@ -115,6 +115,9 @@ class SyntheticRobotConfig:
     token: str | None = None
     episodes: int = 2
     frames_per_episode: int = 60
+    first_episode_frames: int | None = (
+        None  # a shorter first episode puts this robot's boundaries out of step
+    )
     hz: float = 0.0  # frames per second (0 = as fast as possible)
     seed: int = 0
     images: str | None = None  # .npz of {camera name: uint8 [P, H, W, 3]} pools; None = smooth synthetic
@@ -179,7 +182,7 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
             break
         eid = new_episode_id(cfg.robot_id)
         client.start_episode(eid, kind="autonomous", controller="policy", reason="policy")
-        n = cfg.frames_per_episode
+        n = cfg.first_episode_frames if e == 0 and cfg.first_episode_frames else cfg.frames_per_episode
         a, b = (n // 3, n // 2) if cfg.takeover else (n, n)
         segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
         seg = 0
