@@ -143,6 +143,8 @@ class ClientStats:
     last_error: str = ""
     # send -> durable ack of each FrameBatch, and the age of its oldest frame at the ack (adds the batching wait)
     ack_latency_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=200_000))
+    ack_at_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=200_000))
+    """time.time() of each frames ack, paired with ``ack_latency_s`` (to split warm-up from steady state)."""
     frame_age_at_ack_s: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200_000)
     )
@@ -711,6 +713,7 @@ class RobotClient:
             sent = self._inflight.pop(ack.msg_id, None)
             if sent is not None and sent[1] == "frames":
                 self.stats.ack_latency_s.append(now - sent[0])
+                self.stats.ack_at_s.append(time.time())
                 self.stats.frame_age_at_ack_s.append(now - sent[2])
             self.stats.duplicates_dropped_by_collector += ack.duplicates
             ep = self._eps.get(ack.episode_id)

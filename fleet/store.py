@@ -309,6 +309,9 @@ _BLOCKS = _BlockPool(512 * 1024 * 1024)
 os.register_at_fork(after_in_child=_write_pool.cache_clear)
 
 
+_TEMPLATE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=64)
 def _episode_template(
     spec_json: str, chunk_len: int, camera_zstd_level: int | None
@@ -926,7 +929,8 @@ class EpisodeStore:
         # The arrays' metadata documents are the same for every episode of one spec and layout: write
         # the ones zarr produced once (cached) instead of creating ~12 arrays through zarr each time
         # (~50 ms, which stalled a collector whose fleet starts episodes together).
-        root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level)
+        with _TEMPLATE_LOCK:  # a fleet starting together must not build the same template 16 times
+            root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level)
         for rel, data in files.items():
             (ep_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             (ep_dir / rel).write_bytes(data)

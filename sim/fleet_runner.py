@@ -249,6 +249,7 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
                     "rejects": st.rejects,
                     "errors": client.errors,
                     "ack_latency_s": lat.tolist(),
+                    "ack_at_s": list(client.stats.ack_at_s),
                     "frame_age_at_ack_s": list(client.stats.frame_age_at_ack_s),
                 }
             )
