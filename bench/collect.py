@@ -426,68 +426,38 @@ def main() -> None:
         f"rate run: {args.robots} robots x {args.hz:g} Hz x 2 cameras x {args.size} px for {args.seconds:g} s",
         flush=True,
     )
-    phases.append(
-        run_collector_phase(
-            "rate",
-            work,
-            images,
-            spec,
-            args.robots,
-            args.hz,
-            args.seconds,
-            args.frames_per_episode,
-            1 << 30,
-            args.camera_zstd_level,
-            args.batch_frames,
-            args.batch_ms / 1000,
-            args.store_writers,
+
+    def phase(name: str, hz: float, seconds: float, buffer_bytes: int, lockstep: bool = False) -> None:
+        phases.append(
+            run_collector_phase(
+                name,
+                work,
+                images,
+                spec,
+                args.robots,
+                hz,
+                seconds,
+                args.frames_per_episode,
+                buffer_bytes,
+                args.camera_zstd_level,
+                args.batch_frames,
+                args.batch_ms / 1000,
+                args.store_writers,
+                lockstep=lockstep,
+            )
         )
-    )
-    print(json.dumps(phases[-1]), flush=True)
+        print(json.dumps(phases[-1]), flush=True)
+
+    phase("rate", args.hz, args.seconds, 1 << 30)
     if args.lockstep_seconds > 0:
         print(
             f"lockstep run: every robot's episodes start and end together, {args.lockstep_seconds:g} s",
             flush=True,
         )
-        phases.append(
-            run_collector_phase(
-                "rate-lockstep",
-                work,
-                images,
-                spec,
-                args.robots,
-                args.hz,
-                args.lockstep_seconds,
-                args.frames_per_episode,
-                1 << 30,
-                args.camera_zstd_level,
-                args.batch_frames,
-                args.batch_ms / 1000,
-                args.store_writers,
-                lockstep=True,
-            )
-        )
-        print(json.dumps(phases[-1]), flush=True)
+        phase("rate-lockstep", args.hz, args.lockstep_seconds, 1 << 30, lockstep=True)
     if args.capacity_seconds > 0:
         print(f"capacity run: {args.robots} robots unthrottled for {args.capacity_seconds:g} s", flush=True)
-        phases.append(
-            run_collector_phase(
-                "capacity",
-                work,
-                images,
-                spec,
-                args.robots,
-                0.0,
-                args.capacity_seconds,
-                args.frames_per_episode,
-                64 << 20,
-                args.camera_zstd_level,
-                args.batch_frames,
-                args.batch_ms / 1000,
-                args.store_writers,
-            )
-        )
-        print(json.dumps(phases[-1]), flush=True)
+        phase("capacity", 0.0, args.capacity_seconds, 64 << 20)
     lerobot: list[dict[str, Any]] = []
     if args.lerobot_frames > 0:
         for videos in (True, False):
