@@ -424,7 +424,7 @@ class Collector:
         self._episodes_lock = threading.Lock()
         # One lock per episode id being started: two streams of one robot must not create or resume an
         # episode twice, while different episodes (a fleet starting together) are created in parallel.
-        self._start_locks: dict[str, threading.Lock] = {}
+        self._start_locks: dict[str, tuple[threading.Lock, int]] = {}  # eid -> (lock, threads using it)
         self._start_locks_guard = threading.Lock()
         self._pending_bytes = 0
         self._room = threading.Condition()
@@ -760,15 +760,19 @@ class Collector:
                 SC.INVALID_ARGUMENT, f"start.episode_id: expected {_ID_RE.pattern}, got {eid!r}"
             )
         assert session.spec is not None
-        with self._start_locks_guard:
-            start_lock = self._start_locks.setdefault(eid, threading.Lock())
+        with self._start_locks_guard:  # counted, so the entry goes only when no thread holds or waits
+            start_lock, users = self._start_locks.get(eid, (threading.Lock(), 0))
+            self._start_locks[eid] = (start_lock, users + 1)
         try:
             with start_lock:
                 ep_or_ack = self._start_locked(session, msg, eid)
         finally:
             with self._start_locks_guard:
-                if not start_lock.locked():
-                    self._start_locks.pop(eid, None)
+                users = self._start_locks[eid][1] - 1
+                if users:
+                    self._start_locks[eid] = (start_lock, users)
+                else:
+                    del self._start_locks[eid]
         if isinstance(ep_or_ack, pb.CollectorMessage):
             return ep_or_ack
         ep = ep_or_ack
@@ -818,7 +822,7 @@ class Collector:
             shutil.rmtree(leftover)
         # Created here (commit.json, DB row) so the episode exists before its first ack; a store
         # writer resumes it when the first logged message reaches it.
-        self.store.create_episode(
+        self.store.new_episode(
             session.spec,
             robot_id=session.robot_id,
             task=session.task,
@@ -826,7 +830,6 @@ class Collector:
             chunk_len=self.chunk_len,
             episode_id=eid,
             camera_zstd_level=self.camera_zstd_level if session.spec.cameras else None,
-            open_writer=False,
         )
         ep = _Episode(
             id=eid,

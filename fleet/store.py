@@ -892,10 +892,35 @@ class EpisodeStore:
         episode_id: str | None = None,
         db: MetadataDB | None = None,
         camera_zstd_level: int | None = None,
-        open_writer: bool = True,
-    ) -> EpisodeWriter | None:
-        """Create an empty episode and return its writer (None with ``open_writer=False``: a caller that
-        hands the episode to another process skips opening its arrays).
+    ) -> EpisodeWriter:
+        """Create an empty episode (see :meth:`new_episode`) and return its writer."""
+        meta = self.new_episode(
+            spec,
+            robot_id=robot_id,
+            task=task,
+            instruction=instruction,
+            chunk_len=chunk_len,
+            episode_id=episode_id,
+            db=db,
+            camera_zstd_level=camera_zstd_level,
+        )
+        group = zarr.open_group(self.episodes_dir / meta.episode_id, mode="r+")
+        return EpisodeWriter(self, meta, group, db if db is not None else self.db)
+
+    def new_episode(
+        self,
+        spec: RobotSpec,
+        *,
+        robot_id: str,
+        task: str,
+        instruction: str | None = None,
+        chunk_len: int = DEFAULT_CHUNK_LEN,
+        episode_id: str | None = None,
+        db: MetadataDB | None = None,
+        camera_zstd_level: int | None = None,
+    ) -> EpisodeMeta:
+        """Create an empty, open episode (its arrays, commit record and DB row) without opening a writer:
+        what a caller that hands the episode to another process (the fleet collector) needs.
 
         ``instruction`` defaults to the spec's; ``episode_id`` defaults to ``<UTC time>-<robot>-<random>``
         (sortable by creation time). ``db`` overrides the store's DB for this episode.
@@ -940,9 +965,7 @@ class EpisodeStore:
         db = db if db is not None else self.db
         if db is not None:
             db.record_episode_open(meta, str(self.root))
-        if not open_writer:
-            return None
-        return EpisodeWriter(self, meta, zarr.open_group(ep_dir, mode="r+"), db)
+        return meta
 
     def resume_episode(self, episode_id: str, db: MetadataDB | None = None) -> EpisodeWriter:
         """A writer that continues an open episode after its previous writer went away (e.g. was killed).

@@ -46,6 +46,41 @@ class DemoReport:
         self.frames += meta.length
         self.episode_ids.append(meta.episode_id)
 
+    def write_step(
+        self,
+        writers: list[EpisodeWriter | None],
+        observation: dict[str, Any],
+        actions: np.ndarray,
+        step: tuple[Any, ...],
+        bar: tqdm,
+        **fields: Any,
+    ) -> list[int]:
+        """Append one vector step to every open writer (``step`` = what ``env.step`` returned,
+        ``fields`` = extra frame fields, numpy arrays indexed per env, e.g. the controller); close and count the episodes that
+        ended. Returns the env indices whose episode ended (the caller opens the next or stops)."""
+        _obs, reward, terminated, truncated, info = step
+        now = time.time()
+        ended = []
+        for i, w in enumerate(writers):
+            if w is None:
+                continue
+            w.add_frame(
+                cameras={k: v[i] for k, v in observation["cameras"].items()},
+                state=observation["state"][i],
+                action=actions[i],
+                reward=float(reward[i]),
+                terminated=bool(terminated[i]),
+                truncated=bool(truncated[i]),
+                timestamp=now,
+                **{k: v[i] if isinstance(v, np.ndarray) else v for k, v in fields.items()},
+            )
+            if terminated[i] or truncated[i]:
+                self.close_episode(w, bool(info["success"][i]))
+                bar.update(1)
+                bar.set_postfix(success=f"{self.success_rate:.0%}")
+                ended.append(i)
+        return ended
+
 
 def record_demos(
     store: EpisodeStore,
@@ -93,33 +128,17 @@ def record_demos(
         while report.episodes < episodes:
             priv = info["privileged"]
             actions = np.stack([e.act({k: v[i] for k, v in priv.items()}) for i, e in enumerate(experts)])
-            next_obs, reward, terminated, truncated, info = env.step(actions)
-            now = time.time()
-            for i, w in enumerate(writers):
-                if w is None:
-                    continue
-                w.add_frame(
-                    cameras={k: v[i] for k, v in observation["cameras"].items()},
-                    state=observation["state"][i],
-                    action=actions[i],
-                    reward=float(reward[i]),
-                    terminated=bool(terminated[i]),
-                    truncated=bool(truncated[i]),
-                    controller="scripted",
-                    timestamp=now,
-                )
-                if terminated[i] or truncated[i]:
-                    report.close_episode(w, bool(info["success"][i]))
-                    bar.update(1)
-                    bar.set_postfix(success=f"{report.success_rate:.0%}")
-                    # Start the next episode in this env only while more are needed.
-                    if started < episodes:
-                        writers[i] = open_writer(i)
-                        experts[i].reset(int(info["episode_seed"][i]))
-                        started += 1
-                    else:
-                        writers[i] = None
-            observation = next_obs
+            step = env.step(actions)
+            observation_next, info = step[0], step[4]
+            for i in report.write_step(writers, observation, actions, step, bar, controller="scripted"):
+                # Start the next episode in this env only while more are needed.
+                if started < episodes:
+                    writers[i] = open_writer(i)
+                    experts[i].reset(int(info["episode_seed"][i]))
+                    started += 1
+                else:
+                    writers[i] = None
+            observation = observation_next
         bar.close()
     finally:
         env.close()
@@ -173,7 +192,7 @@ def record_rollouts(
     )
     report = DemoReport(task=env.task)
     try:
-        observation, info = env.reset()
+        observation, _info = env.reset()
         started = num_envs
 
         def open_writer(i: int) -> EpisodeWriter:
@@ -186,34 +205,16 @@ def record_rollouts(
         bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
         while report.episodes < episodes:
             actions = chunks.actions(observation)
-            next_obs, reward, terminated, truncated, info = env.step(actions)
-            chunks.drop(np.flatnonzero(terminated | truncated))
-            now = time.time()
-            for i, w in enumerate(writers):
-                if w is None:
-                    continue
-                w.add_frame(
-                    cameras={k: v[i] for k, v in observation["cameras"].items()},
-                    state=observation["state"][i],
-                    action=actions[i],
-                    proposed_action=actions[i],
-                    reward=float(reward[i]),
-                    terminated=bool(terminated[i]),
-                    truncated=bool(truncated[i]),
-                    controller="policy",
-                    revision=revision,
-                    timestamp=now,
-                )
-                if terminated[i] or truncated[i]:
-                    report.close_episode(w, bool(info["success"][i]))
-                    bar.update(1)
-                    bar.set_postfix(success=f"{report.success_rate:.0%}")
-                    if started < episodes:
-                        writers[i] = open_writer(i)
-                        started += 1
-                    else:
-                        writers[i] = None
-            observation = next_obs
+            step = env.step(actions)
+            chunks.drop(np.flatnonzero(step[2] | step[3]))
+            fields = {"proposed_action": actions, "controller": "policy", "revision": revision}
+            for i in report.write_step(writers, observation, actions, step, bar, **fields):
+                if started < episodes:
+                    writers[i] = open_writer(i)
+                    started += 1
+                else:
+                    writers[i] = None
+            observation = step[0]
         bar.close()
     finally:
         env.close()
