@@ -15,6 +15,7 @@ from policies.critics import ChunkQEnsemble
 from sim.demos import record_demos
 from vla_rl.checkpoint import load_checkpoint, read_info
 from vla_rl.policy_loading import load_policy
+from vla_rl.train.common import load_train_state
 from vla_rl.train.qam import (
     QAMConfig,
     QAMLearner,
@@ -296,6 +297,34 @@ def test_lambda_zero_leaves_the_fine_policy_at_the_base(tiny_base: tuple[Path, P
     )
     out = learner.losses(batch, nxt, train_actor=True)
     assert float(out["loss_am"].detach()) > 0 and torch.isfinite(out["loss_q"])
+
+
+def test_mc_warm_start_fits_the_monte_carlo_return_and_keeps_the_actor(
+    tiny_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path))
+    batch, _ = _learner_batch(learner)
+    batch["mc_return"] = torch.linspace(-1.0, 0.0, 6)
+    opt = torch.optim.Adam(learner.critic.parameters(), lr=3e-3)
+    first = float(learner.mc_losses(batch)["loss_q"].detach())
+    for _ in range(300):
+        loss = learner.mc_losses(batch)["loss_q"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.05 * first
+    q = learner.critic(learner.features(batch), learner.dataset_chunk(batch["action"])).mean(0)
+    torch.testing.assert_close(q, batch["mc_return"], atol=0.05, rtol=0.0)
+
+    # a run that only warm-starts the critic: no actor update, the target critic equals the critic
+    res = train_qam(_cfg(tiny_base, tmp_path / "mc", critic_mc_steps=6))
+    assert all("loss_am" not in r and "q_gain" not in r for r in res.curve)
+    _, w_base = load_checkpoint(tiny_base[1])
+    _, w_fine = load_checkpoint(res.checkpoint)
+    assert all(torch.equal(w_base[k], w_fine[k]) for k in w_base)
+    st = load_train_state(tmp_path / "mc" / "train_state.pt")["learner"]
+    for k in [k for k in st if k.startswith("critic.")]:
+        torch.testing.assert_close(st[k], st["critic_target." + k[len("critic.") :]])
 
 
 def test_offline_run_writes_a_qam_checkpoint_and_resumes_exactly(

@@ -72,6 +72,14 @@ def test_step_rewards() -> None:
     np.testing.assert_allclose(
         step_rewards("dense", stored_reward=dense, success=True, terminated=term, max_steps=10), dense
     )
+    # shaped: success + γΦ(s') − Φ(s), Φ(s_0) = 0, Φ(terminal) = 0 (by hand, γ = 0.5)
+    r = step_rewards("shaped", stored_reward=dense, success=True, terminated=term, max_steps=10, gamma=0.5)
+    np.testing.assert_allclose(r, [0.5 * 0.1 - 0.0, 0.5 * 0.2 - 0.1, 1.0 + 0.0 - 0.2], atol=1e-6)
+    # a truncated failure keeps the last potential (no terminal state)
+    r = step_rewards(
+        "shaped", stored_reward=dense, success=False, terminated=np.zeros(3, bool), max_steps=10, gamma=0.5
+    )
+    np.testing.assert_allclose(r, [0.05, 0.0, 0.15 - 0.2], atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- buffer

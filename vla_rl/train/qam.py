@@ -267,6 +267,12 @@ class QAMConfig:
     the critic's step."""
     critic_warmup: int = 0
     """Updates at the start during which only the critic learns (the actor waits for a sane Q)."""
+    critic_mc_steps: int = 0
+    """The first this-many updates regress Q(s, a_data) on the data's Monte-Carlo return instead of
+    the TD target (the target critic follows exactly). TD with Polyak targets needs ~1/τ updates per
+    chunk of horizon to propagate a sparse outcome, and a TD update samples the fine policy K times; an
+    MC update is ~40x cheaper and starts Q at the behaviour policy's value. Counted in offline_steps
+    and in critic_warmup (the actor never trains on an MC-only critic)."""
 
     # ---- schedule
     offline_steps: int = 1000
@@ -312,7 +318,14 @@ class QAMConfig:
             raise ValueError(
                 f"flow_steps: expected >= 2 (the last step is the base's), got {self.flow_steps}"
             )
-        for name in ("offline_steps", "env_steps", "start_online_after", "eval_every", "critic_warmup"):
+        for name in (
+            "offline_steps",
+            "env_steps",
+            "start_online_after",
+            "eval_every",
+            "critic_warmup",
+            "critic_mc_steps",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.offline_steps == 0 and self.env_steps == 0:
@@ -421,6 +434,16 @@ class QAMLearner(nn.Module):
         return (q_fine - q_base).mean()
 
     # ------------------------------------------------------------------ losses
+    def mc_losses(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """Critic warm start: ``mean_{m,B} valid·(Q_m(s, a_data) − G_MC)²``."""
+        q = self.critic(self.features(batch), self.dataset_chunk(batch["action"]))
+        y = batch["mc_return"]
+        return {
+            "loss_q": critic_loss(q, y, batch["valid"]),
+            "q_mean": q.mean().detach(),
+            "target_mean": y.mean().detach(),
+        }
+
     def losses(
         self, batch: Mapping[str, Any], next_obs: Mapping[str, Any], train_actor: bool
     ) -> dict[str, Tensor]:
@@ -743,14 +766,15 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         nxt = batch_to_policy_inputs(
             {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]}, device
         )
-        for key in ("reward_n", "bootstrap", "valid"):
+        for key in ("reward_n", "bootstrap", "valid", "mc_return"):
             batch[key] = raw[key].to(device)
         if instruction_emb is not None:
             batch["instruction_embedding"] = nxt["instruction_embedding"] = instruction_emb.expand(
                 cfg.batch_size, -1
             )
-        train_actor = step >= cfg.critic_warmup
-        out = learner.losses(batch, nxt, train_actor)
+        mc = step < cfg.critic_mc_steps
+        train_actor = step >= max(cfg.critic_warmup, cfg.critic_mc_steps)
+        out = learner.mc_losses(batch) if mc else learner.losses(batch, nxt, train_actor)
         total = out["loss_q"] + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
         for opt in (opt_critic, opt_actor, opt_base):
             if opt is not None:
@@ -767,11 +791,12 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             opt_base.step()
             assert learner.base_target is not None
             polyak_update(learner.base_target, learner.base, cfg.tau)
-        polyak_update(learner.critic_target, learner.critic, cfg.tau)
+        polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
         step += 1
         last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
         if step % cfg.log_every == 0:
-            last_metrics["q_gain"] = float(learner.q_gain(batch))
+            if train_actor:
+                last_metrics["q_gain"] = float(learner.q_gain(batch))
             row: dict[str, Any] = {"step": step, "env_steps": env_steps, "phase": phase, **last_metrics}
             if rollouts is not None and rollouts.successes:
                 row["rollout_success"] = float(np.mean(rollouts.successes))

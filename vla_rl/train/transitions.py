@@ -11,7 +11,11 @@ Rewards (``RewardKind``):
 * ``sparse``: 1 on the frame whose action succeeded (the episode's terminal success), else 0;
 * ``steps_to_go`` (RECAP): ``-1 / T_max`` per step and ``-1`` more on the last frame of a failure,
   so returns are minus the normalised time to success (in [-1, 0]) or below -1 for failures;
-* ``dense``: the shaped reward the simulator recorded in the store (when present).
+* ``dense``: the shaped reward the simulator recorded in the store (when present);
+* ``shaped``: ``sparse`` plus potential-based shaping with that dense reward as the potential Φ
+  (Ng et al. 1999): ``r_t = 1[success at t] + γ Φ(s_{t+1}) − Φ(s_t)``, Φ = 0 at reset and at a
+  terminal state. The same reward as PPO's ``dense`` setting; it keeps the sparse task's optimal
+  policy (summing the raw dense reward instead pays for hovering near the goal rather than finishing).
 
 **Credit assignment** (HABC / HELP / LWD, algorithms.md section 4): an episode's outcome is credited
 only to frames the policy (or a scripted controller) drove, and never across an intervention
@@ -41,8 +45,8 @@ from fleet.db import MetadataDB
 from fleet.store import Controller, EpisodeStore
 from vla_rl.spec import RobotSpec
 
-RewardKind = Literal["sparse", "steps_to_go", "dense"]
-REWARD_KINDS: tuple[str, ...] = ("sparse", "steps_to_go", "dense")
+RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
+REWARD_KINDS: tuple[str, ...] = ("sparse", "steps_to_go", "dense", "shaped")
 NO_CREDIT = -1
 
 __all__ = [
@@ -235,15 +239,23 @@ def step_rewards(
     success: bool,
     terminated: np.ndarray,
     max_steps: int,
+    gamma: float = 0.99,
 ) -> np.ndarray:
-    """Per-frame rewards ``[T]`` of one episode under ``kind`` (see the module docstring)."""
+    """Per-frame rewards ``[T]`` of one episode under ``kind`` (see the module docstring).
+
+    ``stored_reward[t]`` is the sim's dense reward after frame t's action, i.e. Φ(s_{t+1}).
+    """
     t = len(stored_reward)
     if kind == "dense":
         return stored_reward.astype(np.float32)
     r = np.zeros(t, dtype=np.float32)
-    if kind == "sparse":
+    if kind in ("sparse", "shaped"):
         if success and t:
             r[t - 1] = 1.0
+        if kind == "shaped" and t:
+            phi_next = np.where(terminated, 0.0, stored_reward).astype(np.float64)
+            phi = np.concatenate([[0.0], stored_reward[:-1]]).astype(np.float64)
+            r += (gamma * phi_next - phi).astype(np.float32)
         return r
     if kind == "steps_to_go":
         r[:] = -1.0 / max_steps
@@ -384,10 +396,11 @@ class TransitionBuffer:
             success=success,
             terminated=np.asarray(terminated, bool),
             max_steps=self.max_steps,
+            gamma=self.gamma,
         )
         credit, cut = credit_labels(np.asarray(controller), success)
         # A takeover is scored as a failure of the autonomous stretch (returns cut there).
-        cut_value = {"sparse": 0.0, "steps_to_go": -1.0, "dense": 0.0}[self.reward_kind]
+        cut_value = {"sparse": 0.0, "steps_to_go": -1.0, "dense": 0.0, "shaped": 0.0}[self.reward_kind]
         part = {
             "state": np.asarray(state, np.float32),
             "action": np.asarray(action, np.float32),
