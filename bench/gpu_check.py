@@ -513,6 +513,7 @@ def main() -> None:
     p.add_argument(
         "--cpu-compare-until-s", type=float, default=240.0, help="no CPU comparison after this many seconds"
     )
+    p.add_argument("--deadline-s", type=float, default=420.0, help="start no section after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     args.threads = args.threads or os.cpu_count() or 1
@@ -525,9 +526,13 @@ def main() -> None:
     results: dict[str, Any] = {"environment": environment(args.device), "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for name in args.sections.split(","):
+            if time.monotonic() - T0 > args.deadline_s:
+                results[name] = {"ok": False, "error": f"skipped: past --deadline-s {args.deadline_s}"}
+                continue
             work = Path(tmp) / name
             work.mkdir()
             run_section(name, lambda out, name=name, work=work: checks[name](args, work, out), results)
+            write_results("gpu_check", results, args.out)  # what is done survives a kill
     results["total_seconds"] = round(time.monotonic() - T0, 1)
     print_summary(results)
     path = write_results("gpu_check", results, args.out)
@@ -540,11 +545,28 @@ def print_summary(results: dict[str, Any]) -> None:
     print()
     print(
         table(
-            [[s, results[s]["ok"], results[s]["seconds"], results[s].get("error", "")] for s in sections],
+            [
+                [s, v["ok"], v.get("seconds"), v.get("error", "")[:100]]
+                for s, v in results.items()
+                if s in sections
+            ],
             ["section", "ok", "seconds", "error"],
         )
     )
     serve = results.get("serve", {})
+    facts = {
+        "served vs CPU chunk, max abs diff": [
+            serve.get(k, {}).get("max_abs_diff") for k in ("parity_a", "parity_b")
+        ],
+        "in-process device vs CPU": serve.get("in_process"),
+        "live swap": {
+            k: serve.get("swap", {}).get(k) for k in ("swapped", "errors", "commits", "seconds_to_swap")
+        },
+        "sft": results.get("train", {}).get("sft_qam_e2e", {}).get("sft"),
+    }
+    print()
+    for k, v in facts.items():
+        print(f"- {k}: {v}")
     if serve.get("load"):
         rows = [
             [
@@ -552,7 +574,7 @@ def print_summary(results: dict[str, Any]) -> None:
                 r["chunks_per_s"],
                 r["p50_ms"],
                 r["p99_ms"],
-                r["inference_p50_ms"],
+                r.get("inference_p50_ms"),
                 r["mean_batch"],
                 r["errors"],
             ]
