@@ -36,6 +36,58 @@ def obs_batch(cfg: FlowVLAConfig, b: int, device: torch.device) -> dict[str, obj
     }
 
 
+def default_models() -> dict[str, FlowVLAConfig]:
+    """The default-size flow VLA, state-only and with one 64 px camera (random weights)."""
+    return {
+        "state-only": FlowVLAConfig(state_dim=42, action_dim=4),
+        "64px camera + state": FlowVLAConfig(
+            state_dim=29, action_dim=4, cameras=(CameraSpec("base_camera", 64, 64),)
+        ),
+    }
+
+
+def measure(
+    name: str,
+    cfg: FlowVLAConfig,
+    device: torch.device,
+    batches: tuple[int, ...],
+    ks: tuple[int, ...],
+    repeats: int,
+) -> list[dict[str, object]]:
+    """Median latency of ``predict_action_chunk`` per (batch, K) for a randomly initialised ``cfg``."""
+    torch.manual_seed(0)
+    policy = FlowVLAPolicy(cfg).to(device).eval()
+    rows: list[dict[str, object]] = []
+    for b in batches:
+        obs = obs_batch(cfg, b, device)
+        for k in ks:
+            with torch.no_grad():
+                for _ in range(3):
+                    policy.predict_action_chunk(obs, num_steps=k)
+                times = []
+                for _ in range(repeats):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    policy.predict_action_chunk(obs, num_steps=k)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            med = statistics.median(times)
+            rows.append(
+                {
+                    "model": name,
+                    "params": policy.num_parameters(),
+                    "batch": b,
+                    "K": k,
+                    "median_ms": round(med, 2),
+                    "chunks_per_s": round(b * 1e3 / med, 1),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -45,43 +97,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    models = {
-        "state-only": FlowVLAConfig(state_dim=42, action_dim=4),
-        "64px camera + state": FlowVLAConfig(
-            state_dim=29, action_dim=4, cameras=(CameraSpec("base_camera", 64, 64),)
-        ),
-    }
     rows = []
-    for name, cfg in models.items():
-        torch.manual_seed(0)
-        policy = FlowVLAPolicy(cfg).to(device).eval()
-        for b in (1, 8, 32):
-            obs = obs_batch(cfg, b, device)
-            for k in (1, 4, 10):
-                with torch.no_grad():
-                    for _ in range(3):
-                        policy.predict_action_chunk(obs, num_steps=k)
-                    times = []
-                    for _ in range(args.repeats):
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        policy.predict_action_chunk(obs, num_steps=k)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        times.append((time.perf_counter() - t0) * 1e3)
-                med = statistics.median(times)
-                rows.append(
-                    {
-                        "model": name,
-                        "params": policy.num_parameters(),
-                        "batch": b,
-                        "K": k,
-                        "median_ms": round(med, 2),
-                        "chunks_per_s": round(b * 1e3 / med, 1),
-                    }
-                )
-                print(rows[-1], flush=True)
+    for name, cfg in default_models().items():
+        rows += measure(name, cfg, device, (1, 8, 32), (1, 4, 10), args.repeats)
     print()
     print(
         table(

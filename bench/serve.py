@@ -26,6 +26,7 @@ acceptable only because the LeRobot server is our own child process on loopback.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import pickle  # nosec: only to speak LeRobot's protocol to our own child process, see the docstring
@@ -228,6 +229,12 @@ def run_clients(
     elapsed = time.monotonic() - start
     lat = [r["latency_ms"] for r in records]
     own = [r for r in records if r.get("own", True)]
+    # our server reports its forward pass and the commit that answered (LeRobot's does not)
+    inference = [r["inference_ms"] for r in records if "inference_ms" in r]
+    ours: dict[str, Any] = {}
+    if inference:
+        ours["inference_p50_ms"] = round(pct(inference, 50), 2)
+        ours["commits"] = dict(collections.Counter(r["commit"] for r in records))
     return {
         "clients": n,
         "seconds": round(elapsed, 2),
@@ -242,6 +249,7 @@ def run_clients(
         "error_samples": errors[:3],
         "loadavg_start": load0,
         "loadavg_end": loadavg(),
+        **ours,
     }
 
 
@@ -257,7 +265,12 @@ def our_client(
         def request(i: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             r = s.act(o, seed=i, timeout_s=600)
-            return {"latency_ms": (time.perf_counter() - t0) * 1000, "batch": r.batch_size}
+            return {
+                "latency_ms": (time.perf_counter() - t0) * 1000,
+                "batch": r.batch_size,
+                "inference_ms": r.timing.inference_us / 1000,
+                "commit": r.commit,
+            }
 
         def close() -> None:
             s.close()
