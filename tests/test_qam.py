@@ -327,6 +327,12 @@ def test_mc_warm_start_fits_the_monte_carlo_return_and_keeps_the_actor(
         torch.testing.assert_close(st[k], st["critic_target." + k[len("critic.") :]])
 
 
+def test_max_seconds_stops_a_run_early_and_still_saves(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
+    res = train_qam(_cfg(tiny_base, tmp_path / "t", offline_steps=10_000, env_steps=100, max_seconds=1e-3))
+    assert res.steps < 10_000 and res.env_steps == 0 and res.metrics["timed_out"] is True
+    assert res.metrics["updates"] == res.steps and (res.checkpoint / "config.json").exists()
+
+
 def test_offline_run_writes_a_qam_checkpoint_and_resumes_exactly(
     tiny_base: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -380,6 +386,8 @@ def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_p
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_seconds"):
+        QAMConfig(base="b", store=tmp_path, out=tmp_path, max_seconds=0)
     base = dict(base="x", store=tmp_path, out=tmp_path)
     for kw, field_name in (
         ({"flow_steps": 1}, "flow_steps"),

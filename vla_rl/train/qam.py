@@ -306,6 +306,9 @@ class QAMConfig:
     """Continue from <out>/train_state.pt when it exists (exact in the offline phase)."""
     stop_at: int | None = None
     """Stop after this many updates, as a preempted job would (tests of resume)."""
+    max_seconds: float | None = None
+    """Wall-clock budget: stop updating (offline or online) once this many seconds have passed and
+    finish normally (save, final evaluation). For time-boxed jobs; the metrics say how many updates ran."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -347,6 +350,8 @@ class QAMConfig:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.feature_mode not in ("auto", "state", "trunk"):
             raise ValueError(f"feature_mode: expected auto|state|trunk, got {self.feature_mode!r}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
         if self.eval_episodes < 1 or self.final_eval_episodes < 0:
             raise ValueError("eval_episodes: expected >= 1 and final_eval_episodes >= 0")
 
@@ -833,7 +838,8 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
     )
     learner.fine.train()
     stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
-    while step < min(cfg.offline_steps, stop_at):
+    deadline = t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
+    while step < min(cfg.offline_steps, stop_at) and time.perf_counter() < deadline:
         update("offline", None)
         bar.update(1)
     bar.close()
@@ -842,11 +848,12 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         return QAMResult(
             cfg.out / "checkpoints" / "last", time.perf_counter() - t_start, step, env_steps, curve
         )
-    if cfg.offline_steps and step == cfg.offline_steps and env_steps == 0:
+    timed_out = time.perf_counter() >= deadline
+    if cfg.offline_steps and (step == cfg.offline_steps or timed_out) and env_steps == 0:
         save()
 
     # ---- online phase
-    if cfg.env_steps > env_steps:
+    if cfg.env_steps > env_steps and not timed_out:
         rollouts = _Rollouts(learner, spec, cfg, instruction_emb)
         bar = tqdm(
             total=cfg.env_steps,
@@ -857,7 +864,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         )
         due = 0.0
         try:
-            while env_steps < cfg.env_steps and step < stop_at:
+            while env_steps < cfg.env_steps and step < stop_at and time.perf_counter() < deadline:
                 rollouts.step(buffer, online_episodes)
                 env_steps += cfg.num_envs
                 bar.update(cfg.num_envs)
@@ -872,6 +879,8 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
     save(final=True)
     metrics: dict[str, Any] = dict(last_metrics)
     metrics.update(
+        updates=step,
+        timed_out=time.perf_counter() >= deadline,
         offline_frames=offline_frames,
         online_episodes=len(online_episodes),
         online_success=float(np.mean([bool(e["success"]) for e in online_episodes]))
