@@ -293,6 +293,8 @@ def train_end_to_end(args: argparse.Namespace, work: Path, res: dict[str, Any]) 
             store=store.root,
             out=work / "qam",
             offline_steps=4 if args.quick else 20,
+            critic_mc_steps=1 if args.quick else 5,  # every phase: MC warm start, TD only, actor
+            critic_warmup=2 if args.quick else 10,
             batch_size=16 if args.quick else 128,
             members=2 if args.quick else 10,
             critic_hidden=(32, 32) if args.quick else (512, 512, 512, 512),

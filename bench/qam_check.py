@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--actor-lr", type=float, default=3e-5)
     p.add_argument("--critic-lr", type=float, default=3e-4)
     p.add_argument("--critic-warmup", type=int, default=0)
+    p.add_argument("--critic-mc-steps", type=int, default=0, help="Monte-Carlo critic warm start updates")
     p.add_argument("--train-base", action="store_true")
     p.add_argument("--gamma", type=float, default=0.99)
     p.add_argument("--seed", type=int, default=0)
@@ -132,6 +133,7 @@ def main() -> None:
         actor_lr=args.actor_lr,
         critic_lr=args.critic_lr,
         critic_warmup=args.critic_warmup,
+        critic_mc_steps=args.critic_mc_steps,
         train_base=args.train_base,
         offline_steps=args.offline_steps,
         env_steps=args.env_steps,

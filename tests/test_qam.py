@@ -258,6 +258,8 @@ def _cfg(tiny_base: tuple[Path, Path], out: Path, **kw: object) -> QAMConfig:
         critic_hidden=(16, 16),
         flow_steps=3,
         inv_temp=5.0,
+        critic_mc_steps=0,
+        critic_warmup=0,
         log_every=2,
         checkpoint_every=100,
         threads=1,
@@ -317,8 +319,8 @@ def test_mc_warm_start_fits_the_monte_carlo_return_and_keeps_the_actor(
     torch.testing.assert_close(q, batch["mc_return"], atol=0.05, rtol=0.0)
 
     # a run that only warm-starts the critic: no actor update, the target critic equals the critic
-    res = train_qam(_cfg(tiny_base, tmp_path / "mc", critic_mc_steps=6))
-    assert all("loss_am" not in r and "q_gain" not in r for r in res.curve)
+    res = train_qam(_cfg(tiny_base, tmp_path / "mc", offline_steps=8, critic_mc_steps=6, stop_at=6))
+    assert res.steps == 6 and all("loss_am" not in r and "q_gain" not in r for r in res.curve)
     _, w_base = load_checkpoint(tiny_base[1])
     _, w_fine = load_checkpoint(res.checkpoint)
     assert all(torch.equal(w_base[k], w_fine[k]) for k in w_base)
@@ -386,6 +388,8 @@ def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_p
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="critic_warmup: the actor would never train"):
+        QAMConfig(base="b", store=tmp_path, out=tmp_path, offline_steps=100, critic_warmup=100)
     with pytest.raises(ValueError, match="max_seconds"):
         QAMConfig(base="b", store=tmp_path, out=tmp_path, max_seconds=0)
     base = dict(base="x", store=tmp_path, out=tmp_path)

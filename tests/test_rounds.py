@@ -176,7 +176,18 @@ def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.parametrize(
     ("algo", "overrides"),
     [
-        ("qam", {"offline_steps": 4, "batch_size": 16, "flow_steps": 3, "members": 2, "critic_hidden": [32]}),
+        (
+            "qam",
+            {
+                "offline_steps": 4,
+                "critic_mc_steps": 1,
+                "critic_warmup": 2,
+                "batch_size": 16,
+                "flow_steps": 3,
+                "members": 2,
+                "critic_hidden": [32],
+            },
+        ),
         (
             "flow-sde",
             {"env_steps": 40, "num_envs": 1, "rollout_steps": 20, "minibatch_size": 8, "update_epochs": 1},

@@ -413,6 +413,9 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             actor_lr=args.actor_lr,
             critic_lr=args.critic_lr,
             offline_steps=args.offline_steps,
+            critic_mc_steps=args.critic_mc_steps,
+            critic_warmup=args.critic_warmup,
+            max_seconds=args.max_seconds,
             env_steps=args.env_steps,
             utd=args.utd,
             start_online_after=args.start_online_after,
@@ -977,7 +980,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Writes OUT/checkpoints/last (lineage algorithm qam), OUT/tb and OUT/curve.json; resumes from "
         "OUT/train_state.pt.\n\n"
         "example:\n  vla-rl train qam --base runs/pick/sft/checkpoints/last --store runs/pick/store "
-        "--out runs/pick/qam --offline-steps 300 --env-steps 4000 --inv-temp 100 --flow-steps 5",
+        "--out runs/pick/qam --critic-mc-steps 1000 --critic-warmup 2000 --offline-steps 3000 "
+        "--inv-temp 10 --env-steps 10000 --utd 0.1",
     )
     tq.add_argument("--base", required=True, help="base (SFT) checkpoint: hub://org/name@rev or a folder")
     tq.add_argument("--store", type=Path, required=True, help="episode store with the offline data")
@@ -986,9 +990,16 @@ def build_parser() -> argparse.ArgumentParser:
     tq.add_argument(
         "--data", default=None, help="data selection, e.g. 'robot=arm-1,since=2026-11-01,max=200'"
     )
-    tq.add_argument("--reward", choices=["steps_to_go", "sparse", "dense"], default="steps_to_go")
+    tq.add_argument(
+        "--reward",
+        choices=["steps_to_go", "sparse", "dense", "shaped"],
+        default="steps_to_go",
+        help="reward relabelling (default %(default)s; shaped = success + potential-based dense shaping)",
+    )
     tq.add_argument("--gamma", type=float, default=0.99)
-    tq.add_argument("--inv-temp", type=float, default=1.0, help="lambda: target base*exp(lambda*Q)")
+    tq.add_argument(
+        "--inv-temp", type=float, default=10.0, help="lambda: target base*exp(lambda*Q) (default %(default)s)"
+    )
     tq.add_argument("--rho", type=float, default=0.5, help="ensemble pessimism (mean - rho*std)")
     tq.add_argument("--members", type=int, default=10, help="critic ensemble size")
     tq.add_argument("--critic-hidden", type=int, nargs="+", default=[512, 512, 512, 512])
@@ -997,7 +1008,22 @@ def build_parser() -> argparse.ArgumentParser:
     tq.add_argument("--batch-size", type=int, default=256)
     tq.add_argument("--actor-lr", type=float, default=3e-5)
     tq.add_argument("--critic-lr", type=float, default=3e-4)
-    tq.add_argument("--offline-steps", type=int, default=1000, help="updates on the offline data")
+    tq.add_argument(
+        "--offline-steps", type=int, default=3000, help="updates on the offline data, warm-up included"
+    )
+    tq.add_argument(
+        "--critic-mc-steps",
+        type=int,
+        default=1000,
+        help="first updates fit Q to Monte-Carlo returns (cheap critic warm start; default %(default)s)",
+    )
+    tq.add_argument(
+        "--critic-warmup",
+        type=int,
+        default=2000,
+        help="updates before the actor starts following the critic (default %(default)s)",
+    )
+    tq.add_argument("--max-seconds", type=float, default=None, help="wall-clock budget; stops and saves")
     tq.add_argument("--env-steps", type=int, default=0, help="online env-step budget (0 = offline only)")
     tq.add_argument("--utd", type=float, default=1.0, help="updates per env step online")
     tq.add_argument("--start-online-after", type=int, default=0, help="env steps before online updates")

@@ -227,14 +227,17 @@ class QAMConfig:
     # ---- RL problem
     reward: RewardKind = "steps_to_go"
     """Reward relabelling: 'steps_to_go' (−1/T per step; our form of OGBench's −1·[not success]),
-    'sparse' (1 on success) or 'dense' (the simulator's shaped reward)."""
+    'sparse' (1 on success), 'dense' (the simulator's shaped reward) or 'shaped' (success plus
+    potential-based shaping). steps_to_go did best on the kinematic benchmark (README)."""
     gamma: float = 0.99
     """Per-step discount; the chunked TD uses γ^n_exec."""
 
     # ---- QAM
-    inv_temp: float = 1.0
+    inv_temp: float = 10.0
     """λ: target π* ∝ π_β·exp(λ Q). Scales the terminal adjoint; the knob that matters most. With
-    steps_to_go rewards Q lives in about [−1/(1−γ)/T, 0], so λ must be larger than OGBench's 1–30."""
+    steps_to_go rewards Q lives in about [−2, 0] (OGBench's −1 per step gives [−100, 0]), so our λ
+    reads ~50x stronger than the reference's 1–30. Kinematic sweep: 3 and 10 helped, 30 lost on one
+    seed, 100 destroyed the policy."""
     rho: float = 0.5
     """Ensemble pessimism in the TD target: mean − ρ·std over members."""
     members: int = 10
@@ -265,9 +268,11 @@ class QAMConfig:
     grad_clip: float = 1.0
     """Global-norm clip, applied to each module's gradients separately so a large L_AM never shrinks
     the critic's step."""
-    critic_warmup: int = 0
-    """Updates at the start during which only the critic learns (the actor waits for a sane Q)."""
-    critic_mc_steps: int = 0
+    critic_warmup: int = 2000
+    """Updates at the start during which only the critic learns: the actor follows ∇_a Q from its
+    first update, so it must wait for a trained critic (with fewer than ~2,000 TD updates the
+    kinematic runs followed noise and lost success)."""
+    critic_mc_steps: int = 1000
     """The first this-many updates regress Q(s, a_data) on the data's Monte-Carlo return instead of
     the TD target (the target critic follows exactly). TD with Polyak targets needs ~1/τ updates per
     chunk of horizon to propagate a sparse outcome, and a TD update samples the fine policy K times; an
@@ -275,8 +280,8 @@ class QAMConfig:
     and in critic_warmup (the actor never trains on an MC-only critic)."""
 
     # ---- schedule
-    offline_steps: int = 1000
-    """Gradient updates on the offline data before going online."""
+    offline_steps: int = 3000
+    """Gradient updates on the offline data before going online (critic-only warm-up included)."""
     env_steps: int = 0
     """Online budget in environment steps (all envs together); 0 = offline only."""
     utd: float = 1.0
@@ -333,6 +338,12 @@ class QAMConfig:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.offline_steps == 0 and self.env_steps == 0:
             raise ValueError("offline_steps/env_steps: at least one must be > 0")
+        if self.env_steps == 0 and max(self.critic_warmup, self.critic_mc_steps) >= self.offline_steps:
+            raise ValueError(
+                f"critic_warmup: the actor would never train (critic-only updates "
+                f"{max(self.critic_warmup, self.critic_mc_steps)} >= offline_steps {self.offline_steps} "
+                "and env_steps 0); raise offline_steps or lower critic_warmup/critic_mc_steps"
+            )
         if self.reward not in REWARD_KINDS:
             raise ValueError(f"reward: expected one of {list(REWARD_KINDS)}, got {self.reward!r}")
         if not 0.0 < self.gamma <= 1.0:
