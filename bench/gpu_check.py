@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 import inference  # noqa: E402  (bench/inference.py)
 from common import table, write_results  # noqa: E402
-from serve import SPEC, free_port, obs, our_client, run_clients  # noqa: E402  (bench/serve.py)
+from serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving  # noqa: E402
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats  # noqa: E402
-from server.client import PolicyClient, PolicyError  # noqa: E402
+from server.client import PolicyClient  # noqa: E402
 from server.policy_server import ServedVersion, initial_noise  # noqa: E402
 from vla_rl.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint  # noqa: E402
 from vla_rl.policy_loading import load_policy  # noqa: E402
@@ -105,15 +105,7 @@ def cli_server(checkpoint: Path, device: str, threads: int, log_path: Path) -> I
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     try:
-        with PolicyClient(address, timeout_s=2) as probe:
-            deadline = time.monotonic() + 180
-            while True:
-                with contextlib.suppress(PolicyError):
-                    if probe.health() == "SERVING":
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_until_serving(address, proc, 180, lambda: log_path.read_text()[-3000:])
         yield address
     finally:
         proc.send_signal(signal.SIGINT)

@@ -125,6 +125,23 @@ def serve_ours_main(args: argparse.Namespace) -> None:
     srv.stop()
 
 
+def wait_until_serving(
+    address: str, proc: subprocess.Popen[bytes], timeout_s: float, output: Callable[[], str]
+) -> None:
+    """Poll the gRPC health check until SERVING; raise with the server's ``output()`` if it exits or
+    does not come up within ``timeout_s``."""
+    with PolicyClient(address, timeout_s=2) as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(PolicyError):
+                if c.health() == "SERVING":
+                    return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                state = "exited" if proc.poll() is not None else f"not serving after {timeout_s:.0f} s"
+                raise RuntimeError(f"server at {address} {state}:\n{output()}")
+            time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def our_server(models: dict[str, Path], threads: int, adaptive: bool) -> Iterator[str]:
     port = free_port()
@@ -133,17 +150,12 @@ def our_server(models: dict[str, Path], threads: int, adaptive: bool) -> Iterato
     proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
-        with PolicyClient(address, timeout_s=2) as c:
-            deadline = time.monotonic() + 600
-            while True:
-                with contextlib.suppress(PolicyError):
-                    if c.health() == "SERVING":
-                        break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"our server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-                if time.monotonic() > deadline:
-                    raise TimeoutError("our server did not start")
-                time.sleep(0.5)
+        wait_until_serving(
+            address,
+            proc,
+            600,
+            lambda: proc.stderr.read().decode()[-2000:],  # type: ignore[union-attr]
+        )
         yield address
     finally:
         proc.terminate()
