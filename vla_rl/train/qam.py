@@ -779,18 +779,22 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             n_step=learner.n_exec,
         )
         batch = batch_to_policy_inputs(raw, device)
-        nxt = batch_to_policy_inputs(
-            {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]}, device
-        )
         for key in ("reward_n", "bootstrap", "valid", "mc_return"):
             batch[key] = raw[key].to(device)
         if instruction_emb is not None:
-            batch["instruction_embedding"] = nxt["instruction_embedding"] = instruction_emb.expand(
-                cfg.batch_size, -1
-            )
+            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
         mc = step < cfg.critic_mc_steps
         train_actor = step >= max(cfg.critic_warmup, cfg.critic_mc_steps)
-        out = learner.mc_losses(batch) if mc else learner.losses(batch, nxt, train_actor)
+        if mc:
+            out = learner.mc_losses(batch)
+        else:  # the TD target needs the observation n steps on; the MC warm start does not
+            nxt = batch_to_policy_inputs(
+                {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]},
+                device,
+            )
+            if instruction_emb is not None:
+                nxt["instruction_embedding"] = batch["instruction_embedding"]
+            out = learner.losses(batch, nxt, train_actor)
         total = out["loss_q"] + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
         for opt in (opt_critic, opt_actor, opt_base):
             if opt is not None:
@@ -859,12 +863,12 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         return QAMResult(
             cfg.out / "checkpoints" / "last", time.perf_counter() - t_start, step, env_steps, curve
         )
-    timed_out = time.perf_counter() >= deadline
-    if cfg.offline_steps and (step == cfg.offline_steps or timed_out) and env_steps == 0:
-        save()
+    go_online = cfg.env_steps > env_steps and time.perf_counter() < deadline
+    if go_online and cfg.offline_steps and step == cfg.offline_steps and env_steps == 0:
+        save()  # the offline result survives a failure online (the final save covers the other cases)
 
     # ---- online phase
-    if cfg.env_steps > env_steps and not timed_out:
+    if go_online:
         rollouts = _Rollouts(learner, spec, cfg, instruction_emb)
         bar = tqdm(
             total=cfg.env_steps,
@@ -891,7 +895,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
     metrics: dict[str, Any] = dict(last_metrics)
     metrics.update(
         updates=step,
-        timed_out=time.perf_counter() >= deadline,
+        timed_out=(step < cfg.offline_steps or env_steps < cfg.env_steps) and step < stop_at,
         offline_frames=offline_frames,
         online_episodes=len(online_episodes),
         online_success=float(np.mean([bool(e["success"]) for e in online_episodes]))
