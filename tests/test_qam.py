@@ -169,6 +169,13 @@ def test_terminal_adjoint_is_minus_lambda_grad_q_on_executed_actions_only() -> N
     (g,) = torch.autograd.grad(critic(feats, xe.clamp(-1, 1)).mean(0).sum(), xe)
     torch.testing.assert_close(adj[:, :n_exec], -lam * g)
     assert (terminal_adjoint(lambda c: critic(feats, c), x, n_exec, 0.0) == 0).all()
+    # actor_rho: the gradient of the pessimistic ensemble value mean_m - rho * std_m (population std)
+    rho = 1.5
+    adj_p = terminal_adjoint(lambda c: critic(feats, c), x, n_exec, lam, clip=True, rho=rho)
+    q = critic(feats, xe.clamp(-1, 1))
+    (gp,) = torch.autograd.grad((q.mean(0) - rho * q.std(0, unbiased=False)).sum(), xe)
+    torch.testing.assert_close(adj_p[:, :n_exec], -lam * gp)
+    assert not torch.allclose(adj_p, adj), "pessimism must change the adjoint"
 
 
 def test_adjoint_matching_tilts_a_gaussian_toward_exp_lambda_q() -> None:
@@ -400,6 +407,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         ({"feature_mode": "pixels"}, "feature_mode"),
         ({"offline_steps": 0, "env_steps": 0}, "offline_steps"),
         ({"utd": 0.0}, "utd"),
+        ({"actor_rho": -0.5}, "actor_rho"),
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]

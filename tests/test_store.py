@@ -205,6 +205,34 @@ def test_round_trip_bit_exact_across_flushes_and_chunks(tmp_path: Path) -> None:
     assert store.verify() == []
 
 
+def test_whole_chunks_written_directly_match_what_zarr_writes(tmp_path: Path) -> None:
+    """The writer encodes whole chunks itself (bypassing zarr's setitem); every chunk file must be
+    byte-identical to the one zarr writes for the same rows, across a batch that starts mid-chunk and
+    spans several chunks (head and tail through zarr, the middle direct)."""
+    frames = make_frames(100, seed=3)
+    store = EpisodeStore(tmp_path / "store", create=True)
+    w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="ep")
+    w.add_frames(take(frames, 0, 5))
+    w.flush()  # committed 5: the next batch starts mid-chunk
+    w.add_frames(take(frames, 5, 100))  # rows 5..96 written now: head 5-16, chunks 16..96, 4 pending
+    assert w.committed == 96
+    w.close()
+    assert_frames_equal(store.read_episode("ep"), frames, 100)
+    assert store.verify() == []
+
+    ref = EpisodeStore(tmp_path / "ref", create=True)
+    r = ref.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="ep")
+    r._encoders = dict.fromkeys(r._encoders)  # type: ignore[assignment]  # zarr writes every row
+    r.add_frames(take(frames, 0, 100))
+    r.close()
+    ours, theirs = store.episodes_dir / "ep", ref.episodes_dir / "ep"
+    chunks = sorted(p.relative_to(theirs) for p in theirs.rglob("c/*") if p.is_file())
+    # every array holds full chunks 0..5 and the partial chunk 6 (zarr skips chunks of fill values)
+    assert len(chunks) >= 7 * 2 and not list(ours.rglob("*.partial"))
+    for rel in chunks:
+        assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+
+
 def test_context_manager_aborts_and_defaults(tmp_path: Path) -> None:
     store = EpisodeStore(tmp_path, create=True)
     frames = make_frames(5, seed=2)

@@ -143,9 +143,14 @@ def simulate_fine_sde(
 
 
 def terminal_adjoint(
-    q_fn: Callable[[Tensor], Tensor], x_final: Tensor, n_exec: int, inv_temp: float, clip: bool = True
+    q_fn: Callable[[Tensor], Tensor],
+    x_final: Tensor,
+    n_exec: int,
+    inv_temp: float,
+    clip: bool = True,
+    rho: float = 0.0,
 ) -> Tensor:
-    """``ã_K = −λ ∇_a mean_m Q̄(s, clip(a))`` at the final iterate ``x_final`` ``[B, H, A]``.
+    """``ã_K = −λ ∇_a (mean_m − ρ·std_m) Q̄(s, clip(a))`` at the final iterate ``x_final`` ``[B, H, A]``.
 
     ``q_fn(chunk [B, n_exec, A]) -> [M, B]`` scores the executed sub-chunk only, so the gradient is
     zero on the H − n_exec actions that are never executed (and, through the clip, on elements outside
@@ -156,7 +161,7 @@ def terminal_adjoint(
         exec_part = a[:, :n_exec]
         if clip:
             exec_part = exec_part.clamp(-1.0, 1.0)
-        q = q_fn(exec_part).mean(0).sum()
+        q = pessimistic(q_fn(exec_part), rho).sum() if rho else q_fn(exec_part).mean(0).sum()
         (grad,) = torch.autograd.grad(q, a)
     return -inv_temp * grad
 
@@ -240,6 +245,9 @@ class QAMConfig:
     seed, 100 destroyed the policy."""
     rho: float = 0.5
     """Ensemble pessimism in the TD target: mean − ρ·std over members."""
+    actor_rho: float = 0.0
+    """Ensemble pessimism in the actor's objective (the terminal adjoint follows ∇(mean − ρ·std) Q̄):
+    steers the fine policy away from actions the members disagree on. 0 = the reference (mean Q)."""
     members: int = 10
     """Critic ensemble size M."""
     critic_hidden: tuple[int, ...] = (512, 512, 512, 512)
@@ -350,8 +358,9 @@ class QAMConfig:
             raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
         if self.inv_temp < 0:
             raise ValueError(f"inv_temp: expected >= 0, got {self.inv_temp}")
-        if self.rho < 0:
-            raise ValueError(f"rho: expected >= 0, got {self.rho}")
+        for name in ("rho", "actor_rho"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"tau: expected in (0, 1], got {self.tau}")
         if self.utd <= 0:
@@ -504,7 +513,9 @@ class QAMLearner(nn.Module):
             def q_fn(chunk: Tensor) -> Tensor:
                 return self.critic_target(feats, chunk)
 
-            adj_k = terminal_adjoint(q_fn, iterates[:, -1], self.n_exec, cfg.inv_temp, self.clip)
+            adj_k = terminal_adjoint(
+                q_fn, iterates[:, -1], self.n_exec, cfg.inv_temp, self.clip, cfg.actor_rho
+            )
             adj = lean_adjoint(base_v, iterates, adj_k, k)[:, :k]
             xs = iterates[:, :k].reshape(b * k, *event)
             ts = (torch.arange(k, device=xs.device, dtype=xs.dtype) / k).repeat(b)
