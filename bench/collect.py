@@ -154,6 +154,7 @@ def run_collector_phase(
     batch_frames: int,
     batch_interval_s: float,
     store_writers: int = 1,
+    store_writer_nice: int = 10,
     lockstep: bool = False,
 ) -> dict[str, Any]:
     store = work / f"store-{name}"
@@ -163,7 +164,7 @@ def run_collector_phase(
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "--log-level", "warning", "collect"]
     cmd += ["--store", str(store), "--port", str(port), "--token", TOKEN]
     cmd += ["--camera-zstd-level", str(zstd_level), "--max-batch-frames", "64"]
-    cmd += ["--store-writers", str(store_writers)]
+    cmd += ["--store-writers", str(store_writers), "--store-writer-nice", str(store_writer_nice)]
     with open(log_path, "ab") as log_f:
         coll = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_f, env=env)
     assert coll.stdout is not None
@@ -274,6 +275,7 @@ def run_collector_phase(
         "ack_samples": len(lat),
         "drain_after_stop_s": round(close_s, 2),
         "store_writers": store_writers,
+        "store_writer_nice": store_writer_nice,
         "store_writers_restarted": writers_restarted,
         # collector = the intake process (gRPC, validation, log append, acks) + its store writer process(es)
         "collector_cpu_cores": round((c1 - c0 + w1 - w0) / wall, 2),
@@ -406,6 +408,9 @@ def main() -> None:
         default=1,
         help="collector --store-writers (0 = in the collector's process)",
     )
+    ap.add_argument(
+        "--store-writer-nice", type=int, default=10, help="collector --store-writer-nice (0 = same priority)"
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -443,6 +448,7 @@ def main() -> None:
                 args.batch_frames,
                 args.batch_ms / 1000,
                 args.store_writers,
+                args.store_writer_nice,
                 lockstep=lockstep,
             )
         )

@@ -18,7 +18,9 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
   per commit (each partial chunk is read, decompressed, recompressed and rewritten: 12 arrays, ~40 ms
   per commit), far too much for 16 robots at 30 Hz with acks under 100 ms on two cores. And the Zarr
   writes (~0.85 ms of CPU per frame of two 224 px cameras) run beside the intake, not under its GIL:
-  in one process both shared one core and acks queued for seconds at 16 robots x 30 Hz. A writer that
+  in one process both shared one core and acks queued for seconds at 16 robots x 30 Hz. The writer runs
+  at a lower CPU priority (``store_writer_nice``, default 10): its work can wait (the log holds it, and
+  backpressure bounds it), acks cannot, so when the cores are busy the intake goes first. A writer that
   dies is restarted and replays its episodes' logs from their Zarr commits.
 * **Sequence numbers are frame indices.** A frame's seq is its index in its episode, so what is durable
   is one number per episode: ``committed`` = frames in the log (Zarr holds a prefix of them). A batch
@@ -393,6 +395,7 @@ class Collector:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         store_writers: int = 1,
+        store_writer_nice: int = 10,
         max_streams: int = 256,
         allowed_robots: set[str] | None = None,
         idle_flush_s: float = 5.0,
@@ -433,6 +436,9 @@ class Collector:
                 f"store_writers: expected 0 (a thread in this process) or more, got {store_writers}"
             )
         self.store_writers = store_writers
+        if not 0 <= store_writer_nice <= 19:
+            raise ValueError(f"store_writer_nice: expected 0..19, got {store_writer_nice}")
+        self.store_writer_nice = store_writer_nice
         self._writers: list[_WriterHandle] = []
         self._writer_deaths: list[float] = []
         self._dead_writers: set[int] = set()
@@ -1013,7 +1019,13 @@ class Collector:
             return _ThreadWriter(self.store.root, self.fsync, self._on_report)
         assert self._lock_fd is not None
         return _ProcessWriter(
-            index, self.store.root, self.fsync, self._lock_fd, self._on_report, self._writer_died
+            index,
+            self.store.root,
+            self.fsync,
+            self._lock_fd,
+            self._on_report,
+            self._writer_died,
+            self.store_writer_nice,
         )
 
     def _assign_writer(self) -> int:
@@ -1399,6 +1411,7 @@ class _ProcessWriter(_WriterHandle):
         lock_fd: int,
         on_report: Callable[[Mapping[str, Any]], None],
         on_exit: Callable[[_ProcessWriter], None],
+        nice: int = 0,
     ) -> None:
         super().__init__(on_report)
         self._on_exit = on_exit
@@ -1407,9 +1420,8 @@ class _ProcessWriter(_WriterHandle):
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
         }
-        cmd = [sys.executable, "-m", "fleet.store_writer", "--store", str(root)] + (
-            ["--fsync"] if fsync else []
-        )
+        cmd = [sys.executable, "-m", "fleet.store_writer", "--store", str(root), "--nice", str(nice)]
+        cmd += ["--fsync"] if fsync else []
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,), env=env
         )

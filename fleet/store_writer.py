@@ -159,7 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fleet.store_writer", description=__doc__)
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--fsync", action="store_true")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="lower this process's CPU priority by this much (the collector passes 10: see Collector)",
+    )
     args = p.parse_args(argv)
+    if args.nice:
+        # Before any thread starts: Linux niceness is per thread and new threads inherit it.
+        os.nice(args.nice)
     from fleet.wire import keep_freed_memory
 
     keep_freed_memory()

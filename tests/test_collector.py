@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 
 from fleet.collector import Collector, WriteAheadLog, _ProcessWriter
@@ -432,6 +433,14 @@ def test_killed_store_writer_is_restarted_and_every_frame_lands_once(tmp_path: P
             while c._writers[k] is victim and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert c._writers[k] is not victim, "the dead writer was not replaced"
+        # the writers (restarted ones too) run below the intake's priority, so acks win busy cores
+        want = min(19, os.nice(0) + 10)
+        for w in c._writers:
+            assert isinstance(w, _ProcessWriter)
+            deadline = time.monotonic() + 30  # a fresh writer lowers its priority once it has started
+            while psutil.Process(w.proc.pid).nice() != want and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert psutil.Process(w.proc.pid).nice() == want
         assert min(open_at_kill) > 0, open_at_kill  # each writer died with episodes half written
         for t in threads:
             t.join(120)

@@ -556,6 +556,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
             max_batch_frames=args.max_batch_frames,
             max_pending_bytes=int(args.max_pending_mb * 1024 * 1024),
             store_writers=args.store_writers,
+            store_writer_nice=args.store_writer_nice,
             allowed_robots=robots,
             metrics_port=args.metrics_port,
         )
@@ -1149,6 +1150,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="processes writing the logged frames into Zarr, beside the one taking messages (default "
         "%(default)s; 0 = a thread in the collector's process, which then shares its one core)",
+    )
+    co.add_argument(
+        "--store-writer-nice",
+        type=int,
+        default=10,
+        help="how much lower the store writers' CPU priority is (0-19, default %(default)s): on busy "
+        "cores the intake and its acks go first; the log absorbs the writers' lag",
     )
 
     fl_p = add(sub, "fleet", lambda a: (fl_p.print_help(), 0)[1], "simulated robot fleets")

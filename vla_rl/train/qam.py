@@ -247,7 +247,8 @@ class QAMConfig:
     """Ensemble pessimism in the TD target: mean − ρ·std over members."""
     actor_rho: float = 0.0
     """Ensemble pessimism in the actor's objective (the terminal adjoint follows ∇(mean − ρ·std) Q̄):
-    steers the fine policy away from actions the members disagree on. 0 = the reference (mean Q)."""
+    steers the fine policy away from actions the members disagree on. 0 = the reference (mean Q).
+    Kinematic benchmark, 3 seeds, 1,000 actor updates: 1.0 gave 57% vs 59% with 0 (no gain)."""
     members: int = 10
     """Critic ensemble size M."""
     critic_hidden: tuple[int, ...] = (512, 512, 512, 512)
