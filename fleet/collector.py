@@ -17,7 +17,7 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
   crosses a pipe. Committing every small batch straight into Zarr would cost ~3 ms of CPU per array
   per commit (each partial chunk is read, decompressed, recompressed and rewritten: 12 arrays, ~40 ms
   per commit), far too much for 16 robots at 30 Hz with acks under 100 ms on two cores. And the Zarr
-  writes (~0.85 ms of CPU per frame of two 224 px cameras) run beside the intake, not under its GIL:
+  writes (~0.5-0.6 ms of CPU per frame of two 224 px cameras) run beside the intake, not under its GIL:
   in one process both shared one core and acks queued for seconds at 16 robots x 30 Hz. The writer runs
   at a lower CPU priority (``store_writer_nice``, default 10): its work can wait (the log holds it, and
   backpressure bounds it), acks cannot, so when the cores are busy the intake goes first. A writer that
