@@ -496,6 +496,9 @@ class EpisodeWriter:
         meta = self._meta
         n = meta.length
         self._length = n
+        # A writer killed while writing a chunk leaves its temporary file (up to a chunk, megabytes).
+        for tmp in self._dir.rglob("*.partial"):
+            tmp.unlink(missing_ok=True)
         # Arrays may be longer than the commit (grown ahead) and, after a writer killed in the middle of
         # growing or trimming them, of different lengths: bring them to one length, which close() trims.
         rows = {k: a.shape[0] for k, a in self._arrays.items()}

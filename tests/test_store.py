@@ -233,6 +233,23 @@ def test_whole_chunks_written_directly_match_what_zarr_writes(tmp_path: Path) ->
         assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
 
 
+def test_resume_removes_chunk_temporaries_of_a_killed_writer(tmp_path: Path) -> None:
+    store = EpisodeStore(tmp_path, create=True)
+    frames = make_frames(40, seed=4)
+    w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="ep")
+    w.add_frames(take(frames, 0, 20))
+    # what a writer killed between writing a chunk's temporary and renaming it leaves behind
+    stray = store.episodes_dir / "ep" / "cameras" / "base_camera" / "c" / "1" / "0" / "0" / "0.abc.partial"
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"torn")
+    del w
+    r = store.resume_episode("ep")
+    assert not stray.exists()
+    r.add_frames(take(frames, 16, 40))
+    r.close()
+    assert_frames_equal(store.read_episode("ep"), frames, 40)
+
+
 def test_context_manager_aborts_and_defaults(tmp_path: Path) -> None:
     store = EpisodeStore(tmp_path, create=True)
     frames = make_frames(5, seed=2)
