@@ -403,6 +403,12 @@ class Collector:
     ) -> None:
         if not token and host not in _LOOPBACK:
             raise ValueError(f"refusing to accept unauthenticated robots on {host}: pass a token")
+        if store_writers < 0:
+            raise ValueError(
+                f"store_writers: expected 0 (a thread in this process) or more, got {store_writers}"
+            )
+        if not 0 <= store_writer_nice <= 19:
+            raise ValueError(f"store_writer_nice: expected 0..19, got {store_writer_nice}")
         self.host, self.port = host, port
         self.token = token
         self.chunk_len = chunk_len
@@ -431,13 +437,7 @@ class Collector:
         self._start_locks_guard = threading.Lock()
         self._pending_bytes = 0
         self._room = threading.Condition()
-        if store_writers < 0:
-            raise ValueError(
-                f"store_writers: expected 0 (a thread in this process) or more, got {store_writers}"
-            )
         self.store_writers = store_writers
-        if not 0 <= store_writer_nice <= 19:
-            raise ValueError(f"store_writer_nice: expected 0..19, got {store_writer_nice}")
         self.store_writer_nice = store_writer_nice
         self._writers: list[_WriterHandle] = []
         self._writer_deaths: list[float] = []

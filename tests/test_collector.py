@@ -314,6 +314,16 @@ def test_bad_input_rejected_while_other_robots_stream(collector: Collector) -> N
     )
 
 
+def test_bad_settings_name_the_field_and_create_nothing(tmp_path: Path) -> None:
+    for kw, field_name in (
+        ({"store_writers": -1}, "store_writers"),
+        ({"store_writer_nice": 20}, "store_writer_nice"),
+    ):
+        with pytest.raises(ValueError, match=field_name):
+            Collector(tmp_path / "s", port=0, **kw)  # type: ignore[arg-type]
+        assert not (tmp_path / "s").exists()
+
+
 def test_allow_list(tmp_path: Path) -> None:
     with Collector(tmp_path / "s", port=0, token=TOKEN, allowed_robots={"arm-1"}) as c:
         send, recv, close = raw_stream(c.address)
