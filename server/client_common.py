@@ -109,6 +109,10 @@ def channel_options(max_message_bytes: int, backoff: Backoff | None) -> list[tup
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
+        # One client = one connection = one robot to the server's adaptive batching wait. Without this,
+        # gRPC shares a TCP connection among a process's channels to the same address (the global
+        # subchannel pool), and a simulator driving N robots in one process looks like one robot.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if backoff is not None:  # the channel's own reconnect attempts, capped like ours
         opts += [

@@ -111,14 +111,19 @@ def test_lone_client_does_not_pay_max_wait(ckpts: dict[str, Path]) -> None:
 
 
 def test_adaptive_wait_still_batches_a_crowd(ckpts: dict[str, Path]) -> None:
+    """Four robots in one process: each client is its own connection, so the server sees four robots and
+    waits for them (with a shared gRPC connection it saw one and dispatched batches of 1-2)."""
     srv = start({"arm": ckpts["a"]}, max_batch=8, max_wait_us=100_000)
     sizes: list[int] = []
+    seen: list[int] = []
     barrier = threading.Barrier(4)
 
     def robot(k: int) -> None:
         rng = np.random.default_rng(k)
         with PolicyClient(srv.address, timeout_s=30) as c:
             c.act(make_obs(rng))  # be seen once
+            barrier.wait()
+            seen.append(c.info()["arm"].active_clients)
             barrier.wait()
             for _ in range(4):
                 sizes.append(c.act(make_obs(rng)).batch_size)
@@ -131,6 +136,7 @@ def test_adaptive_wait_still_batches_a_crowd(ckpts: dict[str, Path]) -> None:
             t.join(60)
     finally:
         srv.stop()
+    assert seen == [4, 4, 4, 4], seen
     assert len(sizes) == 16 and np.mean(sizes) > 2, sizes
 
 
