@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_log_handlers() -> Iterator[None]:
+    """In-process CLI calls point the root logger at the test's captured stderr (``setup_logging``), which
+    pytest closes after the test; restore the handlers so later tests' logs do not hit a closed file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
