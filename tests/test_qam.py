@@ -25,6 +25,7 @@ from vla_rl.train.qam import (
     critic_td_target,
     lean_adjoint,
     memoryless_sigma,
+    replay_indices,
     simulate_fine_sde,
     terminal_adjoint,
     train_qam,
@@ -394,6 +395,19 @@ def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_p
     assert info.lineage.data["env_steps"] == 24
 
 
+def test_replay_indices_split_offline_and_online_frames(tmp_path: Path) -> None:
+    """offline_fraction draws exactly that share from the first offline_frames rows; None is uniform."""
+    cfg = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64, offline_fraction=0.25)
+    idx = replay_indices(10_000, 100, cfg, step=3)
+    assert idx.shape == (64,) and (idx[:16] < 100).all() and (idx[16:] >= 100).all()
+    assert (idx[16:] < 10_000).all()
+    assert (replay_indices(100, 100, cfg, step=3) < 100).all()  # no online frames yet: all offline
+    uniform = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64)
+    assert (replay_indices(10_000, 100, uniform, step=3) < 100).sum() < 8  # ~1% offline, not 25%
+    all_online = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64, offline_fraction=0.0)
+    assert (replay_indices(10_000, 100, all_online, step=3) >= 100).all()
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="critic_warmup: the actor would never train"):
         QAMConfig(base="b", store=tmp_path, out=tmp_path, offline_steps=100, critic_warmup=100)
@@ -408,6 +422,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         ({"offline_steps": 0, "env_steps": 0}, "offline_steps"),
         ({"utd": 0.0}, "utd"),
         ({"actor_rho": -0.5}, "actor_rho"),
+        ({"offline_fraction": 1.5}, "offline_fraction"),
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]

@@ -419,6 +419,7 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             env_steps=args.env_steps,
             utd=args.utd,
             start_online_after=args.start_online_after,
+            offline_fraction=args.offline_fraction,
             num_envs=args.num_envs,
             final_eval_episodes=args.eval_episodes,
             seed=args.seed,
@@ -1027,6 +1028,12 @@ def build_parser() -> argparse.ArgumentParser:
     tq.add_argument("--max-seconds", type=float, default=None, help="wall-clock budget; stops and saves")
     tq.add_argument("--env-steps", type=int, default=0, help="online env-step budget (0 = offline only)")
     tq.add_argument("--utd", type=float, default=1.0, help="updates per env step online")
+    tq.add_argument(
+        "--offline-fraction",
+        type=float,
+        default=None,
+        help="online: share of each batch from the offline data (0.5 = RLPD; default: uniform replay)",
+    )
     tq.add_argument("--start-online-after", type=int, default=0, help="env steps before online updates")
     tq.add_argument("--num-envs", type=int, default=2, help="simulator processes online")
     tq.add_argument("--eval-episodes", type=int, default=0, help="final evaluation episodes (0 = none)")

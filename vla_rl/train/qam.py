@@ -95,6 +95,7 @@ __all__ = [
     "critic_td_target",
     "lean_adjoint",
     "memoryless_sigma",
+    "replay_indices",
     "simulate_fine_sde",
     "terminal_adjoint",
     "train_qam",
@@ -295,6 +296,10 @@ class QAMConfig:
     """Online budget in environment steps (all envs together); 0 = offline only."""
     utd: float = 1.0
     """Gradient updates per environment step during the online phase."""
+    offline_fraction: float | None = None
+    """Online phase: the share of each batch drawn from the offline data (the rest from online episodes),
+    RLPD's symmetric sampling at 0.5. None = uniform over the whole replay (the reference's default,
+    ``balanced_sampling = False``): after a few thousand env steps almost every sample is on-policy."""
     start_online_after: int = 0
     """Online env steps collected before online updates start (reference: 5000)."""
     num_envs: int = 2
@@ -366,6 +371,8 @@ class QAMConfig:
             raise ValueError(f"tau: expected in (0, 1], got {self.tau}")
         if self.utd <= 0:
             raise ValueError(f"utd: expected > 0, got {self.utd}")
+        if self.offline_fraction is not None and not 0.0 <= self.offline_fraction <= 1.0:
+            raise ValueError(f"offline_fraction: expected in [0, 1] or None, got {self.offline_fraction}")
         for name in ("critic_lr", "actor_lr", "base_lr", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
@@ -617,6 +624,18 @@ class _Rollouts:
         self.env.close()
 
 
+def replay_indices(n: int, offline_frames: int, cfg: QAMConfig, step: int) -> np.ndarray:
+    """Batch indices into a replay whose first ``offline_frames`` frames are the offline data: uniform,
+    or ``cfg.offline_fraction`` of them from the offline part once online frames exist."""
+    if cfg.offline_fraction is None or n <= offline_frames or offline_frames == 0:
+        return sample_indices(n, cfg.batch_size, cfg.seed, step)
+    rng = np.random.default_rng([cfg.seed, step])
+    k = round(cfg.offline_fraction * cfg.batch_size)
+    return np.concatenate(
+        [rng.integers(0, offline_frames, size=k), rng.integers(offline_frames, n, size=cfg.batch_size - k)]
+    )
+
+
 def _add_episode(buffer: TransitionBuffer, ep: Mapping[str, np.ndarray]) -> None:
     cams = {k[len("camera.") :]: v for k, v in ep.items() if k.startswith("camera.")}
     buffer.add_episode(
@@ -786,7 +805,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         nonlocal step, last_metrics
         seed_step(cfg.seed, step)
         raw = buffer.batch(
-            sample_indices(len(buffer), cfg.batch_size, cfg.seed, step),
+            replay_indices(len(buffer), offline_frames, cfg, step),
             horizon=learner.horizon,
             n_step=learner.n_exec,
         )
