@@ -395,6 +395,31 @@ def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_p
     assert info.lineage.data["env_steps"] == 24
 
 
+def test_reanchor_makes_the_offline_fine_policy_the_online_prior(
+    tiny_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """reanchor_every copies the fine policy into the (frozen) base at the first online update; 0 keeps
+    the SFT prior. The fine policy keeps training against the new prior."""
+    online = dict(env_steps=12, num_envs=2, max_episode_steps=6, utd=0.25, offline_steps=2)
+    offline = train_qam(_cfg(tiny_base, tmp_path / "offline", offline_steps=2))
+    _, w_offline = load_checkpoint(offline.checkpoint)
+    _, w_sft = load_checkpoint(tiny_base[1])
+
+    def learner_part(out: Path, prefix: str) -> dict[str, torch.Tensor]:
+        state = load_train_state(out / "train_state.pt")["learner"]
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+    res = train_qam(_cfg(tiny_base, tmp_path / "ra", reanchor_every=3, **online))
+    assert res.steps == 2 + 3  # one re-anchor, at step 2 (the next would be at 5)
+    prior, fine = learner_part(tmp_path / "ra", "base."), learner_part(tmp_path / "ra", "fine.")
+    assert all(torch.equal(prior[k], w_offline[k]) for k in w_offline), "prior = the offline fine policy"
+    assert any(not torch.equal(prior[k], fine[k]) for k in prior), "the fine policy kept training"
+
+    train_qam(_cfg(tiny_base, tmp_path / "plain", **online))
+    prior = learner_part(tmp_path / "plain", "base.")
+    assert all(torch.equal(prior[k], w_sft[k]) for k in w_sft), "without re-anchoring the prior stays SFT"
+
+
 def test_replay_indices_split_offline_and_online_frames(tmp_path: Path) -> None:
     """offline_fraction draws exactly that share from the first offline_frames rows; None is uniform."""
     cfg = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64, offline_fraction=0.25)
@@ -423,6 +448,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         ({"utd": 0.0}, "utd"),
         ({"actor_rho": -0.5}, "actor_rho"),
         ({"offline_fraction": 1.5}, "offline_fraction"),
+        ({"reanchor_every": -1}, "reanchor_every"),
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]

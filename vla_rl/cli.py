@@ -420,6 +420,7 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             utd=args.utd,
             start_online_after=args.start_online_after,
             offline_fraction=args.offline_fraction,
+            reanchor_every=args.reanchor_every,
             num_envs=args.num_envs,
             final_eval_episodes=args.eval_episodes,
             seed=args.seed,
@@ -1033,6 +1034,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="online: share of each batch from the offline data (0.5 = RLPD; default: uniform replay)",
+    )
+    tq.add_argument(
+        "--reanchor-every",
+        type=int,
+        default=0,
+        help="online: make the fine policy the prior at the first online update and every N online "
+        "updates after (keeps the offline gain when on-policy TD flattens the critic; default 0 = never)",
     )
     tq.add_argument("--start-online-after", type=int, default=0, help="env steps before online updates")
     tq.add_argument("--num-envs", type=int, default=2, help="simulator processes online")

@@ -302,6 +302,14 @@ class QAMConfig:
     ``balanced_sampling = False``): after a few thousand env steps almost every sample is on-policy."""
     start_online_after: int = 0
     """Online env steps collected before online updates start (reference: 5000)."""
+    reanchor_every: int = 0
+    """Online phase: make the fine policy the prior (copy it into the base, and the base's target) at
+    the first online update and again every this many online updates; 0 = keep the SFT prior (the
+    reference). Why: adjoint matching regresses v_θ to v̄_β − (σ²/2)·ã, so once on-policy TD flattens
+    ∇_a Q (it does within a few hundred online updates, README) the fine policy slides back to the base
+    and loses its offline gain. Re-anchored, the target is π_fine·exp(λQ): a trust-region policy
+    iteration whose fixed point keeps what was learned. The reference reaches a similar effect slowly
+    by training the behaviour flow on the replay (``train_base``)."""
     num_envs: int = 2
     """Simulator processes for online rollouts."""
     online_seed: int = 200_000
@@ -347,6 +355,7 @@ class QAMConfig:
             "eval_every",
             "critic_warmup",
             "critic_mc_steps",
+            "reanchor_every",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
@@ -430,6 +439,14 @@ class QAMLearner(nn.Module):
     @property
     def adjoint_base(self) -> FlowVLAPolicy:
         return self.base_target if self.base_target is not None else self.base
+
+    @torch.no_grad()
+    def reanchor(self) -> None:
+        """The fine policy becomes the prior: copy its weights into the base (and the base's target)."""
+        fine = self.fine.state_dict()
+        self.base.load_state_dict(fine)
+        if self.base_target is not None:
+            self.base_target.load_state_dict(fine)
 
     def clip_norm(self, a: Tensor) -> Tensor:
         return a.clamp(-1.0, 1.0) if self.clip else a
@@ -816,6 +833,9 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
         mc = step < cfg.critic_mc_steps
         train_actor = step >= max(cfg.critic_warmup, cfg.critic_mc_steps)
+        if phase == "online" and cfg.reanchor_every and (step - cfg.offline_steps) % cfg.reanchor_every == 0:
+            learner.reanchor()
+            log.info("re-anchored: the fine policy is the prior now", extra={"step": step})
         if mc:
             out = learner.mc_losses(batch)
         else:  # the TD target needs the observation n steps on; the MC warm start does not
