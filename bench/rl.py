@@ -73,8 +73,9 @@ def _train(
         from vla_rl.train.qam import QAMConfig, train_qam
 
         env_steps = 0 if algo == "qam" else args.env_steps
+        init = {"init_from": out.parent / args.qam_init_from} if args.qam_init_from else {}
         r = train_qam(
-            QAMConfig(base=str(base), store=store, out=out, env_steps=env_steps, **common, **args.qam)
+            QAMConfig(base=str(base), store=store, out=out, env_steps=env_steps, **common, **init, **args.qam)
         )
         return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
     if algo in ("flow-noise", "flow-sde", "flow-sde-all"):
@@ -247,6 +248,12 @@ def main() -> None:
         help='SFTConfig overrides as JSON, e.g. \'{"chunk_len": 4, "n_exec": 2, "d_model": 64}\'',
     )
     p.add_argument("--qam", type=json.loads, default={}, help="QAMConfig overrides as JSON")
+    p.add_argument(
+        "--qam-init-from",
+        default=None,
+        help="start each seed's QAM run from that seed's earlier run folder <work>/seed<N>/<NAME> "
+        "(e.g. qam-lam10; QAMConfig.init_from; add '{\"init_reset_actor\": true}' to --qam to re-extract)",
+    )
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))

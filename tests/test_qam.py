@@ -420,6 +420,43 @@ def test_reanchor_makes_the_offline_fine_policy_the_online_prior(
     assert all(torch.equal(prior[k], w_sft[k]) for k in w_sft), "without re-anchoring the prior stays SFT"
 
 
+def test_init_from_continues_a_run_exactly_and_can_restart_the_actor(
+    tiny_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """init_from = resume another run's state into a new folder (same result as running straight on);
+    init_reset_actor keeps its critic and restarts the fine policy and the prior from the base."""
+    src = tmp_path / "src"
+    train_qam(_cfg(tiny_base, src, offline_steps=4))
+    straight = train_qam(_cfg(tiny_base, tmp_path / "straight", offline_steps=6))
+    cont = train_qam(_cfg(tiny_base, tmp_path / "cont", offline_steps=6, init_from=src))
+    assert cont.steps == 6
+    _, w_straight = load_checkpoint(straight.checkpoint)
+    _, w_cont = load_checkpoint(cont.checkpoint)
+    assert all(torch.equal(w_straight[k], w_cont[k]) for k in w_straight)
+
+    def learner_state(out: Path) -> dict[str, torch.Tensor]:
+        return load_train_state(out / "train_state.pt")["learner"]
+
+    _, w_sft = load_checkpoint(tiny_base[1])
+    src_state = learner_state(src)
+    assert any(not torch.equal(src_state["fine." + k], w_sft[k]) for k in w_sft)
+    # stop_at = the source's step: nothing trains, the adapted state is saved as loaded
+    train_qam(
+        _cfg(tiny_base, tmp_path / "rx", init_from=src, init_reset_actor=True, train_base=True, stop_at=4)
+    )
+    rx = learner_state(tmp_path / "rx")
+    for k in w_sft:
+        for part in ("fine.", "base.", "base_target."):
+            assert torch.equal(rx[part + k], w_sft[k]), part + k
+    critic = [k for k in src_state if k.startswith("critic")]
+    assert critic and all(torch.equal(rx[k], src_state[k]) for k in critic), "the critic is kept"
+
+    with pytest.raises(FileNotFoundError, match="init_from"):
+        train_qam(_cfg(tiny_base, tmp_path / "x", init_from=tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"init_from: .* does not fit"):
+        train_qam(_cfg(tiny_base, tmp_path / "y", init_from=src, members=3))
+
+
 def test_replay_indices_split_offline_and_online_frames(tmp_path: Path) -> None:
     """offline_fraction draws exactly that share from the first offline_frames rows; None is uniform."""
     cfg = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64, offline_fraction=0.25)
@@ -449,6 +486,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         ({"actor_rho": -0.5}, "actor_rho"),
         ({"offline_fraction": 1.5}, "offline_fraction"),
         ({"reanchor_every": -1}, "reanchor_every"),
+        ({"init_reset_actor": True}, "init_reset_actor"),
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]
@@ -466,3 +504,11 @@ def test_cli_train_qam_names_a_missing_base(tmp_path: Path) -> None:
         timeout=120,
     )
     assert r.returncode == 2 and "--base" in r.stderr, r.stderr
+    args = ["train", "qam", "--base", str(tmp_path), "--store", str(tmp_path), "--out", "o"]
+    r = subprocess.run(
+        [sys.executable, "-m", "vla_rl.cli", *args, "--init-from", str(tmp_path / "no-run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--init-from" in r.stderr and "train_state.pt" in r.stderr, r.stderr

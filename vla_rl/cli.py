@@ -394,6 +394,11 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
 
     if not args.base.startswith("hub://") and not Path(args.base).is_dir():
         raise CliError(f"--base {args.base}: no such checkpoint folder (or give hub://org/name@rev)")
+    if args.init_from is not None and not (args.init_from / "train_state.pt").is_file():
+        raise CliError(
+            f"--init-from {args.init_from}: no train_state.pt there; give the --out folder of an earlier "
+            "`vla-rl train qam` run"
+        )
     with _user_errors(FileNotFoundError, ValueError, CheckpointError):
         cfg = QAMConfig(
             base=args.base,
@@ -421,6 +426,8 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             start_online_after=args.start_online_after,
             offline_fraction=args.offline_fraction,
             reanchor_every=args.reanchor_every,
+            init_from=args.init_from,
+            init_reset_actor=args.init_reset_actor,
             num_envs=args.num_envs,
             final_eval_episodes=args.eval_episodes,
             seed=args.seed,
@@ -1041,6 +1048,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="online: make the fine policy the prior at the first online update and every N online "
         "updates after (keeps the offline gain when on-policy TD flattens the critic; default 0 = never)",
+    )
+    tq.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from another QAM run's OUT folder (critic, policies, counters, online episodes); "
+        "budgets are totals, e.g. --offline-steps = its step then --env-steps N goes straight online",
+    )
+    tq.add_argument(
+        "--init-reset-actor",
+        action="store_true",
+        help="with --init-from: keep its critic, restart the fine policy from --base (re-extraction)",
     )
     tq.add_argument("--start-online-after", type=int, default=0, help="env steps before online updates")
     tq.add_argument("--num-envs", type=int, default=2, help="simulator processes online")

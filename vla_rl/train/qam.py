@@ -331,6 +331,16 @@ class QAMConfig:
     checkpoint_every: int = 1000
     resume: bool = True
     """Continue from <out>/train_state.pt when it exists (exact in the offline phase)."""
+    init_from: Path | None = None
+    """Start from another QAM run's output folder (its train_state.pt): critic, fine policy, prior,
+    optimisers, step and env-step counters and online episodes, as if resuming it into ``out`` (budgets
+    are totals, so offline_steps = the source's step goes straight online). Ignored once ``out`` has a
+    train state of its own (a preempted run resumes from that). Use it to go online from a checked
+    offline run, or with ``init_reset_actor`` to re-extract."""
+    init_reset_actor: bool = False
+    """With init_from: restart the fine policy (and the prior) from ``base`` next to the loaded critic,
+    with a fresh actor optimiser ("re-extraction": on the kinematic benchmark, a λ = 20 actor next to
+    the critic of a λ = 10 run gave the best offline result, README)."""
     stop_at: int | None = None
     """Stop after this many updates, as a preempted job would (tests of resume)."""
     max_seconds: float | None = None
@@ -340,6 +350,10 @@ class QAMConfig:
 
     def __post_init__(self) -> None:
         self.store, self.out = Path(self.store), Path(self.out)
+        if self.init_from is not None:
+            self.init_from = Path(self.init_from)
+        if self.init_reset_actor and self.init_from is None:
+            raise ValueError("init_reset_actor: needs init_from (the run whose critic to keep)")
         self.critic_hidden = tuple(int(h) for h in self.critic_hidden)
         for name in ("members", "flow_steps", "batch_size", "log_every", "checkpoint_every", "num_envs"):
             if getattr(self, name) < 1:
@@ -653,6 +667,29 @@ def replay_indices(n: int, offline_frames: int, cfg: QAMConfig, step: int) -> np
     )
 
 
+def _adapt_init_state(
+    st: dict[str, Any], learner: QAMLearner, opt_base: torch.optim.Optimizer | None, *, reset_actor: bool
+) -> None:
+    """Fit another run's train state to this learner, in place: with ``reset_actor`` the fine policy and
+    the prior restart from this run's base (fresh actor optimiser); a prior's Polyak copy and optimiser
+    the source did not train (``train_base`` off there, on here) start from its prior."""
+    weights = st["learner"]
+    if reset_actor:
+        for k, v in learner.base.state_dict().items():
+            weights["base." + k] = v.detach().clone()
+            weights["fine." + k] = v.detach().clone()
+        st["opt_actor"] = {"state": {}, "param_groups": st["opt_actor"]["param_groups"]}
+    if learner.base_target is not None:
+        for k in learner.base.state_dict():
+            if reset_actor or "base_target." + k not in weights:
+                weights["base_target." + k] = weights["base." + k].clone()
+    else:
+        for k in [k for k in weights if k.startswith("base_target.")]:
+            del weights[k]
+    if opt_base is not None and (reset_actor or not st.get("opt_base")):
+        st["opt_base"] = opt_base.state_dict()
+
+
 def _add_episode(buffer: TransitionBuffer, ep: Mapping[str, np.ndarray]) -> None:
     cams = {k[len("camera.") :]: v for k, v in ep.items() if k.startswith("camera.")}
     buffer.add_episode(
@@ -730,9 +767,25 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
     step, env_steps = 0, 0
     curve: list[dict[str, Any]] = []
     online_episodes: list[dict[str, np.ndarray]] = []
-    if cfg.resume and state_path.exists():
-        st = load_train_state(state_path)
-        learner.load_state_dict(st["learner"])
+    start_from = state_path if cfg.resume and state_path.exists() else None
+    if start_from is None and cfg.init_from is not None:
+        start_from = cfg.init_from / TRAIN_STATE
+        if not start_from.is_file():
+            raise FileNotFoundError(
+                f"init_from: no {TRAIN_STATE} in {cfg.init_from}; expected the out folder of a QAM run"
+            )
+    if start_from is not None:
+        st = load_train_state(start_from)
+        fresh = start_from != state_path
+        if fresh:
+            _adapt_init_state(st, learner, opt_base, reset_actor=cfg.init_reset_actor)
+        try:
+            learner.load_state_dict(st["learner"])
+        except RuntimeError as e:
+            raise ValueError(
+                f"init_from: {start_from} does not fit this configuration (members, critic_hidden, "
+                f"feature_mode and the base's architecture must match the source run): {e}"
+            ) from e
         opt_critic.load_state_dict(st["opt_critic"])
         opt_actor.load_state_dict(st["opt_actor"])
         if opt_base is not None:
@@ -743,7 +796,10 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             ep_np = {k: v.numpy() for k, v in ep.items()}
             _add_episode(buffer, ep_np)
             online_episodes.append(ep_np)
-        log.info("resumed", extra={"step": step, "env_steps": env_steps, "from": str(state_path)})
+        log.info(
+            "initialised from another run" if fresh else "resumed",
+            extra={"step": step, "env_steps": env_steps, "from": str(start_from)},
+        )
 
     from torch.utils.tensorboard import SummaryWriter
 
