@@ -308,8 +308,10 @@ class QAMConfig:
     reference). Why: adjoint matching regresses v_θ to v̄_β − (σ²/2)·ã, so once on-policy TD flattens
     ∇_a Q (it does within a few hundred online updates, README) the fine policy slides back to the base
     and loses its offline gain. Re-anchored, the target is π_fine·exp(λQ): a trust-region policy
-    iteration whose fixed point keeps what was learned. The reference reaches a similar effect slowly
-    by training the behaviour flow on the replay (``train_base``)."""
+    iteration around what was learned. Kinematic benchmark (README): online phases lost 7-9 points
+    without it and ~4 with it (500, 40k env steps), on episodes no setting was chosen by; no net gain
+    yet. The reference instead trains the behaviour flow on the replay (``train_base``), slowly.
+    Online updates are counted from ``offline_steps``."""
     num_envs: int = 2
     """Simulator processes for online rollouts."""
     online_seed: int = 200_000
