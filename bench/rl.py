@@ -54,11 +54,14 @@ def _cached(path: Path, fn: Any) -> dict[str, Any]:
     return res
 
 
-def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
-    ev = evaluate(
-        load_policy(ckpt), args.task, episodes=args.eval_episodes, num_envs=2, seed=100_000, progress=False
-    )
+def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = 100_000) -> dict[str, Any]:
+    """Success of a checkpoint on the held-out episode seeds ``seed .. seed + episodes - 1``."""
+    ev = evaluate(load_policy(ckpt), task, episodes=episodes, num_envs=2, seed=seed, progress=False)
     return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
+
+
+def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
+    return evaluate_checkpoint(ckpt, args.task, args.eval_episodes)
 
 
 def _train(

@@ -22,9 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, table, write_results
-
-from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
+from rl import evaluate_checkpoint
 
 
 def checkpoint_of(seed_dir: Path, run: str) -> Path:
@@ -56,17 +54,10 @@ def main() -> None:
         row: dict[str, Any] = {"seed": seed}
         for name in names:
             ckpt = checkpoint_of(seed_dir, name)
-            ev = evaluate(
-                load_policy(ckpt),
-                args.task,
-                episodes=args.episodes,
-                num_envs=2,
-                seed=args.first_episode_seed,
-                progress=False,
-            )
-            row[name] = {"success": ev.success_rate, "ci95": list(ev.ci95), "checkpoint": str(ckpt)}
-            success[name].append(ev.success_rate)
-            print(f"seed {seed} {name:<16} {ev.success_rate:.1%}", flush=True)
+            ev = evaluate_checkpoint(ckpt, args.task, args.episodes, seed=args.first_episode_seed)
+            row[name] = {**ev, "checkpoint": str(ckpt)}
+            success[name].append(ev["success"])
+            print(f"seed {seed} {name:<16} {ev['success']:.1%}", flush=True)
         per_seed.append(row)
     sft_mean = float(np.mean(success["sft"]))
     rows = [

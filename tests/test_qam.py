@@ -395,6 +395,12 @@ def test_offline_to_online_collects_episodes(tiny_base: tuple[Path, Path], tmp_p
     assert info.lineage.data["env_steps"] == 24
 
 
+def _learner_state(out: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The learner weights in a run's train_state.pt whose names start with ``prefix`` (prefix dropped)."""
+    state = load_train_state(out / "train_state.pt")["learner"]
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
 def test_reanchor_makes_the_offline_fine_policy_the_online_prior(
     tiny_base: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -405,18 +411,14 @@ def test_reanchor_makes_the_offline_fine_policy_the_online_prior(
     _, w_offline = load_checkpoint(offline.checkpoint)
     _, w_sft = load_checkpoint(tiny_base[1])
 
-    def learner_part(out: Path, prefix: str) -> dict[str, torch.Tensor]:
-        state = load_train_state(out / "train_state.pt")["learner"]
-        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-
     res = train_qam(_cfg(tiny_base, tmp_path / "ra", reanchor_every=3, **online))
     assert res.steps == 2 + 3  # one re-anchor, at step 2 (the next would be at 5)
-    prior, fine = learner_part(tmp_path / "ra", "base."), learner_part(tmp_path / "ra", "fine.")
+    prior, fine = _learner_state(tmp_path / "ra", "base."), _learner_state(tmp_path / "ra", "fine.")
     assert all(torch.equal(prior[k], w_offline[k]) for k in w_offline), "prior = the offline fine policy"
     assert any(not torch.equal(prior[k], fine[k]) for k in prior), "the fine policy kept training"
 
     train_qam(_cfg(tiny_base, tmp_path / "plain", **online))
-    prior = learner_part(tmp_path / "plain", "base.")
+    prior = _learner_state(tmp_path / "plain", "base.")
     assert all(torch.equal(prior[k], w_sft[k]) for k in w_sft), "without re-anchoring the prior stays SFT"
 
 
@@ -434,17 +436,14 @@ def test_init_from_continues_a_run_exactly_and_can_restart_the_actor(
     _, w_cont = load_checkpoint(cont.checkpoint)
     assert all(torch.equal(w_straight[k], w_cont[k]) for k in w_straight)
 
-    def learner_state(out: Path) -> dict[str, torch.Tensor]:
-        return load_train_state(out / "train_state.pt")["learner"]
-
     _, w_sft = load_checkpoint(tiny_base[1])
-    src_state = learner_state(src)
+    src_state = _learner_state(src)
     assert any(not torch.equal(src_state["fine." + k], w_sft[k]) for k in w_sft)
     # stop_at = the source's step: nothing trains, the adapted state is saved as loaded
     train_qam(
         _cfg(tiny_base, tmp_path / "rx", init_from=src, init_reset_actor=True, train_base=True, stop_at=4)
     )
-    rx = learner_state(tmp_path / "rx")
+    rx = _learner_state(tmp_path / "rx")
     for k in w_sft:
         for part in ("fine.", "base.", "base_target."):
             assert torch.equal(rx[part + k], w_sft[k]), part + k

@@ -675,14 +675,14 @@ def _adapt_init_state(
     """Fit another run's train state to this learner, in place: with ``reset_actor`` the fine policy and
     the prior restart from this run's base (fresh actor optimiser); a prior's Polyak copy and optimiser
     the source did not train (``train_base`` off there, on here) start from its prior."""
-    weights = st["learner"]
+    weights, base = st["learner"], learner.base.state_dict()
     if reset_actor:
-        for k, v in learner.base.state_dict().items():
+        for k, v in base.items():
             weights["base." + k] = v.detach().clone()
             weights["fine." + k] = v.detach().clone()
         st["opt_actor"] = {"state": {}, "param_groups": st["opt_actor"]["param_groups"]}
     if learner.base_target is not None:
-        for k in learner.base.state_dict():
+        for k in base:
             if reset_actor or "base_target." + k not in weights:
                 weights["base_target." + k] = weights["base." + k].clone()
     else:
