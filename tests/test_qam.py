@@ -19,6 +19,7 @@ from vla_rl.train.common import load_train_state
 from vla_rl.train.qam import (
     QAMConfig,
     QAMLearner,
+    _NextActionCache,
     adjoint_matching_loss,
     am_velocity_target,
     critic_loss,
@@ -31,6 +32,7 @@ from vla_rl.train.qam import (
     train_qam,
 )
 from vla_rl.train.sft import SFTConfig, train_sft
+from vla_rl.train.transitions import TransitionBuffer
 
 TASK = "maniskill/PushCube-v1"
 
@@ -456,6 +458,76 @@ def test_init_from_continues_a_run_exactly_and_can_restart_the_actor(
         train_qam(_cfg(tiny_base, tmp_path / "y", init_from=src, members=3))
 
 
+def test_next_action_cache_holds_fine_samples_per_frame_refreshed_on_a_grid(
+    tiny_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The table row of a frame is the fine policy's chunk at that frame's state; it stays a snapshot
+    until the next multiple of the refresh interval; appended frames get rows, old rows unchanged."""
+    store = EpisodeStore(tiny_base[0])
+    cfg = _cfg(tiny_base, tmp_path, next_action_cache=5, seed=3)
+    learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, cfg)
+    buffer = TransitionBuffer.from_store(store, store.episode_ids(), cameras=False)
+    cache = _NextActionCache(learner, buffer, cfg, None, torch.device("cpu"))
+    n, event = len(buffer), (learner.horizon, learner.action_dim)
+
+    def expected(epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(3 * 1_000_003 + epoch * 7919)
+        noise = torch.randn(n, *event, generator=gen)
+        return learner.sample_fine({"state": torch.from_numpy(buffer.states), "cameras": {}}, noise)
+
+    rows = torch.tensor([0, n // 2, n - 1])
+    first = cache.lookup(rows, step=0)
+    assert first.shape == (3, *event) and first.abs().max() <= 1.0  # clipped, normalised
+    torch.testing.assert_close(first, expected(0)[rows])
+    with torch.no_grad():
+        for p in learner.fine.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.testing.assert_close(cache.lookup(rows, step=4), first)  # same epoch: the old snapshot
+    second = cache.lookup(rows, step=5)
+    torch.testing.assert_close(second, expected(1)[rows])
+    assert not torch.allclose(second, first)
+
+    ep = {
+        "state": buffer.states[:5].copy(),
+        "action": buffer.actions[:5].copy(),
+        "reward": np.zeros(5, np.float32),
+        "terminated": np.zeros(5, bool),
+        "controller": np.zeros(5, np.int64),
+    }
+    buffer.add_episode(**ep, success=False)
+    table = cache.table.clone()
+    grown = cache.lookup(torch.tensor([n, n + 4]), step=6)
+    assert len(cache.table) == n + 5 and torch.equal(cache.table[:n], table)
+    # the new frames repeat the first five states: same policy, other noise -> finite, clipped chunks
+    assert grown.shape == (2, *event) and grown.abs().max() <= 1.0
+
+
+def test_actor_every_and_the_next_action_cache_in_a_run(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
+    """actor_every 3 over 7 updates trains the actor at updates 0, 3, 6 (the critic at all 7); with a
+    given next chunk the TD target no longer depends on the sampler's randomness."""
+    res = train_qam(
+        _cfg(tiny_base, tmp_path / "r", offline_steps=7, actor_every=3, next_action_cache=2, log_every=1)
+    )
+    st = load_train_state(tmp_path / "r" / "train_state.pt")
+    actor_steps = {int(v["step"]) for v in st["opt_actor"]["state"].values()}
+    critic_steps = {int(v["step"]) for v in st["opt_critic"]["state"].values()}
+    assert actor_steps == {3} and critic_steps == {7}
+    assert [("loss_am" in r) for r in res.curve] == [True, False, False, True, False, False, True]
+    assert all(math.isfinite(r["loss_q"]) for r in res.curve)
+
+    learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path))
+    batch, nxt = _learner_batch(learner)
+    chunk = torch.rand(6, learner.horizon, learner.action_dim) * 2 - 1
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        given = learner.losses(batch, nxt, train_actor=False, next_chunk=chunk)["loss_q"].item()
+        torch.manual_seed(seed)
+        losses.append((given, learner.losses(batch, nxt, train_actor=False)["loss_q"].item()))
+    assert losses[0][0] == losses[1][0], "a given a' makes the target deterministic"
+    assert losses[0][1] != losses[1][1], "without it a' is sampled"
+
+
 def test_replay_indices_split_offline_and_online_frames(tmp_path: Path) -> None:
     """offline_fraction draws exactly that share from the first offline_frames rows; None is uniform."""
     cfg = QAMConfig(base="b", store=tmp_path, out=tmp_path, batch_size=64, offline_fraction=0.25)
@@ -485,13 +557,15 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         ({"actor_rho": -0.5}, "actor_rho"),
         ({"offline_fraction": 1.5}, "offline_fraction"),
         ({"reanchor_every": -1}, "reanchor_every"),
+        ({"next_action_cache": -1}, "next_action_cache"),
+        ({"actor_every": 0}, "actor_every"),
         ({"init_reset_actor": True}, "init_reset_actor"),
     ):
         with pytest.raises(ValueError, match=field_name):
             QAMConfig(**base, **kw)  # type: ignore[arg-type]
 
 
-def test_cli_train_qam_names_a_missing_base(tmp_path: Path) -> None:
+def test_cli_train_qam_names_a_missing_base(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -511,3 +585,17 @@ def test_cli_train_qam_names_a_missing_base(tmp_path: Path) -> None:
         timeout=120,
     )
     assert r.returncode == 2 and "--init-from" in r.stderr and "train_state.pt" in r.stderr, r.stderr
+    # the policy-iteration knobs reach the config (its check names the field)
+    store, base = tiny_base
+    args = ["train", "qam", "--base", str(base), "--store", str(store), "--out", str(tmp_path / "o")]
+    for flag, value, name in (
+        ("--actor-every", "0", "actor_every"),
+        ("--next-action-cache", "-2", "next_action_cache"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "vla_rl.cli", *args, flag, value],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode != 0 and name in r.stderr and "Traceback" not in r.stderr, r.stderr

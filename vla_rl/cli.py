@@ -426,6 +426,8 @@ def cmd_train_qam(args: argparse.Namespace) -> int:
             start_online_after=args.start_online_after,
             offline_fraction=args.offline_fraction,
             reanchor_every=args.reanchor_every,
+            actor_every=args.actor_every,
+            next_action_cache=args.next_action_cache,
             init_from=args.init_from,
             init_reset_actor=args.init_reset_actor,
             num_envs=args.num_envs,
@@ -1048,6 +1050,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="online: make the fine policy the prior at the first online update and every N online "
         "updates after (keeps the offline gain when on-policy TD flattens the critic; default 0 = never)",
+    )
+    tq.add_argument(
+        "--actor-every",
+        type=int,
+        default=1,
+        help="train the actor on every N-th update after the warm-up, the critic on all (default 1)",
+    )
+    tq.add_argument(
+        "--next-action-cache",
+        type=int,
+        default=0,
+        help="sample the TD target's next chunks for the whole replay every N updates and look them up "
+        "(~10x cheaper critic updates on CPU, so a high --utd is affordable; default 0 = per batch)",
     )
     tq.add_argument(
         "--init-from",

@@ -483,7 +483,7 @@ class TransitionBuffer:
         ``bootstrap`` [B] (1 if the value at t + n should be added, 0 after a terminal),
         ``valid`` [B] (0 when the window runs past a non-terminal end: no next observation was stored),
         ``controller`` [B], ``human`` [B] bool, ``credit`` [B] int (1/0/-1), ``mc_return`` [B],
-        ``episode_index`` / ``frame_index`` [B].
+        ``episode_index`` / ``frame_index`` [B], ``next_index`` [B] (the buffer row of ``next.*``).
         """
         if horizon < 1 or n_step < 1:
             raise ValueError(f"horizon/n_step: expected >= 1, got {horizon} and {n_step}")
@@ -516,6 +516,7 @@ class TransitionBuffer:
             "mc_return": torch.from_numpy(a["mc_return"][idx]),
             "episode_index": torch.from_numpy(a["episode"][idx]),
             "frame_index": torch.from_numpy(a["frame"][idx]),
+            "next_index": torch.from_numpy(nxt_idx),
         }
         for cam in self.spec.camera_names if self.use_cameras else ():
             imgs = a[f"image.{cam}"]
