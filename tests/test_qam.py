@@ -514,6 +514,22 @@ def test_actor_every_and_the_next_action_cache_in_a_run(tiny_base: tuple[Path, P
     assert actor_steps == {3} and critic_steps == {7}
     assert [("loss_am" in r) for r in res.curve] == [True, False, False, True, False, False, True]
     assert all(math.isfinite(r["loss_q"]) for r in res.curve)
+    # online, the table grows with the episodes the fine policy collects (utd 1: one update per env step)
+    online = train_qam(
+        _cfg(
+            tiny_base,
+            tmp_path / "o",
+            offline_steps=2,
+            env_steps=12,
+            num_envs=2,
+            max_episode_steps=6,
+            utd=1.0,
+            actor_every=4,
+            next_action_cache=5,
+        )
+    )
+    assert online.env_steps == 12 and online.steps == 2 + 12 and online.metrics["online_episodes"] == 2
+    assert all(math.isfinite(r["loss_q"]) for r in online.curve)
 
     learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, _cfg(tiny_base, tmp_path))
     batch, nxt = _learner_batch(learner)
