@@ -27,7 +27,10 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
 Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
 :class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment) and every
-finished episode is appended; ``utd`` updates per env step until an env-step budget is spent.
+finished episode is appended; ``utd`` updates per env step until an env-step budget is spent. With
+``next_action_cache`` (a' looked up from a periodically re-sampled table), ``actor_every`` (critic-only
+updates in between) and ``reanchor_every`` (the fine policy becomes the prior) this is approximate policy
+iteration at UTD 1 that a CPU can afford; on the kinematic benchmark it is the recipe that clears +20.
 
 Output folder::
 
