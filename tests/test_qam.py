@@ -324,7 +324,7 @@ def test_mc_warm_start_fits_the_monte_carlo_return_and_keeps_the_actor(
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss) < 0.05 * first
+    assert loss.item() < 0.05 * first
     q = learner.critic(learner.features(batch), learner.dataset_chunk(batch["action"])).mean(0)
     torch.testing.assert_close(q, batch["mc_return"], atol=0.05, rtol=0.0)
 
