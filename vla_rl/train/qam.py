@@ -734,7 +734,7 @@ class _NextActionCache:
                 obs["instruction_embedding"] = self.instruction_emb.expand(len(rows), -1)
             noise = torch.randn(len(rows), lr.horizon, lr.action_dim, generator=gen).to(self.device)
             parts.append(lr.sample_fine(obs, noise))
-        return torch.cat(parts) if parts else torch.empty(0, lr.horizon, lr.action_dim, device=self.device)
+        return torch.cat(parts)  # lookup only samples non-empty ranges
 
 
 def replay_indices(n: int, offline_frames: int, cfg: QAMConfig, step: int) -> np.ndarray:
