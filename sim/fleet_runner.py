@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from vla_rl import console
 from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
 
 log = logging.getLogger("vla_rl.fleet")
@@ -482,8 +483,6 @@ class FleetResult:
     operator_busy_waits: int
 
     def table(self) -> str:
-        from vla_rl.cli import _table
-
         rows = [
             [
                 s.robot_id,
@@ -495,7 +494,7 @@ class FleetResult:
             ]
             for s in self.robots.values()
         ]
-        return _table(rows, ["robot", "episodes", "success", "intervention rate", "takeovers", "why"])
+        return console.table(rows, ["robot", "episodes", "success", "intervention rate", "takeovers", "why"])
 
 
 def _spec_from_server(server: str, model_id: str) -> tuple[dict[str, Any], str]:

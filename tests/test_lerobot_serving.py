@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from policies.lerobot_adapter import is_lerobot_folder, save_random_policy, spec_from_config
 from server.client import PolicyClient, PolicyError, build_request
 from server.codec import to_tensor
@@ -227,7 +228,7 @@ def test_serves_diffusion_reproducibly_from_seed(server: PolicyServer, folders: 
         )
         # explicit noise over the policy's horizon [8, 3] is the same as the seed that draws it
         rn = c.act(obs, noise=initial_noise(11, 8, 3))
-        np.testing.assert_allclose(rn.actions, r.actions, atol=1e-5)
+        np.testing.assert_allclose(rn.actions, r.actions, atol=RECOMPUTED_ATOL)
         assert not np.allclose(c.act(obs, seed=12).actions, r.actions)
 
 
@@ -291,13 +292,13 @@ def test_swap_and_refusals(server: PolicyServer, folders: dict[str, Path], tmp_p
             for word in words:
                 assert word in err.value.message, (word, err.value.message)
             assert c.info()["act"].commit == old
-        np.testing.assert_allclose(c.act(obs).actions, before, atol=1e-5)
+        np.testing.assert_allclose(c.act(obs).actions, before, atol=RECOMPUTED_ATOL)
         resp = c.load_checkpoint(str(folders["act2"]))
         assert resp.serving and resp.previous_commit == old
         after = c.act(obs)
         assert after.commit == resp.commit and not np.allclose(after.actions, before)
         assert c.rollback().commit == old
-        np.testing.assert_allclose(c.act(obs).actions, before, atol=1e-5)
+        np.testing.assert_allclose(c.act(obs).actions, before, atol=RECOMPUTED_ATOL)
 
 
 def test_pi0_is_recognised_and_refused_without_weights(tmp_path: Path) -> None:

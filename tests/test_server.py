@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.client import PolicyClient, PolicyError, build_request
 from server.codec import encode_image, to_tensor
@@ -129,12 +130,12 @@ def test_act_info_and_health(
     assert r.seed == 7 and r.n_exec == 2 and r.batch_size >= 1
     t = r.timing
     assert t.total_us >= t.inference_us > 0 and t.decode_us > 0 and t.round_trip_us >= t.total_us
-    np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 7), atol=1e-5)
+    np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 7), atol=RECOMPUTED_ATOL)
     # the same request again is the same chunk; another model answers with its own commit
-    np.testing.assert_allclose(client.act(obs, seed=7).actions, r.actions, atol=1e-5)
+    np.testing.assert_allclose(client.act(obs, seed=7).actions, r.actions, atol=RECOMPUTED_ATOL)
     rb = client.act(obs, seed=7, model_id="arm_b")
     assert rb.commit == reference["b"].commit
-    np.testing.assert_allclose(rb.actions, expected(reference["b"], obs, 7), atol=1e-5)
+    np.testing.assert_allclose(rb.actions, expected(reference["b"], obs, 7), atol=RECOMPUTED_ATOL)
     # GetInfo advertises what a robot needs
     m = info["arm"]
     assert RobotSpec.from_json(m.robot_spec_json) == SPEC
@@ -142,10 +143,10 @@ def test_act_info_and_health(
     assert client.health() == "SERVING" and client.health("vla_rl.v1.PolicyService") == "SERVING"
     # no seed: the server draws one and says which, so the chunk can be reproduced
     r2 = client.act(obs)
-    np.testing.assert_allclose(r2.actions, client.act(obs, seed=r2.seed).actions, atol=1e-5)
+    np.testing.assert_allclose(r2.actions, client.act(obs, seed=r2.seed).actions, atol=RECOMPUTED_ATOL)
     # explicit noise is the same as the seed that draws it
     rn = client.act(obs, noise=initial_noise(7, H, A))
-    np.testing.assert_allclose(rn.actions, r.actions, atol=1e-5)
+    np.testing.assert_allclose(rn.actions, r.actions, atol=RECOMPUTED_ATOL)
 
 
 def test_encoded_images(client: PolicyClient) -> None:
@@ -155,7 +156,7 @@ def test_encoded_images(client: PolicyClient) -> None:
         req = build_request(obs, model_id="arm", seed=3, image_format=fmt)
         got = client.act_request(req).actions
         if fmt == "png":  # lossless: the same pixels, the same chunk
-            np.testing.assert_allclose(got, raw, atol=1e-5)
+            np.testing.assert_allclose(got, raw, atol=RECOMPUTED_ATOL)
         assert got.shape == (H, A) and np.isfinite(got).all()
 
 
@@ -352,8 +353,8 @@ def test_stream_survives_a_bad_request(client: PolicyClient, reference: dict[str
             s.act({**obs, "state": np.zeros(3, np.float32)}, seed=5)
         assert err.value.code == SC.INVALID_ARGUMENT and "observation.state" in err.value.message
         again = s.act(obs, seed=5)
-    np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=1e-5)
-    np.testing.assert_allclose(again.actions, first.actions, atol=1e-5)
+    np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=RECOMPUTED_ATOL)
+    np.testing.assert_allclose(again.actions, first.actions, atol=RECOMPUTED_ATOL)
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -384,11 +385,11 @@ def test_batching_batches_and_matches_unbatched(
     sizes = [r.batch_size for r in results.values()]
     assert max(sizes) > 1, sizes
     for i, (obs, seed) in enumerate(work):  # batched results == unbatched ones, row by row
-        np.testing.assert_allclose(results[i].actions, expected(reference["a"], obs, seed), atol=1e-5)
+        np.testing.assert_allclose(results[i].actions, expected(reference["a"], obs, seed), atol=RECOMPUTED_ATOL)
     with PolicyClient(server.address, timeout_s=10, model_id="arm") as c:
         for i in range(4):  # ...and == the server's own answers to one request at a time
             single = c.act(work[i][0], seed=work[i][1])
-            np.testing.assert_allclose(results[i].actions, single.actions, atol=1e-5)
+            np.testing.assert_allclose(results[i].actions, single.actions, atol=RECOMPUTED_ATOL)
 
 
 # ---------------------------------------------------------------------------------------------- swap
@@ -434,14 +435,14 @@ def test_swap_under_load(ckpts: dict[str, Path], reference: dict[str, ServedVers
                 if sent > swapped:
                     assert res.commit == new
                 version = reference["a"] if res.commit == old else reference["b"]
-                np.testing.assert_allclose(res.actions, expected(version, obs, seed), atol=1e-5)
+                np.testing.assert_allclose(res.actions, expected(version, obs, seed), atol=RECOMPUTED_ATOL)
             # rollback: instant, to the version kept in memory
             rb = ctl.rollback()
             assert (rb.commit, rb.previous_commit) == (old, new)
             obs = make_obs(np.random.default_rng(9))
             r = ctl.act(obs, seed=2)
             assert r.commit == old
-            np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 2), atol=1e-5)
+            np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 2), atol=RECOMPUTED_ATOL)
     finally:
         stop.set()
         srv.stop()
@@ -521,7 +522,7 @@ def test_follow_a_moving_ref(
             obs = make_obs(np.random.default_rng(11))
             r = c.act(obs, seed=4)
             assert r.commit == want
-            np.testing.assert_allclose(r.actions, expected(reference["b"], obs, 4), atol=1e-5)
+            np.testing.assert_allclose(r.actions, expected(reference["b"], obs, 4), atol=RECOMPUTED_ATOL)
     finally:
         srv.stop()
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from test_server import SPEC, TOKEN, H, expected, make_checkpoint, make_obs
 
+from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from server.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
 from server.aio_client import AsyncPolicyClient
 from server.client import Backoff, PolicyClient, PolicyError
@@ -70,15 +71,15 @@ def test_async_client_act_stream_info_and_errors(
             obss = [make_obs(r) for r in rngs]
             results = await asyncio.gather(*(c.act(o, seed=k) for k, o in enumerate(obss)))
             for k, (o, r) in enumerate(zip(obss, results, strict=True)):
-                np.testing.assert_allclose(r.actions, expected(reference["a"], o, k), atol=1e-5)
+                np.testing.assert_allclose(r.actions, expected(reference["a"], o, k), atol=RECOMPUTED_ATOL)
             async with c.stream() as s:
                 first = await s.act(obs, seed=5)
                 with pytest.raises(PolicyError) as err:
                     await s.act({**obs, "state": np.zeros(3, np.float32)})
                 assert err.value.code == SC.INVALID_ARGUMENT and "observation.state" in err.value.message
                 again = await s.act(obs, seed=5)
-            np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=1e-5)
-            np.testing.assert_allclose(again.actions, first.actions, atol=1e-5)
+            np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=RECOMPUTED_ATOL)
+            np.testing.assert_allclose(again.actions, first.actions, atol=RECOMPUTED_ATOL)
             with pytest.raises(PolicyError) as err:
                 await c.act(obs, model_id="nope")
             assert err.value.code == SC.NOT_FOUND
@@ -155,7 +156,7 @@ def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path],
     s = c.stream()
     try:
         want = c.act(obs, seed=3).actions
-        np.testing.assert_allclose(s.act(obs, seed=3).actions, want, atol=1e-5)
+        np.testing.assert_allclose(s.act(obs, seed=3).actions, want, atol=RECOMPUTED_ATOL)
         srv.stop()
         # server gone and not coming back within the budget: an error at the deadline, not a hang
         t0 = time.monotonic()
@@ -165,10 +166,10 @@ def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path],
         t = threading.Thread(target=restart_later)
         t.start()
         retries = c.retries
-        np.testing.assert_allclose(c.act(obs, seed=3, timeout_s=60).actions, want, atol=1e-5)
+        np.testing.assert_allclose(c.act(obs, seed=3, timeout_s=60).actions, want, atol=RECOMPUTED_ATOL)
         assert c.retries > retries
         t.join()
-        np.testing.assert_allclose(s.act(obs, seed=3, timeout_s=30).actions, want, atol=1e-5)
+        np.testing.assert_allclose(s.act(obs, seed=3, timeout_s=30).actions, want, atol=RECOMPUTED_ATOL)
         assert s.reopened >= 1
     finally:
         s.close()
@@ -196,10 +197,10 @@ def test_async_reconnect(ckpts: dict[str, Path], free_port: int) -> None:
                 None, lambda: (time.sleep(1.0), start({"arm": ckpts["a"]}, port=port))[1]
             )
             got = await c.act(obs, seed=4, timeout_s=60)
-            np.testing.assert_allclose(got.actions, want, atol=1e-5)
+            np.testing.assert_allclose(got.actions, want, atol=RECOMPUTED_ATOL)
             new = await later
             try:
-                np.testing.assert_allclose((await s.act(obs, seed=4, timeout_s=30)).actions, want, atol=1e-5)
+                np.testing.assert_allclose((await s.act(obs, seed=4, timeout_s=30)).actions, want, atol=RECOMPUTED_ATOL)
                 assert s.reopened >= 1 and c.retries >= 1
             finally:
                 await s.close()
@@ -231,7 +232,7 @@ def test_tls(ckpts: dict[str, Path], tmp_path: Path, reference: dict[str, Served
     try:
         with PolicyClient(srv.address, token=TOKEN, timeout_s=10, tls_ca=cert) as c:
             r = c.act(obs, seed=2)
-            np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 2), atol=1e-5)
+            np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 2), atol=RECOMPUTED_ATOL)
             with pytest.raises(PolicyError) as err:
                 c.rollback()  # the token travels (encrypted); nothing to roll back to
             assert err.value.code == SC.FAILED_PRECONDITION
@@ -245,7 +246,7 @@ def test_tls(ckpts: dict[str, Path], tmp_path: Path, reference: dict[str, Served
             async with AsyncPolicyClient(srv.address, timeout_s=10, tls_ca=cert.read_bytes()) as ac:
                 return (await ac.act(obs, seed=2)).actions
 
-        np.testing.assert_allclose(asyncio.run(over_tls()), r.actions, atol=1e-6)
+        np.testing.assert_allclose(asyncio.run(over_tls()), r.actions, atol=RECOMPUTED_ATOL)
     finally:
         srv.stop()
     with pytest.raises(ValueError, match="both"):
@@ -293,7 +294,7 @@ def test_temporal_ensemble_matches_act() -> None:
         assert q.needs_chunk()
         q.add_chunk(chunk, start_step=step)
         want = ens.update(torch.from_numpy(chunk)[None])[0].numpy()
-        np.testing.assert_allclose(q.pop(), want, atol=1e-5)
+        np.testing.assert_allclose(q.pop(), want, atol=RECOMPUTED_ATOL)
 
 
 def test_queued_policy_sync_and_async(server: PolicyServer, reference: dict[str, ServedVersion]) -> None:
@@ -311,7 +312,7 @@ def test_queued_policy_sync_and_async(server: PolicyServer, reference: dict[str,
         assert qp.queue.step == 12 and qp.requests >= 12 // H
         assert qp.queue.stats.starved == 1  # only the very first step waited
         # latest_only: step 0 is the first chunk's first action for the first observation (seed 0)
-        np.testing.assert_allclose(actions[0], expected(reference["a"], observations[0], 0)[0], atol=1e-5)
+        np.testing.assert_allclose(actions[0], expected(reference["a"], observations[0], 0)[0], atol=RECOMPUTED_ATOL)
 
     async def main() -> int:
         async with AsyncPolicyClient(server.address, timeout_s=10, model_id="arm") as ac:
@@ -414,7 +415,7 @@ def test_follows_prod_on_the_hub_without_failed_requests(
     assert commits[0] == v1 and commits[-1] == v2 and set(commits) == {v1, v2}
     for obs, seed, r in log:  # every chunk came from the commit it names
         np.testing.assert_allclose(
-            r.actions, expected(reference["a" if r.commit == v1 else "b"], obs, seed), atol=1e-5
+            r.actions, expected(reference["a" if r.commit == v1 else "b"], obs, seed), atol=RECOMPUTED_ATOL
         )
 
 

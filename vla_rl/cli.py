@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_rl import __version__
+from vla_rl.console import human_bytes, table
 from vla_rl.logs import setup_logging
 
 log = logging.getLogger("vla_rl")
@@ -78,22 +79,6 @@ def _task_arg(name: str) -> str:
         return resolve_task(name).name
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-    lines += [fmt.format(*map(str, r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 # ---------------------------------------------------------------------------- sim
 def cmd_sim_list(args: argparse.Namespace) -> int:
     from sim.registry import list_tasks
@@ -125,7 +110,7 @@ def cmd_sim_list(args: argparse.Namespace) -> int:
         "steps",
         "instruction",
     ]
-    print(_table(rows, header))
+    print(table(rows, header))
     print("\nActions are float32 in [-1, 1]; gripper +1 opens, -1 closes. Images are uint8 HxWx3.")
     return 0
 
@@ -166,14 +151,14 @@ def cmd_store_info(args: argparse.Namespace) -> int:
     print(f"store     {info['root']}")
     print(f"episodes  {info['episodes']} ({info['open_episodes']} open)")
     print(f"frames    {info['frames']}")
-    print(f"on disk   {_human_bytes(info['bytes'])}")
+    print(f"on disk   {human_bytes(info['bytes'])}")
     if info["tasks"]:
         rows = []
         for name, t in info["tasks"].items():
             rate = "-" if t["success_rate"] is None else f"{t['success_rate']:.0%}"
             rows.append([name, t["episodes"], t["frames"], f"{t['successes']}/{t['closed']}", rate])
         print()
-        print(_table(rows, ["task", "episodes", "frames", "successes", "success rate"]))
+        print(table(rows, ["task", "episodes", "frames", "successes", "success rate"]))
     if info["robots"]:
         rows = []
         for name, r in info["robots"].items():
@@ -193,7 +178,7 @@ def cmd_store_info(args: argparse.Namespace) -> int:
             )
         print()
         header = ["robot", "episodes", "frames", "success", "segments (auto / interv / reset)"]
-        print(_table(rows, [*header, "episodes w/ takeover", "intervention rate (frames)"]))
+        print(table(rows, [*header, "episodes w/ takeover", "intervention rate (frames)"]))
     return 0
 
 
