@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from vla_rl import console
 from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
+from vla_rl import console
 
 log = logging.getLogger("vla_rl.fleet")
 

@@ -23,8 +23,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tolerances import RECOMPUTED_ATOL
 
-from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from policies.lerobot_adapter import is_lerobot_folder, save_random_policy, spec_from_config
 from server.client import PolicyClient, PolicyError, build_request
 from server.codec import to_tensor

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tolerances import RECOMPUTED_ATOL
 
-from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from policies.flow_vla import (
     ConfigError,
     FlowVLAConfig,

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
+
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from sim.registry import resolve_task
 from vla_rl.checkpoint import CheckpointInfo, Lineage, load_checkpoint, read_info, save_checkpoint

@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tolerances import RECOMPUTED_ATOL
 
-from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.client import PolicyClient, PolicyError, build_request
 from server.codec import encode_image, to_tensor
@@ -385,7 +385,9 @@ def test_batching_batches_and_matches_unbatched(
     sizes = [r.batch_size for r in results.values()]
     assert max(sizes) > 1, sizes
     for i, (obs, seed) in enumerate(work):  # batched results == unbatched ones, row by row
-        np.testing.assert_allclose(results[i].actions, expected(reference["a"], obs, seed), atol=RECOMPUTED_ATOL)
+        np.testing.assert_allclose(
+            results[i].actions, expected(reference["a"], obs, seed), atol=RECOMPUTED_ATOL
+        )
     with PolicyClient(server.address, timeout_s=10, model_id="arm") as c:
         for i in range(4):  # ...and == the server's own answers to one request at a time
             single = c.act(work[i][0], seed=work[i][1])

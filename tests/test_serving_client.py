@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 from test_server import SPEC, TOKEN, H, expected, make_checkpoint, make_obs
+from tolerances import RECOMPUTED_ATOL
 
-from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from server.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
 from server.aio_client import AsyncPolicyClient
 from server.client import Backoff, PolicyClient, PolicyError
@@ -200,7 +200,9 @@ def test_async_reconnect(ckpts: dict[str, Path], free_port: int) -> None:
             np.testing.assert_allclose(got.actions, want, atol=RECOMPUTED_ATOL)
             new = await later
             try:
-                np.testing.assert_allclose((await s.act(obs, seed=4, timeout_s=30)).actions, want, atol=RECOMPUTED_ATOL)
+                np.testing.assert_allclose(
+                    (await s.act(obs, seed=4, timeout_s=30)).actions, want, atol=RECOMPUTED_ATOL
+                )
                 assert s.reopened >= 1 and c.retries >= 1
             finally:
                 await s.close()
@@ -312,7 +314,9 @@ def test_queued_policy_sync_and_async(server: PolicyServer, reference: dict[str,
         assert qp.queue.step == 12 and qp.requests >= 12 // H
         assert qp.queue.stats.starved == 1  # only the very first step waited
         # latest_only: step 0 is the first chunk's first action for the first observation (seed 0)
-        np.testing.assert_allclose(actions[0], expected(reference["a"], observations[0], 0)[0], atol=RECOMPUTED_ATOL)
+        np.testing.assert_allclose(
+            actions[0], expected(reference["a"], observations[0], 0)[0], atol=RECOMPUTED_ATOL
+        )
 
     async def main() -> int:
         async with AsyncPolicyClient(server.address, timeout_s=10, model_id="arm") as ac:
