@@ -410,7 +410,7 @@ def test_train_ppo_end_to_end(method: str, tmp_path: Path) -> None:
         update_epochs=2,
         critic_warmup_iterations=1,
         reward="dense",  # a random policy never succeeds: sparse rewards would give zero advantages
-        eval_episodes=2 if method == "sde" else 0,
+        final_eval_episodes=2 if method == "sde" else 0,
         actor_lr=1e-3,
         round_index=2,
         progress=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from vla_rl.checkpoint import read_info
 from vla_rl.cli import main as cli_main
 from vla_rl.hub.registry import configure_hub, pull, push_folder, resolve
 from vla_rl.hub.server import HubServer
-from vla_rl.rounds import RoundConfig, parse_overrides, start_round
+from vla_rl.rounds import RoundConfig, RoundOptions, start_round
+from vla_rl.train.algorithms import make_config
 from vla_rl.train.sft import SFTConfig, train_sft
 
 TASK = "maniskill/PushCube-v1"
@@ -49,19 +51,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[HubServer, Path, st
     hub.stop()
 
 
-def _cfg(root: Path, base: str, out: Path, **kw: object) -> RoundConfig:
-    args = dict(
-        algo="awr",
+def _cfg(
+    root: Path, base: str, out: Path, algo: str = "awr", overrides: dict | None = None, **kw: object
+) -> RoundConfig:
+    """A round of ``algo`` on ``root`` from ``base``: round options from ``kw``, the rest to the trainer."""
+    names = {f.name for f in dataclasses.fields(RoundOptions)}
+    options = {"eval_episodes": 4, "eval_envs": 1, **{k: v for k, v in kw.items() if k in names}}
+    knobs = overrides if overrides is not None else {"value_steps": 40, "steps": 40, "batch_size": 32}
+    train = make_config(
+        algo,
         base=base,
         store=root,
         out=out,
-        eval_episodes=4,
-        eval_envs=1,
         progress=False,
-        overrides={"value_steps": 40, "steps": 40, "batch_size": 32},
+        **knobs,
+        **{k: v for k, v in kw.items() if k not in names},
     )
-    args.update(kw)
-    return RoundConfig(**args)  # type: ignore[arg-type]
+    return RoundConfig(train=train, **options)  # type: ignore[arg-type]
 
 
 def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) -> None:
@@ -104,28 +110,28 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
 def test_failed_round_is_recorded(setup, tmp_path: Path) -> None:
     _hub, root, base = setup
     db = MetadataDB.for_store(root)
-    with pytest.raises(ValueError, match="unknown AWRConfig fields"):
-        start_round(_cfg(root, base, tmp_path, overrides={"colour": "red"}), db=db)
-    last = db.rounds()[-1]
-    assert last.status == "failed" and "colour" in (last.error or "") and last.finished_at
+    n = len(db.rounds())
+    with pytest.raises(ValueError, match="colour: not a AWRConfig field"):
+        _cfg(root, base, tmp_path, overrides={"colour": "red"})  # refused before a round exists
+    assert len(db.rounds()) == n
     with pytest.raises(ValueError, match="no closed episodes"):
         start_round(_cfg(root, base, tmp_path, data="robot=nobody"), db=db)
-    assert db.rounds()[-1].status == "failed"
+    last = db.rounds()[-1]
+    assert last.status == "failed" and "no closed episodes" in (last.error or "") and last.finished_at
 
 
-def test_config_and_override_errors(tmp_path: Path) -> None:
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="algo: expected one of"):
-        RoundConfig(algo="dqn", base="hub://a/b@prod", store=tmp_path)
+        make_config("dqn", base="hub://a/b@prod", store=tmp_path, out=tmp_path)
     with pytest.raises(ValueError, match="repo: the base is a local folder"):
-        RoundConfig(algo="awr", base=str(tmp_path), store=tmp_path)
-    assert parse_overrides(["steps=10", "beta=0.5", "value=expectile", "x=[1,2]"]) == {
-        "steps": 10,
-        "beta": 0.5,
-        "value": "expectile",
-        "x": [1, 2],
-    }
-    with pytest.raises(ValueError, match="--set: expected key=value"):
-        parse_overrides(["steps"])
+        RoundConfig(train=make_config("awr", base=str(tmp_path), store=tmp_path, out=tmp_path))
+    with pytest.raises(ValueError, match="base: a round"):
+        RoundConfig(train=make_config("sft", store=tmp_path, out=tmp_path), push=False)
+    with pytest.raises(ValueError, match="variant: the recap algorithm fixes it"):
+        make_config("recap", base="b", store=tmp_path, out=tmp_path, variant="awr")
+    assert RoundConfig(
+        train=make_config("flow-sde", base="hub://a/b@prod", store=tmp_path, out=tmp_path)
+    ).algo == ("flow-sde")
 
 
 def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,10 +155,10 @@ def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.Ca
             "2",
             "--eval-envs",
             "1",
-            "--set",
-            "value_steps=10",
-            "--set",
-            "steps=10",
+            "--value-steps",
+            "10",
+            "--steps",
+            "10",
             "--no-progress",
         ]
     )
@@ -171,6 +177,10 @@ def test_cli_round_list_show_and_errors(setup, tmp_path: Path, capsys: pytest.Ca
         [*common, "round", "start", "--algo", "awr", "--base", base, "--store", str(root), "--data", "bogus"]
     )
     assert rc == 2 and "expected key=value" in capsys.readouterr().err
+    rc = cli_main(
+        [*common, "round", "start", "--preset", "kinematic-qam-pi", "--algo", "awr", "--base", base]
+    )
+    assert rc == 2 and "is a recipe for qam, not awr" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -18,209 +18,79 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fleet.db import MetadataDB, RoundRecord, default_url
-from fleet.store import EpisodeStore
 from vla_rl.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.evaluation import evaluate
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder
 from vla_rl.policy_loading import load_policy
-from vla_rl.train.transitions import DataSelection, select_episode_ids
+from vla_rl.train.algorithms import train
+from vla_rl.train.base import TrainerConfig
+from vla_rl.train.transitions import DataSelection
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("sft", "awr", "recap", "qam", "flow-noise", "flow-sde")
-
-__all__ = ["ALGOS", "RoundConfig", "RoundError", "TrainOutput", "parse_overrides", "start_round"]
+__all__ = ["RoundConfig", "RoundError", "RoundOptions", "start_round"]
 
 
 class RoundError(RuntimeError):
     """A round could not run (bad config, missing data); the DB row says why."""
 
 
-@dataclass
-class RoundConfig:
-    """One post-training round. ``overrides`` go to the algorithm's own config dataclass."""
+@dataclass(kw_only=True)
+class RoundOptions:
+    """What a round does around training: where it pushes, and the gate that decides promotion."""
 
-    algo: str
-    """One of ALGOS."""
-    base: str
-    """Checkpoint to improve and to compare against (hub://org/name@rev or a local folder)."""
-    store: Path
-    """Episode store the data comes from (and where online algorithms find the task's demos)."""
-    data: str | None = None
-    """Data selection text (see DataSelection): e.g. "robot=arm-1|arm-2,since=2026-11-01,label.ok=true"."""
-    task: str | None = None
-    """Task id; default: the base checkpoint's."""
-    db_url: str | None = None
-    """Metadata DB; default: the SQLite file next to the store."""
-    out: Path = Path("runs/rounds")
-    """Work folder; round N writes to <out>/round-N/."""
     repo: str | None = None
-    """Hub repo to push to; default: the base ref's repo (a local base needs one, or push=False)."""
+    """Hub repo to push to; default: the base ref's repo (a local base needs one, or --no-push)."""
     push: bool = True
+    """Push the candidate as ``round-N`` (and move ``promote_ref`` when the gate passes)."""
     promote_ref: str = "prod"
     """The ref servers follow; moved to the new commit when the gate passes."""
     margin: float = 0.0
     """Promote only if new success rate - base success rate > margin (a fraction, 0.05 = 5 points)."""
     eval_episodes: int = 50
+    """Held-out simulated episodes for the candidate and the base (the same seeds)."""
     eval_seed: int = 100_000
+    """First episode seed of the evaluation."""
     eval_envs: int = 2
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """Algorithm hyper-parameters, e.g. {"steps": 500, "beta": 0.5}."""
-    seed: int = 0
-    progress: bool = True
+    """Simulator processes for the evaluation."""
+
+
+@dataclass(kw_only=True)
+class RoundConfig(RoundOptions):
+    """One post-training round: an algorithm's config plus what the round does around it.
+
+    The base checkpoint, the store, the data selection, the seed and every algorithm knob live in
+    ``train`` (any :class:`~vla_rl.train.base.TrainerConfig`, e.g. from ``make_config`` or
+    ``preset_config``). Round N trains in ``<train.out>/round-N``.
+    """
+
+    train: TrainerConfig
+    """What to train: e.g. ``make_config("awr", base="hub://org/arm@prod", store=..., out=...)``."""
+    preset: str | None = None
+    """The named preset the train config came from, recorded with the round (informational)."""
 
     def __post_init__(self) -> None:
-        self.store, self.out = Path(self.store), Path(self.out)
-        if self.algo not in ALGOS:
-            raise ValueError(f"algo: expected one of {', '.join(ALGOS)}, got {self.algo!r}")
+        t = self.train
+        if not t.base:
+            raise ValueError("base: a round improves and is compared against a base checkpoint (--base REF)")
+        if t.store is None:
+            raise ValueError("store: a round records itself in the store's metadata DB (--store PATH)")
         if self.eval_episodes < 1 or self.eval_envs < 1:
             raise ValueError("eval_episodes and eval_envs: expected positive integers")
         if not -1.0 < self.margin < 1.0:
             raise ValueError(f"margin: expected a fraction in (-1, 1), got {self.margin}")
-        if self.push and self.repo is None and not is_hub_ref(self.base):
+        if self.push and self.repo is None and not is_hub_ref(t.base):
             raise ValueError(
                 "repo: the base is a local folder, so say where to push (--repo org/name) or use --no-push"
             )
 
-
-@dataclass
-class TrainOutput:
-    """What every algorithm hands back to the round."""
-
-    checkpoint: Path
-    seconds: float
-    metrics: dict[str, Any]
-    data: dict[str, Any]
-    curve: list[dict[str, Any]]
-
-
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["steps=500", "beta=0.5", "value=expectile"]`` -> typed dict (JSON values, else strings)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set: expected key=value, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
-def _build(config_cls: type, overrides: Mapping[str, Any], **required: Any) -> Any:
-    names = {f.name for f in fields(config_cls)}
-    unknown = set(overrides) - names
-    if unknown:
-        raise ValueError(
-            f"--set: unknown {config_cls.__name__} fields {sorted(unknown)}; expected some of {sorted(names)}"
-        )
-    clash = set(overrides) & set(required)
-    if clash:
-        raise ValueError(f"--set: {sorted(clash)} are set by the round itself")
-    return config_cls(**required, **overrides)
-
-
-# ---------------------------------------------------------------------------- algorithms
-def _run_sft(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
-    """SFT from scratch on the selected episodes (e.g. successes only: ``--data success=true``)."""
-    from vla_rl.train.sft import SFTConfig, train_sft
-
-    store = cfg.store
-    db = MetadataDB(cfg.db_url or default_url(store))
-    ids = select_episode_ids(EpisodeStore(store), sel, db=db, round_revisions=db.round_revisions())
-    c = _build(
-        SFTConfig,
-        cfg.overrides,
-        task=sel.task,
-        store=store,
-        out=out,
-        episode_ids=ids,
-        seed=cfg.seed,
-        progress=cfg.progress,
-    )
-    r = train_sft(c)
-    return TrainOutput(
-        r.checkpoint, r.seconds, {"final_loss": r.final_loss}, {"selection": sel.to_dict(), **r.dataset}, []
-    )
-
-
-def _run_awr(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
-    from vla_rl.train.awr import AWRConfig, train_awr
-
-    c = _build(
-        AWRConfig,
-        cfg.overrides,
-        base=cfg.base,
-        store=cfg.store,
-        out=out,
-        selection=sel,
-        db_url=cfg.db_url,
-        variant=cfg.algo,
-        seed=cfg.seed,
-        progress=cfg.progress,
-        round_index=round_id,
-    )
-    r = train_awr(c)
-    return TrainOutput(r.checkpoint, r.seconds, r.metrics, r.data, r.curve)
-
-
-def _run_qam(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
-    """QAM offline (``--set env_steps=0``, the default) or offline-to-online (``--set env_steps=N``)."""
-    from vla_rl.train.qam import QAMConfig, train_qam
-
-    c = _build(
-        QAMConfig,
-        cfg.overrides,
-        base=cfg.base,
-        store=cfg.store,
-        out=out,
-        task=sel.task,
-        data=cfg.data,
-        seed=cfg.seed,
-        progress=cfg.progress,
-    )
-    r = train_qam(c)
-    return TrainOutput(
-        r.checkpoint, r.seconds, r.metrics, {"selection": sel.to_dict(), "env_steps": r.env_steps}, r.curve
-    )
-
-
-def _run_ppo(cfg: RoundConfig, sel: DataSelection, out: Path, round_id: int) -> TrainOutput:
-    """Flow-Noise / Flow-SDE PPO: online in simulation (the store's data is not used)."""
-    from vla_rl.train.ppo import PPOConfig, train_ppo
-
-    c = _build(
-        PPOConfig,
-        cfg.overrides,
-        base=cfg.base,
-        out=out,
-        task=sel.task,
-        method="noise" if cfg.algo == "flow-noise" else "sde",
-        seed=cfg.seed,
-        progress=cfg.progress,
-        round_index=round_id,
-    )
-    r = train_ppo(c)
-    return TrainOutput(
-        r.checkpoint, r.seconds, r.metrics, {"env_steps": r.env_steps, "episodes": r.episodes}, r.curve
-    )
-
-
-_TRAINERS: dict[str, Callable[[RoundConfig, DataSelection, Path, int], TrainOutput]] = {
-    "sft": _run_sft,
-    "awr": _run_awr,
-    "recap": _run_awr,
-    "qam": _run_qam,
-    "flow-noise": _run_ppo,
-    "flow-sde": _run_ppo,
-}
+    @property
+    def algo(self) -> str:
+        return self.train.algorithm
 
 
 def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) -> dict[str, Any] | None:
@@ -250,28 +120,27 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
 def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
     """Run one round end to end; returns its final DB record (status succeeded, or raises after
     recording status failed with the error)."""
-    db = db or MetadataDB(cfg.db_url or default_url(cfg.store))
-    config_json = json.loads(json.dumps(asdict(cfg), default=str))
-    round_id = db.create_round(algo=cfg.algo, task=cfg.task or "", base_ref=cfg.base, config=config_json)
-    out = cfg.out / f"round-{round_id}"
-    log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": cfg.base})
+    t = cfg.train
+    assert t.base is not None and t.store is not None  # checked by RoundConfig
+    db = db or MetadataDB(t.db_url or default_url(t.store))
+    config_json = json.loads(json.dumps({"algo": cfg.algo, **asdict(cfg)}, default=str))
+    round_id = db.create_round(algo=cfg.algo, task=t.task or "", base_ref=t.base, config=config_json)
+    log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": t.base})
     try:
-        base = load_policy(cfg.base)
-        task = cfg.task or base.info.robot_spec.name
+        base = load_policy(t.base)
+        task = t.task or base.info.robot_spec.name
         if task != base.info.robot_spec.name:
             raise RoundError(f"task: the base checkpoint is for {base.info.robot_spec.name!r}, not {task!r}")
         db.update_round(round_id, base_revision=base.commit, task=task)
-        sel = DataSelection.parse(task, cfg.data)
-        trainer = _TRAINERS.get(cfg.algo)
-        if trainer is None:
-            raise RoundError(f"algo: {cfg.algo!r} is not available in this build")
-        trained = trainer(cfg, sel, out, round_id)
+        DataSelection.parse(task, t.data)  # a bad selection fails before any training
+        run = dataclasses.replace(t, out=t.out / f"round-{round_id}", task=task, round_index=round_id)
+        trained = train(run)
         db.update_round(round_id, data=json.loads(json.dumps(trained.data, default=str)))
 
         # evaluate base and candidate on the same seeds
         new = load_policy(trained.checkpoint)
         ev_kw = dict(
-            episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=cfg.progress
+            episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=t.progress
         )
         base_score = _known_base_score(db, base, task, cfg)
         if base_score is None:
@@ -312,7 +181,7 @@ def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
         gate = delta > cfg.margin
         if cfg.push:
-            repo = cfg.repo or parse_ref(cfg.base).repo_id
+            repo = cfg.repo or parse_ref(t.base).repo_id
             tag = f"round-{round_id}"
             revision = push_folder(
                 trained.checkpoint, repo, message=f"round {round_id}: {cfg.algo} on {task}", tag=tag

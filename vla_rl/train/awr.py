@@ -47,6 +47,7 @@ from policies.flow_vla.modeling_flow_vla import (
     ADVANTAGE_UNCONDITIONAL,
 )
 from vla_rl.policy_loading import load_policy, pick_device
+from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     batch_to_policy_inputs,
@@ -63,21 +64,14 @@ log = logging.getLogger(__name__)
 __all__ = ["AWRConfig", "AWRResult", "awr_weights", "recap_indicators", "train_awr"]
 
 
-@dataclass
-class AWRConfig:
+@dataclass(kw_only=True)
+class AWRConfig(TrainerConfig):
     """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
 
-    base: str
-    """Checkpoint to improve (hub://org/name@rev or a local folder); also the initial policy."""
-    store: Path
+    store: Path = field()
     """Episode store with the experience (demos, autonomous rollouts, interventions)."""
-    out: Path
-    """Output folder: ``checkpoint/`` and TensorBoard logs."""
-    selection: DataSelection | None = None
-    """Which episodes to learn from; default: every closed episode of the base checkpoint's task."""
-    db_url: str | None = None
-    """Metadata DB (needed for label / round selections); default: the store's SQLite file."""
     variant: Literal["awr", "recap"] = "awr"
+    """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
 
     # value function
     value: Literal["categorical", "expectile"] = "categorical"
@@ -118,24 +112,18 @@ class AWRConfig:
     guidance_scale: float = 1.0
     """RECAP: CFG weight saved into the checkpoint for deployment (1 = condition on positive)."""
 
-    # bookkeeping
-    seed: int = 0
-    device: str = "auto"
-    threads: int = 0
-    """CPU threads for torch; 0 = all cores but one."""
-    log_every: int = 50
-    progress: bool = True
-    round_index: int | None = None
-    """Post-training round number recorded in the checkpoint's lineage."""
+    @property
+    def algorithm(self) -> str:  # type: ignore[override]
+        return self.variant
 
     def __post_init__(self) -> None:
-        self.store, self.out = Path(self.store), Path(self.out)
+        super().__post_init__()
         self.value_hidden = tuple(self.value_hidden)
         if self.variant not in ("awr", "recap"):
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
         if self.value not in ("categorical", "expectile"):
             raise ValueError(f"value: expected categorical or expectile, got {self.value!r}")
-        for name in ("value_steps", "value_folds", "steps", "batch_size", "log_every", "value_bins"):
+        for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         for name in ("lr", "value_lr", "beta", "w_max"):
@@ -152,13 +140,8 @@ class AWRConfig:
             raise ValueError("human_weight and guidance_scale: expected >= 0")
 
 
-@dataclass
-class AWRResult:
-    checkpoint: Path
-    seconds: float
-    metrics: dict[str, Any]
-    curve: list[dict[str, float]] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
+AWRResult = TrainResult
+"""AWR / RECAP hand back the common result: metrics, curve and the data snapshot."""
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -259,9 +242,9 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
     torch.manual_seed(cfg.seed)
     base = load_policy(cfg.base, device=str(device))
     spec = base.info.robot_spec
-    selection = cfg.selection or DataSelection(task=spec.name)
-    if selection.task != spec.name:
-        raise ValueError(f"selection.task: the base checkpoint is for {spec.name!r}, not {selection.task!r}")
+    if cfg.task is not None and cfg.task != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {cfg.task!r}")
+    selection = DataSelection.parse(spec.name, cfg.data)
     db = MetadataDB(cfg.db_url) if cfg.db_url else None
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:

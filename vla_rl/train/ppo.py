@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -66,37 +66,42 @@ from tqdm import tqdm
 from policies.flow_vla import DenoisingChain, FlowVLAConfig, FlowVLAPolicy, PrefixCache, SDESchedule
 from policies.flow_vla.sampling import chain_log_prob, noise_kernel
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import config_dict, save_derived_checkpoint
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 ArrayLike = np.ndarray | float
 
-METHODS = ("noise", "sde")
-REWARDS = ("sparse", "dense")
-CRITICS = ("state", "prefix")
-DISCOUNTS = ("chunk", "step")
-LOGPROB_REDUCTIONS = ("sum", "mean")
-TRAIN_SCOPES = ("all", "expert")
-ADVANTAGES = ("gae", "grpo")
-SDE_STEPS = ("one", "all")
+# Option sets: the Literal is the one spelling (tyro shows its choices); the tuple is derived from it.
+Method = Literal["noise", "sde"]
+Reward = Literal["sparse", "dense"]
+Critic = Literal["state", "prefix"]
+Discount = Literal["chunk", "step"]
+LogprobReduction = Literal["sum", "mean"]
+TrainScope = Literal["all", "expert"]
+Advantage = Literal["gae", "grpo"]
+SdeSteps = Literal["one", "all"]
+METHODS, REWARDS, CRITICS, DISCOUNTS = get_args(Method), get_args(Reward), get_args(Critic), get_args(Discount)
+LOGPROB_REDUCTIONS, TRAIN_SCOPES = get_args(LogprobReduction), get_args(TrainScope)
+ADVANTAGES, SDE_STEPS = get_args(Advantage), get_args(SdeSteps)
 
 
 # ============================================================================ config
-@dataclass
-class PPOConfig:
+@dataclass(kw_only=True)
+class PPOConfig(TrainerConfig):
     """Every knob of a PPO fine-tuning run. Defaults follow RLinf's π_RL where they apply; the batch,
-    learning-rate and reward defaults are the ones tried on PickCube state (README, bench/ppo_check.py)."""
+    learning-rate and reward defaults are the ones tried on PickCube state (docs/benchmarks.md)."""
 
-    base: str
+    needs_store: ClassVar[bool] = False
+
+    base: str = field()  # type: ignore[assignment]
     """Checkpoint to start from: ``hub://org/name@rev`` or a local folder (a flow_vla SFT checkpoint)."""
-    out: Path
-    """Output folder: checkpoints, critic, curve.json, TensorBoard logs."""
     task: str | None = None
     """Simulated task to train in; None = the base checkpoint's robot spec name."""
 
     # ------------------------------------------------------------ noise injection
-    method: str = "noise"
+    method: Method = "noise"
     """'noise' (Flow-Noise: learnable σ on every denoising step, exact joint log-prob) or 'sde'
     (Flow-SDE: one stochastic SDE step per call, log-prob of that transition)."""
     num_steps: int = 4
@@ -104,7 +109,7 @@ class PPOConfig:
     ``num_inference_steps``."""
     noise_level: float = 0.5
     """Flow-SDE a in σ = a sqrt(s / (1 - s)) (RLinf 0.5; sqrt(2) is the memoryless SDE). 'sde' only."""
-    sde_steps: str = "one"
+    sde_steps: SdeSteps = "one"
     """Flow-SDE: 'one' (π-RL: one random SDE step per call, the log-prob of that transition only; the
     ODE steps after it also depend on the weights, which that log-prob ignores) or 'all' (every step
     SDE, the exact joint log-prob of the chain). On kinematic/Reach at actor lr 3e-5, 'one' drove
@@ -114,7 +119,7 @@ class PPOConfig:
     the base config's (RLinf default 0.08-0.16). 'noise' only."""
     entropy_coef: float = 0.005
     """Bonus on the mean per-element Gaussian entropy of the noise steps (RLinf 0.005). 'noise' only."""
-    logprob_reduction: str = "sum"
+    logprob_reduction: LogprobReduction = "sum"
     """'sum': exact chunk log-likelihood (sum over steps x executed actions x dims); 'mean': divided by
     the number of stochastic steps (RLinf's ``log_probs.mean`` over the chain, a per-step geometric-mean
     ratio that keeps PPO's ratio tame when K is large)."""
@@ -126,7 +131,7 @@ class PPOConfig:
     """Budget: total env steps (summed over robots) to train for."""
     rollout_steps: int = 400
     """Vector-env steps per iteration: each iteration collects num_envs * rollout_steps env steps."""
-    reward: str = "dense"
+    reward: Reward = "dense"
     """'sparse': 1 on success (episodes terminate on success). 'dense': the same success reward plus
     potential-based shaping with the sim's dense reward Φ in [0, 1] (Ng et al. 1999): a chunk from s to
     s' earns ``success + γ_chunk Φ(s') - Φ(s)`` (Φ = 0 at episode start and after termination). Shaping
@@ -135,7 +140,7 @@ class PPOConfig:
     would pay a policy for hovering near the goal rather than finishing."""
     gamma: float = 0.99
     """Discount per chunk (``discount='chunk'``, RLinf) or per env step (``'step'``: γ^steps per chunk)."""
-    discount: str = "chunk"
+    discount: Discount = "chunk"
     """How γ applies to a chunk of executed actions (see ``gamma``)."""
     gae_lambda: float = 0.95
     max_episode_steps: int | None = None
@@ -144,7 +149,7 @@ class PPOConfig:
     """Seed of the first training episode (demos start at 0, evaluation at 100000)."""
 
     # ------------------------------------------------------------ advantages
-    advantage: str = "gae"
+    advantage: Advantage = "gae"
     """'gae': GAE with the critic. 'grpo': no critic; each iteration replays the same initial states
     ``group_size`` times (robot i always gets seed ``s + i``), and every chunk of an episode gets the
     episode's success standardised within its group (RLinf GRPO; ``rollout_steps`` is then unused)."""
@@ -173,11 +178,11 @@ class PPOConfig:
     """Stop the iteration's epochs early once the approximate KL exceeds this; None = never."""
     critic_warmup_iterations: int = 2
     """Iterations that train only the critic (a fresh critic's advantages are noise)."""
-    train_scope: str = "all"
+    train_scope: TrainScope = "all"
     """'all' policy weights, or 'expert': only the action expert and noise head (RLinf freezes the VLM)."""
 
     # ------------------------------------------------------------ critic
-    critic: str = "state"
+    critic: Critic = "state"
     """'state': MLP on the normalised state (state-only models); 'prefix': MLP on the pooled prefix
     tokens (π0.5-style; sees the cameras)."""
     critic_hidden: tuple[int, ...] = (256, 256)
@@ -185,22 +190,17 @@ class PPOConfig:
     """'prefix' critic: stop value gradients into the trunk (RLinf ``detach_critic_input``)."""
 
     # ------------------------------------------------------------ bookkeeping
-    seed: int = 0
-    device: str = "auto"
     threads: int = 1
     """Torch CPU threads in the trainer (sim workers use 1 each)."""
     checkpoint_every: int = 0
     """Also save out/checkpoints/iter_NNNN every this many iterations; 0 = only the final one."""
-    eval_episodes: int = 0
-    """Evaluate the final policy on this many held-out episodes (seeds from ``eval_seed``), stored in
+    final_eval_episodes: int = 0
+    """Evaluate the final policy on this many held-out episodes (seeds from ``final_eval_seed``), stored in
     the checkpoint's metrics; 0 = skip."""
-    eval_seed: int = 100_000
-    round_index: int | None = None
-    """Post-training round number written into the lineage."""
-    progress: bool = True
+    final_eval_seed: int = 100_000
 
     def __post_init__(self) -> None:
-        self.out = Path(self.out)
+        super().__post_init__()
         self.base = str(self.base)
         _choice(self, "method", METHODS)
         _choice(self, "reward", REWARDS)
@@ -223,7 +223,7 @@ class PPOConfig:
         _positive_int(self, "num_steps")
         if self.method == "sde" and self.num_steps < 2:
             raise ValueError("num_steps: Flow-SDE needs >= 2 (the last step is never the stochastic one)")
-        for name in ("critic_warmup_iterations", "checkpoint_every", "eval_episodes", "env_seed", "seed"):
+        for name in ("critic_warmup_iterations", "checkpoint_every", "final_eval_episodes", "env_seed", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
@@ -290,19 +290,12 @@ def _positive_int(cfg: Any, name: str) -> None:
         raise ValueError(f"{name}: expected a positive integer, got {v!r}")
 
 
-@dataclass
-class PPOResult:
-    checkpoint: Path
-    """The fine-tuned policy (out/checkpoints/last)."""
-    seconds: float
+@dataclass(kw_only=True)
+class PPOResult(TrainResult):
     env_steps: int
     iterations: int
     episodes: int
     """Training episodes completed."""
-    curve: list[dict[str, float]]
-    """One row per iteration (see :func:`train_ppo`)."""
-    metrics: dict[str, Any] = field(default_factory=dict)
-    """Final numbers: rollout success of the last iterations, eval success when asked for, ..."""
 
 
 # ============================================================================ pure functions
@@ -868,19 +861,19 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     metrics: dict[str, Any] = {"env_steps": env_steps, "iterations": iteration, "episodes": episodes_total}
     tail = [r["rollout_success"] for r in curve[-3:] if math.isfinite(r["rollout_success"])]
     metrics["rollout_success_last3"] = float(np.mean(tail)) if tail else float("nan")
-    if cfg.eval_episodes:
+    if cfg.final_eval_episodes:
         from vla_rl.evaluation import evaluate
 
         lp = LoadedPolicy(policy=policy, info=base.info, path=cfg.out, commit="unsaved", ref=str(cfg.out))
         ev = evaluate(
             lp,
             task,
-            episodes=cfg.eval_episodes,
+            episodes=cfg.final_eval_episodes,
             num_envs=cfg.num_envs,
-            seed=cfg.eval_seed,
+            seed=cfg.final_eval_seed,
             progress=cfg.progress,
         )
-        metrics.update(eval_success=ev.success_rate, eval_episodes=ev.episodes, eval_seed=cfg.eval_seed)
+        metrics.update(eval_success=ev.success_rate, eval_episodes=ev.episodes, eval_seed=cfg.final_eval_seed)
     ckpt = _save(cfg, policy, base, cfg.out / "checkpoints" / "last", env_steps, curve, metrics)
     torch.save(value_fn.net.state_dict(), cfg.out / "critic.pt")
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
@@ -889,7 +882,16 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     log.info(
         "ppo done", extra={"checkpoint": str(ckpt), **{k: v for k, v in metrics.items() if k != "seconds"}}
     )
-    return PPOResult(ckpt, seconds, env_steps, iteration, episodes_total, curve, metrics)
+    return PPOResult(
+        checkpoint=ckpt,
+        seconds=seconds,
+        metrics=metrics,
+        curve=curve,
+        data={"env_steps": env_steps, "episodes": episodes_total},
+        env_steps=env_steps,
+        iterations=iteration,
+        episodes=episodes_total,
+    )
 
 
 def _save(

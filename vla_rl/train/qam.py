@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -66,6 +66,7 @@ from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.spec import RobotSpec
+from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     TRAIN_STATE,
     batch_to_policy_inputs,
@@ -217,21 +218,15 @@ def critic_loss(q: Tensor, target: Tensor, valid: Tensor) -> Tensor:
 
 
 # ============================================================================ config
-@dataclass
-class QAMConfig:
+@dataclass(kw_only=True)
+class QAMConfig(TrainerConfig):
     """Every knob of a QAM run (offline, then optionally online). Defaults follow the reference where it
-    applies to a VLA; CPU-friendly budgets are set by the caller (bench/qam_check.py)."""
+    applies to a VLA; CPU-friendly budgets are named presets (:mod:`vla_rl.train.presets`)."""
 
-    base: str
-    """Base checkpoint (the SFT policy): a local folder or a hub://org/name@rev reference."""
-    store: Path
+    algorithm: ClassVar[str] = "qam"
+
+    store: Path = field()
     """Episode store holding the offline data (demos, earlier rollouts)."""
-    out: Path
-    """Output folder: checkpoints, train state, TensorBoard logs, curve.json."""
-    task: str | None = None
-    """Task id; None = the base checkpoint's robot spec name."""
-    data: str | None = None
-    """Data selection in DataSelection's text form (robot=..,since=..,label.k=v,max=..); None = all."""
 
     # ---- RL problem
     reward: RewardKind = "steps_to_go"
@@ -339,14 +334,10 @@ class QAMConfig:
     # ---- bookkeeping
     eval_every: int = 0
     """Evaluate the fine policy every this many updates (0 = only if final_eval_episodes)."""
-    eval_episodes: int = 10
+    eval_every_episodes: int = 10
+    """Episodes of each periodic evaluation (``eval_every``)."""
     final_eval_episodes: int = 0
     """Episodes of a final evaluation recorded in the metrics (0 = none)."""
-    seed: int = 0
-    device: str = "auto"
-    threads: int = 0
-    """CPU threads for torch; 0 = all cores but one."""
-    log_every: int = 50
     checkpoint_every: int = 1000
     resume: bool = True
     """Continue from <out>/train_state.pt when it exists (exact in the offline phase)."""
@@ -365,10 +356,9 @@ class QAMConfig:
     max_seconds: float | None = None
     """Wall-clock budget: stop updating (offline or online) once this many seconds have passed and
     finish normally (save, final evaluation). For time-boxed jobs; the metrics say how many updates ran."""
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        self.store, self.out = Path(self.store), Path(self.out)
+        super().__post_init__()
         if self.init_from is not None:
             self.init_from = Path(self.init_from)
         if self.init_reset_actor and self.init_from is None:
@@ -378,7 +368,6 @@ class QAMConfig:
             "members",
             "flow_steps",
             "batch_size",
-            "log_every",
             "checkpoint_every",
             "num_envs",
             "actor_every",
@@ -431,21 +420,15 @@ class QAMConfig:
             raise ValueError(f"feature_mode: expected auto|state|trunk, got {self.feature_mode!r}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
-        if self.eval_episodes < 1 or self.final_eval_episodes < 0:
-            raise ValueError("eval_episodes: expected >= 1 and final_eval_episodes >= 0")
+        if self.eval_every_episodes < 1 or self.final_eval_episodes < 0:
+            raise ValueError("eval_every_episodes: expected >= 1 and final_eval_episodes >= 0")
 
 
-@dataclass
-class QAMResult:
-    checkpoint: Path
-    """The fine policy (``<out>/checkpoints/last``)."""
-    seconds: float
+@dataclass(kw_only=True)
+class QAMResult(TrainResult):
     steps: int
     """Gradient updates in all (offline + online)."""
     env_steps: int
-    curve: list[dict[str, Any]] = field(default_factory=list)
-    """step / env_steps / phase / losses / Q statistics / rollout_success / eval_success rows."""
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 # ============================================================================ the learner
@@ -909,6 +892,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             loaded.info,
             algorithm="qam",
             parent_revision=loaded.commit,
+            round_index=cfg.round_index,
             data={
                 "store": str(cfg.store),
                 "task": task,
@@ -1015,7 +999,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
             if rollouts is not None and rollouts.successes:
                 row["rollout_success"] = float(np.mean(rollouts.successes))
             if cfg.eval_every and step % cfg.eval_every == 0:
-                row["eval_success"] = evaluate_fine(cfg.eval_episodes)
+                row["eval_success"] = evaluate_fine(cfg.eval_every_episodes)
             for k, v in row.items():
                 if isinstance(v, float):
                     writer.add_scalar(f"{phase}/{k}", v, step)
@@ -1031,7 +1015,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
                     "step": step,
                     "env_steps": env_steps,
                     "phase": phase,
-                    "eval_success": evaluate_fine(cfg.eval_episodes),
+                    "eval_success": evaluate_fine(cfg.eval_every_episodes),
                 }
             )
         if step % cfg.checkpoint_every == 0:
@@ -1055,7 +1039,12 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
     if step >= stop_at:  # preempted: keep everything needed to resume
         save()
         return QAMResult(
-            cfg.out / "checkpoints" / "last", time.perf_counter() - t_start, step, env_steps, curve
+            checkpoint=cfg.out / "checkpoints" / "last",
+            seconds=time.perf_counter() - t_start,
+            steps=step,
+            env_steps=env_steps,
+            curve=curve,
+            data={"selection": selection.to_dict(), "env_steps": env_steps},
         )
     go_online = cfg.env_steps > env_steps and time.perf_counter() < deadline
     if go_online and cfg.offline_steps and step == cfg.offline_steps and env_steps == 0:
@@ -1108,4 +1097,5 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         env_steps=env_steps,
         curve=curve,
         metrics=metrics,
+        data={"selection": selection.to_dict(), "env_steps": env_steps},
     )

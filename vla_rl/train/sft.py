@@ -22,16 +22,18 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 from tqdm import tqdm
 
 from fleet.dataset import ChunkDataset
+from fleet.db import MetadataDB, default_url
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.policy_loading import pick_device
+from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -44,31 +46,28 @@ from vla_rl.train.common import (
     sample_indices,
     save_train_state,
     seed_step,
-    select_episodes,
     warmup_cosine,
 )
+from vla_rl.train.transitions import DataSelection, select_episode_ids
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SFTConfig:
-    """Every knob of an SFT run. Defaults train a ~1.5M-parameter state-only policy in minutes on CPU."""
+@dataclass(kw_only=True)
+class SFTConfig(TrainerConfig):
+    """Every knob of an SFT run. Defaults train a ~1.5M-parameter state-only policy in minutes on CPU.
 
-    task: str
-    """Task id whose episodes to train on (e.g. maniskill/PushCube-v1)."""
-    store: Path
+    SFT trains from scratch (no ``base``) on the episodes ``data`` selects from ``store``, e.g.
+    ``data="success=true"`` for filtered behaviour cloning.
+    """
+
+    algorithm: ClassVar[str] = "sft"
+    needs_base: ClassVar[bool] = False
+
+    store: Path = field()
     """Episode store holding the demonstrations."""
-    out: Path
-    """Output folder: checkpoints, train state, TensorBoard logs."""
-
-    # data
-    success_only: bool = False
-    """Train only on successful episodes ("filtered BC"); all closed episodes otherwise."""
-    max_episodes: int | None = None
-    """Use at most this many episodes (oldest first), e.g. to study data scaling."""
-    episode_ids: list[str] | None = None
-    """Train on exactly these episodes (a round's data selection); overrides the two filters above."""
+    task: str | None = None
+    """Task id whose episodes to train on; None = the store's only task (an error if it holds several)."""
 
     # model (see FlowVLAConfig for what each means)
     chunk_len: int = 10
@@ -91,26 +90,19 @@ class SFTConfig:
     """Cosine decay ends at lr * min_lr_ratio."""
     grad_clip: float = 1.0
     ema_decay: float = 0.999
-    amp: str = "auto"
+    amp: Literal["auto", "bf16", "none"] = "auto"
     """'auto' = bf16 autocast on CUDA, none on CPU; 'none' disables it."""
 
     # bookkeeping
-    seed: int = 0
-    device: str = "auto"
-    threads: int = 0
-    """CPU threads for torch; 0 = all cores but one. Two busy processes each spinning all cores' OpenMP
-    threads slow small models down 10-100x, so leaving headroom matters on small machines."""
-    log_every: int = 50
     checkpoint_every: int = 1000
     resume: bool = True
     """Continue from <out>/train_state.pt when it exists (exactly: same batches and noise)."""
     stop_at: int | None = None
     """Stop after this step, as a preempted job would (the schedule still spans ``steps``)."""
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        self.store, self.out = Path(self.store), Path(self.out)
-        for name in ("steps", "batch_size", "log_every", "checkpoint_every", "chunk_len", "n_exec"):
+        super().__post_init__()
+        for name in ("steps", "batch_size", "checkpoint_every", "chunk_len", "n_exec"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.n_exec > self.chunk_len:
@@ -123,15 +115,12 @@ class SFTConfig:
             raise ValueError(f"amp: expected auto|bf16|none, got {self.amp!r}")
 
 
-@dataclass
-class SFTResult:
-    checkpoint: Path
+@dataclass(kw_only=True)
+class SFTResult(TrainResult):
     steps: int
     final_loss: float
     first_loss: float
-    seconds: float
     samples_per_s: float
-    dataset: dict[str, Any]
 
 
 def _save_policy(path: Path, model: FlowVLAPolicy, cfg: SFTConfig, ds: ChunkDataset, step: int) -> None:
@@ -142,10 +131,11 @@ def _save_policy(path: Path, model: FlowVLAPolicy, cfg: SFTConfig, ds: ChunkData
         normalization=model.config.normalization_stats or {},
         lineage=Lineage(
             algorithm="sft",
+            round=cfg.round_index,
             data={
                 "store": str(cfg.store),
-                "task": cfg.task,
-                "success_only": cfg.success_only,
+                "task": ds.spec.name,
+                "selection": cfg.data,
                 **dataset_digest(ds),
             },
         ),
@@ -160,7 +150,9 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     device = pick_device(cfg.device)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     store = EpisodeStore(cfg.store)
-    episode_ids = cfg.episode_ids or select_episodes(store, cfg.task, cfg.success_only, cfg.max_episodes)
+    db = MetadataDB(cfg.db_url or default_url(store.root))
+    selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
+    episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
     ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)
     stats = compute_normalization_stats(ds.states, ds.actions)
     model_cfg = FlowVLAConfig.from_robot_spec(
@@ -277,12 +269,24 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     bar.close()
     writer.close()
     seconds = time.perf_counter() - t_start
+    first = float(first_loss if first_loss is not None else float("nan"))
+    samples_per_s = step * cfg.batch_size / max(seconds, 1e-9)
     return SFTResult(
         checkpoint=cfg.out / "checkpoints" / "last",
+        seconds=seconds,
+        metrics={"steps": step, "first_loss": first, "final_loss": loss_val, "samples_per_s": samples_per_s},
+        data={"selection": selection.to_dict(), **dataset_digest(ds)},
         steps=step,
         final_loss=loss_val,
-        first_loss=float(first_loss if first_loss is not None else float("nan")),
-        seconds=seconds,
-        samples_per_s=step * cfg.batch_size / max(seconds, 1e-9),
-        dataset=dataset_digest(ds),
+        first_loss=first,
+        samples_per_s=samples_per_s,
     )
+
+
+def _only_task(store: EpisodeStore) -> str:
+    """The task of every closed episode in ``store``, or a ValueError asking for ``task``."""
+    tasks = sorted({m.task for m in map(store.read_metadata, store.episode_ids()) if m.is_closed})
+    if len(tasks) != 1:
+        held = f"holds {', '.join(tasks)}" if tasks else "holds no closed episodes"
+        raise ValueError(f"task: the store {store.root} {held}; say which to train on (--task)")
+    return tasks[0]

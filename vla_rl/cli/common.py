@@ -1,0 +1,132 @@
+"""Shared pieces of the command line: user-facing errors, parsing a command's dataclass with tyro,
+named presets as defaults, and opening stores / DBs / tasks with errors that say how to fix them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, make_dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import tyro
+
+DEFAULT_HUB = "http://127.0.0.1:8808"  # the embedded registry (`vla-rl hub serve`)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line with a hint, exit code 2."""
+
+
+@contextlib.contextmanager
+def user_errors(*types: type[Exception], prefix: str = "", suffix: str = "") -> Iterator[None]:
+    """Turn the listed exceptions (bad input the user can fix) into one ``CliError`` line: prefix, the
+    exception's own message, suffix (usually which flag, or how to fix it)."""
+    try:
+        yield
+    except types as e:
+        raise CliError(f"{prefix}{e}{suffix}") from None
+
+
+# ---------------------------------------------------------------------------- parsing
+def parse(cls: type, argv: Sequence[str], prog: str, description: str, default: Any = None) -> Any:
+    """``argv`` -> an instance of the dataclass ``cls``: flags from its fields (kebab-case), ``--help``
+    from their docstrings, choices from Literal types; bad values exit 2 naming the flag."""
+    return tyro.cli(cls, args=list(argv), prog=prog, description=description, default=default)
+
+
+def partial(cls: type, values: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` holding ``values`` and the field defaults, required fields left
+    as ``tyro.MISSING``, built without ``__post_init__``: tyro's ``default=`` for a preset (the result
+    of parsing is constructed, and so validated, normally)."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            v = values[f.name]
+            if isinstance(v, tuple | list) and isinstance(f.default, tuple):
+                v = tuple(v)
+            elif isinstance(v, str) and str(f.type).startswith("Path"):
+                v = Path(v)
+        elif f.default is not dataclasses.MISSING:
+            v = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            v = f.default_factory()
+        else:
+            v = tyro.MISSING
+        object.__setattr__(obj, f.name, v)
+    return obj
+
+
+def with_options(name: str, inner: type, options: type) -> type:
+    """A dataclass whose flags are ``inner``'s (field ``inner``) and ``options``' (field ``options``),
+    both without a prefix: e.g. a trainer config plus the round's gate and push options."""
+    return make_dataclass(
+        name,
+        [
+            ("inner", Annotated[inner, tyro.conf.OmitArgPrefixes]),
+            ("options", Annotated[options, tyro.conf.OmitArgPrefixes]),
+        ],
+        kw_only=True,
+    )
+
+
+def pop_option(argv: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` (or ``flag=VALUE``) from ``argv`` and return VALUE (None if absent)."""
+    for i, a in enumerate(argv):
+        if a == flag:
+            if i + 1 >= len(argv):
+                raise CliError(f"{flag}: expected a value")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+        if a.startswith(flag + "="):
+            del argv[i]
+            return a.partition("=")[2]
+    return None
+
+
+# ---------------------------------------------------------------------------- resources
+def open_db(store_root: Path, url: str | None) -> Any:
+    from fleet.db import MetadataDB
+
+    return MetadataDB(url) if url else MetadataDB.for_store(store_root)
+
+
+def open_store(path: Path, create: bool = False, db_url: str | None = None) -> tuple[Any, Any]:
+    from fleet.store import EpisodeStore
+
+    with user_errors(
+        FileNotFoundError, ValueError, suffix=f". Create one with: vla-rl sim demos --store {path} ..."
+    ):
+        store = EpisodeStore(path, create=create)
+    return store, open_db(store.root, db_url)
+
+
+def task_arg(name: str) -> str:
+    """The full task id for a --task value, or a one-line error pointing at `vla-rl sim list`."""
+    from sim.registry import resolve_task
+
+    with user_errors(ValueError, prefix="--task ", suffix=". See: vla-rl sim list"):
+        return resolve_task(name).name
+
+
+def env_secret(*names: str) -> str | None:
+    """The first of these environment variables that is set (secrets stay off the command line, where
+    ``ps`` shows them to every user of the machine)."""
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``vla-rl`` command: its words, the dataclass its flags come from, and what it runs."""
+
+    path: tuple[str, ...]
+    summary: str
+    args: Any
+    """The dataclass (or a zero-argument callable returning one, to import heavy modules lazily)."""
+    run: Any
+    """``run(parsed_args) -> exit code``; or ``run(argv, prog) -> exit code`` when ``args`` is None
+    (commands that parse their own flags, e.g. to pick a preset first)."""
+    description: str = ""

@@ -1,0 +1,279 @@
+"""``vla-rl sim ...`` and ``vla-rl store ...``: simulated tasks, demonstrations, and the episode store."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tyro.conf import Positional
+
+from vla_rl.cli.common import Command, open_store, task_arg
+from vla_rl.console import human_bytes, table
+
+
+# ---------------------------------------------------------------------------- sim
+@dataclass
+class SimList:
+    """List the simulated tasks with their robot specs (observation and action layouts)."""
+
+    json: bool = False
+    """Machine-readable output."""
+
+
+def sim_list(a: SimList) -> int:
+    from sim.registry import list_tasks
+
+    tasks = list_tasks()
+    if a.json:
+        print(json.dumps([t.to_dict() for t in tasks], indent=2))
+        return 0
+    rows = [
+        [
+            t.name,
+            "state, rgb",
+            f"{t.state_dim} / {t.rgb_state_dim}",
+            f"{t.action_dim} (dx, dy, dz, gripper)",
+            ", ".join(t.cameras),
+            f"{t.control_hz:g} Hz",
+            str(t.max_episode_steps),
+            t.instruction,
+        ]
+        for t in tasks
+    ]
+    header = [
+        "task",
+        "obs",
+        "state dim (state/rgb)",
+        "action",
+        "cameras (rgb)",
+        "rate",
+        "steps",
+        "instruction",
+    ]
+    print(table(rows, header))
+    print("\nActions are float32 in [-1, 1]; gripper +1 opens, -1 closes. Images are uint8 HxWx3.")
+    return 0
+
+
+@dataclass
+class SimDemos:
+    """Record scripted-expert demonstrations into an episode store.
+
+    The task's privileged scripted expert acts; every frame (cameras, state, action, reward, flags,
+    controller=scripted) goes to a Zarr episode store, with one row per episode in the metadata DB.
+    Example: vla-rl sim demos --task PickCube --episodes 50 --noise 0.5 --store runs/pick/store
+    """
+
+    task: str
+    """Task id or a unique part of it (see `vla-rl sim list`)."""
+    store: Path
+    """Episode store directory (created if missing)."""
+    episodes: int = 10
+    """Episodes to record."""
+    noise: float = 0.0
+    """Expert sloppiness in [0, 2]: 0 = clean demos; 0.3 still ~100% success; 1.0 leaves 15-65% by task."""
+    seed: int = 0
+    """First episode seed."""
+    obs: Literal["state", "rgb"] = "state"
+    """Observation mode."""
+    image_size: int = 128
+    """Camera height = width in rgb mode."""
+    num_envs: int = 1
+    """Simulator processes in parallel."""
+    max_steps: int | None = None
+    """Episode length limit; None = the task's."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file inside the store."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def sim_demos(a: SimDemos) -> int:
+    from sim.demos import record_demos
+
+    task = task_arg(a.task)
+    store, db = open_store(a.store, create=True, db_url=a.db)
+    store.db = db
+    report = record_demos(
+        store,
+        task,
+        episodes=a.episodes,
+        noise=a.noise,
+        seed=a.seed,
+        obs=a.obs,
+        image_size=a.image_size,
+        num_envs=a.num_envs,
+        max_episode_steps=a.max_steps,
+        progress=a.progress,
+    )
+    print(
+        f"recorded {report.episodes} episodes of {report.task} ({report.frames} frames) into {store.root}: "
+        f"expert success {report.successes}/{report.episodes} ({report.success_rate:.0%}) "
+        f"in {report.seconds:.1f} s"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------- store
+@dataclass
+class StoreInfo:
+    """Summarise a store: episodes, frames and bytes on disk; success per task; and per robot the
+    segments (autonomous / intervention / reset), episodes with a takeover, the fraction of frames under
+    intervention, and success."""
+
+    path: Positional[Path]
+    """Episode store directory."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file inside the store."""
+    json: bool = False
+    """Machine-readable output."""
+
+
+def store_info(a: StoreInfo) -> int:
+    store, _db = open_store(a.path, db_url=a.db)
+    info = store.info()
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"store     {info['root']}")
+    print(f"episodes  {info['episodes']} ({info['open_episodes']} open)")
+    print(f"frames    {info['frames']}")
+    print(f"on disk   {human_bytes(info['bytes'])}")
+    if info["tasks"]:
+        rows = []
+        for name, t in info["tasks"].items():
+            rate = "-" if t["success_rate"] is None else f"{t['success_rate']:.0%}"
+            rows.append([name, t["episodes"], t["frames"], f"{t['successes']}/{t['closed']}", rate])
+        print()
+        print(table(rows, ["task", "episodes", "frames", "successes", "success rate"]))
+    if info["robots"]:
+        rows = []
+        for name, r in info["robots"].items():
+            rate = "-" if r["success_rate"] is None else f"{r['success_rate']:.0%}"
+            irate = "-" if r["intervention_rate"] is None else f"{r['intervention_rate']:.1%}"
+            seg = r["segments"]
+            rows.append(
+                [
+                    name,
+                    r["episodes"],
+                    r["frames"],
+                    f"{r['successes']}/{r['closed']} ({rate})",
+                    f"{seg['autonomous']} / {seg['intervention']} / {seg['reset']}",
+                    f"{r['episodes_with_intervention']}/{r['episodes']}",
+                    irate,
+                ]
+            )
+        print()
+        header = ["robot", "episodes", "frames", "success", "segments (auto / interv / reset)"]
+        print(table(rows, [*header, "episodes w/ takeover", "intervention rate (frames)"]))
+    return 0
+
+
+@dataclass
+class StoreVerify:
+    """Integrity check; exit code 1 on any inconsistency. Checks every episode's arrays against its
+    committed length and spec, its controller, segment, revision and timestamp columns, and (unless
+    --no-check-db) its row in the metadata DB."""
+
+    path: Positional[Path]
+    """Episode store directory."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file inside the store."""
+    check_db: bool = True
+    """Also check the metadata DB's rows (--no-check-db: the Zarr store only)."""
+
+
+def store_verify(a: StoreVerify) -> int:
+    store, db = open_store(a.path, db_url=a.db)
+    problems = store.verify(db=db if a.check_db else None)
+    n = len(store.episode_ids())
+    if problems:
+        for p in problems:
+            print(f"PROBLEM {p}")
+        print(f"{len(problems)} problem(s) in {n} episodes of {store.root}")
+        return 1
+    print(f"ok: {n} episodes in {store.root} are consistent")
+    return 0
+
+
+@dataclass
+class StoreExportLerobot:
+    """Write a store's closed episodes (state, action, images, reward, done, success, and controller /
+    intervention / segment columns) as a LeRobot v3 dataset on local disk."""
+
+    path: Positional[Path]
+    """Episode store."""
+    out: Positional[Path]
+    """New dataset folder (must not exist or be empty)."""
+    repo_id: str
+    """Dataset name, e.g. fleet/pushcube."""
+    task: str | None = None
+    """Only this task's episodes."""
+    videos: bool = False
+    """Encode cameras as video instead of PNG images."""
+
+
+def store_export_lerobot(a: StoreExportLerobot) -> int:
+    from fleet.lerobot_io import export_lerobot
+
+    store, _db = open_store(a.path)
+    out = export_lerobot(store, a.out, a.repo_id, task=a.task, use_videos=a.videos)
+    print(
+        f"LeRobot v3 dataset written to {out} (load it with LeRobotDataset({a.repo_id!r}, root={str(out)!r}))"
+    )
+    return 0
+
+
+@dataclass
+class StoreImportLerobot:
+    """Bring a LeRobot v3 dataset from local disk into a store; segments split where the controller
+    (intervention column) changes; frames without one count as human teleoperation."""
+
+    dataset: Positional[str]
+    """Dataset root folder."""
+    store: Positional[Path]
+    """Episode store (created if missing)."""
+    robot_id: str = "lerobot"
+    """Robot id recorded for the imported episodes."""
+    task: str | None = None
+    """Task id to record; None = the dataset's robot type."""
+
+
+def store_import_lerobot(a: StoreImportLerobot) -> int:
+    from fleet.lerobot_io import import_lerobot
+
+    store, db = open_store(a.store, create=True)
+    ids = import_lerobot(a.dataset, store, robot_id=a.robot_id, task=a.task, db=db)
+    print(f"imported {len(ids)} episodes into {store.root}")
+    return 0
+
+
+COMMANDS = [
+    Command(("sim", "list"), "list simulated tasks with their robot specs", SimList, sim_list),
+    Command(
+        ("sim", "demos"), "record scripted-expert demonstrations into an episode store", SimDemos, sim_demos
+    ),
+    Command(
+        ("store", "info"),
+        "episodes, frames, bytes, per-task success, per-robot segments",
+        StoreInfo,
+        store_info,
+    ),
+    Command(
+        ("store", "verify"), "integrity check; exit code 1 on any inconsistency", StoreVerify, store_verify
+    ),
+    Command(
+        ("store", "export-lerobot"),
+        "write episodes as a LeRobot v3 dataset",
+        StoreExportLerobot,
+        store_export_lerobot,
+    ),
+    Command(
+        ("store", "import-lerobot"),
+        "bring a LeRobot v3 dataset into a store",
+        StoreImportLerobot,
+        store_import_lerobot,
+    ),
+]

@@ -1,0 +1,339 @@
+"""Long-running services and their clients: ``serve``, ``client act``, ``collect``, ``fleet sim``, ``hub ...``.
+
+Tokens come from the environment (or a file), never from a flag by default: a command line is visible
+to every user of the machine through ``ps``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, make_dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import tyro
+from tyro.conf import Positional
+
+from vla_rl.cli.common import CliError, Command, env_secret, task_arg, user_errors
+
+
+# ---------------------------------------------------------------------------- policy server
+@dataclass
+class Serve:
+    """Serve a checkpoint to many robots over gRPC: dynamic batching across clients, a bounded queue
+    (RESOURCE_EXHAUSTED when full), deadlines, health + reflection, and live checkpoint swaps
+    (LoadCheckpoint / Promote / Rollback with the token, or --follow a moving ref such as
+    hub://org/name@prod). --checkpoint may also be a LeRobot policy folder (config.json with a "type",
+    e.g. ACT or Diffusion, saved by save_pretrained with its processors). Binds 127.0.0.1 unless told
+    otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN.
+    Example: vla-rl serve --checkpoint hub://fleet/push@prod --follow self"""
+
+    checkpoint: str
+    """hub://org/name@rev, a checkpoint folder, or a LeRobot policy folder."""
+    follow: str | None = None
+    """A ref to follow for new revisions ('self' = --checkpoint's ref)."""
+    follow_interval: float = 30.0
+    """Seconds between ref polls."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = 50061
+    """gRPC port."""
+    max_batch: int = 16
+    """Largest batch per forward pass."""
+    max_wait_us: int = 2000
+    """Longest a batch waits to fill."""
+    adaptive_wait: bool = True
+    """Stop waiting once every active robot is in the batch (--no-adaptive-wait: always wait --max-wait-us)."""
+    tls_cert: Path | None = None
+    """PEM certificate chain: serve over TLS."""
+    tls_key: Path | None = None
+    """PEM private key for --tls-cert."""
+    max_queue: int = 256
+    """Queued requests before RESOURCE_EXHAUSTED."""
+    model_id: str = "default"
+    """Name of the served model."""
+    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_SERVER_TOKEN"))
+    """Enables control calls (default: env VLA_RL_SERVER_TOKEN; prefer the environment over this flag)."""
+    device: str = "auto"
+    """auto (CUDA if present), cpu, cuda, cuda:1, ..."""
+
+
+def serve(a: Serve) -> int:
+    from server.policy_server import serve as run
+
+    follow: bool | str | None = True if a.follow == "self" else a.follow
+    if (a.tls_cert is None) != (a.tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together (PEM certificate chain and its private key)")
+    for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
+        if path is not None and not path.is_file():
+            raise CliError(f"{flag} {path}: no such file")
+    run(
+        a.checkpoint,
+        follow=follow,
+        host=a.host,
+        port=a.port,
+        max_batch=a.max_batch,
+        max_wait_us=a.max_wait_us,
+        token=a.token or None,
+        model_id=a.model_id,
+        max_queue=a.max_queue,
+        follow_interval_s=a.follow_interval,
+        device=a.device,
+        adaptive_wait=a.adaptive_wait,
+        tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
+    )
+    return 0
+
+
+@dataclass
+class ClientAct:
+    """One action chunk for a simulated observation (a quick check): reset the task's simulator, send
+    its first observation to the server, print the chunk and timing."""
+
+    server: str = "127.0.0.1:50061"
+    """Policy server address."""
+    task: str | None = None
+    """Task; None = the served model's robot spec."""
+    model_id: str = ""
+    """Served model; empty = the only one."""
+    seed: int = 0
+    """Simulator and sampling seed."""
+    timeout: float = 10.0
+    """Seconds to wait for the server."""
+    tls_ca: Path | None = None
+    """PEM root certificate(s): connect over TLS."""
+
+
+def client_act(a: ClientAct) -> int:
+    import numpy as np
+
+    from server.client import PolicyClient, PolicyError
+    from sim.registry import make_env
+
+    if a.tls_ca is not None and not a.tls_ca.is_file():
+        raise CliError(f"--tls-ca {a.tls_ca}: no such file")
+    client = PolicyClient(a.server, timeout_s=a.timeout, tls_ca=a.tls_ca)
+    with user_errors(PolicyError, prefix=f"{a.server}: "):
+        info = client.info()
+        model = info[a.model_id] if a.model_id else next(iter(info.values()))
+        spec = json.loads(model.robot_spec_json)
+        task = task_arg(a.task) if a.task else spec["name"]
+        obs_mode = "rgb" if spec.get("cameras") else "state"
+        image_size = spec["cameras"][0]["height"] if spec.get("cameras") else 128
+        with make_env(task, obs=obs_mode, image_size=image_size) as env:  # type: ignore[arg-type]
+            obs, _ = env.reset(seed=a.seed)
+        batch_obs = {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}
+        res = client.act(batch_obs, seed=a.seed, model_id=model.model_id)
+    np.set_printoptions(precision=3, suppress=True)
+    print(f"model {model.model_id} ({model.policy_type}) commit {res.commit[:12]} on {model.device}")
+    print(f"chunk [{res.actions.shape[0]} x {res.actions.shape[1]}], execute the first {res.n_exec}:")
+    print(res.actions)
+    t = res.timing
+    print(
+        f"timing: queue {t.queue_us} us, decode {t.decode_us} us, inference {t.inference_us} us, "
+        f"total {t.total_us} us (batch of {res.batch_size})"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------- fleet
+@dataclass
+class Collect:
+    """Run the fleet collector: receive frames, segments (autonomous / intervention / reset, with who
+    was in control and why) and episode outcomes from many robots over gRPC and write them into an
+    episode store + metadata DB. A message is acknowledged once it is durable (in the write-ahead log;
+    with --fsync, on disk); robots resend what is not acknowledged and duplicates are dropped, so every
+    frame is stored exactly once, across collector restarts too. The robots' token is read from
+    VLA_RL_COLLECTOR_TOKEN. Example: vla-rl collect --store runs/fleet/store --port 50071 --metrics-port 9171"""
+
+    store: Path
+    """Episode store directory (created if missing)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file inside the store."""
+    host: str = "127.0.0.1"
+    """Bind address (anything but loopback needs a token)."""
+    port: int = 50071
+    """gRPC port (0 = any free port; printed on start)."""
+    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"))
+    """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment over this flag)."""
+    fsync: bool = False
+    """fsync every acknowledged message (power-loss safe, slower)."""
+    metrics_port: int | None = None
+    """Serve Prometheus /metrics on this port."""
+    robots: str | None = None
+    """Comma-separated robot ids to accept; None = any."""
+    chunk_len: int = 128
+    """Frames per Zarr chunk."""
+    camera_zstd_level: int = -3
+    """zstd level of camera arrays (-3: fast; 1 or 3 = ~10-20% smaller for 1.5-3x the CPU)."""
+    max_batch_frames: int = 64
+    """Largest FrameBatch accepted."""
+    max_pending_mb: float = 1024
+    """Frame MB waiting for the store before robots are slowed."""
+    store_writers: int = 1
+    """Processes writing the logged frames into Zarr beside the one taking messages (0 = a thread in
+    the collector's process, which then shares its one core)."""
+    store_writer_nice: int = 10
+    """How much lower the store writers' CPU priority is (0-19): intake and acks go first."""
+
+
+def collect(a: Collect) -> int:
+    from fleet.collector import serve as run
+
+    robots = {r.strip() for r in a.robots.split(",") if r.strip()} if a.robots else None
+    with user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
+        run(
+            a.store,
+            a.db,
+            host=a.host,
+            port=a.port,
+            token=a.token or None,
+            fsync=a.fsync,
+            chunk_len=a.chunk_len,
+            camera_zstd_level=a.camera_zstd_level,
+            max_batch_frames=a.max_batch_frames,
+            max_pending_bytes=int(a.max_pending_mb * 1024 * 1024),
+            store_writers=a.store_writers,
+            store_writer_nice=a.store_writer_nice,
+            allowed_robots=robots,
+            metrics_port=a.metrics_port,
+        )
+    return 0
+
+
+def _fleet_args() -> type:
+    from sim.fleet_runner import FleetConfig
+
+    doc = """N simulated robots (one process each) get action chunks from the policy server and stream every
+    frame, segment and outcome to the collector. A simulated operator (the task's privileged scripted
+    expert) takes over when the policy stalls (--stall-steps), drifts (--drift-radius) or at random
+    (--spot-check-prob), drives for --drive-steps and hands back, within a budget per episode. The collector
+    token is read from VLA_RL_COLLECTOR_TOKEN.
+    Example: vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 --collector 127.0.0.1:50071"""
+    return make_dataclass(
+        "FleetSim",
+        [
+            ("fleet", Annotated[FleetConfig, tyro.conf.OmitArgPrefixes]),
+            ("progress", Annotated[bool, tyro.conf.arg(help="Show a progress bar.")], field(default=True)),
+        ],
+        namespace={"__doc__": doc},
+    )
+
+
+def fleet_sim(a: Any) -> int:
+    from sim.fleet_runner import run_sim_fleet
+
+    cfg = a.fleet
+    if cfg.robots < 1 or cfg.episodes < 1:
+        raise CliError("--robots and --episodes must be >= 1")
+    if cfg.task:
+        cfg.task = task_arg(cfg.task)
+    if cfg.collector_token is None:
+        cfg.collector_token = env_secret("VLA_RL_COLLECTOR_TOKEN")
+    with user_errors(RuntimeError):
+        result = run_sim_fleet(cfg, progress=a.progress)
+    print()
+    print(result.table())
+    total = sum(s.episodes for s in result.robots.values())
+    human = sum(s.human_steps for s in result.robots.values())
+    steps = sum(s.steps for s in result.robots.values())
+    succ = sum(s.successes for s in result.robots.values())
+    print(
+        f"\n{total} episodes in {result.seconds:.0f} s: success {succ}/{total}, operator drove "
+        f"{human}/{steps} frames ({human / max(steps, 1):.0%}); robots waited for a busy operator "
+        f"{result.operator_busy_waits} times"
+    )
+    for e in result.errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if result.errors else 0
+
+
+# ---------------------------------------------------------------------------- hub
+@dataclass
+class HubServe:
+    """Run the embedded Hub-compatible registry: model repos stored under --data, served with the
+    Hugging Face Hub's HTTP API so the real huggingface_hub client pushes and pulls checkpoints here.
+    Writes need the token when one is set (env VLA_RL_HUB_TOKEN). Binds 127.0.0.1 unless told otherwise."""
+
+    data: Path = Path("runs/hub")
+    """Repository storage folder."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = 8808
+    """HTTP port."""
+    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_HUB_TOKEN"))
+    """Write token (default: env VLA_RL_HUB_TOKEN; prefer the environment over this flag)."""
+
+
+def hub_serve(a: HubServe) -> int:
+    from vla_rl.hub.server import serve as run
+
+    run(a.data, host=a.host, port=a.port, token=a.token or None)
+    return 0
+
+
+@dataclass
+class HubPush:
+    """Push a checkpoint folder as a commit (and tag)."""
+
+    folder: Positional[Path]
+    """Checkpoint folder."""
+    repo: str
+    """org/name."""
+    tag: str | None = None
+    """Tag the commit."""
+    branch: str = "main"
+    """Branch to commit to."""
+    message: str = "upload checkpoint"
+    """Commit message."""
+
+
+def hub_push(a: HubPush) -> int:
+    from vla_rl.hub.registry import push_folder
+
+    sha = push_folder(a.folder, a.repo, message=a.message, tag=a.tag, branch=a.branch)
+    print(f"hub://{a.repo}@{sha}" + (f"  (tag {a.tag})" if a.tag else ""))
+    return 0
+
+
+@dataclass
+class HubPull:
+    """Download a checkpoint by ref and verify its hashes."""
+
+    ref: Positional[str]
+    """hub://org/name@rev (branch, tag or commit)."""
+    cache_dir: Path | None = None
+    """Download cache; None = huggingface_hub's."""
+
+
+def hub_pull(a: HubPull) -> int:
+    from vla_rl.checkpoint import load_checkpoint
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(a.ref, cache_dir=a.cache_dir)
+    load_checkpoint(ckpt.path)  # verify hashes before telling anyone to use it
+    print(f"{ckpt.path}  (commit {ckpt.commit}, hashes verified)")
+    return 0
+
+
+COMMANDS = [
+    Command(("serve",), "serve action chunks over gRPC (batched, hot-swappable)", Serve, serve),
+    Command(
+        ("client", "act"),
+        "one action chunk for a simulated observation (a quick check)",
+        ClientAct,
+        client_act,
+    ),
+    Command(("collect",), "run the fleet collector (robots stream episodes into a store)", Collect, collect),
+    Command(
+        ("fleet", "sim"),
+        "simulated robots + operator takeovers streaming to a collector",
+        _fleet_args,
+        fleet_sim,
+    ),
+    Command(("hub", "serve"), "run the embedded Hub-compatible registry", HubServe, hub_serve),
+    Command(("hub", "push"), "push a checkpoint folder as a commit (and tag)", HubPush, hub_push),
+    Command(("hub", "pull"), "download a checkpoint by ref and verify its hashes", HubPull, hub_pull),
+]

@@ -1,0 +1,361 @@
+"""``vla-rl train NAME``, ``vla-rl round ...``, ``vla-rl eval`` and ``vla-rl demo``.
+
+Every ``train NAME`` command is generated from the algorithm's config dataclass (its field docstrings
+are the ``--help``), and ``round start --algo NAME`` takes exactly the same flags plus the round's own:
+one way to set a knob. ``--preset NAME`` starts from a named recipe (:mod:`vla_rl.train.presets`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tyro.conf import Positional
+
+from vla_rl.cli.common import (
+    CliError,
+    Command,
+    parse,
+    partial,
+    pop_option,
+    task_arg,
+    user_errors,
+    with_options,
+)
+from vla_rl.train.algorithms import ALGORITHMS, Algorithm, get_algorithm
+from vla_rl.train.presets import PRESETS, get_preset
+
+
+@dataclass(kw_only=True)
+class PushOptions:
+    push: str | None = None
+    """Push the final checkpoint to this Hub repo (hub://org/name) as a new commit."""
+    tag: str | None = None
+    """Tag the pushed commit (with --push)."""
+
+
+def _preset_values(preset: str | None, algo: str) -> dict[str, Any]:
+    if preset is None:
+        return {}
+    with user_errors(ValueError, prefix="--"):
+        p = get_preset(preset)
+    if p.algorithm != algo:
+        raise CliError(f"--preset {preset}: is a recipe for {p.algorithm}, not {algo}")
+    return dict(p.values)
+
+
+def _check_fixed(alg: Algorithm, cfg: Any) -> None:
+    for k, v in alg.fixed.items():
+        if getattr(cfg, k) != v:
+            raise CliError(f"--{k.replace('_', '-')}: the {alg.name} command fixes it to {v}")
+
+
+def _check_inputs(cfg: Any) -> None:
+    """Fail before any work on what a user most often gets wrong: a base or init run that is not there."""
+    base = getattr(cfg, "base", None)
+    if base and not str(base).startswith("hub://") and not Path(base).is_dir():
+        raise CliError(f"--base {base}: no such checkpoint folder (or give hub://org/name@rev)")
+    init = getattr(cfg, "init_from", None)
+    if init is not None and not (Path(init) / "train_state.pt").is_file():
+        raise CliError(
+            f"--init-from {init}: no train_state.pt there; give the --out folder of an earlier "
+            "`vla-rl train qam` run"
+        )
+    if getattr(cfg, "task", None):
+        cfg.task = task_arg(cfg.task)
+
+
+def _summary(name: str, r: Any) -> str:
+    m = r.metrics
+    parts = [f"{name}: {r.seconds / 60:.1f} min"]
+    if "final_loss" in m:
+        parts.append(f"{m['steps']} steps, loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}")
+    if getattr(r, "env_steps", None):
+        parts.append(f"{r.env_steps} env steps")
+    if r.curve and "rollout_success" in r.curve[0]:
+        parts.append(
+            f"rollout success {r.curve[0]['rollout_success']:.0%} -> {r.curve[-1]['rollout_success']:.0%}"
+        )
+    if "eval_success" in m:
+        parts.append(f"eval success {m['eval_success']:.0%}")
+    return "; ".join(parts) + f"; checkpoint {r.checkpoint}"
+
+
+def _train_command(name: str) -> Any:
+    def run(argv: Sequence[str], prog: str) -> int:
+        from vla_rl.checkpoint import CheckpointError
+        from vla_rl.train.algorithms import train
+
+        argv = list(argv)
+        preset = pop_option(argv, "--preset")
+        alg = get_algorithm(name)
+        cls = alg.config_class()
+        wrapper = with_options(f"Train{cls.__name__}", cls, PushOptions)
+        values = {**_preset_values(preset, name), **alg.fixed}
+        description = f"{alg.summary}. Presets (--preset NAME): {_presets_for(name)}."
+        default = partial(wrapper, {"inner": partial(cls, values), "options": PushOptions()})
+        parsed = parse(wrapper, argv, prog, description, default)
+        cfg = parsed.inner
+        _check_fixed(alg, cfg)
+        _check_inputs(cfg)
+        with user_errors(FileNotFoundError, ValueError, CheckpointError):
+            result = train(cfg)
+        print(_summary(name, result))
+        if parsed.push:
+            from vla_rl.hub.registry import parse_ref, push_folder
+
+            ref = parse_ref(parsed.push)
+            sha = push_folder(result.checkpoint, ref.repo_id, message=f"{name}: {cfg.out}", tag=parsed.tag)
+            print(
+                f"pushed to hub://{ref.repo_id} commit {sha[:12]}"
+                + (f" tag {parsed.tag}" if parsed.tag else "")
+            )
+        return 0
+
+    return run
+
+
+def _presets_for(algo: str | None) -> str:
+    names = [p.name for p in PRESETS.values() if algo is None or p.algorithm == algo]
+    return ", ".join(names) or "none"
+
+
+# ---------------------------------------------------------------------------- rounds
+def round_start(argv: Sequence[str], prog: str) -> int:
+    """Run one post-training round (its flags: the algorithm's, plus the round's)."""
+    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.rounds import RoundConfig, RoundError, RoundOptions, start_round
+
+    argv = list(argv)
+    preset, algo = pop_option(argv, "--preset"), pop_option(argv, "--algo")
+    if preset is not None and algo is None:
+        with user_errors(ValueError, prefix="--"):
+            algo = get_preset(preset).algorithm
+    if algo is None:
+        if {"-h", "--help"} & set(argv):
+            print(f"{ROUND_USAGE}\n\n{ROUND_HELP}")
+            return 0
+        raise CliError(
+            f"--algo: expected one of {', '.join(ALGORITHMS)} (or --preset NAME); see {prog} --help"
+        )
+    with user_errors(ValueError, prefix="--"):
+        alg = get_algorithm(algo)
+    cls = alg.config_class()
+    wrapper = with_options(f"Round{cls.__name__}", cls, RoundOptions)
+    values = {"out": Path("runs/rounds"), **_preset_values(preset, algo), **alg.fixed}
+    default = partial(wrapper, {"inner": partial(cls, values), "options": RoundOptions()})
+    parsed = parse(wrapper, argv, f"{prog} --algo {algo}", f"{alg.summary}. {ROUND_HELP}", default)
+    _check_fixed(alg, parsed.inner)
+    _check_inputs(parsed.inner)
+    options = {f.name: getattr(parsed.options, f.name) for f in fields(RoundOptions)}
+    with user_errors(
+        RoundError,
+        ValueError,
+        FileNotFoundError,
+        CheckpointError,
+        suffix=" (the round's row in the DB records the failure: vla-rl round list)",
+    ):
+        rec = start_round(RoundConfig(train=parsed.inner, preset=preset, **options))
+    print(_round_line(rec))
+    print(f"gate: {rec.metrics.get('gate', {}).get('reason', '')}")
+    return 0
+
+
+ROUND_USAGE = "usage: vla-rl round start --algo ALGO [--preset NAME] --base REF --store PATH [FLAGS]"
+ROUND_HELP = (
+    "Select data from the store + DB, train with ALGO starting from BASE, evaluate the result and the base "
+    "on the same simulated seeds, push the checkpoint to the Hub with tag round-N, and move the served ref "
+    "(--promote-ref, default prod) to it only if it beats the base by more than --margin. Every round is "
+    "recorded in the metadata DB (vla-rl round list|show). The flags are the algorithm's own (as for "
+    "`vla-rl train ALGO`) plus the round's; `vla-rl round start --algo ALGO --help` lists them.\n\n"
+    "algorithms:\n" + "".join(f"  {a.name:<12} {a.summary}\n" for a in ALGORITHMS.values()) + "\n"
+    "presets (--preset NAME; --algo follows from it):\n"
+    + "".join(f"  {p.name:<24} {p.algorithm}: {p.summary}\n" for p in PRESETS.values())
+    + "\n"
+    "example:\n  vla-rl round start --algo awr --base hub://fleet/pick@prod --store runs/fleet/store \\\n"
+    "      --data 'since=2026-11-01,robot=arm-1|arm-2' --margin 0.05 --steps 1000 --beta 0.5"
+)
+
+
+def _round_line(r: Any) -> str:
+    m = r.metrics
+    score = (
+        f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
+        if "success" in m
+        else "-"
+    )
+    flag = "promoted" if r.promoted else ("" if r.status != "succeeded" else "not promoted")
+    return f"round {r.id:>3}  {r.algo:<10} {r.status:<9} {score:<38} {flag:<12} {r.checkpoint_ref or ''}"
+
+
+@dataclass
+class RoundList:
+    """List rounds with their scores and promotion."""
+
+    store: Path
+    """Episode store (its DB holds the rounds)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+    task: str | None = None
+    """Only this task's rounds."""
+    json: bool = False
+    """Machine-readable output."""
+
+
+def round_list(a: RoundList) -> int:
+    from vla_rl.cli.common import open_db
+
+    db = open_db(a.store, a.db)
+    rounds = db.rounds(task=task_arg(a.task) if a.task else None)
+    if a.json:
+        print(json.dumps([asdict(r) for r in rounds], indent=2, default=str))
+        return 0
+    if not rounds:
+        print("no rounds yet; start one with: vla-rl round start --algo awr --base REF --store PATH")
+    for r in rounds:
+        print(_round_line(r))
+    return 0
+
+
+@dataclass
+class RoundShow:
+    """One round's full record (config, data, metrics, curve) as JSON."""
+
+    round: Positional[int]
+    """Round number."""
+    store: Path
+    """Episode store (its DB holds the rounds)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+
+
+def round_show(a: RoundShow) -> int:
+    from vla_rl.cli.common import open_db
+
+    db = open_db(a.store, a.db)
+    r = db.round(a.round)
+    if r is None:
+        raise CliError(f"no round {a.round} in {db}; list them with: vla-rl round list --store {a.store}")
+    print(json.dumps(asdict(r), indent=2, default=str))
+    return 0
+
+
+# ---------------------------------------------------------------------------- eval / demo
+@dataclass
+class Eval:
+    """Evaluate a checkpoint in simulation: vectorised rollouts with receding-horizon chunk execution;
+    success with a 95% Wilson interval and mean episode length; optional videos and a JSON result.
+    Example: vla-rl eval --checkpoint runs/push/sft/checkpoints/last --episodes 50 --num-envs 2"""
+
+    checkpoint: str
+    """hub://org/name@rev or a checkpoint folder."""
+    task: str | None = None
+    """Task; None = the checkpoint's robot spec."""
+    episodes: int = 20
+    """Episodes to run."""
+    num_envs: int = 2
+    """Simulator processes."""
+    seed: int = 100_000
+    """First episode seed (held-out seeds start at 100000)."""
+    n_exec: int | None = None
+    """Actions executed per chunk; None = the checkpoint's."""
+    num_steps: int | None = None
+    """Denoising steps K; None = the model's."""
+    videos: int = 0
+    """Save this many rollouts as MP4/GIF."""
+    videos_dir: Path = Path("runs/eval_videos")
+    """Where videos go."""
+    out: Path | None = None
+    """Write the results as JSON here."""
+    device: str = "auto"
+    """auto (CUDA if present), cpu, cuda, cuda:1, ..."""
+    threads: int = 1
+    """Torch CPU threads (small policies gain nothing from more; on a busy machine extra threads made
+    inference several times slower)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def eval_(a: Eval) -> int:
+    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.evaluation import evaluate
+    from vla_rl.policy_loading import load_policy
+
+    if a.threads < 1:
+        raise CliError(f"--threads: expected a positive integer, got {a.threads}")
+    import torch
+
+    torch.set_num_threads(a.threads)
+    with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
+        lp = load_policy(a.checkpoint, device=a.device)
+    lp.num_steps = a.num_steps
+    task = task_arg(a.task) if a.task else lp.spec.name
+    result = evaluate(
+        lp,
+        task,
+        episodes=a.episodes,
+        num_envs=a.num_envs,
+        seed=a.seed,
+        n_exec=a.n_exec,
+        video_dir=a.videos_dir,
+        num_videos=a.videos,
+        progress=a.progress,
+    )
+    print(result.summary())
+    out = {"checkpoint": a.checkpoint, "commit": lp.commit, **result.to_dict()}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=2))
+        print(f"results: {a.out}")
+    for v in result.videos:
+        print(f"video: {v}")
+    return 0
+
+
+def _demo_args() -> type:
+    from vla_rl.main_job import DemoJobConfig
+
+    return DemoJobConfig
+
+
+def demo(cfg: Any) -> int:
+    """The embedded main job: demos -> store -> SFT -> registry -> eval (see vla_rl.main_job)."""
+    from vla_rl.cli.data import StoreInfo, StoreVerify, store_info, store_verify
+    from vla_rl.main_job import run_demo
+
+    res = run_demo(cfg)
+    print()
+    store_info(StoreInfo(path=res.store))
+    print()
+    status = store_verify(StoreVerify(path=res.store))
+    print()
+    print(f"checkpoint  {res.checkpoint_ref} (commit {res.commit[:12]})")
+    print(f"expert      {res.demo_success:.0%} success on the demonstrations")
+    print(f"policy      {res.eval.summary()}")
+    for v in res.eval.videos:
+        print(f"video       {v}")
+    print(f"total       {res.minutes:.1f} min")
+    return status
+
+
+COMMANDS = [
+    Command(
+        ("demo",),
+        "run the main job on embedded defaults (demos -> store -> SFT -> registry -> eval)",
+        _demo_args,
+        demo,
+    ),
+    *[Command(("train", a.name), a.summary, None, _train_command(a.name)) for a in ALGORITHMS.values()],
+    Command(
+        ("round", "start"),
+        "run one post-training round: train, evaluate vs base, push, promote",
+        None,
+        round_start,
+    ),
+    Command(("round", "list"), "list rounds with their scores and promotion", RoundList, round_list),
+    Command(("round", "show"), "one round's full record as JSON", RoundShow, round_show),
+    Command(("eval",), "evaluate a checkpoint in simulation", Eval, eval_),
+]

@@ -1,0 +1,90 @@
+"""The trainer contract: what every algorithm takes and what it hands back.
+
+Every trainer's config dataclass subclasses :class:`TrainerConfig` (base checkpoint, data, output, seed,
+device, threads, progress, logging) and its ``train_*`` function returns a :class:`TrainResult`
+(checkpoint, metrics, curve, data snapshot), possibly a subclass with typed extras. Rounds, the CLI,
+benchmarks and ``vla-rl up`` therefore drive every algorithm the same way (see
+:mod:`vla_rl.train.algorithms`).
+
+This module imports nothing heavy (no torch), so the CLI can build ``--help`` from the configs cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Knobs every trainer shares. Subclasses add their algorithm's knobs and say which of these they need."""
+
+    algorithm: ClassVar[str] = ""
+    """The algorithm's name in rounds, presets and checkpoint lineage (``sft``, ``qam``, ...)."""
+    needs_base: ClassVar[bool] = True
+    """Starts from a base checkpoint (all but SFT)."""
+    needs_store: ClassVar[bool] = True
+    """Reads an episode store (all but online-only PPO)."""
+
+    out: Path
+    """Output folder: ``checkpoints/``, the train state for resuming, TensorBoard logs, ``curve.json``."""
+    base: str | None = None
+    """Checkpoint to start from and improve: a local folder or ``hub://org/name@rev``."""
+    store: Path | None = None
+    """Episode store with the data: demonstrations, fleet rollouts, human interventions."""
+    data: str | None = None
+    """Which episodes to learn from, as DataSelection text, e.g.
+    ``robot=arm-1|arm-2,since=2026-11-01,success=true,label.quality=good,round=3,max=200``.
+    None = every closed episode of the task."""
+    task: str | None = None
+    """Task id; None = the base checkpoint's."""
+    db_url: str | None = None
+    """Metadata DB (labels, rounds) as an SQLAlchemy URL; None = the SQLite file next to the store."""
+    seed: int = 0
+    """Seeds batches, noise and simulators: a run is a pure function of its config."""
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+    threads: int = 0
+    """CPU threads for torch; 0 = all cores but one. Two busy processes each spinning all cores' OpenMP
+    threads slow small models down by an order of magnitude, so leaving headroom matters on small machines."""
+    log_every: int = 50
+    """Updates between log lines and TensorBoard points."""
+    progress: bool = True
+    """Show a progress bar."""
+    round_index: int | None = None
+    """Post-training round number recorded in the checkpoint's lineage (set by rounds)."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        self.out = Path(self.out)
+        if self.store is not None:
+            self.store = Path(self.store)
+        if self.needs_base and not self.base:
+            raise ValueError(f"base: {name} needs a base checkpoint (a folder or hub://org/name@rev)")
+        if self.needs_store and self.store is None:
+            raise ValueError(f"store: {name} needs an episode store (--store PATH)")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device: expected one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads: expected >= 0 (0 = all cores but one), got {self.threads}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every: expected a positive integer, got {self.log_every}")
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    """What every trainer hands back: rounds evaluate ``checkpoint`` and record the rest."""
+
+    checkpoint: Path
+    """The trained policy's checkpoint folder (``<out>/checkpoints/last``)."""
+    seconds: float
+    """Wall time of the run."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Final numbers (losses, rollout / eval success, ...)."""
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    """One row per logged point (step, env steps, losses, success ...), for plots."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Snapshot of the data it learned from (selection, episodes, frames, env steps)."""

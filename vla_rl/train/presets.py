@@ -1,0 +1,103 @@
+"""Named training recipes: a setting that won a benchmark is a name, not a shell snippet.
+
+    vla-rl train qam --preset kinematic-qam-pi --base B --store S --out O
+    vla-rl round start --preset kinematic-qam-pi --base hub://org/arm@prod --store S
+
+    from vla_rl.train.presets import preset_config
+    cfg = preset_config("kinematic-qam-pi", base=..., store=..., out=..., seed=1)
+
+A preset fixes an algorithm and some of its knobs; everything else keeps the config's default, and any
+knob can still be overridden (command-line flags after ``--preset``, or keyword arguments). Where each
+recipe was measured: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vla_rl.train.algorithms import get_algorithm
+from vla_rl.train.base import TrainerConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    algorithm: str
+    summary: str
+    values: Mapping[str, Any]
+
+
+# The kinematic test bed's small policy (d_model 64, H = 4, no instruction encoder: one task).
+_KINEMATIC_SFT = {"chunk_len": 4, "n_exec": 2, "d_model": 64, "instruction_encoder": "none", "batch_size": 64}
+# QAM on the kinematic test bed: a 5 x (2 x 256) critic ensemble on the state, steps-to-go reward,
+# 1,000 Monte-Carlo then TD critic updates before the actor starts.
+_KINEMATIC_QAM = {
+    "reward": "steps_to_go",
+    "flow_steps": 10,
+    "members": 5,
+    "critic_hidden": (256, 256),
+    "batch_size": 128,
+    "critic_mc_steps": 1000,
+    "critic_warmup": 2000,
+    "eval_every": 500,
+    "eval_every_episodes": 50,
+    "threads": 1,
+}
+_KINEMATIC_PPO = {"actor_lr": 3e-5, "rollout_steps": 200, "num_envs": 4, "env_steps": 40_000, "threads": 1}
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "kinematic-sft",
+            "sft",
+            "the deliberately weak base of the kinematic benchmark: a small policy, 1,000 steps",
+            {**_KINEMATIC_SFT, "steps": 1000, "threads": 1},
+        ),
+        Preset(
+            "kinematic-qam-offline",
+            "qam",
+            "QAM offline on demos + rollouts, λ = 10: 1,000 MC + 1,000 TD critic updates, then 1,000 with the actor",
+            {**_KINEMATIC_QAM, "inv_temp": 10.0, "offline_steps": 3000},
+        ),
+        Preset(
+            "kinematic-qam-pi",
+            "qam",
+            "QAM offline-to-online as policy iteration: 40k env steps at one critic update per env step "
+            "(TD targets from a cached fine-policy snapshot), the actor every 20th update, re-anchored",
+            {
+                **_KINEMATIC_QAM,
+                "inv_temp": 20.0,
+                "offline_steps": 4000,
+                "env_steps": 40_000,
+                "utd": 1.0,
+                "actor_every": 20,
+                "next_action_cache": 2000,
+                "num_envs": 2,
+                "reanchor_every": 10_000,
+                "eval_every": 2500,
+            },
+        ),
+        Preset("kinematic-flow-noise", "flow-noise", "Flow-Noise PPO, 4 robots, 40k env steps", _KINEMATIC_PPO),
+        Preset(
+            "kinematic-flow-sde-all",
+            "flow-sde",
+            "Flow-SDE PPO with every denoising step stochastic (the exact joint), 4 robots, 40k env steps",
+            {**_KINEMATIC_PPO, "sde_steps": "all"},
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {name!r}")
+    return PRESETS[name]
+
+
+def preset_config(name: str, **values: Any) -> TrainerConfig:
+    """The preset's config with ``values`` (the run's base, store, out, ... and any overrides) on top."""
+    p = get_preset(name)
+    return get_algorithm(p.algorithm).make_config(**{**p.values, **values})
