@@ -445,10 +445,10 @@ def test_cli_train_ppo_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureF
     from vla_rl.cli import main
 
     missing = tmp_path / "no-such-checkpoint"
-    assert main(["train", "ppo", "--base", str(missing), "--out", str(tmp_path / "o")]) == 2
+    assert main(["train", "flow-noise", "--base", str(missing), "--out", str(tmp_path / "o")]) == 2
     assert "no-such-checkpoint" in capsys.readouterr().err
     base = _sim_checkpoint(tmp_path / "base")
-    argv = ["train", "ppo", "--base", str(base), "--out", str(tmp_path / "o"), "--method", "sde"]
+    argv = ["train", "flow-sde", "--base", str(base), "--out", str(tmp_path / "o")]
     assert main([*argv, "--num-steps", "1"]) == 2
     assert "num_steps" in capsys.readouterr().err
 

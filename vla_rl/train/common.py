@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from fleet.dataset import ChunkDataset
-from fleet.store import EpisodeStore
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -32,24 +31,6 @@ TRAIN_STATE = "train_state.pt"
 
 
 # ---------------------------------------------------------------------------- data
-def select_episodes(
-    store: EpisodeStore, task: str, success_only: bool = False, max_episodes: int | None = None
-) -> list[str]:
-    """Closed episodes of ``task`` in creation order (optionally successful ones only, capped)."""
-    metas = [store.read_metadata(e) for e in store.episode_ids()]
-    metas = [m for m in metas if m.task == task and m.is_closed and (m.success or not success_only)]
-    metas.sort(key=lambda m: (m.created, m.episode_id))
-    if max_episodes is not None:
-        metas = metas[:max_episodes]
-    if not metas:
-        what = "successful " if success_only else ""
-        raise ValueError(
-            f"store {store.root} holds no closed {what}episodes of task {task!r}; "
-            f"record some with: vla-rl sim demos --task {task} --store {store.root}"
-        )
-    return [m.episode_id for m in metas]
-
-
 def batch_to_policy_inputs(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """ChunkDataset keys (LeRobot naming) -> the policy's observation/action dict, on ``device``."""
     prefix = "observation.images."

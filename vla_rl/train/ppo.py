@@ -76,13 +76,13 @@ ArrayLike = np.ndarray | float
 # Option sets: the Literal is the one spelling (tyro shows its choices); the tuple is derived from it.
 Method = Literal["noise", "sde"]
 Reward = Literal["sparse", "dense"]
-Critic = Literal["state", "prefix"]
+CriticInput = Literal["state", "prefix"]
 Discount = Literal["chunk", "step"]
 LogprobReduction = Literal["sum", "mean"]
 TrainScope = Literal["all", "expert"]
 Advantage = Literal["gae", "grpo"]
 SdeSteps = Literal["one", "all"]
-METHODS, REWARDS, CRITICS, DISCOUNTS = get_args(Method), get_args(Reward), get_args(Critic), get_args(Discount)
+METHODS, REWARDS, CRITICS, DISCOUNTS = get_args(Method), get_args(Reward), get_args(CriticInput), get_args(Discount)
 LOGPROB_REDUCTIONS, TRAIN_SCOPES = get_args(LogprobReduction), get_args(TrainScope)
 ADVANTAGES, SDE_STEPS = get_args(Advantage), get_args(SdeSteps)
 
@@ -182,7 +182,7 @@ class PPOConfig(TrainerConfig):
     """'all' policy weights, or 'expert': only the action expert and noise head (RLinf freezes the VLM)."""
 
     # ------------------------------------------------------------ critic
-    critic: Critic = "state"
+    critic: CriticInput = "state"
     """'state': MLP on the normalised state (state-only models); 'prefix': MLP on the pooled prefix
     tokens (π0.5-style; sees the cameras)."""
     critic_hidden: tuple[int, ...] = (256, 256)
