@@ -98,8 +98,8 @@ class SFTConfig:
     seed: int = 0
     device: str = "auto"
     threads: int = 0
-    """CPU threads for torch; 0 = all cores but one. Two busy processes each spinning all cores' OpenMP
-    threads slow small models down 10-100x, so leaving headroom matters on small machines."""
+    """CPU threads for torch; 0 = all cores but one. Leaving headroom matters on small machines: busy
+    processes that each spin all cores' OpenMP threads slow each other down (docs/experiment-log.md)."""
     log_every: int = 50
     checkpoint_every: int = 1000
     resume: bool = True
