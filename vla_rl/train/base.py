@@ -48,8 +48,8 @@ class TrainerConfig:
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
     threads: int = 0
-    """CPU threads for torch; 0 = all cores but one. Two busy processes each spinning all cores' OpenMP
-    threads slow small models down by an order of magnitude, so leaving headroom matters on small machines."""
+    """CPU threads for torch; 0 = all cores but one. Leaving headroom matters on small machines: busy
+    processes that each spin all cores' OpenMP threads slow each other down (docs/experiment-log.md)."""
     log_every: int = 50
     """Updates between log lines and TensorBoard points."""
     progress: bool = True

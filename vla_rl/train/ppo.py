@@ -91,7 +91,7 @@ ADVANTAGES, SDE_STEPS = get_args(Advantage), get_args(SdeSteps)
 @dataclass(kw_only=True)
 class PPOConfig(TrainerConfig):
     """Every knob of a PPO fine-tuning run. Defaults follow RLinf's π_RL where they apply; the batch,
-    learning-rate and reward defaults are the ones tried on PickCube state (docs/benchmarks.md)."""
+    learning-rate and reward defaults are the ones tried on PickCube state (docs/experiment-log.md)."""
 
     needs_store: ClassVar[bool] = False
 
@@ -112,8 +112,7 @@ class PPOConfig(TrainerConfig):
     sde_steps: SdeSteps = "one"
     """Flow-SDE: 'one' (π-RL: one random SDE step per call, the log-prob of that transition only; the
     ODE steps after it also depend on the weights, which that log-prob ignores) or 'all' (every step
-    SDE, the exact joint log-prob of the chain). On kinematic/Reach at actor lr 3e-5, 'one' drove
-    rollout success down (42% -> 22% in 20k steps) while 'all' and Flow-Noise went up (README). 'sde' only."""
+    SDE, the exact joint log-prob of the chain; how they compared: docs/experiment-log.md). 'sde' only."""
     noise_std_range: tuple[float, float] | None = None
     """Flow-Noise (min, max) bound of the learnable per-step std, in normalised action units; None keeps
     the base config's (RLinf default 0.08-0.16). 'noise' only."""
@@ -167,9 +166,8 @@ class PPOConfig(TrainerConfig):
     minibatch_size: int = 160
     """Transitions (chunks) per gradient step."""
     actor_lr: float = 3e-6
-    """Flow-SDE on PickCube: 3e-6 gave 36% -> 50% and 38% (two seeds), 1e-5 (approx-KL 0.01-0.03)
-    degraded. Flow-Noise's 80-term exact chain log-prob is ~10x more sensitive (KL 0.6 after one
-    iteration at 1e-5, 0.02-0.06 at 2e-6 to 3e-6, no gain): try ~1e-6 there."""
+    """Actor learning rate. Flow-Noise's exact chain log-prob moves the PPO ratio more than Flow-SDE's
+    single transition at the same rate, so it wants a smaller one (try ~1e-6; docs/experiment-log.md)."""
     critic_lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0

@@ -232,7 +232,7 @@ class QAMConfig(TrainerConfig):
     reward: RewardKind = "steps_to_go"
     """Reward relabelling: 'steps_to_go' (−1/T per step; our form of OGBench's −1·[not success]),
     'sparse' (1 on success), 'dense' (the simulator's shaped reward) or 'shaped' (success plus
-    potential-based shaping). steps_to_go did best on the kinematic benchmark (README)."""
+    potential-based shaping). How they compared: docs/experiment-log.md."""
     gamma: float = 0.99
     """Per-step discount; the chunked TD uses γ^n_exec."""
 
@@ -240,14 +240,14 @@ class QAMConfig(TrainerConfig):
     inv_temp: float = 10.0
     """λ: target π* ∝ π_β·exp(λ Q). Scales the terminal adjoint; the knob that matters most. With
     steps_to_go rewards Q lives in about [−2, 0] (OGBench's −1 per step gives [−100, 0]), so our λ
-    reads ~50x stronger than the reference's 1–30. Kinematic sweep: 3 and 10 helped, 30 lost on one
-    seed, 100 destroyed the policy."""
+    reads ~50x stronger than the reference's 1–30. Too large a λ destroys the policy; the sweep is in
+    docs/experiment-log.md."""
     rho: float = 0.5
     """Ensemble pessimism in the TD target: mean − ρ·std over members."""
     actor_rho: float = 0.0
     """Ensemble pessimism in the actor's objective (the terminal adjoint follows ∇(mean − ρ·std) Q̄):
     steers the fine policy away from actions the members disagree on. 0 = the reference (mean Q).
-    Kinematic benchmark, 3 seeds, 1,000 actor updates: 1.0 gave 57% vs 59% with 0 (no gain)."""
+    See docs/experiment-log.md."""
     members: int = 10
     """Critic ensemble size M."""
     critic_hidden: tuple[int, ...] = (512, 512, 512, 512)
@@ -278,8 +278,7 @@ class QAMConfig(TrainerConfig):
     the critic's step."""
     critic_warmup: int = 2000
     """Updates at the start during which only the critic learns: the actor follows ∇_a Q from its
-    first update, so it must wait for a trained critic (with fewer than ~2,000 TD updates the
-    kinematic runs followed noise and lost success)."""
+    first update, so it must wait for a trained critic (see docs/experiment-log.md)."""
     critic_mc_steps: int = 1000
     """The first this-many updates regress Q(s, a_data) on the data's Monte-Carlo return instead of
     the TD target (the target critic follows exactly). TD with Polyak targets needs ~1/τ updates per
@@ -297,8 +296,8 @@ class QAMConfig(TrainerConfig):
     that table every this many updates (frames appended since are sampled when they arrive) and look
     a' up, instead of K Euler steps per batch (0, the reference). The critic then evaluates a snapshot of
     the fine policy at most this many updates old (approximate policy iteration), and a critic-only
-    update gets ~10x cheaper on CPU (kinematic: ~90 -> ~10 ms), which is what makes a high online
-    ``utd`` affordable without a GPU (utd 1 with it: +35 over SFT vs +12 at utd 0.05, README)."""
+    update no longer samples the fine policy, which is what makes a high online ``utd`` affordable
+    without a GPU (measurements: docs/experiment-log.md)."""
 
     # ---- schedule
     offline_steps: int = 3000
@@ -317,12 +316,9 @@ class QAMConfig(TrainerConfig):
     """Online phase: make the fine policy the prior (copy it into the base, and the base's target) at
     the first online update and again every this many online updates; 0 = keep the SFT prior (the
     reference). Why: adjoint matching regresses v_θ to v̄_β − (σ²/2)·ã, so once on-policy TD flattens
-    ∇_a Q (it does within a few hundred online updates, README) the fine policy slides back to the base
-    and loses its offline gain. Re-anchored, the target is π_fine·exp(λQ): a trust-region policy
-    iteration around what was learned. Kinematic benchmark (README): at utd 0.05 online phases lost 7-9
-    points without it and ~4 with it (500, 40k env steps); at utd 1 (``next_action_cache`` 2000,
-    ``actor_every`` 20, re-anchored every 10,000 updates) the same start gained +17 more: +35 over SFT
-    on held-out episodes. The reference instead trains the behaviour flow on the replay (``train_base``).
+    ∇_a Q the fine policy slides back to the base and loses its offline gain. Re-anchored, the target
+    is π_fine·exp(λQ): a trust-region policy iteration around what was learned (measurements:
+    docs/experiment-log.md). The reference instead trains the behaviour flow on the replay (``train_base``).
     Online updates are counted from ``offline_steps``."""
     num_envs: int = 2
     """Simulator processes for online rollouts."""
@@ -349,8 +345,7 @@ class QAMConfig(TrainerConfig):
     offline run, or with ``init_reset_actor`` to re-extract."""
     init_reset_actor: bool = False
     """With init_from: restart the fine policy (and the prior) from ``base`` next to the loaded critic,
-    with a fresh actor optimiser ("re-extraction": on the kinematic benchmark, a λ = 20 actor next to
-    the critic of a λ = 10 run gave the best offline result, README)."""
+    with a fresh actor optimiser ("re-extraction"; see docs/experiment-log.md)."""
     stop_at: int | None = None
     """Stop after this many updates, as a preempted job would (tests of resume)."""
     max_seconds: float | None = None
