@@ -103,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, used = _find(rest)
     if command is None:
         prefix = tuple(w for w in rest[:1] if w in GROUPS)
-        if rest and not prefix:
-            print(f"error: no command {rest[0]!r}; see: vla-rl --help", file=sys.stderr)
+        unknown = rest[: 1 if not prefix else 2]
+        if rest and (not prefix or (len(rest) > 1 and not rest[1].startswith("-"))):
+            print(
+                f"error: no command {' '.join(unknown)!r}; see: vla-rl {' '.join(prefix)} --help",
+                file=sys.stderr,
+            )
             return 2
         print(_usage(prefix))
         return 0 if g.help or not rest or prefix else 2

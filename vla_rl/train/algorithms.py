@@ -68,7 +68,9 @@ ALGORITHMS: dict[str, Algorithm] = {
             "vla_rl.train.sft:SFTConfig",
             "vla_rl.train.sft:train_sft",
         ),
-        Algorithm("awr", "advantage-weighted regression, human interventions as plain BC", *_AWR, {"variant": "awr"}),
+        Algorithm(
+            "awr", "advantage-weighted regression, human interventions as plain BC", *_AWR, {"variant": "awr"}
+        ),
         Algorithm("recap", "advantage-conditioned policy (π0.6's RECAP)", *_AWR, {"variant": "recap"}),
         Algorithm(
             "qam",

@@ -82,7 +82,12 @@ LogprobReduction = Literal["sum", "mean"]
 TrainScope = Literal["all", "expert"]
 Advantage = Literal["gae", "grpo"]
 SdeSteps = Literal["one", "all"]
-METHODS, REWARDS, CRITICS, DISCOUNTS = get_args(Method), get_args(Reward), get_args(CriticInput), get_args(Discount)
+METHODS, REWARDS, CRITICS, DISCOUNTS = (
+    get_args(Method),
+    get_args(Reward),
+    get_args(CriticInput),
+    get_args(Discount),
+)
 LOGPROB_REDUCTIONS, TRAIN_SCOPES = get_args(LogprobReduction), get_args(TrainScope)
 ADVANTAGES, SDE_STEPS = get_args(Advantage), get_args(SdeSteps)
 
@@ -221,7 +226,13 @@ class PPOConfig(TrainerConfig):
         _positive_int(self, "num_steps")
         if self.method == "sde" and self.num_steps < 2:
             raise ValueError("num_steps: Flow-SDE needs >= 2 (the last step is never the stochastic one)")
-        for name in ("critic_warmup_iterations", "checkpoint_every", "final_eval_episodes", "env_seed", "seed"):
+        for name in (
+            "critic_warmup_iterations",
+            "checkpoint_every",
+            "final_eval_episodes",
+            "env_seed",
+            "seed",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")

@@ -80,7 +80,9 @@ PRESETS: dict[str, Preset] = {
                 "eval_every": 2500,
             },
         ),
-        Preset("kinematic-flow-noise", "flow-noise", "Flow-Noise PPO, 4 robots, 40k env steps", _KINEMATIC_PPO),
+        Preset(
+            "kinematic-flow-noise", "flow-noise", "Flow-Noise PPO, 4 robots, 40k env steps", _KINEMATIC_PPO
+        ),
         Preset(
             "kinematic-flow-sde-all",
             "flow-sde",
