@@ -181,7 +181,7 @@ def test_train_end_to_end(base_and_store: tuple[Path, Path], tmp_path: Path, var
             steps=30,
             batch_size=32,
             progress=False,
-            selection=DataSelection.parse(TASK, None),
+            data="max=1000",  # every closed episode, through the selection text
         )
     )
     assert res.data["human_frames"] == 7

@@ -31,19 +31,33 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DemoJobConfig:
+    """One pass of the loop on this machine, nothing to start beforehand: record scripted demonstrations
+    into a Zarr store + SQLite DB, train a flow-matching policy with SFT, push it as a tagged checkpoint
+    to an embedded Hub-compatible registry, pull it back by tag and evaluate it in simulation (with a
+    video). About 5 minutes on 2 CPU cores. The workdir's outputs are cleared first."""
+
     workdir: Path = Path("runs/demo")
     """Everything goes here (store/, sft/, hub/, videos/); it is cleared at the start of each run."""
     task: str = "maniskill/PushCube-v1"
+    """Simulated task (see `vla-rl sim list`)."""
     demos: int = 30
+    """Scripted demonstrations to record."""
     noise: float = 0.3
     """Expert sloppiness for the demonstrations (see `vla-rl sim demos --help`)."""
     steps: int = 1500
+    """SFT optimiser steps."""
     batch_size: int = 64
+    """SFT batch size."""
     eval_episodes: int = 20
+    """Held-out episodes to evaluate the pulled checkpoint on."""
     num_envs: int = 2
+    """Simulator processes for demos and evaluation."""
     seed: int = 0
+    """First demo seed; SFT seed."""
     repo: str = "demo/policy"
+    """Registry repo the checkpoint is pushed to (tag sft-0)."""
     progress: bool = True
+    """Show progress bars."""
 
 
 @dataclass

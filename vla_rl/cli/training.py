@@ -104,14 +104,14 @@ def _train_command(name: str) -> Any:
         with user_errors(FileNotFoundError, ValueError, CheckpointError):
             result = train(cfg)
         print(_summary(name, result))
-        if parsed.push:
+        push = parsed.options
+        if push.push:
             from vla_rl.hub.registry import parse_ref, push_folder
 
-            ref = parse_ref(parsed.push)
-            sha = push_folder(result.checkpoint, ref.repo_id, message=f"{name}: {cfg.out}", tag=parsed.tag)
+            ref = parse_ref(push.push)
+            sha = push_folder(result.checkpoint, ref.repo_id, message=f"{name}: {cfg.out}", tag=push.tag)
             print(
-                f"pushed to hub://{ref.repo_id} commit {sha[:12]}"
-                + (f" tag {parsed.tag}" if parsed.tag else "")
+                f"pushed to hub://{ref.repo_id} commit {sha[:12]}" + (f" tag {push.tag}" if push.tag else "")
             )
         return 0
 
