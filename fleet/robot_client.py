@@ -47,8 +47,8 @@ import grpc
 import numpy as np
 
 from fleet import wire
+from fleet.meta import Controller, SegmentKind, new_episode_id
 from fleet.proto import collector_pb2 as pb
-from fleet.store import Controller, SegmentKind, new_episode_id
 from server.codec import to_tensor
 from vla_rl import __version__
 from vla_rl.spec import RobotSpec, SpecError

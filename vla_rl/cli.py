@@ -67,8 +67,9 @@ def _open_store(path: Path, create: bool = False, db_url: str | None = None) -> 
     with _user_errors(
         FileNotFoundError, ValueError, suffix=f". Create one with: vla-rl sim demos --store {path} ..."
     ):
-        store = EpisodeStore(path, create=create)
-    return store, _open_db(store.root, db_url)
+        EpisodeStore(path, create=create)  # no store: fail here, before a DB file is made in its place
+    db = _open_db(path, db_url)
+    return EpisodeStore(path, db=db), db
 
 
 def _task_arg(name: str) -> str:
@@ -119,8 +120,7 @@ def cmd_sim_demos(args: argparse.Namespace) -> int:
     from sim.demos import record_demos
 
     task = _task_arg(args.task)
-    store, db = _open_store(args.store, create=True, db_url=args.db)
-    store.db = db
+    store, _db = _open_store(args.store, create=True, db_url=args.db)
     report = record_demos(
         store,
         task,
