@@ -69,6 +69,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore
+from fleet.store_writer import StoreWriter
 from fleet.wal import (
     SEGMENT_KINDS,
     WAL_DIR,
@@ -1192,8 +1193,6 @@ class _ThreadWriter(_WriterHandle):
     """The store writer in this process (``store_writers=0``: tests, debugging)."""
 
     def __init__(self, root: Path, fsync: bool, on_report: Callable[[Mapping[str, Any]], None]) -> None:
-        from fleet.store_writer import StoreWriter
-
         super().__init__(on_report)
         self._sw = StoreWriter(root, fsync)
         self._thread = threading.Thread(target=self._loop, name="collector-store", daemon=True)

@@ -87,13 +87,15 @@ def file_imports(
     """The edges from one file to our files, and the top-level names of everything else it imports."""
     tree = ast.parse((root / rel).read_text(encoding="utf-8"), filename=rel)
     is_package = rel.endswith("__init__.py")
-    found: dict[str, tuple[list[str], int]] = {}
+    ours = {m.split(".")[0] for m in modules}
+    names: dict[str, list[str]] = {}  # target file -> names imported from it
+    first: dict[str, int] = {}  # target file -> first line importing it
     external: set[str] = set()
 
     def add(target: str, name: str, line: int) -> None:
-        names, first = found.setdefault(modules[target], ([], line))
-        names.append(name)
-        found[modules[target]] = (names, min(first, line))
+        dst = modules[target]
+        names.setdefault(dst, []).append(name)
+        first[dst] = min(first.get(dst, line), line)
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -105,7 +107,7 @@ def file_imports(
                     add(target, alias.name, node.lineno)
         elif isinstance(node, ast.ImportFrom):
             base = _base_of(node, module, is_package)
-            if base.split(".")[0] not in {m.split(".")[0] for m in modules}:
+            if base.split(".")[0] not in ours:
                 external.add(base.split(".")[0])
                 continue
             for alias in node.names:
@@ -113,7 +115,7 @@ def file_imports(
                 target = sub if sub in modules else _deepest(base, modules)
                 if target is not None:
                     add(target, alias.name, node.lineno)
-    edges = [Edge(rel, dst, tuple(names), line) for dst, (names, line) in sorted(found.items()) if dst != rel]
+    edges = [Edge(rel, dst, tuple(names[dst]), first[dst]) for dst in sorted(names) if dst != rel]
     return edges, external - {"__future__"}
 
 
