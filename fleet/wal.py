@@ -11,8 +11,6 @@ A log is one file per open episode, ``<store>/wal/<episode_id>.wal``, of records
 from __future__ import annotations
 
 import os
-import struct
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,7 +25,6 @@ from server.codec import from_tensor
 from vla_rl.spec import RobotSpec, SpecError
 
 WAL_DIR = "wal"  # under the store's root
-_REC = struct.Struct("<II")  # payload length, crc32(payload)
 SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind
     pb.AUTONOMOUS: SegmentKind.AUTONOMOUS,
     pb.INTERVENTION: SegmentKind.INTERVENTION,
@@ -57,24 +54,14 @@ class WriteAheadLog:
     @staticmethod
     def parse(data: bytes) -> tuple[list[bytes], int]:
         """The intact records at the start of ``data`` (log bytes from a record boundary), and where they end."""
-        out: list[bytes] = []
-        pos = 0
-        while pos + _REC.size <= len(data):
-            n, crc = _REC.unpack_from(data, pos)
-            end = pos + _REC.size + n
-            payload = data[pos + _REC.size : end]
-            if end > len(data) or zlib.crc32(payload) != crc:
-                break
-            out.append(payload)
-            pos = end
-        return out, pos
+        return wire.parse_records(data)
 
     def append(self, payload: bytes) -> None:
         """Write one record; on failure cut the file back so no partial record stays behind."""
         start = self.size
         try:
             # One system call, no copy into a buffer (the file is unbuffered, opened for appending).
-            head = _REC.pack(len(payload), zlib.crc32(payload))
+            head = wire.record_head(payload)
             fd = self._f.fileno()
             done = os.writev(fd, (head, payload))
             if done < len(head) + len(payload):  # a short write: rare, finish it
@@ -91,7 +78,7 @@ class WriteAheadLog:
             except OSError:
                 pass
             raise Unavailable(f"write-ahead log {self.path.name}: {e}") from e
-        self.size = start + _REC.size + len(payload)
+        self.size = start + len(head) + len(payload)
 
     def close(self, delete: bool = False) -> None:
         self._f.close()
