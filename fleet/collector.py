@@ -10,8 +10,8 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
 
 * **Write-ahead log, then Zarr.** An accepted message is appended to the episode's log
   (``<store>/wal/<episode_id>.wal``, see ``fleet/wal.py``: length + CRC32 + the message bytes; fsynced
-  first with ``fsync=True``) and acknowledged. A store writer process (``fleet/store_writer.py``; ``store_writers``,
-  default 1) then reads the log back and feeds the frames to the episode's
+  first with ``fsync=True``) and acknowledged. A store writer process (``fleet/store_writer.py``;
+  ``store_writers``, default 1) then reads the log back and feeds the frames to the episode's
   :class:`~fleet.store.EpisodeWriter`, which writes chunk-aligned blocks and commits them in
   ``commit.json``. The collector tells it only "the log of E is written up to byte B"; frame data never
   crosses a pipe. Committing every small batch straight into Zarr would cost ~3 ms of CPU per array

@@ -2,8 +2,9 @@
 that the store writers (``fleet/store_writer.py``) share with it.
 
 A log is one file per open episode, ``<store>/wal/<episode_id>.wal``, of records
-``[u32 length][u32 crc32][payload]`` whose payloads are ``RobotMessage`` bytes exactly as received (see
-``fleet/collector.py`` for how it makes "ack only when durable" and "exactly once" cheap).
+``[u32 length][u32 crc32][payload]`` (:func:`fleet.wire.parse_records`) holding ``RobotMessage`` bytes
+exactly as received (see ``fleet/collector.py`` for how it makes "ack only when durable" and "exactly
+once" cheap).
 :func:`parse_message` reads such bytes (camera pixels as views, see ``fleet/wire.py``) and
 :func:`decode_frames` validates a ``FrameBatch`` against the robot's spec into ``EpisodeWriter`` input.
 """
