@@ -1,5 +1,5 @@
 # Two commands for a new user (see README): `make demo` and `make test`. Both set everything up first.
-.PHONY: setup demo test lint format bench lock
+.PHONY: setup demo test lint format bench lock client
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,10 @@ lint: setup
 
 format: setup
 	.venv/bin/python -m ruff check --fix . && .venv/bin/python -m ruff format .
+
+# The slim robot-side wheel, vla-rl-client (numpy, grpcio, protobuf, Pillow only): see server/__init__.py.
+client: setup
+	.venv/bin/python -m scripts.build_client --out dist/
 
 bench: setup
 	.venv/bin/python bench/sim_speed.py

@@ -9,9 +9,9 @@ episode) or a ``Reject`` (nothing of it was stored; the message names the field)
 How "exactly once" and "ack only when durable" are kept, cheaply:
 
 * **Write-ahead log, then Zarr.** An accepted message is appended to the episode's log
-  (``<store>/wal/<episode_id>.wal``: length + CRC32 + the message bytes; fsynced first with
-  ``fsync=True``) and acknowledged. A store writer process (``fleet/store_writer.py``; ``store_writers``,
-  default 1) then reads the log back and feeds the frames to the episode's
+  (``<store>/wal/<episode_id>.wal``, see ``fleet/wal.py``: length + CRC32 + the message bytes; fsynced
+  first with ``fsync=True``) and acknowledged. A store writer process (``fleet/store_writer.py``;
+  ``store_writers``, default 1) then reads the log back and feeds the frames to the episode's
   :class:`~fleet.store.EpisodeWriter`, which writes chunk-aligned blocks and commits them in
   ``commit.json``. The collector tells it only "the log of E is written up to byte B"; frame data never
   crosses a pipe. Committing every small batch straight into Zarr would cost ~3 ms of CPU per array
@@ -53,25 +53,31 @@ import math
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fleet import wire
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
-from fleet.store import EpisodeStore, SegmentKind
+from fleet.store import EpisodeStore
+from fleet.store_writer import StoreWriter
+from fleet.wal import (
+    SEGMENT_KINDS,
+    WAL_DIR,
+    Unavailable,
+    WriteAheadLog,
+    decode_frames,
+    parse_message,
+)
 from fleet.wire import WireTensor, keep_freed_memory
 from server.codec import from_tensor, to_tensor
 from vla_rl import __version__
@@ -83,16 +89,9 @@ DEFAULT_PORT = 50071
 DEFAULT_MAX_BATCH_FRAMES = 64
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PENDING_BYTES = 1024 * 1024 * 1024
-WAL_DIR = "wal"
 LOCK_FILE = "collector.lock"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Collector"].full_name
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_REC = struct.Struct("<II")  # payload length, crc32(payload)
-_KINDS = {
-    pb.AUTONOMOUS: SegmentKind.AUTONOMOUS,
-    pb.INTERVENTION: SegmentKind.INTERVENTION,
-    pb.RESET: SegmentKind.RESET,
-}
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 SC = grpc.StatusCode
 
@@ -105,189 +104,6 @@ class RequestError(Exception):
         self.message = message
         self.episode_id = episode_id
         super().__init__(f"{code.name}: {message}")
-
-
-class _Unavailable(Exception):
-    """The collector cannot make this message durable now (disk error): end the stream, the client retries."""
-
-
-# ------------------------------------------------------------------------------------------ write-ahead log
-class WriteAheadLog:
-    """Append-only records ``[u32 length][u32 crc32][payload]`` in one file per open episode."""
-
-    def __init__(self, path: Path, fsync: bool) -> None:
-        self.path = path
-        self.fsync = fsync
-        self._f: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the episode's lifetime
-        self.size = self._f.seek(0, os.SEEK_END)
-
-    @staticmethod
-    def read(path: Path) -> tuple[list[bytes], int]:
-        """Every intact record, and the byte offset where they end (a torn tail starts there)."""
-        return WriteAheadLog.parse(path.read_bytes())
-
-    @staticmethod
-    def parse(data: bytes) -> tuple[list[bytes], int]:
-        """The intact records at the start of ``data`` (log bytes from a record boundary), and where they end."""
-        out: list[bytes] = []
-        pos = 0
-        while pos + _REC.size <= len(data):
-            n, crc = _REC.unpack_from(data, pos)
-            end = pos + _REC.size + n
-            payload = data[pos + _REC.size : end]
-            if end > len(data) or zlib.crc32(payload) != crc:
-                break
-            out.append(payload)
-            pos = end
-        return out, pos
-
-    def append(self, payload: bytes) -> None:
-        """Write one record; on failure cut the file back so no partial record stays behind."""
-        start = self.size
-        try:
-            # One system call, no copy into a buffer (the file is unbuffered, opened for appending).
-            head = _REC.pack(len(payload), zlib.crc32(payload))
-            fd = self._f.fileno()
-            done = os.writev(fd, (head, payload))
-            if done < len(head) + len(payload):  # a short write: rare, finish it
-                rest = memoryview(head + payload)[done:]
-                while rest:
-                    rest = rest[os.write(fd, rest) :]
-            # Now in the page cache: survives a killed process.
-            if self.fsync:
-                os.fdatasync(fd)  # on the disk: survives power loss (one per message, not per frame)
-        except OSError as e:
-            try:
-                self._f.truncate(start)
-                self._f.seek(start)
-            except OSError:
-                pass
-            raise _Unavailable(f"write-ahead log {self.path.name}: {e}") from e
-        self.size = start + _REC.size + len(payload)
-
-    def close(self, delete: bool = False) -> None:
-        self._f.close()
-        if delete:
-            self.path.unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------------------------ decoding
-def parse_message(raw: bytes) -> tuple[pb.RobotMessage, dict[str, WireTensor] | None]:
-    """A received message, and for a ``FrameBatch`` its cameras as views of ``raw`` (see fleet/wire.py).
-
-    The cameras are None when the message was parsed whole (then they are in the message).
-    Raises protobuf's ``DecodeError`` for bytes that are not a ``RobotMessage``.
-    """
-    split = wire.split_cameras(raw)
-    if split is None:
-        return pb.RobotMessage.FromString(raw), None
-    small, cameras = split
-    return pb.RobotMessage.FromString(small), cameras
-
-
-def decode_frames(
-    msg: pb.FrameBatch,
-    spec: RobotSpec,
-    max_frames: int,
-    last_ts: float,
-    wire_cameras: Mapping[str, WireTensor] | None = None,
-) -> dict[str, Any]:
-    """A validated ``FrameBatch`` as ``EpisodeWriter.add_frames`` input; :class:`SpecError` names the field.
-
-    ``wire_cameras`` (from :func:`parse_message`) replaces ``msg.cameras``; its arrays are read-only
-    views of the received bytes.
-    """
-    if not msg.HasField("action"):
-        raise SpecError("frames.action", f"float32 [N, {spec.action_dim}]", "nothing (missing)")
-    dims = list(msg.action.shape)
-    if len(dims) != 2:
-        raise SpecError("frames.action", f"float32 [N, {spec.action_dim}]", f"shape {dims}")
-    n = dims[0]
-    if n < 1:
-        raise SpecError("frames", "at least one frame", "an empty batch")
-    if n > max_frames:
-        raise SpecError("frames", f"at most {max_frames} frames per batch", f"{n} frames")
-    A, S = spec.action_dim, spec.state_dim
-
-    def tensor(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        return from_tensor(_Once(getattr(msg, name)), f"frames.{name}", dtype=dtype, shape=shape)
-
-    def finite(name: str, arr: np.ndarray) -> np.ndarray:
-        if not np.isfinite(arr).all():
-            raise SpecError(f"frames.{name}", "finite values", "NaN or inf")
-        return arr
-
-    wire_cams: Mapping[str, Any] = msg.cameras if wire_cameras is None else wire_cameras
-    extra = set(wire_cams) - set(spec.camera_names)
-    if extra:
-        raise SpecError(
-            f"frames.cameras.{sorted(extra)[0]}",
-            f"only cameras {list(spec.camera_names)}",
-            "an unknown camera",
-        )
-    cameras = {}
-    for cam in spec.cameras:
-        key = f"frames.cameras.{cam.name}"
-        if cam.name not in wire_cams:
-            raise SpecError(key, f"uint8 [{n}, {cam.height}, {cam.width}, 3]", "nothing (camera missing)")
-        t = wire_cams[cam.name]
-        cameras[cam.name] = from_tensor(
-            _Once(t) if wire_cameras is None else t, key, dtype="uint8", shape=(n, *cam.shape)
-        )
-    out: dict[str, Any] = {
-        "cameras": cameras,
-        "state": finite("state", tensor("state", "float32", (n, S))),
-        "action": finite("action", tensor("action", "float32", (n, A))),
-    }
-    if msg.HasField("proposed_action"):
-        p = tensor("proposed_action", "float32", (n, A))
-        ok = np.isnan(p).all(axis=1) | np.isfinite(p).all(axis=1)
-        if not ok.all():
-            raise SpecError(
-                "frames.proposed_action",
-                "finite rows, or all-NaN rows for no proposal",
-                f"a partly NaN row ({int(np.argmin(ok))})",
-            )
-        out["proposed_action"] = p
-    if msg.HasField("reward"):
-        out["reward"] = finite("reward", tensor("reward", "float32", (n,)))
-    for name in ("terminated", "truncated"):
-        if msg.HasField(name):
-            out[name] = tensor(name, "bool", (n,))
-    if msg.HasField("controller"):
-        c = tensor("controller", "uint8", (n,))
-        if (c > 2).any():
-            raise SpecError(
-                "frames.controller", "codes 0 (policy), 1 (human) or 2 (scripted)", f"{int(c.max())}"
-            )
-        out["controller"] = c
-    revs = list(msg.revision)
-    if len(revs) not in (0, 1, n):
-        raise SpecError("frames.revision", f"no, one or {n} strings", f"{len(revs)} strings")
-    if any(len(r) > 256 for r in revs):
-        raise SpecError("frames.revision", "at most 256 characters", "a longer string")
-    out["revision"] = revs if len(revs) == n else (revs[0] if revs else "")
-    if not msg.HasField("timestamp"):
-        raise SpecError(
-            "frames.timestamp", f"float64 [{n}]", "nothing (the collector fills it in on arrival)"
-        )
-    ts = finite("timestamp", tensor("timestamp", "float64", (n,)))
-    if ts[0] < last_ts or (np.diff(ts) < 0).any():
-        raise SpecError(
-            "frames.timestamp", f"non-decreasing times (last stored {last_ts:.6f})", "a time going back"
-        )
-    out["timestamp"] = ts
-    return out
-
-
-class _Once:
-    """A wire tensor whose bytes are read once: every access of a protobuf bytes field makes a new copy,
-    and ``from_tensor`` reads ``data`` twice (length check, then the array), ~0.3 ms per 224 px camera batch."""
-
-    __slots__ = ("data", "dtype", "shape")
-
-    def __init__(self, t: Any) -> None:
-        self.dtype, self.shape, self.data = t.dtype, t.shape, t.data
 
 
 # ------------------------------------------------------------------------------------------ state
@@ -420,9 +236,8 @@ class Collector:
         self.allowed_robots = allowed_robots
         self.idle_flush_s = idle_flush_s
         self.metrics_port = metrics_port
-        self.store = EpisodeStore(store, create=True, fsync=fsync)
-        self.db = MetadataDB(db_url) if db_url else MetadataDB.for_store(self.store.root)
-        self.store.db = self.db
+        self.db = MetadataDB(db_url) if db_url else MetadataDB.for_store(store)
+        self.store = EpisodeStore(store, create=True, fsync=fsync, db=self.db)
         self.wal_dir = self.store.root / WAL_DIR
         self.wal_dir.mkdir(exist_ok=True)
         self.fsync = fsync
@@ -680,7 +495,7 @@ class Collector:
         raw: bytes | None = None,
         cameras: dict[str, WireTensor] | None = None,
     ) -> pb.CollectorMessage:
-        """One message of a stream -> its reply. Raises :class:`_Unavailable` to end the stream.
+        """One message of a stream -> its reply. Raises :class:`Unavailable` to end the stream.
 
         ``raw`` is the message as received; the log stores it as is (re-serialising a message with two
         224 px camera batches costs ~1 ms of CPU per frame). ``cameras``: see :func:`parse_message`.
@@ -877,7 +692,7 @@ class Collector:
             )
         with ep.lock:
             if ep.error:  # the log holds the data; a restarted collector replays it
-                raise _Unavailable(f"episode {eid} cannot be written to the store: {ep.error}")
+                raise Unavailable(f"episode {eid} cannot be written to the store: {ep.error}")
             if body == "frames":
                 return self._frames(session, ep, msg)
             if body == "segment":
@@ -968,7 +783,7 @@ class Collector:
                 f"segment.start: expected {ep.committed} (frames received so far), got {sm.start}",
                 ep.id,
             )
-        if sm.kind not in _KINDS:
+        if sm.kind not in SEGMENT_KINDS:
             raise RequestError(
                 SC.INVALID_ARGUMENT, "segment.kind: expected AUTONOMOUS, INTERVENTION or RESET", ep.id
             )
@@ -1031,7 +846,7 @@ class Collector:
     def _assign_writer(self) -> int:
         alive = [i for i in range(len(self._writers)) if i not in self._dead_writers]
         if not alive:
-            raise _Unavailable("every store writer process has failed (see the collector's log)")
+            raise Unavailable("every store writer process has failed (see the collector's log)")
         self._next_writer += 1
         return alive[self._next_writer % len(alive)]
 
@@ -1285,7 +1100,7 @@ class _Service:
                         reply = await asyncio.to_thread(self.c.handle, session, msg, raw, cams)
                     else:
                         reply = self.c.handle(session, msg, raw, cams)
-                except _Unavailable as e:
+                except Unavailable as e:
                     log.error("cannot make a message durable; ending the stream", extra={"error": str(e)})
                     await context.abort(
                         SC.UNAVAILABLE, f"collector cannot write now ({e}); reconnect and resend"
@@ -1378,8 +1193,6 @@ class _ThreadWriter(_WriterHandle):
     """The store writer in this process (``store_writers=0``: tests, debugging)."""
 
     def __init__(self, root: Path, fsync: bool, on_report: Callable[[Mapping[str, Any]], None]) -> None:
-        from fleet.store_writer import StoreWriter
-
         super().__init__(on_report)
         self._sw = StoreWriter(root, fsync)
         self._thread = threading.Thread(target=self._loop, name="collector-store", daemon=True)

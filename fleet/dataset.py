@@ -74,7 +74,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
     (``observation.state`` float32 [S], ``observation.images.<camera>`` uint8 [H, W, 3]),
     ``action`` float32 [horizon, A] = actions ``t .. t+horizon-1`` with the episode's last action
     repeated past its end, ``action_is_pad`` bool [horizon] marking those repeats, and ``reward``
-    (float32), ``controller`` (int64, :class:`fleet.store.Controller` code), ``episode_index``
+    (float32), ``controller`` (int64, :class:`fleet.meta.Controller` code), ``episode_index``
     (into :attr:`episode_ids`) and ``frame_index`` (int64). Keys follow LeRobot's naming.
 
     All committed frames are loaded into memory at construction: fine for our dataset sizes

@@ -20,7 +20,7 @@ from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, mak
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
 
-from fleet.store import EpisodeMeta, Segment
+from fleet.meta import EpisodeMeta, EpisodeRecord, Segment
 
 _BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another process's transaction
 
@@ -135,25 +135,6 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
-class EpisodeRecord:
-    """An episode as the DB knows it (a detached copy; editing it changes nothing)."""
-
-    id: str
-    robot_id: str
-    task: str
-    instruction: str
-    store_path: str
-    status: str
-    outcome: str | None
-    success: bool | None
-    length: int
-    created_at: float
-    closed_at: float | None
-    revisions: tuple[str, ...]
-    segments: tuple[Segment, ...]
-
-
-@dataclass(frozen=True)
 class Label:
     id: int
     episode_id: str
@@ -207,6 +188,9 @@ class MetadataDB:
 
     @classmethod
     def for_store(cls, store_root: str | os.PathLike[str]) -> MetadataDB:
+        """The SQLite DB in the store's directory (created if missing, so the DB can be opened first and
+        handed to ``EpisodeStore(store_root, create=True, db=...)``)."""
+        Path(store_root).mkdir(parents=True, exist_ok=True)
         return cls(default_url(store_root))
 
     def __repr__(self) -> str:

@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fleet.store import Controller, Episode, EpisodeMeta, EpisodeStore, Segment, SegmentKind
+from fleet.meta import Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
+from fleet.store import Episode, EpisodeStore
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 if TYPE_CHECKING:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from fleet.db import MetadataDB
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def import_lerobot(
     robot_id: str = "lerobot",
     task: str | None = None,
     spec_name: str | None = None,
-    db: MetadataDB | None = None,
+    db: EpisodeDB | None = None,
     camera_keys: Sequence[str] | None = None,
     default_controller: Controller | str | int = Controller.HUMAN,
 ) -> list[str]:
@@ -917,7 +917,7 @@ def _write_plan(
     images: Mapping[str, np.ndarray],
     robot_id: str,
     id_prefix: str,
-    db: MetadataDB | None,
+    db: EpisodeDB | None,
 ) -> str:
     """Create, fill and close one episode; ids sort in LeRobot episode order within one import."""
     episode_id = f"{id_prefix}-ep{plan.episode_index:06d}-{uuid.uuid4().hex[:6]}"

@@ -34,10 +34,8 @@ import itertools
 import logging
 import os
 import queue
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +45,8 @@ import grpc
 import numpy as np
 
 from fleet import wire
+from fleet.meta import Controller, SegmentKind, new_episode_id
 from fleet.proto import collector_pb2 as pb
-from fleet.store import Controller, SegmentKind, new_episode_id
 from server.codec import to_tensor
 from vla_rl import __version__
 from vla_rl.spec import RobotSpec, SpecError
@@ -165,8 +163,6 @@ class _Spool:
     the message as sent. Written before a message can be sent, deleted once its episode is acknowledged
     as ended, so a robot process that dies loses nothing it had sealed into a message."""
 
-    _REC = struct.Struct("<II")
-
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -176,7 +172,7 @@ class _Spool:
         f = self._files.get(eid)
         if f is None:
             f = self._files[eid] = open(self.root / f"{eid}.spool", "ab", buffering=0)  # noqa: SIM115
-        os.writev(f.fileno(), (self._REC.pack(len(data), zlib.crc32(data)), data))
+        os.writev(f.fileno(), (wire.record_head(data), data))
 
     def done(self, eid: str) -> None:
         f = self._files.pop(eid, None)
@@ -189,14 +185,7 @@ class _Spool:
         out = []
         for path in sorted(self.root.glob("*.spool"), key=lambda p: p.stat().st_mtime):
             data = path.read_bytes()
-            records, pos = [], 0
-            while pos + self._REC.size <= len(data):
-                n, crc = self._REC.unpack_from(data, pos)
-                payload = data[pos + self._REC.size : pos + self._REC.size + n]
-                if len(payload) != n or zlib.crc32(payload) != crc:
-                    break
-                records.append(payload)
-                pos += self._REC.size + n
+            records, pos = wire.parse_records(data)
             if pos < len(data):
                 with open(path, "r+b") as f:
                     f.truncate(pos)

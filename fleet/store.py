@@ -46,24 +46,28 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import numcodecs
 import numpy as np
 import zarr
 from zarr.codecs import BytesCodec, ZstdCodec
 
+from fleet.meta import (
+    STORE_VERSION,
+    Controller,
+    EpisodeDB,
+    EpisodeMeta,
+    Segment,
+    SegmentKind,
+    new_episode_id,
+)
 from vla_rl.spec import RobotSpec, SpecError
-
-if TYPE_CHECKING:
-    from fleet.db import MetadataDB
 
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "vla-rl-episode-store"
-STORE_VERSION = 1
 COMMIT_FILE = "commit.json"
 DEFAULT_CHUNK_LEN = 64
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -82,140 +86,6 @@ _FRAME_FIELDS = frozenset(
         "timestamp",
     ]
 )
-
-
-class Controller(IntEnum):
-    """Who produced a frame's executed action. Stored as uint8."""
-
-    POLICY = 0
-    HUMAN = 1
-    SCRIPTED = 2
-
-    @classmethod
-    def parse(cls, value: Controller | str | int) -> Controller:
-        """Accept the enum, its lower-case name ("policy", ...) or its integer code."""
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-        elif isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
-            try:
-                return cls(int(value))
-            except ValueError:
-                pass
-        names = "|".join(c.name.lower() for c in cls)
-        raise SpecError("controller", f"one of {names} (or codes 0-{len(cls) - 1})", repr(value))
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-class SegmentKind(StrEnum):
-    """What a stretch of an episode was: the policy acting, a human intervening, or a reset."""
-
-    AUTONOMOUS = "autonomous"
-    INTERVENTION = "intervention"
-    RESET = "reset"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Frames ``[start, end)`` of an episode. ``end`` is None while the segment is still running."""
-
-    index: int
-    kind: SegmentKind
-    controller: Controller
-    start: int
-    end: int | None = None
-    reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "kind": self.kind.value,
-            "controller": self.controller.label,
-            "start": self.start,
-            "end": self.end,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Segment:
-        end = d.get("end")
-        return cls(
-            index=int(d["index"]),
-            kind=SegmentKind(d["kind"]),
-            controller=Controller.parse(d["controller"]),
-            start=int(d["start"]),
-            end=None if end is None else int(end),
-            reason=d.get("reason"),
-        )
-
-
-@dataclass(frozen=True)
-class EpisodeMeta:
-    """Everything about an episode except its frames; the content of ``commit.json``."""
-
-    episode_id: str
-    robot_id: str
-    task: str
-    instruction: str
-    spec: RobotSpec
-    chunk_len: int
-    created: float
-    length: int = 0
-    status: str = "open"
-    revisions: tuple[str, ...] = ()
-    segments: tuple[Segment, ...] = ()
-    outcome: str | None = None
-    success: bool | None = None
-    closed: float | None = None
-
-    @property
-    def is_closed(self) -> bool:
-        return self.status == "closed"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": STORE_VERSION,
-            "episode_id": self.episode_id,
-            "robot_id": self.robot_id,
-            "task": self.task,
-            "instruction": self.instruction,
-            "spec": self.spec.to_dict(),
-            "chunk_len": self.chunk_len,
-            "created": self.created,
-            "length": self.length,
-            "status": self.status,
-            "revisions": list(self.revisions),
-            "segments": [s.to_dict() for s in self.segments],
-            "outcome": self.outcome,
-            "success": self.success,
-            "closed": self.closed,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> EpisodeMeta:
-        success = d.get("success")
-        closed = d.get("closed")
-        return cls(
-            episode_id=str(d["episode_id"]),
-            robot_id=str(d["robot_id"]),
-            task=str(d["task"]),
-            instruction=str(d["instruction"]),
-            spec=RobotSpec.from_dict(d["spec"]),
-            chunk_len=int(d["chunk_len"]),
-            created=float(d["created"]),
-            length=int(d["length"]),
-            status=str(d["status"]),
-            revisions=tuple(str(r) for r in d.get("revisions", ())),
-            segments=tuple(Segment.from_dict(s) for s in d.get("segments", ())),
-            outcome=d.get("outcome"),
-            success=None if success is None else bool(success),
-            closed=None if closed is None else float(closed),
-        )
 
 
 @dataclass
@@ -404,12 +274,6 @@ def _array(group: zarr.Group, key: str) -> zarr.Array:
     return arr
 
 
-def new_episode_id(robot_id: str) -> str:
-    """A fresh episode id, ``<UTC time>-<robot>-<random>``: unique, and sortable by creation time."""
-    safe_robot = re.sub(r"[^A-Za-z0-9_.-]", "_", robot_id)[:64]
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{safe_robot}-{uuid.uuid4().hex[:8]}"
-
-
 def _check_id(what: str, value: str) -> str:
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise ValueError(f"{what} must match {_ID_RE.pattern}, got {value!r}")
@@ -462,7 +326,7 @@ class EpisodeWriter:
     """
 
     def __init__(
-        self, store: EpisodeStore, meta: EpisodeMeta, group: zarr.Group, db: MetadataDB | None
+        self, store: EpisodeStore, meta: EpisodeMeta, group: zarr.Group, db: EpisodeDB | None
     ) -> None:
         self._store = store
         self._meta = meta
@@ -926,12 +790,12 @@ class EpisodeStore:
         create: bool = False,
         *,
         fsync: bool = False,
-        db: MetadataDB | None = None,
+        db: EpisodeDB | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         self.episodes_dir = self.root / "episodes"
         self.fsync = fsync
-        self.db = db
+        self._db = db
         marker = self.root / "zarr.json"
         if not marker.exists():
             if not create:
@@ -955,6 +819,11 @@ class EpisodeStore:
     def __repr__(self) -> str:
         return f"EpisodeStore({str(self.root)!r})"
 
+    @property
+    def db(self) -> EpisodeDB | None:
+        """The metadata DB that writers record episodes in unless told otherwise (set at construction)."""
+        return self._db
+
     # ------------------------------------------------------------------ writing
     def create_episode(
         self,
@@ -965,7 +834,7 @@ class EpisodeStore:
         instruction: str | None = None,
         chunk_len: int = DEFAULT_CHUNK_LEN,
         episode_id: str | None = None,
-        db: MetadataDB | None = None,
+        db: EpisodeDB | None = None,
         camera_zstd_level: int | None = None,
     ) -> EpisodeWriter:
         """Create an empty episode (see :meth:`new_episode`) and return its writer."""
@@ -991,7 +860,7 @@ class EpisodeStore:
         instruction: str | None = None,
         chunk_len: int = DEFAULT_CHUNK_LEN,
         episode_id: str | None = None,
-        db: MetadataDB | None = None,
+        db: EpisodeDB | None = None,
         camera_zstd_level: int | None = None,
     ) -> EpisodeMeta:
         """Create an empty, open episode (its arrays, commit record and DB row) without opening a writer:
@@ -1042,7 +911,7 @@ class EpisodeStore:
             db.record_episode_open(meta, str(self.root))
         return meta
 
-    def resume_episode(self, episode_id: str, db: MetadataDB | None = None) -> EpisodeWriter:
+    def resume_episode(self, episode_id: str, db: EpisodeDB | None = None) -> EpisodeWriter:
         """A writer that continues an open episode after its previous writer went away (e.g. was killed).
 
         It starts from the committed length: rows a killed writer wrote but never committed are
@@ -1139,7 +1008,7 @@ class EpisodeStore:
         }
 
     # ------------------------------------------------------------------ checking
-    def verify(self, db: MetadataDB | None = None) -> list[str]:
+    def verify(self, db: EpisodeDB | None = None) -> list[str]:
         """Check every episode; returns the problems found (empty: the store is consistent).
 
         Open episodes and rows beyond the committed length (left by a killed writer, or grown ahead)
@@ -1154,7 +1023,7 @@ class EpisodeStore:
             problems.extend(f"{d.name}: {p}" for p in self._verify_episode(d.name, db))
         return problems
 
-    def _verify_episode(self, eid: str, db: MetadataDB | None) -> list[str]:
+    def _verify_episode(self, eid: str, db: EpisodeDB | None) -> list[str]:
         try:
             meta = self.read_metadata(eid)
         except (ValueError, KeyError, TypeError) as e:
@@ -1286,7 +1155,7 @@ def _check_segments(meta: EpisodeMeta, seg: np.ndarray) -> list[str]:
     return out
 
 
-def _check_db(meta: EpisodeMeta, db: MetadataDB) -> list[str]:
+def _check_db(meta: EpisodeMeta, db: EpisodeDB) -> list[str]:
     rec = db.episode(meta.episode_id)
     if rec is None:
         return ["closed episode has no DB row"]

@@ -40,8 +40,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from fleet.collector import _KINDS, WAL_DIR, WriteAheadLog, decode_frames, parse_message
 from fleet.store import EpisodeStore, EpisodeWriter
+from fleet.wal import SEGMENT_KINDS, WAL_DIR, WriteAheadLog, decode_frames, parse_message
 
 
 def _slice_frames(batch: Mapping[str, Any], skip: int) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def apply_record(w: EpisodeWriter, raw: bytes) -> bool:
             return False
         if sm.index != len(w.segments) or sm.start != w.num_frames:
             raise RuntimeError(f"segment {sm.index} at {sm.start} does not follow the writer's state")
-        w.begin_segment(_KINDS[sm.kind], int(sm.controller), sm.reason or None)
+        w.begin_segment(SEGMENT_KINDS[sm.kind], int(sm.controller), sm.reason or None)
     elif body == "frames":
         fb = msg.frames
         n = int(fb.action.shape[0])

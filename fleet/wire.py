@@ -15,10 +15,16 @@ Field order does not matter to protobuf parsers, so these bytes are an ordinary 
 any other reader (the write-ahead log replays them with the same scanner). Anything the scanner does
 not expect (another body, an unknown field inside a camera entry, a bad length) makes it return None,
 and the caller parses the whole message with protobuf, whose errors then apply.
+
+Both ends also keep messages on disk in the same framing, records ``[u32 length][u32 crc32][payload]``:
+the collector's write-ahead log (``fleet/wal.py``) and the robot's spool (``fleet/robot_client.py``);
+:func:`record_head` and :func:`parse_records` are that framing.
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,6 +173,30 @@ def split_cameras(raw: bytes) -> tuple[bytes, dict[str, WireTensor]] | None:
         return b"".join([*head, _field(_FRAMES, len(small)), small]), cams
     except (_Bad, UnicodeDecodeError):
         return None
+
+
+RECORD_HEAD = struct.Struct("<II")  # a log record's payload length and crc32(payload)
+
+
+def record_head(payload: bytes) -> bytes:
+    """The head of the log record holding ``payload`` (written just before it)."""
+    return RECORD_HEAD.pack(len(payload), zlib.crc32(payload))
+
+
+def parse_records(data: bytes) -> tuple[list[bytes], int]:
+    """The intact records at the start of ``data`` (log bytes from a record boundary), and where they end:
+    a torn or corrupt tail (a write cut short by a kill) starts there."""
+    out: list[bytes] = []
+    pos = 0
+    while pos + RECORD_HEAD.size <= len(data):
+        n, crc = RECORD_HEAD.unpack_from(data, pos)
+        end = pos + RECORD_HEAD.size + n
+        payload = data[pos + RECORD_HEAD.size : end]
+        if end > len(data) or zlib.crc32(payload) != crc:
+            break
+        out.append(payload)
+        pos = end
+    return out, pos
 
 
 def keep_freed_memory() -> None:

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from sim.base import ACTION_NAMES, GRIPPER_CLOSED, GRIPPER_OPEN, OBS_MODES, EnvOptions, SimEnv
+from sim.base import ACTION_NAMES, GRIPPER_CLOSED, GRIPPER_OPEN, OBS_MODES, EnvOptions, SimEnv, TaskInfo
 from sim.experts import ScriptedExpert, make_expert
-from sim.registry import TASKS, TaskInfo, list_tasks, make_env, resolve_task
+from sim.registry import TASKS, list_tasks, make_env, resolve_task
 from sim.vector import VectorSimEnv
 
 

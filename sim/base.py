@@ -39,6 +39,21 @@ GRIPPER_CLOSED = -1.0
 
 
 @dataclass(frozen=True)
+class TaskInfo:
+    """One simulated task (the table is ``sim.registry.TASKS``); every backend's env is built from one."""
+
+    name: str  # our id, "<backend>/<task>"
+    backend: str  # "maniskill" | "robosuite" | "kinematic"
+    backend_id: str  # the simulator's own env name
+    instruction: str
+    max_episode_steps: int  # default episode length at 20 Hz
+    cameras: tuple[str, ...]  # cameras in rgb mode
+    state_dim: dict[str, int]  # obs mode -> state vector size (a test checks these against the sims)
+    action_dim: int = 4  # [dx, dy, dz, gripper] for every task
+    control_hz: float = 20.0
+
+
+@dataclass(frozen=True)
 class EnvOptions:
     """Construction options shared by every backend (validated here, once)."""
 

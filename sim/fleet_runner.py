@@ -137,8 +137,8 @@ class SyntheticRobotConfig:
 
 def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
     """Process entry point: stream ``episodes`` episodes of deterministic frames, record them, report."""
+    from fleet.meta import new_episode_id
     from fleet.robot_client import RobotClient, frame_digest
-    from fleet.store import new_episode_id
     from fleet.wire import keep_freed_memory
     from vla_rl.spec import RobotSpec
 
@@ -314,8 +314,8 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any)
 
 
 def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+    from fleet.meta import new_episode_id
     from fleet.robot_client import RobotClient, frame_digest
-    from fleet.store import new_episode_id
     from server.client import PolicyClient
     from sim.registry import make_env
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv
-from sim.registry import TaskInfo
+from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv, TaskInfo
 from vla_rl.spec import CameraSpec, RobotSpec
 
 ACTION_SCALE = 0.1

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv
-from sim.registry import TaskInfo
+from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv, TaskInfo
 from vla_rl.spec import CameraSpec, RobotSpec
 
 

@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from sim.base import EnvOptions, ObsMode, RewardMode, SimEnv
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    name: str  # our id, "<backend>/<task>"
-    backend: str  # "maniskill" | "robosuite" | "kinematic"
-    backend_id: str  # the simulator's own env name
-    instruction: str
-    max_episode_steps: int  # default episode length at 20 Hz
-    cameras: tuple[str, ...]  # cameras in rgb mode
-    state_dim: dict[str, int]  # obs mode -> state vector size (a test checks these against the sims)
-    action_dim: int = 4  # [dx, dy, dz, gripper] for every task
-    control_hz: float = 20.0
-
+from sim.base import EnvOptions, ObsMode, RewardMode, SimEnv, TaskInfo
 
 TASKS: dict[str, TaskInfo] = {
     t.name: t

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.store import Controller, EpisodeStore, SegmentKind
+from fleet.meta import Controller, SegmentKind
+from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE
 from sim.demos import record_demos, record_rollouts

@@ -11,15 +11,16 @@ import numpy as np
 
 import sim
 from fleet.db import MetadataDB
-from fleet.store import Controller, EpisodeStore
+from fleet.meta import Controller
+from fleet.store import EpisodeStore
 from sim.demos import record_demos
 
 TASK = "maniskill/PushCube-v1"
 
 
 def _record(root: Path, **kwargs: object) -> tuple[EpisodeStore, MetadataDB]:
-    store = EpisodeStore(root, create=True)
-    store.db = db = MetadataDB.for_store(root)
+    db = MetadataDB.for_store(root)
+    store = EpisodeStore(root, create=True, db=db)
     record_demos(store, TASK, progress=False, **kwargs)  # type: ignore[arg-type]
     return store, db
 

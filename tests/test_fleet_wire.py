@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fleet import wire
-from fleet.collector import decode_frames, parse_message
 from fleet.proto import collector_pb2 as pb
+from fleet.wal import decode_frames, parse_message
 from server.codec import to_tensor
 from vla_rl.spec import CameraSpec, RobotSpec
 

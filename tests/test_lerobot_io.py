@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from fleet.db import MetadataDB
-from fleet.store import Controller, EpisodeStore, EpisodeWriter, Segment, SegmentKind
+from fleet.meta import Controller, Segment, SegmentKind
+from fleet.store import EpisodeStore, EpisodeWriter
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(

@@ -25,7 +25,8 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from fleet.db import EpisodeRow, MetadataDB, default_url
-from fleet.store import Controller, Episode, EpisodeStore, EpisodeWriter, SegmentKind
+from fleet.meta import Controller, SegmentKind
+from fleet.store import Episode, EpisodeStore, EpisodeWriter
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(

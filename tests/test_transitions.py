@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fleet.db import MetadataDB
-from fleet.store import Controller, EpisodeStore, SegmentKind
+from fleet.meta import Controller, SegmentKind
+from fleet.store import EpisodeStore
 from policies.critics import (
     CategoricalValue,
     ChunkQEnsemble,
@@ -209,8 +210,8 @@ def test_selection_parse_errors() -> None:
 
 
 def test_label_selection(tmp_path) -> None:
-    store = EpisodeStore(tmp_path / "store", create=True)
-    store.db = db = MetadataDB.for_store(store.root)
+    db = MetadataDB.for_store(tmp_path / "store")
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
     a = _record(store, "arm-1", True, "r")
     b = _record(store, "arm-1", True, "r")
     db.add_label(a, "quality", "good", author="test")

@@ -78,8 +78,8 @@ def run_demo(cfg: DemoJobConfig) -> DemoJobResult:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
 
     print(f"[1/4] recording {cfg.demos} scripted demonstrations of {task} (noise {cfg.noise})")
-    store = EpisodeStore(cfg.workdir / "store", create=True)
-    store.db = MetadataDB.for_store(store.root)
+    db = MetadataDB.for_store(cfg.workdir / "store")
+    store = EpisodeStore(cfg.workdir / "store", create=True, db=db)
     demos = record_demos(
         store,
         task,
@@ -89,7 +89,7 @@ def run_demo(cfg: DemoJobConfig) -> DemoJobResult:
         num_envs=cfg.num_envs,
         progress=cfg.progress,
     )
-    problems = store.verify(db=store.db)
+    problems = store.verify(db=db)
     if problems:
         raise RuntimeError(f"store failed verification: {problems[:3]}")
     print(f"      {demos.episodes} episodes, {demos.frames} frames, expert success {demos.success_rate:.0%}")

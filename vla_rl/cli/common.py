@@ -95,13 +95,15 @@ def open_db(store_root: Path, url: str | None) -> Any:
 
 
 def open_store(path: Path, create: bool = False, db_url: str | None = None) -> tuple[Any, Any]:
+    """The store at ``path`` with its metadata DB (passed in, so labels and episodes land in it)."""
     from fleet.store import EpisodeStore
 
     with user_errors(
         FileNotFoundError, ValueError, suffix=f". Create one with: vla-rl sim demos --store {path} ..."
     ):
-        store = EpisodeStore(path, create=create)
-    return store, open_db(store.root, db_url)
+        EpisodeStore(path, create=create)  # no store: fail here, before a DB file is made in its place
+        db = open_db(path, db_url)
+        return EpisodeStore(path, db=db), db
 
 
 def task_arg(name: str) -> str:

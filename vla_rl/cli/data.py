@@ -94,8 +94,7 @@ def sim_demos(a: SimDemos) -> int:
     from sim.demos import record_demos
 
     task = task_arg(a.task)
-    store, db = open_store(a.store, create=True, db_url=a.db)
-    store.db = db
+    store, _db = open_store(a.store, create=True, db_url=a.db)
     report = record_demos(
         store,
         task,

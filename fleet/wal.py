@@ -1,0 +1,206 @@
+"""The collector's write-ahead log and the decoding of what robots send: the part of the fleet collector
+that the store writers (``fleet/store_writer.py``) share with it.
+
+A log is one file per open episode, ``<store>/wal/<episode_id>.wal``, of records
+``[u32 length][u32 crc32][payload]`` (:func:`fleet.wire.parse_records`) holding ``RobotMessage`` bytes
+exactly as received (see ``fleet/collector.py`` for how it makes "ack only when durable" and "exactly
+once" cheap).
+:func:`parse_message` reads such bytes (camera pixels as views, see ``fleet/wire.py``) and
+:func:`decode_frames` validates a ``FrameBatch`` against the robot's spec into ``EpisodeWriter`` input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from fleet import wire
+from fleet.meta import SegmentKind
+from fleet.proto import collector_pb2 as pb
+from fleet.wire import WireTensor
+from server.codec import from_tensor
+from vla_rl.spec import RobotSpec, SpecError
+
+WAL_DIR = "wal"  # under the store's root
+SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind
+    pb.AUTONOMOUS: SegmentKind.AUTONOMOUS,
+    pb.INTERVENTION: SegmentKind.INTERVENTION,
+    pb.RESET: SegmentKind.RESET,
+}
+
+
+class Unavailable(Exception):
+    """The collector cannot make this message durable now (disk error): end the stream, the client retries."""
+
+
+# ------------------------------------------------------------------------------------------ write-ahead log
+class WriteAheadLog:
+    """Append-only records ``[u32 length][u32 crc32][payload]`` in one file per open episode."""
+
+    def __init__(self, path: Path, fsync: bool) -> None:
+        self.path = path
+        self.fsync = fsync
+        self._f: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the episode's lifetime
+        self.size = self._f.seek(0, os.SEEK_END)
+
+    @staticmethod
+    def read(path: Path) -> tuple[list[bytes], int]:
+        """Every intact record, and the byte offset where they end (a torn tail starts there)."""
+        return WriteAheadLog.parse(path.read_bytes())
+
+    @staticmethod
+    def parse(data: bytes) -> tuple[list[bytes], int]:
+        """The intact records at the start of ``data`` (log bytes from a record boundary), and where they end."""
+        return wire.parse_records(data)
+
+    def append(self, payload: bytes) -> None:
+        """Write one record; on failure cut the file back so no partial record stays behind."""
+        start = self.size
+        try:
+            # One system call, no copy into a buffer (the file is unbuffered, opened for appending).
+            head = wire.record_head(payload)
+            fd = self._f.fileno()
+            done = os.writev(fd, (head, payload))
+            if done < len(head) + len(payload):  # a short write: rare, finish it
+                rest = memoryview(head + payload)[done:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+            # Now in the page cache: survives a killed process.
+            if self.fsync:
+                os.fdatasync(fd)  # on the disk: survives power loss (one per message, not per frame)
+        except OSError as e:
+            try:
+                self._f.truncate(start)
+                self._f.seek(start)
+            except OSError:
+                pass
+            raise Unavailable(f"write-ahead log {self.path.name}: {e}") from e
+        self.size = start + len(head) + len(payload)
+
+    def close(self, delete: bool = False) -> None:
+        self._f.close()
+        if delete:
+            self.path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ decoding
+def parse_message(raw: bytes) -> tuple[pb.RobotMessage, dict[str, WireTensor] | None]:
+    """A received message, and for a ``FrameBatch`` its cameras as views of ``raw`` (see fleet/wire.py).
+
+    The cameras are None when the message was parsed whole (then they are in the message).
+    Raises protobuf's ``DecodeError`` for bytes that are not a ``RobotMessage``.
+    """
+    split = wire.split_cameras(raw)
+    if split is None:
+        return pb.RobotMessage.FromString(raw), None
+    small, cameras = split
+    return pb.RobotMessage.FromString(small), cameras
+
+
+def decode_frames(
+    msg: pb.FrameBatch,
+    spec: RobotSpec,
+    max_frames: int,
+    last_ts: float,
+    wire_cameras: Mapping[str, WireTensor] | None = None,
+) -> dict[str, Any]:
+    """A validated ``FrameBatch`` as ``EpisodeWriter.add_frames`` input; :class:`SpecError` names the field.
+
+    ``wire_cameras`` (from :func:`parse_message`) replaces ``msg.cameras``; its arrays are read-only
+    views of the received bytes.
+    """
+    if not msg.HasField("action"):
+        raise SpecError("frames.action", f"float32 [N, {spec.action_dim}]", "nothing (missing)")
+    dims = list(msg.action.shape)
+    if len(dims) != 2:
+        raise SpecError("frames.action", f"float32 [N, {spec.action_dim}]", f"shape {dims}")
+    n = dims[0]
+    if n < 1:
+        raise SpecError("frames", "at least one frame", "an empty batch")
+    if n > max_frames:
+        raise SpecError("frames", f"at most {max_frames} frames per batch", f"{n} frames")
+    A, S = spec.action_dim, spec.state_dim
+
+    def tensor(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        return from_tensor(_Once(getattr(msg, name)), f"frames.{name}", dtype=dtype, shape=shape)
+
+    def finite(name: str, arr: np.ndarray) -> np.ndarray:
+        if not np.isfinite(arr).all():
+            raise SpecError(f"frames.{name}", "finite values", "NaN or inf")
+        return arr
+
+    wire_cams: Mapping[str, Any] = msg.cameras if wire_cameras is None else wire_cameras
+    extra = set(wire_cams) - set(spec.camera_names)
+    if extra:
+        raise SpecError(
+            f"frames.cameras.{sorted(extra)[0]}",
+            f"only cameras {list(spec.camera_names)}",
+            "an unknown camera",
+        )
+    cameras = {}
+    for cam in spec.cameras:
+        key = f"frames.cameras.{cam.name}"
+        if cam.name not in wire_cams:
+            raise SpecError(key, f"uint8 [{n}, {cam.height}, {cam.width}, 3]", "nothing (camera missing)")
+        t = wire_cams[cam.name]
+        cameras[cam.name] = from_tensor(
+            _Once(t) if wire_cameras is None else t, key, dtype="uint8", shape=(n, *cam.shape)
+        )
+    out: dict[str, Any] = {
+        "cameras": cameras,
+        "state": finite("state", tensor("state", "float32", (n, S))),
+        "action": finite("action", tensor("action", "float32", (n, A))),
+    }
+    if msg.HasField("proposed_action"):
+        p = tensor("proposed_action", "float32", (n, A))
+        ok = np.isnan(p).all(axis=1) | np.isfinite(p).all(axis=1)
+        if not ok.all():
+            raise SpecError(
+                "frames.proposed_action",
+                "finite rows, or all-NaN rows for no proposal",
+                f"a partly NaN row ({int(np.argmin(ok))})",
+            )
+        out["proposed_action"] = p
+    if msg.HasField("reward"):
+        out["reward"] = finite("reward", tensor("reward", "float32", (n,)))
+    for name in ("terminated", "truncated"):
+        if msg.HasField(name):
+            out[name] = tensor(name, "bool", (n,))
+    if msg.HasField("controller"):
+        c = tensor("controller", "uint8", (n,))
+        if (c > 2).any():
+            raise SpecError(
+                "frames.controller", "codes 0 (policy), 1 (human) or 2 (scripted)", f"{int(c.max())}"
+            )
+        out["controller"] = c
+    revs = list(msg.revision)
+    if len(revs) not in (0, 1, n):
+        raise SpecError("frames.revision", f"no, one or {n} strings", f"{len(revs)} strings")
+    if any(len(r) > 256 for r in revs):
+        raise SpecError("frames.revision", "at most 256 characters", "a longer string")
+    out["revision"] = revs if len(revs) == n else (revs[0] if revs else "")
+    if not msg.HasField("timestamp"):
+        raise SpecError(
+            "frames.timestamp", f"float64 [{n}]", "nothing (the collector fills it in on arrival)"
+        )
+    ts = finite("timestamp", tensor("timestamp", "float64", (n,)))
+    if ts[0] < last_ts or (np.diff(ts) < 0).any():
+        raise SpecError(
+            "frames.timestamp", f"non-decreasing times (last stored {last_ts:.6f})", "a time going back"
+        )
+    out["timestamp"] = ts
+    return out
+
+
+class _Once:
+    """A wire tensor whose bytes are read once: every access of a protobuf bytes field makes a new copy,
+    and ``from_tensor`` reads ``data`` twice (length check, then the array), ~0.3 ms per 224 px camera batch."""
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, t: Any) -> None:
+        self.dtype, self.shape, self.data = t.dtype, t.shape, t.data
