@@ -109,11 +109,11 @@ def _auth() -> dict[str, str]:
 def test_client_round_trip(hub: HubServer, api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    import vla_rl.hub.server as server_module
+    from vla_rl.hub.routes import commits, tree
 
     # Tiny pages, so the client has to follow the Link headers for commits and trees.
-    monkeypatch.setattr(server_module, "COMMITS_PAGE", 2)
-    monkeypatch.setattr(server_module, "TREE_PAGE", 2)
+    monkeypatch.setattr(commits, "COMMITS_PAGE", 2)
+    monkeypatch.setattr(tree, "TREE_PAGE", 2)
 
     repo = "org/round-trip"
     api.create_repo(repo)
