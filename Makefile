@@ -55,7 +55,7 @@ bench-all: setup
 	nice -n 19 .venv/bin/python -m bench.qam_check --label lam100 --sft-steps 1500 --sft-d-model 64 \
 		--sft-expert-layers 2 --inv-temp 100 --offline-steps 200 --env-steps 4000 --actor-lr 1e-4
 	.venv/bin/python -m bench.rl --seeds 0
-	# re-scores the rl run above on 300 further episodes (bench/results/rl_reeval.json)
+# re-scores the rl run above on 300 further episodes (bench/results/rl_reeval.json)
 	.venv/bin/python -m bench.rl_reeval --work runs/bench_rl --task maniskill/PickCube-v1 --seeds 0 \
 		--runs awr recap qam qam-o2o flow-noise flow-sde flow-sde-all
 
