@@ -56,7 +56,11 @@ def repo_id_of(org: str, name: str) -> str:
 
 
 def readable_repo(org: str, name: str, _: Annotated[None, Depends(require_read)]) -> str:
-    """The id of the repo a read route names, once the caller may read the server."""
+    """The id of the repo a read route names, once the caller may read the server.
+
+    Every read route gets its repo here, so a per-repo rule (e.g. reads of a private repo need the token)
+    is a check on the repo's metadata after ``repo_id_of``, with ``request`` and ``hub`` as parameters.
+    """
     return repo_id_of(org, name)
 
 
