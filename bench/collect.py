@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 import psutil
-from common import machine, table, write_results
 
+from bench.common import machine, table, write_results
 from sim.fleet_runner import SyntheticRobotConfig, smooth_image_pool, synthetic_robot_main
 from vla_rl.spec import CameraSpec, RobotSpec
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 import zarr
-from collect import CAMERAS, frame_pool, free_port
-from common import table, write_results
 from zarr.codecs import BloscCodec, ZstdCodec
 
+from bench.collect import CAMERAS, frame_pool, free_port
+from bench.common import table, write_results
 from fleet.collector import WriteAheadLog, decode_frames, parse_message
 from fleet.proto import collector_pb2 as pb
 from fleet.robot_client import RobotClient

@@ -6,13 +6,10 @@ python bench/expert_success.py [--episodes 20] [--noise 0 0.3 1.0] [--out PATH]
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_results
-
 import sim
+from bench.common import table, write_results
 
 
 def success(task: str, episodes: int, noise: float) -> tuple[int, float]:

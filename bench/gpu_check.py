@@ -41,19 +41,17 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-import inference  # noqa: E402  (bench/inference.py)
-from common import table, write_results  # noqa: E402
-from serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving  # noqa: E402
+from bench import inference
+from bench.common import table, write_results
+from bench.serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving
+from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
+from server.client import PolicyClient
+from server.policy_server import ServedVersion, initial_noise
+from vla_rl.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.policy_loading import load_policy
+from vla_rl.spec import CameraSpec
 
-from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats  # noqa: E402
-from server.client import PolicyClient  # noqa: E402
-from server.policy_server import ServedVersion, initial_noise  # noqa: E402
-from vla_rl.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint  # noqa: E402
-from vla_rl.policy_loading import load_policy  # noqa: E402
-from vla_rl.spec import CameraSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TOKEN = "gpu-check-token"
 TOL = 1e-3  # env-unit actions, device vs CPU (float32; TF32 convolutions can cost ~1e-4)

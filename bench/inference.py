@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_results
-
+from bench.common import table, write_results
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.policy_loading import pick_device
 from vla_rl.spec import CameraSpec

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_results
-
+from bench.common import RESULTS, table, write_results
 from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from vla_rl.evaluation import evaluate

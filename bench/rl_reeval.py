@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_results
-from rl import evaluate_checkpoint
+from bench.common import RESULTS, table, write_results
+from bench.rl import evaluate_checkpoint
 
 
 def checkpoint_of(seed_dir: Path, run: str) -> Path:

@@ -44,13 +44,11 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-from common import table, write_results  # noqa: E402
+from bench.common import table, write_results
+from server.client import PolicyClient, PolicyError
+from vla_rl.spec import CameraSpec, RobotSpec
 
-from server.client import PolicyClient, PolicyError  # noqa: E402
-from vla_rl.spec import CameraSpec, RobotSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = RobotSpec("so100", 6, 6, 30.0, "", cameras=(CameraSpec("front", 224, 224),))
 

@@ -12,7 +12,6 @@ ceiling to compare against.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_results
-
+from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from vla_rl.evaluation import evaluate

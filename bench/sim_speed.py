@@ -9,16 +9,13 @@ ManiSkill tasks, a 2-process vector env. Prints a markdown table and writes benc
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_results
-
 import sim
+from bench.common import table, write_results
 
 
 def single(task: str, obs: str, steps: int, image_size: int) -> float:

@@ -17,7 +17,6 @@ from vla_rl.checkpoint import read_info
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.awr import AWRConfig, awr_weights, recap_indicators, train_awr
 from vla_rl.train.sft import SFTConfig, train_sft
-from vla_rl.train.transitions import DataSelection
 
 TASK = "maniskill/PushCube-v1"
 

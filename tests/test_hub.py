@@ -109,11 +109,11 @@ def _auth() -> dict[str, str]:
 def test_client_round_trip(hub: HubServer, api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    import vla_rl.hub.server as server_module
+    from vla_rl.hub.routes import commits, tree
 
     # Tiny pages, so the client has to follow the Link headers for commits and trees.
-    monkeypatch.setattr(server_module, "COMMITS_PAGE", 2)
-    monkeypatch.setattr(server_module, "TREE_PAGE", 2)
+    monkeypatch.setattr(commits, "COMMITS_PAGE", 2)
+    monkeypatch.setattr(tree, "TREE_PAGE", 2)
 
     repo = "org/round-trip"
     api.create_repo(repo)
@@ -426,6 +426,40 @@ def test_private_server_needs_the_token_to_read(hub_client_env: None, tmp_path: 
         with pytest.raises(HfHubHTTPError) as exc:
             HfApi(endpoint=private.url, token=False).model_info("org/secret")
         assert exc.value.response.status_code == 401
+
+
+def test_every_route_decides_access_in_routes_auth() -> None:
+    """Each route reaches the token rules through vla_rl.hub.routes.auth (or is public on purpose), so a new
+    rule (e.g. per-repo private reads) lands in one dependency and covers every route."""
+    from fastapi.dependencies.models import Dependant
+    from fastapi.routing import APIRoute
+
+    from vla_rl.hub.routes import ROUTERS, auth
+
+    def calls(d: Dependant) -> set[Any]:
+        return {d.call} | {c for sub in d.dependencies for c in calls(sub)}
+
+    # Public on purpose: whoami checks the token itself, LFS upload URLs are signed by the batch answer.
+    public = {"health", "whoami", "validate_yaml", "xet_token", "lfs_upload"}
+    access: dict[str, str] = {}
+    for route in (r for router in ROUTERS for r in router.routes):
+        assert isinstance(route, APIRoute)
+        used = calls(route.dependant)
+        kind = "write" if auth.require_write in used else "read" if auth.require_read in used else "public"
+        assert access.setdefault(route.name, kind) == kind
+        if "{org}" in route.path and kind != "public":
+            assert used & {auth.readable_repo, auth.writable_repo, auth.writable_lfs_repo}, route.path
+    assert {name for name, kind in access.items() if kind == "public"} == public
+    assert {name for name, kind in access.items() if kind == "read"} == {
+        "get_model",
+        "get_model_revision",
+        "list_refs",
+        "list_commits",
+        "tree_root",
+        "tree",
+        "paths_info",
+        "resolve_file",
+    }
 
 
 # ----- hostile input ---------------------------------------------------------------------------------------

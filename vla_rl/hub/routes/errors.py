@@ -1,0 +1,56 @@
+"""Errors as the Hub answers them: a JSON body plus the ``X-Error-*`` headers the client reads."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vla_rl.hub.storage import HubError
+
+# The client maps a 401 on a repo URL to "repository not found" unless X-Error-Message is exactly this string.
+INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
+
+
+class Unauthorized(HubError):
+    status = 401
+
+
+class NotImplementedHere(HubError):
+    status = 501
+
+
+def _ascii_header(text: str) -> str:
+    return " ".join(text.encode("ascii", "replace").decode().split())[:500]
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, extra: dict[str, str] | None = None
+) -> JSONResponse:
+    headers = {"X-Error-Message": _ascii_header(message)}
+    if status == 401:
+        headers["X-Error-Message"] = INVALID_CREDENTIALS
+        headers["WWW-Authenticate"] = 'Bearer realm="vla-rl hub"'
+    if code:
+        headers["X-Error-Code"] = code
+    headers.update(extra or {})
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def _hub_error(request: Request, exc: HubError) -> Response:
+    return error_response(exc.status, exc.message, exc.code, exc.headers)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return error_response(400, f"invalid request: {exc.errors()}")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(HubError, _hub_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
