@@ -27,10 +27,10 @@ from zarr.codecs import BloscCodec, ZstdCodec
 
 from bench.collect import CAMERAS, frame_pool, free_port
 from bench.common import table, write_results
-from fleet.collector import WriteAheadLog, decode_frames, parse_message
 from fleet.proto import collector_pb2 as pb
 from fleet.robot_client import RobotClient
 from fleet.store import EpisodeStore
+from fleet.wal import WriteAheadLog, decode_frames, parse_message
 from fleet.wire import keep_freed_memory
 from vla_rl.spec import CameraSpec, RobotSpec
 

@@ -29,12 +29,13 @@ import numpy as np
 import psutil
 import pytest
 
-from fleet.collector import Collector, WriteAheadLog, _ProcessWriter
+from fleet.collector import Collector, _ProcessWriter
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.proto import collector_pb2_grpc as pb_grpc
 from fleet.robot_client import RobotClient, frame_digest
 from fleet.store import EpisodeStore
+from fleet.wal import WriteAheadLog
 from server.codec import to_tensor
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
 from vla_rl.spec import CameraSpec, RobotSpec

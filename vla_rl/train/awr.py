@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from fleet.db import MetadataDB
-from fleet.store import Controller
+from fleet.meta import Controller
 from policies.critics import CategoricalValue, ValueMLP, expectile_loss
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import (

@@ -60,7 +60,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from fleet.store import Controller, EpisodeStore
+from fleet.meta import Controller
+from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache

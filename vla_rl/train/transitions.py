@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from fleet.db import MetadataDB
-from fleet.store import Controller, EpisodeStore
+from fleet.meta import Controller
+from fleet.store import EpisodeStore
 from vla_rl.spec import RobotSpec
 
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
