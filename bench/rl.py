@@ -33,7 +33,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
-from vla_rl.train.awr import AWRConfig, train_awr
+from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
 
 OFFLINE = ("awr", "recap", "qam")
@@ -61,42 +61,35 @@ def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
     return evaluate_checkpoint(ckpt, args.task, args.eval_episodes)
 
 
+# bench names -> the algorithm table's names (vla_rl.train.algorithms) and the knobs a variant implies
+ALGORITHM = {
+    "awr": ("awr", {}),
+    "recap": ("recap", {}),
+    "qam": ("qam", {"env_steps": 0}),
+    "qam-o2o": ("qam", {}),
+    "flow-noise": ("flow-noise", {}),
+    "flow-sde": ("flow-sde", {}),
+    "flow-sde-all": ("flow-sde", {"sde_steps": "all"}),
+}
+
+
 def _train(
     algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Train one algorithm from the SFT base; returns checkpoint path, seconds, curve, metrics."""
-    common = dict(seed=seed, progress=not args.no_progress)
-    if algo in ("awr", "recap"):
-        r = train_awr(AWRConfig(base=str(base), store=store, out=out, variant=algo, **common, **args.awr))  # type: ignore[arg-type]
-        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
-    if algo in ("qam", "qam-o2o"):
-        from vla_rl.train.qam import QAMConfig, train_qam
-
-        env_steps = 0 if algo == "qam" else args.env_steps
+    """Train one algorithm from the SFT base through the same entry point as rounds and the CLI;
+    returns checkpoint path, seconds, curve, metrics."""
+    name, implied = ALGORITHM[algo]
+    values: dict[str, Any] = {"base": str(base), "out": out, "seed": seed, "progress": not args.no_progress}
+    if name == "qam":
         init = {"init_from": out.parent / args.qam_init_from} if args.qam_init_from else {}
-        r = train_qam(
-            QAMConfig(base=str(base), store=store, out=out, env_steps=env_steps, **common, **init, **args.qam)
-        )
-        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
-    if algo in ("flow-noise", "flow-sde", "flow-sde-all"):
-        from vla_rl.train.ppo import PPOConfig, train_ppo
-
-        method = "noise" if algo == "flow-noise" else "sde"
-        sde_steps = "all" if algo == "flow-sde-all" else "one"
-        r = train_ppo(
-            PPOConfig(
-                base=str(base),
-                task=args.task,
-                out=out,
-                method=method,
-                sde_steps=sde_steps,
-                env_steps=args.env_steps,
-                **common,
-                **args.ppo,
-            )
-        )
-        return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
-    raise ValueError(f"unknown algorithm {algo!r}")
+        values |= {"store": store, "env_steps": args.env_steps, **init, **args.qam}
+    elif name in ("awr", "recap"):
+        values |= {"store": store, **args.awr}
+    else:
+        values |= {"task": args.task, "env_steps": args.env_steps, **args.ppo}
+    values |= implied
+    r = train(make_config(name, **values))
+    return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -249,6 +242,12 @@ def main() -> None:
     )
     p.add_argument("--qam", type=json.loads, default={}, help="QAMConfig overrides as JSON")
     p.add_argument(
+        "--qam-preset",
+        default=None,
+        help="start QAM's knobs from this named preset (vla_rl/train/presets.py, e.g. kinematic-qam-pi); "
+        "--qam overrides single knobs on top",
+    )
+    p.add_argument(
         "--qam-init-from",
         default=None,
         help="start each seed's QAM run from that seed's earlier run folder <work>/seed<N>/<NAME> "
@@ -260,6 +259,10 @@ def main() -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/rl.json)")
     args = p.parse_args()
+    if args.qam_preset:
+        from vla_rl.train.presets import get_preset
+
+        args.qam = {**get_preset(args.qam_preset).values, **args.qam}
     t0 = time.perf_counter()
     per_seed = [run_seed(s, args) for s in args.seeds]
     header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]

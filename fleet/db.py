@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, make_url, select
 from sqlalchemy.engine import Engine
@@ -97,7 +97,8 @@ class RoundRow(Base):
     finished_at: Mapped[float | None]
 
 
-ROUND_STATUSES = ("running", "succeeded", "failed")
+RoundStatus = Literal["running", "succeeded", "failed"]
+ROUND_STATUSES = get_args(RoundStatus)
 _ROUND_FIELDS = (
     "task",
     "status",

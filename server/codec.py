@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -40,7 +41,8 @@ WIRE_DTYPES = frozenset(
     )
 )
 MAX_NDIM = 8
-IMAGE_FORMATS = ("raw", "jpeg", "png")
+ImageFormat = Literal["raw", "jpeg", "png"]
+IMAGE_FORMATS = get_args(ImageFormat)
 
 
 def to_tensor(array: np.ndarray | Sequence[float]) -> pb.Tensor:

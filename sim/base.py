@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -29,8 +29,8 @@ RewardMode = Literal["sparse", "dense"]
 Observation = dict[str, Any]
 Privileged = dict[str, np.ndarray]
 
-OBS_MODES: tuple[str, ...] = ("state", "rgb")
-REWARD_MODES: tuple[str, ...] = ("sparse", "dense")
+OBS_MODES: tuple[str, ...] = get_args(ObsMode)
+REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 
 # One action layout for every task: [dx, dy, dz, gripper], each in [-1, 1].
 ACTION_NAMES = ("ee_dx", "ee_dy", "ee_dz", "gripper")

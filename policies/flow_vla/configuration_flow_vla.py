@@ -13,13 +13,16 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 from vla_rl.spec import CameraSpec, RobotSpec
 
 POLICY_TYPE = "flow_vla"
-INSTRUCTION_ENCODERS = ("minilm", "none")
-ACTION_NORM_MODES = ("min_max", "mean_std")
+# Option sets: the Literal is the one spelling; the tuple (for checks and messages) is derived from it.
+InstructionEncoder = Literal["minilm", "none"]
+ActionNorm = Literal["min_max", "mean_std"]
+INSTRUCTION_ENCODERS = get_args(InstructionEncoder)
+ACTION_NORM_MODES = get_args(ActionNorm)
 MINILM_DIM = 384
 
 
@@ -79,7 +82,7 @@ class FlowVLAConfig:
     """Random-shift augmentation (pad + random crop, in pixels) applied in the training loss. 0 = off."""
 
     # ---------------------------------------------------------------- instruction encoder
-    instruction_encoder: str = "minilm"
+    instruction_encoder: InstructionEncoder = "minilm"
     """'minilm': frozen all-MiniLM-L6-v2 sentence embedding projected to one token (only the
     projection is trained and saved). 'none': no instruction token (single-task policies)."""
 
@@ -117,7 +120,7 @@ class FlowVLAConfig:
     (one pass); > 1 sharpens towards better-than-average actions (two prefix passes)."""
 
     # ---------------------------------------------------------------- normalisation
-    action_norm: str = "min_max"
+    action_norm: ActionNorm = "min_max"
     """'min_max': each action dim's [min, max] maps to [-1, 1] (the robot-spec contract, and the range
     the N(0, I) noise covers). 'mean_std': zero mean, unit std (better for heavy-tailed dims)."""
     normalization_stats: dict[str, dict[str, list[float]]] | None = None

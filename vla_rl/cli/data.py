@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from tyro.conf import Positional
 
+from sim.base import ObsMode
 from vla_rl.cli.common import Command, open_store, task_arg
 from vla_rl.console import human_bytes, table
 
@@ -76,7 +76,7 @@ class SimDemos:
     """Expert sloppiness in [0, 2]: 0 = clean demos; 0.3 still ~100% success; 1.0 leaves 15-65% by task."""
     seed: int = 0
     """First episode seed."""
-    obs: Literal["state", "rgb"] = "state"
+    obs: ObsMode = "state"
     """Observation mode."""
     image_size: int = 128
     """Camera height = width in rgb mode."""

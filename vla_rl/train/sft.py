@@ -31,6 +31,7 @@ from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB, default_url
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
+from policies.flow_vla.configuration_flow_vla import InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.policy_loading import pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
@@ -76,7 +77,7 @@ class SFTConfig(TrainerConfig):
     n_layers: int = 2
     expert_n_layers: int = 4
     n_heads: int = 4
-    instruction_encoder: str = "minilm"
+    instruction_encoder: InstructionEncoder = "minilm"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Any other FlowVLAConfig field, e.g. {"image_encoder_width": 16}."""
 

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from fleet.store import EpisodeStore
 from vla_rl.spec import RobotSpec
 
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
-REWARD_KINDS: tuple[str, ...] = ("sparse", "steps_to_go", "dense", "shaped")
+REWARD_KINDS: tuple[str, ...] = get_args(RewardKind)
 NO_CREDIT = -1
 
 __all__ = [
