@@ -64,6 +64,7 @@ from fleet.store import Controller, EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
+from sim.rollout import EpisodeRecord, StepRecord
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.spec import RobotSpec
 from vla_rl.train.common import (
@@ -606,86 +607,93 @@ class QAMLearner(nn.Module):
 
 # ============================================================================ online rollouts
 class _Rollouts:
-    """Fine-policy episodes in a VectorSimEnv, appended to the replay buffer as they finish."""
+    """Fine-policy episodes in a VectorSimEnv (:class:`sim.rollout.ChunkRollout`, ``n_exec`` actions per
+    chunk), appended to the replay buffer and to ``episodes`` as they finish."""
 
     def __init__(
-        self, learner: QAMLearner, spec: RobotSpec, cfg: QAMConfig, instruction_emb: Tensor | None
+        self,
+        learner: QAMLearner,
+        spec: RobotSpec,
+        cfg: QAMConfig,
+        instruction_emb: Tensor | None,
+        buffer: TransitionBuffer,
+        episodes: list[dict[str, np.ndarray]],
     ) -> None:
+        from sim.rollout import ChunkRollout
         from sim.vector import VectorSimEnv
 
         self.learner, self.cfg, self.spec = learner, cfg, spec
-        obs_mode = "rgb" if self.spec.cameras else "state"
-        image_size = self.spec.cameras[0].height if self.spec.cameras else 128
+        self.buffer, self.episodes = buffer, episodes
         self.env = VectorSimEnv(
             spec.name,
             num_envs=cfg.num_envs,
             seed=cfg.online_seed,
-            obs=obs_mode,  # type: ignore[arg-type]
-            image_size=image_size,
+            obs="rgb" if spec.cameras else "state",  # type: ignore[arg-type]
+            image_size=spec.cameras[0].height if spec.cameras else 128,
             max_episode_steps=cfg.max_episode_steps,
         )
         self.instruction_emb = instruction_emb
-        self.obs, _ = self.env.reset()
-        self.queues: list[deque[np.ndarray]] = [deque() for _ in range(cfg.num_envs)]
         self.frames: list[dict[str, list[Any]]] = [self._empty() for _ in range(cfg.num_envs)]
         self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
         self.successes: deque[bool] = deque(maxlen=20)
+        self.rollout = ChunkRollout(
+            self.env,
+            self._propose,
+            learner.n_exec,
+            reward_key="dense_reward",
+            on_step=self._record_step,
+            on_episode=self._episode_ended,
+        )
 
     @staticmethod
     def _empty() -> dict[str, list[Any]]:
         return {"state": [], "action": [], "reward": [], "terminated": [], "cameras": []}
 
     @torch.no_grad()
-    def step(self, buffer: TransitionBuffer, episodes: list[dict[str, np.ndarray]]) -> int:
-        """One vector step; returns the number of episodes that finished."""
+    def _propose(self, robots: list[int], obs: Mapping[str, Any]) -> np.ndarray:
+        """Env-unit chunks ``[len(robots), H, A]`` from the fine policy (ODE, noise from ``self.gen``)."""
         lr, device = self.learner, self.learner.base.device
-        need = [i for i in range(self.cfg.num_envs) if not self.queues[i]]
-        if need:
-            obs = {
-                "state": torch.as_tensor(self.obs["state"][need], device=device),
-                "cameras": {
-                    k: torch.as_tensor(v[need], device=device) for k, v in self.obs["cameras"].items()
-                },
-            }
-            if self.instruction_emb is not None:
-                obs["instruction_embedding"] = self.instruction_emb.expand(len(need), -1)
-            noise = torch.randn(len(need), lr.horizon, lr.action_dim, generator=self.gen).to(device)
-            lr.fine.eval()
-            chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(obs, noise)).cpu().numpy()
-            lr.fine.train()
-            for j, i in enumerate(need):
-                self.queues[i].extend(chunks[j, : lr.n_exec])
-        actions = np.stack([q.popleft() for q in self.queues]).astype(np.float32)
-        for i in range(self.cfg.num_envs):
-            f = self.frames[i]
-            f["state"].append(self.obs["state"][i])
-            f["action"].append(actions[i])
+        inputs = {
+            "state": torch.as_tensor(obs["state"], device=device),
+            "cameras": {k: torch.as_tensor(v, device=device) for k, v in obs["cameras"].items()},
+        }
+        if self.instruction_emb is not None:
+            inputs["instruction_embedding"] = self.instruction_emb.expand(len(robots), -1)
+        noise = torch.randn(len(robots), lr.horizon, lr.action_dim, generator=self.gen).to(device)
+        lr.fine.eval()
+        chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(inputs, noise)).cpu().numpy()
+        lr.fine.train()
+        return chunks
+
+    def _record_step(self, step: StepRecord) -> None:
+        for i, f in enumerate(self.frames):
+            f["state"].append(step.obs["state"][i])
+            f["action"].append(step.actions[i])
             if self.spec.cameras:
-                f["cameras"].append({k: v[i] for k, v in self.obs["cameras"].items()})
-        self.obs, _r, terminated, truncated, info = self.env.step(actions)
-        finished = 0
-        for i in range(self.cfg.num_envs):
-            f = self.frames[i]
-            f["reward"].append(float(info["dense_reward"][i]))
-            f["terminated"].append(bool(terminated[i]))
-            if terminated[i] or truncated[i]:
-                ep = {
-                    "state": np.stack(f["state"]).astype(np.float32),
-                    "action": np.stack(f["action"]).astype(np.float32),
-                    "reward": np.asarray(f["reward"], np.float32),
-                    "terminated": np.asarray(f["terminated"], bool),
-                    "controller": np.full(len(f["state"]), int(Controller.POLICY), np.int64),
-                    "success": np.asarray(bool(info["success"][i])),
-                }
-                for name in self.spec.camera_names if f["cameras"] else ():
-                    ep[f"camera.{name}"] = np.stack([c[name] for c in f["cameras"]])
-                _add_episode(buffer, ep)
-                episodes.append(ep)
-                self.successes.append(bool(info["success"][i]))
-                self.frames[i] = self._empty()
-                self.queues[i].clear()
-                finished += 1
-        return finished
+                f["cameras"].append({k: v[i] for k, v in step.obs["cameras"].items()})
+            f["reward"].append(float(step.info["dense_reward"][i]))
+            f["terminated"].append(bool(step.terminated[i]))
+
+    def _episode_ended(self, end: EpisodeRecord) -> None:
+        f = self.frames[end.robot]
+        ep = {
+            "state": np.stack(f["state"]).astype(np.float32),
+            "action": np.stack(f["action"]).astype(np.float32),
+            "reward": np.asarray(f["reward"], np.float32),
+            "terminated": np.asarray(f["terminated"], bool),
+            "controller": np.full(len(f["state"]), int(Controller.POLICY), np.int64),
+            "success": np.asarray(end.success),
+        }
+        for name in self.spec.camera_names if f["cameras"] else ():
+            ep[f"camera.{name}"] = np.stack([c[name] for c in f["cameras"]])
+        _add_episode(self.buffer, ep)
+        self.episodes.append(ep)
+        self.successes.append(end.success)
+        self.frames[end.robot] = self._empty()
+
+    def step(self) -> None:
+        """One vector step of every robot."""
+        self.rollout.step()
 
     def close(self) -> None:
         self.env.close()
@@ -1063,7 +1071,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
 
     # ---- online phase
     if go_online:
-        rollouts = _Rollouts(learner, spec, cfg, instruction_emb)
+        rollouts = _Rollouts(learner, spec, cfg, instruction_emb, buffer, online_episodes)
         bar = tqdm(
             total=cfg.env_steps,
             initial=env_steps,
@@ -1074,7 +1082,7 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         due = 0.0
         try:
             while env_steps < cfg.env_steps and step < stop_at and time.perf_counter() < deadline:
-                rollouts.step(buffer, online_episodes)
+                rollouts.step()
                 env_steps += cfg.num_envs
                 bar.update(cfg.num_envs)
                 if env_steps > cfg.start_online_after:
