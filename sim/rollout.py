@@ -100,12 +100,11 @@ class ChunkRecord:
     """The robot's observation the chunk was proposed for."""
     planned: np.ndarray
     """float32 [n_exec, A]: the actions queued (the proposal's first ``n_exec``)."""
-    discount: float = 1.0
     actions: list[np.ndarray] = field(default_factory=list)
     """The actions executed (a prefix of ``planned``)."""
     rewards: list[float] = field(default_factory=list)
     reward: float = 0.0
-    """R = Σ_k γ^k r_k over the executed steps (γ = ``discount``)."""
+    """R = Σ_k γ^k r_k over the executed steps (γ = the rollout's ``discount``)."""
     terminated: bool = False
     truncated: bool = False
     final_obs: Obs | None = None
@@ -121,14 +120,11 @@ class ChunkRecord:
     def episode_ended(self) -> bool:
         return self.terminated or self.truncated
 
-    def add(self, action: np.ndarray, reward: float) -> None:
-        self.reward += self.discount**self.steps * reward
-        self.actions.append(action)
-        self.rewards.append(reward)
-
 
 @dataclass(frozen=True)
 class EpisodeRecord:
+    """One robot's finished episode (its last chunk's end, summed over the whole episode)."""
+
     robot: int
     seed: int | None
     length: int
@@ -215,7 +211,6 @@ class ChunkRollout:
                 start_step=int(self.episode_steps[i]),
                 obs=select_robots(self.obs, i),
                 planned=planned,
-                discount=self.discount,
             )
         return robots
 
@@ -231,7 +226,9 @@ class ChunkRollout:
         for i, chunk in enumerate(self.chunks):
             assert chunk is not None
             r = float(rewards[i])
-            chunk.add(actions[i], r)
+            chunk.reward += self.discount**chunk.steps * r
+            chunk.actions.append(actions[i])
+            chunk.rewards.append(r)
             self.episode_reward[i] += self.discount ** int(self.episode_steps[i]) * r
             self.episode_steps[i] += 1
             ended = bool(terminated[i] or truncated[i])
@@ -259,6 +256,7 @@ class ChunkRollout:
 
     def _end_episode(self, last: ChunkRecord) -> EpisodeRecord:
         i = last.robot
+        assert last.final_obs is not None
         ep = EpisodeRecord(
             robot=i,
             seed=last.seed,
@@ -267,7 +265,7 @@ class ChunkRollout:
             terminated=last.terminated,
             truncated=last.truncated,
             reward=float(self.episode_reward[i]),
-            final_obs=last.final_obs if last.final_obs is not None else {},
+            final_obs=last.final_obs,
             info=last.info,
         )
         self.episode_steps[i] = 0
