@@ -26,11 +26,12 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
 
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
 Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
-:class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment) and every
-finished episode is appended; ``utd`` updates per env step until an env-step budget is spent. With
-``next_action_cache`` (a' looked up from a periodically re-sampled table), ``actor_every`` (critic-only
-updates in between) and ``reanchor_every`` (the fine policy becomes the prior) this is approximate policy
-iteration at UTD 1 that a CPU can afford; on the kinematic benchmark it is the recipe that clears +20.
+:class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment, driven by
+:class:`sim.rollout.ChunkRollout`) and every finished episode is appended; ``utd`` updates per env step
+until an env-step budget is spent. With ``next_action_cache`` (a' looked up from a periodically
+re-sampled table), ``actor_every`` (critic-only updates in between) and ``reanchor_every`` (the fine
+policy becomes the prior) this is approximate policy iteration at UTD 1 that a CPU can afford; on the
+kinematic benchmark it is the recipe that clears +20.
 
 Output folder::
 
@@ -833,24 +834,7 @@ class _QAMRun:
         if task != spec.name:
             raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
         self._load_data()
-
-        torch.manual_seed(cfg.seed)
-        self.learner = learner = QAMLearner(base, cfg).to(device)
-        learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
-        if cfg.train_base:
-            learner.base.train()
-        self.opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
-        self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
-        self.opt_base = (
-            torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
-        )
-
-        self.instruction_emb: Tensor | None = None
-        if base.config.uses_instruction:
-            from policies.flow_vla import embed_instructions
-
-            self.instruction_emb = embed_instructions([spec.instruction]).to(device)
-
+        self.learner = learner = self._build_learner(base)
         cfg.out.mkdir(parents=True, exist_ok=True)
         self.state_path = cfg.out / TRAIN_STATE
         self.step, self.env_steps = 0, 0
@@ -906,6 +890,26 @@ class _QAMRun:
             store, self.episode_ids, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(self.spec.cameras)
         )
         self.offline_frames = len(self.buffer)
+
+    def _build_learner(self, base: FlowVLAPolicy) -> QAMLearner:
+        """The learner (seeded), its optimisers and the task's instruction embedding."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        learner = QAMLearner(base, cfg).to(self.device)
+        learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
+        if cfg.train_base:
+            learner.base.train()
+        self.opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
+        self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
+        self.opt_base = (
+            torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
+        )
+        self.instruction_emb: Tensor | None = None
+        if base.config.uses_instruction:
+            from policies.flow_vla import embed_instructions
+
+            self.instruction_emb = embed_instructions([self.spec.instruction]).to(self.device)
+        return learner
 
     def _restore(self) -> None:
         """Continue from ``out``'s train state (resume) or another run's (``init_from``), if any."""
