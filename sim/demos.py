@@ -16,8 +16,8 @@ import numpy as np
 from tqdm import tqdm
 
 from sim.experts import make_expert
+from sim.rollout import ChunkRollout, SeededChunkProposer, StepRecord
 from sim.vector import VectorSimEnv
-from vla_rl.evaluation import ChunkQueues
 
 if TYPE_CHECKING:
     from fleet.store import EpisodeStore, EpisodeWriter
@@ -47,35 +47,28 @@ class DemoReport:
         self.episode_ids.append(meta.episode_id)
 
     def write_step(
-        self,
-        writers: list[EpisodeWriter | None],
-        observation: dict[str, Any],
-        actions: np.ndarray,
-        step: tuple[Any, ...],
-        bar: tqdm,
-        **fields: Any,
+        self, writers: list[EpisodeWriter | None], step: StepRecord, bar: tqdm, **fields: Any
     ) -> list[int]:
-        """Append one vector step to every open writer (``step`` = what ``env.step`` returned,
-        ``fields`` = extra frame fields, numpy arrays indexed per env, e.g. the controller); close and count the episodes that
-        ended. Returns the env indices whose episode ended (the caller opens the next or stops)."""
-        _obs, reward, terminated, truncated, info = step
+        """Append one vector step to every open writer (``fields`` = extra frame fields, numpy arrays
+        indexed per env, e.g. the controller); close and count the episodes that ended. Returns the env
+        indices whose episode ended (the caller opens the next or stops)."""
         now = time.time()
         ended = []
         for i, w in enumerate(writers):
             if w is None:
                 continue
             w.add_frame(
-                cameras={k: v[i] for k, v in observation["cameras"].items()},
-                state=observation["state"][i],
-                action=actions[i],
-                reward=float(reward[i]),
-                terminated=bool(terminated[i]),
-                truncated=bool(truncated[i]),
+                cameras={k: v[i] for k, v in step.obs["cameras"].items()},
+                state=step.obs["state"][i],
+                action=step.actions[i],
+                reward=float(step.reward[i]),
+                terminated=bool(step.terminated[i]),
+                truncated=bool(step.truncated[i]),
                 timestamp=now,
                 **{k: v[i] if isinstance(v, np.ndarray) else v for k, v in fields.items()},
             )
-            if terminated[i] or truncated[i]:
-                self.close_episode(w, bool(info["success"][i]))
+            if step.terminated[i] or step.truncated[i]:
+                self.close_episode(w, bool(step.info["success"][i]))
                 bar.update(1)
                 bar.set_postfix(success=f"{self.success_rate:.0%}")
                 ended.append(i)
@@ -113,34 +106,38 @@ def record_demos(
         max_episode_steps=max_episode_steps,
     )
     report = DemoReport(task=env.task)
+    bar = tqdm(total=episodes, desc=f"demos {env.task}", unit="ep", disable=not progress)
+    started = num_envs
+
+    def open_writer(i: int) -> EpisodeWriter:
+        w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
+        w.begin_segment("autonomous", controller="scripted", reason=f"scripted expert, noise={noise}")
+        return w
+
+    def act(robots: list[int], _obs: dict[str, Any]) -> np.ndarray:
+        """The experts act every step: chunks of one action, from the privileged state."""
+        priv = rollout.info["privileged"]
+        return np.stack([experts[i].act({k: v[i] for k, v in priv.items()}) for i in robots])[:, None]
+
+    def write(step: StepRecord) -> None:
+        nonlocal started
+        for i in report.write_step(writers, step, bar, controller="scripted"):
+            # Start the next episode in this env only while more are needed.
+            if started < episodes:
+                writers[i] = open_writer(i)
+                experts[i].reset(int(step.info["episode_seed"][i]))
+                started += 1
+            else:
+                writers[i] = None
+
     try:
-        observation, info = env.reset()
-        experts = [make_expert(env.task, noise=noise, seed=int(s)) for s in info["episode_seed"]]
-        started = num_envs
-
-        def open_writer(i: int) -> EpisodeWriter:
-            w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
-            w.begin_segment("autonomous", controller="scripted", reason=f"scripted expert, noise={noise}")
-            return w
-
+        rollout = ChunkRollout(env, act, n_exec=1, on_step=write)
+        experts = [make_expert(env.task, noise=noise, seed=int(s)) for s in rollout.info["episode_seed"]]
         writers: list[EpisodeWriter | None] = [open_writer(i) for i in range(num_envs)]
-        bar = tqdm(total=episodes, desc=f"demos {env.task}", unit="ep", disable=not progress)
         while report.episodes < episodes:
-            priv = info["privileged"]
-            actions = np.stack([e.act({k: v[i] for k, v in priv.items()}) for i, e in enumerate(experts)])
-            step = env.step(actions)
-            observation_next, info = step[0], step[4]
-            for i in report.write_step(writers, observation, actions, step, bar, controller="scripted"):
-                # Start the next episode in this env only while more are needed.
-                if started < episodes:
-                    writers[i] = open_writer(i)
-                    experts[i].reset(int(info["episode_seed"][i]))
-                    started += 1
-                else:
-                    writers[i] = None
-            observation = observation_next
-        bar.close()
+            rollout.step()
     finally:
+        bar.close()
         env.close()
     report.seconds = time.perf_counter() - t0
     log.info(
@@ -191,32 +188,31 @@ def record_rollouts(
         max_episode_steps=max_episode_steps,
     )
     report = DemoReport(task=env.task)
+    bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
+    started = num_envs
+
+    def open_writer(i: int) -> EpisodeWriter:
+        w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
+        w.begin_segment("autonomous", controller="policy", reason=f"policy rollout {revision}".strip())
+        return w
+
+    def write(step: StepRecord) -> None:
+        nonlocal started
+        fields = {"proposed_action": step.actions, "controller": "policy", "revision": revision}
+        for i in report.write_step(writers, step, bar, **fields):
+            if started < episodes:
+                writers[i] = open_writer(i)
+                started += 1
+            else:
+                writers[i] = None
+
     try:
-        observation, _info = env.reset()
-        started = num_envs
-
-        def open_writer(i: int) -> EpisodeWriter:
-            w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
-            w.begin_segment("autonomous", controller="policy", reason=f"policy rollout {revision}".strip())
-            return w
-
+        rollout = ChunkRollout(env, SeededChunkProposer(policy.predict_chunks, seed), n_exec, on_step=write)
         writers: list[EpisodeWriter | None] = [open_writer(i) for i in range(num_envs)]
-        chunks = ChunkQueues(policy, num_envs, n_exec, seed)
-        bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
         while report.episodes < episodes:
-            actions = chunks.actions(observation)
-            step = env.step(actions)
-            chunks.drop(np.flatnonzero(step[2] | step[3]))
-            fields = {"proposed_action": actions, "controller": "policy", "revision": revision}
-            for i in report.write_step(writers, observation, actions, step, bar, **fields):
-                if started < episodes:
-                    writers[i] = open_writer(i)
-                    started += 1
-                else:
-                    writers[i] = None
-            observation = step[0]
-        bar.close()
+            rollout.step()
     finally:
+        bar.close()
         env.close()
     report.seconds = time.perf_counter() - t0
     log.info(

@@ -1,4 +1,5 @@
-"""The evaluation harness: exact seeds, receding-horizon execution, Wilson interval, videos."""
+"""The evaluation harness: exact seeds, receding-horizon execution, Wilson interval, videos (the chunk
+mechanics themselves are tested once, in test_rollout.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 import sim
 from sim.experts import PushExpert
-from vla_rl.evaluation import ChunkQueues, evaluate, wilson_interval
+from vla_rl.evaluation import evaluate, wilson_interval
 from vla_rl.spec import RobotSpec
 
 TASK = "maniskill/PushCube-v1"
@@ -92,35 +93,3 @@ def test_constant_policy_fails_and_times_out(push_spec: RobotSpec) -> None:
     assert res.successes == 0 and res.mean_length == 12
     with pytest.raises(ValueError, match="n_exec"):
         evaluate(ConstantPolicy(push_spec), TASK, episodes=1, n_exec=9, progress=False)
-
-
-def test_chunk_queues_batch_the_dry_envs_and_seed_each_call() -> None:
-    """Each env executes n_exec actions of its chunk; envs that ran dry ask together; drop() forgets."""
-    seen: list[tuple[list[float], int]] = []
-
-    @dataclass
-    class Echo:  # action k of env e's chunk is [state_e * 100 + k]: shows whose chunk and which step
-        spec: Any = None
-        chunk_len: int = 4
-
-        def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-            seen.append(([float(s[0]) for s in obs["state"]], seed))
-            return np.asarray([[[s[0] * 100 + k] for k in range(4)] for s in obs["state"]], np.float32)
-
-    q = ChunkQueues(Echo(), num_envs=3, n_exec=2, seed=7)
-    obs = {"cameras": {}, "state": np.array([[0.0], [1.0], [2.0]]), "instruction": ["a", "b", "c"]}
-    assert q.actions(obs)[:, 0].tolist() == [0, 100, 200]
-    assert q.actions(obs)[:, 0].tolist() == [1, 101, 201]
-    q.drop([1])
-    obs["state"] = np.array([[3.0], [4.0], [5.0]])
-    got = q.actions(obs)
-    assert got.dtype == np.float32 and got[:, 0].tolist() == [300, 400, 500]
-    q.drop([])
-    assert q.actions(obs)[:, 0].tolist() == [301, 401, 501]
-    assert seen == [([0.0, 1.0, 2.0], 7000), ([3.0, 4.0, 5.0], 7001)]
-    # env 1's episode ends mid-chunk: only it asks, with the next seed, and the others go on
-    assert q.actions(obs)[:, 0].tolist() == [300, 400, 500]
-    q.drop([1])
-    obs["state"] = np.array([[6.0], [7.0], [8.0]])
-    assert q.actions(obs)[:, 0].tolist() == [301, 700, 501]
-    assert seen[-1] == ([7.0], 7003)

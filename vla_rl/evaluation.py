@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
+from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
 from sim.vector import VectorSimEnv
 from vla_rl.spec import RobotSpec
 
@@ -33,39 +32,6 @@ class ChunkPolicy(Protocol):
     chunk_len: int
 
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray: ...
-
-
-class ChunkQueues:
-    """Receding-horizon execution over a vector env: each env executes the first ``n_exec`` actions of its
-    chunk, then asks again. The envs that ran dry ask together (one batched ``predict_chunks`` call),
-    seeded ``seed * 1000 + call index`` so that a run is reproducible."""
-
-    def __init__(self, policy: ChunkPolicy, num_envs: int, n_exec: int, seed: int) -> None:
-        self.policy = policy
-        self.n_exec = n_exec
-        self.seed = seed
-        self.calls = 0
-        self._queues: list[deque[np.ndarray]] = [deque() for _ in range(num_envs)]
-
-    def actions(self, obs: Mapping[str, Any]) -> np.ndarray:
-        """float32 [N, A]: every env's next action for the batched ``obs``."""
-        need = [i for i, q in enumerate(self._queues) if not q]
-        if need:
-            sub = {
-                "cameras": {k: v[need] for k, v in obs["cameras"].items()},
-                "state": obs["state"][need],
-                "instruction": [obs["instruction"][i] for i in need],
-            }
-            chunks = self.policy.predict_chunks(sub, seed=self.seed * 1000 + self.calls)
-            self.calls += 1
-            for j, i in enumerate(need):
-                self._queues[i].extend(chunks[j, : self.n_exec])
-        return np.stack([q.popleft() for q in self._queues]).astype(np.float32)
-
-    def drop(self, envs: Iterable[int]) -> None:
-        """Forget the rest of the chunks of ``envs``, whose episodes ended (their next obs starts a new one)."""
-        for i in envs:
-            self._queues[i].clear()
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -169,34 +135,32 @@ def evaluate(
         )
     limit = seed + episodes
     results: dict[int, EpisodeResult] = {}
-    chunks = ChunkQueues(policy, num_envs, n_exec, seed)
-    returns = np.zeros(num_envs)
     frames: dict[int, list[np.ndarray]] = {}
     video_seeds = set(range(seed, seed + num_videos)) if want_video else set()
     bar = tqdm(total=episodes, desc=f"eval {env.task}", unit="ep", disable=not progress)
+
+    def episode_ended(ep: EpisodeRecord) -> None:
+        assert ep.seed is not None
+        if ep.seed < limit and ep.seed not in results:
+            results[ep.seed] = EpisodeResult(ep.seed, ep.success, int(ep.info["elapsed_steps"]), ep.reward)
+            bar.update(1)
+            bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
+
     try:
-        obs, info = env.reset()
-        ep_seed = info["episode_seed"].copy()
+        rollout = ChunkRollout(
+            env,
+            SeededChunkProposer(policy.predict_chunks, seed),
+            n_exec,
+            reward_key="dense_reward",
+            on_episode=episode_ended,
+        )
         while len(results) < episodes:
-            actions = chunks.actions(obs)
-            if video_seeds & set(ep_seed.tolist()):
+            if video_seeds & set(rollout.seeds):
                 views = env.render()
-                for i, s in enumerate(ep_seed.tolist()):
+                for i, s in enumerate(rollout.seeds):
                     if s in video_seeds:
                         frames.setdefault(s, []).append(views[i])
-            obs, _reward, terminated, truncated, info = env.step(actions)
-            returns += info["dense_reward"]
-            for i in np.flatnonzero(terminated | truncated):
-                s = int(ep_seed[i])
-                if s < limit and s not in results:
-                    results[s] = EpisodeResult(
-                        s, bool(info["success"][i]), int(info["elapsed_steps"][i]), float(returns[i])
-                    )
-                    bar.update(1)
-                    bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
-                chunks.drop([i])
-                returns[i] = 0.0
-            ep_seed = info["episode_seed"].copy()
+            rollout.step()
     finally:
         bar.close()
         env.close()

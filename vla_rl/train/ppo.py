@@ -13,8 +13,8 @@ differentiable log-likelihood of the executed action sub-chunk (algorithms.md §
 
 The RL action is the executed sub-chunk (the policy's ``n_exec`` first actions, real dims only) and the
 MDP step is one chunk: its reward is the sum of the env rewards over the steps executed. Each robot
-keeps a queue of actions (as :func:`vla_rl.evaluation.evaluate` does); when an episode ends inside a
-chunk the chunk is cut there and the robot asks for a fresh chunk for its new episode at once, so
+keeps a queue of actions (:class:`sim.rollout.ChunkRollout`, as in evaluation); when an episode ends
+inside a chunk the chunk is cut there and the robot asks for a fresh chunk for its new episode at once, so
 chunks always start at episode step 0, 5, 10, ... and never straddle two episodes. Bootstrapping:
 none after a termination (success), ``V(final_obs)`` after a truncation (time limit), ``V(next obs)``
 otherwise. A chunk still running when an iteration ends carries over to the next one with its
@@ -52,7 +52,6 @@ import logging
 import math
 import shutil
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +64,7 @@ from tqdm import tqdm
 
 from policies.flow_vla import DenoisingChain, FlowVLAConfig, FlowVLAPolicy, PrefixCache, SDESchedule
 from policies.flow_vla.sampling import chain_log_prob, noise_kernel
+from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import config_dict, save_derived_checkpoint
@@ -587,81 +587,75 @@ class _Sampler:
 
 
 class _Rollout:
-    """Steps the robots chunk by chunk; completed chunks accumulate per robot, in time order."""
+    """PPO's view of a :class:`sim.rollout.ChunkRollout`: each chunk's stored chain, value and shaped
+    reward, and its bootstrap value; completed chunks accumulate per robot, in time order."""
 
     def __init__(self, cfg: PPOConfig, env: Any, sampler: _Sampler, seed: int | None = None) -> None:
-        self.cfg, self.env, self.sampler = cfg, env, sampler
+        self.cfg, self.sampler = cfg, sampler
         n = env.num_envs
-        self.queues: list[deque[np.ndarray]] = [deque() for _ in range(n)]
         self.pending: list[_Chunk | None] = [None] * n
         self.waiting: list[_Chunk | None] = [None] * n  # completed, needs V(next obs) from the next chunk
         self.done: list[list[_Chunk]] = [[] for _ in range(n)]
         self.episodes: list[bool] = []  # success of each episode finished in this iteration
         self.potential = np.zeros(n)  # Φ of each robot's current observation (last dense reward)
-        self.obs, _ = env.reset(seed=cfg.env_seed if seed is None else seed)
+        self.rollout = ChunkRollout(
+            env,
+            self._propose,
+            sampler.policy.config.n_exec,
+            seed=cfg.env_seed if seed is None else seed,
+            reward_key="sparse_reward",
+            on_chunks=self._finish,
+        )
 
-    def _refill(self) -> None:
-        need = [i for i, q in enumerate(self.queues) if not q]
-        if not need:
-            return
-        chunks, actions = self.sampler.act([_obs_row(self.obs, i) for i in need])
-        for j, i in enumerate(need):
+    def _propose(self, robots: list[int], obs: Mapping[str, Any]) -> np.ndarray:
+        chunks, actions = self.sampler.act([_obs_row(obs, j) for j in range(len(robots))])
+        for j, i in enumerate(robots):
             if self.waiting[i] is not None:
                 self.waiting[i].next_value = chunks[j].value
                 self.waiting[i] = None
             chunks[j].potential = float(self.potential[i])
             self.pending[i] = chunks[j]
-            self.queues[i].extend(actions[j])
+        return actions
+
+    def _finish(self, records: list[ChunkRecord]) -> None:
+        """Chunks that ended in one vector step: rewards (shaped), ends, and what to bootstrap from."""
+        truncated: list[ChunkRecord] = []
+        for rec in records:
+            i = rec.robot
+            c = self.pending[i]
+            assert c is not None
+            c.reward, c.steps = rec.reward, rec.steps
+            if self.cfg.reward == "dense":
+                phi_next = 0.0 if rec.terminated else float(rec.info["dense_reward"])
+                g = float(chunk_discounts(np.array([c.steps]), self.cfg.gamma, self.cfg.discount)[0])
+                c.reward += g * phi_next - c.potential
+            self.potential[i] = 0.0 if rec.episode_ended else float(rec.info["dense_reward"])
+            if rec.episode_ended:
+                c.terminated, c.truncated = rec.terminated, rec.truncated
+                c.success = bool(rec.info["success"])
+                self.episodes.append(c.success)
+                if c.truncated and not c.terminated:
+                    truncated.append(rec)
+                else:
+                    c.next_value = 0.0
+            else:
+                self.waiting[i] = c
+            self.done[i].append(c)
+            self.pending[i] = None
+        if truncated:  # bootstrap from the observation the time limit cut off
+            vals = self.sampler.values([_obs_row_single(rec.final_obs) for rec in truncated])
+            for rec, v in zip(truncated, vals, strict=True):
+                self.done[rec.robot][-1].next_value = float(v)
 
     def collect(self, steps: int) -> int:
         """Run ``steps`` vector steps; returns env steps taken. Chunks in flight carry over."""
-        n = self.env.num_envs
-        for _ in range(steps):
-            self._refill()
-            actions = np.stack([q.popleft() for q in self.queues])
-            self.obs, _, terminated, truncated, info = self.env.step(actions)
-            trunc_rows: list[int] = []
-            for i in range(n):
-                c = self.pending[i]
-                assert c is not None
-                c.reward += float(info["sparse_reward"][i])
-                c.steps += 1
-                ended = bool(terminated[i] or truncated[i])
-                if ended or not self.queues[i]:
-                    if self.cfg.reward == "dense":
-                        phi_next = 0.0 if terminated[i] else float(info["dense_reward"][i])
-                        g = float(chunk_discounts(np.array([c.steps]), self.cfg.gamma, self.cfg.discount)[0])
-                        c.reward += g * phi_next - c.potential
-                    self.potential[i] = 0.0 if ended else float(info["dense_reward"][i])
-                if ended:
-                    c.terminated, c.truncated = bool(terminated[i]), bool(truncated[i])
-                    c.success = bool(info["success"][i])
-                    self.episodes.append(c.success)
-                    self.queues[i].clear()
-                    if c.truncated and not c.terminated:
-                        trunc_rows.append(i)
-                    else:
-                        c.next_value = 0.0
-                    self._finish(i)
-                elif not self.queues[i]:
-                    self.waiting[i] = c
-                    self._finish(i)
-            if trunc_rows:  # bootstrap from the observation the time limit cut off
-                vals = self.sampler.values([_obs_row_single(info["final_obs"][i]) for i in trunc_rows])
-                for i, v in zip(trunc_rows, vals, strict=True):
-                    self.done[i][-1].next_value = float(v)
-        self._refill()  # every completed chunk now knows V(next obs)
-        return steps * n
-
-    def _finish(self, i: int) -> None:
-        c = self.pending[i]
-        assert c is not None
-        self.done[i].append(c)
-        self.pending[i] = None
+        taken = self.rollout.run(steps)
+        self.rollout.refill()  # every completed chunk now knows V(next obs)
+        return taken
 
     def take(self) -> tuple[list[list[_Chunk]], list[bool]]:
         done, episodes = self.done, self.episodes
-        self.done, self.episodes = [[] for _ in range(self.env.num_envs)], []
+        self.done, self.episodes = [[] for _ in range(len(done))], []
         return done, episodes
 
 

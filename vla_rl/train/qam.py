@@ -26,11 +26,12 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
 
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
 Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
-:class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment) and every
-finished episode is appended; ``utd`` updates per env step until an env-step budget is spent. With
-``next_action_cache`` (a' looked up from a periodically re-sampled table), ``actor_every`` (critic-only
-updates in between) and ``reanchor_every`` (the fine policy becomes the prior) this is approximate policy
-iteration at UTD 1 that a CPU can afford; on the kinematic benchmark it is the recipe that clears +20.
+:class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment, driven by
+:class:`sim.rollout.ChunkRollout`) and every finished episode is appended; ``utd`` updates per env step
+until an env-step budget is spent. With ``next_action_cache`` (a' looked up from a periodically
+re-sampled table), ``actor_every`` (critic-only updates in between) and ``reanchor_every`` (the fine
+policy becomes the prior) this is approximate policy iteration at UTD 1 that a CPU can afford; on the
+kinematic benchmark it is the recipe that clears +20.
 
 Output folder::
 
@@ -53,7 +54,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -65,6 +66,7 @@ from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
+from sim.rollout import EpisodeRecord, StepRecord
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.spec import RobotSpec
 from vla_rl.train.base import TrainerConfig, TrainResult
@@ -412,7 +414,7 @@ class QAMConfig(TrainerConfig):
         for name in ("critic_lr", "actor_lr", "base_lr", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        if self.feature_mode not in ("auto", "state", "trunk"):
+        if self.feature_mode not in get_args(FeatureMode):
             raise ValueError(f"feature_mode: expected auto|state|trunk, got {self.feature_mode!r}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
@@ -585,86 +587,93 @@ class QAMLearner(nn.Module):
 
 # ============================================================================ online rollouts
 class _Rollouts:
-    """Fine-policy episodes in a VectorSimEnv, appended to the replay buffer as they finish."""
+    """Fine-policy episodes in a VectorSimEnv (:class:`sim.rollout.ChunkRollout`, ``n_exec`` actions per
+    chunk), appended to the replay buffer and to ``episodes`` as they finish."""
 
     def __init__(
-        self, learner: QAMLearner, spec: RobotSpec, cfg: QAMConfig, instruction_emb: Tensor | None
+        self,
+        learner: QAMLearner,
+        spec: RobotSpec,
+        cfg: QAMConfig,
+        instruction_emb: Tensor | None,
+        buffer: TransitionBuffer,
+        episodes: list[dict[str, np.ndarray]],
     ) -> None:
+        from sim.rollout import ChunkRollout
         from sim.vector import VectorSimEnv
 
         self.learner, self.cfg, self.spec = learner, cfg, spec
-        obs_mode = "rgb" if self.spec.cameras else "state"
-        image_size = self.spec.cameras[0].height if self.spec.cameras else 128
+        self.buffer, self.episodes = buffer, episodes
         self.env = VectorSimEnv(
             spec.name,
             num_envs=cfg.num_envs,
             seed=cfg.online_seed,
-            obs=obs_mode,  # type: ignore[arg-type]
-            image_size=image_size,
+            obs="rgb" if spec.cameras else "state",  # type: ignore[arg-type]
+            image_size=spec.cameras[0].height if spec.cameras else 128,
             max_episode_steps=cfg.max_episode_steps,
         )
         self.instruction_emb = instruction_emb
-        self.obs, _ = self.env.reset()
-        self.queues: list[deque[np.ndarray]] = [deque() for _ in range(cfg.num_envs)]
         self.frames: list[dict[str, list[Any]]] = [self._empty() for _ in range(cfg.num_envs)]
         self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
         self.successes: deque[bool] = deque(maxlen=20)
+        self.rollout = ChunkRollout(
+            self.env,
+            self._propose,
+            learner.n_exec,
+            reward_key="dense_reward",
+            on_step=self._record_step,
+            on_episode=self._episode_ended,
+        )
 
     @staticmethod
     def _empty() -> dict[str, list[Any]]:
         return {"state": [], "action": [], "reward": [], "terminated": [], "cameras": []}
 
     @torch.no_grad()
-    def step(self, buffer: TransitionBuffer, episodes: list[dict[str, np.ndarray]]) -> int:
-        """One vector step; returns the number of episodes that finished."""
+    def _propose(self, robots: list[int], obs: Mapping[str, Any]) -> np.ndarray:
+        """Env-unit chunks ``[len(robots), H, A]`` from the fine policy (ODE, noise from ``self.gen``)."""
         lr, device = self.learner, self.learner.base.device
-        need = [i for i in range(self.cfg.num_envs) if not self.queues[i]]
-        if need:
-            obs = {
-                "state": torch.as_tensor(self.obs["state"][need], device=device),
-                "cameras": {
-                    k: torch.as_tensor(v[need], device=device) for k, v in self.obs["cameras"].items()
-                },
-            }
-            if self.instruction_emb is not None:
-                obs["instruction_embedding"] = self.instruction_emb.expand(len(need), -1)
-            noise = torch.randn(len(need), lr.horizon, lr.action_dim, generator=self.gen).to(device)
-            lr.fine.eval()
-            chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(obs, noise)).cpu().numpy()
-            lr.fine.train()
-            for j, i in enumerate(need):
-                self.queues[i].extend(chunks[j, : lr.n_exec])
-        actions = np.stack([q.popleft() for q in self.queues]).astype(np.float32)
-        for i in range(self.cfg.num_envs):
-            f = self.frames[i]
-            f["state"].append(self.obs["state"][i])
-            f["action"].append(actions[i])
+        inputs = {
+            "state": torch.as_tensor(obs["state"], device=device),
+            "cameras": {k: torch.as_tensor(v, device=device) for k, v in obs["cameras"].items()},
+        }
+        if self.instruction_emb is not None:
+            inputs["instruction_embedding"] = self.instruction_emb.expand(len(robots), -1)
+        noise = torch.randn(len(robots), lr.horizon, lr.action_dim, generator=self.gen).to(device)
+        lr.fine.eval()
+        chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(inputs, noise)).cpu().numpy()
+        lr.fine.train()
+        return chunks
+
+    def _record_step(self, step: StepRecord) -> None:
+        for i, f in enumerate(self.frames):
+            f["state"].append(step.obs["state"][i])
+            f["action"].append(step.actions[i])
             if self.spec.cameras:
-                f["cameras"].append({k: v[i] for k, v in self.obs["cameras"].items()})
-        self.obs, _r, terminated, truncated, info = self.env.step(actions)
-        finished = 0
-        for i in range(self.cfg.num_envs):
-            f = self.frames[i]
-            f["reward"].append(float(info["dense_reward"][i]))
-            f["terminated"].append(bool(terminated[i]))
-            if terminated[i] or truncated[i]:
-                ep = {
-                    "state": np.stack(f["state"]).astype(np.float32),
-                    "action": np.stack(f["action"]).astype(np.float32),
-                    "reward": np.asarray(f["reward"], np.float32),
-                    "terminated": np.asarray(f["terminated"], bool),
-                    "controller": np.full(len(f["state"]), int(Controller.POLICY), np.int64),
-                    "success": np.asarray(bool(info["success"][i])),
-                }
-                for name in self.spec.camera_names if f["cameras"] else ():
-                    ep[f"camera.{name}"] = np.stack([c[name] for c in f["cameras"]])
-                _add_episode(buffer, ep)
-                episodes.append(ep)
-                self.successes.append(bool(info["success"][i]))
-                self.frames[i] = self._empty()
-                self.queues[i].clear()
-                finished += 1
-        return finished
+                f["cameras"].append({k: v[i] for k, v in step.obs["cameras"].items()})
+            f["reward"].append(float(step.info["dense_reward"][i]))
+            f["terminated"].append(bool(step.terminated[i]))
+
+    def _episode_ended(self, end: EpisodeRecord) -> None:
+        f = self.frames[end.robot]
+        ep = {
+            "state": np.stack(f["state"]).astype(np.float32),
+            "action": np.stack(f["action"]).astype(np.float32),
+            "reward": np.asarray(f["reward"], np.float32),
+            "terminated": np.asarray(f["terminated"], bool),
+            "controller": np.full(len(f["state"]), int(Controller.POLICY), np.int64),
+            "success": np.asarray(end.success),
+        }
+        for name in self.spec.camera_names if f["cameras"] else ():
+            ep[f"camera.{name}"] = np.stack([c[name] for c in f["cameras"]])
+        _add_episode(self.buffer, ep)
+        self.episodes.append(ep)
+        self.successes.append(end.success)
+        self.frames[end.robot] = self._empty()
+
+    def step(self) -> None:
+        """One vector step of every robot."""
+        self.rollout.step()
 
     def close(self) -> None:
         self.env.close()
@@ -784,118 +793,160 @@ class _EvalView:
 
 
 # ============================================================================ training
-def train_qam(cfg: QAMConfig) -> QAMResult:
-    """Run (or resume) QAM: ``offline_steps`` updates on the store's data, then ``env_steps`` online."""
-    t_start = time.perf_counter()
-    device = pick_device(cfg.device)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-    loaded = load_policy(cfg.base, device=str(device))
-    base = loaded.policy
-    spec = loaded.spec
-    task = cfg.task or spec.name
-    if task != spec.name:
-        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
-    store = EpisodeStore(cfg.store)
-    selection = DataSelection.parse(task, cfg.data)
-    db = None
-    if selection.labels or selection.rounds:
-        from fleet.db import MetadataDB
+class _QAMRun:
+    """One QAM run: the offline data, the learner and its optimisers, the counters and the logs.
 
-        db = MetadataDB.for_store(store.root)
-    episode_ids = select_episode_ids(store, selection, db)
-    buffer = TransitionBuffer.from_store(
-        store, episode_ids, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(spec.cameras)
-    )
-    offline_frames = len(buffer)
+    Built (and restored from a train state) by the constructor; :meth:`offline_phase`,
+    :meth:`online_phase` and :meth:`finish` are the run, :meth:`update` one gradient step,
+    :meth:`save` a checkpoint plus the train state.
+    """
 
-    torch.manual_seed(cfg.seed)
-    learner = QAMLearner(base, cfg).to(device)
-    learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
-    if cfg.train_base:
-        learner.base.train()
-    opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
-    opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
-    opt_base = torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
+    def __init__(self, cfg: QAMConfig) -> None:
+        self.cfg = cfg
+        self.t_start = time.perf_counter()
+        self.device = device = pick_device(cfg.device)
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+        self.loaded = loaded = load_policy(cfg.base, device=str(device))
+        base = loaded.policy
+        self.spec = spec = loaded.spec
+        self.task = task = cfg.task or spec.name
+        if task != spec.name:
+            raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
+        self._load_data()
+        self.learner = learner = self._build_learner(base)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        self.state_path = cfg.out / TRAIN_STATE
+        self.step, self.env_steps = 0, 0
+        self.curve: list[dict[str, Any]] = []
+        self.online_episodes: list[dict[str, np.ndarray]] = []
+        self._restore()
 
-    instruction_emb = None
-    if base.config.uses_instruction:
-        from policies.flow_vla import embed_instructions
+        from torch.utils.tensorboard import SummaryWriter
 
-        instruction_emb = embed_instructions([spec.instruction]).to(device)
+        self.writer = SummaryWriter(str(cfg.out / "tb"), purge_step=self.step)
+        self.writer.add_text("config", f"```\n{config_dict(cfg)}\n```", self.step)
+        log.info(
+            "qam start",
+            extra={
+                "task": task,
+                "base": cfg.base,
+                "episodes": len(self.episode_ids),
+                "frames": self.offline_frames,
+                "feature_mode": learner.feature_mode,
+                "device": str(device),
+                "offline_steps": cfg.offline_steps,
+                "env_steps": cfg.env_steps,
+            },
+        )
+        self.params = {
+            "critic": list(learner.critic.parameters()),
+            "actor": list(learner.fine.parameters()),
+            "base": list(learner.base.parameters()) if cfg.train_base else [],
+        }
+        self.last_metrics: dict[str, float] = {}
+        self.next_cache = (
+            _NextActionCache(learner, self.buffer, cfg, self.instruction_emb, device)
+            if cfg.next_action_cache
+            else None
+        )
+        self.bar: tqdm | None = None
+        self.stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
+        self.deadline = math.inf
 
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    state_path = cfg.out / TRAIN_STATE
-    step, env_steps = 0, 0
-    curve: list[dict[str, Any]] = []
-    online_episodes: list[dict[str, np.ndarray]] = []
-    start_from = state_path if cfg.resume and state_path.exists() else None
-    if start_from is None and cfg.init_from is not None:
-        start_from = cfg.init_from / TRAIN_STATE
-        if not start_from.is_file():
-            raise FileNotFoundError(
-                f"init_from: no {TRAIN_STATE} in {cfg.init_from}; expected the out folder of a QAM run"
-            )
-    if start_from is not None:
+    # ------------------------------------------------------------------ build
+    def _load_data(self) -> None:
+        """The offline replay: the store's episodes chosen by ``cfg.data``."""
+        cfg = self.cfg
+        self.store = store = EpisodeStore(cfg.store)
+        self.selection = DataSelection.parse(self.task, cfg.data)
+        db = None
+        if self.selection.labels or self.selection.rounds:
+            from fleet.db import MetadataDB
+
+            db = MetadataDB.for_store(store.root)
+        self.episode_ids = select_episode_ids(store, self.selection, db)
+        self.buffer = TransitionBuffer.from_store(
+            store, self.episode_ids, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(self.spec.cameras)
+        )
+        self.offline_frames = len(self.buffer)
+
+    def _build_learner(self, base: FlowVLAPolicy) -> QAMLearner:
+        """The learner (seeded), its optimisers and the task's instruction embedding."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        learner = QAMLearner(base, cfg).to(self.device)
+        learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
+        if cfg.train_base:
+            learner.base.train()
+        self.opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
+        self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
+        self.opt_base = (
+            torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
+        )
+        self.instruction_emb: Tensor | None = None
+        if base.config.uses_instruction:
+            from policies.flow_vla import embed_instructions
+
+            self.instruction_emb = embed_instructions([self.spec.instruction]).to(self.device)
+        return learner
+
+    def _restore(self) -> None:
+        """Continue from ``out``'s train state (resume) or another run's (``init_from``), if any."""
+        cfg = self.cfg
+        start_from = self.state_path if cfg.resume and self.state_path.exists() else None
+        if start_from is None and cfg.init_from is not None:
+            start_from = cfg.init_from / TRAIN_STATE
+            if not start_from.is_file():
+                raise FileNotFoundError(
+                    f"init_from: no {TRAIN_STATE} in {cfg.init_from}; expected the out folder of a QAM run"
+                )
+        if start_from is None:
+            return
         st = load_train_state(start_from)
-        fresh = start_from != state_path
+        fresh = start_from != self.state_path
         if fresh:
-            _adapt_init_state(st, learner, opt_base, reset_actor=cfg.init_reset_actor)
+            _adapt_init_state(st, self.learner, self.opt_base, reset_actor=cfg.init_reset_actor)
         try:
-            learner.load_state_dict(st["learner"])
+            self.learner.load_state_dict(st["learner"])
         except RuntimeError as e:
             raise ValueError(
                 f"init_from: {start_from} does not fit this configuration (members, critic_hidden, "
                 f"feature_mode and the base's architecture must match the source run): {e}"
             ) from e
-        opt_critic.load_state_dict(st["opt_critic"])
-        opt_actor.load_state_dict(st["opt_actor"])
-        if opt_base is not None:
-            opt_base.load_state_dict(st["opt_base"])
-        step, env_steps = int(st["step"]), int(st["env_steps"])
-        curve = json.loads(st["curve"])
+        self.opt_critic.load_state_dict(st["opt_critic"])
+        self.opt_actor.load_state_dict(st["opt_actor"])
+        if self.opt_base is not None:
+            self.opt_base.load_state_dict(st["opt_base"])
+        self.step, self.env_steps = int(st["step"]), int(st["env_steps"])
+        self.curve = json.loads(st["curve"])
         for ep in st["online_episodes"]:
             ep_np = {k: v.numpy() for k, v in ep.items()}
-            _add_episode(buffer, ep_np)
-            online_episodes.append(ep_np)
+            _add_episode(self.buffer, ep_np)
+            self.online_episodes.append(ep_np)
         log.info(
             "initialised from another run" if fresh else "resumed",
-            extra={"step": step, "env_steps": env_steps, "from": str(start_from)},
+            extra={"step": self.step, "env_steps": self.env_steps, "from": str(start_from)},
         )
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(cfg.out / "tb"), purge_step=step)
-    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", step)
-    log.info(
-        "qam start",
-        extra={
-            "task": task,
-            "base": cfg.base,
-            "episodes": len(episode_ids),
-            "frames": offline_frames,
-            "feature_mode": learner.feature_mode,
-            "device": str(device),
-            "offline_steps": cfg.offline_steps,
-            "env_steps": cfg.env_steps,
-        },
-    )
-
-    def save(final: bool = False) -> None:
+    # ------------------------------------------------------------------ checkpoints and evaluation
+    def save(self, final: bool = False) -> None:
+        """``checkpoints/step_NNNNNN`` (copied to ``last``), the train state and curve.json."""
+        cfg, step, env_steps = self.cfg, self.step, self.env_steps
         ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
         save_derived_checkpoint(
             ckpt,
-            learner.fine,
-            loaded.info,
+            self.learner.fine,
+            self.loaded.info,
             algorithm="qam",
-            parent_revision=loaded.commit,
+            parent_revision=self.loaded.commit,
             round_index=cfg.round_index,
             data={
                 "store": str(cfg.store),
-                "task": task,
-                "selection": selection.to_dict(),
-                "offline_episodes": len(episode_ids),
-                "offline_frames": offline_frames,
-                "online_episodes": len(online_episodes),
+                "task": self.task,
+                "selection": self.selection.to_dict(),
+                "offline_episodes": len(self.episode_ids),
+                "offline_frames": self.offline_frames,
+                "online_episodes": len(self.online_episodes),
                 "env_steps": env_steps,
                 "reward": cfg.reward,
             },
@@ -905,193 +956,238 @@ def train_qam(cfg: QAMConfig) -> QAMResult:
         shutil.rmtree(last, ignore_errors=True)
         shutil.copytree(ckpt, last)
         save_train_state(
-            state_path,
-            learner=learner.state_dict(),
-            opt_critic=opt_critic.state_dict(),
-            opt_actor=opt_actor.state_dict(),
-            opt_base=opt_base.state_dict() if opt_base is not None else {},
+            self.state_path,
+            learner=self.learner.state_dict(),
+            opt_critic=self.opt_critic.state_dict(),
+            opt_actor=self.opt_actor.state_dict(),
+            opt_base=self.opt_base.state_dict() if self.opt_base is not None else {},
             step=step,
             env_steps=env_steps,
-            curve=json.dumps(curve),
+            curve=json.dumps(self.curve),
             online_episodes=[
-                {k: torch.from_numpy(np.asarray(v)) for k, v in ep.items()} for ep in online_episodes
+                {k: torch.from_numpy(np.asarray(v)) for k, v in ep.items()} for ep in self.online_episodes
             ],
         )
-        (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
+        (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
         if final:
             log.info("checkpoint", extra={"step": step, "env_steps": env_steps, "path": str(ckpt)})
 
-    def evaluate_fine(episodes: int) -> float:
+    def evaluate_fine(self, episodes: int) -> float:
+        """Success rate of the fine policy on ``episodes`` held-out episodes."""
         from vla_rl.evaluation import evaluate
 
         res = evaluate(
-            _EvalView(learner, loaded), task, episodes=episodes, num_envs=cfg.num_envs, progress=False
+            _EvalView(self.learner, self.loaded),
+            self.task,
+            episodes=episodes,
+            num_envs=self.cfg.num_envs,
+            progress=False,
         )
         return res.success_rate
 
-    params = {
-        "critic": list(learner.critic.parameters()),
-        "actor": list(learner.fine.parameters()),
-        "base": list(learner.base.parameters()) if cfg.train_base else [],
-    }
-    last_metrics: dict[str, float] = {}
-    next_cache = (
-        _NextActionCache(learner, buffer, cfg, instruction_emb, device) if cfg.next_action_cache else None
-    )
-
-    def update(phase: str, rollouts: _Rollouts | None) -> None:
-        nonlocal step, last_metrics
-        seed_step(cfg.seed, step)
-        raw = buffer.batch(
-            replay_indices(len(buffer), offline_frames, cfg, step),
-            horizon=learner.horizon,
-            n_step=learner.n_exec,
+    # ------------------------------------------------------------------ one update
+    def _batch(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This step's replay batch: the raw rows and the policy inputs (with the TD extras)."""
+        cfg, lr = self.cfg, self.learner
+        raw = self.buffer.batch(
+            replay_indices(len(self.buffer), self.offline_frames, cfg, self.step),
+            horizon=lr.horizon,
+            n_step=lr.n_exec,
         )
-        batch = batch_to_policy_inputs(raw, device)
+        batch = batch_to_policy_inputs(raw, self.device)
         for key in ("reward_n", "bootstrap", "valid", "mc_return"):
-            batch[key] = raw[key].to(device)
-        if instruction_emb is not None:
-            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
-        mc = step < cfg.critic_mc_steps
-        warmup = max(cfg.critic_warmup, cfg.critic_mc_steps)
-        train_actor = step >= warmup and (step - warmup) % cfg.actor_every == 0
-        if phase == "online" and cfg.reanchor_every and (step - cfg.offline_steps) % cfg.reanchor_every == 0:
-            learner.reanchor()
-            log.info("re-anchored: the fine policy is the prior now", extra={"step": step})
+            batch[key] = raw[key].to(self.device)
+        if self.instruction_emb is not None:
+            batch["instruction_embedding"] = self.instruction_emb.expand(cfg.batch_size, -1)
+        return raw, batch
+
+    def _losses(
+        self, raw: dict[str, Any], batch: dict[str, Any], mc: bool, train_actor: bool
+    ) -> dict[str, Tensor]:
         if mc:
-            out = learner.mc_losses(batch)
-        else:  # the TD target needs the observation n steps on; the MC warm start does not
-            nxt = batch_to_policy_inputs(
-                {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]},
-                device,
-            )
-            if instruction_emb is not None:
-                nxt["instruction_embedding"] = batch["instruction_embedding"]
-            a_next = next_cache.lookup(raw["next_index"], step) if next_cache is not None else None
-            out = learner.losses(batch, nxt, train_actor, a_next)
+            return self.learner.mc_losses(batch)
+        # the TD target needs the observation n steps on; the MC warm start does not
+        nxt = batch_to_policy_inputs(
+            {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]},
+            self.device,
+        )
+        if self.instruction_emb is not None:
+            nxt["instruction_embedding"] = batch["instruction_embedding"]
+        a_next = self.next_cache.lookup(raw["next_index"], self.step) if self.next_cache is not None else None
+        return self.learner.losses(batch, nxt, train_actor, a_next)
+
+    def _apply(self, out: dict[str, Tensor], mc: bool, train_actor: bool) -> dict[str, float]:
+        """One backward pass and optimiser steps (gradients clipped per module), then the Polyak
+        targets; returns the gradient norms."""
+        cfg, lr = self.cfg, self.learner
         total = out["loss_q"] + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
-        for opt in (opt_critic, opt_actor, opt_base):
+        for opt in (self.opt_critic, self.opt_actor, self.opt_base):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
         total.backward()
         norms = {}
-        for name, ps in params.items():
+        for name, ps in self.params.items():
             if ps:
                 norms[f"grad_norm_{name}"] = float(torch.nn.utils.clip_grad_norm_(ps, cfg.grad_clip))
-        opt_critic.step()
+        self.opt_critic.step()
         if train_actor:
-            opt_actor.step()
-        if opt_base is not None:
-            opt_base.step()
-            assert learner.base_target is not None
-            polyak_update(learner.base_target, learner.base, cfg.tau)
-        polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
-        step += 1
-        last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
+            self.opt_actor.step()
+        if self.opt_base is not None:
+            self.opt_base.step()
+            assert lr.base_target is not None
+            polyak_update(lr.base_target, lr.base, cfg.tau)
+        polyak_update(lr.critic_target, lr.critic, 1.0 if mc else cfg.tau)
+        return norms
+
+    def update(self, phase: str, rollouts: _Rollouts | None) -> None:
+        """One gradient update (MC warm start, critic-only or full), its log row and checkpoint."""
+        cfg, step = self.cfg, self.step
+        seed_step(cfg.seed, step)
+        raw, batch = self._batch()
+        mc = step < cfg.critic_mc_steps
+        warmup = max(cfg.critic_warmup, cfg.critic_mc_steps)
+        train_actor = step >= warmup and (step - warmup) % cfg.actor_every == 0
+        if phase == "online" and cfg.reanchor_every and (step - cfg.offline_steps) % cfg.reanchor_every == 0:
+            self.learner.reanchor()
+            log.info("re-anchored: the fine policy is the prior now", extra={"step": step})
+        out = self._losses(raw, batch, mc, train_actor)
+        norms = self._apply(out, mc, train_actor)
+        self.step += 1
+        self.last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
+        self._log(phase, rollouts, batch, warmup)
+        if self.step % cfg.checkpoint_every == 0:
+            self.save()
+
+    def _log(self, phase: str, rollouts: _Rollouts | None, batch: dict[str, Any], warmup: int) -> None:
+        """Every ``log_every`` updates a curve row (and TensorBoard); evaluations every ``eval_every``."""
+        cfg, step, metrics = self.cfg, self.step, self.last_metrics
         if step % cfg.log_every == 0:
             if step > warmup:
-                last_metrics["q_gain"] = float(learner.q_gain(batch))
-            row: dict[str, Any] = {"step": step, "env_steps": env_steps, "phase": phase, **last_metrics}
+                metrics["q_gain"] = float(self.learner.q_gain(batch))
+            row: dict[str, Any] = {"step": step, "env_steps": self.env_steps, "phase": phase, **metrics}
             if rollouts is not None and rollouts.successes:
                 row["rollout_success"] = float(np.mean(rollouts.successes))
             if cfg.eval_every and step % cfg.eval_every == 0:
-                row["eval_success"] = evaluate_fine(cfg.eval_every_episodes)
+                row["eval_success"] = self.evaluate_fine(cfg.eval_every_episodes)
             for k, v in row.items():
                 if isinstance(v, float):
-                    writer.add_scalar(f"{phase}/{k}", v, step)
-            curve.append(row)
-            bar.set_postfix(
-                q=f"{last_metrics['loss_q']:.3g}",
-                am=f"{last_metrics.get('loss_am', float('nan')):.3g}",
+                    self.writer.add_scalar(f"{phase}/{k}", v, step)
+            self.curve.append(row)
+            assert self.bar is not None
+            self.bar.set_postfix(
+                q=f"{metrics['loss_q']:.3g}",
+                am=f"{metrics.get('loss_am', float('nan')):.3g}",
                 **({"succ": f"{row['rollout_success']:.0%}"} if "rollout_success" in row else {}),
             )
         elif cfg.eval_every and step % cfg.eval_every == 0:
-            curve.append(
+            self.curve.append(
                 {
                     "step": step,
-                    "env_steps": env_steps,
+                    "env_steps": self.env_steps,
                     "phase": phase,
-                    "eval_success": evaluate_fine(cfg.eval_every_episodes),
+                    "eval_success": self.evaluate_fine(cfg.eval_every_episodes),
                 }
             )
-        if step % cfg.checkpoint_every == 0:
-            save()
 
-    # ---- offline phase
-    bar = tqdm(
-        total=cfg.offline_steps,
-        initial=min(step, cfg.offline_steps),
-        desc="qam offline",
-        unit="step",
-        disable=not cfg.progress,
-    )
-    learner.fine.train()
-    stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
-    deadline = t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
-    while step < min(cfg.offline_steps, stop_at) and time.perf_counter() < deadline:
-        update("offline", None)
-        bar.update(1)
-    bar.close()
-    if step >= stop_at:  # preempted: keep everything needed to resume
-        save()
-        return QAMResult(
-            checkpoint=cfg.out / "checkpoints" / "last",
-            seconds=time.perf_counter() - t_start,
-            steps=step,
-            env_steps=env_steps,
-            curve=curve,
-            data={"selection": selection.to_dict(), "env_steps": env_steps},
+    # ------------------------------------------------------------------ phases
+    def offline_phase(self) -> bool:
+        """Updates on the replay up to ``offline_steps`` (or the stop / time limit); True when stopped
+        at ``stop_at`` (preempted: the caller saves and returns)."""
+        cfg = self.cfg
+        self.bar = tqdm(
+            total=cfg.offline_steps,
+            initial=min(self.step, cfg.offline_steps),
+            desc="qam offline",
+            unit="step",
+            disable=not cfg.progress,
         )
-    go_online = cfg.env_steps > env_steps and time.perf_counter() < deadline
-    if go_online and cfg.offline_steps and step == cfg.offline_steps and env_steps == 0:
-        save()  # the offline result survives a failure online (the final save covers the other cases)
+        self.learner.fine.train()
+        self.deadline = self.t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
+        while self.step < min(cfg.offline_steps, self.stop_at) and time.perf_counter() < self.deadline:
+            self.update("offline", None)
+            self.bar.update(1)
+        self.bar.close()
+        return self.step >= self.stop_at
 
-    # ---- online phase
-    if go_online:
-        rollouts = _Rollouts(learner, spec, cfg, instruction_emb)
-        bar = tqdm(
+    def online_phase(self) -> None:
+        """Fine-policy rollouts until ``env_steps``, with ``utd`` updates per env step (after
+        ``start_online_after``); saves the offline result first when it is fresh."""
+        cfg = self.cfg
+        if not (cfg.env_steps > self.env_steps and time.perf_counter() < self.deadline):
+            return
+        if cfg.offline_steps and self.step == cfg.offline_steps and self.env_steps == 0:
+            self.save()  # the offline result survives a failure online (the final save covers the other cases)
+        rollouts = _Rollouts(
+            self.learner, self.spec, cfg, self.instruction_emb, self.buffer, self.online_episodes
+        )
+        self.bar = tqdm(
             total=cfg.env_steps,
-            initial=env_steps,
+            initial=self.env_steps,
             desc="qam online",
             unit="env step",
             disable=not cfg.progress,
         )
         due = 0.0
         try:
-            while env_steps < cfg.env_steps and step < stop_at and time.perf_counter() < deadline:
-                rollouts.step(buffer, online_episodes)
-                env_steps += cfg.num_envs
-                bar.update(cfg.num_envs)
-                if env_steps > cfg.start_online_after:
+            while (
+                self.env_steps < cfg.env_steps
+                and self.step < self.stop_at
+                and time.perf_counter() < self.deadline
+            ):
+                rollouts.step()
+                self.env_steps += cfg.num_envs
+                self.bar.update(cfg.num_envs)
+                if self.env_steps > cfg.start_online_after:
                     due += cfg.utd * cfg.num_envs
                     while due >= 1.0:
-                        update("online", rollouts)
+                        self.update("online", rollouts)
                         due -= 1.0
         finally:
             rollouts.close()
-            bar.close()
-    save(final=True)
-    metrics: dict[str, Any] = dict(last_metrics)
-    metrics.update(
-        updates=step,
-        timed_out=(step < cfg.offline_steps or env_steps < cfg.env_steps) and step < stop_at,
-        offline_frames=offline_frames,
-        online_episodes=len(online_episodes),
-        online_success=float(np.mean([bool(e["success"]) for e in online_episodes]))
-        if online_episodes
-        else None,
-    )
-    if cfg.final_eval_episodes:
-        metrics["eval_success"] = evaluate_fine(cfg.final_eval_episodes)
-    writer.close()
-    seconds = time.perf_counter() - t_start
-    (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
-    return QAMResult(
-        checkpoint=cfg.out / "checkpoints" / "last",
-        seconds=seconds,
-        steps=step,
-        env_steps=env_steps,
-        curve=curve,
-        metrics=metrics,
-        data={"selection": selection.to_dict(), "env_steps": env_steps},
-    )
+            self.bar.close()
+
+    def finish(self) -> QAMResult:
+        """The final save, metrics (and final evaluation) and the result."""
+        cfg, step, env_steps = self.cfg, self.step, self.env_steps
+        self.save(final=True)
+        metrics: dict[str, Any] = dict(self.last_metrics)
+        metrics.update(
+            updates=step,
+            timed_out=(step < cfg.offline_steps or env_steps < cfg.env_steps) and step < self.stop_at,
+            offline_frames=self.offline_frames,
+            online_episodes=len(self.online_episodes),
+            online_success=float(np.mean([bool(e["success"]) for e in self.online_episodes]))
+            if self.online_episodes
+            else None,
+        )
+        if cfg.final_eval_episodes:
+            metrics["eval_success"] = self.evaluate_fine(cfg.final_eval_episodes)
+        self.writer.close()
+        seconds = time.perf_counter() - self.t_start
+        (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
+        return QAMResult(
+            checkpoint=cfg.out / "checkpoints" / "last",
+            seconds=seconds,
+            steps=step,
+            env_steps=env_steps,
+            curve=self.curve,
+            metrics=metrics,
+            data={"selection": self.selection.to_dict(), "env_steps": env_steps},
+        )
+
+
+def train_qam(cfg: QAMConfig) -> QAMResult:
+    """Run (or resume) QAM: ``offline_steps`` updates on the store's data, then ``env_steps`` online."""
+    run = _QAMRun(cfg)
+    if run.offline_phase():  # preempted: keep everything needed to resume
+        run.save()
+        return QAMResult(
+            checkpoint=cfg.out / "checkpoints" / "last",
+            seconds=time.perf_counter() - run.t_start,
+            steps=run.step,
+            env_steps=run.env_steps,
+            curve=run.curve,
+            data={"selection": run.selection.to_dict(), "env_steps": run.env_steps},
+        )
+    run.online_phase()
+    return run.finish()
