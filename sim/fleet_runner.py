@@ -429,19 +429,34 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
 # ------------------------------------------------------------------------------------------ the fleet
 @dataclass
 class FleetConfig:
-    robots: int
-    server: str
-    collector: str
-    task: str | None = None  # default: the served model's robot spec
+    """N simulated robots acting through a policy server and streaming to a collector."""
+
+    robots: int = 4
+    """Simulated robots (one process each)."""
+    server: str = "127.0.0.1:50061"
+    """Policy server address."""
+    collector: str = "127.0.0.1:50071"
+    """Collector address."""
+    task: str | None = None
+    """Task; None = the served model's robot spec."""
     episodes: int = 5
+    """Episodes per robot."""
     seed: int = 0
-    operators: int = 1  # robots the operator can drive at once
+    """First episode seed (robot i's j-th episode: seed + i + j * robots)."""
+    operators: int = 1
+    """Robots the operator can drive at once."""
     rules: OperatorRules = field(default_factory=OperatorRules)
+    """When the simulated operator takes over and for how long."""
     collector_token: str | None = None
+    """The collector's token; None = env VLA_RL_COLLECTOR_TOKEN (prefer the environment: ps shows flags)."""
     model_id: str = ""
+    """Served model; empty = the only one."""
     max_episode_steps: int | None = None
-    record_dir: str | None = None  # one JSON-lines record per robot (what it did, frame by frame)
+    """Episode step limit; None = the task's."""
+    record_dir: str | None = None
+    """Write what each robot did, frame by frame (one JSON-lines file per robot)."""
     robot_prefix: str = "sim"
+    """Robot ids are PREFIX-0, PREFIX-1, ..."""
 
 
 @dataclass

@@ -33,17 +33,26 @@ from sim.experts import ScriptedExpert, make_expert
 
 @dataclass(frozen=True)
 class OperatorRules:
-    stall_steps: int = 8  # no progress for this many steps -> take over (0 = never)
-    progress_eps: float = 0.01  # dense-reward gain that counts as progress
-    drift_radius: float = (
-        0.3  # metres between gripper and object beyond which the robot has drifted (0 = off)
-    )
-    spot_check_prob: float = 0.0  # chance per autonomous step of a random takeover
-    drive_steps: int = 15  # steps per takeover (0 = until the episode ends)
-    min_autonomous_steps: int = 3  # after a handback, the policy keeps control at least this long
-    max_takeovers: int = 3  # per episode
-    max_fraction: float = 0.5  # of the episode's step limit under operator control
-    noise: float = 0.0  # the operator's own sloppiness (expert noise)
+    """When the simulated operator takes a robot over, and for how long."""
+
+    stall_steps: int = 8
+    """No progress for this many steps -> take over (0 = never)."""
+    progress_eps: float = 0.01
+    """Dense-reward gain that counts as progress."""
+    drift_radius: float = 0.3
+    """Metres between gripper and object beyond which the robot has drifted (0 = off)."""
+    spot_check_prob: float = 0.0
+    """Chance per autonomous step of a random takeover."""
+    drive_steps: int = 15
+    """Steps per takeover (0 = until the episode ends)."""
+    min_autonomous_steps: int = 3
+    """After a handback, the policy keeps control at least this long."""
+    max_takeovers: int = 3
+    """Takeovers per episode at most."""
+    max_fraction: float = 0.5
+    """Share of the episode's step limit under operator control at most."""
+    noise: float = 0.0
+    """The operator's own sloppiness (expert noise)."""
 
     def __post_init__(self) -> None:
         for name in ("stall_steps", "drive_steps", "min_autonomous_steps", "max_takeovers"):

@@ -27,13 +27,13 @@ def sim_list(a: SimList) -> int:
 
     tasks = list_tasks()
     if a.json:
-        print(json.dumps([t.to_dict() for t in tasks], indent=2))
+        print(json.dumps([t.__dict__ for t in tasks], indent=2))
         return 0
     rows = [
         [
             t.name,
             "state, rgb",
-            f"{t.state_dim} / {t.rgb_state_dim}",
+            f"{t.state_dim['state']} / {t.state_dim['rgb']}",
             f"{t.action_dim} (dx, dy, dz, gripper)",
             ", ".join(t.cameras),
             f"{t.control_hz:g} Hz",
