@@ -95,10 +95,28 @@ class RoundRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float]
     finished_at: Mapped[float | None]
+    job: Mapped[RoundJobRow] = relationship(lazy="selectin", cascade="all, delete-orphan", uselist=False)
 
 
-RoundStatus = Literal["running", "succeeded", "failed"]
+class RoundJobRow(Base):
+    """The job side of a round: which worker runs it, when it last said so, how often it was tried.
+
+    Its own table (not columns of ``rounds``), so DBs written before rounds were jobs gain it on open."""
+
+    __tablename__ = "round_jobs"
+
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), primary_key=True)
+    worker: Mapped[str | None] = mapped_column(String(128))
+    claimed_at: Mapped[float | None]
+    heartbeat_at: Mapped[float | None] = mapped_column(index=True)
+    attempts: Mapped[int] = mapped_column(default=0)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+RoundStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ROUND_STATUSES = get_args(RoundStatus)
+FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
 _ROUND_FIELDS = (
     "task",
     "status",
@@ -133,6 +151,18 @@ class RoundRecord:
     error: str | None
     created_at: float
     finished_at: float | None
+    worker: str | None = None
+    """The worker that claimed it last (its id: host:pid)."""
+    heartbeat_at: float | None = None
+    attempts: int = 0
+    """How many times a worker claimed it (a dead worker's round is re-queued)."""
+    cancel_requested: bool = False
+    progress: dict[str, Any] | None = None
+    """What the running round last reported (phase, ...)."""
+
+
+class RoundLost(RuntimeError):
+    """A worker's round is no longer its own (re-queued after its heartbeat expired, or cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -306,22 +336,99 @@ class MetadataDB:
             ]
 
     # ------------------------------------------------------------------ rounds
-    def create_round(self, *, algo: str, task: str, base_ref: str, config: dict[str, Any]) -> int:
-        """Record a new round as ``running``; returns its number (1, 2, ...)."""
+    def create_round(
+        self, *, algo: str, task: str, base_ref: str, config: dict[str, Any], status: RoundStatus = "queued"
+    ) -> int:
+        """Record a new round (``queued`` for a worker to claim); returns its number (1, 2, ...)."""
         with Session(self.engine) as s, s.begin():
             row = RoundRow(
                 algo=algo,
                 task=task,
                 base_ref=base_ref,
-                status="running",
+                status=status,
                 config=config,
                 data={},
                 metrics={},
                 created_at=time.time(),
+                job=RoundJobRow(attempts=0, progress={}),
             )
             s.add(row)
             s.flush()
             return int(row.id)
+
+    # The job queue. Every transition is one transaction: on SQLite under BEGIN IMMEDIATE (writers take
+    # turns), on PostgreSQL with SELECT ... FOR UPDATE SKIP LOCKED (workers never claim the same row).
+    def claim_round(self, worker: str, round_id: int | None = None) -> RoundRecord | None:
+        """Take the oldest queued round (or ``round_id`` if it is queued) for ``worker``: it becomes
+        ``running`` with a fresh heartbeat. None when there is nothing to claim."""
+        now = time.time()
+        with Session(self.engine) as s, s.begin():
+            q = select(RoundRow).where(RoundRow.status == "queued").order_by(RoundRow.id).limit(1)
+            if round_id is not None:
+                q = q.where(RoundRow.id == round_id)
+            row = s.scalars(q.with_for_update(skip_locked=True)).first()
+            if row is None:
+                return None
+            job = row.job or RoundJobRow(round_id=row.id, attempts=0, progress={})
+            row.job = job
+            row.status = "running"
+            job.worker, job.claimed_at, job.heartbeat_at = worker, now, now
+            job.attempts = (job.attempts or 0) + 1
+            s.flush()
+            return _round_record(row)
+
+    def heartbeat_round(self, round_id: int, worker: str, progress: dict[str, Any] | None = None) -> bool:
+        """The worker still runs ``round_id``; returns True when someone asked to cancel it. Raises
+        :class:`RoundLost` when the round is no longer this worker's (re-queued or finished)."""
+        with Session(self.engine) as s, s.begin():
+            row = s.get(RoundRow, round_id)
+            if row is None or row.status != "running" or row.job is None or row.job.worker != worker:
+                state = "missing" if row is None else row.status
+                raise RoundLost(f"round {round_id} is no longer run by {worker} (it is {state})")
+            row.job.heartbeat_at = time.time()
+            if progress is not None:
+                row.job.progress = {**(row.job.progress or {}), **progress}
+            return bool(row.job.cancel_requested)
+
+    def requeue_stale_rounds(self, stale_after_s: float, max_attempts: int) -> list[RoundRecord]:
+        """Rounds whose worker stopped heartbeating ``stale_after_s`` ago: queued again, or failed with
+        the reason once they were tried ``max_attempts`` times. Returns the rounds it changed."""
+        cutoff, changed = time.time() - stale_after_s, []
+        with Session(self.engine) as s, s.begin():
+            q = (
+                select(RoundRow)
+                .join(RoundJobRow)
+                .where(RoundRow.status == "running", RoundJobRow.heartbeat_at < cutoff)
+                .with_for_update(skip_locked=True)
+            )
+            for row in s.scalars(q):
+                job = row.job
+                why = f"worker {job.worker} stopped heartbeating (last at {job.heartbeat_at:.0f}, attempt {job.attempts})"
+                if job.attempts >= max_attempts:
+                    row.status, row.finished_at = "failed", time.time()
+                    row.error = f"{why}; gave up after {job.attempts} attempt(s)"
+                else:
+                    row.status, row.error = "queued", why
+                job.worker = None
+                s.flush()
+                changed.append(_round_record(row))
+        return changed
+
+    def cancel_round(self, round_id: int) -> RoundRecord:
+        """Cancel a queued round at once; ask a running one's worker to stop (it sees the flag at its next
+        heartbeat). A finished round raises ValueError."""
+        with Session(self.engine) as s, s.begin():
+            row = s.get(RoundRow, round_id)
+            if row is None:
+                raise KeyError(f"no round {round_id}")
+            if row.status in FINISHED_STATUSES:
+                raise ValueError(f"round {round_id} already {row.status}; nothing to cancel")
+            if row.status == "queued":
+                row.status, row.finished_at, row.error = "cancelled", time.time(), "cancelled before it ran"
+            row.job = row.job or RoundJobRow(round_id=row.id, attempts=0, progress={})
+            row.job.cancel_requested = True
+            s.flush()
+            return _round_record(row)
 
     def update_round(self, round_id: int, **fields: Any) -> RoundRecord:
         """Set some of a round's fields (status, metrics, checkpoint_ref, promoted, error, ...)."""
@@ -360,7 +467,13 @@ class MetadataDB:
 
 
 def _round_record(row: RoundRow) -> RoundRecord:
+    job = row.job
     return RoundRecord(
+        worker=job.worker if job else None,
+        heartbeat_at=job.heartbeat_at if job else None,
+        attempts=job.attempts if job else 0,
+        cancel_requested=bool(job.cancel_requested) if job else False,
+        progress=dict(job.progress or {}) if job else {},
         id=row.id,
         algo=row.algo,
         task=row.task,

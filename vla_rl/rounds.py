@@ -16,23 +16,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import socket
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fleet.db import MetadataDB, RoundRecord, default_url
+from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url
 from vla_rl.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.evaluation import evaluate
-from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder
+from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.policy_loading import load_policy
-from vla_rl.train.algorithms import train
+from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig
 from vla_rl.train.transitions import DataSelection
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoundConfig", "RoundError", "RoundOptions", "start_round"]
+__all__ = ["RoundConfig", "RoundError", "RoundOptions", "queue_round", "run_round", "start_round"]
 
 
 class RoundError(RuntimeError):
@@ -117,16 +120,102 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
 
 
 # ---------------------------------------------------------------------------- the round
-def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
-    """Run one round end to end; returns its final DB record (status succeeded, or raises after
-    recording status failed with the error)."""
+def round_db(cfg: RoundConfig) -> MetadataDB:
+    """The metadata DB a round is recorded in: the train config's ``db_url``, else the store's SQLite."""
+    assert cfg.train.store is not None  # checked by RoundConfig
+    return MetadataDB(cfg.train.db_url or default_url(cfg.train.store))
+
+
+def config_to_json(cfg: RoundConfig) -> dict[str, Any]:
+    """The round's row config: everything needed to run it again elsewhere (:func:`config_from_json`)."""
+    return json.loads(json.dumps({"algo": cfg.algo, **asdict(cfg)}, default=str))
+
+
+def config_from_json(data: dict[str, Any]) -> RoundConfig:
+    d = dict(data)
+    algo, train_values = d.pop("algo"), d.pop("train")
+    return RoundConfig(train=make_config(algo, **train_values), **d)
+
+
+def queue_round(cfg: RoundConfig, db: MetadataDB | None = None) -> int:
+    """Queue a round for a worker (``vla-rl round worker``); returns its number. The one call the CLI,
+    the dashboard and ``vla-rl up`` use to ask for a round."""
     t = cfg.train
-    assert t.base is not None and t.store is not None  # checked by RoundConfig
-    db = db or MetadataDB(t.db_url or default_url(t.store))
-    config_json = json.loads(json.dumps({"algo": cfg.algo, **asdict(cfg)}, default=str))
-    round_id = db.create_round(algo=cfg.algo, task=t.task or "", base_ref=t.base, config=config_json)
-    log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": t.base})
+    assert t.base is not None
+    db = db or round_db(cfg)
+    round_id = db.create_round(algo=cfg.algo, task=t.task or "", base_ref=t.base, config=config_to_json(cfg))
+    log.info("round queued", extra={"round": round_id, "algo": cfg.algo, "base": t.base})
+    return round_id
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
+    """Queue one round and run it here, now (``vla-rl round start``): returns its final DB record
+    (succeeded), or raises after recording it as failed with the error."""
+    db = db or round_db(cfg)
+    round_id = queue_round(cfg, db)
+    worker = worker_id()
+    if db.claim_round(worker, round_id) is None:
+        raise RoundError(f"round {round_id} was claimed by another worker before this process could run it")
+    with Heartbeat(db, round_id, worker):
+        return run_round(cfg, round_id, db, worker)
+
+
+class Heartbeat:
+    """Keeps a claimed round's heartbeat fresh from a background thread while the round runs here."""
+
+    def __init__(self, db: MetadataDB, round_id: int, worker: str, interval_s: float = 5.0) -> None:
+        self.db, self.round_id, self.worker, self.interval_s = db, round_id, worker, interval_s
+        self.cancel_requested = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"round-{round_id}-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.cancel_requested = self.db.heartbeat_round(self.round_id, self.worker)
+            except RoundLost:
+                return
+            except Exception as e:  # a DB hiccup must not kill the round; the next beat retries
+                log.warning("heartbeat failed", extra={"round": self.round_id, "error": str(e)})
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _phase(db: MetadataDB, round_id: int, worker: str | None, phase: str) -> None:
+    """Report what the round does now (the dashboard shows it); raises RoundLost if it is not ours."""
+    if worker is not None:
+        db.heartbeat_round(round_id, worker, progress={"phase": phase, "since": time.time()})
+
+
+def _tag_exists(repo: str, tag: str) -> bool:
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
     try:
+        resolve(f"hub://{repo}@{tag}")
+    except (RevisionNotFoundError, RepositoryNotFoundError):
+        return False
+    return True
+
+
+def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | None = None) -> RoundRecord:
+    """The round's work, for a round already claimed by ``worker`` (status running): train, evaluate
+    candidate and base on the same seeds, push ``round-N`` (never twice), promote if the gate passes.
+    Returns the final record, or raises after recording the failure."""
+    t = cfg.train
+    assert t.base is not None
+    log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": t.base, "worker": worker})
+    try:
+        _phase(db, round_id, worker, "loading base")
         base = load_policy(t.base)
         task = t.task or base.info.robot_spec.name
         if task != base.info.robot_spec.name:
@@ -134,10 +223,12 @@ def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
         db.update_round(round_id, base_revision=base.commit, task=task)
         DataSelection.parse(task, t.data)  # a bad selection fails before any training
         run = dataclasses.replace(t, out=t.out / f"round-{round_id}", task=task, round_index=round_id)
+        _phase(db, round_id, worker, "training")
         trained = train(run)
         db.update_round(round_id, data=json.loads(json.dumps(trained.data, default=str)))
 
         # evaluate base and candidate on the same seeds
+        _phase(db, round_id, worker, "evaluating")
         new = load_policy(trained.checkpoint)
         ev_kw = dict(
             episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=t.progress
@@ -183,6 +274,11 @@ def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
         if cfg.push:
             repo = cfg.repo or parse_ref(t.base).repo_id
             tag = f"round-{round_id}"
+            _phase(db, round_id, worker, "pushing")
+            if _tag_exists(repo, tag):  # an earlier attempt of this round pushed it, then its worker died
+                raise RoundError(
+                    f"{tag} already exists in {repo} (pushed by an earlier attempt); a round never tags twice"
+                )
             revision = push_folder(
                 trained.checkpoint, repo, message=f"round {round_id}: {cfg.algo} on {task}", tag=tag
             )
@@ -218,6 +314,9 @@ def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
             },
         )
         return record
+    except RoundLost:
+        log.error("round lost", extra={"round": round_id, "worker": worker})
+        raise  # re-queued or cancelled meanwhile: its row belongs to someone else now
     except BaseException as e:
         db.update_round(
             round_id,

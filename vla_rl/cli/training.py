@@ -127,9 +127,11 @@ def _presets_for(algo: str | None) -> str:
 def round_start(argv: Sequence[str], prog: str) -> int:
     """Run one post-training round (its flags: the algorithm's, plus the round's)."""
     from vla_rl.checkpoint import CheckpointError
-    from vla_rl.rounds import RoundConfig, RoundError, RoundOptions, start_round
+    from vla_rl.rounds import RoundConfig, RoundError, RoundOptions, queue_round, start_round
 
     argv = list(argv)
+    queue_only = "--queue" in argv
+    argv = [a for a in argv if a != "--queue"]
     preset, algo = pop_option(argv, "--preset"), pop_option(argv, "--algo")
     if preset is not None and algo is None:
         with user_errors(ValueError, prefix="--"):
@@ -158,18 +160,26 @@ def round_start(argv: Sequence[str], prog: str) -> int:
         CheckpointError,
         suffix=" (the round's row in the DB records the failure: vla-rl round list)",
     ):
-        rec = start_round(RoundConfig(train=parsed.inner, preset=preset, **options))
+        cfg = RoundConfig(train=parsed.inner, preset=preset, **options)
+        if queue_only:
+            rid = queue_round(cfg)
+            print(f"queued round {rid}; a `vla-rl round worker --store {cfg.train.store}` runs it")
+            return 0
+        rec = start_round(cfg)
     print(_round_line(rec))
     print(f"gate: {rec.metrics.get('gate', {}).get('reason', '')}")
     return 0
 
 
-ROUND_USAGE = "usage: vla-rl round start --algo ALGO [--preset NAME] --base REF --store PATH [FLAGS]"
+ROUND_USAGE = (
+    "usage: vla-rl round start --algo ALGO [--preset NAME] [--queue] --base REF --store PATH [FLAGS]"
+)
 ROUND_HELP = (
     "Select data from the store + DB, train with ALGO starting from BASE, evaluate the result and the base "
     "on the same simulated seeds, push the checkpoint to the Hub with tag round-N, and move the served ref "
     "(--promote-ref, default prod) to it only if it beats the base by more than --margin. Every round is "
-    "recorded in the metadata DB (vla-rl round list|show). The flags are the algorithm's own (as for "
+    "recorded in the metadata DB (vla-rl round list|show). With --queue the round is only queued, for a "
+    "`vla-rl round worker` to run (vla-rl round cancel N stops it). The flags are the algorithm's own (as for "
     "`vla-rl train ALGO`) plus the round's; `vla-rl round start --algo ALGO --help` lists them.\n\n"
     "algorithms:\n" + "".join(f"  {a.name:<12} {a.summary}\n" for a in ALGORITHMS.values()) + "\n"
     "presets (--preset NAME; --algo follows from it):\n"
@@ -182,6 +192,10 @@ ROUND_HELP = (
 
 def _round_line(r: Any) -> str:
     m = r.metrics
+    if r.status in ("queued", "running"):
+        phase = (r.progress or {}).get("phase", "")
+        who = f"worker {r.worker}, attempt {r.attempts}" + (f", {phase}" if phase else "") if r.worker else ""
+        return f"round {r.id:>3}  {r.algo:<10} {r.status:<9} {who}"
     score = (
         f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
         if "success" in m
@@ -240,6 +254,46 @@ def round_show(a: RoundShow) -> int:
     if r is None:
         raise CliError(f"no round {a.round} in {db}; list them with: vla-rl round list --store {a.store}")
     print(json.dumps(asdict(r), indent=2, default=str))
+    return 0
+
+
+@dataclass
+class RoundCancel:
+    """Cancel a round: a queued one at once, a running one at its worker's next heartbeat."""
+
+    round: Positional[int]
+    """Round number."""
+    store: Path
+    """Episode store (its DB holds the rounds)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+
+
+def round_cancel(a: RoundCancel) -> int:
+    from vla_rl.cli.common import open_db
+
+    db = open_db(a.store, a.db)
+    with user_errors(KeyError, ValueError, prefix=f"round {a.round}: "):
+        rec = db.cancel_round(a.round)
+    print(
+        _round_line(rec)
+        if rec.status == "cancelled"
+        else f"round {a.round}: its worker stops it at the next heartbeat"
+    )
+    return 0
+
+
+def _worker_args() -> type:
+    from vla_rl.round_worker import WorkerConfig
+
+    return WorkerConfig
+
+
+def round_worker(cfg: Any) -> int:
+    from vla_rl.round_worker import run_worker
+
+    n = run_worker(cfg)
+    print(f"ran {n} round(s)")
     return 0
 
 
@@ -357,5 +411,12 @@ COMMANDS = [
     ),
     Command(("round", "list"), "list rounds with their scores and promotion", RoundList, round_list),
     Command(("round", "show"), "one round's full record as JSON", RoundShow, round_show),
+    Command(
+        ("round", "worker"),
+        "claim queued rounds from the DB and run them (many may share a queue)",
+        _worker_args,
+        round_worker,
+    ),
+    Command(("round", "cancel"), "cancel a queued or running round", RoundCancel, round_cancel),
     Command(("eval",), "evaluate a checkpoint in simulation", Eval, eval_),
 ]

@@ -1,0 +1,253 @@
+"""Rounds as jobs: queued in the metadata DB, claimed atomically by `vla-rl round worker` processes,
+heartbeated, re-queued when their worker dies, cancelled, and never tagged twice.
+
+Real SQLite DB shared by real worker processes; rounds train a tiny AWR step on the kinematic test bed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fleet.db import MetadataDB, RoundLost
+from fleet.store import EpisodeStore
+from sim.demos import record_demos
+from vla_rl.hub.registry import configure_hub, push_folder, resolve
+from vla_rl.hub.server import HubServer
+from vla_rl.rounds import RoundConfig, RoundError, queue_round, run_round
+from vla_rl.train.algorithms import make_config
+from vla_rl.train.sft import SFTConfig, train_sft
+
+TASK = "kinematic/Reach-v0"
+CLI = [sys.executable, "-m", "vla_rl.cli"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(store with 6 demos, a tiny SFT checkpoint folder) on the kinematic task."""
+    root = tmp_path_factory.mktemp("queue")
+    store = root / "store"
+    record_demos(EpisodeStore(store, create=True), TASK, episodes=6, noise=0.5, seed=0, progress=False)
+    sft = train_sft(
+        SFTConfig(
+            task=TASK,
+            store=store,
+            out=root / "sft",
+            steps=30,
+            batch_size=16,
+            chunk_len=4,
+            n_exec=2,
+            d_model=32,
+            n_layers=1,
+            expert_n_layers=1,
+            instruction_encoder="none",
+            threads=1,
+            progress=False,
+        )
+    )
+    return store, sft.checkpoint
+
+
+def _round(store: Path, ckpt: Path, out: Path, steps: int = 5, **kw: Any) -> RoundConfig:
+    train = make_config(
+        "awr",
+        base=str(ckpt),
+        store=store,
+        out=out,
+        steps=steps,
+        value_steps=5,
+        batch_size=16,
+        threads=1,
+        progress=False,
+    )
+    return RoundConfig(train=train, push=False, eval_episodes=2, eval_envs=1, **kw)
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------- the queue itself
+def test_queue_transitions(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, ckpt = base
+    db = MetadataDB(f"sqlite:///{tmp_path / 'q.db'}")
+    a, b = (queue_round(_round(store, ckpt, tmp_path), db) for _ in range(2))
+    assert [r.status for r in db.rounds()] == ["queued", "queued"]
+    ra = db.claim_round("w1")
+    rb = db.claim_round("w2")
+    assert (ra.id, rb.id) == (a, b) and ra.status == "running" and ra.attempts == 1 and ra.worker == "w1"
+    assert db.claim_round("w3") is None  # nothing left
+    assert db.heartbeat_round(a, "w1", progress={"phase": "training"}) is False
+    assert db.round(a).progress == {"phase": "training"}
+    with pytest.raises(RoundLost):
+        db.heartbeat_round(a, "w2")  # not w2's round
+    assert db.requeue_stale_rounds(stale_after_s=3600, max_attempts=2) == []  # heartbeats are fresh
+    # both workers "die": a cutoff in the future makes every heartbeat stale
+    assert {r.id for r in db.requeue_stale_rounds(stale_after_s=-1, max_attempts=2)} == {a, b}
+    assert db.round(a).status == "queued" and "stopped heartbeating" in db.round(a).error
+    with pytest.raises(RoundLost):
+        db.heartbeat_round(a, "w1")  # a worker that comes back learns its round is gone
+    assert db.claim_round("w4").attempts == 2
+    (gave_up,) = db.requeue_stale_rounds(stale_after_s=-1, max_attempts=2)
+    assert gave_up.status == "failed" and "gave up after 2 attempt(s)" in gave_up.error
+    # cancel: a queued round at once, a running one through its heartbeat; a finished one refuses
+    assert db.cancel_round(b).status == "cancelled" and db.claim_round("w5") is None
+    c = queue_round(_round(store, ckpt, tmp_path), db)
+    db.claim_round("w6")
+    assert db.cancel_round(c).status == "running" and db.heartbeat_round(c, "w6") is True
+    with pytest.raises(ValueError, match="already failed"):
+        db.cancel_round(a)
+
+
+def _claim_all(url: str, worker: str, out: Any) -> None:
+    db = MetadataDB(url)
+    got = []
+    while (r := db.claim_round(worker)) is not None:
+        got.append(r.id)
+    out.put(got)
+
+
+def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, ckpt = base
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    db = MetadataDB(url)
+    ids = [queue_round(_round(store, ckpt, tmp_path), db) for _ in range(24)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(url, f"w{i}", out)) for i in range(3)]
+    for p in procs:
+        p.start()
+    claimed = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    flat = [i for got in claimed for i in got]
+    assert sorted(flat) == ids, claimed  # every round exactly once
+    assert all(r.attempts == 1 for r in db.rounds())
+
+
+# ---------------------------------------------------------------------------- workers
+def _worker(store: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*CLI, "round", "worker", "--store", str(store), "--poll-s", "0.2", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_two_workers_run_each_queued_round_once(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, ckpt = base
+    ids = [queue_round(_round(store, ckpt, tmp_path / "rounds")) for _ in range(3)]
+    workers = [_worker(store, "--once", "--heartbeat-s", "1", "--stale-after-s", "30") for _ in range(2)]
+    logs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), logs
+    db = MetadataDB.for_store(store)
+    done = [db.round(i) for i in ids]
+    assert [r.status for r in done] == ["succeeded"] * 3, [(r.status, r.error) for r in done]
+    assert [r.attempts for r in done] == [1, 1, 1] and all(r.worker for r in done)
+    for i, r in zip(ids, done, strict=True):  # each trained in its own round-N folder
+        assert Path(r.checkpoint_ref).is_dir() and f"round-{i}" in r.checkpoint_ref
+    ran = sum(int(line.split()[1]) for log in logs for line in log.splitlines() if line.startswith("ran "))
+    assert ran == 3
+
+
+def test_a_killed_workers_round_is_requeued_and_its_process_stops(
+    base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    store, ckpt = base
+    rid = queue_round(_round(store, ckpt, tmp_path / "rounds", steps=3000))  # long enough to be killed
+    db = MetadataDB.for_store(store)
+    first = _worker(store, "--once", "--heartbeat-s", "0.5", "--stale-after-s", "2")
+    try:
+        _wait(lambda: (db.round(rid).progress or {}).get("phase") == "training", 180, "the round to train")
+        children = psutil.Process(first.pid).children()
+        assert children, "the round runs in a child process"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        # the orphaned round process notices its worker is gone and exits (no second copy can run)
+        _wait(
+            lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+            15,
+            "the orphaned round process to exit",
+        )
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert db.round(rid).status == "running"  # until someone notices the stale heartbeat
+    db.update_round(
+        rid, config={**db.round(rid).config, "train": {**db.round(rid).config["train"], "steps": 5}}
+    )
+    second = _worker(store, "--once", "--heartbeat-s", "0.5", "--stale-after-s", "2")
+    log = second.communicate(timeout=600)[0]
+    rec = db.round(rid)
+    assert rec.status == "succeeded" and rec.attempts == 2, (rec.status, rec.error, log)
+
+
+def test_cancel_stops_a_running_round(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, ckpt = base
+    rid = queue_round(_round(store, ckpt, tmp_path / "rounds", steps=100_000))
+    db = MetadataDB.for_store(store)
+    worker = _worker(store, "--once", "--heartbeat-s", "0.5", "--stale-after-s", "5")
+    try:
+        _wait(lambda: (db.round(rid).progress or {}).get("phase") == "training", 180, "the round to train")
+        r = subprocess.run(
+            [*CLI, "round", "cancel", str(rid), "--store", str(store)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+        log = worker.communicate(timeout=60)[0]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    rec = db.round(rid)
+    assert rec.status == "cancelled" and rec.error == "cancelled while running", log
+    r = subprocess.run(
+        [*CLI, "round", "cancel", str(rid), "--store", str(store)], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and "already cancelled" in r.stderr
+
+
+def test_a_round_never_pushes_its_tag_twice(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, ckpt = base
+    hub = HubServer(tmp_path / "hub", token="t").start()
+    try:
+        configure_hub(hub.url, "t")
+        push_folder(ckpt, "fleet/reach", message="base", tag="prod")
+        prod = resolve("hub://fleet/reach@prod")
+        train = make_config(
+            "awr",
+            base="hub://fleet/reach@prod",
+            store=store,
+            out=tmp_path / "r",
+            steps=5,
+            value_steps=5,
+            batch_size=16,
+            threads=1,
+            progress=False,
+        )
+        cfg = RoundConfig(train=train, eval_episodes=2, eval_envs=1, margin=-0.99)
+        db = MetadataDB(f"sqlite:///{tmp_path / 'q.db'}")
+        rid = queue_round(cfg, db)
+        # an earlier attempt of this round pushed its tag, then its worker died before recording it
+        push_folder(ckpt, "fleet/reach", message="earlier attempt", tag=f"round-{rid}")
+        assert db.claim_round("w") is not None
+        with pytest.raises(RoundError, match=f"round-{rid} already exists"):
+            run_round(cfg, rid, db, "w")
+        rec = db.round(rid)
+        assert rec.status == "failed" and "never tags twice" in rec.error
+        assert resolve("hub://fleet/reach@prod") == prod  # prod untouched though the gate would pass
+    finally:
+        hub.stop()
