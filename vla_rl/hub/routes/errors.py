@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vla_rl.hub.storage import HubError
+
+log = logging.getLogger("vla_rl.hub.server")
+
+# A write that fails for lack of space (or quota) is the server's condition, not a bug: 507 says so.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # The client maps a 401 on a repo URL to "repository not found" unless X-Error-Message is exactly this string.
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
@@ -50,7 +58,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return error_response(400, f"invalid request: {exc.errors()}")
 
 
+async def _os_error(request: Request, exc: OSError) -> Response:
+    if exc.errno in NO_SPACE:
+        log.error("hub storage is full: %s", exc, extra={"path": request.url.path})
+        return error_response(
+            507, "Insufficient storage: the registry's disk is full; free space or move --data, then retry"
+        )
+    log.exception("storage error on %s", request.url.path, exc_info=exc)
+    return error_response(500, f"storage error: {exc.strerror or type(exc).__name__}")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path, exc_info=exc)
+    return error_response(500, f"internal error ({type(exc).__name__}); see the registry's log")
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HubError, _hub_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OSError, _os_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
