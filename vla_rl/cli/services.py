@@ -258,8 +258,8 @@ class HubServe:
     Writes need the token when one is set, and so do reads of repos created private. The token comes from
     env VLA_RL_HUB_TOKEN or --token-file rather than a flag: a command line is visible to every user of the
     machine through ps (and /proc), the environment and a 0600 file are not. Request bodies are bounded
-    (--max-commit-bytes, --max-inline-file-bytes, --max-json-bytes; over a limit: 413 naming it). Binds
-    127.0.0.1 unless told otherwise."""
+    (--max-commit-bytes, --max-inline-file-bytes, --max-json-bytes, --max-commit-operations; over a
+    limit: 413 naming it). Binds 127.0.0.1 unless told otherwise."""
 
     data: Path = Path("runs/hub")
     """Repository storage folder."""
@@ -277,6 +277,8 @@ class HubServe:
     """Largest regular file a commit carries inline, in bytes (at most 10 MiB; larger files use LFS)."""
     max_json_bytes: int = 4 * 1024 * 1024
     """Largest JSON body of other requests (preupload, LFS batch, paths-info, refs), in bytes."""
+    max_commit_operations: int = 100_000
+    """Most file operations (adds, deletes) in one commit."""
 
 
 def hub_serve(a: HubServe) -> int:
@@ -296,6 +298,7 @@ def hub_serve(a: HubServe) -> int:
             max_commit_bytes=a.max_commit_bytes,
             max_inline_file_bytes=a.max_inline_file_bytes,
             max_json_bytes=a.max_json_bytes,
+            max_commit_operations=a.max_commit_operations,
         )
     except ValueError as e:
         raise CliError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None

@@ -25,9 +25,11 @@ class Limits:
     """Largest regular (non-LFS) file a commit may carry inline, decoded; at most the LFS threshold."""
     max_json_bytes: int = 4 * MiB
     """Largest JSON body of any other request (preupload, LFS batch, paths-info, refs, repos)."""
+    max_commit_operations: int = 100_000
+    """Most operations (added, LFS and deleted files or folders) in one commit; each is held until it lands."""
 
     def __post_init__(self) -> None:
-        for name in ("max_commit_bytes", "max_inline_file_bytes", "max_json_bytes"):
+        for name in ("max_commit_bytes", "max_inline_file_bytes", "max_json_bytes", "max_commit_operations"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_inline_file_bytes > LFS_THRESHOLD:

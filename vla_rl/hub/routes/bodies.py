@@ -27,11 +27,11 @@ def limits_of(request: Request) -> Limits:
     return request.app.state.hub.settings.limits
 
 
-def too_large(limit: int, name: str) -> HubError:
+def too_large(limit: int, name: str, what: str = "request body over {limit} bytes") -> HubError:
     """The 413 for a body over ``limit``, naming the setting (``vla-rl hub serve`` flag) that sets it."""
     flag = "--" + name.replace("_", "-")
     return HubError(
-        f"request body over {limit} bytes ({name}; raise it with 'vla-rl hub serve {flag}'; "
+        f"{what.format(limit=limit)} ({name}; raise it with 'vla-rl hub serve {flag}'; "
         "large files go through LFS)",
         status=413,
         code="PayloadTooLarge",
@@ -83,20 +83,23 @@ async def stream_lines(
     request: Request, limit: int, name: str, max_line: int, line_name: str
 ) -> AsyncIterator[bytes]:
     """The non-blank lines of an NDJSON body as they arrive, each at most ``max_line`` bytes (413 naming
-    ``line_name`` otherwise). Only the current line is held, never the whole body."""
+    ``line_name`` otherwise). Only the current chunk and line are held, never the whole body."""
     buf = bytearray()
     async for chunk in stream_body(request, limit, name):
         start = len(buf)
         buf += chunk
-        while (nl := buf.find(b"\n", start)) >= 0:
-            line = bytes(buf[:nl])
-            del buf[: nl + 1]
-            start = 0
-            if line.strip():
+        pos = 0
+        while (nl := buf.find(b"\n", max(start, pos))) >= 0:
+            with memoryview(buf) as view:
+                line = bytes(view[pos:nl])  # one copy; the buffer is trimmed once per chunk, not per line
+            pos = nl + 1
+            if line and not line.isspace():
                 yield line
+        if pos:
+            del buf[:pos]
         if len(buf) > max_line:
             raise too_large(max_line, line_name)
-    if buf.strip():
+    if buf and not buf.isspace():
         yield bytes(buf)
 
 

@@ -48,6 +48,7 @@ log = logging.getLogger("vla_rl.hub.server")
 router = APIRouter()
 
 COMMITS_PAGE = 50
+COMMIT_BATCH_BYTES = 1024 * 1024
 
 
 def _no_pull_requests(request: Request) -> None:
@@ -132,12 +133,31 @@ async def commit(request: Request, hub: HubDep, repo_id: WritableRepo, rev: str)
         limits.max_commit_line_bytes,
         "max_inline_file_bytes",
     )
-    try:
-        async for line in lines:
+    batch: list[bytes] = []
+    batch_bytes = 0
+
+    def parse(lines: list[bytes]) -> None:
+        nonlocal header
+        for line in lines:
             if header is None:
-                header = await run_in_threadpool(_header, line)
+                header = _header(line)
+            elif len(ops) >= limits.max_commit_operations:
+                what = "commit with more than {limit} operations"
+                raise too_large(limits.max_commit_operations, "max_commit_operations", what)
             else:
-                ops.append(await run_in_threadpool(_operation, storage, line, limits, staged))
+                ops.append(_operation(storage, line, limits, staged))
+
+    try:
+        # Lines go to the threadpool in batches (one hop per ~1 MiB, not per line), so many small operations
+        # cost little and a big one is parsed alone; the batch is all the body that is held at a time.
+        async for line in lines:
+            batch.append(line)
+            batch_bytes += len(line)
+            if batch_bytes >= COMMIT_BATCH_BYTES:
+                await run_in_threadpool(parse, batch)
+                batch, batch_bytes = [], 0
+        await run_in_threadpool(parse, batch)
+        del batch
         if header is None:
             raise BadRequest("empty commit payload: expected NDJSON starting with a 'header' line")
         summary, description, parent = _header_fields(header)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -73,7 +75,31 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(500, f"internal error ({type(exc).__name__}); see the registry's log")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RefuseControlCharacters:
+    """ASGI middleware: a URL path with a control character (``%0a``, ``%00``...) is a 400 before routing.
+
+    Starlette matches routes with ``re.match`` and a ``$`` anchor, and ``{path:path}`` is ``.*``, which stops
+    at a newline: ``/org/name/resolve/main/a.txt%0a`` would otherwise be routed, and served, as ``a.txt``.
+    No repo id, revision or file path may hold a control character, so none is lost by refusing them here.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and _CONTROL.search(scope.get("path", "")):
+            await error_response(400, "control characters are not allowed in the URL path")(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+
 def add_error_handlers(app: FastAPI) -> None:
+    app.add_middleware(RefuseControlCharacters)
     app.add_exception_handler(HubError, _hub_error)  # type: ignore[arg-type]
     app.add_exception_handler(OSError, _os_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
