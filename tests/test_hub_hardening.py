@@ -443,6 +443,34 @@ def test_bad_query_values_answer_4xx(hub: HubServer, api: Any) -> None:
     assert 400 <= status < 500
 
 
+def test_missing_or_mistyped_fields_are_400_and_change_nothing(hub: HubServer, api: Any) -> None:
+    repo = "org/fields"
+    api.create_repo(repo)
+    head = api.model_info(repo).sha
+    bodies = [
+        ("POST", "/api/repos/create", {"organization": "org"}),  # no name: used to create 'org/None'
+        ("POST", "/api/repos/create", {"name": 5, "organization": "org"}),
+        ("POST", "/api/repos/create", {"name": "x", "organization": ["org"]}),
+        ("DELETE", "/api/repos/delete", {"name": "fields"}),
+        ("POST", f"/api/models/{repo}/tag/main", {"tag": None}),
+        ("POST", f"/api/models/{repo}/branch/dev", {"startingPoint": 3}),
+        (
+            "POST",
+            f"/api/models/{repo}/preupload/main",
+            {"files": [{"path": "a.txt", "size": True, "sample": ""}]},
+        ),
+        ("POST", f"/{repo}.git/info/lfs/objects/verify", {"oid": "0" * 64}),
+    ]
+    for method, url, body in bodies:
+        status, _, raw = _raw(hub, method, url, json.dumps(body).encode(), _auth())
+        assert status == 400 and "error" in json.loads(raw), (method, url, body, status)
+    huge = _commit_body(summary="s" * (128 * 1024))
+    assert _raw(hub, "POST", f"/api/models/{repo}/commit/main", huge, _auth())[0] == 400
+    assert api.model_info(repo).sha == head
+    assert not (Path(hub.data_dir) / "repos" / "org" / "None").exists()
+    assert [b.name for b in api.list_repo_refs(repo).branches] == ["main"]
+
+
 def _enospc(*args: Any, **kwargs: Any) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 

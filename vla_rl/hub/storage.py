@@ -19,6 +19,9 @@ Every file is written to a temporary name, fsynced and moved into place with os.
 either the old or the new version. Ref updates (commits, tags, branches) run under a per-repo lock, a thread
 lock plus ``flock`` on the repo's lock file, so concurrent commits from threads or from several server
 processes on one data folder are serialised and a commit on a stale parent is refused rather than lost.
+A write that fails half-way (a full disk: ENOSPC) is undone under that lock: a failed create removes the repo's
+folder, a commit whose ref could not be written removes its commit file, so neither an empty repo nor an
+unreachable commit is left behind. Blobs are content-addressed and may outlive a failed commit harmlessly.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Every body is read under a limit from :class:`vla_rl.hub.limits.Limits` (a 413 names the setting), and
 every parse runs in the threadpool, so a large or hostile body never stalls the event loop that answers the
 other requests. Malformed input (bad JSON, nesting too deep for the parser, non-ASCII digits) is a 400.
+Unknown fields are ignored, as on the Hub (the client adds fields across versions); a missing or mistyped
+known field is a 400. Page numbers are ASCII digits up to :data:`MAX_PAGE`; a page past the end is empty.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ router = APIRouter()
 
 COMMITS_PAGE = 50
 COMMIT_BATCH_BYTES = 1024 * 1024
+MAX_MESSAGE_CHARS = 64 * 1024
 
 
 def _no_pull_requests(request: Request) -> None:
@@ -222,11 +223,14 @@ def _header_fields(header: dict[str, Any]) -> tuple[str, str, str | None]:
     summary = header.get("summary")
     if not isinstance(summary, str) or not summary.strip():
         raise BadRequest("the commit header needs a non-empty 'summary'")
-    description = header.get("description") or ""
+    description = str(header.get("description") or "")
+    if len(summary) + len(description) > MAX_MESSAGE_CHARS:
+        # Every history page repeats the message: a multi-megabyte one would make each page that large.
+        raise BadRequest(f"the commit message is over {MAX_MESSAGE_CHARS} characters")
     parent = header.get("parentCommit")
     if parent is not None and (not isinstance(parent, str) or not COMMIT_SHA.fullmatch(parent)):
         raise BadRequest("'parentCommit' must be a 40-hex commit sha")
-    return summary.strip(), str(description), parent
+    return summary.strip(), description, parent
 
 
 def _operation(storage: HubStorage, line: bytes, limits: Limits, staged: list[BlobWriter]) -> Operation:
