@@ -270,7 +270,7 @@ class HubServe:
     token: str | None = field(default_factory=lambda: env_secret("VLA_RL_HUB_TOKEN"))
     """Write token (default: env VLA_RL_HUB_TOKEN; prefer the environment or --token-file over this flag)."""
     token_file: Path | None = None
-    """File holding the token (first line; wins over VLA_RL_HUB_TOKEN); keep it mode 0600."""
+    """File holding the token alone (surrounding whitespace ignored; wins over VLA_RL_HUB_TOKEN); mode 0600."""
     max_commit_bytes: int = 256 * 1024 * 1024  # = vla_rl.hub.limits.Limits() (a test checks)
     """Largest commit body in bytes (NDJSON with inline files base64-encoded; parsed as a stream)."""
     max_inline_file_bytes: int = 10 * 1024 * 1024

@@ -118,9 +118,11 @@ async def preupload(request: Request, hub: HubDep, repo_id: WritableRepo, rev: s
 
 @router.post("/api/models/{org}/{name}/commit/{rev}")
 async def commit(request: Request, hub: HubDep, repo_id: WritableRepo, rev: str) -> dict[str, Any]:
-    """The NDJSON commit, parsed as it arrives: one line at a time is held, and each line's parsing, decoding,
-    hashing and disk write run in the threadpool. Inline files are staged in ``tmp/`` and become blobs only
-    once the whole payload parsed; a refused commit leaves no blob, commit or ref behind."""
+    """The NDJSON commit, parsed as it arrives: about 1 MiB of lines (or one long line) is held at a time, and
+    parsing, decoding, hashing and disk writes run in the threadpool. Inline files are staged in ``tmp/`` and
+    become blobs only once the whole payload parsed, so a payload refused while parsing leaves nothing; one
+    refused when applied (stale parent, missing file) leaves at most content-addressed blobs, never a commit
+    or a ref."""
     _no_pull_requests(request)
     storage, limits = hub.storage, hub.settings.limits
     await run_in_threadpool(storage.resolve, repo_id, rev)  # a missing repo or revision fails before the body
