@@ -193,7 +193,7 @@ SMALL = Limits(
 
 
 @pytest.fixture(scope="module")
-def small_hub(tmp_path_factory: pytest.TempPathFactory, hub_client_env: None) -> Iterator[HubServer]:  # noqa: F811
+def small_hub(tmp_path_factory: pytest.TempPathFactory, hub: HubServer) -> Iterator[HubServer]:
     with HubServer(tmp_path_factory.mktemp("small") / "data", token=TOKEN, limits=SMALL) as server:
         status, _, _ = _raw(server, "POST", "/api/repos/create", b'{"name": "org/small"}', _auth())
         assert status == 200
@@ -258,6 +258,19 @@ def test_over_limit_bodies_get_413_naming_the_limit(small_hub: HubServer) -> Non
     r = httpx.post(small_hub.url + commit_url, content=ok, headers=_auth(), timeout=30)
     assert r.status_code == 200, r.text
     assert not list((Path(small_hub.data_dir) / "tmp").iterdir())
+
+
+def test_the_client_round_trip_fits_lowered_limits(small_hub: HubServer, tmp_path: Path) -> None:
+    """Preupload sends files over max_inline_file_bytes to LFS, so the real client's commits stay in bounds."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(endpoint=small_hub.url, token=TOKEN)
+    text = b"x" * (SMALL.max_inline_file_bytes + 1000)  # a text file that would be inline by default
+    api.upload_file(path_or_fileobj=text, path_in_repo="notes.txt", repo_id="org/small", commit_message="t")
+    entry = next(iter(api.get_paths_info("org/small", ["notes.txt"])))
+    assert entry.lfs is not None and entry.size == len(text)
+    got = hf_hub_download("org/small", "notes.txt", cache_dir=tmp_path, endpoint=small_hub.url, token=TOKEN)
+    assert Path(got).read_bytes() == text
 
 
 def _commit_while_polling(server: HubServer, body: Iterator[bytes]) -> tuple[int, list[float]]:

@@ -166,11 +166,12 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
-def wants_lfs(path: str, size: int, sample: bytes) -> bool:
-    """Upload mode for preupload: LFS for big files, binary-looking files and checkpoint/binary formats."""
+def wants_lfs(path: str, size: int, sample: bytes, threshold: int = LFS_THRESHOLD) -> bool:
+    """Upload mode for preupload: LFS for files over ``threshold`` (the most a commit may carry inline),
+    binary-looking files and checkpoint/binary formats."""
     if size == 0:
         return False
-    if size > LFS_THRESHOLD or b"\x00" in sample:
+    if size > threshold or b"\x00" in sample:
         return True
     base = path.rsplit("/", 1)[-1].lower()
     return any(fnmatch.fnmatchcase(base, pat) for pat in LFS_PATTERNS)

@@ -95,6 +95,7 @@ async def preupload(request: Request, hub: HubDep, repo_id: WritableRepo, rev: s
     _no_pull_requests(request)
     body = await read_json(request)
     files_in = body.get("files") if isinstance(body, dict) else None
+    inline_max = hub.settings.limits.max_inline_file_bytes  # larger files are sent to LFS, so commits fit
     if not isinstance(files_in, list):
         raise BadRequest("expected {'files': [{'path', 'size', 'sample'}, ...]}")
 
@@ -109,7 +110,7 @@ async def preupload(request: Request, hub: HubDep, repo_id: WritableRepo, rev: s
             sample = _b64decode(f.get("sample") or "", f"'sample' of {path!r}")[:512]
             existing = current.get(path)
             oid = None if existing is None else (existing.sha256 if existing.lfs else existing.blob_id)
-            mode = "lfs" if wants_lfs(path, f["size"], sample) else "regular"
+            mode = "lfs" if wants_lfs(path, f["size"], sample, inline_max) else "regular"
             out.append({"path": path, "uploadMode": mode, "shouldIgnore": False, "oid": oid})
         return {"files": out, "commitOid": sha}
 
