@@ -428,6 +428,21 @@ def test_private_server_needs_the_token_to_read(hub_client_env: None, tmp_path: 
         assert exc.value.response.status_code == 401
 
 
+# The routes that read a repo (all of them go through routes.auth.readable_repo).
+READ_ROUTES = frozenset(
+    {
+        "get_model",
+        "get_model_revision",
+        "list_refs",
+        "list_commits",
+        "tree_root",
+        "tree",
+        "paths_info",
+        "resolve_file",
+    }
+)
+
+
 def test_every_route_decides_access_in_routes_auth() -> None:
     """Each route reaches the token rules through vla_rl.hub.routes.auth (or is public on purpose), so a new
     rule (e.g. per-repo private reads) lands in one dependency and covers every route."""
@@ -450,16 +465,7 @@ def test_every_route_decides_access_in_routes_auth() -> None:
         if "{org}" in route.path and kind != "public":
             assert used & {auth.readable_repo, auth.writable_repo, auth.writable_lfs_repo}, route.path
     assert {name for name, kind in access.items() if kind == "public"} == public
-    assert {name for name, kind in access.items() if kind == "read"} == {
-        "get_model",
-        "get_model_revision",
-        "list_refs",
-        "list_commits",
-        "tree_root",
-        "tree",
-        "paths_info",
-        "resolve_file",
-    }
+    assert {name for name, kind in access.items() if kind == "read"} == READ_ROUTES
 
 
 # ----- hostile input ---------------------------------------------------------------------------------------

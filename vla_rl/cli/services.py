@@ -255,7 +255,11 @@ def fleet_sim(a: Any) -> int:
 class HubServe:
     """Run the embedded Hub-compatible registry: model repos stored under --data, served with the
     Hugging Face Hub's HTTP API so the real huggingface_hub client pushes and pulls checkpoints here.
-    Writes need the token when one is set (env VLA_RL_HUB_TOKEN). Binds 127.0.0.1 unless told otherwise."""
+    Writes need the token when one is set, and so do reads of repos created private. The token comes from
+    env VLA_RL_HUB_TOKEN or --token-file rather than a flag: a command line is visible to every user of the
+    machine through ps (and /proc), the environment and a 0600 file are not. Request bodies are bounded
+    (--max-commit-bytes, --max-inline-file-bytes, --max-json-bytes, --max-commit-operations; over a
+    limit: 413 naming it). Binds 127.0.0.1 unless told otherwise."""
 
     data: Path = Path("runs/hub")
     """Repository storage folder."""
@@ -264,13 +268,41 @@ class HubServe:
     port: int = 8808
     """HTTP port."""
     token: str | None = field(default_factory=lambda: env_secret("VLA_RL_HUB_TOKEN"))
-    """Write token (default: env VLA_RL_HUB_TOKEN; prefer the environment over this flag)."""
+    """Write token (default: env VLA_RL_HUB_TOKEN; prefer the environment or --token-file over this flag)."""
+    token_file: Path | None = None
+    """File holding the token alone (surrounding whitespace ignored; wins over VLA_RL_HUB_TOKEN); mode 0600."""
+    max_commit_bytes: int = 256 * 1024 * 1024  # = vla_rl.hub.limits.Limits() (a test checks)
+    """Largest commit body in bytes (NDJSON with inline files base64-encoded; parsed as a stream)."""
+    max_inline_file_bytes: int = 10 * 1024 * 1024
+    """Largest regular file a commit carries inline, in bytes (at most 10 MiB; larger files use LFS)."""
+    max_json_bytes: int = 4 * 1024 * 1024
+    """Largest JSON body of other requests (preupload, LFS batch, paths-info, refs), in bytes."""
+    max_commit_operations: int = 100_000
+    """Most file operations (adds, deletes) in one commit."""
 
 
 def hub_serve(a: HubServe) -> int:
+    from vla_rl.hub.limits import Limits
     from vla_rl.hub.server import serve as run
 
-    run(a.data, host=a.host, port=a.port, token=a.token or None)
+    token = a.token or None
+    if a.token_file is not None:
+        try:
+            token = a.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--token-file {a.token_file}: cannot read the hub token ({e})") from None
+        if not token or "\n" in token:
+            raise CliError(f"--token-file {a.token_file}: expected the hub token alone on one line")
+    try:
+        limits = Limits(
+            max_commit_bytes=a.max_commit_bytes,
+            max_inline_file_bytes=a.max_inline_file_bytes,
+            max_json_bytes=a.max_json_bytes,
+            max_commit_operations=a.max_commit_operations,
+        )
+    except ValueError as e:
+        raise CliError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    run(a.data, host=a.host, port=a.port, token=token, limits=limits)
     return 0
 
 

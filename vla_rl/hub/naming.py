@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import re
 
+# Every pattern here is used with ``fullmatch`` only (so no anchors): ``re.match`` with a trailing ``$`` would
+# accept a trailing newline ('main\n'), which then names another ref, file or folder than the one checked.
 # Hub rule: alphanumerics plus '-', '_', '.'; no '--' or '..'; '-' and '.' neither start nor end; 96 chars max.
-_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 # Branch and tag names this server stores. No '/', so a ref is always one URL path segment.
-_REF = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9_])?$")
+_REF = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9_])?")
 # Revisions a client may ask the real Hub for: ref names, commit shas, and slashed refs like refs/pr/1.
-_CLIENT_REVISION = re.compile(r"^[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*$")
-COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_CLIENT_REVISION = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
+COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_PATH_BYTES = 1024
 
 

@@ -11,16 +11,22 @@ the routes in :mod:`vla_rl.hub.routes` (one router per resource); this module bu
 Clients must disable Xet (``HF_HUB_DISABLE_XET=1``, see :func:`vla_rl.hub.registry.configure_hub`): Xet
 uploads need a CAS service this server does not have (``/xet-write-token`` answers 501 with that advice).
 
-Security model (enforced in :mod:`vla_rl.hub.routes.auth`): one shared token. When the server has one, every write (create, preupload, LFS batch and
-verify, commit, tag, branch, delete) needs ``Authorization: Bearer <token>``; reads are public unless
-``private``. LFS upload URLs carry an HMAC signature instead of the token because the client sends no
+Security model (enforced in :mod:`vla_rl.hub.routes.auth`): one shared token. When the server has one, every
+write (create, preupload, LFS batch and verify, commit, tag, branch, delete) needs ``Authorization: Bearer
+<token>``; reads are public unless the server is ``private`` or the repo was created private (then a read
+without the token answers exactly like a missing repo: 404 RepoNotFound). LFS upload URLs carry an HMAC signature instead of the token because the client sends no
 ``Authorization`` header on those PUTs (it treats them as pre-signed storage URLs). Repo ids and every file
 path are validated before use, and file paths never touch the filesystem (contents are stored by hash).
 Binds 127.0.0.1 by default.
+
+Request bodies are bounded by :class:`~vla_rl.hub.limits.Limits` (413 naming the setting), commits are
+parsed as a stream, and all parsing, hashing and disk work runs in the threadpool, so one large upload does not
+hold up other requests. Bad input answers 4xx with a JSON error, a full disk 507.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -36,6 +42,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from vla_rl.hub.limits import Limits
 from vla_rl.hub.routes import ROUTERS
 from vla_rl.hub.routes.errors import add_error_handlers
 from vla_rl.hub.routes.state import Hub, Settings
@@ -52,10 +59,13 @@ def create_app(
     token: str | None = None,
     private: bool = False,
     user: str = "local",
+    limits: Limits | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving the repos under ``data_dir`` (created if missing)."""
     storage = HubStorage(data_dir)
-    settings = Settings(token=token or None, private=private, user=user, secret=storage.secret())
+    settings = Settings(
+        token=token or None, private=private, user=user, secret=storage.secret(), limits=limits or Limits()
+    )
     app = FastAPI(title="vla-rl local hub", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hub = Hub(storage=storage, settings=settings)
     add_error_handlers(app)
@@ -113,9 +123,10 @@ def _serve_socket(
     token: str | None,
     private: bool,
     log_level: str,
+    limits: Limits,
     started: Callable[[Any], None] | None = None,
 ) -> None:
-    app = create_app(data_dir, token=token, private=private)
+    app = create_app(data_dir, token=token, private=private, limits=limits)
     server = _uvicorn_server(app, log_level)
     if started is not None:
         started(server)
@@ -136,17 +147,19 @@ def serve(
     *,
     private: bool = False,
     log_level: str = "info",
+    limits: Limits | None = None,
 ) -> None:
     """Run the Hub server in the foreground until interrupted (Ctrl-C / SIGTERM).
 
     ``port=0`` picks a free port (logged as ``hub listening url=...``). Without a token anyone who can reach
-    the port can write, so a non-loopback ``host`` without a token is allowed but warned about.
+    the port can write, so a non-loopback ``host`` without a token is allowed but warned about. ``limits``
+    bounds request bodies (default :class:`~vla_rl.hub.limits.Limits`).
     """
     if token is None and not _is_loopback(host):
         log.warning("hub binds %s without a token: anyone on the network can push and delete", host)
     sock = _bind(host, port)
     try:
-        _serve_socket(sock, data_dir, token, private, log_level)
+        _serve_socket(sock, data_dir, token, private, log_level, limits or Limits())
     finally:
         sock.close()
 
@@ -171,7 +184,9 @@ def _serve_child() -> None:
         level=cfg["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     sock = socket.socket(fileno=cfg["fd"])
-    _serve_socket(sock, cfg["data_dir"], cfg["token"], cfg["private"], cfg["log_level"])
+    _serve_socket(
+        sock, cfg["data_dir"], cfg["token"], cfg["private"], cfg["log_level"], Limits(**cfg["limits"])
+    )
 
 
 class HubServer:
@@ -194,12 +209,14 @@ class HubServer:
         private: bool = False,
         subprocess: bool = False,
         log_level: str = "warning",
+        limits: Limits | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host, self.port = host, port
         self.token, self.private = token, private
         self.use_subprocess = subprocess
         self.log_level = log_level
+        self.limits = limits or Limits()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._server: Any = None
@@ -239,7 +256,15 @@ class HubServer:
         def run() -> None:
             try:
                 assert self._sock is not None
-                _serve_socket(self._sock, self.data_dir, self.token, self.private, self.log_level, started)
+                _serve_socket(
+                    self._sock,
+                    self.data_dir,
+                    self.token,
+                    self.private,
+                    self.log_level,
+                    self.limits,
+                    started,
+                )
             except BaseException as e:  # surfaced by _wait_ready
                 failure.append(e)
                 ready.set()
@@ -258,6 +283,7 @@ class HubServer:
             "token": self.token,
             "private": self.private,
             "log_level": self.log_level,
+            "limits": dataclasses.asdict(self.limits),
         }
         env = {**os.environ, _CHILD_ENV: json.dumps(cfg)}
         self._proc = subprocess.Popen(

@@ -19,6 +19,9 @@ Every file is written to a temporary name, fsynced and moved into place with os.
 either the old or the new version. Ref updates (commits, tags, branches) run under a per-repo lock, a thread
 lock plus ``flock`` on the repo's lock file, so concurrent commits from threads or from several server
 processes on one data folder are serialised and a commit on a stale parent is refused rather than lost.
+A write that fails half-way (a full disk: ENOSPC) is undone under that lock: a failed create removes the repo's
+folder, a commit whose ref could not be written removes its commit file, so neither an empty repo nor an
+unreachable commit is left behind. Blobs are content-addressed and may outlive a failed commit harmlessly.
 """
 
 from __future__ import annotations
@@ -115,6 +118,12 @@ class RepoNotFound(HubError):
     status = 404
     code = "RepoNotFound"
 
+    @classmethod
+    def of(cls, repo_id: str) -> RepoNotFound:
+        """The one answer for a repo that does not exist, or that the caller may not see (a private repo read
+        without its token gets exactly this, so the answer does not tell the two apart)."""
+        return cls(f"Repository not found: {repo_id}")
+
 
 class RevisionNotFound(HubError):
     status = 404
@@ -157,11 +166,12 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
-def wants_lfs(path: str, size: int, sample: bytes) -> bool:
-    """Upload mode for preupload: LFS for big files, binary-looking files and checkpoint/binary formats."""
+def wants_lfs(path: str, size: int, sample: bytes, threshold: int = LFS_THRESHOLD) -> bool:
+    """Upload mode for preupload: LFS for files over ``threshold`` (the most a commit may carry inline),
+    binary-looking files and checkpoint/binary formats."""
     if size == 0:
         return False
-    if size > LFS_THRESHOLD or b"\x00" in sample:
+    if size > threshold or b"\x00" in sample:
         return True
     base = path.rsplit("/", 1)[-1].lower()
     return any(fnmatch.fnmatchcase(base, pat) for pat in LFS_PATTERNS)
@@ -272,6 +282,7 @@ class BlobWriter:
         self._f: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish/abort
         self._hash = hashlib.sha256()
         self.size = 0
+        self.digest: str | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert self._f is not None, "writer already finished"
@@ -281,25 +292,41 @@ class BlobWriter:
         self._hash.update(data)
         self._f.write(data)
 
-    def finish(self) -> str:
-        """Verify and store; return the sha256. Idempotent for content that is already stored."""
-        assert self._f is not None, "writer already finished"
+    def seal(self) -> str:
+        """Flush, fsync and close the temporary file and verify it; return the sha256. The content stays
+        staged (not yet a blob) until :meth:`publish`, and is dropped by :meth:`abort`."""
+        if self._f is None:
+            assert self.digest is not None, "writer already aborted"
+            return self.digest
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        digest = self._hash.hexdigest()
+        if self.expected_size is not None and self.size != self.expected_size:
+            raise BadRequest(f"upload has {self.size} bytes, {self.expected_size} were announced")
+        if self.expected_sha256 is not None and digest != self.expected_sha256:
+            raise BadRequest(f"upload content has sha256 {digest}, {self.expected_sha256} was announced")
+        self.digest = digest
+        return digest
+
+    def publish(self) -> str:
+        """Move the sealed content into the blob store (a no-op for content already stored)."""
+        digest = self.seal()
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            self._f = None
-            digest = self._hash.hexdigest()
-            if self.expected_size is not None and self.size != self.expected_size:
-                raise BadRequest(f"upload has {self.size} bytes, {self.expected_size} were announced")
-            if self.expected_sha256 is not None and digest != self.expected_sha256:
-                raise BadRequest(f"upload content has sha256 {digest}, {self.expected_sha256} was announced")
             dest = self._store.blob_path(digest)
             if not dest.exists():
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(self._tmp, dest)
                 _fsync_dir(dest.parent)
             return digest
+        finally:
+            self.abort()
+
+    def finish(self) -> str:
+        """Verify and store; return the sha256. Idempotent for content that is already stored."""
+        try:
+            return self.publish()
         finally:
             self.abort()
 
@@ -390,6 +417,17 @@ class HubStorage:
             raise
         return writer.finish()
 
+    def stage_bytes(self, data: bytes) -> BlobWriter:
+        """Write ``data`` to a sealed temporary file (see :meth:`BlobWriter.publish` / ``abort``)."""
+        writer = BlobWriter(self)
+        try:
+            writer.write(data)
+            writer.seal()
+        except BaseException:
+            writer.abort()
+            raise
+        return writer
+
     def blob_writer(self, sha256: str | None = None, size: int | None = None) -> BlobWriter:
         if sha256 is not None:
             self.blob_path(sha256)  # validates
@@ -406,7 +444,7 @@ class HubStorage:
     def _existing_repo_dir(self, repo_id: str) -> Path:
         d = self._repo_dir(repo_id)
         if not (d / "refs.json").is_file():
-            raise RepoNotFound(f"Repository not found: {repo_id}")
+            raise RepoNotFound.of(repo_id)
         return d
 
     def repo_exists(self, repo_id: str) -> bool:
@@ -419,37 +457,74 @@ class HubStorage:
         with self._locks_guard:
             lock = self._locks.setdefault(repo_id, threading.Lock())
         with lock:
-            if create:
-                d.mkdir(parents=True, exist_ok=True)
+            fd = self._flock_repo_dir(repo_id, d, create)
             try:
-                fd = os.open(d / ".lock", os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-            except FileNotFoundError:
-                raise RepoNotFound(f"Repository not found: {repo_id}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 # Checked under the flock: another process may have deleted the repo while we waited.
                 if not create and not (d / "refs.json").is_file():
-                    raise RepoNotFound(f"Repository not found: {repo_id}")
+                    raise RepoNotFound.of(repo_id)
                 yield d
             finally:
                 os.close(fd)  # releases the flock
+
+    @staticmethod
+    def _flock_repo_dir(repo_id: str, d: Path, create: bool) -> int:
+        """An fd holding the flock of ``d/.lock``. Retried when the lock file was removed or replaced while we
+        waited (a failed create or a delete removes the folder), so two holders never lock different files."""
+        while True:
+            try:
+                if create:
+                    d.mkdir(parents=True, exist_ok=True)
+                fd = os.open(d / ".lock", os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            except FileNotFoundError:  # with create: the folder was removed between mkdir and open
+                if create:
+                    continue
+                raise RepoNotFound.of(repo_id) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.stat(d / ".lock").st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                return fd
+            os.close(fd)
+            if not create:
+                raise RepoNotFound.of(repo_id)
 
     def create_repo(self, repo_id: str, *, private: bool = False, author: str = "local") -> bool:
         """Create a repo with an initial commit on ``main`` (as the Hub does); False if it already existed."""
         with self._lock(repo_id, create=True) as d:
             if (d / "refs.json").is_file():
                 return False
-            (d / "commits").mkdir(parents=True, exist_ok=True)
-            created = now_iso()
-            atomic_write(
-                d / "repo.json", _canonical({"created_at": created, "private": private}), self.tmp_dir
-            )
-            sha = self.put_bytes(INITIAL_GITATTRIBUTES)
-            entry = FileEntry(sha, len(INITIAL_GITATTRIBUTES), False, git_blob_sha1(INITIAL_GITATTRIBUTES))
-            commit = self._write_commit(d, None, "initial commit", "", author, {".gitattributes": entry})
-            # refs.json last: its presence is what makes the repo exist.
-            self._write_refs(d, Refs(branches={DEFAULT_BRANCH: commit.id}, tags={}))
+            try:
+                (d / "commits").mkdir(parents=True, exist_ok=True)
+                created = now_iso()
+                atomic_write(
+                    d / "repo.json", _canonical({"created_at": created, "private": private}), self.tmp_dir
+                )
+                sha = self.put_bytes(INITIAL_GITATTRIBUTES)
+                entry = FileEntry(
+                    sha, len(INITIAL_GITATTRIBUTES), False, git_blob_sha1(INITIAL_GITATTRIBUTES)
+                )
+                commit = self._write_commit(d, None, "initial commit", "", author, {".gitattributes": entry})
+                # refs.json last: its presence is what makes the repo exist.
+                self._write_refs(d, Refs(branches={DEFAULT_BRANCH: commit.id}, tags={}))
+            except BaseException:
+                self._remove_unborn(d)
+                raise
             return True
+
+    def _remove_unborn(self, d: Path) -> None:
+        """Undo a failed create (held under the repo's lock): no folder of a repo that never existed stays
+        behind, nor its namespace folder if that is now empty."""
+        if (d / "refs.json").exists():
+            return
+        shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            d.parent.rmdir()  # only if empty
 
     def delete_repo(self, repo_id: str) -> None:
         """Remove a repo (blobs stay: they may be shared with other repos)."""
@@ -465,6 +540,13 @@ class HubStorage:
     def repo_meta(self, repo_id: str) -> dict[str, Any]:
         d = self._existing_repo_dir(repo_id)
         return json.loads((d / "repo.json").read_text())
+
+    def is_private(self, repo_id: str) -> bool | None:
+        """The repo's private flag, or None when it does not exist."""
+        try:
+            return bool(self.repo_meta(repo_id).get("private"))
+        except (RepoNotFound, FileNotFoundError):
+            return None
 
     # ----- refs and commits ----------------------------------------------------------------------------------
     def refs(self, repo_id: str) -> Refs:
@@ -614,7 +696,13 @@ class HubStorage:
                         )
             commit = self._write_commit(d, head, summary, description, author, files)
             refs.branches[branch] = commit.id
-            self._write_refs(d, refs)
+            try:
+                self._write_refs(d, refs)
+            except BaseException:
+                # refs.json is written atomically, so the branch still points at the old head: drop the
+                # commit file no ref will ever reach.
+                (d / "commits" / f"{commit.id}.json").unlink(missing_ok=True)
+                raise
             return commit
 
     def create_tag(self, repo_id: str, tag: str, revision: str) -> str:

@@ -1,10 +1,17 @@
 """Who may read and write: the server's token rules, as FastAPI dependencies.
 
 Rules (one shared token): when the server has a token, every write needs ``Authorization: Bearer <token>``;
-reads need it too on a ``private`` server and are public otherwise. LFS upload URLs are signed instead (see
+reads need it too on a ``private`` server and are public otherwise, except the reads of a repo created
+``private``, which need a token that may read it (the server's token; on a server without a token, where
+anyone may write anyway, any bearer token). LFS upload URLs are signed instead (see
 :mod:`vla_rl.hub.routes.lfs`). Every route that names a repo gets its id from :data:`ReadableRepo` or
 :data:`WritableRepo` (or :data:`WritableLfsRepo`), which check access first and then validate the id, so a
-per-repo rule belongs in :func:`readable_repo` / :func:`writable_repo` and nowhere else.
+per-repo rule belongs in :func:`readable_repo` / :func:`writable_repo` and nowhere else (a test enumerates the
+routes to keep it so).
+
+A read of a private repo without a token that may read it gets exactly the answer of a repo that does not
+exist (404, ``X-Error-Code: RepoNotFound``, same message), before any other check of the request, so no
+answer tells a hidden repo from a missing one.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from fastapi import Depends, Request
 from vla_rl.hub.naming import validate_repo_id
 from vla_rl.hub.routes.errors import Unauthorized
 from vla_rl.hub.routes.state import Hub, HubDep
-from vla_rl.hub.storage import BadRequest, HubError
+from vla_rl.hub.storage import BadRequest, HubError, RepoNotFound
 
 
 def bearer_token(request: Request) -> str | None:
@@ -55,13 +62,27 @@ def repo_id_of(org: str, name: str) -> str:
     return repo_id
 
 
-def readable_repo(org: str, name: str, _: Annotated[None, Depends(require_read)]) -> str:
-    """The id of the repo a read route names, once the caller may read the server.
+def may_read_private(hub: Hub, request: Request) -> bool:
+    """Whether the request carries a token that may read private repos."""
+    given = bearer_token(request)
+    if given is None:
+        return False
+    if hub.settings.token is None:  # no authentication on this server: any token will do (as for whoami)
+        return True
+    return hmac.compare_digest(given.encode(), hub.settings.token.encode())
 
-    Every read route gets its repo here, so a per-repo rule (e.g. reads of a private repo need the token)
-    is a check on the repo's metadata after ``repo_id_of``, with ``request`` and ``hub`` as parameters.
+
+def readable_repo(
+    org: str, name: str, request: Request, hub: HubDep, _: Annotated[None, Depends(require_read)]
+) -> str:
+    """The id of the repo a read route names, once the caller may read it: it exists, and it is public or the
+    request carries a token that may read it. Otherwise RepoNotFound, the same for a missing and a hidden repo.
     """
-    return repo_id_of(org, name)
+    repo_id = repo_id_of(org, name)
+    private = hub.storage.is_private(repo_id)
+    if private is None or (private and not may_read_private(hub, request)):
+        raise RepoNotFound.of(repo_id)
+    return repo_id
 
 
 def writable_repo(org: str, name: str, _: Annotated[None, Depends(require_write)]) -> str:

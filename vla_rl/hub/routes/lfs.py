@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from vla_rl.hub.naming import SHA256_HEX
 from vla_rl.hub.routes.auth import WritableLfsRepo
-from vla_rl.hub.routes.bodies import base_url, read_json
+from vla_rl.hub.routes.bodies import base_url, parse_uint, read_json
 from vla_rl.hub.routes.errors import NotImplementedHere
 from vla_rl.hub.routes.state import Hub, HubDep
 from vla_rl.hub.storage import BadRequest, HubError, RepoNotFound
@@ -56,12 +56,18 @@ async def lfs_batch(request: Request, hub: HubDep, repo_id: WritableLfsRepo) -> 
         raise BadRequest("only the 'upload' operation of the LFS batch API is supported")
     if not isinstance(body.get("objects"), list):
         raise BadRequest("expected 'objects': [{'oid', 'size'}, ...]")
+    return JSONResponse(
+        await run_in_threadpool(_batch_answer, hub, repo_id, body["objects"], base_url(request)),
+        media_type="application/vnd.git-lfs+json",
+    )
+
+
+def _batch_answer(hub: Hub, repo_id: str, objects_in: list[Any], base: str) -> dict[str, Any]:
     if not hub.storage.repo_exists(repo_id):
-        raise RepoNotFound(f"Repository not found: {repo_id}")
-    base = base_url(request)
+        raise RepoNotFound.of(repo_id)
     expires = int(time.time()) + UPLOAD_URL_TTL_S
     objects = []
-    for obj in body["objects"]:
+    for obj in objects_in:
         oid = obj.get("oid") if isinstance(obj, dict) else None
         size = obj.get("size") if isinstance(obj, dict) else None
         if not _valid_object(oid, size):
@@ -84,25 +90,22 @@ async def lfs_batch(request: Request, hub: HubDep, repo_id: WritableLfsRepo) -> 
                 "verify": {"href": f"{base}/{repo_id}.git/info/lfs/objects/verify", "expires_in": 3600},
             }
         objects.append(item)
-    return JSONResponse(
-        {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-        media_type="application/vnd.git-lfs+json",
-    )
+    return {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}
 
 
 @router.put("/api/lfs/objects/{oid}")
 async def lfs_upload(request: Request, hub: HubDep, oid: str) -> dict[str, Any]:
     q = request.query_params
-    size_s, expires_s, sig = q.get("size", ""), q.get("expires", ""), q.get("sig", "")
-    if not (SHA256_HEX.fullmatch(oid) and size_s.isdigit() and expires_s.isdigit()):
+    if not SHA256_HEX.fullmatch(oid):
         raise BadRequest("malformed upload URL: ask the LFS batch endpoint for one")
-    size, expires = int(size_s), int(expires_s)
-    if not hmac.compare_digest(sig, _sign(hub, oid, size, expires)):
+    size, expires = parse_uint(q.get("size", ""), "size"), parse_uint(q.get("expires", ""), "expires")
+    sig = q.get("sig", "")
+    if not hmac.compare_digest(sig.encode(), _sign(hub, oid, size, expires).encode()):
         raise HubError("upload URL signature is invalid", status=403)
     if expires < time.time():
         raise HubError("upload URL has expired: ask the LFS batch endpoint for a new one", status=403)
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) != size:
+    if declared is not None and parse_uint(declared, "Content-Length") != size:
         raise BadRequest(f"Content-Length {declared} does not match the announced size {size}")
     writer = await run_in_threadpool(hub.storage.blob_writer, oid, size)
     # Double-buffered: one buffer is hashed and written in a worker thread while the next one is received,
@@ -135,10 +138,10 @@ async def lfs_upload(request: Request, hub: HubDep, oid: str) -> dict[str, Any]:
 @router.post("/{org}/{repo_git}/info/lfs/objects/verify")
 async def lfs_verify(request: Request, hub: HubDep, repo_id: WritableLfsRepo) -> dict[str, Any]:
     body = await read_json(request)
-    oid, size = body.get("oid"), body.get("size")
+    oid, size = (body.get("oid"), body.get("size")) if isinstance(body, dict) else (None, None)
     if not isinstance(oid, str) or not SHA256_HEX.fullmatch(oid) or not isinstance(size, int):
         raise BadRequest("expected {'oid': <sha256 hex>, 'size': <int>}")
-    stored = hub.storage.blob_size(oid)
+    stored = await run_in_threadpool(hub.storage.blob_size, oid)
     if stored is None:
         raise HubError(f"object {oid} was not uploaded", status=404)
     if stored != size:

@@ -31,12 +31,8 @@ async def create_repo(request: Request, hub: HubDep) -> Response:
     repo_type = body.get("type") or "model"
     if repo_type != "model":
         raise BadRequest(f"only model repos are supported by this server, not {repo_type!r}")
-    name, org = body.get("name"), body.get("organization")
-    if isinstance(name, str) and "/" in name and org is None:
-        org, name = name.split("/", 1)
-    if not org:
-        raise BadRequest("repo id must include a namespace, as in 'org/name'")
-    repo_id = repo_id_of(str(org), str(name))
+    org, name = _org_and_name(body)
+    repo_id = repo_id_of(org, name)
     if str(org).lower() in RESERVED_NAMESPACES:
         raise BadRequest(f"namespace {org!r} is reserved")
     private = bool(body.get("private")) or body.get("visibility") == "private"
@@ -55,10 +51,20 @@ async def delete_repo(request: Request, hub: HubDep) -> dict[str, Any]:
     body = await read_json(request)
     if not isinstance(body, dict) or (body.get("type") or "model") != "model":
         raise BadRequest("expected {'name': ..., 'organization': ..., 'type': 'model'}")
-    repo_id = repo_id_of(str(body.get("organization")), str(body.get("name")))
+    repo_id = repo_id_of(*_org_and_name(body))
     await run_in_threadpool(hub.storage.delete_repo, repo_id)
     log.info("deleted repo", extra={"repo": repo_id})
     return {}
+
+
+def _org_and_name(body: dict[str, Any]) -> tuple[str, str]:
+    """``(organization, name)`` of a create/delete body: ``name`` is 'org/name', or 'name' plus 'organization'."""
+    name, org = body.get("name"), body.get("organization")
+    if isinstance(name, str) and "/" in name and org is None:
+        org, name = name.split("/", 1)
+    if not isinstance(name, str) or not isinstance(org, str) or not org:
+        raise BadRequest("expected the repo id as 'name': 'org/name' (or 'name' plus 'organization' strings)")
+    return org, name
 
 
 @router.get("/api/models/{org}/{name}")

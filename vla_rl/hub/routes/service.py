@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from vla_rl.hub.routes.auth import bearer_token, check_token
-from vla_rl.hub.routes.bodies import MAX_JSON_BYTES, read_body
+from vla_rl.hub.routes.bodies import read_body
 from vla_rl.hub.routes.errors import Unauthorized
 from vla_rl.hub.routes.state import HubDep
 
@@ -52,5 +52,5 @@ def whoami(request: Request, hub: HubDep) -> dict[str, Any]:
 @router.post("/api/validate-yaml")
 async def validate_yaml(request: Request) -> dict[str, Any]:
     # The client calls this before committing a README.md; model cards are not checked here.
-    await read_body(request, MAX_JSON_BYTES)
+    await read_body(request)
     return {"errors": [], "warnings": []}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from vla_rl.hub.limits import Limits
 from vla_rl.hub.storage import HubStorage
 
 
@@ -16,6 +17,7 @@ class Settings:
     private: bool  # reads need the token too
     user: str  # the name commits and repos are attributed to
     secret: bytes  # signs LFS upload URLs
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from vla_rl.hub.routes.auth import ReadableRepo
-from vla_rl.hub.routes.bodies import MAX_JSON_BYTES, paginated, read_body, truthy
+from vla_rl.hub.routes.bodies import loads, page_of, page_response, read_body, truthy
 from vla_rl.hub.routes.state import HubDep
 from vla_rl.hub.storage import BadRequest, Commit, EntryNotFound, FileEntry, HubStorage, check_path
 
@@ -50,26 +50,32 @@ def _tree(request: Request, storage: HubStorage, repo_id: str, rev: str, path: s
         top_files = [p for p in under if "/" not in p[len(prefix) :]]
         paths = sorted(prefix + f for f in folders if "/" not in f) + sorted(top_files)
     expand = truthy(request.query_params.get("expand"))
-    return paginated(
-        request, _describe(storage, repo_id, sha, paths, expand), TREE_PAGE_EXPANDED if expand else TREE_PAGE
-    )
+    # Only the page is described: with expand, each entry's last commit is a walk of the history.
+    size = TREE_PAGE_EXPANDED if expand else TREE_PAGE
+    page = page_of(request)
+    window = paths[page * size : (page + 1) * size]
+    more = (page + 1) * size < len(paths)
+    return page_response(request, _describe(storage, repo_id, sha, window, expand), page, more)
 
 
 @router.post("/api/models/{org}/{name}/paths-info/{rev}")
 async def paths_info(request: Request, hub: HubDep, repo_id: ReadableRepo, rev: str) -> list[dict[str, Any]]:
-    raw = await read_body(request, MAX_JSON_BYTES)
-    if request.headers.get("content-type", "").startswith("application/json"):
-        body = json.loads(raw or b"{}")
-        paths, expand = body.get("paths", []), bool(body.get("expand"))
-    else:  # the client sends a form: paths=a&paths=b&expand=False
-        form = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
-        paths, expand = form.get("paths", []), truthy((form.get("expand") or ["false"])[0])
-    if not isinstance(paths, list):
-        raise BadRequest("'paths' must be a list of paths")
-    paths = [check_path(p.strip("/")) if isinstance(p, str) else check_path(p) for p in paths]
+    raw = await read_body(request)
+    is_json = request.headers.get("content-type", "").startswith("application/json")
     storage = hub.storage
 
     def work() -> list[dict[str, Any]]:
+        if is_json:
+            body = loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("expected a JSON object {'paths': [...], 'expand': bool}")
+            paths, expand = body.get("paths", []), bool(body.get("expand"))
+        else:  # the client sends a form: paths=a&paths=b&expand=False
+            form = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
+            paths, expand = form.get("paths", []), truthy((form.get("expand") or ["false"])[0])
+        if not isinstance(paths, list):
+            raise BadRequest("'paths' must be a list of paths")
+        paths = [check_path(p.strip("/")) if isinstance(p, str) else check_path(p) for p in paths]
         sha = storage.resolve(repo_id, rev)
         files = storage.commit(repo_id, sha).files
         folders = _folders_of(files)
