@@ -1546,17 +1546,60 @@ class _ProcessWriter(_WriterHandle):
         self.proc.kill()
 
 
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The shared collector token kept in a file (its first line, whitespace stripped)."""
+    text = Path(path).read_text().strip()
+    token = text.splitlines()[0].strip() if text else ""
+    if not token:
+        raise ValueError(f"token_file: {path} holds no token")
+    return token
+
+
+def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Per-robot credentials: a JSON object ``{"robot_id": "token"}`` or lines ``robot_id: token``
+    (``#`` comments and blank lines ignored). Each token must be unique: it is the robot's identity."""
+    text = Path(path).read_text()
+    out: dict[str, str] = {}
+    if text.lstrip().startswith("{"):
+        data = json.loads(text)
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(f"robot_tokens_file: {path}: expected a JSON object robot id -> token")
+        out = {str(k): v.strip() for k, v in data.items()}
+    else:
+        for i, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            rid, sep, tok = line.partition(":")
+            if not sep or not rid.strip() or not tok.strip():
+                raise ValueError(f"robot_tokens_file: {path}:{i}: expected 'robot_id: token'")
+            if rid.strip() in out:
+                raise ValueError(f"robot_tokens_file: {path}:{i}: robot {rid.strip()!r} listed twice")
+            out[rid.strip()] = tok.strip()
+    for rid, tok in out.items():
+        if not _ID_RE.match(rid) or len(tok) < 16:
+            raise ValueError(
+                f"robot_tokens_file: {path}: robot {rid!r}: expected an id {_ID_RE.pattern} and a token "
+                "of at least 16 characters"
+            )
+    if len(set(out.values())) != len(out):
+        raise ValueError(f"robot_tokens_file: {path}: two robots share a token")
+    return out
+
+
 def serve(store: str | os.PathLike[str], db_url: str | None = None, **kwargs: Any) -> None:
-    """Run a collector until interrupted (what ``vla-rl collect`` runs)."""
+    """Run a collector until interrupted or SIGTERM (what ``vla-rl collect`` runs); stopping takes at most
+    ``drain_timeout_s`` (see :meth:`Collector.stop`)."""
     keep_freed_memory()
-    c = Collector(store, db_url, **kwargs).start()
-    print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
-    stop = threading.Event()
     import signal
 
+    stop = threading.Event()
+    # Before the line tools wait for: a SIGTERM right after it must drain, not kill.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    c = Collector(store, db_url, **kwargs).start()
+    print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(0.2):
             pass
     except KeyboardInterrupt:
         pass
