@@ -35,7 +35,31 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
   not acknowledged) instead of the collector growing without bound.
 
 Security: the stream and stats calls need ``authorization: Bearer <token>`` when a token is set;
-without one the collector refuses to bind anything but loopback. Nothing is ever unpickled.
+without one the collector refuses to bind anything but loopback. Nothing is ever unpickled. With
+``robot_tokens`` (``--robot-tokens-file``) each credential is bound to one robot id: its ``Hello`` may
+only name that robot (else ``PERMISSION_DENIED``), and its ``GetStats`` shows that robot alone. The
+shared token (if any) stays the operator's: it may speak as any robot. ``/metrics`` has no
+authentication: it binds ``metrics_host`` (loopback by default) and ``metrics_robot_labels=False``
+keeps robot ids out of it.
+
+Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal names its limit):
+
+* Every size a ``FrameBatch`` declares is checked before anything is counted or allocated
+  (:func:`fleet.wal.batch_size`); undecodable messages get a ``Reject`` (``INVALID_ARGUMENT``), logged
+  once per peer a minute.
+* ``max_open_episodes_per_robot`` (16): more open at once is ``RESOURCE_EXHAUSTED``.
+* ``episode_idle_timeout_s`` (1800): an episode without a message for that long is ended by the
+  collector with outcome ``aborted`` (success false); its frames are kept.
+* ``max_open_logs`` (256): log descriptors are a pool (least recently used closed, reopened on
+  demand), so open episodes cost no descriptor and a restart with many logs needs none per log.
+* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_bytes`` (512 MiB): the
+  frame blocks a store writer holds, all episodes together (past it, least recently used episodes are
+  flushed to Zarr and let go).
+* A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
+  to ``store_retry_max_s`` (metric ``store_write_retries``); other store errors fail the episode.
+* ``drain_timeout_s`` (5): the most :meth:`Collector.stop` (SIGTERM) takes. Past it the store writers
+  are killed: everything acknowledged is in the log and is replayed on the next start; what was not
+  acknowledged the robots resend.
 """
 
 from __future__ import annotations
@@ -1217,9 +1241,16 @@ class Collector:
         return False
 
     # -------------------------------------------------------------- stats
-    def stats(self) -> pb.StatsResponse:
-        out = pb.StatsResponse(prometheus_text=generate_latest(self.metrics.registry).decode())
+    def stats(self, only: str | None = None) -> pb.StatsResponse:
+        """Every robot's counters, or (``only``: a per-robot credential) that robot's alone, without the
+        Prometheus text (which names the other robots)."""
+        if only is None:
+            out = pb.StatsResponse(prometheus_text=generate_latest(self.metrics.registry).decode())
+        else:
+            out = pb.StatsResponse()
         for robot, a in sorted(self.accounts.items()):
+            if only is not None and robot != only:
+                continue
             out.robots.append(
                 pb.RobotStats(
                     robot_id=robot,
@@ -1351,10 +1382,10 @@ class _Service:
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         try:
-            self.c.authorize(context.invocation_metadata())
+            identity = self.c.authorize(context.invocation_metadata())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        return self.c.stats()
+        return self.c.stats(only=identity)
 
 
 @functools.cache

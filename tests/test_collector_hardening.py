@@ -40,6 +40,7 @@ from test_collector import (
 from fleet import store as store_mod
 from fleet.collector import Collector, load_robot_tokens, read_token_file
 from fleet.proto import collector_pb2 as pb
+from fleet.proto import collector_pb2_grpc as pb_grpc
 from fleet.robot_client import RobotClient, frame_digest
 from server.codec import to_tensor
 from vla_rl.spec import CameraSpec, RobotSpec
@@ -449,6 +450,14 @@ def test_per_robot_tokens_bind_the_robot_id(tmp_path: Path) -> None:
         assert r.code == SC.PERMISSION_DENIED.value[0] and "'arm-a'" in r.message
         assert ask(send, recv, hello("arm-a")).WhichOneof("body") == "welcome"
         close()
+        for tok in tokens.values():  # each robot sees its own counters, never the others' ids
+            send, recv, close = raw_stream(c.address, token=tok)
+            ask(send, recv, hello(next(r for r, t in tokens.items() if t == tok)))
+            close()
+        with grpc.insecure_channel(c.address) as ch:
+            md = (("authorization", f"Bearer {tokens['arm-b']}"),)
+            st = pb_grpc.CollectorStub(ch).GetStats(pb.StatsRequest(), metadata=md, timeout=10)
+        assert [r.robot_id for r in st.robots] == ["arm-b"] and not st.prometheus_text
         for token in ("wrong-token-wrong-token", None):
             send, recv, close = raw_stream(c.address, token=token)
             send(hello("arm-a"))
@@ -497,3 +506,28 @@ def test_metrics_bind_loopback_and_can_hide_robot_ids(tmp_path: Path) -> None:
             text = resp.read().decode()
         assert "secret-robot-7" not in text
         assert 'vla_rl_collector_frames_committed_total{robot="all"} 6.0' in text
+
+
+def test_cli_reads_the_token_file_and_the_robot_tokens_file(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("file-token-file-token\n")
+    (tmp_path / "robots").write_text("arm-a: " + "a" * 20 + "\n")
+    port = free_port()
+    proc = _collector_proc(
+        tmp_path / "s",
+        port,
+        tmp_path / "log",
+        1024,
+        *("--token-file", str(tmp_path / "token"), "--robot-tokens-file", str(tmp_path / "robots")),
+    )
+    try:
+        addr = f"127.0.0.1:{port}"
+        send, recv, close = raw_stream(addr, token="a" * 20)
+        assert ask(send, recv, hello("arm-b")).reject.code == SC.PERMISSION_DENIED.value[0]
+        assert ask(send, recv, hello("arm-a")).WhichOneof("body") == "welcome"
+        close()
+        send, recv, close = raw_stream(addr, token="file-token-file-token")  # not the env's TOKEN
+        assert ask(send, recv, hello("arm-b")).WhichOneof("body") == "welcome"
+        close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
