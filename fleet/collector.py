@@ -52,7 +52,7 @@ Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal n
   collector with outcome ``aborted`` (success false); its frames are kept.
 * ``max_open_logs`` (256): log descriptors are a pool (least recently used closed, reopened on
   demand), so open episodes cost no descriptor and a restart with many logs needs none per log.
-* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_bytes`` (512 MiB): the
+* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_bytes`` (1 GiB): the
   frame blocks a store writer holds, all episodes together (past it, least recently used episodes are
   flushed to Zarr and let go).
 * A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
@@ -720,6 +720,15 @@ class Collector:
                     f"{cam.height * cam.width} pixels; this collector takes at most max_camera_pixels="
                     f"{self.max_camera_pixels}",
                 )
+        # What one open episode makes a store writer hold: a chunk block of each array.
+        frame = sum(3 * c.height * c.width for c in spec.cameras) + 4 * (spec.state_dim + 2 * spec.action_dim)
+        block = self.chunk_len * (frame + 32)  # + reward, flags, controller, revision, timestamp
+        if block > self.max_buffered_bytes:
+            raise RequestError(
+                SC.RESOURCE_EXHAUSTED,
+                f"hello.robot_spec_json: one chunk of this robot's frames is {block} bytes (chunk_len="
+                f"{self.chunk_len}); this collector holds at most max_buffered_bytes={self.max_buffered_bytes}",
+            )
         if not session.robot_id:
             self._connected[h.robot_id] += 1
             self.accounts[h.robot_id].streams += 1
@@ -1020,6 +1029,7 @@ class Collector:
     def _new_writer(self, index: int) -> _WriterHandle:
         if self.store_writers == 0:
             return _ThreadWriter(self.store.root, self.fsync, self._on_report, self.max_buffered_bytes)
+        share = max(self.max_buffered_bytes // self.store_writers, 1)  # the bound is for all writers
         assert self._lock_fd is not None
         return _ProcessWriter(
             index,
@@ -1029,7 +1039,7 @@ class Collector:
             self._on_report,
             self._writer_died,
             self.store_writer_nice,
-            self.max_buffered_bytes,
+            share,
         )
 
     def _assign_writer(self) -> int:

@@ -92,7 +92,7 @@ def apply_record(w: EpisodeWriter, raw: bytes) -> bool:
 
 # OS errors that pass (space or descriptors freed): the episode is retried, not failed.
 RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE})
-DEFAULT_MAX_BUFFERED_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
 
 
 def retryable(e: BaseException) -> bool:

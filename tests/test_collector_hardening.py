@@ -338,6 +338,9 @@ def test_camera_sizes_and_writer_buffers_are_bounded(tmp_path: Path) -> None:
         send, recv, close = raw_stream(c.address)
         r = ask(send, recv, hello("big-0", big)).reject
         assert r.code == SC.RESOURCE_EXHAUSTED.value[0] and "max_camera_pixels=307200" in r.message
+        wide = RobotSpec("arm", 1 << 20, 3, 30.0, "push")  # 4 MB of state per frame: 256 MB a chunk
+        r = ask(send, recv, hello("wide-0", wide)).reject
+        assert r.code == SC.RESOURCE_EXHAUSTED.value[0] and "max_buffered_bytes=100000" in r.message
         assert ask(send, recv, hello()).WhichOneof("body") == "welcome"
         sent = []
         eids = [f"buf-{i}" for i in range(6)]

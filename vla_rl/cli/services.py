@@ -196,8 +196,9 @@ class Collect:
     """Write-ahead log file descriptors kept open (least recently used closed first, reopened on demand)."""
     max_camera_pixels: int = 1280 * 720
     """Largest camera (height x width) a robot's Hello may announce (larger: RESOURCE_EXHAUSTED)."""
-    max_buffered_mb: float = 512
-    """Frame MB the store writers hold in memory in all (past it, idle episodes are flushed to Zarr)."""
+    max_buffered_mb: float = 1024
+    """Frame MB the store writers hold in memory in all (past it, idle episodes are flushed to Zarr); a
+    Hello whose one chunk (--chunk-len frames) is larger is refused."""
     drain_timeout_s: float = 5.0
     """Longest a stop (SIGTERM, Ctrl-C) takes: writing buffered frames to Zarr is cut off after it.
     Nothing acknowledged is lost (it is in the log, replayed on the next start); robots resend the rest."""
