@@ -354,8 +354,12 @@ def test_camera_sizes_and_writer_buffers_are_bounded(tmp_path: Path) -> None:
         sw = c._writers[0]._sw  # type: ignore[attr-defined]
         held = sum(a.nbytes for o in sw.open.values() for a in o.writer._pending.values())
         assert held <= 100_000 + 64 * (16 * 16 * 3 + 64) and sw.evicted > 0
-        for e in eids:  # evicted episodes come back from their commit and close whole
-            assert ask(send, recv, end(e, 3)).ack.ended
+        for i, e in enumerate(eids):  # evicted episodes come back from their commit and close whole
+            msg = batch(e, 3, 2, seed=50 + i)
+            msg.frames.timestamp.CopyFrom(to_tensor(1003.0 + np.arange(2, dtype=np.float64)))
+            assert ask(send, recv, msg).ack.committed == 5
+            sent += batch_digests(e, 3, msg)
+            assert ask(send, recv, end(e, 5)).ack.ended
         close()
         assert c.drain(30)
         deadline = time.monotonic() + 20
