@@ -35,7 +35,31 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
   not acknowledged) instead of the collector growing without bound.
 
 Security: the stream and stats calls need ``authorization: Bearer <token>`` when a token is set;
-without one the collector refuses to bind anything but loopback. Nothing is ever unpickled.
+without one the collector refuses to bind anything but loopback. Nothing is ever unpickled. With
+``robot_tokens`` (``--robot-tokens-file``) each credential is bound to one robot id: its ``Hello`` may
+only name that robot (else ``PERMISSION_DENIED``), and its ``GetStats`` shows that robot alone. The
+shared token (if any) stays the operator's: it may speak as any robot. ``/metrics`` has no
+authentication: it binds ``metrics_host`` (loopback by default) and ``metrics_robot_labels=False``
+keeps robot ids out of it.
+
+Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal names its limit):
+
+* Every size a ``FrameBatch`` declares is checked before anything is counted or allocated
+  (:func:`fleet.wal.batch_size`); undecodable messages get a ``Reject`` (``INVALID_ARGUMENT``), logged
+  once per peer a minute.
+* ``max_open_episodes_per_robot`` (16): more open at once is ``RESOURCE_EXHAUSTED``.
+* ``episode_idle_timeout_s`` (1800): an episode without a message for that long is ended by the
+  collector with outcome ``aborted`` (success false); its frames are kept.
+* ``max_open_logs`` (256): log descriptors are a pool (least recently used closed, reopened on
+  demand), so open episodes cost no descriptor and a restart with many logs needs none per log.
+* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_bytes`` (1 GiB): the
+  frame blocks a store writer holds, all episodes together (past it, least recently used episodes are
+  flushed to Zarr and let go).
+* A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
+  to ``store_retry_max_s`` (metric ``store_write_retries``); other store errors fail the episode.
+* ``drain_timeout_s`` (5): the most :meth:`Collector.stop` (SIGTERM) takes. Past it the store writers
+  are killed: everything acknowledged is in the log and is replayed on the next start; what was not
+  acknowledged the robots resend.
 """
 
 from __future__ import annotations
@@ -69,13 +93,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore
-from fleet.store_writer import StoreWriter
+from fleet.store_writer import DEFAULT_MAX_BUFFERED_BYTES, StoreWriter
 from fleet.wal import (
     SEGMENT_KINDS,
     WAL_DIR,
+    LogFiles,
     Unavailable,
     WriteAheadLog,
+    batch_size,
     decode_frames,
+    frames_declared,
     parse_message,
 )
 from fleet.wire import WireTensor, keep_freed_memory
@@ -89,6 +116,13 @@ DEFAULT_PORT = 50071
 DEFAULT_MAX_BATCH_FRAMES = 64
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PENDING_BYTES = 1024 * 1024 * 1024
+DEFAULT_MAX_OPEN_EPISODES_PER_ROBOT = 16
+DEFAULT_EPISODE_IDLE_TIMEOUT_S = 1800.0
+DEFAULT_MAX_OPEN_LOGS = 256
+DEFAULT_MAX_CAMERA_PIXELS = 1280 * 720
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+ABORTED = "aborted"  # outcome of an episode closed by the collector after episode_idle_timeout_s
+HIDDEN_ROBOT = "all"  # the robot label of every metric with metrics_robot_labels=False
 LOCK_FILE = "collector.lock"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Collector"].full_name
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -127,6 +161,8 @@ class _Episode:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_op: float = field(default_factory=time.monotonic)
     flush_sent: int = -1  # ``committed`` when the last idle flush was asked for
+    retry_at: float | None = None  # a failed store write is retried then (monotonic time)
+    backoff_s: float = 0.0  # the last retry delay (doubles up to store_retry_max_s)
 
 
 @dataclass
@@ -134,6 +170,8 @@ class _Session:
     """One stream: the robot it announced."""
 
     robot_id: str = ""
+    identity: str | None = None  # the robot its credential is bound to (None: the shared token)
+    peer: str = ""
     task: str = ""
     spec: RobotSpec | None = None
     raw: bytes | None = None  # the message being handled, as received
@@ -173,6 +211,15 @@ class _Metrics:
         self.backpressure = Counter(
             p + "backpressure_seconds", "time streams waited for the store", registry=r
         )
+        self.store_retries = Counter(
+            p + "store_write_retries",
+            "store writes that failed with a retryable OS error (ENOSPC, ...) and were retried",
+            registry=r,
+        )
+        self.episodes_expired = Counter(
+            p + "episodes_expired", "idle episodes closed as aborted (episode_idle_timeout_s)", registry=r
+        )
+        self.open_logs = Gauge(p + "open_log_files", "write-ahead log descriptors held open", registry=r)
         self.durable = Histogram(
             p + "commit_seconds",
             "message received -> durable (log written)",
@@ -216,9 +263,36 @@ class Collector:
         allowed_robots: set[str] | None = None,
         idle_flush_s: float = 5.0,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_robot_labels: bool = True,
+        robot_tokens: Mapping[str, str] | None = None,
+        max_open_episodes_per_robot: int = DEFAULT_MAX_OPEN_EPISODES_PER_ROBOT,
+        episode_idle_timeout_s: float = DEFAULT_EPISODE_IDLE_TIMEOUT_S,
+        max_open_logs: int = DEFAULT_MAX_OPEN_LOGS,
+        max_camera_pixels: int = DEFAULT_MAX_CAMERA_PIXELS,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        store_retry_max_s: float = 30.0,
     ) -> None:
-        if not token and host not in _LOOPBACK:
-            raise ValueError(f"refusing to accept unauthenticated robots on {host}: pass a token")
+        robot_tokens = dict(robot_tokens or {})
+        if not token and not robot_tokens and host not in _LOOPBACK:
+            raise ValueError(
+                f"refusing to accept unauthenticated robots on {host}: pass a token or robot tokens"
+            )
+        for name, value, low in (
+            ("max_open_episodes_per_robot", max_open_episodes_per_robot, 1),
+            ("max_open_logs", max_open_logs, 1),
+            ("max_camera_pixels", max_camera_pixels, 1),
+            ("max_buffered_bytes", max_buffered_bytes, 1),
+            ("episode_idle_timeout_s", episode_idle_timeout_s, 0.001),
+            ("drain_timeout_s", drain_timeout_s, 0.0),
+            ("store_retry_max_s", store_retry_max_s, 0.001),
+        ):
+            if not value >= low:
+                raise ValueError(f"{name}: expected at least {low}, got {value}")
+        for rid, tok in robot_tokens.items():
+            if not _ID_RE.match(rid) or not tok:
+                raise ValueError(f"robot_tokens: expected robot id -> non-empty token, got {rid!r}")
         if store_writers < 0:
             raise ValueError(
                 f"store_writers: expected 0 (a thread in this process) or more, got {store_writers}"
@@ -236,6 +310,19 @@ class Collector:
         self.allowed_robots = allowed_robots
         self.idle_flush_s = idle_flush_s
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics_robot_labels = metrics_robot_labels
+        # Bearer credential -> the robot it speaks for (hmac-compared in authorize).
+        self.robot_tokens = robot_tokens
+        self.max_open_episodes_per_robot = max_open_episodes_per_robot
+        self.episode_idle_timeout_s = episode_idle_timeout_s
+        self.max_camera_pixels = max_camera_pixels
+        self.max_buffered_bytes = max_buffered_bytes
+        self.drain_timeout_s = drain_timeout_s
+        self.store_retry_max_s = store_retry_max_s
+        self.log_files = LogFiles(max_open_logs)
+        self._undecodable = _RateLimitedLog(60.0)  # per peer
+        self._refused = _RateLimitedLog(10.0)  # per peer and code
         self.db = MetadataDB(db_url) if db_url else MetadataDB.for_store(store)
         self.store = EpisodeStore(store, create=True, fsync=fsync, db=self.db)
         self.wal_dir = self.store.root / WAL_DIR
@@ -300,8 +387,10 @@ class Collector:
         if self.metrics_port is not None:
             from prometheus_client import start_http_server
 
+            # /metrics has no authentication: it binds metrics_host (loopback by default), and
+            # metrics_robot_labels=False keeps robot ids out of it.
             self._metrics_server, _ = start_http_server(
-                self.metrics_port, addr=self.host, registry=self.metrics.registry
+                self.metrics_port, addr=self.metrics_host, registry=self.metrics.registry
             )
             self.metrics_port = self._metrics_server.server_port
         self._flusher = threading.Thread(
@@ -340,14 +429,22 @@ class Collector:
         self._server = _AioServer(server, self._loop)
         return port
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        """Stop taking messages, then write everything received into the store (episodes stay open)."""
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Stop taking messages, then write what was received into the store (episodes stay open), for
+        at most ``drain_timeout_s`` (default: the collector's ``drain_timeout_s``) in all.
+
+        Past the bound the store writers are killed. Nothing acknowledged is lost: it is in the
+        write-ahead log, which the next start replays into Zarr. Messages not yet acknowledged are
+        resent by the robots (their clients keep them) and duplicates are dropped.
+        """
+        bound = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + bound
         self._stop.set()
         if self._server is not None:
-            self._server.stop(grace_s).wait()
+            self._server.stop(min(1.0, bound / 2)).wait(bound / 2 + 1.0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        self._stop_writers()  # each flushes its open episodes, then exits
+        self._stop_writers(deadline)  # each flushes its open episodes, then exits (or is killed)
         with self._episodes_lock:
             eps = list(self._episodes.values())
         for ep in eps:
@@ -356,12 +453,14 @@ class Collector:
         self.db.close()
         self._unlock_store()
 
-    def _stop_writers(self) -> None:
+    def _stop_writers(self, deadline: float | None = None) -> None:
         self._stop.set()
+        if deadline is None:
+            deadline = time.monotonic() + self.drain_timeout_s
         for w in self._writers:
             w.post({"op": "stop"})
         for w in self._writers:
-            w.join(60.0)
+            w.join(max(deadline - time.monotonic(), 0.05))
 
     def __enter__(self) -> Collector:
         return self.start()
@@ -458,7 +557,7 @@ class Collector:
             id=eid,
             robot_id=robot_id,
             spec=spec,
-            wal=WriteAheadLog(path, self.fsync),
+            wal=WriteAheadLog(path, self.fsync, self.log_files),
             committed=committed,
             segments=segments,
             last_ts=last_ts,
@@ -474,19 +573,33 @@ class Collector:
         return ep
 
     # -------------------------------------------------------------- handling messages
-    def authorize(self, metadata: Any) -> None:
-        if not self.token:
-            return
+    def authorize(self, metadata: Any) -> str | None:
+        """Check the caller's credential: the robot id it is bound to (a per-robot token), or None when
+        it may speak as any robot (the shared token, or no authentication configured)."""
+        if not self.token and not self.robot_tokens:
+            return None
         got = ""
         for key, value in metadata or ():
             if key == "authorization":
                 got = value if isinstance(value, str) else value.decode()
-        if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
-            raise RequestError(
-                SC.UNAUTHENTICATED,
-                "authorization: expected metadata 'authorization: Bearer <token>'"
-                + (", got a wrong token" if got else ", got none"),
-            )
+        presented = got.encode()
+        if self.token and hmac.compare_digest(presented, f"Bearer {self.token}".encode()):
+            return None
+        robot = None
+        for rid, tok in self.robot_tokens.items():  # every entry compared: the time says nothing
+            if hmac.compare_digest(presented, f"Bearer {tok}".encode()):
+                robot = rid
+        if robot is not None:
+            return robot
+        raise RequestError(
+            SC.UNAUTHENTICATED,
+            "authorization: expected metadata 'authorization: Bearer <token>'"
+            + (", got a wrong token" if got else ", got none"),
+        )
+
+    def _label(self, robot: str) -> str:
+        """A metric's robot label (metrics_robot_labels=False: one label for all robots)."""
+        return robot if self.metrics_robot_labels else HIDDEN_ROBOT
 
     def handle(
         self,
@@ -503,6 +616,15 @@ class Collector:
         session.raw, session.cameras = raw, cameras
         body = msg.WhichOneof("body")
         try:
+            if body == "frames":
+                # Every declared size against its bound before anything is counted or allocated.
+                if frames_declared(msg) > self.max_batch_frames:
+                    raise RequestError(
+                        SC.RESOURCE_EXHAUSTED,
+                        f"frames: at most {self.max_batch_frames} frames per batch (max_batch_frames), "
+                        f"got {frames_declared(msg)}; split it",
+                    )
+                batch_size(msg.frames, self.max_batch_frames, cameras)
             if body == "hello":
                 return self._hello(session, msg)
             if session.spec is None:
@@ -519,19 +641,45 @@ class Collector:
         except SpecError as e:
             return self._reject(session, msg, RequestError(SC.INVALID_ARGUMENT, str(e)))
 
+    def undecodable(
+        self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
+    ) -> pb.CollectorMessage:
+        """The reply to a message that could not be decoded (logged once per peer per minute)."""
+        body = msg.WhichOneof("body") if msg is not None else None
+        where = f"{body}" if body else "message"
+        text = f"{where}: not a RobotMessage that can be decoded ({type(e).__name__}: {str(e)[:200]})"
+        robot = session.robot_id or "unknown"
+        self.metrics.messages_rejected.labels(self._label(robot), SC.INVALID_ARGUMENT.name).inc()
+        self._undecodable.warning(
+            session.peer or robot, "undecodable message refused", robot=robot, error=text
+        )
+        return pb.CollectorMessage(
+            reject=pb.Reject(
+                msg_id=msg.msg_id if msg is not None else 0,
+                episode_id=_episode_of(msg) if msg is not None else "",
+                code=SC.INVALID_ARGUMENT.value[0],
+                message=text,
+            )
+        )
+
     def _reject(self, session: _Session, msg: pb.RobotMessage, e: RequestError) -> pb.CollectorMessage:
         robot = session.robot_id or "unknown"
         code = e.code.name
-        self.metrics.messages_rejected.labels(robot, code).inc()
-        if msg.WhichOneof("body") == "frames":
-            n = int(msg.frames.action.shape[0]) if len(msg.frames.action.shape) else 0
-            self.metrics.received.labels(robot).inc(n)
-            self.metrics.rejected.labels(robot, code).inc(n)
+        self.metrics.messages_rejected.labels(self._label(robot), code).inc()
+        n = frames_declared(msg)
+        if n > 0:  # frames_declared: 0 for a negative or absurd leading dim
+            self.metrics.received.labels(self._label(robot)).inc(n)
+            self.metrics.rejected.labels(self._label(robot), code).inc(n)
             self.accounts[robot].frames_received += n
             self.accounts[robot].frames_rejected += n
         eid = e.episode_id or _episode_of(msg)
-        log.warning(
-            "message refused", extra={"robot": robot, "episode": eid, "code": code, "error": e.message}
+        self._refused.warning(
+            f"{session.peer or robot} {code}",
+            "message refused",
+            robot=robot,
+            episode=eid,
+            code=code,
+            error=e.message,
         )
         return pb.CollectorMessage(
             reject=pb.Reject(msg_id=msg.msg_id, episode_id=eid, code=e.code.value[0], message=e.message)
@@ -542,6 +690,11 @@ class Collector:
         if not _ID_RE.match(h.robot_id):
             raise RequestError(
                 SC.INVALID_ARGUMENT, f"hello.robot_id: expected {_ID_RE.pattern}, got {h.robot_id!r}"
+            )
+        if session.identity is not None and h.robot_id != session.identity:
+            raise RequestError(
+                SC.PERMISSION_DENIED,
+                f"hello.robot_id: this credential is robot {session.identity!r}'s, not {h.robot_id!r}'s",
             )
         if self.allowed_robots is not None and h.robot_id not in self.allowed_robots:
             raise RequestError(
@@ -559,6 +712,23 @@ class Collector:
             raise RequestError(
                 SC.INVALID_ARGUMENT, f"hello.robot_spec_json: expected a robot spec, {e}"
             ) from None
+        for cam in spec.cameras:
+            if cam.height * cam.width > self.max_camera_pixels:
+                raise RequestError(
+                    SC.RESOURCE_EXHAUSTED,
+                    f"hello.robot_spec_json: camera {cam.name!r} is {cam.width}x{cam.height} = "
+                    f"{cam.height * cam.width} pixels; this collector takes at most max_camera_pixels="
+                    f"{self.max_camera_pixels}",
+                )
+        # What one open episode makes a store writer hold: a chunk block of each array.
+        frame = sum(3 * c.height * c.width for c in spec.cameras) + 4 * (spec.state_dim + 2 * spec.action_dim)
+        block = self.chunk_len * (frame + 32)  # + reward, flags, controller, revision, timestamp
+        if block > self.max_buffered_bytes:
+            raise RequestError(
+                SC.RESOURCE_EXHAUSTED,
+                f"hello.robot_spec_json: one chunk of this robot's frames is {block} bytes (chunk_len="
+                f"{self.chunk_len}); this collector holds at most max_buffered_bytes={self.max_buffered_bytes}",
+            )
         if not session.robot_id:
             self._connected[h.robot_id] += 1
             self.accounts[h.robot_id].streams += 1
@@ -587,6 +757,11 @@ class Collector:
         try:
             with start_lock:
                 ep_or_ack = self._start_locked(session, msg, eid)
+        except OSError as e:  # e.g. out of descriptors or disk: refuse this start, keep the stream
+            log.error("could not open an episode", extra={"episode": eid, "error": str(e)})
+            raise RequestError(
+                SC.UNAVAILABLE, f"start: the collector cannot open episode {eid} now ({e}); retry later", eid
+            ) from None
         finally:
             with self._start_locks_guard:
                 users = self._start_locks[eid][1] - 1
@@ -601,6 +776,7 @@ class Collector:
             raise RequestError(
                 SC.PERMISSION_DENIED, f"start.episode_id: {eid} belongs to robot {ep.robot_id!r}", eid
             )
+        ep.last_op = time.monotonic()  # a robot that comes back keeps its episode from expiring
         return _ack(msg.msg_id, eid, ep.committed, ep.segments, ep.ended, ep.closed)
 
     def _start_locked(
@@ -611,6 +787,19 @@ class Collector:
         with self._episodes_lock:
             ep = self._episodes.get(eid)
         return ep if ep is not None else self._open_episode(session, msg, eid)
+
+    def _check_open_cap(self, robot: str, eid: str) -> None:
+        with self._episodes_lock:
+            n = sum(1 for ep in self._episodes.values() if ep.robot_id == robot and not ep.closed)
+        if n >= self.max_open_episodes_per_robot:
+            raise RequestError(
+                SC.RESOURCE_EXHAUSTED,
+                f"start: robot {robot!r} has {n} open episodes, the most this collector keeps "
+                f"(max_open_episodes_per_robot={self.max_open_episodes_per_robot}); end one first "
+                f"(idle ones are closed as {ABORTED!r} after episode_idle_timeout_s="
+                f"{self.episode_idle_timeout_s:g})",
+                eid,
+            )
 
     def _open_episode(
         self, session: _Session, msg: pb.RobotMessage, eid: str
@@ -632,7 +821,9 @@ class Collector:
                 raise RequestError(
                     SC.FAILED_PRECONDITION, f"start: episode {eid} was recorded with another robot spec", eid
                 )
+            self._check_open_cap(session.robot_id, eid)
             return self._resume(eid, meta.robot_id, meta.spec)
+        self._check_open_cap(session.robot_id, eid)
         if len(msg.start.instruction) > 2000:
             raise RequestError(SC.INVALID_ARGUMENT, "start.instruction: at most 2000 characters", eid)
         writer = self._assign_writer()  # before creating anything: it refuses when no writer is left
@@ -656,7 +847,7 @@ class Collector:
             id=eid,
             robot_id=session.robot_id,
             spec=session.spec,
-            wal=WriteAheadLog(self.wal_dir / f"{eid}.wal", self.fsync),
+            wal=WriteAheadLog(self.wal_dir / f"{eid}.wal", self.fsync, self.log_files),
             committed=0,
             segments=0,
             last_ts=-math.inf,
@@ -681,6 +872,12 @@ class Collector:
                     meta = None
             if meta is not None and meta.is_closed and meta.robot_id == session.robot_id:
                 n = _frames_in(msg)
+                if body == "frames" and msg.frames.seq + n > meta.length:
+                    raise RequestError(
+                        SC.FAILED_PRECONDITION,
+                        f"frames: episode {eid} is closed ({meta.outcome}) with {meta.length} frames",
+                        eid,
+                    )
                 self._count_duplicates(session.robot_id, n)
                 return _ack(msg.msg_id, eid, meta.length, len(meta.segments), True, True, n)
             raise RequestError(
@@ -748,7 +945,7 @@ class Collector:
             )
         acc = self.accounts[robot]
         acc.frames_received += n
-        self.metrics.received.labels(robot).inc(n)
+        self.metrics.received.labels(self._label(robot)).inc(n)
         if dup >= n:
             self._count_duplicates(robot, n, counted=True)
             return _ack(msg.msg_id, ep.id, ep.committed, ep.segments, ep.ended, ep.closed, n)
@@ -758,7 +955,7 @@ class Collector:
         ep.committed += new
         ep.last_ts = float(batch["timestamp"][-1])
         acc.frames_committed += new
-        self.metrics.committed.labels(robot).inc(new)
+        self.metrics.committed.labels(self._label(robot)).inc(new)
         if dup:
             self._count_duplicates(robot, dup, counted=True)
         self.metrics.durable.observe(time.perf_counter() - t0)
@@ -824,14 +1021,15 @@ class Collector:
         acc = self.accounts[robot]
         if not counted:
             acc.frames_received += n
-            self.metrics.received.labels(robot).inc(n)
+            self.metrics.received.labels(self._label(robot)).inc(n)
         acc.frames_duplicate += n
-        self.metrics.duplicate.labels(robot).inc(n)
+        self.metrics.duplicate.labels(self._label(robot)).inc(n)
 
     # -------------------------------------------------------------- store writers
     def _new_writer(self, index: int) -> _WriterHandle:
         if self.store_writers == 0:
-            return _ThreadWriter(self.store.root, self.fsync, self._on_report)
+            return _ThreadWriter(self.store.root, self.fsync, self._on_report, self.max_buffered_bytes)
+        share = max(self.max_buffered_bytes // self.store_writers, 1)  # the bound is for all writers
         assert self._lock_fd is not None
         return _ProcessWriter(
             index,
@@ -841,6 +1039,7 @@ class Collector:
             self._on_report,
             self._writer_died,
             self.store_writer_nice,
+            share,
         )
 
     def _assign_writer(self) -> int:
@@ -856,7 +1055,7 @@ class Collector:
             self._pending_bytes += nbytes
             self.metrics.pending.set(self._pending_bytes)
         ep.last_op = time.monotonic()
-        if ep.wal.size > ep.applied:
+        if ep.wal.size > ep.applied and ep.retry_at is None:  # else the retry (backoff) posts it
             self._writers[ep.writer].post_data(ep.id, ep.wal.size)
 
     def _release(self, ep: _Episode, upto: int) -> None:
@@ -877,12 +1076,26 @@ class Collector:
         with ep.lock:
             if ep.closed:
                 return
+            if r.get("error") and r.get("retry"):
+                # A full disk (or out of descriptors): the writer dropped its state of the episode and
+                # replays the log from the Zarr commit when asked again, after a backoff.
+                ep.backoff_s = min(max(2 * ep.backoff_s, 0.25), self.store_retry_max_s)
+                ep.retry_at = time.monotonic() + ep.backoff_s
+                self.metrics.store_retries.inc()
+                log.warning(
+                    "store write failed; retrying (the log keeps the data)",
+                    extra={"episode": ep.id, "error": r["error"], "retry_in_s": ep.backoff_s},
+                )
+                return
             if r.get("error"):
                 if ep.error is None:
                     log.error("could not write to the store", extra={"episode": ep.id, "error": r["error"]})
                 ep.error = str(r["error"])  # its streams end; the log keeps the data for a restart
                 self._release(ep, ep.wal.size)
                 return
+            if ep.backoff_s:
+                log.info("store write succeeded after retries", extra={"episode": ep.id})
+                ep.backoff_s = 0.0
             self._release(ep, int(r["applied"]))
             stored = int(r["stored"])
             if stored > ep.stored:
@@ -907,7 +1120,7 @@ class Collector:
             self._episodes.pop(ep.id, None)
             self.metrics.open_episodes.set(len(self._episodes))
         self.accounts[ep.robot_id].episodes_closed += 1
-        self.metrics.episodes.labels(ep.robot_id, meta.outcome or "").inc()
+        self.metrics.episodes.labels(self._label(ep.robot_id), meta.outcome or "").inc()
         log.info(
             "episode closed",
             extra={"episode": ep.id, "robot": ep.robot_id, "frames": meta.length, "outcome": meta.outcome},
@@ -958,7 +1171,7 @@ class Collector:
     def _stored(self, ep: _Episode, n: int) -> None:
         if n > 0:
             self.accounts[ep.robot_id].frames_stored += n
-            self.metrics.stored.labels(ep.robot_id).inc(n)
+            self.metrics.stored.labels(self._label(ep.robot_id)).inc(n)
 
     async def wait_for_room(self, context: grpc.aio.ServicerContext) -> None:
         """Hold a stream while the store writers are behind (gRPC flow control then slows the robot)."""
@@ -970,17 +1183,58 @@ class Collector:
         self.metrics.backpressure.inc(time.perf_counter() - t0)
 
     def _flush_idle_loop(self) -> None:
-        """Write out the buffered tail of episodes nobody sends to, so readers see it (durability has the log)."""
-        while not self._stop.wait(1.0):
+        """Write out the buffered tail of episodes nobody sends to, so readers see it (durability has the
+        log); retry failed store writes when their backoff is over; close episodes idle for longer than
+        ``episode_idle_timeout_s`` as aborted."""
+        while not self._stop.wait(0.25):
             now = time.monotonic()
             with self._episodes_lock:
                 eps = list(self._episodes.values())
+            self.metrics.open_logs.set(len(self.log_files))
             for ep in eps:
                 with ep.lock:
-                    idle = not ep.closed and ep.error is None and now - ep.last_op > self.idle_flush_s
+                    if ep.closed or ep.error is not None:
+                        continue
+                    if ep.retry_at is not None:
+                        if now >= ep.retry_at:
+                            ep.retry_at = None
+                            self._writers[ep.writer].post_data(ep.id, ep.wal.size)
+                        continue
+                    if not ep.ended and now - ep.last_op > self.episode_idle_timeout_s:
+                        self._expire(ep)
+                        continue
+                    idle = now - ep.last_op > self.idle_flush_s
                     if idle and ep.stored < ep.committed and ep.flush_sent != ep.committed:
                         ep.flush_sent = ep.committed
                         self._writers[ep.writer].post({"op": "flush", "episode": ep.id})
+
+    def _expire(self, ep: _Episode) -> None:
+        """End an episode nobody has sent to for ``episode_idle_timeout_s`` (caller holds ``ep.lock``):
+        its frames are kept, its outcome is ``aborted`` (success unknown, recorded as false)."""
+        end = pb.RobotMessage(
+            end=pb.EndEpisode(episode_id=ep.id, length=ep.committed, outcome=ABORTED, success=False)
+        )
+        before = ep.wal.size
+        try:
+            ep.wal.append(end.SerializeToString())
+        except Unavailable as e:
+            log.error(
+                "could not close an idle episode; trying again", extra={"episode": ep.id, "error": str(e)}
+            )
+            return
+        ep.ended = True
+        self.metrics.episodes_expired.inc()
+        log.warning(
+            "idle episode closed as aborted",
+            extra={
+                "episode": ep.id,
+                "robot": ep.robot_id,
+                "frames": ep.committed,
+                "idle_s": round(time.monotonic() - ep.last_op, 1),
+                "episode_idle_timeout_s": self.episode_idle_timeout_s,
+            },
+        )
+        self._hand_off(ep, ep.wal.size - before)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until the store writers have applied every log received so far (for tests and tools)."""
@@ -997,9 +1251,16 @@ class Collector:
         return False
 
     # -------------------------------------------------------------- stats
-    def stats(self) -> pb.StatsResponse:
-        out = pb.StatsResponse(prometheus_text=generate_latest(self.metrics.registry).decode())
+    def stats(self, only: str | None = None) -> pb.StatsResponse:
+        """Every robot's counters, or (``only``: a per-robot credential) that robot's alone, without the
+        Prometheus text (which names the other robots)."""
+        if only is None:
+            out = pb.StatsResponse(prometheus_text=generate_latest(self.metrics.registry).decode())
+        else:
+            out = pb.StatsResponse()
         for robot, a in sorted(self.accounts.items()):
+            if only is not None and robot != only:
+                continue
             out.robots.append(
                 pb.RobotStats(
                     robot_id=robot,
@@ -1019,6 +1280,29 @@ class Collector:
             self._connected[session.robot_id] -= 1
             self.metrics.connected.dec()
             log.info("robot disconnected", extra={"robot": session.robot_id})
+
+
+class _RateLimitedLog:
+    """A warning logged at most once per key (a peer) per interval, with how many were held back; no
+    traceback (an attacker's garbage must not flood the log)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, message: str, **extra: Any) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last, held = self._last.get(key, (-math.inf, 0))
+            if now - last < self.interval_s:
+                self._last[key] = (last, held + 1)
+                return False
+            if len(self._last) > 10_000:  # many peers: forget the old ones
+                self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
+            self._last[key] = (now, 0)
+        log.warning(message, extra={**extra, "peer": key, "suppressed": held})
+        return True
 
 
 def _ack(
@@ -1043,9 +1327,7 @@ def _episode_of(msg: pb.RobotMessage) -> str:
 
 
 def _frames_in(msg: pb.RobotMessage) -> int:
-    if msg.WhichOneof("body") != "frames" or len(msg.frames.action.shape) != 2:
-        return 0
-    return int(msg.frames.action.shape[0])
+    return frames_declared(msg)
 
 
 class _Service:
@@ -1075,21 +1357,17 @@ class _Service:
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CollectorMessage]:
         try:
-            self.c.authorize(context.invocation_metadata())
+            identity = self.c.authorize(context.invocation_metadata())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        session = _Session()
+        session = _Session(identity=identity, peer=context.peer() or "")
         try:
             async for raw in request_iterator:
                 await self.c.wait_for_room(context)
                 try:
                     msg, cams = parse_message(raw)
-                except Exception:  # protobuf's DecodeError; never crash a stream on bytes
-                    yield pb.CollectorMessage(
-                        reject=pb.Reject(
-                            code=SC.INVALID_ARGUMENT.value[0], message="message: not a RobotMessage"
-                        )
-                    )
+                except Exception as e:  # protobuf's DecodeError; never crash a stream on bytes
+                    yield self.c.undecodable(session, e)
                     continue
                 try:
                     if msg.WhichOneof("body") == "start":
@@ -1100,6 +1378,9 @@ class _Service:
                         reply = await asyncio.to_thread(self.c.handle, session, msg, raw, cams)
                     else:
                         reply = self.c.handle(session, msg, raw, cams)
+                except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
+                    # Bytes that parse but that nothing above expected: a Reject, not a dead stream.
+                    reply = self.c.undecodable(session, e, msg)
                 except Unavailable as e:
                     log.error("cannot make a message durable; ending the stream", extra={"error": str(e)})
                     await context.abort(
@@ -1111,10 +1392,10 @@ class _Service:
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         try:
-            self.c.authorize(context.invocation_metadata())
+            identity = self.c.authorize(context.invocation_metadata())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        return self.c.stats()
+        return self.c.stats(only=identity)
 
 
 @functools.cache
@@ -1192,9 +1473,15 @@ class _WriterHandle:
 class _ThreadWriter(_WriterHandle):
     """The store writer in this process (``store_writers=0``: tests, debugging)."""
 
-    def __init__(self, root: Path, fsync: bool, on_report: Callable[[Mapping[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        fsync: bool,
+        on_report: Callable[[Mapping[str, Any]], None],
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    ) -> None:
         super().__init__(on_report)
-        self._sw = StoreWriter(root, fsync)
+        self._sw = StoreWriter(root, fsync, max_buffered_bytes)
         self._thread = threading.Thread(target=self._loop, name="collector-store", daemon=True)
         self._thread.start()
 
@@ -1208,6 +1495,10 @@ class _ThreadWriter(_WriterHandle):
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # past drain_timeout_s: stop between records (the log keeps the rest)
+            log.error("store writer did not stop in time; abandoning its work (the log keeps it)")
+            self._sw.aborted = True
+            self._thread.join(1.0)
 
 
 class _ProcessWriter(_WriterHandle):
@@ -1225,6 +1516,7 @@ class _ProcessWriter(_WriterHandle):
         on_report: Callable[[Mapping[str, Any]], None],
         on_exit: Callable[[_ProcessWriter], None],
         nice: int = 0,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     ) -> None:
         super().__init__(on_report)
         self._on_exit = on_exit
@@ -1235,6 +1527,7 @@ class _ProcessWriter(_WriterHandle):
         }
         cmd = [sys.executable, "-m", "fleet.store_writer", "--store", str(root), "--nice", str(nice)]
         cmd += ["--fsync"] if fsync else []
+        cmd += ["--max-buffered-bytes", str(max_buffered_bytes)]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,), env=env
         )
@@ -1281,7 +1574,10 @@ class _ProcessWriter(_WriterHandle):
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.error("store writer did not stop; killing it", extra={"pid": self.proc.pid})
+            log.error(
+                "store writer did not stop within drain_timeout_s; killing it (the log keeps its work)",
+                extra={"pid": self.proc.pid},
+            )
             self.proc.kill()
             self.proc.wait()
         self._reader.join(timeout_s)
@@ -1291,17 +1587,60 @@ class _ProcessWriter(_WriterHandle):
         self.proc.kill()
 
 
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The shared collector token kept in a file (its first line, whitespace stripped)."""
+    text = Path(path).read_text().strip()
+    token = text.splitlines()[0].strip() if text else ""
+    if not token:
+        raise ValueError(f"token_file: {path} holds no token")
+    return token
+
+
+def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Per-robot credentials: a JSON object ``{"robot_id": "token"}`` or lines ``robot_id: token``
+    (``#`` comments and blank lines ignored). Each token must be unique: it is the robot's identity."""
+    text = Path(path).read_text()
+    out: dict[str, str] = {}
+    if text.lstrip().startswith("{"):
+        data = json.loads(text)
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(f"robot_tokens_file: {path}: expected a JSON object robot id -> token")
+        out = {str(k): v.strip() for k, v in data.items()}
+    else:
+        for i, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            rid, sep, tok = line.partition(":")
+            if not sep or not rid.strip() or not tok.strip():
+                raise ValueError(f"robot_tokens_file: {path}:{i}: expected 'robot_id: token'")
+            if rid.strip() in out:
+                raise ValueError(f"robot_tokens_file: {path}:{i}: robot {rid.strip()!r} listed twice")
+            out[rid.strip()] = tok.strip()
+    for rid, tok in out.items():
+        if not _ID_RE.match(rid) or len(tok) < 16:
+            raise ValueError(
+                f"robot_tokens_file: {path}: robot {rid!r}: expected an id {_ID_RE.pattern} and a token "
+                "of at least 16 characters"
+            )
+    if len(set(out.values())) != len(out):
+        raise ValueError(f"robot_tokens_file: {path}: two robots share a token")
+    return out
+
+
 def serve(store: str | os.PathLike[str], db_url: str | None = None, **kwargs: Any) -> None:
-    """Run a collector until interrupted (what ``vla-rl collect`` runs)."""
+    """Run a collector until interrupted or SIGTERM (what ``vla-rl collect`` runs); stopping takes at most
+    ``drain_timeout_s`` (see :meth:`Collector.stop`)."""
     keep_freed_memory()
-    c = Collector(store, db_url, **kwargs).start()
-    print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
-    stop = threading.Event()
     import signal
 
+    stop = threading.Event()
+    # Before the line tools wait for: a SIGTERM right after it must drain, not kill.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    c = Collector(store, db_url, **kwargs).start()
+    print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(0.2):
             pass
     except KeyboardInterrupt:
         pass

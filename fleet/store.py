@@ -72,7 +72,7 @@ COMMIT_FILE = "commit.json"
 DEFAULT_CHUNK_LEN = 64
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _MAX_REVISIONS = int(np.iinfo(np.int16).max) + 1
-_FRAME_FIELDS = frozenset(
+FRAME_FIELDS = frozenset(
     [
         "cameras",
         "state",
@@ -500,10 +500,10 @@ class EpisodeWriter:
     def _add(self, frame: Mapping[str, Any], n: int | None) -> int:
         """Validate a frame (n=None) or a batch of n, then buffer it. Nothing changes on error."""
         self._check_open()
-        unknown = set(frame) - _FRAME_FIELDS
+        unknown = set(frame) - FRAME_FIELDS
         if unknown:
             raise SpecError(
-                sorted(unknown)[0], f"one of the frame fields {sorted(_FRAME_FIELDS)}", "an unknown key"
+                sorted(unknown)[0], f"one of the frame fields {sorted(FRAME_FIELDS)}", "an unknown key"
             )
         spec = self.spec
         rows = 1 if n is None else n

@@ -29,6 +29,8 @@ in-process (a collector with ``store_writers=0`` runs it in a thread).
 from __future__ import annotations
 
 import argparse
+import collections
+import errno
 import json
 import math
 import os
@@ -36,7 +38,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -88,25 +90,62 @@ def apply_record(w: EpisodeWriter, raw: bytes) -> bool:
     return False
 
 
+# OS errors that pass (space or descriptors freed): the episode is retried, not failed.
+RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE})
+DEFAULT_MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
+
+
+def retryable(e: BaseException) -> bool:
+    """An OS error (anywhere in its cause chain) that a retry after a while can get past."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in RETRYABLE_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 @dataclass
 class _Open:
     writer: EpisodeWriter
-    log: BinaryIO
     offset: int = 0  # log bytes applied
 
 
-class StoreWriter:
-    """Applies the logs of the episodes it is told about (see the module docstring for the ops)."""
+def _buffered(w: EpisodeWriter) -> int:
+    """Bytes an episode writer holds in memory (its chunk blocks)."""
+    return sum(a.nbytes for a in w._pending.values())
 
-    def __init__(self, store: str | os.PathLike[str], fsync: bool = False) -> None:
+
+class StoreWriter:
+    """Applies the logs of the episodes it is told about (see the module docstring for the ops).
+
+    It holds at most ``max_buffered_bytes`` of frame blocks in all: past it, the least recently used
+    episodes are flushed into Zarr and let go (reopened from their commit when their log grows). No log
+    stays open between ops (one descriptor at a time, however many episodes are open).
+    """
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str],
+        fsync: bool = False,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    ) -> None:
         # No metadata DB here: the collector records closed episodes (one writer of the DB).
         self.store = EpisodeStore(store, fsync=fsync)
         self.wal_dir = self.store.root / WAL_DIR
-        self.open: dict[str, _Open] = {}
+        self.max_buffered_bytes = max_buffered_bytes
+        self.open: collections.OrderedDict[str, _Open] = collections.OrderedDict()  # LRU first
+        self.resume_at: dict[str, int] = {}  # log offset of an episode let go cleanly (all flushed)
         self.failed: dict[str, str] = {}
+        self.evicted = 0
+        self.aborted = False  # the collector gave up waiting (drain_timeout_s): stop between records
 
     def handle(self, op: Mapping[str, Any]) -> list[dict[str, Any]]:
         kind = op.get("op")
+        if self.aborted:
+            return []
         if kind == "stop":
             return [self._run(eid, flush=True) for eid in list(self.open)]
         eid = str(op["episode"])
@@ -129,29 +168,55 @@ class StoreWriter:
                     report.update(applied=end or 0, stored=meta.length, closed=True)
                     return report
                 writer = self.store.resume_episode(eid)
-                ep = self.open[eid] = _Open(writer, open(self.wal_dir / f"{eid}.wal", "rb"))  # noqa: SIM115
+                ep = self.open[eid] = _Open(writer, self.resume_at.pop(eid, 0))
+            self.open.move_to_end(eid)
             closed = False
             if end is not None and end > ep.offset:
-                ep.log.seek(ep.offset)
-                records, good = WriteAheadLog.parse(ep.log.read(end - ep.offset))
+                with open(self.wal_dir / f"{eid}.wal", "rb") as f:
+                    f.seek(ep.offset)
+                    records, good = WriteAheadLog.parse(f.read(end - ep.offset))
                 if ep.offset + good != end:
                     raise RuntimeError(f"log of {eid}: no intact record at byte {ep.offset + good} of {end}")
                 for raw in records:
+                    if self.aborted:
+                        return report
                     closed = apply_record(ep.writer, raw) or closed
                 ep.offset = end
             if flush and not closed:
                 ep.writer.flush()
             report.update(applied=ep.offset, stored=ep.writer.committed, closed=closed)
             if closed:
-                ep.log.close()
                 del self.open[eid]
+            else:
+                self._bound_buffers(keep=eid)
         except Exception as e:  # a store failure must not stop the other episodes; the log keeps the data
-            self.failed[eid] = f"{type(e).__name__}: {e}"
-            report["error"] = self.failed[eid]
-            dead = self.open.pop(eid, None)
-            if dead is not None:
-                dead.log.close()
+            report["error"] = f"{type(e).__name__}: {e}"
+            # Its writer's state is unknown now: drop it, the next op resumes from the Zarr commit and
+            # replays the log (what is committed is skipped).
+            self.open.pop(eid, None)
+            self.resume_at.pop(eid, None)
+            if retryable(e):
+                report["retry"] = True  # the collector asks again after a backoff
+            else:
+                self.failed[eid] = report["error"]
         return report
+
+    def _bound_buffers(self, keep: str) -> None:
+        """Flush and let go of the least recently used episodes while the blocks held exceed the bound."""
+        total = sum(_buffered(o.writer) for o in self.open.values())
+        for eid in list(self.open):
+            if total <= self.max_buffered_bytes:
+                return
+            if eid == keep:
+                continue
+            o = self.open.pop(eid)
+            total -= _buffered(o.writer)
+            self.evicted += 1
+            try:
+                o.writer.flush()  # committed in Zarr: resuming from the commit gives back this state
+            except Exception:  # not committed: the next op replays its log from the start
+                continue
+            self.resume_at[eid] = o.offset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fleet.store_writer", description=__doc__)
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--fsync", action="store_true")
+    p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=DEFAULT_MAX_BUFFERED_BYTES,
+        help="frame blocks held in memory, all episodes together (past it idle ones are flushed)",
+    )
     p.add_argument(
         "--nice",
         type=int,
@@ -172,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from fleet.wire import keep_freed_memory
 
     keep_freed_memory()
-    sw = StoreWriter(args.store, fsync=args.fsync)
+    sw = StoreWriter(args.store, fsync=args.fsync, max_buffered_bytes=args.max_buffered_bytes)
     out = sys.stdout
     for line in sys.stdin:
         op = json.loads(line)

@@ -11,16 +11,20 @@ once" cheap).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
 from fleet import wire
 from fleet.meta import SegmentKind
 from fleet.proto import collector_pb2 as pb
+from fleet.store import FRAME_FIELDS
 from fleet.wire import WireTensor
 from server.codec import from_tensor
 from vla_rl.spec import RobotSpec, SpecError
@@ -38,14 +42,78 @@ class Unavailable(Exception):
 
 
 # ------------------------------------------------------------------------------------------ write-ahead log
-class WriteAheadLog:
-    """Append-only records ``[u32 length][u32 crc32][payload]`` in one file per open episode."""
+class LogFiles:
+    """A bounded pool of open log file descriptors (least recently used closed first; reopened on demand).
 
-    def __init__(self, path: Path, fsync: bool) -> None:
+    A collector with one descriptor per open episode ran out of them (``Too many open files``) and then
+    could not even restart. Logs are opened for appending, so a closed one reopens at its end.
+    """
+
+    def __init__(self, max_open: int = 256) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open_logs: expected at least 1, got {max_open}")
+        self.max_open = max_open
+        self._open: collections.OrderedDict[WriteAheadLog, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.reopened = 0
+
+    @contextlib.contextmanager
+    def fd(self, wal: WriteAheadLog) -> Iterator[int]:
+        """``wal``'s descriptor, open for the duration (the caller holds the log's own lock)."""
+        with self._lock:
+            if wal._fd is None:
+                self._evict(self.max_open - 1)
+                wal._fd = os.open(wal.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self.reopened += wal._opened
+                wal._opened = 1
+            self._open[wal] = None
+            self._open.move_to_end(wal)
+            wal._busy += 1
+        try:
+            yield wal._fd
+        finally:
+            with self._lock:
+                wal._busy -= 1
+
+    def _evict(self, keep: int) -> None:
+        for w in list(self._open):
+            if len(self._open) <= keep:
+                return
+            if w._busy == 0 and w._fd is not None:
+                os.close(w._fd)
+                w._fd = None
+                del self._open[w]
+
+    def forget(self, wal: WriteAheadLog) -> None:
+        with self._lock:
+            self._open.pop(wal, None)
+            if wal._fd is not None:
+                os.close(wal._fd)
+                wal._fd = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class WriteAheadLog:
+    """Append-only records ``[u32 length][u32 crc32][payload]`` in one file per open episode.
+
+    Its descriptor comes from a shared :class:`LogFiles` pool and is open only while it is among the
+    pool's most recently used (an idle episode costs no descriptor).
+    """
+
+    def __init__(self, path: Path, fsync: bool, files: LogFiles | None = None) -> None:
         self.path = path
         self.fsync = fsync
-        self._f: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the episode's lifetime
-        self.size = self._f.seek(0, os.SEEK_END)
+        self.files = files if files is not None else LogFiles(1)
+        self._fd: int | None = None
+        self._busy = 0
+        self._opened = 0
+        try:
+            self.size = path.stat().st_size
+        except FileNotFoundError:
+            path.touch()
+            self.size = 0
 
     @staticmethod
     def read(path: Path) -> tuple[list[bytes], int]:
@@ -60,29 +128,29 @@ class WriteAheadLog:
     def append(self, payload: bytes) -> None:
         """Write one record; on failure cut the file back so no partial record stays behind."""
         start = self.size
+        head = wire.record_head(payload)
         try:
-            # One system call, no copy into a buffer (the file is unbuffered, opened for appending).
-            head = wire.record_head(payload)
-            fd = self._f.fileno()
-            done = os.writev(fd, (head, payload))
-            if done < len(head) + len(payload):  # a short write: rare, finish it
-                rest = memoryview(head + payload)[done:]
-                while rest:
-                    rest = rest[os.write(fd, rest) :]
-            # Now in the page cache: survives a killed process.
-            if self.fsync:
-                os.fdatasync(fd)  # on the disk: survives power loss (one per message, not per frame)
+            with self.files.fd(self) as fd:
+                try:
+                    # One system call, no copy into a buffer (O_APPEND: at the end).
+                    done = os.writev(fd, (head, payload))
+                    if done < len(head) + len(payload):  # a short write: rare, finish it
+                        rest = memoryview(head + payload)[done:]
+                        while rest:
+                            rest = rest[os.write(fd, rest) :]
+                    # Now in the page cache: survives a killed process.
+                    if self.fsync:
+                        os.fdatasync(fd)  # on the disk: survives power loss (one per message, not per frame)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, start)
+                    raise
         except OSError as e:
-            try:
-                self._f.truncate(start)
-                self._f.seek(start)
-            except OSError:
-                pass
             raise Unavailable(f"write-ahead log {self.path.name}: {e}") from e
         self.size = start + len(head) + len(payload)
 
     def close(self, delete: bool = False) -> None:
-        self._f.close()
+        self.files.forget(self)
         if delete:
             self.path.unlink(missing_ok=True)
 
@@ -99,6 +167,55 @@ def parse_message(raw: bytes) -> tuple[pb.RobotMessage, dict[str, WireTensor] | 
         return pb.RobotMessage.FromString(raw), None
     small, cameras = split
     return pb.RobotMessage.FromString(small), cameras
+
+
+# FrameBatch's tensor fields besides the cameras: the store's frame fields, less the two that are not tensors.
+_TENSOR_FIELDS = tuple(sorted(FRAME_FIELDS - {"cameras", "revision"}))
+MAX_DIM = 1 << 31  # any one declared dimension
+
+
+def batch_size(
+    msg: pb.FrameBatch, max_frames: int, wire_cameras: Mapping[str, WireTensor] | None = None
+) -> int:
+    """The number of frames a ``FrameBatch`` declares, after checking every declared shape against bounds.
+
+    Nothing is allocated or counted from a batch before this passes: each tensor's dims must be
+    non-negative, at most 8 of them, each below 2**31, with the batch's leading dim N (1..``max_frames``)
+    first. Raises :class:`SpecError` naming the field. Data sizes are checked later by
+    :func:`decode_frames` (against these shapes).
+    """
+    if not msg.HasField("action"):
+        raise SpecError("frames.action", "float32 [N, action_dim]", "nothing (missing)")
+    dims = list(msg.action.shape)
+    if len(dims) != 2 or any(not 0 <= d < MAX_DIM for d in dims):
+        raise SpecError("frames.action", "float32 [N, action_dim] with N >= 1", f"shape {dims}")
+    n = dims[0]
+    if n < 1:
+        raise SpecError("frames", "at least one frame", "an empty batch")
+    if n > max_frames:
+        raise SpecError("frames", f"at most {max_frames} frames per batch", f"{n} frames")
+    tensors: list[tuple[str, Any]] = [
+        (f"frames.{name}", getattr(msg, name)) for name in _TENSOR_FIELDS if msg.HasField(name)
+    ]
+    cams: Mapping[str, Any] = msg.cameras if wire_cameras is None else wire_cameras
+    tensors += [(f"frames.cameras.{k}", t) for k, t in cams.items()]
+    for key, t in tensors:
+        shape = list(t.shape)
+        if not shape or len(shape) > 8 or any(not 0 <= d < MAX_DIM for d in shape) or shape[0] != n:
+            raise SpecError(
+                key, f"a tensor of at most 8 non-negative dims, leading dim {n}", f"shape {shape}"
+            )
+    if len(msg.revision) > n:
+        raise SpecError("frames.revision", f"no, one or {n} strings", f"{len(msg.revision)} strings")
+    return n
+
+
+def frames_declared(msg: pb.RobotMessage) -> int:
+    """Frames a message declares for accounting: 0 unless it is a batch whose leading dim is sane."""
+    if msg.WhichOneof("body") != "frames":
+        return 0
+    dims = list(msg.frames.action.shape)
+    return dims[0] if len(dims) == 2 and 0 <= dims[0] < MAX_DIM else 0
 
 
 def decode_frames(

@@ -157,11 +157,22 @@ class Collect:
     port: int = 50071
     """gRPC port (0 = any free port; printed on start)."""
     token: str | None = field(default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"))
-    """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment over this flag)."""
+    """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment or --token-file
+    over this flag). Its holder may speak as any robot id; see --robot-tokens-file."""
+    token_file: Path | None = None
+    """Read the shared token from this file's first line (instead of --token / the environment)."""
+    robot_tokens_file: Path | None = None
+    """Per-robot credentials, JSON {"robot_id": "token"} or lines "robot_id: token": a robot may only
+    say Hello as the id its token is bound to (another id: PERMISSION_DENIED)."""
     fsync: bool = False
     """fsync every acknowledged message (power-loss safe, slower)."""
     metrics_port: int | None = None
-    """Serve Prometheus /metrics on this port."""
+    """Serve Prometheus /metrics on this port (no authentication: it lists robot ids unless
+    --no-metrics-robot-labels)."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of /metrics (loopback by default; anything else exposes it to the network)."""
+    metrics_robot_labels: bool = True
+    """Label per-robot metrics with the robot id (off: one label 'all', no robot ids in /metrics)."""
     robots: str | None = None
     """Comma-separated robot ids to accept; None = any."""
     chunk_len: int = 128
@@ -177,28 +188,60 @@ class Collect:
     the collector's process, which then shares its one core)."""
     store_writer_nice: int = 10
     """How much lower the store writers' CPU priority is (0-19): intake and acks go first."""
+    max_open_episodes_per_robot: int = 16
+    """Episodes one robot may have open at once (more: StartEpisode is refused, RESOURCE_EXHAUSTED)."""
+    episode_idle_timeout_s: float = 1800.0
+    """An open episode with no message for this long is closed with outcome 'aborted' (frames kept)."""
+    max_open_logs: int = 256
+    """Write-ahead log file descriptors kept open (least recently used closed first, reopened on demand)."""
+    max_camera_pixels: int = 1280 * 720
+    """Largest camera (height x width) a robot's Hello may announce (larger: RESOURCE_EXHAUSTED)."""
+    max_buffered_mb: float = 1024
+    """Frame MB the store writers hold in memory in all (past it, idle episodes are flushed to Zarr); a
+    Hello whose one chunk (--chunk-len frames) is larger is refused."""
+    drain_timeout_s: float = 5.0
+    """Longest a stop (SIGTERM, Ctrl-C) takes: writing buffered frames to Zarr is cut off after it.
+    Nothing acknowledged is lost (it is in the log, replayed on the next start); robots resend the rest."""
+
+
+# Collect fields passed to serve() under the same name (the rest are converted in collect()).
+_COLLECT_AS_IS = (
+    "host",
+    "port",
+    "fsync",
+    "chunk_len",
+    "camera_zstd_level",
+    "max_batch_frames",
+    "store_writers",
+    "store_writer_nice",
+    "metrics_port",
+    "metrics_host",
+    "metrics_robot_labels",
+    "max_open_episodes_per_robot",
+    "episode_idle_timeout_s",
+    "max_open_logs",
+    "max_camera_pixels",
+    "drain_timeout_s",
+)
 
 
 def collect(a: Collect) -> int:
+    from fleet.collector import load_robot_tokens, read_token_file
     from fleet.collector import serve as run
 
     robots = {r.strip() for r in a.robots.split(",") if r.strip()} if a.robots else None
+    mb = 1024 * 1024
     with user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
+        token = read_token_file(a.token_file) if a.token_file else a.token
         run(
             a.store,
             a.db,
-            host=a.host,
-            port=a.port,
-            token=a.token or None,
-            fsync=a.fsync,
-            chunk_len=a.chunk_len,
-            camera_zstd_level=a.camera_zstd_level,
-            max_batch_frames=a.max_batch_frames,
-            max_pending_bytes=int(a.max_pending_mb * 1024 * 1024),
-            store_writers=a.store_writers,
-            store_writer_nice=a.store_writer_nice,
+            token=token or None,
+            robot_tokens=load_robot_tokens(a.robot_tokens_file) if a.robot_tokens_file else None,
+            max_buffered_bytes=int(a.max_buffered_mb * mb),
+            max_pending_bytes=int(a.max_pending_mb * mb),
             allowed_robots=robots,
-            metrics_port=a.metrics_port,
+            **{k: getattr(a, k) for k in _COLLECT_AS_IS},
         )
     return 0
 
