@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from vla_rl import __version__
 from vla_rl.cli import data, services, training
-from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, parse
+from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
 from vla_rl.logs import setup_logging
 
@@ -120,11 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "vla-rl " + " ".join(command.path)
     args = rest[used:]
     try:
-        if command.args is None:
-            return int(command.run(args, prog) or 0)
-        cls = command.args if isinstance(command.args, type) else command.args()
-        parsed = parse(cls, args, prog, cls.__doc__ or command.summary)
-        return int(command.run(parsed) or 0)
+        with hub_errors():
+            if command.args is None:
+                return int(command.run(args, prog) or 0)
+            cls = command.args if isinstance(command.args, type) else command.args()
+            parsed = parse(cls, args, prog, cls.__doc__ or command.summary)
+            return int(command.run(parsed) or 0)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

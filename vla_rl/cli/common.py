@@ -30,6 +30,74 @@ def user_errors(*types: type[Exception], prefix: str = "", suffix: str = "") -> 
         raise CliError(f"{prefix}{e}{suffix}") from None
 
 
+@contextlib.contextmanager
+def hub_errors() -> Iterator[None]:
+    """Hub failures a user can fix, as one line each: no registry, offline mode, a missing repo or ref,
+    a refused token (the Hub client's own exceptions carry a page of HTTP detail)."""
+    import httpx
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from vla_rl.hub.registry import HubUnavailable
+
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_HUB)
+    try:
+        yield
+    except HubUnavailable as e:
+        raise CliError(str(e)) from None
+    except OfflineModeIsEnabled:
+        raise CliError(
+            f"HF_HUB_OFFLINE=1 blocks the Hub registry at {endpoint}: unset it (or set HF_HUB_OFFLINE=0)"
+        ) from None
+    except RevisionNotFoundError as e:
+        raise CliError(
+            f"no such tag, branch or commit at {endpoint}: {_first_line(e)}; list refs with the Hub's "
+            "/api/models/ORG/NAME/refs or push one with `vla-rl hub push`"
+        ) from None
+    except RepositoryNotFoundError as e:
+        raise CliError(
+            f"no such repo at {endpoint} (or it is private and the token may not read it): {_first_line(e)}"
+        ) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status in (401, 403):
+            raise CliError(
+                f"the Hub at {endpoint} refused the request ({status}): check VLA_RL_HUB_TOKEN (or HF_TOKEN)"
+            ) from None
+        raise
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        raise CliError(
+            f"no Hub registry at {endpoint}: start one with `vla-rl hub serve`, or set --hub / VLA_RL_HUB"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def check_port(host: str, port: int, flag: str = "--port") -> None:
+    """Fail before loading anything when ``host:port`` is taken (0 = any free port: never taken)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CliError(
+                    f"{flag} {port}: {host}:{port} is already in use (another vla-rl process?); stop it or "
+                    f"pick another port"
+                ) from None
+            raise CliError(f"{flag} {port}: cannot bind {host}:{port}: {e.strerror}") from None
+
+
 # ---------------------------------------------------------------------------- parsing
 def parse(cls: type, argv: Sequence[str], prog: str, description: str, default: Any = None) -> Any:
     """``argv`` -> an instance of the dataclass ``cls``: flags from its fields (kebab-case), ``--help``

@@ -9,7 +9,7 @@ from pathlib import Path
 from tyro.conf import Positional
 
 from sim.base import ObsMode
-from vla_rl.cli.common import Command, open_store, task_arg
+from vla_rl.cli.common import CliError, Command, open_store, task_arg, user_errors
 from vla_rl.console import human_bytes, table
 
 
@@ -218,7 +218,8 @@ def store_export_lerobot(a: StoreExportLerobot) -> int:
     from fleet.lerobot_io import export_lerobot
 
     store, _db = open_store(a.path)
-    out = export_lerobot(store, a.out, a.repo_id, task=a.task, use_videos=a.videos)
+    with user_errors(FileExistsError, ValueError, prefix="store export-lerobot: "):
+        out = export_lerobot(store, a.out, a.repo_id, task=a.task, use_videos=a.videos)
     print(
         f"LeRobot v3 dataset written to {out} (load it with LeRobotDataset({a.repo_id!r}, root={str(out)!r}))"
     )
@@ -243,8 +244,14 @@ class StoreImportLerobot:
 def store_import_lerobot(a: StoreImportLerobot) -> int:
     from fleet.lerobot_io import import_lerobot
 
+    root = Path(a.dataset)
+    if root.is_dir() and not (root / "meta" / "info.json").is_file():
+        raise CliError(
+            f"{root}: not a LeRobot v3 dataset (no meta/info.json); give the dataset's root folder"
+        )
     store, db = open_store(a.store, create=True)
-    ids = import_lerobot(a.dataset, store, robot_id=a.robot_id, task=a.task, db=db)
+    with user_errors(FileNotFoundError, ValueError, prefix="store import-lerobot: "):
+        ids = import_lerobot(a.dataset, store, robot_id=a.robot_id, task=a.task, db=db)
     print(f"imported {len(ids)} episodes into {store.root}")
     return 0
 

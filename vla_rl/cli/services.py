@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import tyro
 from tyro.conf import Positional
 
-from vla_rl.cli.common import CliError, Command, env_secret, task_arg, user_errors
+from vla_rl.cli.common import CliError, Command, check_port, env_secret, task_arg, user_errors
 
 
 # ---------------------------------------------------------------------------- policy server
@@ -229,6 +229,7 @@ def collect(a: Collect) -> int:
     from fleet.collector import load_robot_tokens, read_token_file
     from fleet.collector import serve as run
 
+    check_port(a.host, a.port)
     robots = {r.strip() for r in a.robots.split(",") if r.strip()} if a.robots else None
     mb = 1024 * 1024
     with user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
@@ -328,6 +329,7 @@ def hub_serve(a: HubServe) -> int:
     from vla_rl.hub.limits import Limits
     from vla_rl.hub.server import serve as run
 
+    check_port(a.host, a.port)
     token = a.token or None
     if a.token_file is not None:
         try:
@@ -366,8 +368,11 @@ class HubPush:
 
 
 def hub_push(a: HubPush) -> int:
-    from vla_rl.hub.registry import push_folder
+    from vla_rl.hub.registry import check_hub, push_folder
 
+    if not a.folder.is_dir():
+        raise CliError(f"{a.folder}: no such checkpoint folder")
+    check_hub(write=True)
     sha = push_folder(a.folder, a.repo, message=a.message, tag=a.tag, branch=a.branch)
     print(f"hub://{a.repo}@{sha}" + (f"  (tag {a.tag})" if a.tag else ""))
     return 0
@@ -385,8 +390,9 @@ class HubPull:
 
 def hub_pull(a: HubPull) -> int:
     from vla_rl.checkpoint import load_checkpoint
-    from vla_rl.hub.registry import pull
+    from vla_rl.hub.registry import check_hub, pull
 
+    check_hub()
     ckpt = pull(a.ref, cache_dir=a.cache_dir)
     load_checkpoint(ckpt.path)  # verify hashes before telling anyone to use it
     print(f"{ckpt.path}  (commit {ckpt.commit}, hashes verified)")

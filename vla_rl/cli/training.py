@@ -53,9 +53,14 @@ def _check_fixed(alg: Algorithm, cfg: Any) -> None:
             raise CliError(f"--{k.replace('_', '-')}: the {alg.name} command fixes it to {v}")
 
 
-def _check_inputs(cfg: Any) -> None:
-    """Fail before any work on what a user most often gets wrong: a base or init run that is not there."""
+def _check_inputs(cfg: Any, push: bool = False) -> None:
+    """Fail before any work on what a user most often gets wrong: a base or init run that is not there,
+    a Hub that is not reachable or will not take a push."""
+    from vla_rl.hub.registry import check_hub, is_hub_ref
+
     base = getattr(cfg, "base", None)
+    if push or (base and is_hub_ref(base)):
+        check_hub(write=push)
     if base and not str(base).startswith("hub://") and not Path(base).is_dir():
         raise CliError(f"--base {base}: no such checkpoint folder (or give hub://org/name@rev)")
     init = getattr(cfg, "init_from", None)
@@ -100,7 +105,7 @@ def _train_command(name: str) -> Any:
         parsed = parse(wrapper, argv, prog, description, default)
         cfg = parsed.inner
         _check_fixed(alg, cfg)
-        _check_inputs(cfg)
+        _check_inputs(cfg, push=parsed.options.push is not None)
         with user_errors(FileNotFoundError, ValueError, CheckpointError):
             result = train(cfg)
         print(_summary(name, result))
@@ -151,7 +156,7 @@ def round_start(argv: Sequence[str], prog: str) -> int:
     default = partial(wrapper, {"inner": partial(cls, values), "options": RoundOptions()})
     parsed = parse(wrapper, argv, f"{prog} --algo {algo}", f"{alg.summary}. {ROUND_HELP}", default)
     _check_fixed(alg, parsed.inner)
-    _check_inputs(parsed.inner)
+    _check_inputs(parsed.inner, push=parsed.options.push)
     options = {f.name: getattr(parsed.options, f.name) for f in fields(RoundOptions)}
     with user_errors(
         RoundError,
@@ -343,6 +348,10 @@ def eval_(a: Eval) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    from vla_rl.hub.registry import check_hub, is_hub_ref
+
+    if is_hub_ref(a.checkpoint):
+        check_hub()
     with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
         lp = load_policy(a.checkpoint, device=a.device)
     lp.num_steps = a.num_steps

@@ -152,6 +152,52 @@ def _client_for(endpoint: str | None, token: str | None) -> tuple[HfApi, str]:
     return HfApi(endpoint=endpoint, token=token, library_name="vla-rl", library_version=__version__), endpoint
 
 
+class HubUnavailable(RuntimeError):
+    """The Hub registry cannot be used as asked; the message says how to fix it."""
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_hub(
+    endpoint: str | None = None, token: str | None = None, *, write: bool = False, timeout_s: float = 5.0
+) -> None:
+    """Fail early, before any work, with a message that says how to fix it: the Hub at ``endpoint`` is not
+    reachable, ``HF_HUB_OFFLINE`` blocks it, or (``write``) there is no token or the Hub refuses it."""
+    import urllib.error
+    import urllib.request
+
+    ep = _normalize_endpoint(endpoint)
+    if _offline():
+        raise HubUnavailable(
+            f"HF_HUB_OFFLINE=1 blocks the Hub registry at {ep}: unset it (or set HF_HUB_OFFLINE=0) to push and "
+            "pull checkpoints"
+        )
+    token = token or os.environ.get("HF_TOKEN")
+    if write and not token:
+        raise HubUnavailable(
+            f"pushing to the Hub at {ep} needs a token: set VLA_RL_HUB_TOKEN (or HF_TOKEN) to the registry's token"
+        )
+    req = urllib.request.Request(
+        f"{ep}/api/whoami-v2", headers={"authorization": f"Bearer {token}"} if token else {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError as e:
+        if write and e.code in (401, 403):
+            raise HubUnavailable(
+                f"the Hub at {ep} refused the token ({e.code}): check VLA_RL_HUB_TOKEN (or HF_TOKEN)"
+            ) from None
+        # any other HTTP answer means a server is there; reads decide per repo
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise HubUnavailable(
+            f"no Hub registry at {ep} ({reason}): start one with `vla-rl hub serve`, or set --hub / VLA_RL_HUB"
+        ) from None
+
+
 # ----- references ------------------------------------------------------------------------------------------
 def is_hub_ref(ref: str | os.PathLike[str] | HubRef) -> bool:
     return isinstance(ref, HubRef) or (isinstance(ref, str) and ref.startswith(SCHEME))
