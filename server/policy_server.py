@@ -552,10 +552,8 @@ class ModelSlot:
                     break
                 self._cond.wait(remaining)
             batch = self._pick(min(self.max_batch, len(self._queue)))
-            now = time.monotonic()
             for item in batch:
                 self._queued_peers[item.peer] -= 1
-                self._usage[item.peer] = (self._usage_of(item.peer, now) + 1.0, now)
             return batch, self.active  # the version is read once per batch: swaps land between batches
 
     USAGE_HALF_LIFE_S = 1.0
@@ -569,11 +567,17 @@ class ModelSlot:
         recently (decayed count, half-life USAGE_HALF_LIFE_S) go first, FIFO among equals: a flood of
         requests from some connections (e.g. streams that never read their replies) cannot push a robot
         asking at its control rate behind them."""
+        now = time.monotonic()
         if n >= len(self._queue):
             batch = list(self._queue)
             self._queue.clear()
-            return batch
-        now = time.monotonic()
+        else:
+            batch = self._least_served(n, now)
+        for item in batch:
+            self._usage[item.peer] = (self._usage_of(item.peer, now) + 1.0, now)
+        return batch
+
+    def _least_served(self, n: int, now: float) -> list[_Pending]:
         if len(self._usage) > 4 * self.max_queue:
             self._usage = {
                 p: (self._usage_of(p, now), now) for p in self._usage if self._usage_of(p, now) > 0.01

@@ -87,7 +87,7 @@ def _read_token_file(path: Path) -> str:
         token = path.read_text().strip().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise CliError(
-            f"--token-file {path}: cannot read it ({type(e).__name__}: {e.strerror or e})"
+            f"--token-file {path}: cannot read it ({type(e).__name__}: {getattr(e, 'strerror', None) or e})"
         ) from None
     if not token or not token[0].strip():
         raise CliError(f"--token-file {path}: empty; put the control token on its first line")
