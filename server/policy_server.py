@@ -22,7 +22,18 @@ Why it is built this way (what LeRobot's async server and openpi's server get wr
   model, and every reply names the commit that produced it. A refused checkpoint leaves the old one
   serving and its error in ``GetInfo``. The previous version stays in memory so Rollback is instant.
 * **Authenticated control.** LoadCheckpoint/Promote/Rollback need ``authorization: Bearer <token>``;
-  without a configured token they are disabled. Bound to 127.0.0.1 unless told otherwise.
+  without a configured token they are disabled. Bound to 127.0.0.1 unless told otherwise. GetInfo is
+  open, so its ``last_load_error`` says only that a load failed; the reason goes to the log and to
+  GetInfo callers that send the token.
+* **Bounded by** :class:`ServerLimits`. A checkpoint only opens its own regular files, each under
+  ``max_file_bytes``, and a load stops at ``load_timeout_s``; loads run in their own pool, so
+  Promote/Rollback never wait behind them. The config's implied tensor shapes are checked against the
+  safetensors header before anything is built. Requests are capped in size (derived from the robot
+  spec), in number (``max_concurrent_rpcs``, ``max_peer_queued``) and in values (``max_noise_abs``,
+  ``max_state_abs``). Bytes that do not parse are INVALID_ARGUMENT naming the field, logged once per
+  peer per ``log_interval_s``. When requests wait, the connections served least recently go first, and
+  a stream reply the robot does not read within ``stream_write_timeout_s`` closes that stream. A
+  non-finite chunk is an error reply and is never sent as actions.
 """
 
 from __future__ import annotations

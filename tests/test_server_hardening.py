@@ -496,6 +496,43 @@ def test_streams_that_never_read_do_not_slow_a_robot(ckpts: dict[str, Path], tmp
         srv.stop(0.5)
 
 
+def test_a_stream_whose_replies_are_not_read_is_closed(ckpts: dict[str, Path]) -> None:
+    """Replies the robot does not read fill its flow-control window (small here: no BDP growth); the
+    server then holds one reply for that stream, reads no more of its requests, and closes it after
+    stream_write_timeout_s. Other robots are served meanwhile and after."""
+    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(stream_write_timeout_s=0.5))
+    stop = threading.Event()
+    req = _good(1).SerializeToString()
+
+    def flood() -> Iterator[bytes]:
+        while not stop.is_set():
+            yield req
+
+    opts = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    try:
+        with grpc.insecure_channel(srv.address, options=opts) as ch:
+            call = ch.stream_stream(f"/{SERVICE_NAME}/StreamAct", request_serializer=None)(
+                flood(), timeout=20
+            )
+            slot = srv.slots["arm"]
+            time.sleep(1.0)
+            served = slot.served
+            time.sleep(0.5)
+            assert slot.served == served < 200  # bounded, then nothing more for a robot that does not read
+            with PolicyClient(srv.address, timeout_s=10, model_id="arm") as c:
+                assert c.act(make_obs(np.random.default_rng(0)), seed=1).actions.shape == (H, A)
+            stop.set()
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert (
+                err.value.code() == SC.RESOURCE_EXHAUSTED and "stream_write_timeout_s" in err.value.details()
+            )
+    finally:
+        stop.set()
+        srv.stop(0.5)
+
+
 # ------------------------------------------------------------------------------------- 5. config vs weights
 @pytest.mark.parametrize(
     ("edit", "words"),
