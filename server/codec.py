@@ -113,8 +113,54 @@ def encode_image(image: np.ndarray, fmt: str = "raw", jpeg_quality: int = 90) ->
     return pb.Image(encoding=pb.Image.PNG, encoded=buf.getvalue())
 
 
+_SOF_MARKERS = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
+
+
+def image_header_size(data: bytes, kind: str) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR or a JPEG's SOF segment, reading only the header bytes.
+
+    None when the header is missing or malformed. Lets the server refuse an image whose size differs
+    from the robot spec before any decoder (or PIL's own bomb check) sees it.
+    """
+    if kind == "PNG":
+        if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+            return None
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if len(data) < 4 or data[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker in _SOF_MARKERS:
+            if i + 9 > n:
+                return None
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            width = int.from_bytes(data[i + 7 : i + 9], "big")
+            return width, height
+        if marker in (0xDA, 0xD9):  # scan data (or the end) before any frame header
+            return None
+        i += 2 + length
+    return None
+
+
 def decode_image(msg: pb.Image, field: str, height: int, width: int) -> np.ndarray:
-    """A wire ``Image`` as uint8 [height, width, 3]; the size is checked before the pixels are decoded."""
+    """A wire ``Image`` as uint8 [height, width, 3]; the size is checked before the pixels are decoded.
+
+    Every failure is a :class:`SpecError` naming ``field``: the size is read from the header bytes and
+    compared with the spec before PIL opens the file, and any decoder error (truncated data, PIL's
+    ``DecompressionBombError``, ...) is caught, so no input can raise anything else.
+    """
     want = f"a {height}x{width}x3 uint8 image"
     if msg.encoding == pb.Image.RAW:
         if msg.encoded:
@@ -124,21 +170,32 @@ def decode_image(msg: pb.Image, field: str, height: int, width: int) -> np.ndarr
     if msg.encoding not in names:
         raise SpecError(field, "encoding RAW, JPEG or PNG", f"encoding {msg.encoding}")
     kind = names[msg.encoding]
-    if not msg.encoded:
+    data = msg.encoded  # a fresh copy on every access: read once
+    if not data:
         raise SpecError(field, f"{kind} bytes", "nothing (empty)")
-    from PIL import Image, UnidentifiedImageError
+    size = image_header_size(data, kind)
+    if size is None:
+        raise SpecError(field, f"a valid {kind} file", "bytes without a readable header")
+    if size != (width, height):
+        raise SpecError(field, want, f"a {size[1]}x{size[0]} {kind}")
+    import warnings
+
+    from PIL import Image
 
     try:
-        pil = Image.open(io.BytesIO(msg.encoded), formats=[kind])
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise SpecError(field, f"a valid {kind} file", "bytes that do not decode as one") from None
-    if pil.size != (width, height):
-        w, h = pil.size
-        raise SpecError(field, want, f"a {h}x{w} {kind}")
-    try:
-        arr = np.asarray(pil.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError):
-        raise SpecError(field, f"a complete {kind} file", "a truncated or corrupt one") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            pil = Image.open(io.BytesIO(data), formats=[kind])
+            if pil.size != (width, height):
+                w, h = pil.size
+                raise SpecError(field, want, f"a {h}x{w} {kind}")
+            arr = np.asarray(pil.convert("RGB"), dtype=np.uint8)
+    except SpecError:
+        raise
+    except Exception as e:  # UnidentifiedImageError, OSError, DecompressionBomb*, SyntaxError, ...
+        raise SpecError(
+            field, f"a complete, valid {kind} file", f"one that fails to decode ({type(e).__name__})"
+        ) from None
     if arr.shape != (height, width, 3):
         raise SpecError(field, want, f"shape {list(arr.shape)} after decoding")
     return arr

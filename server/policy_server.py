@@ -22,7 +22,18 @@ Why it is built this way (what LeRobot's async server and openpi's server get wr
   model, and every reply names the commit that produced it. A refused checkpoint leaves the old one
   serving and its error in ``GetInfo``. The previous version stays in memory so Rollback is instant.
 * **Authenticated control.** LoadCheckpoint/Promote/Rollback need ``authorization: Bearer <token>``;
-  without a configured token they are disabled. Bound to 127.0.0.1 unless told otherwise.
+  without a configured token they are disabled. Bound to 127.0.0.1 unless told otherwise. GetInfo is
+  open, so its ``last_load_error`` says only that a load failed; the reason goes to the log and to
+  GetInfo callers that send the token.
+* **Bounded by** :class:`ServerLimits`. A checkpoint only opens its own regular files, each under
+  ``max_file_bytes``, and a load stops at ``load_timeout_s``; loads run in their own pool, so
+  Promote/Rollback never wait behind them. The config's implied tensor shapes are checked against the
+  safetensors header before anything is built. Requests are capped in size (derived from the robot
+  spec), in number (``max_concurrent_rpcs``, ``max_peer_queued``) and in values (``max_noise_abs``,
+  ``max_state_abs``). Bytes that do not parse are INVALID_ARGUMENT naming the field, logged once per
+  peer per ``log_interval_s``. When requests wait, the connections served least recently go first, and
+  a stream reply the robot does not read within ``stream_write_timeout_s`` closes that stream. A
+  non-finite chunk is an error reply and is never sent as actions.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ from server.codec import decode_image, from_tensor, to_tensor
 from server.proto import policy_service_pb2 as pb
 from server.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl import __version__
-from vla_rl.checkpoint import CheckpointError
+from vla_rl.checkpoint import DEFAULT_MAX_FILE_BYTES, CheckpointError, LoadLimits
 from vla_rl.policy_loading import LoadedPolicy, load_servable
 from vla_rl.spec import RobotSpec, SpecError
 
@@ -59,9 +70,18 @@ log = logging.getLogger("vla_rl.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
 DEFAULT_PORT = 50061
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # only an upper bound now: the default is derived from the spec
+MIN_DERIVED_MESSAGE_BYTES = 1024 * 1024  # headroom for a later checkpoint with a slightly larger spec
+MESSAGE_SLACK_BYTES = 64 * 1024  # on top of the spec's pixels, state and noise: ids, instruction, framing
 MAX_INSTRUCTION_CHARS = 2000
 MAX_REQUEST_ID_CHARS = 200
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+DEFAULT_MAX_CONCURRENT_RPCS = 256
+DEFAULT_MAX_PEER_QUEUED = 64
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
+DEFAULT_MAX_NOISE_ABS = 10.0
+DEFAULT_MAX_STATE_ABS = 1e6
+DEFAULT_LOG_INTERVAL_S = 10.0
 
 
 class RequestError(Exception):
@@ -80,6 +100,154 @@ def initial_noise(seed: int, chunk_len: int, action_dim: int) -> np.ndarray:
     """
     gen = torch.Generator().manual_seed(int(seed))
     return torch.randn((chunk_len, action_dim), generator=gen, dtype=torch.float32).numpy()
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client (or one checkpoint) can make the server do; every error names the field."""
+
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # one checkpoint load, then it is abandoned
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # one checkpoint file
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # calls + open streams; more: RESOURCE_EXHAUSTED
+    max_peer_queued: int = DEFAULT_MAX_PEER_QUEUED  # requests one connection may have waiting
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # an unread reply ends its stream
+    max_noise_abs: float = DEFAULT_MAX_NOISE_ABS  # |explicit initial noise|
+    max_state_abs: float = DEFAULT_MAX_STATE_ABS  # |observation.state|
+    log_interval_s: float = DEFAULT_LOG_INTERVAL_S  # one warning per peer and kind per interval
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+
+
+def request_bytes_for(spec: RobotSpec, noise_shape: tuple[int, int] | None) -> int:
+    """The largest ActRequest a robot with ``spec`` needs to send: every camera raw (or encoded, up to 2x
+    raw for incompressible JPEG/PNG), the state, explicit noise, plus :data:`MESSAGE_SLACK_BYTES`."""
+    pixels = sum(c.height * c.width * 3 for c in spec.cameras)
+    noise = 4 * noise_shape[0] * noise_shape[1] if noise_shape else 0
+    return 2 * pixels + 4 * spec.state_dim + noise + MESSAGE_SLACK_BYTES
+
+
+class RateLimitedLog:
+    """At most one warning per (peer, kind) per ``interval_s``; the next one says how many were suppressed.
+
+    A flood of garbage from one peer costs one log line per interval, not a traceback per call.
+    """
+
+    MAX_KEYS = 10_000
+
+    def __init__(self, interval_s: float = DEFAULT_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, peer: str, kind: str, msg: str, *, exc_info: bool = False, **extra: Any) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get((peer, kind), (-float("inf"), 0))
+            if now - last < self.interval_s:
+                self._last[(peer, kind)] = (last, suppressed + 1)
+                return False
+            if len(self._last) >= self.MAX_KEYS:
+                cutoff = now - self.interval_s
+                self._last = {k: v for k, v in self._last.items() if v[0] >= cutoff}
+            self._last[(peer, kind)] = (now, 0)
+        log.warning(
+            msg, exc_info=exc_info, extra={"peer": peer, "kind": kind, "suppressed": suppressed, **extra}
+        )
+        return True
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the server's deserializers return for bytes that are not a valid request message (instead of
+    raising, which grpc answers UNKNOWN with a logged traceback)."""
+
+    type_name: str
+    field: str
+    size: int
+
+    @property
+    def message(self) -> str:
+        return f"{self.field}: the request is not a valid {self.type_name} protobuf ({self.size} bytes)"
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def bad_field(data: bytes, desc: Any, prefix: str = "", depth: int = 0) -> str | None:
+    """The dotted name of the first field whose wire encoding is broken in ``data`` (None if none is
+    found): walks the protobuf wire format with the message descriptor, never allocating more than
+    ``data``."""
+    from google.protobuf.descriptor import FieldDescriptor as FD
+
+    i, n = 0, len(data)
+    while i < n:
+        try:
+            key, i = _varint(data, i)
+        except ValueError:
+            return prefix.rstrip(".") or "request"
+        num, wire = key >> 3, key & 7
+        f = desc.fields_by_number.get(num)
+        name = prefix + (f.name if f is not None else f"field {num}")
+        try:
+            if wire == 0:
+                _, i = _varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            elif wire == 2:
+                length, i = _varint(data, i)
+                chunk = data[i : i + length]
+                i += length
+                if i > n:
+                    return name
+                if f is not None and f.type == FD.TYPE_MESSAGE and depth < 8:
+                    inner = bad_field(chunk, f.message_type, name + ".", depth + 1)
+                    if inner is not None:
+                        return inner
+                elif f is not None and f.type == FD.TYPE_STRING:
+                    chunk.decode("utf-8")
+            else:
+                return name
+        except (ValueError, UnicodeDecodeError):
+            return name
+        if i > n:
+            return name
+    return None
+
+
+def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception:
+            where = bad_field(data, cls.DESCRIPTOR) or "request"
+            return Undecodable(cls.DESCRIPTOR.full_name, where, len(data))
+
+    return deserialize
+
+
+class _AnySet:
+    """``is_set()`` of several events (a load's own cancel flag and the server's stop)."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
 
 
 def spec_problems(serving: RobotSpec, new: RobotSpec) -> list[str]:
@@ -264,6 +432,7 @@ class ModelSlot:
         max_queue: int,
         adaptive_wait: bool = True,
         activity_window_s: float = 1.0,
+        max_peer_queued: int = DEFAULT_MAX_PEER_QUEUED,
     ) -> None:
         if max_batch < 1 or max_queue < 1 or max_wait_us < 0:
             raise ValueError(
@@ -275,12 +444,15 @@ class ModelSlot:
         self.staged: ServedVersion | None = None
         self.max_batch, self.max_wait_us, self.max_queue = max_batch, max_wait_us, max_queue
         self.adaptive_wait, self.activity_window_s = adaptive_wait, activity_window_s
+        self.max_peer_queued = max_peer_queued
+        self._usage: dict[str, tuple[float, float]] = {}  # peer -> (decayed requests served, at time)
         self._last_seen: dict[str, float] = {}  # peer -> time.monotonic() of its last request
         self._queued_peers: collections.Counter[str] = collections.Counter()
-        self.last_load_error = ""
+        self.last_load_error = ""  # public (GetInfo without a token): no file names, contents or hashes
+        self.last_load_error_detail = ""  # the full reason: server log, and GetInfo with the control token
         self.last_failed_commit = ""
         self.followed_ref = ""
-        self.served = self.batches = self.dropped_expired = self.rejected_full = 0
+        self.served = self.batches = self.dropped_expired = self.rejected_full = self.non_finite = 0
         self.load_lock = threading.Lock()  # one load per model at a time
         self._cond = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -311,6 +483,13 @@ class ModelSlot:
                 raise RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"model {self.model_id!r}: request queue full ({self.max_queue} waiting); retry with backoff",
+                )
+            if self._queued_peers[item.peer] >= self.max_peer_queued:
+                self.rejected_full += 1
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"model {self.model_id!r}: this connection already has {self.max_peer_queued} requests "
+                    "waiting (max_peer_queued); retry with backoff",
                 )
             self._queue.append(item)
             self._last_seen[item.peer] = time.monotonic()
@@ -383,11 +562,42 @@ class ModelSlot:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            n = min(self.max_batch, len(self._queue))
-            batch = [self._queue.popleft() for _ in range(n)]
+            batch = self._pick(min(self.max_batch, len(self._queue)))
             for item in batch:
                 self._queued_peers[item.peer] -= 1
             return batch, self.active  # the version is read once per batch: swaps land between batches
+
+    USAGE_HALF_LIFE_S = 1.0
+
+    def _usage_of(self, peer: str, now: float) -> float:
+        value, at = self._usage.get(peer, (0.0, now))
+        return value * 0.5 ** ((now - at) / self.USAGE_HALF_LIFE_S)
+
+    def _pick(self, n: int) -> list[_Pending]:
+        """Take ``n`` queued requests. When more are waiting than fit, the connections served least
+        recently (decayed count, half-life USAGE_HALF_LIFE_S) go first, FIFO among equals: a flood of
+        requests from some connections (e.g. streams that never read their replies) cannot push a robot
+        asking at its control rate behind them."""
+        now = time.monotonic()
+        if n >= len(self._queue):
+            batch = list(self._queue)
+            self._queue.clear()
+        else:
+            batch = self._least_served(n, now)
+        for item in batch:
+            self._usage[item.peer] = (self._usage_of(item.peer, now) + 1.0, now)
+        return batch
+
+    def _least_served(self, n: int, now: float) -> list[_Pending]:
+        if len(self._usage) > 4 * self.max_queue:
+            self._usage = {
+                p: (self._usage_of(p, now), now) for p in self._usage if self._usage_of(p, now) > 0.01
+            }
+        items = list(self._queue)
+        order = sorted(range(len(items)), key=lambda i: (self._usage_of(items[i].peer, now), i))
+        chosen = set(order[:n])
+        self._queue = collections.deque(it for i, it in enumerate(items) if i not in chosen)
+        return [it for i, it in enumerate(items) if i in chosen]
 
     def _run(self) -> None:
         while True:
@@ -440,6 +650,13 @@ class ModelSlot:
             t0 = time.perf_counter_ns()
             actions = version.infer(states, cams, [it.instruction for it in live], noise)
             infer_us = (time.perf_counter_ns() - t0) // 1000
+            want = (len(live), version.chunk_len, version.action_dim)
+            if actions.shape != want:
+                raise RequestError(
+                    grpc.StatusCode.INTERNAL,
+                    f"inference failed: expected actions {list(want)}, got {list(actions.shape)}",
+                )
+            finite = np.isfinite(actions.reshape(len(live), -1)).all(axis=1)
         except Exception as e:  # every waiting request must get an answer
             err = (
                 e
@@ -453,6 +670,16 @@ class ModelSlot:
         self.batches += 1
         self.served += len(live)
         for i, it in enumerate(live):
+            if not finite[i]:  # never data: a non-finite chunk is an error reply
+                self.non_finite += 1
+                it.future.set_exception(
+                    RequestError(
+                        grpc.StatusCode.INTERNAL,
+                        f"actions: the model produced NaN or inf for this request (commit {version.commit}); "
+                        "nothing to execute",
+                    )
+                )
+                continue
             it.future.set_result(
                 _Result(
                     actions=actions[i],
@@ -485,6 +712,12 @@ class _Service(pb_grpc.PolicyServiceServicer):
         else:
             state = from_tensor(obs.state, "observation.state", dtype="float32", shape=(spec.state_dim,))
         spec.check_state(state, name="observation.state")  # finite
+        if state.size and float(np.abs(state).max()) > self.s.max_state_abs:
+            raise SpecError(
+                "observation.state",
+                f"values within +-{self.s.max_state_abs:g} (max_state_abs)",
+                f"max |x| {float(np.abs(state).max()):.3g}",
+            )
         cams: dict[str, np.ndarray] = {}
         for name, img in obs.cameras.items():
             try:
@@ -516,6 +749,12 @@ class _Service(pb_grpc.PolicyServiceServicer):
             noise = from_tensor(req.noise, "noise", dtype="float32", shape=noise_shape)
             if not np.isfinite(noise).all():
                 raise SpecError("noise", "finite values", "NaN or inf")
+            if noise.size and float(np.abs(noise).max()) > self.s.max_noise_abs:
+                raise SpecError(
+                    "noise",
+                    f"standard-normal values within +-{self.s.max_noise_abs:g} (max_noise_abs)",
+                    f"max |x| {float(np.abs(noise).max()):.3g}",
+                )
         seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
         deadline = None
         remaining = context.time_remaining()
@@ -536,12 +775,30 @@ class _Service(pb_grpc.PolicyServiceServicer):
         )
         return slot, item
 
-    async def _act(self, req: pb.ActRequest, context: grpc.aio.ServicerContext) -> pb.ActResponse:
+    def _refuse_undecodable(self, req: Undecodable, context: grpc.aio.ServicerContext) -> RequestError:
+        peer = context.peer() or ""
+        self.s.ratelog.warning(peer, "undecodable", "undecodable request", error=req.message)
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, req.message)
+
+    async def _act(
+        self, req: pb.ActRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.ActResponse:
         t0 = time.perf_counter_ns()
+        if isinstance(req, Undecodable):
+            raise self._refuse_undecodable(req, context)
         try:
             slot, item = self._decode(req, context)
         except SpecError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except RequestError:
+            raise
+        except Exception as e:  # a decoder bug must cost one request, never the stream or a traceback flood
+            self.s.ratelog.warning(
+                context.peer() or "", "decode-error", "request decoding failed", exc_info=True
+            )
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"observation: could not be decoded ({type(e).__name__})"
+            ) from None
         decode_us = (time.perf_counter_ns() - t0) // 1000
         item.enqueued_ns = time.perf_counter_ns()
         slot.submit(item)
@@ -572,35 +829,84 @@ class _Service(pb_grpc.PolicyServiceServicer):
             await context.abort(e.code, e.message)
             raise AssertionError("unreachable") from None
 
+    async def _stream_reply(
+        self, req: pb.ActRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.ActResponse:
+        """The reply to one stream request: actions, or an ActResponse with ``error`` (never an exception)."""
+        try:
+            return await self._act(req, context)
+        except RequestError as e:
+            code, message = e.code, e.message
+        except Exception:  # a bug here must not end the robot's stream
+            self.s.ratelog.warning(
+                context.peer() or "", "stream-error", "stream request failed", exc_info=True
+            )
+            code, message = grpc.StatusCode.INTERNAL, "request failed inside the server (logged)"
+        ids = ("", "") if isinstance(req, Undecodable) else (req.request_id, req.model_id)
+        return pb.ActResponse(
+            request_id=ids[0], model_id=ids[1], error=pb.ActError(code=code.value[0], message=message)
+        )
+
     async def StreamAct(
-        self, request_iterator: AsyncIterator[pb.ActRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ActResponse]:
+        self, request_iterator: AsyncIterator[pb.ActRequest | Undecodable], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Requests answered in order, one at a time. A bad request gets an error reply and the stream stays
+        open. A robot that does not read its replies stops being served: its next request is not read while
+        a reply waits in the transport, and a reply that cannot be written within stream_write_timeout_s
+        ends the stream (RESOURCE_EXHAUSTED), so it cannot take batch slots from robots that do read."""
+        write_timeout = self.s.stream_write_timeout_s
         async for req in request_iterator:
+            reply = await self._stream_reply(req, context)
             try:
-                yield await self._act(req, context)
-            except RequestError as e:
-                # One bad frame must not cost the robot its stream: answer it, keep going.
-                yield pb.ActResponse(
-                    request_id=req.request_id,
-                    model_id=req.model_id,
-                    error=pb.ActError(code=e.code.value[0], message=e.message),
+                await asyncio.wait_for(context.write(reply), write_timeout)
+            except TimeoutError:
+                self.s.ratelog.warning(context.peer() or "", "slow-reader", "stream closed: replies not read")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"replies not read for {write_timeout:g} s (stream_write_timeout_s); stream closed",
                 )
 
     async def GetInfo(
-        self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetInfoRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.GetInfoResponse:
         try:
+            if isinstance(request, Undecodable):
+                raise self._refuse_undecodable(request, context)
             slots = [self.s.slot(request.model_id)] if request.model_id else list(self.s.slots.values())
         except RequestError as e:
             await context.abort(e.code, e.message)
             raise AssertionError("unreachable") from None
-        return pb.GetInfoResponse(models=[self.s.model_info(s) for s in slots], server_version=__version__)
+        detailed = self.s.authorized(context.invocation_metadata())
+        return pb.GetInfoResponse(
+            models=[self.s.model_info(s, detailed=detailed) for s in slots], server_version=__version__
+        )
 
     # -- control
-    async def _control(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
+    async def _control(
+        self,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        fn: Callable[[threading.Event], Any],
+        pool: concurrent.futures.Executor | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        cancel = threading.Event()
         try:
+            if isinstance(request, Undecodable):
+                raise self._refuse_undecodable(request, context)
             self.s.authorize(context.invocation_metadata())
-            return await asyncio.get_running_loop().run_in_executor(self.s.control_pool, fn)
+            fut = asyncio.get_running_loop().run_in_executor(pool or self.s.control_pool, fn, cancel)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            except TimeoutError:
+                cancel.set()  # the load stops at its next check; the pool thread comes back
+                raise RequestError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"load did not finish within load_timeout_s ({self.s.load_timeout_s:g} s); abandoned",
+                ) from None
+            except asyncio.CancelledError:
+                cancel.set()
+                raise
         except RequestError as e:
             await context.abort(e.code, e.message)
             raise AssertionError("unreachable") from None
@@ -608,10 +914,12 @@ class _Service(pb_grpc.PolicyServiceServicer):
     async def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadCheckpointResponse:
-        def work() -> pb.LoadCheckpointResponse:
+        def work(cancel: threading.Event) -> pb.LoadCheckpointResponse:
             t0 = time.perf_counter_ns()
             model_id = request.model_id or self.s.only_model_id()
-            slot = self.s.load(model_id, request.ref, force=request.force, stage_only=request.stage_only)
+            slot = self.s.load(
+                model_id, request.ref, force=request.force, stage_only=request.stage_only, cancel=cancel
+            )
             served = not (request.stage_only and slot.staged is not None)
             version = slot.active if served else slot.staged
             assert version is not None
@@ -623,25 +931,55 @@ class _Service(pb_grpc.PolicyServiceServicer):
                 load_us=(time.perf_counter_ns() - t0) // 1000,
             )
 
-        return await self._control(context, work)
+        return await self._control(
+            request, context, work, pool=self.s.load_pool, timeout_s=self.s.load_timeout_s + 5.0
+        )
 
     async def Promote(self, request: pb.ModelRequest, context: grpc.aio.ServicerContext) -> pb.SwapResponse:
-        def work() -> pb.SwapResponse:
+        def work(_: threading.Event) -> pb.SwapResponse:
             slot = self.s.slot(request.model_id)
             v = slot.promote()
             log.info("promoted", extra={"model_id": slot.model_id, "commit": v.commit})
             return self.s.swap_response(slot)
 
-        return await self._control(context, work)
+        return await self._control(request, context, work)
 
     async def Rollback(self, request: pb.ModelRequest, context: grpc.aio.ServicerContext) -> pb.SwapResponse:
-        def work() -> pb.SwapResponse:
+        def work(_: threading.Event) -> pb.SwapResponse:
             slot = self.s.slot(request.model_id)
             v = slot.rollback()
             log.warning("rolled back", extra={"model_id": slot.model_id, "commit": v.commit})
             return self.s.swap_response(slot)
 
-        return await self._control(context, work)
+        return await self._control(request, context, work)
+
+
+def add_service(service: _Service, server: grpc.aio.Server) -> None:
+    """Register ``service`` like the generated ``add_PolicyServiceServicer_to_server``, but with
+    deserializers that return :class:`Undecodable` instead of raising on garbage bytes."""
+    rpc = {
+        "Act": grpc.unary_unary_rpc_method_handler(
+            service.Act, _safe_deserializer(pb.ActRequest), pb.ActResponse.SerializeToString
+        ),
+        "StreamAct": grpc.stream_stream_rpc_method_handler(
+            service.StreamAct, _safe_deserializer(pb.ActRequest), pb.ActResponse.SerializeToString
+        ),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetInfo, _safe_deserializer(pb.GetInfoRequest), pb.GetInfoResponse.SerializeToString
+        ),
+        "LoadCheckpoint": grpc.unary_unary_rpc_method_handler(
+            service.LoadCheckpoint,
+            _safe_deserializer(pb.LoadCheckpointRequest),
+            pb.LoadCheckpointResponse.SerializeToString,
+        ),
+        "Promote": grpc.unary_unary_rpc_method_handler(
+            service.Promote, _safe_deserializer(pb.ModelRequest), pb.SwapResponse.SerializeToString
+        ),
+        "Rollback": grpc.unary_unary_rpc_method_handler(
+            service.Rollback, _safe_deserializer(pb.ModelRequest), pb.SwapResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, rpc),))
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -668,12 +1006,21 @@ class PolicyServer:
         follow_interval_s: float = 30.0,
         device: str = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int | None = None,
         torch_threads: int | None = None,
         adaptive_wait: bool = True,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
+        self.limits = lim = limits or ServerLimits()
+        if max_message_bytes is not None and max_message_bytes < MESSAGE_SLACK_BYTES:
+            raise ValueError(f"max_message_bytes: expected >= {MESSAGE_SLACK_BYTES}, got {max_message_bytes}")
+        self.load_timeout_s, self.max_file_bytes = lim.load_timeout_s, lim.max_file_bytes
+        self.max_concurrent_rpcs, self.max_peer_queued = lim.max_concurrent_rpcs, lim.max_peer_queued
+        self.stream_write_timeout_s = lim.stream_write_timeout_s
+        self.max_noise_abs, self.max_state_abs = lim.max_noise_abs, lim.max_state_abs
+        self.ratelog = RateLimitedLog(lim.log_interval_s)
         if not models:
             raise ValueError("PolicyServer needs at least one model (model id -> checkpoint reference)")
         unknown = set(follow or {}) - set(models)
@@ -685,6 +1032,7 @@ class PolicyServer:
             "max_wait_us": max_wait_us,
             "max_queue": max_queue,
             "adaptive_wait": adaptive_wait,
+            "max_peer_queued": lim.max_peer_queued,
         }
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both tls_cert (PEM certificate chain) and tls_key (PEM private key)")
@@ -695,13 +1043,16 @@ class PolicyServer:
         self.device = device
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.max_message_bytes = max_message_bytes
+        self._message_limit: int | None = None  # set at start
         self.follow = dict(follow or {})
         self.follow_interval_s = follow_interval_s
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.slots: dict[str, ModelSlot] = {}
         self._slots_lock = threading.Lock()
+        # Promote/Rollback never wait behind a load: loads have their own pool, each bounded by load_timeout_s.
         self.control_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="policy-control")
+        self.load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="policy-load")
         self._initial = {k: str(v) for k, v in models.items()}
         self._stop = threading.Event()
         self._followers: list[threading.Thread] = []
@@ -731,11 +1082,21 @@ class PolicyServer:
             )
         return next(iter(self.slots))
 
-    def load(self, model_id: str, ref: str, *, force: bool = False, stage_only: bool = False) -> ModelSlot:
+    def load(
+        self,
+        model_id: str,
+        ref: str,
+        *,
+        force: bool = False,
+        stage_only: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> ModelSlot:
         """Load, verify, check and warm up ``ref``, then serve it as ``model_id`` (or stage it).
 
         Runs on the caller's thread (a control or follower thread), never the batcher's. On failure the
         serving version is untouched, the error is recorded for GetInfo and logged, and RequestError raised.
+        Bounded by ``load_timeout_s`` (checked between file blocks) and ``max_file_bytes``; ``cancel``
+        (or the server stopping) abandons it at the next check.
         """
         if not ref:
             raise RequestError(
@@ -743,13 +1104,30 @@ class PolicyServer:
             )
         slot = self.slots.get(model_id)
         lock = slot.load_lock if slot is not None else self._slots_lock
-        with lock:
+        if not lock.acquire(timeout=self.load_timeout_s):
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model {model_id!r}: another load is still running after load_timeout_s "
+                f"({self.load_timeout_s:g} s); retry later",
+            )
+        try:
+            limits = LoadLimits(
+                max_file_bytes=self.max_file_bytes,
+                deadline=time.monotonic() + self.load_timeout_s,
+                cancelled=_AnySet(self._stop, *(() if cancel is None else (cancel,))),
+            )
             t0 = time.perf_counter()
             try:
-                version = self._load_version(ref, slot, force)
+                version = self._load_version(ref, slot, force, limits)
             except RequestError as e:
                 if slot is not None:
-                    slot.last_load_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {ref}: {e.message}"
+                    stamp = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {ref}"
+                    # GetInfo is unauthenticated: no file names, contents or hashes there.
+                    slot.last_load_error = (
+                        f"{stamp}: checkpoint refused ({e.code.name}); the reason is in the server log "
+                        "and in GetInfo for control-token holders"
+                    )
+                    slot.last_load_error_detail = f"{stamp}: {e.message}"
                 log.error(
                     "checkpoint refused; still serving the previous one",
                     extra={"model_id": model_id, "ref": ref, "error": e.message},
@@ -763,7 +1141,7 @@ class PolicyServer:
                 slot.stage(version)
             else:
                 slot.swap_in(version)
-            slot.last_load_error = ""
+            slot.last_load_error = slot.last_load_error_detail = ""
             log.info(
                 "checkpoint staged" if stage_only else "checkpoint serving",
                 extra={
@@ -774,10 +1152,16 @@ class PolicyServer:
                 },
             )
             return slot
+        finally:
+            lock.release()
 
-    def _load_version(self, ref: str, slot: ModelSlot | None, force: bool) -> ServedVersion:
+    def _load_version(
+        self, ref: str, slot: ModelSlot | None, force: bool, limits: LoadLimits | None = None
+    ) -> ServedVersion:
         try:
-            version = ServedVersion(load_servable(ref, device=self.device, cache_dir=self.cache_dir))
+            version = ServedVersion(
+                load_servable(ref, device=self.device, cache_dir=self.cache_dir, limits=limits)
+            )
         except CheckpointError as e:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {e}") from None
         except ValueError as e:
@@ -794,6 +1178,14 @@ class PolicyServer:
                     f"checkpoint refused: robot spec incompatible with the serving model ({'; '.join(problems)}); "
                     "pass force to swap anyway",
                 )
+        if self._message_limit is not None:
+            need = request_bytes_for(version.spec, version.noise_shape)
+            if need > self._message_limit:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"checkpoint refused: its robot spec needs requests of up to {need} bytes, over the "
+                    f"server's max_message_bytes ({self._message_limit}); restart with a larger limit",
+                )
         try:
             version.warm_up()
         except Exception as e:
@@ -801,6 +1193,14 @@ class PolicyServer:
                 grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: warm-up failed: {e}"
             ) from None
         return version
+
+    def authorized(self, metadata: Any) -> bool:
+        """Whether ``metadata`` carries the control token (never raises)."""
+        try:
+            self.authorize(metadata)
+        except RequestError:
+            return False
+        return True
 
     def authorize(self, metadata: Any) -> None:
         if not self.token:
@@ -819,7 +1219,7 @@ class PolicyServer:
                 + (", got a wrong token" if got else ", got none"),
             )
 
-    def model_info(self, s: ModelSlot) -> pb.ModelInfo:
+    def model_info(self, s: ModelSlot, detailed: bool = False) -> pb.ModelInfo:
         v = s.active
         return pb.ModelInfo(
             model_id=s.model_id,
@@ -834,7 +1234,7 @@ class PolicyServer:
             control_hz=v.spec.control_hz,
             policy_type=v.model.policy_type,
             device=str(v.model.device),
-            last_load_error=s.last_load_error,
+            last_load_error=s.last_load_error_detail if detailed else s.last_load_error,
             served=s.served,
             batches=s.batches,
             dropped_expired=s.dropped_expired,
@@ -881,17 +1281,25 @@ class PolicyServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def message_limit(self) -> int:
+        """The receive limit: ``max_message_bytes`` if given, else what the served specs need."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        need = max(request_bytes_for(s.active.spec, s.active.noise_shape) for s in self.slots.values())
+        return max(need, MIN_DERIVED_MESSAGE_BYTES)
+
     async def _start_async(self) -> None:
+        self._message_limit = self.message_limit()
         opts = [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self._message_limit),
+            ("grpc.max_send_message_length", max(self._message_limit, 4 * 1024 * 1024)),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it silently
             ("grpc.keepalive_time_ms", 30_000),  # notice half-open robot streams
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
-        self._aio = grpc.aio.server(options=opts)
-        pb_grpc.add_PolicyServiceServicer_to_server(_Service(self), self._aio)
+        self._aio = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        add_service(_Service(self), self._aio)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._aio)
         reflection.enable_server_reflection(
@@ -963,6 +1371,7 @@ class PolicyServer:
         for s in list(self.slots.values()):
             s.stop()
         self.control_pool.shutdown(wait=False, cancel_futures=True)
+        self.load_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop accepting calls, let in-flight ones finish for ``grace_s``, then stop the batchers."""
@@ -996,13 +1405,16 @@ def serve(
     adaptive_wait: bool = True,
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
+    max_message_bytes: int | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve ``checkpoint`` as ``model_id`` until interrupted (what ``vla-rl serve`` runs).
 
     ``checkpoint`` is a vla-rl checkpoint or a LeRobot policy folder (picked by its ``config.json``).
     ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
     ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
-    ``tls_cert``/``tls_key`` (PEM files) serve over TLS.
+    ``tls_cert``/``tls_key`` (PEM files) serve over TLS. ``max_message_bytes`` (None = derived from the
+    robot spec) and ``limits`` bound what one client can make the server do.
     """
     follow_ref = str(checkpoint) if follow is True else (follow or None)
     server = PolicyServer(
@@ -1020,6 +1432,8 @@ def serve(
         adaptive_wait=adaptive_wait,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        max_message_bytes=max_message_bytes,
+        limits=limits,
     )
     server.start()
     try:

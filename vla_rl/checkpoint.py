@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -33,10 +34,63 @@ CHECKPOINT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
+DEFAULT_MAX_FILE_BYTES = 64 * 1024**3  # one checkpoint file (weights of a ~16B-parameter fp32 model)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_LISTED_FILES = 256
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, malformed, or fails its hash check."""
+
+
+@dataclass
+class LoadLimits:
+    """Bounds on reading one checkpoint: file size, and a deadline (``time.monotonic()``) or cancel flag
+    checked between blocks, so a slow or huge load ends with an error instead of holding its thread."""
+
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    deadline: float | None = None
+    cancelled: Any = None  # a threading.Event (or anything with is_set())
+
+    def check(self, what: str) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise CheckpointError(f"{what}: load cancelled")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise CheckpointError(f"{what}: load_timeout_s exceeded; load abandoned")
+
+
+def member_path(folder: str | os.PathLike[str], name: str, limits: LoadLimits | None = None) -> Path:
+    """``folder / name`` for a file a checkpoint lists, after checking it is one of the checkpoint's own files.
+
+    Refused (:class:`CheckpointError` naming the file): absolute names, ``..``, backslashes or NUL, links
+    that resolve outside the folder (the Hugging Face cache layout, ``snapshots/<sha>/f -> ../../blobs/x``,
+    is allowed), anything but a regular file, and files over ``limits.max_file_bytes``.
+    """
+    limits = limits or LoadLimits()
+    shown = repr(name)[:80]
+    if not isinstance(name, str) or not name or len(name) > 255 or "\x00" in name or "\\" in name:
+        raise CheckpointError(f"files: {shown} is not a plain relative file name")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]:
+        raise CheckpointError(f"files: {shown} must be a relative name inside the checkpoint folder")
+    root = Path(folder).resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":  # huggingface_hub cache: files are links into ../../blobs
+        allowed.append(root.parent.parent / "blobs")
+    try:
+        target = (root / name).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise CheckpointError(f"{folder}: {shown} is missing") from None
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise CheckpointError(f"files: {shown} points outside the checkpoint folder")
+    st = target.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"files: {shown} is not a regular file")
+    if st.st_size > limits.max_file_bytes:
+        raise CheckpointError(
+            f"files: {shown} is {st.st_size} bytes, over max_file_bytes ({limits.max_file_bytes})"
+        )
+    return target
 
 
 @dataclass(frozen=True)
@@ -102,10 +156,19 @@ class CheckpointInfo:
             raise CheckpointError(f"config.json: {e}") from None
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, limits: LoadLimits | None = None) -> str:
+    """sha256 of ``path``; with ``limits``, reads at most ``max_file_bytes`` and honours the deadline."""
     h = hashlib.sha256()
+    read = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
+            if limits is not None:
+                read += len(block)
+                if read > limits.max_file_bytes:
+                    raise CheckpointError(
+                        f"files: {path.name} is over max_file_bytes ({limits.max_file_bytes})"
+                    )
+                limits.check(f"hashing {path.name}")
             h.update(block)
     return h.hexdigest()
 
@@ -179,25 +242,34 @@ def save_checkpoint(
 
 
 def read_info(folder: str | os.PathLike[str]) -> CheckpointInfo:
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
+    if not (Path(folder) / CONFIG_FILE).is_file():
         raise CheckpointError(f"{folder}: no {CONFIG_FILE}; is this a vla-rl checkpoint folder?")
+    path = member_path(folder, CONFIG_FILE, LoadLimits(max_file_bytes=MAX_CONFIG_BYTES))
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raw = json.loads(path.read_bytes()[: MAX_CONFIG_BYTES + 1])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{CONFIG_FILE}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{CONFIG_FILE}: expected a JSON object, got {type(raw).__name__}")
     return CheckpointInfo.from_dict(raw)
 
 
-def verify_files(folder: str | os.PathLike[str], info: CheckpointInfo) -> None:
-    """Raise :class:`CheckpointError` unless every listed file exists with its recorded sha256."""
+def verify_files(
+    folder: str | os.PathLike[str], info: CheckpointInfo, limits: LoadLimits | None = None
+) -> None:
+    """Raise :class:`CheckpointError` unless every listed file is one of the folder's own regular files
+    (:func:`member_path`), within the limits, with its recorded sha256."""
+    limits = limits or LoadLimits()
     if WEIGHTS_FILE not in info.files:
         raise CheckpointError(f"{folder}: config.json lists no hash for {WEIGHTS_FILE}")
+    if len(info.files) > MAX_LISTED_FILES:
+        raise CheckpointError(f"files: {len(info.files)} listed, at most {MAX_LISTED_FILES}")
+    paths = {name: member_path(folder, name, limits) for name in info.files}  # all names checked first
     for name, want in info.files.items():
-        path = Path(folder) / name
-        if not path.is_file():
-            raise CheckpointError(f"{folder}: {name} is missing")
-        got = sha256_file(path)
+        if not isinstance(want, str):
+            raise CheckpointError(f"files: {name!r}: expected a sha256 hex string")
+        limits.check(f"verifying {name}")
+        got = sha256_file(paths[name], limits)
         if got != want:
             raise CheckpointError(
                 f"{folder}: {name} fails its hash check (sha256 {got[:12]}..., config.json says {want[:12]}...): "
@@ -205,8 +277,21 @@ def verify_files(folder: str | os.PathLike[str], info: CheckpointInfo) -> None:
             )
 
 
-def load_checkpoint(folder: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
-    """Read and verify a checkpoint folder; returns its info and weights (CPU tensors)."""
+def load_checkpoint(
+    folder: str | os.PathLike[str],
+    limits: LoadLimits | None = None,
+    check: Any = None,
+) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
+    """Read and verify a checkpoint folder; returns its info and weights (CPU tensors).
+
+    ``check(info, weights_path)``, if given, runs after the hashes and before the weights are loaded
+    (the policy loader compares the config's implied tensor shapes with the safetensors header there).
+    """
+    limits = limits or LoadLimits()
     info = read_info(folder)
-    verify_files(folder, info)
-    return info, load_file(str(Path(folder) / WEIGHTS_FILE))
+    verify_files(folder, info, limits)
+    weights = member_path(folder, WEIGHTS_FILE, limits)
+    if check is not None:
+        check(info, weights)
+    limits.check(f"loading {WEIGHTS_FILE}")
+    return info, load_file(str(weights))

@@ -6,7 +6,10 @@ info, the commit it came from, and ``predict_chunks`` in env units.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,13 +18,126 @@ import numpy as np
 import torch
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from vla_rl.checkpoint import CheckpointError, CheckpointInfo, load_checkpoint
+from vla_rl.checkpoint import CheckpointError, CheckpointInfo, LoadLimits, load_checkpoint
 from vla_rl.spec import RobotSpec
 
 if TYPE_CHECKING:
     from policies.lerobot_adapter import LeRobotModel
 
 POLICY_TYPES = ("flow_vla",)
+MAX_SAFETENSORS_HEADER_BYTES = 64 * 1024 * 1024
+# Bounds on model_config fields checked before anything is built (even on the meta device): a config that
+# names absurd sizes is refused in microseconds, naming the field.
+CONFIG_INT_BOUNDS = {
+    "state_dim": 4096,
+    "action_dim": 1024,
+    "chunk_len": 1024,
+    "n_exec": 1024,
+    "d_model": 16384,
+    "n_layers": 256,
+    "expert_n_layers": 256,
+    "n_heads": 256,
+    "image_encoder_width": 4096,
+    "image_encoder_stages": 12,
+    "image_tokens_grid": 64,
+    "num_inference_steps": 1000,
+}
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's header, reading only the header.
+
+    Raises :class:`CheckpointError` for a header that is oversized, malformed, or whose offsets do not
+    fit the file (so the header's sizes can be trusted before anything is allocated).
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError("model.safetensors: shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_SAFETENSORS_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(
+                f"model.safetensors: header length {n} does not fit the file ({size} bytes)"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError("model.safetensors: header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("model.safetensors: header is not a JSON object")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = (
+                entry["dtype"],
+                tuple(int(d) for d in entry["shape"]),
+                entry["data_offsets"],
+            )
+            nbytes = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"model.safetensors: tensor {name!r}: malformed header entry") from None
+        if any(d < 0 for d in shape) or not (0 <= begin <= end <= data_bytes) or end - begin != nbytes:
+            raise CheckpointError(
+                f"model.safetensors: tensor {name!r}: shape {list(shape)} does not fit its bytes"
+            )
+        out[name] = (dtype, shape)
+    return out
+
+
+def check_config_against_weights(info: CheckpointInfo, weights: Path) -> None:
+    """Refuse a config whose implied model does not match the weight file, before building the model.
+
+    The config's fields are bounded first (:data:`CONFIG_INT_BOUNDS`); the model is then built on the
+    meta device (no memory) and its parameter/buffer shapes compared with the safetensors header.
+    """
+    if info.policy_type != "flow_vla":
+        raise CheckpointError(f"policy_type: expected one of {POLICY_TYPES}, got {info.policy_type!r}")
+    mc = info.model_config
+    for key, bound in CONFIG_INT_BOUNDS.items():
+        v = mc.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= bound):
+            raise CheckpointError(f"model_config.{key}: expected an int in [0, {bound}], got {v!r}")
+    ratio = mc.get("mlp_ratio")
+    if ratio is not None and (not isinstance(ratio, int | float) or not 0 < ratio <= 64):
+        raise CheckpointError(f"model_config.mlp_ratio: expected a number in (0, 64], got {ratio!r}")
+    hidden = mc.get("noise_head_hidden")
+    if hidden is not None and (
+        not isinstance(hidden, list | tuple)
+        or len(hidden) > 16
+        or not all(isinstance(h, int) and 0 < h <= 65536 for h in hidden)
+    ):
+        raise CheckpointError(
+            f"model_config.noise_head_hidden: expected <= 16 ints in (0, 65536], got {hidden!r}"
+        )
+    for cam in info.robot_spec.cameras:
+        if cam.height * cam.width > 4096 * 4096:
+            raise CheckpointError(f"robot_spec.cameras.{cam.name}: {cam.height}x{cam.width} is too large")
+    header = safetensors_header(weights)
+    try:
+        with torch.device("meta"):
+            meta = FlowVLAPolicy(FlowVLAConfig.from_dict(mc))
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"model_config: {e}") from None
+    want = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    missing = sorted(set(want) - set(header))
+    unexpected = sorted(set(header) - set(want))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for k, shape in want.items():
+        if header[k][1] != shape:
+            raise CheckpointError(
+                f"model_config implies {k} of shape {list(shape)}, model.safetensors holds {list(header[k][1])}"
+            )
 
 
 def build_policy(info: CheckpointInfo, state_dict: dict[str, torch.Tensor] | None = None) -> FlowVLAPolicy:
@@ -85,14 +201,19 @@ def load_policy(
     return _load_folder(Path(ckpt.path), ckpt.commit, str(ref), device)
 
 
-def _load_folder(path: Path, commit: str, ref: str, device: str) -> LoadedPolicy:
-    info, weights = load_checkpoint(path)
+def _load_folder(
+    path: Path, commit: str, ref: str, device: str, limits: LoadLimits | None = None
+) -> LoadedPolicy:
+    info, weights = load_checkpoint(path, limits, check=check_config_against_weights)
     policy = build_policy(info, weights).to(pick_device(device)).eval()
     return LoadedPolicy(policy=policy, info=info, path=path, commit=commit, ref=ref)
 
 
 def load_servable(
-    ref: str | os.PathLike[str], device: str = "auto", cache_dir: Path | None = None
+    ref: str | os.PathLike[str],
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    limits: LoadLimits | None = None,
 ) -> LoadedPolicy | LeRobotModel:
     """Like :func:`load_policy`, but a LeRobot policy folder (``config.json`` with ``"type"``) is loaded
     through :mod:`policies.lerobot_adapter`: what the policy server hosts."""
@@ -103,4 +224,6 @@ def load_servable(
     path = Path(ckpt.path)
     if is_lerobot_folder(path):
         return load_lerobot(path, commit=ckpt.commit, ref=str(ref), device=pick_device(device))
-    return _load_folder(path, ckpt.commit, str(ref), device)
+    if limits is not None:
+        limits.check("pulling the checkpoint")
+    return _load_folder(path, ckpt.commit, str(ref), device, limits)

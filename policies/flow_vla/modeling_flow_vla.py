@@ -61,6 +61,7 @@ from .uncertainty import accel_score
 
 Tensor = torch.Tensor
 Method = Literal["ode", "sde", "noise"]
+MAX_NUM_STEPS = 1000  # denoising steps a sample may ask for (bounds the work one call can demand)
 ADVANTAGE_UNCONDITIONAL, ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE = 0, 1, 2
 
 
@@ -446,10 +447,14 @@ class FlowVLAPolicy(nn.Module):
         b, n, k = prefix.batch_size, num_samples, num_steps or c.num_inference_steps
         event = (c.chunk_len, c.action_dim)
         dtype = prefix.tokens.dtype
+        if not isinstance(k, int) or not 1 <= k <= MAX_NUM_STEPS:
+            raise ValueError(f"num_steps: expected an int in [1, {MAX_NUM_STEPS}], got {k!r}")
         if noise is None:
             noise = _randn((b, n, *event), generator, self.device, dtype)
         elif noise.shape != (b, n, *event):
             raise ValueError(f"noise: expected shape {[b, n, *event]}, got {list(noise.shape)}")
+        elif not bool(torch.isfinite(noise).all()):
+            raise ValueError("noise: expected finite values, got NaN or inf")
         x0 = noise.to(self.device, dtype).reshape(b * n, *event)
         flat_step_noise = None
         if step_noise is not None:
@@ -457,6 +462,8 @@ class FlowVLAPolicy(nn.Module):
                 raise ValueError(
                     f"step_noise: expected shape {[b, n, k, *event]}, got {list(step_noise.shape)}"
                 )
+            if not bool(torch.isfinite(step_noise).all()):
+                raise ValueError("step_noise: expected finite values, got NaN or inf")
             flat_step_noise = step_noise.to(self.device, dtype).reshape(b * n, k, *event)
         rows = prefix.repeat_interleave(n)
         mask = self.logprob_mask()

@@ -26,7 +26,8 @@ class Serve:
     (LoadCheckpoint / Promote / Rollback with the token, or --follow a moving ref such as
     hub://org/name@prod). --checkpoint may also be a LeRobot policy folder (config.json with a "type",
     e.g. ACT or Diffusion, saved by save_pretrained with its processors). Binds 127.0.0.1 unless told
-    otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN.
+    otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN
+    or --token-file. Limits bound what one client or checkpoint can make the server do (--max-* flags).
     Example: vla-rl serve --checkpoint hub://fleet/push@prod --follow self"""
 
     checkpoint: str
@@ -55,11 +56,46 @@ class Serve:
     """Name of the served model."""
     token: str | None = field(default_factory=lambda: env_secret("VLA_RL_SERVER_TOKEN"))
     """Enables control calls (default: env VLA_RL_SERVER_TOKEN; prefer the environment over this flag)."""
+    token_file: Path | None = None
+    """Read the control token from this file (first line; overrides VLA_RL_SERVER_TOKEN). Keep it mode 0600."""
     device: str = "auto"
     """auto (CUDA if present), cpu, cuda, cuda:1, ..."""
+    max_message_bytes: int | None = None
+    """Largest request accepted; None = derived from the robot spec (2 x cameras x H x W x 3 + state +
+    noise + 64 KiB, at least 1 MiB)."""
+    max_concurrent_rpcs: int = 256
+    """Calls and open streams served at once; more are answered RESOURCE_EXHAUSTED."""
+    max_peer_queued: int = 64
+    """Requests one connection may have waiting for inference; more are answered RESOURCE_EXHAUSTED."""
+    stream_write_timeout: float = 10.0
+    """Seconds a stream reply may wait for the robot to read it before the stream is closed."""
+    load_timeout: float = 600.0
+    """Seconds one checkpoint load may take: past it, reading stops at its next check and the call answers
+    DEADLINE_EXCEEDED (later loads, rollbacks and --follow keep working)."""
+    max_file_mb: float = 65536.0
+    """Largest checkpoint file (MiB) a load will read."""
+    max_noise_abs: float = 10.0
+    """Largest |value| of explicit initial noise in a request (it is standard normal)."""
+    max_state_abs: float = 1e6
+    """Largest |value| in observation.state."""
+    log_interval: float = 10.0
+    """Seconds between repeated warnings about one client's bad requests (the rest are counted)."""
+
+
+def _read_token_file(path: Path) -> str:
+    try:
+        token = path.read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(
+            f"--token-file {path}: cannot read it ({type(e).__name__}: {getattr(e, 'strerror', None) or e})"
+        ) from None
+    if not token or not token[0].strip():
+        raise CliError(f"--token-file {path}: empty; put the control token on its first line")
+    return token[0].strip()
 
 
 def serve(a: Serve) -> int:
+    from server.policy_server import ServerLimits
     from server.policy_server import serve as run
 
     follow: bool | str | None = True if a.follow == "self" else a.follow
@@ -68,6 +104,27 @@ def serve(a: Serve) -> int:
     for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
         if path is not None and not path.is_file():
             raise CliError(f"{flag} {path}: no such file")
+    token = _read_token_file(a.token_file) if a.token_file is not None else a.token
+    try:
+        limits = ServerLimits(
+            load_timeout_s=a.load_timeout,
+            max_file_bytes=int(a.max_file_mb * 1024 * 1024),
+            max_concurrent_rpcs=a.max_concurrent_rpcs,
+            max_peer_queued=a.max_peer_queued,
+            stream_write_timeout_s=a.stream_write_timeout,
+            max_noise_abs=a.max_noise_abs,
+            max_state_abs=a.max_state_abs,
+            log_interval_s=a.log_interval,
+        )
+    except ValueError as e:  # names the field; map it to its flag
+        field_name = str(e).split(":", 1)[0]
+        flags = {"load_timeout_s": "load-timeout", "max_file_bytes": "max-file-mb"}
+        flags |= {"stream_write_timeout_s": "stream-write-timeout", "log_interval_s": "log-interval"}
+        raise CliError(
+            f"--{flags.get(field_name, field_name.replace('_', '-'))}: {str(e).split(':', 1)[1].strip()}"
+        ) from None
+    if a.max_message_bytes is not None and a.max_message_bytes < 64 * 1024:
+        raise CliError(f"--max-message-bytes: expected >= 65536, got {a.max_message_bytes}")
     run(
         a.checkpoint,
         follow=follow,
@@ -75,7 +132,7 @@ def serve(a: Serve) -> int:
         port=a.port,
         max_batch=a.max_batch,
         max_wait_us=a.max_wait_us,
-        token=a.token or None,
+        token=token or None,
         model_id=a.model_id,
         max_queue=a.max_queue,
         follow_interval_s=a.follow_interval,
@@ -83,6 +140,8 @@ def serve(a: Serve) -> int:
         adaptive_wait=a.adaptive_wait,
         tls_cert=a.tls_cert,
         tls_key=a.tls_key,
+        max_message_bytes=a.max_message_bytes,
+        limits=limits,
     )
     return 0
 
