@@ -108,6 +108,7 @@ from fleet.wal import (
 from fleet.wire import WireTensor, keep_freed_memory
 from server.codec import from_tensor, to_tensor
 from vla_rl import __version__
+from vla_rl.secrets import read_secret_file
 from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.collector")
@@ -1588,12 +1589,11 @@ class _ProcessWriter(_WriterHandle):
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The shared collector token kept in a file (its first line, whitespace stripped)."""
-    text = Path(path).read_text().strip()
-    token = text.splitlines()[0].strip() if text else ""
-    if not token:
-        raise ValueError(f"token_file: {path} holds no token")
-    return token
+    """The shared collector token kept in a file (see :func:`vla_rl.secrets.read_secret_file`)."""
+    try:
+        return read_secret_file(path)
+    except ValueError as e:
+        raise ValueError(f"token_file: {e}") from None
 
 
 def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:

@@ -182,12 +182,6 @@ def task_arg(name: str) -> str:
         return resolve_task(name).name
 
 
-def env_secret(*names: str) -> str | None:
-    """The first of these environment variables that is set (secrets stay off the command line, where
-    ``ps`` shows them to every user of the machine)."""
-    return next((os.environ[n] for n in names if os.environ.get(n)), None)
-
-
 @dataclass(frozen=True)
 class Command:
     """One ``vla-rl`` command: its words, the dataclass its flags come from, and what it runs."""

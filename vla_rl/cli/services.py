@@ -15,7 +15,8 @@ from typing import Annotated, Any
 import tyro
 from tyro.conf import Positional
 
-from vla_rl.cli.common import CliError, Command, check_port, env_secret, task_arg, user_errors
+from vla_rl.cli.common import CliError, Command, check_port, task_arg, user_errors
+from vla_rl.secrets import env_secret, read_secret_file
 
 
 # ---------------------------------------------------------------------------- policy server
@@ -83,15 +84,9 @@ class Serve:
 
 
 def _read_token_file(path: Path) -> str:
-    try:
-        token = path.read_text().strip().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CliError(
-            f"--token-file {path}: cannot read it ({type(e).__name__}: {getattr(e, 'strerror', None) or e})"
-        ) from None
-    if not token or not token[0].strip():
-        raise CliError(f"--token-file {path}: empty; put the control token on its first line")
-    return token[0].strip()
+    """The token in ``path`` (see :func:`vla_rl.secrets.read_secret_file`), or an error naming --token-file."""
+    with user_errors(ValueError, prefix="--token-file "):
+        return read_secret_file(path)
 
 
 def serve(a: Serve) -> int:
@@ -104,6 +99,7 @@ def serve(a: Serve) -> int:
     for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
         if path is not None and not path.is_file():
             raise CliError(f"{flag} {path}: no such file")
+    check_port(a.host, a.port)
     token = _read_token_file(a.token_file) if a.token_file is not None else a.token
     try:
         limits = ServerLimits(
@@ -285,14 +281,14 @@ _COLLECT_AS_IS = (
 
 
 def collect(a: Collect) -> int:
-    from fleet.collector import load_robot_tokens, read_token_file
+    from fleet.collector import load_robot_tokens
     from fleet.collector import serve as run
 
     check_port(a.host, a.port)
     robots = {r.strip() for r in a.robots.split(",") if r.strip()} if a.robots else None
     mb = 1024 * 1024
     with user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
-        token = read_token_file(a.token_file) if a.token_file else a.token
+        token = _read_token_file(a.token_file) if a.token_file else a.token
         run(
             a.store,
             a.db,
@@ -389,14 +385,7 @@ def hub_serve(a: HubServe) -> int:
     from vla_rl.hub.server import serve as run
 
     check_port(a.host, a.port)
-    token = a.token or None
-    if a.token_file is not None:
-        try:
-            token = a.token_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise CliError(f"--token-file {a.token_file}: cannot read the hub token ({e})") from None
-        if not token or "\n" in token:
-            raise CliError(f"--token-file {a.token_file}: expected the hub token alone on one line")
+    token = _read_token_file(a.token_file) if a.token_file is not None else (a.token or None)
     try:
         limits = Limits(
             max_commit_bytes=a.max_commit_bytes,
