@@ -151,7 +151,12 @@ class SimulatedOperator:
             self.best = dense_reward
             self.last_progress = t
         reason = None
-        dist = float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(priv["obj_pos"])))
+        target = priv.get("obj_pos", priv.get("goal_pos"))  # tasks without an object: its goal
+        dist = (
+            float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(target)))
+            if target is not None
+            else 0.0
+        )
         if r.drift_radius and dist > r.drift_radius:
             reason = f"drift: gripper {dist:.2f} m from the object (> {r.drift_radius:g})"
         elif r.stall_steps and t - self.last_progress >= r.stall_steps:

@@ -26,7 +26,7 @@ __all__ = ["COMMANDS", "CliError", "_user_errors", "main"]
 
 log = logging.getLogger("vla_rl")
 
-COMMANDS: list[Command] = [*training.COMMANDS[:1], *data.COMMANDS, *training.COMMANDS[1:], *services.COMMANDS]
+COMMANDS: list[Command] = [*training.COMMANDS[:2], *data.COMMANDS, *training.COMMANDS[2:], *services.COMMANDS]
 GROUPS = {
     "sim": "simulated robots",
     "store": "inspect, check, import and export episode stores",

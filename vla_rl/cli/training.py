@@ -404,7 +404,27 @@ def demo(cfg: Any) -> int:
     return status
 
 
+def _up_args() -> type:
+    from vla_rl.up import UpConfig
+
+    return UpConfig
+
+
+def up(cfg: Any) -> int:
+    from vla_rl.up import run_up
+
+    with user_errors(RuntimeError, ValueError, prefix="up: "):
+        rows = run_up(cfg)
+    return 0 if all(r["status"] == "succeeded" for r in rows) else 1
+
+
 COMMANDS = [
+    Command(
+        ("up",),
+        "the whole improvement loop on this machine (fleet -> rounds -> live swaps), supervised",
+        _up_args,
+        up,
+    ),
     Command(
         ("demo",),
         "run the main job on embedded defaults (demos -> store -> SFT -> registry -> eval)",

@@ -89,6 +89,12 @@ PRESETS: dict[str, Preset] = {
             "Flow-SDE PPO with every denoising step stochastic (the exact joint), 4 robots, 40k env steps",
             {**_KINEMATIC_PPO, "sde_steps": "all"},
         ),
+        Preset(
+            "tiny-awr",
+            "awr",
+            "AWR at a smoke-test budget (20 value + 20 policy steps): `vla-rl up` in CI, not a recipe that learns",
+            {"value_steps": 20, "steps": 20, "batch_size": 32, "warmup_steps": 5},
+        ),
     )
 }
 

@@ -1,0 +1,109 @@
+"""`vla-rl up` end to end at CI scale: the loop runs, resumes in the same workdir, rides through a killed
+collector with every frame stored once, and stops everything on Ctrl-C within 10 s.
+
+Real processes throughout (registry, policy server following prod, collector, round worker, simulated
+fleet with its operator) on the kinematic test bed, with a smoke-test round recipe (``tiny-awr``): this
+checks the machinery, not learning (bench/loop.py is where learning is measured).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleet.db import MetadataDB
+from fleet.store import EpisodeStore
+
+CLI = [sys.executable, "-m", "vla_rl.cli"]
+ROBOTS, EPISODES = 2, 2
+
+
+def _up(work: Path, rounds: int) -> list[str]:
+    return [
+        *CLI, "up", "--task", "kinematic/Reach-v0", "--robots", str(ROBOTS), "--episodes", str(EPISODES),
+        "--rounds", str(rounds), "--base-demos", "4", "--base-steps", "20", "--base-preset", "kinematic-sft",
+        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress",
+    ]  # fmt: skip
+
+
+def _fleet_episodes(work: Path) -> int:
+    store = EpisodeStore(work / "store")
+    return sum(store.read_metadata(e).robot_id.startswith("sim-") for e in store.episode_ids())
+
+
+def _wait(pred: object, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("up")
+
+
+def test_up_runs_rounds_and_prints_a_row_per_round(work: Path) -> None:
+    r = subprocess.run(_up(work, rounds=1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[base] training SFT" in r.stdout and "registry   http://127.0.0.1:" in r.stdout
+    assert "stop with Ctrl-C" in r.stdout and "round 1: awr" in r.stdout
+    assert "autonomous success (95% CI)" in r.stdout  # the final table
+    db = MetadataDB.for_store(work / "store")
+    (rec,) = db.rounds()
+    assert rec.status == "succeeded" and rec.checkpoint_ref == "hub://up/policy@round-1"
+    row = json.loads((work / "rounds.jsonl").read_text().splitlines()[-1])
+    assert row["fleet"]["episodes"] == ROBOTS * EPISODES and row["fleet"]["frames"] > 0
+    assert 0.0 <= row["fleet"]["intervention_rate"] <= 1.0 and row["success"] is not None
+    assert _fleet_episodes(work) == ROBOTS * EPISODES
+
+
+def test_up_resumes_and_rides_through_a_killed_collector(work: Path) -> None:
+    proc = subprocess.Popen(_up(work, rounds=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # once round 2's fleet is running, SIGKILL the collector under it
+        _wait(lambda: (work / "logs" / "fleet-round-2.log").exists(), 300, "round 2's fleet")
+        up = psutil.Process(proc.pid)
+        (collector,) = [c for c in up.children() if "collect" in c.cmdline()]
+        collector.kill()
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "[base]" not in out, "the base is cached: a second run does not train it again"
+    assert "supervisor: collector exited with code -9; restarting it" in out
+    db = MetadataDB.for_store(work / "store")
+    assert [r.id for r in db.rounds()] == [1, 2] and db.rounds()[-1].status == "succeeded"
+    assert _fleet_episodes(work) == 2 * ROBOTS * EPISODES  # every episode once, none lost, none twice
+    v = subprocess.run([*CLI, "store", "verify", str(work / "store")], capture_output=True, text=True)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_ctrl_c_stops_everything_within_10_s(work: Path) -> None:
+    proc = subprocess.Popen(_up(work, rounds=3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: (work / "logs" / "fleet-round-3.log").exists(), 300, "round 3's fleet")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4  # registry, server, collector, worker (and the fleet)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert stopped_in <= 10.0, (stopped_in, out[-2000:])
+    gone = psutil.wait_procs(children, timeout=5)[1]
+    assert not gone, f"still running after Ctrl-C: {[p.cmdline() for p in gone]}"
+    v = subprocess.run([*CLI, "store", "verify", str(work / "store")], capture_output=True, text=True)
+    assert v.returncode == 0, v.stdout + v.stderr  # nothing half-written

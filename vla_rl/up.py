@@ -1,0 +1,577 @@
+"""``vla-rl up``: the whole improvement loop on one machine, supervised.
+
+It starts, on loopback, the embedded Hub registry, a policy server following ``prod``, the fleet collector
+and a round worker (each its own ``vla-rl`` process, restarted if it dies), seeds a deliberately weak base
+policy (SFT on a few noisy demos; cached), publishes it as ``prod``, and then loops:
+
+    the simulated fleet (robots + a simulated operator) collects under prod
+      -> a round is queued (the trigger: every ``episodes`` episodes per robot)
+      -> the worker trains on the fleet's data, evaluates candidate vs base on fixed held-out seeds,
+         pushes round-N and moves prod if it is better
+      -> the server swaps live; the fleet carries on under the new commit
+
+and prints one row per round. Running it again in the same workdir resumes (same store, DB, registry,
+next round number). Ctrl-C stops every process within seconds; nothing acknowledged is lost (the
+collector's write-ahead log holds it).
+
+Layout of ``workdir``: ``hub/`` (registry data), ``store/`` (episodes + metadata DB), ``base/`` (demos'
+SFT run), ``rounds/round-N/`` (training runs), ``logs/*.log`` (one per process), ``up.json`` (ports,
+repo, seed), ``secrets/`` (tokens, mode 0600; handed to children through the environment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vla_rl.console import table
+
+log = logging.getLogger(__name__)
+CLI = [sys.executable, "-m", "vla_rl.cli"]
+
+
+@dataclass
+class UpConfig:
+    """The whole improvement loop on this machine: registry, policy server following prod, collector,
+    round worker and a simulated fleet with its operator; rounds train on what the fleet does, and the
+    server swaps to each promoted checkpoint live. Stop it with Ctrl-C; run it again to resume."""
+
+    task: str = "maniskill/PickCube-v1"
+    """Simulated task the fleet works on."""
+    robots: int = 4
+    """Simulated robots (one process each)."""
+    operators: int = 1
+    """Robots the simulated operator can drive at once."""
+    rounds: int = 3
+    """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
+    episodes: int = 5
+    """Episodes per robot between rounds (the trigger)."""
+    algo: str = "awr"
+    """Round algorithm (see `vla-rl round start --help`), unless --preset names a recipe."""
+    preset: str | None = None
+    """Named round recipe (vla_rl/train/presets.py); overrides --algo."""
+    base_preset: str | None = None
+    """Named SFT recipe for the weak base; None = the defaults below."""
+    base_demos: int = 10
+    """Scripted demonstrations the base is trained on."""
+    base_noise: float = 0.5
+    """Expert sloppiness of those demonstrations."""
+    base_steps: int | None = 1000
+    """SFT steps of the base (over the preset's); None = the preset's (or SFT's default)."""
+    eval_episodes: int = 50
+    """Held-out episodes a round evaluates candidate and base on (the same seeds every round)."""
+    margin: float = 0.0
+    """Promote only if the candidate beats the base by more than this (a fraction)."""
+    workdir: Path = Path("runs/up")
+    """Everything lives here; running again in the same workdir resumes."""
+    seed: int = 0
+    """Seeds the demos, the base, the fleet's episodes and the rounds."""
+    repo: str = "up/policy"
+    """Registry repo the checkpoints go to."""
+    progress: bool = True
+    """Progress bars for the base's training."""
+    round_timeout_s: float = 3600.0
+    """Give up waiting for one round after this long (the loop stops with an error)."""
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        for name in (
+            "robots",
+            "operators",
+            "rounds",
+            "episodes",
+            "base_demos",
+            "eval_episodes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+
+
+# ---------------------------------------------------------------------------- processes
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+
+@dataclass
+class Supervisor:
+    """Starts services, restarts one that dies (with backoff), stops them all on the way out."""
+
+    logs: Path
+    max_restarts: int = 5
+    children: dict[str, Child] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+    _stopping: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        ready: Callable[[], bool],
+        env: dict[str, str],
+        timeout_s: float = 180,
+    ) -> None:
+        child = Child(name, argv, ready, env, self.logs / f"{name}.log")
+        self.children[name] = child
+        self._spawn(child)
+        self._wait_ready(child, timeout_s)
+
+    def _spawn(self, child: Child) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        child.proc = subprocess.Popen(
+            child.argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ | child.env
+        )
+        out.close()
+        child.started_at = time.monotonic()
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            assert child.proc is not None
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}"
+                )
+            if child.ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{child.name} not ready after {timeout_s:.0f} s; see {child.log_path}")
+
+    def check(self) -> None:
+        """Restart any service that died (the loop calls this between its steps, and a thread every second)."""
+        with self._lock:
+            if self._stopping:
+                return
+            for child in self.children.values():
+                assert child.proc is not None
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if child.restarts >= self.max_restarts:
+                    raise RuntimeError(f"{child.name} died {child.restarts + 1} times; see {child.log_path}")
+                child.restarts += 1
+                msg = f"{child.name} exited with code {code}; restarting it (restart {child.restarts})"
+                self.events.append(msg)
+                log.warning(msg)
+                time.sleep(min(2.0, 0.2 * 2**child.restarts))
+                self._spawn(child)
+                self._wait_ready(child, 180)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(1.0):
+                try:
+                    self.check()
+                except RuntimeError as e:
+                    log.error("supervisor", extra={"error": str(e)})
+
+        t = threading.Thread(target=loop, name="supervisor", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(5)
+
+    def stop_all(self, timeout_s: float = 8.0) -> None:
+        """SIGINT every service (as a user would), then kill what is still running after ``timeout_s``."""
+        with self._lock:
+            self._stopping = True
+        procs = [c.proc for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGINT)
+        end = time.monotonic() + timeout_s
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, end - time.monotonic()))
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _tcp_ready(port: int) -> Callable[[], bool]:
+    def ready() -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    return ready
+
+
+def _http_ready(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return True
+        except OSError:
+            return False
+
+    return ready
+
+
+def _secret(path: Path) -> str:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        path.write_text(secrets.token_hex(16) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+# ---------------------------------------------------------------------------- the loop
+@dataclass
+class Ports:
+    hub: int
+    server: int
+    collector: int
+
+    @classmethod
+    def load_or_pick(cls, path: Path) -> Ports:
+        old = json.loads(path.read_text()).get("ports", {}) if path.exists() else {}
+        return cls(
+            **{
+                k: old[k] if old.get(k) and _port_free(old[k]) else _free_port()
+                for k in ("hub", "server", "collector")
+            }
+        )
+
+
+def fleet_summary(store_root: Path, since: float, robot_prefix: str) -> dict[str, Any]:
+    """Success, intervention rate and takeovers of the fleet's episodes created since ``since``."""
+    from fleet.meta import SegmentKind
+    from fleet.store import EpisodeStore
+
+    store = EpisodeStore(store_root)
+    metas = [store.read_metadata(e) for e in store.episode_ids()]
+    metas = [m for m in metas if m.is_closed and m.created >= since and m.robot_id.startswith(robot_prefix)]
+    frames = sum(m.length for m in metas)
+    human = sum(
+        (s.end if s.end is not None else m.length) - s.start
+        for m in metas
+        for s in m.segments
+        if s.kind == SegmentKind.INTERVENTION
+    )
+    takeovers = sum(1 for m in metas for s in m.segments if s.kind == SegmentKind.INTERVENTION)
+    n = len(metas)
+    return {
+        "episodes": n,
+        "success": sum(bool(m.success) for m in metas) / n if n else None,
+        "intervention_rate": human / frames if frames else None,
+        "takeovers_per_episode": takeovers / n if n else None,
+        "frames": frames,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
+    """Run the loop; returns one row per round run by this call (also printed)."""
+    from fleet.db import MetadataDB
+    from vla_rl.hub.registry import configure_hub
+    from vla_rl.rounds import RoundConfig, queue_round
+    from vla_rl.train.algorithms import make_config
+    from vla_rl.train.presets import preset_config
+
+    work = cfg.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    state_path = work / "up.json"
+    ports = Ports.load_or_pick(state_path)
+    state_path.write_text(json.dumps({"ports": vars(ports), "repo": cfg.repo, "task": cfg.task}, indent=2))
+    tokens = {k: _secret(work / "secrets" / k) for k in ("hub", "collector", "server")}
+    hub_url = f"http://127.0.0.1:{ports.hub}"
+    env = {
+        "VLA_RL_HUB": hub_url,
+        "VLA_RL_HUB_TOKEN": tokens["hub"],
+        "VLA_RL_COLLECTOR_TOKEN": tokens["collector"],
+        "VLA_RL_SERVER_TOKEN": tokens["server"],
+    }
+    os.environ.update(env)
+    configure_hub(hub_url, tokens["hub"])
+    store = work / "store"
+    sup = Supervisor(work / "logs")
+    rows: list[dict[str, Any]] = []
+    try:
+        sup.start(
+            "hub",
+            [*CLI, "hub", "serve", "--data", str(work / "hub"), "--port", str(ports.hub)],
+            _http_ready(f"{hub_url}/api/health"),
+            env,
+        )
+        prod = f"hub://{cfg.repo}@prod"
+        _seed_base(cfg, work, store, prod)
+        print(
+            f"vla-rl up: {cfg.robots} robots on {cfg.task}, {cfg.rounds} rounds of {cfg.algo if not cfg.preset else cfg.preset}\n"
+            f"  registry   {hub_url}   policy server 127.0.0.1:{ports.server}   collector 127.0.0.1:{ports.collector}\n"
+            f"  dashboard  not available yet (planned: `vla-rl dashboard --store {store}`)\n"
+            f"  store      {store}   logs {work / 'logs'}\n"
+            "  stop with Ctrl-C (everything stops within seconds; run the same command again to resume)",
+            flush=True,
+        )
+        sup.start(
+            "server",
+            [
+                *CLI,
+                "serve",
+                "--checkpoint",
+                prod,
+                "--follow",
+                "self",
+                "--follow-interval",
+                "2",
+                "--port",
+                str(ports.server),
+            ],
+            _tcp_ready(ports.server),
+            env,
+        )
+        sup.start(
+            "collector",
+            [*CLI, "collect", "--store", str(store), "--port", str(ports.collector)],
+            _tcp_ready(ports.collector),
+            env,
+        )
+        sup.start(
+            "worker",
+            [
+                *CLI,
+                "round",
+                "worker",
+                "--store",
+                str(store),
+                "--poll-s",
+                "1",
+                "--heartbeat-s",
+                "2",
+                "--stale-after-s",
+                "15",
+            ],
+            lambda: True,
+            env,
+        )
+        db = MetadataDB.for_store(store)
+        table_rows: list[list[object]] = []
+        with sup.watching():
+            while len(db.rounds()) < cfg.rounds:
+                n = len(db.rounds()) + 1
+                t0, since = time.monotonic(), time.time()
+                fleet = [
+                    *CLI,
+                    "fleet",
+                    "sim",
+                    "--robots",
+                    str(cfg.robots),
+                    "--episodes",
+                    str(cfg.episodes),
+                    "--operators",
+                    str(cfg.operators),
+                    "--task",
+                    cfg.task,
+                    "--server",
+                    f"127.0.0.1:{ports.server}",
+                    "--collector",
+                    f"127.0.0.1:{ports.collector}",
+                    "--seed",
+                    str(cfg.seed * 1_000_000 + n * 10_000),
+                    "--no-progress",
+                ]
+                with open(work / "logs" / f"fleet-round-{n}.log", "ab") as out:
+                    subprocess.run(
+                        fleet, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, check=False
+                    )
+                # the collector acknowledges into its log first: wait until the store holds the episodes
+                expected, deadline = cfg.robots * cfg.episodes, time.monotonic() + 120
+                summary = fleet_summary(store, since, "sim")
+                while summary["episodes"] < expected and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    summary = fleet_summary(store, since, "sim")
+                common = {
+                    "base": prod,
+                    "store": store,
+                    "out": work / "rounds",
+                    "seed": cfg.seed + n,
+                    "progress": False,
+                    "threads": 1,
+                }
+                train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)
+                rid = queue_round(
+                    RoundConfig(
+                        train=train,
+                        eval_episodes=cfg.eval_episodes,
+                        margin=cfg.margin,
+                        eval_envs=2,
+                        preset=cfg.preset,
+                    ),
+                    db,
+                )
+                rec = _wait_round(db, rid, cfg.round_timeout_s, sup)
+                m = rec.metrics
+                ci = m.get("ci95") or [None, None]
+                row = {
+                    "round": rid,
+                    "algo": rec.algo,
+                    "status": rec.status,
+                    "success": m.get("success"),
+                    "ci95": ci,
+                    "base_success": m.get("base_success"),
+                    "fleet": summary,
+                    "minutes": (time.monotonic() - t0) / 60,
+                    "promoted": rec.promoted,
+                    "error": (rec.error or "").splitlines()[0] if rec.error else None,
+                    "restarts": list(sup.events),
+                }
+                rows.append(row)
+                success = (
+                    f"{m['success']:.0%} ({ci[0]:.0%}-{ci[1]:.0%})"
+                    if rec.status == "succeeded"
+                    else f"{rec.status}: {row['error']}"
+                )
+                cells = [
+                    rid,
+                    rec.algo,
+                    success,
+                    _pct(m.get("base_success")),
+                    _pct(summary["success"]),
+                    _pct(summary["intervention_rate"]),
+                    "n/a"
+                    if summary["takeovers_per_episode"] is None
+                    else f"{summary['takeovers_per_episode']:.2f}",
+                    summary["frames"],
+                    f"{row['minutes']:.1f}",
+                    "yes" if rec.promoted else "no",
+                ]
+                table_rows.append(cells)
+                print(
+                    f"round {rid}: {rec.algo} {success}, base {_pct(m.get('base_success'))}, fleet success "
+                    f"{_pct(summary['success'])} with {_pct(summary['intervention_rate'])} of frames by the operator, "
+                    f"promoted: {'yes' if rec.promoted else 'no'} ({row['minutes']:.1f} min)",
+                    flush=True,
+                )
+                (work / "rounds.jsonl").open("a").write(json.dumps(row, default=str) + "\n")
+        print()
+        print(table(table_rows, HEADER), flush=True)
+        for e in sup.events:
+            print(f"supervisor: {e}", flush=True)
+    finally:
+        sup.stop_all()
+    return rows
+
+
+HEADER = [
+    "round",
+    "algo",
+    "autonomous success (95% CI)",
+    "base",
+    "fleet success",
+    "intervention",
+    "takeovers/ep",
+    "frames",
+    "min",
+    "promoted",
+]
+
+
+def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str) -> None:
+    """The deliberately weak base: SFT on a few noisy demos, pushed as ``base`` and ``prod`` (once)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    from fleet.db import MetadataDB
+    from fleet.store import EpisodeStore
+    from sim.demos import record_demos
+    from vla_rl.hub.registry import push_folder, resolve
+    from vla_rl.train.algorithms import make_config, train
+    from vla_rl.train.presets import preset_config
+
+    try:
+        resolve(prod)
+        return  # an earlier run seeded it
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        pass
+    db = MetadataDB.for_store(store)
+    s = EpisodeStore(store, create=True, db=db)
+    if not any(s.read_metadata(e).robot_id.startswith("demo-") for e in s.episode_ids()):
+        print(
+            f"[base] recording {cfg.base_demos} scripted demos of {cfg.task} (noise {cfg.base_noise})",
+            flush=True,
+        )
+        record_demos(
+            s,
+            cfg.task,
+            episodes=cfg.base_demos,
+            noise=cfg.base_noise,
+            seed=cfg.seed,
+            num_envs=1,
+            progress=cfg.progress,
+            robot_prefix="demo",
+        )
+    values = {
+        "store": store,
+        "out": work / "base",
+        "task": cfg.task,
+        "seed": cfg.seed,
+        "progress": cfg.progress,
+    }
+    if cfg.base_steps is not None:
+        values["steps"] = cfg.base_steps
+    sft = preset_config(cfg.base_preset, **values) if cfg.base_preset else make_config("sft", **values)
+    print(f"[base] training SFT ({sft.steps} steps)", flush=True)
+    result = train(sft)
+    sha = push_folder(
+        result.checkpoint, cfg.repo, message=f"base: sft on {cfg.base_demos} noisy demos", tag="base"
+    )
+    push_folder(result.checkpoint, cfg.repo, message="prod = base", tag="prod")
+    print(f"[base] pushed hub://{cfg.repo}@base ({sha[:12]}) and prod", flush=True)
+
+
+def _wait_round(db: Any, rid: int, timeout_s: float, sup: Supervisor) -> Any:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        rec = db.round(rid)
+        if rec is not None and rec.status in ("succeeded", "failed", "cancelled"):
+            return rec
+        time.sleep(1.0)
+    raise RuntimeError(f"round {rid} did not finish within {timeout_s:.0f} s; see the worker's log")
