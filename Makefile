@@ -1,11 +1,15 @@
 # Two commands for a new user (see README): `make demo` and `make test`. Both set everything up first.
-.PHONY: setup demo test lint format bench bench-all bench-gpu lock client
+.PHONY: setup demo up test lint format bench bench-all bench-gpu lock client
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	.venv/bin/vla-rl demo
+
+# The improvement loop (vla-rl up --help): fleet -> rounds -> live swaps, a bounded number of rounds.
+up: setup
+	.venv/bin/vla-rl up
 
 test: setup
 	.venv/bin/python -m ruff check .
