@@ -123,7 +123,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, offline_hf: None) -> tupl
     store = build_store(base / "store")
     from fleet.lerobot_io import export_lerobot
 
-    out = export_lerobot(store, base / "lerobot" / "ds", REPO_ID, task="pick")
+    out = export_lerobot(store, base / "lerobot" / "ds", REPO_ID, task="pick", use_videos=False)
     return store, out
 
 
@@ -217,10 +217,14 @@ def test_export_reads_back_in_lerobot(exported: tuple[EpisodeStore, Path]) -> No
             got = cols[key][rows]
             assert got.dtype == np.float32 and np.array_equal(got, mine), key
         assert (cols["controller"][rows] == ep.controller).all()
-        assert (cols["intervention"][rows] == (ep.controller == Controller.HUMAN)).all()
+        in_intervention = np.array([s.kind == SegmentKind.INTERVENTION for s in ep.meta.segments])[ep.segment]
+        assert (cols["intervention"][rows] == in_intervention).all()  # what store info counts
         assert (cols["segment"][rows] == ep.segment).all()
-        assert (cols["next.done"][rows] == (ep.terminated | ep.truncated)).all()
-        assert (cols["next.truncated"][rows] == ep.truncated).all()
+        done = ep.terminated | ep.truncated
+        assert cols["next.done"][rows][-1] and (cols["next.done"][rows][:-1] == done[:-1]).all()
+        truncated = ep.truncated.copy()
+        truncated[-1] |= not ep.terminated[-1]  # an episode that ended without a flag ended by truncation
+        assert (cols["next.truncated"][rows] == truncated).all()
         success = cols["next.success"][rows]
         assert success[-1] == ep.meta.success and not success[:-1].any()
         for cam in SPEC.camera_names:
@@ -333,16 +337,17 @@ def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
     ):
         ep = store.read_episode(eid)
         assert ep.length == n and ep.meta.instruction == instruction
-        assert ep.meta.task == "local/so100_stack" and ep.meta.robot_id == "so100-7"
+        assert ep.meta.task == "so100_follower" and ep.meta.robot_id == "so100-7"  # the robot type
         want = {k: np.stack([so100_value(e, i, k) for i in range(n)]) for k in SO100_KEYS}
         assert np.array_equal(ep.state, want["observation.state"])
         assert np.array_equal(ep.action, want["action"])
         assert np.array_equal(ep.cameras["front"], want["observation.images.front"])
         assert np.array_equal(ep.cameras["wrist"], want["observation.images.wrist"])
         assert (ep.controller == Controller.HUMAN).all()  # teleop data: a human produced every action
-        assert ep.meta.segments == (Segment(0, SegmentKind.AUTONOMOUS, Controller.HUMAN, 0, n),)
+        assert ep.meta.segments == (Segment(0, SegmentKind.INTERVENTION, Controller.HUMAN, 0, n),)
         assert (ep.meta.outcome, ep.meta.success) == ("unknown", False)
         assert not ep.reward.any() and not ep.terminated.any()
+        assert ep.truncated.tolist() == [False] * (n - 1) + [True]  # it ended, without a terminal state
         assert np.allclose(np.diff(ep.timestamp), 1 / 30)
     assert store.verify() == []
 
@@ -354,6 +359,7 @@ def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
     ep = store2.read_episode(ids2[1])
     assert ep.meta.spec.name == "so100" and ep.meta.spec.camera_names == ("wrist",)
     assert (ep.controller == Controller.POLICY).all()
+    assert [s.kind for s in ep.meta.segments] == [SegmentKind.AUTONOMOUS]
 
 
 def test_import_dagger_style_dataset(tmp_path: Path) -> None:
@@ -441,7 +447,7 @@ def test_import_rejects_bad_datasets(tmp_path: Path, case: str, match: str) -> N
     store = EpisodeStore(tmp_path / "store", create=True)
     with pytest.raises(SpecError, match=match):
         import_lerobot(tmp_path / "bad", store)
-    assert store.episode_ids() == [] and list(store.episodes_dir.iterdir()) == []
+    assert store.episode_ids() == [] and [p.name for p in store.episodes_dir.iterdir()] == ["zarr.json"]
 
 
 def test_import_rejects_missing_or_incomplete(so100: Path, tmp_path: Path) -> None:
