@@ -113,6 +113,9 @@ LABEL_AUTHOR = "fleet.lerobot_io"
 _FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 _INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _IMAGE_NAMES = ["height", "width", "channels"]
+# SVT-AV1 (libsvtav1, LeRobot's default encoder) dies with SIGFPE on some frames under 32 px a side
+# (16x16 and 24x40 did, here); smaller cameras are exported as PNG images instead.
+MIN_VIDEO_SIDE = 32
 
 
 # ====================================================================== export
@@ -133,8 +136,9 @@ def export_lerobot(
     ``EpisodeMeta.task``, e.g. ``"maniskill/PickCube-v1"``; each frame's LeRobot ``task`` string is the
     episode's instruction). ``fps`` defaults to the spec's ``control_hz``, which must then be a whole
     number because LeRobot stores an integer frame rate. ``use_videos`` (default, as in LeRobot) stores
-    cameras as AV1 videos (LeRobot's PyAV encoder, libsvtav1; lossy, ~10-50x smaller); ``False``
-    stores lossless PNG images in the parquet files.
+    cameras as AV1 videos (LeRobot's PyAV encoder, libsvtav1; lossy, ~10-50x smaller; a camera under
+    ``MIN_VIDEO_SIDE`` = 32 px a side, which that encoder crashes on, stays PNG); ``False`` stores
+    lossless PNG images in the parquet files.
 
     All selected episodes must share state/action dims and cameras: a LeRobot dataset has one schema.
     Everything is checked before anything is written, and the dataset is built in a hidden sibling
@@ -279,8 +283,18 @@ def _export_features(spec: RobotSpec, use_videos: bool, with_success: bool) -> d
         },
     }
     for cam in spec.cameras:
+        video = use_videos and min(cam.height, cam.width) >= MIN_VIDEO_SIDE
+        if use_videos and not video:
+            log.warning(
+                "camera %s is %dx%d: stored as PNG images (LeRobot's AV1 encoder, SVT-AV1, crashes the "
+                "process on frames under %d px)",
+                cam.name,
+                cam.height,
+                cam.width,
+                MIN_VIDEO_SIDE,
+            )
         features[IMAGES_PREFIX + cam.name] = {
-            "dtype": "video" if use_videos else "image",
+            "dtype": "video" if video else "image",
             "shape": cam.shape,
             "names": list(_IMAGE_NAMES),
         }
