@@ -136,7 +136,7 @@ def export_lerobot(
     ``EpisodeMeta.task``, e.g. ``"maniskill/PickCube-v1"``; each frame's LeRobot ``task`` string is the
     episode's instruction). ``fps`` defaults to the spec's ``control_hz``, which must then be a whole
     number because LeRobot stores an integer frame rate. ``use_videos`` (default, as in LeRobot) stores
-    cameras as AV1 videos (LeRobot's PyAV encoder, libsvtav1; lossy, ~10-50x smaller; a camera under
+    cameras as AV1 videos (LeRobot's PyAV encoder, libsvtav1; lossy, much smaller; a camera under
     ``MIN_VIDEO_SIDE`` = 32 px a side, which that encoder crashes on, stays PNG); ``False`` stores
     lossless PNG images in the parquet files.
 

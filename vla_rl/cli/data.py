@@ -224,7 +224,7 @@ class StoreExportLerobot:
     task: str | None = None
     """Only this task's episodes."""
     videos: bool = True
-    """Encode cameras as AV1 video, as LeRobot does (--no-videos: lossless PNG images, ~10-50x bigger)."""
+    """Encode cameras as AV1 video, as LeRobot does (--no-videos: lossless PNG images, much bigger)."""
 
 
 def store_export_lerobot(a: StoreExportLerobot) -> int:
