@@ -11,20 +11,41 @@ Column mapping (ours -> LeRobot):
 =====================================  =========================================================
 ``state`` float32 [S]                  ``observation.state`` (names = ``spec.state_names``)
 ``action`` float32 [A]                 ``action`` (names = ``spec.action_names``)
-``cameras[c]`` uint8 [H, W, 3]         ``observation.images.<c>`` ("image": lossless PNG inside the
-                                       parquet; "video" with ``use_videos``: lossy AV1 mp4)
+``cameras[c]`` uint8 [H, W, 3]         ``observation.images.<c>`` ("video", the default as in
+                                       LeRobot: lossy AV1 mp4; "image" with ``use_videos=False``:
+                                       lossless PNG inside the parquet)
 ``reward``                             ``next.reward`` float32
 ``terminated | truncated``             ``next.done`` bool: the episode ended at this frame (the
-                                       meaning ``lerobot_eval`` gives it)
-``truncated``                          ``next.truncated`` bool (so terminated = done & ~truncated)
-episode success (closed episodes)      ``next.success`` bool, True on the last frame of a success
+                                       meaning ``lerobot_eval`` gives it); always True on each
+                                       episode's last frame
+``truncated``                          ``next.truncated`` bool (so terminated = done & ~truncated); a
+                                       last frame that is neither is exported as truncated
+episode success (known outcomes)       ``next.success`` bool, True on the last frame of a success
+outcome known                          ``outcome_known`` bool, False on every frame of an episode
+                                       whose outcome is ``"unknown"`` (see below)
 ``controller``                         ``controller`` int64 (policy=0, human=1, scripted=2)
-``controller == human``                ``intervention`` bool, the column LeRobot's DAgger rollout
-                                       strategy records: a human drives this frame
+frame in an ``intervention`` segment   ``intervention`` bool, the column LeRobot's DAgger rollout
+                                       strategy records: a human took over this frame
 ``segment``                            ``segment`` int64, index into the episode's segments
 instruction                            the per-frame ``task`` string
 ``spec.control_hz``                    ``fps`` (LeRobot stores an integer)
 =====================================  =========================================================
+
+Unknown outcomes stay unknown. LeRobot has no null for a bool feature (``add_frame`` wants a bool
+array on every frame, and its torch readers cannot batch nulls), so: when no exported episode has a
+known outcome, ``next.success`` and ``outcome_known`` are left out altogether (a dataset without
+``next.success`` is what ``lerobot-record`` writes: success unknown); otherwise ``next.success`` is
+False on the frames of unknown-outcome episodes and ``outcome_known`` says they are not failures, and
+the sidecar has ``"outcome": "unknown", "success": null`` for them. A reader's rule: episode e
+succeeded iff ``any(next.success)``, failed iff not and ``all(outcome_known)``, else unknown.
+:func:`import_lerobot` applies that rule, so import(export(x)) keeps unknown outcomes unknown.
+
+Intervention is one thing in three places, by construction: a frame is under intervention iff it is
+in a segment of kind ``intervention``. ``vla-rl store info`` counts those frames (intervention rate),
+the export's ``intervention`` column is that per frame, and the import makes every frame a human
+drives (``intervention`` / HIL-SERL flag True, ``controller`` 1, or no such column and the default
+controller human) an ``intervention`` segment with controller human, and every other frame an
+``autonomous`` one.
 
 What LeRobot cannot hold per frame (segment kinds and reasons, outcomes, episode ids, the full robot
 spec) goes into a sidecar, ``meta/vla_rl.json``. LeRobot ignores files it does not know, and
@@ -43,6 +64,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import itertools
 import json
 import logging
 import math
@@ -58,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleet.meta import Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
-from fleet.store import Episode, EpisodeStore
+from fleet.store import Episode, EpisodeStore, outcome_known
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 if TYPE_CHECKING:
@@ -75,6 +98,7 @@ REWARD_KEY = "next.reward"
 DONE_KEY = "next.done"
 TRUNCATED_KEY = "next.truncated"
 SUCCESS_KEY = "next.success"
+OUTCOME_KNOWN_KEY = "outcome_known"
 CONTROLLER_KEY = "controller"
 INTERVENTION_KEY = "intervention"
 HIL_INTERVENTION_KEY = "complementary_info.is_intervention"  # what LeRobot's HIL-SERL buffer writes
@@ -83,11 +107,15 @@ SIDECAR_PATH = "meta/vla_rl.json"
 SIDECAR_FORMAT = "vla-rl-lerobot-export"
 SIDECAR_VERSION = 1
 LABEL_KEY = "source"
+TASKS_LABEL_KEY = "lerobot_tasks"
 LABEL_AUTHOR = "fleet.lerobot_io"
 
 _FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 _INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _IMAGE_NAMES = ["height", "width", "channels"]
+# SVT-AV1 (libsvtav1, LeRobot's default encoder) dies with SIGFPE on some frames under 32 px a side
+# (16x16 and 24x40 did, here); smaller cameras are exported as PNG images instead.
+MIN_VIDEO_SIDE = 32
 
 
 # ====================================================================== export
@@ -99,7 +127,7 @@ def export_lerobot(
     episode_ids: Sequence[str] | None = None,
     task: str | None = None,
     fps: int | float | None = None,
-    use_videos: bool = False,
+    use_videos: bool = True,
 ) -> Path:
     """Write episodes of ``store`` as a LeRobot v3 dataset at ``out_dir``; returns its absolute path.
 
@@ -107,8 +135,10 @@ def export_lerobot(
     default every closed episode is exported. ``task`` keeps only episodes of that store task (our
     ``EpisodeMeta.task``, e.g. ``"maniskill/PickCube-v1"``; each frame's LeRobot ``task`` string is the
     episode's instruction). ``fps`` defaults to the spec's ``control_hz``, which must then be a whole
-    number because LeRobot stores an integer frame rate. ``use_videos`` stores cameras as AV1 videos
-    (needs FFmpeg, lossy, much smaller) instead of lossless PNG images.
+    number because LeRobot stores an integer frame rate. ``use_videos`` (default, as in LeRobot) stores
+    cameras as AV1 videos (LeRobot's PyAV encoder, libsvtav1; lossy, much smaller; a camera under
+    ``MIN_VIDEO_SIDE`` = 32 px a side, which that encoder crashes on, stays PNG); ``False`` stores
+    lossless PNG images in the parquet files.
 
     All selected episodes must share state/action dims and cameras: a LeRobot dataset has one schema.
     Everything is checked before anything is written, and the dataset is built in a hidden sibling
@@ -131,7 +161,8 @@ def export_lerobot(
         raise SpecError(
             "state", "state_dim >= 1 (LeRobot cannot store an empty observation.state)", f"{spec.state_dim}"
         )
-    features = _export_features(spec, use_videos)
+    with_success = any(outcome_known(m) for m in metas)
+    features = _export_features(spec, use_videos, with_success)
 
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
@@ -152,9 +183,9 @@ def export_lerobot(
         entries = []
         for index, meta in enumerate(metas):
             ep = store.read_episode(meta.episode_id)
-            _write_episode(ds, ep)
+            end_flag_added = _write_episode(ds, ep, with_success)
             ds.save_episode()
-            entries.append(_sidecar_entry(index, ep))
+            entries.append(_sidecar_entry(index, ep, end_flag_added))
         ds.finalize()
         sidecar = {
             "format": SIDECAR_FORMAT,
@@ -235,7 +266,7 @@ def _lerobot_fps(fps: float | None, spec: RobotSpec, metas: Sequence[EpisodeMeta
     return round(fps)
 
 
-def _export_features(spec: RobotSpec, use_videos: bool) -> dict[str, dict[str, Any]]:
+def _export_features(spec: RobotSpec, use_videos: bool, with_success: bool) -> dict[str, dict[str, Any]]:
     def scalar(dtype: str) -> dict[str, Any]:
         return {"dtype": dtype, "shape": (1,), "names": None}
 
@@ -252,8 +283,18 @@ def _export_features(spec: RobotSpec, use_videos: bool) -> dict[str, dict[str, A
         },
     }
     for cam in spec.cameras:
+        video = use_videos and min(cam.height, cam.width) >= MIN_VIDEO_SIDE
+        if use_videos and not video:
+            log.warning(
+                "camera %s is %dx%d: stored as PNG images (LeRobot's AV1 encoder, SVT-AV1, crashes the "
+                "process on frames under %d px)",
+                cam.name,
+                cam.height,
+                cam.width,
+                MIN_VIDEO_SIDE,
+            )
         features[IMAGES_PREFIX + cam.name] = {
-            "dtype": "video" if use_videos else "image",
+            "dtype": "video" if video else "image",
             "shape": cam.shape,
             "names": list(_IMAGE_NAMES),
         }
@@ -262,23 +303,38 @@ def _export_features(spec: RobotSpec, use_videos: bool) -> dict[str, dict[str, A
             REWARD_KEY: scalar("float32"),
             DONE_KEY: scalar("bool"),
             TRUNCATED_KEY: scalar("bool"),
-            SUCCESS_KEY: scalar("bool"),
             CONTROLLER_KEY: scalar("int64"),
             INTERVENTION_KEY: scalar("bool"),
             SEGMENT_KEY: scalar("int64"),
         }
     )
+    if with_success:
+        features[SUCCESS_KEY] = scalar("bool")
+        features[OUTCOME_KNOWN_KEY] = scalar("bool")
     return features
 
 
-def _write_episode(ds: LeRobotDataset, ep: Episode) -> None:
+def intervention_frames(meta: EpisodeMeta, segment: np.ndarray) -> np.ndarray:
+    """bool [T]: the frames in ``intervention`` segments, the ones ``store info`` counts as intervention."""
+    kinds = np.array([s.kind == SegmentKind.INTERVENTION for s in meta.segments] or [False], bool)
+    return kinds[np.clip(segment.astype(np.int64), 0, len(kinds) - 1)]
+
+
+def _write_episode(ds: LeRobotDataset, ep: Episode, with_success: bool) -> bool:
+    """Add the episode's frames; returns whether its last frame was marked truncated here (it had
+    neither flag: every LeRobot episode ends with ``next.done``)."""
     n = ep.length
-    done = ep.terminated | ep.truncated
+    truncated = ep.truncated.copy()
+    end_flag_added = not (ep.terminated[-1] or truncated[-1])
+    truncated[-1] |= end_flag_added
+    done = ep.terminated | truncated
+    known = outcome_known(ep.meta)
     success = np.zeros(n, bool)
-    if ep.meta.success:
+    if known and ep.meta.success:
         success[-1] = True
+    known_col = np.full(n, known)
     controller = ep.controller.astype(np.int64)
-    intervention = ep.controller == int(Controller.HUMAN)
+    intervention = intervention_frames(ep.meta, ep.segment)
     segment = ep.segment.astype(np.int64)
     for t in range(n):
         # add_frame pops "task" and may convert values in place: build a fresh dict per frame.
@@ -287,20 +343,24 @@ def _write_episode(ds: LeRobotDataset, ep: Episode) -> None:
             ACTION_KEY: ep.action[t],
             REWARD_KEY: ep.reward[t : t + 1],
             DONE_KEY: done[t : t + 1],
-            TRUNCATED_KEY: ep.truncated[t : t + 1],
-            SUCCESS_KEY: success[t : t + 1],
+            TRUNCATED_KEY: truncated[t : t + 1],
             CONTROLLER_KEY: controller[t : t + 1],
             INTERVENTION_KEY: intervention[t : t + 1],
             SEGMENT_KEY: segment[t : t + 1],
             "task": ep.meta.instruction,
         }
+        if with_success:
+            frame[SUCCESS_KEY] = success[t : t + 1]
+            frame[OUTCOME_KNOWN_KEY] = known_col[t : t + 1]
         for name, frames in ep.cameras.items():
             frame[IMAGES_PREFIX + name] = frames[t]
         ds.add_frame(frame)
+    return end_flag_added
 
 
-def _sidecar_entry(index: int, ep: Episode) -> dict[str, Any]:
+def _sidecar_entry(index: int, ep: Episode, end_flag_added: bool) -> dict[str, Any]:
     m = ep.meta
+    known = outcome_known(m)
     return {
         "episode_index": index,
         "episode_id": m.episode_id,
@@ -310,8 +370,9 @@ def _sidecar_entry(index: int, ep: Episode) -> dict[str, Any]:
         "length": m.length,
         "start_time": float(ep.timestamp[0]),
         "status": m.status,
-        "outcome": m.outcome,
-        "success": m.success,
+        "outcome": m.outcome if known or not m.is_closed else "unknown",
+        "success": m.success if known else None,
+        "end_flag_added": end_flag_added,  # next.truncated on the last frame is ours, not the store's
         "segments": [s.to_dict() for s in m.segments],
     }
 
@@ -341,6 +402,7 @@ class _Plan:
     episode_index: int
     rows: np.ndarray  # rows of the HF dataset, in frame order
     instruction: str
+    task_runs: tuple[tuple[int, int, str], ...]  # (start, end, LeRobot task) per run of frames
     task: str
     segments: tuple[Segment, ...]  # end always set
     outcome: str
@@ -366,6 +428,7 @@ def import_lerobot(
     db: EpisodeDB | None = None,
     camera_keys: Sequence[str] | None = None,
     default_controller: Controller | str | int = Controller.HUMAN,
+    allow_duplicate: bool = False,
 ) -> list[str]:
     """Write every episode of a local LeRobot v3 dataset into ``store``; returns the new episode ids.
 
@@ -380,24 +443,40 @@ def import_lerobot(
     :func:`export_lerobot` the sidecar's spec, segments, outcomes and start times are restored where
     they still match the data. ``camera_keys`` picks cameras (feature keys or camera names).
 
-    Per episode: the LeRobot task of its first frame becomes the instruction; ``task`` (our store task)
-    defaults to the exported one, else the repo id. State and action are cast to float32 and copied as
-    they are (LeRobot actions are usually raw joint targets, not our [-1, 1] range). Controllers come
-    from a ``controller`` column, else from ``intervention`` (or HIL-SERL's
+    Per episode: the LeRobot task (the instruction string) of its first frame becomes the instruction;
+    an episode whose frames carry several tasks also gets a ``lerobot_tasks`` label in the DB with
+    every run ``[start, end, task]`` (the store has one instruction per episode). ``task`` (our store
+    task) defaults to the exported one for our own exports, else the dataset's robot type
+    (``robot_type`` in ``meta/info.json``), else the repo id (``local/<folder>`` for a folder). State and
+    action are cast to float32 and copied as they are (LeRobot actions are usually raw joint targets,
+    not our [-1, 1] range).
+
+    Who drives: controllers come from a ``controller`` column, else from ``intervention`` (or HIL-SERL's
     ``complementary_info.is_intervention``): True = human, False = policy, as LeRobot's DAgger
     recording means it. Without either, every frame gets ``default_controller``, human by default,
     because ``lerobot-record`` datasets are teleoperated demonstrations (pass ``"policy"`` for eval
-    rollouts). Segments split where the controller (or an exported ``segment`` column) changes; a
-    human segment in an episode that also has other controllers is an intervention, every other one
-    autonomous. ``next.reward``, ``next.done`` / ``next.truncated`` fill reward, terminated and truncated
-    (zero / False when absent). The outcome is ``"success"`` / ``"failure"`` from ``next.success``
-    (success if any frame has it), else ``"unknown"`` with ``success=False``: label those episodes in
-    the metadata DB.
+    rollouts). Human-driven frames (the intervention flag where there is one, else controller human)
+    form ``intervention`` segments, all others ``autonomous`` ones; segments split where that (or an
+    exported ``segment`` column) changes. So store info's intervention rate, the segment kinds and a
+    re-export's ``intervention`` column agree: a teleoperated dataset is 100% human intervention.
 
-    Every check on features and numeric columns runs before the first episode is created, so a
-    dataset with a missing or mistyped key leaves the store unchanged; images are read and checked per
-    episode, before that episode is created. ``db`` (default: the store's) records the episodes and a
-    ``source`` label pointing back at the LeRobot dataset and episode.
+    ``next.reward``, ``next.done`` / ``next.truncated`` fill reward, terminated and truncated (zero /
+    False when absent); an episode whose last frame is not done (no ``next.done`` column, as
+    ``lerobot-record`` writes) gets ``truncated`` there: it ended without a terminal state. The outcome
+    is ``"success"`` / ``"failure"`` from ``next.success`` (success if any frame has it; failure only
+    where an ``outcome_known`` column, if present, says so), else ``"unknown"``, which ``store info``
+    shows as unknown, not as a failure (stored with ``success=False``, the store's closed-episode
+    invariant).
+
+    Importing a dataset whose fingerprint (a hash of ``meta/info.json``, ``meta/tasks.parquet``,
+    ``meta/episodes/`` and the data and video file sizes) matches an earlier import into this store's
+    DB raises :class:`DuplicateImportError` naming those episodes, unless ``allow_duplicate``.
+
+    Every check on features and numeric columns runs before the first episode is created; images are
+    read and checked per episode. A failure at any point removes the episodes this call created, and
+    the DB rows and labels are written only once every episode is in the store, so a failed import
+    leaves the store and its DB as they were. ``db`` (default: the store's) records the episodes and a
+    ``source`` label pointing back at the LeRobot dataset, its fingerprint and episode.
     """
     root, repo_id = _resolve_dataset(root_or_repo_id)
     info = _load_info(root)
@@ -424,10 +503,15 @@ def import_lerobot(
     _check_video_files(root, meta, cameras)
     ds = LeRobotDataset(repo_id, root=root, download_videos=False)
 
+    label_db = db if db is not None else store.db
+    fingerprint = dataset_fingerprint(root)
+    if not allow_duplicate:
+        _refuse_duplicate(store, label_db, root, fingerprint)
     sidecar = _load_sidecar(root, int(info.get("total_frames", -1)))
     tasks = _task_names(ds)
+    robot_type = info.get("robot_type") if isinstance(info.get("robot_type"), str) else None
     built = RobotSpec(
-        name=spec_name or info.get("robot_type") or repo_id,
+        name=spec_name or robot_type or repo_id,
         state_dim=state_dim,
         action_dim=action_dim,
         control_hz=float(fps),
@@ -438,33 +522,90 @@ def import_lerobot(
         extras={"lerobot": {"repo_id": repo_id, "root": str(root), "robot_type": info.get("robot_type")}},
     )
     spec = _restore_spec(built, sidecar, spec_name)
-    plans = _plan_episodes(ds, optional, sidecar, ctrl_default, fps, task or repo_id, task is not None)
+    default_task = task or robot_type or repo_id
+    plans = _plan_episodes(ds, optional, sidecar, ctrl_default, fps, default_task, task is not None)
 
-    ids: list[str] = []
+    metas: list[EpisodeMeta] = []
+    written: list[str] = []  # episode ids created so far, half-written ones too
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     safe_robot = re.sub(r"[^A-Za-z0-9_.-]", "_", robot_id)[:64]
-    label_db = db if db is not None else store.db
     try:
         for plan in plans:
             images = _read_images(ds, plan, cameras, fps)
-            ids.append(_write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", db))
-            if label_db is not None:
-                label_db.add_label(
-                    ids[-1],
-                    LABEL_KEY,
-                    {
-                        "format": "lerobot-v3",
-                        "repo_id": repo_id,
-                        "root": str(root),
-                        "episode_index": plan.episode_index,
-                    },
-                    author=LABEL_AUTHOR,
-                )
+            metas.append(_write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", written))
+        if label_db is not None:  # only now: a failure above leaves no DB rows behind
+            for plan, meta in zip(plans, metas, strict=True):
+                label_db.record_episode_open(meta, str(store.root))
+                label_db.record_episode_closed(meta)
+                source = {
+                    "format": "lerobot-v3",
+                    "repo_id": repo_id,
+                    "root": str(root),
+                    "fingerprint": fingerprint,
+                    "episode_index": plan.episode_index,
+                }
+                label_db.add_label(meta.episode_id, LABEL_KEY, source, author=LABEL_AUTHOR)
+                if len(plan.task_runs) > 1:
+                    runs = [list(r) for r in plan.task_runs]
+                    label_db.add_label(meta.episode_id, TASKS_LABEL_KEY, runs, author=LABEL_AUTHOR)
     except BaseException as e:
-        e.add_note(f"import_lerobot: {len(ids)} of {len(plans)} episodes were imported before this: {ids}")
+        for eid in written:
+            shutil.rmtree(store.episodes_dir / eid, ignore_errors=True)
+        e.add_note(f"import_lerobot: nothing imported ({len(metas)} of {len(plans)} written, then removed)")
         raise
+    ids = [m.episode_id for m in metas]
     log.info("imported %d episodes from %s into %s", len(ids), root, store.root)
     return ids
+
+
+class DuplicateImportError(ValueError):
+    """The dataset was imported into this store before (same fingerprint)."""
+
+
+def dataset_fingerprint(root: str | os.PathLike[str]) -> str:
+    """sha256 over a LeRobot dataset's metadata files and the sizes of its data and video files.
+
+    The same dataset copied elsewhere, or exported twice from the same episodes, has the same
+    fingerprint (our sidecar, which holds the export time, is left out); a dataset with other
+    frames has other per-episode stats in ``meta/episodes/`` and so another fingerprint.
+    """
+    root = Path(root)
+    h = hashlib.sha256()
+    meta_files = [root / "meta" / "info.json", root / "meta" / "tasks.parquet"]
+    meta_files += sorted((root / "meta" / "episodes").rglob("*.parquet"))
+    for f in meta_files:
+        if f.is_file():
+            h.update(f"{f.relative_to(root).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    for sub in ("data", "videos"):
+        for f in sorted((root / sub).rglob("*")):
+            if f.is_file():
+                h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+    return h.hexdigest()
+
+
+def _refuse_duplicate(store: EpisodeStore, db: EpisodeDB | None, root: Path, fingerprint: str) -> None:
+    labels_of = getattr(db, "labels", None)
+    if labels_of is None:
+        log.warning("no metadata DB: cannot check whether %s was imported into %s before", root, store.root)
+        return
+    present = set(store.episode_ids())
+    earlier = [
+        lab
+        for lab in labels_of(key=LABEL_KEY)
+        if lab.episode_id in present
+        and isinstance(lab.value, Mapping)
+        and lab.value.get("fingerprint") == fingerprint
+    ]
+    if earlier:
+        ids = sorted({lab.episode_id for lab in earlier})
+        roots = sorted({str(lab.value.get("root")) for lab in earlier})
+        shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
+        raise DuplicateImportError(
+            f"LeRobot dataset {root} was already imported into {store.root} (same fingerprint, "
+            f"imported from {', '.join(roots)}) as {len(ids)} episodes: {shown}; "
+            "pass allow_duplicate=True (--allow-duplicate) to import it again"
+        )
 
 
 def _resolve_dataset(root_or_repo_id: str | os.PathLike[str]) -> tuple[Path, str]:
@@ -585,7 +726,9 @@ class _Optional:
     done: bool
     truncated: bool
     success: bool
+    outcome_known: bool
     controller: str | None  # the column controllers come from, if any
+    intervention: str | None  # the column intervention flags come from, if any
     segment: bool
 
 
@@ -603,19 +746,22 @@ def _optional_columns(features: Mapping[str, Any]) -> _Optional:
 
     numeric = _FLOAT_DTYPES | _INT_DTYPES
     bools = frozenset({"bool"})
-    controller = None
+    intervention = None
+    if has(INTERVENTION_KEY, bools | numeric, "a bool intervention flag"):
+        intervention = INTERVENTION_KEY
+    elif has(HIL_INTERVENTION_KEY, bools | numeric, "a bool intervention flag"):
+        intervention = HIL_INTERVENTION_KEY
+    controller = intervention
     if has(CONTROLLER_KEY, _INT_DTYPES, "integer controller codes (policy=0, human=1, scripted=2)"):
         controller = CONTROLLER_KEY
-    elif has(INTERVENTION_KEY, bools | numeric, "a bool intervention flag"):
-        controller = INTERVENTION_KEY
-    elif has(HIL_INTERVENTION_KEY, bools | numeric, "a bool intervention flag"):
-        controller = HIL_INTERVENTION_KEY
     return _Optional(
         reward=has(REWARD_KEY, numeric, "a numeric reward"),
         done=has(DONE_KEY, bools, "a bool done flag"),
         truncated=has(TRUNCATED_KEY, bools, "a bool truncated flag"),
         success=has(SUCCESS_KEY, bools, "a bool success flag"),
+        outcome_known=has(OUTCOME_KNOWN_KEY, bools, "a bool outcome-known flag"),
         controller=controller,
+        intervention=intervention,
         segment=has(SEGMENT_KEY, _INT_DTYPES, "integer segment indices"),
     )
 
@@ -715,7 +861,9 @@ def _plan_episodes(
     keys = [STATE_KEY, ACTION_KEY, "episode_index", "frame_index", "timestamp", "task_index"]
     keys += [k for k, on in ((REWARD_KEY, opt.reward), (DONE_KEY, opt.done)) if on]
     keys += [k for k, on in ((TRUNCATED_KEY, opt.truncated), (SUCCESS_KEY, opt.success)) if on]
-    keys += [k for k in (opt.controller,) if k] + ([SEGMENT_KEY] if opt.segment else [])
+    keys += [OUTCOME_KNOWN_KEY] if opt.outcome_known else []
+    keys += sorted({k for k in (opt.controller, opt.intervention) if k})
+    keys += [SEGMENT_KEY] if opt.segment else []
     cols = ds.hf_dataset.select_columns(keys).with_format("numpy")[:]
     n = len(cols["episode_index"])
     state = _column(cols, STATE_KEY, n).astype(np.float32)
@@ -731,6 +879,7 @@ def _plan_episodes(
     done = _column(cols, DONE_KEY, n)[:, 0].astype(bool) if opt.done else np.zeros(n, bool)
     truncated = _column(cols, TRUNCATED_KEY, n)[:, 0].astype(bool) if opt.truncated else np.zeros(n, bool)
     success = _column(cols, SUCCESS_KEY, n)[:, 0].astype(bool) if opt.success else None
+    known = _column(cols, OUTCOME_KNOWN_KEY, n)[:, 0].astype(bool) if opt.outcome_known else None
     segment = _column(cols, SEGMENT_KEY, n)[:, 0].astype(np.int64) if opt.segment else None
     if opt.controller == CONTROLLER_KEY:
         controller = _column(cols, CONTROLLER_KEY, n)[:, 0].astype(np.int64)
@@ -748,6 +897,10 @@ def _plan_episodes(
     else:
         controller = np.full(n, int(default_controller), np.int64)
     controller = controller.astype(np.uint8)
+    if opt.intervention is not None:
+        intervention = _column(cols, opt.intervention, n)[:, 0].astype(bool)
+    else:
+        intervention = controller == int(Controller.HUMAN)
     task_names = dict(enumerate(_task_names(ds)))
     task_index = _column(cols, "task_index", n)[:, 0].astype(np.int64)
     video_time = _column(cols, "timestamp", n)[:, 0].astype(np.float64)
@@ -766,20 +919,29 @@ def _plan_episodes(
         if segments is None:
             if entry is not None:
                 log.warning("episode %d: exported segments no longer match its frames; re-derived", e)
-            segments = _derive_segments(ctrl, seg_col)
+            segments = _derive_segments(ctrl, intervention[rows], seg_col)
+        ep_truncated = truncated[rows].copy()
+        ep_done = done[rows] | ep_truncated
+        if entry is not None and entry.get("end_flag_added") is True and ep_truncated[-1]:
+            ep_truncated[-1] = ep_done[-1] = False  # the export added it; the store had neither flag
+        elif entry is None and not ep_done[-1]:
+            ep_truncated[-1] = True  # the episode ended here without a terminal state
         if entry is not None and entry.get("outcome") and entry.get("success") is not None:
             outcome, ok = str(entry["outcome"]), bool(entry["success"])
-        elif entry is not None:  # exported while still open: nobody decided the outcome
+        elif entry is not None:  # exported while still open, or with an unknown outcome
             outcome, ok = "unknown", False
-        elif success is not None:
-            ok = bool(success[rows].any())
-            outcome = "success" if ok else "failure"
+        elif success is not None and bool(success[rows].any()):
+            outcome, ok = "success", True
+        elif success is not None and (known is None or bool(known[rows].all())):
+            outcome, ok = "failure", False
         else:
             outcome, ok = "unknown", False
-        first_task = int(task_index[rows[0]])
-        instruction = task_names.get(first_task, "")
-        if len(set(task_index[rows].tolist())) > 1:
-            log.warning("episode %d has several tasks; its instruction is the first, %r", e, instruction)
+        ep_tasks = task_index[rows]
+        cuts = [0, *(np.flatnonzero(np.diff(ep_tasks) != 0) + 1).tolist(), m]
+        runs = tuple((a, b, task_names.get(int(ep_tasks[a]), "")) for a, b in itertools.pairwise(cuts))
+        instruction = runs[0][2]
+        if len(runs) > 1:
+            log.info("episode %d has %d task runs; instruction = the first, %r", e, len(runs), instruction)
         start = entry.get("start_time") if entry is not None else None
         ep_task = task if task_given or entry is None else str(entry.get("task") or task)
         plans.append(
@@ -787,6 +949,7 @@ def _plan_episodes(
                 episode_index=int(e),
                 rows=rows,
                 instruction=instruction,
+                task_runs=runs,
                 task=ep_task,
                 segments=segments,
                 outcome=outcome,
@@ -795,8 +958,8 @@ def _plan_episodes(
                 state=state[rows],
                 action=action[rows],
                 reward=reward[rows],
-                terminated=done[rows] & ~truncated[rows],
-                truncated=truncated[rows],
+                terminated=ep_done & ~ep_truncated,
+                truncated=ep_truncated,
                 controller=ctrl,
                 frame_time=frame[rows] / float(fps),
                 video_time=video_time[rows],
@@ -833,16 +996,21 @@ def _exported_segments(
     return tuple(dataclasses.replace(s, end=n if s.end is None else s.end) for s in segs)
 
 
-def _derive_segments(controller: np.ndarray, seg_col: np.ndarray | None) -> tuple[Segment, ...]:
-    """Split where the segment column (if any) or else the controller changes."""
-    key = seg_col if seg_col is not None else controller
-    starts = [0, *(np.flatnonzero(np.diff(key) != 0) + 1).tolist()]
-    ends = [*starts[1:], len(key)]
-    mixed = bool((controller != int(Controller.HUMAN)).any())
+def _derive_segments(
+    controller: np.ndarray, intervention: np.ndarray, seg_col: np.ndarray | None
+) -> tuple[Segment, ...]:
+    """Split where the segment column (if any) or else the controller or intervention flag changes;
+    a segment whose first frame is under intervention is an ``intervention`` segment."""
+    if seg_col is not None:
+        cut = np.diff(seg_col) != 0
+    else:
+        cut = (np.diff(controller.astype(np.int64)) != 0) | (np.diff(intervention.astype(np.int8)) != 0)
+    starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+    ends = [*starts[1:], len(controller)]
     segs = []
     for i, (a, b) in enumerate(zip(starts, ends, strict=True)):
         ctrl = Controller(int(controller[a]))
-        kind = SegmentKind.INTERVENTION if ctrl == Controller.HUMAN and mixed else SegmentKind.AUTONOMOUS
+        kind = SegmentKind.INTERVENTION if intervention[a] else SegmentKind.AUTONOMOUS
         segs.append(Segment(i, kind, ctrl, a, b, None))
     return tuple(segs)
 
@@ -917,9 +1085,10 @@ def _write_plan(
     images: Mapping[str, np.ndarray],
     robot_id: str,
     id_prefix: str,
-    db: EpisodeDB | None,
-) -> str:
-    """Create, fill and close one episode; ids sort in LeRobot episode order within one import."""
+    written: list[str],
+) -> EpisodeMeta:
+    """Create, fill and close one episode (no DB rows yet); ids sort in LeRobot episode order within one
+    import. A failure removes the half-written episode."""
     episode_id = f"{id_prefix}-ep{plan.episode_index:06d}-{uuid.uuid4().hex[:6]}"
     writer = store.create_episode(
         spec,
@@ -927,8 +1096,9 @@ def _write_plan(
         task=plan.task,
         instruction=plan.instruction,
         episode_id=episode_id,
-        db=db,
+        db=_NO_DB,
     )
+    written.append(episode_id)  # the caller's rollback removes it, even if filling it fails
     timestamps = plan.start_time + plan.frame_time
     with writer:
         for seg in plan.segments:
@@ -948,5 +1118,26 @@ def _write_plan(
                     "timestamp": timestamps[a:b],
                 }
             )
-        writer.close(outcome=plan.outcome, success=plan.success)
-    return episode_id
+        meta = writer.close(outcome=plan.outcome, success=plan.success)
+    return meta
+
+
+class _NoDB:
+    """An :class:`EpisodeDB` that records nothing: imports record their episodes once all are written."""
+
+    def record_episode_open(self, meta: EpisodeMeta, store_path: str) -> None:
+        pass
+
+    def record_episode_closed(self, meta: EpisodeMeta) -> None:
+        pass
+
+    def episode(self, episode_id: str) -> None:
+        return None
+
+    def add_label(
+        self, episode_id: str, key: str, value: Any, *, author: str, segment_index: int | None = None
+    ) -> int:
+        return 0
+
+
+_NO_DB = _NoDB()

@@ -3,6 +3,7 @@
 Layout::
 
     <root>/zarr.json                      root group (attrs mark it as an episode store)
+    <root>/episodes/zarr.json             plain group, so ``zarr.open_group(root)`` reaches every episode
     <root>/episodes/<episode_id>/         one zarr group per episode
         zarr.json                         group attrs: the episode's creation metadata (informational)
         commit.json                       the commit record: committed length + all metadata (authoritative)
@@ -272,6 +273,36 @@ def _array(group: zarr.Group, key: str) -> zarr.Array:
     if not isinstance(arr, zarr.Array):
         raise KeyError(f"array {key!r} is missing from {group.store_path}")
     return arr
+
+
+def _group_doc(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """A Zarr v3 group's metadata document (what ``zarr.open_group`` writes)."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
+
+
+def _create_group_doc(directory: Path, doc: Mapping[str, Any]) -> bool:
+    """Create ``directory/zarr.json`` unless it exists; returns whether this call created it.
+
+    Safe with concurrent creators: the document is written to a temporary file and hard-linked into
+    place, which fails (harmlessly) if another process got there first, so an existing document is never
+    overwritten and a reader never sees a torn one.
+    """
+    target = directory / "zarr.json"
+    tmp = directory / f".zarr.json.{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    try:
+        os.link(tmp, target)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def outcome_known(meta: EpisodeMeta) -> bool:
+    """Whether a closed episode's outcome was decided: ``"unknown"`` (e.g. a LeRobot dataset without
+    ``next.success``) is not a failure, and success rates count only known outcomes."""
+    return meta.is_closed and meta.outcome not in (None, "unknown") and meta.success is not None
 
 
 def _check_id(what: str, value: str) -> str:
@@ -804,9 +835,8 @@ class EpisodeStore:
                     f"no episode store at {self.root}: the directory {what} (pass create=True to make one)"
                 )
             self.root.mkdir(parents=True, exist_ok=True)
-            zarr.open_group(
-                self.root, mode="a", attributes={"format": STORE_FORMAT, "version": STORE_VERSION}
-            )
+            doc = _group_doc({"format": STORE_FORMAT, "version": STORE_VERSION})
+            _create_group_doc(self.root, doc)
         attrs = json.loads(marker.read_text()).get("attributes", {})
         if attrs.get("format") != STORE_FORMAT:
             raise ValueError(f"{self.root} is a zarr group but not an episode store (attributes: {attrs})")
@@ -815,6 +845,15 @@ class EpisodeStore:
                 f"{self.root}: store version {attrs.get('version')} is not supported (want {STORE_VERSION})"
             )
         self.episodes_dir.mkdir(exist_ok=True)
+        if not (self.episodes_dir / "zarr.json").exists():  # stores made before it was written
+            try:
+                _create_group_doc(self.episodes_dir, _group_doc({}))
+            except OSError as e:  # e.g. a read-only store: readers through EpisodeStore do not need it
+                log.warning(
+                    "cannot write %s (%s): generic zarr tools will not see the episodes",
+                    self.episodes_dir / "zarr.json",
+                    e,
+                )
 
     def __repr__(self) -> str:
         return f"EpisodeStore({str(self.root)!r})"
@@ -980,22 +1019,28 @@ class EpisodeStore:
                 yield self.read_episode(eid, cameras=cameras)
 
     def info(self) -> dict[str, Any]:
-        """Summary: episode/frame counts, bytes on disk, and per-task counts and success rates."""
+        """Summary: episode/frame counts, bytes on disk, and per-task counts and success rates.
+
+        Per task and per robot, ``closed`` splits into ``known`` outcomes and ``unknown`` ones (outcome
+        ``"unknown"``, see :func:`outcome_known`); ``successes`` and ``success_rate`` (successes / known,
+        None without any known outcome) count only the known ones."""
         tasks: dict[str, dict[str, Any]] = {}
         n_open = frames = 0
         metas = [self.read_metadata(eid) for eid in self.episode_ids()]
         for m in metas:
-            t = tasks.setdefault(m.task, {"episodes": 0, "closed": 0, "successes": 0, "frames": 0})
+            t = tasks.setdefault(
+                m.task, {"episodes": 0, "closed": 0, "known": 0, "unknown": 0, "successes": 0, "frames": 0}
+            )
             t["episodes"] += 1
             t["frames"] += m.length
             frames += m.length
             if m.is_closed:
                 t["closed"] += 1
-                t["successes"] += int(bool(m.success))
+                _count_outcome(t, m)
             else:
                 n_open += 1
         for t in tasks.values():
-            t["success_rate"] = t["successes"] / t["closed"] if t["closed"] else None
+            t["success_rate"] = t["successes"] / t["known"] if t["known"] else None
         size = sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
         return {
             "root": str(self.root),
@@ -1087,10 +1132,19 @@ class EpisodeStore:
         return out
 
 
+def _count_outcome(counts: dict[str, Any], m: EpisodeMeta) -> None:
+    if outcome_known(m):
+        counts["known"] += 1
+        counts["successes"] += int(bool(m.success))
+    else:
+        counts["unknown"] += 1
+
+
 def _robot_summary(metas: Sequence[EpisodeMeta]) -> dict[str, dict[str, Any]]:
     """Per robot: episodes, success, and how its frames split into segment kinds (who was in control).
 
-    ``intervention_rate`` is the fraction of frames in intervention segments; ``takeovers`` counts
+    ``intervention_rate`` is the fraction of frames in intervention segments (the frames a LeRobot
+    export marks ``intervention``); ``takeovers`` counts
     intervention segments; ``episodes_with_intervention`` the episodes that had at least one.
     """
     robots: dict[str, dict[str, Any]] = {}
@@ -1100,6 +1154,8 @@ def _robot_summary(metas: Sequence[EpisodeMeta]) -> dict[str, dict[str, Any]]:
             {
                 "episodes": 0,
                 "closed": 0,
+                "known": 0,
+                "unknown": 0,
                 "successes": 0,
                 "frames": 0,
                 "segments": {k.value: 0 for k in SegmentKind},
@@ -1111,13 +1167,13 @@ def _robot_summary(metas: Sequence[EpisodeMeta]) -> dict[str, dict[str, Any]]:
         r["frames"] += m.length
         if m.is_closed:
             r["closed"] += 1
-            r["successes"] += int(bool(m.success))
+            _count_outcome(r, m)
         for seg in m.segments:
             r["segments"][seg.kind.value] += 1
             r["frames_by_kind"][seg.kind.value] += (m.length if seg.end is None else seg.end) - seg.start
         r["episodes_with_intervention"] += int(any(g.kind == SegmentKind.INTERVENTION for g in m.segments))
     for r in robots.values():
-        r["success_rate"] = r["successes"] / r["closed"] if r["closed"] else None
+        r["success_rate"] = r["successes"] / r["known"] if r["known"] else None
         r["intervention_rate"] = r["frames_by_kind"]["intervention"] / r["frames"] if r["frames"] else None
         r["takeovers"] = r["segments"]["intervention"]
     return dict(sorted(robots.items()))

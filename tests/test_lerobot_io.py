@@ -17,7 +17,7 @@ import pytest
 
 from fleet.db import MetadataDB
 from fleet.meta import Controller, Segment, SegmentKind
-from fleet.store import EpisodeStore, EpisodeWriter
+from fleet.store import EpisodeStore, EpisodeWriter, outcome_known
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(
@@ -123,7 +123,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, offline_hf: None) -> tupl
     store = build_store(base / "store")
     from fleet.lerobot_io import export_lerobot
 
-    out = export_lerobot(store, base / "lerobot" / "ds", REPO_ID, task="pick")
+    out = export_lerobot(store, base / "lerobot" / "ds", REPO_ID, task="pick", use_videos=False)
     return store, out
 
 
@@ -217,10 +217,14 @@ def test_export_reads_back_in_lerobot(exported: tuple[EpisodeStore, Path]) -> No
             got = cols[key][rows]
             assert got.dtype == np.float32 and np.array_equal(got, mine), key
         assert (cols["controller"][rows] == ep.controller).all()
-        assert (cols["intervention"][rows] == (ep.controller == Controller.HUMAN)).all()
+        in_intervention = np.array([s.kind == SegmentKind.INTERVENTION for s in ep.meta.segments])[ep.segment]
+        assert (cols["intervention"][rows] == in_intervention).all()  # what store info counts
         assert (cols["segment"][rows] == ep.segment).all()
-        assert (cols["next.done"][rows] == (ep.terminated | ep.truncated)).all()
-        assert (cols["next.truncated"][rows] == ep.truncated).all()
+        done = ep.terminated | ep.truncated
+        assert cols["next.done"][rows][-1] and (cols["next.done"][rows][:-1] == done[:-1]).all()
+        truncated = ep.truncated.copy()
+        truncated[-1] |= not ep.terminated[-1]  # an episode that ended without a flag ended by truncation
+        assert (cols["next.truncated"][rows] == truncated).all()
         success = cols["next.success"][rows]
         assert success[-1] == ep.meta.success and not success[:-1].any()
         for cam in SPEC.camera_names:
@@ -333,16 +337,17 @@ def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
     ):
         ep = store.read_episode(eid)
         assert ep.length == n and ep.meta.instruction == instruction
-        assert ep.meta.task == "local/so100_stack" and ep.meta.robot_id == "so100-7"
+        assert ep.meta.task == "so100_follower" and ep.meta.robot_id == "so100-7"  # the robot type
         want = {k: np.stack([so100_value(e, i, k) for i in range(n)]) for k in SO100_KEYS}
         assert np.array_equal(ep.state, want["observation.state"])
         assert np.array_equal(ep.action, want["action"])
         assert np.array_equal(ep.cameras["front"], want["observation.images.front"])
         assert np.array_equal(ep.cameras["wrist"], want["observation.images.wrist"])
         assert (ep.controller == Controller.HUMAN).all()  # teleop data: a human produced every action
-        assert ep.meta.segments == (Segment(0, SegmentKind.AUTONOMOUS, Controller.HUMAN, 0, n),)
+        assert ep.meta.segments == (Segment(0, SegmentKind.INTERVENTION, Controller.HUMAN, 0, n),)
         assert (ep.meta.outcome, ep.meta.success) == ("unknown", False)
         assert not ep.reward.any() and not ep.terminated.any()
+        assert ep.truncated.tolist() == [False] * (n - 1) + [True]  # it ended, without a terminal state
         assert np.allclose(np.diff(ep.timestamp), 1 / 30)
     assert store.verify() == []
 
@@ -354,6 +359,7 @@ def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
     ep = store2.read_episode(ids2[1])
     assert ep.meta.spec.name == "so100" and ep.meta.spec.camera_names == ("wrist",)
     assert (ep.controller == Controller.POLICY).all()
+    assert [s.kind for s in ep.meta.segments] == [SegmentKind.AUTONOMOUS]
 
 
 def test_import_dagger_style_dataset(tmp_path: Path) -> None:
@@ -441,7 +447,7 @@ def test_import_rejects_bad_datasets(tmp_path: Path, case: str, match: str) -> N
     store = EpisodeStore(tmp_path / "store", create=True)
     with pytest.raises(SpecError, match=match):
         import_lerobot(tmp_path / "bad", store)
-    assert store.episode_ids() == [] and list(store.episodes_dir.iterdir()) == []
+    assert store.episode_ids() == [] and [p.name for p in store.episodes_dir.iterdir()] == ["zarr.json"]
 
 
 def test_import_rejects_missing_or_incomplete(so100: Path, tmp_path: Path) -> None:
@@ -533,3 +539,281 @@ def test_video_export_round_trip(tmp_path: Path) -> None:
         for cam in ("base", "wrist"):
             diff = np.abs(a.cameras[cam].astype(int) - b.cameras[cam].astype(int))
             assert b.cameras[cam].shape == a.cameras[cam].shape and diff.mean() < 6, (cam, diff.mean())
+
+
+# ---------------------------------------------------------------------- fidelity both ways (issue 17)
+KOCH_TASKS = ["fold the towel", "wipe the table"]
+EPISODE_LEN = 20
+
+
+def record_style_dataset(root: Path, intervention: list[bool] | None = None) -> None:
+    """What ``lerobot-record`` writes (LeRobot's own API): 4 episodes x 20 frames, 2 tasks, one small
+    camera, no next.done / next.success; the last episode switches task half-way. ``intervention``
+    (per frame) adds DAgger's ``intervention`` column."""
+    features = {"observation.state": vec(4), "action": vec(3), "observation.images.top": img(32, 32)}
+    if intervention is not None:
+        features["intervention"] = {"dtype": "bool", "shape": (1,), "names": None}
+
+    def frame(e: int, i: int) -> dict[str, Any]:
+        rng = np.random.default_rng(100 * e + i)
+        out: dict[str, Any] = {
+            "observation.state": rng.standard_normal(4).astype(np.float32),
+            "action": rng.standard_normal(3).astype(np.float32),
+            "observation.images.top": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+        }
+        if intervention is not None:
+            out["intervention"] = np.array([intervention[i]])
+        return out
+
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    ds = LeRobotDataset.create(
+        "someone/koch_towels", fps=30, features=features, root=root, robot_type="koch", use_videos=False
+    )
+    for e in range(4):
+        for i in range(EPISODE_LEN):
+            task = KOCH_TASKS[0] if e == 3 and i >= 10 else KOCH_TASKS[e % 2]
+            ds.add_frame({**frame(e, i), "task": task})
+        ds.save_episode()
+    ds.finalize()
+
+
+def takeover_store(root: Path, spec: RobotSpec = SPEC) -> EpisodeStore:
+    """Sim-fleet style: policy, an operator takeover, handback; one success, one failure."""
+    store = EpisodeStore(root, create=True)
+    rng = np.random.default_rng(5)
+    for e, outcome in enumerate(["success", "failure"]):
+        w = store.create_episode(spec, robot_id=f"sim-{e}", task="pick", episode_id=f"fleet-{e}")
+        t = add(w, rng, 7, T0)
+        w.begin_segment("intervention", "human", reason="no progress for 8 steps")
+        t = add(w, rng, 4 + e, t)
+        w.begin_segment("autonomous", "policy", reason="handback")
+        add(w, rng, 5, t)
+        w.close(outcome)
+    return store
+
+
+def read_columns(root: Path, *keys: str) -> dict[str, np.ndarray]:
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    ds = LeRobotDataset("x/y", root=root)
+    return ds.hf_dataset.select_columns([*keys, "episode_index"]).with_format("numpy")[:]
+
+
+def assert_intervention_agrees(store: EpisodeStore, out: Path) -> float:
+    """store info's intervention rate = frames of intervention segments = the export's intervention
+    column = frames whose exported controller is human; returns that rate."""
+    info = store.info()["robots"]
+    frames = sum(r["frames"] for r in info.values())
+    rate = sum(r["intervention_rate"] * r["frames"] for r in info.values()) / frames
+    in_segments = sum(
+        (s.end - s.start)
+        for eid in store.episode_ids()
+        for s in store.read_metadata(eid).segments
+        if s.kind == SegmentKind.INTERVENTION
+    )
+    cols = read_columns(out, "intervention", "controller")
+    assert len(cols["intervention"]) == frames
+    assert rate == pytest.approx(in_segments / frames) == pytest.approx(cols["intervention"].mean())
+    assert (cols["intervention"] == (cols["controller"] == int(Controller.HUMAN))).all()
+    return rate
+
+
+def test_record_style_dataset_round_trip_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import zarr
+
+    from fleet.lerobot_io import DuplicateImportError, import_lerobot
+    from vla_rl.cli import main
+
+    data = tmp_path / "koch_towels"
+    record_style_dataset(data)
+    store_dir = tmp_path / "store"
+    assert main(["store", "import-lerobot", str(data), str(store_dir)]) == 0
+    store = EpisodeStore(store_dir)
+    db = MetadataDB.for_store(store_dir)
+    ids = store.episode_ids()
+    assert len(ids) == 4
+    for e, eid in enumerate(ids):
+        ep = store.read_episode(eid)
+        assert ep.meta.task == "koch"  # info.json robot_type, as --help says
+        assert ep.meta.instruction == KOCH_TASKS[e % 2]  # each episode's own LeRobot task
+        assert (ep.meta.outcome, outcome_known(ep.meta)) == ("unknown", False)
+        # teleoperated: a human drives every frame, so it is all one intervention segment
+        assert (ep.controller == Controller.HUMAN).all()
+        assert [(s.kind, s.controller) for s in ep.meta.segments] == [
+            (SegmentKind.INTERVENTION, Controller.HUMAN)
+        ]
+        assert ep.truncated.tolist() == [False] * (EPISODE_LEN - 1) + [True] and not ep.terminated.any()
+        # one Zarr hierarchy: generic tools reach every episode's arrays from the root
+        assert np.array_equal(zarr.open_group(store_dir, mode="r")["episodes"][eid]["action"][:], ep.action)
+    runs = db.labels(episode_id=ids[3], key="lerobot_tasks")
+    assert [lab.value for lab in runs] == [[[0, 10, KOCH_TASKS[1]], [10, 20, KOCH_TASKS[0]]]]
+    assert db.labels(episode_id=ids[0], key="lerobot_tasks") == []  # one task: the instruction says it
+    assert store.verify(db) == []
+
+    info = store.info()
+    task = info["tasks"]["koch"]
+    assert (task["closed"], task["known"], task["unknown"], task["successes"]) == (4, 0, 4, 0)
+    assert task["success_rate"] is None and info["robots"]["lerobot"]["intervention_rate"] == 1.0
+    capsys.readouterr()
+    assert main(["store", "info", str(store_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "n/a (4 unknown)" in shown and "0/4" not in shown and "100.0%" in shown
+
+    # The same dataset again (here, a copy elsewhere) is refused, naming it and the existing episodes.
+    copy = tmp_path / "copy_of_towels"
+    import shutil
+
+    shutil.copytree(data, copy)
+    assert main(["store", "import-lerobot", str(copy), str(store_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "already imported" in err and str(copy) in err and ids[0] in err and "--allow-duplicate" in err
+    assert store.episode_ids() == ids
+    with pytest.raises(DuplicateImportError):
+        import_lerobot(data, store, db=db)
+    assert len(import_lerobot(copy, store, db=db, allow_duplicate=True)) == 4
+    db.close()
+
+    # Export: video by default, next.done on every last frame, no next.success (no outcome is known).
+    for eid in store.episode_ids()[4:]:
+        shutil.rmtree(store.episodes_dir / eid)
+    out = tmp_path / "export"
+    assert main(["store", "export-lerobot", str(store_dir), str(out), "--repo-id", "fleet/towels"]) == 0
+    features = json.loads((out / "meta" / "info.json").read_text())["features"]
+    assert features["observation.images.top"]["dtype"] == "video"
+    assert "next.success" not in features and "outcome_known" not in features
+    cols = read_columns(out, "next.done", "next.truncated", "intervention", "controller")
+    for e in range(4):
+        done = cols["next.done"][cols["episode_index"] == e]
+        assert done.tolist() == [False] * (EPISODE_LEN - 1) + [True]
+    assert cols["intervention"].all() and (cols["controller"] == int(Controller.HUMAN)).all()
+    assert_intervention_agrees(store, out)
+    sidecar = json.loads((out / "meta" / "vla_rl.json").read_text())
+    assert {(e["outcome"], e["success"]) for e in sidecar["episodes"]} == {("unknown", None)}
+
+    # ...and back: still unknown, still the same tasks, instructions and segments.
+    back = EpisodeStore(tmp_path / "back", create=True)
+    new = import_lerobot(out, back)
+    for old_id, new_id in zip(ids, new, strict=True):
+        a, b = store.read_metadata(old_id), back.read_metadata(new_id)
+        assert (b.task, b.instruction, b.outcome, outcome_known(b)) == (
+            a.task,
+            a.instruction,
+            "unknown",
+            False,
+        )
+        assert b.segments == a.segments
+        assert np.array_equal(back.read_episode(new_id).truncated, store.read_episode(old_id).truncated)
+
+
+@pytest.mark.parametrize("case", ["no_intervention_column", "mixed_intervention", "sim_fleet_takeovers"])
+def test_intervention_agrees_in_store_info_segments_and_export(tmp_path: Path, case: str) -> None:
+    from fleet.lerobot_io import export_lerobot, import_lerobot
+
+    if case == "sim_fleet_takeovers":
+        store = takeover_store(tmp_path / "store")
+        want = (4 + 5) / (16 + 17)
+    else:
+        flags = [False] * 5 + [True] * 8 + [False] * 7 if case == "mixed_intervention" else None
+        record_style_dataset(tmp_path / "ds", intervention=flags)
+        store = EpisodeStore(tmp_path / "store", create=True)
+        import_lerobot(tmp_path / "ds", store)
+        want = 8 / 20 if flags else 1.0
+        ep = store.read_episode(store.episode_ids()[0])
+        assert (ep.controller == Controller.HUMAN).tolist() == (flags or [True] * EPISODE_LEN)
+    out = export_lerobot(store, tmp_path / "out", REPO_ID, use_videos=False)
+    assert assert_intervention_agrees(store, out) == pytest.approx(want)
+    # and the same again after the round trip, with and without our sidecar
+    for sidecar in (True, False):
+        if not sidecar:
+            (out / "meta" / "vla_rl.json").unlink()
+        back = EpisodeStore(tmp_path / f"back-{sidecar}", create=True)
+        import_lerobot(out, back)
+        info = back.info()["robots"]
+        rate = sum(r["intervention_rate"] * r["frames"] for r in info.values()) / sum(
+            r["frames"] for r in info.values()
+        )
+        assert rate == pytest.approx(want), sidecar
+
+
+def test_unknown_outcomes_next_to_known_ones_stay_unknown(tmp_path: Path) -> None:
+    from fleet.lerobot_io import export_lerobot, import_lerobot
+
+    record_style_dataset(tmp_path / "ds")
+    store = EpisodeStore(tmp_path / "store", create=True)
+    unknown = import_lerobot(tmp_path / "ds", store)[:2]
+    spec = store.read_metadata(unknown[0]).spec
+    w = store.create_episode(spec, robot_id="koch-2", task="koch", episode_id="zz-known-failure")
+    add(w, np.random.default_rng(0), 6, T0)
+    w.close("failure")
+    task = store.info()["tasks"]["koch"]
+    assert (task["known"], task["unknown"], task["successes"], task["success_rate"]) == (1, 4, 0, 0.0)
+
+    out = export_lerobot(store, tmp_path / "out", REPO_ID, episode_ids=[*unknown, "zz-known-failure"])
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    ds = LeRobotDataset(REPO_ID, root=out)
+    assert ds[0]["outcome_known"].item() is False and ds[len(ds) - 1]["outcome_known"].item() is True
+    cols = read_columns(out, "next.success", "outcome_known", "next.done")
+    assert not cols["next.success"].any()
+    assert cols["outcome_known"].tolist() == [False] * 40 + [True] * 6
+    assert cols["next.done"].sum() == 3
+    for sidecar in (True, False):
+        if not sidecar:
+            (out / "meta" / "vla_rl.json").unlink()
+        back = EpisodeStore(tmp_path / f"back-{sidecar}", create=True)
+        metas = [back.read_metadata(e) for e in import_lerobot(out, back)]
+        assert [m.outcome for m in metas] == ["unknown", "unknown", "failure"], sidecar
+        assert back.info()["tasks"][metas[0].task]["unknown"] == 2
+
+
+def test_a_failed_import_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fleet.lerobot_io as lio
+    from vla_rl.cli import main
+
+    record_style_dataset(tmp_path / "ds")
+    real = lio._read_images
+    calls = []
+
+    def failing(ds: Any, plan: Any, cameras: Any, fps: float) -> dict[str, np.ndarray]:
+        calls.append(plan.episode_index)
+        if len(calls) == 3:
+            raise OSError("disk went away")
+        return real(ds, plan, cameras, fps)
+
+    monkeypatch.setattr(lio, "_read_images", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        main(["store", "import-lerobot", str(tmp_path / "ds"), str(tmp_path / "new" / "store")])
+    assert not (tmp_path / "new").exists()  # no store folder, no DB
+
+    store = takeover_store(tmp_path / "old")  # an existing store keeps exactly what it had
+    db = MetadataDB.for_store(store.root)
+    before = store.episode_ids()
+    calls.clear()
+    with pytest.raises(OSError, match="disk went away"):
+        lio.import_lerobot(tmp_path / "ds", EpisodeStore(store.root, db=db))
+    assert store.episode_ids() == before and sorted(store.episodes_dir.iterdir()) == sorted(
+        [store.episodes_dir / e for e in before] + [store.episodes_dir / "zarr.json"]
+    )
+    assert db.episodes() == [] and db.labels() == []  # the two written episodes never reached the DB
+    db.close()
+    (tmp_path / "empty").mkdir()
+    calls.clear()
+    with pytest.raises(OSError):
+        main(["store", "import-lerobot", str(tmp_path / "ds"), str(tmp_path / "empty")])
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_cli_help_matches_behaviour(capsys: pytest.CaptureFixture[str]) -> None:
+    from vla_rl.cli import main
+
+    for cmd in ("import-lerobot", "export-lerobot"):
+        try:
+            main(["store", cmd, "--help"])
+        except SystemExit as e:
+            assert e.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--videos, --no-videos" in text and "--allow-duplicate" in text
+    assert "robot_type in meta/info.json" in text and "--default-controller" in text

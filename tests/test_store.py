@@ -607,3 +607,48 @@ def test_chunk_dataset_pads_at_episode_end(tmp_path: Path) -> None:
     assert [e["episode_id"] for e in eps] == ["ep-0", "ep-1", "ep-open"]
     assert eps[1]["cameras"]["hand_camera"].shape == (3, 32, 32, 3)
     assert eps[1]["action"].dtype == torch.float32
+
+
+def test_store_root_is_one_zarr_hierarchy(tmp_path: Path) -> None:
+    """Generic Zarr tools reach every episode from the root; older stores get the missing group
+    document on open, idempotently, and racing creators neither fail nor tear it."""
+    import threading
+
+    from fleet.store import _create_group_doc
+
+    store = EpisodeStore(tmp_path / "s", create=True)
+    frames = make_frames(5, 0)
+    w = store.create_episode(SPEC, robot_id="r", task=TASK, episode_id="e1")
+    w.add_frames(frames)
+    w.close()
+    root = zarr.open_group(tmp_path / "s", mode="r")
+    assert root.attrs["format"] == "vla-rl-episode-store"
+    assert np.array_equal(root["episodes"]["e1"]["action"][:], frames["action"])
+
+    doc = store.episodes_dir / "zarr.json"
+    doc.unlink()  # a store written before the episodes/ group document existed
+    assert "episodes" not in zarr.open_group(tmp_path / "s", mode="r")
+    EpisodeStore(tmp_path / "s")
+    text, mtime = doc.read_text(), doc.stat().st_mtime_ns
+    assert json.loads(text) == {"zarr_format": 3, "node_type": "group", "attributes": {}}
+    EpisodeStore(tmp_path / "s")  # opening again changes nothing
+    assert (doc.read_text(), doc.stat().st_mtime_ns) == (text, mtime)
+    assert np.array_equal(zarr.open_group(tmp_path / "s", mode="r")["episodes/e1/state"][:], frames["state"])
+
+    doc.unlink()
+    created: list[bool] = []
+    barrier = threading.Barrier(8)
+
+    def create() -> None:
+        barrier.wait()
+        created.append(_create_group_doc(store.episodes_dir, {"zarr_format": 3, "node_type": "group"}))
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(created) == [False] * 7 + [True]
+    assert json.loads(doc.read_text())["node_type"] == "group"
+    assert sorted(p.name for p in store.episodes_dir.iterdir()) == ["e1", "zarr.json"]  # no temporaries
+    assert store.verify() == []

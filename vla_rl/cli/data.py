@@ -120,7 +120,9 @@ def sim_demos(a: SimDemos) -> int:
 class StoreInfo:
     """Summarise a store: episodes, frames and bytes on disk; success per task; and per robot the
     segments (autonomous / intervention / reset), episodes with a takeover, the fraction of frames under
-    intervention, and success."""
+    intervention (frames in intervention segments), and success. Successes count only episodes with a
+    known outcome (successes/known); episodes whose outcome is unknown (e.g. imported without
+    next.success) are counted apart, and a rate with no known outcome shows as n/a."""
 
     path: Positional[Path]
     """Episode store directory."""
@@ -143,14 +145,14 @@ def store_info(a: StoreInfo) -> int:
     if info["tasks"]:
         rows = []
         for name, t in info["tasks"].items():
-            rate = "-" if t["success_rate"] is None else f"{t['success_rate']:.0%}"
-            rows.append([name, t["episodes"], t["frames"], f"{t['successes']}/{t['closed']}", rate])
+            rate = "n/a" if t["success_rate"] is None else f"{t['success_rate']:.0%}"
+            rows.append([name, t["episodes"], t["frames"], _successes(t), t["unknown"], rate])
         print()
-        print(table(rows, ["task", "episodes", "frames", "successes", "success rate"]))
+        print(table(rows, ["task", "episodes", "frames", "successes", "unknown outcome", "success rate"]))
     if info["robots"]:
         rows = []
         for name, r in info["robots"].items():
-            rate = "-" if r["success_rate"] is None else f"{r['success_rate']:.0%}"
+            rate = "n/a" if r["success_rate"] is None else f"{r['success_rate']:.0%}"
             irate = "-" if r["intervention_rate"] is None else f"{r['intervention_rate']:.1%}"
             seg = r["segments"]
             rows.append(
@@ -158,7 +160,7 @@ def store_info(a: StoreInfo) -> int:
                     name,
                     r["episodes"],
                     r["frames"],
-                    f"{r['successes']}/{r['closed']} ({rate})",
+                    f"{_successes(r)} ({rate})",
                     f"{seg['autonomous']} / {seg['intervention']} / {seg['reset']}",
                     f"{r['episodes_with_intervention']}/{r['episodes']}",
                     irate,
@@ -168,6 +170,14 @@ def store_info(a: StoreInfo) -> int:
         header = ["robot", "episodes", "frames", "success", "segments (auto / interv / reset)"]
         print(table(rows, [*header, "episodes w/ takeover", "intervention rate (frames)"]))
     return 0
+
+
+def _successes(counts: dict[str, int]) -> str:
+    """ "3/10", "3/10 (+6 unknown)", or "n/a (16 unknown)" when no closed episode's outcome is known."""
+    unknown = f" (+{counts['unknown']} unknown)" if counts["unknown"] else ""
+    if not counts["known"]:
+        return f"n/a ({counts['unknown']} unknown)" if counts["unknown"] else "n/a"
+    return f"{counts['successes']}/{counts['known']}{unknown}"
 
 
 @dataclass
@@ -199,8 +209,11 @@ def store_verify(a: StoreVerify) -> int:
 
 @dataclass
 class StoreExportLerobot:
-    """Write a store's closed episodes (state, action, images, reward, done, success, and controller /
-    intervention / segment columns) as a LeRobot v3 dataset on local disk."""
+    """Write a store's closed episodes (state, action, cameras, reward, done, success, and controller /
+    intervention / segment columns) as a LeRobot v3 dataset on local disk. next.done is True on each
+    episode's last frame; intervention marks the frames of intervention segments; episodes with an
+    unknown outcome are not exported as failures (outcome_known column, or no next.success at all when
+    no outcome is known)."""
 
     path: Positional[Path]
     """Episode store."""
@@ -210,8 +223,8 @@ class StoreExportLerobot:
     """Dataset name, e.g. fleet/pushcube."""
     task: str | None = None
     """Only this task's episodes."""
-    videos: bool = False
-    """Encode cameras as video instead of PNG images."""
+    videos: bool = True
+    """Encode cameras as AV1 video, as LeRobot does (--no-videos: lossless PNG images, much bigger)."""
 
 
 def store_export_lerobot(a: StoreExportLerobot) -> int:
@@ -228,8 +241,11 @@ def store_export_lerobot(a: StoreExportLerobot) -> int:
 
 @dataclass
 class StoreImportLerobot:
-    """Bring a LeRobot v3 dataset from local disk into a store; segments split where the controller
-    (intervention column) changes; frames without one count as human teleoperation."""
+    """Bring a LeRobot v3 dataset from local disk into a store. Frames a human drives (intervention
+    column True, or no intervention/controller column: a teleoperated demonstration) become intervention
+    segments with controller human, the others autonomous ones; each episode's instruction is its
+    LeRobot task string; without next.success the outcome is unknown (not a failure). Importing the same
+    dataset twice is refused; a failed import leaves nothing behind (a store it created is removed)."""
 
     dataset: Positional[str]
     """Dataset root folder."""
@@ -238,7 +254,13 @@ class StoreImportLerobot:
     robot_id: str = "lerobot"
     """Robot id recorded for the imported episodes."""
     task: str | None = None
-    """Task id to record; None = the dataset's robot type."""
+    """Task id to record; None = the dataset's robot type (robot_type in meta/info.json), or the repo id
+    (local/<folder>) if it has none; our own exports keep their exported task."""
+    default_controller: str = "human"
+    """Who drove frames of a dataset without an intervention/controller column: human (teleoperated
+    demonstrations, lerobot-record), policy (eval rollouts) or scripted."""
+    allow_duplicate: bool = False
+    """Import even if this dataset (same fingerprint) was imported into the store before."""
 
 
 def store_import_lerobot(a: StoreImportLerobot) -> int:
@@ -249,11 +271,57 @@ def store_import_lerobot(a: StoreImportLerobot) -> int:
         raise CliError(
             f"{root}: not a LeRobot v3 dataset (no meta/info.json); give the dataset's root folder"
         )
+    created = _created_by_opening(a.store)
     store, db = open_store(a.store, create=True)
-    with user_errors(FileNotFoundError, ValueError, prefix="store import-lerobot: "):
-        ids = import_lerobot(a.dataset, store, robot_id=a.robot_id, task=a.task, db=db)
+    try:
+        with user_errors(FileNotFoundError, ValueError, prefix="store import-lerobot: "):
+            ids = import_lerobot(
+                a.dataset,
+                store,
+                robot_id=a.robot_id,
+                task=a.task,
+                db=db,
+                default_controller=a.default_controller,
+                allow_duplicate=a.allow_duplicate,
+            )
+    except BaseException:
+        db.close()
+        _remove_created(created)
+        raise
     print(f"imported {len(ids)} episodes into {store.root}")
     return 0
+
+
+def _created_by_opening(path: Path) -> tuple[Path, frozenset[str] | None] | None:
+    """What opening a store at ``path`` with create=True would create, so a failed import can remove it:
+    None if a store is already there; (the topmost folder to be made, None) if ``path`` does not exist;
+    (path, the names already in it) for an existing folder that is not yet a store."""
+    path = Path(path).absolute()
+    if (path / "zarr.json").exists():
+        return None
+    if path.is_dir():
+        return path, frozenset(p.name for p in path.iterdir())
+    top = path
+    while not top.parent.exists():
+        top = top.parent
+    return top, None
+
+
+def _remove_created(created: tuple[Path, frozenset[str] | None] | None) -> None:
+    import shutil
+
+    if created is None:
+        return
+    folder, kept = created
+    if kept is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for p in folder.iterdir():
+        if p.name not in kept:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 COMMANDS = [
