@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.hub.registry import configure_hub, pull, push_folder
 from vla_rl.hub.server import HubServer
 from vla_rl.policy_loading import load_policy
+from vla_rl.spec import RobotSpec
 from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
 
 TASK = "maniskill/PushCube-v1"
@@ -227,3 +229,78 @@ def test_sft_reaches_80_percent_on_pushcube_state(tmp_path: Path) -> None:
     result = train_sft(cfg)
     res = evaluate(load_policy(result.checkpoint), TASK, episodes=30, num_envs=2, progress=False)
     assert res.success_rate >= 0.8, res.summary()
+
+
+# ---------------------------------------------------------------------- language conditioning
+LR_TASK = "toy/left-right"
+LR_SPEC = RobotSpec(name=LR_TASK, state_dim=1, action_dim=1, control_hz=10.0, instruction="go somewhere")
+
+
+def _left_right_store(root: Path, episodes_per_instruction: int = 4, length: int = 16) -> Path:
+    """State always 0; "go left" episodes act -1, "go right" episodes act +1: only the words differ."""
+    store = EpisodeStore(root, create=True)
+    for _ in range(episodes_per_instruction):
+        for text, sign in (("go left", -1.0), ("go right", 1.0)):
+            with store.create_episode(LR_SPEC, robot_id="r0", task=LR_TASK, instruction=text) as w:
+                w.add_frames(
+                    {
+                        "state": np.zeros((length, 1), np.float32),
+                        "action": np.full((length, 1), sign, np.float32),
+                    }
+                )
+                w.close()
+    return store.root
+
+
+def _left_right_actions(store: Path, out: Path) -> np.ndarray:
+    """Train a tiny MiniLM-conditioned policy on the left/right store; mean action per instruction."""
+    result = train_sft(
+        _cfg(
+            store,
+            out,
+            task=LR_TASK,
+            steps=150,
+            batch_size=32,
+            warmup_steps=10,
+            d_model=32,
+            n_heads=2,
+            chunk_len=4,
+            n_exec=2,
+            checkpoint_every=150,
+            instruction_encoder="minilm",
+        )
+    )
+    lp = load_policy(result.checkpoint, device="cpu")
+    chunks = lp.predict_chunks(
+        {"state": np.zeros((2, 1), np.float32), "instruction": ["go left", "go right"]}, 0
+    )
+    return chunks.mean(axis=(1, 2))
+
+
+def test_sft_follows_each_episodes_instruction(tmp_path: Path) -> None:
+    from fleet.dataset import ChunkDataset
+
+    store = _left_right_store(tmp_path / "store")
+    ds = ChunkDataset(EpisodeStore(store), 4)
+    assert ds.instructions == ("go left", "go right")
+    batch = ds.batch(np.arange(len(ds)))
+    signs = batch["action"][:, 0, 0].numpy()
+    texts = [ds.instructions[i] for i in batch["instruction_index"].tolist()]
+    assert all((s < 0) == (t == "go left") for s, t in zip(signs, texts, strict=True))
+
+    left, right = _left_right_actions(store, tmp_path / "run")
+    assert left < -0.5 and right > 0.5, (left, right)
+
+
+def test_one_instruction_for_all_cannot_follow_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old behaviour (every sample conditioned on the spec's instruction) fails the test above."""
+    from policies.flow_vla import embed_instructions
+    from vla_rl.train import sft
+
+    def spec_only(ds, device):  # type: ignore[no-untyped-def]
+        return embed_instructions([ds.spec.instruction] * len(ds.instructions)).to(device)
+
+    monkeypatch.setattr(sft, "instruction_table", spec_only)
+    left, right = _left_right_actions(_left_right_store(tmp_path / "store"), tmp_path / "run")
+    assert not (left < -0.5 and right > 0.5), (left, right)
+    assert abs(left - right) < 0.5, (left, right)

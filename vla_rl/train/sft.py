@@ -43,6 +43,7 @@ from vla_rl.train.common import (
     batch_to_policy_inputs,
     config_dict,
     dataset_digest,
+    instruction_table,
     load_train_state,
     sample_indices,
     save_train_state,
@@ -197,12 +198,9 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         step, first_loss, loss_val = int(st["step"]), st.get("first_loss"), float(st.get("last_loss", "nan"))
         log.info("resumed", extra={"step": step, "from": str(state_path)})
 
-    # The instruction is the same for every frame of a task: embed it once (frozen MiniLM).
-    instruction_emb = None
-    if model_cfg.uses_instruction:
-        from policies.flow_vla import embed_instructions
-
-        instruction_emb = embed_instructions([ds.spec.instruction]).to(device)
+    # Each sample is conditioned on its own episode's instruction: the distinct strings are embedded
+    # once (frozen MiniLM, one batched call) and each batch gathers its rows.
+    instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -226,10 +224,8 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     while step < end:
         seed_step(cfg.seed, step)
         batch = batch_to_policy_inputs(
-            ds.batch(sample_indices(len(ds), cfg.batch_size, cfg.seed, step)), device
+            ds.batch(sample_indices(len(ds), cfg.batch_size, cfg.seed, step)), device, instructions
         )
-        if instruction_emb is not None:
-            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
         with autocast_for(device, cfg.amp):
             loss, metrics = model.flow_matching_loss(batch)
         optimizer.zero_grad(set_to_none=True)
