@@ -132,6 +132,8 @@ def randomize_noise_head(policy: FlowVLAPolicy) -> None:
             "normalization_stats.action.max",
         ),
         ({"state_dim": 0, "instruction_encoder": "none"}, "state_dim"),
+        ({"image_resize": 0}, "image_resize"),
+        ({"image_resize": (32,)}, "image_resize"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
@@ -144,10 +146,14 @@ def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
 def test_config_json_round_trip_and_unknown_fields() -> None:
     stats = compute_normalization_stats(torch.randn(50, 3), torch.randn(50, 4, 2))
     cfg = tiny_config(
-        cameras=(CameraSpec("base_camera", 16, 16),), normalization_stats=stats, extras={"a": 1}
+        cameras=(CameraSpec("base_camera", 16, 16),),
+        normalization_stats=stats,
+        extras={"a": 1},
+        image_resize=12,
     )
+    assert cfg.image_resize == (12, 12)
     d = json.loads(json.dumps(cfg.to_dict()))
-    assert d["type"] == "flow_vla"
+    assert d["type"] == "flow_vla" and d["image_resize"] == [12, 12]
     assert FlowVLAConfig.from_dict(d) == cfg
     assert FlowVLAConfig.from_json(cfg.to_json()) == cfg
     policy = FlowVLAPolicy.from_config_dict(d)
@@ -590,3 +596,28 @@ def test_bad_inputs_name_the_field() -> None:
         policy.sample(obs, noise=torch.zeros(2, 1, 3, 2))
     with pytest.raises(ValueError, match="instruction"):
         FlowVLAPolicy(tiny_config(instruction_encoder="minilm")).encode_prefix({"state": torch.zeros(1, 3)})
+
+
+def test_config_json_without_newer_fields_loads_with_defaults() -> None:
+    """A config.json written before image_resize (and the other later fields) existed still loads."""
+    cfg = tiny_config(cameras=(CameraSpec("cam", 16, 16),))
+    old = {k: v for k, v in cfg.to_dict().items() if k not in NEWER_FIELDS}
+    assert FlowVLAConfig.from_dict(old) == cfg
+
+
+NEWER_FIELDS = ("image_resize",)
+
+
+def test_images_are_resized_inside_the_model_to_image_resize() -> None:
+    cfg = tiny_config(cameras=(CameraSpec("cam", 96, 96),), image_resize=(32, 24))
+    policy = FlowVLAPolicy(cfg).eval()
+    seen: list[tuple[int, ...]] = []
+    policy.image_encoders["cam"].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    obs = tiny_obs(cfg, 2)
+    assert obs["cameras"]["cam"].shape == (2, 96, 96, 3)
+    policy.predict_action_chunk(obs)
+    policy.train()
+    policy.flow_matching_loss({**obs, "action": torch.zeros(2, cfg.chunk_len, cfg.action_dim)})
+    assert seen == [(2, 3, 32, 24), (2, 3, 32, 24)]  # inference and training (with augmentation)
+    native = tiny_config(cameras=(CameraSpec("cam", 96, 80),))
+    assert native.image_input_size(native.cameras[0]) == (96, 80)  # no image_resize: the camera's size

@@ -19,7 +19,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.hub.registry import configure_hub, pull, push_folder
 from vla_rl.hub.server import HubServer
 from vla_rl.policy_loading import load_policy
-from vla_rl.spec import RobotSpec
+from vla_rl.spec import CameraSpec, RobotSpec
 from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
 
 TASK = "maniskill/PushCube-v1"
@@ -304,3 +304,63 @@ def test_one_instruction_for_all_cannot_follow_it(tmp_path: Path, monkeypatch: p
     left, right = _left_right_actions(_left_right_store(tmp_path / "store"), tmp_path / "run")
     assert not (left < -0.5 and right > 0.5), (left, right)
     assert abs(left - right) < 0.5, (left, right)
+
+
+# ---------------------------------------------------------------------- training resolution
+CAM_TASK = "toy/camera"
+CAM_SPEC = RobotSpec(
+    name=CAM_TASK,
+    state_dim=2,
+    action_dim=2,
+    control_hz=10.0,
+    instruction="look",
+    cameras=(CameraSpec("front", 96, 96),),
+)
+
+
+def _camera_store(root: Path, episodes: int = 3, length: int = 12) -> Path:
+    store = EpisodeStore(root, create=True)
+    rng = np.random.default_rng(0)
+    for _ in range(episodes):
+        with store.create_episode(CAM_SPEC, robot_id="r0", task=CAM_TASK) as w:
+            w.add_frames(
+                {
+                    "cameras": {"front": rng.integers(0, 256, (length, 96, 96, 3), dtype=np.uint8)},
+                    "state": rng.standard_normal((length, 2), dtype=np.float32),
+                    "action": rng.uniform(-1, 1, (length, 2)).astype(np.float32),
+                }
+            )
+            w.close()
+    return store.root
+
+
+def test_sft_trains_at_image_size_and_serves_native_images(tmp_path: Path) -> None:
+    from server.policy_server import ServedVersion
+
+    cfg = _cfg(
+        _camera_store(tmp_path / "store"),
+        tmp_path / "run",
+        task=CAM_TASK,
+        steps=4,
+        batch_size=8,
+        checkpoint_every=4,
+        d_model=32,
+        image_size=32,
+        model_overrides={"image_encoder_width": 8, "image_encoder_stages": 2},
+    )
+    result = train_sft(cfg)
+    info = read_info(result.checkpoint)
+    assert info.model_config["image_resize"] == [32, 32]
+    assert info.robot_spec.cameras == CAM_SPEC.cameras  # the robot keeps its native 96 px camera
+
+    lp = load_policy(result.checkpoint, device="cpu")
+    seen: list[tuple[int, ...]] = []
+    lp.policy.image_encoders["front"].register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
+    served = ServedVersion(lp)
+    served.warm_up()  # a blank native-size observation from the spec
+    imgs = np.random.default_rng(1).integers(0, 256, (2, 96, 96, 3), dtype=np.uint8)
+    out = served.infer(np.zeros((2, 2), np.float32), {"front": imgs}, ["look"] * 2, None)
+    assert out.shape == (2, cfg.chunk_len, 2) and np.isfinite(out).all()
+    assert seen == [(1, 3, 32, 32), (2, 3, 32, 32)]  # resized inside the model, at serving time too
+    with pytest.raises(ValueError, match="image_size"):
+        _cfg(tmp_path, tmp_path / "bad", image_size=0)

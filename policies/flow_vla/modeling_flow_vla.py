@@ -280,7 +280,7 @@ class FlowVLAPolicy(nn.Module):
                 img = self._as_tensor(cams[cam.name])
                 if img.ndim != 4 or img.shape[0] != b or img.shape[-1] != 3:
                     raise ValueError(f"cameras.{cam.name}: expected [{b}, H, W, 3], got {list(img.shape)}")
-                x = preprocess_images(img, cam.height, cam.width)
+                x = preprocess_images(img, *c.image_input_size(cam))  # native size -> model size
                 imgs.append(random_shift(x, c.image_augment_pad) if augment else x)
             if c.share_image_encoder and len({x.shape for x in imgs}) == 1:
                 enc = self.image_encoders["shared"](torch.cat(imgs, 0))  # one batched conv pass

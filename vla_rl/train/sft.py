@@ -79,6 +79,10 @@ class SFTConfig(TrainerConfig):
     expert_n_layers: int = 4
     n_heads: int = 4
     instruction_encoder: InstructionEncoder = "minilm"
+    image_size: int | None = None
+    """Train (and serve) at this square resolution: the model resizes every camera to image_size x
+    image_size before its image encoder (FlowVLAConfig.image_resize, saved in the checkpoint); robots
+    keep sending native-size images. None = the cameras' native size. E.g. 96 for 224 px cameras."""
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Any other FlowVLAConfig field, e.g. {"image_encoder_width": 16}."""
 
@@ -113,6 +117,8 @@ class SFTConfig(TrainerConfig):
             raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"image_size: expected a positive integer or None, got {self.image_size}")
         if self.amp not in ("auto", "bf16", "none"):
             raise ValueError(f"amp: expected auto|bf16|none, got {self.amp!r}")
 
@@ -157,18 +163,18 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
     ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)
     stats = compute_normalization_stats(ds.states, ds.actions)
-    model_cfg = FlowVLAConfig.from_robot_spec(
-        ds.spec,
-        chunk_len=cfg.chunk_len,
-        n_exec=cfg.n_exec,
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        expert_n_layers=cfg.expert_n_layers,
-        n_heads=cfg.n_heads,
-        instruction_encoder=cfg.instruction_encoder,
-        normalization_stats=stats,
-        **cfg.model_overrides,
-    )
+    model_kw: dict[str, Any] = {
+        "chunk_len": cfg.chunk_len,
+        "n_exec": cfg.n_exec,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "expert_n_layers": cfg.expert_n_layers,
+        "n_heads": cfg.n_heads,
+        "instruction_encoder": cfg.instruction_encoder,
+        "image_resize": cfg.image_size,
+        "normalization_stats": stats,
+    }
+    model_cfg = FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
     torch.manual_seed(cfg.seed)
     model = FlowVLAPolicy(model_cfg).to(device)
     ema = EMA(model, cfg.ema_decay)
