@@ -334,19 +334,18 @@ def _camera_store(root: Path, episodes: int = 3, length: int = 12) -> Path:
     return store.root
 
 
+def _camera_cfg(tmp_path: Path, steps: int, **kw: object) -> SFTConfig:
+    """SFT on a fresh 96 px camera store, trained at 32 px."""
+    base = {"batch_size": 8, "d_model": 32, "image_size": 32, **kw}
+    store = _camera_store(tmp_path / "store")
+    return _cfg(store, tmp_path / "run", task=CAM_TASK, steps=steps, checkpoint_every=steps, **base)
+
+
 def test_sft_trains_at_image_size_and_serves_native_images(tmp_path: Path) -> None:
     from server.policy_server import ServedVersion
 
-    cfg = _cfg(
-        _camera_store(tmp_path / "store"),
-        tmp_path / "run",
-        task=CAM_TASK,
-        steps=4,
-        batch_size=8,
-        checkpoint_every=4,
-        d_model=32,
-        image_size=32,
-        model_overrides={"image_encoder_width": 8, "image_encoder_stages": 2},
+    cfg = _camera_cfg(
+        tmp_path, steps=4, model_overrides={"image_encoder_width": 8, "image_encoder_stages": 2}
     )
     result = train_sft(cfg)
     info = read_info(result.checkpoint)
@@ -364,3 +363,32 @@ def test_sft_trains_at_image_size_and_serves_native_images(tmp_path: Path) -> No
     assert seen == [(1, 3, 32, 32), (2, 3, 32, 32)]  # resized inside the model, at serving time too
     with pytest.raises(ValueError, match="image_size"):
         _cfg(tmp_path, tmp_path / "bad", image_size=0)
+
+
+def test_sft_resnet18_from_hub_weights_frozen(tmp_path: Path, hub: HubServer) -> None:
+    """A ResNet-18 camera encoder initialised from safetensors pulled by hub ref, frozen through SFT."""
+    from safetensors.torch import save_file
+    from test_policy import random_resnet18_weights
+
+    saved = random_resnet18_weights(seed=3)
+    folder = tmp_path / "resnet18"
+    folder.mkdir()
+    save_file(saved, str(folder / "model.safetensors"))
+    push_folder(folder, "vision/resnet18-random", message="random resnet18", tag="v1")
+    cfg = _camera_cfg(
+        tmp_path,
+        steps=3,
+        batch_size=4,
+        image_encoder="resnet18",
+        image_encoder_weights="hub://vision/resnet18-random@v1",
+        freeze_image_encoder=True,
+    )
+    result = train_sft(cfg)
+    lp = load_policy(result.checkpoint, device="cpu")
+    assert lp.policy.config.image_encoder == "resnet18" and lp.policy.config.freeze_image_encoder
+    backbone = lp.policy.image_encoders["front"].backbone.state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in backbone.items())  # frozen: still the pulled weights
+    imgs = np.zeros((1, 96, 96, 3), np.uint8)
+    assert lp.predict_chunks(
+        {"state": np.zeros((1, 2), np.float32), "cameras": {"front": imgs}, "instruction": ["look"]}, 0
+    ).shape == (1, cfg.chunk_len, 2)

@@ -31,7 +31,7 @@ from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB, default_url
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
-from policies.flow_vla.configuration_flow_vla import InstructionEncoder
+from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.policy_loading import pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
@@ -83,6 +83,14 @@ class SFTConfig(TrainerConfig):
     """Train (and serve) at this square resolution: the model resizes every camera to image_size x
     image_size before its image encoder (FlowVLAConfig.image_resize, saved in the checkpoint); robots
     keep sending native-size images. None = the cameras' native size. E.g. 96 for 224 px cameras."""
+    image_encoder: ImageEncoderKind = "conv"
+    """Camera encoder: 'conv' (small, from scratch) or 'resnet18' (torchvision ResNet-18, ImageNet
+    normalisation; pair it with image_size on a CPU)."""
+    image_encoder_weights: str | None = None
+    """resnet18's initial weights: a folder with model.safetensors (torchvision names) or
+    hub://org/name@rev. None = random init. safetensors only."""
+    freeze_image_encoder: bool = False
+    """Keep the resnet18 backbone frozen (train only its projection) instead of fine-tuning it."""
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Any other FlowVLAConfig field, e.g. {"image_encoder_width": 16}."""
 
@@ -172,11 +180,17 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         "n_heads": cfg.n_heads,
         "instruction_encoder": cfg.instruction_encoder,
         "image_resize": cfg.image_size,
+        "image_encoder": cfg.image_encoder,
+        "image_encoder_weights": cfg.image_encoder_weights,
+        "freeze_image_encoder": cfg.freeze_image_encoder,
         "normalization_stats": stats,
     }
     model_cfg = FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
     torch.manual_seed(cfg.seed)
-    model = FlowVLAPolicy(model_cfg).to(device)
+    model = FlowVLAPolicy(model_cfg)
+    if model.load_pretrained_image_encoders():
+        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
+    model = model.to(device)
     ema = EMA(model, cfg.ema_decay)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
