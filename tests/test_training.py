@@ -370,6 +370,7 @@ def test_sft_resnet18_from_hub_weights_frozen(tmp_path: Path, hub: HubServer) ->
     from safetensors.torch import save_file
     from test_policy import random_resnet18_weights
 
+    configure_hub(hub.url, TOKEN)  # an earlier test (the demo job) may have pointed it at its own registry
     saved = random_resnet18_weights(seed=3)
     folder = tmp_path / "resnet18"
     folder.mkdir()
