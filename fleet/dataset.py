@@ -75,7 +75,12 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
     ``action`` float32 [horizon, A] = actions ``t .. t+horizon-1`` with the episode's last action
     repeated past its end, ``action_is_pad`` bool [horizon] marking those repeats, and ``reward``
     (float32), ``controller`` (int64, :class:`fleet.meta.Controller` code), ``episode_index``
-    (into :attr:`episode_ids`) and ``frame_index`` (int64). Keys follow LeRobot's naming.
+    (into :attr:`episode_ids`), ``frame_index`` (int64) and ``instruction_index`` (int64, into
+    :attr:`instructions`: the frame's language instruction). Keys follow LeRobot's naming.
+
+    The instruction is per frame: each frame takes its episode's ``EpisodeMeta.instruction`` (what the
+    robot was told; LeRobot import sets it from the episode's task string), so a multi-instruction
+    dataset conditions each sample on its own instruction rather than on the spec's one.
 
     All committed frames are loaded into memory at construction: fine for our dataset sizes
     (100k frames of two 128x128 cameras is ~10 GB; use ``cameras=False`` for state-only training).
@@ -116,6 +121,13 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         self._action = np.concatenate([ep.action for ep in episodes])
         self._reward = np.concatenate([ep.reward for ep in episodes])
         self._controller = np.concatenate([ep.controller for ep in episodes]).astype(np.int64)
+        # Distinct instruction strings (sorted, so the index is stable for a given set of episodes) and
+        # each frame's index into them. Per frame so that a store with per-frame instructions fits here.
+        self.instructions: tuple[str, ...] = tuple(sorted({ep.meta.instruction for ep in episodes}))
+        code = {text: i for i, text in enumerate(self.instructions)}
+        self._instruction = np.repeat(
+            np.array([code[ep.meta.instruction] for ep in episodes], dtype=np.int64), lengths
+        )
         self._images = {c: np.concatenate([ep.cameras[c] for ep in episodes]) for c in episodes[0].cameras}
 
     def __len__(self) -> int:
@@ -134,6 +146,10 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         v = self._action.view()
         v.flags.writeable = False
         return v
+
+    def instruction(self, i: int) -> str:
+        """The language instruction of sample ``i``."""
+        return self.instructions[int(self._instruction[i])]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= i < len(self):
@@ -158,6 +174,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
             "controller": torch.from_numpy(self._controller[idx]),
             "episode_index": torch.from_numpy(e.astype(np.int64)),
             "frame_index": torch.from_numpy(idx - start),
+            "instruction_index": torch.from_numpy(self._instruction[idx]),
         }
         for name, imgs in self._images.items():
             out[f"observation.images.{name}"] = torch.from_numpy(imgs[idx])

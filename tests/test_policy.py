@@ -132,6 +132,12 @@ def randomize_noise_head(policy: FlowVLAPolicy) -> None:
             "normalization_stats.action.max",
         ),
         ({"state_dim": 0, "instruction_encoder": "none"}, "state_dim"),
+        ({"image_resize": 0}, "image_resize"),
+        ({"image_resize": (32,)}, "image_resize"),
+        ({"image_encoder": "vit"}, "image_encoder"),
+        ({"image_encoder_weights": "weights/"}, "image_encoder_weights"),
+        ({"freeze_image_encoder": True}, "freeze_image_encoder"),
+        ({"image_encoder": "resnet18", "image_encoder_weights": ""}, "image_encoder_weights"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
@@ -144,10 +150,14 @@ def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
 def test_config_json_round_trip_and_unknown_fields() -> None:
     stats = compute_normalization_stats(torch.randn(50, 3), torch.randn(50, 4, 2))
     cfg = tiny_config(
-        cameras=(CameraSpec("base_camera", 16, 16),), normalization_stats=stats, extras={"a": 1}
+        cameras=(CameraSpec("base_camera", 16, 16),),
+        normalization_stats=stats,
+        extras={"a": 1},
+        image_resize=12,
     )
+    assert cfg.image_resize == (12, 12)
     d = json.loads(json.dumps(cfg.to_dict()))
-    assert d["type"] == "flow_vla"
+    assert d["type"] == "flow_vla" and d["image_resize"] == [12, 12]
     assert FlowVLAConfig.from_dict(d) == cfg
     assert FlowVLAConfig.from_json(cfg.to_json()) == cfg
     policy = FlowVLAPolicy.from_config_dict(d)
@@ -590,3 +600,113 @@ def test_bad_inputs_name_the_field() -> None:
         policy.sample(obs, noise=torch.zeros(2, 1, 3, 2))
     with pytest.raises(ValueError, match="instruction"):
         FlowVLAPolicy(tiny_config(instruction_encoder="minilm")).encode_prefix({"state": torch.zeros(1, 3)})
+
+
+def test_config_json_without_newer_fields_loads_with_defaults() -> None:
+    """A config.json written before image_resize (and the other later fields) existed still loads."""
+    cfg = tiny_config(cameras=(CameraSpec("cam", 16, 16),))
+    old = {k: v for k, v in cfg.to_dict().items() if k not in NEWER_FIELDS}
+    assert FlowVLAConfig.from_dict(old) == cfg
+
+
+NEWER_FIELDS = ("image_resize", "image_encoder", "image_encoder_weights", "freeze_image_encoder")
+
+
+def test_images_are_resized_inside_the_model_to_image_resize() -> None:
+    cfg = tiny_config(cameras=(CameraSpec("cam", 96, 96),), image_resize=(32, 24))
+    policy = FlowVLAPolicy(cfg).eval()
+    seen: list[tuple[int, ...]] = []
+    policy.image_encoders["cam"].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    obs = tiny_obs(cfg, 2)
+    assert obs["cameras"]["cam"].shape == (2, 96, 96, 3)
+    policy.predict_action_chunk(obs)
+    policy.train()
+    policy.flow_matching_loss({**obs, "action": torch.zeros(2, cfg.chunk_len, cfg.action_dim)})
+    assert seen == [(2, 3, 32, 24), (2, 3, 32, 24)]  # inference and training (with augmentation)
+    native = tiny_config(cameras=(CameraSpec("cam", 96, 80),))
+    assert native.image_input_size(native.cameras[0]) == (96, 80)  # no image_resize: the camera's size
+
+
+# ---------------------------------------------------------------------- pretrained vision encoder
+def random_resnet18_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A randomly initialised torchvision ResNet-18's state dict, as a real export has it (fc included)."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(seed)
+    net = resnet18(weights=None)
+    with torch.no_grad():
+        for name, buf in net.named_buffers():  # non-trivial batch-norm statistics, so they are checked too
+            if name.endswith(("running_mean", "running_var")):
+                buf.uniform_(0.5, 1.5)
+    return {k: v.contiguous() for k, v in net.state_dict().items()}
+
+
+def resnet_config(**kw) -> FlowVLAConfig:
+    return tiny_config(cameras=(CameraSpec("cam", 48, 48),), image_encoder="resnet18", image_resize=32, **kw)
+
+
+def test_default_image_encoder_is_the_small_conv_net() -> None:
+    cfg = tiny_config(cameras=(CameraSpec("cam", 16, 16),))
+    assert cfg.image_encoder == "conv" and cfg.image_encoder_weights is None and not cfg.freeze_image_encoder
+    assert type(FlowVLAPolicy(cfg).image_encoders["cam"]).__name__ == "ImageEncoder"
+
+
+def test_resnet18_encoder_loads_safetensors_weights_frozen(tmp_path: Path) -> None:
+    saved = random_resnet18_weights()
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    cfg = resnet_config(image_encoder_weights=str(tmp_path), freeze_image_encoder=True)
+    policy = FlowVLAPolicy(cfg)
+    assert policy.load_pretrained_image_encoders() == 1
+    backbone = policy.image_encoders["cam"].backbone.state_dict()
+    assert set(backbone) == {k for k in saved if not k.startswith("fc.") and "num_batches" not in k}
+    assert all(torch.equal(backbone[k], saved[k]) for k in backbone)
+    # Frozen: only the projection trains; no gradient reaches the backbone.
+    enc = policy.image_encoders["cam"]
+    assert not any(p.requires_grad for p in enc.backbone.parameters())
+    assert all(p.requires_grad for p in enc.proj.parameters())
+    policy.train()
+    obs = tiny_obs(cfg, 3)
+    loss, _ = policy.flow_matching_loss({**obs, "action": torch.zeros(3, cfg.chunk_len, cfg.action_dim)})
+    loss.backward()
+    assert all(p.grad is None for p in enc.backbone.parameters()) and enc.proj.weight.grad is not None
+    # The checkpoint carries the weights: a model rebuilt from the config alone (no weights source read)
+    # and its saved weights is the same model, and batched inference equals unbatched.
+    policy.eval().save_weights(tmp_path / "policy.safetensors")
+    again = FlowVLAPolicy(FlowVLAConfig.from_dict({**cfg.to_dict(), "image_encoder_weights": None})).eval()
+    again.load_weights(tmp_path / "policy.safetensors")
+    noise = torch.randn(3, cfg.chunk_len, cfg.action_dim)
+    batched = again.predict_action_chunk(obs, noise=noise)
+    one = again.predict_action_chunk({k: _row(v, 1) for k, v in obs.items()}, noise=noise[1:2])
+    assert torch.allclose(batched, policy.predict_action_chunk(obs, noise=noise))
+    assert torch.allclose(batched[1:2], one, atol=RECOMPUTED_ATOL)
+    # Not frozen: the backbone fine-tunes.
+    assert all(p.requires_grad for p in FlowVLAPolicy(resnet_config()).image_encoders["cam"].parameters())
+
+
+def _row(v, i: int):
+    return {k: x[i : i + 1] for k, x in v.items()} if isinstance(v, dict) else v[i : i + 1]
+
+
+def test_resnet18_weights_errors_name_the_field(tmp_path: Path) -> None:
+    bad = random_resnet18_weights()
+    bad["conv1.weight"] = torch.zeros(64, 1, 7, 7)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ConfigError, match=r"image_encoder_weights: .*conv1\.weight has shape \[64, 1, 7, 7\]"
+    ) as e:
+        FlowVLAPolicy(resnet_config(image_encoder_weights=str(tmp_path))).load_pretrained_image_encoders()
+    assert e.value.field == "image_encoder_weights"
+    save_file({"encoder.conv1.weight": torch.zeros(64, 3, 7, 7)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ConfigError, match="not a torchvision ResNet-18"):
+        FlowVLAPolicy(
+            resnet_config(image_encoder_weights=str(tmp_path / "other.safetensors"))
+        ).load_pretrained_image_encoders()
+    (tmp_path / "weights.pt").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match=r"only \.safetensors"):
+        FlowVLAPolicy(
+            resnet_config(image_encoder_weights=str(tmp_path / "weights.pt"))
+        ).load_pretrained_image_encoders()
+    with pytest.raises(ConfigError, match=r"no model\.safetensors"):
+        FlowVLAPolicy(
+            resnet_config(image_encoder_weights=str(tmp_path / "nowhere"))
+        ).load_pretrained_image_encoders()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.hub.registry import configure_hub, pull, push_folder
 from vla_rl.hub.server import HubServer
 from vla_rl.policy_loading import load_policy
+from vla_rl.spec import CameraSpec, RobotSpec
 from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
 
 TASK = "maniskill/PushCube-v1"
@@ -227,3 +229,167 @@ def test_sft_reaches_80_percent_on_pushcube_state(tmp_path: Path) -> None:
     result = train_sft(cfg)
     res = evaluate(load_policy(result.checkpoint), TASK, episodes=30, num_envs=2, progress=False)
     assert res.success_rate >= 0.8, res.summary()
+
+
+# ---------------------------------------------------------------------- language conditioning
+LR_TASK = "toy/left-right"
+LR_SPEC = RobotSpec(name=LR_TASK, state_dim=1, action_dim=1, control_hz=10.0, instruction="go somewhere")
+
+
+def _left_right_store(root: Path, episodes_per_instruction: int = 4, length: int = 16) -> Path:
+    """State always 0; "go left" episodes act -1, "go right" episodes act +1: only the words differ."""
+    store = EpisodeStore(root, create=True)
+    for _ in range(episodes_per_instruction):
+        for text, sign in (("go left", -1.0), ("go right", 1.0)):
+            with store.create_episode(LR_SPEC, robot_id="r0", task=LR_TASK, instruction=text) as w:
+                w.add_frames(
+                    {
+                        "state": np.zeros((length, 1), np.float32),
+                        "action": np.full((length, 1), sign, np.float32),
+                    }
+                )
+                w.close()
+    return store.root
+
+
+def _left_right_actions(store: Path, out: Path) -> np.ndarray:
+    """Train a tiny MiniLM-conditioned policy on the left/right store; mean action per instruction."""
+    result = train_sft(
+        _cfg(
+            store,
+            out,
+            task=LR_TASK,
+            steps=150,
+            batch_size=32,
+            warmup_steps=10,
+            d_model=32,
+            n_heads=2,
+            chunk_len=4,
+            n_exec=2,
+            checkpoint_every=150,
+            instruction_encoder="minilm",
+        )
+    )
+    lp = load_policy(result.checkpoint, device="cpu")
+    chunks = lp.predict_chunks(
+        {"state": np.zeros((2, 1), np.float32), "instruction": ["go left", "go right"]}, 0
+    )
+    return chunks.mean(axis=(1, 2))
+
+
+def test_sft_follows_each_episodes_instruction(tmp_path: Path) -> None:
+    from fleet.dataset import ChunkDataset
+
+    store = _left_right_store(tmp_path / "store")
+    ds = ChunkDataset(EpisodeStore(store), 4)
+    assert ds.instructions == ("go left", "go right")
+    batch = ds.batch(np.arange(len(ds)))
+    signs = batch["action"][:, 0, 0].numpy()
+    texts = [ds.instructions[i] for i in batch["instruction_index"].tolist()]
+    assert all((s < 0) == (t == "go left") for s, t in zip(signs, texts, strict=True))
+
+    left, right = _left_right_actions(store, tmp_path / "run")
+    assert left < -0.5 and right > 0.5, (left, right)
+
+
+def test_one_instruction_for_all_cannot_follow_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old behaviour (every sample conditioned on the spec's instruction) fails the test above."""
+    from policies.flow_vla import embed_instructions
+    from vla_rl.train import sft
+
+    def spec_only(ds, device):  # type: ignore[no-untyped-def]
+        return embed_instructions([ds.spec.instruction] * len(ds.instructions)).to(device)
+
+    monkeypatch.setattr(sft, "instruction_table", spec_only)
+    left, right = _left_right_actions(_left_right_store(tmp_path / "store"), tmp_path / "run")
+    assert not (left < -0.5 and right > 0.5), (left, right)
+    assert abs(left - right) < 0.5, (left, right)
+
+
+# ---------------------------------------------------------------------- training resolution
+CAM_TASK = "toy/camera"
+CAM_SPEC = RobotSpec(
+    name=CAM_TASK,
+    state_dim=2,
+    action_dim=2,
+    control_hz=10.0,
+    instruction="look",
+    cameras=(CameraSpec("front", 96, 96),),
+)
+
+
+def _camera_store(root: Path, episodes: int = 3, length: int = 12) -> Path:
+    store = EpisodeStore(root, create=True)
+    rng = np.random.default_rng(0)
+    for _ in range(episodes):
+        with store.create_episode(CAM_SPEC, robot_id="r0", task=CAM_TASK) as w:
+            w.add_frames(
+                {
+                    "cameras": {"front": rng.integers(0, 256, (length, 96, 96, 3), dtype=np.uint8)},
+                    "state": rng.standard_normal((length, 2), dtype=np.float32),
+                    "action": rng.uniform(-1, 1, (length, 2)).astype(np.float32),
+                }
+            )
+            w.close()
+    return store.root
+
+
+def _camera_cfg(tmp_path: Path, steps: int, **kw: object) -> SFTConfig:
+    """SFT on a fresh 96 px camera store, trained at 32 px."""
+    base = {"batch_size": 8, "d_model": 32, "image_size": 32, **kw}
+    store = _camera_store(tmp_path / "store")
+    return _cfg(store, tmp_path / "run", task=CAM_TASK, steps=steps, checkpoint_every=steps, **base)
+
+
+def test_sft_trains_at_image_size_and_serves_native_images(tmp_path: Path) -> None:
+    from server.policy_server import ServedVersion
+
+    cfg = _camera_cfg(
+        tmp_path, steps=4, model_overrides={"image_encoder_width": 8, "image_encoder_stages": 2}
+    )
+    result = train_sft(cfg)
+    info = read_info(result.checkpoint)
+    assert info.model_config["image_resize"] == [32, 32]
+    assert info.robot_spec.cameras == CAM_SPEC.cameras  # the robot keeps its native 96 px camera
+
+    lp = load_policy(result.checkpoint, device="cpu")
+    seen: list[tuple[int, ...]] = []
+    lp.policy.image_encoders["front"].register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
+    served = ServedVersion(lp)
+    served.warm_up()  # a blank native-size observation from the spec
+    imgs = np.random.default_rng(1).integers(0, 256, (2, 96, 96, 3), dtype=np.uint8)
+    out = served.infer(np.zeros((2, 2), np.float32), {"front": imgs}, ["look"] * 2, None)
+    assert out.shape == (2, cfg.chunk_len, 2) and np.isfinite(out).all()
+    assert seen == [(1, 3, 32, 32), (2, 3, 32, 32)]  # resized inside the model, at serving time too
+    with pytest.raises(ValueError, match="image_size"):
+        _cfg(tmp_path, tmp_path / "bad", image_size=0)
+
+
+def test_sft_resnet18_from_hub_weights_frozen(tmp_path: Path, hub: HubServer) -> None:
+    """A ResNet-18 camera encoder initialised from safetensors pulled by hub ref, frozen through SFT."""
+    from safetensors.torch import save_file
+    from test_policy import random_resnet18_weights
+
+    configure_hub(hub.url, TOKEN)  # an earlier test (the demo job) may have pointed it at its own registry
+    saved = random_resnet18_weights(seed=3)
+    folder = tmp_path / "resnet18"
+    folder.mkdir()
+    save_file(saved, str(folder / "model.safetensors"))
+    push_folder(folder, "vision/resnet18-random", message="random resnet18", tag="v1")
+    cfg = _camera_cfg(
+        tmp_path,
+        steps=3,
+        batch_size=4,
+        image_encoder="resnet18",
+        image_encoder_weights="hub://vision/resnet18-random@v1",
+        freeze_image_encoder=True,
+    )
+    result = train_sft(cfg)
+    lp = load_policy(result.checkpoint, device="cpu")
+    assert lp.policy.config.image_encoder == "resnet18" and lp.policy.config.freeze_image_encoder
+    backbone = lp.policy.image_encoders["front"].backbone.state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in backbone.items())  # frozen: still the pulled weights
+    imgs = np.zeros((1, 96, 96, 3), np.uint8)
+    assert lp.predict_chunks(
+        {"state": np.zeros((1, 2), np.float32), "cameras": {"front": imgs}, "instruction": ["look"]}, 0
+    ).shape == (1, cfg.chunk_len, 2)

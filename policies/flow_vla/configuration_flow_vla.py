@@ -21,7 +21,9 @@ POLICY_TYPE = "flow_vla"
 # Option sets: the Literal is the one spelling; the tuple (for checks and messages) is derived from it.
 InstructionEncoder = Literal["minilm", "none"]
 ActionNorm = Literal["min_max", "mean_std"]
+ImageEncoderKind = Literal["conv", "resnet18"]
 INSTRUCTION_ENCODERS = get_args(InstructionEncoder)
+IMAGE_ENCODERS = get_args(ImageEncoderKind)
 ACTION_NORM_MODES = get_args(ActionNorm)
 MINILM_DIM = 384
 
@@ -52,7 +54,7 @@ class FlowVLAConfig:
     n_exec: int = 5
     """Actions executed per call (receding horizon). Chain log-probs and `accel` only score these."""
     cameras: tuple[CameraSpec, ...] = ()
-    """Cameras at the model's input size (images of another size are resized). Empty = state-only."""
+    """The cameras, at their native size (the robot spec's). Empty = state-only."""
 
     # ---------------------------------------------------------------- transformer
     d_model: int = 128
@@ -70,10 +72,30 @@ class FlowVLAConfig:
     a deterministic function of the parameters."""
 
     # ---------------------------------------------------------------- image encoder
+    image_resize: tuple[int, int] | None = None
+    """(H, W) the model resizes every camera image to (bilinear, antialiased) before its image encoder:
+    the training and inference resolution, saved with the checkpoint and applied identically wherever
+    the policy runs, while robots keep sending native-size images. An int n means (n, n). None = each
+    camera's own size in ``cameras`` (images of another size are resized to it)."""
+    image_encoder: ImageEncoderKind = "conv"
+    """'conv': a small CoordConv ResNet trained from scratch (``image_encoder_width`` / ``_stages``).
+    'resnet18': torchvision's ResNet-18 trunk (as ACT and Diffusion Policy use; frozen batch norm,
+    ImageNet normalisation, 512-channel stride-32 features), optionally initialised from
+    ``image_encoder_weights``; ~11M parameters per camera, so give it ``image_resize`` on a CPU."""
+    image_encoder_weights: str | None = None
+    """'resnet18' only: where its pretrained weights come from: a folder holding ``model.safetensors``
+    (or a ``.safetensors`` file) with torchvision ResNet-18 names (``conv1.weight``, ``layer1.0...``;
+    ``fc.*`` is ignored), or ``hub://org/name@rev`` pulled through the registry. safetensors only,
+    never a pickle. Read when a fresh model is built for training
+    (:meth:`FlowVLAPolicy.load_pretrained_image_encoders`); a checkpoint carries the weights itself,
+    so loading one never reads this. None = random initialisation."""
+    freeze_image_encoder: bool = False
+    """'resnet18' only: keep the backbone fixed (only the projection to d_model trains) instead of
+    fine-tuning it."""
     image_encoder_width: int = 32
-    """Channels of the first conv stage; each further stage doubles them."""
+    """'conv': channels of the first conv stage; each further stage doubles them."""
     image_encoder_stages: int = 3
-    """Stride-2 residual stages after the stride-2 stem (64 px -> 4x4 feature map with 3)."""
+    """'conv': stride-2 residual stages after the stride-2 stem (64 px -> 4x4 feature map with 3)."""
     image_tokens_grid: int = 2
     """The feature map is pooled to a g x g grid: g*g tokens per camera."""
     share_image_encoder: bool = False
@@ -153,6 +175,25 @@ class FlowVLAConfig:
             raise ConfigError("d_model", f"must be even (sin-cos time embedding), got {self.d_model}")
         _number_in(self, "mlp_ratio", 0.0, math.inf, low_open=True)
         _number_in(self, "dropout", 0.0, 1.0, high_open=True)
+        self.image_resize = _image_size("image_resize", self.image_resize)
+        if self.image_encoder not in IMAGE_ENCODERS:
+            raise ConfigError("image_encoder", f"must be one of {IMAGE_ENCODERS}, got {self.image_encoder!r}")
+        if self.image_encoder_weights is not None:
+            if not isinstance(self.image_encoder_weights, str) or not self.image_encoder_weights:
+                raise ConfigError(
+                    "image_encoder_weights",
+                    f"must be a folder, a .safetensors file or hub://org/name@rev, got {self.image_encoder_weights!r}",
+                )
+            if self.image_encoder != "resnet18":
+                raise ConfigError(
+                    "image_encoder_weights", f"needs image_encoder='resnet18', got {self.image_encoder!r}"
+                )
+        if not isinstance(self.freeze_image_encoder, bool):
+            raise ConfigError("freeze_image_encoder", f"must be a bool, got {self.freeze_image_encoder!r}")
+        if self.freeze_image_encoder and self.image_encoder != "resnet18":
+            raise ConfigError(
+                "freeze_image_encoder", f"needs image_encoder='resnet18', got {self.image_encoder!r}"
+            )
         _int_at_least(self, "image_encoder_width", 1)
         _int_at_least(self, "image_encoder_stages", 1)
         _int_at_least(self, "image_tokens_grid", 1)
@@ -199,6 +240,10 @@ class FlowVLAConfig:
     def camera_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.cameras)
 
+    def image_input_size(self, camera: CameraSpec) -> tuple[int, int]:
+        """(H, W) the image encoder sees for ``camera``: ``image_resize``, else the camera's size."""
+        return self.image_resize if self.image_resize is not None else (camera.height, camera.width)
+
     @property
     def uses_instruction(self) -> bool:
         return self.instruction_encoder != "none"
@@ -229,6 +274,7 @@ class FlowVLAConfig:
         d = asdict(self)
         d["cameras"] = [asdict(c) for c in self.cameras]
         d["noise_head_hidden"] = list(self.noise_head_hidden)
+        d["image_resize"] = None if self.image_resize is None else list(self.image_resize)
         return {"type": POLICY_TYPE, **d}
 
     @classmethod
@@ -266,6 +312,21 @@ def _camera(c: Any, i: int) -> CameraSpec:
         except ValueError as e:
             raise ConfigError(f"cameras[{i}]", str(e)) from None
     raise ConfigError(f"cameras[{i}]", f"expected a CameraSpec or a mapping, got {type(c).__name__}")
+
+
+def _image_size(name: str, v: Any) -> tuple[int, int] | None:
+    """None, an int n (-> (n, n)) or an (H, W) pair of positive ints."""
+    if v is None:
+        return None
+    pair = (v, v) if isinstance(v, int) and not isinstance(v, bool) else v
+    if (
+        isinstance(pair, (str, bytes))
+        or not isinstance(pair, Sequence)
+        or len(pair) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in pair)
+    ):
+        raise ConfigError(name, f"must be None, a positive int or (height, width) positive ints, got {v!r}")
+    return int(pair[0]), int(pair[1])
 
 
 def _int_at_least(cfg: FlowVLAConfig, name: str, low: int) -> None:

@@ -2,10 +2,11 @@
 
 Each produces tokens of width ``d_model`` for the prefix trunk:
 
-* images: a small ResNet-style conv net trained from scratch (no pretrained backbone fits a 2-core
-  CPU budget), with CoordConv channels so pooled tokens keep where things are, GroupNorm so a
+* images: a small ResNet-style conv net trained from scratch (the default: it fits a 2-core CPU
+  budget), with CoordConv channels so pooled tokens keep where things are, GroupNorm so a
   sample's features never depend on the rest of the batch (batched == unbatched serving, RL
-  log-prob recomputation), pooled to a g x g grid of tokens;
+  log-prob recomputation), pooled to a g x g grid of tokens; or torchvision's ResNet-18 with frozen
+  batch norm (:class:`ResNet18Encoder`), optionally from pretrained safetensors weights;
 * state: a two-layer MLP to one token;
 * instruction: a frozen all-MiniLM-L6-v2 sentence embedding (384-d) projected to one token. The
   MiniLM model lives in a process-wide cache outside the ``nn.Module`` tree, so it is neither saved
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,6 +122,112 @@ class ImageEncoder(nn.Module):
         f = self.stages(self.stem(torch.cat([x, coords], dim=1)))
         f = F.adaptive_avg_pool2d(f, self.grid)  # [B, C, g, g]
         return self.proj(f.flatten(2).transpose(1, 2))
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+RESNET18_CHANNELS = 512
+
+
+class ResNet18Encoder(nn.Module):
+    """``[B, 3, H, W]`` in [-1, 1] -> ``[B, grid*grid, d_model]`` tokens through torchvision's ResNet-18.
+
+    As in ACT: the trunk up to ``layer4`` (stride 32, 512 channels) with frozen batch norm (statistics
+    fixed, so a sample never depends on its batch: batched == unbatched, as with the conv encoder's
+    GroupNorm), ImageNet mean/std normalisation of the input, then adaptive average pooling to a
+    ``grid x grid`` map and a linear map to d_model. ``self.backbone`` keeps torchvision's parameter
+    names, so torchvision / timm ResNet-18 weights load into it as they are (:func:`load_resnet18_weights`).
+    ``frozen``: the backbone's parameters do not train (the projection still does).
+    """
+
+    def __init__(self, grid: int, d_model: int, frozen: bool = False) -> None:
+        super().__init__()
+        from torchvision.models import resnet18
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        self.grid = grid
+        self.backbone = resnet18(weights=None, norm_layer=FrozenBatchNorm2d)
+        self.backbone.fc = nn.Identity()  # no classifier: its weights are neither kept nor saved
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        self.proj = nn.Linear(RESNET18_CHANNELS, d_model)
+        if frozen:
+            self.backbone.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.backbone
+        x = ((x + 1.0) * 0.5 - self.mean.to(x.dtype)) / self.std.to(x.dtype)  # [-1, 1] -> ImageNet stats
+        x = m.maxpool(m.relu(m.bn1(m.conv1(x))))
+        f = m.layer4(m.layer3(m.layer2(m.layer1(x))))
+        f = F.adaptive_avg_pool2d(f, self.grid)  # [B, 512, g, g]
+        return self.proj(f.flatten(2).transpose(1, 2))
+
+
+def resolve_weights_file(source: str) -> Path:
+    """``image_encoder_weights`` -> a local ``.safetensors`` file: a file, a folder's ``model.safetensors``,
+    or ``hub://org/name@rev`` pulled through :func:`vla_rl.hub.registry.pull` (its ``model.safetensors``)."""
+    from .configuration_flow_vla import ConfigError
+
+    if source.startswith("hub://"):
+        from vla_rl.hub.registry import pull
+
+        try:
+            folder = Path(pull(source).path)
+        except Exception as e:  # registry errors are many kinds; name the field and keep the cause
+            raise ConfigError("image_encoder_weights", f"cannot pull {source}: {e}") from e
+    else:
+        folder = Path(source).expanduser()
+        if folder.is_file():
+            if folder.suffix != ".safetensors":
+                raise ConfigError(
+                    "image_encoder_weights", f"{source}: only .safetensors files are read (never pickles)"
+                )
+            return folder
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        raise ConfigError("image_encoder_weights", f"{source}: no model.safetensors in {folder}")
+    return path
+
+
+def load_resnet18_weights(encoder: ResNet18Encoder, source: str) -> list[str]:
+    """Copy ResNet-18 weights from ``source`` (see :func:`resolve_weights_file`) into ``encoder.backbone``.
+
+    The file must hold every backbone tensor under torchvision's names with the right shape (``fc.*``
+    and ``num_batches_tracked`` are ignored); anything else is a :class:`ConfigError` naming
+    ``image_encoder_weights``, the file and the first offending tensor. Returns the keys loaded.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .configuration_flow_vla import ConfigError
+
+    path = resolve_weights_file(source)
+    try:
+        weights = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError("image_encoder_weights", f"{path}: not a readable safetensors file: {e}") from e
+    weights = {
+        k: v for k, v in weights.items() if not k.startswith("fc.") and not k.endswith("num_batches_tracked")
+    }
+    target = encoder.backbone.state_dict()
+    missing = sorted(set(target) - set(weights))
+    unexpected = sorted(set(weights) - set(target))
+    if missing or unexpected:
+        raise ConfigError(
+            "image_encoder_weights",
+            f"{path} is not a torchvision ResNet-18: missing {missing[:3]} ({len(missing)}), "
+            f"unexpected {unexpected[:3]} ({len(unexpected)})",
+        )
+    for k, v in weights.items():
+        if v.shape != target[k].shape:
+            raise ConfigError(
+                "image_encoder_weights",
+                f"{path}: {k} has shape {list(v.shape)}, a ResNet-18 needs {list(target[k].shape)}",
+            )
+    with torch.no_grad():
+        for k, v in weights.items():
+            target[k].copy_(v)  # state_dict tensors share storage with the parameters and buffers
+    return sorted(weights)
 
 
 class StateEncoder(MLP):

@@ -9,7 +9,7 @@ TIME CONVENTION (one, everywhere in this package): t = 0 is noise, t = 1 is data
 Structure (π0-like, scaled down to train on a CPU):
 
 * prefix tokens: [instruction (frozen MiniLM -> projection), state (MLP), g*g tokens per camera
-  (small conv net)] + learned slot embeddings -> ``n_layers`` bidirectional transformer blocks;
+  (small conv net, or a ResNet-18), each camera first resized to ``image_resize``] + learned slot embeddings -> ``n_layers`` bidirectional transformer blocks;
 * action expert: H action tokens (``x_t`` projected and fused with the sin-cos time embedding by an
   MLP, as π0) + learned positions -> ``expert_n_layers`` blocks whose attention keys/values are
   ``[prefix; actions]`` -- the prefix part is projected once per observation into a
@@ -42,7 +42,9 @@ from .encoders import (
     ImageEncoder,
     InstructionEncoder,
     MiniLMEmbedder,
+    ResNet18Encoder,
     StateEncoder,
+    load_resnet18_weights,
     preprocess_images,
     random_shift,
 )
@@ -195,23 +197,9 @@ class FlowVLAPolicy(nn.Module):
         self.state_encoder = StateEncoder(c.state_dim, d) if c.state_dim > 0 else None
         if not c.cameras:
             self.image_encoders = None
-        elif c.share_image_encoder:
-            self.image_encoders = nn.ModuleDict(
-                {
-                    "shared": ImageEncoder(
-                        c.image_encoder_width, c.image_encoder_stages, c.image_tokens_grid, d
-                    )
-                }
-            )
         else:
-            self.image_encoders = nn.ModuleDict(
-                {
-                    cam.name: ImageEncoder(
-                        c.image_encoder_width, c.image_encoder_stages, c.image_tokens_grid, d
-                    )
-                    for cam in c.cameras
-                }
-            )
+            keys = ("shared",) if c.share_image_encoder else c.camera_names
+            self.image_encoders = nn.ModuleDict({k: _image_encoder(c) for k in keys})
         self.slot_emb = nn.Parameter(torch.zeros(c.n_prefix_tokens, d))
         self.trunk = nn.ModuleList(Block(d, c.n_heads, c.mlp_ratio, c.dropout) for _ in range(c.n_layers))
         self.trunk_norm = nn.LayerNorm(d)
@@ -229,6 +217,17 @@ class FlowVLAPolicy(nn.Module):
             nn.init.zeros_(self.advantage_embedding.weight)
 
     # ------------------------------------------------------------------ construction / IO
+    def load_pretrained_image_encoders(self) -> int:
+        """Initialise every ResNet-18 camera encoder from ``config.image_encoder_weights`` (safetensors;
+        a folder, a file or a hub ref); returns how many encoders were loaded (0 when there is nothing
+        to load). What a trainer calls on a fresh model; checkpoints carry the weights themselves."""
+        source = self.config.image_encoder_weights
+        if source is None or self.image_encoders is None:
+            return 0
+        for enc in self.image_encoders.values():
+            load_resnet18_weights(enc, source)
+        return len(self.image_encoders)
+
     @classmethod
     def from_config_dict(cls, d: Mapping[str, Any]) -> FlowVLAPolicy:
         return cls(FlowVLAConfig.from_dict(d))
@@ -281,7 +280,7 @@ class FlowVLAPolicy(nn.Module):
                 img = self._as_tensor(cams[cam.name])
                 if img.ndim != 4 or img.shape[0] != b or img.shape[-1] != 3:
                     raise ValueError(f"cameras.{cam.name}: expected [{b}, H, W, 3], got {list(img.shape)}")
-                x = preprocess_images(img, cam.height, cam.width)
+                x = preprocess_images(img, *c.image_input_size(cam))  # native size -> model size
                 imgs.append(random_shift(x, c.image_augment_pad) if augment else x)
             if c.share_image_encoder and len({x.shape for x in imgs}) == 1:
                 enc = self.image_encoders["shared"](torch.cat(imgs, 0))  # one batched conv pass
@@ -621,6 +620,12 @@ class FlowVLAPolicy(nn.Module):
         if len(texts) != b:
             raise ValueError(f"instruction: expected {b} strings, got {len(texts)}")
         return MiniLMEmbedder.embed(texts).to(self.device)
+
+
+def _image_encoder(c: FlowVLAConfig) -> nn.Module:
+    if c.image_encoder == "resnet18":
+        return ResNet18Encoder(c.image_tokens_grid, c.d_model, frozen=c.freeze_image_encoder)
+    return ImageEncoder(c.image_encoder_width, c.image_encoder_stages, c.image_tokens_grid, c.d_model)
 
 
 def _randn(

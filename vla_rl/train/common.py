@@ -31,15 +31,34 @@ TRAIN_STATE = "train_state.pt"
 
 
 # ---------------------------------------------------------------------------- data
-def batch_to_policy_inputs(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
-    """ChunkDataset keys (LeRobot naming) -> the policy's observation/action dict, on ``device``."""
+def batch_to_policy_inputs(
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device,
+    instruction_embeddings: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """ChunkDataset keys (LeRobot naming) -> the policy's observation/action dict, on ``device``.
+
+    ``instruction_embeddings`` ``[U, 384]``: the embeddings of the dataset's distinct instructions
+    (:func:`instruction_table`); each sample then gets its own row as ``instruction_embedding``.
+    """
     prefix = "observation.images."
-    return {
+    out = {
         "state": batch["observation.state"].to(device, non_blocking=True),
         "cameras": {k[len(prefix) :]: v.to(device) for k, v in batch.items() if k.startswith(prefix)},
         "action": batch["action"].to(device, non_blocking=True),
         "action_is_pad": batch["action_is_pad"].to(device, non_blocking=True),
     }
+    if instruction_embeddings is not None:
+        out["instruction_embedding"] = instruction_embeddings[batch["instruction_index"].to(device)]
+    return out
+
+
+def instruction_table(ds: ChunkDataset, device: torch.device) -> torch.Tensor:
+    """Frozen embeddings ``[U, 384]`` of the dataset's distinct instructions, in ``ds.instructions``
+    order: each distinct string is embedded once (one batched MiniLM call, cached per process)."""
+    from policies.flow_vla import embed_instructions
+
+    return embed_instructions(list(ds.instructions)).to(device)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB, default_url
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
-from policies.flow_vla.configuration_flow_vla import InstructionEncoder
+from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.policy_loading import pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
@@ -43,6 +43,7 @@ from vla_rl.train.common import (
     batch_to_policy_inputs,
     config_dict,
     dataset_digest,
+    instruction_table,
     load_train_state,
     sample_indices,
     save_train_state,
@@ -78,6 +79,18 @@ class SFTConfig(TrainerConfig):
     expert_n_layers: int = 4
     n_heads: int = 4
     instruction_encoder: InstructionEncoder = "minilm"
+    image_size: int | None = None
+    """Train (and serve) at this square resolution: the model resizes every camera to image_size x
+    image_size before its image encoder (FlowVLAConfig.image_resize, saved in the checkpoint); robots
+    keep sending native-size images. None = the cameras' native size. E.g. 96 for 224 px cameras."""
+    image_encoder: ImageEncoderKind = "conv"
+    """Camera encoder: 'conv' (small, from scratch) or 'resnet18' (torchvision ResNet-18, ImageNet
+    normalisation; pair it with image_size on a CPU)."""
+    image_encoder_weights: str | None = None
+    """resnet18's initial weights: a folder with model.safetensors (torchvision names) or
+    hub://org/name@rev. None = random init. safetensors only."""
+    freeze_image_encoder: bool = False
+    """Keep the resnet18 backbone frozen (train only its projection) instead of fine-tuning it."""
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Any other FlowVLAConfig field, e.g. {"image_encoder_width": 16}."""
 
@@ -112,6 +125,8 @@ class SFTConfig(TrainerConfig):
             raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"image_size: expected a positive integer or None, got {self.image_size}")
         if self.amp not in ("auto", "bf16", "none"):
             raise ValueError(f"amp: expected auto|bf16|none, got {self.amp!r}")
 
@@ -156,20 +171,26 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
     ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)
     stats = compute_normalization_stats(ds.states, ds.actions)
-    model_cfg = FlowVLAConfig.from_robot_spec(
-        ds.spec,
-        chunk_len=cfg.chunk_len,
-        n_exec=cfg.n_exec,
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        expert_n_layers=cfg.expert_n_layers,
-        n_heads=cfg.n_heads,
-        instruction_encoder=cfg.instruction_encoder,
-        normalization_stats=stats,
-        **cfg.model_overrides,
-    )
+    model_kw: dict[str, Any] = {
+        "chunk_len": cfg.chunk_len,
+        "n_exec": cfg.n_exec,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "expert_n_layers": cfg.expert_n_layers,
+        "n_heads": cfg.n_heads,
+        "instruction_encoder": cfg.instruction_encoder,
+        "image_resize": cfg.image_size,
+        "image_encoder": cfg.image_encoder,
+        "image_encoder_weights": cfg.image_encoder_weights,
+        "freeze_image_encoder": cfg.freeze_image_encoder,
+        "normalization_stats": stats,
+    }
+    model_cfg = FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
     torch.manual_seed(cfg.seed)
-    model = FlowVLAPolicy(model_cfg).to(device)
+    model = FlowVLAPolicy(model_cfg)
+    if model.load_pretrained_image_encoders():
+        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
+    model = model.to(device)
     ema = EMA(model, cfg.ema_decay)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -197,12 +218,9 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         step, first_loss, loss_val = int(st["step"]), st.get("first_loss"), float(st.get("last_loss", "nan"))
         log.info("resumed", extra={"step": step, "from": str(state_path)})
 
-    # The instruction is the same for every frame of a task: embed it once (frozen MiniLM).
-    instruction_emb = None
-    if model_cfg.uses_instruction:
-        from policies.flow_vla import embed_instructions
-
-        instruction_emb = embed_instructions([ds.spec.instruction]).to(device)
+    # Each sample is conditioned on its own episode's instruction: the distinct strings are embedded
+    # once (frozen MiniLM, one batched call) and each batch gathers its rows.
+    instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -226,10 +244,8 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     while step < end:
         seed_step(cfg.seed, step)
         batch = batch_to_policy_inputs(
-            ds.batch(sample_indices(len(ds), cfg.batch_size, cfg.seed, step)), device
+            ds.batch(sample_indices(len(ds), cfg.batch_size, cfg.seed, step)), device, instructions
         )
-        if instruction_emb is not None:
-            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
         with autocast_for(device, cfg.amp):
             loss, metrics = model.flow_matching_loss(batch)
         optimizer.zero_grad(set_to_none=True)
