@@ -157,7 +157,10 @@ class HubUnavailable(RuntimeError):
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    """HF_HUB_OFFLINE as the environment says now, or as ``huggingface_hub`` read it at import."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return env or bool(getattr(constants, "HF_HUB_OFFLINE", False))
 
 
 def check_hub(
