@@ -16,6 +16,7 @@ Timestamps are unix seconds (float), like the store's.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any, Literal, get_args
 
 from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, inspect, make_url, select, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
 
 from fleet.meta import EpisodeMeta, EpisodeRecord, Segment
@@ -246,14 +247,19 @@ class MetadataDB:
     def engine_for(url: str) -> Engine:
         """An engine with this module's connection setup (SQLite: WAL, busy timeout, BEGIN IMMEDIATE)."""
         try:
-            sqlite = make_url(url).get_backend_name() == "sqlite"
-        except Exception as e:  # a malformed URL
-            raise MetadataDBError(f"{_URL_SETTING} {url!r} is not a database URL: {e}") from e
-        # The driver-level timeout also covers the dialect's first queries, which run before our hook.
-        connect_args: dict[str, Any] = {"timeout": _BUSY_TIMEOUT_S} if sqlite else {}
-        if make_url(url).get_backend_name() == "postgresql" and make_url(url).get_driver_name() == "psycopg":
-            connect_args = {"connect_timeout": 10}
-        engine = create_engine(url, connect_args=connect_args)
+            parsed = make_url(url)
+            sqlite = parsed.get_backend_name() == "sqlite"
+            # The driver-level timeout also covers the dialect's first queries, which run before our hook.
+            connect_args: dict[str, Any] = {"timeout": _BUSY_TIMEOUT_S} if sqlite else {}
+            if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() == "psycopg":
+                connect_args = {"connect_timeout": 10}  # an unreachable host fails at start-up, soon
+            engine = create_engine(parsed, connect_args=connect_args)
+        except (ArgumentError, NoSuchModuleError, ImportError) as e:  # malformed URL, unknown backend
+            shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+            raise MetadataDBError(
+                f"{shown!r} is not a usable database URL ({e}); fix {_URL_SETTING}, e.g. "
+                "postgresql://USER:PASSWORD@HOST:5432/DBNAME or sqlite:///PATH/metadata.db"
+            ) from e
         if sqlite:
             _sqlite_setup(engine)
         return engine
@@ -517,18 +523,9 @@ def _alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
-_head: str | None = None
-
-
-def head_revision() -> str:
-    """The newest migration's revision id (read once per process)."""
-    global _head
-    if _head is None:
-        from alembic.script import ScriptDirectory
-
-        _head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
-        assert _head is not None
-    return _head
+SCHEMA_HEAD = "0002"
+"""The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
+at this revision needs no Alembic import, only one query."""
 
 
 def _legacy_revision(tables: set[str]) -> str | None:
@@ -536,7 +533,7 @@ def _legacy_revision(tables: set[str]) -> str | None:
     all of today's tables = head; the baseline's = 0001 (the release before rounds were jobs); else None
     (the baseline then creates only the tables that are missing)."""
     if set(Base.metadata.tables) <= tables:
-        return head_revision()
+        return SCHEMA_HEAD
     if tables >= _BASELINE_TABLES:
         return "0001"
     return None
@@ -571,7 +568,7 @@ def upgrade_schema(engine: Engine) -> str:
     tables it holds). One query when already there; otherwise under a lock, so concurrent first opens
     cannot race: SQLite's BEGIN IMMEDIATE, PostgreSQL's transaction-scoped advisory lock. Returns the
     revision it is at."""
-    head = head_revision()
+    head = SCHEMA_HEAD
     try:
         with engine.connect() as conn:
             if _current_revisions(conn) == {head}:

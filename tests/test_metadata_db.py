@@ -17,7 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from pg_cluster import PostgresCluster
 from sqlalchemy import Engine, event, inspect, text
 
-from fleet.db import Base, MetadataDB, MetadataDBError, _alembic_config, head_revision
+from fleet.db import SCHEMA_HEAD, Base, MetadataDB, MetadataDBError, _alembic_config
 from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl.spec import RobotSpec
 
@@ -110,13 +110,21 @@ def _assert_old_rows_kept(db: MetadataDB, old_job: tuple[int, str | None] = (0, 
 
 
 def _assert_schema_is_head(db: MetadataDB) -> None:
-    assert _version(db.url) == [head_revision()]
+    assert _version(db.url) == [SCHEMA_HEAD]
     with db.engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata)
     assert diff == [], diff  # the migrations build exactly what the models say
 
 
 # ---------------------------------------------------------------------------- migrations
+def test_schema_head_is_the_newest_migration() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(_alembic_config())
+    assert scripts.get_heads() == [SCHEMA_HEAD]  # one line of history, and db.py knows its end
+    assert [s.revision for s in scripts.walk_revisions()][::-1][:2] == ["0001", "0002"]  # baseline first
+
+
 def test_a_fresh_db_is_migrated_to_head(db_url: str) -> None:
     db = MetadataDB(db_url)
     assert _tables(db_url) == {*Base.metadata.tables, "alembic_version"}
@@ -230,9 +238,25 @@ def test_an_unreachable_postgresql_url_fails_at_start_naming_the_setting(pg: Pos
     assert "right-secret" not in repr(ok)
 
 
-def test_a_bad_sqlite_path_fails_at_start_naming_the_setting(tmp_path: Any) -> None:
+def test_a_bad_sqlite_path_or_url_fails_at_start_naming_the_setting(tmp_path: Any) -> None:
     with pytest.raises(MetadataDBError, match=r"cannot open the metadata DB sqlite:///.*--db-url"):
         MetadataDB(f"sqlite:///{tmp_path / 'missing-dir' / 'metadata.db'}")
+    with pytest.raises(
+        MetadataDBError, match=r"'nosuchdb://u:\*\*\*@h/d' is not a usable database URL.*--db-url"
+    ):
+        MetadataDB("nosuchdb://u:secret@h/d")
+    with pytest.raises(MetadataDBError, match="is not a usable database URL"):
+        MetadataDB("not a url")
+
+
+def test_missing_postgresql_binaries_fail_pointing_at_setup(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import pg_cluster
+
+    monkeypatch.setattr(pg_cluster, "PG_ROOT", tmp_path / "no-postgresql")
+    with pytest.raises(RuntimeError, match=r"not found under .*run scripts/setup\.sh"):
+        pg_cluster.pg_bin_dir()
 
 
 # ---------------------------------------------------------------------------- concurrency
