@@ -15,9 +15,12 @@ Timestamps are unix seconds (float), like the store's.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -28,6 +31,8 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
 
 from fleet.meta import EpisodeMeta, EpisodeRecord, Segment
+
+log = logging.getLogger(__name__)
 
 _BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another process's transaction
 _MIGRATIONS = Path(__file__).with_name("migrations")
@@ -586,27 +591,41 @@ def upgrade_schema(engine: Engine) -> str:
     return head
 
 
-def _upgrade_locked(conn: Connection, head: str) -> None:
-    from alembic import command
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
+@contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic logs each step at INFO; a CLI that opens a new DB must not start its output with that."""
+    logger = logging.getLogger("alembic")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
-    cfg = _alembic_config(conn)
-    current = set(MigrationContext.configure(conn).get_current_heads())
-    if current == {head}:
-        return  # another process upgraded it while we waited for the lock
-    known = {s.revision for s in ScriptDirectory.from_config(cfg).walk_revisions()}
-    if current - known:
-        raise MetadataDBError(
-            f"the metadata DB {conn.engine.url.render_as_string(hide_password=True)} is at schema revision "
-            f"{sorted(current - known)}, newer than this vla-rl knows (head {head}): upgrade vla-rl"
-        )
-    if not current:
-        tables = set(inspect(conn).get_table_names()) - {"alembic_version"}
-        legacy = _legacy_revision(tables) if tables else None
-        if legacy is not None:
-            command.stamp(cfg, legacy)
-    command.upgrade(cfg, "head")
+
+def _upgrade_locked(conn: Connection, head: str) -> None:
+    with _quiet_alembic():
+        from alembic import command
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
+        cfg = _alembic_config(conn)
+        current = set(MigrationContext.configure(conn).get_current_heads())
+        if current == {head}:
+            return  # another process upgraded it while we waited for the lock
+        known = {s.revision for s in ScriptDirectory.from_config(cfg).walk_revisions()}
+        if current - known:
+            raise MetadataDBError(
+                f"the metadata DB {conn.engine.url.render_as_string(hide_password=True)} is at schema "
+                f"revision {sorted(current - known)}, newer than this vla-rl knows (head {head}): upgrade vla-rl"
+            )
+        if not current:
+            tables = set(inspect(conn).get_table_names()) - {"alembic_version"}
+            legacy = _legacy_revision(tables) if tables else None
+            if legacy is not None:
+                command.stamp(cfg, legacy)
+        command.upgrade(cfg, "head")
+    log.debug("metadata DB schema upgraded", extra={"from": sorted(current), "to": head})
 
 
 def _round_record(row: RoundRow) -> RoundRecord:

@@ -7,12 +7,16 @@
 
 from __future__ import annotations
 
+from logging.config import fileConfig
+
 from alembic import context
 
 from fleet.db import Base
 
 config = context.config
 target_metadata = Base.metadata
+if config.config_file_name is not None and config.attributes.get("connection") is None:
+    fileConfig(config.config_file_name)  # the alembic command line: its logging from alembic.ini
 
 
 def _configure(connection: object) -> None:
