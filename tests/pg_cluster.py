@@ -8,6 +8,7 @@ through ``runuser``. Missing binaries are a failure, not a skip: scripts/setup.s
 
 from __future__ import annotations
 
+import atexit
 import os
 import pwd
 import shutil
@@ -64,7 +65,8 @@ class PostgresCluster:
     def __init__(self) -> None:
         self.bin = pg_bin_dir()
         self.os_user = _os_user()
-        self.dir = Path(tempfile.mkdtemp(prefix="vla-rl-pg-"))
+        # /tmp, not $TMPDIR: the server's user must reach it (and the socket path must stay short)
+        self.dir = Path(tempfile.mkdtemp(prefix="vla-rl-pg-", dir="/tmp"))
         self.data = self.dir / "data"
         self.port = _free_port()
         if self.os_user is not None:
@@ -135,5 +137,6 @@ def start_cluster() -> PostgresCluster:
     except BaseException:
         pg.stop()
         raise
+    atexit.register(pg.stop)  # also when the session dies before its fixture teardown
     pg.start_seconds = time.monotonic() - t0  # type: ignore[attr-defined]
     return pg
