@@ -370,3 +370,27 @@ def test_two_recorders_a_labeller_and_a_reader_at_once(db_url: str) -> None:
     assert all(e.status == "closed" and [s.index for s in e.segments] == [0, 1] for e in eps)
     labels = db.labels()
     assert sorted(lb.episode_id for lb in labels) == sorted(e.id for e in eps)  # each exactly once
+
+
+def test_a_postgresql_read_is_one_snapshot(pg: PostgresCluster) -> None:
+    """``episodes()`` reads episodes, then their segments (two statements): an episode closed between the
+    two must not come back half open, half closed (READ COMMITTED would give "open" with segments)."""
+    url = pg.create_database()
+    reader, writer = MetadataDB(url), MetadataDB(url)
+    writer.record_episode_open(_meta("ep", "arm", closed=False), "/store")
+    fired: list[str] = []
+
+    def close_between(_conn: Any, _cur: Any, statement: str, *_a: Any) -> None:
+        if "FROM segments" in statement and not fired:
+            fired.append(statement)
+            writer.record_episode_closed(_meta("ep", "arm", closed=True))  # commits mid-read
+
+    event.listen(reader.engine, "before_cursor_execute", close_between)
+    try:
+        (ep,) = reader.episodes()
+    finally:
+        event.remove(reader.engine, "before_cursor_execute", close_between)
+    assert fired, "the read took one statement: nothing to test"
+    assert (ep.status, ep.segments) == ("open", ())  # the state before the close, whole
+    (ep,) = reader.episodes()
+    assert ep.status == "closed" and len(ep.segments) == 2
