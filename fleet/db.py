@@ -3,26 +3,45 @@
 The episode store holds frames; this DB holds what we query and what we change after the fact.
 Labels live only here, so relabelling never rewrites frames. SQLite is the default
 (``sqlite:///<store root>/metadata.db``, WAL journal + busy timeout + ``BEGIN IMMEDIATE`` so several
-writer processes take turns instead of failing); any SQLAlchemy URL (e.g. PostgreSQL) works.
+writer processes take turns instead of failing); PostgreSQL (``postgresql://user:password@host/db``,
+psycopg 3) is tested too, and is the one to use for workers on several machines.
+
+The schema is Alembic's (``fleet/migrations``): opening a DB upgrades it to the newest revision, under a
+lock (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: an advisory lock), so several processes may open it at
+once; a DB already at head costs one query.
 
 Timestamps are unix seconds (float), like the store's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, make_url, select
-from sqlalchemy.engine import Engine
+from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, inspect, make_url, select, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
 
 from fleet.meta import EpisodeMeta, EpisodeRecord, Segment
 
+log = logging.getLogger(__name__)
+
 _BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another process's transaction
+_MIGRATIONS = Path(__file__).with_name("migrations")
+_PG_MIGRATION_LOCK = 0x766C615F726C  # pg_advisory_xact_lock key of schema upgrades ("vla_rl")
+_BASELINE_TABLES = frozenset({"episodes", "segments", "labels", "rounds"})
+_URL_SETTING = (
+    "the metadata DB URL (--db-url of `vla-rl round worker`, --db of `vla-rl collect` / `data` / `round`, "
+    "db_url of a training config; unset = the SQLite file next to the episode store)"
+)
 
 
 class Base(DeclarativeBase):
@@ -204,18 +223,51 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+class MetadataDBError(RuntimeError):
+    """The metadata DB cannot be opened (unreachable server, refused credentials, missing database, a
+    schema newer than this code); the message names the URL (password hidden) and how to fix it."""
+
+
 class MetadataDB:
     """Episodes, segments and labels. Safe to use from several processes (each opens its own)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        sqlite = make_url(url).get_backend_name() == "sqlite"
-        # The driver-level timeout also covers the dialect's first queries, which run before our hook.
-        self.engine = create_engine(url, connect_args={"timeout": _BUSY_TIMEOUT_S} if sqlite else {})
+        self.engine = self.engine_for(url)
+        # Reads that take several statements (a row, then its segments or job) see one snapshot: on
+        # PostgreSQL that needs REPEATABLE READ (READ COMMITTED snapshots each statement); SQLite reads
+        # run in one transaction (BEGIN IMMEDIATE) anyway.
+        self._reader = (
+            self.engine.execution_options(isolation_level="REPEATABLE READ")
+            if self.engine.dialect.name == "postgresql"
+            else self.engine
+        )
+        try:
+            upgrade_schema(self.engine)
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    @staticmethod
+    def engine_for(url: str) -> Engine:
+        """An engine with this module's connection setup (SQLite: WAL, busy timeout, BEGIN IMMEDIATE)."""
+        try:
+            parsed = make_url(url)
+            sqlite = parsed.get_backend_name() == "sqlite"
+            # The driver-level timeout also covers the dialect's first queries, which run before our hook.
+            connect_args: dict[str, Any] = {"timeout": _BUSY_TIMEOUT_S} if sqlite else {}
+            if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() == "psycopg":
+                connect_args = {"connect_timeout": 10}  # an unreachable host fails at start-up, soon
+            engine = create_engine(parsed, connect_args=connect_args)
+        except (ArgumentError, NoSuchModuleError, ImportError) as e:  # malformed URL, unknown backend
+            shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+            raise MetadataDBError(
+                f"{shown!r} is not a usable database URL ({e}); fix {_URL_SETTING}, e.g. "
+                "postgresql://USER:PASSWORD@HOST:5432/DBNAME or sqlite:///PATH/metadata.db"
+            ) from e
         if sqlite:
-            _sqlite_setup(self.engine)
-        # On SQLite this runs under BEGIN IMMEDIATE, so concurrent first opens cannot race.
-        Base.metadata.create_all(self.engine)
+            _sqlite_setup(engine)
+        return engine
 
     @classmethod
     def for_store(cls, store_root: str | os.PathLike[str]) -> MetadataDB:
@@ -275,7 +327,7 @@ class MetadataDB:
             )
 
     def episode(self, episode_id: str) -> EpisodeRecord | None:
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             row = s.get(EpisodeRow, episode_id, options=[selectinload(EpisodeRow.segments)])
             return None if row is None else _record(row)
 
@@ -294,7 +346,7 @@ class MetadataDB:
             q = q.where(EpisodeRow.status == status)
         if success is not None:
             q = q.where(EpisodeRow.success == success)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return [_record(r) for r in s.scalars(q)]
 
     # ------------------------------------------------------------------ labels
@@ -329,7 +381,7 @@ class MetadataDB:
             q = q.where(LabelRow.episode_id == episode_id)
         if key is not None:
             q = q.where(LabelRow.key == key)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return [
                 Label(r.id, r.episode_id, r.segment_index, r.key, r.value, r.author, r.created_at)
                 for r in s.scalars(q)
@@ -449,7 +501,7 @@ class MetadataDB:
             return _round_record(row)
 
     def round(self, round_id: int) -> RoundRecord | None:
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             row = s.get(RoundRow, round_id)
             return _round_record(row) if row is not None else None
 
@@ -458,12 +510,122 @@ class MetadataDB:
         q = select(RoundRow).order_by(RoundRow.id)
         if task is not None:
             q = q.where(RoundRow.task == task)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return [_round_record(r) for r in s.scalars(q)]
 
     def round_revisions(self) -> dict[int, list[str]]:
         """Round number -> the checkpoint revisions it produced (for selecting data by round)."""
         return {r.id: [r.checkpoint_revision] for r in self.rounds() if r.checkpoint_revision}
+
+
+# ---------------------------------------------------------------------- schema (Alembic)
+def _alembic_config(connection: Connection | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+SCHEMA_HEAD = "0002"
+"""The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
+at this revision needs no Alembic import, only one query."""
+
+
+def _legacy_revision(tables: set[str]) -> str | None:
+    """The revision a DB without ``alembic_version`` (written by ``create_all`` before migrations) matches:
+    all of today's tables = head; the baseline's = 0001 (the release before rounds were jobs); else None
+    (the baseline then creates only the tables that are missing)."""
+    if set(Base.metadata.tables) <= tables:
+        return SCHEMA_HEAD
+    if tables >= _BASELINE_TABLES:
+        return "0001"
+    return None
+
+
+def _current_revisions(conn: Connection) -> set[str] | None:
+    """The DB's alembic revisions (one query); None when it has no ``alembic_version`` table (the
+    transaction is then rolled back: PostgreSQL aborts it on the error)."""
+    try:
+        return set(conn.execute(text("SELECT version_num FROM alembic_version")).scalars())
+    except (OperationalError, ProgrammingError) as e:
+        if "alembic_version" not in str(e):
+            raise
+        conn.rollback()
+        return None
+
+
+def _explain(url: Any, e: BaseException) -> MetadataDBError:
+    shown = url.render_as_string(hide_password=True)
+    why = str(getattr(e, "orig", None) or e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = (
+        "check the file path and that its directory exists and is writable"
+        if url.get_backend_name() == "sqlite"
+        else "check host and port (is the server running and reachable?), user and password, and that the "
+        "database exists (createdb NAME) and the user may create tables in it"
+    )
+    return MetadataDBError(f"cannot open the metadata DB {shown}: {why}. Fix {_URL_SETTING}: {hint}")
+
+
+def upgrade_schema(engine: Engine) -> str:
+    """Bring the DB to the newest migration (creating it when empty, stamping a pre-Alembic one by the
+    tables it holds). One query when already there; otherwise under a lock, so concurrent first opens
+    cannot race: SQLite's BEGIN IMMEDIATE, PostgreSQL's transaction-scoped advisory lock. Returns the
+    revision it is at."""
+    head = SCHEMA_HEAD
+    try:
+        with engine.connect() as conn:
+            if _current_revisions(conn) == {head}:
+                conn.rollback()
+                return head
+            conn.rollback()
+            with conn.begin():  # SQLite: BEGIN IMMEDIATE (see _sqlite_setup), so writers wait here
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                _upgrade_locked(conn, head)
+    except MetadataDBError:
+        raise
+    except DBAPIError as e:
+        raise _explain(engine.url, e) from e
+    return head
+
+
+@contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic logs each step at INFO; a CLI that opens a new DB must not start its output with that."""
+    logger = logging.getLogger("alembic")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _upgrade_locked(conn: Connection, head: str) -> None:
+    with _quiet_alembic():
+        from alembic import command
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
+        cfg = _alembic_config(conn)
+        current = set(MigrationContext.configure(conn).get_current_heads())
+        if current == {head}:
+            return  # another process upgraded it while we waited for the lock
+        known = {s.revision for s in ScriptDirectory.from_config(cfg).walk_revisions()}
+        if current - known:
+            raise MetadataDBError(
+                f"the metadata DB {conn.engine.url.render_as_string(hide_password=True)} is at schema "
+                f"revision {sorted(current - known)}, newer than this vla-rl knows (head {head}): upgrade vla-rl"
+            )
+        if not current:
+            tables = set(inspect(conn).get_table_names()) - {"alembic_version"}
+            legacy = _legacy_revision(tables) if tables else None
+            if legacy is not None:
+                command.stamp(cfg, legacy)
+        command.upgrade(cfg, "head")
+    log.debug("metadata DB schema upgraded", extra={"from": sorted(current), "to": head})
 
 
 def _round_record(row: RoundRow) -> RoundRecord:

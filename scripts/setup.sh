@@ -22,7 +22,8 @@ quiet_pip() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a dire
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # ---------------------------------------------------------------- system packages
-apt_packages=(libvulkan1 libosmesa6 libegl1 libgl1 libglvnd0 ffmpeg)
+# postgresql: the server the metadata DB tests start a throwaway cluster of (tests/pg_cluster.py)
+apt_packages=(libvulkan1 libosmesa6 libegl1 libgl1 libglvnd0 ffmpeg postgresql)
 need_mesa_major=24   # SAPIEN needs descriptorBindingPartiallyBound: bookworm's Mesa 22.3 lacks it
 
 mesa_ok() {

@@ -1,4 +1,5 @@
-"""Fixtures shared by several test files: a free loopback port and a `vla-rl serve` process."""
+"""Fixtures shared by several test files: a free loopback port, a `vla-rl serve` process, and the metadata
+DB on both backends (``db_url``: SQLite, and a database in a throwaway PostgreSQL cluster)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from pg_cluster import PostgresCluster, start_cluster
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 
@@ -31,6 +33,26 @@ def _restore_root_log_handlers() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster of this test session (tests/pg_cluster.py), started on first use (~1-3 s) and
+    removed at the end. Missing server binaries fail the test: run scripts/setup.sh."""
+    try:
+        cluster = start_cluster()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fresh, empty metadata DB URL: a SQLite file, or a new database on the session's PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'metadata.db'}"
+    return request.getfixturevalue("pg").create_database()
 
 
 @pytest.fixture

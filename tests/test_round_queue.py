@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
+from pg_cluster import PostgresCluster
 
 from fleet.db import MetadataDB, RoundLost
 from fleet.store import EpisodeStore
@@ -82,9 +83,9 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------- the queue itself
-def test_queue_transitions(base: tuple[Path, Path], tmp_path: Path) -> None:
+def test_queue_transitions(base: tuple[Path, Path], tmp_path: Path, db_url: str) -> None:
     store, ckpt = base
-    db = MetadataDB(f"sqlite:///{tmp_path / 'q.db'}")
+    db = MetadataDB(db_url)
     a, b = (queue_round(_round(store, ckpt, tmp_path), db) for _ in range(2))
     assert [r.status for r in db.rounds()] == ["queued", "queued"]
     ra = db.claim_round("w1")
@@ -121,9 +122,9 @@ def _claim_all(url: str, worker: str, out: Any) -> None:
     out.put(got)
 
 
-def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_path: Path) -> None:
+def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_path: Path, db_url: str) -> None:
     store, ckpt = base
-    url = f"sqlite:///{tmp_path / 'q.db'}"
+    url = db_url  # on PostgreSQL, FOR UPDATE SKIP LOCKED does the work
     db = MetadataDB(url)
     ids = [queue_round(_round(store, ckpt, tmp_path), db) for _ in range(24)]
     ctx = mp.get_context("spawn")
@@ -137,6 +138,63 @@ def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_pat
     flat = [i for got in claimed for i in got]
     assert sorted(flat) == ids, claimed  # every round exactly once
     assert all(r.attempts == 1 for r in db.rounds())
+
+
+def _fake_round_worker(url: str, store: str, worker: str, go: Any, out: Any) -> None:
+    """The real worker loop (:func:`run_worker`: re-queue stale rounds, claim, run, repeat) with each
+    round's work faked (heartbeat, a short sleep, succeeded): many workers, no training."""
+    import vla_rl.round_worker as rw
+
+    def run_claimed(db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float) -> str:
+        db.heartbeat_round(round_id, w, progress={"phase": "training"})
+        time.sleep(0.3)
+        db.update_round(round_id, status="succeeded", metrics={"ran_by": w}, finished_at=time.time())
+        return "succeeded"
+
+    rw.run_claimed = run_claimed
+    go.wait(120)
+    n = rw.run_worker(rw.WorkerConfig(store=Path(store), db_url=url, once=True, heartbeat_s=1), worker)
+    out.put((worker, n))
+
+
+def test_three_workers_run_six_queued_rounds_each_once(
+    base: tuple[Path, Path], tmp_path: Path, db_url: str
+) -> None:
+    store, ckpt = base
+    db = MetadataDB(db_url)
+    ids = [queue_round(_round(store, ckpt, tmp_path), db) for _ in range(6)]
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Barrier(3)
+    procs = [
+        ctx.Process(target=_fake_round_worker, args=(db_url, str(store), f"w{i}", go, out)) for i in range(3)
+    ]
+    for p in procs:
+        p.start()
+    ran = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert sum(ran.values()) == 6, ran
+    done = [db.round(i) for i in ids]
+    assert all(r.status == "succeeded" and r.attempts == 1 for r in done), done
+    assert all(r.metrics["ran_by"] == r.worker for r in done)  # run by the worker that claimed it
+    by_worker = {w: sum(r.worker == w for r in done) for w in ran}
+    assert by_worker == ran
+
+
+def test_a_real_worker_runs_a_round_from_postgresql(
+    base: tuple[Path, Path], tmp_path: Path, pg: PostgresCluster
+) -> None:
+    store, ckpt = base
+    url = pg.create_database()
+    db = MetadataDB(url)
+    rid = queue_round(_round(store, ckpt, tmp_path / "rounds"), db)
+    w = _worker(store, "--once", "--db-url", url, "--heartbeat-s", "1", "--stale-after-s", "30")
+    log = w.communicate(timeout=600)[0]
+    assert w.returncode == 0, log
+    rec = db.round(rid)
+    assert rec.status == "succeeded" and rec.attempts == 1 and rec.worker, (rec.status, rec.error, log)
+    assert Path(rec.checkpoint_ref).is_dir() and f"round-{rid}" in rec.checkpoint_ref
+    assert "ran 1" in log and url.rsplit("/", 1)[1] in log  # it says which DB it worked from
 
 
 # ---------------------------------------------------------------------------- workers

@@ -107,9 +107,9 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
     assert [r.id for r in db.rounds(task=TASK)][-2:] == [wrecked.id, ok.id]
 
 
-def test_failed_round_is_recorded(setup, tmp_path: Path) -> None:
+def test_failed_round_is_recorded(setup, tmp_path: Path, db_url: str) -> None:
     _hub, root, base = setup
-    db = MetadataDB.for_store(root)
+    db = MetadataDB.for_store(root) if db_url.startswith("sqlite") else MetadataDB(db_url)
     n = len(db.rounds())
     with pytest.raises(ValueError, match="colour: not a AWRConfig field"):
         _cfg(root, base, tmp_path, overrides={"colour": "red"})  # refused before a round exists

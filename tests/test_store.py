@@ -363,10 +363,10 @@ def test_uncommitted_trailing_rows_are_ignored(tmp_path: Path, caplog: pytest.Lo
 
 
 # ---------------------------------------------------------------------- concurrency
-def test_concurrent_writers_of_different_episodes(tmp_path: Path) -> None:
+def test_concurrent_writers_of_different_episodes(tmp_path: Path, db_url: str) -> None:
     root = tmp_path / "store"
     EpisodeStore(root, create=True)
-    url = default_url(root)
+    url = default_url(root) if db_url.startswith("sqlite") else db_url
     seeds, n = [21, 22, 23], 400
     procs = [spawn_writer(root, s, n, chunk_len=32, db_url=url, wait_go=True) for s in seeds]
     try:
@@ -513,14 +513,16 @@ def test_verify_reports_damage(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- metadata DB
-def test_metadata_db_records_episodes_segments_labels(tmp_path: Path) -> None:
+def test_metadata_db_records_episodes_segments_labels(tmp_path: Path, db_url: str) -> None:
     root = tmp_path / "store"
     EpisodeStore(root, create=True)
-    db = MetadataDB.for_store(root)
+    sqlite = db_url.startswith("sqlite")
+    db = MetadataDB.for_store(root) if sqlite else MetadataDB(db_url)
     store = EpisodeStore(root, db=db)
-    assert (root / "metadata.db").exists()
-    with db.engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    if sqlite:
+        assert (root / "metadata.db").exists()
+        with db.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     frames = make_frames(30, seed=6)
     w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="ep-a")
     rec = db.episode("ep-a")

@@ -209,8 +209,8 @@ def test_selection_parse_errors() -> None:
     assert sel.since is not None and sel.since > 1.7e9
 
 
-def test_label_selection(tmp_path) -> None:
-    db = MetadataDB.for_store(tmp_path / "store")
+def test_label_selection(tmp_path, db_url: str) -> None:
+    db = MetadataDB(db_url)
     store = EpisodeStore(tmp_path / "store", create=True, db=db)
     a = _record(store, "arm-1", True, "r")
     b = _record(store, "arm-1", True, "r")
