@@ -275,11 +275,16 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
             ] += 1
     assert got == collections.Counter((f["episode"], f["seq"], f["digest"]) for f in frames)
     assert n_interventions >= 1  # the weak policy needed help
-    for rec in episodes.values():  # the alarm fired on the first chunk, before any action of the policy
-        assert rec["segments"][1]["start"] == 0 and rec["segments"][1]["reason"].startswith(
-            "uncertainty: CUSUM"
-        )
-    assert all(s.reasons["uncertainty"] >= 1 for s in result.robots.values())
+    # the alarm fired on the first chunk; it waits (pending) while the one operator drives the other robot
+    alarms = [
+        g
+        for rec in episodes.values()
+        for g in rec["segments"]
+        if g.get("reason", "").startswith("uncertainty")
+    ]
+    assert alarms and all(g["reason"].startswith("uncertainty: CUSUM") for g in alarms)
+    assert sum(s.reasons["uncertainty"] for s in result.robots.values()) == len(alarms)
+    assert any(g["start"] == 0 for g in alarms)  # the robot holding the seat: before its first action
     info = store.info()["robots"]
     for rid, s in result.robots.items():
         assert info[rid]["intervention_rate"] == pytest.approx(s.intervention_rate)
