@@ -154,6 +154,12 @@ class ActResult:
     n_exec: int
     model_id: str
     request_id: str
+    uncertainty: float = float("nan")
+    """The chunk's uncertainty from its own denoising path (higher = less sure; flow_vla: the ``accel``
+    score, algorithms.md 6a); NaN when the model cannot score its chunks (LeRobot policies) or the server
+    predates the field."""
+    uncertainty_kind: str = ""
+    """What :attr:`uncertainty` is ("accel"); "" when it is not available."""
 
 
 def build_request(
@@ -199,6 +205,8 @@ def parse_response(resp: pb.ActResponse, t0: int) -> ActResult:
         n_exec=resp.n_exec,
         model_id=resp.model_id,
         request_id=resp.request_id,
+        uncertainty=resp.uncertainty if resp.HasField("uncertainty") else float("nan"),
+        uncertainty_kind=resp.uncertainty_kind if resp.HasField("uncertainty") else "",
     )
 
 

@@ -293,6 +293,14 @@ class ServedModel(Protocol):
         noise: np.ndarray | None,
     ) -> np.ndarray: ...
 
+    # Optional: ``infer_scored(...) -> (actions [B, H, A], uncertainty float32 [B])`` from the same pass,
+    # with ``uncertainty_kind`` naming the score. A model without it replies with no uncertainty.
+
+
+UNCERTAINTY_KIND = "accel"
+"""The score flow_vla replies carry: :func:`policies.flow_vla.uncertainty.accel_score` of the executed
+window's ODE iterates, default prefix (round(K / 2) steps), on normalised actions (no extra dim_scale)."""
+
 
 class FlowVLAModel:
     """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`."""
@@ -307,6 +315,7 @@ class FlowVLAModel:
     policy_type = property(lambda self: self.loaded.info.policy_type)
     device = property(lambda self: self.loaded.policy.device)
     noise_shape = property(lambda self: (self.loaded.chunk_len, self.loaded.spec.action_dim))
+    uncertainty_kind = UNCERTAINTY_KIND
 
     def infer(
         self,
@@ -315,6 +324,21 @@ class FlowVLAModel:
         instructions: list[str],
         noise: np.ndarray | None,
     ) -> np.ndarray:
+        return self.infer_scored(states, cameras, instructions, noise)[0]
+
+    def infer_scored(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Env-unit chunks [B, H, A] and their ``accel`` uncertainty [B], from one ODE sample per row.
+
+        The same computation as ``policy.predict_action_chunk`` (Euler ODE from ``noise``, clipped to the
+        data range under min-max normalisation, unnormalised), keeping the K + 1 Euler iterates the loop
+        computes anyway: the score costs no forward pass, only a few vector norms over them.
+        """
         policy = self.loaded.policy
         device = policy.device
         with torch.inference_mode():
@@ -323,12 +347,20 @@ class FlowVLAModel:
                 "cameras": {k: torch.from_numpy(v).to(device) for k, v in cameras.items()},
                 "instruction": instructions,
             }
-            out = policy.predict_action_chunk(
+            s = policy.sample(
                 obs,
+                method="ode",
                 num_steps=self.loaded.num_steps,
-                noise=None if noise is None else torch.from_numpy(noise).to(device),
+                noise=None if noise is None else torch.from_numpy(noise).to(device)[:, None],
+                return_iterates=True,
             )
-            return out.float().cpu().numpy()
+            a = s.actions[:, 0]
+            if policy.config.action_norm == "min_max":
+                a = a.clamp(-1.0, 1.0)
+            actions = policy.normalizer.unnormalize_action(a)
+            assert s.iterates is not None
+            score = policy.accel(s.iterates[:, 0].float())
+            return actions.float().cpu().numpy(), score.float().cpu().numpy()
 
 
 class ServedVersion:
@@ -377,6 +409,30 @@ class ServedVersion:
         (None for a model that takes none)."""
         return self.model.infer(states, cameras, instructions, noise)
 
+    @property
+    def uncertainty_kind(self) -> str:
+        """What the replies' ``uncertainty`` is ("accel" for flow_vla); "" = the model cannot score chunks."""
+        return str(getattr(self.model, "uncertainty_kind", "")) if self._scorer() is not None else ""
+
+    def _scorer(self) -> Callable[..., tuple[np.ndarray, np.ndarray]] | None:
+        return getattr(self.model, "infer_scored", None)
+
+    def infer_scored(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`infer` plus each chunk's uncertainty (float32 [B], from the same pass); NaN when the
+        model cannot score its chunks (a LeRobot policy): the replies then carry no uncertainty."""
+        scorer = self._scorer()
+        if scorer is None:
+            actions = self.infer(states, cameras, instructions, noise)
+            return actions, np.full(len(actions), np.nan, np.float32)
+        actions, score = scorer(states, cameras, instructions, noise)
+        return actions, np.asarray(score, np.float32).reshape(len(actions))
+
     def warm_up(self) -> None:
         """One forward pass on a blank observation: fails early (and off the serving path) on a broken
         model, and pays one-time costs (allocator, kernels) before the first robot does."""
@@ -417,6 +473,8 @@ class _Result:
     batch_size: int
     queue_us: int
     inference_us: int
+    uncertainty: float = float("nan")  # NaN = not available
+    uncertainty_kind: str = ""
 
 
 class ModelSlot:
@@ -648,7 +706,7 @@ class ModelSlot:
             states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
             t0 = time.perf_counter_ns()
-            actions = version.infer(states, cams, [it.instruction for it in live], noise)
+            actions, scores = version.infer_scored(states, cams, [it.instruction for it in live], noise)
             infer_us = (time.perf_counter_ns() - t0) // 1000
             want = (len(live), version.chunk_len, version.action_dim)
             if actions.shape != want:
@@ -656,6 +714,7 @@ class ModelSlot:
                     grpc.StatusCode.INTERNAL,
                     f"inference failed: expected actions {list(want)}, got {list(actions.shape)}",
                 )
+            kind = version.uncertainty_kind
             finite = np.isfinite(actions.reshape(len(live), -1)).all(axis=1)
         except Exception as e:  # every waiting request must get an answer
             err = (
@@ -688,6 +747,8 @@ class ModelSlot:
                     batch_size=len(live),
                     queue_us=(start_ns - it.enqueued_ns) // 1000,
                     inference_us=infer_us,
+                    uncertainty=float(scores[i]),
+                    uncertainty_kind=kind if np.isfinite(scores[i]) else "",
                 )
             )
 
@@ -808,7 +869,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             item.future.cancel()
             raise
         total_us = (time.perf_counter_ns() - t0) // 1000
-        return pb.ActResponse(
+        reply = pb.ActResponse(
             request_id=req.request_id,
             model_id=slot.model_id,
             actions=to_tensor(res.actions),
@@ -821,6 +882,10 @@ class _Service(pb_grpc.PolicyServiceServicer):
             explicit_noise=item.noise is not None,
             n_exec=res.n_exec,
         )
+        if res.uncertainty_kind:  # unset = not available (the field is optional)
+            reply.uncertainty = res.uncertainty
+            reply.uncertainty_kind = res.uncertainty_kind
+        return reply
 
     async def Act(self, request: pb.ActRequest, context: grpc.aio.ServicerContext) -> pb.ActResponse:
         try:

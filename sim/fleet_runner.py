@@ -2,7 +2,8 @@
 
 * :func:`run_sim_fleet` (``vla-rl fleet sim``): N simulated robots, one process each, acting through the
   policy server (receding horizon over a ``StreamAct`` stream), watched by a shared
-  :class:`~sim.operator.SimulatedOperator` that takes over when the policy stalls or drifts, and
+  :class:`~sim.operator.SimulatedOperator` that takes over when the policy stalls or drifts (or, with
+  the alarm on, when the CUSUM of the uncertainty the server returns with every chunk fires), and
   streaming every frame, segment and outcome to the collector through :class:`~fleet.robot_client.RobotClient`.
   Episode outcomes and intervention rates are reported live, per robot.
 * :func:`synthetic_robot_main`: a robot without a simulator that streams deterministic frames (smooth
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
+from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl import console
 
 log = logging.getLogger("vla_rl.fleet")
@@ -301,6 +302,13 @@ class EpisodeReport:
     busy_waits: int = 0
 
 
+def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> None:
+    """A change of control at step ``t``: a new segment in the stream and in the robot's record."""
+    kind, ctrl = ("intervention", 1) if ev.kind == "takeover" else ("autonomous", 0)
+    client.begin_segment(kind, ctrl, reason=ev.reason)
+    segments.append({"start": t, "kind": kind, "controller": ctrl, "reason": ev.reason})
+
+
 def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
     """Process entry point: run episodes through the policy server, stream them, report each episode."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -345,25 +353,24 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
             while not (terminated or truncated):
                 ev = operator.observe(t, info["privileged"], float(info["dense_reward"]))
                 if ev is not None:
-                    kind, ctrl = ("intervention", 1) if ev.kind == "takeover" else ("autonomous", 0)
-                    client.begin_segment(kind, ctrl, reason=ev.reason)
-                    segments.append({"start": t, "kind": kind, "controller": ctrl, "reason": ev.reason})
+                    _switch(client, segments, ev, t)
                     chunk = None
+                if not operator.driving and (chunk is None or k >= n_exec):
+                    res = stream.act(
+                        {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]},
+                        seed=seed * 1000 + t,
+                    )
+                    chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
+                    ev = operator.observe_chunk(t, res.uncertainty)  # the uncertainty alarm, if on
+                    if ev is not None:  # the robot asks for help instead of executing this chunk
+                        _switch(client, segments, ev, t)
+                        chunk = None
                 if operator.driving:
                     action = operator.act(info["privileged"])
                     proposed = np.full(env.spec.action_dim, np.nan, np.float32)
                     ctrl, revision = 1, ""
                 else:
-                    if chunk is None or k >= n_exec:
-                        res = stream.act(
-                            {
-                                "state": obs["state"],
-                                "cameras": obs["cameras"],
-                                "instruction": obs["instruction"],
-                            },
-                            seed=seed * 1000 + t,
-                        )
-                        chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
+                    assert chunk is not None
                     proposed = np.asarray(chunk[k], np.float32)
                     k += 1
                     action = np.clip(proposed, -1.0, 1.0).astype(np.float32)

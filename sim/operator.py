@@ -9,7 +9,15 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
 
 * **stall**: the dense reward has not beaten its best by ``progress_eps`` for ``stall_steps`` steps;
 * **drift**: the gripper is more than ``drift_radius`` metres from the object (it left the workspace);
-* **spot check**: with probability ``spot_check_prob`` per step, at random.
+* **spot check**: with probability ``spot_check_prob`` per step, at random;
+* **uncertainty** (off by default): a one-sided CUSUM over the policy's per-chunk uncertainty (the
+  ``accel`` score the policy server returns with every chunk, algorithms.md 6a) crosses ``uncertainty_h``.
+  Each new chunk's score x is standardised with reference statistics, ``z = (x - uncertainty_mean) /
+  uncertainty_std``, and accumulated as ``S = max(0, S + z - uncertainty_k)``; the alarm fires when
+  ``S > uncertainty_h``, before the chunk is executed (:meth:`SimulatedOperator.observe_chunk`). The
+  statistics and ``h`` come from held-out *successful* episodes (:func:`calibrate_cusum`: split conformal
+  on their peak CUSUM); S restarts at 0 each episode and after each handback. Scores that are not
+  available (NaN: a LeRobot policy) leave S unchanged.
 
 A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
 which keeps it at least ``min_autonomous_steps``. The operator works within a budget per episode: at most
@@ -21,7 +29,9 @@ on the next step, like a robot waiting for the one teleoperator watching many.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,6 +63,14 @@ class OperatorRules:
     """Share of the episode's step limit under operator control at most."""
     noise: float = 0.0
     """The operator's own sloppiness (expert noise)."""
+    uncertainty_h: float = 0.0
+    """CUSUM alarm threshold on standardised per-chunk uncertainty, in reference stds (0 = alarm off)."""
+    uncertainty_k: float = 0.25
+    """CUSUM allowance (slack) per chunk, in reference stds (the reference recipe: 0.25)."""
+    uncertainty_mean: float = 0.0
+    """Reference mean of per-chunk scores (from held-out successful episodes)."""
+    uncertainty_std: float = 1.0
+    """Reference std of per-chunk scores (> 0)."""
 
     def __post_init__(self) -> None:
         for name in ("stall_steps", "drive_steps", "min_autonomous_steps", "max_takeovers"):
@@ -64,9 +82,82 @@ class OperatorRules:
             raise ValueError(f"spot_check_prob: expected a value in [0, 1], got {self.spot_check_prob}")
         if self.drift_radius < 0 or self.progress_eps < 0:
             raise ValueError("drift_radius and progress_eps: expected >= 0")
+        for name in ("uncertainty_h", "uncertainty_k", "uncertainty_mean"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: expected a finite number, got {getattr(self, name)}")
+        if self.uncertainty_h < 0 or self.uncertainty_k < 0:
+            raise ValueError("uncertainty_h and uncertainty_k: expected >= 0")
+        if not (math.isfinite(self.uncertainty_std) and self.uncertainty_std > 0):
+            raise ValueError(f"uncertainty_std: expected a finite number > 0, got {self.uncertainty_std}")
+
+    @property
+    def uncertainty_alarm(self) -> bool:
+        return self.uncertainty_h > 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ CUSUM
+def cusum_step(s: float, score: float, mean: float, std: float, k: float) -> float:
+    """One CUSUM update ``max(0, s + (score - mean) / std - k)``; a non-finite score leaves ``s``."""
+    if not math.isfinite(score):
+        return s
+    return max(0.0, s + (score - mean) / std - k)
+
+
+def cusum_path(scores: Iterable[float], mean: float, std: float, k: float) -> np.ndarray:
+    """``S_1..S_n`` over one episode's per-chunk scores, from ``S_0 = 0``."""
+    out, s = [], 0.0
+    for x in scores:
+        s = cusum_step(s, float(x), mean, std, k)
+        out.append(s)
+    return np.asarray(out, np.float64)
+
+
+def first_alarm(scores: Sequence[float], rules: OperatorRules) -> int | None:
+    """Index of the first chunk whose CUSUM exceeds ``rules.uncertainty_h`` (None: no alarm / alarm off)."""
+    if not rules.uncertainty_alarm:
+        return None
+    path = cusum_path(scores, rules.uncertainty_mean, rules.uncertainty_std, rules.uncertainty_k)
+    hits = np.flatnonzero(path > rules.uncertainty_h)
+    return int(hits[0]) if hits.size else None
+
+
+def calibrate_cusum(
+    episodes: Sequence[Sequence[float]], *, alpha: float = 0.1, k: float = 0.25
+) -> dict[str, float]:
+    """OperatorRules fields for the uncertainty alarm from held-out *successful* episodes' per-chunk scores.
+
+    ``uncertainty_mean`` / ``uncertainty_std``: mean and std of every calibration chunk's score (pooled);
+    ``uncertainty_h``: split conformal on the M episodes' peak CUSUM, the r-th smallest with
+    ``r = ceil((M + 1)(1 - alpha))`` (algorithms.md 6a: alpha = 0.1, the 46th of 50), so a new successful
+    episode alarms with probability at most alpha (exchangeability). Needs ``M >= 1 / alpha - 1``.
+    Use as ``OperatorRules(**calibrate_cusum(...), ...)``.
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha: expected a value in (0, 1), got {alpha}")
+    eps = [np.asarray(e, np.float64) for e in episodes]
+    eps = [e[np.isfinite(e)] for e in eps]
+    eps = [e for e in eps if e.size]
+    m = len(eps)
+    r = math.ceil((m + 1) * (1 - alpha))
+    if m == 0 or r > m:
+        raise ValueError(
+            f"calibrate_cusum: {m} scored episodes cannot give a conformal threshold at alpha={alpha} "
+            f"(need at least {math.ceil(1 / alpha - 1)})"
+        )
+    pooled = np.concatenate(eps)
+    mean, std = float(pooled.mean()), float(pooled.std())
+    std = std if std > 0 else 1.0
+    peaks = np.sort([float(cusum_path(e, mean, std, k).max()) for e in eps])
+    h = float(peaks[r - 1])
+    return {
+        "uncertainty_mean": mean,
+        "uncertainty_std": std,
+        "uncertainty_k": float(k),
+        "uncertainty_h": max(h, 1e-6),  # 0 would mean "off"; a zero peak threshold alarms on any excess
+    }
 
 
 class OperatorDesk:
@@ -132,6 +223,8 @@ class SimulatedOperator:
         self.last_progress = 0
         self.since_handback = 10**9
         self.reasons: list[str] = []
+        self.cusum = 0.0  # the uncertainty CUSUM S over the chunks the policy produced
+        self.scores: list[float] = []  # per-chunk uncertainty seen this episode (for reports)
 
     @property
     def budget_steps(self) -> int:
@@ -151,18 +244,45 @@ class SimulatedOperator:
             self.best = dense_reward
             self.last_progress = t
         reason = None
-        target = priv.get("obj_pos", priv.get("goal_pos"))  # tasks without an object: its goal
-        dist = (
-            float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(target)))
-            if target is not None
-            else 0.0
-        )
+        dist = self._drift(priv) if r.drift_radius else 0.0
         if r.drift_radius and dist > r.drift_radius:
             reason = f"drift: gripper {dist:.2f} m from the object (> {r.drift_radius:g})"
         elif r.stall_steps and t - self.last_progress >= r.stall_steps:
             reason = f"stall: no progress for {t - self.last_progress} steps"
+        elif self._alarm():  # an alarm the operator could not answer yet (busy desk, too soon)
+            reason = self._alarm_reason()
         elif r.spot_check_prob and self.rng.random() < r.spot_check_prob:
             reason = "spot check"
+        return self._take_over(reason)
+
+    def observe_chunk(self, t: int, uncertainty: float) -> Event | None:
+        """The policy produced a new chunk at step ``t`` with this uncertainty (NaN = not available):
+        update the CUSUM; a takeover (reason ``uncertainty: ...``) when the alarm fires, before the chunk
+        is executed. Call only while the policy is in control, after :meth:`observe` of the same step."""
+        if self.driving:
+            return None
+        x = float(uncertainty)
+        self.scores.append(x)
+        r = self.rules
+        if not r.uncertainty_alarm:
+            return None
+        self.cusum = cusum_step(self.cusum, x, r.uncertainty_mean, r.uncertainty_std, r.uncertainty_k)
+        return self._take_over(self._alarm_reason() if self._alarm() else None)
+
+    def _alarm(self) -> bool:
+        return self.rules.uncertainty_alarm and self.cusum > self.rules.uncertainty_h
+
+    def _alarm_reason(self) -> str:
+        return f"uncertainty: CUSUM {self.cusum:.2f} > {self.rules.uncertainty_h:.2f}"
+
+    @staticmethod
+    def _drift(priv: Privileged) -> float:
+        """Gripper to object distance (to the goal point on tasks without an object: kinematic Reach)."""
+        target = priv["obj_pos"] if "obj_pos" in priv else priv["goal_pos"]
+        return float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(target)))
+
+    def _take_over(self, reason: str | None) -> Event | None:
+        r = self.rules
         if reason is None or self.since_handback < r.min_autonomous_steps:
             return None
         if self.takeovers >= r.max_takeovers or self.human_steps >= self.budget_steps:
@@ -193,6 +313,7 @@ class SimulatedOperator:
         self.since_handback = 0
         self.best = dense_reward  # judge the policy from where the operator left it
         self.last_progress = t
+        self.cusum = 0.0  # and its uncertainty from here on
         return Event("handback", reason)
 
     def _release(self) -> None:

@@ -185,6 +185,7 @@ def test_serves_act_like_lerobot_does(
             obs = make_obs(rng)
             r = c.act(obs, seed=3)
             assert r.actions.shape == (6, 3) and r.model_id == "act"
+            assert np.isnan(r.uncertainty) and r.uncertainty_kind == ""  # LeRobot: not available
             np.testing.assert_allclose(r.actions, lerobot_act_reference(lerobot_server, obs), atol=1e-4)
         # post-processing really ran: un-normalised actions are centred on the action mean, not on 0
         assert abs(float(r.actions[:, 0].mean()) - 1.0) < abs(float(r.actions[:, 0].mean()))

@@ -476,6 +476,32 @@ def test_accel_is_zero_for_straight_paths_and_positive_for_curved() -> None:
     assert policy.accel(out.iterates).shape == (2, 3)
 
 
+def test_accel_matches_a_hand_loop_and_scores_the_executed_sample() -> None:
+    """accel_p = p * sum_{t=1}^{p-1} ||v_t - v_{t-1}|| / sum_{t=0}^{p-1} ||v_t|| over the executed window."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    it = torch.randn(2, 11, 4, 3, generator=g, dtype=torch.float64)  # [B, K + 1, H, A]
+    scale = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    for n_exec, p, dim_scale in ((2, None, None), (3, 4, scale), (4, 10, None)):
+        got = accel_score(it, n_exec=n_exec, prefix_steps=p, dim_scale=dim_scale)
+        for b in range(2):
+            x = it[b, :, :n_exec].numpy()
+            if dim_scale is not None:
+                x = x / dim_scale.numpy()
+            x = x.reshape(11, -1)
+            pp = 5 if p is None else p  # default: round(K / 2) with K = 10
+            v = [x[t + 1] - x[t] for t in range(pp)]
+            num = sum(np.linalg.norm(v[t] - v[t - 1]) for t in range(1, pp))
+            den = sum(np.linalg.norm(v[t]) for t in range(pp))
+            assert got[b].item() == pytest.approx(pp * num / (den + 1e-8), rel=1e-9)
+    # the iterates a sample returns are its own Euler path: the last one is the chunk
+    policy = FlowVLAPolicy(tiny_config())
+    out = policy.sample(tiny_obs(policy.config, 2), return_iterates=True)
+    assert out.iterates is not None
+    torch.testing.assert_close(out.iterates[:, :, -1], out.actions, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- weights IO
 def test_state_dict_round_trips_through_safetensors_bit_exact(tmp_path: Path) -> None:
     cfg = tiny_config(cameras=(CameraSpec("cam", 16, 16),), instruction_encoder="minilm")

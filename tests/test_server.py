@@ -21,6 +21,7 @@ import torch
 from tolerances import RECOMPUTED_ATOL
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from policies.flow_vla.uncertainty import accel_score
 from server.client import PolicyClient, PolicyError, build_request
 from server.codec import encode_image, to_tensor
 from server.policy_server import PolicyServer, ServedVersion, initial_noise
@@ -394,6 +395,93 @@ def test_batching_batches_and_matches_unbatched(
             np.testing.assert_allclose(results[i].actions, single.actions, atol=RECOMPUTED_ATOL)
 
 
+# ---------------------------------------------------------------------------------------------- uncertainty
+def local_accel(version: ServedVersion, obs: dict[str, Any], seed: int) -> float:
+    """The `accel` score of the same seed and observation, computed here from the policy's own sampler."""
+    loaded = version.model.loaded  # type: ignore[attr-defined]
+    policy = loaded.policy
+    batch = {
+        "state": torch.from_numpy(obs["state"][None]),
+        "cameras": {k: torch.from_numpy(v[None]) for k, v in obs["cameras"].items()},
+        "instruction": [SPEC.instruction],
+    }
+    noise = torch.from_numpy(initial_noise(seed, H, A))[None, None]
+    with torch.no_grad():
+        s = policy.sample(batch, num_steps=loaded.num_steps, noise=noise, return_iterates=True)
+    with torch.no_grad():  # keeping the iterates changes nothing: the served chunk is predict_action_chunk's
+        chunk = policy.predict_action_chunk(batch, num_steps=loaded.num_steps, noise=noise[:, 0])
+    np.testing.assert_array_equal(expected(version, obs, seed), chunk[0].numpy())
+    return float(accel_score(s.iterates[:, 0], n_exec=policy.config.n_exec).item())
+
+
+def test_uncertainty_rides_with_every_chunk(
+    server: PolicyServer, client: PolicyClient, reference: dict[str, ServedVersion]
+) -> None:
+    rng = np.random.default_rng(21)
+    work = [(make_obs(rng), int(rng.integers(1 << 31))) for _ in range(12)]
+    want = [local_accel(reference["a"], o, seed) for o, seed in work]
+    assert len({round(w, 6) for w in want}) == len(want), "the score must depend on the observation and seed"
+    unary = client.act(work[0][0], seed=work[0][1])
+    assert unary.uncertainty_kind == "accel"
+    np.testing.assert_allclose(unary.uncertainty, want[0], atol=RECOMPUTED_ATOL)
+    with client.stream() as st:
+        streamed = [st.act(o, seed=seed) for o, seed in work[:3]]
+    for r, w in zip(streamed, want, strict=False):
+        assert r.uncertainty_kind == "accel"
+        np.testing.assert_allclose(r.uncertainty, w, atol=RECOMPUTED_ATOL)
+    # batched with other robots' requests: each row's score is its own chunk's
+    results: dict[int, Any] = {}
+    barrier = threading.Barrier(4)
+
+    def robot(k: int) -> None:
+        with PolicyClient(server.address, timeout_s=30, model_id="arm") as c:
+            barrier.wait()
+            for i in range(k, len(work), 4):
+                results[i] = c.act(work[i][0], seed=work[i][1])
+
+    threads = [threading.Thread(target=robot, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == len(work) and max(r.batch_size for r in results.values()) > 1
+    for i, w in enumerate(want):
+        np.testing.assert_allclose(results[i].uncertainty, w, atol=RECOMPUTED_ATOL)
+
+
+def test_uncertainty_is_absent_for_models_that_cannot_score(
+    server: PolicyServer, client: PolicyClient, reference: dict[str, ServedVersion]
+) -> None:
+    """A model without ``infer_scored`` (LeRobot policies) replies with the field unset: NaN, kind ""."""
+    from server.proto import policy_service_pb2_grpc as pb_grpc
+
+    slot = server.slots["arm"]
+    real = slot.active.model
+
+    class Unscored:  # the ServedModel protocol without infer_scored, as LeRobotModel
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            if name in ("infer_scored", "uncertainty_kind"):
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    obs = make_obs(np.random.default_rng(22))
+    slot.active.model = Unscored(real)  # type: ignore[assignment]
+    try:
+        r = client.act(obs, seed=3)
+        channel = grpc.insecure_channel(server.address)
+        raw = pb_grpc.PolicyServiceStub(channel).Act(build_request(obs, model_id="arm", seed=3), timeout=10)
+        channel.close()
+    finally:
+        slot.active.model = real
+    assert np.isnan(r.uncertainty) and r.uncertainty_kind == ""
+    assert not raw.HasField("uncertainty") and raw.uncertainty_kind == ""
+    np.testing.assert_allclose(r.actions, expected(reference["a"], obs, 3), atol=RECOMPUTED_ATOL)
+    assert client.act(obs, seed=3).uncertainty_kind == "accel"
+
+
 # ---------------------------------------------------------------------------------------------- swap
 def test_swap_under_load(ckpts: dict[str, Path], reference: dict[str, ServedVersion]) -> None:
     srv = start_server({"arm": ckpts["a"]}, max_batch=8, max_wait_us=2000)
@@ -533,13 +621,13 @@ def test_follow_a_moving_ref(
 def test_queue_full_and_expired_requests(ckpts: dict[str, Path]) -> None:
     srv = start_server({"arm": ckpts["a"]}, max_batch=1, max_wait_us=0, max_queue=1)
     slot = srv.slots["arm"]
-    fast_infer = slot.active.infer
+    fast_infer = slot.active.infer_scored  # what the batcher calls
 
-    def slow_infer(*args: Any, **kw: Any) -> np.ndarray:
+    def slow_infer(*args: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
         time.sleep(0.4)
         return fast_infer(*args, **kw)
 
-    slot.active.infer = slow_infer  # type: ignore[method-assign]
+    slot.active.infer_scored = slow_infer  # type: ignore[method-assign]
     obs = make_obs(np.random.default_rng(12))
     outcomes: list[Any] = []
 

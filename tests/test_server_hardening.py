@@ -587,18 +587,20 @@ def test_absurd_inputs_and_non_finite_actions_are_errors(server: PolicyServer) -
     )
 
     slot = server.slots["arm"]
-    real = slot.active.infer
+    real = slot.active.infer_scored  # what the batcher calls
 
-    def nan_for_odd_seeds(states: Any, cams: Any, instr: Any, noise: np.ndarray) -> np.ndarray:
-        out = real(states, cams, instr, noise)
+    def nan_for_odd_seeds(
+        states: Any, cams: Any, instr: Any, noise: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        out, score = real(states, cams, instr, noise)
         out[noise[:, 0, 0] < 0] = np.nan  # some rows non-finite, as a broken model would give
-        return out
+        return out, score
 
-    slot.active.infer = nan_for_odd_seeds  # type: ignore[method-assign]
+    slot.active.infer_scored = nan_for_odd_seeds  # type: ignore[method-assign]
     try:
         got = _stream(server.address, [with_noise(-1.0), with_noise(1.0)])
     finally:
-        slot.active.infer = real  # type: ignore[method-assign]
+        slot.active.infer_scored = real  # type: ignore[method-assign]
     assert got[0].error.code == SC.INTERNAL.value[0] and "NaN or inf" in got[0].error.message
     assert not got[1].HasField("error")
 

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_server import SPEC, TOKEN, H, expected, make_checkpoint, make_obs
+from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs
 from tolerances import RECOMPUTED_ATOL
 
 from server.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
@@ -80,6 +80,14 @@ def test_async_client_act_stream_info_and_errors(
                 again = await s.act(obs, seed=5)
             np.testing.assert_allclose(first.actions, expected(reference["a"], obs, 5), atol=RECOMPUTED_ATOL)
             np.testing.assert_allclose(again.actions, first.actions, atol=RECOMPUTED_ATOL)
+            # every chunk carries its uncertainty, unary and streamed, batched or not
+            assert first.uncertainty_kind == results[0].uncertainty_kind == "accel"
+            want = local_accel(reference["a"], obs, 5)
+            np.testing.assert_allclose([first.uncertainty, again.uncertainty], want, atol=RECOMPUTED_ATOL)
+            for k, (o, r) in enumerate(zip(obss, results, strict=True)):
+                np.testing.assert_allclose(
+                    r.uncertainty, local_accel(reference["a"], o, k), atol=RECOMPUTED_ATOL
+                )
             with pytest.raises(PolicyError) as err:
                 await c.act(obs, model_id="nope")
             assert err.value.code == SC.NOT_FOUND

@@ -21,7 +21,14 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
 from sim.base import ACTION_NAMES
 from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
-from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
+from sim.operator import (
+    OperatorDesk,
+    OperatorRules,
+    SimulatedOperator,
+    calibrate_cusum,
+    cusum_path,
+    first_alarm,
+)
 from sim.registry import resolve_task
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.cli import main
@@ -113,13 +120,103 @@ def test_operator_rules_budget_and_shared_desk() -> None:
         OperatorRules(max_fraction=2.0)
 
 
+# ------------------------------------------------------------------------------------------ uncertainty alarm
+def _reference_cusum(scores: list[float], mu0: float, sigma: float, k_sigma: float) -> list[float]:
+    """algorithms.md 6a in raw score units: S_t = max(0, S_{t-1} + x_t - mu0 - k), k = k_sigma * sigma."""
+    out, s = [], 0.0
+    for x in scores:
+        if x != x:  # NaN: not available
+            out.append(s / sigma)
+            continue
+        s = max(0.0, s + x - mu0 - k_sigma * sigma)
+        out.append(s / sigma)  # in sigma units, as OperatorRules.uncertainty_h
+    return out
+
+
+def test_uncertainty_cusum_and_calibration_match_an_independent_computation() -> None:
+    rng = np.random.default_rng(0)
+    scores = list(rng.gamma(2.0, 0.5, 40))
+    scores[7] = float("nan")
+    np.testing.assert_allclose(cusum_path(scores, 1.1, 0.7, 0.25), _reference_cusum(scores, 1.1, 0.7, 0.25))
+    # split conformal over M = 50 successful episodes at alpha = 0.1: the 46th smallest peak
+    episodes = [list(rng.gamma(2.0, 0.5, int(rng.integers(5, 30)))) for _ in range(50)]
+    cal = calibrate_cusum(episodes, alpha=0.1, k=0.25)
+    pooled = np.concatenate(episodes)
+    assert cal["uncertainty_mean"] == pytest.approx(pooled.mean())
+    assert cal["uncertainty_std"] == pytest.approx(pooled.std())
+    peaks = sorted(max(_reference_cusum(e, pooled.mean(), pooled.std(), 0.25)) for e in episodes)
+    assert cal["uncertainty_h"] == pytest.approx(peaks[45]) and cal["uncertainty_k"] == 0.25
+    rules = OperatorRules(**cal)
+    alarmed = [first_alarm(e, rules) is not None for e in episodes]
+    assert sum(alarmed) == sum(p > peaks[45] for p in peaks) <= 5  # at most alpha of them, by construction
+    with pytest.raises(ValueError, match="conformal"):
+        calibrate_cusum(episodes[:5], alpha=0.1)
+    with pytest.raises(ValueError, match="uncertainty_std"):
+        OperatorRules(uncertainty_std=0.0)
+    assert first_alarm(scores, OperatorRules()) is None  # off by default
+
+
+def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
+    near = _priv((0.0, 0.0, 0.1))
+    off = SimulatedOperator(TASK, OperatorRules(stall_steps=0))
+    off.reset(0, max_steps=50)
+    assert all(off.observe_chunk(t, 100.0) is None for t in range(10))  # alarm off by default
+    rules = OperatorRules(
+        stall_steps=0,
+        drive_steps=2,
+        min_autonomous_steps=1,
+        uncertainty_mean=1.0,
+        uncertainty_std=0.5,
+        uncertainty_k=0.5,
+        uncertainty_h=2.0,
+    )
+    desk = OperatorDesk(capacity=1)
+    op = SimulatedOperator(TASK, rules, desk)
+    op.reset(0, max_steps=50)
+    scores = [1.0, float("nan"), 1.5, 2.0, 2.0, 2.0]  # z = 0, -, 1, 2, 2, 2 -> S = 0, 0, 0.5, 2.0, 3.5
+    want = _reference_cusum(scores, 1.0, 0.5, 0.5)
+    events = []
+    for t, x in enumerate(scores[:5]):
+        assert op.observe(t, near, 0.5) is None
+        events.append(op.observe_chunk(t, x))
+        assert op.cusum == pytest.approx(want[t])
+    assert events[:4] == [None] * 4 and events[4] is not None
+    assert events[4].kind == "takeover" and events[4].reason == "uncertainty: CUSUM 3.50 > 2.00"
+    assert op.driving and op.reasons[-1].split(":")[0] == "uncertainty"
+    assert op.observe_chunk(5, 9.0) is None  # no chunks while the operator drives
+    op.act(near)
+    op.act(near)
+    ev = op.observe(5, near, 0.5)
+    assert ev is not None and ev.kind == "handback" and op.cusum == 0.0  # S restarts after a handback
+    # an alarm while the only seat is taken stays pending and is answered when the seat frees up
+    other = SimulatedOperator(TASK, OperatorRules(stall_steps=1, min_autonomous_steps=0), desk)
+    other.reset(1, max_steps=50)
+    assert other.observe(0, near, 0.5) is None and other.observe(1, near, 0.5) is not None  # seat taken
+    assert op.observe(6, near, 0.5) is None and op.observe_chunk(6, 5.0) is None  # S = 7.5 > 2, no seat
+    assert op.observe(7, near, 0.5) is None and desk.busy_waits >= 2
+    other.end_episode()
+    ev = op.observe(8, near, 0.5)
+    assert ev is not None and ev.kind == "takeover" and ev.reason.startswith("uncertainty")
+    op.reset(2, max_steps=50)
+    assert op.cusum == 0.0 and op.scores == [] and not op.driving
+
+
 # ------------------------------------------------------------------------------------------ the fleet
 def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
     server = PolicyServer({"push": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
     collector = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16).start()
     try:
-        rules = OperatorRules(stall_steps=4, drive_steps=5, max_takeovers=2, max_fraction=0.6)
+        # the uncertainty alarm on, with a threshold the random policy's first chunk crosses (its score
+        # rides with the chunk from the server): every episode starts with an "uncertainty" takeover
+        rules = OperatorRules(
+            stall_steps=4,
+            drive_steps=5,
+            max_takeovers=2,
+            max_fraction=0.6,
+            uncertainty_k=0.0,
+            uncertainty_h=1e-3,
+        )
         cfg = FleetConfig(
             robots=2,
             server=server.address,
@@ -178,6 +275,16 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
             ] += 1
     assert got == collections.Counter((f["episode"], f["seq"], f["digest"]) for f in frames)
     assert n_interventions >= 1  # the weak policy needed help
+    # the alarm fired on the first chunk; it waits (pending) while the one operator drives the other robot
+    alarms = [
+        g
+        for rec in episodes.values()
+        for g in rec["segments"]
+        if g.get("reason", "").startswith("uncertainty")
+    ]
+    assert alarms and all(g["reason"].startswith("uncertainty: CUSUM") for g in alarms)
+    assert sum(s.reasons["uncertainty"] for s in result.robots.values()) == len(alarms)
+    assert any(g["start"] == 0 for g in alarms)  # the robot holding the seat: before its first action
     info = store.info()["robots"]
     for rid, s in result.robots.items():
         assert info[rid]["intervention_rate"] == pytest.approx(s.intervention_rate)

@@ -89,7 +89,7 @@ class ActError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ActResponse(_message.Message):
-    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error")
+    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error", "uncertainty", "uncertainty_kind")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class ActResponse(_message.Message):
     EXPLICIT_NOISE_FIELD_NUMBER: _ClassVar[int]
     N_EXEC_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
+    UNCERTAINTY_KIND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     actions: Tensor
@@ -110,7 +112,9 @@ class ActResponse(_message.Message):
     explicit_noise: bool
     n_exec: int
     error: ActError
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ...) -> None: ...
+    uncertainty: float
+    uncertainty_kind: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ..., uncertainty: _Optional[float] = ..., uncertainty_kind: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("model_id",)
