@@ -1,4 +1,4 @@
-"""docker/: the compose file and the images hold together without a Docker engine (in-process, ~2 s).
+"""docker/: the compose file and the images hold together without a Docker engine (~5 s: two services start as subprocesses).
 
 There is no Docker engine on the development machines, so this checks what can be checked:
 
@@ -10,6 +10,9 @@ There is no Docker engine on the development machines, so this checks what can b
   uses the service's name and that port; the database URLs point at the postgres service;
 * every named volume and secret a service uses is declared at the top level, every ``--token-file`` is a
   mounted secret, and no token or password is written in the file;
+* the hub's and the collector's health checks pass against the real service (started here on loopback)
+  and fail once it stops; the policy server's is the collector's (the standard gRPC health service) on
+  its own port;
 * both Dockerfiles run scripts/setup.sh, COPY every top-level package folder plus requirements/ and
   scripts/, and end in a CMD that is a real command; .dockerignore keeps secrets and venvs out.
 """
@@ -275,3 +278,63 @@ def test_dockerignore_keeps_secrets_and_venvs_out() -> None:
     entries = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()}
     assert {".git", ".venv", "docker/secrets", "runs"} <= entries
     assert not entries & {*PACKAGES, "requirements", "scripts"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", ["hub", "collector"])
+def test_health_check_passes_against_the_real_service(name: str, tmp_path: Path) -> None:
+    """The health check's own command (python one-liner), run here against the service started on loopback."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    service = SERVICES[name]
+    cmd = words(service["command"])
+    port, new = flag_value(cmd, "--port"), str(free_port())
+    args = {
+        "hub": ["hub", "serve", "--data", str(tmp_path / "hub")],
+        "collector": ["collect", "--store", str(tmp_path / "s"), "--store-writers", "0"],
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("VLA_RL_HUB_TOKEN", "VLA_RL_COLLECTOR_TOKEN"):
+        env.pop(k, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vla_rl.cli", *args[name], "--port", new],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "python"
+    probe = [sys.executable, *(w.replace(f":{port}", f":{new}") for w in test[2:])]
+    try:
+        deadline, code = time.monotonic() + 90, 1
+        while time.monotonic() < deadline and proc.poll() is None:
+            code = subprocess.run(probe, capture_output=True, timeout=30).returncode
+            if code == 0:
+                break
+            time.sleep(0.5)
+        assert code == 0, (
+            f"{name}'s health check never passed: {proc.stderr.read().decode()[-2000:] if proc.poll() is not None else 'still failing'}"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    dead = [sys.executable, *(w.replace(f":{port}", f":{new}") for w in test[2:])]
+    assert subprocess.run(dead, capture_output=True, timeout=30).returncode != 0  # fails once it is down
+
+
+def test_policy_server_health_check_is_the_tested_grpc_probe() -> None:
+    """The policy server needs a checkpoint to start, so its probe is checked to be the collector's, tested above."""
+    collector, server = (SERVICES[n]["healthcheck"]["test"] for n in ("collector", "policy-server"))
+    port_c = flag_value(words(SERVICES["collector"]["command"]), "--port")
+    port_s = flag_value(words(SERVICES["policy-server"]["command"]), "--port")
+    assert server == [w.replace(f":{port_c}", f":{port_s}") for w in collector]
