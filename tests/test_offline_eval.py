@@ -110,3 +110,61 @@ def test_offline_subsample_is_seeded_and_held_out_is_the_most_recent(tmp_path: P
     assert held_out_episodes(ids, 2) == ids[-2:] and held_out_episodes(ids, 0) == ids[-1:]
     with pytest.raises(ValueError, match="episode_ids"):
         evaluate_offline(KnownPolicy(), store, [])
+
+
+@pytest.fixture(scope="module")
+def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An imported LeRobot dataset (LeRobot's own API; task "koch", no simulator) and an SFT base on it."""
+    from test_lerobot_io import record_style_dataset
+
+    from fleet.lerobot_io import import_lerobot
+    from vla_rl.train.sft import SFTConfig, train_sft
+
+    tmp = tmp_path_factory.mktemp("koch")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", str(tmp / "hf"))
+    try:
+        record_style_dataset(tmp / "lerobot")
+        import_lerobot(tmp / "lerobot", EpisodeStore(tmp / "store", create=True))
+    finally:
+        mp.undo()
+    sft = train_sft(
+        SFTConfig(
+            store=tmp / "store",
+            out=tmp / "sft",
+            steps=10,
+            batch_size=16,
+            chunk_len=4,
+            n_exec=2,
+            d_model=32,
+            checkpoint_every=10,
+            progress=False,
+        )
+    )
+    return tmp / "store", sft.checkpoint
+
+
+def test_round_on_imported_real_data_gates_on_offline_action_mse(koch, tmp_path: Path) -> None:
+    from fleet.db import MetadataDB
+    from vla_rl.checkpoint import read_info
+    from vla_rl.rounds import RoundConfig, start_round
+    from vla_rl.train.algorithms import make_config
+
+    store, base = koch
+    train = make_config("sft", base=str(base), store=store, out=tmp_path / "rounds", steps=20, batch_size=16)
+    train.progress = False
+    rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0))
+    m = rec.metrics
+    ids = EpisodeStore(store).episode_ids()
+    assert rec.status == "succeeded" and rec.task == "koch"
+    assert m["eval"] == "offline" and m["success"] is None and m["base_success"] is None
+    assert m["eval_episode_ids"] == ids[-1:]  # 4 episodes: the most recent fifth (at least one)
+    assert m["action_mse"] > 0 and m["base_action_mse"] > 0 and len(m["action_mse_per_dim"]) == 3
+    assert set(m["action_mse_per_task"]) == {"koch"} and m["val_loss"] is not None
+    passed = m["base_action_mse"] - m["action_mse"] > 0.0 * m["base_action_mse"]
+    assert m["gate"]["passed"] is passed and rec.promoted is False  # push=False: nothing to move
+    assert "offline action MSE" in m["gate"]["reason"]
+    info = read_info(rec.checkpoint_ref)
+    assert info.metrics["offline_action_mse"] == pytest.approx(m["action_mse"])
+    assert info.metrics["offline_eval_episode_ids"] == ids[-1:] and "success_rate" not in info.metrics
+    assert MetadataDB.for_store(store).rounds(task="koch")[-1].metrics["gate"] == m["gate"]
