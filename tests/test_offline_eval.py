@@ -4,6 +4,7 @@ independent per-frame computation; rounds on imported real data gate on it; `vla
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -168,3 +169,50 @@ def test_round_on_imported_real_data_gates_on_offline_action_mse(koch, tmp_path:
     assert info.metrics["offline_action_mse"] == pytest.approx(m["action_mse"])
     assert info.metrics["offline_eval_episode_ids"] == ids[-1:] and "success_rate" not in info.metrics
     assert MetadataDB.for_store(store).rounds(task="koch")[-1].metrics["gate"] == m["gate"]
+
+
+def test_eval_cli_offline_on_a_store(koch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vla_rl.cli import main
+    from vla_rl.policy_loading import load_policy
+
+    store, base = koch
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--checkpoint", str(base), "--store", str(store), "--episodes", "2", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "action dim" in text and "a[2]" in text and "koch" in text
+    res = json.loads(out.read_text())
+    ids = EpisodeStore(store).episode_ids()
+    assert res["episode_ids"] == ids[-2:] and res["frames"] == 40 and res["tasks"] == ["koch"]
+    direct = evaluate_offline(load_policy(base), EpisodeStore(store), ids[-2:], seed=100_000)
+    assert res["action_mse"] == pytest.approx(direct.action_mse, rel=1e-5)
+    # not a simulator task and no store: the error names --store
+    assert main(["eval", "--checkpoint", str(base)]) == 2
+    assert "--store" in capsys.readouterr().err
+
+
+def test_client_act_sends_a_recorded_observation(
+    koch, cli_server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from server.client import PolicyClient
+    from vla_rl.cli import main
+
+    store, base = koch
+    addr = cli_server("--checkpoint", str(base))
+    argv = ["client", "act", "--server", addr, "--from-store", str(store), "--timeout", "60"]
+    assert main([*argv, "--episode", "1", "--frame", "5", "--seed", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "chunk [4 x 3]" in text and "recorded observation" in text
+    ep = EpisodeStore(store).read_episode(EpisodeStore(store).episode_ids()[1])
+    obs = {"state": ep.state[5], "cameras": {k: v[5] for k, v in ep.cameras.items()}}
+    with PolicyClient(addr, timeout_s=60) as client:
+        want = client.act({**obs, "instruction": ep.meta.instruction}, seed=3).actions
+    with np.printoptions(precision=3, suppress=True):
+        assert str(want) in text  # the same observation as sent directly
+    eid = ep.meta.episode_id
+    assert main([*argv, "--episode", eid, "--frame", "0"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--episode", "nope"]) == 2
+    assert "--episode nope" in capsys.readouterr().err
+    assert main([*argv, "--episode", eid, "--frame", "20"]) == 2
+    assert "--frame 20" in capsys.readouterr().err

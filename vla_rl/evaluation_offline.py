@@ -67,6 +67,17 @@ class OfflineEvalResult:
         return "\n".join(lines)
 
 
+def is_sim_task(task: str) -> bool:
+    """Whether ``task`` names a simulator task (else evaluation has to be offline, on recorded episodes)."""
+    from sim.registry import resolve_task
+
+    try:
+        resolve_task(task)
+    except ValueError:
+        return False
+    return True
+
+
 def action_normalizer(policy: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """(offset, scale) of the policy's action normalisation, or None for the identity."""
     norm = getattr(getattr(policy, "policy", None), "normalizer", None)

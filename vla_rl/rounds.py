@@ -32,7 +32,7 @@ from typing import Any
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url
 from vla_rl.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.evaluation import evaluate
-from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes
+from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.algorithms import make_config, train
@@ -123,17 +123,6 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
         ):
             return {"success": rm["base_success"], "ci95": rm.get("base_ci95"), "source": f"round {r.id}"}
     return None
-
-
-def _is_sim_task(task: str) -> bool:
-    """Whether ``task`` names a simulator task (else the round evaluates offline on recorded episodes)."""
-    from sim.registry import resolve_task
-
-    try:
-        resolve_task(task)
-    except ValueError:
-        return False
-    return True
 
 
 def _sim_gate(
@@ -346,7 +335,7 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         # evaluate base and candidate on the same seeds (simulation) or the same held-out episodes (offline)
         _phase(db, round_id, worker, "evaluating")
         new = load_policy(trained.checkpoint)
-        if _is_sim_task(task):
+        if is_sim_task(task):
             metrics, eval_metrics, gate, reason = _sim_gate(cfg, db, base, new, task)
         else:
             metrics, eval_metrics, gate, reason = _offline_gate(cfg, db, base, new, task)
