@@ -145,7 +145,10 @@ def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tmp / "store", sft.checkpoint
 
 
-AWR_GAP = "AWR's trainer gives the policy no instruction (flow_matching_loss: 'instruction: missing') on imported data"
+AWR_GAP = (
+    "awr.py _all_features -> observation_features encodes camera policies' prefix without an instruction "
+    "('instruction: missing') on imported data"
+)
 
 
 @pytest.mark.parametrize(
