@@ -9,6 +9,11 @@ Promotion gate: the new checkpoint and the base are evaluated in simulation on t
 served ref (``promote_ref``, e.g. ``prod``) moves to the new commit only if its success rate beats
 the base's by more than ``margin``. Servers following that ref pick the new checkpoint up by
 themselves (see ``vla-rl serve --follow``).
+
+A task that is not a simulator task (real robot data, e.g. a LeRobot import) has no success rate: both
+are then evaluated offline (:func:`vla_rl.evaluation_offline.evaluate_offline`) on the same held-out
+episodes (:func:`offline_eval_episode_ids`), and the gate is on the normalised action MSE:
+``base_mse - new_mse > margin * base_mse``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url
 from vla_rl.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.evaluation import evaluate
+from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.algorithms import make_config, train
@@ -117,6 +123,105 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
         ):
             return {"success": rm["base_success"], "ci95": rm.get("base_ci95"), "source": f"round {r.id}"}
     return None
+
+
+def _sim_gate(
+    cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str
+) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
+    """Simulation: success rate of candidate and base on the same seeds; gate ``delta > margin``."""
+    ev_kw = dict(
+        episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=cfg.train.progress
+    )
+    base_score = _known_base_score(db, base, task, cfg)
+    if base_score is None:
+        ev = evaluate(base, task, **ev_kw)  # type: ignore[arg-type]
+        base_score = {"success": ev.success_rate, "ci95": list(ev.ci95), "source": "evaluated"}
+    new_eval = evaluate(new, task, **ev_kw)  # type: ignore[arg-type]
+    delta = new_eval.success_rate - base_score["success"]
+    metrics = {
+        "base_success": base_score["success"],
+        "base_ci95": base_score["ci95"],
+        "base_eval_source": base_score["source"],
+        "success": new_eval.success_rate,
+        "ci95": list(new_eval.ci95),
+        "delta": delta,
+        "eval_episodes": cfg.eval_episodes,
+        "eval_seed": cfg.eval_seed,
+    }
+    eval_metrics = {
+        "success_rate": new_eval.success_rate,
+        "success_ci95": list(new_eval.ci95),
+        "eval_episodes": cfg.eval_episodes,
+        "eval_seed": cfg.eval_seed,
+        "base_success_rate": base_score["success"],
+    }
+    reason = (
+        f"success {new_eval.success_rate:.0%} vs base {base_score['success']:.0%} "
+        f"(delta {delta:+.0%}, needs > {cfg.margin:+.0%})"
+    )
+    return metrics, eval_metrics, delta > cfg.margin, reason
+
+
+def offline_eval_episode_ids(cfg: RoundConfig, db: MetadataDB, task: str) -> list[str]:
+    """The fixed held-out set of an offline round: the most recent ``eval_episodes`` of the round's data
+    selection (oldest-first order of :func:`select_episode_ids`), but at most a fifth of them (at least
+    one), so most of the selection remains what the round is mainly about."""
+    from fleet.store import EpisodeStore
+    from vla_rl.train.transitions import select_episode_ids
+
+    assert cfg.train.store is not None
+    selection = DataSelection.parse(task, cfg.train.data)
+    ids = select_episode_ids(EpisodeStore(cfg.train.store), selection, db, db.round_revisions())
+    if not ids:
+        raise RoundError(f"no closed {task} episodes in {cfg.train.store} to evaluate offline")
+    return held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
+
+
+def _offline_gate(
+    cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str
+) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
+    """No simulator for ``task``: action MSE (normalised, :func:`evaluate_offline`) of candidate and base on
+    the same held-out episodes and frames; gate ``base_mse - new_mse > margin * base_mse``."""
+    from fleet.store import EpisodeStore
+
+    assert cfg.train.store is not None
+    ids = offline_eval_episode_ids(cfg, db, task)
+    store = EpisodeStore(cfg.train.store)
+    kw: dict[str, Any] = dict(seed=cfg.eval_seed)
+    base_ev = evaluate_offline(base, store, ids, **kw)
+    new_ev = evaluate_offline(new, store, ids, **kw)
+    b, n = base_ev.action_mse, new_ev.action_mse
+    improvement = (b - n) / b if b > 0 else 0.0
+    metrics = {
+        "eval": "offline",
+        "success": None,
+        "base_success": None,
+        "action_mse": n,
+        "base_action_mse": b,
+        "action_mse_per_dim": new_ev.per_dim,
+        "base_action_mse_per_dim": base_ev.per_dim,
+        "action_mse_per_task": new_ev.per_task,
+        "action_mse_per_step": new_ev.per_step,
+        "val_loss": new_ev.val_loss,
+        "base_val_loss": base_ev.val_loss,
+        "relative_improvement": improvement,
+        "eval_episode_ids": ids,
+        "eval_frames": new_ev.frames,
+        "eval_seed": cfg.eval_seed,
+    }
+    eval_metrics = {
+        "offline_action_mse": n,
+        "offline_val_loss": new_ev.val_loss,
+        "offline_eval_episode_ids": ids,
+        "offline_eval_seed": cfg.eval_seed,
+        "base_offline_action_mse": b,
+    }
+    gate = b - n > cfg.margin * b
+    reason = (
+        f"offline action MSE {n:.4f} vs base {b:.4f} on {len(ids)} held-out episodes "
+        f"(relative improvement {improvement:+.1%}, needs > {cfg.margin:+.1%}; no simulator for {task})"
+    )
+    return metrics, eval_metrics, gate, reason
 
 
 # ---------------------------------------------------------------------------- the round
@@ -227,41 +332,17 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         trained = train(run)
         db.update_round(round_id, data=json.loads(json.dumps(trained.data, default=str)))
 
-        # evaluate base and candidate on the same seeds
+        # evaluate base and candidate on the same seeds (simulation) or the same held-out episodes (offline)
         _phase(db, round_id, worker, "evaluating")
         new = load_policy(trained.checkpoint)
-        ev_kw = dict(
-            episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=t.progress
-        )
-        base_score = _known_base_score(db, base, task, cfg)
-        if base_score is None:
-            ev = evaluate(base, task, **ev_kw)  # type: ignore[arg-type]
-            base_score = {"success": ev.success_rate, "ci95": list(ev.ci95), "source": "evaluated"}
-        new_eval = evaluate(new, task, **ev_kw)  # type: ignore[arg-type]
-        delta = new_eval.success_rate - base_score["success"]
-        metrics = {
-            "base_success": base_score["success"],
-            "base_ci95": base_score["ci95"],
-            "base_eval_source": base_score["source"],
-            "success": new_eval.success_rate,
-            "ci95": list(new_eval.ci95),
-            "delta": delta,
-            "eval_episodes": cfg.eval_episodes,
-            "eval_seed": cfg.eval_seed,
-            "train_seconds": round(trained.seconds, 1),
-            "train": trained.metrics,
-            "curve": trained.curve,
-        }
+        if is_sim_task(task):
+            metrics, eval_metrics, gate, reason = _sim_gate(cfg, db, base, new, task)
+        else:
+            metrics, eval_metrics, gate, reason = _offline_gate(cfg, db, base, new, task)
+        metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
+        eval_metrics["round"] = round_id
         # record the evaluation in the checkpoint itself (config.json metrics + model card)
         info, weights = load_checkpoint(trained.checkpoint)
-        eval_metrics = {
-            "success_rate": new_eval.success_rate,
-            "success_ci95": list(new_eval.ci95),
-            "eval_episodes": cfg.eval_episodes,
-            "eval_seed": cfg.eval_seed,
-            "base_success_rate": base_score["success"],
-            "round": round_id,
-        }
         lineage = dataclasses.replace(info.lineage, round=round_id)
         save_checkpoint(
             trained.checkpoint,
@@ -270,7 +351,6 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         )
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
-        gate = delta > cfg.margin
         if cfg.push:
             repo = cfg.repo or parse_ref(t.base).repo_id
             tag = f"round-{round_id}"
@@ -286,14 +366,7 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
             if gate:
                 move_ref(repo, cfg.promote_ref, revision)
                 promoted = True
-        metrics["gate"] = {
-            "margin": cfg.margin,
-            "passed": gate,
-            "reason": (
-                f"success {new_eval.success_rate:.0%} vs base {base_score['success']:.0%} "
-                f"(delta {delta:+.0%}, needs > {cfg.margin:+.0%})"
-            ),
-        }
+        metrics["gate"] = {"margin": cfg.margin, "passed": gate, "reason": reason}
         record = db.update_round(
             round_id,
             status="succeeded",
@@ -307,8 +380,9 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
             "round done",
             extra={
                 "round": round_id,
-                "success": new_eval.success_rate,
-                "base_success": base_score["success"],
+                "success": metrics.get("success"),
+                "base_success": metrics.get("base_success"),
+                "action_mse": metrics.get("action_mse"),
                 "promoted": promoted,
                 "checkpoint": checkpoint_ref,
             },

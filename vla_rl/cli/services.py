@@ -145,7 +145,9 @@ def serve(a: Serve) -> int:
 @dataclass
 class ClientAct:
     """One action chunk for a simulated observation (a quick check): reset the task's simulator, send
-    its first observation to the server, print the chunk and timing."""
+    its first observation to the server, print the chunk and timing. With --from-store: send a recorded
+    observation (state, cameras, the episode's instruction) of --episode at --frame instead.
+    Example: vla-rl client act --from-store runs/koch/store --episode 0 --frame 10"""
 
     server: str = "127.0.0.1:50061"
     """Policy server address."""
@@ -159,6 +161,39 @@ class ClientAct:
     """Seconds to wait for the server."""
     tls_ca: Path | None = None
     """PEM root certificate(s): connect over TLS."""
+    from_store: Path | None = None
+    """Send a recorded observation from this episode store (no simulator)."""
+    episode: str = "0"
+    """With --from-store: an episode id, or its index in the store's sorted episode ids."""
+    frame: int = 0
+    """With --from-store: the frame of the episode."""
+
+
+def _recorded_observation(a: ClientAct) -> tuple[dict[str, Any], Any]:
+    """The observation at ``--frame`` of ``--episode`` in ``--from-store``, and the recorded action there."""
+    from fleet.store import EpisodeStore
+
+    assert a.from_store is not None
+    with user_errors(FileNotFoundError, prefix="--from-store: "):
+        store = EpisodeStore(a.from_store)
+    ids = store.episode_ids()
+    eid = a.episode
+    if eid not in ids:
+        if not (eid.isdigit() and int(eid) < len(ids)):
+            raise CliError(
+                f"--episode {a.episode}: no such episode in {a.from_store} "
+                f"(give an id, or an index 0..{len(ids) - 1}; e.g. {ids[:3]})"
+            )
+        eid = ids[int(eid)]
+    ep = store.read_episode(eid)
+    if not 0 <= a.frame < ep.length:
+        raise CliError(f"--frame {a.frame}: episode {eid} has frames 0..{ep.length - 1}")
+    obs = {
+        "state": ep.state[a.frame],
+        "cameras": {k: v[a.frame] for k, v in ep.cameras.items()},
+        "instruction": ep.meta.instruction,
+    }
+    return obs, ep.action[a.frame]
 
 
 def client_act(a: ClientAct) -> int:
@@ -169,19 +204,26 @@ def client_act(a: ClientAct) -> int:
 
     if a.tls_ca is not None and not a.tls_ca.is_file():
         raise CliError(f"--tls-ca {a.tls_ca}: no such file")
+    recorded = _recorded_observation(a) if a.from_store is not None else None
     client = PolicyClient(a.server, timeout_s=a.timeout, tls_ca=a.tls_ca)
     with user_errors(PolicyError, prefix=f"{a.server}: "):
         info = client.info()
         model = info[a.model_id] if a.model_id else next(iter(info.values()))
-        spec = json.loads(model.robot_spec_json)
-        task = task_arg(a.task) if a.task else spec["name"]
-        obs_mode = "rgb" if spec.get("cameras") else "state"
-        image_size = spec["cameras"][0]["height"] if spec.get("cameras") else 128
-        with make_env(task, obs=obs_mode, image_size=image_size) as env:  # type: ignore[arg-type]
-            obs, _ = env.reset(seed=a.seed)
-        batch_obs = {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}
+        if recorded is not None:
+            batch_obs = recorded[0]
+        else:
+            spec = json.loads(model.robot_spec_json)
+            task = task_arg(a.task) if a.task else spec["name"]
+            obs_mode = "rgb" if spec.get("cameras") else "state"
+            image_size = spec["cameras"][0]["height"] if spec.get("cameras") else 128
+            with make_env(task, obs=obs_mode, image_size=image_size) as env:  # type: ignore[arg-type]
+                obs, _ = env.reset(seed=a.seed)
+            batch_obs = {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}
         res = client.act(batch_obs, seed=a.seed, model_id=model.model_id)
     np.set_printoptions(precision=3, suppress=True)
+    if recorded is not None:
+        print(f"recorded observation: {a.from_store} episode {a.episode} frame {a.frame}")
+        print(f"recorded action there: {recorded[1]}")
     print(f"model {model.model_id} ({model.policy_type}) commit {res.commit[:12]} on {model.device}")
     print(f"chunk [{res.actions.shape[0]} x {res.actions.shape[1]}], execute the first {res.n_exec}:")
     print(res.actions)

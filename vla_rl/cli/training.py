@@ -319,6 +319,8 @@ def round_worker(cfg: Any) -> int:
 class Eval:
     """Evaluate a checkpoint in simulation: vectorised rollouts with receding-horizon chunk execution;
     success with a 95% Wilson interval and mean episode length; optional videos and a JSON result.
+    With --store (needed when the task is no simulator task, e.g. imported real data): offline action
+    error against the store's most recent --episodes episodes instead (per-dim / per-task MSE table).
     Example: vla-rl eval --checkpoint runs/push/sft/checkpoints/last --episodes 50 --num-envs 2"""
 
     checkpoint: str
@@ -326,7 +328,11 @@ class Eval:
     task: str | None = None
     """Task; None = the checkpoint's robot spec."""
     episodes: int = 20
-    """Episodes to run."""
+    """Episodes to run (with --store: the most recent this many recorded episodes of the task)."""
+    store: Path | None = None
+    """Evaluate offline on this episode store's recorded episodes (no simulator)."""
+    max_frames: int | None = None
+    """Offline: a seeded subsample of this many frames (None = every frame of the episodes)."""
     num_envs: int = 2
     """Simulator processes."""
     seed: int = 100_000
@@ -367,6 +373,10 @@ def eval_(a: Eval) -> int:
     with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
         lp = load_policy(a.checkpoint, device=a.device)
     lp.num_steps = a.num_steps
+    from vla_rl.evaluation_offline import is_sim_task
+
+    if a.store is not None or not is_sim_task(a.task or lp.spec.name):
+        return _eval_offline(a, lp)
     task = task_arg(a.task) if a.task else lp.spec.name
     result = evaluate(
         lp,
@@ -387,6 +397,41 @@ def eval_(a: Eval) -> int:
         print(f"results: {a.out}")
     for v in result.videos:
         print(f"video: {v}")
+    return 0
+
+
+def _eval_offline(a: Eval, lp: Any) -> int:
+    from fleet.store import EpisodeStore
+    from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes
+
+    task = a.task or lp.spec.name
+    if a.store is None:
+        raise CliError(
+            f"--store: {task!r} is not a simulator task (see vla-rl sim list); "
+            "give --store STORE to evaluate offline on its recorded episodes"
+        )
+    if a.episodes < 1:
+        raise CliError(f"--episodes: expected >= 1, got {a.episodes}")
+    if a.max_frames is not None and a.max_frames < 1:
+        raise CliError(f"--max-frames: expected >= 1, got {a.max_frames}")
+    with user_errors(FileNotFoundError, prefix="--store: "):
+        store = EpisodeStore(a.store)
+    metas = [store.read_metadata(e) for e in store.episode_ids()]
+    ids = sorted((m.created, m.episode_id) for m in metas if m.task == task and m.is_closed)
+    if not ids:
+        tasks = sorted({m.task for m in metas})
+        raise CliError(
+            f"--store {a.store}: no closed episodes of task {task!r} (it holds {tasks}); use --task"
+        )
+    chosen = held_out_episodes([e for _, e in ids], a.episodes)
+    with user_errors(ValueError, prefix=f"--store {a.store}: "):
+        result = evaluate_offline(lp, store, chosen, seed=a.seed, max_frames=a.max_frames)
+    print(result.table())
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        out = {"checkpoint": a.checkpoint, "commit": lp.commit, "task": task, **result.to_dict()}
+        a.out.write_text(json.dumps(out, indent=2))
+        print(f"results: {a.out}")
     return 0
 
 
