@@ -169,11 +169,22 @@ def recap_indicators(
 
 
 # ---------------------------------------------------------------------------- training
-def _all_features(policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device) -> torch.Tensor:
+def _all_features(
+    policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device, instruction: str
+) -> torch.Tensor:
+    """Value inputs for every frame; camera policies encode the frame with ``instruction`` (the task's, as
+    the policy is trained on here)."""
+    emb = None
+    if policy.config.uses_instruction:
+        from policies.flow_vla import embed_instructions
+
+        emb = embed_instructions([instruction]).to(device)
     feats = []
     for start in range(0, len(buf), 1024):
         idx = np.arange(start, min(start + 1024, len(buf)))
         obs = batch_to_policy_inputs(buf.batch(idx, horizon=1, n_step=1), device)
+        if emb is not None:
+            obs["instruction_embedding"] = emb.expand(len(idx), -1)
         feats.append(observation_features(policy, obs))
     return torch.cat(feats)
 
@@ -264,7 +275,7 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
     )
 
     # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
-    feats = _all_features(base.policy, buf, device)
+    feats = _all_features(base.policy, buf, device, spec.instruction)
     returns = torch.from_numpy(buf.array("mc_return")).to(device)
     if not (~human).any():
         raise ValueError("the selected episodes hold no autonomous frames to score; select rollouts too")
