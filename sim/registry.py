@@ -72,6 +72,15 @@ def resolve_task(task: str) -> TaskInfo:
     raise ValueError(f"task: expected one of {sorted(TASKS)} (or a unique part of one), got {task!r}")
 
 
+def sim_task_name(task: str) -> str | None:
+    """The full id of the simulated task ``task`` names, or None when it names none (e.g. a task of
+    imported robot data, which only offline evaluation can score)."""
+    try:
+        return resolve_task(task).name
+    except ValueError:
+        return None
+
+
 def make_env(
     task: str,
     obs: ObsMode = "state",

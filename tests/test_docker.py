@@ -19,16 +19,13 @@ There is no Docker engine on the development machines, so this checks what can b
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 import yaml
-
-from vla_rl.cli import main
+from test_docs import has_option, help_text
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker" / "compose.yaml"
@@ -68,21 +65,6 @@ def flag_value(cmd: list[str], flag: str) -> str | None:
         if w.startswith(flag + "="):
             return w.split("=", 1)[1]
     return None
-
-
-def help_text(path: list[str]) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code: int | str | None = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([*path, "--help"])
-        except SystemExit as e:
-            code = e.code
-    return (code if isinstance(code, int) else 1), out.getvalue() + err.getvalue()
-
-
-def has_option(help_: str, option: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_) is not None
 
 
 def container_ports(service: dict) -> set[int]:
@@ -130,7 +112,7 @@ def test_compose_has_the_loop() -> None:
 def test_service_command_is_a_real_vla_rl_command(name: str) -> None:
     cmd = vla_rl_services()[name]
     path, rest = split(cmd)
-    code, help_ = help_text(path)
+    code, help_ = help_text(tuple(path))
     assert code == 0, f"{name}: vla-rl {' '.join(path)} --help exited {code}:\n{help_}"
     flags = [w.split("=", 1)[0] for w in rest if w.startswith("--")]
     assert flags, name
@@ -265,7 +247,7 @@ def test_dockerfile_builds_with_the_setup_script(dockerfile: Path) -> None:
     cmd = yaml.safe_load(cmd_lines[-1].split(None, 1)[1])  # the exec (JSON) form
     assert cmd[0] == "vla-rl"
     path, rest = split(cmd)
-    code, help_ = help_text([*path, *rest] if "--help" not in rest else path)
+    code, help_ = help_text(tuple([*path, *rest] if "--help" not in rest else path))
     assert code == 0, help_
 
 

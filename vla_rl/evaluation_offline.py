@@ -69,13 +69,9 @@ class OfflineEvalResult:
 
 def is_sim_task(task: str) -> bool:
     """Whether ``task`` names a simulator task (else evaluation has to be offline, on recorded episodes)."""
-    from sim.registry import resolve_task
+    from sim.registry import sim_task_name
 
-    try:
-        resolve_task(task)
-    except ValueError:
-        return False
-    return True
+    return sim_task_name(task) is not None
 
 
 def action_normalizer(policy: Any) -> tuple[np.ndarray, np.ndarray] | None:

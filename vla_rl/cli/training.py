@@ -70,19 +70,11 @@ def _check_inputs(cfg: Any, push: bool = False) -> None:
             "`vla-rl train qam` run"
         )
     if getattr(cfg, "task", None) and not getattr(cfg, "needs_base", True):
-        cfg.task = _store_or_sim_task(cfg.task)  # SFT: any task the store holds (real robot data too)
+        from sim.registry import sim_task_name
+
+        cfg.task = sim_task_name(cfg.task) or cfg.task  # SFT: any task the store holds (real robot data too)
     elif getattr(cfg, "task", None):
         cfg.task = task_arg(cfg.task)
-
-
-def _store_or_sim_task(name: str) -> str:
-    """A simulated task's full id when ``name`` names one (``PushCube``), else ``name`` as the store's."""
-    from sim.registry import resolve_task
-
-    try:
-        return resolve_task(name).name
-    except ValueError:
-        return name
 
 
 def _summary(name: str, r: Any) -> str:
