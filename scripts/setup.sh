@@ -23,7 +23,8 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # ---------------------------------------------------------------- system packages
 # postgresql: the server the metadata DB tests start a throwaway cluster of (tests/pg_cluster.py)
-apt_packages=(libvulkan1 libosmesa6 libegl1 libgl1 libglvnd0 ffmpeg postgresql)
+# chromium: the headless browser the dashboard's tests drive through playwright (never 'playwright install')
+apt_packages=(libvulkan1 libosmesa6 libegl1 libgl1 libglvnd0 ffmpeg postgresql chromium)
 need_mesa_major=24   # SAPIEN needs descriptorBindingPartiallyBound: bookworm's Mesa 22.3 lacks it
 
 mesa_ok() {
