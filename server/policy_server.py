@@ -1538,7 +1538,8 @@ def serve(
                 log.info("stop requested: draining first", extra={"drain_s": drain_s})
                 try:
                     server.drain()
-                    server._thread.join(drain_s)  # type: ignore[union-attr]
+                    # not Thread.join: after a join interrupted by the signal, is_alive() can say False
+                    time.sleep(drain_s)
                 except KeyboardInterrupt:
                     log.info("second stop request: stopping now")
             log.info("stopping policy server")
