@@ -83,7 +83,7 @@ DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
 DEFAULT_MAX_NOISE_ABS = 10.0
 DEFAULT_MAX_STATE_ABS = 1e6
 DEFAULT_LOG_INTERVAL_S = 10.0
-DEFAULT_DRAIN_S = 2.0  # vla-rl serve: seconds NOT_SERVING before a stop signal stops it
+DEFAULT_DRAIN_S = 2.0  # vla-rl serve: seconds NOT_SERVING between SIGTERM and the stop
 
 
 class RequestError(Exception):
@@ -1441,7 +1441,7 @@ class PolicyServer:
         server and for the policy service), so balanced clients (a list of replicas, ``round_robin`` with
         health checking) send their next calls to the other replicas, and each open stream ends after its
         next reply (its robot reopens it elsewhere). Calls that still arrive are answered. ``stop()`` ends
-        the rest; ``vla-rl serve`` drains for ``--drain`` seconds on SIGTERM or Ctrl-C before it stops."""
+        the rest; ``vla-rl serve`` drains for ``--drain`` seconds on SIGTERM before it stops."""
         self.draining = True
         if self._loop is None or self._health is None:
             return
@@ -1502,9 +1502,9 @@ def serve(
     ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
     ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
     ``tls_cert``/``tls_key`` (PEM files) serve over TLS. ``max_message_bytes`` (None = derived from the
-    robot spec) and ``limits`` bound what one client can make the server do. SIGTERM or Ctrl-C first
-    drains for ``drain_s`` seconds (:meth:`PolicyServer.drain`: balanced clients move to the other
-    replicas), then stops; a second signal stops at once.
+    robot spec) and ``limits`` bound what one client can make the server do. SIGTERM first drains for
+    ``drain_s`` seconds (:meth:`PolicyServer.drain`: balanced clients move to the other replicas), then
+    stops; Ctrl-C, or a second signal, stops at once.
     """
     if isinstance(drain_s, bool) or not isinstance(drain_s, int | float) or not 0 <= drain_s < float("inf"):
         raise ValueError(f"drain_s: expected a number of seconds >= 0, got {drain_s!r}")
@@ -1533,8 +1533,8 @@ def serve(
         try:
             while server._thread is not None and server._thread.is_alive():
                 server._thread.join(1.0)
-        except KeyboardInterrupt:
-            if drain_s > 0:
+        except KeyboardInterrupt as stop:
+            if isinstance(stop, _Terminate) and drain_s > 0:
                 log.info("stop requested: draining first", extra={"drain_s": drain_s})
                 try:
                     server.drain()
@@ -1549,13 +1549,17 @@ def serve(
             signal.signal(signal.SIGTERM, previous)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class _Terminate(KeyboardInterrupt):
+    """SIGTERM: stop :func:`serve` after draining (Ctrl-C stops it at once)."""
+
+
+def _raise_terminate(signum: int, frame: Any) -> None:
+    raise _Terminate(f"signal {signum}")
 
 
 def _stop_on_sigterm() -> Any:
-    """Make SIGTERM (``docker stop``, Kubernetes, systemd) stop :func:`serve` like Ctrl-C: drain, then stop.
-    Returns the previous handler (None when not on the main thread, where signals cannot be handled)."""
+    """Make SIGTERM (``docker stop``, Kubernetes, systemd) stop :func:`serve`: drain, then stop. Returns
+    the previous handler (None when not on the main thread, where signals cannot be handled)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _raise_interrupt)
+    return signal.signal(signal.SIGTERM, _raise_terminate)

@@ -29,6 +29,8 @@ class Serve:
     e.g. ACT or Diffusion, saved by save_pretrained with its processors). Binds 127.0.0.1 unless told
     otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN
     or --token-file. Limits bound what one client or checkpoint can make the server do (--max-* flags).
+    Several servers can follow the same ref as replicas: clients list them (--server a:50061,b:50061) and
+    skip one that is down or draining (SIGTERM drains for --drain seconds before stopping).
     Example: vla-rl serve --checkpoint hub://fleet/push@prod --follow self"""
 
     checkpoint: str
@@ -82,9 +84,9 @@ class Serve:
     log_interval: float = 10.0
     """Seconds between repeated warnings about one client's bad requests (the rest are counted)."""
     drain: float = 2.0
-    """Seconds to drain on SIGTERM or Ctrl-C before stopping: the health service says NOT_SERVING, so
-    clients given several replicas send new calls elsewhere, and open streams close after their next
-    reply; a second signal stops at once (0 = stop at once)."""
+    """Seconds to drain on SIGTERM before stopping: the health service says NOT_SERVING, so clients given
+    several replicas send new calls elsewhere, and open streams close after their next reply (Ctrl-C or a
+    second signal stops at once; 0 = no drain)."""
 
 
 def _read_token_file(path: Path) -> str:
