@@ -174,6 +174,35 @@ def test_async_client_balances_and_survives_a_stopped_replica(ckpts: dict[str, P
             s.stop(0)
 
 
+def test_replicas_over_tls(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """A list over TLS: the certificate is checked against the first entry's name (here one certificate
+    for localhost and 127.0.0.1 on both replicas); a client that trusts another CA is refused."""
+    from test_serving_client import _self_signed
+
+    cert, key = _self_signed(tmp_path, "replicas")
+    other, _ = _self_signed(tmp_path, "other")
+    servers = [
+        PolicyServer(
+            {"arm": str(ckpts["a"])}, port=0, torch_threads=1, device="cpu", tls_cert=cert, tls_key=key
+        ).start()
+        for _ in range(2)
+    ]
+    rng = np.random.default_rng(2)
+    try:
+        target = ",".join(f"localhost:{s.port}" for s in servers)
+        with PolicyClient(target, timeout_s=BUDGET_S, backoff=FAST, tls_ca=cert) as c:
+            for _ in range(20):
+                c.act(make_obs(rng))
+                if min(_served(*servers)) > 0:
+                    break
+            assert min(_served(*servers)) > 0  # both replicas, over TLS
+        with PolicyClient(target, timeout_s=2, backoff=None, tls_ca=other) as c, pytest.raises(PolicyError):
+            c.act(make_obs(rng))
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
 # ------------------------------------------------------------------------------------ the replica fleet
 @dataclass
 class Replica:
