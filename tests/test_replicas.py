@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -129,9 +130,20 @@ def test_round_robin_skips_a_draining_and_a_stopped_replica(ckpts: dict[str, Pat
                 # (0 when the stream ended between its last reply and drain(): that reply was already out)
                 on_draining, on_other = _delta(before, draining, other)
                 assert on_draining <= 1 and on_draining + on_other == 12 and s.reopened == 1
+            # a dns:/// target is health-checked too: its only replica drains, so nothing takes the call;
+            # one plain host:port (pick_first, no health checking) is still answered until the stop
+            with PolicyClient(f"dns:///127.0.0.1:{draining.port}", timeout_s=1.0, backoff=FAST) as d:
+                assert d.balanced
+                with pytest.raises(PolicyError) as err:
+                    d.act(make_obs(rng))
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            with PolicyClient(draining.address, timeout_s=BUDGET_S) as plain:
+                assert not plain.balanced and plain.act(make_obs(rng)).actions.shape == (4, 3)
+            with PolicyClient(f"dns:///127.0.0.1:{other.port}", timeout_s=BUDGET_S) as d:
+                assert d.act(make_obs(rng)).actions.shape == (4, 3)
+            before = _served(other)
             draining.stop(0)
             servers.remove(draining)
-            before = _served(other)
             for _ in range(6):  # stopped: still only the other one, and nothing failed on the way
                 c.act(make_obs(rng))
             assert _delta(before, other) == [6] and c.retries == 1
