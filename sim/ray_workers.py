@@ -51,6 +51,11 @@ LOCAL_HEAD_MIN_CPUS = 16
 """CPU slots a local head started by ``auto`` advertises at least (see the module docstring)."""
 
 
+class RayUnavailable(RuntimeError):
+    """No Ray cluster to run workers on (bad address, cluster down, too few free CPUs): a setup error the
+    user can fix, reported in one line."""
+
+
 def check_ray_address(value: str | None, field: str = "ray") -> str | None:
     """``value`` if it names where Ray workers run (``auto``, ``host:port``, ``ray://host:port``), None for
     none/empty; otherwise a ValueError naming ``field`` and what it expects."""
@@ -105,7 +110,7 @@ def connect(address: str, options: RayWorkerOptions | None = None, min_cpus: int
         try:
             ray.init(address=address, **quiet)  # type: ignore[arg-type]
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RuntimeError(
+            raise RayUnavailable(
                 f"ray: cannot join the Ray cluster at {address} ({e}); start one with `ray start --head` "
                 "and give its address, or use --ray auto for a local one"
             ) from None
@@ -134,12 +139,13 @@ class SimActor:
     """One simulated robot in a Ray actor (the class Ray wraps; see :func:`_actor_class`)."""
 
     def __init__(self, make_kwargs: dict[str, Any]) -> None:
-        import torch
+        import sys
 
-        torch.set_num_threads(1)  # one simulator per core; torch's pool would only fight it
         from sim.registry import make_env
 
         self.env = make_env(**make_kwargs)
+        if "torch" in sys.modules:  # one simulator per core; torch's pool would only fight it
+            sys.modules["torch"].set_num_threads(1)
 
     def hello(self) -> tuple[dict[str, Any], int, int]:
         return self.env.spec.to_dict(), self.env.max_episode_steps, os.getpid()
@@ -210,7 +216,7 @@ class RayWorkers:
         need = num_envs * self.options.num_cpus
         have = float(ray.available_resources().get("CPU", 0.0))
         if have < need:
-            raise RuntimeError(
+            raise RayUnavailable(
                 f"ray: the cluster has {have:g} free CPUs but {num_envs} sim workers x {self.options.num_cpus:g} "
                 f"CPU need {need:g}; add nodes, lower num_envs, or end the other jobs on it"
             )
@@ -257,7 +263,7 @@ class RayWorkers:
                 except Exception as e:  # RayActorError (died), RayTaskError (the env raised), ...
                     out[i] = e
             if not ready and left <= 0:
-                for ref, i in pending.items():
+                for i in pending.values():
                     out[i] = TimeoutError(f"no answer in {timeout_s:g} s")
                 break
         return out
@@ -272,7 +278,9 @@ class RayWorkers:
         arg_of = dict(zip(robots, args, strict=True))
         for i in robots:
             r = got[i]
-            if isinstance(r, ray.exceptions.RayTaskError):  # the simulator itself raised: not a fault to retry
+            if isinstance(
+                r, ray.exceptions.RayTaskError
+            ):  # the simulator itself raised: not a fault to retry
                 raise RuntimeError(f"sim env {i} failed:\n{r}")
             if isinstance(r, BaseException):
                 got[i] = self._recover(i, cmd, arg_of[i], r)
@@ -290,7 +298,13 @@ class RayWorkers:
         seed, actions = self._episode[i]
         log.warning(
             "sim worker lost: replacing it and re-running its episode",
-            extra={"env": i, "call": cmd, "error": _short(error), "episode_seed": seed, "steps": len(actions)},
+            extra={
+                "env": i,
+                "call": cmd,
+                "error": _short(error),
+                "episode_seed": seed,
+                "steps": len(actions),
+            },
         )
         if self.replaced[i] >= self.options.max_restarts:
             raise RuntimeError(
@@ -305,7 +319,9 @@ class RayWorkers:
             try:
                 if cmd != "reset" and seed is not None:
                     ray.get(self.actors[i].replay.remote(seed, actions), timeout=self.options.start_timeout_s)
-                result = ray.get(getattr(self.actors[i], cmd).remote(arg), timeout=self.options.step_timeout_s)
+                result = ray.get(
+                    getattr(self.actors[i], cmd).remote(arg), timeout=self.options.step_timeout_s
+                )
                 pid = ray.get(self.actors[i].pid.remote(), timeout=self.options.step_timeout_s)
             except ray.exceptions.RayTaskError as e:
                 raise RuntimeError(f"sim env {i} failed:\n{e}") from None

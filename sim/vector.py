@@ -245,7 +245,9 @@ class VectorSimEnv:
         if len(done):
             self._episode_count[done] += 1
             if self._ray:
-                resets = self._ray.call("reset", [int(i) for i in done], [self._episode_seed(i) for i in done])
+                resets = self._ray.call(
+                    "reset", [int(i) for i in done], [self._episode_seed(i) for i in done]
+                )
             elif self._local:
                 resets = [self._local[i].reset(seed=self._episode_seed(i)) for i in done]
             else:
