@@ -96,6 +96,19 @@ class RayWorkerOptions:
             raise ValueError(f"object_store_mb: expected >= 80 (Ray's minimum), got {self.object_store_mb}")
 
 
+def local_head_options(num_cpus: int, object_store_mb: int = 200) -> dict[str, Any]:
+    """``ray.init`` keywords of a small local head for simulator workers (what ``auto`` starts; tests too):
+    no dashboard, a small object store, no idle workers started ahead (``enable_worker_prestart``), and
+    workers at the driver's priority: Ray runs its workers at ``nice 15`` by default, which on a shared
+    machine made a simulator actor several times slower than a subprocess worker (``worker_niceness``)."""
+    return dict(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=object_store_mb * 2**20,
+        _system_config={"enable_worker_prestart": False, "worker_niceness": 0},
+    )
+
+
 def connect(address: str, options: RayWorkerOptions | None = None, min_cpus: int = 1) -> None:
     """Make this process a Ray driver (once): join ``address`` or, for ``auto``, the running cluster or a
     new loopback-only local head. Errors say what failed and how to fix it (RuntimeError)."""
@@ -126,10 +139,9 @@ def connect(address: str, options: RayWorkerOptions | None = None, min_cpus: int
 
     ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
-        num_cpus=max(os.cpu_count() or 1, LOCAL_HEAD_MIN_CPUS, min_cpus),
-        include_dashboard=False,
-        object_store_memory=options.object_store_mb * 2**20,
-        _system_config={"enable_worker_prestart": False},  # no idle workers waiting for tasks we never send
+        **local_head_options(
+            max(os.cpu_count() or 1, LOCAL_HEAD_MIN_CPUS, min_cpus), options.object_store_mb
+        ),
         **quiet,  # type: ignore[arg-type]
     )
     log.info("started a local Ray head", extra={"address": ray.get_runtime_context().gcs_address})
@@ -354,3 +366,73 @@ class RayWorkers:
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ---------------------------------------------------------------------------- fleet robots (vla-rl fleet sim)
+class DeskActor:
+    """The operator desk of a fleet whose robots are Ray actors: seats held per robot, so the seats of a
+    robot that died are given back when it is replaced (see :class:`sim.operator.OperatorDesk`)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: dict[str, int] = {}
+        self.busy_waits = 0
+
+    def try_acquire(self, robot: str) -> bool:
+        if sum(self.held.values()) < self.capacity:
+            self.held[robot] = self.held.get(robot, 0) + 1
+            return True
+        self.busy_waits += 1
+        return False
+
+    def release(self, robot: str) -> None:
+        if self.held.get(robot, 0) > 0:
+            self.held[robot] -= 1
+
+    def release_all(self, robot: str) -> None:
+        self.held.pop(robot, None)
+
+    def waits(self) -> int:
+        return self.busy_waits
+
+
+class RayDesk:
+    """One robot's handle on a :class:`DeskActor`, with :class:`sim.operator.OperatorDesk`'s interface."""
+
+    def __init__(self, actor: Any, robot: str) -> None:
+        self.actor, self.robot = actor, robot
+
+    def try_acquire(self) -> bool:
+        import ray
+
+        return bool(ray.get(self.actor.try_acquire.remote(self.robot)))
+
+    def release(self) -> None:
+        import ray
+
+        ray.get(self.actor.release.remote(self.robot))
+
+    @property
+    def busy_waits(self) -> int:
+        import ray
+
+        return int(ray.get(self.actor.waits.remote()))
+
+
+class RobotActor:
+    """A simulated fleet robot in a Ray actor: runs :func:`sim.fleet_runner.sim_robot_main` when asked."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg: Any, desk: Any, reports: Any) -> None:
+        from sim.fleet_runner import sim_robot_main
+
+        sim_robot_main(cfg, desk, reports)
+
+
+def remote_class(cls: type, **options: Any) -> Any:
+    """``cls`` as a Ray actor class with ``options`` (Ray imported here, not at module import)."""
+    import ray
+
+    return ray.remote(cls).options(**options)

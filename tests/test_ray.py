@@ -14,9 +14,11 @@ import os
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 
 import sim
 from sim.base import GRIPPER_CLOSED, GRIPPER_OPEN
-from sim.ray_workers import RayUnavailable, RayWorkerOptions, check_ray_address
+from sim.ray_workers import RayUnavailable, RayWorkerOptions, check_ray_address, local_head_options
 from sim.vector import VectorSimEnv
 from vla_rl.evaluation import evaluate
 from vla_rl.spec import RobotSpec
@@ -39,13 +41,7 @@ PICK = "maniskill/PickCube-v1"
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[str]:
     """A local Ray head of this module: 2 CPUs on loopback; its GCS address."""
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=200 * 2**20,
-        _system_config={"enable_worker_prestart": False},
-        logging_level="warning",
-    )
+    ray.init(**local_head_options(num_cpus=2, object_store_mb=200), logging_level="warning")
     address = ray.get_runtime_context().gcs_address
     assert address.startswith("127.0.0.1:"), address
     yield address
@@ -246,3 +242,74 @@ def test_evaluation_same_episodes_on_ray_with_a_killed_actor(ray_head: str) -> N
 def test_too_small_a_cluster_is_a_clear_error(ray_head: str) -> None:
     with pytest.raises(RayUnavailable, match="free CPUs but 3 sim workers"):
         VectorSimEnv(KIN, num_envs=3, ray=ray_head)
+
+
+# ---------------------------------------------------------------------------- vla-rl fleet sim --ray
+def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path) -> None:
+    from test_sim_fleet import TOKEN, task_spec, tiny_checkpoint
+
+    from fleet.collector import Collector
+    from fleet.store import EpisodeStore
+    from server.policy_server import PolicyServer
+    from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec(KIN))
+    server = PolicyServer({"reach": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
+    collector = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16).start()
+    records = tmp_path / "records"
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_a_robot_mid_episode() -> None:
+        import psutil
+
+        while not stop.is_set() and not killed:
+            frames = (
+                sum(len(p.read_text().splitlines()) for p in records.glob("*.jsonl"))
+                if records.exists()
+                else 0
+            )
+            if frames >= 8:
+                for p in psutil.Process().children(recursive=True):
+                    try:
+                        if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::RobotActor"):
+                            killed.append(p.pid)
+                            os.kill(p.pid, signal.SIGKILL)
+                            break
+                    except psutil.Error:
+                        pass
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_a_robot_mid_episode, daemon=True)
+    killer.start()
+    try:
+        cfg = FleetConfig(
+            robots=2,
+            server=server.address,
+            collector=collector.address,
+            episodes=2,
+            max_episode_steps=20,
+            collector_token=TOKEN,
+            record_dir=str(records),
+            ray=ray_head,
+        )
+        result = run_sim_fleet(cfg, progress=False)
+        assert collector.drain(60)
+    finally:
+        stop.set()
+        killer.join(5)
+        collector.stop()
+        server.stop()
+    assert killed, "no robot actor was killed"
+    assert result.errors == []
+    assert sum(result.replaced.values()) == 1, result.replaced
+    assert {r: s.episodes for r, s in result.robots.items()} == {"sim-0": 2, "sim-1": 2}
+    (rid,) = result.replaced
+    assert sorted(e["index"] for e in result.episodes if e["robot_id"] == rid) == [
+        0,
+        1,
+    ]  # re-run, not skipped
+    _, episodes = read_records(sorted(records.glob("*.jsonl")))
+    store = EpisodeStore(tmp_path / "store")
+    closed = {e for e in store.episode_ids() if store.read_episode(e).meta.is_closed}
+    assert closed == set(episodes) and len(closed) == 4
