@@ -102,7 +102,7 @@ def main() -> None:
                 "processes steps/s",
                 "Ray steps/s",
                 "Ray / processes",
-                "start s",
+                "processes start s",
                 "Ray start s",
             ],
         )

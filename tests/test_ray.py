@@ -313,3 +313,83 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
     store = EpisodeStore(tmp_path / "store")
     closed = {e for e in store.episode_ids() if store.read_episode(e).meta.is_closed}
     assert closed == set(episodes) and len(closed) == 4
+
+
+# ---------------------------------------------------------------------------- trainers
+def _weights_close(a: Path, b: Path) -> None:
+    from vla_rl.checkpoint import load_checkpoint
+
+    _, wa = load_checkpoint(a)
+    _, wb = load_checkpoint(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch_close(wa[k], wb[k]), k
+
+
+def torch_close(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.allclose(a.float(), b.float(), atol=RECOMPUTED_ATOL, rtol=RECOMPUTED_RTOL))
+
+
+@pytest.mark.slow
+def test_ppo_and_online_qam_train_the_same_on_ray(ray_head: str, tmp_path: Path) -> None:
+    """Same seeds, same rollouts: a tiny PPO run and a tiny offline-to-online QAM run end with the same
+    weights (within the recomputation tolerance) whether their simulators are processes or Ray actors."""
+    from test_sim_fleet import task_spec, tiny_checkpoint
+
+    from fleet.store import EpisodeStore
+    from sim.demos import record_demos
+    from vla_rl.train.ppo import PPOConfig, train_ppo
+    from vla_rl.train.qam import QAMConfig, train_qam
+
+    base = tiny_checkpoint(tmp_path / "base", task_spec(KIN))
+    ppo: dict[str, Any] = dict(
+        base=str(base),
+        num_steps=3,
+        num_envs=2,
+        env_steps=40,
+        rollout_steps=10,
+        max_episode_steps=8,
+        minibatch_size=4,
+        update_epochs=2,
+        critic_warmup_iterations=1,
+        actor_lr=1e-3,
+        progress=False,
+    )
+    runs = {
+        where: train_ppo(PPOConfig(out=tmp_path / f"ppo-{where}", ray=ray, **ppo))
+        for where, ray in (("local", None), ("ray", ray_head))
+    }
+    assert [r["chunk_return"] for r in runs["local"].curve] == pytest.approx(
+        [r["chunk_return"] for r in runs["ray"].curve], abs=RECOMPUTED_ATOL
+    )
+    _weights_close(runs["local"].checkpoint, runs["ray"].checkpoint)
+
+    store = EpisodeStore(tmp_path / "store", create=True)
+    record_demos(store, KIN, episodes=3, noise=0.5, seed=0, max_episode_steps=10, progress=False)
+    qam: dict[str, Any] = dict(
+        base=str(base),
+        store=store.root,
+        offline_steps=2,
+        env_steps=24,
+        num_envs=2,
+        max_episode_steps=6,
+        utd=0.25,
+        start_online_after=4,
+        batch_size=8,
+        members=2,
+        critic_hidden=(16, 16),
+        flow_steps=3,
+        critic_mc_steps=0,
+        critic_warmup=0,
+        threads=1,
+        progress=False,
+        device="cpu",
+    )
+    res = {
+        where: train_qam(QAMConfig(out=tmp_path / f"qam-{where}", ray=ray, **qam))
+        for where, ray in (("local", None), ("ray", ray_head))
+    }
+    assert res["local"].metrics["online_episodes"] == res["ray"].metrics["online_episodes"] == 4
+    _weights_close(res["local"].checkpoint, res["ray"].checkpoint)
