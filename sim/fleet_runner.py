@@ -706,6 +706,8 @@ class _RayFleet:
         returns ``(robot, error)`` for those that cannot be replaced any more."""
         import ray
 
+        from sim.ray_workers import wait_alive
+
         failed: list[tuple[str, str]] = []
         ready, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=0)
         for ref in ready:
@@ -722,6 +724,11 @@ class _RayFleet:
                 failed.append((rid, f"robot actor died {n + 1} times (ray_max_restarts {n}): {error}"))
                 continue
             self.replaced[rid] = n + 1
+            try:
+                wait_alive(self.actors[rid], 300.0)
+            except RuntimeError as e:
+                failed.append((rid, f"robot actor died and was not replaced: {e}"))
+                continue
             self.desk.release_all.remote(rid)  # the seat it may have held
             self.robots[rid].first_episode = done_episodes[rid]
             log.warning(

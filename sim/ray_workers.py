@@ -431,6 +431,26 @@ class RobotActor:
         sim_robot_main(cfg, desk, reports)
 
 
+def wait_alive(actor: Any, timeout_s: float) -> int:
+    """Wait until ``actor`` (being restarted by Ray) answers; its pid. Calls made while Ray restarts an
+    actor can fail rather than wait, so this asks again until ``timeout_s`` (then RuntimeError)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            return int(ray.get(actor.pid.remote(), timeout=max(deadline - time.monotonic(), 0.1)))
+        except ray.exceptions.RayActorError as e:
+            last = e
+            time.sleep(0.5)
+        except ray.exceptions.GetTimeoutError as e:
+            last = e
+    raise RuntimeError(
+        f"the Ray actor did not come back within {timeout_s:g} s: {_short(last or TimeoutError())}"
+    )
+
+
 def remote_class(cls: type, **options: Any) -> Any:
     """``cls`` as a Ray actor class with ``options`` (Ray imported here, not at module import)."""
     import ray
