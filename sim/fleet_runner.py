@@ -667,6 +667,16 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
     return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, busy, replaced)
 
 
+class RobotActor:
+    """A simulated fleet robot in a Ray actor: runs :func:`sim_robot_main` when asked."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg: SimRobotConfig, desk: Any, reports: Any) -> None:
+        sim_robot_main(cfg, desk, reports)
+
+
 class _RayFleet:
     """The robots of ``vla-rl fleet sim --ray``: one Ray actor each (restarted by Ray up to
     ``ray_max_restarts`` times), a desk actor, and a Ray queue for the reports."""
@@ -674,7 +684,7 @@ class _RayFleet:
     def __init__(self, cfg: FleetConfig, robots: list[SimRobotConfig]) -> None:
         from ray.util.queue import Queue
 
-        from sim.ray_workers import DeskActor, RayDesk, RobotActor, connect, remote_class
+        from sim.ray_workers import DeskActor, RayDesk, connect, remote_class
 
         assert cfg.ray is not None
         connect(cfg.ray, min_cpus=cfg.robots)

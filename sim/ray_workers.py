@@ -419,18 +419,6 @@ class RayDesk:
         return int(ray.get(self.actor.waits.remote()))
 
 
-class RobotActor:
-    """A simulated fleet robot in a Ray actor: runs :func:`sim.fleet_runner.sim_robot_main` when asked."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, cfg: Any, desk: Any, reports: Any) -> None:
-        from sim.fleet_runner import sim_robot_main
-
-        sim_robot_main(cfg, desk, reports)
-
-
 def wait_alive(actor: Any, timeout_s: float) -> int:
     """Wait until ``actor`` (being restarted by Ray) answers; its pid. Calls made while Ray restarts an
     actor can fail rather than wait, so this asks again until ``timeout_s`` (then RuntimeError)."""
