@@ -16,6 +16,7 @@ JSON-lines file, so a test can check the store against the robots' own record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -24,7 +25,7 @@ import queue
 import sys
 import time
 import zlib
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -606,14 +607,23 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
     bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not progress)
     try:
         last_check = time.monotonic()
+        backlog: deque[tuple[str, str, Any]] = deque()
         while running:
             if ray_fleet and time.monotonic() - last_check > 2.0:
-                last_check = time.monotonic()  # a dead robot actor: replace it, from the episode it was in
-                for rid, error in ray_fleet.check({r: summaries[r].episodes for r in running}):
+                # A dead robot actor: replace it, from the episode it was in. Count the episodes it
+                # reported first: a report can still sit in the queue when its robot is found dead.
+                last_check = time.monotonic()
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        backlog.append(reports.get_nowait())
+                queued = Counter(r for k, r, _ in backlog if k == "episode")
+                for rid, error in ray_fleet.check({r: summaries[r].episodes + queued[r] for r in running}):
                     errors.append(f"{rid}: {error}")
                     running.discard(rid)
             try:
-                kind, rid, payload = reports.get(timeout=1.0 if ray_fleet else 5.0)
+                kind, rid, payload = (
+                    backlog.popleft() if backlog else reports.get(timeout=1.0 if ray_fleet else 5.0)
+                )
             except queue.Empty:
                 if ray_fleet:
                     continue
