@@ -16,6 +16,7 @@ JSON-lines file, so a test can check the store against the robots' own record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -24,7 +25,7 @@ import queue
 import sys
 import time
 import zlib
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,7 @@ class SimRobotConfig:
     model_id: str = ""
     record_path: str | None = None
     torch_free: bool = True
+    first_episode: int = 0  # a replaced robot (Ray) starts again at the episode it was in
 
 
 @dataclass
@@ -336,7 +338,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
     record = _Record(cfg.record_path)
     last_ts = 0.0
     try:
-        for e in range(cfg.episodes):
+        for e in range(cfg.first_episode, cfg.episodes):
             t0 = time.perf_counter()
             seed = cfg.seed + cfg.index * 100_000 + e
             obs, info = env.reset(seed=seed)
@@ -465,6 +467,19 @@ class FleetConfig:
     """Write what each robot did, frame by frame (one JSON-lines file per robot)."""
     robot_prefix: str = "sim"
     """Robot ids are PREFIX-0, PREFIX-1, ..."""
+    ray: str | None = None
+    """Run the robots as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1) or
+    a cluster address host:port; None = local processes. A robot whose actor dies is replaced and
+    re-runs the episode it was in (same seed) under a new episode id."""
+    ray_max_restarts: int = 3
+    """With --ray: how many times each robot's actor is replaced before the fleet gives up on it."""
+
+    def __post_init__(self) -> None:
+        from sim.ray_workers import check_ray_address
+
+        self.ray = check_ray_address(self.ray)
+        if self.ray_max_restarts < 0:
+            raise ValueError(f"ray_max_restarts: expected >= 0, got {self.ray_max_restarts}")
 
 
 @dataclass
@@ -504,6 +519,8 @@ class FleetResult:
     errors: list[str]
     seconds: float
     operator_busy_waits: int
+    replaced: dict[str, int] = field(default_factory=dict)
+    """Robots whose Ray actor died and was replaced, and how often (``--ray`` only)."""
 
     def table(self) -> str:
         rows = [
@@ -542,33 +559,45 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
     cams = spec.get("cameras") or []
     obs_mode = "rgb" if cams else "state"
     image_size = int(cams[0]["height"]) if cams else 128
-    ctx = mp.get_context("spawn")
-    desk = OperatorDesk(cfg.operators, ctx)
-    reports: Any = ctx.Queue()
     if cfg.record_dir:
         Path(cfg.record_dir).mkdir(parents=True, exist_ok=True)
-    procs = []
+    robot_cfgs = []
     for i in range(cfg.robots):
         rid = f"{cfg.robot_prefix}-{i}"
-        rc = SimRobotConfig(
-            robot_id=rid,
-            index=i,
-            task=task,
-            server=cfg.server,
-            collector=cfg.collector,
-            episodes=cfg.episodes,
-            seed=cfg.seed,
-            rules=cfg.rules.to_dict(),
-            obs=obs_mode,
-            image_size=image_size,
-            max_episode_steps=cfg.max_episode_steps,
-            token=cfg.collector_token,
-            model_id=model_id,
-            record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
+        robot_cfgs.append(
+            SimRobotConfig(
+                robot_id=rid,
+                index=i,
+                task=task,
+                server=cfg.server,
+                collector=cfg.collector,
+                episodes=cfg.episodes,
+                seed=cfg.seed,
+                rules=cfg.rules.to_dict(),
+                obs=obs_mode,
+                image_size=image_size,
+                max_episode_steps=cfg.max_episode_steps,
+                token=cfg.collector_token,
+                model_id=model_id,
+                record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
+            )
         )
-        p = ctx.Process(target=sim_robot_main, args=(rc, desk, reports), name=f"sim-robot-{i}", daemon=True)
-        p.start()
-        procs.append(p)
+    procs: list[Any] = []
+    ray_fleet: _RayFleet | None = None
+    if cfg.ray:
+        ray_fleet = _RayFleet(cfg, robot_cfgs)
+        desk: Any = ray_fleet
+        reports: Any = ray_fleet.reports
+    else:
+        ctx = mp.get_context("spawn")
+        desk = OperatorDesk(cfg.operators, ctx)
+        reports = ctx.Queue()
+        for i, rc in enumerate(robot_cfgs):
+            p = ctx.Process(
+                target=sim_robot_main, args=(rc, desk, reports), name=f"sim-robot-{i}", daemon=True
+            )
+            p.start()
+            procs.append(p)
     summaries = {
         f"{cfg.robot_prefix}-{i}": RobotSummary(f"{cfg.robot_prefix}-{i}") for i in range(cfg.robots)
     }
@@ -578,10 +607,27 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not progress)
     try:
+        last_check = time.monotonic()
+        backlog: deque[tuple[str, str, Any]] = deque()
         while running:
+            if ray_fleet and time.monotonic() - last_check > 2.0:
+                # A dead robot actor: replace it, from the episode it was in. Count the episodes it
+                # reported first: a report can still sit in the queue when its robot is found dead.
+                last_check = time.monotonic()
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        backlog.append(reports.get_nowait())
+                queued = Counter(r for k, r, _ in backlog if k == "episode")
+                for rid, error in ray_fleet.check({r: summaries[r].episodes + queued[r] for r in running}):
+                    errors.append(f"{rid}: {error}")
+                    running.discard(rid)
             try:
-                kind, rid, payload = reports.get(timeout=5.0)
+                kind, rid, payload = (
+                    backlog.popleft() if backlog else reports.get(timeout=1.0 if ray_fleet else 5.0)
+                )
             except queue.Empty:
+                if ray_fleet:
+                    continue
                 dead = [p.name for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead and len(dead) >= len(running):
                     errors.append(f"robot processes died: {dead}")
@@ -625,4 +671,98 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, desk.busy_waits)
+        busy = desk.busy_waits
+        if ray_fleet:
+            ray_fleet.close()
+    replaced = dict(ray_fleet.replaced) if ray_fleet else {}
+    return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, busy, replaced)
+
+
+class RobotActor:
+    """A simulated fleet robot in a Ray actor: runs :func:`sim_robot_main` when asked."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg: SimRobotConfig, desk: Any, reports: Any) -> None:
+        sim_robot_main(cfg, desk, reports)
+
+
+class _RayFleet:
+    """The robots of ``vla-rl fleet sim --ray``: one Ray actor each (restarted by Ray up to
+    ``ray_max_restarts`` times), a desk actor, and a Ray queue for the reports."""
+
+    def __init__(self, cfg: FleetConfig, robots: list[SimRobotConfig]) -> None:
+        from ray.util.queue import Queue
+
+        from sim.ray_workers import DeskActor, RayDesk, connect, remote_class
+
+        assert cfg.ray is not None
+        connect(cfg.ray, min_cpus=cfg.robots)
+        self.cfg, self.robots = cfg, {rc.robot_id: rc for rc in robots}
+        self.reports = Queue(actor_options={"num_cpus": 0})
+        self.desk = remote_class(DeskActor, num_cpus=0).remote(cfg.operators)
+        self._desk_view = RayDesk
+        robot_cls = remote_class(
+            RobotActor, num_cpus=1, max_restarts=cfg.ray_max_restarts, max_task_retries=0
+        )
+        self.actors = {rid: robot_cls.remote() for rid in self.robots}
+        self.replaced: dict[str, int] = {}
+        self.runs: dict[Any, str] = {}
+        for rid in self.robots:
+            self._run(rid)
+
+    def _run(self, rid: str) -> None:
+        ref = self.actors[rid].run.remote(self.robots[rid], self._desk_view(self.desk, rid), self.reports)
+        self.runs[ref] = rid
+
+    @property
+    def busy_waits(self) -> int:
+        import ray
+
+        return int(ray.get(self.desk.waits.remote()))
+
+    def check(self, done_episodes: dict[str, int]) -> list[tuple[str, str]]:
+        """Replace the robots whose actor died (those still ``running``, with the episodes they finished);
+        returns ``(robot, error)`` for those that cannot be replaced any more."""
+        import ray
+
+        from sim.ray_workers import wait_alive
+
+        failed: list[tuple[str, str]] = []
+        ready, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=0)
+        for ref in ready:
+            rid = self.runs.pop(ref)
+            try:
+                ray.get(ref)
+                continue  # finished: its "done" report is in the queue
+            except ray.exceptions.RayActorError as e:
+                error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if rid not in done_episodes:
+                continue
+            n = self.replaced.get(rid, 0)
+            if n >= self.cfg.ray_max_restarts:
+                failed.append((rid, f"robot actor died {n + 1} times (ray_max_restarts {n}): {error}"))
+                continue
+            self.replaced[rid] = n + 1
+            try:
+                wait_alive(self.actors[rid], 300.0)
+            except RuntimeError as e:
+                failed.append((rid, f"robot actor died and was not replaced: {e}"))
+                continue
+            self.desk.release_all.remote(rid)  # the seat it may have held
+            self.robots[rid].first_episode = done_episodes[rid]
+            log.warning(
+                "robot actor died: replaced; re-running its episode",
+                extra={"robot": rid, "episode_index": done_episodes[rid], "error": error},
+            )
+            self._run(rid)
+        return failed
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors.values():
+            ray.kill(a, no_restart=True)
+        ray.kill(self.desk, no_restart=True)
+        self.reports.shutdown()

@@ -13,6 +13,10 @@ autoreset). For each step, ``info`` holds
 
 Seeding: env ``i``'s ``j``-th episode uses seed ``seed + i + j * num_envs``, so a run is reproducible
 and no two episodes share a seed.
+
+Workers: ``num_envs > 1`` runs one worker process per env on this machine; ``ray="auto"`` or a Ray
+cluster address runs them as Ray actors instead (:mod:`sim.ray_workers`: same calls, same seeds, so the
+same rollouts, and a dead actor is replaced and its episode re-run).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from sim.base import Observation, ObsMode, RewardMode, SimEnv
+from sim.ray_workers import RayWorkerOptions, RayWorkers, check_ray_address
 from vla_rl.spec import RobotSpec
 
 
@@ -126,6 +131,8 @@ class VectorSimEnv:
         reward: RewardMode = "dense",
         processes: bool | None = None,
         render_size: int | None = None,
+        ray: str | None = None,
+        ray_options: RayWorkerOptions | None = None,
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs: expected >= 1, got {num_envs}")
@@ -142,8 +149,14 @@ class VectorSimEnv:
         self._episode_count = np.zeros(num_envs, dtype=np.int64)
         self._local: list[SimEnv] = []
         self._remotes: list[_Remote] = []
+        self._ray: RayWorkers | None = None
         use_processes = num_envs > 1 if processes is None else processes
-        if use_processes:
+        ray = check_ray_address(ray)
+        if ray is not None:
+            self._ray = RayWorkers(make_kwargs, num_envs, ray, ray_options)
+            self.max_episode_steps = self._ray.max_episode_steps
+            self.spec = RobotSpec.from_dict(self._ray.spec_dict)
+        elif use_processes:
             ctx = mp.get_context("spawn")  # fork would copy the parent's simulator and torch state
             self._remotes = [_Remote(ctx, i, make_kwargs) for i in range(num_envs)]
             hellos = [r.recv() for r in self._remotes]  # every worker reports once it has built its env
@@ -161,7 +174,19 @@ class VectorSimEnv:
     def _episode_seed(self, i: int) -> int:
         return int(self.seed + i + self._episode_count[i] * self.num_envs)
 
+    @property
+    def backend(self) -> str:
+        """Where the envs run: ``ray``, ``processes`` or ``local`` (this process)."""
+        return "ray" if self._ray else "processes" if self._remotes else "local"
+
+    @property
+    def replaced(self) -> list[int]:
+        """Per env, how many times its worker died and was replaced (Ray workers; zeros otherwise)."""
+        return list(self._ray.replaced) if self._ray else [0] * self.num_envs
+
     def _map(self, cmd: str, args: list[Any]) -> list[Any]:
+        if self._ray:
+            return self._ray.call(cmd, list(range(self.num_envs)), args)
         if self._local:
             env_call = {
                 "reset": lambda e, a: e.reset(seed=a),
@@ -219,7 +244,11 @@ class VectorSimEnv:
         step_info["final_obs"] = {int(i): obs_list[i] for i in done}
         if len(done):
             self._episode_count[done] += 1
-            if self._local:
+            if self._ray:
+                resets = self._ray.call(
+                    "reset", [int(i) for i in done], [self._episode_seed(i) for i in done]
+                )
+            elif self._local:
                 resets = [self._local[i].reset(seed=self._episode_seed(i)) for i in done]
             else:
                 for i in done:
@@ -236,6 +265,9 @@ class VectorSimEnv:
         return np.stack(self._map("render", [None] * self.num_envs))
 
     def close(self) -> None:
+        if self._ray:
+            self._ray.close()
+            self._ray = None
         for e in self._local:
             e.close()
         for r in self._remotes:

@@ -101,11 +101,14 @@ def evaluate(
     render_size: int = 128,
     max_episode_steps: int | None = None,
     progress: bool = True,
+    ray: str | None = None,
 ) -> EvalResult:
     """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
 
     ``n_exec`` defaults to half the chunk (receding horizon). The default seed is far from the
-    demonstration seeds (which start at 0) so training episodes are not re-used as tests.
+    demonstration seeds (which start at 0) so training episodes are not re-used as tests. ``ray``
+    (``auto`` or a cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`) instead of
+    local processes: the same seeds give the same episodes.
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -126,6 +129,7 @@ def evaluate(
         image_size=image_size,  # type: ignore[arg-type]
         max_episode_steps=max_episode_steps,
         render_size=render_size if want_video else None,
+        ray=ray,
     )
     if env.spec.state_dim != spec.state_dim or env.spec.camera_names != spec.camera_names:
         env.close()

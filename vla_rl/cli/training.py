@@ -110,7 +110,9 @@ def _train_command(name: str) -> Any:
         cfg = parsed.inner
         _check_fixed(alg, cfg)
         _check_inputs(cfg, push=parsed.options.push is not None)
-        with user_errors(FileNotFoundError, ValueError, CheckpointError):
+        from sim.ray_workers import RayUnavailable
+
+        with user_errors(FileNotFoundError, ValueError, CheckpointError, RayUnavailable):
             result = train(cfg)
         print(_summary(name, result))
         push = parsed.options
@@ -327,6 +329,9 @@ class Eval:
     """Offline: a seeded subsample of this many frames (None = every frame of the episodes)."""
     num_envs: int = 2
     """Simulator processes."""
+    ray: str | None = None
+    """Run the simulators as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1)
+    or a cluster address host:port; None = local processes. Same seeds, same episodes."""
     seed: int = 100_000
     """First episode seed (held-out seeds start at 100000)."""
     n_exec: int | None = None
@@ -346,6 +351,11 @@ class Eval:
     inference several times slower)."""
     progress: bool = True
     """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        from sim.ray_workers import check_ray_address
+
+        self.ray = check_ray_address(self.ray)
 
 
 def eval_(a: Eval) -> int:
@@ -370,17 +380,21 @@ def eval_(a: Eval) -> int:
     if a.store is not None or not is_sim_task(a.task or lp.spec.name):
         return _eval_offline(a, lp)
     task = task_arg(a.task) if a.task else lp.spec.name
-    result = evaluate(
-        lp,
-        task,
-        episodes=a.episodes,
-        num_envs=a.num_envs,
-        seed=a.seed,
-        n_exec=a.n_exec,
-        video_dir=a.videos_dir,
-        num_videos=a.videos,
-        progress=a.progress,
-    )
+    from sim.ray_workers import RayUnavailable
+
+    with user_errors(RayUnavailable):
+        result = evaluate(
+            lp,
+            task,
+            episodes=a.episodes,
+            num_envs=a.num_envs,
+            seed=a.seed,
+            n_exec=a.n_exec,
+            video_dir=a.videos_dir,
+            num_videos=a.videos,
+            progress=a.progress,
+            ray=a.ray,
+        )
     print(result.summary())
     out = {"checkpoint": a.checkpoint, "commit": lp.commit, **result.to_dict()}
     if a.out:

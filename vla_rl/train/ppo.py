@@ -64,6 +64,7 @@ from tqdm import tqdm
 
 from policies.flow_vla import DenoisingChain, FlowVLAConfig, FlowVLAPolicy, PrefixCache, SDESchedule
 from policies.flow_vla.sampling import chain_log_prob, noise_kernel
+from sim.ray_workers import check_ray_address
 from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
@@ -131,6 +132,10 @@ class PPOConfig(TrainerConfig):
     # ------------------------------------------------------------ environment and MDP
     num_envs: int = 4
     """Parallel simulated robots (one process each)."""
+    ray: str | None = None
+    """Run the simulated robots (and the final evaluation) as Ray actors: 'auto' (this machine's Ray
+    cluster, or a local head on 127.0.0.1) or a cluster address host:port; None = local processes. The
+    same seeds give the same rollouts; a dead actor is replaced and its episode re-run (docs/sim.md)."""
     env_steps: int = 50_000
     """Budget: total env steps (summed over robots) to train for."""
     rollout_steps: int = 400
@@ -213,6 +218,7 @@ class PPOConfig(TrainerConfig):
         _choice(self, "train_scope", TRAIN_SCOPES)
         _choice(self, "advantage", ADVANTAGES)
         _choice(self, "sde_steps", SDE_STEPS)
+        self.ray = check_ray_address(self.ray)
         for name in (
             "num_envs",
             "env_steps",
@@ -792,6 +798,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
         obs="rgb" if spec.cameras else "state",
         image_size=spec.cameras[0].height if spec.cameras else 128,
         max_episode_steps=cfg.max_episode_steps,
+        ray=cfg.ray,
     )
     if env.spec.state_dim != spec.state_dim or env.spec.camera_names != spec.camera_names:
         env.close()
@@ -875,6 +882,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             num_envs=cfg.num_envs,
             seed=cfg.final_eval_seed,
             progress=cfg.progress,
+            ray=cfg.ray,
         )
         metrics.update(eval_success=ev.success_rate, eval_episodes=ev.episodes, eval_seed=cfg.final_eval_seed)
     ckpt = _save(cfg, policy, base, cfg.out / "checkpoints" / "last", env_steps, curve, metrics)

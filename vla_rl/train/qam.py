@@ -66,6 +66,7 @@ from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
+from sim.ray_workers import check_ray_address
 from sim.rollout import EpisodeRecord, StepRecord
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.spec import RobotSpec
@@ -325,6 +326,10 @@ class QAMConfig(TrainerConfig):
     Online updates are counted from ``offline_steps``."""
     num_envs: int = 2
     """Simulator processes for online rollouts."""
+    ray: str | None = None
+    """Run the online rollouts' simulators (and evaluations) as Ray actors: 'auto' (this machine's Ray
+    cluster, or a local head on 127.0.0.1) or a cluster address host:port; None = local processes. The
+    same seeds give the same rollouts; a dead actor is replaced and its episode re-run (docs/sim.md)."""
     online_seed: int = 200_000
     """First episode seed of online rollouts (demos start at 0, evaluation at 100000)."""
     max_episode_steps: int | None = None
@@ -362,6 +367,7 @@ class QAMConfig(TrainerConfig):
         if self.init_reset_actor and self.init_from is None:
             raise ValueError("init_reset_actor: needs init_from (the run whose critic to keep)")
         self.critic_hidden = tuple(int(h) for h in self.critic_hidden)
+        self.ray = check_ray_address(self.ray)
         for name in (
             "members",
             "flow_steps",
@@ -611,6 +617,7 @@ class _Rollouts:
             obs="rgb" if spec.cameras else "state",  # type: ignore[arg-type]
             image_size=spec.cameras[0].height if spec.cameras else 128,
             max_episode_steps=cfg.max_episode_steps,
+            ray=cfg.ray,
         )
         self.instruction_emb = instruction_emb
         self.frames: list[dict[str, list[Any]]] = [self._empty() for _ in range(cfg.num_envs)]
@@ -982,6 +989,7 @@ class _QAMRun:
             episodes=episodes,
             num_envs=self.cfg.num_envs,
             progress=False,
+            ray=self.cfg.ray,
         )
         return res.success_rate
 
