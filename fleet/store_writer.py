@@ -131,10 +131,12 @@ class StoreWriter:
         store: str | os.PathLike[str],
         fsync: bool = False,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        *,
+        wal_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         # No metadata DB here: the collector records closed episodes (one writer of the DB).
-        self.store = EpisodeStore(store, fsync=fsync)
-        self.wal_dir = self.store.root / WAL_DIR
+        self.store = EpisodeStore(store, fsync=fsync, cache_dir="off")
+        self.wal_dir = Path(wal_dir) if wal_dir is not None else self.store.root / WAL_DIR
         self.max_buffered_bytes = max_buffered_bytes
         self.open: collections.OrderedDict[str, _Open] = collections.OrderedDict()  # LRU first
         self.resume_at: dict[str, int] = {}  # log offset of an episode let go cleanly (all flushed)
@@ -152,7 +154,10 @@ class StoreWriter:
         if kind == "data":
             return [self._run(eid, end=int(op["end"]))]
         if kind == "flush":
-            return [self._run(eid, flush=True)]
+            # An idle episode's partial chunk: on an object store, uploading it now and again when it
+            # fills costs a read-modify-write of every array; the log holds the frames meanwhile, so
+            # an object store gets whole chunks only (and the last one at the episode's end).
+            return [self._run(eid, flush=self.store.remote is None)]
         raise ValueError(f"op: expected data, flush or stop, got {kind!r}")
 
     def _run(self, eid: str, end: int | None = None, flush: bool = False) -> dict[str, Any]:
@@ -222,7 +227,10 @@ class StoreWriter:
 def main(argv: list[str] | None = None) -> int:
     """The writer process: ops on stdin, reports on stdout, one JSON object per line."""
     p = argparse.ArgumentParser(prog="python -m fleet.store_writer", description=__doc__)
-    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--store", required=True, help="episode store: a directory or s3://bucket/prefix")
+    p.add_argument(
+        "--wal-dir", type=Path, default=None, help="the collector's write-ahead logs (default <store>/wal)"
+    )
     p.add_argument("--fsync", action="store_true")
     p.add_argument(
         "--max-buffered-bytes",
@@ -243,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     from fleet.wire import keep_freed_memory
 
     keep_freed_memory()
-    sw = StoreWriter(args.store, fsync=args.fsync, max_buffered_bytes=args.max_buffered_bytes)
+    sw = StoreWriter(
+        args.store, fsync=args.fsync, max_buffered_bytes=args.max_buffered_bytes, wal_dir=args.wal_dir
+    )
     out = sys.stdout
     for line in sys.stdin:
         op = json.loads(line)
