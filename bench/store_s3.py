@@ -52,6 +52,7 @@ class MotoS3:
         self.port = port
         self.counts: collections.Counter[str] = collections.Counter()
         self.gets: collections.Counter[str] = collections.Counter()  # GET requests by path
+        self.puts: collections.Counter[str] = collections.Counter()  # PUT requests by path
         self._lock = threading.Lock()
         self._server: Any = None
 
@@ -75,8 +76,9 @@ class MotoS3:
                     method = environ["REQUEST_METHOD"]
                     with outer._lock:
                         outer.counts[method] += 1
-                        if method == "GET":
-                            outer.gets[environ.get("PATH_INFO", "")] += 1
+                        if method in ("GET", "PUT"):
+                            by_path = outer.gets if method == "GET" else outer.puts
+                            by_path[environ.get("PATH_INFO", "")] += 1
                     return app(environ, start_response)
 
                 self._server = make_server(
@@ -112,6 +114,7 @@ class MotoS3:
         with self._lock:
             self.counts.clear()
             self.gets.clear()
+            self.puts.clear()
 
     def create_bucket(self, name: str) -> None:
         import s3fs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import os
 import re
 import uuid
@@ -135,6 +136,9 @@ class ObjectStore:
         import s3fs
 
         self.url, self.bucket, self.prefix = normalize_url(root)
+        quiet = logging.getLogger("botocore.credentials")  # "Found credentials in ..." on every open
+        if quiet.level == logging.NOTSET:
+            quiet.setLevel(logging.WARNING)
         if not _has_credentials():
             raise StoreURLError(f"store {self.url}: no S3 credentials: {_CREDENTIALS_HELP}")
         self.fs = s3fs.S3FileSystem(**s3_options())
