@@ -167,13 +167,22 @@ class ObjectStore:
         return bytes(self.fs.cat_file(self.path(key)))
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        """The objects that exist among ``keys`` (fetched concurrently), by key."""
+        """The objects that exist among ``keys`` (fetched concurrently), by key. A missing object is
+        left out; any other failure (the server unreachable, access denied) raises: it must never
+        pass for "no such object"."""
         keys = list(keys)
         if not keys:
             return {}
         by_path = {self.path(k): k for k in keys}
-        got = self.fs.cat(list(by_path), on_error="omit")
-        return {by_path[p]: bytes(v) for p, v in got.items()}
+        got = self.fs.cat(list(by_path), on_error="return")
+        out: dict[str, bytes] = {}
+        for p, v in got.items():
+            if isinstance(v, FileNotFoundError):
+                continue
+            if isinstance(v, BaseException):
+                raise v
+            out[by_path[p]] = bytes(v)
+        return out
 
     def put(self, key: str, data: bytes) -> None:
         """Replace an object (atomic for readers: the old or the new bytes, never a mix)."""

@@ -95,13 +95,32 @@ RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.EN
 DEFAULT_MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
 
 
+# An object store that cannot be reached (botocore / aiohttp names; no import needed to recognise them).
+RETRYABLE_NETWORK_ERRORS = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+    }
+)
+
+
 def retryable(e: BaseException) -> bool:
-    """An OS error (anywhere in its cause chain) that a retry after a while can get past."""
+    """An OS error (anywhere in its cause chain) that a retry after a while can get past: space or
+    descriptors freed, or an object store that could not be reached."""
     seen: BaseException | None = e
     for _ in range(8):
         if seen is None:
             return False
         if isinstance(seen, OSError) and seen.errno in RETRYABLE_ERRNOS:
+            return True
+        if (
+            isinstance(seen, ConnectionError | TimeoutError)
+            or type(seen).__name__ in RETRYABLE_NETWORK_ERRORS
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
