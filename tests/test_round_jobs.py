@@ -91,7 +91,7 @@ def test_three_worker_processes_six_rounds_one_killed(
     store, ckpt = base
     url = pg.create_database()
     db = MetadataDB(url)
-    ids = [queue_round(_tiny_round(store, ckpt, tmp_path / "r"), db) for _ in range(6)]
+    ids = [queue_round(_tiny_round(store, ckpt, tmp_path / "r", push=False), db) for _ in range(6)]
     marks = tmp_path / "marks"
     marks.mkdir()
     ctx = mp.get_context("spawn")
