@@ -149,7 +149,8 @@ def test_three_real_workers_six_real_rounds_one_killed(
     saved_env = dict(os.environ)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        configure_hub(hub.url, "t")  # into os.environ: the workers inherit it
+        configure_hub(hub.url, "t")
+        os.environ.update(VLA_RL_HUB=hub.url, VLA_RL_HUB_TOKEN="t")  # what the workers' CLI reads
         push_folder(ckpt, "fleet/reach", message="base", tag="prod")
         base_ref = "hub://fleet/reach@prod"
         # The first (oldest) round is long enough to be killed while it trains.
@@ -165,10 +166,14 @@ def test_three_real_workers_six_real_rounds_one_killed(
         ]
         by_pid = {p.pid: p for p in procs}
         _wait(
-            lambda: (db.round(long_round).progress or {}).get("phase") == "training",
+            lambda: (
+                (db.round(long_round).progress or {}).get("phase") == "training"
+                or db.round(long_round).status in TERMINAL
+            ),
             300,
             "the long round to train",
         )
+        assert db.round(long_round).status == "running", db.round(long_round).error
         victim = db.round(long_round).worker
         victim_pid = int(victim.rsplit(":", 1)[1])
         children = psutil.Process(victim_pid).children()

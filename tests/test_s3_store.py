@@ -315,3 +315,72 @@ def test_bad_urls_and_missing_credentials_name_the_setting(
     with pytest.raises(StoreURLError, match=r"cannot reach the S3 endpoint.*AWS_ENDPOINT_URL"):
         EpisodeStore(f"s3://{bucket}/x")
     assert time.monotonic() - t0 < 20
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The S3 server stops mid-episode: the collector keeps acknowledging into its local log, and once
+    the server is back its store writer catches up with nothing lost and nothing twice."""
+    own = MotoS3().start()  # its own server: this test stops it
+    try:
+        for k, v in own.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+        own.create_bucket("outage")
+        url = "s3://outage/store"
+        c = Collector(
+            url,
+            f"sqlite:///{tmp_path / 'meta.db'}",
+            wal_dir=tmp_path / "wal",
+            port=0,
+            token=TOKEN,
+            chunk_len=8,
+            store_retry_max_s=1.0,
+        ).start()
+        try:
+            client = RobotClient(c.address, "arm-1", ROBOT_SPEC, "test/task", token=TOKEN, max_batch_frames=4)
+            rng = np.random.default_rng(5)
+            sent: list[tuple[str, int, str]] = []
+            eid = client.start_episode()
+
+            def frames(a: int, b: int) -> None:
+                from fleet.robot_client import frame_digest
+
+                for i in range(a, b):
+                    cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
+                    state = rng.standard_normal(5).astype(np.float32)
+                    action = rng.uniform(-1, 1, 3).astype(np.float32)
+                    ts = 1000.0 + i
+                    client.add_frame(cams, state, action, action, 0.0, False, False, 0, "", ts)
+                    sent.append((eid, i, frame_digest(cams, state, action, action, 0.0, False, False, 0, ts)))
+                assert client.flush(30)
+
+            frames(0, 16)
+            deadline = time.monotonic() + 90  # the store writer process starts meanwhile
+            while c.store.read_metadata(eid).length < 16 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.store.read_metadata(eid).length == 16
+            own.stop()  # the object store goes away
+            t0 = time.monotonic()
+            frames(16, 48)  # still acknowledged: the log is local
+            assert time.monotonic() - t0 < 20
+            committed = {r.robot_id: r.frames_committed for r in c.stats().robots}["arm-1"]
+            assert committed == 48
+            time.sleep(2.0)  # the writer's retries fail meanwhile
+            own.start()  # same port, same buckets
+            frames(48, 60)
+            client.end_episode("success")
+            assert client.close(60)
+            assert c.drain(60)
+            deadline = time.monotonic() + 60
+            while not c.store.read_metadata(eid).is_closed and time.monotonic() < deadline:
+                time.sleep(0.2)
+            got = store_digests(url)  # type: ignore[arg-type]
+            assert sorted(got) == sorted(sent) and set(got.values()) == {1}
+            assert EpisodeStore(url).verify(db=c.db) == []
+        finally:
+            c.stop()
+    finally:
+        own.stop()
