@@ -9,9 +9,12 @@ numpy, grpcio, Pillow and the generated protobuf code only (no torch).
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import json
 import os
 import random
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,16 +30,20 @@ from server.proto import policy_service_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_BACKOFF",
+    "HEALTH_SERVICE",
     "RETRYABLE",
     "ActResult",
     "Backoff",
+    "ChannelTarget",
     "ClientBase",
     "PolicyError",
     "RetryBudget",
     "Timing",
+    "balanced_service_config",
     "build_request",
     "channel_credentials",
     "channel_options",
+    "channel_target",
     "check_reply",
     "parse_response",
 ]
@@ -104,7 +111,111 @@ class RetryBudget:
         return delay
 
 
-def channel_options(max_message_bytes: int, backoff: Backoff | None) -> list[tuple[str, Any]]:
+HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
+"""The ``grpc.health.v1`` service name a balanced channel watches on each replica (the policy server sets it
+SERVING once it serves and NOT_SERVING when it drains)."""
+
+_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock")
+_BALANCED_SCHEMES = ("dns", "ipv4", "ipv6")
+ADDRESS_HELP = (
+    "host:port, a comma-separated list of them (replicas), or a gRPC target such as dns:///name:port"
+)
+
+
+@dataclass(frozen=True)
+class ChannelTarget:
+    """What a client's ``address`` becomes: the gRPC ``target``, whether the channel balances over several
+    servers (``round_robin`` with health checking) and, for a list, the ``authority`` it names (the first
+    entry's ``host:port``: what a TLS certificate must be valid for)."""
+
+    target: str
+    balanced: bool
+    authority: str | None = None
+
+
+def _split_host_port(entry: str) -> tuple[str, int]:
+    host, sep, port = entry.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address: each server in a list is host:port (port 1-65535); got {entry!r}")
+    return host, int(port)
+
+
+def _ip_of(host: str, port: int) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``host`` as an IP address: a literal as is, ``localhost`` as 127.0.0.1, a name looked up once."""
+    if host == "localhost":
+        return ipaddress.IPv4Address("127.0.0.1")
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(
+            f"address: could not resolve {host!r} ({e}); give IP addresses, or dns:///{host}:{port} "
+            "to let gRPC resolve (and re-resolve) the name"
+        ) from None
+    return ipaddress.ip_address(infos[0][4][0])
+
+
+def channel_target(address: str) -> ChannelTarget:
+    """The gRPC target for ``address`` (see :data:`ADDRESS_HELP`); ``ValueError`` naming it when it is not one.
+
+    * ``host:port``: one server, as given (gRPC's default resolver, ``pick_first``).
+    * ``a:1,b:2``: replicas, through gRPC's static resolver (``ipv4:``/``ipv6:``; a host name in the list is
+      looked up once, here) and balanced.
+    * ``dns:///name:port`` (every address the name resolves to, re-resolved by gRPC), ``ipv4:...`` and
+      ``ipv6:...``: balanced; ``unix:`` and other schemes: as given.
+    """
+    address = address.strip() if isinstance(address, str) else address
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"address: expected {ADDRESS_HELP}; got {address!r}")
+    scheme = address.split(":", 1)[0]
+    if scheme in _SCHEMES:
+        return ChannelTarget(address, balanced=scheme in _BALANCED_SCHEMES)
+    if "," not in address:
+        return ChannelTarget(address, balanced=False)
+    entries = [e.strip() for e in address.split(",")]
+    if "" in entries:
+        raise ValueError(f"address: an empty entry in the list {address!r}; expected {ADDRESS_HELP}")
+    resolved = []
+    for entry in entries:
+        host, port = _split_host_port(entry)
+        resolved.append((_ip_of(host, port), port))
+    versions = {ip.version for ip, _ in resolved}
+    if len(versions) > 1:
+        raise ValueError(
+            f"address: {address!r} mixes IPv4 and IPv6 servers; gRPC's static resolver takes one family"
+        )
+    parts = [f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}" for ip, port in resolved]
+    dupes = sorted({p for p in parts if parts.count(p) > 1})
+    if dupes:
+        raise ValueError(f"address: {address!r} lists {', '.join(dupes)} more than once")
+    return ChannelTarget(f"ipv{versions.pop()}:{','.join(parts)}", balanced=True, authority=entries[0])
+
+
+def balanced_service_config() -> str:
+    """The channel's service config for replicas: gRPC's ``round_robin`` over every address, each checked with
+    the standard health service (:data:`HEALTH_SERVICE`), so a replica that is down or NOT_SERVING (draining)
+    gets no new calls until it reports SERVING again. Retries are the client's own loop (:class:`RetryBudget`),
+    not a gRPC ``retryPolicy``: one budget covers a call and a stream alike."""
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "healthCheckConfig": {"serviceName": HEALTH_SERVICE},
+        }
+    )
+
+
+def channel_options(
+    max_message_bytes: int,
+    backoff: Backoff | None,
+    *,
+    balanced: bool = False,
+    authority: str | None = None,
+) -> list[tuple[str, Any]]:
     opts: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -120,6 +231,10 @@ def channel_options(max_message_bytes: int, backoff: Backoff | None) -> list[tup
             ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
             ("grpc.max_reconnect_backoff_ms", max(1, int(backoff.max_s * 1000))),
         ]
+    if balanced:
+        opts.append(("grpc.service_config", balanced_service_config()))
+    if authority is not None:  # a static list: TLS checks the certificate against its first name
+        opts.append(("grpc.default_authority", authority))
     return opts
 
 
@@ -226,7 +341,11 @@ class ClientBase:
     """Settings, channel and request building of both clients; subclasses set ``_grpc`` (``grpc`` or
     ``grpc.aio``) and add the calls.
 
-    ``tls_ca`` (PEM root certificate, path or bytes) connects over TLS; ``backoff=None`` turns retries off.
+    ``address`` is one server (``host:port``) or several replicas (``a:1,b:2`` or ``dns:///name:port``, see
+    :func:`channel_target`): calls are then spread over the replicas that are up and report SERVING, by
+    gRPC's ``round_robin`` with health checking, and a call that fails UNAVAILABLE is retried (on the next
+    replica) within its budget. ``tls_ca`` (PEM root certificate, path or bytes) connects over TLS;
+    ``backoff=None`` turns retries off.
     """
 
     _grpc: Any = grpc
@@ -243,19 +362,24 @@ class ClientBase:
         tls_ca: str | os.PathLike[str] | bytes | None = None,
         backoff: Backoff | None = DEFAULT_BACKOFF,
     ) -> None:
+        target = channel_target(address)
         self.address = address
+        self.target = target.target
+        self.balanced = target.balanced
         self.timeout_s = timeout_s
         self.model_id = model_id
         self.image_format = image_format
         self.backoff = backoff
         self.retries = 0  # calls repeated after UNAVAILABLE (and streams reopened)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        opts = channel_options(max_message_bytes, backoff)
+        opts = channel_options(
+            max_message_bytes, backoff, balanced=target.balanced, authority=target.authority
+        )
         creds = channel_credentials(tls_ca)
         self._channel = (
-            self._grpc.secure_channel(address, creds, options=opts)
+            self._grpc.secure_channel(target.target, creds, options=opts)
             if creds is not None
-            else self._grpc.insecure_channel(address, options=opts)
+            else self._grpc.insecure_channel(target.target, options=opts)
         )
         self._stub = pb_grpc.PolicyServiceStub(self._channel)
 

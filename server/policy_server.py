@@ -45,6 +45,7 @@ import hmac
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -82,6 +83,7 @@ DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
 DEFAULT_MAX_NOISE_ABS = 10.0
 DEFAULT_MAX_STATE_ABS = 1e6
 DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_DRAIN_S = 2.0  # vla-rl serve: seconds NOT_SERVING between SIGTERM and the stop
 
 
 class RequestError(Exception):
@@ -930,6 +932,8 @@ class _Service(pb_grpc.PolicyServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"replies not read for {write_timeout:g} s (stream_write_timeout_s); stream closed",
                 )
+            if self.s.draining:  # answered; the robot reopens its stream on a replica that is serving
+                return
 
     async def GetInfo(
         self, request: pb.GetInfoRequest | Undecodable, context: grpc.aio.ServicerContext
@@ -1125,6 +1129,7 @@ class PolicyServer:
         self._thread: threading.Thread | None = None
         self._aio: grpc.aio.Server | None = None
         self._health: Any = None
+        self.draining = False  # set by drain(): health says NOT_SERVING, streams end after their next reply
         self._stop_requested: asyncio.Event | None = None
         self._grace_s = 1.0
 
@@ -1431,6 +1436,23 @@ class PolicyServer:
         log.info("policy server listening", extra={"address": self.address, "models": sorted(self.slots)})
         return self
 
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Stop taking new work without refusing any: the health service says NOT_SERVING (for the whole
+        server and for the policy service), so balanced clients (a list of replicas, ``round_robin`` with
+        health checking) send their next calls to the other replicas, and each open stream ends after its
+        next reply (its robot reopens it elsewhere). Calls that still arrive are answered. ``stop()`` ends
+        the rest; ``vla-rl serve`` drains for ``--drain`` seconds on SIGTERM before it stops."""
+        self.draining = True
+        if self._loop is None or self._health is None:
+            return
+
+        async def not_serving() -> None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        asyncio.run_coroutine_threadsafe(not_serving(), self._loop).result(timeout_s)
+        log.info("draining: health NOT_SERVING, streams close after their next reply")
+
     def _shutdown_models(self) -> None:
         self._stop.set()
         for s in list(self.slots.values()):
@@ -1472,6 +1494,7 @@ def serve(
     tls_key: str | os.PathLike[str] | None = None,
     max_message_bytes: int | None = None,
     limits: ServerLimits | None = None,
+    drain_s: float = DEFAULT_DRAIN_S,
 ) -> None:
     """Serve ``checkpoint`` as ``model_id`` until interrupted (what ``vla-rl serve`` runs).
 
@@ -1479,8 +1502,12 @@ def serve(
     ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
     ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
     ``tls_cert``/``tls_key`` (PEM files) serve over TLS. ``max_message_bytes`` (None = derived from the
-    robot spec) and ``limits`` bound what one client can make the server do.
+    robot spec) and ``limits`` bound what one client can make the server do. SIGTERM first drains for
+    ``drain_s`` seconds (:meth:`PolicyServer.drain`: balanced clients move to the other replicas), then
+    stops; Ctrl-C, or a second signal, stops at once.
     """
+    if isinstance(drain_s, bool) or not isinstance(drain_s, int | float) or not 0 <= drain_s < float("inf"):
+        raise ValueError(f"drain_s: expected a number of seconds >= 0, got {drain_s!r}")
     follow_ref = str(checkpoint) if follow is True else (follow or None)
     server = PolicyServer(
         {model_id: checkpoint},
@@ -1501,10 +1528,38 @@ def serve(
         limits=limits,
     )
     server.start()
+    previous = _stop_on_sigterm()
     try:
-        while server._thread is not None and server._thread.is_alive():
-            server._thread.join(1.0)
-    except KeyboardInterrupt:
-        log.info("stopping policy server")
+        try:
+            while server._thread is not None and server._thread.is_alive():
+                server._thread.join(1.0)
+        except KeyboardInterrupt as stop:
+            if isinstance(stop, _Terminate) and drain_s > 0:
+                log.info("stop requested: draining first", extra={"drain_s": drain_s})
+                try:
+                    server.drain()
+                    # not Thread.join: after a join interrupted by the signal, is_alive() can say False
+                    time.sleep(drain_s)
+                except KeyboardInterrupt:
+                    log.info("second stop request: stopping now")
+            log.info("stopping policy server")
     finally:
         server.stop(grace_s=5.0)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminate(KeyboardInterrupt):
+    """SIGTERM: stop :func:`serve` after draining (Ctrl-C stops it at once)."""
+
+
+def _raise_terminate(signum: int, frame: Any) -> None:
+    raise _Terminate(f"signal {signum}")
+
+
+def _stop_on_sigterm() -> Any:
+    """Make SIGTERM (``docker stop``, Kubernetes, systemd) stop :func:`serve`: drain, then stop. Returns
+    the previous handler (None when not on the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminate)

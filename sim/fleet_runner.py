@@ -441,7 +441,8 @@ class FleetConfig:
     robots: int = 4
     """Simulated robots (one process each)."""
     server: str = "127.0.0.1:50061"
-    """Policy server address."""
+    """Policy server address: host:port, or replicas as a comma-separated list (a:1,b:2) or
+    dns:///name:port; each robot's stream goes to a replica that reports SERVING and moves when it goes."""
     collector: str = "127.0.0.1:50071"
     """Collector address."""
     task: str | None = None

@@ -29,6 +29,8 @@ class Serve:
     e.g. ACT or Diffusion, saved by save_pretrained with its processors). Binds 127.0.0.1 unless told
     otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN
     or --token-file. Limits bound what one client or checkpoint can make the server do (--max-* flags).
+    Several servers can follow the same ref as replicas: clients list them (--server a:50061,b:50061) and
+    skip one that is down or draining (SIGTERM drains for --drain seconds before stopping).
     Example: vla-rl serve --checkpoint hub://fleet/push@prod --follow self"""
 
     checkpoint: str
@@ -81,6 +83,10 @@ class Serve:
     """Largest |value| in observation.state."""
     log_interval: float = 10.0
     """Seconds between repeated warnings about one client's bad requests (the rest are counted)."""
+    drain: float = 2.0
+    """Seconds to drain on SIGTERM before stopping: the health service says NOT_SERVING, so clients given
+    several replicas send new calls elsewhere, and open streams close after their next reply (Ctrl-C or a
+    second signal stops at once; 0 = no drain)."""
 
 
 def _read_token_file(path: Path) -> str:
@@ -94,6 +100,8 @@ def serve(a: Serve) -> int:
     from server.policy_server import serve as run
 
     follow: bool | str | None = True if a.follow == "self" else a.follow
+    if not 0 <= a.drain < float("inf"):
+        raise CliError(f"--drain: expected seconds >= 0, got {a.drain}")
     if (a.tls_cert is None) != (a.tls_key is None):
         raise CliError("--tls-cert and --tls-key go together (PEM certificate chain and its private key)")
     for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
@@ -138,6 +146,7 @@ def serve(a: Serve) -> int:
         tls_key=a.tls_key,
         max_message_bytes=a.max_message_bytes,
         limits=limits,
+        drain_s=a.drain,
     )
     return 0
 
@@ -150,7 +159,8 @@ class ClientAct:
     Example: vla-rl client act --from-store runs/koch/store --episode 0 --frame 10"""
 
     server: str = "127.0.0.1:50061"
-    """Policy server address."""
+    """Policy server address: host:port, replicas as a comma-separated list (a:1,b:2) or dns:///name:port
+    (round-robin over the replicas that report SERVING)."""
     task: str | None = None
     """Task; None = the served model's robot spec."""
     model_id: str = ""
@@ -205,7 +215,8 @@ def client_act(a: ClientAct) -> int:
     if a.tls_ca is not None and not a.tls_ca.is_file():
         raise CliError(f"--tls-ca {a.tls_ca}: no such file")
     recorded = _recorded_observation(a) if a.from_store is not None else None
-    client = PolicyClient(a.server, timeout_s=a.timeout, tls_ca=a.tls_ca)
+    with user_errors(ValueError, prefix="--server: "):
+        client = PolicyClient(a.server, timeout_s=a.timeout, tls_ca=a.tls_ca)
     with user_errors(PolicyError, prefix=f"{a.server}: "):
         info = client.info()
         model = info[a.model_id] if a.model_id else next(iter(info.values()))
@@ -370,11 +381,14 @@ def _fleet_args() -> type:
 
 
 def fleet_sim(a: Any) -> int:
+    from server.client_common import channel_target
     from sim.fleet_runner import run_sim_fleet
 
     cfg = a.fleet
     if cfg.robots < 1 or cfg.episodes < 1:
         raise CliError("--robots and --episodes must be >= 1")
+    with user_errors(ValueError, prefix="--server: "):
+        channel_target(cfg.server)
     if cfg.task:
         cfg.task = task_arg(cfg.task)
     if cfg.collector_token is None:
