@@ -23,7 +23,10 @@ deletes the log. Zarr is authoritative through ``commit.json``, so a writer kill
 nothing: the next one resumes from the commit and replays the log, and no frame is written twice.
 
 ``python -m fleet.store_writer --store PATH`` is the process; :class:`StoreWriter` is the same work
-in-process (a collector with ``store_writers=0`` runs it in a thread).
+in-process (a collector with ``store_writers=0`` runs it in a thread). With an object store
+(``--store s3://bucket/prefix --wal-dir DIR``) the logs stay in the local ``DIR``, only whole chunks are
+uploaded (an idle episode's partial chunk waits in its log, see ``handle``), and an unreachable endpoint
+is retried like a full disk.
 """
 
 from __future__ import annotations
