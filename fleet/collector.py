@@ -91,6 +91,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleet.db import MetadataDB
+from fleet.objstore import is_remote
 from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore
 from fleet.store_writer import DEFAULT_MAX_BUFFERED_BYTES, StoreWriter
@@ -274,6 +275,7 @@ class Collector:
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         store_retry_max_s: float = 30.0,
+        wal_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         robot_tokens = dict(robot_tokens or {})
         if not token and not robot_tokens and host not in _LOOPBACK:
@@ -324,10 +326,24 @@ class Collector:
         self.log_files = LogFiles(max_open_logs)
         self._undecodable = _RateLimitedLog(60.0)  # per peer
         self._refused = _RateLimitedLog(10.0)  # per peer and code
+        if is_remote(store):
+            # An object store: the log (and the lock) stay on local disk, the DB is a server.
+            if wal_dir is None:
+                raise ValueError(
+                    f"wal_dir: an object-store episode store ({store}) keeps its write-ahead log on local "
+                    "disk: give a local directory (--wal-dir)"
+                )
+            if not db_url:
+                raise ValueError(
+                    f"db_url: an object-store episode store ({store}) has no SQLite file beside it: give "
+                    "the metadata DB's URL (--db postgresql://...)"
+                )
         self.db = MetadataDB(db_url) if db_url else MetadataDB.for_store(store)
         self.store = EpisodeStore(store, create=True, fsync=fsync, db=self.db)
-        self.wal_dir = self.store.root / WAL_DIR
-        self.wal_dir.mkdir(exist_ok=True)
+        self.wal_dir = Path(wal_dir).absolute() if wal_dir is not None else self.store.root / WAL_DIR
+        self.wal_dir.mkdir(parents=wal_dir is not None, exist_ok=True)
+        # The lock beside what it guards: the store's folder, or (object store) the local log.
+        self._lock_path = (self.store.root if self.store.remote is None else self.wal_dir) / LOCK_FILE
         self.fsync = fsync
         self.metrics = _Metrics()
         self.accounts: dict[str, RobotAccount] = collections.defaultdict(RobotAccount)
@@ -470,7 +486,7 @@ class Collector:
         self.stop()
 
     def _lock_store(self, wait_s: float = 5.0) -> None:
-        fd = os.open(self.store.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         # Store writer processes inherit the lock, so a killed collector's writer still holds it until
         # it has noticed and exited (at most one block write later): wait that long, not forever.
         deadline = time.monotonic() + wait_s
@@ -829,7 +845,7 @@ class Collector:
             raise RequestError(SC.INVALID_ARGUMENT, "start.instruction: at most 2000 characters", eid)
         writer = self._assign_writer()  # before creating anything: it refuses when no writer is left
         leftover = self.store.episodes_dir / eid
-        if leftover.exists():
+        if self.store.remote is None and leftover.exists():
             # A folder without a commit record: a creation killed half-way. Nothing in it was ever
             # committed or acknowledged, and we hold the store lock, so it is safe to start over.
             shutil.rmtree(leftover)
@@ -1029,7 +1045,9 @@ class Collector:
     # -------------------------------------------------------------- store writers
     def _new_writer(self, index: int) -> _WriterHandle:
         if self.store_writers == 0:
-            return _ThreadWriter(self.store.root, self.fsync, self._on_report, self.max_buffered_bytes)
+            return _ThreadWriter(
+                self.store.root, self.fsync, self._on_report, self.max_buffered_bytes, self.wal_dir
+            )
         share = max(self.max_buffered_bytes // self.store_writers, 1)  # the bound is for all writers
         assert self._lock_fd is not None
         return _ProcessWriter(
@@ -1041,6 +1059,7 @@ class Collector:
             self._writer_died,
             self.store_writer_nice,
             share,
+            self.wal_dir,
         )
 
     def _assign_writer(self) -> int:
@@ -1476,13 +1495,14 @@ class _ThreadWriter(_WriterHandle):
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,
         fsync: bool,
         on_report: Callable[[Mapping[str, Any]], None],
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        wal_dir: Path | None = None,
     ) -> None:
         super().__init__(on_report)
-        self._sw = StoreWriter(root, fsync, max_buffered_bytes)
+        self._sw = StoreWriter(root, fsync, max_buffered_bytes, wal_dir=wal_dir)
         self._thread = threading.Thread(target=self._loop, name="collector-store", daemon=True)
         self._thread.start()
 
@@ -1511,13 +1531,14 @@ class _ProcessWriter(_WriterHandle):
     def __init__(
         self,
         index: int,
-        root: Path,
+        root: Path | str,
         fsync: bool,
         lock_fd: int,
         on_report: Callable[[Mapping[str, Any]], None],
         on_exit: Callable[[_ProcessWriter], None],
         nice: int = 0,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        wal_dir: Path | None = None,
     ) -> None:
         super().__init__(on_report)
         self._on_exit = on_exit
@@ -1529,6 +1550,7 @@ class _ProcessWriter(_WriterHandle):
         cmd = [sys.executable, "-m", "fleet.store_writer", "--store", str(root), "--nice", str(nice)]
         cmd += ["--fsync"] if fsync else []
         cmd += ["--max-buffered-bytes", str(max_buffered_bytes)]
+        cmd += ["--wal-dir", str(wal_dir)] if wal_dir is not None else []
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,), env=env
         )

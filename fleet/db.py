@@ -197,6 +197,11 @@ class Label:
 
 def default_url(store_root: str | os.PathLike[str]) -> str:
     """The SQLite DB that sits next to an episode store."""
+    if str(store_root).startswith("s3:/"):
+        raise ValueError(
+            f"db_url: the episode store {store_root} is on object storage and has no SQLite file beside "
+            "it: give the metadata DB's URL (--db / --db-url / db_url)"
+        )
     return f"sqlite:///{Path(store_root).absolute() / 'metadata.db'}"
 
 
@@ -273,8 +278,9 @@ class MetadataDB:
     def for_store(cls, store_root: str | os.PathLike[str]) -> MetadataDB:
         """The SQLite DB in the store's directory (created if missing, so the DB can be opened first and
         handed to ``EpisodeStore(store_root, create=True, db=...)``)."""
+        url = default_url(store_root)  # refuses an object store before any folder is made
         Path(store_root).mkdir(parents=True, exist_ok=True)
-        return cls(default_url(store_root))
+        return cls(url)
 
     def __repr__(self) -> str:
         return f"MetadataDB({self.engine.url.render_as_string(hide_password=True)!r})"

@@ -64,6 +64,7 @@ from fleet.meta import (
     SegmentKind,
     new_episode_id,
 )
+from fleet.objstore import ObjectStore, cache_dir_from_env, is_remote, write_cached
 from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -398,8 +399,10 @@ class EpisodeWriter:
         n = meta.length
         self._length = n
         # A writer killed while writing a chunk leaves its temporary file (up to a chunk, megabytes).
-        for tmp in self._dir.rglob("*.partial"):
-            tmp.unlink(missing_ok=True)
+        # (An object store has none: a PUT is all or nothing.)
+        if self._store.remote is None:
+            for tmp in self._dir.rglob("*.partial"):
+                tmp.unlink(missing_ok=True)
         # Arrays may be longer than the commit (grown ahead) and, after a writer killed in the middle of
         # growing or trimming them, of different lengths: bring them to one length, which close() trims.
         rows = {k: a.shape[0] for k, a in self._arrays.items()}
@@ -695,7 +698,7 @@ class EpisodeWriter:
             for a in self._pending.values():
                 a[:left] = a[n : n + left]  # numpy copies via a temporary where the ranges overlap
         self._n_pending = left
-        if self._store.fsync:
+        if self._store.fsync and self._store.remote is None:  # a PUT is durable when it returns
             self._fsync_rows(start, end)
         self._length = end
         self._commit()
@@ -713,9 +716,14 @@ class EpisodeWriter:
             arr[start:first] = block[: first - start]
         adir = self._dir / key
         tail = (0,) * (arr.ndim - 1)
+        remote = self._store.remote
         for row in range(first, last, cl):
             chunk = block[row - start : row - start + cl]
-            _put_atomic(adir / arr.metadata.encode_chunk_key((row // cl, *tail)), encode(chunk))
+            ckey = arr.metadata.encode_chunk_key((row // cl, *tail))
+            if remote is None:
+                _put_atomic(adir / ckey, encode(chunk))
+            else:  # one PUT per whole chunk (atomic for readers)
+                remote.put(f"episodes/{self.episode_id}/{key}/{ckey}", encode(chunk))
         if last < end:
             arr[last:end] = block[last - start : end - start]
 
@@ -758,7 +766,7 @@ class EpisodeWriter:
 
     def _commit(self, **final: Any) -> None:
         self._meta = self._snapshot(**final)
-        _write_json_atomic(self._dir / COMMIT_FILE, self._meta.to_dict(), self._store.fsync)
+        self._store._put_commit(self._meta, self._dir)
 
     def flush(self) -> int:
         """Write and commit every buffered frame (e.g. before acknowledging them); returns the committed length."""
@@ -807,12 +815,18 @@ class EpisodeWriter:
 
 
 class EpisodeStore:
-    """A directory of episodes (see the module docstring for layout and commit protocol).
+    """A directory of episodes (see the module docstring for layout and commit protocol), or the same
+    layout under an object-store prefix (``s3://bucket/prefix``, see :mod:`fleet.objstore`).
 
     ``EpisodeStore(root)`` opens an existing store; ``create=True`` creates it if missing.
     ``fsync=True`` makes every commit durable against power loss (data files, then the commit file,
     are fsynced); without it commits are still atomic against a killed process. ``db``, if given, is
     the default metadata DB that writers record episodes in.
+
+    On an object store, ``root`` is the URL (a str), ``remote`` its :class:`~fleet.objstore.ObjectStore`
+    (None for a directory), and closed episodes are read through a local cache, ``cache_dir`` (default
+    ``$VLA_RL_STORE_CACHE``, else ``~/.cache/vla-rl/store``; ``"off"`` for none): closed episodes never
+    change, so a second read of one downloads nothing.
     """
 
     def __init__(
@@ -822,11 +836,17 @@ class EpisodeStore:
         *,
         fsync: bool = False,
         db: EpisodeDB | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.root = Path(root).absolute()
-        self.episodes_dir = self.root / "episodes"
         self.fsync = fsync
         self._db = db
+        self.remote: ObjectStore | None = None
+        self.cache_dir: Path | None = None
+        if is_remote(root):
+            self._open_remote(root, create, cache_dir)
+            return
+        self.root: Any = Path(root).absolute()
+        self.episodes_dir = self.root / "episodes"
         marker = self.root / "zarr.json"
         if not marker.exists():
             if not create:
@@ -855,8 +875,55 @@ class EpisodeStore:
                     e,
                 )
 
+    def _open_remote(
+        self, root: str | os.PathLike[str], create: bool, cache_dir: str | os.PathLike[str] | None
+    ) -> None:
+        remote = self.remote = ObjectStore(root, writable=create)
+        self.root = remote.url
+        self.episodes_dir = Path(remote.url.removeprefix("s3://")) / "episodes"  # names only; never opened
+        self.cache_dir = cache_dir_from_env(cache_dir)
+        self._closed_metas: dict[str, EpisodeMeta] = {}
+        try:
+            doc = json.loads(remote.get("zarr.json"))
+        except FileNotFoundError:
+            if not create:
+                raise FileNotFoundError(
+                    f"no episode store at {remote.url}: nothing there (pass create=True to make one)"
+                ) from None
+            doc = _group_doc({"format": STORE_FORMAT, "version": STORE_VERSION})
+            remote.put_many({"zarr.json": json.dumps(doc, indent=2).encode()})
+        attrs = doc.get("attributes", {})
+        if attrs.get("format") != STORE_FORMAT:
+            raise ValueError(f"{remote.url} is a zarr group but not an episode store (attributes: {attrs})")
+        if attrs.get("version") != STORE_VERSION:
+            raise ValueError(
+                f"{remote.url}: store version {attrs.get('version')} is not supported (want {STORE_VERSION})"
+            )
+        if create and not remote.exists("episodes/zarr.json"):
+            remote.put("episodes/zarr.json", json.dumps(_group_doc({}), indent=2).encode())
+
     def __repr__(self) -> str:
         return f"EpisodeStore({str(self.root)!r})"
+
+    def _group(self, episode_id: str, mode: str, cached: bool = False) -> zarr.Group:
+        """An episode's zarr group; ``cached``: through the local read cache (closed episodes only)."""
+        if self.remote is None:
+            return zarr.open_group(self.episodes_dir / episode_id, mode=mode)  # type: ignore[arg-type]
+        store = self.remote.zarr_store(
+            f"episodes/{episode_id}",
+            read_only=mode == "r",
+            cache_dir=self.cache_dir if cached else None,
+        )
+        # zarr_format=3: without it zarr also looks for v2 documents (three more GETs per episode).
+        return zarr.open_group(store, mode=mode, zarr_format=3)  # type: ignore[arg-type]
+
+    def _put_commit(self, meta: EpisodeMeta, ep_dir: Path) -> None:
+        """Replace an episode's commit record (after its data: see the module docstring)."""
+        if self.remote is None:
+            _write_json_atomic(ep_dir / COMMIT_FILE, meta.to_dict(), self.fsync)
+        else:
+            body = json.dumps(meta.to_dict(), sort_keys=True).encode()
+            self.remote.put(f"episodes/{meta.episode_id}/{COMMIT_FILE}", body)
 
     @property
     def db(self) -> EpisodeDB | None:
@@ -887,7 +954,7 @@ class EpisodeStore:
             db=db,
             camera_zstd_level=camera_zstd_level,
         )
-        group = zarr.open_group(self.episodes_dir / meta.episode_id, mode="r+")
+        group = self._group(meta.episode_id, "r+")
         return EpisodeWriter(self, meta, group, db if db is not None else self.db)
 
     def new_episode(
@@ -921,10 +988,16 @@ class EpisodeStore:
             episode_id = new_episode_id(robot_id)
         _check_id("episode_id", episode_id)
         ep_dir = self.episodes_dir / episode_id
-        try:
-            ep_dir.mkdir()  # exclusive: two writers can never share an episode
-        except FileExistsError:
-            raise ValueError(f"episode {episode_id!r} already exists in {self.root}") from None
+        if self.remote is not None:
+            # No exclusive mkdir on S3: an episode exists once it has a commit record. (One collector
+            # writes a store; left-overs of an interrupted creation have none and are overwritten.)
+            if self.remote.exists(f"episodes/{episode_id}/{COMMIT_FILE}"):
+                raise ValueError(f"episode {episode_id!r} already exists in {self.root}")
+        else:
+            try:
+                ep_dir.mkdir()  # exclusive: two writers can never share an episode
+            except FileExistsError:
+                raise ValueError(f"episode {episode_id!r} already exists in {self.root}") from None
         meta = EpisodeMeta(
             episode_id=episode_id,
             robot_id=robot_id,
@@ -939,12 +1012,18 @@ class EpisodeStore:
         # (~50 ms, which stalled a collector whose fleet starts episodes together).
         with _TEMPLATE_LOCK:  # a fleet starting together must not build the same template 16 times
             root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level)
-        for rel, data in files.items():
-            (ep_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (ep_dir / rel).write_bytes(data)
         attributes = {"vla_rl": meta.to_dict() | {"see": COMMIT_FILE}}
-        (ep_dir / "zarr.json").write_text(json.dumps({**root_doc, "attributes": attributes}, indent=2))
-        _write_json_atomic(ep_dir / COMMIT_FILE, meta.to_dict(), self.fsync)
+        group_doc = json.dumps({**root_doc, "attributes": attributes}, indent=2)
+        if self.remote is not None:
+            objects = {f"episodes/{episode_id}/{rel}": data for rel, data in files.items()}
+            objects[f"episodes/{episode_id}/zarr.json"] = group_doc.encode()
+            self.remote.put_many(objects)  # concurrently; the commit record only once all are in
+        else:
+            for rel, data in files.items():
+                (ep_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                (ep_dir / rel).write_bytes(data)
+            (ep_dir / "zarr.json").write_text(group_doc)
+        self._put_commit(meta, ep_dir)
         db = db if db is not None else self.db
         if db is not None:
             db.record_episode_open(meta, str(self.root))
@@ -961,7 +1040,7 @@ class EpisodeStore:
         meta = self.read_metadata(episode_id)
         if meta.is_closed:
             raise ValueError(f"episode {episode_id!r} is closed ({meta.outcome}); it cannot be resumed")
-        group = zarr.open_group(self.episodes_dir / episode_id, mode="r+")
+        group = self._group(episode_id, "r+")
         writer = EpisodeWriter(self, meta, group, db if db is not None else self.db)
         writer._restore()
         return writer
@@ -969,16 +1048,58 @@ class EpisodeStore:
     # ------------------------------------------------------------------ reading
     def episode_ids(self) -> list[str]:
         """Ids of all episodes with a commit record (open and closed), sorted."""
+        if self.remote is not None:
+            return sorted(self._remote_metas())
         return sorted(p.parent.name for p in self.episodes_dir.glob(f"*/{COMMIT_FILE}"))
 
     def read_metadata(self, episode_id: str) -> EpisodeMeta:
         """The episode's committed metadata (cheap: reads only ``commit.json``)."""
-        path = self.episodes_dir / _check_id("episode_id", episode_id) / COMMIT_FILE
+        _check_id("episode_id", episode_id)
+        if self.remote is not None:
+            meta = self._remote_metas([episode_id]).get(episode_id)
+            if meta is None:
+                raise KeyError(f"no episode {episode_id!r} in {self.root}")
+            return meta
+        path = self.episodes_dir / episode_id / COMMIT_FILE
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise KeyError(f"no episode {episode_id!r} in {self.root}") from None
         return EpisodeMeta.from_dict(json.loads(text))
+
+    def _remote_metas(self, episode_ids: Sequence[str] | None = None) -> dict[str, EpisodeMeta]:
+        """Commit records on the object store (all episodes: one listing), fetched concurrently.
+
+        A closed episode's record never changes: it is kept in memory and in the read cache, so
+        listing a store of closed episodes again costs one LIST and no GETs.
+        """
+        assert self.remote is not None
+        ids = self.remote.list_dir("episodes") if episode_ids is None else list(episode_ids)
+        out: dict[str, EpisodeMeta] = {}
+        fetch: list[str] = []
+        cache = self.remote.cache_root(self.cache_dir) / "episodes" if self.cache_dir else None
+        for eid in ids:
+            if eid in self._closed_metas:
+                out[eid] = self._closed_metas[eid]
+            elif eid == "zarr.json" or _ID_RE.match(eid) is None:
+                continue  # zarr.json and other objects beside the episode folders
+            elif cache is not None and (cache / eid / COMMIT_FILE).exists():
+                meta = EpisodeMeta.from_dict(json.loads((cache / eid / COMMIT_FILE).read_bytes()))
+                out[eid] = self._closed_metas[eid] = meta
+            else:
+                fetch.append(eid)
+        got = self.remote.get_many(f"episodes/{eid}/{COMMIT_FILE}" for eid in fetch)
+        for eid in fetch:
+            body = got.get(f"episodes/{eid}/{COMMIT_FILE}")
+            if body is None:
+                continue  # no commit record: creation was interrupted (or not an episode)
+            meta = EpisodeMeta.from_dict(json.loads(body))
+            out[eid] = meta
+            if meta.is_closed:
+                self._closed_metas[eid] = meta
+                if cache is not None:
+                    write_cached(cache / eid / COMMIT_FILE, body)
+        return out
 
     def read_episode(self, episode_id: str, cameras: bool = True) -> Episode:
         """Committed frames of one episode (``cameras=False`` skips the images, leaving ``cameras`` empty).
@@ -987,7 +1108,7 @@ class EpisodeStore:
         while a writer is appending.
         """
         meta = self.read_metadata(episode_id)
-        group = zarr.open_group(self.episodes_dir / episode_id, mode="r")
+        group = self._group(episode_id, "r", cached=meta.is_closed)
         n = meta.length
         data: dict[str, np.ndarray] = {}
         for key in _layout(meta.spec):
@@ -1013,8 +1134,9 @@ class EpisodeStore:
         self, task: str | None = None, closed_only: bool = True, cameras: bool = True
     ) -> Iterator[Episode]:
         """Episodes in id order, optionally only one task's, by default only closed ones."""
-        for eid in self.episode_ids():
-            meta = self.read_metadata(eid)
+        metas = self._remote_metas() if self.remote is not None else None
+        for eid in self.episode_ids() if metas is None else sorted(metas):
+            meta = self.read_metadata(eid) if metas is None else metas[eid]
             if (task is None or meta.task == task) and (meta.is_closed or not closed_only):
                 yield self.read_episode(eid, cameras=cameras)
 
@@ -1026,7 +1148,10 @@ class EpisodeStore:
         None without any known outcome) count only the known ones."""
         tasks: dict[str, dict[str, Any]] = {}
         n_open = frames = 0
-        metas = [self.read_metadata(eid) for eid in self.episode_ids()]
+        if self.remote is not None:
+            metas = [m for _, m in sorted(self._remote_metas().items())]
+        else:
+            metas = [self.read_metadata(eid) for eid in self.episode_ids()]
         for m in metas:
             t = tasks.setdefault(
                 m.task, {"episodes": 0, "closed": 0, "known": 0, "unknown": 0, "successes": 0, "frames": 0}
@@ -1041,7 +1166,10 @@ class EpisodeStore:
                 n_open += 1
         for t in tasks.values():
             t["success_rate"] = t["successes"] / t["known"] if t["known"] else None
-        size = sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+        if self.remote is not None:
+            size = self.remote.size()
+        else:
+            size = sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
         return {
             "root": str(self.root),
             "episodes": len(metas),
@@ -1061,11 +1189,17 @@ class EpisodeStore:
         have a DB row with the same length, outcome, success and segments.
         """
         problems: list[str] = []
-        for d in sorted(p for p in self.episodes_dir.iterdir() if p.is_dir()):
-            if not (d / COMMIT_FILE).exists():
-                log.info("%s: no commit record (creation was interrupted); ignored", d.name)
+        if self.remote is not None:
+            names = [n for n in self.remote.list_dir("episodes") if n != "zarr.json"]
+            committed = set(self._remote_metas(names))
+        else:
+            names = sorted(p.name for p in self.episodes_dir.iterdir() if p.is_dir())
+            committed = {n for n in names if (self.episodes_dir / n / COMMIT_FILE).exists()}
+        for name in names:
+            if name not in committed:
+                log.info("%s: no commit record (creation was interrupted); ignored", name)
                 continue
-            problems.extend(f"{d.name}: {p}" for p in self._verify_episode(d.name, db))
+            problems.extend(f"{name}: {p}" for p in self._verify_episode(name, db))
         return problems
 
     def _verify_episode(self, eid: str, db: EpisodeDB | None) -> list[str]:
@@ -1077,7 +1211,7 @@ class EpisodeStore:
             return [f"commit record names episode {meta.episode_id!r}"]
         n = meta.length
         try:
-            group = zarr.open_group(self.episodes_dir / eid, mode="r")
+            group = self._group(eid, "r")  # never the read cache: check what is stored
         except Exception as e:  # any zarr failure to open means the episode is unreadable
             return [f"cannot open zarr group: {e}"]
         out: list[str] = []
@@ -1100,7 +1234,7 @@ class EpisodeStore:
         if out:
             return out
         extra = max(rows.values()) - n
-        partial = sum(1 for _ in (self.episodes_dir / eid).rglob("*.partial"))
+        partial = 0 if self.remote else sum(1 for _ in (self.episodes_dir / eid).rglob("*.partial"))
         if not meta.is_closed:
             log.info("%s: open, %d committed frames (+%d uncommitted rows ignored)", eid, n, extra)
         if partial:

@@ -23,7 +23,10 @@ deletes the log. Zarr is authoritative through ``commit.json``, so a writer kill
 nothing: the next one resumes from the commit and replays the log, and no frame is written twice.
 
 ``python -m fleet.store_writer --store PATH`` is the process; :class:`StoreWriter` is the same work
-in-process (a collector with ``store_writers=0`` runs it in a thread).
+in-process (a collector with ``store_writers=0`` runs it in a thread). With an object store
+(``--store s3://bucket/prefix --wal-dir DIR``) the logs stay in the local ``DIR``, only whole chunks are
+uploaded (an idle episode's partial chunk waits in its log, see ``handle``), and an unreachable endpoint
+is retried like a full disk.
 """
 
 from __future__ import annotations
@@ -95,13 +98,32 @@ RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.EN
 DEFAULT_MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
 
 
+# An object store that cannot be reached (botocore / aiohttp names; no import needed to recognise them).
+RETRYABLE_NETWORK_ERRORS = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+    }
+)
+
+
 def retryable(e: BaseException) -> bool:
-    """An OS error (anywhere in its cause chain) that a retry after a while can get past."""
+    """An OS error (anywhere in its cause chain) that a retry after a while can get past: space or
+    descriptors freed, or an object store that could not be reached."""
     seen: BaseException | None = e
     for _ in range(8):
         if seen is None:
             return False
         if isinstance(seen, OSError) and seen.errno in RETRYABLE_ERRNOS:
+            return True
+        if (
+            isinstance(seen, ConnectionError | TimeoutError)
+            or type(seen).__name__ in RETRYABLE_NETWORK_ERRORS
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -131,10 +153,12 @@ class StoreWriter:
         store: str | os.PathLike[str],
         fsync: bool = False,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        *,
+        wal_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         # No metadata DB here: the collector records closed episodes (one writer of the DB).
-        self.store = EpisodeStore(store, fsync=fsync)
-        self.wal_dir = self.store.root / WAL_DIR
+        self.store = EpisodeStore(store, fsync=fsync, cache_dir="off")
+        self.wal_dir = Path(wal_dir) if wal_dir is not None else self.store.root / WAL_DIR
         self.max_buffered_bytes = max_buffered_bytes
         self.open: collections.OrderedDict[str, _Open] = collections.OrderedDict()  # LRU first
         self.resume_at: dict[str, int] = {}  # log offset of an episode let go cleanly (all flushed)
@@ -152,7 +176,10 @@ class StoreWriter:
         if kind == "data":
             return [self._run(eid, end=int(op["end"]))]
         if kind == "flush":
-            return [self._run(eid, flush=True)]
+            # An idle episode's partial chunk: on an object store, uploading it now and again when it
+            # fills costs a read-modify-write of every array; the log holds the frames meanwhile, so
+            # an object store gets whole chunks only (and the last one at the episode's end).
+            return [self._run(eid, flush=self.store.remote is None)]
         raise ValueError(f"op: expected data, flush or stop, got {kind!r}")
 
     def _run(self, eid: str, end: int | None = None, flush: bool = False) -> dict[str, Any]:
@@ -222,7 +249,10 @@ class StoreWriter:
 def main(argv: list[str] | None = None) -> int:
     """The writer process: ops on stdin, reports on stdout, one JSON object per line."""
     p = argparse.ArgumentParser(prog="python -m fleet.store_writer", description=__doc__)
-    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--store", required=True, help="episode store: a directory or s3://bucket/prefix")
+    p.add_argument(
+        "--wal-dir", type=Path, default=None, help="the collector's write-ahead logs (default <store>/wal)"
+    )
     p.add_argument("--fsync", action="store_true")
     p.add_argument(
         "--max-buffered-bytes",
@@ -243,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     from fleet.wire import keep_freed_memory
 
     keep_freed_memory()
-    sw = StoreWriter(args.store, fsync=args.fsync, max_buffered_bytes=args.max_buffered_bytes)
+    sw = StoreWriter(
+        args.store, fsync=args.fsync, max_buffered_bytes=args.max_buffered_bytes, wal_dir=args.wal_dir
+    )
     out = sys.stdout
     for line in sys.stdin:
         op = json.loads(line)

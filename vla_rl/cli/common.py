@@ -163,9 +163,18 @@ def open_db(store_root: Path, url: str | None) -> Any:
 
 
 def open_store(path: Path, create: bool = False, db_url: str | None = None) -> tuple[Any, Any]:
-    """The store at ``path`` with its metadata DB (passed in, so labels and episodes land in it)."""
+    """The store at ``path`` with its metadata DB (passed in, so labels and episodes land in it).
+
+    An object store (``s3://...``) has no SQLite file beside it: without ``db_url`` its DB is None."""
+    from fleet.objstore import is_remote
     from fleet.store import EpisodeStore
 
+    if is_remote(path):
+        with user_errors(ValueError, FileNotFoundError):  # each names the URL and the setting to fix
+            store = EpisodeStore(path, create=create)
+        with user_errors(ValueError):
+            db = open_db(path, db_url) if db_url else None
+        return EpisodeStore(path, db=db) if db is not None else store, db
     with user_errors(
         FileNotFoundError, ValueError, suffix=f". Create one with: vla-rl sim demos --store {path} ..."
     ):

@@ -125,9 +125,9 @@ class StoreInfo:
     next.success) are counted apart, and a rate with no known outcome shows as n/a."""
 
     path: Positional[Path]
-    """Episode store directory."""
+    """Episode store directory, or s3://BUCKET/PREFIX (credentials from the environment)."""
     db: str | None = None
-    """Metadata DB URL; None = the SQLite file inside the store."""
+    """Metadata DB URL; None = the SQLite file inside the store (none for an s3:// store)."""
     json: bool = False
     """Machine-readable output."""
 
@@ -187,15 +187,20 @@ class StoreVerify:
     --no-check-db) its row in the metadata DB."""
 
     path: Positional[Path]
-    """Episode store directory."""
+    """Episode store directory, or s3://BUCKET/PREFIX (credentials from the environment)."""
     db: str | None = None
-    """Metadata DB URL; None = the SQLite file inside the store."""
+    """Metadata DB URL; None = the SQLite file inside the store (an s3:// store needs it, or --no-check-db)."""
     check_db: bool = True
     """Also check the metadata DB's rows (--no-check-db: the Zarr store only)."""
 
 
 def store_verify(a: StoreVerify) -> int:
     store, db = open_store(a.path, db_url=a.db)
+    if a.check_db and db is None:
+        raise CliError(
+            f"--db: {store.root} is an object store with no SQLite file beside it: give the metadata DB's "
+            "URL (--db postgresql://...), or check the Zarr store only (--no-check-db)"
+        )
     problems = store.verify(db=db if a.check_db else None)
     n = len(store.episode_ids())
     if problems:

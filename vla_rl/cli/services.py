@@ -257,9 +257,14 @@ class Collect:
     VLA_RL_COLLECTOR_TOKEN. Example: vla-rl collect --store runs/fleet/store --port 50071 --metrics-port 9171"""
 
     store: Path
-    """Episode store directory (created if missing)."""
+    """Episode store directory (created if missing), or s3://BUCKET/PREFIX (S3 credentials and endpoint
+    from the environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; needs --wal-dir
+    and --db)."""
     db: str | None = None
     """Metadata DB URL; None = the SQLite file inside the store."""
+    wal_dir: Path | None = None
+    """Local directory of the write-ahead logs (and the lock); None = <store>/wal. Required with an
+    s3:// store: the log stays on local disk, only whole chunks and commit records are uploaded."""
     host: str = "127.0.0.1"
     """Bind address (anything but loopback needs a token)."""
     port: int = 50071
@@ -330,6 +335,7 @@ _COLLECT_AS_IS = (
     "max_open_logs",
     "max_camera_pixels",
     "drain_timeout_s",
+    "wal_dir",
 )
 
 

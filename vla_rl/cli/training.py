@@ -324,7 +324,11 @@ class Eval:
     episodes: int = 20
     """Episodes to run (with --store: the most recent this many recorded episodes of the task)."""
     store: Path | None = None
-    """Evaluate offline on this episode store's recorded episodes (no simulator)."""
+    """Evaluate offline on this episode store's recorded episodes (no simulator): a directory, or
+    s3://BUCKET/PREFIX (credentials from the environment)."""
+    cache_dir: Path | None = None
+    """With an s3:// --store: local read cache of closed episodes (None = $VLA_RL_STORE_CACHE, else
+    ~/.cache/vla-rl/store; 'off' for none)."""
     max_frames: int | None = None
     """Offline: a seeded subsample of this many frames (None = every frame of the episodes)."""
     num_envs: int = 2
@@ -420,8 +424,8 @@ def _eval_offline(a: Eval, lp: Any) -> int:
         raise CliError(f"--episodes: expected >= 1, got {a.episodes}")
     if a.max_frames is not None and a.max_frames < 1:
         raise CliError(f"--max-frames: expected >= 1, got {a.max_frames}")
-    with user_errors(FileNotFoundError, prefix="--store: "):
-        store = EpisodeStore(a.store)
+    with user_errors(FileNotFoundError, ValueError, prefix="--store: "):
+        store = EpisodeStore(a.store, cache_dir=a.cache_dir)
     metas = [store.read_metadata(e) for e in store.episode_ids()]
     ids = sorted((m.created, m.episode_id) for m in metas if m.task == task and m.is_closed)
     if not ids:

@@ -1,0 +1,386 @@
+"""The episode store on S3: a real S3 server (moto's, threaded) on 127.0.0.1, real s3fs + zarr clients.
+
+What is checked: the collector (real gRPC robots, a real store writer process, the write-ahead log on
+local disk) writes episodes to ``s3://`` that read back bit for bit and verify clean, each chunk
+uploaded once (whole chunks; no partial-chunk rewrites); a reader polling while a writer appends
+never sees frames beyond the commit; a writer stopped after its data upload and before its commit
+leaves the previous commit visible (and a resumed writer finishes the episode); training data loads
+through the local read cache (a second load downloads no chunk); bad URLs, missing credentials,
+a missing bucket or an unreachable endpoint fail at once naming the setting.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_collector import SPEC as ROBOT_SPEC
+from test_collector import TOKEN, store_digests, stream_episodes
+from test_store import SPEC, TASK, make_frames, take
+
+from bench.store_s3 import MotoS3
+from fleet.collector import Collector
+from fleet.dataset import ChunkDataset
+from fleet.objstore import StoreURLError
+from fleet.robot_client import RobotClient
+from fleet.store import EpisodeStore
+from vla_rl.cli import main
+from vla_rl.train.transitions import DataSelection, load_transitions
+
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[MotoS3]:
+    with MotoS3() as s3:
+        yield s3
+
+
+@pytest.fixture
+def s3(server: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> MotoS3:
+    """The server's credentials and endpoint in the environment (as a deployment sets them), a read
+    cache in tmp_path, no AWS config files of this machine, and request counts from zero."""
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("VLA_RL_STORE_CACHE", str(tmp_path / "cache"))
+    server.reset_counts()
+    return server
+
+
+def new_bucket(s3: MotoS3) -> str:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(name)
+    return name
+
+
+def assert_frames_equal(ep: Any, frames: dict[str, Any], n: int) -> None:
+    """The episode's committed frames are exactly frames [0, n)."""
+    assert ep.length == n
+    for c, arr in frames["cameras"].items():
+        np.testing.assert_array_equal(ep.cameras[c], arr[:n])
+    for key in ("state", "action", "proposed_action", "reward", "terminated", "truncated", "controller"):
+        np.testing.assert_array_equal(getattr(ep, key), frames[key][:n], err_msg=key)
+    np.testing.assert_array_equal(ep.timestamp, frames["timestamp"][:n])
+
+
+# ------------------------------------------------------------------------------------------ collector
+def test_collector_writes_to_s3_and_the_episodes_read_back_bit_exact(s3: MotoS3, tmp_path: Path) -> None:
+    url = f"s3://{new_bucket(s3)}/fleet/store"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    wal = tmp_path / "wal"
+    c = Collector(url, db_url, wal_dir=wal, port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.2).start()
+    try:
+        client = RobotClient(c.address, "arm-1", ROBOT_SPEC, "test/task", token=TOKEN, max_batch_frames=4)
+        sent = stream_episodes(client, episodes=2, frames=40, seed=0)
+        # An idle open episode: a local store would flush its partial chunk; S3 gets whole chunks only.
+        eid = client.start_episode()
+        for i in range(20):
+            client.add_frame(
+                {"front": np.full((16, 16, 3), i, np.uint8)},
+                np.zeros(5, np.float32),
+                np.zeros(3, np.float32),
+                timestamp=time.time(),
+            )
+        assert client.flush(30)
+        deadline = time.monotonic() + 30
+        while c.store.read_metadata(eid).length < 16 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # > idle_flush_s: a local store's writer would have committed all 20 by now
+        assert c.store.read_metadata(eid).length == 16  # the whole chunk; 4 frames wait in the log
+        client.add_frame(
+            {"front": np.zeros((16, 16, 3), np.uint8)}, np.zeros(5, np.float32), np.zeros(3, np.float32)
+        )
+        client.end_episode("failure")
+        assert client.close(30)
+        assert c.drain(30)
+        store = EpisodeStore(url)  # a fresh reader
+        got = store_digests(url)  # type: ignore[arg-type]
+        closed = {e for e, _, _ in sent}
+        assert sorted(k for k in got if k[0] in closed) == sorted(sent) and set(got.values()) == {1}
+        assert store.read_metadata(eid).length == 21 and store.read_metadata(eid).outcome == "failure"
+        assert store.verify(db=c.db) == []
+        assert sorted(p.name for p in wal.iterdir()) == ["collector.lock"]  # logs of closed episodes gone
+        # Every chunk object was PUT exactly once: the writer uploads whole chunks, and an episode's
+        # last (partial) chunk once, at its end.
+        chunk_puts = {p: n for p, n in s3.puts.items() if "/c/" in p}
+        assert chunk_puts and set(chunk_puts.values()) == {1}, collections.Counter(chunk_puts.values())
+        rec = c.db.episode(eid)
+        assert rec is not None and rec.status == "closed" and rec.length == 21
+    finally:
+        c.stop()
+
+
+def test_store_info_and_verify_on_s3_through_the_cli(
+    s3: MotoS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"s3://{new_bucket(s3)}/p"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    from fleet.db import MetadataDB
+
+    store = EpisodeStore(url, create=True, db=MetadataDB(db_url))
+    frames = make_frames(20, seed=1)
+    with store.create_episode(SPEC, robot_id="arm-1", task=TASK, chunk_len=8) as w:
+        w.add_frames(frames)
+        w.close("success")
+    assert main(["store", "verify", url, "--db", db_url]) == 0
+    assert f"ok: 1 episodes in {url} are consistent" in capsys.readouterr().out
+    assert main(["store", "info", url, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"frames": 20' in out and f'"root": "{url}"' in out
+    assert main(["store", "verify", url]) == 2  # no DB beside an object store: say which flag
+    err = capsys.readouterr().err
+    assert err.startswith("error: --db:") and "--no-check-db" in err
+    assert main(["store", "verify", url, "--no-check-db"]) == 0
+
+
+# ------------------------------------------------------------------------------------------ commit protocol
+def test_a_reader_polling_during_writes_never_sees_uncommitted_frames(s3: MotoS3) -> None:
+    url = f"s3://{new_bucket(s3)}/poll"
+    store = EpisodeStore(url, create=True)
+    frames = make_frames(120, seed=2)
+    w = store.create_episode(SPEC, robot_id="arm-1", task=TASK, chunk_len=16)
+    eid = w.episode_id
+    done = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def poll() -> None:
+        reader = EpisodeStore(url, cache_dir="off")
+        try:
+            while not done.is_set():
+                ep = reader.read_episode(eid)
+                assert_frames_equal(ep, frames, ep.length)  # every row it shows is the real frame
+                seen.append(ep.length)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for s in range(0, 120, 6):
+            w.add_frames(take(frames, s, s + 6))
+            if s % 30 == 0:
+                w.flush()  # a mid-chunk commit too (read-modify-write of the partial chunks)
+        w.close()
+    finally:
+        done.set()
+        t.join(60)
+    assert not errors, errors[0]
+    assert len(seen) >= 3 and seen == sorted(seen), seen  # it saw the episode grow, never shrink
+    assert len({n for n in seen if 0 < n < 120}) >= 1, seen
+    assert_frames_equal(EpisodeStore(url).read_episode(eid), frames, 120)
+
+
+class _Stopped(Exception):
+    """The writer 'dies' here: its data is uploaded, its commit record is not."""
+
+
+def test_a_writer_stopped_before_its_commit_leaves_the_previous_commit(
+    s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{new_bucket(s3)}/crash"
+    store = EpisodeStore(url, create=True)
+    frames = make_frames(40, seed=3)
+    w = store.create_episode(SPEC, robot_id="arm-1", task=TASK, chunk_len=8)
+    eid = w.episode_id
+    w.add_frames(take(frames, 0, 16))  # two whole chunks: committed
+    assert w.committed == 16
+
+    def die(meta: Any, ep_dir: Path) -> None:
+        raise _Stopped
+
+    monkeypatch.setattr(store, "_put_commit", die)
+    with pytest.raises(_Stopped):
+        w.add_frames(take(frames, 16, 24))  # chunk 2 of every array is uploaded, then the writer dies
+    assert any(p.endswith(f"/{eid}/action/c/2/0") for p in s3.puts), "the data did reach S3"
+
+    reader = EpisodeStore(url)
+    meta = reader.read_metadata(eid)
+    assert meta.length == 16 and not meta.is_closed
+    assert_frames_equal(reader.read_episode(eid), frames, 16)
+    assert reader.verify() == []  # uncommitted rows of an open episode are not a problem
+
+    # The next writer resumes from the commit, rewrites what was never committed and finishes.
+    w2 = EpisodeStore(url).resume_episode(eid)
+    assert w2.committed == 16
+    w2.add_frames(take(frames, 16, 40))
+    w2.close()
+    final = EpisodeStore(url)
+    assert_frames_equal(final.read_episode(eid), frames, 40)
+    assert final.verify() == []
+
+
+# ------------------------------------------------------------------------------------------ training reads
+def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Path) -> None:
+    url = f"s3://{new_bucket(s3)}/train"
+    store = EpisodeStore(url, create=True)
+    data = [make_frames(30 + 7 * i, seed=10 + i) for i in range(3)]
+    for i, frames in enumerate(data):
+        with store.create_episode(SPEC, robot_id=f"arm-{i}", task=TASK, chunk_len=16) as w:
+            w.add_frames(frames)
+            w.close("success" if i % 2 == 0 else "failure")
+    # An open episode is read but never cached (it still grows).
+    open_w = store.create_episode(SPEC, robot_id="arm-9", task=TASK, chunk_len=16)
+    open_w.add_frames(make_frames(16, seed=99))
+    cache = tmp_path / "cache"
+
+    def load() -> tuple[ChunkDataset, Any]:
+        st = EpisodeStore(url, cache_dir=cache)  # a new trainer process: nothing in memory
+        return ChunkDataset(st, horizon=4), load_transitions(st, DataSelection(task=TASK), cameras=False)
+
+    s3.reset_counts()
+    ds, buf = load()
+    cold = dict(s3.gets)
+    assert len(ds) == sum(len(f["action"]) for f in data)
+    assert sum(n for p, n in cold.items() if "/c/" in p) > 0
+    s3.reset_counts()
+    ds2, buf2 = load()
+    warm = dict(s3.gets)
+    assert not [p for p in warm if "/c/" in p], warm  # no chunk downloaded again
+    # Only the store's root document, the episode listings and the open episode's commit record
+    # (it may have grown): nothing of a closed episode.
+    bucket = url.split("/")[2]
+    allowed = {
+        f"/{bucket}",
+        f"/{bucket}/train/zarr.json",
+        f"/{bucket}/train/episodes/{open_w.episode_id}/commit.json",
+    }
+    assert set(warm) <= allowed, warm
+    assert sum(n for p, n in cold.items() if p not in allowed) > 3 * 12  # every array, cold
+    assert len(ds2) == len(ds)
+    for k in range(0, len(ds), 7):
+        a, b = ds[k], ds2[k]
+        for key in a:
+            np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+    np.testing.assert_array_equal(buf.actions, buf2.actions)
+    # Bit-exact against what was written, through the cache.
+    st = EpisodeStore(url, cache_dir=cache)
+    for frames, eid in zip(
+        data, sorted(m for m in st.episode_ids() if st.read_metadata(m).is_closed), strict=True
+    ):
+        assert_frames_equal(st.read_episode(eid), frames, len(frames["action"]))
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_urls_and_missing_credentials_name_the_setting(
+    s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bucket = new_bucket(s3)
+    for url, words in (
+        ("s3://", "expected s3://BUCKET/PREFIX"),
+        ("s3://Not_A_Bucket/x", "not a valid bucket name"),
+        ("s3://ok-bucket/a//b", "empty, '.' or '..' part"),
+        (f"s3://no-such-{bucket}/x", "does not exist"),
+    ):
+        with pytest.raises(StoreURLError, match=words.replace(".", r"\.").replace("/", "/")):
+            EpisodeStore(url, create=True)
+    with pytest.raises(FileNotFoundError, match="no episode store at"):
+        EpisodeStore(f"s3://{bucket}/empty")
+    # The CLI: one line naming what to fix.
+    assert main(["store", "info", f"s3://no-such-{bucket}/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err, err
+    # The collector needs a local log directory and a DB server for an object store.
+    with pytest.raises(ValueError, match=r"wal_dir:.*--wal-dir"):
+        Collector(f"s3://{bucket}/c", f"sqlite:///{tmp_path / 'm.db'}", port=0)
+    with pytest.raises(ValueError, match=r"db_url:.*--db"):
+        Collector(f"s3://{bucket}/c", wal_dir=tmp_path / "wal", port=0)
+    # Missing credentials: named, before any request.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(
+        StoreURLError, match="no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    ):
+        EpisodeStore(f"s3://{bucket}/x", create=True)
+    # An endpoint nobody listens on.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    with pytest.raises(StoreURLError, match=r"cannot reach the S3 endpoint.*AWS_ENDPOINT_URL"):
+        EpisodeStore(f"s3://{bucket}/x")
+    assert time.monotonic() - t0 < 20
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The S3 server stops mid-episode: the collector keeps acknowledging into its local log, and once
+    the server is back its store writer catches up with nothing lost and nothing twice."""
+    own = MotoS3().start()  # its own server: this test stops it
+    try:
+        for k, v in own.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+        own.create_bucket("outage")
+        url = "s3://outage/store"
+        c = Collector(
+            url,
+            f"sqlite:///{tmp_path / 'meta.db'}",
+            wal_dir=tmp_path / "wal",
+            port=0,
+            token=TOKEN,
+            chunk_len=8,
+            store_retry_max_s=1.0,
+        ).start()
+        try:
+            client = RobotClient(c.address, "arm-1", ROBOT_SPEC, "test/task", token=TOKEN, max_batch_frames=4)
+            rng = np.random.default_rng(5)
+            sent: list[tuple[str, int, str]] = []
+            eid = client.start_episode()
+
+            def frames(a: int, b: int) -> None:
+                from fleet.robot_client import frame_digest
+
+                for i in range(a, b):
+                    cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
+                    state = rng.standard_normal(5).astype(np.float32)
+                    action = rng.uniform(-1, 1, 3).astype(np.float32)
+                    ts = 1000.0 + i
+                    client.add_frame(cams, state, action, action, 0.0, False, False, 0, "", ts)
+                    sent.append((eid, i, frame_digest(cams, state, action, action, 0.0, False, False, 0, ts)))
+                assert client.flush(30)
+
+            frames(0, 16)
+            deadline = time.monotonic() + 90  # the store writer process starts meanwhile
+            while c.store.read_metadata(eid).length < 16 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.store.read_metadata(eid).length == 16
+            own.stop()  # the object store goes away
+            t0 = time.monotonic()
+            frames(16, 48)  # still acknowledged: the log is local
+            assert time.monotonic() - t0 < 20
+            committed = {r.robot_id: r.frames_committed for r in c.stats().robots}["arm-1"]
+            assert committed == 48
+            time.sleep(2.0)  # the writer's retries fail meanwhile
+            own.start()  # same port, same buckets
+            frames(48, 60)
+            client.end_episode("success")
+            assert client.close(60)
+            assert c.drain(60)
+            deadline = time.monotonic() + 60
+            while not c.store.read_metadata(eid).is_closed and time.monotonic() < deadline:
+                time.sleep(0.2)
+            got = store_digests(url)  # type: ignore[arg-type]
+            assert sorted(got) == sorted(sent) and set(got.values()) == {1}
+            assert EpisodeStore(url).verify(db=c.db) == []
+        finally:
+            c.stop()
+    finally:
+        own.stop()
