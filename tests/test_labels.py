@@ -5,10 +5,12 @@ schema project file (fleet/labels.py, fleet/labels.toml)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from fleet.db import Label, MetadataDB, effective_outcome
+from fleet.labels import DEFAULT_SCHEMA_PATH, LabelSchema
 from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl.spec import RobotSpec
 
@@ -158,3 +160,82 @@ def test_label_to_dict_is_the_api_shape() -> None:
         "undoes",
     } <= set(d)
     assert lb.is_span and not lb.is_undo
+
+
+# ---------------------------------------------------------------------------- the schema file
+def test_the_default_schema_file() -> None:
+    schema = LabelSchema.load()
+    assert DEFAULT_SCHEMA_PATH.name == "labels.toml" and schema.source.endswith("fleet/labels.toml")
+    assert [k.key for k in schema.episode][:2] == ["outcome", "failure"]
+    assert schema.get("note") is not None and schema.get("note").free_text  # type: ignore[union-attr]
+    (seg,) = schema.span
+    assert seg.values == ("progress", "idle", "failure-inducing", "recovery")
+    d = schema.to_dict()
+    assert d["span"][0]["digits"] == {"1": "progress", "2": "idle", "3": "failure-inducing", "4": "recovery"}
+    assert d["episode"][0] == {
+        "key": "outcome",
+        "values": ["success", "failure"],
+        "free_text": False,
+        "shortcut": "o",
+        "description": schema.episode[0].description,
+    }
+
+
+def test_validate_names_the_field_and_the_allowed_values() -> None:
+    schema = LabelSchema.default()
+    schema.validate("outcome", "success")
+    schema.validate("segment", "idle", (3, 9))
+    schema.validate("note", "gripper slipped at the handle")
+    with pytest.raises(
+        ValueError, match=r"key: unknown episode label key 'colour'; expected one of outcome, failure"
+    ):
+        schema.validate("colour", "red")
+    with pytest.raises(ValueError, match=r"value: expected one of success, failure for 'outcome', got 'meh'"):
+        schema.validate("outcome", "meh")
+    with pytest.raises(ValueError, match=r"start/end: 'segment' is a span label; expected a frame span"):
+        schema.validate("segment", "idle")
+    with pytest.raises(ValueError, match=r"start/end: 'outcome' is an episode label; expected no span"):
+        schema.validate("outcome", "success", (0, 3))
+    with pytest.raises(ValueError, match=r"start/end: expected frames 0 <= start < end"):
+        schema.validate("segment", "idle", (5, 2))
+    with pytest.raises(ValueError, match=r"value: expected non-empty text for 'note'"):
+        schema.validate("note", "  ")
+    with pytest.raises(
+        ValueError, match=r"value: expected one of progress, idle, failure-inducing, recovery"
+    ):
+        schema.validate("segment", "napping", (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[episode]]\nkey = 'a'\n", r"episode\[0\]: episode key 'a': values: expected a non-empty list"),
+        ("[[episode]]\nkey = ''\nvalues = ['x']\n", r"episode\[0\]: key: expected a non-empty label key"),
+        ("[[episode]]\nkey = 'a'\nvalues = ['x', 'x']\n", r"values: expected no duplicates"),
+        (
+            "[[episode]]\nkey = 'a'\nvalues = ['x']\nshortcut = '1'\n",
+            r"shortcut: '1' is taken by the episode page",
+        ),
+        ("[[episode]]\nkey = 'a'\nvalues = ['x']\nshortcut = 'ab'\n", r"shortcut: expected one character"),
+        (
+            "[[episode]]\nkey = 'a'\nvalues = ['x']\nshortcut = 'q'\n[[episode]]\nkey = 'b'\nvalues = ['y']\n"
+            "shortcut = 'q'\n",
+            r"shortcut 'q' is already 'a'",
+        ),
+        ("[[episode]]\nkey = 'a'\nvalues = ['x']\n[[episode]]\nkey = 'a'\nvalues = ['y']\n", "listed twice"),
+        ("[[episode]]\nkey = 'a'\nvalues = ['x']\ncolour = 1\n", r"unknown fields \['colour'\]"),
+        ("[[tags]]\nkey = 'a'\n", r"unknown tables \['tags'\]"),
+        ("[[episode]\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_schema_file_names_the_file_and_field(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "labels.toml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        LabelSchema.load(p)
+    assert str(p) in str(e.value)
+
+
+def test_a_missing_schema_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"labels: cannot read the label schema .*nope\.toml"):
+        LabelSchema.load(tmp_path / "nope.toml")
