@@ -763,3 +763,56 @@ def test_labels_roles_bulk_spans_undo_and_bad_input(dash: Dashboard, world: Flee
     assert ana.post("/api/v1/labels/999999/undo").status_code == 404
     ana.post(f"/api/v1/labels/{span_id}/undo")
     assert viewer.get(f"/api/v1/episodes/{eid}").json()["spans"] == []
+
+
+@pytest.mark.slow
+def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
+    dash: Dashboard, world: FleetWorld
+) -> None:
+    """End to end: queue a tiny AWR round through the API, a real `round worker` runs it (its own
+    process), the event stream shows its phases until it succeeded, then promote it through the API and
+    the policy server following `prod` serves the round's commit."""
+    from vla_rl.hub.registry import resolve
+    from vla_rl.round_worker import WorkerConfig, run_worker
+
+    op = dash.client("operator")
+    r = op.post(
+        "/api/v1/rounds",
+        json={"preset": "tiny-awr", "base": f"hub://{REPO}@prod", "margin": 0.99, "options": TINY_ROUND},
+    )
+    assert r.status_code == 201, r.text
+    rid = r.json()["id"]
+    ran: list[int] = []
+    worker = threading.Thread(
+        target=lambda: ran.append(
+            run_worker(WorkerConfig(store=world.store, once=True, max_rounds=1, poll_s=0.5, heartbeat_s=1.0))
+        )
+    )
+    t0 = time.monotonic()
+    worker.start()
+    events = _sse(dash.client("viewer"), f"/api/v1/rounds/{rid}/events", timeout_s=600)
+    worker.join(60)
+    took = time.monotonic() - t0
+    assert ran == [1]
+    phases = [e[1]["progress"].get("phase") for e in events if e[0] == "progress"]
+    statuses = [e[1]["status"] for e in events if e[0] == "progress"]
+    assert events[-1] == ("done", {"id": rid, "status": "succeeded"}), events[-3:]
+    assert "running" in statuses and statuses[-1] == "succeeded"
+    assert {"training", "evaluating", "pushing"} <= set(phases), phases
+    rec = world.db.round(rid)
+    assert (
+        rec.checkpoint_ref == f"hub://{REPO}@round-{rid}" and not rec.promoted
+    )  # the gate (margin 0.99) said no
+    summary = dash.client("viewer").get(f"/api/v1/rounds/{rid}").json()
+    assert (
+        summary["metrics"]["curve"] and summary["success"] is not None and summary["base_success"] is not None
+    )
+
+    r = op.post(f"/api/v1/rounds/{rid}/promote")
+    assert r.status_code == 200 and r.json()["to"] == rec.checkpoint_revision, r.text
+    assert resolve(f"hub://{REPO}@prod") == rec.checkpoint_revision
+    _wait(lambda: _serving(world) == rec.checkpoint_revision, 60, "the following server to serve the round")
+    r = op.post("/api/v1/refs/prod/rollback")
+    assert r.status_code == 200 and r.json()["to"] == world.base_commit
+    _wait(lambda: _serving(world) == world.base_commit, 60, "the following server to roll back")
+    print(f"round {rid}: queued -> succeeded in {took:.0f} s")
