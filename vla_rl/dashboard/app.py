@@ -98,6 +98,19 @@ def _warm_imports() -> None:
         log.warning("warming imports failed", exc_info=True)
 
 
+def _sync(res: Resources) -> None:
+    try:
+        n = res.sync_db()
+    except ApiError as e:  # store or DB down: health reports it; nothing to sync then
+        log.warning("could not sync the DB with the store", extra={"error": e.message})
+        return
+    except Exception:
+        log.warning("syncing the DB with the store failed", exc_info=True)
+        return
+    if n:
+        log.info("recorded store episodes the metadata DB lacked", extra={"episodes": n})
+
+
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
@@ -150,6 +163,8 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     @app.on_event("startup")
     def _warm() -> None:
         threading.Thread(target=_warm_imports, name="dashboard-warm-imports", daemon=True).start()
+        if cfg.sync_db:
+            threading.Thread(target=_sync, args=(res,), name="dashboard-sync-db", daemon=True).start()
 
     @app.on_event("shutdown")
     def _close() -> None:
