@@ -85,23 +85,27 @@ def test_dashboard_process_with_a_tokens_file_and_a_generated_token(store: Path,
     try:
         url = line.split()[-1] if "#token" in line else line.split("dashboard on ")[1].split()[0]
         assert "#token" not in line  # a configured token is never printed
-        assert httpx.get(url + "api/v1/health").json()["store"]["ok"]
+        assert httpx.get(timeout=60, url=url + "api/v1/health").json()["store"]["ok"]
         who = httpx.get(
-            url + "api/v1/session", headers={"Authorization": "Bearer ana-secret-token-0123456789"}
+            timeout=60,
+            url=url + "api/v1/session",
+            headers={"Authorization": "Bearer ana-secret-token-0123456789"},
         )
         assert who.json() == {"name": "ana", "role": "labeller"}
         assert "ana-secret-token" not in " ".join(proc.args)  # nothing secret on the command line
-        eps = httpx.get(
-            url + "api/v1/episodes", headers={"Authorization": "Bearer olga-secret-token-0123456789"}
+        # the store was written without its DB: the dashboard records its closed episodes on start
+        olga = {"Authorization": "Bearer olga-secret-token-0123456789"}
+        got = _until(
+            lambda: httpx.get(url + "api/v1/episodes", headers=olga, timeout=60).json()["total"] == 2
         )
-        assert eps.json()["total"] == 2
+        assert got, "the store's episodes never showed up in the list"
     finally:
         _stop(proc)
     proc, line = _start(["--store", str(store), "--workdir", str(tmp_path / "w")], {})
     try:
         base, _, token = line.split("dashboard on ")[1].partition("#token=")
         assert token
-        who = httpx.get(base + "api/v1/session", headers={"Authorization": f"Bearer {token}"})
+        who = httpx.get(timeout=60, url=base + "api/v1/session", headers={"Authorization": f"Bearer {token}"})
         assert who.json() == {"name": "operator", "role": "operator"}
     finally:
         _stop(proc)
@@ -165,3 +169,40 @@ def test_latency_window_percentiles_rate_and_expiry() -> None:
     for i in range(50):
         small.add(float(i), now=1.0)
     assert small.summary(now=1.0)[0] == pytest.approx(44.5)  # the newest 10 only
+
+
+def test_on_postgresql_a_db_that_goes_down_is_503_naming_it_and_recovers(store: Path, tmp_path: Path) -> None:
+    """The dashboard on PostgreSQL: the list runs there; the server stops -> health and the API say so
+    (503 naming the URL, never a traceback); it comes back -> the API works again by itself."""
+    from pg_cluster import start_cluster
+    from test_dashboard_api import Dashboard
+
+    from vla_rl.dashboard import DashboardConfig
+
+    pg = start_cluster()
+    try:
+        url = pg.create_database("dash")
+        cfg = DashboardConfig(store=store, db=url, workdir=tmp_path / "w")
+        d = Dashboard(cfg)
+        try:
+            c = d.client("viewer")
+            assert _until(lambda: c.get("/api/v1/episodes").json()["total"] == 2)
+            assert c.get("/api/v1/health").json()["db"]["ok"]
+            opts = f"-p {pg.port} -k {pg.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+            pg._run("pg_ctl", "-D", str(pg.data), "-m", "immediate", "-w", "stop", timeout=60)
+            h = c.get("/api/v1/health").json()["db"]
+            assert not h["ok"] and f"127.0.0.1:{pg.port}" in h["error"] and "--db" in h["error"]
+            r = c.get("/api/v1/episodes")
+            assert r.status_code == 503 and r.json()["detail"]["field"] == "db"
+            assert f"127.0.0.1:{pg.port}" in r.json()["detail"]["message"]
+            r = d.client("labeller").post(
+                "/api/v1/labels", json={"episode_ids": ["x"], "key": "quality", "value": "good"}
+            )
+            assert r.status_code == 503 and r.json()["detail"]["field"] == "db"
+            pg._run("pg_ctl", "-D", str(pg.data), "-o", opts, "-l", str(pg.dir / "log"), "-w", "start")
+            assert _until(lambda: c.get("/api/v1/episodes").status_code == 200)
+            assert c.get("/api/v1/health").json()["db"]["ok"]
+        finally:
+            d.stop()
+    finally:
+        pg.stop()
