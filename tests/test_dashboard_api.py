@@ -498,6 +498,14 @@ def test_queue_a_round_watch_it_over_sse_and_cancel_it(dash: Dashboard, world: F
     assert Path(rec.config["train"]["store"]) == world.store.resolve()
 
     viewer = dash.client("viewer")
+    assert viewer.get(f"/api/v1/rounds/{rid}").json()["live_curve"] is None  # nothing logged yet
+    from torch.utils.tensorboard import SummaryWriter  # what every trainer logs into <out>/round-N/tb
+
+    with SummaryWriter(str(Path(rec.config["train"]["out"]) / f"round-{rid}" / "tb")) as tb:
+        for step in range(1, 301):
+            tb.add_scalar("train/loss", 1.0 / step, step)
+    curve = viewer.get(f"/api/v1/rounds/{rid}").json()["live_curve"]["train/loss"]
+    assert len(curve) == 200 and curve[0] == [1.0, 1.0] and curve[-1] == [300.0, pytest.approx(1 / 300)]
     listed = viewer.get("/api/v1/rounds").json()["rounds"]
     assert listed[0]["id"] == rid and listed[0]["preset"] == "tiny-awr"
     assert viewer.post(f"/api/v1/rounds/{rid}/cancel").status_code == 403
@@ -807,6 +815,7 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     assert (
         summary["metrics"]["curve"] and summary["success"] is not None and summary["base_success"] is not None
     )
+    assert summary["live_curve"]["train/loss"]  # read from the worker's TensorBoard logs
 
     r = op.post(f"/api/v1/rounds/{rid}/promote")
     assert r.status_code == 200 and r.json()["to"] == rec.checkpoint_revision, r.text
