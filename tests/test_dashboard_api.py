@@ -24,19 +24,17 @@ import httpx
 import imageio.v3
 import numpy as np
 import pytest
-import torch
 import uvicorn
 from PIL import Image
+from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
 from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorRules
 from sim.registry import make_env
-from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.dashboard import DashboardConfig
 from vla_rl.dashboard.app import create_app
 from vla_rl.dashboard.auth import parse_tokens
@@ -59,25 +57,6 @@ TOKENS = {
 def camera_spec() -> RobotSpec:
     with make_env(TASK, obs="rgb", image_size=IMAGE) as env:
         return env.spec
-
-
-def tiny_checkpoint(folder: Path, spec: RobotSpec, seed: int = 0) -> Path:
-    """A randomly initialised camera policy (weak on purpose: the simulated operator has work to do)."""
-    cfg = FlowVLAConfig.from_robot_spec(
-        spec,
-        d_model=32,
-        n_layers=1,
-        expert_n_layers=1,
-        n_heads=2,
-        instruction_encoder="none",
-        chunk_len=4,
-        n_exec=2,
-        num_inference_steps=2,
-    )
-    torch.manual_seed(seed)
-    info = CheckpointInfo("flow_vla", cfg.to_dict(), spec, {}, Lineage("test"))
-    save_checkpoint(folder, FlowVLAPolicy(cfg).state_dict(), info)
-    return folder
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from fleet.db import MetadataDB, MetadataDBError, default_url
 from fleet.store import EpisodeStore
@@ -159,8 +159,17 @@ class Resources:
 
     def map_exception(self, e: BaseException) -> ApiError | None:
         """A 503 for an exception that means the DB or the store went away mid-request (else None)."""
-        if isinstance(e, OperationalError | DBAPIError):
+        if isinstance(e, OperationalError | InterfaceError):
             return ApiError(503, "db", self.db_error_message(e), "a reachable metadata DB")
+        if isinstance(e, DBAPIError):  # reachable, but the query failed (e.g. its tables were dropped)
+            why = str(getattr(e, "orig", None) or e).strip().splitlines()
+            return ApiError(
+                503,
+                "db",
+                f"the metadata DB {self.db_shown} failed a query ({why[0] if why else type(e).__name__}); "
+                "is --db the store's metadata DB, at the schema this vla-rl writes?",
+                "a working metadata DB",
+            )
         if isinstance(e, FileNotFoundError | PermissionError) and str(self.cfg.store) in str(e):
             return ApiError(
                 503, "store", f"the episode store {self.cfg.store} cannot be read ({e})", "a readable store"
