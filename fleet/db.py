@@ -521,6 +521,35 @@ class EpisodeQuery:
                 out.append((key, str(getattr(self, key))))
         return out
 
+    def to_data_selection(self) -> tuple[str | None, str, list[str]]:
+        """The round data selection this filter means, for "start a round on these episodes": ``(task,
+        text for DataSelection.parse, [filters a DataSelection cannot express])``. The outcome maps to
+        ``success=`` (success / failure only); intervention, flags, status, lengths and paging do not
+        map and are listed."""
+        parts: list[str] = []
+        dropped: list[str] = []
+        if self.robot is not None:
+            parts.append(f"robot={self.robot}")
+        for key in ("since", "until"):
+            v = getattr(self, key)
+            if v is not None:
+                parts.append(f"{key}={v}")
+        if self.revision is not None:
+            parts.append(f"revision={self.revision}")
+        if self.round is not None:
+            parts.append(f"round={self.round}")
+        parts += [f"label.{k}={v}" for k, v in self.labels.items()]
+        if self.outcome in ("success", "failure"):
+            parts.append(f"success={'true' if self.outcome == 'success' else 'false'}")
+        elif self.outcome is not None:
+            dropped.append("outcome")
+        for key in ("intervention", "flagged", "status", "min_length", "max_length"):
+            if getattr(self, key) is not None:
+                dropped.append(key)
+        if self.flags:
+            dropped.append("flag")
+        return self.task, ",".join(parts), dropped
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -893,11 +922,14 @@ class MetadataDB:
         now = time.time()
         with Session(self.engine) as s, s.begin():
             found: dict[str, tuple[str, int]] = {}
-            for chunk in _chunks(ids):
-                q = select(EpisodeRow.id, EpisodeRow.status, EpisodeRow.length).where(
-                    EpisodeRow.id.in_(chunk)
+            for chunk in _chunks(sorted(ids)):
+                q = (
+                    select(EpisodeRow.id, EpisodeRow.status, EpisodeRow.length)
+                    .where(EpisodeRow.id.in_(chunk))
+                    .order_by(EpisodeRow.id)
                 )
-                # FOR UPDATE (PostgreSQL): two labellers of one episode take turns keeping ``current`` right
+                # FOR UPDATE (PostgreSQL): two labellers of one episode take turns keeping ``current``
+                # right; rows locked in id order, so two bulk labellers never deadlock
                 found.update({r.id: (r.status, r.length) for r in s.execute(q.with_for_update())})
             missing = [e for e in ids if e not in found]
             if missing:

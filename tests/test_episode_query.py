@@ -281,3 +281,32 @@ def test_episode_query_validation_and_url_params() -> None:
     for params, message in bad:
         with pytest.raises(ValueError, match=message):
             EpisodeQuery.from_params(params)
+
+
+def test_an_episode_filter_becomes_a_round_data_selection() -> None:
+    from vla_rl.train.transitions import DataSelection
+
+    q = EpisodeQuery.from_params(
+        {
+            "task": "toy/Reach-v0",
+            "robot": "arm-1",
+            "since": "100",
+            "revision": "rev-a",
+            "round": "2",
+            "label": ["quality:good"],
+            "outcome": "success",
+            "intervention": "true",
+            "flag": "jerk",
+        }
+    )
+    task, text, dropped = q.to_data_selection()
+    sel = DataSelection.parse(task or "", text)
+    assert (sel.task, sel.robots, sel.since, sel.revisions, sel.rounds) == (
+        "toy/Reach-v0",
+        ("arm-1",),
+        100.0,
+        ("rev-a",),
+        (2,),
+    )
+    assert sel.labels == {"quality": "good"} and sel.success is True
+    assert dropped == ["intervention", "flag"]
