@@ -578,6 +578,14 @@ def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
 
 
 def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
+    from server.client import PolicyClient
+
+    with make_env(TASK, obs="rgb", image_size=IMAGE) as env, PolicyClient(world.server.address) as client:
+        obs, _ = env.reset(seed=0)  # a request within GetInfo's 60 s latency window, however slow the run
+        for _ in range(3):
+            client.act(
+                {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}, seed=0
+            )
     f = dash.client("viewer").get("/api/v1/fleet").json()
     robots = {r["robot_id"]: r for r in f["robots"]}
     assert {"sim-0", "sim-1"} <= set(robots)
