@@ -124,6 +124,11 @@ def _sync(res: Resources) -> None:
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
+    if cfg.hub:
+        from vla_rl.hub.registry import configure_hub
+        from vla_rl.secrets import env_secret
+
+        configure_hub(cfg.hub, env_secret("VLA_RL_HUB_TOKEN", "HF_TOKEN"))
     generated_token = None
     if tokens is None:
         tokens = load_tokens(cfg.tokens_file)
