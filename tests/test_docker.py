@@ -98,14 +98,15 @@ def all_strings(obj: object) -> list[str]:
 
 
 def test_compose_has_the_loop() -> None:
-    assert {"hub", "policy-server", "collector", "round-worker", "postgres", "s3"} <= set(SERVICES)
+    assert {"hub", "policy-server", "collector", "round-worker", "dashboard", "postgres", "s3"} <= set(SERVICES)
     assert SERVICES["round-worker"]["deploy"]["replicas"] >= 2  # scales out
     assert SERVICES["postgres"]["image"].startswith("postgres:")
     assert "pg_isready" in healthcheck_text(SERVICES["postgres"])
-    assert "dashboard" not in SERVICES  # not implemented yet: no command to run
+    assert "8780:8780" in SERVICES["dashboard"]["ports"]
+    assert "--tokens-file" in SERVICES["dashboard"]["command"]  # roles and tokens from a secret file
     for name, service in SERVICES.items():
         assert "healthcheck" in service, f"{name} has no health check"
-    assert vla_rl_services().keys() == {"hub", "policy-server", "collector", "round-worker"}
+    assert vla_rl_services().keys() == {"hub", "policy-server", "collector", "round-worker", "dashboard"}
 
 
 @pytest.mark.parametrize("name", sorted(vla_rl_services()))
@@ -224,7 +225,8 @@ def test_secrets_are_declared_mounted_and_not_baked_in() -> None:
             assert not re.search(r"TOKEN$|PASSWORD$|SECRET", key), f"{name} sets {key} in the compose file"
     for name in vla_rl_services():
         if name != "round-worker":
-            assert flag_value(vla_rl_services()[name], "--token-file"), f"{name} runs without a token"
+            flag = "--tokens-file" if name == "dashboard" else "--token-file"  # the dashboard's carry roles
+            assert flag_value(vla_rl_services()[name], flag), f"{name} runs without a token"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
