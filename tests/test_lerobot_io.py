@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE before the fixture sets it)
 import numpy as np
 import pytest
 

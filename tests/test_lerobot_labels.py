@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE before the fixture sets it)
 import numpy as np
 import pytest
 
