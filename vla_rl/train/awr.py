@@ -32,7 +32,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -82,6 +82,8 @@ __all__ = ["AWRConfig", "AWRResult", "awr_weights", "recap_indicators", "train_a
 @dataclass(kw_only=True)
 class AWRConfig(TrainerConfig):
     """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
+
+    distributed: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store with the experience (demos, autonomous rollouts, interventions)."""

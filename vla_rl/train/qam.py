@@ -240,6 +240,7 @@ class QAMConfig(TrainerConfig):
     applies to a VLA; CPU-friendly budgets are named presets (:mod:`vla_rl.train.presets`)."""
 
     algorithm: ClassVar[str] = "qam"
+    distributed: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store holding the offline data (demos, earlier rollouts)."""

@@ -71,6 +71,7 @@ class SFTConfig(TrainerConfig):
     """
 
     algorithm: ClassVar[str] = "sft"
+    distributed: ClassVar[bool] = True
     needs_base: ClassVar[bool] = False
 
     store: Path = field()
