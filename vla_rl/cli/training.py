@@ -69,6 +69,7 @@ def _launch_torchrun(name: str, argv: Sequence[str], nproc: int) -> int:
     import logging
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -97,6 +98,8 @@ def _launch_torchrun(name: str, argv: Sequence[str], nproc: int) -> int:
             f"--nproc {nproc}: training process rank {rank} exited with code {failure.exitcode} "
             "(its error is above); the other processes were stopped"
         ) from None
+    except SignalException:  # Ctrl-C / SIGTERM: the agent stopped the workers
+        raise KeyboardInterrupt from None
     return 0
 
 

@@ -210,8 +210,10 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], dist: Dist) -> None:
 
 def _reduce_bucket(grads: list[torch.Tensor], dist: Dist) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
+    home = flat.device
+    flat = flat.to(dist.device)  # gloo reduces CPU tensors (a no-op on CPU and under NCCL)
     tdist.all_reduce(flat, op=tdist.ReduceOp.SUM)
-    flat.div_(dist.world)
+    flat = flat.div_(dist.world).to(home)
     offset = 0
     for g in grads:
         n = g.numel()
@@ -225,12 +227,7 @@ def broadcast_module(module: torch.nn.Module, dist: Dist) -> None:
         return
     with torch.no_grad():
         for t in module.state_dict().values():
-            if dist.device.type == "cuda" or t.device.type == "cpu":
-                tdist.broadcast(t, src=0)
-            else:  # pragma: no cover - a CUDA tensor under gloo
-                tmp = t.cpu()
-                tdist.broadcast(tmp, src=0)
-                t.copy_(tmp)
+            broadcast_tensor(t, dist)
 
 
 def mean_scalars(values: Mapping[str, float], dist: Dist) -> dict[str, float]:
