@@ -226,6 +226,20 @@ def test_resumed_two_process_run_equals_an_uninterrupted_one(
     assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight)
 
 
+@pytest.mark.slow
+def test_qam_online_learner_under_two_processes_matches_one(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """Online: rank 0 collects, every rank learns on the shared replay; ends as one process does."""
+    store, base = data
+    online = dict(offline_steps=4, env_steps=30, num_envs=1, max_episode_steps=10, critic_warmup=2)
+    one = train(make_config("qam", **(_qam(store, base, tmp_path / "one") | online)))
+    values = _qam(store, base, tmp_path / "two") | online
+    _run_2p("qam", values)
+    assert one.metrics["online_episodes"] == 3 and one.env_steps == 30
+    _assert_close(_weights(tmp_path / "two" / "checkpoints" / "last"), _weights(one.checkpoint))
+    state = load_train_state(tmp_path / "two" / "train_state.pt")
+    assert len(state["online_episodes"]) == 3 and int(state["env_steps"]) == 30
+
+
 # ---------------------------------------------------------------------------- the split, the flags
 def test_shards_cover_the_global_batch_and_its_draws() -> None:
     ranks = [Shard(Dist(rank=r, world=4), 8) for r in range(4)]
