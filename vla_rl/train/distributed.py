@@ -36,6 +36,7 @@ The global batch stays ``batch_size``; it must divide by N (:meth:`Dist.check_ba
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import pickle
@@ -50,6 +51,8 @@ from vla_rl.policy_loading import pick_device
 
 log = logging.getLogger(__name__)
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=1)
+"""How long a collective waits for the slowest rank before the job fails."""
 BUCKET_BYTES = 32 * 1024 * 1024
 """Gradients are averaged in flat buckets of at most this many bytes (one ``all_reduce`` each)."""
 
@@ -130,7 +133,10 @@ def distributed(device: str = "auto") -> Iterator[tuple[Dist, torch.device]]:
         return
     created = not tdist.is_initialized()
     if created:
-        tdist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+        # The other ranks wait in the next collective while rank 0 evaluates or writes a checkpoint:
+        # allow that an hour (NCCL's default is 10 minutes).
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        tdist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     root = logging.getLogger()
     level = root.level
     if rank != 0:
