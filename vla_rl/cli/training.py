@@ -8,6 +8,8 @@ one way to set a knob. ``--preset NAME`` starts from a named recipe (:mod:`vla_r
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -35,6 +37,70 @@ class PushOptions:
     """Push the final checkpoint to this Hub repo (hub://org/name) as a new commit."""
     tag: str | None = None
     """Tag the pushed commit (with --push)."""
+    nproc: int = 1
+    """Training processes on this machine (SFT, AWR, RECAP, QAM): N > 1 launches torchrun
+    --nproc-per-node N with the same flags (gloo on CPU, NCCL on GPU with one GPU per process); each
+    process takes batch-size / N rows of every global batch and rank 0 writes checkpoints, logs and the
+    push. For several machines run torchrun yourself (docs/training.md)."""
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _check_nproc(name: str, cfg: Any, nproc: int) -> None:
+    """Refuse a process count the trainer cannot use, before anything starts."""
+    if nproc < 1:
+        raise CliError(f"--nproc: expected a positive integer, got {nproc}")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if _under_torchrun() else nproc
+    if world > 1 and not getattr(cfg, "distributed", False):
+        raise CliError(f"--nproc: the {name} trainer runs in one process (not data-parallel); drop --nproc")
+    batch = getattr(cfg, "batch_size", None)
+    if world > 1 and batch is not None and batch % world:
+        raise CliError(
+            f"--batch-size: expected a multiple of the {world} processes (each takes batch-size / "
+            f"{world} rows of the global batch), got {batch}"
+        )
+
+
+def _launch_torchrun(name: str, argv: Sequence[str], nproc: int) -> int:
+    """Run ``vla-rl train NAME argv`` in ``nproc`` processes under torchrun's agent on this machine
+    (rendezvous on 127.0.0.1, a free port); returns 0, or raises a CliError naming the failed rank."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from vla_rl.logs import JsonFormatter
+
+    root = logging.getLogger()
+    fmt = "json" if any(isinstance(h.formatter, JsonFormatter) for h in root.handlers) else "text"
+    level = logging.getLevelName(root.getEffectiveLevel()).lower()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        local_addr="127.0.0.1",
+    )
+    args = ["-m", "vla_rl.cli", "--log-level", level, "--log-format", fmt, "train", name, *argv]
+    try:
+        elastic_launch(config, sys.executable)(*args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise CliError(
+            f"--nproc {nproc}: training process rank {rank} exited with code {failure.exitcode} "
+            "(its error is above); the other processes were stopped"
+        ) from None
+    except SignalException:  # Ctrl-C / SIGTERM: the agent stopped the workers
+        raise KeyboardInterrupt from None
+    return 0
 
 
 def _preset_values(preset: str | None, algo: str) -> dict[str, Any]:
@@ -80,8 +146,10 @@ def _check_inputs(cfg: Any, push: bool = False) -> None:
 def _summary(name: str, r: Any) -> str:
     m = r.metrics
     parts = [f"{name}: {r.seconds / 60:.1f} min"]
-    if "final_loss" in m:
-        parts.append(f"{m['steps']} steps, loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}")
+    if "final_loss" in m:  # SFT reports steps and the first loss; AWR / RECAP only the last
+        steps = f"{m['steps']} steps, " if "steps" in m else ""
+        first = f"{m['first_loss']:.4f} -> " if "first_loss" in m else ""
+        parts.append(f"{steps}loss {first}{m['final_loss']:.4f}")
     if getattr(r, "env_steps", None):
         parts.append(f"{r.env_steps} env steps")
     if r.curve and "rollout_success" in r.curve[0]:
@@ -99,6 +167,8 @@ def _train_command(name: str) -> Any:
         from vla_rl.train.algorithms import train
 
         argv = list(argv)
+        launch_argv = list(argv)
+        nproc_flag = pop_option(launch_argv, "--nproc")  # the workers get the same flags, minus --nproc
         preset = pop_option(argv, "--preset")
         alg = get_algorithm(name)
         cls = alg.config_class()
@@ -110,10 +180,16 @@ def _train_command(name: str) -> Any:
         cfg = parsed.inner
         _check_fixed(alg, cfg)
         _check_inputs(cfg, push=parsed.options.push is not None)
+        nproc = parsed.options.nproc
+        _check_nproc(name, cfg, nproc)
+        if nproc > 1 and nproc_flag is not None and not _under_torchrun():
+            return _launch_torchrun(name, launch_argv, nproc)
         from sim.ray_workers import RayUnavailable
 
         with user_errors(FileNotFoundError, ValueError, CheckpointError, RayUnavailable):
             result = train(cfg)
+        if int(os.environ.get("RANK", "0") or 0) != 0:
+            return 0  # rank 0 reports and pushes
         print(_summary(name, result))
         push = parsed.options
         if push.push:

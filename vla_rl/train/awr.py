@@ -26,12 +26,13 @@ are kept as positive behaviour cloning (AWR weight ``human_weight``; RECAP indic
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -46,16 +47,30 @@ from policies.flow_vla.modeling_flow_vla import (
     ADVANTAGE_POSITIVE,
     ADVANTAGE_UNCONDITIONAL,
 )
-from vla_rl.policy_loading import load_policy, pick_device
+from vla_rl.policy_loading import load_policy
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
+    TRAIN_STATE,
     batch_to_policy_inputs,
     config_dict,
+    load_train_state,
     observation_features,
     save_derived_checkpoint,
+    save_train_state,
     seed_step,
     warmup_cosine,
+)
+from vla_rl.train.distributed import (
+    Dist,
+    Shard,
+    all_reduce_grads,
+    broadcast_module,
+    broadcast_object,
+    broadcast_tensor,
+    distributed,
+    mean_scalars,
+    summary_writer,
 )
 from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
 
@@ -67,6 +82,8 @@ __all__ = ["AWRConfig", "AWRResult", "awr_weights", "recap_indicators", "train_a
 @dataclass(kw_only=True)
 class AWRConfig(TrainerConfig):
     """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
+
+    distributed: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store with the experience (demos, autonomous rollouts, interventions)."""
@@ -112,6 +129,16 @@ class AWRConfig(TrainerConfig):
     guidance_scale: float = 1.0
     """RECAP: CFG weight saved into the checkpoint for deployment (1 = condition on positive)."""
 
+    # bookkeeping
+    checkpoint_every: int = 500
+    """Policy-extraction steps between saves of ``<out>/train_state.pt`` (for resuming)."""
+    resume: bool = True
+    """Continue from <out>/train_state.pt when it exists (exactly: the value fit and advantages are kept,
+    policy extraction replays the same batches and noise)."""
+    stop_at: int | None = None
+    """Stop after this policy-extraction step, as a preempted job would (the schedule still spans
+    ``steps``)."""
+
     @property
     def algorithm(self) -> str:  # type: ignore[override]
         return self.variant
@@ -123,7 +150,7 @@ class AWRConfig(TrainerConfig):
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
         if self.value not in ("categorical", "expectile"):
             raise ValueError(f"value: expected categorical or expectile, got {self.value!r}")
-        for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins"):
+        for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         for name in ("lr", "value_lr", "beta", "w_max"):
@@ -246,36 +273,21 @@ def _cross_fitted_values(
 
 
 def train_awr(cfg: AWRConfig) -> AWRResult:
-    """Fit the value, score advantages, re-train the policy; returns the checkpoint and metrics."""
-    t0 = time.perf_counter()
-    device = pick_device(cfg.device)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-    torch.manual_seed(cfg.seed)
-    base = load_policy(cfg.base, device=str(device))
-    spec = base.info.robot_spec
-    if cfg.task is not None and cfg.task != spec.name:
-        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {cfg.task!r}")
-    selection = DataSelection.parse(spec.name, cfg.data)
-    db = MetadataDB(cfg.db_url) if cfg.db_url else None
-    buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
-    if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
-        raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
-    human = buf.array("controller") == int(Controller.HUMAN)
-    snap = buf.snapshot()
-    data = {
-        "selection": selection.to_dict(),
-        "episodes": snap["episodes"],
-        "frames": snap["frames"],
-        "human_frames": int(human.sum()),
-        "digest": snap["digest"],
-    }
-    log.info(
-        f"{cfg.variant} start",
-        extra={"base": cfg.base, **{k: v for k, v in data.items() if k != "selection"}},
-    )
+    """Fit the value, score advantages, re-train the policy; returns the checkpoint and metrics.
 
+    Re-running into the same ``out`` resumes from ``train_state.pt`` (value fit and advantages kept).
+    Under torchrun every process trains on its share of each global batch (see
+    :mod:`vla_rl.train.distributed`); rank 0 writes the checkpoint, the train state and the logs."""
+    with distributed(cfg.device) as (dist, device):
+        return _train_awr(cfg, dist, device)
+
+
+def _score(
+    cfg: AWRConfig, base: Any, buf: TransitionBuffer, human: np.ndarray, device: torch.device
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator."""
     # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
-    feats = _all_features(base.policy, buf, device, spec.instruction)
+    feats = _all_features(base.policy, buf, device, base.info.robot_spec.instruction)
     returns = torch.from_numpy(buf.array("mc_return")).to(device)
     if not (~human).any():
         raise ValueError("the selected episodes hold no autonomous frames to score; select rollouts too")
@@ -298,11 +310,64 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
             weight_max=float(w_auto.max()),
             effective_sample_frac=float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum())),
         )
-        per_frame = torch.from_numpy(weights)
+        return metrics, torch.from_numpy(weights)
+    indicators, eps = recap_indicators(adv, human, cfg.positive_fraction)
+    metrics.update(threshold=eps, positive_frac=float((indicators[~human] == ADVANTAGE_POSITIVE).mean()))
+    return metrics, torch.from_numpy(indicators)
+
+
+def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
+    t0 = time.perf_counter()
+    dist.check_batch(cfg.batch_size)
+    shard = Shard(dist, cfg.batch_size)
+    if not dist.is_main:
+        cfg = dataclasses.replace(cfg, progress=False)  # one set of progress bars: rank 0's
+    torch.set_num_threads(dist.threads(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    base = load_policy(cfg.base, device=str(device))
+    spec = base.info.robot_spec
+    if cfg.task is not None and cfg.task != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {cfg.task!r}")
+    selection = DataSelection.parse(spec.name, cfg.data)
+    db = MetadataDB(cfg.db_url) if cfg.db_url else None
+    buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
+    if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
+        raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
+    human = buf.array("controller") == int(Controller.HUMAN)
+    snap = buf.snapshot()
+    data = {
+        "selection": selection.to_dict(),
+        "episodes": snap["episodes"],
+        "frames": snap["frames"],
+        "human_frames": int(human.sum()),
+        "digest": snap["digest"],
+    }
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    state_path = cfg.out / TRAIN_STATE
+    st = load_train_state(state_path) if cfg.resume and state_path.exists() else None
+    log.info(
+        f"{cfg.variant} {'resumed' if st is not None else 'start'}",
+        extra={
+            "base": cfg.base,
+            "processes": dist.world,
+            **{k: v for k, v in data.items() if k != "selection"},
+            **({"step": int(st["step"]), "from": str(state_path)} if st is not None else {}),
+        },
+    )
+    if st is not None:
+        metrics: dict[str, Any] = json.loads(st["metrics"])
+        per_frame = st["per_frame"]
+        if len(per_frame) != len(buf):
+            raise ValueError(
+                f"resume: {state_path} scored {len(per_frame)} frames, the selected data holds {len(buf)}; "
+                "give another --out (or --no-resume) for other data"
+            )
     else:
-        indicators, eps = recap_indicators(adv, human, cfg.positive_fraction)
-        metrics.update(threshold=eps, positive_frac=float((indicators[~human] == ADVANTAGE_POSITIVE).mean()))
-        per_frame = torch.from_numpy(indicators)
+        metrics, per_frame = _score(cfg, base, buf, human, device)
+        # every rank fitted the same value; rank 0's result is the one all train on (GPU kernels need
+        # not be bit-reproducible across processes)
+        per_frame = broadcast_tensor(per_frame, dist)
+        metrics = broadcast_object(metrics, dist)
 
     # 3. policy extraction, starting from the base weights
     model_cfg = base.policy.config
@@ -314,6 +379,7 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
     missing, unexpected = model.load_state_dict(base.policy.state_dict(), strict=False)
     if unexpected or set(missing) - {"advantage_embedding.weight"}:
         raise RuntimeError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
+    broadcast_module(model, dist)
     ema = EMA(model, cfg.ema_decay)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
@@ -321,59 +387,96 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.steps, 0.1)
     )
+    start, curve, loss_val = 0, [], float("nan")
+    if st is not None:
+        model.load_state_dict(st["model"])
+        ema.load_state_dict(st["ema"])
+        optimizer.load_state_dict(st["optimizer"])
+        scheduler.load_state_dict(st["scheduler"])
+        start, curve, loss_val = int(st["step"]), json.loads(st["curve"]), float(st["last_loss"])
     instruction_emb = None
     if model_cfg.uses_instruction:
         from policies.flow_vla import embed_instructions
 
         instruction_emb = embed_instructions([spec.instruction]).to(device)
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(cfg.out / "tb"))
-    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
-    for k, v in metrics.items():
-        writer.add_scalar(f"value/{k}", v, 0)
-    curve: list[dict[str, float]] = []
+    writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=start)
+    if st is None:
+        writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+        for k, v in metrics.items():
+            writer.add_scalar(f"value/{k}", v, 0)
     model.train()
-    bar = tqdm(range(cfg.steps), desc=cfg.variant, unit="step", disable=not cfg.progress)
-    loss_val = float("nan")
-    for step in bar:
+    end = min(cfg.steps, cfg.stop_at or cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.variant, unit="step", disable=not cfg.progress)
+    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
+
+    def save(step: int) -> None:
+        """The train state (every ``checkpoint_every`` steps and at the end), rank 0 only."""
+        save_train_state(
+            state_path,
+            model=model.state_dict(),
+            ema=ema.state_dict(),
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(),
+            step=step,
+            per_frame=per_frame,
+            metrics=json.dumps(metrics),
+            curve=json.dumps(curve),
+            last_loss=loss_val,
+        )
+
+    for step in range(start, end):
         seed_step(cfg.seed, step)
-        idx = np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size)
+        # the global batch's rows and random draws (as one process makes them), this rank's share
+        idx = shard.take(np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size))
         batch = batch_to_policy_inputs(buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device)
         if instruction_emb is not None:
-            batch["instruction_embedding"] = instruction_emb.expand(cfg.batch_size, -1)
+            batch["instruction_embedding"] = instruction_emb.expand(len(idx), -1)
         sel = per_frame[idx].to(device)
         if cfg.variant == "awr":
-            loss, m = model.flow_matching_loss(batch, weights=sel)
+            noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
+            loss, m = model.flow_matching_loss(batch, weights=sel, noise=noise, time=t)
         else:
-            drop = torch.rand(cfg.batch_size, device=device) < cfg.unconditional_prob
+            drop = shard.rand(device=device) < cfg.unconditional_prob
             batch["advantage"] = torch.where(drop, torch.full_like(sel, ADVANTAGE_UNCONDITIONAL), sel)
-            loss, m = model.flow_matching_loss(batch)
+            noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
+            loss, m = model.flow_matching_loss(batch, noise=noise, time=t)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        all_reduce_grads(model.parameters(), dist)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         ema.update(model)
-        loss_val = float(m["loss"])
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            writer.add_scalar("train/loss", loss_val, step + 1)
-            writer.add_scalar("train/mse", float(m["mse"]), step + 1)
-            curve.append({"step": step + 1, "loss": loss_val, "mse": float(m["mse"])})
+        bar.update(1)
+        done = step + 1
+        logged = done % cfg.log_every == 0 or done == cfg.steps
+        if logged or done == end or (dist.enabled and done % cfg.checkpoint_every == 0) or not dist.enabled:
+            m = mean_scalars({"loss": float(m["loss"]), "mse": float(m["mse"])}, dist)
+            loss_val = m["loss"]
+        if logged:
+            writer.add_scalar("train/loss", loss_val, done)
+            writer.add_scalar("train/mse", m["mse"], done)
+            curve.append({"step": done, "loss": loss_val, "mse": m["mse"]})
             bar.set_postfix(loss=f"{loss_val:.4f}")
+        if dist.is_main and done % cfg.checkpoint_every == 0 and done < end:
+            save(done)
+    bar.close()
     writer.close()
+    step = max(start, end)
     metrics["final_loss"] = loss_val
     ckpt = cfg.out / "checkpoint"
-    save_derived_checkpoint(
-        ckpt,
-        ema.model,
-        base.info,
-        algorithm=cfg.variant,
-        parent_revision=base.commit if base.commit else cfg.base,
-        data=data,  # the digest pins the exact episodes; the round's DB row lists them
-        metrics={"train_steps": cfg.steps, **{k: round(v, 6) for k, v in metrics.items()}},
-        round_index=cfg.round_index,
-    )
+    if dist.is_main:
+        save_derived_checkpoint(
+            ckpt,
+            ema.model,
+            base.info,
+            algorithm=cfg.variant,
+            parent_revision=base.commit if base.commit else cfg.base,
+            data=data,  # the digest pins the exact episodes; the round's DB row lists them
+            metrics={"train_steps": step, **{k: round(v, 6) for k, v in metrics.items()}},
+            round_index=cfg.round_index,
+        )
+        save(step)
     seconds = time.perf_counter() - t0
     log.info(f"{cfg.variant} done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
     return AWRResult(

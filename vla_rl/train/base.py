@@ -28,6 +28,8 @@ class TrainerConfig:
     """Starts from a base checkpoint (all but SFT)."""
     needs_store: ClassVar[bool] = True
     """Reads an episode store (all but online-only PPO)."""
+    distributed: ClassVar[bool] = False
+    """Runs data-parallel under torchrun (vla_rl.train.distributed): SFT, AWR / RECAP and QAM."""
 
     out: Path
     """Output folder: ``checkpoints/``, the train state for resuming, TensorBoard logs, ``curve.json``."""

@@ -44,10 +44,11 @@ Output folder::
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections import deque
@@ -68,7 +69,7 @@ from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
 from sim.ray_workers import check_ray_address
 from sim.rollout import EpisodeRecord, StepRecord
-from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.policy_loading import LoadedPolicy, load_policy
 from vla_rl.spec import RobotSpec
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
@@ -80,6 +81,18 @@ from vla_rl.train.common import (
     save_derived_checkpoint,
     save_train_state,
     seed_step,
+)
+from vla_rl.train.distributed import (
+    SINGLE,
+    Dist,
+    Shard,
+    agree,
+    all_reduce_grads,
+    broadcast_module,
+    broadcast_object,
+    distributed,
+    mean_scalars,
+    summary_writer,
 )
 from vla_rl.train.transitions import (
     REWARD_KINDS,
@@ -228,6 +241,7 @@ class QAMConfig(TrainerConfig):
     applies to a VLA; CPU-friendly budgets are named presets (:mod:`vla_rl.train.presets`)."""
 
     algorithm: ClassVar[str] = "qam"
+    distributed: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store holding the offline data (demos, earlier rollouts)."""
@@ -497,11 +511,12 @@ class QAMLearner(nn.Module):
         return self.clip_norm(s.actions[:, 0])
 
     @torch.no_grad()
-    def q_gain(self, obs: Mapping[str, Any]) -> Tensor:
+    def q_gain(self, obs: Mapping[str, Any], shard: Shard | None = None) -> Tensor:
         """Diagnostic: mean Q̄(s, fine chunk) − Q̄(s, base chunk), both ODE samples from the same noise.
-        Positive means adjoint matching moved the fine policy uphill on the critic."""
-        b = obs["state"].shape[0]
-        noise = torch.randn(b, self.horizon, self.action_dim, device=obs["state"].device)
+        Positive means adjoint matching moved the fine policy uphill on the critic. ``shard``: the
+        rank's rows of a global batch (noise drawn for all of it; None = one process, ``obs`` is all)."""
+        shard = shard or Shard(SINGLE, obs["state"].shape[0])
+        noise = shard.randn(self.horizon, self.action_dim, device=obs["state"].device)
         base = self.adjoint_base.sample(
             obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None]
         )
@@ -529,11 +544,16 @@ class QAMLearner(nn.Module):
         next_obs: Mapping[str, Any],
         train_actor: bool,
         next_chunk: Tensor | None = None,
+        shard: Shard | None = None,
     ) -> dict[str, Tensor]:
         """All losses of one update. ``next_chunk``: the TD target's a' at ``next_obs`` (normalised,
-        clipped, ``[B, H, A]``) when the caller has it (``next_action_cache``); else sampled here."""
+        clipped, ``[B, H, A]``) when the caller has it (``next_action_cache``); else sampled here.
+        ``shard``: under torchrun, which rows of the global batch ``batch`` holds (every noise tensor is
+        drawn for the global batch and sliced, as :mod:`vla_rl.train.distributed` explains); None = one
+        process, ``batch`` is the whole batch."""
         cfg, k = self.cfg, self.cfg.flow_steps
         b = batch["state"].shape[0]
+        shard = shard or Shard(SINGLE, b)
         event = (self.horizon, self.action_dim)
         out: dict[str, Tensor] = {}
 
@@ -542,7 +562,7 @@ class QAMLearner(nn.Module):
         with torch.no_grad():
             a_next = next_chunk
             if a_next is None:
-                a_next = self.sample_fine(next_obs, torch.randn(b, *event, device=feats.device))
+                a_next = self.sample_fine(next_obs, shard.randn(*event, device=feats.device))
             q_next = self.critic_target(self.features(next_obs), a_next[:, : self.n_exec])
             y = critic_td_target(
                 q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
@@ -554,7 +574,9 @@ class QAMLearner(nn.Module):
 
         # ---- behaviour flow (only when the base keeps training)
         if cfg.train_base:
-            out["loss_bc"], _ = self.base.flow_matching_loss(batch)
+            bc_noise = shard.randn(*event, device=feats.device)
+            bc_time = shard.take(self.base.sample_time(shard.global_batch))
+            out["loss_bc"], _ = self.base.flow_matching_loss(batch, noise=bc_noise, time=bc_time)
 
         # ---- adjoint matching for the fine policy
         if train_actor:
@@ -568,8 +590,8 @@ class QAMLearner(nn.Module):
             def base_v(x: Tensor, t: float) -> Tensor:
                 return self.adjoint_base.velocity(base_prefix, x, t)
 
-            x0 = torch.randn(b, *event, device=feats.device)
-            eps = torch.randn(b, k - 1, *event, device=feats.device)
+            x0 = shard.randn(*event, device=feats.device)
+            eps = shard.randn(k - 1, *event, device=feats.device)
             iterates = simulate_fine_sde(fine_v, base_v, x0, k, eps)
 
             def q_fn(chunk: Tensor) -> Tensor:
@@ -808,11 +830,16 @@ class _QAMRun:
     :meth:`save` a checkpoint plus the train state.
     """
 
-    def __init__(self, cfg: QAMConfig) -> None:
+    def __init__(self, cfg: QAMConfig, dist: Dist, device: torch.device) -> None:
+        self.dist = dist
+        dist.check_batch(cfg.batch_size)
+        self.shard = Shard(dist, cfg.batch_size)
+        if not dist.is_main:
+            cfg = dataclasses.replace(cfg, progress=False)  # one set of progress bars: rank 0's
         self.cfg = cfg
         self.t_start = time.perf_counter()
-        self.device = device = pick_device(cfg.device)
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+        self.device = device
+        torch.set_num_threads(dist.threads(cfg.threads))
         self.loaded = loaded = load_policy(cfg.base, device=str(device))
         base = loaded.policy
         self.spec = spec = loaded.spec
@@ -827,10 +854,10 @@ class _QAMRun:
         self.curve: list[dict[str, Any]] = []
         self.online_episodes: list[dict[str, np.ndarray]] = []
         self._restore()
+        broadcast_module(learner, dist)  # every rank starts from rank 0's weights
+        self.synced_episodes = len(self.online_episodes)
 
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(cfg.out / "tb"), purge_step=self.step)
+        self.writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=self.step)
         self.writer.add_text("config", f"```\n{config_dict(cfg)}\n```", self.step)
         log.info(
             "qam start",
@@ -843,6 +870,7 @@ class _QAMRun:
                 "device": str(device),
                 "offline_steps": cfg.offline_steps,
                 "env_steps": cfg.env_steps,
+                "processes": dist.world,
             },
         )
         self.params = {
@@ -937,7 +965,9 @@ class _QAMRun:
 
     # ------------------------------------------------------------------ checkpoints and evaluation
     def save(self, final: bool = False) -> None:
-        """``checkpoints/step_NNNNNN`` (copied to ``last``), the train state and curve.json."""
+        """``checkpoints/step_NNNNNN`` (copied to ``last``), the train state and curve.json (rank 0)."""
+        if not self.dist.is_main:
+            return
         cfg, step, env_steps = self.cfg, self.step, self.env_steps
         ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
         save_derived_checkpoint(
@@ -997,16 +1027,13 @@ class _QAMRun:
     def _batch(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """This step's replay batch: the raw rows and the policy inputs (with the TD extras)."""
         cfg, lr = self.cfg, self.learner
-        raw = self.buffer.batch(
-            replay_indices(len(self.buffer), self.offline_frames, cfg, self.step),
-            horizon=lr.horizon,
-            n_step=lr.n_exec,
-        )
+        rows = self.shard.take(replay_indices(len(self.buffer), self.offline_frames, cfg, self.step))
+        raw = self.buffer.batch(rows, horizon=lr.horizon, n_step=lr.n_exec)
         batch = batch_to_policy_inputs(raw, self.device)
         for key in ("reward_n", "bootstrap", "valid", "mc_return"):
             batch[key] = raw[key].to(self.device)
         if self.instruction_emb is not None:
-            batch["instruction_embedding"] = self.instruction_emb.expand(cfg.batch_size, -1)
+            batch["instruction_embedding"] = self.instruction_emb.expand(len(rows), -1)
         return raw, batch
 
     def _losses(
@@ -1022,7 +1049,7 @@ class _QAMRun:
         if self.instruction_emb is not None:
             nxt["instruction_embedding"] = batch["instruction_embedding"]
         a_next = self.next_cache.lookup(raw["next_index"], self.step) if self.next_cache is not None else None
-        return self.learner.losses(batch, nxt, train_actor, a_next)
+        return self.learner.losses(batch, nxt, train_actor, a_next, self.shard)
 
     def _apply(self, out: dict[str, Tensor], mc: bool, train_actor: bool) -> dict[str, float]:
         """One backward pass and optimiser steps (gradients clipped per module), then the Polyak
@@ -1033,6 +1060,7 @@ class _QAMRun:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
         total.backward()
+        all_reduce_grads(itertools.chain(*self.params.values()), self.dist)
         norms = {}
         for name, ps in self.params.items():
             if ps:
@@ -1061,7 +1089,7 @@ class _QAMRun:
         out = self._losses(raw, batch, mc, train_actor)
         norms = self._apply(out, mc, train_actor)
         self.step += 1
-        self.last_metrics = {k: float(v.detach()) for k, v in out.items()} | norms
+        self.last_metrics = mean_scalars({k: float(v.detach()) for k, v in out.items()} | norms, self.dist)
         self._log(phase, rollouts, batch, warmup)
         if self.step % cfg.checkpoint_every == 0:
             self.save()
@@ -1071,11 +1099,12 @@ class _QAMRun:
         cfg, step, metrics = self.cfg, self.step, self.last_metrics
         if step % cfg.log_every == 0:
             if step > warmup:
-                metrics["q_gain"] = float(self.learner.q_gain(batch))
+                q_gain = float(self.learner.q_gain(batch, self.shard))
+                metrics["q_gain"] = mean_scalars({"q_gain": q_gain}, self.dist)["q_gain"]
             row: dict[str, Any] = {"step": step, "env_steps": self.env_steps, "phase": phase, **metrics}
             if rollouts is not None and rollouts.successes:
                 row["rollout_success"] = float(np.mean(rollouts.successes))
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            if cfg.eval_every and step % cfg.eval_every == 0 and self.dist.is_main:
                 row["eval_success"] = self.evaluate_fine(cfg.eval_every_episodes)
             for k, v in row.items():
                 if isinstance(v, float):
@@ -1087,7 +1116,7 @@ class _QAMRun:
                 am=f"{metrics.get('loss_am', float('nan')):.3g}",
                 **({"succ": f"{row['rollout_success']:.0%}"} if "rollout_success" in row else {}),
             )
-        elif cfg.eval_every and step % cfg.eval_every == 0:
+        elif cfg.eval_every and step % cfg.eval_every == 0 and self.dist.is_main:
             self.curve.append(
                 {
                     "step": step,
@@ -1096,6 +1125,28 @@ class _QAMRun:
                     "eval_success": self.evaluate_fine(cfg.eval_every_episodes),
                 }
             )
+
+    # ------------------------------------------------------------------ processes
+    def in_time(self) -> bool:
+        """Within ``max_seconds``? Rank 0's clock decides for every rank (one broadcast per update, only
+        with a budget), so all leave their loops at the same update."""
+        if self.cfg.max_seconds is None:
+            return True
+        return agree(time.perf_counter() < self.deadline, self.dist)
+
+    def sync_episodes(self) -> None:
+        """Under torchrun: the online episodes rank 0 finished since the last call join every other
+        rank's replay, in the same order (so all ranks sample the same replay)."""
+        if not self.dist.enabled:
+            return
+        new = broadcast_object(
+            self.online_episodes[self.synced_episodes :] if self.dist.is_main else None, self.dist
+        )
+        if not self.dist.is_main:
+            for ep in new:
+                _add_episode(self.buffer, ep)
+                self.online_episodes.append(ep)
+        self.synced_episodes = len(self.online_episodes)
 
     # ------------------------------------------------------------------ phases
     def offline_phase(self) -> bool:
@@ -1111,7 +1162,7 @@ class _QAMRun:
         )
         self.learner.fine.train()
         self.deadline = self.t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
-        while self.step < min(cfg.offline_steps, self.stop_at) and time.perf_counter() < self.deadline:
+        while self.step < min(cfg.offline_steps, self.stop_at) and self.in_time():
             self.update("offline", None)
             self.bar.update(1)
         self.bar.close()
@@ -1121,12 +1172,16 @@ class _QAMRun:
         """Fine-policy rollouts until ``env_steps``, with ``utd`` updates per env step (after
         ``start_online_after``); saves the offline result first when it is fresh."""
         cfg = self.cfg
-        if not (cfg.env_steps > self.env_steps and time.perf_counter() < self.deadline):
+        if not (cfg.env_steps > self.env_steps and self.in_time()):
             return
         if cfg.offline_steps and self.step == cfg.offline_steps and self.env_steps == 0:
             self.save()  # the offline result survives a failure online (the final save covers the other cases)
-        rollouts = _Rollouts(
-            self.learner, self.spec, cfg, self.instruction_emb, self.buffer, self.online_episodes
+        # under torchrun rank 0 collects and every rank learns: its finished episodes reach the others'
+        # replay after each vector step (sync_episodes), before any update samples the replay
+        rollouts = (
+            _Rollouts(self.learner, self.spec, cfg, self.instruction_emb, self.buffer, self.online_episodes)
+            if self.dist.is_main
+            else None
         )
         self.bar = tqdm(
             total=cfg.env_steps,
@@ -1137,12 +1192,10 @@ class _QAMRun:
         )
         due = 0.0
         try:
-            while (
-                self.env_steps < cfg.env_steps
-                and self.step < self.stop_at
-                and time.perf_counter() < self.deadline
-            ):
-                rollouts.step()
+            while self.env_steps < cfg.env_steps and self.step < self.stop_at and self.in_time():
+                if rollouts is not None:
+                    rollouts.step()
+                self.sync_episodes()
                 self.env_steps += cfg.num_envs
                 self.bar.update(cfg.num_envs)
                 if self.env_steps > cfg.start_online_after:
@@ -1151,7 +1204,8 @@ class _QAMRun:
                         self.update("online", rollouts)
                         due -= 1.0
         finally:
-            rollouts.close()
+            if rollouts is not None:
+                rollouts.close()
             self.bar.close()
 
     def finish(self) -> QAMResult:
@@ -1168,11 +1222,12 @@ class _QAMRun:
             if self.online_episodes
             else None,
         )
-        if cfg.final_eval_episodes:
+        if cfg.final_eval_episodes and self.dist.is_main:
             metrics["eval_success"] = self.evaluate_fine(cfg.final_eval_episodes)
         self.writer.close()
         seconds = time.perf_counter() - self.t_start
-        (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
+        if self.dist.is_main:
+            (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
         return QAMResult(
             checkpoint=cfg.out / "checkpoints" / "last",
             seconds=seconds,
@@ -1185,8 +1240,17 @@ class _QAMRun:
 
 
 def train_qam(cfg: QAMConfig) -> QAMResult:
-    """Run (or resume) QAM: ``offline_steps`` updates on the store's data, then ``env_steps`` online."""
-    run = _QAMRun(cfg)
+    """Run (or resume) QAM: ``offline_steps`` updates on the store's data, then ``env_steps`` online.
+
+    Under torchrun every process learns on its share of each global batch (see
+    :mod:`vla_rl.train.distributed`); rank 0 collects the online episodes and writes checkpoints, the
+    train state, the curve and the logs."""
+    with distributed(cfg.device) as (dist, device):
+        return _train_qam(cfg, dist, device)
+
+
+def _train_qam(cfg: QAMConfig, dist: Dist, device: torch.device) -> QAMResult:
+    run = _QAMRun(cfg, dist, device)
     if run.offline_phase():  # preempted: keep everything needed to resume
         run.save()
         return QAMResult(

@@ -17,7 +17,6 @@ Run ``vla-rl train sft --help`` for the command-line form of :class:`SFTConfig`.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.policy_loading import pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
@@ -50,6 +48,15 @@ from vla_rl.train.common import (
     seed_step,
     warmup_cosine,
 )
+from vla_rl.train.distributed import (
+    Dist,
+    Shard,
+    all_reduce_grads,
+    broadcast_module,
+    distributed,
+    mean_scalars,
+    summary_writer,
+)
 from vla_rl.train.transitions import DataSelection, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -64,6 +71,7 @@ class SFTConfig(TrainerConfig):
     """
 
     algorithm: ClassVar[str] = "sft"
+    distributed: ClassVar[bool] = True
     needs_base: ClassVar[bool] = False
 
     store: Path = field()
@@ -161,10 +169,19 @@ def _save_policy(path: Path, model: FlowVLAPolicy, cfg: SFTConfig, ds: ChunkData
 
 
 def train_sft(cfg: SFTConfig) -> SFTResult:
-    """Train (or resume) an SFT run; returns where the last checkpoint is and how the loss moved."""
+    """Train (or resume) an SFT run; returns where the last checkpoint is and how the loss moved.
+
+    Under torchrun every process trains on its share of each global batch (see
+    :mod:`vla_rl.train.distributed`); rank 0 writes the checkpoints, the train state and the logs."""
+    with distributed(cfg.device) as (dist, device):
+        return _train_sft(cfg, dist, device)
+
+
+def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     t_start = time.perf_counter()
-    device = pick_device(cfg.device)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+    dist.check_batch(cfg.batch_size)
+    shard = Shard(dist, cfg.batch_size)
+    torch.set_num_threads(dist.threads(cfg.threads))
     store = EpisodeStore(cfg.store)
     db = MetadataDB(cfg.db_url or default_url(store.root))
     selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
@@ -191,6 +208,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     if model.load_pretrained_image_encoders():
         log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
     model = model.to(device)
+    broadcast_module(model, dist)
     ema = EMA(model, cfg.ema_decay)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -222,9 +240,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     # once (frozen MiniLM, one batched call) and each batch gathers its rows.
     instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(cfg.out / "tb"), purge_step=step)
+    writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=step)
     writer.add_text("config", f"```\n{config_dict(cfg)}\n```", step)
     log.info(
         "sft start",
@@ -235,30 +251,41 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
             "params": model.num_parameters(),
             "device": str(device),
             "steps": cfg.steps,
+            "processes": dist.world,
         },
     )
-    bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step", disable=not cfg.progress)
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc="sft", unit="step", disable=not (cfg.progress and dist.is_main)
+    )
+    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
     speed = Throughput()
     model.train()
     end = min(cfg.steps, cfg.stop_at or cfg.steps)
     while step < end:
         seed_step(cfg.seed, step)
-        batch = batch_to_policy_inputs(
-            ds.batch(sample_indices(len(ds), cfg.batch_size, cfg.seed, step)), device, instructions
-        )
+        # the global batch's rows, noise and times (the same draws as one process), this rank's share
+        rows = shard.take(sample_indices(len(ds), cfg.batch_size, cfg.seed, step))
+        batch = batch_to_policy_inputs(ds.batch(rows), device, instructions)
+        noise = shard.randn(*a_shape, device=device)
+        t = shard.take(model.sample_time(cfg.batch_size))
         with autocast_for(device, cfg.amp):
-            loss, metrics = model.flow_matching_loss(batch)
+            loss, metrics = model.flow_matching_loss(batch, noise=noise, time=t)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        all_reduce_grads(model.parameters(), dist)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         ema.update(model)
         step += 1
         speed.add(cfg.batch_size)
-        loss_val = float(metrics["loss"])
+        logged = step % cfg.log_every == 0 or step == cfg.steps
+        if not dist.enabled:
+            loss_val = float(metrics["loss"])
+        elif logged or first_loss is None or step % cfg.checkpoint_every == 0 or step == end:
+            loss_val = mean_scalars({"loss": float(metrics["loss"])}, dist)["loss"]  # the global batch's
         first_loss = loss_val if first_loss is None else first_loss
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if logged:
             sps = speed.rate()
             writer.add_scalar("train/loss", loss_val, step)
             writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
@@ -266,7 +293,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
             writer.add_scalar("train/samples_per_s", sps, step)
             bar.set_postfix(loss=f"{loss_val:.4f}", sps=f"{sps:.0f}")
         bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == end:
+        if (step % cfg.checkpoint_every == 0 or step == end) and dist.is_main:
             ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
             _save_policy(ckpt, ema.model, cfg, ds, step)
             last = cfg.out / "checkpoints" / "last"
