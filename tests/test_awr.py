@@ -197,6 +197,38 @@ def test_train_end_to_end(base_and_store: tuple[Path, Path], tmp_path: Path, var
         assert 0.2 < res.metrics["positive_frac"] < 0.4
 
 
+def test_a_recovery_span_label_is_cloned_like_a_takeover(
+    base_and_store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A person labels the 4 autonomous frames after the takeover `recovery`: AWR clones them (weight
+    ``human_weight``) as it clones the 7 human frames, instead of weighting them by an advantage."""
+    import shutil
+
+    from fleet.db import MetadataDB
+
+    base, src = base_and_store
+    store = tmp_path / "store"
+    shutil.copytree(src, store)
+    db = MetadataDB.for_store(store)
+    es = EpisodeStore(store)
+    db.record_episodes([es.read_metadata(e) for e in es.episode_ids()], str(store))  # demos bypassed the DB
+    eid = next(e for e in es.episode_ids() if "arm-7" in e)
+    db.add_label(eid, "segment", "recovery", author="ana", start=12, end=16)
+    res = train_awr(
+        AWRConfig(
+            base=str(base),
+            store=store,
+            out=tmp_path / "out",
+            value_steps=5,
+            steps=2,
+            batch_size=32,
+            progress=False,
+            data="max=1000",
+        )
+    )
+    assert res.data["human_frames"] == 7 and res.data["clone_frames"] == 7 + 4
+
+
 def test_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="variant: expected awr or recap"):
         AWRConfig(base="x", store=tmp_path, out=tmp_path, variant="ppo")  # type: ignore[arg-type]

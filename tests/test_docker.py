@@ -98,7 +98,9 @@ def all_strings(obj: object) -> list[str]:
 
 
 def test_compose_has_the_loop() -> None:
-    assert {"hub", "policy-server", "collector", "round-worker", "dashboard", "postgres", "s3"} <= set(SERVICES)
+    assert {"hub", "policy-server", "collector", "round-worker", "dashboard", "postgres", "s3"} <= set(
+        SERVICES
+    )
     assert SERVICES["round-worker"]["deploy"]["replicas"] >= 2  # scales out
     assert SERVICES["postgres"]["image"].startswith("postgres:")
     assert "pg_isready" in healthcheck_text(SERVICES["postgres"])

@@ -166,6 +166,9 @@ def test_round_on_imported_real_data_gates_on_offline_action_mse(koch, tmp_path:
     assert rec.status == "succeeded" and rec.task == "koch"
     assert m["eval"] == "offline" and m["success"] is None and m["base_success"] is None
     assert m["eval_episode_ids"] == ids[-1:]  # 4 episodes: the most recent fifth (at least one)
+    # ... and the candidate never trained on them: 3 of the 4 episodes, the held-out one excluded
+    assert m["held_out_excluded_from_training"] is True
+    assert rec.data["selection"]["exclude"] == ids[-1:] and rec.data["episodes"] == len(ids) - 1
     assert m["action_mse"] > 0 and m["base_action_mse"] > 0 and len(m["action_mse_per_dim"]) == 3
     assert set(m["action_mse_per_task"]) == {"koch"} and m["val_loss"] is not None
     passed = m["base_action_mse"] - m["action_mse"] > 0.0 * m["base_action_mse"]

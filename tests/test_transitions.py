@@ -292,3 +292,12 @@ def test_value_mlp_and_polyak() -> None:
     polyak_update(target, v, 0.25)
     for b, t, s in zip(before, target.parameters(), v.parameters(), strict=True):
         torch.testing.assert_close(t, 0.75 * b + 0.25 * s)
+
+
+def test_selection_exclude_parses_and_adds_ids() -> None:
+    sel = DataSelection.parse("t", "success=true,exclude=a|b,max=5")
+    assert sel.exclude == ("a", "b") and sel.max_episodes == 5 and sel.success is True
+    text = sel.with_excluded("success=true,exclude=a|b,max=5", ["b", "c"])
+    again = DataSelection.parse("t", text)
+    assert again.exclude == ("a", "b", "c") and again.max_episodes == 5 and again.success is True
+    assert DataSelection.parse("t", None).with_excluded(None, []) == ""

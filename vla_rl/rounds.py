@@ -177,6 +177,16 @@ def offline_eval_episode_ids(cfg: RoundConfig, db: MetadataDB, task: str) -> lis
     return held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
 
 
+def _count_selected(cfg: RoundConfig, db: MetadataDB, task: str) -> int:
+    """How many closed episodes the round's data selection picks."""
+    from fleet.store import EpisodeStore
+    from vla_rl.train.transitions import select_episode_ids
+
+    assert cfg.train.store is not None
+    selection = DataSelection.parse(task, cfg.train.data)
+    return len(select_episode_ids(EpisodeStore(cfg.train.store), selection, db, db.round_revisions()))
+
+
 def _offline_gate(
     cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str
 ) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
@@ -326,8 +336,18 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         if task != base.info.robot_spec.name:
             raise RoundError(f"task: the base checkpoint is for {base.info.robot_spec.name!r}, not {task!r}")
         db.update_round(round_id, base_revision=base.commit, task=task)
-        DataSelection.parse(task, t.data)  # a bad selection fails before any training
-        run = dataclasses.replace(t, out=t.out / f"round-{round_id}", task=task, round_index=round_id)
+        selection = DataSelection.parse(task, t.data)  # a bad selection fails before any training
+        data = t.data
+        if not is_sim_task(task):
+            # the offline gate's held-out episodes are not trained on (unless they are all there is)
+            held = offline_eval_episode_ids(
+                dataclasses.replace(cfg, train=dataclasses.replace(t, task=task)), db, task
+            )
+            if len(held) < _count_selected(cfg, db, task):
+                data = selection.with_excluded(t.data, held)
+        run = dataclasses.replace(
+            t, out=t.out / f"round-{round_id}", task=task, round_index=round_id, data=data
+        )
         _phase(db, round_id, worker, "training")
         trained = train(run)
         db.update_round(round_id, data=json.loads(json.dumps(trained.data, default=str)))
@@ -340,6 +360,8 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         else:
             metrics, eval_metrics, gate, reason = _offline_gate(cfg, db, base, new, task)
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
+        if not is_sim_task(task):
+            metrics["held_out_excluded_from_training"] = data != t.data
         eval_metrics["round"] = round_id
         # record the evaluation in the checkpoint itself (config.json metrics + model card)
         info, weights = load_checkpoint(trained.checkpoint)

@@ -21,7 +21,8 @@ its advantage, and re-train the flow policy to prefer better-than-average action
      optionally with classifier-free guidance (``guidance_scale``).
 
 **Intervention-aware credit.** Human-controlled frames never get an advantage from an outcome: they
-are kept as positive behaviour cloning (AWR weight ``human_weight``; RECAP indicator positive).
+are kept as positive behaviour cloning (AWR weight ``human_weight``; RECAP indicator positive). So are
+the frames of a ``recovery`` span label (the buffer's ``bc`` array, :mod:`vla_rl.train.transitions`).
 """
 
 from __future__ import annotations
@@ -333,13 +334,15 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
-    human = buf.array("controller") == int(Controller.HUMAN)
+    # frames to clone: human interventions, and autonomous frames a person labelled `recovery` (the buffer's bc)
+    human = buf.array("bc").astype(bool)
     snap = buf.snapshot()
     data = {
         "selection": selection.to_dict(),
         "episodes": snap["episodes"],
         "frames": snap["frames"],
-        "human_frames": int(human.sum()),
+        "human_frames": int((buf.array("controller") == int(Controller.HUMAN)).sum()),
+        "clone_frames": int(human.sum()),
         "digest": snap["digest"],
     }
     cfg.out.mkdir(parents=True, exist_ok=True)

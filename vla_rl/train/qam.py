@@ -99,8 +99,8 @@ from vla_rl.train.transitions import (
     DataSelection,
     RewardKind,
     TransitionBuffer,
+    load_transitions,
     next_observation,
-    select_episode_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -894,15 +894,15 @@ class _QAMRun:
         cfg = self.cfg
         self.store = store = EpisodeStore(cfg.store)
         self.selection = DataSelection.parse(self.task, cfg.data)
-        db = None
-        if self.selection.labels or self.selection.rounds:
-            from fleet.db import MetadataDB
+        # as AWR: the configured DB, else the store's own; its labels (outcome overrides, span labels) and
+        # rounds table reach the replay through load_transitions
+        from fleet.db import MetadataDB
 
-            db = MetadataDB.for_store(store.root)
-        self.episode_ids = select_episode_ids(store, self.selection, db)
-        self.buffer = TransitionBuffer.from_store(
-            store, self.episode_ids, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(self.spec.cameras)
+        db = MetadataDB(cfg.db_url) if cfg.db_url else None
+        self.buffer = load_transitions(
+            store, self.selection, db=db, reward=cfg.reward, gamma=cfg.gamma, cameras=bool(self.spec.cameras)
         )
+        self.episode_ids = list(self.buffer.episode_ids)
         self.offline_frames = len(self.buffer)
 
     def _build_learner(self, base: FlowVLAPolicy) -> QAMLearner:

@@ -96,7 +96,8 @@ class DataSelection:
 
     The text form (``vla-rl round start --data ...``) is comma-separated ``key=value`` pairs, with
     ``|`` between alternatives: ``robot=arm-1|arm-2,since=2026-11-01,revision=abc123,round=3,
-    label.quality=good,success=true,max=200``.
+    label.quality=good,success=true,max=200``; ``exclude=ID|ID`` leaves those episodes out (an offline
+    round's held-out evaluation episodes).
     """
 
     task: str
@@ -113,6 +114,8 @@ class DataSelection:
     success: bool | None = None
     max_episodes: int | None = None
     """Keep the most recent this many (after the other filters)."""
+    exclude: tuple[str, ...] = ()
+    """Episode ids left out (before ``max``): e.g. the held-out episodes an offline round evaluates on."""
 
     def __post_init__(self) -> None:
         if not self.task:
@@ -152,12 +155,14 @@ class DataSelection:
                 if not value.isdigit():
                     raise ValueError(f"max: expected a positive integer, got {value!r}")
                 kw["max_episodes"] = int(value)
+            elif key == "exclude":
+                kw["exclude"] = alts
             elif key.startswith("label.") and len(key) > len("label."):
                 labels[key[len("label.") :]] = value
             else:
                 raise ValueError(
                     f"data selection: unknown key {key!r}; expected robot, since, until, revision, round, "
-                    "success, max or label.<name>"
+                    "success, max, exclude or label.<name>"
                 )
         return cls(task=task, labels=labels, **kw)
 
@@ -172,7 +177,14 @@ class DataSelection:
             "labels": dict(self.labels),
             "success": self.success,
             "max_episodes": self.max_episodes,
+            "exclude": list(self.exclude),
         }
+
+    def with_excluded(self, text: str | None, episode_ids: Sequence[str]) -> str:
+        """``text`` (this selection's text form) with ``episode_ids`` added to its ``exclude``."""
+        ids = [*self.exclude, *(e for e in episode_ids if e not in self.exclude)]
+        kept = [p for p in (text or "").split(",") if p.strip() and p.partition("=")[0].strip() != "exclude"]
+        return ",".join([*kept, "exclude=" + "|".join(ids)] if ids else kept)
 
 
 def _parse_time(key: str, value: str) -> float:
@@ -205,6 +217,7 @@ def select_episode_ids(
         and (selection.since is None or m.created >= selection.since)
         and (selection.until is None or m.created <= selection.until)
         and (not revisions or revisions.intersection(m.revisions))
+        and m.episode_id not in selection.exclude
     ]
     if selection.labels and db is None:
         raise ValueError("label: selecting by label needs the metadata DB (--db)")
