@@ -1,0 +1,122 @@
+// Entry point: session and label schema, the health banner, the token prompt, global keys, routes.
+import { api, ApiError, getToken, setToken } from "./api.js";
+import { navigate, render, route, start } from "./router.js";
+import { typing } from "./util.js";
+
+const ROLES = ["viewer", "labeller", "operator"];
+const ctx = { session: null, schema: null };
+
+/** Does the session's role reach `role`? */
+export function can(role) {
+  if (!ctx.session) return false;
+  return ROLES.indexOf(ctx.session.role) >= ROLES.indexOf(role);
+}
+
+route("/", () => import("./pages/fleet.js"));
+route("/fleet", () => import("./pages/fleet.js"));
+route("/episodes", () => import("./pages/episodes.js"));
+route("/episodes/:id", () => import("./pages/episode.js"));
+route("/rounds", () => import("./pages/rounds.js"));
+route("/rounds/:n", () => import("./pages/rounds.js"));
+
+const $ = (id) => document.getElementById(id);
+
+function askToken(reason) {
+  const dlg = $("token-dialog");
+  $("token-reason").textContent = reason;
+  if (!dlg.open) dlg.showModal();
+  $("token-input").focus();
+}
+
+async function loadSession() {
+  try {
+    ctx.session = await api("/session");
+    $("session").textContent = `${ctx.session.name} (${ctx.session.role})`;
+  } catch (e) {
+    ctx.session = null;
+    $("session").textContent = "";
+    if (e instanceof ApiError && e.status === 401) return false;
+    throw e;
+  }
+  try {
+    ctx.schema = await api("/label-schema");
+  } catch {
+    ctx.schema = { episode: [], span: [] };
+  }
+  return true;
+}
+
+let healthTimer = null;
+async function checkHealth() {
+  const banner = $("banner");
+  let problems = [];
+  try {
+    const res = await fetch("/api/v1/health");
+    const hl = await res.json();
+    for (const part of ["store", "db"]) {
+      const p = hl[part];
+      if (p && p.ok === false) problems.push(`${part === "db" ? "metadata DB" : "episode store"} is down: ${p.error || "unreachable"}`);
+    }
+  } catch (e) {
+    problems = [`the dashboard server is unreachable (${e.message})`];
+  }
+  banner.hidden = problems.length === 0;
+  banner.textContent = problems.join(" · ");
+  banner.className = problems.length ? "down" : "";
+}
+
+function globalKeys() {
+  let g = false;
+  document.addEventListener("keydown", (ev) => {
+    if (typing(ev) || ev.ctrlKey || ev.metaKey || ev.altKey || document.querySelector("dialog[open]")) return;
+    if (ev.key === "?") {
+      $("help-dialog").showModal();
+      ev.preventDefault();
+      return;
+    }
+    if (g) {
+      g = false;
+      const to = { f: "/", e: "/episodes", r: "/rounds" }[ev.key];
+      if (to) {
+        navigate(to);
+        ev.preventDefault();
+      }
+      return;
+    }
+    if (ev.key === "g") {
+      g = true;
+      setTimeout(() => (g = false), 1000);
+    }
+  });
+}
+
+/** `vla-rl dashboard` prints URL#token=... when it made a one-time token: keep it, drop it from the URL. */
+function tokenFromHash() {
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  if (!m) return;
+  setToken(decodeURIComponent(m[1]));
+  history.replaceState(null, "", location.pathname + location.search);
+}
+
+async function main() {
+  tokenFromHash();
+  $("token-form").addEventListener("submit", async () => {
+    setToken($("token-input").value);
+    $("token-input").value = "";
+    if (await loadSession().catch(() => false)) render();
+    else askToken("That token was rejected (401): check it and try again.");
+  });
+  $("token-button").addEventListener("click", () => askToken("Enter a new access token."));
+  $("help-button").addEventListener("click", () => $("help-dialog").showModal());
+  window.addEventListener("vla:unauthorized", () => askToken("Your token was rejected (401): enter a valid one."));
+  globalKeys();
+  checkHealth();
+  healthTimer = setInterval(checkHealth, 10000);
+
+  const ok = getToken() ? await loadSession().catch(() => false) : false;
+  if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
+  await start($("page"), () => ({ ...ctx, can }));
+}
+
+window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval(healthTimer) };
+main();
