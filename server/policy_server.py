@@ -477,6 +477,34 @@ class _Result:
     uncertainty_kind: str = ""
 
 
+class LatencyWindow:
+    """Answered requests' latencies over the last ``window_s`` seconds: p50 / p99 in ms and the request
+    rate (over the last ``rate_window_s``), for GetInfo. Bounded: at most ``max_samples`` are kept (the
+    oldest dropped first), so a busy server's window is the newest ``max_samples`` requests."""
+
+    def __init__(self, window_s: float = 60.0, rate_window_s: float = 10.0, max_samples: int = 8192) -> None:
+        self.window_s, self.rate_window_s = window_s, rate_window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, latency_ms: float, now: float | None = None) -> None:
+        with self._lock:
+            self._samples.append((time.monotonic() if now is None else now, latency_ms))
+
+    def summary(self, now: float | None = None) -> tuple[float, float, float]:
+        """(p50 ms, p99 ms, requests per second); zeros when nothing was answered in the window."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._samples and self._samples[0][0] < now - self.window_s:
+                self._samples.popleft()
+            samples = list(self._samples)
+        if not samples:
+            return 0.0, 0.0, 0.0
+        lat = np.array([ms for _, ms in samples])
+        recent = sum(1 for t, _ in samples if t >= now - self.rate_window_s)
+        return float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), recent / self.rate_window_s
+
+
 class ModelSlot:
     """One model id: its serving version (plus previous and staged ones), bounded queue and batcher thread."""
 
@@ -511,6 +539,7 @@ class ModelSlot:
         self.last_failed_commit = ""
         self.followed_ref = ""
         self.served = self.batches = self.dropped_expired = self.rejected_full = self.non_finite = 0
+        self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
         self.load_lock = threading.Lock()  # one load per model at a time
         self._cond = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -869,6 +898,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             item.future.cancel()
             raise
         total_us = (time.perf_counter_ns() - t0) // 1000
+        slot.latency.add(total_us / 1000.0)
         reply = pb.ActResponse(
             request_id=req.request_id,
             model_id=slot.model_id,
@@ -1286,6 +1316,7 @@ class PolicyServer:
 
     def model_info(self, s: ModelSlot, detailed: bool = False) -> pb.ModelInfo:
         v = s.active
+        p50, p99, rate = s.latency.summary()
         return pb.ModelInfo(
             model_id=s.model_id,
             ref=v.model.ref,
@@ -1309,6 +1340,9 @@ class PolicyServer:
             max_queue=s.max_queue,
             adaptive_wait=s.adaptive_wait,
             active_clients=s.active_clients(),
+            latency_p50_ms=p50,
+            latency_p99_ms=p99,
+            requests_per_s=rate,
         )
 
     def swap_response(self, s: ModelSlot) -> pb.SwapResponse:

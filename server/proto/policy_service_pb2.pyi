@@ -123,7 +123,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue", "adaptive_wait", "active_clients")
+    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue", "adaptive_wait", "active_clients", "latency_p50_ms", "latency_p99_ms", "requests_per_s")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,9 @@ class ModelInfo(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_WAIT_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     ref: str
     commit: str
@@ -168,7 +171,10 @@ class ModelInfo(_message.Message):
     max_queue: int
     adaptive_wait: bool
     active_clients: int
-    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ...) -> None: ...
+    latency_p50_ms: float
+    latency_p99_ms: float
+    requests_per_s: float
+    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("models", "server_version")

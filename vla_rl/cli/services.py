@@ -489,6 +489,58 @@ def hub_pull(a: HubPull) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- dashboard
+def _dashboard_args() -> type:
+    from vla_rl.dashboard.config import DashboardConfig
+
+    return DashboardConfig
+
+
+def dashboard(a: Any) -> int:
+    import uvicorn
+
+    from vla_rl.dashboard.app import create_app
+    from vla_rl.dashboard.auth import TokenError, load_tokens
+    from vla_rl.hub.registry import configure_hub
+
+    check_port(a.host, a.port)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: --host {a.host} exposes the dashboard beyond this machine (no TLS here; put a "
+            "TLS proxy in front)",
+            file=sys.stderr,
+        )
+    if a.hub:
+        with user_errors(ValueError, prefix="--hub: "):
+            configure_hub(a.hub, env_secret("VLA_RL_HUB_TOKEN", "HF_TOKEN"))
+    with user_errors(TokenError, prefix="--tokens-file: "):
+        tokens = load_tokens(a.tokens_file)
+    app = create_app(a, tokens=tokens)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    secret = app.state.generated_token
+    if secret is not None:
+        print(
+            "no dashboard tokens configured (--tokens-file, VLA_RL_DASHBOARD_TOKENS_FILE or "
+            "VLA_RL_DASHBOARD_TOKEN): made a one-time operator token for this run"
+        )
+
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((a.host, a.port))
+    port = sock.getsockname()[1]
+    url = f"http://{a.host}:{port}/"
+    print(
+        f"dashboard on {url}"
+        + (f"#token={secret}" if secret else f"  (tokens from {tokens.source if tokens else '-'})"),
+        flush=True,
+    )
+    server.run(sockets=[sock])
+    return 0
+
+
 COMMANDS = [
     Command(("serve",), "serve action chunks over gRPC (batched, hot-swappable)", Serve, serve),
     Command(
@@ -503,6 +555,12 @@ COMMANDS = [
         "simulated robots + operator takeovers streaming to a collector",
         _fleet_args,
         fleet_sim,
+    ),
+    Command(
+        ("dashboard",),
+        "the web dashboard: review and label rollouts, start, promote and roll back rounds",
+        _dashboard_args,
+        dashboard,
     ),
     Command(("hub", "serve"), "run the embedded Hub-compatible registry", HubServe, hub_serve),
     Command(("hub", "push"), "push a checkpoint folder as a commit (and tag)", HubPush, hub_push),

@@ -1,0 +1,159 @@
+"""``create_app(DashboardConfig)``: the FastAPI app: JSON API under /api/v1, the page and its assets.
+
+Routes: ``/`` and the page's own routes (/episodes, /episodes/{id}, /rounds, /rounds/{n}, /fleet) all
+answer ``static/index.html`` (the frontend routes itself); ``/static/*`` are its assets, with cache
+headers; ``/api/v1/*`` is the API (docs/dashboard.md), its OpenAPI schema at /api/v1/openapi.json.
+Request bodies are bounded (``max_body_kb``; larger: 413).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vla_rl import __version__
+from vla_rl.dashboard import episodes, fleet, labels, rounds
+from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
+from vla_rl.dashboard.config import DashboardConfig
+from vla_rl.dashboard.context import Context
+from vla_rl.dashboard.errors import ApiError, install_handlers
+from vla_rl.dashboard.resources import Resources
+
+log = logging.getLogger("vla_rl.dashboard")
+
+STATIC = Path(__file__).with_name("static")
+API = "/api/v1"
+PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "/fleet", "/flagged")
+STATIC_MAX_AGE_S = 300
+"""Assets are revalidated after this long (ETag / Last-Modified make that a 304)."""
+
+
+class BodyLimit:
+    """Refuse request bodies over ``max_bytes`` with 413 (declared by Content-Length, or counted)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
+            return msg
+
+        await self.app(scope, counting, send)
+
+    def _message(self) -> str:
+        return f"request body over the dashboard's limit of {self.max_bytes} bytes (--max-body-kb)"
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
+        await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+
+
+class CachedStatic(StaticFiles):
+    """Static files with a Cache-Control header (plus the ETag / Last-Modified StaticFiles sends)."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        resp = super().file_response(*args, **kwargs)
+        resp.headers["Cache-Control"] = f"public, max-age={STATIC_MAX_AGE_S}"
+        return resp
+
+
+def _index() -> Response:
+    index = STATIC / "index.html"
+    if not index.is_file():
+        return HTMLResponse(
+            "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
+        )
+    return FileResponse(index, media_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+def _warm_imports() -> None:
+    """Import what selection counts and round checks need (torch among it: seconds) before the first
+    request that needs it, not during it."""
+    try:
+        import vla_rl.rounds
+        import vla_rl.train.transitions  # noqa: F401
+    except Exception:  # the request that needs them reports the problem
+        log.warning("warming imports failed", exc_info=True)
+
+
+def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
+    """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
+    environment), else a generated one-time operator token (``app.state.generated_token``)."""
+    generated_token = None
+    if tokens is None:
+        tokens = load_tokens(cfg.tokens_file)
+    if tokens is None:
+        tokens, generated_token = generated()
+    res = Resources(cfg)
+    ctx = Context(cfg=cfg, res=res, tokens=tokens)
+    app = FastAPI(
+        title="vla-rl dashboard",
+        version=__version__,
+        openapi_url=f"{API}/openapi.json",
+        docs_url=None,  # Swagger UI would load its assets from a CDN; robots' networks are often offline
+        redoc_url=None,
+        description="Review and label rollouts, start post-training rounds, promote and roll back "
+        "checkpoints. Every /api/v1 route but /health needs 'Authorization: Bearer <token>'.",
+    )
+    app.state.ctx = ctx
+    app.state.generated_token = generated_token
+    install_handlers(app, res.map_exception)
+
+    api = APIRouter(prefix=API)
+    viewer = Depends(ctx.require("viewer"))
+
+    @api.get("/health", summary="store and DB reachability (no token needed)")
+    def health() -> dict[str, Any]:
+        return {"store": res.store_health(), "db": res.db_health(), "version": __version__}
+
+    @api.get("/session", summary="who the token belongs to")
+    def session(who: Principal = viewer) -> dict[str, Any]:
+        return {"name": who.name, "role": who.role}
+
+    api.include_router(labels.make_router(ctx))
+    api.include_router(episodes.make_router(ctx))
+    api.include_router(rounds.make_router(ctx))
+    api.include_router(fleet.make_router(ctx))
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    def unknown(path: str) -> None:
+        raise ApiError(404, "path", f"no API route {API}/{path}", f"a route of {API}/openapi.json")
+
+    app.include_router(api)
+    if STATIC.is_dir():
+        app.mount("/static", CachedStatic(directory=STATIC), name="static")
+    for page in PAGES:
+        app.add_api_route(page, _index, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
+
+    @app.on_event("startup")
+    def _warm() -> None:
+        threading.Thread(target=_warm_imports, name="dashboard-warm-imports", daemon=True).start()
+
+    @app.on_event("shutdown")
+    def _close() -> None:
+        res.close()
+
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_kb * 1024)
+    return app

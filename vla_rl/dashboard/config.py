@@ -1,0 +1,78 @@
+"""``vla-rl dashboard`` flags: one dataclass, parsed by tyro (the field docstrings are the ``--help``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vla_rl.hub.naming import validate_client_revision, validate_repo_id
+
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
+
+
+@dataclass
+class DashboardConfig:
+    """The fleet's workbench in a browser: review and label every rollout (synchronised camera playback,
+    timeline of controller segments, action / reward / state plots), start post-training rounds (queued
+    for `vla-rl round worker`), watch them train, promote or roll back the ref the policy servers follow.
+    A FastAPI app with a versioned JSON API (/api/v1, OpenAPI at /api/v1/openapi.json) and the page
+    itself, nothing loaded from the internet. Access needs a bearer token with a role (viewer, labeller,
+    operator) from --tokens-file or VLA_RL_DASHBOARD_TOKENS_FILE / VLA_RL_DASHBOARD_TOKEN (never a
+    flag: ps shows flags); without any, a one-time operator token is made and printed. Binds 127.0.0.1
+    unless told otherwise. Example: vla-rl dashboard --store runs/fleet/store --server 127.0.0.1:50061"""
+
+    store: Path
+    """Episode store (its frames are read from here; they never pass through the DB)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+    hub: str | None = None
+    """Hub endpoint for refs, promotion and round bases; None = the global --hub (env VLA_RL_HUB)."""
+    repo: str | None = None
+    """Policy repo (org/name) whose refs the page lists and promotes; None = the newest round's."""
+    server: tuple[str, ...] = ()
+    """Policy server addresses (host:port) whose GetInfo the fleet page shows."""
+    collector: str | None = None
+    """Fleet collector address (host:port) for per-robot stats (token: env VLA_RL_COLLECTOR_TOKEN)."""
+    labels: Path | None = None
+    """Label schema (TOML); None = the project's fleet/labels.toml."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = 8780
+    """HTTP port (0 = any free port, printed on start)."""
+    tokens_file: Path | None = None
+    """TOML file of [[token]] name / role / token (or token_file) entries; default: env
+    VLA_RL_DASHBOARD_TOKENS_FILE, else VLA_RL_DASHBOARD_TOKEN as one operator token."""
+    workdir: Path = Path("runs/dashboard")
+    """Caches (encoded videos) and the output folder of the rounds queued from the page (rounds/)."""
+    promote_ref: str = "prod"
+    """The ref the servers follow: what Promote moves and Rollback moves back."""
+    max_body_kb: int = 4096
+    """Largest request body accepted (KiB); larger: 413."""
+    frame_cache_mb: int = 256
+    """Decoded camera chunks kept in memory (MiB)."""
+
+    def __post_init__(self) -> None:
+        self.store = Path(self.store)
+        self.workdir = Path(self.workdir)
+        self.server = tuple(self.server)
+        for addr in (*self.server, *([self.collector] if self.collector else [])):
+            if not _ADDRESS.match(addr):
+                raise ValueError(f"server/collector: expected host:port, got {addr!r}")
+        if self.repo is not None:
+            try:
+                validate_repo_id(self.repo)
+            except ValueError as e:
+                raise ValueError(f"repo: expected org/name, got {self.repo!r} ({e})") from None
+        try:
+            validate_client_revision(self.promote_ref)
+        except ValueError as e:
+            raise ValueError(f"promote_ref: {e}") from None
+        if self.promote_ref == "main":
+            raise ValueError("promote_ref: expected a tag or branch other than main (main keeps the history)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: expected 0..65535, got {self.port}")
+        if not 1 <= self.max_body_kb <= 1024 * 1024:
+            raise ValueError(f"max_body_kb: expected 1..1048576, got {self.max_body_kb}")
+        if not 1 <= self.frame_cache_mb <= 1024 * 1024:
+            raise ValueError(f"frame_cache_mb: expected 1..1048576, got {self.frame_cache_mb}")

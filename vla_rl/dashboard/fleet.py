@@ -1,0 +1,280 @@
+"""The fleet page's data: robots (the collector's GetStats merged with the DB's per-robot numbers),
+per-revision success and intervention rates and their timeline, each policy server's GetInfo, and the
+round lineage. Remote calls time out after ``RPC_TIMEOUT_S``; an unreachable one shows as ``ok: false``
+with its error instead of failing the page."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent import futures
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+
+from fleet.meta import EpisodeRecord, SegmentKind
+from vla_rl.dashboard.auth import Principal
+from vla_rl.dashboard.context import Context
+from vla_rl.secrets import env_secret
+
+RPC_TIMEOUT_S = 1.0
+HOUR, DAY = 3600.0, 86400.0
+
+
+def _rpc_error(e: Exception) -> str:
+    import grpc
+
+    if isinstance(e, grpc.RpcError):
+        code = e.code()  # type: ignore[attr-defined]
+        return f"{code.name if code else 'UNKNOWN'}: {e.details()}"  # type: ignore[attr-defined]
+    return f"{type(e).__name__}: {e}"
+
+
+def server_info(address: str) -> dict[str, Any]:
+    """GetInfo of one policy server, one row per served model (``ok: false`` + error when unreachable)."""
+    import grpc
+
+    from server.proto import policy_service_pb2 as pb
+    from server.proto import policy_service_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = pb_grpc.PolicyServiceStub(ch).GetInfo(pb.GetInfoRequest(), timeout=RPC_TIMEOUT_S)
+    except Exception as e:  # grpc.RpcError mostly; a bad address raises other things
+        return {"address": address, "ok": False, "error": _rpc_error(e), "models": []}
+    models = [
+        {
+            "model_id": m.model_id,
+            "commit": m.commit,
+            "ref": m.ref,
+            "followed_ref": m.followed_ref,
+            "previous_commit": m.previous_commit,
+            "served": m.served,
+            "requests_per_s": m.requests_per_s,
+            "p50_ms": m.latency_p50_ms,
+            "p99_ms": m.latency_p99_ms,
+            "active_clients": m.active_clients,
+            "device": m.device,
+            "last_load_error": m.last_load_error,
+        }
+        for m in resp.models
+    ]
+    first = models[0] if models else {}
+    return {
+        "address": address,
+        "ok": True,
+        "error": None,
+        "version": resp.server_version,
+        **{
+            k: first.get(k)
+            for k in ("commit", "followed_ref", "served", "requests_per_s", "p50_ms", "p99_ms")
+        },
+        "models": models,
+    }
+
+
+def collector_stats(address: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """robot id -> the collector's counters, and the error when it could not be asked."""
+    import grpc
+
+    from fleet.proto import collector_pb2 as cpb
+    from fleet.proto import collector_pb2_grpc as cpb_grpc
+
+    token = env_secret("VLA_RL_COLLECTOR_TOKEN")
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = cpb_grpc.CollectorStub(ch).GetStats(
+                cpb.StatsRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata
+            )
+    except Exception as e:
+        return {}, _rpc_error(e)
+    return {
+        r.robot_id: {
+            "connected": r.connected,
+            "frames_received": r.frames_received,
+            "frames_committed": r.frames_committed,
+            "frames_stored": r.frames_stored,
+            "frames_rejected": r.frames_rejected,
+            "episodes_closed": r.episodes_closed,
+        }
+        for r in resp.robots
+    }, None
+
+
+def _intervention_frames(e: EpisodeRecord) -> int:
+    return sum(
+        (e.length if g.end is None else g.end) - g.start
+        for g in e.segments
+        if g.kind == SegmentKind.INTERVENTION
+    )
+
+
+def _rate(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def db_aggregates(episodes: list[EpisodeRecord], now: float, bucket_s: float) -> dict[str, Any]:
+    """Per robot, per revision and per (time bucket, revision) numbers from the DB's episode rows."""
+    robots: dict[str, dict[str, Any]] = {}
+    revs: dict[str, dict[str, Any]] = {}
+    buckets: dict[tuple[float, str], dict[str, Any]] = {}
+    for e in episodes:
+        closed = e.status == "closed"
+        known = closed and e.outcome not in (None, "unknown") and e.success is not None
+        iv = _intervention_frames(e)
+        r = robots.setdefault(
+            e.robot_id,
+            {
+                "episodes": 0,
+                "episodes_hour": 0,
+                "succ_hour": 0,
+                "known_hour": 0,
+                "episodes_day": 0,
+                "succ_day": 0,
+                "known_day": 0,
+                "frames": 0,
+                "iv": 0,
+                "revision": None,
+                "last": -1.0,
+            },
+        )
+        r["episodes"] += 1
+        r["frames"] += e.length
+        r["iv"] += iv
+        for w, span in (("hour", HOUR), ("day", DAY)):
+            if e.created_at >= now - span:
+                r[f"episodes_{w}"] += 1
+                r[f"known_{w}"] += int(known)
+                r[f"succ_{w}"] += int(known and bool(e.success))
+        served = [x for x in e.revisions if x]
+        if served and e.created_at >= r["last"]:
+            r["revision"], r["last"] = served[-1], e.created_at
+        for rev in served or [""]:
+            for d in (
+                revs.setdefault(
+                    rev,
+                    {"first_seen": e.created_at, "episodes": 0, "known": 0, "succ": 0, "frames": 0, "iv": 0},
+                ),
+                buckets.setdefault(
+                    (e.created_at // bucket_s * bucket_s, rev),
+                    {"episodes": 0, "known": 0, "succ": 0, "frames": 0, "iv": 0},
+                ),
+            ):
+                d["episodes"] += 1
+                d["known"] += int(known)
+                d["succ"] += int(known and bool(e.success))
+                d["frames"] += e.length
+                d["iv"] += iv
+                if "first_seen" in d:
+                    d["first_seen"] = min(d["first_seen"], e.created_at)
+    return {
+        "robots": {
+            rid: {
+                "episodes": r["episodes"],
+                "episodes_hour": r["episodes_hour"],
+                "success_hour": _rate(r["succ_hour"], r["known_hour"]),
+                "episodes_day": r["episodes_day"],
+                "success_day": _rate(r["succ_day"], r["known_day"]),
+                "intervention_rate": _rate(r["iv"], r["frames"]),
+                "revision": r["revision"],
+            }
+            for rid, r in robots.items()
+        },
+        "revisions": sorted(
+            (
+                {
+                    "revision": rev or None,
+                    "first_seen": d["first_seen"],
+                    "episodes": d["episodes"],
+                    "success_rate": _rate(d["succ"], d["known"]),
+                    "intervention_rate": _rate(d["iv"], d["frames"]),
+                }
+                for rev, d in revs.items()
+            ),
+            key=lambda x: x["first_seen"],
+        ),
+        "timeline": [
+            {
+                "t": t,
+                "revision": rev or None,
+                "episodes": d["episodes"],
+                "success_rate": _rate(d["succ"], d["known"]),
+                "intervention_rate": _rate(d["iv"], d["frames"]),
+            }
+            for (t, rev), d in sorted(buckets.items())
+        ],
+    }
+
+
+def lineage(ctx: Context) -> list[dict[str, Any]]:
+    out = []
+    for r in ctx.res.db().rounds():
+        tag = r.checkpoint_ref.rpartition("@")[2] if r.checkpoint_ref and "@" in r.checkpoint_ref else None
+        out.append(
+            {
+                "round": r.id,
+                "algo": r.algo,
+                "base_ref": r.base_ref,
+                "base_revision": r.base_revision,
+                "checkpoint_revision": r.checkpoint_revision,
+                "tag": tag,
+                "promoted": r.promoted,
+                "status": r.status,
+            }
+        )
+    return out
+
+
+def make_router(ctx: Context) -> APIRouter:
+    r = APIRouter()
+    viewer = Depends(ctx.require("viewer"))
+
+    @r.get("/fleet", summary="robots, windows, per-revision stats, servers, lineage")
+    def fleet(
+        bucket_s: float = Query(3600.0, ge=60.0, le=7 * 86400.0, description="timeline bucket (seconds)"),
+        _: Principal = viewer,
+    ) -> dict[str, Any]:
+        db = ctx.res.db()
+        now = time.time()
+        with futures.ThreadPoolExecutor(max_workers=min(16, len(ctx.cfg.server) + 1)) as pool:
+            servers = pool.map(server_info, ctx.cfg.server)
+            stats_f = pool.submit(collector_stats, ctx.cfg.collector) if ctx.cfg.collector else None
+            agg = db_aggregates(db.episodes(), now, bucket_s)
+            servers_list = list(servers)
+            stats, stats_error = stats_f.result() if stats_f else ({}, None)
+        robots = []
+        for rid in sorted(set(agg["robots"]) | set(stats)):
+            a = agg["robots"].get(rid, {})
+            s = stats.get(rid, {})
+            robots.append(
+                {
+                    "robot_id": rid,
+                    "connected": s.get("connected", False),
+                    "frames_received": s.get("frames_received"),
+                    "frames_stored": s.get("frames_stored"),
+                    "episodes": a.get("episodes", 0),
+                    "episodes_hour": a.get("episodes_hour", 0),
+                    "success_hour": a.get("success_hour"),
+                    "episodes_day": a.get("episodes_day", 0),
+                    "success_day": a.get("success_day"),
+                    "intervention_rate": a.get("intervention_rate"),
+                    "revision": a.get("revision"),
+                }
+            )
+        return {
+            "robots": robots,
+            "collector": {
+                "address": ctx.cfg.collector,
+                "ok": ctx.cfg.collector is not None and stats_error is None,
+                "error": stats_error,
+            },
+            "revisions": agg["revisions"],
+            "timeline": agg["timeline"],
+            "servers": servers_list,
+            "lineage": lineage(ctx),
+            "now": now,
+            "pid": os.getpid(),
+        }
+
+    return r

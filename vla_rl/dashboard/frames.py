@@ -1,0 +1,184 @@
+"""Camera frames straight from the Zarr store, one chunk at a time, and MP4s encoded on demand.
+
+``EpisodeStore.read_episode`` reads every frame of every array; a page that shows frame 812 of one
+camera needs one chunk of one array. :class:`FrameReader` opens the episode's camera arrays read-only
+(zarr, the store's documented layout ``episodes/<id>/cameras/<name>``) and keeps decoded chunks in an
+LRU bounded in bytes. It reads only rows below the episode's *committed* length (``commit.json``, read
+first), so an open episode that a collector is still appending to shows exactly its committed frames:
+a cached chunk that was partly committed when it was read is read again once a frame past it is asked.
+
+:class:`VideoCache` encodes a camera as H.264 (yuv420p, ``+faststart``, a key frame every second for
+quick seeks) with the ffmpeg that ``imageio-ffmpeg`` ships, into ``<workdir>/video/<episode>/``, keyed
+by the committed length: a growing episode gets a new file, and the older ones are removed.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from fleet.meta import EpisodeMeta
+from fleet.store import EpisodeStore
+
+log = logging.getLogger("vla_rl.dashboard")
+
+
+class FrameReader:
+    """One camera frame at a time from the store, with an LRU of decoded chunks (``cache_bytes`` in all)."""
+
+    def __init__(self, store: EpisodeStore, cache_bytes: int = 256 * 1024 * 1024) -> None:
+        self.store = store
+        self.cache_bytes = cache_bytes
+        self._chunks: collections.OrderedDict[tuple[str, str, int], np.ndarray] = collections.OrderedDict()
+        self._bytes = 0
+        self._arrays: collections.OrderedDict[tuple[str, str], zarr.Array] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def _array(self, episode_id: str, camera: str, rows: int) -> zarr.Array:
+        """The camera's zarr array, reopened when the cached handle is shorter than ``rows`` (a writer
+        grows the array as it appends)."""
+        key = (episode_id, camera)
+        with self._lock:
+            arr = self._arrays.get(key)
+            if arr is not None:
+                self._arrays.move_to_end(key)
+        if arr is None or arr.shape[0] < rows:
+            path = self.store.episodes_dir / episode_id / "cameras" / camera
+            arr = zarr.open_array(path, mode="r")
+            with self._lock:
+                self._arrays[key] = arr
+                while len(self._arrays) > 256:
+                    self._arrays.popitem(last=False)
+        return arr
+
+    def chunk(self, meta: EpisodeMeta, camera: str, index: int) -> np.ndarray:
+        """Committed rows of chunk ``index`` of one camera (fewer than a chunk at the committed end)."""
+        eid, n = meta.episode_id, meta.length
+        key = (eid, camera, index)
+        with self._lock:
+            cached = self._chunks.get(key)
+            if cached is not None:
+                self._chunks.move_to_end(key)
+        chunk_len = meta.chunk_len
+        start, stop = index * chunk_len, min((index + 1) * chunk_len, n)
+        if cached is not None and cached.shape[0] >= stop - start:
+            self.hits += 1
+            return cached
+        self.misses += 1
+        # One zarr chunk when the array's chunks are the episode's chunk_len (the store's layout); any
+        # other layout still reads exactly these rows.
+        block = np.asarray(self._array(eid, camera, stop)[start:stop])
+        with self._lock:
+            old = self._chunks.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._chunks[key] = block
+            self._bytes += block.nbytes
+            while self._bytes > self.cache_bytes and len(self._chunks) > 1:
+                _, dropped = self._chunks.popitem(last=False)
+                self._bytes -= dropped.nbytes
+        return block
+
+    def frame(self, meta: EpisodeMeta, camera: str, t: int) -> np.ndarray:
+        """Frame ``t`` (0 <= t < committed length) of ``camera``: uint8 [H, W, 3]."""
+        if not 0 <= t < meta.length:
+            raise IndexError(f"t: expected a frame in 0..{meta.length - 1}, got {t}")
+        index = t // meta.chunk_len
+        return self.chunk(meta, camera, index)[t - index * meta.chunk_len]
+
+    def frames(self, meta: EpisodeMeta, camera: str) -> np.ndarray:
+        """Every committed frame of ``camera`` (uint8 [T, H, W, 3]), read directly (not through the LRU)."""
+        arr = self._array(meta.episode_id, camera, meta.length)
+        return np.asarray(arr[: meta.length])
+
+
+def encode_jpeg(frame: np.ndarray, quality: int = 85) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(frame)).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+class VideoCache:
+    """MP4 files of whole cameras, encoded on first request (one encoder per file at a time)."""
+
+    def __init__(self, root: Path, reader: FrameReader) -> None:
+        self.root = root
+        self.reader = reader
+        self._locks: dict[Path, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def path(self, meta: EpisodeMeta, camera: str) -> Path:
+        return self.root / meta.episode_id / f"{camera}-{meta.length}.mp4"
+
+    def get(self, meta: EpisodeMeta, camera: str) -> Path:
+        """The cached MP4 of ``camera`` at the episode's committed length, encoding it if needed."""
+        path = self.path(meta, camera)
+        if path.is_file():
+            return path
+        with self._guard:
+            lock = self._locks.setdefault(path, threading.Lock())
+        with lock:
+            if not path.is_file():
+                self._encode(meta, camera, path)
+        with self._guard:
+            self._locks.pop(path, None)
+        return path
+
+    def _encode(self, meta: EpisodeMeta, camera: str, path: Path) -> None:
+        import imageio_ffmpeg
+
+        frames = self.reader.frames(meta, camera)
+        if frames.shape[0] == 0:
+            raise IndexError("t: the episode has no committed frames yet")
+        h, w = frames.shape[1:3]
+        pad_h, pad_w = h % 2, w % 2  # yuv420p needs even sizes
+        fps = max(1.0, float(meta.spec.control_hz or 10.0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.mp4")
+        writer = imageio_ffmpeg.write_frames(
+            str(tmp),
+            (w + pad_w, h + pad_h),
+            fps=fps,
+            codec="libx264",
+            pix_fmt_in="rgb24",
+            pix_fmt_out="yuv420p",
+            quality=None,
+            macro_block_size=1,
+            ffmpeg_log_level="error",
+            output_params=[
+                "-movflags",
+                "+faststart",
+                "-g",
+                str(round(fps)),
+                "-crf",
+                "20",
+                "-preset",
+                "veryfast",
+            ],
+        )
+        try:
+            writer.send(None)
+            for f in frames:
+                if pad_h or pad_w:
+                    f = np.pad(f, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+                writer.send(np.ascontiguousarray(f))
+            writer.close()
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        for old in path.parent.glob(f"{camera}-*.mp4"):  # shorter encodings of a then-open episode
+            if old != path:
+                old.unlink(missing_ok=True)
+        log.info("encoded video", extra={"episode": meta.episode_id, "camera": camera, "frames": len(frames)})
