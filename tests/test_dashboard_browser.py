@@ -193,7 +193,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     hub = HubServer(root / "hub", token=HUB_TOKEN).start()
     configure_hub(hub.url, HUB_TOKEN)  # children (dashboard, worker, serve) inherit HF_ENDPOINT/HF_TOKEN
     store, ckpt = build_store(root, hub.url)
-    server = PolicyServer({"reach": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
+    server = PolicyServer(
+        {"reach": f"hub://{REPO}@prod"}, port=0, token="x", torch_threads=1, device="cpu"
+    ).start()
     collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=16).start()
     w = World(root, store, hub, server, collector, resolve(f"hub://{REPO}@prod"))
     try:

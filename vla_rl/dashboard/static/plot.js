@@ -64,6 +64,11 @@ export class LinePlot {
     this.x0 = this.x.length ? this.x[0] : 0;
     this.x1 = this.x.length > 1 ? this.x[this.x.length - 1] : this.x0 + 1;
     if (this.opts.xMax !== undefined) this.x1 = this.opts.xMax;
+    if (this.opts.time && this.x1 - this.x0 < 600) {
+      // one point (or a few close together): show the half hour around them
+      const mid = (this.x0 + this.x1) / 2;
+      [this.x0, this.x1] = [mid - 900, mid + 900];
+    }
     this.legend.replaceChildren(
       ...series.filter((s) => s.name).map((s) => h("span", h("i", { style: { background: s.color } }), s.name)),
     );

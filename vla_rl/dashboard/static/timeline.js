@@ -58,6 +58,15 @@ export class Timeline {
   _ticks() {
     const { length, fps } = this.opts;
     const secs = length / fps;
+    if (secs < 3) {
+      // short episodes: ticks in frames
+      const step = [1, 2, 5, 10, 20, 50].find((s) => length / s <= 12) || 100;
+      for (let f = 0; f < length; f += step) {
+        const x = this.pct(f + 0.5);
+        this.ticks.append(h("line", { x1: x, x2: x, y1: -6, y2: -2 }), h("text", { x, y: 2 }, `${f}`));
+      }
+      return;
+    }
     const step = [1, 2, 5, 10, 15, 30, 60, 120, 300].find((s) => secs / s <= 12) || 600;
     for (let s = 0; s <= secs; s += step) {
       const x = this.pct(s * fps);

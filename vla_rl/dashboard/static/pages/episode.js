@@ -38,7 +38,7 @@ export async function render(root, ctx) {
     h(
       "div.ep-head",
       h("a.back", { href: sessionStorage.getItem("vla:last-episodes") || "/episodes" }, "← episodes"),
-      h("h1.mono", { title: ep.id }, `Episode ${short(ep.id)}`),
+      h("h1", "Episode ", h("span.mono", ep.id)),
       h("span", ep.robot_id),
       h("span", ep.task),
       outcomeBadge,
@@ -46,8 +46,8 @@ export async function render(root, ctx) {
       h("span.mono.muted", (ep.revisions || []).map(short).join(" ")),
       flags,
     ),
-    ep.instruction ? h("p.instruction", `“${ep.instruction}”`) : null,
   );
+  if (ep.instruction) root.append(h("p.instruction", `“${ep.instruction}”`));
 
   // --- player + controls -----------------------------------------------------------------------
   const playBtn = h("button.play", { type: "button", title: "play / pause (space)", "aria-label": "play" }, "▶");

@@ -170,7 +170,7 @@ export async function render(root, ctx) {
         "tr",
         { class: i === state.cursor ? "cursor" : "", dataset: { id: e.id }, onclick: (ev) => !ev.target.closest("input,a") && ((state.cursor = i), drawTable()) },
         h("td", h("input", { type: "checkbox", checked: state.all || state.selected.has(e.id), "aria-label": `select ${e.id}`, onchange: (ev) => toggle(e.id, ev.target.checked) })),
-        h("td.mono", h("a", { href: `/episodes/${encodeURIComponent(e.id)}`, title: e.id }, short(e.id))),
+        h("td.mono", h("a", { href: `/episodes/${encodeURIComponent(e.id)}`, title: e.id }, e.id)),
         h("td", e.robot_id),
         h("td", { title: e.instruction || "" }, e.task),
         h("td", badge(e.outcome || (e.success === true ? "success" : e.success === false ? "failure" : "unknown"), `oc-${e.outcome || "unknown"}`)),

@@ -43,7 +43,8 @@ export async function render(root, ctx) {
   const detail = h("section.card.round-detail");
   const formCard = h("section.card.round-form");
   const n = ctx.params.n !== undefined ? Number(ctx.params.n) : null;
-  root.append(h("h1", "Rounds"), err, h("div.grid2.rounds-top", formCard, n !== null ? detail : list), n !== null ? list : null);
+  root.append(h("h1", "Rounds"), err, h("div.grid2.rounds-top", formCard, n !== null ? detail : list));
+  if (n !== null) root.append(list);
   const cleanups = [];
   let stopped = false;
 
