@@ -15,22 +15,54 @@ Timestamps are unix seconds (float), like the store's.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from sqlalchemy import JSON, ForeignKey, String, Text, create_engine, event, inspect, make_url, select, text
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    and_,
+    case,
+    cast,
+    create_engine,
+    delete,
+    event,
+    exists,
+    func,
+    insert,
+    inspect,
+    make_url,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, ProgrammingError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, selectinload
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    aliased,
+    mapped_column,
+    relationship,
+    selectinload,
+)
 
-from fleet.meta import EpisodeMeta, EpisodeRecord, Segment
+from fleet.meta import Controller, EpisodeMeta, EpisodeRecord, Segment
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +93,7 @@ class EpisodeRow(Base):
     success: Mapped[bool | None]
     length: Mapped[int] = mapped_column(default=0)
     num_segments: Mapped[int] = mapped_column(default=0)
-    created_at: Mapped[float]
+    created_at: Mapped[float] = mapped_column(index=True)
     closed_at: Mapped[float | None]
     revisions: Mapped[list[str]] = mapped_column(JSON, default=list)  # checkpoint revisions used
     segments: Mapped[list[SegmentRow]] = relationship(
@@ -83,15 +115,47 @@ class SegmentRow(Base):
 
 
 class LabelRow(Base):
+    """One label event (append-only): a value for a key, about a whole episode or a frame span of it, or
+    an undo event (``undoes`` = the id of the label it retracts)."""
+
     __tablename__ = "labels"
+    __table_args__ = (Index("ix_labels_episode_key", "episode_id", "key"),)
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
-    segment_index: Mapped[int | None]  # None: the label is about the whole episode
+    segment_index: Mapped[int | None]  # the segment a span label was put on (its frames are start/end)
     key: Mapped[str] = mapped_column(String(128), index=True)
     value: Mapped[Any] = mapped_column(JSON)
     author: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[float]
+    start: Mapped[int | None]  # frame span [start, end); None = the whole episode
+    end: Mapped[int | None]
+    note: Mapped[str | None] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(String(16), default="human", server_default="human")
+    undoes: Mapped[int | None] = mapped_column(index=True)
+
+
+class EpisodeRevisionRow(Base):
+    """Which checkpoint revisions acted in an episode (the JSON list ``episodes.revisions``, as rows, so
+    revision and round filters are an indexed join on every backend)."""
+
+    __tablename__ = "episode_revisions"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    revision: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
+
+
+class EpisodeFlagRow(Base):
+    """One auto-flag check's result for an episode (``fleet.flags``); ``raised`` = it fired."""
+
+    __tablename__ = "episode_flags"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+    score: Mapped[float]
+    raised: Mapped[bool]
+    detail: Mapped[str] = mapped_column(Text)
+    computed_at: Mapped[float]
 
 
 class RoundRow(Base):
@@ -184,8 +248,21 @@ class RoundLost(RuntimeError):
     """A worker's round is no longer its own (re-queued after its heartbeat expired, or cancelled)."""
 
 
+LabelSource = Literal["human", "auto"]
+LABEL_SOURCES: tuple[str, ...] = get_args(LabelSource)
+OUTCOME_KEY = "outcome"
+"""The episode label whose current value overrides the recorded outcome: for ``DataSelection``'s
+``success=``, training credit, the episode list, the fleet statistics and LeRobot export. Its value is
+the outcome (``success`` -> success True, any other value -> False)."""
+_ID_CHUNK = 500  # ids per IN (...) list
+
+
 @dataclass(frozen=True)
 class Label:
+    """One label event (a detached copy). ``start``/``end`` (frames, end exclusive) make it a span label;
+    without them it is about the whole episode. An undo event has ``undoes`` = the id it retracts.
+    ``undone_by`` (filled by :meth:`MetadataDB.labels`) is the undo event that retracted this one."""
+
     id: int
     episode_id: str
     segment_index: int | None
@@ -193,6 +270,359 @@ class Label:
     value: Any
     author: str
     created_at: float
+    start: int | None = None
+    end: int | None = None
+    note: str | None = None
+    source: str = "human"
+    undoes: int | None = None
+    undone_by: int | None = None
+
+    @property
+    def is_span(self) -> bool:
+        return self.start is not None
+
+    @property
+    def is_undo(self) -> bool:
+        return self.undoes is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of docs/dashboard.md (``{"id", "episode_id", "key", "value", "start", ...}``)."""
+        return {
+            "id": self.id,
+            "episode_id": self.episode_id,
+            "key": self.key,
+            "value": self.value,
+            "start": self.start,
+            "end": self.end,
+            "note": self.note,
+            "author": self.author,
+            "source": self.source,
+            "created_at": self.created_at,
+            "undoes": self.undoes,
+            "undone_by": self.undone_by,
+            "segment_index": self.segment_index,
+        }
+
+
+def effective_outcome(
+    outcome: str | None, success: bool | None, labels: Mapping[str, Any]
+) -> tuple[str | None, bool | None]:
+    """The outcome and success an episode counts as, given its current episode labels: an ``outcome``
+    label overrides the recorded pair (``success`` -> True, any other value -> False)."""
+    override = labels.get(OUTCOME_KEY)
+    if override is None:
+        return outcome, success
+    return str(override), str(override) == "success"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One auto-flag check's result for an episode (see :mod:`fleet.flags`): ``score`` (bigger = more
+    suspicious; the check's threshold decides ``raised``) and a short human ``detail``."""
+
+    name: str
+    score: float
+    detail: str
+    raised: bool = True
+    computed_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"score": self.score, "detail": self.detail}
+
+
+def parse_time(field_name: str, value: str | float) -> float:
+    """Unix seconds from a number or an ISO date/time (``2026-11-01``, ``2026-11-01T12:00:00+00:00``; a
+    date without a zone is local time, as everywhere in the CLI); ValueError naming ``field_name``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    text_value = str(value).strip()
+    try:
+        return float(text_value)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text_value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ValueError(
+            f"{field_name}: expected unix seconds or an ISO date (2026-11-01), got {text_value!r}"
+        ) from None
+
+
+SORT_KEYS: tuple[str, ...] = ("created_at", "length", "robot_id", "task")
+EPISODE_SORTS: tuple[str, ...] = tuple(s for k in SORT_KEYS for s in (k, f"-{k}"))
+"""The episode list's sort orders (``-`` = descending); ties are broken by episode id."""
+MAX_PER_PAGE = 500
+_QUERY_PARAMS = (
+    "task",
+    "robot",
+    "outcome",
+    "revision",
+    "round",
+    "label",
+    "intervention",
+    "flag",
+    "flagged",
+    "status",
+    "since",
+    "until",
+    "min_length",
+    "max_length",
+    "sort",
+    "page",
+    "per_page",
+)
+
+
+@dataclass(frozen=True)
+class EpisodeQuery:
+    """A filtered, sorted page of the episode list (docs/dashboard.md "Episode list"). Every filter is
+    optional and they all narrow the set; :meth:`MetadataDB.query_episodes` runs it in SQL."""
+
+    task: str | None = None
+    robot: str | None = None
+    outcome: str | None = None
+    """The effective outcome (an ``outcome`` label overrides the recorded one); ``unknown`` = none."""
+    revision: str | None = None
+    """Episodes in which this checkpoint revision acted."""
+    round: int | None = None
+    """Episodes collected by the checkpoint this post-training round produced."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Current episode-level label values that must all match (key -> value as text, case-insensitive)."""
+    intervention: bool | None = None
+    """True: at least one human segment; False: none."""
+    flags: tuple[str, ...] = ()
+    """Episodes with any of these auto-flags raised."""
+    flagged: bool | None = None
+    """True: any auto-flag raised; False: none raised."""
+    status: str | None = None
+    """``open`` or ``closed``."""
+    since: float | None = None
+    """Unix seconds; created at or after it."""
+    until: float | None = None
+    """Unix seconds; created at or before it."""
+    min_length: int | None = None
+    max_length: int | None = None
+    sort: str = "-created_at"
+    """One of :data:`EPISODE_SORTS`."""
+    page: int = 1
+    """1-based."""
+    per_page: int = 50
+    """1..500."""
+
+    def __post_init__(self) -> None:
+        for name in ("task", "robot", "outcome", "revision", "status"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"{name}: expected a non-empty string, got {v!r}")
+        if self.status is not None and self.status not in ("open", "closed"):
+            raise ValueError(f"status: expected open or closed, got {self.status!r}")
+        if self.round is not None and (not _is_int(self.round) or self.round < 1):
+            raise ValueError(f"round: expected a round number >= 1, got {self.round!r}")
+        for k, v in self.labels.items():
+            if not isinstance(k, str) or not k.strip():
+                raise ValueError(f"label: expected key:value with a non-empty key, got {k!r}")
+            if not isinstance(v, str) or not v.strip():
+                raise ValueError(f"label: expected key:value with a non-empty value, got {k}:{v!r}")
+        object.__setattr__(self, "labels", dict(self.labels))
+        object.__setattr__(self, "flags", tuple(self.flags))
+        for f in self.flags:
+            if not isinstance(f, str) or not f.strip():
+                raise ValueError(f"flag: expected an auto-flag name, got {f!r}")
+        for name in ("min_length", "max_length"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+        if self.min_length is not None and self.max_length is not None and self.max_length < self.min_length:
+            raise ValueError(f"max_length: expected >= min_length ({self.min_length}), got {self.max_length}")
+        if self.since is not None and self.until is not None and self.until < self.since:
+            raise ValueError(f"until: expected >= since ({self.since}), got {self.until}")
+        if self.sort not in EPISODE_SORTS:
+            raise ValueError(f"sort: expected one of {', '.join(EPISODE_SORTS)}, got {self.sort!r}")
+        if not _is_int(self.page) or self.page < 1:
+            raise ValueError(f"page: expected an integer >= 1, got {self.page!r}")
+        if not _is_int(self.per_page) or not 1 <= self.per_page <= MAX_PER_PAGE:
+            raise ValueError(f"per_page: expected an integer in 1..{MAX_PER_PAGE}, got {self.per_page!r}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> EpisodeQuery:
+        """From URL query parameters (a plain mapping of str or list-of-str values, or a multi-dict with
+        ``getlist`` such as Starlette's ``QueryParams``). ``label=key:value`` and ``flag=NAME`` repeat;
+        dates are unix seconds or ISO; booleans ``true|false``. Raises ValueError naming the parameter."""
+        values: dict[str, list[str]] = {}
+        getlist = getattr(params, "getlist", None)
+        for key in params:
+            if key not in _QUERY_PARAMS:
+                raise ValueError(
+                    f"{key}: unknown episode-list parameter; expected one of {', '.join(_QUERY_PARAMS)}"
+                )
+            raw = getlist(key) if getlist is not None else params[key]
+            items = list(raw) if isinstance(raw, list | tuple) else [raw]
+            values[key] = [str(v) for v in items if v is not None and str(v) != ""]
+        kw: dict[str, Any] = {}
+
+        def one(key: str) -> str | None:
+            got = values.get(key) or []
+            if len(got) > 1:
+                raise ValueError(f"{key}: expected one value, got {len(got)} ({got})")
+            return got[0] if got else None
+
+        for key in ("task", "robot", "outcome", "revision", "status", "sort"):
+            if (v := one(key)) is not None:
+                kw[key] = v
+        for key in ("round", "min_length", "max_length", "page", "per_page"):
+            if (v := one(key)) is not None:
+                try:
+                    kw[key] = int(v)
+                except ValueError:
+                    raise ValueError(f"{key}: expected an integer, got {v!r}") from None
+        for key in ("intervention", "flagged"):
+            if (v := one(key)) is not None:
+                kw[key] = _parse_bool(key, v)
+        for key in ("since", "until"):
+            if (v := one(key)) is not None:
+                kw[key] = parse_time(key, v)
+        labels: dict[str, str] = {}
+        for item in values.get("label", []):
+            k, sep, v = item.partition(":")
+            if not sep or not k.strip() or not v.strip():
+                raise ValueError(f"label: expected key:value (e.g. quality:good), got {item!r}")
+            labels[k.strip()] = v.strip()
+        kw["labels"] = labels
+        kw["flags"] = tuple(values.get("flag", []))
+        return cls(**kw)
+
+    def to_params(self) -> list[tuple[str, str]]:
+        """The URL query parameters (the inverse of :meth:`from_params`, defaults left out)."""
+        out: list[tuple[str, str]] = []
+        for key in ("task", "robot", "outcome", "revision", "round", "status", "since", "until"):
+            v = getattr(self, key)
+            if v is not None:
+                out.append((key, str(v)))
+        out += [("label", f"{k}:{v}") for k, v in self.labels.items()]
+        for key in ("intervention", "flagged"):
+            v = getattr(self, key)
+            if v is not None:
+                out.append((key, "true" if v else "false"))
+        out += [("flag", f) for f in self.flags]
+        for key in ("min_length", "max_length"):
+            v = getattr(self, key)
+            if v is not None:
+                out.append((key, str(v)))
+        defaults = EpisodeQuery()
+        for key in ("sort", "page", "per_page"):
+            if getattr(self, key) != getattr(defaults, key):
+                out.append((key, str(getattr(self, key))))
+        return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_bool(key: str, v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key}: expected true or false, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """One row of the episode list. ``outcome``/``success`` are the effective ones (an ``outcome`` label
+    overrides ``recorded_outcome``/``recorded_success``); ``intervention_frames`` = frames in human
+    segments, ``takeovers`` = the number of human segments; ``labels`` = current episode-level labels;
+    ``flags`` = the raised auto-flags."""
+
+    id: str
+    robot_id: str
+    task: str
+    instruction: str
+    status: str
+    outcome: str | None
+    success: bool | None
+    length: int
+    created_at: float
+    closed_at: float | None
+    revisions: tuple[str, ...]
+    intervention_frames: int
+    takeovers: int
+    labels: dict[str, Any]
+    flags: dict[str, Flag]
+    recorded_outcome: str | None
+    recorded_success: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of docs/dashboard.md (``flags`` as ``{name: {"score", "detail"}}``)."""
+        return {
+            "id": self.id,
+            "robot_id": self.robot_id,
+            "task": self.task,
+            "instruction": self.instruction,
+            "status": self.status,
+            "outcome": self.outcome,
+            "success": self.success,
+            "recorded_outcome": self.recorded_outcome,
+            "recorded_success": self.recorded_success,
+            "length": self.length,
+            "created_at": self.created_at,
+            "closed_at": self.closed_at,
+            "revisions": list(self.revisions),
+            "intervention_frames": self.intervention_frames,
+            "takeovers": self.takeovers,
+            "labels": dict(self.labels),
+            "flags": {n: f.to_dict() for n, f in self.flags.items()},
+        }
+
+
+@dataclass(frozen=True)
+class RobotStats:
+    """One robot's episodes (fleet page): counts, success rates over the last hour / day (closed episodes
+    with a known effective outcome; None when there were none), the fraction of its closed episodes with
+    a human takeover, and the last checkpoint revision its newest episode ran."""
+
+    robot_id: str
+    episodes: int
+    episodes_hour: int
+    success_hour: float | None
+    episodes_day: int
+    success_day: float | None
+    intervention_rate: float | None
+    revision: str | None
+    last_episode_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RevisionStats:
+    """One checkpoint revision: when it first acted, in how many episodes, the success rate and the
+    fraction with a human takeover over its closed episodes."""
+
+    revision: str
+    first_seen: float
+    episodes: int
+    success_rate: float | None
+    intervention_rate: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Closed episodes of one revision created in ``[t, t + bucket_s)``."""
+
+    t: float
+    revision: str
+    episodes: int
+    success_rate: float | None
+    intervention_rate: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def default_url(store_root: str | os.PathLike[str]) -> str:
@@ -296,6 +726,8 @@ class MetadataDB:
             row.created_at = meta.created
             row.revisions = list(meta.revisions)
             s.add(row)
+            s.flush()  # the row exists before its revision rows reference it
+            _sync_revisions(s, meta.episode_id, meta.revisions)
 
     def record_episode_closed(self, meta: EpisodeMeta) -> None:
         """Record the final length, outcome, revisions and segments of a closed episode."""
@@ -311,6 +743,7 @@ class MetadataDB:
             row.length = meta.length
             row.closed_at = meta.closed
             row.revisions = list(meta.revisions)
+            _sync_revisions(s, meta.episode_id, meta.revisions)
             row.num_segments = len(meta.segments)
             row.segments.clear()
             s.flush()  # delete the old segment rows before inserting rows with the same keys
@@ -349,43 +782,504 @@ class MetadataDB:
         with Session(self._reader) as s:
             return [_record(r) for r in s.scalars(q)]
 
+    def record_episodes(self, metas: Iterable[EpisodeMeta], store_path: str) -> int:
+        """Insert many new episodes (open or closed, with their segments and revisions) in one
+        transaction, in bulk (imports, tests that need 10k rows). Returns how many; an id already in
+        the DB fails the whole batch."""
+        episodes: list[dict[str, Any]] = []
+        segments: list[dict[str, Any]] = []
+        revisions: list[dict[str, Any]] = []
+        for m in metas:
+            episodes.append(
+                {
+                    "id": m.episode_id,
+                    "robot_id": m.robot_id,
+                    "task": m.task,
+                    "instruction": m.instruction,
+                    "store_path": store_path,
+                    "status": m.status,
+                    "outcome": m.outcome,
+                    "success": m.success,
+                    "length": m.length,
+                    "num_segments": len(m.segments),
+                    "created_at": m.created,
+                    "closed_at": m.closed,
+                    "revisions": list(m.revisions),
+                }
+            )
+            segments += [
+                {
+                    "episode_id": m.episode_id,
+                    "index": g.index,
+                    "kind": g.kind.value,
+                    "controller": g.controller.label,
+                    "start": g.start,
+                    "end": g.end,
+                    "reason": g.reason,
+                }
+                for g in m.segments
+            ]
+            revisions += [{"episode_id": m.episode_id, "revision": r} for r in dict.fromkeys(m.revisions)]
+        with Session(self.engine) as s, s.begin():
+            for table, rows in (
+                (EpisodeRow.__table__, episodes),
+                (SegmentRow.__table__, segments),
+                (EpisodeRevisionRow.__table__, revisions),
+            ):
+                for i in range(0, len(rows), 2000):
+                    s.execute(insert(table), rows[i : i + 2000])
+        return len(episodes)
+
     # ------------------------------------------------------------------ labels
     def add_label(
-        self, episode_id: str, key: str, value: Any, *, author: str, segment_index: int | None = None
+        self,
+        episode_id: str,
+        key: str,
+        value: Any,
+        *,
+        author: str,
+        segment_index: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        note: str | None = None,
+        source: str = "human",
     ) -> int:
-        """Attach a label (any JSON value) to an episode or one of its segments; returns the label id.
+        """Append a label event (any JSON value) about an episode, a frame span ``[start, end)`` of it, or
+        one of its segments (``segment_index``: the span is the segment's frames unless given); returns
+        its id. Labels are never overwritten: a relabel is a newer event with the same key, and the
+        current value is the latest one not undone (:meth:`undo_label`).
 
-        Labels are never overwritten: a relabel is a newer label with the same key.
-        """
-        if not key:
-            raise ValueError("label key must be non-empty")
+        Raises KeyError for an unknown episode, ValueError (naming the field) for an empty key or author,
+        a source other than human|auto, or a span outside the episode (spans need a closed episode)."""
+        return self.add_labels(
+            [episode_id],
+            key,
+            value,
+            author=author,
+            segment_index=segment_index,
+            start=start,
+            end=end,
+            note=note,
+            source=source,
+        )[0]
+
+    def add_labels(
+        self,
+        episode_ids: Iterable[str],
+        key: str,
+        value: Any,
+        *,
+        author: str,
+        segment_index: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        note: str | None = None,
+        source: str = "human",
+    ) -> list[int]:
+        """:meth:`add_label` on many episodes in ONE transaction: all are written or none (an unknown
+        episode raises KeyError naming it; a span outside any of them raises ValueError). Returns the new
+        label ids in the order of ``episode_ids`` (duplicates labelled once)."""
+        _check_label(key, author, source, start, end, note, segment_index)
+        ids = list(dict.fromkeys(episode_ids))
+        if not ids:
+            raise ValueError("episode_ids: expected at least one episode id")
+        now = time.time()
         with Session(self.engine) as s, s.begin():
-            if s.get(EpisodeRow, episode_id) is None:
-                raise KeyError(f"no episode {episode_id!r} in the metadata DB")
-            row = LabelRow(
-                episode_id=episode_id,
-                segment_index=segment_index,
-                key=key,
-                value=value,
+            found: dict[str, tuple[str, int]] = {}
+            for chunk in _chunks(ids):
+                q = select(EpisodeRow.id, EpisodeRow.status, EpisodeRow.length).where(
+                    EpisodeRow.id.in_(chunk)
+                )
+                found.update({r.id: (r.status, r.length) for r in s.execute(q)})
+            missing = [e for e in ids if e not in found]
+            if missing:
+                more = f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""
+                raise KeyError(f"no episode {missing[0]!r} in the metadata DB{more}")
+            segs: dict[str, SegmentRow] = {}
+            if segment_index is not None:
+                for chunk in _chunks(ids):
+                    q2 = select(SegmentRow).where(
+                        SegmentRow.episode_id.in_(chunk), SegmentRow.index == segment_index
+                    )
+                    segs.update({g.episode_id: g for g in s.scalars(q2)})
+            rows = []
+            for eid in ids:
+                status, length = found[eid]
+                a, b = start, end
+                if segment_index is not None:
+                    seg = segs.get(eid)
+                    if seg is None:
+                        raise ValueError(f"segment_index: episode {eid!r} has no segment {segment_index}")
+                    if a is None and (seg.end is not None or status == "closed"):
+                        a, b = seg.start, seg.end if seg.end is not None else length
+                if a is not None and b is not None:
+                    if status != "closed":
+                        raise ValueError(
+                            f"start/end: episode {eid!r} is still recording (its length is not final); "
+                            "label its spans once it has closed"
+                        )
+                    if b > length:
+                        raise ValueError(
+                            f"end: expected <= {length} (the length of episode {eid!r}; frames "
+                            f"0..{length - 1}, end exclusive), got {b}"
+                        )
+                rows.append(
+                    LabelRow(
+                        episode_id=eid,
+                        segment_index=segment_index,
+                        key=key,
+                        value=value,
+                        author=author,
+                        created_at=now,
+                        start=a,
+                        end=b,
+                        note=note,
+                        source=source,
+                    )
+                )
+            s.add_all(rows)
+            s.flush()
+            return [int(r.id) for r in rows]
+
+    def undo_label(
+        self, label_id: int, *, author: str, note: str | None = None, source: str = "human"
+    ) -> int:
+        """Retract label ``label_id`` by appending an undo event (same episode, key, value and span;
+        ``undoes`` = its id); returns the undo event's id. The key's current value falls back to the
+        latest earlier event not undone. KeyError: no such label; ValueError: it is already undone, or
+        is itself an undo event (label the value again instead)."""
+        _check_label("undo", author, source, None, None, note, None)
+        with Session(self.engine) as s, s.begin():
+            row = s.get(LabelRow, label_id, with_for_update=True)
+            if row is None:
+                raise KeyError(f"no label {label_id} in the metadata DB")
+            if row.undoes is not None:
+                raise ValueError(
+                    f"label_id: label {label_id} is an undo event (of label {row.undoes}); to restore the "
+                    "value, label it again"
+                )
+            prior = s.scalars(select(LabelRow.id).where(LabelRow.undoes == label_id)).first()
+            if prior is not None:
+                raise ValueError(f"label_id: label {label_id} was already undone (by label {prior})")
+            undo = LabelRow(
+                episode_id=row.episode_id,
+                segment_index=row.segment_index,
+                key=row.key,
+                value=row.value,
                 author=author,
                 created_at=time.time(),
+                start=row.start,
+                end=row.end,
+                note=note,
+                source=source,
+                undoes=label_id,
             )
-            s.add(row)
+            s.add(undo)
             s.flush()
-            return row.id
+            return int(undo.id)
 
-    def labels(self, episode_id: str | None = None, key: str | None = None) -> list[Label]:
-        """Labels in the order they were added, filtered by episode / key when given."""
+    def label(self, label_id: int) -> Label | None:
+        """One label event (with ``undone_by``), or None."""
+        with Session(self._reader) as s:
+            row = s.get(LabelRow, label_id)
+            if row is None:
+                return None
+            by = s.scalars(select(LabelRow.id).where(LabelRow.undoes == label_id)).first()
+            return _label(row, by)
+
+    def labels(
+        self,
+        episode_id: str | None = None,
+        key: str | None = None,
+        *,
+        episode_ids: Iterable[str] | None = None,
+    ) -> list[Label]:
+        """The label history (every event, undo events too, ``undone_by`` filled) in the order added,
+        filtered by episode (or ``episode_ids``) / key when given."""
         q = select(LabelRow).order_by(LabelRow.id)
         if episode_id is not None:
             q = q.where(LabelRow.episode_id == episode_id)
         if key is not None:
             q = q.where(LabelRow.key == key)
         with Session(self._reader) as s:
+            if episode_ids is None:
+                rows = list(s.scalars(q))
+            else:
+                rows = [
+                    r
+                    for chunk in _chunks(list(episode_ids))
+                    for r in s.scalars(q.where(LabelRow.episode_id.in_(chunk)))
+                ]
+                rows.sort(key=lambda r: r.id)
+        undone_by = {r.undoes: r.id for r in rows if r.undoes is not None}  # an undo shares episode and key
+        return [_label(r, undone_by.get(r.id)) for r in rows]
+
+    def current_label_events(self, episode_ids: Iterable[str]) -> dict[str, list[Label]]:
+        """Per episode (every id given appears): the label events in force, i.e. not undone and not undo
+        events: the latest episode-level event of each key, then every span label (by start, then id)."""
+        ids = list(dict.fromkeys(episode_ids))
+        out: dict[str, list[Label]] = {e: [] for e in ids}
+        with Session(self._reader) as s:
+            for chunk in _chunks(ids):
+                q = (
+                    select(LabelRow)
+                    .where(LabelRow.episode_id.in_(chunk), _live(LabelRow))
+                    .order_by(LabelRow.id)
+                )
+                latest: dict[tuple[str, str], Label] = {}
+                spans: list[Label] = []
+                for r in s.scalars(q):
+                    if r.start is None and r.segment_index is None:
+                        latest[(r.episode_id, r.key)] = _label(r, None)
+                    elif r.start is not None:
+                        spans.append(_label(r, None))
+                for (eid, _k), lb in latest.items():
+                    out[eid].append(lb)
+                for lb in sorted(spans, key=lambda x: (x.start, x.id)):
+                    out[lb.episode_id].append(lb)
+        return out
+
+    def current_labels(self, episode_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """``{episode_id: {key: value}}``: each episode-level key's latest value not undone (every id
+        given appears, ``{}`` when it has none)."""
+        return {
+            eid: {lb.key: lb.value for lb in events if not lb.is_span}
+            for eid, events in self.current_label_events(episode_ids).items()
+        }
+
+    def current_spans(self, episode_ids: Iterable[str]) -> dict[str, list[Label]]:
+        """``{episode_id: [Label]}``: the span labels in force (not undone), ordered by start then id."""
+        return {
+            eid: [lb for lb in events if lb.is_span]
+            for eid, events in self.current_label_events(episode_ids).items()
+        }
+
+    # ------------------------------------------------------------------ episode list (dashboard)
+    def query_episodes(self, q: EpisodeQuery) -> tuple[list[EpisodeSummary], int]:
+        """One page of the episode list and the total number of matches, filtered, sorted and paged in
+        SQL (the same on SQLite and PostgreSQL). ValueError for a round that does not exist."""
+        with Session(self._reader) as s:
+            if q.round is not None and s.get(RoundRow, q.round) is None:
+                raise ValueError(f"round: no round {q.round} in the metadata DB")
+            where = _episode_filters(q)
+            total = int(s.scalar(select(func.count()).select_from(EpisodeRow).where(*where)) or 0)
+            key = q.sort.lstrip("-")
+            col = getattr(EpisodeRow, key)
+            desc = q.sort.startswith("-")
+            order = [col.desc(), EpisodeRow.id.desc()] if desc else [col.asc(), EpisodeRow.id.asc()]
+            page = select(EpisodeRow).where(*where).order_by(*order)
+            page = page.offset((q.page - 1) * q.per_page).limit(q.per_page)
+            rows = list(s.scalars(page))
+            ids = [r.id for r in rows]
+            human: dict[str, tuple[int, int]] = {}
+            if ids:
+                seg_end = func.coalesce(SegmentRow.end, EpisodeRow.length)
+                hq = (
+                    select(SegmentRow.episode_id, func.count(), func.sum(seg_end - SegmentRow.start))
+                    .join(EpisodeRow, EpisodeRow.id == SegmentRow.episode_id)
+                    .where(SegmentRow.episode_id.in_(ids), SegmentRow.controller == Controller.HUMAN.label)
+                    .group_by(SegmentRow.episode_id)
+                )
+                human = {eid: (int(n), int(frames or 0)) for eid, n, frames in s.execute(hq)}
+        labels = self.current_labels(ids)
+        flags = self.flags(ids)
+        out = []
+        for r in rows:
+            outcome, success = effective_outcome(r.outcome, r.success, labels[r.id])
+            takeovers, frames = human.get(r.id, (0, 0))
+            out.append(
+                EpisodeSummary(
+                    id=r.id,
+                    robot_id=r.robot_id,
+                    task=r.task,
+                    instruction=r.instruction,
+                    status=r.status,
+                    outcome=outcome,
+                    success=success,
+                    length=r.length,
+                    created_at=r.created_at,
+                    closed_at=r.closed_at,
+                    revisions=tuple(r.revisions or ()),
+                    intervention_frames=frames,
+                    takeovers=takeovers,
+                    labels=labels[r.id],
+                    flags=flags[r.id],
+                    recorded_outcome=r.outcome,
+                    recorded_success=r.success,
+                )
+            )
+        return out, total
+
+    def query_episode_ids(self, q: EpisodeQuery, limit: int = 100_000) -> list[str]:
+        """Every id matching ``q``'s filters (ignoring its paging), in its sort order, at most ``limit``
+        (bulk labelling "every match of this filter")."""
+        with Session(self._reader) as s:
+            if q.round is not None and s.get(RoundRow, q.round) is None:
+                raise ValueError(f"round: no round {q.round} in the metadata DB")
+            col = getattr(EpisodeRow, q.sort.lstrip("-"))
+            desc = q.sort.startswith("-")
+            order = [col.desc(), EpisodeRow.id.desc()] if desc else [col.asc(), EpisodeRow.id.asc()]
+            sel = select(EpisodeRow.id).where(*_episode_filters(q)).order_by(*order).limit(limit)
+            return list(s.scalars(sel))
+
+    def closed_episode_index(self) -> list[tuple[str, str, int]]:
+        """``(id, task, length)`` of every closed episode (auto-flags' length distributions)."""
+        with Session(self._reader) as s:
+            q = select(EpisodeRow.id, EpisodeRow.task, EpisodeRow.length).where(EpisodeRow.status == "closed")
+            return [(r.id, r.task, int(r.length)) for r in s.execute(q)]
+
+    # ------------------------------------------------------------------ fleet statistics (dashboard)
+    def robot_stats(self, now: float | None = None) -> list[RobotStats]:
+        """Per robot (by id): episodes in all / the last hour / the last day (by creation time), success
+        rates over those windows, intervention rate (closed episodes with a takeover) and the revision
+        its newest episode ran last."""
+        now = time.time() if now is None else now
+        hour, day = now - 3600.0, now - 86400.0
+        succ = _success_value()
+        closed = EpisodeRow.status == "closed"
+        q = (
+            select(
+                EpisodeRow.robot_id,
+                func.count(),
+                func.sum(case((EpisodeRow.created_at >= hour, 1), else_=0)),
+                func.avg(case((and_(closed, EpisodeRow.created_at >= hour), succ), else_=None)),
+                func.sum(case((EpisodeRow.created_at >= day, 1), else_=0)),
+                func.avg(case((and_(closed, EpisodeRow.created_at >= day), succ), else_=None)),
+                func.avg(case((closed, case((_has_human(), 1.0), else_=0.0)), else_=None)),
+                func.max(EpisodeRow.created_at),
+            )
+            .group_by(EpisodeRow.robot_id)
+            .order_by(EpisodeRow.robot_id)
+        )
+        newest = aliased(EpisodeRow)
+        latest_q = select(EpisodeRow.robot_id, EpisodeRow.revisions).where(
+            EpisodeRow.created_at
+            == select(func.max(newest.created_at))
+            .where(newest.robot_id == EpisodeRow.robot_id)
+            .scalar_subquery()
+        )
+        with Session(self._reader) as s:
+            rows = list(s.execute(q))
+            latest = {rid: (list(revs or []) or [None])[-1] for rid, revs in s.execute(latest_q)}
+        return [
+            RobotStats(
+                robot_id=rid,
+                episodes=int(n),
+                episodes_hour=int(nh or 0),
+                success_hour=_rate(sh),
+                episodes_day=int(nd or 0),
+                success_day=_rate(sd),
+                intervention_rate=_rate(ir),
+                revision=latest.get(rid),
+                last_episode_at=last,
+            )
+            for rid, n, nh, sh, nd, sd, ir, last in rows
+        ]
+
+    def revision_stats(self) -> list[RevisionStats]:
+        """Per checkpoint revision, oldest first: first seen, episodes it acted in, success and
+        intervention rates over those that closed."""
+        closed = EpisodeRow.status == "closed"
+        q = (
+            select(
+                EpisodeRevisionRow.revision,
+                func.min(EpisodeRow.created_at),
+                func.count(),
+                func.avg(case((closed, _success_value()), else_=None)),
+                func.avg(case((closed, case((_has_human(), 1.0), else_=0.0)), else_=None)),
+            )
+            .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .group_by(EpisodeRevisionRow.revision)
+            .order_by(func.min(EpisodeRow.created_at), EpisodeRevisionRow.revision)
+        )
+        with Session(self._reader) as s:
             return [
-                Label(r.id, r.episode_id, r.segment_index, r.key, r.value, r.author, r.created_at)
-                for r in s.scalars(q)
+                RevisionStats(rev, float(first), int(n), _rate(sr), _rate(ir))
+                for rev, first, n, sr, ir in s.execute(q)
             ]
+
+    def revision_timeline(
+        self, bucket_s: float = 3600.0, since: float | None = None, until: float | None = None
+    ) -> list[TimelinePoint]:
+        """Success and intervention rate per revision over time: closed episodes grouped by revision and
+        creation time in buckets of ``bucket_s`` seconds (``t`` = bucket start), oldest first."""
+        if not bucket_s > 0:
+            raise ValueError(f"bucket_s: expected seconds > 0, got {bucket_s}")
+        if self.engine.dialect.name == "sqlite":  # no FLOOR; CAST truncates, = floor for t >= 0
+            bucket = cast(EpisodeRow.created_at / bucket_s, Integer)
+        else:
+            bucket = func.floor(EpisodeRow.created_at / bucket_s)
+        q = (
+            select(
+                bucket.label("b"),
+                EpisodeRevisionRow.revision,
+                func.count(),
+                func.avg(_success_value()),
+                func.avg(case((_has_human(), 1.0), else_=0.0)),
+            )
+            .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .where(EpisodeRow.status == "closed")
+            .group_by(bucket, EpisodeRevisionRow.revision)
+            .order_by(bucket, EpisodeRevisionRow.revision)
+        )
+        if since is not None:
+            q = q.where(EpisodeRow.created_at >= since)
+        if until is not None:
+            q = q.where(EpisodeRow.created_at <= until)
+        with Session(self._reader) as s:
+            return [
+                TimelinePoint(float(b) * bucket_s, rev, int(n), _rate(sr), _rate(ir))
+                for b, rev, n, sr, ir in s.execute(q)
+            ]
+
+    # ------------------------------------------------------------------ auto-flags
+    def set_flags(self, flags: Mapping[str, Iterable[Flag]]) -> None:
+        """Store auto-flag results ``{episode_id: [Flag]}`` in one transaction, replacing earlier results
+        of the same names. KeyError for an unknown episode (nothing written)."""
+        now = time.time()
+        by_ep = {eid: list(fs) for eid, fs in flags.items()}
+        with Session(self.engine) as s, s.begin():
+            ids = list(by_ep)
+            known: set[str] = set()
+            for chunk in _chunks(ids):
+                known.update(s.scalars(select(EpisodeRow.id).where(EpisodeRow.id.in_(chunk))))
+            missing = [e for e in ids if e not in known]
+            if missing:
+                raise KeyError(f"no episode {missing[0]!r} in the metadata DB")
+            for eid, fs in by_ep.items():
+                if not fs:
+                    continue
+                names = [f.name for f in fs]
+                s.execute(
+                    delete(EpisodeFlagRow).where(
+                        EpisodeFlagRow.episode_id == eid, EpisodeFlagRow.name.in_(names)
+                    )
+                )
+                s.add_all(
+                    EpisodeFlagRow(
+                        episode_id=eid,
+                        name=f.name,
+                        score=float(f.score),
+                        raised=bool(f.raised),
+                        detail=f.detail,
+                        computed_at=f.computed_at or now,
+                    )
+                    for f in fs
+                )
+
+    def flags(self, episode_ids: Iterable[str], *, raised_only: bool = True) -> dict[str, dict[str, Flag]]:
+        """``{episode_id: {name: Flag}}`` for every id given: the raised flags (or every stored check's
+        result with ``raised_only=False``)."""
+        ids = list(dict.fromkeys(episode_ids))
+        out: dict[str, dict[str, Flag]] = {e: {} for e in ids}
+        with Session(self._reader) as s:
+            for chunk in _chunks(ids):
+                q = select(EpisodeFlagRow).where(EpisodeFlagRow.episode_id.in_(chunk))
+                if raised_only:
+                    q = q.where(EpisodeFlagRow.raised.is_(True))
+                for r in s.scalars(q.order_by(EpisodeFlagRow.name)):
+                    out[r.episode_id][r.name] = Flag(r.name, r.score, r.detail, bool(r.raised), r.computed_at)
+        return out
 
     # ------------------------------------------------------------------ rounds
     def create_round(
@@ -528,7 +1422,7 @@ def _alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
-SCHEMA_HEAD = "0002"
+SCHEMA_HEAD = "0003"
 """The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
 at this revision needs no Alembic import, only one query."""
 
@@ -539,6 +1433,8 @@ def _legacy_revision(tables: set[str]) -> str | None:
     (the baseline then creates only the tables that are missing)."""
     if set(Base.metadata.tables) <= tables:
         return SCHEMA_HEAD
+    if tables >= _BASELINE_TABLES | {"round_jobs"}:
+        return "0002"
     if tables >= _BASELINE_TABLES:
         return "0001"
     return None
@@ -626,6 +1522,181 @@ def _upgrade_locked(conn: Connection, head: str) -> None:
                 command.stamp(cfg, legacy)
         command.upgrade(cfg, "head")
     log.debug("metadata DB schema upgraded", extra={"from": sorted(current), "to": head})
+
+
+# ---------------------------------------------------------------------- SQL building blocks
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(ids), _ID_CHUNK):
+        yield ids[i : i + _ID_CHUNK]
+
+
+def _sync_revisions(s: Session, episode_id: str, revisions: Iterable[str]) -> None:
+    """Make the episode's ``episode_revisions`` rows match its revision list."""
+    s.execute(delete(EpisodeRevisionRow).where(EpisodeRevisionRow.episode_id == episode_id))
+    rows = [{"episode_id": episode_id, "revision": str(r)} for r in dict.fromkeys(revisions)]
+    if rows:
+        s.execute(insert(EpisodeRevisionRow.__table__), rows)
+
+
+def _check_label(
+    key: str,
+    author: str,
+    source: str,
+    start: int | None,
+    end: int | None,
+    note: str | None,
+    segment_index: int | None,
+) -> None:
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"key: expected a non-empty label key, got {key!r}")
+    if not isinstance(author, str) or not author.strip():
+        raise ValueError(f"author: expected a non-empty name (who labels), got {author!r}")
+    if source not in LABEL_SOURCES:
+        raise ValueError(f"source: expected one of {'|'.join(LABEL_SOURCES)}, got {source!r}")
+    if note is not None and not isinstance(note, str):
+        raise ValueError(f"note: expected text, got {type(note).__name__}")
+    if segment_index is not None and (not _is_int(segment_index) or segment_index < 0):
+        raise ValueError(f"segment_index: expected a segment index >= 0, got {segment_index!r}")
+    if (start is None) != (end is None):
+        raise ValueError(
+            f"start/end: expected both (the span [start, end), end exclusive) or neither (the whole "
+            f"episode), got start={start!r}, end={end!r}"
+        )
+    if start is not None:
+        if not _is_int(start) or start < 0:
+            raise ValueError(f"start: expected a frame index >= 0, got {start!r}")
+        if not _is_int(end) or end <= start:  # type: ignore[operator]
+            raise ValueError(f"end: expected a frame index > start ({start}), end exclusive, got {end!r}")
+
+
+def _label(r: LabelRow, undone_by: int | None) -> Label:
+    return Label(
+        id=r.id,
+        episode_id=r.episode_id,
+        segment_index=r.segment_index,
+        key=r.key,
+        value=r.value,
+        author=r.author,
+        created_at=r.created_at,
+        start=r.start,
+        end=r.end,
+        note=r.note,
+        source=r.source or "human",
+        undoes=r.undoes,
+        undone_by=undone_by,
+    )
+
+
+def _live(lb: Any) -> ColumnElement[bool]:
+    """Label events in force: not undo events and not undone (``lb``: LabelRow or an alias of it)."""
+    undo = aliased(LabelRow, name="undo_event")
+    return and_(lb.undoes.is_(None), lb.id.not_in(select(undo.undoes).where(undo.undoes.is_not(None))))
+
+
+def _current_value(key: str) -> Any:
+    """The episode's current episode-level value of ``key`` as JSON text (NULL when none), correlated to
+    the enclosing query's ``episodes`` row."""
+    lb = aliased(LabelRow)
+    return (
+        select(cast(lb.value, Text))
+        .where(
+            lb.episode_id == EpisodeRow.id,
+            lb.key == key,
+            lb.start.is_(None),
+            lb.segment_index.is_(None),
+            _live(lb),
+        )
+        .order_by(lb.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def _json_texts(value: str) -> list[str]:
+    """The JSON texts (lower-cased) a label value given as text matches: the string itself, and the
+    number / boolean / null it spells (``true`` matches true and "true")."""
+    out = [json.dumps(value).lower()]
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return out
+    if not isinstance(parsed, dict | list | str):
+        out.append(json.dumps(parsed).lower())
+    return out
+
+
+def _has_human() -> Any:
+    return exists().where(
+        SegmentRow.episode_id == EpisodeRow.id, SegmentRow.controller == Controller.HUMAN.label
+    )
+
+
+def _success_value() -> Any:
+    """1.0 / 0.0 for the effective success (an ``outcome`` label overrides), NULL when unknown."""
+    cur = _current_value(OUTCOME_KEY)
+    return case(
+        (cur == json.dumps("success"), 1.0),
+        (cur.is_not(None), 0.0),
+        (EpisodeRow.success.is_(True), 1.0),
+        (EpisodeRow.success.is_(False), 0.0),
+        else_=None,
+    )
+
+
+def _rate(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
+    """The WHERE clauses of an episode query (correlated subqueries on ``episodes``)."""
+    w: list[ColumnElement[bool]] = []
+    if q.task is not None:
+        w.append(EpisodeRow.task == q.task)
+    if q.robot is not None:
+        w.append(EpisodeRow.robot_id == q.robot)
+    if q.status is not None:
+        w.append(EpisodeRow.status == q.status)
+    if q.outcome is not None:
+        cur = _current_value(OUTCOME_KEY)
+        if q.outcome == "unknown":
+            w.append(and_(cur.is_(None), or_(EpisodeRow.outcome.is_(None), EpisodeRow.outcome == "unknown")))
+        else:
+            w.append(or_(cur == json.dumps(q.outcome), and_(cur.is_(None), EpisodeRow.outcome == q.outcome)))
+    if q.revision is not None:
+        w.append(
+            EpisodeRow.id.in_(
+                select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision == q.revision)
+            )
+        )
+    if q.round is not None:
+        rev = select(RoundRow.checkpoint_revision).where(RoundRow.id == q.round).scalar_subquery()
+        w.append(
+            EpisodeRow.id.in_(select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision == rev))
+        )
+    for key, value in q.labels.items():
+        w.append(func.lower(_current_value(key)).in_(_json_texts(value)))
+    if q.intervention is not None:
+        w.append(_has_human() if q.intervention else ~_has_human())
+    if q.flags:
+        w.append(
+            exists().where(
+                EpisodeFlagRow.episode_id == EpisodeRow.id,
+                EpisodeFlagRow.raised.is_(True),
+                EpisodeFlagRow.name.in_(q.flags),
+            )
+        )
+    if q.flagged is not None:
+        any_flag = exists().where(EpisodeFlagRow.episode_id == EpisodeRow.id, EpisodeFlagRow.raised.is_(True))
+        w.append(any_flag if q.flagged else ~any_flag)
+    if q.since is not None:
+        w.append(EpisodeRow.created_at >= q.since)
+    if q.until is not None:
+        w.append(EpisodeRow.created_at <= q.until)
+    if q.min_length is not None:
+        w.append(EpisodeRow.length >= q.min_length)
+    if q.max_length is not None:
+        w.append(EpisodeRow.length <= q.max_length)
+    return w
 
 
 def _round_record(row: RoundRow) -> RoundRecord:

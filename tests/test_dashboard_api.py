@@ -1,0 +1,629 @@
+"""The dashboard's backend (vla_rl/dashboard): the real app under uvicorn on a loopback port, over a
+store recorded by the sim fleet (a real policy server and collector, simulated operator takeovers, one
+camera), a real Hub registry and the real metadata DB, talked to with httpx.
+
+The fleet world and the served dashboard (``fleet_world``, ``Dashboard``) are importable by other
+dashboard tests (``from test_dashboard_api import ...``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import imageio.v3
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from PIL import Image
+
+from fleet.collector import Collector
+from fleet.db import MetadataDB
+from fleet.store import EpisodeStore
+from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from server.policy_server import PolicyServer
+from sim.fleet_runner import FleetConfig, run_sim_fleet
+from sim.operator import OperatorRules
+from sim.registry import make_env
+from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.dashboard import DashboardConfig
+from vla_rl.dashboard.app import create_app
+from vla_rl.dashboard.auth import parse_tokens
+from vla_rl.hub.registry import configure_hub, push_folder
+from vla_rl.hub.server import HubServer
+from vla_rl.spec import RobotSpec
+
+TASK = "kinematic/Reach-v0"
+REPO = "fleet/reach-cam"
+HUB_TOKEN = "dashboard-test-hub-token"
+COLLECTOR_TOKEN = "dashboard-test-collector-token"
+IMAGE = 32
+TOKENS = {
+    "viewer": ("vic", "viewer-token-0123456789"),
+    "labeller": ("ana", "labeller-token-0123456789"),
+    "operator": ("olga", "operator-token-0123456789"),
+}
+
+
+def camera_spec() -> RobotSpec:
+    with make_env(TASK, obs="rgb", image_size=IMAGE) as env:
+        return env.spec
+
+
+def tiny_checkpoint(folder: Path, spec: RobotSpec, seed: int = 0) -> Path:
+    """A randomly initialised camera policy (weak on purpose: the simulated operator has work to do)."""
+    cfg = FlowVLAConfig.from_robot_spec(
+        spec,
+        d_model=32,
+        n_layers=1,
+        expert_n_layers=1,
+        n_heads=2,
+        instruction_encoder="none",
+        chunk_len=4,
+        n_exec=2,
+        num_inference_steps=2,
+    )
+    torch.manual_seed(seed)
+    info = CheckpointInfo("flow_vla", cfg.to_dict(), spec, {}, Lineage("test"))
+    save_checkpoint(folder, FlowVLAPolicy(cfg).state_dict(), info)
+    return folder
+
+
+@dataclass
+class FleetWorld:
+    root: Path
+    store: Path
+    hub: HubServer
+    server: PolicyServer
+    collector: Collector
+    base_commit: str
+    spec: RobotSpec
+
+    @property
+    def db(self) -> MetadataDB:
+        return MetadataDB.for_store(self.store)
+
+
+def fleet_world(root: Path, episodes: int = 2) -> FleetWorld:
+    """Hub with the base policy as ``prod``; a policy server serving it; 2 simulated robots (camera,
+    operator takeovers from the uncertainty alarm and stalls) streaming through a collector into a store.
+    The server and collector keep running (the fleet page asks them); :func:`stop_world` stops them."""
+    spec = camera_spec()
+    hub = HubServer(root / "hub", token=HUB_TOKEN).start()
+    configure_hub(hub.url, HUB_TOKEN)
+    base = tiny_checkpoint(root / "base", spec)
+    base_commit = push_folder(base, REPO, message="base", tag="prod")
+    ref = f"hub://{REPO}@prod"
+    server = PolicyServer(
+        {"reach": ref}, port=0, torch_threads=1, device="cpu", follow={"reach": ref}, follow_interval_s=0.5
+    ).start()
+    store = root / "store"
+    collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=8).start()
+    # a sloppy operator (noise) takes over a stalled policy for 3 steps at a time: episodes run long
+    # enough to have autonomous and intervention segments both
+    rules = OperatorRules(
+        stall_steps=3, drive_steps=3, min_autonomous_steps=2, max_takeovers=2, max_fraction=0.5, noise=0.9
+    )
+    cfg = FleetConfig(
+        robots=2,
+        server=server.address,
+        collector=collector.address,
+        episodes=episodes,
+        max_episode_steps=20,
+        rules=rules,
+        collector_token=COLLECTOR_TOKEN,
+    )
+    result = run_sim_fleet(cfg, progress=False)
+    assert result.errors == [], result.errors
+    assert collector.drain(60)
+    return FleetWorld(root, store, hub, server, collector, base_commit, spec)
+
+
+def stop_world(w: FleetWorld) -> None:
+    w.collector.stop()
+    w.server.stop()
+    w.hub.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Dashboard:
+    """The app under uvicorn in a thread; ``client(role)`` is an httpx client with that role's token."""
+
+    def __init__(self, cfg: DashboardConfig) -> None:
+        text = "".join(
+            f'[[token]]\nname = "{name}"\nrole = "{role}"\ntoken = "{tok}"\n'
+            for role, (name, tok) in TOKENS.items()
+        )
+        self.app = create_app(cfg, tokens=parse_tokens(text, "test tokens"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the dashboard did not start"
+            time.sleep(0.02)
+        self._clients: list[httpx.Client] = []
+
+    def client(self, role: str | None = "viewer", token: str | None = None) -> httpx.Client:
+        token = token or (TOKENS[role][1] if role else None)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        c = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
+        self._clients.append(c)
+        return c
+
+    def stop(self) -> None:
+        for c in self._clients:
+            c.close()
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_dashboard(cfg: DashboardConfig) -> Iterator[Dashboard]:
+    d = Dashboard(cfg)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
+    w = fleet_world(tmp_path_factory.mktemp("dash"))
+    try:
+        yield w
+    finally:
+        stop_world(w)
+
+
+@pytest.fixture(scope="module")
+def dash(world: FleetWorld) -> Iterator[Dashboard]:
+    os.environ["VLA_RL_COLLECTOR_TOKEN"] = COLLECTOR_TOKEN  # how the dashboard asks the collector
+    cfg = DashboardConfig(
+        store=world.store,
+        repo=REPO,
+        server=(world.server.address, "127.0.0.1:1"),
+        collector=world.collector.address,
+        workdir=world.root / "dashboard",
+    )
+    yield from serve_dashboard(cfg)
+
+
+def _detail(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"detail"} and {"field", "message", "expected"} <= set(body["detail"]), body
+    return body["detail"]
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> Any:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _episode_with_takeover(world: FleetWorld) -> str:
+    store = EpisodeStore(world.store)
+    for eid in store.episode_ids():
+        meta = store.read_metadata(eid)
+        if any(g.kind.value == "intervention" for g in meta.segments) and meta.length >= 8:
+            return eid
+    segs = {
+        e: [(g.kind.value, g.start) for g in store.read_metadata(e).segments] for e in store.episode_ids()
+    }
+    raise AssertionError(f"the fleet recorded no episode with a takeover: {segs}")
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorld) -> None:
+    anon = dash.client(None)
+    h = anon.get("/api/v1/health")
+    assert h.status_code == 200 and h.json()["store"]["ok"] and h.json()["db"]["ok"]
+    for role, (name, _) in TOKENS.items():
+        assert dash.client(role).get("/api/v1/session").json() == {"name": name, "role": role}
+    r = anon.get("/api/v1/session")
+    assert r.status_code == 401 and _detail(r)["field"] == "authorization"
+    r = dash.client(None, token="not-a-token-at-all").get("/api/v1/rounds")
+    assert r.status_code == 401 and "unknown token" in _detail(r)["message"]
+    paths = anon.get("/api/v1/openapi.json").json()["paths"]
+    for route in (
+        "/api/v1/health",
+        "/api/v1/session",
+        "/api/v1/label-schema",
+        "/api/v1/fleet",
+        "/api/v1/episodes",
+        "/api/v1/episodes/{episode_id}",
+        "/api/v1/episodes/{episode_id}/series",
+        "/api/v1/episodes/{episode_id}/frames/{camera}/{t}.jpg",
+        "/api/v1/episodes/{episode_id}/video/{camera}.mp4",
+        "/api/v1/selection",
+        "/api/v1/refs",
+        "/api/v1/rounds",
+        "/api/v1/rounds/{n}",
+        "/api/v1/rounds/{n}/events",
+        "/api/v1/rounds/{n}/cancel",
+        "/api/v1/rounds/{n}/promote",
+        "/api/v1/refs/{ref}/rollback",
+    ):
+        assert route in paths, route
+    for page in ("/", "/episodes", "/episodes/abc", "/rounds", "/fleet"):
+        r = anon.get(page)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), page
+        assert "/static/" in r.text and r.headers["cache-control"] == "no-cache"
+    js = anon.get("/static/app.js")
+    assert js.status_code == 200 and "max-age" in js.headers["cache-control"] and js.headers.get("etag")
+    r = anon.get("/api/v1/no-such-route")
+    assert r.status_code == 404 and _detail(r)["field"] == "path"
+
+
+def test_episode_detail_series_frame_and_video(dash: Dashboard, world: FleetWorld) -> None:
+    c = dash.client("viewer")
+    eid = _episode_with_takeover(world)
+    ep = EpisodeStore(world.store).read_episode(eid)
+    d = c.get(f"/api/v1/episodes/{eid}").json()
+    assert d["id"] == eid and d["length"] == ep.length and d["status"] == "closed"
+    assert d["cameras"] == [{"name": "top_camera", "height": IMAGE, "width": IMAGE}]
+    assert [(g["kind"], g["start"], g["reason"]) for g in d["segments"]] == [
+        (g.kind.value, g.start, g.reason) for g in ep.meta.segments
+    ]
+    assert any(g["kind"] == "intervention" and g["reason"] for g in d["segments"])
+
+    s = c.get(f"/api/v1/episodes/{eid}/series").json()
+    assert s["length"] == ep.length and s["controller"] == ep.controller.tolist()
+    assert s["segment"] == ep.segment.tolist()
+    np.testing.assert_allclose(np.array(s["action"]), ep.action, atol=1e-5)
+    np.testing.assert_allclose(np.array(s["state"]), ep.state, atol=1e-5)
+    np.testing.assert_allclose(np.array(s["reward"]), ep.reward, atol=1e-5)
+    human = ep.controller == 1
+    assert human.any() and all(s["proposed_action"][i] is None for i in np.flatnonzero(human))
+    policy = np.flatnonzero(~human)
+    np.testing.assert_allclose(
+        np.array([s["proposed_action"][i] for i in policy]), ep.proposed_action[policy], atol=1e-5
+    )
+
+    for t in (0, ep.length // 2, ep.length - 1):
+        r = c.get(f"/api/v1/episodes/{eid}/frames/top_camera/{t}.jpg", params={"quality": 95})
+        assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+        assert "immutable" in r.headers["cache-control"]
+        got = np.asarray(Image.open(io.BytesIO(r.content)).convert("RGB")).astype(float)
+        want = ep.cameras["top_camera"][t].astype(float)
+        assert got.shape == want.shape and np.abs(got - want).mean() < 4.0, (t, np.abs(got - want).mean())
+    # a different frame really differs (the check above is not vacuous)
+    assert np.abs(ep.cameras["top_camera"][0].astype(float) - ep.cameras["top_camera"][-1]).mean() > 1.0
+
+    t0 = time.monotonic()
+    v = c.get(f"/api/v1/episodes/{eid}/video/top_camera.mp4")
+    first_s = time.monotonic() - t0
+    assert (
+        v.status_code == 200
+        and v.headers["content-type"] == "video/mp4"
+        and v.headers["x-frames"] == str(ep.length)
+    )
+    mp4 = dash.app.state.ctx.cfg.workdir / "video" / eid / f"top_camera-{ep.length}.mp4"
+    assert mp4.is_file() and mp4.read_bytes() == v.content
+    mtime = mp4.stat().st_mtime_ns
+    frames = list(imageio.v3.imiter(mp4, plugin="pyav"))
+    assert len(frames) == ep.length and frames[0].shape == (IMAGE, IMAGE, 3)
+    assert np.abs(frames[3].astype(float) - ep.cameras["top_camera"][3]).mean() < 12.0
+    with av.open(str(mp4)) as f:
+        stream = f.streams.video[0]
+        assert stream.codec_context.name == "h264" and stream.codec_context.pix_fmt == "yuv420p"
+    assert v.content.find(b"moov") < v.content.find(b"mdat")  # faststart: the index before the data
+    part = c.get(f"/api/v1/episodes/{eid}/video/top_camera.mp4", headers={"Range": "bytes=0-99"})
+    assert part.status_code == 206 and len(part.content) == 100
+    assert mp4.stat().st_mtime_ns == mtime  # served from the cache
+    print(f"video encode ({ep.length} frames, cold): {first_s * 1000:.0f} ms")
+
+
+def test_open_episode_frames_follow_the_committed_length(dash: Dashboard, world: FleetWorld) -> None:
+    """An episode a writer is still appending to: only committed frames are served, and frames committed
+    after a chunk was cached are read anew."""
+    store = EpisodeStore(world.store, db=world.db)
+    rng = np.random.default_rng(0)
+    spec = world.spec
+    w = store.create_episode(spec, robot_id="open-robot", task=TASK, chunk_len=8)
+    # smooth images (JPEG keeps them), each frame another colour
+    ramp = np.linspace(0, 1, IMAGE)[None, :, None] * np.linspace(0, 1, IMAGE)[:, None, None]
+    frames = np.stack([(ramp * rng.uniform(60, 250, 3)).astype(np.uint8) for _ in range(20)])
+
+    def append(i: int) -> None:
+        w.add_frame(
+            cameras={"top_camera": frames[i]},
+            state=np.zeros(spec.state_dim, np.float32),
+            action=np.zeros(spec.action_dim, np.float32),
+            reward=0.0,
+            controller="policy",
+            timestamp=time.time(),
+        )
+
+    try:
+        for i in range(5):
+            append(i)
+        w.flush()
+        c = dash.client("viewer")
+        eid = w.episode_id
+        assert c.get(f"/api/v1/episodes/{eid}").json()["status"] == "open"
+        r = c.get(f"/api/v1/episodes/{eid}/frames/top_camera/4.jpg", params={"quality": 100})
+        assert r.status_code == 200 and "no-cache" in r.headers["cache-control"]
+        got = np.asarray(Image.open(io.BytesIO(r.content))).astype(float)
+        assert np.abs(got - frames[4]).mean() < 3
+        assert c.get(f"/api/v1/episodes/{eid}/frames/top_camera/5.jpg").status_code == 404  # not committed
+        for i in range(5, 12):  # frame 5..7 land in the chunk already cached with 5 rows
+            append(i)
+        w.flush()
+        r = c.get(f"/api/v1/episodes/{eid}/frames/top_camera/6.jpg", params={"quality": 100})
+        got = np.asarray(Image.open(io.BytesIO(r.content))).astype(float)
+        assert r.status_code == 200 and np.abs(got - frames[6]).mean() < 3
+        assert np.abs(frames[6].astype(float) - frames[4]).mean() > 10
+        v = c.get(f"/api/v1/episodes/{eid}/video/top_camera.mp4")
+        assert v.status_code == 200 and v.headers["x-frames"] == "12"
+    finally:
+        w.close("aborted", success=False)
+
+
+def test_bad_input_is_4xx_naming_the_field(dash: Dashboard, world: FleetWorld) -> None:
+    c = dash.client("viewer")
+    eid = _episode_with_takeover(world)
+    cases = [
+        (c.get("/api/v1/episodes/bad%20id"), 422, "episode_id"),
+        (c.get("/api/v1/episodes/no-such-episode"), 404, "episode_id"),
+        (c.get(f"/api/v1/episodes/{eid}/frames/nocam/0.jpg"), 404, "camera"),
+        (c.get(f"/api/v1/episodes/{eid}/frames/top_camera/99999.jpg"), 404, "t"),
+        (c.get(f"/api/v1/episodes/{eid}/frames/top_camera/x.jpg"), 422, "t"),
+        (c.get(f"/api/v1/episodes/{eid}/frames/top_camera/0.jpg", params={"quality": 0}), 422, "quality"),
+        (c.get(f"/api/v1/episodes/{eid}/video/nocam.mp4"), 404, "camera"),
+        (c.get("/api/v1/episodes", params={"per_page": 501}), 422, "per_page"),
+        (c.get("/api/v1/selection", params={"data": "colour=red", "task": TASK}), 422, "data"),
+        (c.get("/api/v1/rounds/999"), 404, "round"),
+        (c.get("/api/v1/rounds/x"), 422, "n"),
+    ]
+    for r, status, field in cases:
+        assert r.status_code == status and _detail(r)["field"] == field, (
+            r.request.url,
+            r.status_code,
+            r.text,
+        )
+    # writes need the role, and name it
+    r = c.post("/api/v1/rounds", json={"algo": "awr", "base": f"hub://{REPO}@prod"})
+    assert r.status_code == 403 and "operator" in _detail(r)["message"]
+    op = dash.client("operator")
+    before = len(world.db.rounds())
+    bad_rounds = [
+        ({"algo": "nope", "base": f"hub://{REPO}@prod"}, "algo"),
+        ({"preset": "no-such-preset", "base": f"hub://{REPO}@prod"}, "preset"),
+        ({"algo": "qam", "preset": "tiny-awr", "base": f"hub://{REPO}@prod"}, "preset"),
+        ({"algo": "awr", "base": f"hub://{REPO}@no-such-ref"}, "base"),
+        ({"algo": "awr", "base": "hub://nobody/nothing@prod"}, "base"),
+        ({"algo": "awr", "base": "not a ref"}, "base"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "data": "robot=nobody"}, "data"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "data": "colour=red"}, "data"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "margin": 2}, "margin"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "task": "maniskill/PushCube-v1"}, "task"),
+        (
+            {"algo": "awr", "base": f"hub://{REPO}@prod", "options": {"no_such_knob": 1}},
+            "options.no_such_knob",
+        ),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "options": {"store": "/elsewhere"}}, "options.store"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "options": {"steps": -5}}, "steps"),
+        ({"algo": "awr", "base": f"hub://{REPO}@prod", "surprise": 1}, "surprise"),
+        ({"base": f"hub://{REPO}@prod"}, "algo"),
+    ]
+    for body, field in bad_rounds:
+        r = op.post("/api/v1/rounds", json=body)
+        assert r.status_code == 422 and _detail(r)["field"] == field, (body, r.text)
+    r = op.post(
+        "/api/v1/rounds",
+        content=b"{" + b" " * (5 * 1024 * 1024) + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413 and _detail(r)["field"] == "body"
+    assert len(world.db.rounds()) == before  # nothing written
+
+
+def test_selection_counts_what_a_round_would_train_on(dash: Dashboard, world: FleetWorld) -> None:
+    from vla_rl.train.transitions import DataSelection, select_episode_ids
+
+    c = dash.client("viewer")
+    store = EpisodeStore(world.store)
+    for data in ("", "robot=sim-0", "success=false", "robot=sim-1,max=1"):
+        got = c.get("/api/v1/selection", params={"data": data, "task": TASK}).json()
+        ids = select_episode_ids(store, DataSelection.parse(TASK, data), world.db, {})
+        assert got["episodes"] == len(ids) and got["frames"] == sum(
+            store.read_metadata(i).length for i in ids
+        ), data
+    assert c.get("/api/v1/selection", params={"data": "robot=sim-0"}).json()["task"] == TASK  # the only task
+
+
+def _sse(c: httpx.Client, path: str, until: str = "done", timeout_s: float = 120) -> list[tuple[str, Any]]:
+    events: list[tuple[str, Any]] = []
+    with c.stream("GET", path, timeout=timeout_s) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name, data = None, []
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data.append(line[len("data: ") :])
+            elif not line and name:
+                events.append((name, json.loads("\n".join(data))))
+                if name == until:
+                    break
+                name, data = None, []
+    return events
+
+
+TINY_ROUND = {"value_steps": 5, "steps": 5, "batch_size": 8, "threads": 1, "eval_episodes": 2, "eval_envs": 1}
+
+
+def test_queue_a_round_watch_it_over_sse_and_cancel_it(dash: Dashboard, world: FleetWorld) -> None:
+    op = dash.client("operator")
+    r = op.post(
+        "/api/v1/rounds",
+        json={
+            "preset": "tiny-awr",
+            "base": f"hub://{REPO}@prod",
+            "data": "robot=sim-0|sim-1",
+            "margin": 0.5,
+            "options": TINY_ROUND,
+        },
+    )
+    assert r.status_code == 201, r.text
+    rid = r.json()["id"]
+    assert r.json()["status"] == "queued" and r.json()["queued_by"] == "olga" and r.json()["episodes"] >= 1
+    rec = world.db.round(rid)
+    assert rec.status == "queued" and rec.algo == "awr" and rec.config["margin"] == 0.5
+    assert rec.config["train"]["data"] == "robot=sim-0|sim-1" and rec.config["preset"] == "tiny-awr"
+    assert Path(rec.config["train"]["store"]) == world.store.resolve()
+
+    viewer = dash.client("viewer")
+    listed = viewer.get("/api/v1/rounds").json()["rounds"]
+    assert listed[0]["id"] == rid and listed[0]["preset"] == "tiny-awr"
+    assert viewer.post(f"/api/v1/rounds/{rid}/cancel").status_code == 403
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.extend(_sse(viewer, f"/api/v1/rounds/{rid}/events")))
+    t.start()
+    time.sleep(1.0)
+    assert op.post(f"/api/v1/rounds/{rid}/cancel").json()["status"] == "cancelled"
+    t.join(30)
+    assert done[0][0] == "progress" and done[0][1]["status"] == "queued"
+    assert done[-1] == ("done", {"id": rid, "status": "cancelled"})
+    r = op.post(f"/api/v1/rounds/{rid}/cancel")
+    assert r.status_code == 409 and "already cancelled" in _detail(r)["message"]
+    assert viewer.get(f"/api/v1/rounds/{rid}").json()["config"]["train"]["steps"] == 5
+
+
+def _fake_round(world: FleetWorld, seed: int) -> tuple[int, str]:
+    """A succeeded round row whose checkpoint (another random policy) is pushed as round-N, as a worker
+    would leave it, without training (the slow test runs a real one)."""
+    db = world.db
+    rid = db.create_round(algo="awr", task=TASK, base_ref=f"hub://{REPO}@prod", config={}, status="running")
+    ckpt = tiny_checkpoint(world.root / f"cand-{rid}", world.spec, seed=seed)
+    sha = push_folder(ckpt, REPO, message=f"round {rid}", tag=f"round-{rid}")
+    db.update_round(
+        rid,
+        status="succeeded",
+        base_revision=world.base_commit,
+        checkpoint_ref=f"hub://{REPO}@round-{rid}",
+        checkpoint_revision=sha,
+        metrics={"success": 0.5, "base_success": 0.5, "delta": 0.0, "gate": {"passed": False}},
+        finished_at=time.time(),
+    )
+    return rid, sha
+
+
+def _serving(world: FleetWorld) -> str:
+    return world.server.slots["reach"].active.commit
+
+
+def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
+    dash: Dashboard, world: FleetWorld
+) -> None:
+    from vla_rl.hub.registry import resolve
+
+    rid, sha = _fake_round(world, seed=7)
+    op, viewer = dash.client("operator"), dash.client("viewer")
+    refs = viewer.get("/api/v1/refs").json()
+    assert (
+        refs["repo"] == REPO and {"name": "prod", "commit": world.base_commit, "kind": "tag"} in refs["refs"]
+    )
+    assert viewer.post(f"/api/v1/rounds/{rid}/promote").status_code == 403
+    assert _serving(world) == world.base_commit
+    r = op.post(f"/api/v1/rounds/{rid}/promote")
+    assert r.status_code == 200, r.text
+    assert r.json()["from"] == world.base_commit and r.json()["to"] == sha and r.json()["by"] == "olga"
+    assert resolve(f"hub://{REPO}@prod") == sha
+    _wait(lambda: _serving(world) == sha, 60, "the server following prod to serve the promoted commit")
+    rec = world.db.round(rid)
+    assert rec.promoted and rec.metrics["promotions"][-1]["action"] == "promote"
+    assert rec.metrics["success"] == 0.5  # the round's own metrics are kept
+    lineage = viewer.get("/api/v1/fleet").json()["lineage"]
+    assert {"round": rid, "tag": f"round-{rid}", "promoted": True}.items() <= next(
+        x for x in lineage if x["round"] == rid
+    ).items()
+
+    r = op.post("/api/v1/refs/prod/rollback")
+    assert r.status_code == 200, r.text
+    assert r.json()["round"] == rid and r.json()["to"] == world.base_commit and r.json()["by"] == "olga"
+    assert resolve(f"hub://{REPO}@prod") == world.base_commit
+    _wait(lambda: _serving(world) == world.base_commit, 60, "the server to follow the rollback")
+    rec = world.db.round(rid)
+    assert not rec.promoted and [e["action"] for e in rec.metrics["promotions"]] == ["promote", "rollback"]
+    r = op.post("/api/v1/refs/prod/rollback")  # nothing recorded before the base
+    assert r.status_code == 409 and _detail(r)["field"] == "ref"
+    r = op.post("/api/v1/refs/nope/rollback")
+    assert r.status_code == 404 and _detail(r)["field"] == "ref"
+    queued = world.db.create_round(algo="awr", task=TASK, base_ref=f"hub://{REPO}@prod", config={})
+    r = op.post(f"/api/v1/rounds/{queued}/promote")
+    assert r.status_code == 409 and _detail(r)["field"] == "round"
+    world.db.cancel_round(queued)
+
+
+def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
+    f = dash.client("viewer").get("/api/v1/fleet").json()
+    robots = {r["robot_id"]: r for r in f["robots"]}
+    assert {"sim-0", "sim-1"} <= set(robots)
+    info = EpisodeStore(world.store).info()["robots"]
+    stats = {r.robot_id: r for r in world.collector.stats().robots}
+    for rid in ("sim-0", "sim-1"):
+        r = robots[rid]
+        assert r["episodes"] == info[rid]["episodes"] and r["episodes_hour"] == info[rid]["episodes"]
+        assert r["intervention_rate"] == pytest.approx(info[rid]["intervention_rate"])
+        assert (
+            r["frames_received"] == stats[rid].frames_received
+            and r["frames_stored"] == stats[rid].frames_stored
+        )
+        assert r["revision"] == world.base_commit and r["connected"] is False
+    assert f["collector"]["ok"]
+    ok, down = f["servers"]
+    assert ok["ok"] and ok["commit"] and ok["followed_ref"] == f"hub://{REPO}@prod" and ok["served"] > 0
+    assert ok["p50_ms"] > 0 and ok["p99_ms"] >= ok["p50_ms"]
+    assert (
+        down == {"address": "127.0.0.1:1", "ok": False, "error": down["error"], "models": []}
+        and down["error"]
+    )
+    rev = next(x for x in f["revisions"] if x["revision"] == world.base_commit)
+    assert rev["episodes"] >= 4 and 0 <= rev["intervention_rate"] <= 1
+    assert f["timeline"] and all(
+        set(x) == {"t", "revision", "episodes", "success_rate", "intervention_rate"} for x in f["timeline"]
+    )
+
+
+def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path) -> None:
+    missing = tmp_path / "no-store"
+    cfg = DashboardConfig(
+        store=missing, db=f"sqlite:///{tmp_path}/nodir/x/metadata.db", workdir=tmp_path / "w"
+    )
+    for d in serve_dashboard(cfg):
+        c = d.client("viewer")
+        h = c.get("/api/v1/health").json()
+        assert not h["store"]["ok"] and str(missing) in h["store"]["error"]
+        assert not h["db"]["ok"] and "nodir" in h["db"]["error"]
+        r = c.get("/api/v1/episodes/x/series")
+        assert (
+            r.status_code == 503 and _detail(r)["field"] == "store" and str(missing) in _detail(r)["message"]
+        )
+        r = c.get("/api/v1/rounds")
+        assert r.status_code == 503 and _detail(r)["field"] == "db" and "--db" in _detail(r)["message"]
+        assert c.get("/").status_code == 200  # the page still loads (and shows the banner)
