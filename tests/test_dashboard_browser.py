@@ -148,12 +148,13 @@ def start_dashboard(world: World, *extra: str) -> tuple[str, subprocess.Popen[st
         "VLA_RL_COLLECTOR_TOKEN": COLLECTOR_TOKEN,
         "OMP_NUM_THREADS": "1",
     }
+    cmd = [
+        *CLI, "dashboard", "--store", str(world.store), "--hub", world.hub.url, "--repo", REPO,
+        "--server", world.server.address, "--collector", world.collector.address,
+        "--labels", str(labels), "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
+    ]  # fmt: skip
     proc = subprocess.Popen(
-        [
-            *CLI, "dashboard", "--store", str(world.store), "--hub", world.hub.url, "--repo", REPO,
-            "--server", world.server.address, "--collector", world.collector.address,
-            "--labels", str(labels), "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
-        ],  # fmt: skip
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -192,7 +193,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("dash")
     hub = HubServer(root / "hub", token=HUB_TOKEN).start()
     configure_hub(hub.url, HUB_TOKEN)  # children (dashboard, worker, serve) inherit HF_ENDPOINT/HF_TOKEN
-    store, ckpt = build_store(root, hub.url)
+    store, _ = build_store(root, hub.url)
     server = PolicyServer(
         {"reach": f"hub://{REPO}@prod"}, port=0, token="x", torch_threads=1, device="cpu"
     ).start()
@@ -226,7 +227,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", pytrace=False)
+        pytest.fail(
+            f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", pytrace=False
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -256,13 +259,19 @@ def frame_of(page: Any) -> int:
 def episode_with_takeover(world: World) -> tuple[str, int]:
     db = world.db
     for e in db.episodes(task=TASK):
-        if e.robot_id.startswith("sim-") and any(g.kind.value == "intervention" for g in e.segments) and e.length >= 12:
+        if (
+            e.robot_id.startswith("sim-")
+            and any(g.kind.value == "intervention" for g in e.segments)
+            and e.length >= 12
+        ):
             return e.id, e.length
     raise AssertionError("no fleet episode with a takeover")
 
 
 # ------------------------------------------------------------------------------------------ episode
-def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(browser: Any, world: World) -> None:
+def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
+    browser: Any, world: World
+) -> None:
     eid, length = episode_with_takeover(world)
     page = open_page(browser, world, "ana", f"/episodes?robot={eid and ''}")
     page.goto(f"{world.dashboard}/episodes?intervention=true")
@@ -295,7 +304,9 @@ def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
     for _ in range(3):
         page.keyboard.press("ArrowRight")
     page.keyboard.press("BracketRight")
-    with page.expect_response(lambda r: r.url.endswith("/api/v1/labels") and r.request.method == "POST") as resp:
+    with page.expect_response(
+        lambda r: r.url.endswith("/api/v1/labels") and r.request.method == "POST"
+    ) as resp:
         page.keyboard.press("2")
     assert resp.value.status in (200, 201), resp.value.text()
     page.wait_for_selector("svg.timeline g.label-span[data-value='idle']")
@@ -359,9 +370,13 @@ def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: World) -> Non
         assert [(lb.value, lb.author) for lb in db.labels(eid) if lb.key == "quality"] == [("good", "ana")]
     # the label filter finds exactly them, and the filter survives a reload
     page.goto(f"{world.dashboard}/episodes?label=quality:good&per_page=50")
-    page.wait_for_function("document.querySelector('.summary') && document.querySelector('.summary').textContent.startsWith('20 ')")
+    page.wait_for_function(
+        "document.querySelector('.summary') && document.querySelector('.summary').textContent.startsWith('20 ')"
+    )
     page.reload()
-    page.wait_for_function("document.querySelector('.summary') && document.querySelector('.summary').textContent.startsWith('20 ')")
+    page.wait_for_function(
+        "document.querySelector('.summary') && document.querySelector('.summary').textContent.startsWith('20 ')"
+    )
     assert page.input_value("input[name='label']") == "quality:good"
     assert page.errors == []  # type: ignore[attr-defined]
     page.context.close()
@@ -416,7 +431,9 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     page.click("a:has-text('Train a round on this selection')")
     page.wait_for_url("**/rounds?**")
     assert page.input_value("input[name='data']") == "robot=sim-0"
-    page.wait_for_function(f"document.querySelector('.selection-count').textContent.includes('selects {FLEET_EPISODES} episodes')")
+    page.wait_for_function(
+        f"document.querySelector('.selection-count').textContent.includes('selects {FLEET_EPISODES} episodes')"
+    )
     page.select_option("select[name='algo']", "awr")
     page.select_option("select[name='preset']", "tiny-awr")
     assert page.input_value("select[name='base']") == f"hub://{REPO}@prod"
@@ -424,8 +441,9 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     n_before = len(world.db.rounds())
     page.fill("input[name='data']", "robot=nobody")
     page.click("button:has-text('Start round')")
-    page.wait_for_selector(".round-form .error")
-    assert page.locator(".round-form .error").text_content().startswith("round: data")
+    alert = page.locator(".round-form div.error[role=alert]")
+    alert.wait_for()
+    assert alert.text_content().startswith("data: ")
     assert len(world.db.rounds()) == n_before
     page.fill("input[name='data']", "robot=sim-0")
     page.fill("textarea[name='options']", json.dumps({"eval_episodes": 2, "eval_envs": 1}))
@@ -452,7 +470,9 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
     until it succeeds; Promote (confirmed) moves prod; a server following prod swaps to the new commit."""
     from server.client import PolicyClient
 
-    addr = cli_server("--checkpoint", f"hub://{REPO}@prod", "--follow", "self", "--follow-interval", "1", "--device", "cpu")
+    addr = cli_server(
+        "--checkpoint", f"hub://{REPO}@prod", "--follow", "self", "--follow-interval", "1", "--device", "cpu"
+    )
     with PolicyClient(addr) as c:
         assert next(iter(c.info().values())).commit == world.base_commit
     worker = subprocess.Popen(
@@ -470,7 +490,16 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
         page.fill("input[name='margin']", "0.99")  # the gate cannot pass: promotion is the operator's call
         page.fill(
             "textarea[name='options']",
-            json.dumps({"steps": 5, "value_steps": 5, "batch_size": 8, "threads": 1, "eval_episodes": 2, "eval_envs": 1}),
+            json.dumps(
+                {
+                    "steps": 5,
+                    "value_steps": 5,
+                    "batch_size": 8,
+                    "threads": 1,
+                    "eval_episodes": 2,
+                    "eval_envs": 1,
+                }
+            ),
         )
         page.click("button:has-text('Start round')")
         page.wait_for_url(re.compile(r".*/rounds/\d+$"))

@@ -25,7 +25,8 @@ export class ApiError extends Error {
 
   /** "field: message (expected ...)" as shown in the page. */
   get text() {
-    let s = this.field ? `${this.field}: ${this.message}` : this.message;
+    const named = this.field && (this.message.startsWith(`${this.field}:`) || this.message.startsWith(`${this.field} `));
+    let s = this.field && !named ? `${this.field}: ${this.message}` : this.message;
     if (this.expected && !this.message.includes(this.expected)) s += ` (expected ${this.expected})`;
     return s;
   }

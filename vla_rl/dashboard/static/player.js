@@ -20,8 +20,8 @@ export class Player {
     this.cache = new Map(opts.cameras.map((c) => [c, new Map()]));
     this.inflight = new Map(); // "cam/t" -> promise
     this.queue = [];
+    this.running = new Set(); // jobs being fetched
     this.active = 0;
-    this.aborter = new AbortController();
     this.waiters = [];
     this.firstShown = false;
     this.views = opts.cameras.map((cam) => {
@@ -59,7 +59,7 @@ export class Player {
   }
 
   pump() {
-    while (this.active < MAX_INFLIGHT && this.queue.length) {
+    while (!this.destroyed && this.active < MAX_INFLIGHT && this.queue.length) {
       // nearest to the cursor first (ahead of it preferred)
       let best = 0;
       let bestD = Infinity;
@@ -70,7 +70,9 @@ export class Player {
       }
       const job = this.queue.splice(best, 1)[0];
       this.active++;
-      blob(this.frameUrl(job.cam, job.t), { signal: this.aborter.signal })
+      job.ac = new AbortController();
+      this.running.add(job);
+      blob(this.frameUrl(job.cam, job.t), { signal: job.ac.signal })
         .then((b) => createImageBitmap(b))
         .then((bm) => {
           this.store(job.cam, job.t, bm);
@@ -83,6 +85,7 @@ export class Player {
         })
         .finally(() => {
           this.inflight.delete(job.key);
+          this.running.delete(job);
           this.active--;
           this.pump();
         });
@@ -107,6 +110,12 @@ export class Player {
 
   onLoaded(cam, t) {
     if (t === this.t) this.drawAll();
+  }
+
+  /** A jump: stop fetching frames far from the new cursor, so its own frames get the connections. */
+  cancelFar() {
+    const ahead = Math.ceil(this.opts.fps * 2);
+    for (const job of this.running) if (job.t < this.t - 8 || job.t > this.t + ahead) job.ac.abort();
   }
 
   /** Prefetch around the cursor: a few frames behind, 2 s ahead while playing (1 s paused). */
@@ -166,7 +175,9 @@ export class Player {
   seek(t, { fromPlayback = false } = {}) {
     t = Math.max(0, Math.min(this.length - 1, Math.round(t)));
     if (!fromPlayback && this.playing) this.pause();
+    const jump = Math.abs(t - this.t) > 8;
     this.t = t;
+    if (jump) this.cancelFar();
     const shown = new Promise((resolve) => this.waiters.push({ t, resolve }));
     this.views.forEach((v) => this.load(v.cam, t));
     this.drawAll();
@@ -235,7 +246,9 @@ export class Player {
 
   destroy() {
     this.pause();
-    this.aborter.abort();
+    this.destroyed = true;
+    this.queue = [];
+    for (const job of this.running) job.ac.abort();
     for (const c of this.cache.values()) for (const bm of c.values()) bm.close?.();
     if (window.vlaPlayer === this) window.vlaPlayer = null;
   }

@@ -59,6 +59,7 @@ export async function render(root, ctx) {
   // ---- the list ------------------------------------------------------------------------------
   let listTimer = null;
   const loadList = async () => {
+    clearTimeout(listTimer);
     try {
       const res = await api("/rounds");
       drawList(Array.isArray(res) ? res : res.rounds || res.items || []);
@@ -196,7 +197,7 @@ export async function render(root, ctx) {
         navigate(`/rounds/${roundNo(res)}`);
       } catch (e) {
         if (e.status === 403) clear(formErr, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "start rounds")));
-        else showError(formErr, e, "round");
+        else showError(formErr, e);
         submit.disabled = false;
       }
     }
@@ -218,7 +219,7 @@ export async function render(root, ctx) {
     const progress = h("div.progress");
     const actions = h("div.actions");
     const msg = h("div.err-slot");
-    const curveSlot = h("div");
+    const curveSlot = h("div", { hidden: true });
     clear(detail, head, progress, curveSlot, info, actions, msg);
     const curve = new LinePlot(curveSlot, { title: "training loss", height: 140, legend: false });
     cleanups.push(() => curve.destroy());
@@ -243,6 +244,7 @@ export async function render(root, ctx) {
           losses.y.push(y);
         }
       }
+      curveSlot.hidden = losses.x.length === 0;
       curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5 }] });
     };
     const drawProgress = (p) => {
@@ -261,6 +263,7 @@ export async function render(root, ctx) {
       else if (p.loss !== undefined && step !== undefined && losses.x[losses.x.length - 1] !== step) {
         losses.x.push(step);
         losses.y.push(p.loss);
+        curveSlot.hidden = false;
         curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5 }] });
       }
     };
@@ -276,8 +279,10 @@ export async function render(root, ctx) {
     async function cancel() {
       if (!(await confirmDialog(`Cancel round-${no}?`, "A queued round will not start; a running one stops at its next heartbeat.", "Cancel round"))) return;
       try {
-        drawAll(await api(`/rounds/${no}/cancel`, { method: "POST" }).then((x) => (x && x.status ? x : api(`/rounds/${no}`))));
+        await api(`/rounds/${no}/cancel`, { method: "POST" });
+        drawAll(await api(`/rounds/${no}`));
         clear(msg);
+        loadList();
       } catch (e) {
         if (e.status === 403) clear(msg, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "cancel rounds")));
         else showError(msg, e, "cancel");

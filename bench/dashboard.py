@@ -1,0 +1,358 @@
+"""Dashboard speed measured in a real browser: Debian's headless Chromium (Playwright) against a real
+`vla-rl dashboard` process on loopback.
+
+(a) Episode list: 10,000 episodes in the metadata DB (rows bulk-inserted with ``record_episodes``,
+cloned from real episodes in the store and spread over robots, outcomes and two days). Timed in the
+page with ``performance.now()``: the Episodes page from navigation start to its 50 rows on screen
+(first and warm loads), and in-page changes (next page, a sort, a filter) from the click to the
+redrawn table (the mark is set in the animation frame after the rows are in the DOM).
+
+(b) Playback: 60 s, 2-camera (224x224), 20 Hz episodes (1,200 frames; synthetic moving images with
+sensor-like noise, so JPEG sizes are like renders'). First frame on screen: navigation start to both
+cameras drawn, from cold caches (a fresh dashboard process and a fresh browser context per episode).
+Seek: once loaded, jumps to far frames outside the prefetch window (as a click on the timeline does),
+from the seek call to both cameras showing the new frame.
+
+Targets (issue 19): list page < 300 ms, first frame < 1 s, seek < 100 ms.
+
+    python bench/dashboard.py --out bench/results/dashboard.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import table, write_results
+from fleet.db import MetadataDB
+from fleet.store import EpisodeStore
+from vla_rl.spec import CameraSpec, RobotSpec
+
+CHROMIUM = "/usr/bin/chromium"
+TOKEN = "bench-dashboard-operator-token"
+HZ, SECONDS, SIZE = 20.0, 60, 224
+TARGETS_MS = {"list": 300.0, "first_frame": 1000.0, "seek": 100.0}
+SPEC = RobotSpec(
+    "bench-arm",
+    9,
+    7,
+    HZ,
+    "pick up the cube",
+    cameras=(CameraSpec("front", SIZE, SIZE), CameraSpec("wrist", SIZE, SIZE)),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def images(n: int, t0: int, cam: int, rng: np.random.Generator) -> np.ndarray:
+    """n frames of a moving gradient with a moving square and noise (compresses like a render)."""
+    y, x = np.mgrid[:SIZE, :SIZE]
+    t = np.arange(t0, t0 + n)[:, None, None, None]
+    base = (x[None, ..., None] + y[None, ..., None] * 2 + t * (2 + cam) + np.array([0, 70, 140])) % 256
+    out = base.astype(np.int16) + rng.integers(0, 8, (n, SIZE, SIZE, 3))
+    for i in range(n):
+        cx = int(40 + 140 * (0.5 + 0.5 * np.sin((t0 + i) / 40 + cam)))
+        out[i, 90:130, cx - 20 : cx + 20] = (200, 40, 40)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def write_episode(store: EpisodeStore, db: MetadataDB, robot: str, frames: int, seed: int) -> str:
+    """A real episode in the store (and its DB row): autonomous, a takeover, autonomous again."""
+    rng = np.random.default_rng(seed)
+    w = store.create_episode(SPEC, robot_id=robot, task="bench/pick", chunk_len=64, db=db)
+    cut1, cut2 = frames // 3, frames // 2
+    ts = time.time() - frames / HZ
+    edges = sorted({0, cut1, cut2, frames, *range(0, frames, 100)})
+    for a, b in itertools.pairwise(edges):
+        if a == 0:
+            w.begin_segment("autonomous", "policy")
+        elif a == cut1:
+            w.begin_segment("intervention", "human", reason="stall: no progress for 8 steps")
+        elif a == cut2:
+            w.begin_segment("autonomous", "policy")
+        n, human = b - a, cut1 <= a < cut2
+        action = np.tanh(np.cumsum(rng.normal(0, 0.1, (n, 7)), axis=0)).astype(np.float32)
+        noise = rng.normal(0, 0.05, action.shape).astype(np.float32)
+        proposed = np.full_like(action, np.nan) if human else action + noise
+        w.add_frames(
+            {
+                "cameras": {c.name: images(n, a, k, rng) for k, c in enumerate(SPEC.cameras)},
+                "state": rng.normal(0, 1, (n, 9)).astype(np.float32),
+                "action": action,
+                "proposed_action": proposed,
+                "reward": (np.arange(a, b, dtype=np.float32) / frames),
+                "controller": 1 if human else 0,
+                "revision": "" if human else "bench-rev-1",
+                "timestamp": ts + np.arange(a, b) / HZ,
+            }
+        )
+    return w.close("success").episode_id
+
+
+def bulk_rows(db: MetadataDB, store: EpisodeStore, template_ids: list[str], total: int) -> int:
+    """Clone real episodes' metadata into ``total`` DB rows in all (one bulk insert)."""
+    have = len(db.episodes())
+    metas = [store.read_metadata(e) for e in template_ids]
+    now = time.time()
+    rng = np.random.default_rng(0)
+    clones = []
+    for i in range(total - have):
+        m = metas[i % len(metas)]
+        ok = bool(rng.random() < 0.6)
+        clones.append(
+            dataclasses.replace(
+                m,
+                episode_id=f"bulk-{i:05d}",
+                robot_id=f"arm-{i % 16:02d}",
+                created=now - 172_800 * (i / total),
+                closed=now - 172_800 * (i / total) + 30,
+                outcome="success" if ok else "failure",
+                success=ok,
+            )
+        )
+    return db.record_episodes(clones, str(store.root))
+
+
+class Dashboard:
+    """`vla-rl dashboard` in its own process (a fresh one = cold server caches)."""
+
+    def __init__(self, store: Path, work: Path) -> None:
+        self.port = _free_port()
+        env = os.environ | {"VLA_RL_DASHBOARD_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+        env.pop("VLA_RL_DASHBOARD_TOKENS_FILE", None)
+        cmd = [sys.executable, "-m", "vla_rl.cli", "dashboard", "--store", str(store), "--workdir", str(work)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--port", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the dashboard exited: {self.proc.stdout.read() if self.proc.stdout else ''}"
+                )
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the dashboard did not come up in 60 s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def new_page(browser: Any, url: str) -> Any:
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    ctx.add_init_script(f"localStorage.setItem('vla-rl-dashboard-token', {json.dumps(TOKEN)})")
+    page = ctx.new_page()
+    page.set_default_timeout(30_000)
+    return page
+
+
+IN_PAGE_CHANGE = """async (action) => {
+  const prev = window.vlaEpisodesRendered.at;
+  const t0 = performance.now();
+  if (action === "next") document.querySelector(".pager button:last-child").click();
+  else if (action === "sort") document.querySelector("th[data-sort=length]").click();
+  else {
+    const el = document.querySelector("select[name=outcome]");
+    el.value = action;
+    el.dispatchEvent(new Event("change", {bubbles: true}));
+  }
+  while (window.vlaEpisodesRendered.at === prev) await new Promise((r) => requestAnimationFrame(r));
+  return window.vlaEpisodesRendered.at - t0;
+}"""
+
+
+def bench_list(browser: Any, url: str, reps: int) -> dict[str, Any]:
+    page = new_page(browser, url)
+    loads = []
+    total = 0
+    for _ in range(reps):
+        page.goto(f"{url}/episodes")
+        page.wait_for_function("window.vlaEpisodesRendered")
+        r = page.evaluate("window.vlaEpisodesRendered")
+        loads.append(r["at"])
+        total = r["total"]
+        assert page.locator("table.episodes tbody tr").count() == 50
+    changes: dict[str, list[float]] = {"next page": [], "sort by length": [], "filter outcome": []}
+    for i in range(reps):
+        changes["next page"].append(page.evaluate(IN_PAGE_CHANGE, "next"))
+        changes["sort by length"].append(page.evaluate(IN_PAGE_CHANGE, "sort"))
+        changes["filter outcome"].append(
+            page.evaluate(IN_PAGE_CHANGE, "failure" if i % 2 == 0 else "success")
+        )
+    page.context.close()
+    return {
+        "episodes_in_db": total,
+        "page_load_first_ms": round(loads[0], 1),
+        "page_load_warm_ms": round(statistics.median(loads[1:] or loads), 1),
+        **{f"{k}_ms": round(statistics.median(v), 1) for k, v in changes.items()},
+        "in_page_max_ms": round(max(max(v) for v in changes.values()), 1),
+    }
+
+
+FRAME_TIMING = """(t) => {
+  // the server's share of a frame: resource timing of its JPEG requests (request sent -> last byte)
+  const es = performance.getEntriesByType("resource").filter((e) => e.name.includes("/frames/") && e.name.endsWith(`/${t}.jpg`));
+  return es.map((e) => ({ queued: e.requestStart - e.startTime, server: e.responseEnd - e.requestStart }));
+}"""
+
+
+def bench_playback(browser: Any, store: Path, work: Path, ids: list[str], seeks: int) -> dict[str, Any]:
+    firsts, seek_ms, server_ms, queued_ms = [], [], [], []
+    rng = np.random.default_rng(1)
+    frames = int(HZ * SECONDS)
+    for eid in ids:
+        dash = Dashboard(store, work)  # cold: a new process has empty frame caches
+        try:
+            page = new_page(browser, dash.url)  # cold: a new context has an empty HTTP cache
+            page.goto(f"{dash.url}/episodes/{eid}")
+            page.wait_for_function("window.vlaPlayer && window.vlaPlayer.firstShown")
+            firsts.append(page.evaluate("performance.getEntriesByName('vla:first-frame')[0].startTime"))
+            first_jpegs = page.evaluate(FRAME_TIMING, 0)
+            page.wait_for_timeout(1500)  # "after load": the page and its first prefetch window settled
+            for _ in range(seeks):
+                cur = page.evaluate("window.vlaPlayer.t")
+                t = int(rng.integers(0, frames))
+                while abs(t - cur) < 3 * HZ:  # outside the prefetch window
+                    t = int(rng.integers(0, frames))
+                seek_ms.append(page.evaluate("(t) => window.vlaPlayer.timedSeek(t)", t))
+                page.wait_for_timeout(400)
+                for e in page.evaluate(FRAME_TIMING, t):
+                    server_ms.append(e["server"])
+                    queued_ms.append(e["queued"])
+            page.context.close()
+        finally:
+            dash.stop()
+    return {
+        "episode": f"{SECONDS} s, {len(SPEC.cameras)} cameras {SIZE}x{SIZE}, {HZ:g} Hz ({frames} frames)",
+        "episodes_opened_cold": len(ids),
+        "first_frame_ms": [round(x, 1) for x in firsts],
+        "first_frame_max_ms": round(max(firsts), 1),
+        "first_frame_jpeg_server_ms": [round(e["server"], 1) for e in first_jpegs],
+        "seek_jpeg_server_median_ms": round(statistics.median(server_ms), 1) if server_ms else None,
+        "seek_jpeg_queued_median_ms": round(statistics.median(queued_ms), 1) if queued_ms else None,
+        "seeks": len(seek_ms),
+        "seek_median_ms": round(statistics.median(seek_ms), 1),
+        "seek_p95_ms": round(float(np.percentile(seek_ms, 95)), 1),
+        "seek_max_ms": round(max(seek_ms), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, default=10_000, help="episodes in the DB")
+    ap.add_argument("--long", type=int, default=3, help="60 s episodes opened cold (one dashboard each)")
+    ap.add_argument("--seeks", type=int, default=10, help="seeks per long episode")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each list measurement")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results JSON (default bench/results/dashboard.json)"
+    )
+    args = ap.parse_args(argv)
+    if not Path(CHROMIUM).exists():
+        print(f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", file=sys.stderr)
+        return 1
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
+        root = Path(tmp)
+        store = EpisodeStore(root / "store", create=True)
+        db = MetadataDB.for_store(store.root)
+        t0 = time.perf_counter()
+        long_ids = [
+            write_episode(store, db, f"arm-{i:02d}", int(HZ * SECONDS), seed=i) for i in range(args.long)
+        ]
+        short_ids = [write_episode(store, db, f"arm-{i:02d}", 60, seed=100 + i) for i in range(4)]
+        inserted = bulk_rows(db, store, short_ids, args.episodes)
+        print(
+            f"store: {len(long_ids) + len(short_ids)} real episodes + {inserted} DB rows in {time.perf_counter() - t0:.0f} s"
+        )
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            dash = Dashboard(store.root, root / "work")
+            try:
+                listing = bench_list(browser, dash.url, args.reps)
+            finally:
+                dash.stop()
+            playback = bench_playback(browser, store.root, root / "work", long_ids, args.seeks)
+            browser.close()
+    rows = [
+        [
+            "episode list page (navigation -> 50 rows drawn), first",
+            f"{listing['page_load_first_ms']}",
+            "< 300",
+        ],
+        ["episode list page, warm", f"{listing['page_load_warm_ms']}", "< 300"],
+        ["next page (click -> rows drawn)", f"{listing['next page_ms']}", "< 300"],
+        ["sort by length", f"{listing['sort by length_ms']}", "< 300"],
+        ["filter outcome", f"{listing['filter outcome_ms']}", "< 300"],
+        ["first frame on screen, cold (max of episodes)", f"{playback['first_frame_max_ms']}", "< 1000"],
+        ["seek shown, median", f"{playback['seek_median_ms']}", "< 100"],
+        ["seek shown, p95", f"{playback['seek_p95_ms']}", "< 100"],
+        [
+            "  of which: a seek's JPEG request on the server, median",
+            f"{playback['seek_jpeg_server_median_ms']}",
+            "",
+        ],
+    ]
+    load = os.getloadavg()[0]
+    print(
+        f"{listing['episodes_in_db']:,} episodes in the DB; playback: {playback['episode']}; load average {load:.1f}"
+    )
+    print(table(rows, ["measure (in the browser)", "ms", "target ms"]))
+    ok = {
+        "list": max(listing["page_load_warm_ms"], listing["page_load_first_ms"], listing["in_page_max_ms"])
+        < TARGETS_MS["list"],
+        "first_frame": playback["first_frame_max_ms"] < TARGETS_MS["first_frame"],
+        "seek": playback["seek_p95_ms"] < TARGETS_MS["seek"],
+    }
+    path = write_results(
+        "dashboard",
+        {
+            "targets_ms": TARGETS_MS,
+            "passed": ok,
+            "load_average_1min": round(load, 2),
+            "list": listing,
+            "playback": playback,
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0 if all(ok.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
