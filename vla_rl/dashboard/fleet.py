@@ -5,20 +5,17 @@ with its error instead of failing the page."""
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent import futures
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
-from fleet.meta import EpisodeRecord, SegmentKind
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.secrets import env_secret
 
 RPC_TIMEOUT_S = 1.0
-HOUR, DAY = 3600.0, 86400.0
 
 
 def _rpc_error(e: Exception) -> str:
@@ -102,109 +99,13 @@ def collector_stats(address: str) -> tuple[dict[str, dict[str, Any]], str | None
     }, None
 
 
-def _intervention_frames(e: EpisodeRecord) -> int:
-    return sum(
-        (e.length if g.end is None else g.end) - g.start
-        for g in e.segments
-        if g.kind == SegmentKind.INTERVENTION
-    )
+def _last_checkpoint_revision(db: Any, robot_id: str) -> str | None:
+    """The checkpoint revision the robot's newest episode ran (skipping "", the human frames' entry)."""
+    from fleet.db import EpisodeQuery
 
-
-def _rate(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-def db_aggregates(episodes: list[EpisodeRecord], now: float, bucket_s: float) -> dict[str, Any]:
-    """Per robot, per revision and per (time bucket, revision) numbers from the DB's episode rows."""
-    robots: dict[str, dict[str, Any]] = {}
-    revs: dict[str, dict[str, Any]] = {}
-    buckets: dict[tuple[float, str], dict[str, Any]] = {}
-    for e in episodes:
-        closed = e.status == "closed"
-        known = closed and e.outcome not in (None, "unknown") and e.success is not None
-        iv = _intervention_frames(e)
-        r = robots.setdefault(
-            e.robot_id,
-            {
-                "episodes": 0,
-                "episodes_hour": 0,
-                "succ_hour": 0,
-                "known_hour": 0,
-                "episodes_day": 0,
-                "succ_day": 0,
-                "known_day": 0,
-                "frames": 0,
-                "iv": 0,
-                "revision": None,
-                "last": -1.0,
-            },
-        )
-        r["episodes"] += 1
-        r["frames"] += e.length
-        r["iv"] += iv
-        for w, span in (("hour", HOUR), ("day", DAY)):
-            if e.created_at >= now - span:
-                r[f"episodes_{w}"] += 1
-                r[f"known_{w}"] += int(known)
-                r[f"succ_{w}"] += int(known and bool(e.success))
-        served = [x for x in e.revisions if x]
-        if served and e.created_at >= r["last"]:
-            r["revision"], r["last"] = served[-1], e.created_at
-        for rev in served or [""]:
-            for d in (
-                revs.setdefault(
-                    rev,
-                    {"first_seen": e.created_at, "episodes": 0, "known": 0, "succ": 0, "frames": 0, "iv": 0},
-                ),
-                buckets.setdefault(
-                    (e.created_at // bucket_s * bucket_s, rev),
-                    {"episodes": 0, "known": 0, "succ": 0, "frames": 0, "iv": 0},
-                ),
-            ):
-                d["episodes"] += 1
-                d["known"] += int(known)
-                d["succ"] += int(known and bool(e.success))
-                d["frames"] += e.length
-                d["iv"] += iv
-                if "first_seen" in d:
-                    d["first_seen"] = min(d["first_seen"], e.created_at)
-    return {
-        "robots": {
-            rid: {
-                "episodes": r["episodes"],
-                "episodes_hour": r["episodes_hour"],
-                "success_hour": _rate(r["succ_hour"], r["known_hour"]),
-                "episodes_day": r["episodes_day"],
-                "success_day": _rate(r["succ_day"], r["known_day"]),
-                "intervention_rate": _rate(r["iv"], r["frames"]),
-                "revision": r["revision"],
-            }
-            for rid, r in robots.items()
-        },
-        "revisions": sorted(
-            (
-                {
-                    "revision": rev or None,
-                    "first_seen": d["first_seen"],
-                    "episodes": d["episodes"],
-                    "success_rate": _rate(d["succ"], d["known"]),
-                    "intervention_rate": _rate(d["iv"], d["frames"]),
-                }
-                for rev, d in revs.items()
-            ),
-            key=lambda x: x["first_seen"],
-        ),
-        "timeline": [
-            {
-                "t": t,
-                "revision": rev or None,
-                "episodes": d["episodes"],
-                "success_rate": _rate(d["succ"], d["known"]),
-                "intervention_rate": _rate(d["iv"], d["frames"]),
-            }
-            for (t, rev), d in sorted(buckets.items())
-        ],
-    }
+    items, _ = db.query_episodes(EpisodeQuery(robot=robot_id, per_page=1))
+    served = [r for r in (items[0].revisions if items else ()) if r]
+    return served[-1] if served else None
 
 
 def lineage(ctx: Context) -> list[dict[str, Any]]:
@@ -240,12 +141,16 @@ def make_router(ctx: Context) -> APIRouter:
         with futures.ThreadPoolExecutor(max_workers=min(16, len(ctx.cfg.server) + 1)) as pool:
             servers = pool.map(server_info, ctx.cfg.server)
             stats_f = pool.submit(collector_stats, ctx.cfg.collector) if ctx.cfg.collector else None
-            agg = db_aggregates(db.episodes(), now, bucket_s)
+            by_robot = {x.robot_id: x.to_dict() for x in db.robot_stats(now)}
+            revisions = [x.to_dict() for x in db.revision_stats()]
+            timeline = [x.to_dict() for x in db.revision_timeline(bucket_s)]
             servers_list = list(servers)
             stats, stats_error = stats_f.result() if stats_f else ({}, None)
         robots = []
-        for rid in sorted(set(agg["robots"]) | set(stats)):
-            a = agg["robots"].get(rid, {})
+        for rid in sorted(set(by_robot) | set(stats)):
+            a = by_robot.get(rid, {})
+            if a and not a.get("revision"):  # its newest episode ended under a human (revision "")
+                a["revision"] = _last_checkpoint_revision(db, rid)
             s = stats.get(rid, {})
             robots.append(
                 {
@@ -269,12 +174,11 @@ def make_router(ctx: Context) -> APIRouter:
                 "ok": ctx.cfg.collector is not None and stats_error is None,
                 "error": stats_error,
             },
-            "revisions": agg["revisions"],
-            "timeline": agg["timeline"],
+            "revisions": revisions,
+            "timeline": timeline,
             "servers": servers_list,
             "lineage": lineage(ctx),
             "now": now,
-            "pid": os.getpid(),
         }
 
     return r
