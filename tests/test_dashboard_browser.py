@@ -51,30 +51,6 @@ TOKENS = {
     "vic": ("viewer", "vic-viewer-token-0123456789"),
     "ops": ("operator", "ops-operator-token-0123456789"),
 }
-LABELS_TOML = """
-[[episode]]
-key = "outcome"
-values = ["success", "failure"]
-shortcut = "o"
-
-[[episode]]
-key = "failure"
-values = ["missed-grasp", "dropped", "collision", "timeout", "wrong-object", "other"]
-shortcut = "f"
-
-[[episode]]
-key = "quality"
-values = ["good", "bad"]
-shortcut = "q"
-
-[[span]]
-key = "segment"
-values = ["progress", "idle", "failure-inducing", "recovery"]
-
-[[episode]]
-key = "note"
-free_text = true
-"""
 FLEET_ROBOTS, FLEET_EPISODES = 2, 11
 
 
@@ -109,7 +85,7 @@ def build_store(root: Path, hub_url: str) -> tuple[Path, Path]:
         episodes=4,
         noise=0.3,
         obs="rgb",
-        image_size=32,
+        image_size=64,
         robot_prefix="demo",
         progress=False,
     )
@@ -141,8 +117,6 @@ def start_dashboard(world: World, *extra: str) -> tuple[str, subprocess.Popen[st
     tokens.write_text(
         "".join(f'[[token]]\nname = "{n}"\nrole = "{r}"\ntoken = "{t}"\n\n' for n, (r, t) in TOKENS.items())
     )
-    labels = world.root / "labels.toml"
-    labels.write_text(LABELS_TOML)
     env = os.environ | {
         "VLA_RL_DASHBOARD_TOKENS_FILE": str(tokens),
         "VLA_RL_COLLECTOR_TOKEN": COLLECTOR_TOKEN,
@@ -151,7 +125,7 @@ def start_dashboard(world: World, *extra: str) -> tuple[str, subprocess.Popen[st
     cmd = [
         *CLI, "dashboard", "--store", str(world.store), "--hub", world.hub.url, "--repo", REPO,
         "--server", world.server.address, "--collector", world.collector.address,
-        "--labels", str(labels), "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
+        "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,

@@ -174,7 +174,8 @@ export async function render(root, ctx) {
   async function undo(labelId) {
     try {
       await api(`/labels/${encodeURIComponent(labelId)}/undo`, { method: "POST" });
-      say(`undone`);
+      const ev = historyOf(state.ep).find((e) => e.id === labelId);
+      say(ev ? `undone: ${describe(ev)}` : "undone");
       await refresh();
     } catch (e) {
       sayError(e, "undo");
@@ -196,7 +197,7 @@ export async function render(root, ctx) {
   function drawLabels() {
     const hist = historyOf(state.ep);
     const cur = currentValues(hist);
-    timeline.setSpans(currentSpans(hist));
+    timeline.setSpans(Array.isArray(state.ep.spans) ? state.ep.spans : currentSpans(hist));
     const oc = cur.outcome ? cur.outcome.value : state.ep.outcome || (state.ep.success === true ? "success" : state.ep.success === false ? "failure" : "unknown");
     clear(outcomeBadge, badge(oc, `oc-${oc}`, cur.outcome ? `overridden by ${cur.outcome.author}` : "recorded outcome"));
     const canLabel = ctx.can("labeller");
@@ -222,13 +223,14 @@ export async function render(root, ctx) {
       fields,
     );
     const undone = new Set(hist.filter((e) => e.undoes != null).map((e) => e.undoes));
+    const byId = new Map(hist.map((e) => [e.id, e]));
     const items = [...hist].reverse().map((e) => {
       const isUndo = e.undoes != null;
       const span = e.start != null ? ` [${e.start}, ${e.end})` : "";
       return h(
         "li",
         { class: isUndo ? "undo-event" : undone.has(e.id) ? "undone" : "", dataset: { id: e.id } },
-        h("div", isUndo ? `undo of #${e.undoes}` : h("b", `${e.key}=${typeof e.value === "object" ? JSON.stringify(e.value) : e.value}`), span, e.note ? h("span.muted", ` “${e.note}”`) : null),
+        h("div", isUndo ? `undo of ${byId.has(e.undoes) ? describe(byId.get(e.undoes)) : `#${e.undoes}`}` : h("b", `${e.key}=${typeof e.value === "object" ? JSON.stringify(e.value) : e.value}`), isUndo ? null : span, e.note ? h("span.muted", ` “${e.note}”`) : null),
         h("div.small.muted", `${e.author || "?"} · ${e.source || "human"} · ${when(e.created_at)}`),
         !isUndo && !undone.has(e.id) && canLabel ? h("button.link.small", { type: "button", onclick: () => undo(e.id), title: "retract this label" }, "undo") : null,
         e.start != null ? h("button.link.small", { type: "button", onclick: () => player.seek(e.start) }, "go") : null,
@@ -329,6 +331,12 @@ export async function render(root, ctx) {
     player.destroy();
     plots.forEach((p) => p.destroy());
   };
+}
+
+/** "key=value [start, end)" of a label event. */
+function describe(e) {
+  const v = typeof e.value === "object" ? JSON.stringify(e.value) : e.value;
+  return `${e.key}=${v}${e.start != null ? ` [${e.start}, ${e.end})` : ""}`;
 }
 
 /** Per-frame rows from either frames x dims or {dims: [...]}; null when absent. */
