@@ -445,7 +445,15 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
     from server.client import PolicyClient
 
     addr = cli_server(
-        "--checkpoint", f"hub://{REPO}@prod", "--follow", "self", "--follow-interval", "1", "--device", "cpu"
+        "--checkpoint",
+        f"hub://{REPO}@prod",
+        "--follow",
+        "self",
+        "--follow-interval",
+        "1",
+        "--device",
+        "cpu",
+        env={"VLA_RL_HUB": world.hub.url, "OMP_NUM_THREADS": "1"},
     )
     with PolicyClient(addr) as c:
         assert next(iter(c.info().values())).commit == world.base_commit
@@ -454,11 +462,11 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        env=os.environ | {"VLA_RL_HUB": world.hub.url, "OMP_NUM_THREADS": "1"},
     )
     try:
         page = open_page(browser, world, "ops", "/rounds?new=1&filter=" + "robot%3Dsim-0%26robot%3Dsim-1")
-        page.wait_for_selector("select[name='base'] option")
+        page.wait_for_selector("select[name='base'] option", state="attached")
         page.select_option("select[name='algo']", "awr")
         page.fill("input[name='data']", "robot=sim-0|sim-1")
         page.fill("input[name='margin']", "0.99")  # the gate cannot pass: promotion is the operator's call

@@ -127,9 +127,11 @@ export class LinePlot {
     }
     c.textAlign = "center";
     c.textBaseline = "top";
-    const ticks = 5;
-    for (let i = 0; i <= ticks; i++) {
-      const x = this.x0 + ((this.x1 - this.x0) * i) / ticks;
+    const span = this.x1 - this.x0;
+    const xs = [];
+    if (!this.opts.time && span < 5) for (let x = Math.ceil(this.x0); x <= this.x1; x++) xs.push(x);
+    else for (let i = 0; i <= 5; i++) xs.push(this.x0 + (span * i) / 5);
+    for (const x of xs) {
       c.fillText(this.opts.time ? fmtTime(x, this.x1 - this.x0) : fmtX(x), Math.min(W - 16, Math.max(PAD.l + 8, this.px(x))), H - PAD.b + 3);
     }
     // series

@@ -245,7 +245,7 @@ export async function render(root, ctx) {
         }
       }
       curveSlot.hidden = losses.x.length === 0;
-      curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5 }] });
+      curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
     };
     const drawProgress = (p) => {
       const step = p.step ?? p.steps_done;
@@ -254,7 +254,9 @@ export async function render(root, ctx) {
       const evTotal = p.eval_total ?? p.eval_episodes;
       clear(
         progress,
-        h("div", h("b", "phase "), h("span.phase", p.phase || r.status), p.since ? h("span.muted", ` (${ago(p.since)})`) : null),
+        ACTIVE.has(r.status)
+          ? h("div", h("b", "phase "), h("span.phase", p.phase || r.status), p.since ? h("span.muted", ` (${ago(p.since)})`) : null)
+          : h("div", h("b", "finished "), h("span.phase", r.status), r.finished_at ? h("span.muted", ` (${ago(r.finished_at)})`) : null),
         step !== undefined ? h("div", h("b", "step "), `${step}${total ? ` / ${total}` : ""}`, total ? h("progress", { max: total, value: step }) : null) : null,
         p.loss !== undefined ? h("div", h("b", "loss "), num(p.loss, 4)) : null,
         evDone !== undefined ? h("div", h("b", "evaluation "), `${evDone}${evTotal ? ` / ${evTotal}` : ""} episodes`, evTotal ? h("progress", { max: evTotal, value: evDone }) : null) : null,
@@ -264,7 +266,7 @@ export async function render(root, ctx) {
         losses.x.push(step);
         losses.y.push(p.loss);
         curveSlot.hidden = false;
-        curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5 }] });
+        curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
       }
     };
     const drawActions = () => {
