@@ -4,7 +4,7 @@ import { navigate, render, route, start } from "./router.js";
 import { typing } from "./util.js";
 
 const ROLES = ["viewer", "labeller", "operator"];
-const ctx = { session: null, schema: null };
+const ctx = { session: null, schema: null, ready: Promise.resolve(false), can };
 
 /** Does the session's role reach `role`? */
 export function can(role) {
@@ -103,7 +103,8 @@ async function main() {
   $("token-form").addEventListener("submit", async () => {
     setToken($("token-input").value);
     $("token-input").value = "";
-    if (await loadSession().catch(() => false)) render();
+    ctx.ready = loadSession().catch(() => false);
+    if (await ctx.ready) render();
     else askToken("That token was rejected (401): check it and try again.");
   });
   $("token-button").addEventListener("click", () => askToken("Enter a new access token."));
@@ -113,9 +114,12 @@ async function main() {
   checkHealth();
   healthTimer = setInterval(checkHealth, 10000);
 
-  const ok = getToken() ? await loadSession().catch(() => false) : false;
-  if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
-  await start($("page"), () => ({ ...ctx, can }));
+  // the session and the label schema load while the first page starts (pages await ctx.ready)
+  ctx.ready = getToken() ? loadSession().catch(() => false) : Promise.resolve(false);
+  ctx.ready.then((ok) => {
+    if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
+  });
+  await start($("page"), () => ctx);
 }
 
 window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval(healthTimer) };

@@ -1,11 +1,18 @@
 // Synchronised playback of every camera: JPEG frames fetched with the auth header
-// (/episodes/{id}/frames/{cam}/{t}.jpg), decoded off the main thread (createImageBitmap), kept in a
-// bounded cache and drawn into one canvas per camera. A prefetch window runs ahead of the cursor.
+// (/episodes/{id}/frames/{cam}/{t}.jpg) into canvases, one per camera.
+//
+// Two caches: the JPEG bytes (small, ~10 KB a frame at 224 px, kept for the whole episode up to a
+// byte budget) and decoded ImageBitmaps (large, kept only around the cursor). The frames near the
+// cursor are fetched first (a prefetch window ahead of it); when those are in, the rest of the episode
+// is buffered in the background, two requests at a time, like a video player does, so that once it is
+// buffered a seek anywhere is a local decode. A jump aborts the fetches far from the new cursor.
 import { blob } from "./api.js";
 import { h } from "./util.js";
 
-const MAX_INFLIGHT = 5;
-const CACHE_FRAMES = 900; // per camera
+const MAX_INFLIGHT = 5; // foreground requests (the browser allows 6 per host)
+const BACKGROUND_INFLIGHT = 2;
+const BITMAPS_PER_CAMERA = 160;
+const JPEG_BUDGET_BYTES = 256 * 2 ** 20;
 
 export class Player {
   /**
@@ -17,21 +24,25 @@ export class Player {
     this.opts = opts;
     this.t = 0;
     this.playing = false;
-    this.cache = new Map(opts.cameras.map((c) => [c, new Map()]));
-    this.inflight = new Map(); // "cam/t" -> promise
+    this.jpegs = new Map(opts.cameras.map((c) => [c, new Map()]));
+    this.bitmaps = new Map(opts.cameras.map((c) => [c, new Map()]));
+    this.jpegBytes = 0;
+    this.fetching = new Map(); // "cam/t" -> job being fetched or queued
     this.queue = [];
-    this.running = new Set(); // jobs being fetched
-    this.active = 0;
+    this.running = new Set();
+    this.decoding = new Map(); // "cam/t" -> promise of a bitmap
     this.waiters = [];
     this.firstShown = false;
+    this.buffered = 0; // frames whose JPEG is held for every camera
+    this.fillFrom = 0;
     this.views = opts.cameras.map((cam) => {
       const canvas = h("canvas", { width: 224, height: 224, "aria-label": `camera ${cam}` });
       const el = h("figure.camera", { dataset: { camera: cam } }, canvas, h("figcaption", cam));
       return { cam, canvas, ctx: canvas.getContext("2d"), shown: -1, el };
     });
     this.status = h("span.player-status.muted");
+    this.bufferOut = h("span.buffered.muted.small");
     parent.append(h("div.cameras", this.views.map((v) => v.el)));
-    this.statusEl = this.status;
     window.vlaPlayer = this;
   }
 
@@ -43,107 +54,171 @@ export class Player {
     return `/episodes/${encodeURIComponent(this.opts.episodeId)}/frames/${encodeURIComponent(cam)}/${t}.jpg`;
   }
 
-  /** Fetch (once) and decode frame t of cam; resolves to an ImageBitmap or null on error. */
-  load(cam, t) {
-    const bm = this.cache.get(cam).get(t);
-    if (bm) return Promise.resolve(bm);
+  hasAll(t, cache = this.bitmaps) {
+    return this.views.every((v) => cache.get(v.cam).has(t));
+  }
+
+  // ---------------------------------------------------------------- fetching JPEGs
+  /** Resolves when frame t of cam is held as JPEG (fetched once), or null if it could not be. */
+  fetchJpeg(cam, t, background = false) {
+    const have = this.jpegs.get(cam).get(t);
+    if (have) return Promise.resolve(have);
     const key = `${cam}/${t}`;
-    if (this.inflight.has(key)) return this.inflight.get(key).promise;
+    const known = this.fetching.get(key);
+    if (known) {
+      if (!background) known.background = false;
+      return known.promise;
+    }
     let resolve;
     const promise = new Promise((r) => (resolve = r));
-    const job = { cam, t, key, promise, resolve };
-    this.inflight.set(key, job);
+    const job = { cam, t, key, promise, resolve, background };
+    this.fetching.set(key, job);
     this.queue.push(job);
     this.pump();
     return promise;
   }
 
   pump() {
-    while (!this.destroyed && this.active < MAX_INFLIGHT && this.queue.length) {
-      // nearest to the cursor first (ahead of it preferred)
-      let best = 0;
-      let bestD = Infinity;
-      for (let i = 0; i < this.queue.length; i++) {
-        const dt = this.queue[i].t - this.t;
-        const d = dt >= 0 ? dt : -dt * 3;
-        if (d < bestD) [best, bestD] = [i, d];
+    for (;;) {
+      if (this.destroyed) return;
+      const fg = this.queue.filter((j) => !j.background);
+      let job = null;
+      if (fg.length && this.running.size < MAX_INFLIGHT) {
+        // nearest to the cursor first (ahead of it preferred)
+        const d = (j) => (j.t >= this.t ? j.t - this.t : (this.t - j.t) * 3);
+        job = fg.reduce((a, b) => (d(b) < d(a) ? b : a));
+      } else if (!fg.length && [...this.running].filter((j) => j.background).length < BACKGROUND_INFLIGHT && this.running.size < MAX_INFLIGHT) {
+        job = this.queue.find((j) => j.background) || this.nextFill();
       }
-      const job = this.queue.splice(best, 1)[0];
-      this.active++;
-      job.ac = new AbortController();
-      this.running.add(job);
-      blob(this.frameUrl(job.cam, job.t), { signal: job.ac.signal })
-        .then((b) => createImageBitmap(b))
-        .then((bm) => {
-          this.store(job.cam, job.t, bm);
-          job.resolve(bm);
-          this.onLoaded(job.cam, job.t);
-        })
-        .catch((e) => {
-          if (e.name !== "AbortError") this.error = e;
-          job.resolve(null);
-        })
-        .finally(() => {
-          this.inflight.delete(job.key);
-          this.running.delete(job);
-          this.active--;
-          this.pump();
-        });
+      if (!job) return;
+      this.queue = this.queue.filter((j) => j !== job);
+      this.start(job);
     }
   }
 
-  store(cam, t, bm) {
-    const c = this.cache.get(cam);
+  start(job) {
+    job.ac = new AbortController();
+    this.running.add(job);
+    blob(this.frameUrl(job.cam, job.t), { signal: job.ac.signal })
+      .then((b) => {
+        this.keepJpeg(job.cam, job.t, b);
+        job.resolve(b);
+      })
+      .catch((e) => {
+        if (e.name !== "AbortError") this.error = e;
+        job.resolve(null);
+      })
+      .finally(() => {
+        this.fetching.delete(job.key);
+        this.running.delete(job);
+        this.pump();
+      });
+  }
+
+  /** The next frame to buffer in the background: scanning forward from the cursor, wrapping. */
+  nextFill() {
+    if (this.buffered >= this.length || this.jpegBytes > JPEG_BUDGET_BYTES) return null;
+    for (let i = 0; i < this.length; i++) {
+      const t = (Math.max(this.fillFrom, this.t) + i) % this.length;
+      for (const v of this.views) {
+        const key = `${v.cam}/${t}`;
+        if (!this.jpegs.get(v.cam).has(t) && !this.fetching.has(key)) {
+          this.fillFrom = t;
+          let resolve;
+          const promise = new Promise((r) => (resolve = r));
+          const job = { cam: v.cam, t, key, promise, resolve, background: true };
+          this.fetching.set(key, job);
+          return job;
+        }
+      }
+    }
+    return null;
+  }
+
+  keepJpeg(cam, t, b) {
+    const m = this.jpegs.get(cam);
+    if (m.has(t)) return;
+    m.set(t, b);
+    this.jpegBytes += b.size;
+    if (this.hasAll(t, this.jpegs)) this.buffered++;
+    this.bufferOut.textContent = this.buffered < this.length ? `buffered ${Math.floor((100 * this.buffered) / this.length)}%` : "";
+    while (this.jpegBytes > JPEG_BUDGET_BYTES) this.evictJpeg();
+    if (t === this.t || (t > this.t && t < this.t + this.opts.fps * 2)) this.decode(cam, t);
+  }
+
+  evictJpeg() {
+    let far = null;
+    for (const v of this.views)
+      for (const k of this.jpegs.get(v.cam).keys()) if (!far || Math.abs(k - this.t) > Math.abs(far[1] - this.t)) far = [v.cam, k];
+    if (!far) return;
+    if (this.hasAll(far[1], this.jpegs)) this.buffered--;
+    this.jpegBytes -= this.jpegs.get(far[0]).get(far[1]).size;
+    this.jpegs.get(far[0]).delete(far[1]);
+  }
+
+  // ---------------------------------------------------------------- decoding
+  /** Resolves to the ImageBitmap of frame t of cam (fetching its JPEG first if needed). */
+  decode(cam, t) {
+    const bm = this.bitmaps.get(cam).get(t);
+    if (bm) return Promise.resolve(bm);
+    const key = `${cam}/${t}`;
+    if (this.decoding.has(key)) return this.decoding.get(key);
+    const p = this.fetchJpeg(cam, t)
+      .then((b) => (b ? createImageBitmap(b) : null))
+      .then((bm2) => {
+        if (bm2) {
+          this.keepBitmap(cam, t, bm2);
+          if (t === this.t) this.drawAll();
+        }
+        return bm2;
+      })
+      .catch(() => null)
+      .finally(() => this.decoding.delete(key));
+    this.decoding.set(key, p);
+    return p;
+  }
+
+  keepBitmap(cam, t, bm) {
+    const c = this.bitmaps.get(cam);
     c.set(t, bm);
-    if (c.size > CACHE_FRAMES) {
-      // evict the frame farthest from the cursor
-      let far = null;
-      let farD = -1;
-      for (const k of c.keys()) {
-        const d = Math.abs(k - this.t);
-        if (d > farD) [far, farD] = [k, d];
+    if (c.size <= BITMAPS_PER_CAMERA) return;
+    let far = null;
+    for (const k of c.keys()) if (far === null || Math.abs(k - this.t) > Math.abs(far - this.t)) far = k;
+    c.get(far).close?.();
+    c.delete(far);
+  }
+
+  /** Decode the window around the cursor: a few frames behind, 2 s ahead while playing (1 s paused). */
+  prefetch() {
+    const ahead = Math.ceil(this.opts.fps * (this.playing ? 2 : 1));
+    for (let d = 0; d <= ahead; d++)
+      for (const dir of d < 4 ? [1, -1] : [1]) {
+        const t = this.t + dir * d;
+        if (t < 0 || t >= this.length) continue;
+        for (const v of this.views) if (!this.bitmaps.get(v.cam).has(t)) this.decode(v.cam, t);
       }
-      c.get(far).close?.();
-      c.delete(far);
-    }
   }
 
-  onLoaded(cam, t) {
-    if (t === this.t) this.drawAll();
-  }
-
-  /** A jump: stop fetching frames far from the new cursor, so its own frames get the connections. */
+  /** A jump: abort the fetches far from the new cursor so that its own frames get the connections. */
   cancelFar() {
     const ahead = Math.ceil(this.opts.fps * 2);
     for (const job of this.running) if (job.t < this.t - 8 || job.t > this.t + ahead) job.ac.abort();
-  }
-
-  /** Prefetch around the cursor: a few frames behind, 2 s ahead while playing (1 s paused). */
-  prefetch() {
-    const ahead = Math.ceil(this.opts.fps * (this.playing ? 2 : 1));
-    // drop queued jobs far outside the window (scrubbing leaves many behind)
     this.queue = this.queue.filter((j) => {
-      const keep = j.t >= this.t - 8 && j.t <= this.t + ahead * 2;
+      const keep = j.t >= this.t - 8 && j.t <= this.t + ahead;
       if (!keep) {
-        this.inflight.delete(j.key);
+        this.fetching.delete(j.key);
         j.resolve(null);
       }
       return keep;
     });
-    for (let d = 0; d <= ahead; d++) {
-      for (const dir of d < 4 ? [1, -1] : [1]) {
-        const t = this.t + dir * d;
-        if (t < 0 || t >= this.length) continue;
-        for (const v of this.views) if (!this.cache.get(v.cam).has(t)) this.load(v.cam, t);
-      }
-    }
   }
 
-  /** Draw frame t in every camera (the nearest cached earlier frame where t is not loaded yet). */
+  // ---------------------------------------------------------------- drawing
+  /** Draw frame t in every camera (the nearest decoded earlier frame where t is not decoded yet). */
   drawAll() {
     let exact = true;
     for (const v of this.views) {
-      const c = this.cache.get(v.cam);
+      const c = this.bitmaps.get(v.cam);
       let bm = c.get(this.t);
       if (!bm) {
         exact = false;
@@ -163,10 +238,8 @@ export class Player {
         this.firstShown = true;
         performance.mark("vla:first-frame");
       }
-      const ws = this.waiters;
-      this.waiters = [];
-      ws.forEach((w) => w.t === this.t && w.resolve(performance.now()));
-      this.waiters.push(...ws.filter((w) => w.t !== this.t));
+      const now = performance.now();
+      this.waiters = this.waiters.filter((w) => (w.t === this.t ? (w.resolve(now), false) : true));
     }
     return exact;
   }
@@ -179,7 +252,7 @@ export class Player {
     this.t = t;
     if (jump) this.cancelFar();
     const shown = new Promise((resolve) => this.waiters.push({ t, resolve }));
-    this.views.forEach((v) => this.load(v.cam, t));
+    this.views.forEach((v) => this.decode(v.cam, t));
     this.drawAll();
     this.prefetch();
     if (this.opts.onFrame) this.opts.onFrame(t);
@@ -209,21 +282,21 @@ export class Player {
       if (!this.playing) return;
       acc += ((now - last) / 1000) * this.opts.fps;
       last = now;
-      // advance only over frames that are loaded for every camera (buffering otherwise)
+      // advance only over frames decoded for every camera (buffering otherwise)
       while (acc >= 1) {
         const next = this.t + 1;
         if (next >= this.length) {
           this.pause();
           return;
         }
-        if (!this.views.every((v) => this.cache.get(v.cam).has(next))) {
+        if (!this.hasAll(next)) {
           acc = Math.min(acc, 1);
-          this.statusEl.textContent = "buffering…";
+          this.status.textContent = "buffering…";
           this.prefetch();
           break;
         }
         acc -= 1;
-        this.statusEl.textContent = "";
+        this.status.textContent = "";
         this.seek(next, { fromPlayback: true });
       }
       this.raf = requestAnimationFrame(tick);
@@ -235,7 +308,7 @@ export class Player {
     if (!this.playing) return;
     this.playing = false;
     cancelAnimationFrame(this.raf);
-    this.statusEl.textContent = "";
+    this.status.textContent = "";
     this.opts.onState?.(false);
   }
 
@@ -249,7 +322,7 @@ export class Player {
     this.destroyed = true;
     this.queue = [];
     for (const job of this.running) job.ac.abort();
-    for (const c of this.cache.values()) for (const bm of c.values()) bm.close?.();
+    for (const c of this.bitmaps.values()) for (const bm of c.values()) bm.close?.();
     if (window.vlaPlayer === this) window.vlaPlayer = null;
   }
 }

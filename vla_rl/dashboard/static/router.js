@@ -74,7 +74,9 @@ export async function render() {
       a.classList.toggle("active", path === a.getAttribute("href") || (a.getAttribute("href") !== "/" && path.startsWith(a.getAttribute("href"))));
     });
     rootEl.replaceChildren();
-    const cleanup = await mod.render(rootEl, { ...contextFn(), params, query: new URLSearchParams(location.search) });
+    // the page sees the app's live context (session and schema may still be loading: await ctx.ready)
+    const ctx = Object.assign(Object.create(contextFn()), { params, query: new URLSearchParams(location.search) });
+    const cleanup = await mod.render(rootEl, ctx);
     if (current === state) state.cleanup = cleanup;
     else if (cleanup) cleanup();
     return;

@@ -15,16 +15,17 @@ const historyOf = (ep) => ep.history || ep.label_history || [];
 
 export async function render(root, ctx) {
   const id = ctx.params.id;
-  const schema = normaliseSchema(ctx.schema);
-  const digits = spanShortcuts(schema);
   const msg = h("div.msg", { role: "status" });
   let ep;
   try {
-    ep = await api(`/episodes/${encodeURIComponent(id)}`);
+    // the episode, the session and the label schema load together
+    [ep] = await Promise.all([api(`/episodes/${encodeURIComponent(id)}`), ctx.ready]);
   } catch (e) {
     root.append(h("h1", `Episode ${short(id)}`), h("div.error", { role: "alert" }, `episode: ${e.text || e.message}`));
     return;
   }
+  const schema = normaliseSchema(ctx.schema);
+  const digits = spanShortcuts(schema);
   const length = ep.length;
   const fps = fpsOf(ep);
   const cams = cameraNames(ep);
@@ -78,7 +79,7 @@ export async function render(root, ctx) {
     "div.span-buttons",
     digits.map((d, i) => h("button", { type: "button", dataset: { value: d.value }, style: { borderColor: SPAN_COLOURS[d.value] || colour(d.value) }, title: `label the marked span ${d.key}=${d.value} (${i + 1})`, onclick: () => labelSpan(i) }, h("kbd", i + 1), ` ${d.value}`)),
   );
-  left.append(h("div.controls", playBtn, frameOut, player.status, h("span.spacer"), markOut, spanButtons), msg, timelineSlot);
+  left.append(h("div.controls", playBtn, frameOut, player.status, player.bufferOut, h("span.spacer"), markOut, spanButtons), msg, timelineSlot);
   const timeline = new Timeline(timelineSlot, { length, fps, onSeek: (t) => player.seek(t) });
   timeline.setSegments(ep.segments || []);
   const legend = h("div.legend", ["policy", "human", "scripted"].map((k) => h("span", h("i", { style: { background: `var(--${k})` } }), k)));

@@ -23,7 +23,6 @@ const SORTS = { created_at: "created", length: "length", robot_id: "robot", task
 const REPEATED = new Set(["label", "flag"]);
 
 export async function render(root, ctx) {
-  const schema = normaliseSchema(ctx.schema);
   let query = new URLSearchParams(location.search);
   const flaggedView = query.get("flagged") === "true";
   const err = h("div.err-slot");
@@ -94,6 +93,7 @@ export async function render(root, ctx) {
       state.page = res.page || 1;
       state.perPage = res.per_page || 50;
       state.cursor = Math.min(state.cursor, Math.max(0, state.items.length - 1));
+      await ctx.ready; // the bulk-label bar needs the schema and the role
       showError(err, null);
       drawTable();
       drawPager();
@@ -215,7 +215,7 @@ export async function render(root, ctx) {
   }
 
   function drawBulk() {
-    const keys = schema.episode;
+    const keys = normaliseSchema(ctx.schema).episode;
     const n = state.all ? state.total : state.selected.size;
     if (!keys.length) return clear(bulk);
     const keySel = h("select", { name: "bulk-key", "aria-label": "label key" }, keys.map((k) => h("option", { value: k.key }, k.key)));

@@ -38,6 +38,7 @@ export function filterToSelection(q) {
 const roundNo = (r) => r.id ?? r.round ?? r.n;
 
 export async function render(root, ctx) {
+  await ctx.ready;
   const err = h("div.err-slot");
   const list = h("section.card.rounds-list", h("h2", "Rounds"), h("p.muted", "loading…"));
   const detail = h("section.card.round-detail");
