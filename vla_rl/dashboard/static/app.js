@@ -29,6 +29,8 @@ function askToken(reason) {
 }
 
 async function loadSession() {
+  // both at once; the schema is only used once the session is known
+  const schemaP = api("/label-schema").catch(() => ({ episode: [], span: [] }));
   try {
     ctx.session = await api("/session");
     $("session").textContent = `${ctx.session.name} (${ctx.session.role})`;
@@ -38,11 +40,7 @@ async function loadSession() {
     if (e instanceof ApiError && e.status === 401) return false;
     throw e;
   }
-  try {
-    ctx.schema = await api("/label-schema");
-  } catch {
-    ctx.schema = { episode: [], span: [] };
-  }
+  ctx.schema = await schemaP;
   return true;
 }
 

@@ -18,19 +18,33 @@ export async function render(root, ctx) {
   const msg = h("div.msg", { role: "status" });
   let ep;
   try {
-    // the episode, the session and the label schema load together
-    [ep] = await Promise.all([api(`/episodes/${encodeURIComponent(id)}`), ctx.ready]);
+    ep = await api(`/episodes/${encodeURIComponent(id)}`);
   } catch (e) {
     root.append(h("h1", `Episode ${short(id)}`), h("div.error", { role: "alert" }, `episode: ${e.text || e.message}`));
     return;
   }
-  const schema = normaliseSchema(ctx.schema);
-  const digits = spanShortcuts(schema);
   const length = ep.length;
   const fps = fpsOf(ep);
   const cams = cameraNames(ep);
   const startT = Math.max(0, Math.min(length - 1, parseInt(ctx.query.get("t") || "0", 10) || 0));
   const state = { t: startT, mark: [null, null], ep };
+
+  // frames first: the player starts fetching before the rest of the page (and the session) is there
+  const stage = h("div.stage");
+  let uiReady = false;
+  let setPlaying = () => {};
+  const player = new Player(stage, {
+    episodeId: ep.id,
+    cameras: cams,
+    length,
+    fps,
+    onFrame: (t) => uiReady && onFrame(t),
+    onState: (playing) => setPlaying(playing),
+  });
+  if (cams.length) player.seek(startT);
+  await ctx.ready;
+  const schema = normaliseSchema(ctx.schema);
+  const digits = spanShortcuts(schema);
 
   // --- header ---------------------------------------------------------------------------------
   const outcomeBadge = h("span");
@@ -57,22 +71,14 @@ export async function render(root, ctx) {
   const left = h("div.ep-main");
   const side = h("aside.ep-side");
   root.append(h("div.ep-layout", left, side));
-  const stage = h("div.stage");
   left.append(stage);
   let plots = [];
   const timelineSlot = h("div");
-  const player = new Player(stage, {
-    episodeId: ep.id,
-    cameras: cams,
-    length,
-    fps,
-    onFrame: (t) => onFrame(t),
-    onState: (playing) => {
-      playBtn.textContent = playing ? "❚❚" : "▶";
-      playBtn.setAttribute("aria-label", playing ? "pause" : "play");
-      root.dataset.playing = playing ? "true" : "false";
-    },
-  });
+  setPlaying = (playing) => {
+    playBtn.textContent = playing ? "❚❚" : "▶";
+    playBtn.setAttribute("aria-label", playing ? "pause" : "play");
+    root.dataset.playing = playing ? "true" : "false";
+  };
   if (!cams.length) stage.append(h("p.muted", "This episode has no camera."));
   playBtn.addEventListener("click", () => player.toggle());
   const spanButtons = h(
@@ -324,8 +330,8 @@ export async function render(root, ctx) {
 
   drawLabels();
   drawMark();
-  if (cams.length) player.seek(startT);
-  else onFrame(startT);
+  uiReady = true;
+  onFrame(player.t);
   loadSeries();
   return () => {
     document.removeEventListener("keydown", onKey);

@@ -93,17 +93,17 @@ export async function render(root, ctx) {
       state.page = res.page || 1;
       state.perPage = res.per_page || 50;
       state.cursor = Math.min(state.cursor, Math.max(0, state.items.length - 1));
-      await ctx.ready; // the bulk-label bar needs the schema and the role
       showError(err, null);
       drawTable();
       drawPager();
-      drawBulk();
       sessionStorage.setItem("vla:last-episodes", location.pathname + location.search);
       toRound.href = `/rounds?new=1&filter=${encodeURIComponent(filterOnly(query).toString())}`;
       requestAnimationFrame(() => {
         performance.mark("vla:episodes-rendered");
         window.vlaEpisodesRendered = { ms: performance.now() - t0, at: performance.now(), total: state.total };
       });
+      await ctx.ready; // the bulk-label bar needs the schema and the role
+      drawBulk();
     } catch (e) {
       if (e.name === "AbortError") return;
       showError(err, e, "episodes");
