@@ -41,7 +41,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
-    exists,
+    false,
     func,
     insert,
     inspect,
@@ -49,6 +49,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, ProgrammingError
@@ -119,7 +120,10 @@ class LabelRow(Base):
     an undo event (``undoes`` = the id of the label it retracts)."""
 
     __tablename__ = "labels"
-    __table_args__ = (Index("ix_labels_episode_key", "episode_id", "key"),)
+    __table_args__ = (
+        Index("ix_labels_episode_key", "episode_id", "key"),
+        Index("ix_labels_key_current", "key", "current"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
@@ -133,6 +137,9 @@ class LabelRow(Base):
     note: Mapped[str | None] = mapped_column(Text)
     source: Mapped[str] = mapped_column(String(16), default="human", server_default="human")
     undoes: Mapped[int | None] = mapped_column(index=True)
+    current: Mapped[bool] = mapped_column(default=False, server_default=false())
+    """In force now (kept by every write, so filters are an indexed lookup): for an episode-level key,
+    its latest event not undone; for a span, not undone; never for an undo event."""
 
 
 class EpisodeRevisionRow(Base):
@@ -514,6 +521,35 @@ class EpisodeQuery:
                 out.append((key, str(getattr(self, key))))
         return out
 
+    def to_data_selection(self) -> tuple[str | None, str, list[str]]:
+        """The round data selection this filter means, for "start a round on these episodes": ``(task,
+        text for DataSelection.parse, [filters a DataSelection cannot express])``. The outcome maps to
+        ``success=`` (success / failure only); intervention, flags, status, lengths and paging do not
+        map and are listed."""
+        parts: list[str] = []
+        dropped: list[str] = []
+        if self.robot is not None:
+            parts.append(f"robot={self.robot}")
+        for key in ("since", "until"):
+            v = getattr(self, key)
+            if v is not None:
+                parts.append(f"{key}={v}")
+        if self.revision is not None:
+            parts.append(f"revision={self.revision}")
+        if self.round is not None:
+            parts.append(f"round={self.round}")
+        parts += [f"label.{k}={v}" for k, v in self.labels.items()]
+        if self.outcome in ("success", "failure"):
+            parts.append(f"success={'true' if self.outcome == 'success' else 'false'}")
+        elif self.outcome is not None:
+            dropped.append("outcome")
+        for key in ("intervention", "flagged", "status", "min_length", "max_length"):
+            if getattr(self, key) is not None:
+                dropped.append(key)
+        if self.flags:
+            dropped.append("flag")
+        return self.task, ",".join(parts), dropped
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -886,11 +922,15 @@ class MetadataDB:
         now = time.time()
         with Session(self.engine) as s, s.begin():
             found: dict[str, tuple[str, int]] = {}
-            for chunk in _chunks(ids):
-                q = select(EpisodeRow.id, EpisodeRow.status, EpisodeRow.length).where(
-                    EpisodeRow.id.in_(chunk)
+            for chunk in _chunks(sorted(ids)):
+                q = (
+                    select(EpisodeRow.id, EpisodeRow.status, EpisodeRow.length)
+                    .where(EpisodeRow.id.in_(chunk))
+                    .order_by(EpisodeRow.id)
                 )
-                found.update({r.id: (r.status, r.length) for r in s.execute(q)})
+                # FOR UPDATE (PostgreSQL): two labellers of one episode take turns keeping ``current``
+                # right; rows locked in id order, so two bulk labellers never deadlock
+                found.update({r.id: (r.status, r.length) for r in s.execute(q.with_for_update())})
             missing = [e for e in ids if e not in found]
             if missing:
                 more = f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""
@@ -935,8 +975,17 @@ class MetadataDB:
                         end=b,
                         note=note,
                         source=source,
+                        current=True,
                     )
                 )
+            if start is None and segment_index is None:  # episode-level: the new event replaces the old
+                for chunk in _chunks(ids):
+                    s.execute(
+                        update(LabelRow)
+                        .where(LabelRow.episode_id.in_(chunk), LabelRow.key == key, _episode_level(LabelRow))
+                        .where(LabelRow.current.is_(True))
+                        .values(current=False)
+                    )
             s.add_all(rows)
             s.flush()
             return [int(r.id) for r in rows]
@@ -950,9 +999,11 @@ class MetadataDB:
         is itself an undo event (label the value again instead)."""
         _check_label("undo", author, source, None, None, note, None)
         with Session(self.engine) as s, s.begin():
-            row = s.get(LabelRow, label_id, with_for_update=True)
+            row = s.get(LabelRow, label_id)
             if row is None:
                 raise KeyError(f"no label {label_id} in the metadata DB")
+            s.execute(select(EpisodeRow.id).where(EpisodeRow.id == row.episode_id).with_for_update())
+            s.refresh(row)
             if row.undoes is not None:
                 raise ValueError(
                     f"label_id: label {label_id} is an undo event (of label {row.undoes}); to restore the "
@@ -973,9 +1024,26 @@ class MetadataDB:
                 note=note,
                 source=source,
                 undoes=label_id,
+                current=False,
             )
             s.add(undo)
             s.flush()
+            if row.current:
+                row.current = False
+                if row.start is None and row.segment_index is None:  # the latest earlier event takes over
+                    prev = s.scalars(
+                        select(LabelRow)
+                        .where(
+                            LabelRow.episode_id == row.episode_id,
+                            LabelRow.key == row.key,
+                            _episode_level(LabelRow),
+                            _live(LabelRow),
+                        )
+                        .order_by(LabelRow.id.desc())
+                        .limit(1)
+                    ).first()
+                    if prev is not None:
+                        prev.current = True
             return int(undo.id)
 
     def label(self, label_id: int) -> Label | None:
@@ -1017,27 +1085,8 @@ class MetadataDB:
     def current_label_events(self, episode_ids: Iterable[str]) -> dict[str, list[Label]]:
         """Per episode (every id given appears): the label events in force, i.e. not undone and not undo
         events: the latest episode-level event of each key, then every span label (by start, then id)."""
-        ids = list(dict.fromkeys(episode_ids))
-        out: dict[str, list[Label]] = {e: [] for e in ids}
         with Session(self._reader) as s:
-            for chunk in _chunks(ids):
-                q = (
-                    select(LabelRow)
-                    .where(LabelRow.episode_id.in_(chunk), _live(LabelRow))
-                    .order_by(LabelRow.id)
-                )
-                latest: dict[tuple[str, str], Label] = {}
-                spans: list[Label] = []
-                for r in s.scalars(q):
-                    if r.start is None and r.segment_index is None:
-                        latest[(r.episode_id, r.key)] = _label(r, None)
-                    elif r.start is not None:
-                        spans.append(_label(r, None))
-                for (eid, _k), lb in latest.items():
-                    out[eid].append(lb)
-                for lb in sorted(spans, key=lambda x: (x.start, x.id)):
-                    out[lb.episode_id].append(lb)
-        return out
+            return _read_current_events(s, episode_ids)
 
     def current_labels(self, episode_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """``{episode_id: {key: value}}``: each episode-level key's latest value not undone (every id
@@ -1081,8 +1130,9 @@ class MetadataDB:
                     .group_by(SegmentRow.episode_id)
                 )
                 human = {eid: (int(n), int(frames or 0)) for eid, n, frames in s.execute(hq)}
-        labels = self.current_labels(ids)
-        flags = self.flags(ids)
+            events = _read_current_events(s, ids)
+            flags = _read_flags(s, ids, raised_only=True)
+        labels = {eid: {lb.key: lb.value for lb in evs if not lb.is_span} for eid, evs in events.items()}
         out = []
         for r in rows:
             outcome, success = effective_outcome(r.outcome, r.success, labels[r.id])
@@ -1135,7 +1185,8 @@ class MetadataDB:
         its newest episode ran last."""
         now = time.time() if now is None else now
         hour, day = now - 3600.0, now - 86400.0
-        succ = _success_value()
+        ov, on = _outcome_join()
+        succ = _success_value(ov)
         closed = EpisodeRow.status == "closed"
         q = (
             select(
@@ -1148,6 +1199,7 @@ class MetadataDB:
                 func.avg(case((closed, case((_has_human(), 1.0), else_=0.0)), else_=None)),
                 func.max(EpisodeRow.created_at),
             )
+            .outerjoin(ov, on)
             .group_by(EpisodeRow.robot_id)
             .order_by(EpisodeRow.robot_id)
         )
@@ -1180,15 +1232,17 @@ class MetadataDB:
         """Per checkpoint revision, oldest first: first seen, episodes it acted in, success and
         intervention rates over those that closed."""
         closed = EpisodeRow.status == "closed"
+        ov, on = _outcome_join()
         q = (
             select(
                 EpisodeRevisionRow.revision,
                 func.min(EpisodeRow.created_at),
                 func.count(),
-                func.avg(case((closed, _success_value()), else_=None)),
+                func.avg(case((closed, _success_value(ov)), else_=None)),
                 func.avg(case((closed, case((_has_human(), 1.0), else_=0.0)), else_=None)),
             )
             .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .outerjoin(ov, on)
             .group_by(EpisodeRevisionRow.revision)
             .order_by(func.min(EpisodeRow.created_at), EpisodeRevisionRow.revision)
         )
@@ -1209,15 +1263,17 @@ class MetadataDB:
             bucket = cast(EpisodeRow.created_at / bucket_s, Integer)
         else:
             bucket = func.floor(EpisodeRow.created_at / bucket_s)
+        ov, on = _outcome_join()
         q = (
             select(
                 bucket.label("b"),
                 EpisodeRevisionRow.revision,
                 func.count(),
-                func.avg(_success_value()),
+                func.avg(_success_value(ov)),
                 func.avg(case((_has_human(), 1.0), else_=0.0)),
             )
             .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .outerjoin(ov, on)
             .where(EpisodeRow.status == "closed")
             .group_by(bucket, EpisodeRevisionRow.revision)
             .order_by(bucket, EpisodeRevisionRow.revision)
@@ -1270,16 +1326,8 @@ class MetadataDB:
     def flags(self, episode_ids: Iterable[str], *, raised_only: bool = True) -> dict[str, dict[str, Flag]]:
         """``{episode_id: {name: Flag}}`` for every id given: the raised flags (or every stored check's
         result with ``raised_only=False``)."""
-        ids = list(dict.fromkeys(episode_ids))
-        out: dict[str, dict[str, Flag]] = {e: {} for e in ids}
         with Session(self._reader) as s:
-            for chunk in _chunks(ids):
-                q = select(EpisodeFlagRow).where(EpisodeFlagRow.episode_id.in_(chunk))
-                if raised_only:
-                    q = q.where(EpisodeFlagRow.raised.is_(True))
-                for r in s.scalars(q.order_by(EpisodeFlagRow.name)):
-                    out[r.episode_id][r.name] = Flag(r.name, r.score, r.detail, bool(r.raised), r.computed_at)
-        return out
+            return _read_flags(s, episode_ids, raised_only)
 
     # ------------------------------------------------------------------ rounds
     def create_round(
@@ -1429,11 +1477,11 @@ at this revision needs no Alembic import, only one query."""
 
 def _legacy_revision(tables: set[str]) -> str | None:
     """The revision a DB without ``alembic_version`` (written by ``create_all`` before migrations) matches:
-    all of today's tables = head; the baseline's = 0001 (the release before rounds were jobs); else None
-    (the baseline then creates only the tables that are missing)."""
-    if set(Base.metadata.tables) <= tables:
-        return SCHEMA_HEAD
+    the baseline's tables and round_jobs = 0002; the baseline's = 0001 (the release before rounds were
+    jobs); else None (the baseline then creates only the tables that are missing)."""
     if tables >= _BASELINE_TABLES | {"round_jobs"}:
+        # also when today's tables are all there: 0003 adds only what is missing and re-derives the
+        # labels' ``current`` and the revision rows from the rows themselves
         return "0002"
     if tables >= _BASELINE_TABLES:
         return "0001"
@@ -1538,6 +1586,38 @@ def _sync_revisions(s: Session, episode_id: str, revisions: Iterable[str]) -> No
         s.execute(insert(EpisodeRevisionRow.__table__), rows)
 
 
+def _read_current_events(s: Session, episode_ids: Iterable[str]) -> dict[str, list[Label]]:
+    ids = list(dict.fromkeys(episode_ids))
+    out: dict[str, list[Label]] = {e: [] for e in ids}
+    for chunk in _chunks(ids):
+        q = (
+            select(LabelRow)
+            .where(LabelRow.episode_id.in_(chunk), LabelRow.current.is_(True))
+            .order_by(LabelRow.id)
+        )
+        spans: list[Label] = []
+        for r in s.scalars(q):
+            if r.start is None and r.segment_index is None:
+                out[r.episode_id].append(_label(r, None))
+            elif r.start is not None:
+                spans.append(_label(r, None))
+        for lb in sorted(spans, key=lambda x: (x.start, x.id)):
+            out[lb.episode_id].append(lb)
+    return out
+
+
+def _read_flags(s: Session, episode_ids: Iterable[str], raised_only: bool) -> dict[str, dict[str, Flag]]:
+    ids = list(dict.fromkeys(episode_ids))
+    out: dict[str, dict[str, Flag]] = {e: {} for e in ids}
+    for chunk in _chunks(ids):
+        q = select(EpisodeFlagRow).where(EpisodeFlagRow.episode_id.in_(chunk))
+        if raised_only:
+            q = q.where(EpisodeFlagRow.raised.is_(True))
+        for r in s.scalars(q.order_by(EpisodeFlagRow.name)):
+            out[r.episode_id][r.name] = Flag(r.name, r.score, r.detail, bool(r.raised), r.computed_at)
+    return out
+
+
 def _check_label(
     key: str,
     author: str,
@@ -1593,23 +1673,26 @@ def _live(lb: Any) -> ColumnElement[bool]:
     return and_(lb.undoes.is_(None), lb.id.not_in(select(undo.undoes).where(undo.undoes.is_not(None))))
 
 
-def _current_value(key: str) -> Any:
-    """The episode's current episode-level value of ``key`` as JSON text (NULL when none), correlated to
-    the enclosing query's ``episodes`` row."""
-    lb = aliased(LabelRow)
-    return (
-        select(cast(lb.value, Text))
-        .where(
-            lb.episode_id == EpisodeRow.id,
-            lb.key == key,
-            lb.start.is_(None),
-            lb.segment_index.is_(None),
-            _live(lb),
-        )
-        .order_by(lb.id.desc())
-        .limit(1)
-        .scalar_subquery()
+def _episode_level(lb: Any) -> ColumnElement[bool]:
+    return and_(lb.start.is_(None), lb.segment_index.is_(None))
+
+
+def _current_ids(key: str, texts: list[str] | None = None) -> Any:
+    """``SELECT episode_id`` of the episodes whose current episode-level ``key`` is one of ``texts``
+    (lower-cased JSON texts; None = has any value)."""
+    sel = select(LabelRow.episode_id).where(
+        LabelRow.key == key, LabelRow.current.is_(True), _episode_level(LabelRow)
     )
+    if texts is not None:
+        sel = sel.where(func.lower(cast(LabelRow.value, Text)).in_(texts))
+    return sel
+
+
+def _outcome_join() -> tuple[Any, ColumnElement[bool]]:
+    """An alias of ``labels`` and the ON clause that outer-joins each episode's current outcome label."""
+    ov = aliased(LabelRow, name="outcome_label")
+    on = and_(ov.episode_id == EpisodeRow.id, ov.key == OUTCOME_KEY, ov.current.is_(True), _episode_level(ov))
+    return ov, on
 
 
 def _json_texts(value: str) -> list[str]:
@@ -1626,17 +1709,18 @@ def _json_texts(value: str) -> list[str]:
 
 
 def _has_human() -> Any:
-    return exists().where(
-        SegmentRow.episode_id == EpisodeRow.id, SegmentRow.controller == Controller.HUMAN.label
+    """The episode has a human segment (an uncorrelated IN: one hashed scan of ``segments``)."""
+    return EpisodeRow.id.in_(
+        select(SegmentRow.episode_id).where(SegmentRow.controller == Controller.HUMAN.label)
     )
 
 
-def _success_value() -> Any:
-    """1.0 / 0.0 for the effective success (an ``outcome`` label overrides), NULL when unknown."""
-    cur = _current_value(OUTCOME_KEY)
+def _success_value(ov: Any) -> Any:
+    """1.0 / 0.0 for the effective success (``ov``: the outer-joined outcome label, which overrides),
+    NULL when unknown."""
     return case(
-        (cur == json.dumps("success"), 1.0),
-        (cur.is_not(None), 0.0),
+        (cast(ov.value, Text) == json.dumps("success"), 1.0),
+        (ov.id.is_not(None), 0.0),
         (EpisodeRow.success.is_(True), 1.0),
         (EpisodeRow.success.is_(False), 0.0),
         else_=None,
@@ -1657,11 +1741,16 @@ def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
     if q.status is not None:
         w.append(EpisodeRow.status == q.status)
     if q.outcome is not None:
-        cur = _current_value(OUTCOME_KEY)
+        overridden = EpisodeRow.id.in_(_current_ids(OUTCOME_KEY))
         if q.outcome == "unknown":
-            w.append(and_(cur.is_(None), or_(EpisodeRow.outcome.is_(None), EpisodeRow.outcome == "unknown")))
+            w.append(and_(~overridden, or_(EpisodeRow.outcome.is_(None), EpisodeRow.outcome == "unknown")))
         else:
-            w.append(or_(cur == json.dumps(q.outcome), and_(cur.is_(None), EpisodeRow.outcome == q.outcome)))
+            w.append(
+                or_(
+                    EpisodeRow.id.in_(_current_ids(OUTCOME_KEY, [json.dumps(q.outcome).lower()])),
+                    and_(~overridden, EpisodeRow.outcome == q.outcome),
+                )
+            )
     if q.revision is not None:
         w.append(
             EpisodeRow.id.in_(
@@ -1674,19 +1763,19 @@ def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
             EpisodeRow.id.in_(select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision == rev))
         )
     for key, value in q.labels.items():
-        w.append(func.lower(_current_value(key)).in_(_json_texts(value)))
+        w.append(EpisodeRow.id.in_(_current_ids(key, _json_texts(value))))
     if q.intervention is not None:
         w.append(_has_human() if q.intervention else ~_has_human())
     if q.flags:
         w.append(
-            exists().where(
-                EpisodeFlagRow.episode_id == EpisodeRow.id,
-                EpisodeFlagRow.raised.is_(True),
-                EpisodeFlagRow.name.in_(q.flags),
+            EpisodeRow.id.in_(
+                select(EpisodeFlagRow.episode_id).where(
+                    EpisodeFlagRow.raised.is_(True), EpisodeFlagRow.name.in_(q.flags)
+                )
             )
         )
     if q.flagged is not None:
-        any_flag = exists().where(EpisodeFlagRow.episode_id == EpisodeRow.id, EpisodeFlagRow.raised.is_(True))
+        any_flag = EpisodeRow.id.in_(select(EpisodeFlagRow.episode_id).where(EpisodeFlagRow.raised.is_(True)))
         w.append(any_flag if q.flagged else ~any_flag)
     if q.since is not None:
         w.append(EpisodeRow.created_at >= q.since)

@@ -104,6 +104,20 @@ INTERVENTION_KEY = "intervention"
 HIL_INTERVENTION_KEY = "complementary_info.is_intervention"  # what LeRobot's HIL-SERL buffer writes
 SEGMENT_KEY = "segment"
 SIDECAR_PATH = "meta/vla_rl.json"
+LABELS_PATH = "meta/vla_rl_labels.parquet"
+LABEL_COLUMNS = (
+    "episode_index",
+    "episode_id",
+    "label_id",
+    "key",
+    "value",
+    "start",
+    "end",
+    "note",
+    "author",
+    "source",
+    "created_at",
+)
 SIDECAR_FORMAT = "vla-rl-lerobot-export"
 SIDECAR_VERSION = 1
 LABEL_KEY = "source"
@@ -128,6 +142,7 @@ def export_lerobot(
     task: str | None = None,
     fps: int | float | None = None,
     use_videos: bool = True,
+    db: Any = None,
 ) -> Path:
     """Write episodes of ``store`` as a LeRobot v3 dataset at ``out_dir``; returns its absolute path.
 
@@ -145,6 +160,13 @@ def export_lerobot(
     directory that is renamed to ``out_dir`` only once complete, so a failure (or a killed process)
     never leaves a half-written dataset where a reader would take it for a finished one.
     ``out_dir`` must not exist or be an empty directory.
+
+    Labels travel with the data: with the metadata ``db`` (default: the store's own, ``store.db``), the
+    current labels of the exported episodes (each episode key's latest value not undone, and every span
+    not undone) go to ``meta/vla_rl_labels.parquet`` (:data:`LABEL_COLUMNS`: ``episode_index`` into this
+    dataset, ``value`` as JSON text, ``start``/``end`` null for an episode label), and the sidecar's
+    episode entries carry ``labels`` ``{key: value}``. A current ``outcome`` label overrides the
+    recorded outcome in ``next.success`` and the sidecar (which keeps ``recorded_outcome``).
     """
     if not isinstance(repo_id, str) or not repo_id:
         raise ValueError(f"repo_id must be a non-empty string, got {repo_id!r}")
@@ -153,6 +175,12 @@ def export_lerobot(
         raise FileExistsError(f"{out} already exists and is not an empty directory; pick a new out_dir")
 
     metas = _select_episodes(store, episode_ids, task)
+    db = db if db is not None else getattr(store, "db", None)
+    events: dict[str, list[Any]] = {}
+    if db is not None and hasattr(db, "current_label_events"):
+        events = db.current_label_events([m.episode_id for m in metas])
+    recorded = {m.episode_id: (m.outcome, m.success) for m in metas}
+    metas = [_with_outcome_label(m, events.get(m.episode_id, [])) for m in metas]
     spec = metas[0].spec
     for m in metas[1:]:
         _check_same_schema(spec, m)
@@ -183,10 +211,21 @@ def export_lerobot(
         entries = []
         for index, meta in enumerate(metas):
             ep = store.read_episode(meta.episode_id)
+            ep = dataclasses.replace(ep, meta=meta)  # the outcome an outcome label gives it
             end_flag_added = _write_episode(ds, ep, with_success)
             ds.save_episode()
-            entries.append(_sidecar_entry(index, ep, end_flag_added))
+            entry = _sidecar_entry(index, ep, end_flag_added)
+            entry["labels"] = {
+                lb.key: lb.value
+                for lb in events.get(meta.episode_id, [])
+                if lb.start is None and lb.segment_index is None
+            }
+            if recorded[meta.episode_id] != (meta.outcome, meta.success):
+                entry["recorded_outcome"], entry["recorded_success"] = recorded[meta.episode_id]
+            entries.append(entry)
         ds.finalize()
+        if db is not None:
+            _write_labels(tmp / LABELS_PATH, metas, events)
         sidecar = {
             "format": SIDECAR_FORMAT,
             "version": SIDECAR_VERSION,
@@ -208,6 +247,60 @@ def export_lerobot(
         raise
     log.info("exported %d episodes (%d frames) to %s", len(entries), sidecar["total_frames"], out)
     return out
+
+
+def _with_outcome_label(meta: EpisodeMeta, events: Sequence[Any]) -> EpisodeMeta:
+    """The meta with a current ``outcome`` label's value as its outcome (``success`` -> success)."""
+    from fleet.db import OUTCOME_KEY, effective_outcome
+
+    labels = {lb.key: lb.value for lb in events if lb.start is None and lb.segment_index is None}
+    if labels.get(OUTCOME_KEY) is None:
+        return meta
+    outcome, success = effective_outcome(meta.outcome, meta.success, labels)
+    return dataclasses.replace(meta, outcome=outcome, success=success)
+
+
+def _write_labels(path: Path, metas: Sequence[EpisodeMeta], events: Mapping[str, Sequence[Any]]) -> None:
+    """The current labels as a parquet table (one row per label; :data:`LABEL_COLUMNS`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        (index, lb)
+        for index, m in enumerate(metas)
+        for lb in events.get(m.episode_id, [])
+        if lb.start is not None or lb.segment_index is None
+    ]
+    table = pa.table(
+        {
+            "episode_index": pa.array([i for i, _ in rows], pa.int64()),
+            "episode_id": pa.array([lb.episode_id for _, lb in rows], pa.string()),
+            "label_id": pa.array([lb.id for _, lb in rows], pa.int64()),
+            "key": pa.array([lb.key for _, lb in rows], pa.string()),
+            "value": pa.array([json.dumps(lb.value) for _, lb in rows], pa.string()),
+            "start": pa.array([lb.start for _, lb in rows], pa.int64()),
+            "end": pa.array([lb.end for _, lb in rows], pa.int64()),
+            "note": pa.array([lb.note for _, lb in rows], pa.string()),
+            "author": pa.array([lb.author for _, lb in rows], pa.string()),
+            "source": pa.array([lb.source for _, lb in rows], pa.string()),
+            "created_at": pa.array([lb.created_at for _, lb in rows], pa.float64()),
+        }
+    )
+    pq.write_table(table, path)
+
+
+def read_exported_labels(dataset_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The labels an export carried (``meta/vla_rl_labels.parquet``) as dicts with ``value`` decoded;
+    ``[]`` when the dataset has none."""
+    path = Path(dataset_root) / LABELS_PATH
+    if not path.is_file():
+        return []
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    for r in rows:
+        r["value"] = json.loads(r["value"])
+    return rows
 
 
 def _select_episodes(

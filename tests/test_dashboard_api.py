@@ -24,19 +24,17 @@ import httpx
 import imageio.v3
 import numpy as np
 import pytest
-import torch
 import uvicorn
 from PIL import Image
+from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
 from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorRules
 from sim.registry import make_env
-from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.dashboard import DashboardConfig
 from vla_rl.dashboard.app import create_app
 from vla_rl.dashboard.auth import parse_tokens
@@ -59,25 +57,6 @@ TOKENS = {
 def camera_spec() -> RobotSpec:
     with make_env(TASK, obs="rgb", image_size=IMAGE) as env:
         return env.spec
-
-
-def tiny_checkpoint(folder: Path, spec: RobotSpec, seed: int = 0) -> Path:
-    """A randomly initialised camera policy (weak on purpose: the simulated operator has work to do)."""
-    cfg = FlowVLAConfig.from_robot_spec(
-        spec,
-        d_model=32,
-        n_layers=1,
-        expert_n_layers=1,
-        n_heads=2,
-        instruction_encoder="none",
-        chunk_len=4,
-        n_exec=2,
-        num_inference_steps=2,
-    )
-    torch.manual_seed(seed)
-    info = CheckpointInfo("flow_vla", cfg.to_dict(), spec, {}, Lineage("test"))
-    save_checkpoint(folder, FlowVLAPolicy(cfg).state_dict(), info)
-    return folder
 
 
 @dataclass
@@ -498,6 +477,14 @@ def test_queue_a_round_watch_it_over_sse_and_cancel_it(dash: Dashboard, world: F
     assert Path(rec.config["train"]["store"]) == world.store.resolve()
 
     viewer = dash.client("viewer")
+    assert viewer.get(f"/api/v1/rounds/{rid}").json()["live_curve"] is None  # nothing logged yet
+    from torch.utils.tensorboard import SummaryWriter  # what every trainer logs into <out>/round-N/tb
+
+    with SummaryWriter(str(Path(rec.config["train"]["out"]) / f"round-{rid}" / "tb")) as tb:
+        for step in range(1, 301):
+            tb.add_scalar("train/loss", 1.0 / step, step)
+    curve = viewer.get(f"/api/v1/rounds/{rid}").json()["live_curve"]["train/loss"]
+    assert len(curve) == 200 and curve[0] == [1.0, 1.0] and curve[-1] == [300.0, pytest.approx(1 / 300)]
     listed = viewer.get("/api/v1/rounds").json()["rounds"]
     assert listed[0]["id"] == rid and listed[0]["preset"] == "tiny-awr"
     assert viewer.post(f"/api/v1/rounds/{rid}/cancel").status_code == 403
@@ -807,6 +794,7 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     assert (
         summary["metrics"]["curve"] and summary["success"] is not None and summary["base_success"] is not None
     )
+    assert summary["live_curve"]["train/loss"]  # read from the worker's TensorBoard logs
 
     r = op.post(f"/api/v1/rounds/{rid}/promote")
     assert r.status_code == 200 and r.json()["to"] == rec.checkpoint_revision, r.text

@@ -239,3 +239,54 @@ def test_a_bad_schema_file_names_the_file_and_field(tmp_path: Path, text: str, m
 def test_a_missing_schema_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"labels: cannot read the label schema .*nope\.toml"):
         LabelSchema.load(tmp_path / "nope.toml")
+
+
+def test_concurrent_labellers_keep_one_current_value(db: MetadataDB) -> None:
+    """Two labellers relabel the same episodes at once (bulk, in opposite orders) and undo some: every
+    key ends with exactly one event in force, the latest not undone (row locks on PostgreSQL, BEGIN
+    IMMEDIATE on SQLite)."""
+    import threading
+
+    from sqlalchemy import func, select
+    from sqlalchemy.orm import Session
+
+    from fleet.db import LabelRow
+
+    ids = ["ep-0", "ep-1", "ep-2"]
+    errors: list[BaseException] = []
+
+    def work(name: str, order: list[str]) -> None:
+        try:
+            other = MetadataDB(db.url)
+            for i in range(15):
+                (first, *_rest) = other.add_labels(order, "quality", f"{name}-{i}", author=name)
+                if i % 4 == 0:
+                    other.undo_label(first, author=name)
+            other.close()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=work, args=("ana", ids)),
+        threading.Thread(target=work, args=("bob", ids[::-1])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    with Session(db.engine) as s:
+        per_ep = dict(
+            list(
+                s.execute(
+                    select(LabelRow.episode_id, func.count())
+                    .where(LabelRow.current.is_(True))
+                    .group_by(LabelRow.episode_id)
+                ).tuples()
+            )
+        )
+    assert per_ep == {e: 1 for e in ids}
+    current = db.current_labels(ids)
+    for e in ids:
+        live = [lb for lb in db.labels(e, key="quality") if not lb.is_undo and lb.undone_by is None]
+        assert current[e] == {"quality": live[-1].value}  # the latest event not undone

@@ -17,7 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from pg_cluster import PostgresCluster
 from sqlalchemy import Engine, event, inspect, text
 
-from fleet.db import SCHEMA_HEAD, Base, MetadataDB, MetadataDBError, _alembic_config
+from fleet.db import SCHEMA_HEAD, Base, EpisodeQuery, MetadataDB, MetadataDBError, _alembic_config
 from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl.spec import RobotSpec
 
@@ -101,6 +101,13 @@ def _assert_old_rows_kept(db: MetadataDB, old_job: tuple[int, str | None] = (0, 
     assert (ep.id, ep.length, ep.success, ep.revisions) == ("ep-old", 7, True, ("abc",))
     assert [(s.kind, s.start, s.end) for s in ep.segments] == [(SegmentKind.AUTONOMOUS, 0, 7)]
     assert [(lb.key, lb.value, lb.author) for lb in db.labels()] == [("quality", "good", "alice")]
+    # 0003: the old label is a human episode label in force; the revision list became join rows
+    assert db.labels()[0].source == "human" and db.current_labels(["ep-old"]) == {
+        "ep-old": {"quality": "good"}
+    }
+    assert [e.id for e in db.query_episodes(EpisodeQuery(revision="abc", labels={"quality": "good"}))[0]] == [
+        "ep-old"
+    ]
     old, queued = db.rounds()
     assert (old.status, old.metrics, (old.attempts, old.worker)) == ("succeeded", {"success": 0.5}, old_job)
     # a round from before rounds were jobs has no job row; claiming it makes one
@@ -122,7 +129,11 @@ def test_schema_head_is_the_newest_migration() -> None:
 
     scripts = ScriptDirectory.from_config(_alembic_config())
     assert scripts.get_heads() == [SCHEMA_HEAD]  # one line of history, and db.py knows its end
-    assert [s.revision for s in scripts.walk_revisions()][::-1][:2] == ["0001", "0002"]  # baseline first
+    assert [s.revision for s in scripts.walk_revisions()][::-1][:3] == [
+        "0001",
+        "0002",
+        "0003",
+    ]  # baseline first
 
 
 def test_a_fresh_db_is_migrated_to_head(db_url: str) -> None:
@@ -138,6 +149,51 @@ def test_the_previous_releases_db_upgrades_in_place(db_url: str) -> None:
     db = MetadataDB(db_url)
     _assert_schema_is_head(db)
     _assert_old_rows_kept(db)
+
+
+def test_a_0002_db_with_relabels_gets_current_values_and_revision_rows(db_url: str) -> None:
+    """0003 derives each label's ``current`` from the event log and the revision rows from the JSON list."""
+    e = _engine(db_url)
+    with e.begin() as c:
+        command.upgrade(_alembic_config(c), "0002")
+        for eid, revs in (("ep-1", '["r1", "r2"]'), ("ep-2", '["r2"]')):
+            c.execute(
+                text(
+                    "INSERT INTO episodes (id, robot_id, task, instruction, store_path, status, outcome, success,"
+                    " length, num_segments, created_at, closed_at, revisions) VALUES (:id, 'r0', :t, 'do',"
+                    " '/s', 'closed', 'failure', :no, 7, 0, 1.0, 2.0, :revs)"
+                ),
+                {"id": eid, "t": TASK, "no": False, "revs": revs},
+            )
+        for eid, key, value, seg in (
+            ("ep-1", "quality", '"good"', None),
+            ("ep-1", "quality", '"bad"', None),  # a relabel: the newer is current
+            ("ep-1", "outcome", '"success"', None),
+            ("ep-2", "quality", '"good"', 0),  # a segment label is not an episode-level value
+        ):
+            c.execute(
+                text(
+                    "INSERT INTO labels (episode_id, segment_index, key, value, author, created_at)"
+                    " VALUES (:e, :seg, :k, :v, 'alice', 3.0)"
+                ),
+                {"e": eid, "seg": seg, "k": key, "v": value},
+            )
+    e.dispose()
+    db = MetadataDB(db_url)
+    _assert_schema_is_head(db)
+    assert db.current_labels(["ep-1", "ep-2"]) == {
+        "ep-1": {"quality": "bad", "outcome": "success"},
+        "ep-2": {},
+    }
+    items, total = db.query_episodes(EpisodeQuery(revision="r2", outcome="success"))
+    assert (
+        total == 1
+        and items[0].id == "ep-1"
+        and items[0].success is True
+        and items[0].recorded_success is False
+    )
+    assert db.query_episodes(EpisodeQuery(revision="r1"))[1] == 1
+    assert [r.revision for r in db.revision_stats()] == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("written_by", ["previous release", "current release"])

@@ -530,6 +530,7 @@ def dashboard(a: Any) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
+    sock.listen(2048)  # connections wait in the backlog from now on, not refused, while uvicorn starts
     port = sock.getsockname()[1]
     url = f"http://{a.host}:{port}/"
     print(

@@ -8,8 +8,10 @@ Request bodies are bounded (``max_body_kb``; larger: 413).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,19 @@ def _warm_imports() -> None:
         log.warning("warming imports failed", exc_info=True)
 
 
+def _sync(res: Resources) -> None:
+    try:
+        n = res.sync_db()
+    except ApiError as e:  # store or DB down: health reports it; nothing to sync then
+        log.warning("could not sync the DB with the store", extra={"error": e.message})
+        return
+    except Exception:
+        log.warning("syncing the DB with the store failed", exc_info=True)
+        return
+    if n:
+        log.info("recorded store episodes the metadata DB lacked", extra={"episodes": n})
+
+
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
@@ -108,7 +123,17 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         tokens, generated_token = generated()
     res = Resources(cfg)
     ctx = Context(cfg=cfg, res=res, tokens=tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=_warm_imports, name="dashboard-warm-imports", daemon=True).start()
+        if cfg.sync_db:
+            threading.Thread(target=_sync, args=(res,), name="dashboard-sync-db", daemon=True).start()
+        yield
+        res.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="vla-rl dashboard",
         version=__version__,
         openapi_url=f"{API}/openapi.json",
@@ -146,14 +171,6 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         app.mount("/static", CachedStatic(directory=STATIC), name="static")
     for page in PAGES:
         app.add_api_route(page, _index, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
-
-    @app.on_event("startup")
-    def _warm() -> None:
-        threading.Thread(target=_warm_imports, name="dashboard-warm-imports", daemon=True).start()
-
-    @app.on_event("shutdown")
-    def _close() -> None:
-        res.close()
 
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_kb * 1024)
     return app

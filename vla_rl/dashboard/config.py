@@ -51,6 +51,9 @@ class DashboardConfig:
     """Largest request body accepted (KiB); larger: 413."""
     frame_cache_mb: int = 256
     """Decoded camera chunks kept in memory (MiB)."""
+    sync_db: bool = True
+    """On start, record the store's closed episodes that the metadata DB lacks (a store written without
+    the DB, e.g. by `vla-rl sim demos`), so the episode list shows them."""
 
     def __post_init__(self) -> None:
         self.store = Path(self.store)

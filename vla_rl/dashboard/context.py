@@ -11,6 +11,7 @@ from fastapi import Header
 
 from vla_rl.dashboard.auth import ROLES, WHAT_ROLE_DOES, Principal, TokenTable, bearer
 from vla_rl.dashboard.config import DashboardConfig
+from vla_rl.dashboard.curves import LiveCurves
 from vla_rl.dashboard.errors import ApiError
 from vla_rl.dashboard.frames import FrameReader, VideoCache
 from vla_rl.dashboard.resources import Resources
@@ -21,6 +22,7 @@ class Context:
     cfg: DashboardConfig
     res: Resources
     tokens: TokenTable
+    curves: LiveCurves = field(default_factory=LiveCurves)
     _reader: FrameReader | None = None
     _video: VideoCache | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -8,6 +8,7 @@ A failed open is retried at most every ``retry_s`` seconds, so the dashboard rec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from fleet.db import MetadataDB, MetadataDBError, default_url
 from fleet.store import EpisodeStore
@@ -128,10 +129,47 @@ class Resources:
             return {"ok": False, "error": self.db_error_message(e), "url": self.db_shown}
         return {"ok": True, "error": None, "url": self.db_shown}
 
+    def sync_db(self) -> int:
+        """Record closed episodes of the store that the DB has no row for; returns how many. Only closed
+        ones: an open episode's writer records it itself (and would race with us)."""
+        from sqlalchemy.exc import IntegrityError
+
+        store, db = self.store(), self.db()
+        known = {e.id for e in db.episodes()}
+        missing = []
+        for eid in store.episode_ids():
+            if eid in known:
+                continue
+            try:
+                meta = store.read_metadata(eid)
+            except (KeyError, ValueError, OSError):
+                continue
+            if meta.is_closed:
+                missing.append(meta)
+        if not missing:
+            return 0
+        try:
+            return db.record_episodes(missing, str(store.root))
+        except IntegrityError:  # someone recorded some meanwhile: one at a time, skipping those
+            n = 0
+            for m in missing:
+                with contextlib.suppress(IntegrityError):
+                    n += db.record_episodes([m], str(store.root))
+            return n
+
     def map_exception(self, e: BaseException) -> ApiError | None:
         """A 503 for an exception that means the DB or the store went away mid-request (else None)."""
-        if isinstance(e, OperationalError | DBAPIError):
+        if isinstance(e, OperationalError | InterfaceError):
             return ApiError(503, "db", self.db_error_message(e), "a reachable metadata DB")
+        if isinstance(e, DBAPIError):  # reachable, but the query failed (e.g. its tables were dropped)
+            why = str(getattr(e, "orig", None) or e).strip().splitlines()
+            return ApiError(
+                503,
+                "db",
+                f"the metadata DB {self.db_shown} failed a query ({why[0] if why else type(e).__name__}); "
+                "is --db the store's metadata DB, at the schema this vla-rl writes?",
+                "a working metadata DB",
+            )
         if isinstance(e, FileNotFoundError | PermissionError) and str(self.cfg.store) in str(e):
             return ApiError(
                 503, "store", f"the episode store {self.cfg.store} cannot be read ({e})", "a readable store"

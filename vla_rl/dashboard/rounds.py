@@ -269,6 +269,7 @@ def make_router(ctx: Context) -> APIRouter:
     def round_detail(n: int, _: Principal = viewer) -> dict[str, Any]:
         rec = _round(ctx, n)
         return round_summary(rec) | {
+            "live_curve": ctx.curves.curve(rec),
             "config": jsonable(rec.config),
             "metrics": jsonable(rec.metrics),
             "data_snapshot": jsonable(rec.data),
@@ -287,7 +288,10 @@ def make_router(ctx: Context) -> APIRouter:
             rec, quiet_since = first, time.monotonic()
             yield b"retry: 2000\n\n"
             while True:
-                data = json.dumps(round_summary(rec), separators=(",", ":"))
+                payload = round_summary(rec)
+                if rec.status == "running":
+                    payload["live_curve"] = await run_in_threadpool(ctx.curves.curve, rec)
+                data = json.dumps(payload, separators=(",", ":"))
                 if data != last:
                     yield f"event: progress\ndata: {data}\n\n".encode()
                     last, quiet_since = data, time.monotonic()

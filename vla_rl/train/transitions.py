@@ -24,6 +24,26 @@ it failing); the final autonomous segment gets the episode outcome; human frames
 (``credit = -1``) and are kept as positive behaviour cloning by the trainers. Monte-Carlo returns are
 cut the same way: a segment ended by a takeover is scored as if it failed at the takeover.
 
+**Labels** (from the metadata DB, when the buffer is built with one; the current values, never undone
+ones). An episode's ``outcome`` label overrides its recorded success (``success`` -> 1, anything else
+-> 0) for the sparse / steps-to-go rewards and the credit. Span labels of key ``segment`` (HELP's
+segment classes, ``fleet/labels.toml``) over frames ``[s, e)`` change credit assignment, with
+``A`` = the set of non-human frames:
+
+* ``idle``: frames in ``[s, e)`` are dropped from the samples (after rewards, credit and returns were
+  computed on the whole episode: the time they took still counts in the returns). The kept frames
+  split into contiguous runs; an n-step window or action chunk never crosses a dropped stretch (a
+  run ends like a non-terminal episode end: ``bootstrap = 0``, ``valid = 0`` past it);
+* ``failure-inducing``: let ``f = max{t in A : t < e}`` (the last autonomous frame before the span's
+  end). The autonomous stretch ending at ``f`` is scored as in a takeover at ``f + 1``:
+  ``credit[i..f] = 0`` and ``cut[f] = 1``, i.e. ``G_f = r_f + c_fail`` (``c_fail`` = 0, or -1 for
+  ``steps_to_go``) and ``G_t = r_t + γ G_{t+1}`` back to the stretch's start ``i``; frames after
+  ``f`` start a new stretch credited by what follows it;
+* ``recovery``: kept as positive behaviour cloning: never dropped (it wins over ``idle``), never
+  scored as a failure (``credit = 1`` on its autonomous frames, human frames keep ``-1``), and
+  ``bc = 1`` on all its frames (the buffer's ``bc`` array / batch key: human or recovery frames, the
+  ones a trainer should clone). ``progress`` spans change nothing.
+
 Episodes come from the store + metadata DB through a :class:`DataSelection` (task, robots, time range,
 checkpoint revisions, rounds, labels, outcome), or are appended online (:meth:`add_episode`).
 """
@@ -34,14 +54,13 @@ import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
-from fleet.db import MetadataDB
+from fleet.db import MetadataDB, effective_outcome, parse_time
 from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from vla_rl.spec import RobotSpec
@@ -49,9 +68,15 @@ from vla_rl.spec import RobotSpec
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
 REWARD_KINDS: tuple[str, ...] = get_args(RewardKind)
 NO_CREDIT = -1
+SPAN_KEY = "segment"
+"""The span-label key whose values (below) change credit assignment (see the module docstring)."""
+SpanType = Literal["progress", "idle", "failure-inducing", "recovery"]
+SPAN_TYPES: tuple[str, ...] = get_args(SpanType)
 
 __all__ = [
     "REWARD_KINDS",
+    "SPAN_KEY",
+    "SPAN_TYPES",
     "DataSelection",
     "RewardKind",
     "TransitionBuffer",
@@ -59,6 +84,7 @@ __all__ = [
     "load_transitions",
     "next_observation",
     "select_episode_ids",
+    "span_effects",
     "step_rewards",
 ]
 
@@ -150,14 +176,7 @@ class DataSelection:
 
 
 def _parse_time(key: str, value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        raise ValueError(f"{key}: expected unix seconds or an ISO date (2026-11-01), got {value!r}") from None
+    return parse_time(key, value)
 
 
 def select_episode_ids(
@@ -186,19 +205,27 @@ def select_episode_ids(
         and (selection.since is None or m.created >= selection.since)
         and (selection.until is None or m.created <= selection.until)
         and (not revisions or revisions.intersection(m.revisions))
-        and (selection.success is None or bool(m.success) == selection.success)
     ]
+    if selection.labels and db is None:
+        raise ValueError("label: selecting by label needs the metadata DB (--db)")
+    # current (not undone) episode labels; an ``outcome`` label overrides the recorded success
+    current = db.current_labels([m.episode_id for m in metas]) if db is not None else {}
+    if selection.success is not None:
+        metas = [
+            m
+            for m in metas
+            if bool(effective_outcome(m.outcome, m.success, current.get(m.episode_id, {}))[1])
+            == selection.success
+        ]
     if selection.labels:
-        if db is None:
-            raise ValueError("label: selecting by label needs the metadata DB (--db)")
-        keep = []
-        for m in metas:
-            have = {
-                lb.key: str(lb.value).lower() for lb in db.labels(m.episode_id) if lb.segment_index is None
-            }
-            if all(have.get(k) == str(v).lower() for k, v in selection.labels.items()):
-                keep.append(m)
-        metas = keep
+        metas = [
+            m
+            for m in metas
+            if all(
+                k in current[m.episode_id] and str(current[m.episode_id][k]).lower() == str(v).lower()
+                for k, v in selection.labels.items()
+            )
+        ]
     metas.sort(key=lambda m: (m.created, m.episode_id))
     if selection.max_episodes is not None:
         metas = metas[-selection.max_episodes :]
@@ -222,13 +249,13 @@ def load_transitions(
 ) -> TransitionBuffer:
     """Select episodes (rounds resolved through the DB's rounds table) and load them as a buffer."""
     store = store if isinstance(store, EpisodeStore) else EpisodeStore(store)
-    if db is None and (selection.labels or selection.rounds):
-        db = MetadataDB.for_store(store.root)
+    if db is None and (selection.labels or selection.rounds or (store.root / "metadata.db").exists()):
+        db = MetadataDB.for_store(store.root)  # the store's own DB: its labels reach training
     ids = select_episode_ids(
         store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
     )
     return TransitionBuffer.from_store(
-        store, ids, reward=reward, gamma=gamma, max_steps=max_steps, cameras=cameras
+        store, ids, reward=reward, gamma=gamma, max_steps=max_steps, cameras=cameras, db=db
     )
 
 
@@ -266,28 +293,63 @@ def step_rewards(
     raise ValueError(f"reward: expected one of {list(REWARD_KINDS)}, got {kind!r}")
 
 
-def credit_labels(controller: np.ndarray, success: bool) -> tuple[np.ndarray, np.ndarray]:
+def credit_labels(
+    controller: np.ndarray, success: bool, failure_at: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-frame outcome credit and credit-segment ends for one episode.
 
     Returns ``credit`` int8 ``[T]`` (1 success, 0 failure, -1 no credit: human frames) and ``cut`` bool
-    ``[T]``: True on the last frame of an autonomous stretch that a human took over from (returns are
-    cut there and that frame is scored as a failure).
+    ``[T]``: True on the last frame of an autonomous stretch that a human took over from, or that
+    ``failure_at`` names (a ``failure-inducing`` span's last autonomous frame, see
+    :func:`span_effects`): returns are cut there and that stretch is scored as a failure.
     """
     human = np.asarray(controller) == int(Controller.HUMAN)
     t = len(human)
+    forced = np.zeros(t, dtype=bool)
+    for f in failure_at:
+        if 0 <= f < t and not human[f]:
+            forced[f] = True
     credit = np.full(t, NO_CREDIT, dtype=np.int8)
     cut = np.zeros(t, dtype=bool)
     i = 0
     while i < t:
         j = i
-        while j < t and human[j] == human[i]:
+        while j < t and human[j] == human[i] and not (j > i and forced[j - 1]):
             j += 1
         if not human[i]:
-            taken_over = j < t  # a human frame follows this autonomous stretch
-            credit[i:j] = 0 if taken_over else int(success)
-            cut[j - 1] = taken_over
+            failed = (j < t and human[j]) or forced[j - 1]  # taken over, or a failure-inducing span
+            credit[i:j] = 0 if failed else int(success)
+            cut[j - 1] = failed
         i = j
     return credit, cut
+
+
+def span_effects(
+    length: int, controller: np.ndarray, spans: Sequence[tuple[str, int, int]]
+) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """What an episode's ``segment`` span labels ``(type, start, end)`` do (module docstring): returns
+    ``keep`` bool ``[T]`` (False in idle spans not covered by a recovery span), the frames where a
+    ``failure-inducing`` span ends an autonomous stretch as a failure (for :func:`credit_labels`), and
+    ``recovery`` bool ``[T]``. Spans are clipped to the episode; unknown types raise ValueError."""
+    human = np.asarray(controller) == int(Controller.HUMAN)
+    idle = np.zeros(length, dtype=bool)
+    recovery = np.zeros(length, dtype=bool)
+    failure_at: list[int] = []
+    for kind, start, end in spans:
+        if kind not in SPAN_TYPES:
+            raise ValueError(f"span label {SPAN_KEY}: expected one of {', '.join(SPAN_TYPES)}, got {kind!r}")
+        a, b = max(0, int(start)), min(length, int(end))
+        if b <= a:
+            continue
+        if kind == "idle":
+            idle[a:b] = True
+        elif kind == "recovery":
+            recovery[a:b] = True
+        elif kind == "failure-inducing":
+            auto = np.flatnonzero(~human[:b])
+            if len(auto):
+                failure_at.append(int(auto[-1]))
+    return ~(idle & ~recovery), sorted(set(failure_at)), recovery
 
 
 def _discounted_returns(r: np.ndarray, cut: np.ndarray, gamma: float, cut_value: float) -> np.ndarray:
@@ -328,6 +390,7 @@ class TransitionBuffer:
         self._parts: list[dict[str, np.ndarray]] = []
         self._arrays: dict[str, np.ndarray] = {}
         self._dirty = False
+        self._runs = 0  # contiguous runs of frames so far (an episode is one, or more around idle spans)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -340,10 +403,16 @@ class TransitionBuffer:
         gamma: float = 0.99,
         max_steps: int | None = None,
         cameras: bool = True,
+        db: MetadataDB | None = None,
     ) -> TransitionBuffer:
+        """The episodes' frames as transitions. With the metadata ``db``, their current labels apply: an
+        ``outcome`` label overrides the recorded success, and ``segment`` span labels drop idle frames,
+        score failure-inducing stretches as failures and keep recovery as positive (module docstring)."""
         if not episode_ids:
             raise ValueError("episode_ids: expected at least one episode")
         episodes = [store.read_episode(e, cameras=cameras) for e in episode_ids]
+        labels = db.current_labels(episode_ids) if db is not None else {}
+        spans = db.current_spans(episode_ids) if db is not None else {}
         spec = episodes[0].meta.spec
         steps = max_steps or max(ep.length for ep in episodes)
         buf = cls(spec, reward=reward, gamma=gamma, max_steps=steps, cameras=cameras)
@@ -352,15 +421,18 @@ class TransitionBuffer:
                 raise ValueError(f"episode {ep.meta.episode_id}: spec {ep.meta.spec.name!r} != {spec.name!r}")
             if ep.length == 0:
                 continue
+            eid = ep.meta.episode_id
+            _, success = effective_outcome(ep.meta.outcome, ep.meta.success, labels.get(eid, {}))
             buf.add_episode(
                 state=ep.state,
                 action=ep.action,
                 reward=ep.reward,
                 terminated=ep.terminated,
                 controller=ep.controller,
-                success=bool(ep.meta.success),
+                success=bool(success),
                 cameras=ep.cameras if buf.use_cameras else None,
-                episode_id=ep.meta.episode_id,
+                episode_id=eid,
+                spans=[(str(lb.value), lb.start, lb.end) for lb in spans.get(eid, []) if lb.key == SPAN_KEY],
             )
         if not len(buf):
             raise ValueError("selected episodes hold no frames")
@@ -377,8 +449,10 @@ class TransitionBuffer:
         success: bool,
         cameras: Mapping[str, np.ndarray] | None = None,
         episode_id: str | None = None,
+        spans: Sequence[tuple[str, int, int]] = (),
     ) -> None:
-        """Append one finished episode (arrays over its T frames; ``reward`` as the sim recorded it)."""
+        """Append one finished episode (arrays over its T frames; ``reward`` as the sim recorded it).
+        ``spans``: its ``segment`` span labels as ``(type, start, end)`` (module docstring)."""
         t = len(state)
         if t == 0:
             raise ValueError("state: expected at least one frame")
@@ -399,9 +473,15 @@ class TransitionBuffer:
             max_steps=self.max_steps,
             gamma=self.gamma,
         )
-        credit, cut = credit_labels(np.asarray(controller), success)
+        keep, failure_at, recovery = span_effects(t, np.asarray(controller), spans)
+        credit, cut = credit_labels(np.asarray(controller), success, failure_at)
+        human = np.asarray(controller) == int(Controller.HUMAN)
+        credit[recovery & ~human] = 1  # a recovery is kept as positive, never scored as a failure
         # A takeover is scored as a failure of the autonomous stretch (returns cut there).
         cut_value = {"sparse": 0.0, "steps_to_go": -1.0, "dense": 0.0, "shaped": 0.0}[self.reward_kind]
+        # contiguous runs of kept frames: a window never crosses a dropped (idle) stretch
+        breaks = np.concatenate([[True], keep[1:] != keep[:-1]]) if t else np.zeros(0, bool)
+        run = self._runs + np.cumsum(breaks) - 1
         part = {
             "state": np.asarray(state, np.float32),
             "action": np.asarray(action, np.float32),
@@ -409,9 +489,11 @@ class TransitionBuffer:
             "terminal": np.zeros(t, bool),
             "controller": np.asarray(controller, np.int64),
             "credit": credit,
+            "bc": human | recovery,
             "mc_return": _discounted_returns(r, cut, self.gamma, cut_value),
             "episode": np.full(t, len(self.episode_ids), np.int64),
             "frame": np.arange(t, dtype=np.int64),
+            "run": run.astype(np.int64),
         }
         part["terminal"][-1] = bool(np.asarray(terminated)[-1])
         if self.use_cameras:
@@ -424,6 +506,11 @@ class TransitionBuffer:
                         f"cameras.{cam.name}: expected shape {[t, cam.height, cam.width, 3]}, got {list(img.shape)}"
                     )
                 part[f"image.{cam.name}"] = img
+        if not keep.all():
+            if not keep.any():
+                raise ValueError(f"episode {episode_id}: every frame is in an idle span; nothing to train on")
+            part = {k: v[keep] for k, v in part.items()}
+        self._runs = int(part["run"][-1]) + 1
         self._parts.append(part)
         self.episode_ids.append(episode_id or f"online-{len(self.episode_ids)}-{time.time_ns()}")
         self.episode_success.append(bool(success))
@@ -432,9 +519,10 @@ class TransitionBuffer:
     def _consolidate(self) -> dict[str, np.ndarray]:
         if self._dirty:
             self._arrays = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
-            lengths = np.array([len(p["state"]) for p in self._parts])
-            ends = np.cumsum(lengths)
-            self._arrays["end"] = np.repeat(ends, lengths)  # one past the episode's last frame
+            run = self._arrays["run"]
+            change = np.flatnonzero(run[1:] != run[:-1]) + 1
+            starts, ends = np.concatenate([[0], change]), np.concatenate([change, [len(run)]])
+            self._arrays["end"] = np.repeat(ends, ends - starts)  # one past the last frame of its run
             self._parts = [dict(self._arrays)]  # keep one consolidated part
             for k in ("end",):
                 self._parts[0].pop(k)
@@ -483,7 +571,8 @@ class TransitionBuffer:
         ``action_is_pad`` [B, H], ``reward_n`` [B], ``next.state`` / ``next.images.<cam>`` (at t + n),
         ``bootstrap`` [B] (1 if the value at t + n should be added, 0 after a terminal),
         ``valid`` [B] (0 when the window runs past a non-terminal end: no next observation was stored),
-        ``controller`` [B], ``human`` [B] bool, ``credit`` [B] int (1/0/-1), ``mc_return`` [B],
+        ``controller`` [B], ``human`` [B] bool, ``bc`` [B] bool (human or recovery-span frames: clone
+        them), ``credit`` [B] int (1/0/-1), ``mc_return`` [B],
         ``episode_index`` / ``frame_index`` [B], ``next_index`` [B] (the buffer row of ``next.*``).
         """
         if horizon < 1 or n_step < 1:
@@ -513,6 +602,7 @@ class TransitionBuffer:
             "valid": torch.from_numpy(valid),
             "controller": torch.from_numpy(a["controller"][idx]),
             "human": torch.from_numpy(a["controller"][idx] == int(Controller.HUMAN)),
+            "bc": torch.from_numpy(a["bc"][idx]),
             "credit": torch.from_numpy(a["credit"][idx].astype(np.int64)),
             "mc_return": torch.from_numpy(a["mc_return"][idx]),
             "episode_index": torch.from_numpy(a["episode"][idx]),
