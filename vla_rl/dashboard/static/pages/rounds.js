@@ -230,8 +230,10 @@ export async function render(root, ctx) {
       clear(head, h("h2", `round-${roundNo(r)}`), badge(r.status, `st-${r.status}`), r.promoted ? badge("promoted", "promoted") : null);
       drawInfo(info, r);
       drawProgress(r.progress || {});
+      const live = liveLoss(r);
       const mc = (r.metrics && r.metrics.curve) || null;
-      if (mc && !losses.x.length) setCurve(mc);
+      if (live) setCurve(live);
+      else if (mc && !losses.x.length) setCurve(mc);
       drawActions();
     };
     const setCurve = (c) => {
@@ -319,6 +321,8 @@ export async function render(root, ctx) {
                   r = { ...r, ...data };
                   if (before !== r.status) drawAll(r);
                   else drawProgress(r.progress || {});
+                  const live = liveLoss(data);
+                  if (live) setCurve(live);
                 } else {
                   r.progress = data;
                   drawProgress(data);
@@ -350,6 +354,14 @@ export async function render(root, ctx) {
     clearTimeout(listTimer);
     cleanups.forEach((f) => f());
   };
+}
+
+/** The training loss of a running round's live curve ({tag: [[step, value]]}), if it has one. */
+function liveLoss(r) {
+  const c = r && r.live_curve;
+  if (!c || typeof c !== "object") return null;
+  const tag = "train/loss" in c ? "train/loss" : Object.keys(c).find((k) => k.endsWith("loss"));
+  return tag && c[tag] && c[tag].length ? c[tag] : null;
 }
 
 /** The round's scores: top-level in the API's round summary, else in its metrics. */
