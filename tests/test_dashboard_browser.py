@@ -494,8 +494,8 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
             "textarea[name='options']",
             json.dumps(
                 {
-                    "steps": 5,
-                    "value_steps": 5,
+                    "steps": 40,
+                    "value_steps": 10,
                     "batch_size": 8,
                     "threads": 1,
                     "eval_episodes": 2,

@@ -221,7 +221,8 @@ export async function render(root, ctx) {
     const actions = h("div.actions");
     const msg = h("div.err-slot");
     const curveSlot = h("div", { hidden: true });
-    clear(detail, head, progress, curveSlot, info, actions, msg);
+    const lastLoss = h("div.muted.small");
+    clear(detail, head, progress, lastLoss, curveSlot, info, actions, msg);
     const curve = new LinePlot(curveSlot, { title: "training loss", height: 140, legend: false });
     cleanups.push(() => curve.destroy());
     const losses = { x: [], y: [] };
@@ -247,7 +248,8 @@ export async function render(root, ctx) {
           losses.y.push(y);
         }
       }
-      curveSlot.hidden = losses.x.length === 0;
+      curveSlot.hidden = losses.x.length < 2; // one point is a number, not a curve
+      clear(lastLoss, losses.x.length ? `training loss ${num(losses.y[losses.y.length - 1], 4)} at step ${losses.x[losses.x.length - 1]}` : "");
       curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
     };
     const drawProgress = (p) => {
@@ -268,7 +270,7 @@ export async function render(root, ctx) {
       else if (p.loss !== undefined && step !== undefined && losses.x[losses.x.length - 1] !== step) {
         losses.x.push(step);
         losses.y.push(p.loss);
-        curveSlot.hidden = false;
+        curveSlot.hidden = losses.x.length < 2;
         curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
       }
     };
@@ -384,7 +386,7 @@ function compareCell(m) {
     { title: `candidate ${pct(m.success)}${fmtCi(m.ci95)} vs base ${pct(m.base_success)}${fmtCi(m.base_ci95)}${m.gate ? ` · ${m.gate.reason}` : ""}` },
     h("svg", { width: W, height: 16, class: "ci-chart" }, h("line", { x1: 0, x2: W, y1: 15, y2: 15, class: "axis" }), bar(m.base_success ?? 0, m.base_ci95, 11, "base"), bar(m.success, m.ci95, 4, "cand")),
     ` ${pct(m.success)} vs ${pct(m.base_success)}`,
-    m.delta !== undefined ? h("span", { class: m.delta > 0 ? "up" : "down" }, ` (${m.delta > 0 ? "+" : ""}${(100 * m.delta).toFixed(0)} pts)`) : null,
+    m.delta !== undefined ? h("span", { class: m.delta > 0 ? "up" : m.delta < 0 ? "down" : "muted" }, ` (${m.delta > 0 ? "+" : ""}${(100 * m.delta).toFixed(0)} pts)`) : null,
   );
 }
 
