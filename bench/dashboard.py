@@ -133,7 +133,20 @@ def bulk_rows(db: MetadataDB, store: EpisodeStore, template_ids: list[str], tota
                 success=ok,
             )
         )
-    return db.record_episodes(clones, str(store.root))
+    n = db.record_episodes(clones, str(store.root))
+    # auto-flags are computed when an episode closes (the collector) or on first view: give the clones
+    # their template's results, as if computed at close (they have no frames to compute them from)
+    from fleet.flags import refresh_flags
+
+    refresh_flags(store, db)
+    flags = db.flags(template_ids, raised_only=False)
+    db.set_flags(
+        {
+            c.episode_id: list(flags[template_ids[i % len(template_ids)]].values())
+            for i, c in enumerate(clones)
+        }
+    )
+    return n
 
 
 class Dashboard:
@@ -144,9 +157,11 @@ class Dashboard:
         env = os.environ | {"VLA_RL_DASHBOARD_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
         env.pop("VLA_RL_DASHBOARD_TOKENS_FILE", None)
         cmd = [sys.executable, "-m", "vla_rl.cli", "dashboard", "--store", str(store), "--workdir", str(work)]
+        work.mkdir(parents=True, exist_ok=True)
+        self.log = open(work / f"dashboard-{self.port}.log", "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [*cmd, "--port", str(self.port)],
-            stdout=subprocess.PIPE,
+            stdout=self.log,  # a pipe nobody reads would fill up and block the server's logging
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
@@ -157,9 +172,7 @@ class Dashboard:
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the dashboard exited: {self.proc.stdout.read() if self.proc.stdout else ''}"
-                )
+                raise RuntimeError(f"the dashboard exited: {Path(self.log.name).read_text()[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
                     return
@@ -176,6 +189,7 @@ class Dashboard:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def new_page(browser: Any, url: str) -> Any:
@@ -196,7 +210,10 @@ IN_PAGE_CHANGE = """async (action) => {
     el.value = action;
     el.dispatchEvent(new Event("change", {bubbles: true}));
   }
-  while (window.vlaEpisodesRendered.at === prev) await new Promise((r) => requestAnimationFrame(r));
+  while (window.vlaEpisodesRendered.at === prev) {
+    if (performance.now() - t0 > 20000) throw new Error(`${action}: the list was not redrawn in 20 s (${location.search}: ${document.querySelector(".err-slot").textContent})`);
+    await new Promise((r) => requestAnimationFrame(r));
+  }
   return window.vlaEpisodesRendered.at - t0;
 }"""
 
@@ -212,6 +229,7 @@ def bench_list(browser: Any, url: str, reps: int) -> dict[str, Any]:
         loads.append(r["at"])
         total = r["total"]
         assert page.locator("table.episodes tbody tr").count() == 50
+    print(f"list: {reps} page loads done", flush=True)
     changes: dict[str, list[float]] = {"next page": [], "sort by length": [], "filter outcome": []}
     for i in range(reps):
         changes["next page"].append(page.evaluate(IN_PAGE_CHANGE, "next"))
@@ -286,9 +304,11 @@ def bench_playback(
     frames = int(HZ * SECONDS)
     dash = Dashboard(store, work)
     try:
+        print("playback: warm-up episode", flush=True)
         page, _ = open_cold(browser, dash.url, warmup_id)  # the process's code paths warm, not its caches
         page.context.close()
         for eid in ids[1:]:
+            print(f"playback: {eid} cold", flush=True)
             page, wf = open_cold(browser, dash.url, eid)
             firsts.append(wf["drawn_ms"])
             waterfalls.append(wf)
@@ -296,6 +316,7 @@ def bench_playback(
             page.wait_for_timeout(1000)
             _seeks(page, seeks, rng, frames, early, server_ms)
             # after load: the whole episode buffered (its JPEGs in the page), a seek is a local decode
+            print("playback: waiting for the episode to be buffered", flush=True)
             page.wait_for_function(f"window.vlaPlayer.buffered >= {frames}", timeout=180_000)
             buffer_s.append(page.evaluate("performance.now()") / 1000)
             _seeks(page, seeks, rng, frames, buffered, [])
@@ -341,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="results JSON (default bench/results/dashboard.json)"
     )
     args = ap.parse_args(argv)
+    if args.long < 2:
+        ap.error("--long: expected >= 2 (one for the fresh-process case, the others cold-cache)")
     if not Path(CHROMIUM).exists():
         print(f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", file=sys.stderr)
         return 1

@@ -129,19 +129,15 @@ def start_dashboard(
         "--server", world.server.address, "--collector", world.collector.address,
         "--workdir", str(world.root / "dash"), "--port", str(port), *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    log = world.root / f"dashboard-{port}.log"
+    with log.open("w") as out:  # a file, not a pipe nobody reads (a full pipe blocks the server's logging)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
     deadline = time.monotonic() + 60
     while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, log.read_text()[-3000:]
         try:
             if httpx.get(f"{url}/api/v1/health", timeout=1).status_code == 200:
                 return url, proc

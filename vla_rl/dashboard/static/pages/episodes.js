@@ -14,6 +14,7 @@ const FILTERS = [
   ["label", "label key:value", "text"],
   ["intervention", "intervention", "select", ["", "true", "false"]],
   ["flag", "flag", "text"],
+  ["status", "status", "select", ["", "closed", "open"]],
   ["since", "since", "date"],
   ["until", "until", "date"],
   ["min_length", "min length", "number"],
