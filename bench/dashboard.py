@@ -138,7 +138,7 @@ def bulk_rows(db: MetadataDB, store: EpisodeStore, template_ids: list[str], tota
     # their template's results, as if computed at close (they have no frames to compute them from)
     from fleet.flags import refresh_flags
 
-    refresh_flags(store, db)
+    refresh_flags(store, db, template_ids)
     flags = db.flags(template_ids, raised_only=False)
     db.set_flags(
         {
