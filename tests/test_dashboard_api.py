@@ -238,6 +238,7 @@ def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorl
         "/api/v1/episodes/{episode_id}/frames/{camera}/{t}.jpg",
         "/api/v1/episodes/{episode_id}/video/{camera}.mp4",
         "/api/v1/selection",
+        "/api/v1/selection/from-filter",
         "/api/v1/refs",
         "/api/v1/rounds",
         "/api/v1/rounds/{n}",
@@ -433,6 +434,15 @@ def test_selection_counts_what_a_round_would_train_on(dash: Dashboard, world: Fl
             store.read_metadata(i).length for i in ids
         ), data
     assert c.get("/api/v1/selection", params={"data": "robot=sim-0"}).json()["task"] == TASK  # the only task
+    # the page pre-fills a round's data from the episode filter it shows
+    got = c.get(
+        "/api/v1/selection/from-filter", params={"robot": "sim-0", "intervention": "true", "page": 2}
+    ).json()
+    assert got["data"] == "robot=sim-0" and got["dropped"] == ["intervention"] and got["task"] == TASK
+    ids = select_episode_ids(store, DataSelection.parse(TASK, "robot=sim-0"), world.db, {})
+    assert got["episodes"] == len(ids)
+    r = c.get("/api/v1/selection/from-filter", params={"colour": "red"})
+    assert r.status_code == 422 and _detail(r)["field"] == "colour"
 
 
 def _sse(c: httpx.Client, path: str, until: str = "done", timeout_s: float = 120) -> list[tuple[str, Any]]:
@@ -568,6 +578,14 @@ def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
 
 
 def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
+    from server.client import PolicyClient
+
+    with make_env(TASK, obs="rgb", image_size=IMAGE) as env, PolicyClient(world.server.address) as client:
+        obs, _ = env.reset(seed=0)  # a request within GetInfo's 60 s latency window, however slow the run
+        for _ in range(3):
+            client.act(
+                {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]}, seed=0
+            )
     f = dash.client("viewer").get("/api/v1/fleet").json()
     robots = {r["robot_id"]: r for r in f["robots"]}
     assert {"sim-0", "sim-1"} <= set(robots)
@@ -649,6 +667,11 @@ def test_episode_list_filters_sorts_and_pages_in_the_db(dash: Dashboard, world: 
     assert [x["length"] for x in sim0["items"]] == sorted(x["length"] for x in sim0["items"])
     helped = c.get("/api/v1/episodes", params={"intervention": "true"}).json()
     assert helped["total"] >= 1 and all(x["takeovers"] >= 1 for x in helped["items"])
+    assert all("takeovers" in x["flags"] for x in helped["items"])  # auto-flags, computed for the page
+    flagged = c.get("/api/v1/episodes", params={"flag": "takeovers", "per_page": 500}).json()
+    assert {x["id"] for x in flagged["items"]} >= {
+        x["id"] for x in helped["items"] if x["status"] == "closed"
+    }
     for params, field in (
         ({"colour": "red"}, "colour"),
         ({"sort": "-nope"}, "sort"),

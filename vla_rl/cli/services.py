@@ -497,11 +497,12 @@ def _dashboard_args() -> type:
 
 
 def dashboard(a: Any) -> int:
+    import socket
+
     import uvicorn
 
     from vla_rl.dashboard.app import create_app
     from vla_rl.dashboard.auth import TokenError, load_tokens
-    from vla_rl.hub.registry import configure_hub
 
     check_port(a.host, a.port)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
@@ -510,10 +511,7 @@ def dashboard(a: Any) -> int:
             "TLS proxy in front)",
             file=sys.stderr,
         )
-    if a.hub:
-        with user_errors(ValueError, prefix="--hub: "):
-            configure_hub(a.hub, env_secret("VLA_RL_HUB_TOKEN", "HF_TOKEN"))
-    with user_errors(TokenError, prefix="--tokens-file: "):
+    with user_errors(TokenError, prefix="--tokens-file: " if a.tokens_file else ""):
         tokens = load_tokens(a.tokens_file)
     app = create_app(a, tokens=tokens)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False)
@@ -525,14 +523,12 @@ def dashboard(a: Any) -> int:
             "VLA_RL_DASHBOARD_TOKEN): made a one-time operator token for this run"
         )
 
-    import socket
-
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
     sock.listen(2048)  # connections wait in the backlog from now on, not refused, while uvicorn starts
     port = sock.getsockname()[1]
-    url = f"http://{a.host}:{port}/"
+    url = f"http://{f'[{a.host}]' if ':' in a.host else a.host}:{port}/"
     print(
         f"dashboard on {url}"
         + (f"#token={secret}" if secret else f"  (tokens from {tokens.source if tokens else '-'})"),

@@ -101,6 +101,7 @@ def _warm_imports() -> None:
 
 
 def _sync(res: Resources) -> None:
+    """On start: record store episodes the DB lacks, then compute missing auto-flags (background)."""
     try:
         n = res.sync_db()
     except ApiError as e:  # store or DB down: health reports it; nothing to sync then
@@ -111,11 +112,23 @@ def _sync(res: Resources) -> None:
         return
     if n:
         log.info("recorded store episodes the metadata DB lacked", extra={"episodes": n})
+    try:
+        flagged = res.refresh_flags()
+    except Exception:
+        log.warning("computing auto-flags failed", exc_info=True)
+        return
+    if flagged:
+        log.info("computed auto-flags", extra={"episodes": flagged})
 
 
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
+    if cfg.hub:
+        from vla_rl.hub.registry import configure_hub
+        from vla_rl.secrets import env_secret
+
+        configure_hub(cfg.hub, env_secret("VLA_RL_HUB_TOKEN", "HF_TOKEN"))
     generated_token = None
     if tokens is None:
         tokens = load_tokens(cfg.tokens_file)

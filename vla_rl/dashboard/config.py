@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from vla_rl.hub.naming import validate_client_revision, validate_repo_id
 
@@ -62,6 +63,10 @@ class DashboardConfig:
         for addr in (*self.server, *([self.collector] if self.collector else [])):
             if not _ADDRESS.match(addr):
                 raise ValueError(f"server/collector: expected host:port, got {addr!r}")
+        if self.hub is not None:
+            parts = urlsplit(self.hub)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"hub: expected an http(s) URL like http://127.0.0.1:8808, got {self.hub!r}")
         if self.repo is not None:
             try:
                 validate_repo_id(self.repo)

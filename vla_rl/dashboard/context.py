@@ -13,7 +13,7 @@ from vla_rl.dashboard.auth import ROLES, WHAT_ROLE_DOES, Principal, TokenTable, 
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.curves import LiveCurves
 from vla_rl.dashboard.errors import ApiError
-from vla_rl.dashboard.frames import FrameReader, VideoCache
+from vla_rl.dashboard.frames import FrameReader, JpegCache, VideoCache
 from vla_rl.dashboard.resources import Resources
 
 
@@ -23,6 +23,7 @@ class Context:
     res: Resources
     tokens: TokenTable
     curves: LiveCurves = field(default_factory=LiveCurves)
+    jpegs: JpegCache = field(default_factory=JpegCache)
     _reader: FrameReader | None = None
     _video: VideoCache | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -13,7 +13,6 @@ from fleet.meta import Controller, EpisodeMeta
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError
-from vla_rl.dashboard.frames import encode_jpeg
 
 SERIES_DECIMALS = 5
 """Floats in the series endpoint are rounded to this many decimals (actions are in [-1, 1] units of
@@ -139,7 +138,7 @@ def make_router(ctx: Context) -> APIRouter:
                 f"episode {episode_id} has {meta.length} committed frames; no frame {t}",
                 f"0..{meta.length - 1}" if meta.length else "a frame once one is committed",
             )
-        jpeg = encode_jpeg(ctx.reader().frame(meta, camera, t), quality)
+        jpeg = ctx.jpegs.get(ctx.reader(), meta, camera, t, quality)
         return Response(jpeg, media_type="image/jpeg", headers=_cache_headers(meta))
 
     @r.get(

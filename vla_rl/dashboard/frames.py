@@ -101,6 +101,34 @@ class FrameReader:
         return np.asarray(arr[: meta.length])
 
 
+class JpegCache:
+    """Encoded JPEGs by (episode, camera, frame, quality), ``max_bytes`` in all, least recently used out.
+    A committed frame never changes, so an entry never goes stale (seeking back costs no encode)."""
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[tuple[str, str, int, int], bytes] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, reader: FrameReader, meta: EpisodeMeta, camera: str, t: int, quality: int) -> bytes:
+        key = (meta.episode_id, camera, t, quality)
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                return hit
+        jpeg = encode_jpeg(reader.frame(meta, camera, t), quality)
+        with self._lock:
+            if key not in self._items:
+                self._items[key] = jpeg
+                self._bytes += len(jpeg)
+            while self._bytes > self.max_bytes and self._items:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= len(old)
+        return jpeg
+
+
 def encode_jpeg(frame: np.ndarray, quality: int = 85) -> bytes:
     from PIL import Image
 

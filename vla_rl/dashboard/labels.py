@@ -6,14 +6,13 @@ name; the source is ``human``."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+import fleet.flags
 from fleet.db import EpisodeQuery, effective_outcome
 from fleet.labels import LabelSchema
 from vla_rl.dashboard.auth import Principal
@@ -58,16 +57,6 @@ def _field_of(message: str, default: str) -> str:
     return "start" if head == "start/end" else head
 
 
-@functools.cache
-def _flags_module() -> Any:
-    """``fleet.flags`` when it is there (auto-flags computed lazily for the page shown)."""
-    if importlib.util.find_spec("fleet.flags") is None:
-        return None
-    import fleet.flags
-
-    return fleet.flags
-
-
 def make_router(ctx: Context) -> APIRouter:
     r = APIRouter()
     viewer = Depends(ctx.require("viewer"))
@@ -88,11 +77,10 @@ def make_router(ctx: Context) -> APIRouter:
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
 
     def refresh_flags(ids: list[str]) -> bool:
-        flags = _flags_module()
-        if flags is None or not ids:
+        """Compute the auto-flags of these closed episodes if they lack them (lazily, cached in the DB)."""
+        if not ids:
             return False
-        flags.refresh_flags(ctx.res.store(), ctx.res.db(), ids)
-        return True
+        return bool(fleet.flags.refresh_flags(ctx.res.store(), ctx.res.db(), ids))
 
     @r.get("/label-schema", summary="the label schema (keys, allowed values, shortcuts, digits)")
     def label_schema(_: Principal = viewer) -> dict[str, Any]:
@@ -114,6 +102,24 @@ def make_router(ctx: Context) -> APIRouter:
         except ValueError as e:  # a round that does not exist
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
         return {"total": total, "page": q.page, "per_page": q.per_page, "items": out}
+
+    @r.get("/selection/from-filter", summary="the DataSelection an episode-list filter means, and its counts")
+    def selection_from_filter(request: Request, _: Principal = viewer) -> dict[str, Any]:
+        from vla_rl.dashboard.episodes import only_task, select
+
+        names = {k for k in request.query_params if k not in ("page", "per_page", "sort")}
+        q = query({k: request.query_params.getlist(k) for k in names})
+        task, data, dropped = q.to_data_selection()
+        task = task or only_task(ctx)
+        ids = select(ctx, task, data)
+        lengths = {e.id: e.length for e in ctx.res.db().episodes(task=task)}
+        return {
+            "task": task,
+            "data": data,
+            "dropped": dropped,
+            "episodes": len(ids),
+            "frames": sum(lengths.get(i, 0) for i in ids),
+        }
 
     @r.get(
         "/episodes/{episode_id}", summary="one episode: metadata, segments, cameras, labels, history, flags"

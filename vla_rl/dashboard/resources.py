@@ -157,6 +157,12 @@ class Resources:
                     n += db.record_episodes([m], str(store.root))
             return n
 
+    def refresh_flags(self) -> int:
+        """Compute the auto-flags closed episodes lack (``fleet.flags``), so flag filters see them all."""
+        from fleet.flags import refresh_flags
+
+        return len(refresh_flags(self.store(), self.db()))
+
     def map_exception(self, e: BaseException) -> ApiError | None:
         """A 503 for an exception that means the DB or the store went away mid-request (else None)."""
         if isinstance(e, OperationalError | InterfaceError):

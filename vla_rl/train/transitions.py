@@ -249,8 +249,11 @@ def load_transitions(
 ) -> TransitionBuffer:
     """Select episodes (rounds resolved through the DB's rounds table) and load them as a buffer."""
     store = store if isinstance(store, EpisodeStore) else EpisodeStore(store)
-    if db is None and (selection.labels or selection.rounds or (store.root / "metadata.db").exists()):
-        db = MetadataDB.for_store(store.root)  # the store's own DB: its labels reach training
+    # the store's own SQLite DB, when there is one (an object-store root is a URL and has none): its
+    # labels reach training
+    own = store.root / "metadata.db" if isinstance(store.root, Path) else None
+    if db is None and (selection.labels or selection.rounds or (own is not None and own.exists())):
+        db = MetadataDB.for_store(store.root)
     ids = select_episode_ids(
         store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
     )
