@@ -158,6 +158,18 @@ export async function render(root, ctx) {
     }, 250);
     data.addEventListener("input", updateCount);
     task.addEventListener("input", updateCount);
+    const dropSlot = h("p.small.muted");
+    if (ctx.query.get("filter") !== null) {
+      // the server's reading of the filter (EpisodeQuery.to_data_selection); the local one meanwhile
+      api(`/selection/from-filter?${ctx.query.get("filter")}`)
+        .then((sel) => {
+          if (data.value === fromFilter.data) data.value = sel.data || "";
+          if (task.value === fromFilter.task) task.value = sel.task || "";
+          clear(dropSlot, sel.dropped && sel.dropped.length ? `not expressible as a data selection, left out: ${sel.dropped.join(", ")}` : "");
+          updateCount();
+        })
+        .catch(() => {});
+    }
     updateCount();
     const form = h(
       "form",
@@ -168,7 +180,7 @@ export async function render(root, ctx) {
       h("label", h("span", "task"), task),
       h("label.wide", h("span", "data selection"), data),
       count,
-      fromFilter.dropped.length ? h("p.small.muted", `not expressible as a data selection, left out: ${fromFilter.dropped.join(", ")}`) : null,
+      clear(dropSlot, fromFilter.dropped.length ? `not expressible as a data selection, left out: ${fromFilter.dropped.join(", ")}` : ""),
       h("label", h("span", "margin"), margin),
       h("label.wide", h("span", "options (JSON: trainer and round fields)"), options),
       formErr,
