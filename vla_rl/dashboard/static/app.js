@@ -1,10 +1,124 @@
-// Placeholder frontend: the token comes from the URL fragment (#token=...) or localStorage, and is sent
-// as an Authorization header (never a cookie).
-const params = new URLSearchParams(location.hash.slice(1));
-if (params.get("token")) { localStorage.setItem("vla-rl-token", params.get("token")); history.replaceState(null, "", location.pathname); }
-const token = localStorage.getItem("vla-rl-token") || "";
-const api = (path) => fetch(`/api/v1${path}`, { headers: { Authorization: `Bearer ${token}` } }).then((r) => r.json());
-const app = document.getElementById("app");
-Promise.all([api("/health"), api("/session")]).then(([health, session]) => {
-  app.textContent = JSON.stringify({ health, session }, null, 2);
-});
+// Entry point: session and label schema, the health banner, the token prompt, global keys, routes.
+import { api, ApiError, getToken, setToken } from "./api.js";
+import { navigate, render, route, start } from "./router.js";
+import { typing } from "./util.js";
+
+const ROLES = ["viewer", "labeller", "operator"];
+const ctx = { session: null, schema: null, ready: Promise.resolve(false), can };
+
+/** Does the session's role reach `role`? */
+export function can(role) {
+  if (!ctx.session) return false;
+  return ROLES.indexOf(ctx.session.role) >= ROLES.indexOf(role);
+}
+
+route("/", () => import("./pages/fleet.js"));
+route("/fleet", () => import("./pages/fleet.js"));
+route("/episodes", () => import("./pages/episodes.js"));
+route("/episodes/:id", () => import("./pages/episode.js"));
+route("/rounds", () => import("./pages/rounds.js"));
+route("/rounds/:n", () => import("./pages/rounds.js"));
+
+const $ = (id) => document.getElementById(id);
+
+function askToken(reason) {
+  const dlg = $("token-dialog");
+  $("token-reason").textContent = reason;
+  if (!dlg.open) dlg.showModal();
+  $("token-input").focus();
+}
+
+async function loadSession() {
+  // both at once; the schema is only used once the session is known
+  const schemaP = api("/label-schema").catch(() => ({ episode: [], span: [] }));
+  try {
+    ctx.session = await api("/session");
+    $("session").textContent = `${ctx.session.name} (${ctx.session.role})`;
+  } catch (e) {
+    ctx.session = null;
+    $("session").textContent = "";
+    if (e instanceof ApiError && e.status === 401) return false;
+    throw e;
+  }
+  ctx.schema = await schemaP;
+  return true;
+}
+
+let healthTimer = null;
+async function checkHealth() {
+  const banner = $("banner");
+  let problems = [];
+  try {
+    const res = await fetch("/api/v1/health");
+    const hl = await res.json();
+    for (const part of ["store", "db"]) {
+      const p = hl[part];
+      if (p && p.ok === false) problems.push(`${part === "db" ? "metadata DB" : "episode store"} is down: ${p.error || "unreachable"}`);
+    }
+  } catch (e) {
+    problems = [`the dashboard server is unreachable (${e.message})`];
+  }
+  banner.hidden = problems.length === 0;
+  banner.textContent = problems.join(" · ");
+  banner.className = problems.length ? "down" : "";
+}
+
+function globalKeys() {
+  let g = false;
+  document.addEventListener("keydown", (ev) => {
+    if (typing(ev) || ev.ctrlKey || ev.metaKey || ev.altKey || document.querySelector("dialog[open]")) return;
+    if (ev.key === "?") {
+      $("help-dialog").showModal();
+      ev.preventDefault();
+      return;
+    }
+    if (g) {
+      g = false;
+      const to = { f: "/", e: "/episodes", r: "/rounds" }[ev.key];
+      if (to) {
+        navigate(to);
+        ev.preventDefault();
+      }
+      return;
+    }
+    if (ev.key === "g") {
+      g = true;
+      setTimeout(() => (g = false), 1000);
+    }
+  });
+}
+
+/** `vla-rl dashboard` prints URL#token=... when it made a one-time token: keep it, drop it from the URL. */
+function tokenFromHash() {
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  if (!m) return;
+  setToken(decodeURIComponent(m[1]));
+  history.replaceState(null, "", location.pathname + location.search);
+}
+
+async function main() {
+  tokenFromHash();
+  $("token-form").addEventListener("submit", async () => {
+    setToken($("token-input").value);
+    $("token-input").value = "";
+    ctx.ready = loadSession().catch(() => false);
+    if (await ctx.ready) render();
+    else askToken("That token was rejected (401): check it and try again.");
+  });
+  $("token-button").addEventListener("click", () => askToken("Enter a new access token."));
+  $("help-button").addEventListener("click", () => $("help-dialog").showModal());
+  window.addEventListener("vla:unauthorized", () => askToken("Your token was rejected (401): enter a valid one."));
+  globalKeys();
+  checkHealth();
+  healthTimer = setInterval(checkHealth, 10000);
+
+  // the session and the label schema load while the first page starts (pages await ctx.ready)
+  ctx.ready = getToken() ? loadSession().catch(() => false) : Promise.resolve(false);
+  ctx.ready.then((ok) => {
+    if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
+  });
+  await start($("page"), () => ctx);
+}
+
+window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval(healthTimer) };
+main();

@@ -1,0 +1,286 @@
+// Episodes: server-side filters mirrored in the URL, sort, paging, multi-select and bulk labels
+// from the schema, a "flagged" view and flag badges.
+import { api, queryString } from "../api.js";
+import { forbiddenText, normaliseSchema } from "../labels.js";
+import { navigate, setQuery } from "../router.js";
+import { badge, clear, h, num, short, showError, typing, when } from "../util.js";
+
+const FILTERS = [
+  ["task", "task", "text"],
+  ["robot", "robot", "text"],
+  ["outcome", "outcome", "select", ["", "success", "failure", "unknown"]],
+  ["revision", "revision", "text"],
+  ["round", "round", "number"],
+  ["label", "label key:value", "text"],
+  ["intervention", "intervention", "select", ["", "true", "false"]],
+  ["flag", "flag", "text"],
+  ["status", "status", "select", ["", "closed", "open"]],
+  ["since", "since", "date"],
+  ["until", "until", "date"],
+  ["min_length", "min length", "number"],
+  ["max_length", "max length", "number"],
+];
+const SORTS = { created_at: "created", length: "length", robot_id: "robot", task: "task" };
+const REPEATED = new Set(["label", "flag"]);
+
+export async function render(root, ctx) {
+  let query = new URLSearchParams(location.search);
+  const flaggedView = query.get("flagged") === "true";
+  const err = h("div.err-slot");
+  const form = h("form.filters", { onsubmit: (ev) => ev.preventDefault() });
+  const summary = h("div.summary");
+  const table = h("div.table-wrap");
+  const pager = h("div.pager");
+  const bulk = h("div.bulk");
+  const bulkMsg = h("div.bulk-msg", { role: "status" });
+  root.append(
+    h("h1", flaggedView ? "Flagged episodes" : "Episodes"),
+    form,
+    err,
+    h("div.toolbar", summary, h("span.spacer"), bulk),
+    bulkMsg,
+    table,
+    pager,
+  );
+
+  const inputs = {};
+  for (const [name, label, type, options] of FILTERS) {
+    const value = REPEATED.has(name) ? query.getAll(name).join(" ") : query.get(name) || "";
+    let input;
+    if (type === "select") input = h("select", { name }, options.map((o) => h("option", { value: o, selected: o === value }, o || "any")));
+    else input = h("input", { name, type, value, placeholder: REPEATED.has(name) ? "space-separated" : "", size: type === "number" ? 6 : 12 });
+    inputs[name] = input;
+    form.append(h("label", h("span", label), input));
+  }
+  const flagged = h("input", { type: "checkbox", name: "flagged", checked: flaggedView });
+  const perPage = h("select", { name: "per_page" }, [25, 50, 100, 200, 500].map((n) => h("option", { value: n, selected: String(n) === (query.get("per_page") || "50") }, n)));
+  form.append(h("label.check", flagged, h("span", "flagged only")), h("label", h("span", "per page"), perPage));
+  const reset = h("button", { type: "button", onclick: () => navigate("/episodes") }, "Clear");
+  const toRound = h("a.button", { href: "#" }, "Train a round on this selection");
+  form.append(reset, toRound);
+
+  const state = { total: 0, items: [], selected: new Set(), all: false, cursor: 0, loading: null };
+
+  const readForm = () => {
+    const q = new URLSearchParams();
+    for (const [name] of FILTERS) {
+      const v = inputs[name].value.trim();
+      if (!v) continue;
+      if (REPEATED.has(name)) v.split(/\s+/).forEach((x) => q.append(name, x));
+      else q.set(name, v);
+    }
+    if (flagged.checked) q.set("flagged", "true");
+    if (perPage.value !== "50") q.set("per_page", perPage.value);
+    const sort = query.get("sort");
+    if (sort) q.set("sort", sort);
+    return q;
+  };
+
+  const filterOnly = (q) => {
+    const f = new URLSearchParams(q);
+    ["page", "per_page", "sort"].forEach((k) => f.delete(k));
+    return f;
+  };
+
+  const load = async () => {
+    state.loading?.abort();
+    const ac = new AbortController();
+    state.loading = ac;
+    const t0 = performance.now();
+    try {
+      const res = await api(`/episodes${queryString(query)}`, { signal: ac.signal });
+      state.total = res.total;
+      state.items = res.items || [];
+      state.page = res.page || 1;
+      state.perPage = res.per_page || 50;
+      state.cursor = Math.min(state.cursor, Math.max(0, state.items.length - 1));
+      showError(err, null);
+      drawTable();
+      drawPager();
+      sessionStorage.setItem("vla:last-episodes", location.pathname + location.search);
+      toRound.href = `/rounds?new=1&filter=${encodeURIComponent(filterOnly(query).toString())}`;
+      requestAnimationFrame(() => {
+        performance.mark("vla:episodes-rendered");
+        window.vlaEpisodesRendered = { ms: performance.now() - t0, at: performance.now(), total: state.total };
+      });
+      await ctx.ready; // the bulk-label bar needs the schema and the role
+      drawBulk();
+    } catch (e) {
+      if (e.name === "AbortError") return;
+      showError(err, e, "episodes");
+      clear(table);
+    }
+  };
+
+  const apply = ({ keepPage = false, push = true } = {}) => {
+    const q = readForm();
+    if (keepPage && query.get("page")) q.set("page", query.get("page"));
+    query = q;
+    state.selected.clear();
+    state.all = false;
+    setQuery(q, { replace: !push });
+    load();
+  };
+  form.addEventListener("change", () => apply());
+  form.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter") {
+      ev.preventDefault();
+      apply();
+    }
+  });
+
+  const sortBy = (key) => {
+    const cur = query.get("sort") || "-created_at";
+    const next = cur === key ? `-${key}` : cur === `-${key}` ? key : key === "created_at" ? "-created_at" : key;
+    query.set("sort", next);
+    query.delete("page");
+    setQuery(query, { replace: false });
+    load();
+  };
+
+  const goPage = (p) => {
+    const last = Math.max(1, Math.ceil(state.total / state.perPage));
+    p = Math.max(1, Math.min(last, p));
+    if (p === state.page) return;
+    if (p === 1) query.delete("page");
+    else query.set("page", p);
+    setQuery(query, { replace: false });
+    load();
+  };
+
+  function drawTable() {
+    const sort = query.get("sort") || "-created_at";
+    const th = (key, label) => {
+      if (!SORTS[key]) return h("th", label);
+      const arrow = sort === key ? " ▲" : sort === `-${key}` ? " ▼" : "";
+      return h("th.sortable", { tabindex: 0, onclick: () => sortBy(key), onkeydown: (e) => e.key === "Enter" && sortBy(key), dataset: { sort: key } }, label + arrow);
+    };
+    const allBox = h("input", {
+      type: "checkbox",
+      "aria-label": "select all on this page",
+      checked: state.items.length > 0 && state.items.every((e) => state.selected.has(e.id)),
+      onchange: (ev) => {
+        state.all = false;
+        for (const e of state.items) ev.target.checked ? state.selected.add(e.id) : state.selected.delete(e.id);
+        drawTable();
+        drawBulk();
+      },
+    });
+    const rows = state.items.map((e, i) =>
+      h(
+        "tr",
+        { class: i === state.cursor ? "cursor" : "", dataset: { id: e.id }, onclick: (ev) => !ev.target.closest("input,a") && ((state.cursor = i), drawTable()) },
+        h("td", h("input", { type: "checkbox", checked: state.all || state.selected.has(e.id), "aria-label": `select ${e.id}`, onchange: (ev) => toggle(e.id, ev.target.checked) })),
+        h("td.mono", h("a", { href: `/episodes/${encodeURIComponent(e.id)}`, title: e.id }, e.id)),
+        h("td", e.robot_id),
+        h("td", { title: e.instruction || "" }, e.task),
+        h("td", badge(e.outcome || (e.success === true ? "success" : e.success === false ? "failure" : "unknown"), `oc-${e.outcome || "unknown"}`)),
+        h("td.num", num(e.length)),
+        h("td.num", { title: `${e.intervention_frames || 0} frames under human control` }, e.takeovers ? `${e.takeovers} (${e.intervention_frames} f)` : "–"),
+        h("td.mono", (e.revisions || []).map((r) => h("span", { title: r }, short(r), " "))),
+        h("td", Object.entries(e.labels || {}).map(([k, v]) => badge(`${k}=${typeof v === "object" && v ? v.value ?? JSON.stringify(v) : v}`, "label"))),
+        h("td", Object.entries(e.flags || {}).map(([k, f]) => badge(k, "flag", `${k}: ${f.detail || ""} (score ${Number(f.score).toFixed(2)})`))),
+        h("td", { title: when(e.created_at) }, when(e.created_at)),
+      ),
+    );
+    clear(
+      table,
+      h(
+        "table.episodes",
+        h("thead", h("tr", h("th", allBox), h("th", "id"), th("robot_id", "robot"), th("task", "task"), h("th", "outcome"), th("length", "length"), h("th", "takeovers"), h("th", "revisions"), h("th", "labels"), h("th", "flags"), th("created_at", "created"))),
+        h("tbody", rows),
+      ),
+      state.items.length ? null : h("p.muted.empty", "No episode matches these filters."),
+    );
+  }
+
+  function toggle(id, on) {
+    if (state.all) {
+      state.all = false;
+      state.items.forEach((e) => state.selected.add(e.id));
+    }
+    on ? state.selected.add(id) : state.selected.delete(id);
+    drawBulk();
+    drawTable();
+  }
+
+  function drawPager() {
+    const last = Math.max(1, Math.ceil(state.total / state.perPage));
+    clear(
+      pager,
+      h("button", { disabled: state.page <= 1, onclick: () => goPage(state.page - 1) }, "‹ prev"),
+      h("span", ` page ${state.page} of ${last} `),
+      h("button", { disabled: state.page >= last, onclick: () => goPage(state.page + 1) }, "next ›"),
+    );
+    clear(summary, `${state.total.toLocaleString()} episodes`);
+  }
+
+  function drawBulk() {
+    const keys = normaliseSchema(ctx.schema).episode;
+    const n = state.all ? state.total : state.selected.size;
+    if (!keys.length) return clear(bulk);
+    const keySel = h("select", { name: "bulk-key", "aria-label": "label key" }, keys.map((k) => h("option", { value: k.key }, k.key)));
+    const valueSlot = h("span");
+    const valueInput = () => {
+      const k = keys.find((x) => x.key === keySel.value);
+      const el = k.free_text || !k.values.length ? h("input", { name: "bulk-value", "aria-label": "label value", placeholder: "value" }) : h("select", { name: "bulk-value", "aria-label": "label value" }, k.values.map((v) => h("option", { value: v }, v)));
+      clear(valueSlot, el);
+      return el;
+    };
+    let valueEl = valueInput();
+    keySel.addEventListener("change", () => (valueEl = valueInput()));
+    const selectAll =
+      state.total > state.items.length && !state.all
+        ? h("button.link", { type: "button", onclick: () => ((state.all = true), drawBulk(), drawTable()) }, `select all ${state.total.toLocaleString()} matching`)
+        : null;
+    const applyBtn = h("button.primary", { type: "button", disabled: n === 0 || !ctx.can("labeller"), title: ctx.can("labeller") ? "" : forbiddenText(null, ctx.session) }, `Label ${n.toLocaleString()} selected`);
+    applyBtn.addEventListener("click", async () => {
+      const body = { key: keySel.value, value: valueEl.value };
+      if (state.all) body.filter = Object.fromEntries([...new Set(filterOnly(query).keys())].map((k) => [k, REPEATED.has(k) ? filterOnly(query).getAll(k) : filterOnly(query).get(k)]));
+      else body.episode_ids = [...state.selected];
+      applyBtn.disabled = true;
+      try {
+        const res = await api("/labels", { method: "POST", body });
+        const count = res && (res.label_ids || res.ids || res.labels || []).length;
+        clear(bulkMsg, h("div.ok", `labelled ${count || n} episodes ${body.key}=${body.value}`));
+        state.selected.clear();
+        state.all = false;
+        await load();
+      } catch (e) {
+        if (e.status === 403) clear(bulkMsg, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session)));
+        else showError(bulkMsg, e, "label");
+        applyBtn.disabled = false;
+      }
+    });
+    clear(bulk, selectAll, keySel, valueSlot, applyBtn);
+  }
+
+  const onKey = (ev) => {
+    if (typing(ev) || ev.ctrlKey || ev.metaKey || ev.altKey || document.querySelector("dialog[open]")) {
+      if (ev.key === "Escape" && typing(ev)) ev.target.blur();
+      return;
+    }
+    const rows = state.items;
+    const k = ev.key;
+    if (k === "j" || k === "ArrowDown") state.cursor = Math.min(rows.length - 1, state.cursor + 1);
+    else if (k === "k" || k === "ArrowUp") state.cursor = Math.max(0, state.cursor - 1);
+    else if (k === "Enter" && rows[state.cursor]) return navigate(`/episodes/${encodeURIComponent(rows[state.cursor].id)}`);
+    else if (k === "x" && rows[state.cursor]) return toggle(rows[state.cursor].id, !state.selected.has(rows[state.cursor].id));
+    else if (k === "n") return goPage(state.page + 1);
+    else if (k === "p") return goPage(state.page - 1);
+    else if (k === "/") {
+      ev.preventDefault();
+      inputs.task.focus();
+      return;
+    } else return;
+    ev.preventDefault();
+    drawTable();
+    table.querySelector("tr.cursor")?.scrollIntoView({ block: "nearest" });
+  };
+  document.addEventListener("keydown", onKey);
+  await load();
+  return () => {
+    document.removeEventListener("keydown", onKey);
+    state.loading?.abort();
+  };
+}

@@ -1,0 +1,421 @@
+// Rounds: the list (status, algorithm, base, candidate vs base success with intervals, promoted),
+// the start form (algorithm + preset, base from the registry's refs, data selection pre-filled from
+// the episode filter with its live count, margin), live progress over SSE (fetch streaming), cancel,
+// promote and roll back behind a confirmation.
+import { api, queryString, sse } from "../api.js";
+import { forbiddenText } from "../labels.js";
+import { LinePlot } from "../plot.js";
+import { navigate } from "../router.js";
+import { ago, badge, clear, confirmDialog, debounce, h, num, pct, short, showError, when } from "../util.js";
+
+// What `vla-rl round start --algo/--preset` accepts (vla_rl/train/algorithms.py, presets.py).
+const ALGOS = ["awr", "recap", "qam", "sft", "flow-noise", "flow-sde"];
+const PRESETS = {
+  "tiny-awr": "awr",
+  "kinematic-sft": "sft",
+  "kinematic-qam-offline": "qam",
+  "kinematic-qam-pi": "qam",
+  "kinematic-flow-noise": "flow-noise",
+  "kinematic-flow-sde-all": "flow-sde",
+};
+const ACTIVE = new Set(["queued", "running"]);
+
+/** An episode-list filter (URL query) -> DataSelection text + task; what cannot be carried. */
+export function filterToSelection(q) {
+  const parts = [];
+  const dropped = [];
+  for (const [k, v] of q.entries()) {
+    if (k === "robot" || k === "revision" || k === "round" || k === "since" || k === "until") parts.push(`${k}=${v}`);
+    else if (k === "label") {
+      const [key, ...rest] = v.split(":");
+      parts.push(`label.${key}=${rest.join(":")}`);
+    } else if (k === "outcome" && (v === "success" || v === "failure")) parts.push(`success=${v === "success"}`);
+    else if (k !== "task" && k !== "page" && k !== "per_page" && k !== "sort") dropped.push(`${k}=${v}`);
+  }
+  return { data: parts.join(","), task: q.get("task") || "", dropped };
+}
+
+const roundNo = (r) => r.id ?? r.round ?? r.n;
+
+export async function render(root, ctx) {
+  await ctx.ready;
+  const err = h("div.err-slot");
+  const list = h("section.card.rounds-list", h("h2", "Rounds"), h("p.muted", "loading…"));
+  const detail = h("section.card.round-detail");
+  const formCard = h("section.card.round-form");
+  const n = ctx.params.n !== undefined ? Number(ctx.params.n) : null;
+  root.append(h("h1", "Rounds"), err, h("div.grid2.rounds-top", formCard, n !== null ? detail : list));
+  if (n !== null) root.append(list);
+  const cleanups = [];
+  let stopped = false;
+
+  // ---- refs + rollback -----------------------------------------------------------------------
+  let refs = { repo: "", refs: [] };
+  try {
+    refs = await api("/refs");
+  } catch (e) {
+    showError(err, e, "refs");
+  }
+
+  // ---- the list ------------------------------------------------------------------------------
+  let listTimer = null;
+  const loadList = async () => {
+    clearTimeout(listTimer);
+    try {
+      const res = await api("/rounds");
+      drawList(Array.isArray(res) ? res : res.rounds || res.items || []);
+    } catch (e) {
+      showError(err, e, "rounds");
+    }
+    if (!stopped) listTimer = setTimeout(loadList, 5000);
+  };
+
+  function drawList(rounds) {
+    const canOp = ctx.can("operator");
+    const refName = refs.promote_ref || "prod";
+    const prod = (refs.refs || []).find((r) => r.name === refName);
+    clear(
+      list,
+      h(
+        "div.toolbar",
+        h("h2", "Rounds"),
+        h("span.spacer"),
+        prod ? h("span.muted", `${refName} → ${short(prod.commit)}`) : null,
+        h("button.danger", { type: "button", disabled: !canOp || !prod, title: canOp ? `move ${refName} back to the commit it pointed at before` : forbiddenText(null, ctx.session, "roll back"), onclick: () => rollback(refName) }, `Roll back ${refName}`),
+      ),
+      rounds.length
+        ? h(
+            "table.rounds",
+            h("thead", h("tr", ["#", "status", "algo", "base", "candidate vs base", "promoted", "created"].map((c) => h("th", c)))),
+            h(
+              "tbody",
+              rounds.map((r) =>
+                h(
+                  "tr",
+                  { dataset: { round: roundNo(r), status: r.status }, class: roundNo(r) === n ? "cursor" : "" },
+                  h("td", h("a", { href: `/rounds/${roundNo(r)}` }, `round-${roundNo(r)}`)),
+                  h("td", badge(r.status, `st-${r.status}`, r.error || "")),
+                  h("td", r.algo, r.preset ? h("span.muted", ` (${r.preset})`) : null),
+                  h("td.mono", { title: `${r.base_ref || ""} ${r.base_revision || ""}` }, r.base_ref || "", " ", h("span.muted", short(r.base_revision))),
+                  h("td", compareCell(scores(r))),
+                  h("td", r.promoted ? badge("promoted", "promoted") : "–"),
+                  h("td", { title: when(r.created_at) }, ago(r.created_at)),
+                ),
+              ),
+            ),
+          )
+        : h("p.muted", "No rounds yet: start one with the form."),
+    );
+  }
+
+  async function rollback(ref) {
+    if (!(await confirmDialog(`Roll back ${ref}?`, `Move ${ref} back to the commit it pointed at before; servers following it will swap.`, "Roll back"))) return;
+    try {
+      const res = await api(`/refs/${encodeURIComponent(ref)}/rollback`, { method: "POST" });
+      showError(err, null);
+      clear(err, h("div.ok", `${ref} → ${short(res && (res.commit || res.revision))}`));
+      refs = await api("/refs").catch(() => refs);
+      loadList();
+    } catch (e) {
+      if (e.status === 403) clear(err, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "roll back")));
+      else showError(err, e, "rollback");
+    }
+  }
+
+  // ---- the start form ------------------------------------------------------------------------
+  drawForm();
+  function drawForm() {
+    const fromFilter = ctx.query.get("filter") !== null ? filterToSelection(new URLSearchParams(ctx.query.get("filter"))) : { data: "", task: "", dropped: [] };
+    const algo = h("select", { name: "algo" }, ALGOS.map((a) => h("option", { value: a }, a)));
+    const preset = h("select", { name: "preset" });
+    const fillPresets = () =>
+      clear(preset, h("option", { value: "" }, "none"), Object.entries(PRESETS).filter(([, a]) => a === algo.value).map(([p]) => h("option", { value: p }, p)));
+    algo.addEventListener("change", fillPresets);
+    fillPresets();
+    const base = h(
+      "select",
+      { name: "base" },
+      (refs.refs || []).map((r) => h("option", { value: `hub://${refs.repo}@${r.name}`, selected: r.name === "prod" }, `${r.name} (${short(r.commit)})`)),
+      h("option", { value: "" }, "other…"),
+    );
+    const baseOther = h("input", { name: "base_other", placeholder: "hub://org/repo@ref", hidden: base.value !== "" });
+    base.addEventListener("change", () => (baseOther.hidden = base.value !== ""));
+    const data = h("input", { name: "data", value: fromFilter.data, placeholder: "robot=arm-1,label.quality=good,since=2026-11-01", size: 40 });
+    const task = h("input", { name: "task", value: fromFilter.task, placeholder: "from the base checkpoint" });
+    const margin = h("input", { name: "margin", type: "number", step: "0.01", min: "-0.99", max: "0.99", value: "0" });
+    const options = h("textarea", { name: "options", rows: 3, placeholder: '{"steps": 20, "eval_episodes": 10}' });
+    const count = h("div.selection-count.muted", { "aria-live": "polite" });
+    const formErr = h("div.err-slot");
+    const submit = h("button.primary", { type: "submit", disabled: !ctx.can("operator"), title: ctx.can("operator") ? "" : forbiddenText(null, ctx.session, "start rounds") }, "Start round");
+    const updateCount = debounce(async () => {
+      try {
+        const res = await api(`/selection${queryString({ data: data.value, task: task.value })}`);
+        clear(count, `selects ${num(res.episodes)} episodes · ${num(res.frames)} frames`);
+        count.classList.toggle("error", !res.episodes);
+      } catch (e) {
+        clear(count, h("span.error", e.text || e.message));
+      }
+    }, 250);
+    data.addEventListener("input", updateCount);
+    task.addEventListener("input", updateCount);
+    const dropSlot = h("p.small.muted");
+    if (ctx.query.get("filter") !== null) {
+      // the server's reading of the filter (EpisodeQuery.to_data_selection); the local one meanwhile
+      api(`/selection/from-filter?${ctx.query.get("filter")}`)
+        .then((sel) => {
+          if (data.value === fromFilter.data) data.value = sel.data || "";
+          if (task.value === fromFilter.task) task.value = sel.task || "";
+          clear(dropSlot, sel.dropped && sel.dropped.length ? `not expressible as a data selection, left out: ${sel.dropped.join(", ")}` : "");
+          updateCount();
+        })
+        .catch(() => {});
+    }
+    updateCount();
+    const form = h(
+      "form",
+      { onsubmit: (ev) => start(ev) },
+      h("label", h("span", "algorithm"), algo),
+      h("label", h("span", "preset"), preset),
+      h("label", h("span", "base"), base, baseOther),
+      h("label", h("span", "task"), task),
+      h("label.wide", h("span", "data selection"), data),
+      count,
+      clear(dropSlot, fromFilter.dropped.length ? `not expressible as a data selection, left out: ${fromFilter.dropped.join(", ")}` : ""),
+      h("label", h("span", "margin"), margin),
+      h("label.wide", h("span", "options (JSON: trainer and round fields)"), options),
+      formErr,
+      h("menu", submit),
+    );
+    clear(formCard, h("h2", "Start a round"), form);
+
+    async function start(ev) {
+      ev.preventDefault();
+      let opts;
+      if (options.value.trim()) {
+        try {
+          opts = JSON.parse(options.value);
+        } catch (e) {
+          return clear(formErr, h("div.error", { role: "alert" }, `options: expected a JSON object (${e.message})`));
+        }
+      }
+      const body = { algo: algo.value, base: base.value || baseOther.value.trim(), data: data.value.trim() };
+      if (preset.value) body.preset = preset.value;
+      if (task.value.trim()) body.task = task.value.trim();
+      if (margin.value !== "") body.margin = Number(margin.value);
+      if (opts) body.options = opts;
+      submit.disabled = true;
+      try {
+        const res = await api("/rounds", { method: "POST", body });
+        clear(formErr);
+        navigate(`/rounds/${roundNo(res)}`);
+      } catch (e) {
+        if (e.status === 403) clear(formErr, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "start rounds")));
+        else showError(formErr, e);
+        submit.disabled = false;
+      }
+    }
+  }
+
+  // ---- one round: detail + live progress -----------------------------------------------------
+  if (n !== null) await showRound(n);
+
+  async function showRound(no) {
+    let r;
+    try {
+      r = await api(`/rounds/${no}`);
+    } catch (e) {
+      clear(detail, h("div.error", { role: "alert" }, `round ${no}: ${e.text || e.message}`));
+      return;
+    }
+    const head = h("div.toolbar");
+    const info = h("div.round-info");
+    const progress = h("div.progress");
+    const actions = h("div.actions");
+    const msg = h("div.err-slot");
+    const curveSlot = h("div", { hidden: true });
+    const lastLoss = h("div.muted.small");
+    clear(detail, head, progress, lastLoss, curveSlot, info, actions, msg);
+    const curve = new LinePlot(curveSlot, { title: "training loss", height: 140, legend: false });
+    cleanups.push(() => curve.destroy());
+    const losses = { x: [], y: [] };
+    const drawAll = (rec) => {
+      r = rec;
+      clear(head, h("h2", `round-${roundNo(r)}`), badge(r.status, `st-${r.status}`), r.promoted ? badge("promoted", "promoted") : null);
+      drawInfo(info, r);
+      drawProgress(r.progress || {});
+      const live = liveLoss(r);
+      const mc = (r.metrics && r.metrics.curve) || null;
+      if (live) setCurve(live);
+      else if (mc && !losses.x.length) setCurve(mc);
+      drawActions();
+    };
+    const setCurve = (c) => {
+      const pts = Array.isArray(c) ? c : Array.isArray(c.loss) ? c.loss.map((y, i) => [c.step ? c.step[i] : i, y]) : [];
+      losses.x = [];
+      losses.y = [];
+      for (const p of pts) {
+        const [x, y] = Array.isArray(p) ? p : [p.step, p.loss ?? p.value];
+        if (y !== undefined && y !== null) {
+          losses.x.push(x);
+          losses.y.push(y);
+        }
+      }
+      curveSlot.hidden = losses.x.length < 2; // one point is a number, not a curve
+      clear(lastLoss, losses.x.length ? `training loss ${num(losses.y[losses.y.length - 1], 4)} at step ${losses.x[losses.x.length - 1]}` : "");
+      curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
+    };
+    const drawProgress = (p) => {
+      const step = p.step ?? p.steps_done;
+      const total = p.total_steps ?? p.steps ?? p.total;
+      const evDone = p.eval_done ?? p.episodes_done ?? p.eval_episodes_done;
+      const evTotal = p.eval_total ?? p.eval_episodes;
+      clear(
+        progress,
+        ACTIVE.has(r.status)
+          ? h("div", h("b", "phase "), h("span.phase", p.phase || r.status), p.since ? h("span.muted", ` (${ago(p.since)})`) : null)
+          : h("div", h("b", "finished "), h("span.phase", r.status), r.finished_at ? h("span.muted", ` (${ago(r.finished_at)})`) : null),
+        step !== undefined ? h("div", h("b", "step "), `${step}${total ? ` / ${total}` : ""}`, total ? h("progress", { max: total, value: step }) : null) : null,
+        p.loss !== undefined ? h("div", h("b", "loss "), num(p.loss, 4)) : null,
+        evDone !== undefined ? h("div", h("b", "evaluation "), `${evDone}${evTotal ? ` / ${evTotal}` : ""} episodes`, evTotal ? h("progress", { max: evTotal, value: evDone }) : null) : null,
+      );
+      if (p.curve) setCurve(p.curve);
+      else if (p.loss !== undefined && step !== undefined && losses.x[losses.x.length - 1] !== step) {
+        losses.x.push(step);
+        losses.y.push(p.loss);
+        curveSlot.hidden = losses.x.length < 2;
+        curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
+      }
+    };
+    const drawActions = () => {
+      const canOp = ctx.can("operator");
+      const why = canOp ? "" : forbiddenText(null, ctx.session, "run rounds");
+      clear(
+        actions,
+        ACTIVE.has(r.status) ? h("button.danger", { type: "button", disabled: !canOp, title: why, onclick: cancel }, "Cancel round") : null,
+        r.status === "succeeded" && !r.promoted && r.checkpoint_revision ? h("button.primary", { type: "button", disabled: !canOp, title: why, onclick: promote }, "Promote to prod") : null,
+      );
+    };
+    async function cancel() {
+      if (!(await confirmDialog(`Cancel round-${no}?`, "A queued round will not start; a running one stops at its next heartbeat.", "Cancel round"))) return;
+      try {
+        await api(`/rounds/${no}/cancel`, { method: "POST" });
+        drawAll(await api(`/rounds/${no}`));
+        clear(msg);
+        loadList();
+      } catch (e) {
+        if (e.status === 403) clear(msg, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "cancel rounds")));
+        else showError(msg, e, "cancel");
+      }
+    }
+    async function promote() {
+      if (!(await confirmDialog(`Promote round-${no}?`, `Move prod to ${short(r.checkpoint_revision)}; servers following prod will swap to it.`, "Promote"))) return;
+      try {
+        await api(`/rounds/${no}/promote`, { method: "POST" });
+        clear(msg, h("div.ok", `prod → ${short(r.checkpoint_revision)}`));
+        drawAll(await api(`/rounds/${no}`));
+        refs = await api("/refs").catch(() => refs);
+        loadList();
+      } catch (e) {
+        if (e.status === 403) clear(msg, h("div.error", { role: "alert" }, forbiddenText(e, ctx.session, "promote")));
+        else showError(msg, e, "promote");
+      }
+    }
+    drawAll(r);
+    if (ACTIVE.has(r.status)) {
+      const ac = new AbortController();
+      cleanups.push(() => ac.abort());
+      const follow = async () => {
+        try {
+          await sse(
+            `/rounds/${no}/events`,
+            (name, data) => {
+              if (name === "progress" && data && typeof data === "object") {
+                if (data.status) {
+                  const before = r.status;
+                  r = { ...r, ...data };
+                  if (before !== r.status) drawAll(r);
+                  else drawProgress(r.progress || {});
+                  const live = liveLoss(data);
+                  if (live) setCurve(live);
+                } else {
+                  r.progress = data;
+                  drawProgress(data);
+                }
+              } else if (name === "error") {
+                showError(msg, { text: data && data.message ? `${data.field || "progress"}: ${data.message}` : String(data) });
+              } else if (name === "done") {
+                return false;
+              }
+            },
+            { signal: ac.signal },
+          );
+        } catch (e) {
+          if (!ac.signal.aborted) showError(msg, e, "progress stream");
+        }
+        if (!ac.signal.aborted) {
+          drawAll(await api(`/rounds/${no}`).catch(() => r));
+          loadList();
+          if (ACTIVE.has(r.status)) setTimeout(follow, 1000);
+        }
+      };
+      follow();
+    }
+  }
+
+  await loadList();
+  return () => {
+    stopped = true;
+    clearTimeout(listTimer);
+    cleanups.forEach((f) => f());
+  };
+}
+
+/** The training loss of a running round's live curve ({tag: [[step, value]]}), if it has one. */
+function liveLoss(r) {
+  const c = r && r.live_curve;
+  if (!c || typeof c !== "object") return null;
+  const tag = "train/loss" in c ? "train/loss" : Object.keys(c).find((k) => k.endsWith("loss"));
+  return tag && c[tag] && c[tag].length ? c[tag] : null;
+}
+
+/** The round's scores: top-level in the API's round summary, else in its metrics. */
+function scores(r) {
+  return r.success !== undefined && r.success !== null ? r : r.action_mse != null ? r : r.metrics || {};
+}
+
+/** Candidate vs base success with their 95% intervals, as text and a small SVG. */
+function compareCell(m) {
+  if (m.success == null && m.action_mse == null) return "–";
+  if (m.success == null) return `action MSE ${num(m.action_mse, 4)} vs base ${num(m.base_action_mse, 4)}`;
+  const W = 120;
+  const bar = (v, ci, y, cls) => [
+    ci ? h("line", { x1: ci[0] * W, x2: ci[1] * W, y1: y, y2: y, class: `ci ${cls}` }) : null,
+    h("rect", { x: v * W - 2, y: y - 3, width: 4, height: 6, class: cls }),
+  ];
+  const fmtCi = (ci) => (ci ? ` [${pct(ci[0])}, ${pct(ci[1])}]` : "");
+  return h(
+    "span.compare",
+    { title: `candidate ${pct(m.success)}${fmtCi(m.ci95)} vs base ${pct(m.base_success)}${fmtCi(m.base_ci95)}${m.gate ? ` · ${m.gate.reason}` : ""}` },
+    h("svg", { width: W, height: 16, class: "ci-chart" }, h("line", { x1: 0, x2: W, y1: 15, y2: 15, class: "axis" }), bar(m.base_success ?? 0, m.base_ci95, 11, "base"), bar(m.success, m.ci95, 4, "cand")),
+    ` ${pct(m.success)} vs ${pct(m.base_success)}`,
+    m.delta !== undefined ? h("span", { class: m.delta > 0 ? "up" : m.delta < 0 ? "down" : "muted" }, ` (${m.delta > 0 ? "+" : ""}${(100 * m.delta).toFixed(0)} pts)`) : null,
+  );
+}
+
+function drawInfo(el, r) {
+  const m = { ...(r.metrics || {}), ...Object.fromEntries(Object.entries(scores(r)).filter(([, v]) => v != null)) };
+  const rows = [
+    ["algorithm", `${r.algo}${r.preset ? ` (preset ${r.preset})` : ""}`],
+    ["task", r.task],
+    ["base", `${r.base_ref || ""} ${short(r.base_revision)}`],
+    ["data", typeof r.data === "string" ? r.data || "(all)" : r.data == null ? "(all)" : JSON.stringify(r.data)],
+    ["margin", r.margin != null ? String(r.margin) : "–"],
+    ["candidate vs base", compareCell(m)],
+    ["gate", m.gate ? `${m.gate.passed ? "passed" : "not passed"}: ${m.gate.reason}` : "–"],
+    ["checkpoint", r.checkpoint_ref ? `${r.checkpoint_ref} ${short(r.checkpoint_revision)}` : "–"],
+    ["worker", r.worker ? `${r.worker} (attempt ${r.attempts})` : "–"],
+    ["created", when(r.created_at)],
+    ["finished", when(r.finished_at)],
+  ];
+  clear(el, h("table.kv", h("tbody", rows.map(([k, v]) => h("tr", h("th", k), h("td", v))))), r.error ? h("pre.error", r.error) : null);
+}
