@@ -168,10 +168,19 @@ def refresh_flags(
     db: MetadataDB,
     episode_ids: Iterable[str] | None = None,
     th: FlagThresholds = DEFAULT_THRESHOLDS,
+    unreadable: set[str] | None = None,
 ) -> dict[str, list[Flag]]:
     """Compute and store the checks that closed episodes (all, or ``episode_ids``) do not have yet;
     open and unknown episodes are skipped. Returns what it computed. Cached results are kept (a length
-    outlier is judged against the task's lengths when it was computed)."""
+    outlier is judged against the task's lengths when it was computed). ``unreadable``: episodes whose
+    frames could not be read are added to it and skipped next time (a caller that asks per request
+    passes the same set, so a row without frames costs one warning, not one per request)."""
+    if episode_ids is not None:  # the common, per-page case: nothing missing -> no table scan
+        asked = [e for e in dict.fromkeys(episode_ids) if unreadable is None or e not in unreadable]
+        known = db.flags(asked, raised_only=False)
+        if all(n in known.get(e, {}) for e in asked for n in FLAG_NAMES):
+            return {}
+        episode_ids = asked
     index = db.closed_episode_index()
     lengths: dict[str, list[int]] = {}
     task_of: dict[str, str] = {}
@@ -189,6 +198,8 @@ def refresh_flags(
             ep = store.read_episode(eid, cameras=False)
         except (KeyError, FileNotFoundError, ValueError) as e:
             log.warning("auto-flags: cannot read episode", extra={"episode_id": eid, "error": str(e)})
+            if unreadable is not None:
+                unreadable.add(eid)
             continue
         results[eid] = compute_flags(ep, lengths[task_of[eid]], missing, th)
     if results:

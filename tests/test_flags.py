@@ -167,3 +167,18 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     assert db.query_episodes(EpisodeQuery(flags=("takeovers", "stillness")))[1] == 2
     w.close(outcome="success", success=True)
     assert set(refresh_flags(store, db)) == {opened}  # closed now: computed on the next refresh
+
+
+def test_an_episode_without_frames_is_skipped_after_one_try(tmp_path, db_url: str) -> None:
+    """A DB row whose frames are not in the store (e.g. another store's) is tried once and remembered in the
+    caller's ``unreadable`` set, so a per-request refresh does not retry (and warn) on every request."""
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    ok = _record(store, _smooth(40))
+    other = EpisodeStore(tmp_path / "other", create=True)
+    ghost_meta = other.read_metadata(_record(other, _smooth(40)))
+    db.record_episodes([ghost_meta], str(other.root))  # in this DB, frames elsewhere
+    unreadable: set[str] = set()
+    got = refresh_flags(store, db, [ok, ghost_meta.episode_id], unreadable=unreadable)
+    assert set(got) == {ok} and unreadable == {ghost_meta.episode_id}
+    assert refresh_flags(store, db, [ok, ghost_meta.episode_id], unreadable=unreadable) == {}

@@ -76,11 +76,13 @@ def make_router(ctx: Context) -> APIRouter:
         except ValueError as e:
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
 
+    unreadable: set[str] = set()  # episodes whose frames are not in the store: flagged never, warned once
+
     def refresh_flags(ids: list[str]) -> bool:
         """Compute the auto-flags of these closed episodes if they lack them (lazily, cached in the DB)."""
         if not ids:
             return False
-        return bool(fleet.flags.refresh_flags(ctx.res.store(), ctx.res.db(), ids))
+        return bool(fleet.flags.refresh_flags(ctx.res.store(), ctx.res.db(), ids, unreadable=unreadable))
 
     @r.get("/label-schema", summary="the label schema (keys, allowed values, shortcuts, digits)")
     def label_schema(_: Principal = viewer) -> dict[str, Any]:
