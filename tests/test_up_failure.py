@@ -63,6 +63,10 @@ def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(failed: tupl
     for name in ("hub", "server", "collector", "dashboard"):  # tokens: one per service, owner-only
         mode = stat.S_IMODE((work / "secrets" / name).stat().st_mode)
         assert mode == 0o600, (name, oct(mode))
+    # run again with the same bound: nothing to do, and it says how to run more
+    r = subprocess.run(_up(work, 2), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "already holds 2 rounds" in r.stdout and "--rounds 4" in r.stdout, r.stdout
+    assert len(MetadataDB.for_store(work / "store").rounds()) == 2
 
 
 @pytest.mark.slow

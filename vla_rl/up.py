@@ -443,6 +443,15 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         prod = f"hub://{cfg.repo}@prod"
         _seed_base(cfg, work, store, prod)
+        done = len(MetadataDB.for_store(store).rounds())
+        if done >= cfg.rounds:
+            print(
+                f"vla-rl up: {cfg.workdir} already holds {done} rounds (--rounds {cfg.rounds} counts them): "
+                f"pass --rounds {done + cfg.rounds} for {cfg.rounds} more, or another --workdir to start over; "
+                f"`vla-rl round list --store {store}` shows them",
+                flush=True,
+            )
+            return rows
         flags = dashboard_flags(env) if cfg.dashboard else None
         dashboard_url = f"http://127.0.0.1:{ports.dashboard}"
         if flags is not None:
@@ -614,8 +623,9 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 )
                 with (work / "rounds.jsonl").open("a") as f:
                     f.write(json.dumps(row, default=str) + "\n")
-        print()
-        print(table(table_rows, HEADER), flush=True)
+        if table_rows:
+            print()
+            print(table(table_rows, HEADER), flush=True)
         for r in rows:
             if r["status"] != "succeeded":
                 print(f"round {r['round']} {r['status']}, prod unchanged: {r['error']}", flush=True)
