@@ -1,15 +1,19 @@
-# Two commands for a new user (see README): `make demo` and `make test`. Both set everything up first.
+# Two commands for a new user (see README): `make up` and `make test`. Both set everything up first.
 .PHONY: setup demo up test lint format bench bench-all bench-gpu lock client
 
 setup:
 	@bash scripts/setup.sh
 
+# The first command: the improvement loop on embedded defaults (vla-rl up --help): a weak base, then
+# 3 rounds of fleet -> round -> live swap on PickCube with 4 simulated robots; exits with the per-round
+# table. Workdir runs/up (running it again resumes). More flags: make up UP_FLAGS="--rounds 6".
+UP_FLAGS ?=
+up: setup
+	.venv/bin/vla-rl up $(UP_FLAGS)
+
+# A smaller look: demos -> store -> SFT -> registry -> eval, once (vla-rl demo --help).
 demo: setup
 	.venv/bin/vla-rl demo
-
-# The improvement loop (vla-rl up --help): fleet -> rounds -> live swaps, a bounded number of rounds.
-up: setup
-	.venv/bin/vla-rl up
 
 test: setup
 	.venv/bin/python -m ruff check .

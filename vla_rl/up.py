@@ -1,8 +1,9 @@
 """``vla-rl up``: the whole improvement loop on one machine, supervised.
 
-It starts, on loopback, the embedded Hub registry, a policy server following ``prod``, the fleet collector
-and a round worker (each its own ``vla-rl`` process, restarted if it dies), seeds a deliberately weak base
-policy (SFT on a few noisy demos; cached), publishes it as ``prod``, and then loops:
+It starts, on loopback, the embedded Hub registry, a policy server following ``prod``, the fleet collector,
+a round worker and, where this install has ``vla-rl dashboard``, the dashboard (each its own ``vla-rl``
+process, restarted if it dies; the loop goes on without the dashboard if it cannot run), seeds a
+deliberately weak base policy (SFT on a few noisy demos; cached), publishes it as ``prod``, and loops:
 
     the simulated fleet (robots + a simulated operator) collects under prod
       -> a round is queued (the trigger: every ``episodes`` episodes per robot)
@@ -16,7 +17,12 @@ collector's write-ahead log holds it).
 
 Layout of ``workdir``: ``hub/`` (registry data), ``store/`` (episodes + metadata DB), ``base/`` (demos'
 SFT run), ``rounds/round-N/`` (training runs), ``logs/*.log`` (one per process), ``up.json`` (ports,
-repo, seed), ``secrets/`` (tokens, mode 0600; handed to children through the environment).
+repo, seed), ``secrets/`` (tokens, mode 0600; handed to children through the environment; ``dashboard``
+is the dashboard's operator token).
+
+A round that fails (its training raises, its data selection is empty, ...) is recorded in the DB as
+failed with the error, ``prod`` stays where it was, its row says so, and the loop goes on with the next
+round; ``vla-rl up`` then exits 1.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_rl.console import table
+from vla_rl.secrets import read_secret_file
 
 log = logging.getLogger(__name__)
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -64,6 +72,11 @@ class UpConfig:
     """Round algorithm (see `vla-rl round start --help`), unless --preset names a recipe."""
     preset: str | None = None
     """Named round recipe (vla_rl/train/presets.py); overrides --algo."""
+    data: str | None = None
+    """What each round trains on, as DataSelection text (e.g. `success=true`; see `vla-rl round start
+    --help`); None = every episode of the task (the base's demos and everything the fleet did)."""
+    round_steps: int | None = None
+    """Training steps of each round (over the algorithm's or the preset's); None = theirs."""
     base_preset: str | None = None
     """Named SFT recipe for the weak base; None = the defaults below."""
     base_demos: int = 10
@@ -86,6 +99,8 @@ class UpConfig:
     """Progress bars for the base's training."""
     round_timeout_s: float = 3600.0
     """Give up waiting for one round after this long (the loop stops with an error)."""
+    dashboard: bool = True
+    """Start `vla-rl dashboard` as one of the children, where this install has that command."""
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -99,6 +114,10 @@ class UpConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.round_steps is not None and self.round_steps < 1:
+            raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s: expected > 0 seconds, got {self.round_timeout_s}")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -109,6 +128,8 @@ class Child:
     ready: Callable[[], bool]
     env: dict[str, str]
     log_path: Path
+    required: bool = True
+    """False: the loop goes on without it when it cannot start or keeps dying (e.g. the dashboard)."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -132,11 +153,30 @@ class Supervisor:
         ready: Callable[[], bool],
         env: dict[str, str],
         timeout_s: float = 180,
-    ) -> None:
-        child = Child(name, argv, ready, env, self.logs / f"{name}.log")
+        required: bool = True,
+    ) -> bool:
+        """Start ``name`` and wait until ``ready()``; returns whether it runs. A required child that
+        fails to start raises; an optional one is stopped, dropped and reported in ``events``."""
+        child = Child(name, argv, ready, env, self.logs / f"{name}.log", required=required)
         self.children[name] = child
         self._spawn(child)
-        self._wait_ready(child, timeout_s)
+        try:
+            self._wait_ready(child, timeout_s)
+        except RuntimeError as e:
+            if required:
+                raise
+            self._drop(child, f"{e}; going on without it")
+            return False
+        return True
+
+    def _drop(self, child: Child, why: str) -> None:
+        """Stop an optional child for good (the loop does not need it)."""
+        self.children.pop(child.name, None)
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+        self.events.append(why)
+        log.warning(why)
 
     def _spawn(self, child: Child) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -165,20 +205,29 @@ class Supervisor:
         with self._lock:
             if self._stopping:
                 return
-            for child in self.children.values():
+            for child in list(self.children.values()):
                 assert child.proc is not None
                 code = child.proc.poll()
                 if code is None:
                     continue
                 if child.restarts >= self.max_restarts:
-                    raise RuntimeError(f"{child.name} died {child.restarts + 1} times; see {child.log_path}")
+                    why = f"{child.name} died {child.restarts + 1} times; see {child.log_path}"
+                    if child.required:
+                        raise RuntimeError(why)
+                    self._drop(child, f"{why}; going on without it")
+                    continue
                 child.restarts += 1
                 msg = f"{child.name} exited with code {code}; restarting it (restart {child.restarts})"
                 self.events.append(msg)
                 log.warning(msg)
                 time.sleep(min(2.0, 0.2 * 2**child.restarts))
                 self._spawn(child)
-                self._wait_ready(child, 180)
+                try:
+                    self._wait_ready(child, 180)
+                except RuntimeError as e:
+                    if child.required:
+                        raise
+                    self._drop(child, f"{e}; going on without it")
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -253,12 +302,53 @@ def _http_ready(url: str) -> Callable[[], bool]:
 
 
 def _secret(path: Path) -> str:
+    """The token kept in ``path``, made (random, mode 0600 in a 0700 folder) the first time."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.parent.chmod(0o700)
-        path.write_text(secrets.token_hex(16) + "\n")
-        path.chmod(0o600)
-    return path.read_text().strip()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16) + "\n")
+    return read_secret_file(path)
+
+
+DASHBOARD_PORT = 8780  # `vla-rl dashboard`'s own default; another free port when it is taken
+
+
+def dashboard_flags(env: dict[str, str]) -> set[str] | None:
+    """The flags `vla-rl dashboard --help` lists, or None where the CLI's command table has no
+    ``dashboard`` command (it exits 2 then). Asked of a probe process: the CLI imports this module, so
+    this module does not import the CLI."""
+    try:
+        r = subprocess.run(
+            [*CLI, "dashboard", "--help"],
+            capture_output=True,
+            text=True,
+            env=os.environ | env | {"COLUMNS": "200"},
+            timeout=120,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(re.findall(r"--[a-z][a-z0-9-]*", r.stdout)) if r.returncode == 0 else None
+
+
+def dashboard_argv(flags: set[str], store: Path, hub_url: str, ports: Ports) -> list[str]:
+    """The dashboard child's command line: the documented flags (docs/dashboard.md) that this install's
+    `vla-rl dashboard` has. Its operator token goes through the environment (VLA_RL_DASHBOARD_TOKEN)."""
+    wanted = [
+        ("--store", str(store)),
+        ("--hub", hub_url),
+        ("--server", f"127.0.0.1:{ports.server}"),
+        ("--collector", f"127.0.0.1:{ports.collector}"),
+        ("--host", "127.0.0.1"),
+        ("--port", str(ports.dashboard)),
+    ]
+    argv = [*CLI, "dashboard"]
+    for flag, value in wanted:
+        if flag in flags:
+            argv += [flag, value]
+    return argv
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -267,16 +357,23 @@ class Ports:
     hub: int
     server: int
     collector: int
+    dashboard: int
 
     @classmethod
     def load_or_pick(cls, path: Path) -> Ports:
+        """The ports an earlier run in this workdir used where they are still free, else new ones (the
+        dashboard's preferably its usual 8780, so its URL stays the same)."""
         old = json.loads(path.read_text()).get("ports", {}) if path.exists() else {}
-        return cls(
-            **{
-                k: old[k] if old.get(k) and _port_free(old[k]) else _free_port()
-                for k in ("hub", "server", "collector")
-            }
-        )
+        preferred = {"dashboard": DASHBOARD_PORT}
+        picked: dict[str, int] = {}
+        for k in ("hub", "server", "collector", "dashboard"):
+            for candidate in (old.get(k), preferred.get(k)):
+                if candidate and candidate not in picked.values() and _port_free(candidate):
+                    picked[k] = candidate
+                    break
+            else:
+                picked[k] = _free_port()
+        return cls(**picked)
 
 
 def fleet_summary(store_root: Path, since: float, robot_prefix: str) -> dict[str, Any]:
@@ -312,17 +409,19 @@ def _pct(x: float | None) -> str:
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     """Run the loop; returns one row per round run by this call (also printed)."""
     from fleet.db import MetadataDB
-    from vla_rl.hub.registry import configure_hub
+    from vla_rl.hub.registry import configure_hub, resolve
     from vla_rl.rounds import RoundConfig, queue_round
     from vla_rl.train.algorithms import make_config
     from vla_rl.train.presets import preset_config
+    from vla_rl.train.transitions import DataSelection
 
+    DataSelection.parse(cfg.task, cfg.data)  # a bad --data fails now, not in every round
     work = cfg.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "up.json"
     ports = Ports.load_or_pick(state_path)
     state_path.write_text(json.dumps({"ports": vars(ports), "repo": cfg.repo, "task": cfg.task}, indent=2))
-    tokens = {k: _secret(work / "secrets" / k) for k in ("hub", "collector", "server")}
+    tokens = {k: _secret(work / "secrets" / k) for k in ("hub", "collector", "server", "dashboard")}
     hub_url = f"http://127.0.0.1:{ports.hub}"
     env = {
         "VLA_RL_HUB": hub_url,
@@ -344,10 +443,27 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         prod = f"hub://{cfg.repo}@prod"
         _seed_base(cfg, work, store, prod)
+        done = len(MetadataDB.for_store(store).rounds())
+        if done >= cfg.rounds:
+            print(
+                f"vla-rl up: {cfg.workdir} already holds {done} rounds (--rounds {cfg.rounds} counts them): "
+                f"pass --rounds {done + cfg.rounds} for {cfg.rounds} more, or another --workdir to start over; "
+                f"`vla-rl round list --store {store}` shows them",
+                flush=True,
+            )
+            return rows
+        flags = dashboard_flags(env) if cfg.dashboard else None
+        dashboard_url = f"http://127.0.0.1:{ports.dashboard}"
+        if flags is not None:
+            dash = f"{dashboard_url}   operator token in {work / 'secrets' / 'dashboard'}"
+        elif cfg.dashboard:
+            dash = "not in this install (no `vla-rl dashboard` command)"
+        else:
+            dash = "off (--no-dashboard)"
         print(
             f"vla-rl up: {cfg.robots} robots on {cfg.task}, {cfg.rounds} rounds of {cfg.algo if not cfg.preset else cfg.preset}\n"
             f"  registry   {hub_url}   policy server 127.0.0.1:{ports.server}   collector 127.0.0.1:{ports.collector}\n"
-            f"  dashboard  not available yet (planned: `vla-rl dashboard --store {store}`)\n"
+            f"  dashboard  {dash}\n"
             f"  store      {store}   logs {work / 'logs'}\n"
             "  stop with Ctrl-C (everything stops within seconds; run the same command again to resume)",
             flush=True,
@@ -393,6 +509,15 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             lambda: True,
             env,
         )
+        if flags is not None and not sup.start(
+            "dashboard",
+            dashboard_argv(flags, store, hub_url, ports),
+            _http_ready(f"{dashboard_url}/api/v1/health"),
+            env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
+            timeout_s=60,
+            required=False,
+        ):
+            print(f"  dashboard  did not start; see {work / 'logs' / 'dashboard.log'}", flush=True)
         db = MetadataDB.for_store(store)
         table_rows: list[list[object]] = []
         with sup.watching():
@@ -429,7 +554,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 while summary["episodes"] < expected and time.monotonic() < deadline:
                     time.sleep(0.5)
                     summary = fleet_summary(store, since, "sim")
-                common = {
+                common: dict[str, Any] = {
                     "base": prod,
                     "store": store,
                     "out": work / "rounds",
@@ -437,6 +562,10 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     "progress": False,
                     "threads": 1,
                 }
+                if cfg.data is not None:
+                    common["data"] = cfg.data
+                if cfg.round_steps is not None:
+                    common["steps"] = cfg.round_steps
                 train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)
                 rid = queue_round(
                     RoundConfig(
@@ -461,6 +590,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     "fleet": summary,
                     "minutes": (time.monotonic() - t0) / 60,
                     "promoted": rec.promoted,
+                    "prod_revision": resolve(prod),
                     "error": (rec.error or "").splitlines()[0] if rec.error else None,
                     "restarts": list(sup.events),
                 }
@@ -473,7 +603,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 cells = [
                     rid,
                     rec.algo,
-                    success,
+                    success if rec.status == "succeeded" else f"{rec.status} (below)",
                     _pct(m.get("base_success")),
                     _pct(summary["success"]),
                     _pct(summary["intervention_rate"]),
@@ -491,9 +621,14 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     f"promoted: {'yes' if rec.promoted else 'no'} ({row['minutes']:.1f} min)",
                     flush=True,
                 )
-                (work / "rounds.jsonl").open("a").write(json.dumps(row, default=str) + "\n")
-        print()
-        print(table(table_rows, HEADER), flush=True)
+                with (work / "rounds.jsonl").open("a") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
+        if table_rows:
+            print()
+            print(table(table_rows, HEADER), flush=True)
+        for r in rows:
+            if r["status"] != "succeeded":
+                print(f"round {r['round']} {r['status']}, prod unchanged: {r['error']}", flush=True)
         for e in sup.events:
             print(f"supervisor: {e}", flush=True)
     finally:

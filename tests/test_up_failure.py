@@ -1,0 +1,145 @@
+"""`vla-rl up` when things go wrong: a round whose training raises, and children the loop can do without.
+
+The failing round is real: ``--data robot=nobody`` is a valid selection that matches no episode, so every
+round's training raises (deterministically, in the round's own process under the real worker). The run
+must record each as failed with the error, leave ``prod`` on the base, still run the next round's fleet
+and round, and exit 1 (~25 s on 2 cores, up to ~100 s when other jobs share them); the same workdir then
+resumes with a working config and its next round succeeds (slow-marked: it doubles the time). Same
+CI-scale setup as tests/test_up.py (kinematic test bed, tiny recipes).
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.db import MetadataDB
+from fleet.store import EpisodeStore
+from vla_rl.up import DASHBOARD_PORT, Ports, Supervisor, _port_free, dashboard_argv, dashboard_flags
+
+CLI = [sys.executable, "-m", "vla_rl.cli"]
+ROBOTS, EPISODES = 2, 2
+
+
+def _up(work: Path, rounds: int, *extra: str) -> list[str]:
+    return [
+        *CLI, "up", "--task", "kinematic/Reach-v0", "--robots", str(ROBOTS), "--episodes", str(EPISODES),
+        "--rounds", str(rounds), "--base-demos", "4", "--base-steps", "20", "--base-preset", "kinematic-sft",
+        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A workdir whose two rounds failed, and the commit prod (the base) points at."""
+    work = tmp_path_factory.mktemp("up-fail")
+    r = subprocess.run(_up(work, 2, "--data", "robot=nobody"), capture_output=True, text=True, timeout=600)
+    (work / "out.txt").write_text(r.stdout + r.stderr + f"\nrc={r.returncode}\n")
+    rows = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()] if r.stdout else []
+    return work, rows[0]["prod_revision"] if rows else ""
+
+
+def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(failed: tuple[Path, str]) -> None:
+    work, base_commit = failed
+    out = (work / "out.txt").read_text()
+    assert out.rstrip().endswith("rc=1"), out[-4000:]  # a failed round: exit 1, not a traceback
+    assert "Traceback" not in out
+    assert "round 1: awr failed: ValueError: no closed episodes" in out
+    assert "round 2: awr failed" in out, "the loop goes on after a failed round"
+    assert "round 1 failed, prod unchanged: ValueError: no closed episodes" in out  # under the table
+    db = MetadataDB.for_store(work / "store")
+    assert [(x.id, x.status, x.promoted) for x in db.rounds()] == [(1, "failed", False), (2, "failed", False)]
+    assert all("no closed episodes" in (x.error or "") and x.checkpoint_ref is None for x in db.rounds())
+    rows = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in rows] == ["failed", "failed"]
+    assert base_commit and rows[1]["prod_revision"] == base_commit, "prod stays on the base"
+    assert all(x["fleet"]["episodes"] == ROBOTS * EPISODES for x in rows)  # both rounds' fleets ran
+    for name in ("hub", "server", "collector", "dashboard"):  # tokens: one per service, owner-only
+        mode = stat.S_IMODE((work / "secrets" / name).stat().st_mode)
+        assert mode == 0o600, (name, oct(mode))
+    # run again with the same bound: nothing to do, and it says how to run more
+    r = subprocess.run(_up(work, 2), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "already holds 2 rounds" in r.stdout and "--rounds 4" in r.stdout, r.stdout
+    assert len(MetadataDB.for_store(work / "store").rounds()) == 2
+
+
+@pytest.mark.slow
+def test_after_failed_rounds_the_next_round_trains_from_the_untouched_prod(failed: tuple[Path, str]) -> None:
+    work, base_commit = failed
+    r = subprocess.run(_up(work, 3), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (rec,) = [x for x in MetadataDB.for_store(work / "store").rounds() if x.id == 3]
+    assert rec.status == "succeeded" and rec.checkpoint_ref == "hub://up/policy@round-3"
+    assert rec.base_revision == base_commit, "prod was still the base when round 3 started"
+    store = EpisodeStore(work / "store")
+    assert sum(store.read_metadata(e).robot_id.startswith("sim-") for e in store.episode_ids()) == 3 * 4
+
+
+# ---------------------------------------------------------------------------- the supervisor's optional children
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_an_optional_child_that_cannot_start_is_dropped_a_required_one_raises(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs")
+    try:
+        assert not sup.start(
+            "dash", _py("raise SystemExit(3)"), lambda: False, {}, timeout_s=10, required=False
+        )
+        assert "dash" not in sup.children and "dash exited with code 3" in sup.events[-1]
+        with pytest.raises(RuntimeError, match="server exited with code 3"):
+            sup.start("server", _py("raise SystemExit(3)"), lambda: False, {}, timeout_s=10)
+    finally:
+        sup.stop_all(timeout_s=2)
+
+
+def test_an_optional_child_that_keeps_dying_is_given_up_and_the_rest_stay_supervised(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs", max_restarts=1)
+    try:
+        assert sup.start("worker", _py("import time; time.sleep(60)"), lambda: True, {})
+        assert sup.start("dash", _py("import time; time.sleep(0.2)"), lambda: True, {}, required=False)
+        end = time.monotonic() + 30
+        while "dash" in sup.children and time.monotonic() < end:
+            time.sleep(0.3)
+            sup.check()  # restarts dash once, then drops it without raising
+        assert "dash" not in sup.children and "worker" in sup.children
+        assert any("dash exited with code 0; restarting it" in e for e in sup.events)
+        assert "dash died 2 times" in sup.events[-1] and "going on without it" in sup.events[-1]
+    finally:
+        sup.stop_all(timeout_s=2)
+
+
+# ---------------------------------------------------------------------------- the dashboard hook
+def test_the_dashboard_child_follows_the_cli_command_table() -> None:
+    from vla_rl.cli import COMMANDS
+
+    flags = dashboard_flags({})
+    assert (flags is not None) == any(c.path == ("dashboard",) for c in COMMANDS)
+    ports = Ports(hub=1, server=2, collector=3, dashboard=4)
+    argv = dashboard_argv({"--store", "--port", "--server"}, Path("/w/store"), "http://127.0.0.1:1", ports)
+    assert argv[-7:] == ["dashboard", "--store", "/w/store", "--server", "127.0.0.1:2", "--port", "4"]
+    full = dashboard_argv(
+        {"--store", "--hub", "--server", "--collector", "--host", "--port"}, Path("s"), "http://h", ports
+    )
+    assert (
+        full[full.index("--host") + 1] == "127.0.0.1" and full[full.index("--collector") + 1] == "127.0.0.1:3"
+    )
+    assert not any("token" in w for w in full), "the token goes through the environment, never argv"
+
+
+def test_ports_are_kept_across_runs_and_the_dashboard_prefers_its_usual_port(tmp_path: Path) -> None:
+    path = tmp_path / "up.json"
+    usual_free = _port_free(DASHBOARD_PORT)
+    first = Ports.load_or_pick(path)
+    assert len(set(vars(first).values())) == 4
+    assert (first.dashboard == DASHBOARD_PORT) == usual_free
+    path.write_text(json.dumps({"ports": vars(first)}))
+    assert Ports.load_or_pick(path) == first
+    path.write_text(json.dumps({"ports": {"hub": first.hub}}))  # an older up.json without the dashboard
+    assert Ports.load_or_pick(path).hub == first.hub
