@@ -52,9 +52,41 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("up")
 
 
+def _dashboard_lists_episodes(work: Path) -> bool:
+    """The dashboard child answers, with up's operator token, an episode list holding the fleet's."""
+    import httpx
+
+    try:
+        port = json.loads((work / "up.json").read_text())["ports"]["dashboard"]
+        token = (work / "secrets" / "dashboard").read_text().strip()
+        r = httpx.get(
+            f"http://127.0.0.1:{port}/api/v1/episodes?robot=sim-0",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=2,
+        )
+        return r.status_code == 200 and r.json()["total"] > 0
+    except (OSError, KeyError, ValueError, httpx.HTTPError):
+        return False
+
+
 def test_up_runs_rounds_and_prints_a_row_per_round(work: Path) -> None:
-    r = subprocess.run(_up(work, rounds=1), capture_output=True, text=True, timeout=600)
+    out_path, err_path = work.parent / "up1.out", work.parent / "up1.err"  # files: a full pipe would block up
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(_up(work, rounds=1), stdout=out, stderr=err, text=True)
+        dashboard_seen = False
+        try:
+            end = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < end:
+                dashboard_seen = dashboard_seen or _dashboard_lists_episodes(work)
+                time.sleep(1.0)
+            proc.wait(timeout=max(1.0, end - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), err_path.read_text())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "dashboard  http://127.0.0.1:" in r.stdout and "operator token in" in r.stdout
+    assert dashboard_seen, "the dashboard child never listed the fleet's episodes"
     assert "[base] training SFT" in r.stdout and "registry   http://127.0.0.1:" in r.stdout
     assert "stop with Ctrl-C" in r.stdout and "round 1: awr" in r.stdout
     assert "autonomous success (95% CI)" in r.stdout  # the final table

@@ -333,7 +333,14 @@ def dashboard_flags(env: dict[str, str]) -> set[str] | None:
     return set(re.findall(r"--[a-z][a-z0-9-]*", r.stdout)) if r.returncode == 0 else None
 
 
-def dashboard_argv(flags: set[str], store: Path, hub_url: str, ports: Ports) -> list[str]:
+def dashboard_argv(
+    flags: set[str],
+    store: Path,
+    hub_url: str,
+    ports: Ports,
+    repo: str | None = None,
+    workdir: Path | None = None,
+) -> list[str]:
     """The dashboard child's command line: the documented flags (docs/dashboard.md) that this install's
     `vla-rl dashboard` has. Its operator token goes through the environment (VLA_RL_DASHBOARD_TOKEN)."""
     wanted = [
@@ -343,10 +350,12 @@ def dashboard_argv(flags: set[str], store: Path, hub_url: str, ports: Ports) -> 
         ("--collector", f"127.0.0.1:{ports.collector}"),
         ("--host", "127.0.0.1"),
         ("--port", str(ports.dashboard)),
+        ("--repo", repo),
+        ("--workdir", None if workdir is None else str(workdir)),
     ]
     argv = [*CLI, "dashboard"]
     for flag, value in wanted:
-        if flag in flags:
+        if flag in flags and value is not None:
             argv += [flag, value]
     return argv
 
@@ -511,7 +520,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         if flags is not None and not sup.start(
             "dashboard",
-            dashboard_argv(flags, store, hub_url, ports),
+            dashboard_argv(flags, store, hub_url, ports, repo=cfg.repo, workdir=work / "dashboard"),
             _http_ready(f"{dashboard_url}/api/v1/health"),
             env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
             timeout_s=60,
