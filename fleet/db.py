@@ -1301,10 +1301,13 @@ class MetadataDB:
         now = time.time()
         by_ep = {eid: list(fs) for eid, fs in flags.items()}
         with Session(self.engine) as s, s.begin():
-            ids = list(by_ep)
+            ids = sorted(by_ep)
             known: set[str] = set()
+            # lock the episodes' rows (in id order: no deadlock) so two writers of the same flags (the
+            # dashboard's start-up refresh and a page's lazy one) take turns instead of both inserting
             for chunk in _chunks(ids):
-                known.update(s.scalars(select(EpisodeRow.id).where(EpisodeRow.id.in_(chunk))))
+                q = select(EpisodeRow.id).where(EpisodeRow.id.in_(chunk)).order_by(EpisodeRow.id)
+                known.update(s.scalars(q.with_for_update()))
             missing = [e for e in ids if e not in known]
             if missing:
                 raise KeyError(f"no episode {missing[0]!r} in the metadata DB")

@@ -182,3 +182,33 @@ def test_an_episode_without_frames_is_skipped_after_one_try(tmp_path, db_url: st
     got = refresh_flags(store, db, [ok, ghost_meta.episode_id], unreadable=unreadable)
     assert set(got) == {ok} and unreadable == {ghost_meta.episode_id}
     assert refresh_flags(store, db, [ok, ghost_meta.episode_id], unreadable=unreadable) == {}
+
+
+def test_two_writers_of_the_same_flags_take_turns(tmp_path, db_url: str) -> None:
+    """The dashboard's start-up refresh and a page's lazy refresh may store the same episode's flags at
+    once: both succeed (the later replaces the earlier), no unique-key error."""
+    import threading
+
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    eids = [_record(store, _smooth(40)) for _ in range(3)]
+    ep = {e: store.read_episode(e, cameras=False) for e in eids}
+    flags = {e: compute_flags(ep[e], [40, 40, 40], list(FLAG_NAMES)) for e in eids}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def write() -> None:
+        try:
+            barrier.wait()
+            for _ in range(5):
+                db.set_flags(flags)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert all(len(v) == len(FLAG_NAMES) for v in db.flags(eids, raised_only=False).values())
