@@ -84,6 +84,8 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return py
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_bare_venv_has_the_client_and_no_torch(bare_python: Path) -> None:
     probe = "import importlib.util as u; print([m for m in ('torch', 'zarr', 'sqlalchemy', 'lerobot') if u.find_spec(m)])"
     out = subprocess.run(
@@ -109,6 +111,8 @@ def test_bare_venv_has_the_client_and_no_torch(bare_python: Path) -> None:
     assert "vla-rl-client" in versions
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_robot_loop_from_the_bare_venv(bare_python: Path, tmp_path: Path) -> None:
     script = tmp_path / "robot_loop.py"
     script.write_text(ROBOT_LOOP)

@@ -263,6 +263,8 @@ def _collector_proc(
     return proc
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_many_open_episodes_under_a_low_descriptor_limit_and_a_restart(tmp_path: Path) -> None:
     """More open episodes than descriptors: every start and frame acknowledged, a SIGKILLed collector
     restarts under the same limit and makes progress, and after the ends every frame is stored once."""

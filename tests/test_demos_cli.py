@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import sim
 from fleet.db import MetadataDB
@@ -77,6 +78,8 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = _cli("--help").stdout

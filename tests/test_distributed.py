@@ -210,9 +210,11 @@ def _killed_then_resumed(name: str, data: tuple[Path, Path], tmp_path: Path) -> 
     return tmp_path / "two" / ckpt, values
 
 
-# AWR's torchrun case is slow-marked to keep the default run short (its step is SFT's weighted loss);
-# its resume is covered in one process below.
-@pytest.mark.parametrize("name", ["sft", pytest.param("awr", marks=pytest.mark.slow), "qam"])
+# AWR's and QAM's torchrun cases are slow-marked to keep the default run short (AWR's step is SFT's
+# weighted loss; QAM's learner shares the same reduce); AWR's resume is covered in one process below.
+@pytest.mark.parametrize(
+    "name", ["sft", pytest.param("awr", marks=pytest.mark.slow), pytest.param("qam", marks=pytest.mark.slow)]
+)
 def test_two_processes_killed_and_resumed_end_as_one_process(
     name: str, data: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -403,6 +403,8 @@ def _learner_state(out: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_reanchor_makes_the_offline_fine_policy_the_online_prior(
     tiny_base: tuple[Path, Path], tmp_path: Path
 ) -> None:

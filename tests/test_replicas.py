@@ -409,6 +409,8 @@ def _check_drain(replica: Replica, survivor: Any) -> dict[str, float]:
     return times
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_a_vla_rl_serve_replica_drains_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) -> None:
     """The short version of the fleet test below: one `vla-rl serve` process next to an in-process replica,
     4 robots streaming; SIGTERM drains the process (skipped before it exits) without a failed request."""

@@ -207,6 +207,8 @@ def _worker(store: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_two_workers_run_each_queued_round_once(base: tuple[Path, Path], tmp_path: Path) -> None:
     store, ckpt = base
     ids = [queue_round(_round(store, ckpt, tmp_path / "rounds")) for _ in range(3)]

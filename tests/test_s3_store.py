@@ -119,6 +119,8 @@ def test_collector_writes_to_s3_and_the_episodes_read_back_bit_exact(s3: MotoS3,
         c.stop()
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_store_info_and_verify_on_s3_through_the_cli(
     s3: MotoS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -220,6 +222,8 @@ def test_a_writer_stopped_before_its_commit_leaves_the_previous_commit(
 
 
 # ------------------------------------------------------------------------------------------ training reads
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Path) -> None:
     url = f"s3://{new_bucket(s3)}/train"
     store = EpisodeStore(url, create=True)
@@ -318,6 +322,8 @@ def test_bad_urls_and_missing_credentials_name_the_setting(
 
 
 # ------------------------------------------------------------------------------------------ faults
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The S3 server stops mid-episode: the collector keeps acknowledging into its local log, and once
     the server is back its store writer catches up with nothing lost and nothing twice."""

@@ -199,6 +199,8 @@ def test_cli_train_push_eval(demo_store: Path, tmp_path: Path, hub: HubServer) -
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr
 
 
+# slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
+@pytest.mark.slow
 def test_main_job_runs_the_loop(tmp_path: Path) -> None:
     """`vla-rl demo` at toy scale: demos -> store -> SFT -> embedded registry -> pull by tag -> eval."""
     from vla_rl.main_job import DemoJobConfig, run_demo
