@@ -1101,6 +1101,13 @@ class EpisodeStore:
                     write_cached(cache / eid / COMMIT_FILE, body)
         return out
 
+    def read_array(self, episode_id: str, key: str, cached: bool = False) -> zarr.Array:
+        """One array of an episode opened read-only (``cameras/<name>``, ``action``, ...), on a local or an
+        object store, for readers that fetch chunk by chunk (the dashboard). Rows past the commit record's
+        ``length`` may be in flight: read :meth:`read_metadata` first and only up to its length.
+        ``cached``: through the local read cache (closed episodes only)."""
+        return _array(self._group(episode_id, "r", cached=cached), key)
+
     def read_episode(self, episode_id: str, cameras: bool = True) -> Episode:
         """Committed frames of one episode (``cameras=False`` skips the images, leaving ``cameras`` empty).
 

@@ -52,8 +52,7 @@ class FrameReader:
             if arr is not None:
                 self._arrays.move_to_end(key)
         if arr is None or arr.shape[0] < rows:
-            path = self.store.episodes_dir / episode_id / "cameras" / camera
-            arr = zarr.open_array(path, mode="r")
+            arr = self.store.read_array(episode_id, f"cameras/{camera}")  # local or s3:// alike
             with self._lock:
                 self._arrays[key] = arr
                 while len(self._arrays) > 256:
