@@ -1218,7 +1218,8 @@ class MetadataDB:
         )
         with Session(self._reader) as s:
             rows = list(s.execute(q))
-            latest = {rid: (list(revs or []) or [None])[-1] for rid, revs in s.execute(latest_q)}
+            # the last checkpoint revision of the newest episode ("" is the entry of its human frames)
+            latest = {rid: ([r for r in revs or [] if r] or [None])[-1] for rid, revs in s.execute(latest_q)}
         return [
             RobotStats(
                 robot_id=rid,

@@ -99,15 +99,6 @@ def collector_stats(address: str) -> tuple[dict[str, dict[str, Any]], str | None
     }, None
 
 
-def _last_checkpoint_revision(db: Any, robot_id: str) -> str | None:
-    """The checkpoint revision the robot's newest episode ran (skipping "", the human frames' entry)."""
-    from fleet.db import EpisodeQuery
-
-    items, _ = db.query_episodes(EpisodeQuery(robot=robot_id, per_page=1))
-    served = [r for r in (items[0].revisions if items else ()) if r]
-    return served[-1] if served else None
-
-
 def lineage(ctx: Context) -> list[dict[str, Any]]:
     out = []
     for r in ctx.res.db().rounds():
@@ -149,8 +140,6 @@ def make_router(ctx: Context) -> APIRouter:
         robots = []
         for rid in sorted(set(by_robot) | set(stats)):
             a = by_robot.get(rid, {})
-            if a and not a.get("revision"):  # its newest episode ended under a human (revision "")
-                a["revision"] = _last_checkpoint_revision(db, rid)
             s = stats.get(rid, {})
             robots.append(
                 {
