@@ -33,6 +33,21 @@ __all__ = ["AsyncActStream", "AsyncPolicyClient"]
 T = TypeVar("T")
 
 
+# grpc.aio reports a write to a stream the server has already ended (a replica that stopped or drained) as
+# INTERNAL "Internal error from Core", overwriting the status the server sent (grpc/grpc#36066). It is the
+# stream closing, not a server's answer: our server never sends that text.
+_AIO_ENDED_STREAM = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+
+def _stream_error(e: grpc.RpcError | asyncio.InvalidStateError) -> PolicyError:
+    if not isinstance(e, grpc.RpcError):
+        return PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed")
+    err = PolicyError.from_rpc(e)
+    if (err.code, err.message) == _AIO_ENDED_STREAM:
+        return PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed by the server (write after its end)")
+    return err
+
+
 class AsyncActStream:
     """One robot's ``StreamAct`` stream on asyncio: ``await s.act(obs)`` -> its chunk, in order.
 
@@ -76,12 +91,7 @@ class AsyncActStream:
                         grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout + self._MARGIN_S:.1f} s"
                     ) from None
                 except (grpc.RpcError, asyncio.InvalidStateError) as e:
-                    err = (
-                        PolicyError.from_rpc(e)
-                        if isinstance(e, grpc.RpcError)
-                        else PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed")
-                    )
-                    reply = err
+                    reply = _stream_error(e)
                 if reply is grpc.aio.EOF:
                     reply = PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed by the server")
                 if isinstance(reply, PolicyError):

@@ -186,6 +186,21 @@ def test_async_client_balances_and_survives_a_stopped_replica(ckpts: dict[str, P
             s.stop(0)
 
 
+def test_async_stream_reads_aios_ended_stream_write_as_closed() -> None:
+    """grpc.aio turns a write to a stream a stopped replica ended into INTERNAL "Internal error from Core"
+    (grpc/grpc#36066); the stream reopens on that (UNAVAILABLE) but keeps every real server error."""
+    from server.aio_client import _stream_error
+
+    def aio(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    ended = _stream_error(aio(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert ended.code == grpc.StatusCode.UNAVAILABLE and "stream closed" in ended.message
+    real = _stream_error(aio(grpc.StatusCode.INTERNAL, "inference failed: RuntimeError: x"))
+    assert real.code == grpc.StatusCode.INTERNAL and real.message == "inference failed: RuntimeError: x"
+    assert _stream_error(asyncio.InvalidStateError()).code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_replicas_over_tls(ckpts: dict[str, Path], tmp_path: Path) -> None:
     """A list over TLS: the certificate is checked against the first entry's name (here one certificate
     for localhost and 127.0.0.1 on both replicas); a client that trusts another CA is refused."""
