@@ -15,10 +15,14 @@ up: setup
 demo: setup
 	.venv/bin/vla-rl demo
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), whole files per worker so each module's fixtures
+# are built once; most tests wait on servers and subprocesses, so 2 workers on 2 cores halve the wall time.
+# TEST_WORKERS=0 runs everything in this one process (e.g. to use pdb).
+TEST_WORKERS ?= 2
 test: setup
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m ruff format --check .
-	.venv/bin/python -m pytest -m "not slow" -q
+	.venv/bin/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	.venv/bin/python -m ruff check . && .venv/bin/python -m ruff format --check .
