@@ -165,9 +165,10 @@ def decode_jpeg(data: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
     return img
 
 
-def _payloads(frames: np.ndarray, quality: int, fill: int = 0) -> list[bytes]:
-    """Each frame's JPEG; b"" for a frame that is the fill value everywhere."""
-    return [b"" if not (f != fill).any() else encode_jpeg(f, quality) for f in frames]
+def _payloads(frames: np.ndarray, quality: int, skip_fill: bool) -> list[bytes]:
+    """Each frame's JPEG; with ``skip_fill``, b"" for a frame that is 0 everywhere (zarr pads a partial
+    chunk with such rows; the store's writer never hands them over, so it skips the check)."""
+    return [b"" if skip_fill and not f.any() else encode_jpeg(f, quality) for f in frames]
 
 
 def pack(payloads: Sequence[bytes | memoryview]) -> bytes:
@@ -203,9 +204,9 @@ def unpack(data: bytes | memoryview, frames: int | None = None) -> list[memoryvi
     return out
 
 
-def encode_chunk(frames: np.ndarray, quality: int) -> bytes:
-    """A chunk of frames [T, H, W, 3] uint8 -> its stored bytes."""
-    return pack(_payloads(frames, quality))
+def encode_chunk(frames: np.ndarray, quality: int, skip_fill: bool = False) -> bytes:
+    """A chunk of frames [T, H, W, 3] uint8 -> its stored bytes (``skip_fill``: see :func:`_payloads`)."""
+    return pack(_payloads(frames, quality, skip_fill))
 
 
 def decode_chunk(
@@ -227,7 +228,7 @@ def merge_chunk(old: bytes | None, offset: int, frames: np.ndarray, chunk_len: i
     row's JPEG kept byte for byte from ``old`` (None: empty rows): appending to a partly written chunk
     never re-encodes (and never degrades) the frames already there."""
     rows: list[bytes | memoryview] = list(unpack(old, chunk_len)) if old is not None else [b""] * chunk_len
-    rows[offset : offset + len(frames)] = _payloads(frames, quality)
+    rows[offset : offset + len(frames)] = _payloads(frames, quality, skip_fill=False)
     return pack(rows)
 
 
@@ -274,7 +275,7 @@ class JpegCodec(ArrayBytesCodec):
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         frames = np.ascontiguousarray(chunk_array.as_numpy_array(), dtype=np.uint8)
-        return chunk_spec.prototype.buffer.from_bytes(encode_chunk(frames, self.quality))
+        return chunk_spec.prototype.buffer.from_bytes(encode_chunk(frames, self.quality, skip_fill=True))
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
