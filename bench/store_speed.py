@@ -167,7 +167,18 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def bench_codecs(workdir: Path, frames: int, size: int = 224) -> dict[str, Any]:
+def _best(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two passes of one codec: the higher rates and the lower CPU times."""
+    out = dict(a)
+    for k in a:
+        if k.endswith("_per_s"):
+            out[k] = max(a[k], b[k])
+        elif k.endswith("cpu_ms_per_camera_frame"):
+            out[k] = min(a[k], b[k])
+    return out
+
+
+def bench_codecs(workdir: Path, frames: int, size: int = 224, repeats: int = 2) -> dict[str, Any]:
     """Every codec on the same rendered frames (see the module docstring); one result per codec."""
     from bench.collect import CAMERAS, frame_pool
 
@@ -179,56 +190,58 @@ def bench_codecs(workdir: Path, frames: int, size: int = 224) -> dict[str, Any]:
     originals = {c: pool[c][idx] for c in CAMERAS}
     runs = [*CODECS, *((f"jpeg:{q}", f"jpeg:{q}", None) for q in JPEG_QUALITIES)]
     out: dict[str, Any] = {}
-    for name, codec, level in runs:
-        root = workdir / f"codec-{codec}-{level}"
-        store = EpisodeStore(root, create=True)
-        w = store.create_episode(
-            spec,
-            robot_id="bench",
-            task="bench/codecs",
-            chunk_len=128,
-            camera_zstd_level=level,
-            camera_codec=codec,
-        )
-        t0, c0 = time.perf_counter(), time.process_time()
-        for lo in range(0, frames, 8):  # the store writer gets the collector's batches of 8 frames
-            hi = min(lo + 8, frames)
-            w.add_frames(
-                {
-                    "cameras": {c: originals[c][lo:hi] for c in CAMERAS},
-                    "state": np.zeros((hi - lo, STATE_DIM), np.float32),
-                    "action": np.zeros((hi - lo, ACTION_DIM), np.float32),
-                }
+    for _ in range(repeats):  # codecs interleaved, best of the passes (the machine's load varies)
+        for name, codec, level in runs:
+            root = workdir / f"codec-{codec}-{level}"
+            store = EpisodeStore(root, create=True)
+            w = store.create_episode(
+                spec,
+                robot_id="bench",
+                task="bench/codecs",
+                chunk_len=128,
+                camera_zstd_level=level,
+                camera_codec=codec,
             )
-        w.close()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        cam_frames = frames * len(CAMERAS)
-        cam_bytes = {
-            c: sum(
-                f.stat().st_size
-                for f in (store.episodes_dir / w.episode_id / "cameras" / c).rglob("*")
-                if f.is_file()
-            )
-            for c in CAMERAS
-        }
-        t0, c0 = time.perf_counter(), time.process_time()
-        ds = ChunkDataset(EpisodeStore(root), horizon=1)
-        rwall, rcpu = time.perf_counter() - t0, time.process_time() - c0
-        back = ds.batch(np.arange(frames))
-        out[name] = {
-            "codec": codec,
-            "zstd_level": level,
-            "frames": frames,
-            "bytes_per_camera_frame": sum(cam_bytes.values()) / cam_frames,
-            "bytes_per_camera_frame_by_camera": {c: b / frames for c, b in cam_bytes.items()},
-            "raw_bytes_per_camera_frame": size * size * 3,
-            "ingest_camera_frames_per_s": cam_frames / wall,
-            "ingest_cpu_ms_per_camera_frame": 1e3 * cpu / cam_frames,
-            "decode_camera_frames_per_s": cam_frames / rwall,
-            "decode_cpu_ms_per_camera_frame": 1e3 * rcpu / cam_frames,
-            "psnr_db": {c: psnr(back[f"observation.images.{c}"].numpy(), originals[c]) for c in CAMERAS},
-        }
-        shutil.rmtree(root, ignore_errors=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for lo in range(0, frames, 8):  # the store writer gets the collector's batches of 8 frames
+                hi = min(lo + 8, frames)
+                w.add_frames(
+                    {
+                        "cameras": {c: originals[c][lo:hi] for c in CAMERAS},
+                        "state": np.zeros((hi - lo, STATE_DIM), np.float32),
+                        "action": np.zeros((hi - lo, ACTION_DIM), np.float32),
+                    }
+                )
+            w.close()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            cam_frames = frames * len(CAMERAS)
+            cam_bytes = {
+                c: sum(
+                    f.stat().st_size
+                    for f in (store.episodes_dir / w.episode_id / "cameras" / c).rglob("*")
+                    if f.is_file()
+                )
+                for c in CAMERAS
+            }
+            t0, c0 = time.perf_counter(), time.process_time()
+            ds = ChunkDataset(EpisodeStore(root), horizon=1)
+            rwall, rcpu = time.perf_counter() - t0, time.process_time() - c0
+            back = ds.batch(np.arange(frames))
+            res = {
+                "codec": codec,
+                "zstd_level": level,
+                "frames": frames,
+                "bytes_per_camera_frame": sum(cam_bytes.values()) / cam_frames,
+                "bytes_per_camera_frame_by_camera": {c: b / frames for c, b in cam_bytes.items()},
+                "raw_bytes_per_camera_frame": size * size * 3,
+                "ingest_camera_frames_per_s": cam_frames / wall,
+                "ingest_cpu_ms_per_camera_frame": 1e3 * cpu / cam_frames,
+                "decode_camera_frames_per_s": cam_frames / rwall,
+                "decode_cpu_ms_per_camera_frame": 1e3 * rcpu / cam_frames,
+                "psnr_db": {c: psnr(back[f"observation.images.{c}"].numpy(), originals[c]) for c in CAMERAS},
+            }
+            out[name] = res if name not in out else _best(out[name], res)
+            shutil.rmtree(root, ignore_errors=True)
     for crf, preset in H264:
         out[f"h264 {preset} crf {crf}"] = bench_h264(originals, crf, preset)
     base = out[CODECS[0][0]]["bytes_per_camera_frame"]
@@ -320,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--only", choices=["codecs"], default=None, help="only the camera codec comparison")
     ap.add_argument("--codec-frames", type=int, default=768, help="frames (x 2 cameras) per codec run")
+    ap.add_argument("--codec-repeats", type=int, default=2, help="passes per codec (best is kept)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         if args.only == "codecs":
-            results["codecs"] = bench_codecs(workdir, args.codec_frames)
+            results["codecs"] = bench_codecs(workdir, args.codec_frames, repeats=args.codec_repeats)
             print_codecs(results["codecs"])
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -362,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             rd = bench_read(root, spec)
             results["runs"][f"{config}/read"] = rd
-        results["codecs"] = bench_codecs(workdir, args.codec_frames)
+        results["codecs"] = bench_codecs(workdir, args.codec_frames, repeats=args.codec_repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
