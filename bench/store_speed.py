@@ -332,9 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="stop a write run after this long")
     ap.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--only", choices=["codecs"], default=None, help="only the camera codec comparison")
-    ap.add_argument("--codec-frames", type=int, default=768, help="frames (x 2 cameras) per codec run")
+    ap.add_argument(
+        "--codec-frames",
+        type=int,
+        default=None,
+        help="frames (x 2 cameras) per codec run (default min(768, --frames))",
+    )
     ap.add_argument("--codec-repeats", type=int, default=2, help="passes per codec (best is kept)")
     args = ap.parse_args(argv)
+    if args.codec_frames is None:
+        args.codec_frames = min(768, args.frames)
     torch.set_num_threads(1)
 
     workdir = Path(tempfile.mkdtemp(prefix="store_speed_", dir=args.workdir))
