@@ -156,6 +156,7 @@ def run_collector_phase(
     store_writers: int = 1,
     store_writer_nice: int = 10,
     lockstep: bool = False,
+    camera_codec: str = "lossless",
 ) -> dict[str, Any]:
     store = work / f"store-{name}"
     port = free_port()
@@ -164,6 +165,7 @@ def run_collector_phase(
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "--log-level", "warning", "collect"]
     cmd += ["--store", str(store), "--port", str(port), "--token", TOKEN]
     cmd += ["--camera-zstd-level", str(zstd_level), "--max-batch-frames", "64"]
+    cmd += ["--camera-codec", camera_codec]
     cmd += ["--store-writers", str(store_writers), "--store-writer-nice", str(store_writer_nice)]
     with open(log_path, "ab") as log_f:
         coll = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_f, env=env)
@@ -299,6 +301,7 @@ def run_collector_phase(
         "load_avg_1m_before": round(load0[0], 2),
         "load_avg_before": [round(x, 2) for x in load0],
         "load_avg_after": [round(x, 2) for x in load1],
+        "camera_codec": camera_codec,
         "bytes_on_disk": size,
         "bytes_raw": raw,
         "disk_over_raw": round(size / raw, 3),
@@ -400,6 +403,9 @@ def main() -> None:
     )
     ap.add_argument("--lerobot-frames", type=int, default=600, help="frames per LeRobot mode (0 = skip)")
     ap.add_argument("--camera-zstd-level", type=int, default=-3)
+    ap.add_argument(
+        "--camera-codec", default="lossless", help="the collector's --camera-codec (lossless, jpeg:90, ...)"
+    )
     ap.add_argument("--batch-frames", type=int, default=8, help="robot client max_batch_frames")
     ap.add_argument("--batch-ms", type=float, default=100.0, help="robot client batch_interval_s, in ms")
     ap.add_argument(
@@ -450,6 +456,7 @@ def main() -> None:
                 args.store_writers,
                 args.store_writer_nice,
                 lockstep=lockstep,
+                camera_codec=args.camera_codec,
             )
         )
         print(json.dumps(phases[-1]), flush=True)
@@ -477,7 +484,7 @@ def main() -> None:
     for p in phases:
         rows.append(
             [
-                f"collector, {p['robots']} robots"
+                f"collector ({p['camera_codec']}), {p['robots']} robots"
                 + (f" x {p['hz_per_robot']:g} Hz" if p["hz_per_robot"] else ", unthrottled")
                 + (", episodes in lockstep" if p.get("episode_boundaries") == "in lockstep" else ""),
                 f"{p['camera_frames_per_s']:.0f}",

@@ -90,6 +90,7 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fleet.codecs import CameraCodecs
 from fleet.db import MetadataDB
 from fleet.objstore import is_remote
 from fleet.proto import collector_pb2 as pb
@@ -256,6 +257,7 @@ class Collector:
         fsync: bool = False,
         chunk_len: int = 128,
         camera_zstd_level: int | None = -3,
+        camera_codec: str | None = None,
         max_batch_frames: int = DEFAULT_MAX_BATCH_FRAMES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
@@ -306,6 +308,7 @@ class Collector:
         self.token = token
         self.chunk_len = chunk_len
         self.camera_zstd_level = camera_zstd_level
+        self.camera_codecs = CameraCodecs.parse(camera_codec)  # a bad value fails here, at start-up
         self.max_batch_frames = max_batch_frames
         self.max_message_bytes = max_message_bytes
         self.max_pending_bytes = max_pending_bytes
@@ -859,6 +862,7 @@ class Collector:
             chunk_len=self.chunk_len,
             episode_id=eid,
             camera_zstd_level=self.camera_zstd_level if session.spec.cameras else None,
+            camera_codec=self.camera_codecs.restrict(session.spec.camera_names),
         )
         ep = _Episode(
             id=eid,

@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fleet.codecs import CameraCodecs
 from fleet.meta import Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
 from fleet.store import Episode, EpisodeStore, outcome_known
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
@@ -522,6 +523,7 @@ def import_lerobot(
     camera_keys: Sequence[str] | None = None,
     default_controller: Controller | str | int = Controller.HUMAN,
     allow_duplicate: bool = False,
+    camera_codec: str | CameraCodecs | None = None,
 ) -> list[str]:
     """Write every episode of a local LeRobot v3 dataset into ``store``; returns the new episode ids.
 
@@ -582,6 +584,7 @@ def import_lerobot(
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
         raise SpecError("fps", "a positive frame rate in meta/info.json", repr(fps))
     ctrl_default = Controller.parse(default_controller)
+    codecs = CameraCodecs.parse(camera_codec)
     if not isinstance(robot_id, str) or not robot_id:
         raise ValueError(f"robot_id must be a non-empty string, got {robot_id!r}")
     if int(info.get("total_episodes", 0)) == 0:
@@ -615,6 +618,7 @@ def import_lerobot(
         extras={"lerobot": {"repo_id": repo_id, "root": str(root), "robot_type": info.get("robot_type")}},
     )
     spec = _restore_spec(built, sidecar, spec_name)
+    codecs.check(spec.camera_names)
     default_task = task or robot_type or repo_id
     plans = _plan_episodes(ds, optional, sidecar, ctrl_default, fps, default_task, task is not None)
 
@@ -625,7 +629,9 @@ def import_lerobot(
     try:
         for plan in plans:
             images = _read_images(ds, plan, cameras, fps)
-            metas.append(_write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", written))
+            metas.append(
+                _write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", written, codecs)
+            )
         if label_db is not None:  # only now: a failure above leaves no DB rows behind
             for plan, meta in zip(plans, metas, strict=True):
                 label_db.record_episode_open(meta, str(store.root))
@@ -1179,6 +1185,7 @@ def _write_plan(
     robot_id: str,
     id_prefix: str,
     written: list[str],
+    codecs: CameraCodecs | None = None,
 ) -> EpisodeMeta:
     """Create, fill and close one episode (no DB rows yet); ids sort in LeRobot episode order within one
     import. A failure removes the half-written episode."""
@@ -1190,6 +1197,7 @@ def _write_plan(
         instruction=plan.instruction,
         episode_id=episode_id,
         db=_NO_DB,
+        camera_codec=codecs,
     )
     written.append(episode_id)  # the caller's rollback removes it, even if filling it fails
     timestamps = plan.start_time + plan.frame_time

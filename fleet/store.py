@@ -55,6 +55,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BytesCodec, ZstdCodec
 
+from fleet.codecs import CameraCodecs, JpegCodec, encode_chunk, jpeg_codec, merge_chunk
 from fleet.meta import (
     STORE_VERSION,
     Controller,
@@ -187,10 +188,12 @@ _TEMPLATE_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=64)
 def _episode_template(
-    spec_json: str, chunk_len: int, camera_zstd_level: int | None
+    spec_json: str, chunk_len: int, camera_zstd_level: int | None, camera_codecs: CameraCodecs
 ) -> tuple[dict[str, Any], dict[str, bytes]]:
     """What zarr writes for an empty episode of this spec and layout: the root group's document (its
-    attributes are per episode) and every other metadata file, by path relative to the episode."""
+    attributes are per episode) and every other metadata file, by path relative to the episode. A camera
+    whose codec is JPEG gets :class:`~fleet.codecs.JpegCodec` as its serializer and no compressor; a
+    lossless one zstd at ``camera_zstd_level`` (None: zarr's default)."""
     import tempfile
 
     spec = RobotSpec.from_json(spec_json)
@@ -202,7 +205,10 @@ def _episode_template(
                 math.nan if key == "proposed_action" else False if dtype == np.bool_ else 0
             )
             extra: dict[str, Any] = {}
-            if camera_zstd_level is not None and key.startswith("cameras/"):
+            codec = camera_codecs.of(key.removeprefix("cameras/")) if key.startswith("cameras/") else None
+            if codec is not None and codec.kind == "jpeg":
+                extra.update(serializer=JpegCodec(quality=codec.quality), compressors=None)
+            elif camera_zstd_level is not None and codec is not None:
                 extra["compressors"] = ZstdCodec(level=camera_zstd_level)
             group.create_array(
                 key,
@@ -231,8 +237,11 @@ def _chunk_encoder(arr: zarr.Array) -> ChunkEncoder | None:
     ``zarr.Array.__setitem__`` cost ~2.3x the compression itself for a 128-frame camera chunk (its
     async codec pipeline, chunk selection and copies), and the same fixed cost again for each of the
     ten small arrays: 0.8 -> 0.6 ms of CPU per frame of two 224 px cameras with this path. Only the layout :func:`_episode_template`
-    creates qualifies (bytes + zstd, regular chunks); anything else falls back to zarr.
+    creates qualifies (bytes + zstd, or JPEG frames, regular chunks); anything else falls back to zarr.
     """
+    jpeg = jpeg_codec(arr)
+    if jpeg is not None:
+        return functools.partial(encode_chunk, quality=jpeg.quality)
     codecs = arr.metadata.codecs
     if (
         arr.metadata.zarr_format != 3
@@ -708,6 +717,10 @@ class EpisodeWriter:
         files, partial chunks (an episode's last, or after a mid-chunk flush) through zarr."""
         arr, encode = self._arrays[key], self._encoders[key]
         cl = self._meta.chunk_len
+        jpeg = jpeg_codec(arr) if encode is not None else None
+        if jpeg is not None:
+            self._write_jpeg_rows(key, arr, block, start, end, jpeg.quality)
+            return
         first, last = -(-start // cl) * cl, end // cl * cl  # the whole chunks inside [start, end)
         if encode is None or first >= last:
             arr[start:end] = block[: end - start]
@@ -726,6 +739,32 @@ class EpisodeWriter:
                 remote.put(f"episodes/{self.episode_id}/{key}/{ckey}", encode(chunk))
         if last < end:
             arr[last:end] = block[last - start : end - start]
+
+    def _write_jpeg_rows(
+        self, key: str, arr: zarr.Array, block: np.ndarray, start: int, end: int, quality: int
+    ) -> None:
+        """Rows [start, end) of a JPEG camera, every chunk written by the store: a partial chunk keeps the
+        JPEGs of the rows it already has byte for byte (zarr would decode and re-encode them: a second
+        generation of loss at every mid-chunk flush)."""
+        cl = self._meta.chunk_len
+        remote = self._store.remote
+        for c in range(start // cl, (end - 1) // cl + 1):
+            lo, hi = max(start, c * cl), min(end, (c + 1) * cl)
+            frames = block[lo - start : hi - start]
+            ckey = arr.metadata.encode_chunk_key((c, 0, 0, 0))
+            rel = f"episodes/{self.episode_id}/{key}/{ckey}"
+            if hi - lo == cl:
+                data = encode_chunk(frames, quality)
+            else:
+                try:
+                    old = (self._dir / key / ckey).read_bytes() if remote is None else remote.get(rel)
+                except FileNotFoundError:
+                    old = None
+                data = merge_chunk(old, lo - c * cl, frames, cl, quality)
+            if remote is None:
+                _put_atomic(self._dir / key / ckey, data)
+            else:
+                remote.put(rel, data)
 
     def _fsync_rows(self, start: int, end: int) -> None:
         """fsync the chunk files holding rows [start, end) and every array's metadata, before the commit."""
@@ -942,6 +981,7 @@ class EpisodeStore:
         episode_id: str | None = None,
         db: EpisodeDB | None = None,
         camera_zstd_level: int | None = None,
+        camera_codec: str | CameraCodecs | None = None,
     ) -> EpisodeWriter:
         """Create an empty episode (see :meth:`new_episode`) and return its writer."""
         meta = self.new_episode(
@@ -953,6 +993,7 @@ class EpisodeStore:
             episode_id=episode_id,
             db=db,
             camera_zstd_level=camera_zstd_level,
+            camera_codec=camera_codec,
         )
         group = self._group(meta.episode_id, "r+")
         return EpisodeWriter(self, meta, group, db if db is not None else self.db)
@@ -968,6 +1009,7 @@ class EpisodeStore:
         episode_id: str | None = None,
         db: EpisodeDB | None = None,
         camera_zstd_level: int | None = None,
+        camera_codec: str | CameraCodecs | None = None,
     ) -> EpisodeMeta:
         """Create an empty, open episode (its arrays, commit record and DB row) without opening a writer:
         what a caller that hands the episode to another process (the fleet collector) needs.
@@ -976,8 +1018,11 @@ class EpisodeStore:
         (sortable by creation time). ``db`` overrides the store's DB for this episode.
         ``camera_zstd_level`` sets the zstd level of the camera arrays (None: zarr's default, level 3).
         Rendered frames at level 1 or -1 compress 2-10x faster for a slightly larger file, which is what
-        a collector taking many cameras at once needs (see docs/fleet.md).
+        a collector taking many cameras at once needs (see docs/fleet.md). ``camera_codec`` picks each
+        camera's codec (``"jpeg:85"``, ``"lossless,wrist=jpeg:80"``: see :mod:`fleet.codecs`; None:
+        lossless); it is recorded in the camera arrays' metadata, so readers need nothing.
         """
+        codecs = CameraCodecs.parse(camera_codec).check(spec.camera_names)
         if not isinstance(robot_id, str) or not robot_id:
             raise ValueError(f"robot_id must be a non-empty string, got {robot_id!r}")
         if not isinstance(task, str) or not task:
@@ -1011,7 +1056,7 @@ class EpisodeStore:
         # the ones zarr produced once (cached) instead of creating ~12 arrays through zarr each time
         # (~50 ms, which stalled a collector whose fleet starts episodes together).
         with _TEMPLATE_LOCK:  # a fleet starting together must not build the same template 16 times
-            root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level)
+            root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level, codecs)
         attributes = {"vla_rl": meta.to_dict() | {"see": COMMIT_FILE}}
         group_doc = json.dumps({**root_doc, "attributes": attributes}, indent=2)
         if self.remote is not None:

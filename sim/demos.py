@@ -20,6 +20,7 @@ from sim.rollout import ChunkRollout, SeededChunkProposer, StepRecord
 from sim.vector import VectorSimEnv
 
 if TYPE_CHECKING:
+    from fleet.codecs import CameraCodecs
     from fleet.store import EpisodeStore, EpisodeWriter
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,12 @@ def record_demos(
     max_episode_steps: int | None = None,
     robot_prefix: str = "sim",
     progress: bool = True,
+    camera_codec: str | CameraCodecs | None = None,
 ) -> DemoReport:
     """Run the scripted expert for ``episodes`` episodes and write every frame to ``store``.
+
+    ``camera_codec``: the cameras' codec in the store (``lossless``, ``jpeg:90``, ...; see
+    :mod:`fleet.codecs`), checked against the task's cameras before the first episode.
 
     Episodes use the vector env's seed sequence (``seed + i + j * num_envs``), so the same call writes
     the same frames. The expert of each episode is seeded with the episode's seed.
@@ -96,6 +101,9 @@ def record_demos(
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     num_envs = min(num_envs, episodes)
+    from fleet.codecs import CameraCodecs
+
+    codecs = CameraCodecs.parse(camera_codec)
     t0 = time.perf_counter()
     env = VectorSimEnv(
         task,
@@ -105,12 +113,13 @@ def record_demos(
         image_size=image_size,  # type: ignore[arg-type]
         max_episode_steps=max_episode_steps,
     )
+    codecs.check(env.spec.camera_names)
     report = DemoReport(task=env.task)
     bar = tqdm(total=episodes, desc=f"demos {env.task}", unit="ep", disable=not progress)
     started = num_envs
 
     def open_writer(i: int) -> EpisodeWriter:
-        w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
+        w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task, camera_codec=codecs)
         w.begin_segment("autonomous", controller="scripted", reason=f"scripted expert, noise={noise}")
         return w
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from fleet.codecs import stored_jpeg
 from fleet.meta import EpisodeMeta
 from fleet.store import EpisodeStore
 
@@ -117,7 +118,10 @@ class JpegCache:
             if hit is not None:
                 self._items.move_to_end(key)
                 return hit
-        jpeg = encode_jpeg(reader.frame(meta, camera, t), quality)
+        # A camera stored as JPEG at no more than this quality: its frame's bytes as they are (no decode,
+        # no re-encode, no second generation of loss).
+        stored = stored_jpeg(reader._array(meta.episode_id, camera, t + 1), t, max_quality=quality)
+        jpeg = stored if stored is not None else encode_jpeg(reader.frame(meta, camera, t), quality)
         with self._lock:
             if key not in self._items:
                 self._items[key] = jpeg
