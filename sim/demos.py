@@ -87,11 +87,14 @@ def record_demos(
     max_episode_steps: int | None = None,
     robot_prefix: str = "sim",
     progress: bool = True,
+    ray: str | None = None,
 ) -> DemoReport:
     """Run the scripted expert for ``episodes`` episodes and write every frame to ``store``.
 
     Episodes use the vector env's seed sequence (``seed + i + j * num_envs``), so the same call writes
-    the same frames. The expert of each episode is seeded with the episode's seed.
+    the same frames. The expert of each episode is seeded with the episode's seed. ``ray`` (``auto`` or a
+    cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`): the seeds, the expert
+    and the writes stay in this process, so the same call writes the same frames there too.
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -104,6 +107,7 @@ def record_demos(
         obs=obs,
         image_size=image_size,  # type: ignore[arg-type]
         max_episode_steps=max_episode_steps,
+        ray=ray,
     )
     report = DemoReport(task=env.task)
     bar = tqdm(total=episodes, desc=f"demos {env.task}", unit="ep", disable=not progress)

@@ -242,6 +242,41 @@ def test_evaluation_same_episodes_on_ray_with_a_killed_actor(ray_head: str) -> N
     assert _sim_actor_pids() == []  # evaluation closed its actors
 
 
+def _demo_episodes(root: Path) -> list[tuple[Any, Any]]:
+    """A store's episodes as (meta, episode), per robot in the order each robot recorded them."""
+    from fleet.store import EpisodeStore
+
+    store = EpisodeStore(root)
+    metas = sorted(
+        (store.read_metadata(e) for e in store.episode_ids()), key=lambda m: (m.robot_id, m.created)
+    )
+    return [(m, store.read_episode(m.episode_id)) for m in metas]
+
+
+def test_sim_demos_on_ray_records_the_same_demos_as_local_processes(
+    ray_head: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vla_rl.cli import main
+
+    args = ["sim", "demos", "--task", KIN, "--episodes", "5", "--num-envs", "2", "--noise", "0.5"]
+    args += ["--seed", "7", "--max-steps", "12", "--no-progress"]
+    assert main([*args, "--store", str(tmp_path / "local")]) == 0
+    assert main([*args, "--store", str(tmp_path / "ray"), "--ray", ray_head]) == 0
+    assert "recorded 5 episodes" in capsys.readouterr().out
+    local, remote = _demo_episodes(tmp_path / "local"), _demo_episodes(tmp_path / "ray")
+    assert [(m.robot_id, m.length, m.outcome) for m, _ in local] == [
+        (m.robot_id, m.length, m.outcome) for m, _ in remote
+    ]
+    assert {m.robot_id for m, _ in local} == {"sim-0", "sim-1"}
+    for (_, a), (_, b) in zip(local, remote, strict=True):
+        for key in ("state", "action", "reward"):
+            assert _close(getattr(a, key), getattr(b, key)), key
+        assert np.array_equal(a.terminated, b.terminated) and np.array_equal(a.truncated, b.truncated)
+    # A bad address is the CLI's one-line error (exit 2).
+    assert main([*args, "--store", str(tmp_path / "bad"), "--ray", "nowhere"]) == 2
+    assert "ray: expected 'auto' or a Ray cluster address" in capsys.readouterr().err
+
+
 def test_too_small_a_cluster_is_a_clear_error(ray_head: str) -> None:
     with pytest.raises(RayUnavailable, match="free CPUs but 3 sim workers"):
         VectorSimEnv(KIN, num_envs=3, ray=ray_head)

@@ -82,6 +82,9 @@ class SimDemos:
     """Camera height = width in rgb mode."""
     num_envs: int = 1
     """Simulator processes in parallel."""
+    ray: str | None = None
+    """Run the simulators as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1)
+    or a cluster address host:port; None = local processes. Same seed, same demos."""
     max_steps: int | None = None
     """Episode length limit; None = the task's."""
     db: str | None = None
@@ -89,24 +92,32 @@ class SimDemos:
     progress: bool = True
     """Show a progress bar."""
 
+    def __post_init__(self) -> None:
+        from sim.ray_workers import check_ray_address
+
+        self.ray = check_ray_address(self.ray)
+
 
 def sim_demos(a: SimDemos) -> int:
     from sim.demos import record_demos
+    from sim.ray_workers import RayUnavailable
 
     task = task_arg(a.task)
     store, _db = open_store(a.store, create=True, db_url=a.db)
-    report = record_demos(
-        store,
-        task,
-        episodes=a.episodes,
-        noise=a.noise,
-        seed=a.seed,
-        obs=a.obs,
-        image_size=a.image_size,
-        num_envs=a.num_envs,
-        max_episode_steps=a.max_steps,
-        progress=a.progress,
-    )
+    with user_errors(RayUnavailable):
+        report = record_demos(
+            store,
+            task,
+            episodes=a.episodes,
+            noise=a.noise,
+            seed=a.seed,
+            obs=a.obs,
+            image_size=a.image_size,
+            num_envs=a.num_envs,
+            max_episode_steps=a.max_steps,
+            progress=a.progress,
+            ray=a.ray,
+        )
     print(
         f"recorded {report.episodes} episodes of {report.task} ({report.frames} frames) into {store.root}: "
         f"expert success {report.successes}/{report.episodes} ({report.success_rate:.0%}) "
