@@ -274,6 +274,87 @@ def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Pat
         assert_frames_equal(st.read_episode(eid), frames, len(frames["action"]))
 
 
+# ------------------------------------------------------------------------------------------ a whole round
+def stream_expert_episodes(client: RobotClient, task: str, episodes: int, steps: int, seed: int) -> None:
+    """The task's seeded scripted expert, ``episodes`` episodes of at most ``steps`` frames, streamed
+    through ``client`` as a robot would (state observations, controller ``scripted``)."""
+    import sim
+
+    with sim.make_env(task, max_episode_steps=steps) as env:
+        for e in range(episodes):
+            expert = sim.make_expert(task, noise=0.3, seed=seed + e)
+            obs, info = env.reset(seed=seed + e)
+            client.start_episode(instruction=obs["instruction"], controller="scripted", reason="expert")
+            done = False
+            while not done:
+                action = np.asarray(expert.act(info["privileged"]), np.float32)
+                nxt, reward, term, trunc, info = env.step(action)
+                client.add_frame({}, obs["state"], action, None, float(reward), term, trunc, "scripted")
+                obs, done = nxt, term or trunc
+            client.end_episode("success" if info["success"] else "failure", bool(info["success"]))
+
+
+# The collector variant is slow (its store writer process starts in ~10 s on 2 busy cores); CI runs the
+# same round on demos the store writer API put on S3 directly.
+@pytest.mark.parametrize("writer", [pytest.param("collector", marks=pytest.mark.slow), "demos"])
+def test_a_round_trains_on_an_s3_store(s3: MotoS3, tmp_path: Path, writer: str) -> None:
+    """Collector (or demos) -> s3:// store -> an AWR round (reading through the local read cache) -> the hub."""
+    from test_sim_fleet import task_spec, tiny_checkpoint
+
+    from fleet.db import MetadataDB
+    from sim.demos import record_demos
+    from vla_rl.hub.registry import configure_hub, push_folder, resolve
+    from vla_rl.hub.server import HubServer
+    from vla_rl.rounds import RoundConfig, start_round
+    from vla_rl.train.algorithms import make_config
+
+    task, repo = "kinematic/Reach-v0", "fleet/reach-s3"
+    url = f"s3://{new_bucket(s3)}/fleet"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    spec = task_spec(task)
+    if writer == "collector":
+        c = Collector(url, db_url, wal_dir=tmp_path / "wal", port=0, token=TOKEN, chunk_len=8).start()
+        try:
+            client = RobotClient(c.address, "arm-1", spec, task, token=TOKEN, max_batch_frames=8)
+            stream_expert_episodes(client, task, episodes=4, steps=12, seed=0)
+            assert client.close(60) and c.drain(60)
+        finally:
+            c.stop()
+    else:
+        demo_store = EpisodeStore(url, create=True, db=MetadataDB(db_url))
+        record_demos(demo_store, task, episodes=4, noise=0.3, max_episode_steps=12, progress=False)
+    store = EpisodeStore(url, cache_dir="off")
+    lengths = {e: store.read_metadata(e).length for e in store.episode_ids()}
+    assert len(lengths) == 4 and all(store.read_metadata(e).is_closed for e in lengths)
+
+    hub = HubServer(tmp_path / "hub", token="hub-token").start()
+    try:
+        configure_hub(hub.url, "hub-token")
+        push_folder(tiny_checkpoint(tmp_path / "base", spec), repo, message="base", tag="prod")
+        base = f"hub://{repo}@prod"
+        prod = resolve(base)
+        knobs = {"value_steps": 10, "steps": 10, "batch_size": 16, "threads": 1, "device": "cpu"}
+        train = make_config(
+            "awr", base=base, store=url, db_url=db_url, out=tmp_path / "out", progress=False, **knobs
+        )
+        cfg = RoundConfig(train=train, eval_episodes=2, eval_envs=1, margin=-0.99)  # type: ignore[arg-type]
+        s3.reset_counts()
+        done = start_round(cfg)
+        pushed = resolve(f"hub://{repo}@round-{done.id}")
+    finally:
+        hub.stop()
+    assert done.status == "succeeded", done.error
+    assert done.data["episode_lengths"] == lengths  # it trained on exactly what the collector wrote
+    assert done.checkpoint_ref == f"hub://{repo}@round-{done.id}" and done.checkpoint_revision == pushed
+    assert done.base_revision == prod != done.checkpoint_revision
+    assert "gate" in done.metrics and done.metrics["base_success"] is not None  # evaluated in sim
+    # The round read the closed episodes' chunks through the read cache (VLA_RL_STORE_CACHE).
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "/c/" in p.as_posix()]
+    assert cached and any("/c/" in p for p in s3.gets), "no chunk was read from S3"
+    for eid in lengths:
+        assert any(eid in p.as_posix() for p in cached), eid
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_urls_and_missing_credentials_name_the_setting(
     s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
