@@ -8,6 +8,10 @@ differs from a local directory:
   zarr (an asynchronous s3fs filesystem in a ``zarr.storage.FsspecStore``).
 * :class:`DiskCacheStore`: a zarr store wrapper that keeps every object it reads in a local directory,
   for episodes that are closed (immutable), so a trainer reading a dataset twice downloads it once.
+* :class:`ReadCache`: that directory's size limit (``VLA_RL_STORE_CACHE_MAX_GB``, default 20 GB): whole
+  closed episodes are evicted, least recently used first, by an atomic rename out of the cache then a
+  delete, so a reader never sees a torn file: a file it has open stays readable, and one gone before it
+  opened it is a cache miss, fetched again.
 
 Credentials and endpoint come from the environment, never the command line: ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` (or any botocore credential source: ``AWS_PROFILE``, an instance role),
@@ -24,10 +28,15 @@ order still matters: the writer waits for every chunk PUT of a block before it P
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
+import math
 import os
 import re
+import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -41,6 +50,10 @@ _URL_RE = re.compile(r"^s3:/+(?P<bucket>[^/]+)(?:/(?P<prefix>.*))?$")
 # S3 bucket naming rules (the subset every S3-compatible server accepts).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 CACHE_ENV = "VLA_RL_STORE_CACHE"
+CACHE_MAX_ENV = "VLA_RL_STORE_CACHE_MAX_GB"
+DEFAULT_CACHE_MAX_GB = 20.0
+_USED = ".used"  # in a cached episode's folder: its mtime is when a reader last opened the episode
+_EVICTING = ".evicting-"  # an episode folder renamed out of the cache, being deleted
 _ABSENT = ".absent"  # cache marker beside a key: the object does not exist (zarr keys never end so)
 _CREDENTIALS_HELP = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment (or AWS_PROFILE, or an fsspec "
@@ -228,8 +241,8 @@ class ObjectStore:
             self.fs.rm(keys)
 
     # ------------------------------------------------------------------ zarr
-    def zarr_store(self, key: str, *, read_only: bool, cache_dir: Path | None = None) -> Store:
-        """A zarr store rooted at ``key``; with ``cache_dir``, reads go through :class:`DiskCacheStore`
+    def zarr_store(self, key: str, *, read_only: bool, cache: ReadCache | None = None) -> Store:
+        """A zarr store rooted at ``key``; with ``cache``, reads go through :class:`DiskCacheStore`
         (only for objects that never change: a closed episode's)."""
         import s3fs
         from zarr.storage import FsspecStore
@@ -238,8 +251,8 @@ class ObjectStore:
             self._afs = s3fs.S3FileSystem(asynchronous=True, **s3_options())
             atexit.register(_close_async, self._afs)
         store: Store = FsspecStore(self._afs, path=self.path(key), read_only=read_only)
-        if cache_dir is not None:
-            store = DiskCacheStore(store, self.cache_root(cache_dir) / key)
+        if cache is not None:
+            store = DiskCacheStore(store, self.cache_root(cache.root) / key, cache)
         return store
 
     def cache_root(self, cache_dir: Path) -> Path:
@@ -273,6 +286,140 @@ def cache_dir_from_env(cache_dir: str | os.PathLike[str] | None) -> Path | None:
     return Path(value).expanduser().absolute()
 
 
+def cache_max_bytes(max_gb: float | None) -> int:
+    """The read cache's size limit in bytes: ``max_gb`` if given, else ``$VLA_RL_STORE_CACHE_MAX_GB``,
+    else 20 GB; a ValueError naming the setting unless it is a number of GB > 0."""
+    name, value = "cache_max_gb", max_gb
+    if value is None:
+        text = os.environ.get(CACHE_MAX_ENV, "").strip()
+        if not text:
+            return int(DEFAULT_CACHE_MAX_GB * 1e9)
+        name = CACHE_MAX_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{name}: expected a size in GB > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a size in GB > 0, got {value!r}")
+    return int(value * 1e9)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files below ``path`` (0 for what vanished meanwhile)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+class ReadCache:
+    """A local read cache folder (``root``: one subfolder per store, ``<store>/episodes/<id>/`` per
+    episode) kept under ``max_bytes``: whole episodes evicted least recently used first.
+
+    Recency: a reader opening a cached episode touches ``<id>/.used`` (at most every ``touch_s`` per
+    episode and process). Size: each process counts the bytes it adds; every ``max_bytes / 20`` of them
+    (and at its first addition) it sweeps the folder: if the cached episodes total more than
+    ``max_bytes``, the least recently used go until they total at most 90% of it. Eviction is a rename
+    of the episode's folder out of the cache (atomic), then its deletion: concurrent readers (threads or
+    processes) either read a whole file (an open file outlives its deletion) or find it missing, which
+    is a miss (:class:`DiskCacheStore` fetches the object again). The episode being read by the
+    sweeping reader is never evicted by it.
+    """
+
+    def __init__(self, root: Path, max_bytes: int, touch_s: float = 10.0) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes: expected > 0, got {max_bytes}")
+        self.root, self.max_bytes, self.touch_s = Path(root), int(max_bytes), touch_s
+        self.slack = max(self.max_bytes // 20, 1)
+        self.evicted = 0
+        self._added = self.slack  # the first addition sweeps
+        self._touched: dict[Path, float] = {}
+        self._lock = threading.Lock()
+
+    def touch(self, episode_dir: Path) -> None:
+        """Mark a cached episode as just used (throttled); nothing if it is not cached (yet)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._touched.get(episode_dir, -math.inf) < self.touch_s:
+                return
+            self._touched[episode_dir] = now
+        if episode_dir.is_dir():
+            with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                (episode_dir / _USED).touch()
+
+    def added(self, nbytes: int, episode_dir: Path) -> None:
+        """``nbytes`` were written into ``episode_dir``: sweep when enough accumulated."""
+        with self._lock:
+            self._added += nbytes
+            if self._added < self.slack:
+                return
+            self._added = 0
+        self.sweep(keep=episode_dir)
+
+    def episodes(self) -> list[tuple[float, int, Path]]:
+        """``(last used, bytes, folder)`` of every cached episode."""
+        out = []
+        for store_dir in _subdirs(self.root):
+            for ep in _subdirs(store_dir / "episodes"):
+                try:
+                    used = (ep / _USED).stat().st_mtime
+                except FileNotFoundError:
+                    try:
+                        used = ep.stat().st_mtime
+                    except FileNotFoundError:
+                        continue
+                out.append((used, _tree_bytes(ep), ep))
+        return out
+
+    def sweep(self, keep: Path | None = None) -> int:
+        """Evict least recently used episodes while the cache is over ``max_bytes`` (down to 90%), never
+        ``keep``; returns how many went."""
+        entries = sorted(self.episodes())
+        total = sum(size for _, size, _ in entries)
+        if total <= self.max_bytes:
+            return 0
+        target, n = int(self.max_bytes * 0.9), 0
+        for _, size, ep in entries:
+            if total <= target:
+                break
+            if keep is not None and ep == keep:
+                continue
+            trash = self.root / f"{_EVICTING}{uuid.uuid4().hex}"
+            try:
+                os.rename(ep, trash)  # atomic: readers see the whole folder or none of it
+            except FileNotFoundError:
+                continue  # another process evicted it first
+            shutil.rmtree(trash, ignore_errors=True)
+            total -= size
+            n += 1
+        with self._lock:
+            self.evicted += n
+        if n:
+            logging.getLogger(__name__).info(
+                "read cache: evicted least recently used episodes",
+                extra={"episodes": n, "bytes_left": total, "max_bytes": self.max_bytes},
+            )
+        return n
+
+
+def _subdirs(path: Path) -> list[Path]:
+    """Sub-folders of ``path`` that hold cache entries (not the ones being evicted); [] if none."""
+    try:
+        return [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except FileNotFoundError:
+        return []
+
+
+def read_cached(path: Path) -> bytes | None:
+    """A cache file's bytes, or None if it is not there (never cached, or evicted: fetch it again)."""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def write_cached(path: Path, data: bytes) -> None:
     """Put a cache file in place atomically (concurrent readers of one cache never see a torn file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,16 +435,20 @@ def write_cached(path: Path, data: bytes) -> None:
 class DiskCacheStore(WrapperStore[Store]):
     """Reads through a local directory: an object read once is served from ``root/<key>`` afterwards,
     also by later processes. Only for objects that never change (a closed episode's arrays and
-    metadata); ``hits`` and ``misses`` count whole-object reads."""
+    metadata); ``hits`` and ``misses`` count whole-object reads. With ``cache``, ``root`` is one
+    episode's folder in that bounded cache (its use is recorded; a file evicted under it is a miss)."""
 
-    def __init__(self, store: Store, root: Path) -> None:
+    def __init__(self, store: Store, root: Path, cache: ReadCache | None = None) -> None:
         super().__init__(store)
         self.root = root
+        self.cache = cache
         self.hits = 0
         self.misses = 0
+        if cache is not None:
+            cache.touch(root)
 
     def _with_store(self, store: Store) -> DiskCacheStore:
-        return type(self)(store, self.root)
+        return type(self)(store, self.root, self.cache)
 
     def __eq__(self, value: object) -> bool:
         return isinstance(value, DiskCacheStore) and self.root == value.root and self._store == value._store
@@ -321,7 +472,11 @@ class DiskCacheStore(WrapperStore[Store]):
             return None
         self.misses += 1
         buf = await self._store.get(key, prototype)
-        write_cached(absent if buf is None else path, b"" if buf is None else buf.to_bytes())
+        data = b"" if buf is None else buf.to_bytes()
+        with contextlib.suppress(FileNotFoundError):  # the episode was evicted while we wrote: not kept
+            write_cached(absent if buf is None else path, data)
+        if self.cache is not None:
+            self.cache.added(len(data), self.root)
         return buf
 
     async def exists(self, key: str) -> bool:

@@ -274,6 +274,124 @@ def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Pat
         assert_frames_equal(st.read_episode(eid), frames, len(frames["action"]))
 
 
+# ------------------------------------------------------------------------------------------ bounded cache
+def _closed_episodes(url: str, n: int, frames: int = 8) -> tuple[list[str], list[dict[str, Any]]]:
+    """``n`` closed episodes of random (incompressible) frames on ``url``; their ids and frames."""
+    store = EpisodeStore(url, create=True)
+    ids, data = [], []
+    for i in range(n):
+        f = make_frames(frames, seed=40 + i)
+        with store.create_episode(SPEC, robot_id=f"arm-{i}", task=TASK, chunk_len=8) as w:
+            w.add_frames(f)
+            w.close("success")
+        ids.append(w.episode_id)
+        data.append(f)
+    return ids, data
+
+
+def _cached(cache: Path) -> dict[str, int]:
+    """Episode id -> bytes of every episode folder in a read cache."""
+    from fleet.objstore import ReadCache
+
+    return {p.name: size for _, size, p in ReadCache(cache, 1).episodes()}
+
+
+def test_read_cache_evicts_whole_episodes_least_recently_used_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy on a real folder: four cached episodes of 1000 bytes, used in the order 1, 2, 0, 3,
+    under a 2500-byte limit: an addition sweeps 1 then 2 (down to 90% of the limit), never the episode
+    being read (3), and folders vanish whole. The limit's settings are checked and named."""
+    from fleet.objstore import ReadCache, cache_max_bytes
+
+    eps = [tmp_path / "cache" / "bucket-0123" / "episodes" / f"ep-{i}" for i in range(4)]
+    for ep in eps:
+        (ep / "action" / "c").mkdir(parents=True)
+        (ep / "action" / "c" / "0").write_bytes(b"x" * 900)
+        (ep / "commit.json").write_bytes(b"y" * 100)
+    cache = ReadCache(tmp_path / "cache", max_bytes=2500, touch_s=0.0)
+    for i in (1, 2, 0, 3):
+        time.sleep(0.02)  # distinct last-used times
+        cache.touch(eps[i])
+    assert sorted(used for used, _, _ in cache.episodes()) == [
+        (eps[i] / ".used").stat().st_mtime for i in (1, 2, 0, 3)
+    ]
+    cache.added(10, eps[3])  # the first addition of a process sweeps
+    assert [ep.exists() for ep in eps] == [True, False, False, True]
+    assert cache.evicted == 2 and sum(size for _, size, _ in cache.episodes()) == 2000
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["bucket-0123"]  # no half-deleted folder
+    cache.added(10, eps[3])  # below the limit now: nothing more goes
+    assert eps[0].exists() and cache.evicted == 2
+    # The limit's settings: the argument, else the environment, else 20 GB; nonsense named.
+    monkeypatch.delenv("VLA_RL_STORE_CACHE_MAX_GB", raising=False)
+    assert cache_max_bytes(None) == 20 * 10**9 and cache_max_bytes(0.5) == 5 * 10**8
+    monkeypatch.setenv("VLA_RL_STORE_CACHE_MAX_GB", "3")
+    assert cache_max_bytes(None) == 3 * 10**9
+    for bad in ("lots", "0", "-1", "inf"):
+        monkeypatch.setenv("VLA_RL_STORE_CACHE_MAX_GB", bad)
+        with pytest.raises(ValueError, match="VLA_RL_STORE_CACHE_MAX_GB: expected a size in GB > 0"):
+            cache_max_bytes(None)
+    with pytest.raises(ValueError, match="cache_max_gb: expected a size in GB > 0"):
+        cache_max_bytes(0.0)
+
+
+# slow: ~6 cold episode reads on moto (the policy itself is checked above, the S3 path in the next test)
+@pytest.mark.slow
+def test_the_read_cache_of_an_s3_store_is_bounded_lru(s3: MotoS3, tmp_path: Path) -> None:
+    url = f"s3://{new_bucket(s3)}/lru"
+    ids, data = _closed_episodes(url, 4)
+    cache = tmp_path / "lru-cache"
+
+    def read(i: int, max_gb: float) -> None:  # a new reader each time, as a new trainer process
+        ep = EpisodeStore(url, cache_dir=cache, cache_max_gb=max_gb).read_episode(ids[i])
+        assert_frames_equal(ep, data[i], len(data[i]["action"]))
+
+    read(0, 1.0)
+    one = _cached(cache)[ids[0]]  # one episode's footprint in the cache
+    limit_gb = 2.5 * one / 1e9
+    for i in (1, 2, 0, 3):  # 0 is used again after 1 and 2: they are older
+        time.sleep(0.02)  # distinct last-used times
+        read(i, limit_gb)
+    left = _cached(cache)
+    assert set(left) == {ids[0], ids[3]}, left  # 1 then 2 went, least recently used first
+    assert sum(left.values()) <= 2.5 * one
+    # An evicted episode is fetched again, bit-exact.
+    s3.reset_counts()
+    read(1, limit_gb)
+    assert any(ids[1] in p and "/c/" in p for p in s3.gets)
+
+
+def test_readers_of_a_cache_that_evicts_under_them_read_every_frame(s3: MotoS3, tmp_path: Path) -> None:
+    """Two readers (each its own store and cache budget, as two processes) share a cache that fits
+    about one episode, so each evicts what the other is reading: every read is still bit-exact."""
+    url = f"s3://{new_bucket(s3)}/churn"
+    ids, data = _closed_episodes(url, 2)
+    cache = tmp_path / "churn-cache"
+    writer = EpisodeStore(url)
+    assert writer.remote is not None
+    limit_gb = 1.2 * writer.remote.fs.du(writer.remote.path(f"episodes/{ids[0]}")) / 1e9  # ~1 episode
+    errors: list[BaseException] = []
+    stores = [EpisodeStore(url, cache_dir=cache, cache_max_gb=limit_gb) for _ in range(2)]
+
+    def reader(k: int) -> None:
+        try:
+            for r in range(2):
+                i = (k + r) % 2
+                ep = stores[k].read_episode(ids[i])
+                assert_frames_equal(ep, data[i], 8)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert sum(st.read_cache.evicted for st in stores if st.read_cache) >= 1  # it did evict under them
+    assert not [p for p in cache.iterdir() if p.name.startswith(".evicting-")]  # nothing left half-deleted
+
+
 # ------------------------------------------------------------------------------------------ a whole round
 def stream_expert_episodes(client: RobotClient, task: str, episodes: int, steps: int, seed: int) -> None:
     """The task's seeded scripted expert, ``episodes`` episodes of at most ``steps`` frames, streamed
