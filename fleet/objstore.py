@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import os
@@ -260,6 +261,182 @@ class ObjectStore:
         endpoint = s3_options()["client_kwargs"].get("endpoint_url", "")
         digest = hashlib.sha256(f"{endpoint}|{self.url}".encode()).hexdigest()[:16]
         return cache_dir / f"{self.bucket}-{digest}"
+
+
+# ---------------------------------------------------------------------------- the collector's lease
+LEASE_KEY = ".collector-lease"
+
+
+class LeaseHeld(RuntimeError):
+    """Another live collector holds the store's lease (the message names it)."""
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an s3fs error is S3's answer to a failed conditional write (412 / 409)."""
+    cause = e.__cause__ or e.__context__
+    response = getattr(cause, "response", None) or {}
+    code = response.get("Error", {}).get("Code", "")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+class StoreLease:
+    """The one-writer lease of an object store prefix: ``<prefix>/.collector-lease``, a JSON object
+    ``{owner, host, pid, wal_dir, renewed, expires}``.
+
+    Taken with a conditional PUT (``If-None-Match: *``: only if there is none), renewed every
+    ``ttl_s / 3`` by a heartbeat thread with ``If-Match: <our ETag>`` (so a renewal never overwrites
+    someone else's lease), released on stop with a conditional DELETE. An expired lease (its holder
+    stopped renewing: killed, or cut off for ``ttl_s``) is taken over with ``If-Match`` on the ETag that
+    was read, so of two collectors racing for it one wins. A lease whose holder is this host and this
+    WAL directory is taken over at once: the caller holds that directory's local lock, so its previous
+    holder is dead (a collector restarted after a crash does not wait for the expiry).
+
+    Needs an S3 server with conditional writes (AWS S3 since 2024, MinIO, moto). Expiry compares wall
+    clocks: the machines' clocks must agree to well within ``ttl_s`` (NTP). A holder that cannot renew
+    (its object store unreachable) keeps working from its log; if its lease expired meanwhile and
+    another collector took it, its next renewal fails and ``lost`` names the new holder.
+    """
+
+    def __init__(self, remote: ObjectStore, wal_dir: str | os.PathLike[str], ttl_s: float = 30.0) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"lease_ttl_s: expected > 0 seconds, got {ttl_s}")
+        import socket
+
+        self.remote, self.ttl_s = remote, float(ttl_s)
+        self.host, self.wal_dir = socket.gethostname(), str(Path(wal_dir).absolute())
+        self.owner = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.key = remote.path(LEASE_KEY)
+        self.etag: str | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ S3 calls
+    def _body(self) -> bytes:
+        now = time.time()
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "host": self.host,
+                "pid": os.getpid(),
+                "wal_dir": self.wal_dir,
+                "renewed": now,
+                "expires": now + self.ttl_s,
+            }
+        ).encode()
+
+    def _put(self, **condition: str) -> str:
+        bucket, _, key = self.key.partition("/")
+        r = self.remote.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._body(), **condition)
+        return str(r["ETag"])
+
+    def _read(self) -> tuple[dict[str, Any], str] | None:
+        """The current lease and its ETag (one GET: body and tag of the same version); None if none."""
+        from fsspec.asyn import sync
+
+        bucket, _, key = self.key.partition("/")
+        fs = self.remote.fs
+
+        async def get() -> tuple[bytes, str]:
+            r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+            async with r["Body"] as body:
+                return await body.read(), str(r["ETag"])
+
+        try:
+            data, etag = sync(fs.loop, get)
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            doc = {}
+        return (doc if isinstance(doc, dict) else {}), etag
+
+    # ------------------------------------------------------------------ lifecycle
+    def acquire(self, heartbeat: bool = True) -> StoreLease:
+        """Take the lease (or LeaseHeld naming its live holder) and start renewing it."""
+        for _ in range(5):  # the lease can change between our reads: look again
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+                break
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise
+            current = self._read()
+            if current is None:
+                continue  # released meanwhile
+            doc, etag = current
+            mine = doc.get("host") == self.host and doc.get("wal_dir") == self.wal_dir
+            left = float(doc.get("expires", 0.0)) - time.time()
+            if left > 0 and not mine:
+                raise LeaseHeld(
+                    f"store {self.remote.url}: another collector holds its lease: {doc.get('owner', '?')} "
+                    f"(WAL dir {doc.get('wal_dir', '?')}), renewed {time.time() - float(doc.get('renewed', 0)):.0f} s "
+                    f"ago, expires in {left:.0f} s unless renewed; one collector writes a store: stop that "
+                    f"one, or give this one another --store prefix"
+                )
+            try:
+                self.etag = self._put(IfMatch=etag)  # expired (or our own dead predecessor's): take it
+                logging.getLogger(__name__).warning(
+                    "took over the store's lease",
+                    extra={"store": self.remote.url, "previous": doc.get("owner"), "expired_s": -left},
+                )
+                break
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise  # someone else took it first: look again
+        else:
+            raise LeaseHeld(f"store {self.remote.url}: its lease keeps changing hands; try again")
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, name="store-lease", daemon=True)
+            self._thread.start()
+        return self
+
+    def renew(self) -> bool:
+        """Extend the lease; False (and ``lost`` set) if it is not ours any more. Network errors raise."""
+        if self.etag is None or self.lost:
+            return False
+        try:
+            self.etag = self._put(IfMatch=self.etag)
+            return True
+        except OSError as e:
+            if not _precondition_failed(e) and not isinstance(e, FileNotFoundError):
+                raise
+        current = self._read()
+        self.lost = str(current[0].get("owner", "?")) if current else "nobody (it was deleted)"
+        logging.getLogger(__name__).error(
+            "lost the store's lease: another collector may be writing this store",
+            extra={"store": self.remote.url, "holder": self.lost},
+        )
+        return False
+
+    def _beat(self) -> None:
+        log = logging.getLogger(__name__)
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if not self.renew():
+                    return
+            except Exception as e:  # the object store unreachable: try again at the next beat
+                log.warning(
+                    "could not renew the store's lease", extra={"store": self.remote.url, "error": str(e)}
+                )
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours (never someone else's)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.etag is None or self.lost:
+            return
+        bucket, _, key = self.key.partition("/")
+        try:
+            self.remote.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=self.etag)
+        except Exception as e:  # not ours any more, or unreachable: it expires by itself
+            logging.getLogger(__name__).warning(
+                "could not release the store's lease", extra={"store": self.remote.url, "error": str(e)}
+            )
+        self.etag = None
 
 
 def _close_async(afs: Any) -> None:

@@ -12,6 +12,7 @@ a missing bucket or an unreachable endpoint fail at once naming the setting.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 import uuid
@@ -471,6 +472,72 @@ def test_a_round_trains_on_an_s3_store(s3: MotoS3, tmp_path: Path, writer: str) 
     assert cached and any("/c/" in p for p in s3.gets), "no chunk was read from S3"
     for eid in lengths:
         assert any(eid in p.as_posix() for p in cached), eid
+
+
+# ------------------------------------------------------------------------------------------ one collector
+def test_a_second_collector_on_the_same_prefix_refuses_naming_the_holder(
+    s3: MotoS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fleet.objstore import LEASE_KEY, LeaseHeld
+
+    url = f"s3://{new_bucket(s3)}/shared"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    first = Collector(url, db_url, wal_dir=tmp_path / "wal-a", port=0, token=TOKEN).start()
+    try:
+        assert first.lease is not None and EpisodeStore(url).remote.exists(LEASE_KEY)  # type: ignore[union-attr]
+        second = Collector(url, db_url, wal_dir=tmp_path / "wal-b", port=0, token=TOKEN)
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match="another collector holds its lease") as held:
+            second.start()
+        assert time.monotonic() - t0 < 10  # refused at start-up, before any store writer starts
+        assert first.lease.owner in str(held.value) and str(tmp_path / "wal-a") in str(held.value)
+        assert second._lock_fd is None and second.lease is None  # it let go of its local lock too
+        # The CLI: one line naming the holder, exit 2.
+        argv = [
+            "collect",
+            "--store",
+            url,
+            "--db",
+            db_url,
+            "--wal-dir",
+            str(tmp_path / "wal-c"),
+            "--port",
+            "0",
+        ]
+        assert main([*argv, "--token", TOKEN]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: collect: ") and err.count("\n") == 1 and first.lease.owner in err
+    finally:
+        first.stop()
+    assert not EpisodeStore(url).remote.exists(LEASE_KEY)  # type: ignore[union-attr]  # released on stop
+
+
+def test_the_store_lease_expires_is_taken_over_and_never_deleted_by_a_loser(
+    s3: MotoS3, tmp_path: Path
+) -> None:
+    from fleet.objstore import LEASE_KEY, LeaseHeld, StoreLease
+
+    url = f"s3://{new_bucket(s3)}/lease"
+    remote = EpisodeStore(url, create=True).remote
+    assert remote is not None
+    a = StoreLease(remote, tmp_path / "a", ttl_s=0.6).acquire()  # renewed every 0.2 s
+    time.sleep(1.0)  # past its first expiry: the heartbeat kept it
+    with pytest.raises(LeaseHeld, match=r"holds its lease: .*expires in"):
+        StoreLease(remote, tmp_path / "b", ttl_s=0.6).acquire()
+    a._stop.set()  # a's heartbeat stops (its host froze), without releasing
+    a._thread.join(5)  # type: ignore[union-attr]
+    time.sleep(0.8)
+    b = StoreLease(remote, tmp_path / "b", ttl_s=30).acquire(heartbeat=False)  # expired: taken over
+    assert not a.renew() and a.lost == b.owner  # a finds out at its next renewal
+    a.release()  # must not delete b's lease
+    assert json.loads(remote.get(LEASE_KEY))["owner"] == b.owner
+    # A collector restarted on the same host and WAL dir (it holds that dir's lock) takes over at once.
+    b2 = StoreLease(remote, tmp_path / "b", ttl_s=30).acquire(heartbeat=False)
+    assert not b.renew() and b.lost == b2.owner
+    b2.release()
+    assert not remote.exists(LEASE_KEY)
+    with pytest.raises(ValueError, match="lease_ttl_s: expected > 0"):
+        StoreLease(remote, tmp_path / "c", ttl_s=0)
 
 
 # ------------------------------------------------------------------------------------------ bad input
