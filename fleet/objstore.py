@@ -310,6 +310,7 @@ class StoreLease:
         self.etag: str | None = None
         self.lost: str | None = None
         self._stop = threading.Event()
+        self._renewing = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ S3 calls
@@ -395,14 +396,15 @@ class StoreLease:
 
     def renew(self) -> bool:
         """Extend the lease; False (and ``lost`` set) if it is not ours any more. Network errors raise."""
-        if self.etag is None or self.lost:
-            return False
-        try:
-            self.etag = self._put(IfMatch=self.etag)
-            return True
-        except OSError as e:
-            if not _precondition_failed(e) and not isinstance(e, FileNotFoundError):
-                raise
+        with self._renewing:  # one renewal at a time: two with one ETag would look like a lost lease
+            if self.etag is None or self.lost:
+                return False
+            try:
+                self.etag = self._put(IfMatch=self.etag)
+                return True
+            except OSError as e:
+                if not _precondition_failed(e) and not isinstance(e, FileNotFoundError):
+                    raise
         current = self._read()
         self.lost = str(current[0].get("owner", "?")) if current else "nobody (it was deleted)"
         logging.getLogger(__name__).error(

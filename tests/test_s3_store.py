@@ -520,13 +520,17 @@ def test_the_store_lease_expires_is_taken_over_and_never_deleted_by_a_loser(
     url = f"s3://{new_bucket(s3)}/lease"
     remote = EpisodeStore(url, create=True).remote
     assert remote is not None
-    a = StoreLease(remote, tmp_path / "a", ttl_s=0.6).acquire()  # renewed every 0.2 s
-    time.sleep(1.0)  # past its first expiry: the heartbeat kept it
+    a = StoreLease(remote, tmp_path / "a", ttl_s=1.5).acquire()  # renewed every 0.5 s
+    first = json.loads(remote.get(LEASE_KEY))
+    time.sleep(1.8)  # past its first expiry: the heartbeat moved it on
+    now = json.loads(remote.get(LEASE_KEY))
+    assert now["owner"] == a.owner and now["expires"] > first["expires"]
+    assert a.renew()  # fresh (the heartbeat may lag on a loaded machine)
     with pytest.raises(LeaseHeld, match=r"holds its lease: .*expires in"):
-        StoreLease(remote, tmp_path / "b", ttl_s=0.6).acquire()
+        StoreLease(remote, tmp_path / "b", ttl_s=1.5).acquire()
     a._stop.set()  # a's heartbeat stops (its host froze), without releasing
     a._thread.join(5)  # type: ignore[union-attr]
-    time.sleep(0.8)
+    time.sleep(1.7)
     b = StoreLease(remote, tmp_path / "b", ttl_s=30).acquire(heartbeat=False)  # expired: taken over
     assert not a.renew() and a.lost == b.owner  # a finds out at its next renewal
     a.release()  # must not delete b's lease
