@@ -92,16 +92,13 @@ class SimDemos:
     progress: bool = True
     """Show a progress bar."""
 
-    def __post_init__(self) -> None:
-        from sim.ray_workers import check_ray_address
-
-        self.ray = check_ray_address(self.ray)
-
 
 def sim_demos(a: SimDemos) -> int:
     from sim.demos import record_demos
-    from sim.ray_workers import RayUnavailable
+    from sim.ray_workers import RayUnavailable, check_ray_address
 
+    with user_errors(ValueError):
+        ray = check_ray_address(a.ray, field="--ray")
     task = task_arg(a.task)
     store, _db = open_store(a.store, create=True, db_url=a.db)
     with user_errors(RayUnavailable):
@@ -116,7 +113,7 @@ def sim_demos(a: SimDemos) -> int:
             num_envs=a.num_envs,
             max_episode_steps=a.max_steps,
             progress=a.progress,
-            ray=a.ray,
+            ray=ray,
         )
     print(
         f"recorded {report.episodes} episodes of {report.task} ({report.frames} frames) into {store.root}: "
