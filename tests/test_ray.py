@@ -3,7 +3,8 @@ same seed, at the vector-env level and through evaluation, and a killed or hung 
 episode re-run so the results stay identical.
 
 Against a local Ray head this module starts on 127.0.0.1 with 2 CPUs, no dashboard and a 200 MB object
-store, shut down at the end (~70 s for the short version on 2 busy cores; -m slow adds ~140 s).
+store, shut down at the end (~90 s for the short version on 2 busy cores, ~20 s of it the fleet-sim kill
+test; -m slow adds ~160 s).
 """
 
 from __future__ import annotations
