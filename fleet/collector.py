@@ -57,6 +57,10 @@ Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal n
   flushed to Zarr and let go).
 * A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
   to ``store_retry_max_s`` (metric ``store_write_retries``); other store errors fail the episode.
+* ``lease_ttl_s`` (30): on an object store, the collector holds ``<prefix>/.collector-lease``
+  (:class:`fleet.objstore.StoreLease`), renewed every third of it; a second collector on the same
+  prefix refuses to start naming the holder, and takes over only once the holder stopped renewing for
+  that long.
 * ``drain_timeout_s`` (5): the most :meth:`Collector.stop` (SIGTERM) takes. Past it the store writers
   are killed: everything acknowledged is in the log and is replayed on the next start; what was not
   acknowledged the robots resend.
@@ -92,7 +96,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from fleet.codecs import CameraCodecs
 from fleet.db import MetadataDB
-from fleet.objstore import is_remote
+from fleet.objstore import StoreLease, is_remote
 from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore
 from fleet.store_writer import DEFAULT_MAX_BUFFERED_BYTES, StoreWriter
@@ -278,6 +282,7 @@ class Collector:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         store_retry_max_s: float = 30.0,
         wal_dir: str | os.PathLike[str] | None = None,
+        lease_ttl_s: float = 30.0,
     ) -> None:
         robot_tokens = dict(robot_tokens or {})
         if not token and not robot_tokens and host not in _LOOPBACK:
@@ -292,6 +297,7 @@ class Collector:
             ("episode_idle_timeout_s", episode_idle_timeout_s, 0.001),
             ("drain_timeout_s", drain_timeout_s, 0.0),
             ("store_retry_max_s", store_retry_max_s, 0.001),
+            ("lease_ttl_s", lease_ttl_s, 0.001),
         ):
             if not value >= low:
                 raise ValueError(f"{name}: expected at least {low}, got {value}")
@@ -367,6 +373,8 @@ class Collector:
         self._next_writer = 0
         self._stop = threading.Event()
         self._lock_fd: int | None = None
+        self.lease_ttl_s = lease_ttl_s
+        self.lease: StoreLease | None = None  # an object store's one-writer lease (see _lock_store)
         self._server: _AioServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._metrics_server: Any = None
@@ -508,8 +516,20 @@ class Collector:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
+        if self.store.remote is not None:
+            # The local lock guards this machine's log only; collectors on two machines must not share
+            # a prefix either: the lease object on the store refuses the second (fleet.objstore.StoreLease).
+            try:
+                self.lease = StoreLease(self.store.remote, self.wal_dir, self.lease_ttl_s).acquire()
+            except BaseException:
+                self._lock_fd = None
+                os.close(fd)
+                raise
 
     def _unlock_store(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

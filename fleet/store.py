@@ -35,6 +35,7 @@ together in one atomic write.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -65,7 +66,15 @@ from fleet.meta import (
     SegmentKind,
     new_episode_id,
 )
-from fleet.objstore import ObjectStore, cache_dir_from_env, is_remote, write_cached
+from fleet.objstore import (
+    ObjectStore,
+    ReadCache,
+    cache_dir_from_env,
+    cache_max_bytes,
+    is_remote,
+    read_cached,
+    write_cached,
+)
 from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -865,7 +874,9 @@ class EpisodeStore:
     On an object store, ``root`` is the URL (a str), ``remote`` its :class:`~fleet.objstore.ObjectStore`
     (None for a directory), and closed episodes are read through a local cache, ``cache_dir`` (default
     ``$VLA_RL_STORE_CACHE``, else ``~/.cache/vla-rl/store``; ``"off"`` for none): closed episodes never
-    change, so a second read of one downloads nothing.
+    change, so a second read of one downloads nothing. The cache stays under ``cache_max_gb`` (default
+    ``$VLA_RL_STORE_CACHE_MAX_GB``, else 20), evicting whole episodes least recently used first
+    (:class:`~fleet.objstore.ReadCache`).
     """
 
     def __init__(
@@ -876,13 +887,17 @@ class EpisodeStore:
         fsync: bool = False,
         db: EpisodeDB | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_max_gb: float | None = None,
     ) -> None:
         self.fsync = fsync
         self._db = db
         self.remote: ObjectStore | None = None
         self.cache_dir: Path | None = None
+        self.read_cache: ReadCache | None = None
         if is_remote(root):
             self._open_remote(root, create, cache_dir)
+            if self.cache_dir is not None:
+                self.read_cache = ReadCache(self.cache_dir, cache_max_bytes(cache_max_gb))
             return
         self.root: Any = Path(root).absolute()
         self.episodes_dir = self.root / "episodes"
@@ -951,7 +966,7 @@ class EpisodeStore:
         store = self.remote.zarr_store(
             f"episodes/{episode_id}",
             read_only=mode == "r",
-            cache_dir=self.cache_dir if cached else None,
+            cache=self.read_cache if cached else None,
         )
         # zarr_format=3: without it zarr also looks for v2 documents (three more GETs per episode).
         return zarr.open_group(store, mode=mode, zarr_format=3)  # type: ignore[arg-type]
@@ -1128,8 +1143,8 @@ class EpisodeStore:
                 out[eid] = self._closed_metas[eid]
             elif eid == "zarr.json" or _ID_RE.match(eid) is None:
                 continue  # zarr.json and other objects beside the episode folders
-            elif cache is not None and (cache / eid / COMMIT_FILE).exists():
-                meta = EpisodeMeta.from_dict(json.loads((cache / eid / COMMIT_FILE).read_bytes()))
+            elif cache is not None and (body := read_cached(cache / eid / COMMIT_FILE)) is not None:
+                meta = EpisodeMeta.from_dict(json.loads(body))
                 out[eid] = self._closed_metas[eid] = meta
             else:
                 fetch.append(eid)
@@ -1143,7 +1158,8 @@ class EpisodeStore:
             if meta.is_closed:
                 self._closed_metas[eid] = meta
                 if cache is not None:
-                    write_cached(cache / eid / COMMIT_FILE, body)
+                    with contextlib.suppress(FileNotFoundError):  # evicted while written: not kept
+                        write_cached(cache / eid / COMMIT_FILE, body)
         return out
 
     def read_array(self, episode_id: str, key: str, cached: bool = False) -> zarr.Array:

@@ -89,6 +89,7 @@ def record_demos(
     robot_prefix: str = "sim",
     progress: bool = True,
     camera_codec: str | CameraCodecs | None = None,
+    ray: str | None = None,
 ) -> DemoReport:
     """Run the scripted expert for ``episodes`` episodes and write every frame to ``store``.
 
@@ -96,7 +97,9 @@ def record_demos(
     :mod:`fleet.codecs`), checked against the task's cameras before the first episode.
 
     Episodes use the vector env's seed sequence (``seed + i + j * num_envs``), so the same call writes
-    the same frames. The expert of each episode is seeded with the episode's seed.
+    the same frames. The expert of each episode is seeded with the episode's seed. ``ray`` (``auto`` or a
+    cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`): the seeds, the expert
+    and the writes stay in this process, so the same call writes the same frames there too.
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -112,6 +115,7 @@ def record_demos(
         obs=obs,
         image_size=image_size,  # type: ignore[arg-type]
         max_episode_steps=max_episode_steps,
+        ray=ray,
     )
     codecs.check(env.spec.camera_names)
     report = DemoReport(task=env.task)

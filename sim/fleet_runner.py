@@ -42,8 +42,9 @@ log = logging.getLogger("vla_rl.fleet")
 class _Record:
     """What a robot did, one JSON line per frame and per episode (None path = record nothing)."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, flush_frames: bool = False) -> None:
         self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - lives as long as the robot
+        self._flush_frames = flush_frames
 
     def frame(self, episode: str, seq: int, digest: str, controller: int, segment: int) -> None:
         if self._f:
@@ -59,6 +60,8 @@ class _Record:
                 )
                 + "\n"
             )
+            if self._flush_frames:  # a robot that can be killed mid-episode leaves what it did so far
+                self._f.flush()
 
     def episode(self, episode: str, length: int, segments: list[dict[str, Any]], outcome: str) -> None:
         if self._f:
@@ -302,6 +305,7 @@ class EpisodeReport:
     reasons: list[str]
     seconds: float
     busy_waits: int = 0
+    segments: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> None:
@@ -335,7 +339,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
     policy = PolicyClient(cfg.server, timeout_s=30.0, model_id=cfg.model_id)
     stream = policy.stream()
     client = RobotClient(cfg.collector, cfg.robot_id, env.spec, env.task, token=cfg.token)
-    record = _Record(cfg.record_path)
+    # Frames only: the fleet's driver writes the episode lines from the reports (see run_sim_fleet).
+    record = _Record(cfg.record_path, flush_frames=True)
     last_ts = 0.0
     try:
         for e in range(cfg.first_episode, cfg.episodes):
@@ -402,7 +407,14 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
             outcome = "success" if success else ("timeout" if truncated else "failure")
             operator.end_episode()
             client.end_episode(outcome, success)
-            record.episode(eid, t, segments, outcome)
+            # Done means stored: an episode is reported (and so counted and recorded as ended, by the
+            # driver) only once the collector acknowledged its end. A robot killed before that re-runs it
+            # (Ray); the one it was in stays open in the store (closed as aborted when it idles out) or,
+            # killed between the collector's ack and the report, closed but never counted.
+            if not client.flush(120.0):
+                raise RuntimeError(
+                    f"episode {eid}: its end was not acknowledged in 120 s: {client.stats.last_error}"
+                )
             reports.put(
                 (
                     "episode",
@@ -420,6 +432,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                             operator.reasons,
                             time.perf_counter() - t0,
                             desk.busy_waits if desk else 0,
+                            segments,
                         )
                     ),
                 )
@@ -464,7 +477,8 @@ class FleetConfig:
     max_episode_steps: int | None = None
     """Episode step limit; None = the task's."""
     record_dir: str | None = None
-    """Write what each robot did, frame by frame (one JSON-lines file per robot)."""
+    """Write what each robot did: its frames (PREFIX-i.jsonl, by the robot) and the episodes the fleet
+    counted, once the collector acknowledged their end (PREFIX-i.episodes.jsonl, by this driver)."""
     robot_prefix: str = "sim"
     """Robot ids are PREFIX-0, PREFIX-1, ..."""
     ray: str | None = None
@@ -604,6 +618,13 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
     episodes: list[dict[str, Any]] = []
     errors: list[str] = []
     running = set(summaries)
+    # The episode lines of the records: written here, from the reports, so that the records name exactly
+    # the episodes the fleet counted (a robot killed between its report and its own write cannot split them).
+    ended = (
+        {r: _Record(str(Path(cfg.record_dir) / f"{r}.episodes.jsonl")) for r in summaries}
+        if cfg.record_dir
+        else None
+    )
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not progress)
     try:
@@ -642,6 +663,10 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
                 s = summaries[rid]
                 s.add(payload)
                 episodes.append(payload)
+                if ended is not None:
+                    ended[rid].episode(
+                        payload["episode_id"], payload["steps"], payload["segments"], payload["outcome"]
+                    )
                 bar.update(1)
                 total = defaultdict(int)
                 for x in summaries.values():
@@ -667,6 +692,8 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
                 )
     finally:
         bar.close()
+        for rec in (ended or {}).values():
+            rec.close()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():

@@ -12,6 +12,7 @@ a missing bucket or an unreachable endpoint fail at once naming the setting.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 import uuid
@@ -272,6 +273,275 @@ def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Pat
         data, sorted(m for m in st.episode_ids() if st.read_metadata(m).is_closed), strict=True
     ):
         assert_frames_equal(st.read_episode(eid), frames, len(frames["action"]))
+
+
+# ------------------------------------------------------------------------------------------ bounded cache
+def _closed_episodes(url: str, n: int, frames: int = 8) -> tuple[list[str], list[dict[str, Any]]]:
+    """``n`` closed episodes of random (incompressible) frames on ``url``; their ids and frames."""
+    store = EpisodeStore(url, create=True)
+    ids, data = [], []
+    for i in range(n):
+        f = make_frames(frames, seed=40 + i)
+        with store.create_episode(SPEC, robot_id=f"arm-{i}", task=TASK, chunk_len=8) as w:
+            w.add_frames(f)
+            w.close("success")
+        ids.append(w.episode_id)
+        data.append(f)
+    return ids, data
+
+
+def _cached(cache: Path) -> dict[str, int]:
+    """Episode id -> bytes of every episode folder in a read cache."""
+    from fleet.objstore import ReadCache
+
+    return {p.name: size for _, size, p in ReadCache(cache, 1).episodes()}
+
+
+def test_read_cache_evicts_whole_episodes_least_recently_used_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy on a real folder: four cached episodes of 1000 bytes, used in the order 1, 2, 0, 3,
+    under a 2500-byte limit: an addition sweeps 1 then 2 (down to 90% of the limit), never the episode
+    being read (3), and folders vanish whole. The limit's settings are checked and named."""
+    from fleet.objstore import ReadCache, cache_max_bytes
+
+    eps = [tmp_path / "cache" / "bucket-0123" / "episodes" / f"ep-{i}" for i in range(4)]
+    for ep in eps:
+        (ep / "action" / "c").mkdir(parents=True)
+        (ep / "action" / "c" / "0").write_bytes(b"x" * 900)
+        (ep / "commit.json").write_bytes(b"y" * 100)
+    cache = ReadCache(tmp_path / "cache", max_bytes=2500, touch_s=0.0)
+    for i in (1, 2, 0, 3):
+        time.sleep(0.02)  # distinct last-used times
+        cache.touch(eps[i])
+    assert sorted(used for used, _, _ in cache.episodes()) == [
+        (eps[i] / ".used").stat().st_mtime for i in (1, 2, 0, 3)
+    ]
+    cache.added(10, eps[3])  # the first addition of a process sweeps
+    assert [ep.exists() for ep in eps] == [True, False, False, True]
+    assert cache.evicted == 2 and sum(size for _, size, _ in cache.episodes()) == 2000
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["bucket-0123"]  # no half-deleted folder
+    cache.added(10, eps[3])  # below the limit now: nothing more goes
+    assert eps[0].exists() and cache.evicted == 2
+    # The limit's settings: the argument, else the environment, else 20 GB; nonsense named.
+    monkeypatch.delenv("VLA_RL_STORE_CACHE_MAX_GB", raising=False)
+    assert cache_max_bytes(None) == 20 * 10**9 and cache_max_bytes(0.5) == 5 * 10**8
+    monkeypatch.setenv("VLA_RL_STORE_CACHE_MAX_GB", "3")
+    assert cache_max_bytes(None) == 3 * 10**9
+    for bad in ("lots", "0", "-1", "inf"):
+        monkeypatch.setenv("VLA_RL_STORE_CACHE_MAX_GB", bad)
+        with pytest.raises(ValueError, match="VLA_RL_STORE_CACHE_MAX_GB: expected a size in GB > 0"):
+            cache_max_bytes(None)
+    with pytest.raises(ValueError, match="cache_max_gb: expected a size in GB > 0"):
+        cache_max_bytes(0.0)
+
+
+# slow: ~6 cold episode reads on moto (the policy itself is checked above, the S3 path in the next test)
+@pytest.mark.slow
+def test_the_read_cache_of_an_s3_store_is_bounded_lru(s3: MotoS3, tmp_path: Path) -> None:
+    url = f"s3://{new_bucket(s3)}/lru"
+    ids, data = _closed_episodes(url, 4)
+    cache = tmp_path / "lru-cache"
+
+    def read(i: int, max_gb: float) -> None:  # a new reader each time, as a new trainer process
+        ep = EpisodeStore(url, cache_dir=cache, cache_max_gb=max_gb).read_episode(ids[i])
+        assert_frames_equal(ep, data[i], len(data[i]["action"]))
+
+    read(0, 1.0)
+    one = _cached(cache)[ids[0]]  # one episode's footprint in the cache
+    limit_gb = 2.5 * one / 1e9
+    for i in (1, 2, 0, 3):  # 0 is used again after 1 and 2: they are older
+        time.sleep(0.02)  # distinct last-used times
+        read(i, limit_gb)
+    left = _cached(cache)
+    assert set(left) == {ids[0], ids[3]}, left  # 1 then 2 went, least recently used first
+    assert sum(left.values()) <= 2.5 * one
+    # An evicted episode is fetched again, bit-exact.
+    s3.reset_counts()
+    read(1, limit_gb)
+    assert any(ids[1] in p and "/c/" in p for p in s3.gets)
+
+
+def test_readers_of_a_cache_that_evicts_under_them_read_every_frame(s3: MotoS3, tmp_path: Path) -> None:
+    """Two readers (each its own store and cache budget, as two processes) share a cache that fits
+    about one episode, so each evicts what the other is reading: every read is still bit-exact."""
+    url = f"s3://{new_bucket(s3)}/churn"
+    ids, data = _closed_episodes(url, 2)
+    cache = tmp_path / "churn-cache"
+    writer = EpisodeStore(url)
+    assert writer.remote is not None
+    limit_gb = 1.2 * writer.remote.fs.du(writer.remote.path(f"episodes/{ids[0]}")) / 1e9  # ~1 episode
+    errors: list[BaseException] = []
+    stores = [EpisodeStore(url, cache_dir=cache, cache_max_gb=limit_gb) for _ in range(2)]
+
+    def reader(k: int) -> None:
+        try:
+            for r in range(2):
+                i = (k + r) % 2
+                ep = stores[k].read_episode(ids[i])
+                assert_frames_equal(ep, data[i], 8)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert sum(st.read_cache.evicted for st in stores if st.read_cache) >= 1  # it did evict under them
+    assert not [p for p in cache.iterdir() if p.name.startswith(".evicting-")]  # nothing left half-deleted
+
+
+# ------------------------------------------------------------------------------------------ a whole round
+def stream_expert_episodes(client: RobotClient, task: str, episodes: int, steps: int, seed: int) -> None:
+    """The task's seeded scripted expert, ``episodes`` episodes of at most ``steps`` frames, streamed
+    through ``client`` as a robot would (state observations, controller ``scripted``)."""
+    import sim
+
+    with sim.make_env(task, max_episode_steps=steps) as env:
+        for e in range(episodes):
+            expert = sim.make_expert(task, noise=0.3, seed=seed + e)
+            obs, info = env.reset(seed=seed + e)
+            client.start_episode(instruction=obs["instruction"], controller="scripted", reason="expert")
+            done = False
+            while not done:
+                action = np.asarray(expert.act(info["privileged"]), np.float32)
+                nxt, reward, term, trunc, info = env.step(action)
+                client.add_frame({}, obs["state"], action, None, float(reward), term, trunc, "scripted")
+                obs, done = nxt, term or trunc
+            client.end_episode("success" if info["success"] else "failure", bool(info["success"]))
+
+
+# The collector variant is slow (its store writer process starts in ~10 s on 2 busy cores); CI runs the
+# same round on demos the store writer API put on S3 directly.
+@pytest.mark.parametrize("writer", [pytest.param("collector", marks=pytest.mark.slow), "demos"])
+def test_a_round_trains_on_an_s3_store(s3: MotoS3, tmp_path: Path, writer: str) -> None:
+    """Collector (or demos) -> s3:// store -> an AWR round (reading through the local read cache) -> the hub."""
+    from test_sim_fleet import task_spec, tiny_checkpoint
+
+    from fleet.db import MetadataDB
+    from sim.demos import record_demos
+    from vla_rl.hub.registry import configure_hub, push_folder, resolve
+    from vla_rl.hub.server import HubServer
+    from vla_rl.rounds import RoundConfig, start_round
+    from vla_rl.train.algorithms import make_config
+
+    task, repo = "kinematic/Reach-v0", "fleet/reach-s3"
+    url = f"s3://{new_bucket(s3)}/fleet"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    spec = task_spec(task)
+    if writer == "collector":
+        c = Collector(url, db_url, wal_dir=tmp_path / "wal", port=0, token=TOKEN, chunk_len=8).start()
+        try:
+            client = RobotClient(c.address, "arm-1", spec, task, token=TOKEN, max_batch_frames=8)
+            stream_expert_episodes(client, task, episodes=4, steps=12, seed=0)
+            assert client.close(60) and c.drain(60)
+        finally:
+            c.stop()
+    else:
+        demo_store = EpisodeStore(url, create=True, db=MetadataDB(db_url))
+        record_demos(demo_store, task, episodes=4, noise=0.3, max_episode_steps=12, progress=False)
+    store = EpisodeStore(url, cache_dir="off")
+    lengths = {e: store.read_metadata(e).length for e in store.episode_ids()}
+    assert len(lengths) == 4 and all(store.read_metadata(e).is_closed for e in lengths)
+
+    hub = HubServer(tmp_path / "hub", token="hub-token").start()
+    try:
+        configure_hub(hub.url, "hub-token")
+        push_folder(tiny_checkpoint(tmp_path / "base", spec), repo, message="base", tag="prod")
+        base = f"hub://{repo}@prod"
+        prod = resolve(base)
+        knobs = {"value_steps": 10, "steps": 10, "batch_size": 16, "threads": 1, "device": "cpu"}
+        train = make_config(
+            "awr", base=base, store=url, db_url=db_url, out=tmp_path / "out", progress=False, **knobs
+        )
+        cfg = RoundConfig(train=train, eval_episodes=2, eval_envs=1, margin=-0.99)  # type: ignore[arg-type]
+        s3.reset_counts()
+        done = start_round(cfg)
+        pushed = resolve(f"hub://{repo}@round-{done.id}")
+    finally:
+        hub.stop()
+    assert done.status == "succeeded", done.error
+    assert done.data["episode_lengths"] == lengths  # it trained on exactly what the collector wrote
+    assert done.checkpoint_ref == f"hub://{repo}@round-{done.id}" and done.checkpoint_revision == pushed
+    assert done.base_revision == prod != done.checkpoint_revision
+    assert "gate" in done.metrics and done.metrics["base_success"] is not None  # evaluated in sim
+    # The round read the closed episodes' chunks through the read cache (VLA_RL_STORE_CACHE).
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "/c/" in p.as_posix()]
+    assert cached and any("/c/" in p for p in s3.gets), "no chunk was read from S3"
+    for eid in lengths:
+        assert any(eid in p.as_posix() for p in cached), eid
+
+
+# ------------------------------------------------------------------------------------------ one collector
+def test_a_second_collector_on_the_same_prefix_refuses_naming_the_holder(
+    s3: MotoS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fleet.objstore import LEASE_KEY, LeaseHeld
+
+    url = f"s3://{new_bucket(s3)}/shared"
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    first = Collector(url, db_url, wal_dir=tmp_path / "wal-a", port=0, token=TOKEN).start()
+    try:
+        assert first.lease is not None and EpisodeStore(url).remote.exists(LEASE_KEY)  # type: ignore[union-attr]
+        second = Collector(url, db_url, wal_dir=tmp_path / "wal-b", port=0, token=TOKEN)
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match="another collector holds its lease") as held:
+            second.start()
+        assert time.monotonic() - t0 < 10  # refused at start-up, before any store writer starts
+        assert first.lease.owner in str(held.value) and str(tmp_path / "wal-a") in str(held.value)
+        assert second._lock_fd is None and second.lease is None  # it let go of its local lock too
+        # The CLI: one line naming the holder, exit 2.
+        argv = [
+            "collect",
+            "--store",
+            url,
+            "--db",
+            db_url,
+            "--wal-dir",
+            str(tmp_path / "wal-c"),
+            "--port",
+            "0",
+        ]
+        assert main([*argv, "--token", TOKEN]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: collect: ") and err.count("\n") == 1 and first.lease.owner in err
+    finally:
+        first.stop()
+    assert not EpisodeStore(url).remote.exists(LEASE_KEY)  # type: ignore[union-attr]  # released on stop
+
+
+def test_the_store_lease_expires_is_taken_over_and_never_deleted_by_a_loser(
+    s3: MotoS3, tmp_path: Path
+) -> None:
+    from fleet.objstore import LEASE_KEY, LeaseHeld, StoreLease
+
+    url = f"s3://{new_bucket(s3)}/lease"
+    remote = EpisodeStore(url, create=True).remote
+    assert remote is not None
+    a = StoreLease(remote, tmp_path / "a", ttl_s=1.5).acquire()  # renewed every 0.5 s
+    first = json.loads(remote.get(LEASE_KEY))
+    time.sleep(1.8)  # past its first expiry: the heartbeat moved it on
+    now = json.loads(remote.get(LEASE_KEY))
+    assert now["owner"] == a.owner and now["expires"] > first["expires"]
+    assert a.renew()  # fresh (the heartbeat may lag on a loaded machine)
+    with pytest.raises(LeaseHeld, match=r"holds its lease: .*expires in"):
+        StoreLease(remote, tmp_path / "b", ttl_s=1.5).acquire()
+    a._stop.set()  # a's heartbeat stops (its host froze), without releasing
+    a._thread.join(5)  # type: ignore[union-attr]
+    time.sleep(1.7)
+    b = StoreLease(remote, tmp_path / "b", ttl_s=30).acquire(heartbeat=False)  # expired: taken over
+    assert not a.renew() and a.lost == b.owner  # a finds out at its next renewal
+    a.release()  # must not delete b's lease
+    assert json.loads(remote.get(LEASE_KEY))["owner"] == b.owner
+    # A collector restarted on the same host and WAL dir (it holds that dir's lock) takes over at once.
+    b2 = StoreLease(remote, tmp_path / "b", ttl_s=30).acquire(heartbeat=False)
+    assert not b.renew() and b.lost == b2.owner
+    b2.release()
+    assert not remote.exists(LEASE_KEY)
+    with pytest.raises(ValueError, match="lease_ttl_s: expected > 0"):
+        StoreLease(remote, tmp_path / "c", ttl_s=0)
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -82,6 +82,9 @@ class SimDemos:
     """Camera height = width in rgb mode."""
     num_envs: int = 1
     """Simulator processes in parallel."""
+    ray: str | None = None
+    """Run the simulators as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1)
+    or a cluster address host:port; None = local processes. Same seed, same demos."""
     max_steps: int | None = None
     """Episode length limit; None = the task's."""
     db: str | None = None
@@ -96,12 +99,15 @@ class SimDemos:
 def sim_demos(a: SimDemos) -> int:
     from fleet.codecs import CameraCodecs, CodecError
     from sim.demos import record_demos
+    from sim.ray_workers import RayUnavailable, check_ray_address
 
+    with user_errors(ValueError):
+        ray = check_ray_address(a.ray, field="--ray")
     task = task_arg(a.task)
     with user_errors(CodecError):
         codecs = CameraCodecs.parse(a.camera_codec)  # before the simulator starts
     store, _db = open_store(a.store, create=True, db_url=a.db)
-    with user_errors(CodecError):  # a camera the task does not have
+    with user_errors(CodecError, RayUnavailable):  # a camera the task does not have; no Ray cluster
         report = record_demos(
             store,
             task,
@@ -114,6 +120,7 @@ def sim_demos(a: SimDemos) -> int:
             max_episode_steps=a.max_steps,
             progress=a.progress,
             camera_codec=codecs,
+            ray=ray,
         )
     print(
         f"recorded {report.episodes} episodes of {report.task} ({report.frames} frames) into {store.root}: "

@@ -405,6 +405,9 @@ class Eval:
     cache_dir: Path | None = None
     """With an s3:// --store: local read cache of closed episodes (None = $VLA_RL_STORE_CACHE, else
     ~/.cache/vla-rl/store; 'off' for none)."""
+    cache_max_gb: float | None = None
+    """Size limit of that cache: least recently used episodes are evicted beyond it (None =
+    $VLA_RL_STORE_CACHE_MAX_GB, else 20)."""
     max_frames: int | None = None
     """Offline: a seeded subsample of this many frames (None = every frame of the episodes)."""
     num_envs: int = 2
@@ -500,8 +503,10 @@ def _eval_offline(a: Eval, lp: Any) -> int:
         raise CliError(f"--episodes: expected >= 1, got {a.episodes}")
     if a.max_frames is not None and a.max_frames < 1:
         raise CliError(f"--max-frames: expected >= 1, got {a.max_frames}")
+    if a.cache_max_gb is not None and not a.cache_max_gb > 0:
+        raise CliError(f"--cache-max-gb: expected a size in GB > 0, got {a.cache_max_gb}")
     with user_errors(FileNotFoundError, ValueError, prefix="--store: "):
-        store = EpisodeStore(a.store, cache_dir=a.cache_dir)
+        store = EpisodeStore(a.store, cache_dir=a.cache_dir, cache_max_gb=a.cache_max_gb)
     metas = [store.read_metadata(e) for e in store.episode_ids()]
     ids = sorted((m.created, m.episode_id) for m in metas if m.task == task and m.is_closed)
     if not ids:
