@@ -185,3 +185,32 @@ def test_a_recap_round_refuses_pure_teleoperation_naming_the_reason(
         start_round(RoundConfig(train=train, push=False, eval_episodes=50))
     last = MetadataDB.for_store(store).rounds()[-1]
     assert last.status == "failed" and "no autonomous frames" in (last.error or "")
+
+
+def test_train_commands_on_imported_data_need_no_task(
+    dagger: tuple[Path, Path], teleop: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vla-rl train recap` (the spec, cameras and task from the base and the store), then `vla-rl eval
+    --store` on its checkpoint; `train awr` on teleoperation alone is one line and exit 2."""
+    import json
+
+    from vla_rl.checkpoint import read_info
+
+    store, base = dagger
+    out = tmp_path / "recap"
+    argv = ["train", "recap", "--base", str(base), "--store", str(store), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--steps", "5", "--value-steps", "5", "--batch-size", "16"]) == 0
+    info = read_info(out / "checkpoint")
+    assert info.lineage.algorithm == "recap" and info.lineage.data["episodes"] == 4
+    assert info.model_config["advantage_conditioning"] is True
+    res = tmp_path / "eval.json"
+    ev = ["eval", "--checkpoint", str(out / "checkpoint"), "--store", str(store), "--episodes", "1"]
+    assert main([*ev, "--out", str(res), "--no-progress"]) == 0
+    assert json.loads(res.read_text())["tasks"] == ["koch"]
+    capsys.readouterr()
+
+    store, base = teleop
+    argv = ["train", "awr", "--base", str(base), "--store", str(store), "--out", str(tmp_path / "awr")]
+    assert main([*argv, "--steps", "5", "--value-steps", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no autonomous frames" in err[-1] and "train sft" in err[-1] and "Traceback" not in "".join(err)
