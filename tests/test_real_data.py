@@ -1,6 +1,7 @@
 """Real robot data in, a served policy out, with no simulator: a LeRobot dataset written by LeRobot's own
-`LeRobotDataset` API -> `vla-rl store import-lerobot` -> `vla-rl train sft --push` -> `vla-rl serve`
--> a robot's request with an observation from the data (issue 17's four documented commands)."""
+`LeRobotDataset` API -> `vla-rl store import-lerobot` -> `vla-rl train sft` -> `vla-rl hub push` ->
+`vla-rl serve` -> a robot's request with an observation from the data (issue 17's four commands, as
+docs/training.md documents them); and post-training rounds of every algorithm on imported data."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def test_a_lerobot_dataset_becomes_a_served_versioned_checkpoint(
             "16",
         ]
         train += ["--chunk-len", "4", "--n-exec", "2", "--d-model", "32", "--no-progress"]
-        assert main(["--hub", hub.url, *train, "--push", "hub://fleet/koch", "--tag", "v1"]) == 0  # 2. + 3.
+        assert main(["--hub", hub.url, *train]) == 0  # 2. train
+        push = ["hub", "push", str(out / "checkpoints" / "last"), "--repo", "fleet/koch", "--tag", "v1"]
+        assert main(["--hub", hub.url, *push]) == 0  # 3. push
         commit = resolve("hub://fleet/koch@v1")
         addr = cli_server("--checkpoint", "hub://fleet/koch@v1", env={"VLA_RL_HUB": hub.url})  # 4. serve
         client = PolicyClient(addr, timeout_s=60)
