@@ -217,3 +217,22 @@ def test_train_commands_on_imported_data_need_no_task(
     assert main([*argv, "--steps", "5", "--value-steps", "5", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "no autonomous frames" in err[-1] and "train sft" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_serve_on_a_taken_port_is_refused_before_loading_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 17's port error for `vla-rl serve` (the CLI error test covers collect and hub serve): the
+    port is checked first, so an unreachable registry is never asked for the checkpoint."""
+    import socket
+
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free.bind(("127.0.0.1", 0))
+        port, nobody = taken.getsockname()[1], f"http://127.0.0.1:{free.getsockname()[1]}"
+        argv = ["--hub", nobody, "serve", "--checkpoint", "hub://fleet/koch@v1", "--port", str(port)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"--port {port}" in err, err
+    assert "already in use" in err and "Hub registry" not in err
