@@ -431,8 +431,9 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         seed_step(cfg.seed, step)
         # the global batch's rows and random draws (as one process makes them), this rank's share
         idx = shard.take(np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size))
-        raw = buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1)
-        batch = batch_to_policy_inputs(raw, device, instructions)
+        batch = batch_to_policy_inputs(
+            buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device, instructions
+        )
         sel = per_frame[idx].to(device)
         if cfg.variant == "awr":
             noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
