@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from left_right import LR_TASK, instruction_means, mixed_base, spec_instruction_only
 
 from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
@@ -236,3 +237,59 @@ def test_config_errors(tmp_path: Path) -> None:
         AWRConfig(base="x", store=tmp_path, out=tmp_path, variant="ppo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive_fraction"):
         AWRConfig(base="x", store=tmp_path, out=tmp_path, positive_fraction=1.5)
+
+
+# ---------------------------------------------------------------------- language conditioning
+@pytest.fixture(scope="module")
+def left_right(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The mixed left/right store (both actions under both instructions, success iff the action is the
+    instruction's) and a short MiniLM-conditioned SFT base on it."""
+    return mixed_base(tmp_path_factory.mktemp("lr"))
+
+
+def _awr_left_right(left_right: tuple[Path, Path], out: Path) -> tuple[float, float]:
+    store, base = left_right
+    res = train_awr(
+        AWRConfig(
+            base=str(base),
+            store=store,
+            out=out,
+            value_steps=30,
+            steps=100,
+            batch_size=32,
+            lr=1e-3,
+            warmup_steps=10,
+            beta=0.25,
+            threads=1,
+            progress=False,
+        )
+    )
+    return instruction_means(res.checkpoint)
+
+
+def test_awr_follows_each_frames_instruction(left_right: tuple[Path, Path], tmp_path: Path) -> None:
+    """Behaviour cloning of this data acts ~0 under both instructions; AWR, conditioning each frame on its
+    episode's instruction, weighs up the successful action of each and follows the words."""
+    from vla_rl.train.transitions import DataSelection, load_transitions
+
+    buf = load_transitions(left_right[0], DataSelection(task=LR_TASK))
+    assert buf.instructions == ["go left", "go right"]
+    batch = buf.batch(np.arange(len(buf)), horizon=1, n_step=1)
+    texts = [buf.instructions[i] for i in batch["instruction_index"].tolist()]
+    success = np.array(buf.episode_success)[batch["episode_index"].numpy()]
+    acts = batch["action"][:, 0, 0].numpy()
+    assert all(((a < 0) == (t == "go left")) == s for a, t, s in zip(acts, texts, success, strict=True))
+
+    left, right = _awr_left_right(left_right, tmp_path)
+    assert left < -0.5 and right > 0.5, (left, right)
+
+
+def test_awr_with_one_instruction_for_all_cannot_follow_it(
+    left_right: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old behaviour (every frame conditioned on the spec's instruction) fails the test above."""
+    from vla_rl.train import awr
+
+    monkeypatch.setattr(awr, "instruction_table", spec_instruction_only)
+    left, right = _awr_left_right(left_right, tmp_path)
+    assert abs(left - right) < 0.5, (left, right)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from left_right import instruction_means, mixed_base, spec_instruction_only
 from torch import nn
 
 from fleet.store import EpisodeStore
@@ -617,3 +618,64 @@ def test_cli_train_qam_names_a_missing_base(tiny_base: tuple[Path, Path], tmp_pa
             timeout=120,
         )
         assert r.returncode != 0 and name in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------- language conditioning
+@pytest.fixture(scope="module")
+def left_right(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The mixed left/right store (both actions under both instructions, success iff the action is the
+    instruction's) and a short MiniLM-conditioned SFT base that acts both ways under both."""
+    return mixed_base(tmp_path_factory.mktemp("lr"))
+
+
+def _qam_left_right(left_right: tuple[Path, Path], out: Path) -> tuple[float, float]:
+    store, base = left_right
+    res = train_qam(
+        QAMConfig(
+            base=str(base),
+            store=store,
+            out=out,
+            reward="sparse",
+            offline_steps=160,
+            critic_mc_steps=70,
+            critic_warmup=70,
+            batch_size=32,
+            members=2,
+            critic_hidden=(32, 32),
+            flow_steps=3,
+            inv_temp=60.0,
+            actor_lr=1e-3,
+            critic_lr=3e-3,
+            log_every=50,
+            checkpoint_every=1000,
+            threads=1,
+            progress=False,
+            device="cpu",
+        )
+    )
+    return instruction_means(res.checkpoint)
+
+
+def test_qam_follows_each_frames_instruction(left_right: tuple[Path, Path], tmp_path: Path) -> None:
+    """The base acts both ways under both instructions; QAM's critic sees each frame's instruction (the
+    trunk features: auto with several instructions), so adjoint matching tilts each towards its success."""
+    store, base = left_right
+    cfg = _cfg((store, base), tmp_path / "x", feature_mode="auto")
+    learner = QAMLearner(load_policy(base, device="cpu").policy, cfg, instructions=2)
+    assert learner.feature_mode == "trunk"  # a state critic could not tell the two tasks apart
+    assert QAMLearner(load_policy(base, device="cpu").policy, cfg).feature_mode == "state"
+
+    left, right = _qam_left_right(left_right, tmp_path / "run")
+    assert left < -0.5 and right > 0.5, (left, right)
+
+
+def test_qam_with_one_instruction_for_all_cannot_follow_it(
+    left_right: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old behaviour (every frame conditioned on the spec's instruction) fails the test above: the
+    critic sees the same features for both tasks, whose successes cancel."""
+    from vla_rl.train import qam
+
+    monkeypatch.setattr(qam, "instruction_table", spec_instruction_only)
+    left, right = _qam_left_right(left_right, tmp_path)
+    assert abs(left - right) < 0.5, (left, right)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from left_right import LR_TASK, left_right_store
 
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
@@ -234,26 +235,6 @@ def test_sft_reaches_80_percent_on_pushcube_state(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- language conditioning
-LR_TASK = "toy/left-right"
-LR_SPEC = RobotSpec(name=LR_TASK, state_dim=1, action_dim=1, control_hz=10.0, instruction="go somewhere")
-
-
-def _left_right_store(root: Path, episodes_per_instruction: int = 4, length: int = 16) -> Path:
-    """State always 0; "go left" episodes act -1, "go right" episodes act +1: only the words differ."""
-    store = EpisodeStore(root, create=True)
-    for _ in range(episodes_per_instruction):
-        for text, sign in (("go left", -1.0), ("go right", 1.0)):
-            with store.create_episode(LR_SPEC, robot_id="r0", task=LR_TASK, instruction=text) as w:
-                w.add_frames(
-                    {
-                        "state": np.zeros((length, 1), np.float32),
-                        "action": np.full((length, 1), sign, np.float32),
-                    }
-                )
-                w.close()
-    return store.root
-
-
 def _left_right_actions(store: Path, out: Path) -> np.ndarray:
     """Train a tiny MiniLM-conditioned policy on the left/right store; mean action per instruction."""
     result = train_sft(
@@ -282,7 +263,7 @@ def _left_right_actions(store: Path, out: Path) -> np.ndarray:
 def test_sft_follows_each_episodes_instruction(tmp_path: Path) -> None:
     from fleet.dataset import ChunkDataset
 
-    store = _left_right_store(tmp_path / "store")
+    store = left_right_store(tmp_path / "store")
     ds = ChunkDataset(EpisodeStore(store), 4)
     assert ds.instructions == ("go left", "go right")
     batch = ds.batch(np.arange(len(ds)))
@@ -303,7 +284,7 @@ def test_one_instruction_for_all_cannot_follow_it(tmp_path: Path, monkeypatch: p
         return embed_instructions([ds.spec.instruction] * len(ds.instructions)).to(device)
 
     monkeypatch.setattr(sft, "instruction_table", spec_only)
-    left, right = _left_right_actions(_left_right_store(tmp_path / "store"), tmp_path / "run")
+    left, right = _left_right_actions(left_right_store(tmp_path / "store"), tmp_path / "run")
     assert not (left < -0.5 and right > 0.5), (left, right)
     assert abs(left - right) < 0.5, (left, right)
 

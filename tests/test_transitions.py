@@ -182,8 +182,10 @@ def test_select_and_load_from_store(tmp_path) -> None:
     assert select_episode_ids(store, DataSelection.parse("toy", "success=true")) == [a]
     assert select_episode_ids(store, DataSelection.parse("toy", "max=1")) == [c]
     assert select_episode_ids(store, DataSelection("toy", rounds=(2,)), round_revisions={2: ["rev-a"]}) == [a]
-    with pytest.raises(ValueError, match="no closed episodes"):
+    with pytest.raises(ValueError, match=r"no closed episodes.*store import-lerobot"):  # not a sim task
         select_episode_ids(store, DataSelection.parse("toy", "robot=nobody"))
+    with pytest.raises(ValueError, match="sim demos --task PickCube"):
+        select_episode_ids(store, DataSelection.parse("PickCube", None))
     with pytest.raises(ValueError, match="needs the metadata DB"):
         select_episode_ids(store, DataSelection.parse("toy", "label.quality=good"))
     buf = TransitionBuffer.from_store(store, [a, b], reward="sparse", gamma=0.9)
@@ -195,6 +197,44 @@ def test_select_and_load_from_store(tmp_path) -> None:
     assert TransitionBuffer.from_store(store, [a, b]).snapshot()["digest"] == snap["digest"]
     assert TransitionBuffer.from_store(store, [a, c]).snapshot()["digest"] != snap["digest"]
     assert buf.array("credit")[:6].tolist() == [1] * 6 and buf.array("credit")[6:9].tolist() == [0] * 3
+
+
+def test_every_frame_carries_its_episodes_instruction(tmp_path) -> None:
+    """Stored episodes: each frame's instruction_index points at its episode's instruction (t and t + n);
+    online episodes default to the spec's; the trainers embed ``buf.instructions`` once."""
+    from vla_rl.train.transitions import next_observation
+
+    store = EpisodeStore(tmp_path / "store", create=True)
+    ids = []
+    for text in ("push", "pull", "push"):
+        w = store.create_episode(SPEC, robot_id="r", task="toy", instruction=text)
+        w.add_frames({"state": np.zeros((3, 2), np.float32), "action": np.zeros((3, 1), np.float32)})
+        ids.append(w.close().episode_id)
+    buf = TransitionBuffer.from_store(store, ids)
+    assert buf.instructions == ["push", "pull"]  # distinct, in order of first appearance
+    assert buf.array("instruction").tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+    batch = buf.batch(np.arange(9), horizon=2, n_step=2)
+    assert batch["instruction_index"].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert torch.equal(next_observation(batch)["instruction_index"], batch["next.instruction_index"])
+    assert buf.instruction_code() == 2 and buf.instructions[2] == "do it"  # the spec's (a simulator's)
+    buf.add_episode(
+        state=np.zeros((2, 2), np.float32),
+        action=np.zeros((2, 1), np.float32),
+        reward=np.zeros(2, np.float32),
+        terminated=np.zeros(2, bool),
+        controller=np.zeros(2, np.int64),
+        success=True,
+    )
+    buf.add_episode(
+        state=np.zeros((1, 2), np.float32),
+        action=np.zeros((1, 1), np.float32),
+        reward=np.zeros(1, np.float32),
+        terminated=np.zeros(1, bool),
+        controller=np.zeros(1, np.int64),
+        success=True,
+        instruction="pull",
+    )
+    assert buf.array("instruction")[9:].tolist() == [2, 2, 1] and len(buf.instructions) == 3
 
 
 def test_selection_parse_errors() -> None:

@@ -283,11 +283,15 @@ def _round_line(r: Any) -> str:
         phase = (r.progress or {}).get("phase", "")
         who = f"worker {r.worker}, attempt {r.attempts}" + (f", {phase}" if phase else "") if r.worker else ""
         return f"round {r.id:>3}  {r.algo:<10} {r.status:<9} {who}"
-    score = (
-        f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
-        if "success" in m
-        else "-"
-    )
+    if m.get("eval") == "offline":  # real data, no simulator: the gate is on the action MSE
+        score = (
+            f"action MSE {m['action_mse']:.4f} (base {m['base_action_mse']:.4f}, "
+            f"{-m['relative_improvement']:+.1%})"
+        )
+    elif m.get("success") is not None:
+        score = f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
+    else:
+        score = "-"
     flag = "promoted" if r.promoted else ("" if r.status != "succeeded" else "not promoted")
     return f"round {r.id:>3}  {r.algo:<10} {r.status:<9} {score:<38} {flag:<12} {r.checkpoint_ref or ''}"
 

@@ -55,6 +55,7 @@ from vla_rl.train.common import (
     TRAIN_STATE,
     batch_to_policy_inputs,
     config_dict,
+    instruction_table,
     load_train_state,
     observation_features,
     save_derived_checkpoint,
@@ -198,21 +199,14 @@ def recap_indicators(
 
 # ---------------------------------------------------------------------------- training
 def _all_features(
-    policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device, instruction: str
+    policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device, instructions: torch.Tensor | None
 ) -> torch.Tensor:
-    """Value inputs for every frame; camera policies encode the frame with ``instruction`` (the task's, as
-    the policy is trained on here)."""
-    emb = None
-    if policy.config.uses_instruction:
-        from policies.flow_vla import embed_instructions
-
-        emb = embed_instructions([instruction]).to(device)
+    """Value inputs for every frame; camera policies encode the frame with its own instruction
+    (``instructions``: the embeddings of ``buf.instructions``, :func:`instruction_table`)."""
     feats = []
     for start in range(0, len(buf), 1024):
         idx = np.arange(start, min(start + 1024, len(buf)))
-        obs = batch_to_policy_inputs(buf.batch(idx, horizon=1, n_step=1), device)
-        if emb is not None:
-            obs["instruction_embedding"] = emb.expand(len(idx), -1)
+        obs = batch_to_policy_inputs(buf.batch(idx, horizon=1, n_step=1), device, instructions)
         feats.append(observation_features(policy, obs))
     return torch.cat(feats)
 
@@ -284,14 +278,23 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
 
 
 def _score(
-    cfg: AWRConfig, base: Any, buf: TransitionBuffer, human: np.ndarray, device: torch.device
+    cfg: AWRConfig,
+    base: Any,
+    buf: TransitionBuffer,
+    human: np.ndarray,
+    device: torch.device,
+    instructions: torch.Tensor | None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator."""
-    # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
-    feats = _all_features(base.policy, buf, device, base.info.robot_spec.instruction)
-    returns = torch.from_numpy(buf.array("mc_return")).to(device)
     if not (~human).any():
-        raise ValueError("the selected episodes hold no autonomous frames to score; select rollouts too")
+        raise ValueError(
+            f"the selected episodes hold no autonomous frames to score ({len(buf)} frames, all human or "
+            f"recovery: e.g. teleoperated demonstrations); {cfg.variant} weighs the policy's own actions, so "
+            "select rollouts too, or train sft (or qam) on demonstrations"
+        )
+    # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
+    feats = _all_features(base.policy, buf, device, instructions)
+    returns = torch.from_numpy(buf.array("mc_return")).to(device)
     values, value_loss = _cross_fitted_values(cfg, feats, returns, buf.array("episode"), human)
 
     # 2. advantages (values frozen)
@@ -334,6 +337,8 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
+    # each frame is conditioned on its own instruction (its episode's task string), as in SFT
+    instructions = instruction_table(buf, device) if base.policy.config.uses_instruction else None
     # frames to clone: human interventions, and autonomous frames a person labelled `recovery` (the buffer's bc)
     human = buf.array("bc").astype(bool)
     snap = buf.snapshot()
@@ -366,7 +371,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
                 "give another --out (or --no-resume) for other data"
             )
     else:
-        metrics, per_frame = _score(cfg, base, buf, human, device)
+        metrics, per_frame = _score(cfg, base, buf, human, device, instructions)
         # every rank fitted the same value; rank 0's result is the one all train on (GPU kernels need
         # not be bit-reproducible across processes)
         per_frame = broadcast_tensor(per_frame, dist)
@@ -397,11 +402,6 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
         start, curve, loss_val = int(st["step"]), json.loads(st["curve"]), float(st["last_loss"])
-    instruction_emb = None
-    if model_cfg.uses_instruction:
-        from policies.flow_vla import embed_instructions
-
-        instruction_emb = embed_instructions([spec.instruction]).to(device)
     writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=start)
     if st is None:
         writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
@@ -431,9 +431,9 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         seed_step(cfg.seed, step)
         # the global batch's rows and random draws (as one process makes them), this rank's share
         idx = shard.take(np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size))
-        batch = batch_to_policy_inputs(buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device)
-        if instruction_emb is not None:
-            batch["instruction_embedding"] = instruction_emb.expand(len(idx), -1)
+        batch = batch_to_policy_inputs(
+            buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device, instructions
+        )
         sel = per_frame[idx].to(device)
         if cfg.variant == "awr":
             noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))

@@ -25,6 +25,7 @@ from torch import nn
 
 from fleet.dataset import ChunkDataset
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.train.transitions import TransitionBuffer
 
 log = logging.getLogger(__name__)
 TRAIN_STATE = "train_state.pt"
@@ -53,9 +54,11 @@ def batch_to_policy_inputs(
     return out
 
 
-def instruction_table(ds: ChunkDataset, device: torch.device) -> torch.Tensor:
-    """Frozen embeddings ``[U, 384]`` of the dataset's distinct instructions, in ``ds.instructions``
-    order: each distinct string is embedded once (one batched MiniLM call, cached per process)."""
+def instruction_table(ds: ChunkDataset | TransitionBuffer, device: torch.device) -> torch.Tensor:
+    """Frozen embeddings ``[U, 384]`` of the data's distinct instructions, in ``ds.instructions`` order
+    (a :class:`ChunkDataset` for SFT, a :class:`TransitionBuffer` for AWR / RECAP and QAM): each distinct
+    string is embedded once (one batched MiniLM call, cached per process); ``batch_to_policy_inputs``
+    then gives every sample the row of its ``instruction_index``."""
     from policies.flow_vla import embed_instructions
 
     return embed_instructions(list(ds.instructions)).to(device)

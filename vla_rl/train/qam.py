@@ -76,6 +76,7 @@ from vla_rl.train.common import (
     TRAIN_STATE,
     batch_to_policy_inputs,
     config_dict,
+    instruction_table,
     load_train_state,
     sample_indices,
     save_derived_checkpoint,
@@ -282,7 +283,9 @@ class QAMConfig(TrainerConfig):
     reference). False freezes the SFT policy as the base (cheaper; the prior never drifts)."""
     feature_mode: FeatureMode = "auto"
     """Critic input: 'state' = normalised state; 'trunk' = the frozen base's mean-pooled trunk tokens
-    (needed with cameras); 'auto' = trunk when the policy has cameras, else state."""
+    (needed with cameras; they include the instruction); 'auto' = trunk when the policy has cameras or
+    is language-conditioned on data with several instructions (a state critic cannot tell tasks apart),
+    else state."""
 
     # ---- optimisation
     batch_size: int = 256
@@ -453,7 +456,8 @@ class QAMResult(TrainResult):
 class QAMLearner(nn.Module):
     """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target."""
 
-    def __init__(self, base: FlowVLAPolicy, cfg: QAMConfig) -> None:
+    def __init__(self, base: FlowVLAPolicy, cfg: QAMConfig, instructions: int = 1) -> None:
+        """``instructions``: how many distinct instructions the data holds (``feature_mode="auto"``)."""
         super().__init__()
         pc = base.config
         self.cfg = cfg
@@ -461,7 +465,7 @@ class QAMLearner(nn.Module):
         self.clip = cfg.clip_actions and pc.action_norm == "min_max"
         mode = cfg.feature_mode
         if mode == "auto":
-            mode = "trunk" if pc.cameras else "state"
+            mode = "trunk" if pc.cameras or (pc.uses_instruction and instructions > 1) else "state"
         if mode == "state" and pc.state_dim == 0:
             raise ValueError("feature_mode: 'state' needs a policy with a state input; use 'trunk'")
         self.feature_mode = mode
@@ -720,12 +724,12 @@ class _NextActionCache:
         learner: QAMLearner,
         buffer: TransitionBuffer,
         cfg: QAMConfig,
-        instruction_emb: Tensor | None,
+        instructions: Tensor | None,
         device: torch.device,
     ) -> None:
         self.learner, self.buffer, self.device = learner, buffer, device
         self.refresh, self.seed = cfg.next_action_cache, cfg.seed
-        self.instruction_emb = instruction_emb
+        self.instructions = instructions  # embeddings of buffer.instructions (each row its own)
         self.table: Tensor | None = None
         self.epoch = -1
 
@@ -746,9 +750,9 @@ class _NextActionCache:
         parts = []
         for start in range(lo, hi, chunk):
             rows = np.arange(start, min(start + chunk, hi))
-            obs = batch_to_policy_inputs(self.buffer.batch(rows, lr.horizon, lr.n_exec), self.device)
-            if self.instruction_emb is not None:
-                obs["instruction_embedding"] = self.instruction_emb.expand(len(rows), -1)
+            obs = batch_to_policy_inputs(
+                self.buffer.batch(rows, lr.horizon, lr.n_exec), self.device, self.instructions
+            )
             noise = torch.randn(len(rows), lr.horizon, lr.action_dim, generator=gen).to(self.device)
             parts.append(lr.sample_fine(obs, noise))
         return torch.cat(parts)  # lookup only samples non-empty ranges
@@ -822,6 +826,21 @@ class _EvalView:
 
 
 # ============================================================================ training
+def _check_sim_needs(cfg: QAMConfig, task: str) -> None:
+    """Online steps and success evaluations need a simulator: on a task without one (real robot data,
+    e.g. a LeRobot import) QAM trains offline only, and says which knob asked for more."""
+    from vla_rl.evaluation_offline import is_sim_task
+
+    if is_sim_task(task):
+        return
+    for name in ("env_steps", "eval_every", "final_eval_episodes"):
+        if getattr(cfg, name):
+            raise ValueError(
+                f"{name}: {task!r} is not a simulator task, so QAM trains offline only; expected 0, got "
+                f"{getattr(cfg, name)} (a round evaluates real data offline: vla-rl eval --store)"
+            )
+
+
 class _QAMRun:
     """One QAM run: the offline data, the learner and its optimisers, the counters and the logs.
 
@@ -846,6 +865,7 @@ class _QAMRun:
         self.task = task = cfg.task or spec.name
         if task != spec.name:
             raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
+        _check_sim_needs(cfg, task)
         self._load_data()
         self.learner = learner = self._build_learner(base)
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -880,7 +900,7 @@ class _QAMRun:
         }
         self.last_metrics: dict[str, float] = {}
         self.next_cache = (
-            _NextActionCache(learner, self.buffer, cfg, self.instruction_emb, device)
+            _NextActionCache(learner, self.buffer, cfg, self.instructions, device)
             if cfg.next_action_cache
             else None
         )
@@ -906,10 +926,10 @@ class _QAMRun:
         self.offline_frames = len(self.buffer)
 
     def _build_learner(self, base: FlowVLAPolicy) -> QAMLearner:
-        """The learner (seeded), its optimisers and the task's instruction embedding."""
+        """The learner (seeded), its optimisers and the embeddings of the replay's instructions."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        learner = QAMLearner(base, cfg).to(self.device)
+        learner = QAMLearner(base, cfg, instructions=len(self.buffer.instructions)).to(self.device)
         learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
         if cfg.train_base:
             learner.base.train()
@@ -918,11 +938,14 @@ class _QAMRun:
         self.opt_base = (
             torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
         )
+        # each replay frame is conditioned on its own instruction (its episode's, as SFT); online episodes
+        # on the simulator's, the spec's: registered first so the table covers them too
+        sim_code = self.buffer.instruction_code(self.spec.instruction)
+        self.instructions: Tensor | None = None
         self.instruction_emb: Tensor | None = None
         if base.config.uses_instruction:
-            from policies.flow_vla import embed_instructions
-
-            self.instruction_emb = embed_instructions([self.spec.instruction]).to(self.device)
+            self.instructions = instruction_table(self.buffer, self.device)
+            self.instruction_emb = self.instructions[sim_code : sim_code + 1]
         return learner
 
     def _restore(self) -> None:
@@ -1029,11 +1052,9 @@ class _QAMRun:
         cfg, lr = self.cfg, self.learner
         rows = self.shard.take(replay_indices(len(self.buffer), self.offline_frames, cfg, self.step))
         raw = self.buffer.batch(rows, horizon=lr.horizon, n_step=lr.n_exec)
-        batch = batch_to_policy_inputs(raw, self.device)
+        batch = batch_to_policy_inputs(raw, self.device, self.instructions)
         for key in ("reward_n", "bootstrap", "valid", "mc_return"):
             batch[key] = raw[key].to(self.device)
-        if self.instruction_emb is not None:
-            batch["instruction_embedding"] = self.instruction_emb.expand(len(rows), -1)
         return raw, batch
 
     def _losses(
@@ -1045,9 +1066,8 @@ class _QAMRun:
         nxt = batch_to_policy_inputs(
             {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]},
             self.device,
+            self.instructions,
         )
-        if self.instruction_emb is not None:
-            nxt["instruction_embedding"] = batch["instruction_embedding"]
         a_next = self.next_cache.lookup(raw["next_index"], self.step) if self.next_cache is not None else None
         return self.learner.losses(batch, nxt, train_actor, a_next, self.shard)
 

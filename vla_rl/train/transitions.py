@@ -44,6 +44,13 @@ segment classes, ``fleet/labels.toml``) over frames ``[s, e)`` change credit ass
   ``bc = 1`` on all its frames (the buffer's ``bc`` array / batch key: human or recovery frames, the
   ones a trainer should clone). ``progress`` spans change nothing.
 
+**Language**: every frame carries its instruction (``instruction_index`` into the buffer's
+``instructions``, the distinct strings in order of first appearance): a stored episode's frames take its
+``EpisodeMeta.instruction`` (the robot's task string; LeRobot import sets it from the dataset's task), an
+online episode the one it was given (the simulator's, by default the spec's). The trainers embed
+``instructions`` once (:func:`vla_rl.train.common.instruction_table`) and each sample gathers its row,
+as SFT does with :class:`fleet.dataset.ChunkDataset`.
+
 Episodes come from the store + metadata DB through a :class:`DataSelection` (task, robots, time range,
 checkpoint revisions, rounds, labels, outcome), or are appended online (:meth:`add_episode`).
 """
@@ -243,9 +250,15 @@ def select_episode_ids(
     if selection.max_episodes is not None:
         metas = metas[-selection.max_episodes :]
     if not metas:
+        from sim.registry import sim_task_name
+
+        hint = (
+            f"record data with: vla-rl sim demos --task {selection.task}"
+            if sim_task_name(selection.task) is not None
+            else "import robot data with: vla-rl store import-lerobot DATASET STORE"
+        )
         raise ValueError(
-            f"no closed episodes in {store.root} match {selection.to_dict()}; "
-            f"check the selection, or record data with: vla-rl sim demos --task {selection.task}"
+            f"no closed episodes in {store.root} match {selection.to_dict()}; check the selection, or {hint}"
         )
     return [m.episode_id for m in metas]
 
@@ -403,6 +416,9 @@ class TransitionBuffer:
         self.use_cameras = cameras and bool(spec.cameras)
         self.episode_ids: list[str] = []
         self.episode_success: list[bool] = []
+        self.instructions: list[str] = []
+        """The distinct instructions, in order of first appearance (``instruction_index`` points here)."""
+        self._instruction_code: dict[str, int] = {}
         self._parts: list[dict[str, np.ndarray]] = []
         self._arrays: dict[str, np.ndarray] = {}
         self._dirty = False
@@ -448,6 +464,7 @@ class TransitionBuffer:
                 success=bool(success),
                 cameras=ep.cameras if buf.use_cameras else None,
                 episode_id=eid,
+                instruction=ep.meta.instruction,
                 spans=[(str(lb.value), lb.start, lb.end) for lb in spans.get(eid, []) if lb.key == SPAN_KEY],
             )
         if not len(buf):
@@ -466,9 +483,11 @@ class TransitionBuffer:
         cameras: Mapping[str, np.ndarray] | None = None,
         episode_id: str | None = None,
         spans: Sequence[tuple[str, int, int]] = (),
+        instruction: str | None = None,
     ) -> None:
         """Append one finished episode (arrays over its T frames; ``reward`` as the sim recorded it).
-        ``spans``: its ``segment`` span labels as ``(type, start, end)`` (module docstring)."""
+        ``spans``: its ``segment`` span labels as ``(type, start, end)`` (module docstring);
+        ``instruction``: what the robot was told (default: the spec's, as a simulator's episode)."""
         t = len(state)
         if t == 0:
             raise ValueError("state: expected at least one frame")
@@ -510,6 +529,7 @@ class TransitionBuffer:
             "episode": np.full(t, len(self.episode_ids), np.int64),
             "frame": np.arange(t, dtype=np.int64),
             "run": run.astype(np.int64),
+            "instruction": np.full(t, self.instruction_code(instruction), np.int64),
         }
         part["terminal"][-1] = bool(np.asarray(terminated)[-1])
         if self.use_cameras:
@@ -531,6 +551,14 @@ class TransitionBuffer:
         self.episode_ids.append(episode_id or f"online-{len(self.episode_ids)}-{time.time_ns()}")
         self.episode_success.append(bool(success))
         self._dirty = True
+
+    def instruction_code(self, instruction: str | None = None) -> int:
+        """The index of ``instruction`` (default: the spec's) in :attr:`instructions`, added if new."""
+        text = self.spec.instruction if instruction is None else instruction
+        if text not in self._instruction_code:
+            self._instruction_code[text] = len(self.instructions)
+            self.instructions.append(text)
+        return self._instruction_code[text]
 
     def _consolidate(self) -> dict[str, np.ndarray]:
         if self._dirty:
@@ -589,7 +617,8 @@ class TransitionBuffer:
         ``valid`` [B] (0 when the window runs past a non-terminal end: no next observation was stored),
         ``controller`` [B], ``human`` [B] bool, ``bc`` [B] bool (human or recovery-span frames: clone
         them), ``credit`` [B] int (1/0/-1), ``mc_return`` [B],
-        ``episode_index`` / ``frame_index`` [B], ``next_index`` [B] (the buffer row of ``next.*``).
+        ``episode_index`` / ``frame_index`` [B], ``next_index`` [B] (the buffer row of ``next.*``),
+        ``instruction_index`` / ``next.instruction_index`` [B] (into :attr:`instructions`, at t and t + n).
         """
         if horizon < 1 or n_step < 1:
             raise ValueError(f"horizon/n_step: expected >= 1, got {horizon} and {n_step}")
@@ -624,6 +653,8 @@ class TransitionBuffer:
             "episode_index": torch.from_numpy(a["episode"][idx]),
             "frame_index": torch.from_numpy(a["frame"][idx]),
             "next_index": torch.from_numpy(nxt_idx),
+            "instruction_index": torch.from_numpy(a["instruction"][idx]),
+            "next.instruction_index": torch.from_numpy(a["instruction"][nxt_idx]),
         }
         for cam in self.spec.camera_names if self.use_cameras else ():
             imgs = a[f"image.{cam}"]
@@ -633,8 +664,11 @@ class TransitionBuffer:
 
 
 def next_observation(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ``next.*`` keys of a :meth:`TransitionBuffer.batch` renamed to ``observation.*``."""
+    """The ``next.*`` keys of a :meth:`TransitionBuffer.batch` renamed to ``observation.*`` (and the
+    next frame's ``instruction_index``)."""
     out = {"observation.state": batch["next.state"]}
+    if "next.instruction_index" in batch:
+        out["instruction_index"] = batch["next.instruction_index"]
     for k, v in batch.items():
         if k.startswith("next.images."):
             out["observation.images." + k[len("next.images.") :]] = v
