@@ -5,16 +5,20 @@ equations; this is our design ([inferred] there). It needs only what a real flee
 controllers (human takeovers) and outcomes, never the simulator's shaped reward, which the benchmark
 keeps as the ground truth it is scored against.
 
-1. **Progress value** V(s) in [0, 1]: a state-value MLP regressed (MSE) on the discounted-success
-   target of the frames the policy or a script drove, with credit cut at takeovers exactly as training
-   cuts it (:class:`~vla_rl.train.transitions.TransitionBuffer`, ``sparse`` reward, its Monte-Carlo
-   return): ``y_t = γ^(T_s − t)`` on a stretch that ends in success at frame ``T_s``, 0 on one that
-   fails or is taken over. A short horizon (γ = ``gamma``, 0.8) makes V steep near success and flat far
-   from it, the shape of a simulator's shaped reward.
+1. **Progress value** V(s) in [0, 1]: a state-value MLP regressed (MSE) on the *fraction of the way to
+   success* along every successful autonomous stretch, i.e. the frames credited with a success as
+   training credits them (:func:`~vla_rl.train.transitions.credit_labels`: the stretch after the last
+   takeover of a successful episode): ``y_t = (t − a) / (b − a)`` for a stretch of frames ``a..b``
+   (1 when ``a = b``). Failed and taken-over stretches are not fitted (how far they got is what V is
+   asked); a value of discounted success (``γ^(T_s − t)``, 0 on failures) was tried first and tracked
+   the simulator's progress far worse (docs/benchmarks.md).
 2. **Slope** over a centred window of w frames, clipped at the episode's ends:
    ``d_t = (p_hi − p_lo) / (hi − lo)``, ``lo = max(0, t − w)``, ``hi = min(T − 1, t + w)``
    (0 for a one-frame episode), for a progress signal p (V(s_t) here; the dense reward for the truth).
-3. **Frame classes** with the threshold ``δ = delta / T_max`` (T_max: the longest episode's frames): a human frame is ``recovery`` (a
+3. **Frame classes** with the threshold ``δ = delta · ρ``, ρ the signal's own typical rise rate: the
+   median of ``d_t`` over the frames of the successful episodes (1/T_max when there are none; a median
+   of frames, so a reward's jumps at a grasp or at success do not set the scale). The critic's V and
+   the simulator's reward are each judged on their own scale. A human frame is ``recovery`` (a
    takeover); otherwise ``progress`` if ``d_t > δ``, ``failure-inducing`` if ``d_t < −δ``, else ``idle``.
 4. **Runs**: runs shorter than ``min_span`` frames (autonomous ones only; takeovers are facts, never
    merged away) join the run before them (the one after, at the start), repeated until none is left;
@@ -25,7 +29,8 @@ keeps as the ground truth it is scored against.
 :func:`label_store` writes the spans as ``segment`` span labels with ``source = "auto"``
 (``vla-rl label auto``); training reads them like a human's (module docstring of
 :mod:`vla_rl.train.transitions`), the dashboard shows them as pre-labels. It never touches an episode
-that has a human ``segment`` span, and leaves earlier automatic spans alone unless ``replace``.
+that has a human ``segment`` span, leaves earlier automatic spans alone unless ``replace``, and leaves
+an episode it finds idle throughout unlabelled (training refuses an episode with no frame kept).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ AUTHOR = "segment-critic"
 __all__ = [
     "CLASSES",
     "SegmentCriticConfig",
+    "agreement",
     "confusion_matrix",
     "fit_progress_value",
     "frame_classes",
@@ -64,8 +70,13 @@ __all__ = [
     "merge_short_runs",
     "per_class_scores",
     "progress_slope",
+    "progress_targets",
+    "reward_truth",
+    "rise_rate",
     "runs",
     "segment_episode",
+    "segment_signals",
+    "slope_threshold",
 ]
 
 
@@ -83,12 +94,11 @@ class SegmentCriticConfig:
     """Task id; None = the store's only task."""
     db_url: str | None = None
     """Metadata DB URL; None = the SQLite file next to the store."""
-    gamma: float = 0.8
-    """Discount of the progress value's target γ^(T_s − t)."""
-    window: int = 2
+    window: int = 3
     """w: half-width of the centred slope window (frames)."""
-    delta: float = 1.0
-    """Slope threshold as a fraction of 1/T_max: |d_t| <= delta/T_max is idle."""
+    delta: float = 0.5
+    """Slope threshold as a fraction of the value's typical rise rate on successful episodes:
+    |d_t| <= delta·ρ is idle."""
     min_span: int = 3
     """Autonomous runs shorter than this merge into a neighbour (frames)."""
     value_hidden: tuple[int, ...] = (32, 32)
@@ -96,7 +106,9 @@ class SegmentCriticConfig:
     value_steps: int = 300
     """Adam updates of the progress value."""
     batch_size: int = 256
+    """Frames per value update."""
     lr: float = 1e-3
+    """Adam learning rate of the value fit."""
     seed: int = 0
     """Seeds the value fit's initialisation and batches."""
     threads: int = 1
@@ -118,9 +130,7 @@ class SegmentCriticConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if not self.delta > 0:
-            raise ValueError(f"delta: expected > 0 (a fraction of 1/T_max), got {self.delta}")
-        if not 0.0 < self.gamma < 1.0:
-            raise ValueError(f"gamma: expected in (0, 1), got {self.gamma}")
+            raise ValueError(f"delta: expected > 0 (a fraction of the typical rise rate), got {self.delta}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         if not self.author.strip():
@@ -190,15 +200,49 @@ def mark_recoveries(classes: np.ndarray, human: np.ndarray) -> np.ndarray:
     return c
 
 
+def rise_rate(signals: Sequence[np.ndarray], successes: Sequence[bool], window: int) -> float | None:
+    """ρ: the median of the slopes :func:`progress_slope` over every frame of the successful episodes
+    (a median of frames, so a reward's jumps at a grasp or at success do not set the scale); None when
+    no episode succeeded."""
+    slopes = [
+        progress_slope(p, window) for p, ok in zip(signals, successes, strict=True) if ok and len(p) > 1
+    ]
+    return float(np.median(np.concatenate(slopes))) if slopes else None
+
+
+def slope_threshold(
+    signals: Sequence[np.ndarray], successes: Sequence[bool], delta: float, window: int, max_steps: int
+) -> float:
+    """``δ = delta · ρ`` (:func:`rise_rate`), or ``delta / max_steps`` when ρ is None or not positive."""
+    rho = rise_rate(signals, successes, window)
+    return delta * (rho if rho is not None and rho > 0 else 1.0 / max(max_steps, 1))
+
+
 def segment_episode(
-    p: np.ndarray, human: np.ndarray, *, max_steps: int, window: int, delta: float, min_span: int
+    p: np.ndarray, human: np.ndarray, *, threshold: float, window: int, min_span: int
 ) -> np.ndarray:
     """Per-frame class ids of one episode from a progress signal ``p`` (steps 2-4 of the module
-    docstring; threshold ``delta / max_steps``)."""
-    if max_steps < 1:
-        raise ValueError(f"max_steps: expected >= 1, got {max_steps}")
-    c = frame_classes(progress_slope(p, window), human, delta / max_steps)
+    docstring)."""
+    c = frame_classes(progress_slope(p, window), human, threshold)
     return mark_recoveries(merge_short_runs(c, human, min_span), human)
+
+
+def segment_signals(
+    signals: Sequence[np.ndarray],
+    humans: Sequence[np.ndarray],
+    successes: Sequence[bool],
+    *,
+    window: int,
+    delta: float,
+    min_span: int,
+    max_steps: int,
+) -> list[np.ndarray]:
+    """:func:`segment_episode` on each episode's signal, with one :func:`slope_threshold` over them all."""
+    thr = slope_threshold(signals, successes, delta, window, max_steps)
+    return [
+        segment_episode(p, h, threshold=thr, window=window, min_span=min_span)
+        for p, h in zip(signals, humans, strict=True)
+    ]
 
 
 def spans_of(classes: np.ndarray) -> list[tuple[str, int, int]]:
@@ -257,6 +301,22 @@ class ProgressValue:
         return self.net(x).clamp(0.0, 1.0).numpy().astype(np.float64)
 
 
+def progress_targets(
+    credit: np.ndarray, episode: np.ndarray, frame: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, y)``: the buffer rows of successful autonomous stretches (``credit == 1``) and their
+    targets ``y = (frame − a) / (b − a)``, a / b = the first / last such frame of the episode (1 if a = b)."""
+    rows = np.flatnonzero(np.asarray(credit) == 1)
+    y = np.ones(len(rows), np.float32)
+    ep, fr = np.asarray(episode)[rows], np.asarray(frame)[rows]
+    for e in np.unique(ep):
+        m = ep == e
+        a, b = fr[m].min(), fr[m].max()
+        if b > a:
+            y[m] = (fr[m] - a) / (b - a)
+    return rows, y
+
+
 def fit_progress_value(
     buffer: TransitionBuffer,
     *,
@@ -266,17 +326,12 @@ def fit_progress_value(
     lr: float = 1e-3,
     seed: int = 0,
 ) -> ProgressValue:
-    """Regress V(s) on ``buffer``'s sparse-reward Monte-Carlo returns ``γ^(T_s − t)`` (0 on failed or
-    taken-over stretches), over the frames humans did not drive (MSE, Adam, seeded)."""
-    if buffer.reward_kind != "sparse":
-        raise ValueError(
-            f"buffer: expected reward 'sparse' (the discounted-success target), got {buffer.reward_kind!r}"
-        )
-    auto = buffer.array("controller") != int(Controller.HUMAN)
-    if not auto.any():
-        raise ValueError("episodes: every frame is a human's; nothing to fit the progress value on")
-    states = buffer.states[auto].astype(np.float32)
-    y = np.clip(buffer.array("mc_return")[auto], 0.0, 1.0).astype(np.float32)
+    """Regress V(s) on :func:`progress_targets` of ``buffer``'s successful stretches (MSE, Adam,
+    seeded; states standardised by those frames' mean / std)."""
+    rows, y = progress_targets(buffer.array("credit"), buffer.array("episode"), buffer.array("frame"))
+    if not len(rows):
+        raise ValueError("episodes: none has a successful autonomous stretch; nothing to fit progress on")
+    states = buffer.states[rows].astype(np.float32)
     mean, std = states.mean(0), states.std(0) + 1e-6
     x = torch.from_numpy((states - mean) / std)
     yt = torch.from_numpy(y)
@@ -296,10 +351,10 @@ def fit_progress_value(
     return ProgressValue(net, mean, std, buffer.max_steps, float(np.mean(losses[-50:])), losses)
 
 
-def load_buffer(store: EpisodeStore, episode_ids: Sequence[str], gamma: float) -> TransitionBuffer:
-    """The episodes (no cameras) as a sparse-reward buffer, WITHOUT span labels (so the critic's own
-    earlier labels never feed back into its value); frames stay in order per episode."""
-    return TransitionBuffer.from_store(store, list(episode_ids), reward="sparse", gamma=gamma, cameras=False)
+def load_buffer(store: EpisodeStore, episode_ids: Sequence[str]) -> TransitionBuffer:
+    """The episodes (no cameras) as a buffer WITHOUT span labels (so the critic's own earlier labels
+    never feed back into its value); frames stay in order per episode, credit as training assigns it."""
+    return TransitionBuffer.from_store(store, list(episode_ids), reward="sparse", cameras=False)
 
 
 def classify_buffer(
@@ -307,20 +362,47 @@ def classify_buffer(
 ) -> dict[str, np.ndarray]:
     """Per-episode class ids of every episode in ``buffer`` from the fitted value."""
     ep = buffer.array("episode")
-    human_all = buffer.array("controller") == int(Controller.HUMAN)
+    human = buffer.array("controller") == int(Controller.HUMAN)
     v = value(buffer.states)
-    out = {}
-    for i, eid in enumerate(buffer.episode_ids):
-        rows = np.flatnonzero(ep == i)
-        out[eid] = segment_episode(
-            v[rows],
-            human_all[rows],
-            max_steps=value.max_steps,
-            window=cfg.window,
-            delta=cfg.delta,
-            min_span=cfg.min_span,
-        )
-    return out
+    rows = [np.flatnonzero(ep == i) for i in range(len(buffer.episode_ids))]
+    classes = segment_signals(
+        [v[r] for r in rows],
+        [human[r] for r in rows],
+        buffer.episode_success,
+        window=cfg.window,
+        delta=cfg.delta,
+        min_span=cfg.min_span,
+        max_steps=buffer.max_steps,
+    )
+    return dict(zip(buffer.episode_ids, classes, strict=True))
+
+
+def reward_truth(
+    store: EpisodeStore, episode_ids: Sequence[str], cfg: SegmentCriticConfig
+) -> dict[str, np.ndarray]:
+    """The same rule on the recorded reward instead of V: for simulated episodes the store's reward
+    column is the simulator's dense reward, so this is the ground truth the critic is scored against
+    (bench/segment_critic.py, tests). Never used for labelling."""
+    eps = [store.read_episode(e, cameras=False) for e in episode_ids]
+    classes = segment_signals(
+        [np.asarray(ep.reward, np.float64) for ep in eps],
+        [np.asarray(ep.controller) == int(Controller.HUMAN) for ep in eps],
+        [bool(ep.meta.success) for ep in eps],
+        window=cfg.window,
+        delta=cfg.delta,
+        min_span=cfg.min_span,
+        max_steps=max(ep.length for ep in eps),
+    )
+    return dict(zip(episode_ids, classes, strict=True))
+
+
+def agreement(truth: dict[str, np.ndarray], pred: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Frame-level :func:`per_class_scores` of ``pred`` against ``truth`` over ``truth``'s episodes, with
+    the confusion matrix (rows truth, columns prediction)."""
+    m = np.zeros((len(CLASSES), len(CLASSES)), np.int64)
+    for e, t in truth.items():
+        m += confusion_matrix(t, pred[e])
+    return {**per_class_scores(m), "confusion": m.tolist()}
 
 
 # ============================================================================ writing labels
@@ -330,6 +412,9 @@ class LabelReport:
     labelled: list[str] = field(default_factory=list)
     skipped_human: list[str] = field(default_factory=list)
     skipped_auto: list[str] = field(default_factory=list)
+    all_idle: list[str] = field(default_factory=list)
+    """Episodes classified idle throughout: left unlabelled (an all-idle episode would leave training
+    nothing to keep of it, which it refuses)."""
     undone: int = 0
     spans: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
     frames_per_class: dict[str, int] = field(default_factory=dict)
@@ -351,7 +436,7 @@ def label_store(cfg: SegmentCriticConfig, db: MetadataDB | None = None) -> Label
     ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
     if not ids:
         raise ValueError(f"data: no closed episodes of {selection.task} match {cfg.data or 'the task'}")
-    buffer = load_buffer(store, ids, cfg.gamma)
+    buffer = load_buffer(store, ids)
     value = fit_progress_value(
         buffer,
         hidden=cfg.value_hidden,
@@ -373,6 +458,10 @@ def label_store(cfg: SegmentCriticConfig, db: MetadataDB | None = None) -> Label
             report.skipped_auto.append(eid)
             continue
         spans = spans_of(c)
+        if all(k == "idle" for k, _, _ in spans):
+            # training refuses an episode with no frame left (transitions.TransitionBuffer.add_episode)
+            report.all_idle.append(eid)
+            continue
         report.spans[eid] = spans
         report.labelled.append(eid)
         counts += np.bincount(c, minlength=len(CLASSES))
@@ -394,6 +483,7 @@ def label_store(cfg: SegmentCriticConfig, db: MetadataDB | None = None) -> Label
             "labelled": len(report.labelled),
             "skipped_human": len(report.skipped_human),
             "skipped_auto": len(report.skipped_auto),
+            "all_idle": len(report.all_idle),
             "dry_run": cfg.dry_run,
         },
     )
