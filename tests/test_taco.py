@@ -4,6 +4,7 @@ a CFN fitted on the expert's data that picks the expert's chunk out of random on
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
+from vla_rl.cli import main
 from vla_rl.policy_loading import load_policy
 from vla_rl.train import taco
 from vla_rl.train.sft import SFTConfig, train_sft
@@ -137,3 +139,34 @@ def test_cfn_on_expert_data_picks_the_experts_chunk_among_random_ones(kin: tuple
     assert trials > 30
     print(f"TACO picked the expert's chunk {hits}/{trials}")
     assert hits / trials > 0.45, f"TACO picked the expert's chunk {hits}/{trials}"
+
+
+def test_cli_taco_fit_then_eval_with_taco(
+    kin: tuple[EpisodeStore, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, ckpt = kin
+    out = tmp_path / "cfn"
+    argv = [
+        "taco",
+        "fit",
+        "--base",
+        str(ckpt),
+        "--store",
+        str(store.root),
+        "--out",
+        str(out),
+        "--steps",
+        "20",
+    ]
+    assert main(argv) == 0
+    assert "vla-rl eval --checkpoint" in capsys.readouterr().out
+    meta = json.loads((out / "cfn.json").read_text())
+    assert meta["n_exec"] == 2 and meta["rows"] > 32 and (out / "cfn.safetensors").exists()
+    res = tmp_path / "eval.json"
+    ev = ["eval", "--checkpoint", str(ckpt), "--episodes", "2", "--num-envs", "1", "--no-progress"]
+    assert main([*ev, "--taco", str(out), "--num-samples", "3", "--out", str(res)]) == 0
+    got = json.loads(res.read_text())
+    assert got["selection"] == {"taco": str(out), "num_samples": 3} and got["episodes"] == 2
+    assert main([*ev, "--taco", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: --taco: taco: no cfn.json" in err and "Traceback" not in err

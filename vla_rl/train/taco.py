@@ -67,7 +67,8 @@ __all__ = [
 
 @dataclass(kw_only=True)
 class TACOConfig:
-    """Fit TACO's coin-flipping network on a policy's SFT data; deploy with :class:`BestOfNPolicy`."""
+    """Fit TACO's coin-flipping network on a policy's SFT data (``vla-rl taco fit``); deploy it with
+    ``vla-rl eval --taco OUT`` or :func:`taco_policy`."""
 
     base: str
     """The SFT checkpoint whose samples are selected (its normalisation defines the features)."""
@@ -86,10 +87,11 @@ class TACOConfig:
     steps: int = 3000
     """Adam updates."""
     batch_size: int = 256
+    """Frames per update."""
     lr: float = 1e-3
     """Adam learning rate."""
     num_samples: int = 8
-    """N: chunks sampled per decision at deployment."""
+    """N: chunks sampled per decision at deployment (printed in the eval command; eval's --num-samples)."""
     seed: int = 0
     """Seeds the codes, the initialisation and the batches."""
     threads: int = 1
@@ -160,7 +162,7 @@ class CoinFlipNet(nn.Module):
         """The network and its JSON metadata; ValueError naming the file when it does not fit."""
         folder = Path(folder)
         if not (folder / CFN_CONFIG).exists():
-            raise FileNotFoundError(f"taco: no {CFN_CONFIG} in {folder} (train one with vla_rl.train.taco)")
+            raise FileNotFoundError(f"taco: no {CFN_CONFIG} in {folder} (fit one with: vla-rl taco fit)")
         meta = json.loads((folder / CFN_CONFIG).read_text())
         net = cls(int(meta["in_dim"]), int(meta["code_dim"]), tuple(meta["hidden"]))
         try:
