@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from bench.common import table, write_results
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from sim.registry import resolve_task
@@ -106,7 +105,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     store, sources = record(work, task, a)
-    ids = sorted(sources)
+    ids = list(sources)  # recording order (store ids sort by time and a random part)
     rng = np.random.default_rng(a.seed)
     perm = rng.permutation(len(ids))
     fit_ids = sorted(ids[i] for i in perm[: len(ids) // 2])
@@ -119,27 +118,10 @@ def main() -> None:
     fit_s = time.perf_counter() - t1
     test = sc.load_buffer(store, held)
     pred = sc.classify_buffer(test, value, cfg)
-    truth = sc.reward_truth(store, held, cfg)
+    truth = sc.reward_truth(test, cfg)
     idle = {e: np.full(len(t), sc.IDLE) for e, t in truth.items()}
     # a broken critic: its own values shuffled across the held-out frames
-    shuffled_v = rng.permutation(value(test.states))
-    ep_index = test.array("episode")
-    rows_of = [np.flatnonzero(ep_index == i) for i in range(len(test.episode_ids))]
-    shuffled = dict(
-        zip(
-            test.episode_ids,
-            sc.segment_signals(
-                [shuffled_v[r] for r in rows_of],
-                [test.array("controller")[r] == int(Controller.HUMAN) for r in rows_of],
-                test.episode_success,
-                window=cfg.window,
-                delta=cfg.delta,
-                min_span=cfg.min_span,
-                max_steps=test.max_steps,
-            ),
-            strict=True,
-        )
-    )
+    shuffled = sc.classify_signal(test, rng.permutation(value(test.states)), cfg)
     results = {
         "critic": sc.agreement(truth, pred),
         "all-idle": sc.agreement(truth, idle),

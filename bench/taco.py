@@ -1,6 +1,7 @@
 """TACO vs best-of-N by a critic vs the base, on held-out episodes (ManiSkill PickCube from state).
 
-1. record ``--demos`` noisy scripted demonstrations and train a small SFT on them (the base);
+1. record ``--demos`` noisy scripted demonstrations and train an SFT on them (the base; the default
+   model, ``--sft-steps`` updates, half of bench/sft.py's);
 2. fit TACO's coin-flipping network on the demos' (state, executed chunk) features, and, for the
    best-of-N comparison, a critic on the same features regressed on the demos' Monte-Carlo return
    ``γ^(T−1−t)·success`` (the cheap critic of docs/experiment-log.md's best-of-N probe);
@@ -52,7 +53,7 @@ def fit_critic(features: torch.Tensor, returns: torch.Tensor, steps: int, seed: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="PickCube")
-    ap.add_argument("--demos", type=int, default=40)
+    ap.add_argument("--demos", type=int, default=50)
     ap.add_argument("--noise", type=float, default=0.5)
     ap.add_argument("--sft-steps", type=int, default=1000)
     ap.add_argument("--cfn-steps", type=int, default=2000)
@@ -82,12 +83,8 @@ def main() -> None:
                 store=store_root,
                 out=work / "sft",
                 steps=a.sft_steps,
-                batch_size=64,
+                batch_size=128,
                 checkpoint_every=a.sft_steps,
-                d_model=64,
-                n_layers=2,
-                expert_n_layers=2,
-                n_heads=2,
                 instruction_encoder="none",
                 seed=a.seed,
                 threads=1,

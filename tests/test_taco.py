@@ -56,6 +56,7 @@ def test_cfn_counts_how_often_a_feature_occurs() -> None:
 
 @pytest.fixture(scope="module")
 def kin(tmp_path_factory: pytest.TempPathFactory) -> tuple[EpisodeStore, Path]:
+    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("taco")
     store = EpisodeStore(root / "store", create=True)
     record_demos(store, TASK, episodes=32, noise=0.3, seed=0, progress=False)
@@ -82,6 +83,7 @@ def kin(tmp_path_factory: pytest.TempPathFactory) -> tuple[EpisodeStore, Path]:
 
 
 def test_best_of_n_executes_the_sample_the_scorer_ranks_highest(kin: tuple[EpisodeStore, Path]) -> None:
+    torch.set_num_threads(1)
     store, ckpt = kin
     loaded = load_policy(ckpt, device="cpu")
     ep = store.read_episode(store.episode_ids()[0], cameras=False)

@@ -62,6 +62,7 @@ __all__ = [
     "CLASSES",
     "SegmentCriticConfig",
     "agreement",
+    "classify_signal",
     "confusion_matrix",
     "fit_progress_value",
     "frame_classes",
@@ -353,20 +354,21 @@ def fit_progress_value(
 
 def load_buffer(store: EpisodeStore, episode_ids: Sequence[str]) -> TransitionBuffer:
     """The episodes (no cameras) as a buffer WITHOUT span labels (so the critic's own earlier labels
-    never feed back into its value); frames stay in order per episode, credit as training assigns it."""
-    return TransitionBuffer.from_store(store, list(episode_ids), reward="sparse", cameras=False)
+    never feed back into its value); frames stay in order per episode, credit as training assigns it,
+    and the ``reward`` column as recorded (``dense``: for simulated episodes the simulator's reward)."""
+    return TransitionBuffer.from_store(store, list(episode_ids), reward="dense", cameras=False)
 
 
-def classify_buffer(
-    buffer: TransitionBuffer, value: ProgressValue, cfg: SegmentCriticConfig
+def classify_signal(
+    buffer: TransitionBuffer, signal: np.ndarray, cfg: SegmentCriticConfig
 ) -> dict[str, np.ndarray]:
-    """Per-episode class ids of every episode in ``buffer`` from the fitted value."""
+    """Per-episode class ids of ``buffer``'s episodes from a per-frame progress ``signal`` (aligned with
+    the buffer's rows), with one :func:`slope_threshold` over its successful episodes."""
     ep = buffer.array("episode")
     human = buffer.array("controller") == int(Controller.HUMAN)
-    v = value(buffer.states)
     rows = [np.flatnonzero(ep == i) for i in range(len(buffer.episode_ids))]
     classes = segment_signals(
-        [v[r] for r in rows],
+        [np.asarray(signal, np.float64)[r] for r in rows],
         [human[r] for r in rows],
         buffer.episode_success,
         window=cfg.window,
@@ -377,23 +379,18 @@ def classify_buffer(
     return dict(zip(buffer.episode_ids, classes, strict=True))
 
 
-def reward_truth(
-    store: EpisodeStore, episode_ids: Sequence[str], cfg: SegmentCriticConfig
+def classify_buffer(
+    buffer: TransitionBuffer, value: ProgressValue, cfg: SegmentCriticConfig
 ) -> dict[str, np.ndarray]:
-    """The same rule on the recorded reward instead of V: for simulated episodes the store's reward
-    column is the simulator's dense reward, so this is the ground truth the critic is scored against
-    (bench/segment_critic.py, tests). Never used for labelling."""
-    eps = [store.read_episode(e, cameras=False) for e in episode_ids]
-    classes = segment_signals(
-        [np.asarray(ep.reward, np.float64) for ep in eps],
-        [np.asarray(ep.controller) == int(Controller.HUMAN) for ep in eps],
-        [bool(ep.meta.success) for ep in eps],
-        window=cfg.window,
-        delta=cfg.delta,
-        min_span=cfg.min_span,
-        max_steps=max(ep.length for ep in eps),
-    )
-    return dict(zip(episode_ids, classes, strict=True))
+    """The critic: :func:`classify_signal` on the fitted value V(s) of every frame."""
+    return classify_signal(buffer, value(buffer.states), cfg)
+
+
+def reward_truth(buffer: TransitionBuffer, cfg: SegmentCriticConfig) -> dict[str, np.ndarray]:
+    """The same rule on the recorded reward instead of V (:func:`load_buffer` keeps it as recorded):
+    for simulated episodes that is the simulator's dense reward, so this is the ground truth the critic
+    is scored against (bench/segment_critic.py, tests). Never used for labelling."""
+    return classify_signal(buffer, buffer.array("reward"), cfg)
 
 
 def agreement(truth: dict[str, np.ndarray], pred: dict[str, np.ndarray]) -> dict[str, Any]:
