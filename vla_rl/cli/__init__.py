@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from vla_rl import __version__
-from vla_rl.cli import data, services, training
+from vla_rl.cli import data, labels, services, taco, training
 from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
 from vla_rl.logs import setup_logging
@@ -26,10 +26,19 @@ __all__ = ["COMMANDS", "CliError", "_user_errors", "main"]
 
 log = logging.getLogger("vla_rl")
 
-COMMANDS: list[Command] = [*training.COMMANDS[:2], *data.COMMANDS, *training.COMMANDS[2:], *services.COMMANDS]
+COMMANDS: list[Command] = [
+    *training.COMMANDS[:2],
+    *data.COMMANDS,
+    *labels.COMMANDS,
+    *taco.COMMANDS,
+    *training.COMMANDS[2:],
+    *services.COMMANDS,
+]
 GROUPS = {
     "sim": "simulated robots",
     "store": "inspect, check, import and export episode stores",
+    "label": "automatic labels (HELP segment critic)",
+    "taco": "test-time chunk selection by pseudo-counts (TACO)",
     "train": "train policies (one subcommand per algorithm)",
     "round": "post-training rounds: train on fleet data, evaluate, push, promote",
     "client": "talk to a policy server",

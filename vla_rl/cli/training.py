@@ -425,6 +425,11 @@ class Eval:
     """Actions executed per chunk; None = the checkpoint's."""
     num_steps: int | None = None
     """Denoising steps K; None = the model's."""
+    taco: Path | None = None
+    """TACO selection (vla_rl/train/taco.py): a folder from `vla-rl taco fit`; each decision samples
+    --num-samples chunks and executes the one with the highest pseudo-count. None = one sample."""
+    num_samples: int = 8
+    """With --taco: chunks sampled per decision (N)."""
     videos: int = 0
     """Save this many rollouts as MP4/GIF."""
     videos_dir: Path = Path("runs/eval_videos")
@@ -462,6 +467,12 @@ def eval_(a: Eval) -> int:
     with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
         lp = load_policy(a.checkpoint, device=a.device)
     lp.num_steps = a.num_steps
+    policy: Any = lp
+    if a.taco is not None:
+        from vla_rl.train.taco import taco_policy
+
+        with user_errors(FileNotFoundError, ValueError, prefix="--taco: "):
+            policy = taco_policy(lp, a.taco, a.num_samples)
     from vla_rl.evaluation_offline import is_sim_task
 
     if a.store is not None or not is_sim_task(a.task or lp.spec.name):
@@ -471,7 +482,7 @@ def eval_(a: Eval) -> int:
 
     with user_errors(RayUnavailable):
         result = evaluate(
-            lp,
+            policy,
             task,
             episodes=a.episodes,
             num_envs=a.num_envs,
@@ -484,6 +495,8 @@ def eval_(a: Eval) -> int:
         )
     print(result.summary())
     out = {"checkpoint": a.checkpoint, "commit": lp.commit, **result.to_dict()}
+    if a.taco is not None:
+        out["selection"] = {"taco": str(a.taco), "num_samples": a.num_samples}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=2))
@@ -498,6 +511,10 @@ def _eval_offline(a: Eval, lp: Any) -> int:
     from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes
 
     task = a.task or lp.spec.name
+    if a.taco is not None:
+        raise CliError(
+            "--taco: selection runs in simulation only (offline evaluation scores one chunk per frame)"
+        )
     if a.store is None:
         raise CliError(
             f"--store: {task!r} is not a simulator task (see vla-rl sim list); "
