@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from tqdm import tqdm
 
 from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB, default_url
@@ -32,7 +31,7 @@ from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -254,9 +253,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
             "processes": dist.world,
         },
     )
-    bar = tqdm(
-        total=cfg.steps, initial=step, desc="sft", unit="step", disable=not (cfg.progress and dist.is_main)
-    )
+    bar = StepProgress(cfg.steps, initial=step, stage="train", desc="sft", show=cfg.progress and dist.is_main)
     a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
     speed = Throughput()
     model.train()
