@@ -260,6 +260,34 @@ def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorl
     assert r.status_code == 404 and _detail(r)["field"] == "path"
 
 
+def test_the_page_loads_versioned_immutable_assets(dash: Dashboard, tmp_path: Path) -> None:
+    """The page names its assets under /static/<content hash>/ (cached forever, immutable; ES modules'
+    relative imports stay in that version) and preloads every module; the hash changes with any
+    asset's bytes."""
+    import re
+
+    from vla_rl.dashboard.app import STATIC, static_version
+
+    anon = dash.client(None)
+    page = anon.get("/episodes").text
+    version = static_version()
+    assert re.fullmatch(r"[0-9a-f]{12}", version) and f'src="/static/{version}/app.js"' in page
+    modules = sorted(p.relative_to(STATIC).as_posix() for p in STATIC.rglob("*.js"))
+    preloaded = re.findall(rf'<link rel="modulepreload" href="/static/{version}/([^"]+)"', page)
+    assert sorted(preloaded) == modules
+    for asset in ("app.js", "pages/rounds.js", "style.css"):
+        r = anon.get(f"/static/{version}/{asset}")
+        assert r.status_code == 200 and r.content == (STATIC / asset).read_bytes()
+        assert r.headers["cache-control"] == "public, max-age=31536000, immutable"
+    assert anon.get("/static/0123456789ab/app.js").status_code == 404  # another version's URL
+    copy = tmp_path / "static"
+    copy.mkdir()
+    (copy / "a.js").write_text("export const a = 1;\n")
+    first = static_version(copy)
+    (copy / "a.js").write_text("export const a = 2;\n")
+    assert static_version(copy) != first
+
+
 def test_algorithms_lists_every_trainer_and_preset_with_their_knobs(dash: Dashboard) -> None:
     """``GET /api/v1/algorithms`` is the algorithm and preset tables (what the rounds form offers and
     ``POST /rounds`` accepts), with which learn offline / online and the knobs ``options`` may set."""
@@ -915,7 +943,7 @@ def test_a_running_round_reports_its_steps_and_evaluation_episodes(
     test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships for the worker process."""
     from vla_rl.rounds import config_from_json, run_round
 
-    knobs = {**TINY_ROUND, "steps": 30, "push": False}
+    knobs = {**TINY_ROUND, "steps": 10, "push": False}
     op, viewer = dash.client("operator"), dash.client("viewer")
     r = op.post("/api/v1/rounds", json={"preset": "tiny-awr", "base": f"hub://{REPO}@prod", "options": knobs})
     assert r.status_code == 201, r.text
