@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -347,7 +347,7 @@ class ProgressWriter:
         worker: str | None,
         *,
         interval_s: float = 1.0,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db, self.round_id, self.worker = db, round_id, worker
         self.interval_s, self.clock = interval_s, clock
