@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import posixpath
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -100,19 +102,52 @@ class CachedStatic(StaticFiles):
         return resp
 
 
-def _index_page(version: str) -> Callable[[], Response]:
-    """The page (index.html, never cached: it names the assets' version) with its asset URLs under
-    ``/static/<version>/``."""
+_STATIC_IMPORT = re.compile(r'^\s*import\b[^;]*?\bfrom\s+"(\.{1,2}/[^"]+\.js)"', re.M)
+_ROUTE = re.compile(r'route\("([^"]+)",\s*\(\)\s*=>\s*import\("\./([^"]+\.js)"\)\)')
+
+
+def page_modules(page: str, root: Path = STATIC) -> list[str]:
+    """The ES modules (paths under ``root``) the page at route ``page`` (a FastAPI path such as
+    ``/episodes/{episode_id}``) runs: ``app.js``, the page module app.js routes it to (its
+    ``route("/episodes/:id", () => import("./pages/episode.js"))`` lines) and everything they import
+    statically, transitively; sorted. What index.html preloads for that route, so a fresh browser
+    fetches them all at once and nothing the page does not need."""
+
+    def shape(path: str) -> list[str]:
+        return ["*" if p.startswith((":", "{")) else p for p in path.strip("/").split("/")]
+
+    start = ["app.js"]
+    routes = _ROUTE.findall((root / "app.js").read_text())
+    start += [mod for pattern, mod in routes if shape(pattern) == shape(page)][:1]
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        mod = todo.pop()
+        if mod in seen or not (root / mod).is_file():
+            continue
+        seen.add(mod)
+        base = PurePosixPath(mod).parent
+        for dep in _STATIC_IMPORT.findall((root / mod).read_text()):
+            todo.append(posixpath.normpath((base / dep).as_posix()))
+    return sorted(seen)
+
+
+def _index_page(version: str, page: str) -> Callable[[], Response]:
+    """The page for route ``page``: index.html (never cached: it names the assets' version) with its
+    asset URLs under ``/static/<version>/`` and a ``<link rel="modulepreload">`` for each module of
+    :func:`page_modules` in place of its ``<!-- modulepreload -->`` line."""
     index = STATIC / "index.html"
     if not index.is_file():
         text = "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
     else:
-        text = index.read_text().replace('"/static/', f'"/static/{version}/')
+        links = "\n".join(f'    <link rel="modulepreload" href="/static/{m}" />' for m in page_modules(page))
+        text = index.read_text().replace("    <!-- modulepreload -->", links)
+        text = text.replace('"/static/', f'"/static/{version}/')
 
-    def page() -> Response:
+    def serve() -> Response:
         return HTMLResponse(text, headers={"Cache-Control": "no-cache"})
 
-    return page
+    return serve
 
 
 def _warm_imports() -> None:
@@ -217,9 +252,14 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         )
         revalidate = f"public, max-age={STATIC_MAX_AGE_S}"
         app.mount("/static", CachedStatic(directory=STATIC, cache_control=revalidate), name="static")
-    index = _index_page(version)
     for page in PAGES:
-        app.add_api_route(page, index, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
+        app.add_api_route(
+            page,
+            _index_page(version, page),
+            methods=["GET"],
+            include_in_schema=False,
+            response_class=HTMLResponse,
+        )
 
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_kb * 1024)
     return app
