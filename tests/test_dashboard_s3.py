@@ -47,7 +47,9 @@ def test_dashboard_on_an_s3_store_lists_shows_frames_and_labels(
     sent = {}
     for seed, outcome in ((1, "success"), (2, "failure")):
         frames = smooth_frames(seed)
-        with store.create_episode(SPEC, robot_id=f"arm-{seed}", task=TASK, chunk_len=8) as w:
+        with store.create_episode(
+            SPEC, robot_id=f"arm-{seed}", task=TASK, chunk_len=16
+        ) as w:  # one chunk an array: fewer PUTs
             w.add_frames(frames)
             meta = w.close(outcome)
         sent[meta.episode_id] = frames
