@@ -47,9 +47,8 @@ def test_dashboard_on_an_s3_store_lists_shows_frames_and_labels(
     sent = {}
     for seed, outcome in ((1, "success"), (2, "failure")):
         frames = smooth_frames(seed)
-        with store.create_episode(
-            SPEC, robot_id=f"arm-{seed}", task=TASK, chunk_len=16
-        ) as w:  # one chunk an array: fewer PUTs
+        # chunk_len > LENGTH: one chunk an array, fewer S3 PUTs
+        with store.create_episode(SPEC, robot_id=f"arm-{seed}", task=TASK, chunk_len=16) as w:
             w.add_frames(frames)
             meta = w.close(outcome)
         sent[meta.episode_id] = frames
