@@ -7,7 +7,7 @@ Only committed frames are ever read (see :mod:`fleet.store`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,13 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
     robot was told; LeRobot import sets it from the episode's task string), so a multi-instruction
     dataset conditions each sample on its own instruction rather than on the spec's one.
 
+    ``keep`` (optional) says which frames of an episode are samples: a function of the episode returning
+    a bool mask [T] (e.g. SFT drops frames in ``idle`` span labels, see
+    :func:`vla_rl.train.transitions.span_effects`). Dropped frames are not samples and the kept ones
+    split into contiguous runs: an action chunk never crosses a dropped stretch (past a run's end the
+    run's last action is repeated and ``action_is_pad`` is set, as at an episode's end);
+    ``frame_index`` stays the frame's index in its episode. An episode with no kept frame is left out.
+
     All committed frames are loaded into memory at construction: fine for our dataset sizes
     (100k frames of two 128x128 cameras is ~10 GB; use ``cameras=False`` for state-only training).
     Every selected episode must have the same spec.
@@ -96,6 +103,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         task: str | None = None,
         closed_only: bool = True,
         cameras: bool = True,
+        keep: Callable[[Episode], np.ndarray] | None = None,
     ) -> None:
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
@@ -103,6 +111,9 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         self.episode_ids = _select(store, episode_ids, task, closed_only)
         episodes = [store.read_episode(eid, cameras=cameras) for eid in self.episode_ids]
         episodes = [ep for ep in episodes if ep.length]
+        masks = [_keep_mask(keep, ep) for ep in episodes]
+        kept = [i for i, m in enumerate(masks) if m is None or m.any()]
+        episodes, masks = [episodes[i] for i in kept], [masks[i] for i in kept]
         self.episode_ids = [ep.meta.episode_id for ep in episodes]
         if not episodes:
             raise ValueError(f"no episodes with frames selected from {store}")
@@ -113,14 +124,31 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
                     f"episode {ep.meta.episode_id} has spec {ep.meta.spec.name!r}, not {spec.name!r}"
                 )
         self.spec = spec
-        lengths = np.array([ep.length for ep in episodes])
-        self._ends = np.cumsum(lengths)  # global index one past each episode's last frame
-        self._starts = self._ends - lengths
+        # the kept frames of each episode, in order: their index in the episode
+        frames = [
+            np.flatnonzero(m) if m is not None else np.arange(ep.length)
+            for ep, m in zip(episodes, masks, strict=True)
+        ]
+        lengths = np.array([len(f) for f in frames])
         self._episode_of = np.repeat(np.arange(len(episodes)), lengths)
-        self._state = np.concatenate([ep.state for ep in episodes])
-        self._action = np.concatenate([ep.action for ep in episodes])
-        self._reward = np.concatenate([ep.reward for ep in episodes])
-        self._controller = np.concatenate([ep.controller for ep in episodes]).astype(np.int64)
+        self._frame = np.concatenate(frames).astype(np.int64)
+        # runs of consecutive kept frames (a whole episode without ``keep``): each frame's run end, the
+        # global index one past the run's last frame, where its action chunk stops
+        new_run = np.ones(len(self._frame), bool)
+        new_run[1:] = (self._episode_of[1:] != self._episode_of[:-1]) | (np.diff(self._frame) != 1)
+        run_start = np.flatnonzero(new_run)
+        run_end = np.append(run_start[1:], len(self._frame))
+        self._run_end = np.repeat(run_end, run_end - run_start)
+
+        def cat(arrays: Iterable[np.ndarray]) -> np.ndarray:
+            return np.concatenate(
+                [a if len(f) == len(a) else a[f] for a, f in zip(arrays, frames, strict=True)]
+            )
+
+        self._state = cat(ep.state for ep in episodes)
+        self._action = cat(ep.action for ep in episodes)
+        self._reward = cat(ep.reward for ep in episodes)
+        self._controller = cat(ep.controller for ep in episodes).astype(np.int64)
         # Distinct instruction strings (sorted, so the index is stable for a given set of episodes) and
         # each frame's index into them. Per frame so that a store with per-frame instructions fits here.
         self.instructions: tuple[str, ...] = tuple(sorted({ep.meta.instruction for ep in episodes}))
@@ -128,7 +156,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         self._instruction = np.repeat(
             np.array([code[ep.meta.instruction] for ep in episodes], dtype=np.int64), lengths
         )
-        self._images = {c: np.concatenate([ep.cameras[c] for ep in episodes]) for c in episodes[0].cameras}
+        self._images = {c: cat(ep.cameras[c] for ep in episodes) for c in episodes[0].cameras}
 
     def __len__(self) -> int:
         return len(self._episode_of)
@@ -164,7 +192,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         """
         idx = np.asarray(indices, dtype=np.int64)
         e = self._episode_of[idx]
-        start, end = self._starts[e], self._ends[e]
+        end = self._run_end[idx]
         window = idx[:, None] + np.arange(self.horizon)[None, :]
         out = {
             "observation.state": torch.from_numpy(self._state[idx]),
@@ -173,9 +201,21 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
             "reward": torch.from_numpy(self._reward[idx]),
             "controller": torch.from_numpy(self._controller[idx]),
             "episode_index": torch.from_numpy(e.astype(np.int64)),
-            "frame_index": torch.from_numpy(idx - start),
+            "frame_index": torch.from_numpy(self._frame[idx]),
             "instruction_index": torch.from_numpy(self._instruction[idx]),
         }
         for name, imgs in self._images.items():
             out[f"observation.images.{name}"] = torch.from_numpy(imgs[idx])
         return out
+
+
+def _keep_mask(keep: Callable[[Episode], np.ndarray] | None, ep: Episode) -> np.ndarray | None:
+    """``keep(ep)`` checked: a bool mask [T] (None when nothing is dropped)."""
+    if keep is None:
+        return None
+    m = np.asarray(keep(ep), dtype=bool)
+    if m.shape != (ep.length,):
+        raise ValueError(
+            f"keep: expected a bool mask of {ep.length} frames for {ep.meta.episode_id}, got {m.shape}"
+        )
+    return None if m.all() else m

@@ -1237,7 +1237,8 @@ class MetadataDB:
 
     def revision_stats(self) -> list[RevisionStats]:
         """Per checkpoint revision, oldest first: first seen, episodes it acted in, success and
-        intervention rates over those that closed."""
+        intervention rates over those that closed. The empty revision (frames no checkpoint produced:
+        demonstrations, human driving) is not one."""
         closed = EpisodeRow.status == "closed"
         ov, on = _outcome_join()
         q = (
@@ -1250,6 +1251,7 @@ class MetadataDB:
             )
             .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
             .outerjoin(ov, on)
+            .where(EpisodeRevisionRow.revision != "")  # demos / human frames: no checkpoint ran
             .group_by(EpisodeRevisionRow.revision)
             .order_by(func.min(EpisodeRow.created_at), EpisodeRevisionRow.revision)
         )
@@ -1263,7 +1265,8 @@ class MetadataDB:
         self, bucket_s: float = 3600.0, since: float | None = None, until: float | None = None
     ) -> list[TimelinePoint]:
         """Success and intervention rate per revision over time: closed episodes grouped by revision and
-        creation time in buckets of ``bucket_s`` seconds (``t`` = bucket start), oldest first."""
+        creation time in buckets of ``bucket_s`` seconds (``t`` = bucket start), oldest first; without the
+        empty revision (see :meth:`revision_stats`)."""
         if not bucket_s > 0:
             raise ValueError(f"bucket_s: expected seconds > 0, got {bucket_s}")
         if self.engine.dialect.name == "sqlite":  # no FLOOR; CAST truncates, = floor for t >= 0
@@ -1281,7 +1284,7 @@ class MetadataDB:
             )
             .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
             .outerjoin(ov, on)
-            .where(EpisodeRow.status == "closed")
+            .where(EpisodeRow.status == "closed", EpisodeRevisionRow.revision != "")
             .group_by(bucket, EpisodeRevisionRow.revision)
             .order_by(bucket, EpisodeRevisionRow.revision)
         )

@@ -9,6 +9,7 @@ dashboard tests (``from test_dashboard_api import ...``).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import socket
@@ -240,6 +241,7 @@ def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorl
         "/api/v1/selection",
         "/api/v1/selection/from-filter",
         "/api/v1/refs",
+        "/api/v1/algorithms",
         "/api/v1/rounds",
         "/api/v1/rounds/{n}",
         "/api/v1/rounds/{n}/events",
@@ -256,6 +258,76 @@ def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorl
     assert js.status_code == 200 and "max-age" in js.headers["cache-control"] and js.headers.get("etag")
     r = anon.get("/api/v1/no-such-route")
     assert r.status_code == 404 and _detail(r)["field"] == "path"
+
+
+def test_the_page_loads_versioned_immutable_assets(dash: Dashboard, tmp_path: Path) -> None:
+    """The page names its assets under /static/<content hash>/ (cached forever, immutable; ES modules'
+    relative imports stay in that version) and preloads the modules its route runs; the hash changes
+    with any asset's bytes."""
+    import re
+
+    from vla_rl.dashboard.app import STATIC, static_version
+
+    anon = dash.client(None)
+    page = anon.get("/episodes").text
+    version = static_version()
+    assert re.fullmatch(r"[0-9a-f]{12}", version) and f'src="/static/{version}/app.js"' in page
+    # a fresh browser fetches what the route runs at once (app.js, its page and their static imports)
+    core = ["api.js", "app.js", "router.js", "util.js"]
+    expect = {
+        "/episodes": [*core, "labels.js", "pages/episodes.js"],
+        "/episodes/abc": [*core, "labels.js", "pages/episode.js", "player.js", "plot.js", "timeline.js"],
+        "/rounds/3": [*core, "labels.js", "pages/rounds.js", "plot.js"],
+        "/": [*core, "pages/fleet.js", "plot.js"],
+    }
+    for path, mods in expect.items():
+        html = anon.get(path).text
+        preloaded = re.findall(rf'<link rel="modulepreload" href="/static/{version}/([^"]+)"', html)
+        assert sorted(preloaded) == sorted(mods), path
+    for asset in ("app.js", "pages/rounds.js", "style.css"):
+        r = anon.get(f"/static/{version}/{asset}")
+        assert r.status_code == 200 and r.content == (STATIC / asset).read_bytes()
+        assert r.headers["cache-control"] == "public, max-age=31536000, immutable"
+    assert anon.get("/static/0123456789ab/app.js").status_code == 404  # another version's URL
+    copy = tmp_path / "static"
+    copy.mkdir()
+    (copy / "a.js").write_text("export const a = 1;\n")
+    first = static_version(copy)
+    (copy / "a.js").write_text("export const a = 2;\n")
+    assert static_version(copy) != first
+
+
+def test_algorithms_lists_every_trainer_and_preset_with_their_knobs(dash: Dashboard) -> None:
+    """``GET /api/v1/algorithms`` is the algorithm and preset tables (what the rounds form offers and
+    ``POST /rounds`` accepts), with which learn offline / online and the knobs ``options`` may set."""
+    from vla_rl.train.algorithms import ALGORITHMS
+    from vla_rl.train.presets import PRESETS
+
+    assert dash.client(None).get("/api/v1/algorithms").status_code == 401
+    got = dash.client("viewer").get("/api/v1/algorithms").json()
+    algos = {a["name"]: a for a in got["algorithms"]}
+    assert list(algos) == list(ALGORITHMS)
+    assert {n: (a["offline"], a["online"]) for n, a in algos.items()} == {
+        "sft": (True, False),
+        "awr": (True, False),
+        "recap": (True, False),
+        "qam": (True, True),
+        "flow-noise": (False, True),
+        "flow-sde": (False, True),
+    }
+    assert algos["sft"]["needs_base"] is False and algos["awr"]["needs_base"] is True
+    assert algos["recap"]["summary"] == ALGORITHMS["recap"].summary and algos["recap"]["fixed"] == {
+        "variant": "recap"
+    }
+    presets = {p["name"]: (a["name"], p) for a in got["algorithms"] for p in a["presets"]}
+    assert {n: algo for n, (algo, _) in presets.items()} == {n: p.algorithm for n, p in PRESETS.items()}
+    assert presets["tiny-awr"][1]["values"]["steps"] == 20
+    assert presets["kinematic-qam-offline"][1]["values"]["critic_hidden"] == [256, 256]
+    awr = {k["name"]: k for k in algos["awr"]["knobs"]}
+    assert awr["steps"]["type"] == "int" and isinstance(awr["steps"]["default"], int)
+    assert not {"base", "store", "out", "progress", "variant"} & set(awr)  # set by the dashboard / the name
+    assert {"eval_episodes", "push", "repo"} <= {k["name"] for k in got["round_knobs"]}
+    assert "/api/v1/algorithms" in dash.client(None).get("/api/v1/openapi.json").json()["paths"]
 
 
 def test_episode_detail_series_frame_and_video(dash: Dashboard, world: FleetWorld) -> None:
@@ -617,6 +689,31 @@ def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
     assert f["timeline"] and all(
         set(x) == {"t", "revision", "episodes", "success_rate", "intervention_rate"} for x in f["timeline"]
     )
+    assert all(x["revision"] for x in f["revisions"] + f["timeline"])  # human frames' "" is no revision
+
+
+def test_revision_stats_skip_the_empty_revision(tmp_path: Path) -> None:
+    """Demonstrations and human-driven frames carry revision "": it is not a checkpoint, so neither the
+    per-revision numbers nor the timeline list it; an episode that mixes a policy's frames with human
+    ones counts for the policy's revision."""
+    from fleet.meta import EpisodeMeta
+
+    db = MetadataDB(f"sqlite:///{tmp_path / 'meta.db'}")
+    spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
+    metas = [
+        EpisodeMeta(f"ep-{i}", "arm-1", TASK, "reach", spec, 4, 1000.0 + i, 10, "closed", revs, success=ok)
+        for i, (revs, ok) in enumerate(
+            ((("",), True), (("r1",), False), (("", "r1"), True), (("r2", ""), True))
+        )
+    ]
+    assert db.record_episodes(metas, str(tmp_path)) == 4
+    stats = {r.revision: r for r in db.revision_stats()}
+    assert set(stats) == {"r1", "r2"}
+    assert stats["r1"].episodes == 2 and stats["r1"].success_rate == pytest.approx(0.5)
+    assert stats["r2"].episodes == 1 and stats["r2"].first_seen == pytest.approx(1003.0)
+    timeline = db.revision_timeline(bucket_s=3600.0)
+    assert sorted(p.revision for p in timeline) == ["r1", "r2"]
+    assert sum(p.episodes for p in timeline) == 3
 
 
 def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path) -> None:
@@ -786,9 +883,10 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     from vla_rl.round_worker import WorkerConfig, run_worker
 
     op = dash.client("operator")
+    knobs = {**TINY_ROUND, "steps": 150}  # long enough for the stream (polling twice a second) to see steps
     r = op.post(
         "/api/v1/rounds",
-        json={"preset": "tiny-awr", "base": f"hub://{REPO}@prod", "margin": 0.99, "options": TINY_ROUND},
+        json={"preset": "tiny-awr", "base": f"hub://{REPO}@prod", "margin": 0.99, "options": knobs},
     )
     assert r.status_code == 201, r.text
     rid = r.json()["id"]
@@ -809,6 +907,7 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     assert events[-1] == ("done", {"id": rid, "status": "succeeded"}), events[-3:]
     assert "running" in statuses and statuses[-1] == "succeeded"
     assert {"training", "evaluating", "pushing"} <= set(phases), phases
+    _assert_step_progress([e[1]["progress"] for e in events if e[0] == "progress"], knobs, watched=True)
     rec = world.db.round(rid)
     assert (
         rec.checkpoint_ref == f"hub://{REPO}@round-{rid}" and not rec.promoted
@@ -827,3 +926,108 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     assert r.status_code == 200 and r.json()["to"] == world.base_commit
     _wait(lambda: _serving(world) == world.base_commit, 60, "the following server to roll back")
     print(f"round {rid}: queued -> succeeded in {took:.0f} s")
+
+
+def _assert_step_progress(seen: list[dict[str, Any]], knobs: dict[str, Any], *, watched: bool) -> None:
+    """The progress a round showed (in order): the steps of the policy stage only go up and reach its
+    total (kept through the later phases); the candidate's evaluation reaches ``eval_episodes``. With
+    ``watched`` (training long enough for the watcher to look several times): the trainer's reports
+    were seen while training, at two step counts at least."""
+    train = [(p["stage"], p["step"], p["total_steps"]) for p in seen if p.get("stage")]
+    policy = [(s, t) for stage, s, t in train if stage == "train"]
+    assert policy and policy[-1] == (knobs["steps"], knobs["steps"]), train
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(policy)), policy
+    if watched:
+        assert any(p.get("phase") == "training" and p.get("stage") for p in seen), seen
+        assert len({s for s, _ in policy}) >= 2, f"only one step count seen: {policy}"
+    cand = [(p["episodes_done"], p["episodes_total"]) for p in seen if p.get("evaluating") == "candidate"]
+    assert cand and cand[-1] == (knobs["eval_episodes"],) * 2, cand
+    assert seen[-1]["step"] == knobs["steps"] and seen[-1]["total_steps"] == knobs["steps"]
+
+
+def test_a_running_round_reports_its_steps_and_evaluation_episodes(
+    dash: Dashboard, world: FleetWorld
+) -> None:
+    """A round queued through the API and run by ``run_round`` (what a worker's round process runs, here
+    in a thread of this process to keep it short) writes the trainer's step counts and the evaluation's
+    episodes into its progress, which the API shows; see
+    test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships (slow) for the worker process
+    and a stream that sees the steps go up, test_progress_writer_throttles_to_one_write_a_second for
+    the writes."""
+    from vla_rl.rounds import config_from_json, run_round
+
+    knobs = {**TINY_ROUND, "steps": 10, "push": False}
+    op, viewer = dash.client("operator"), dash.client("viewer")
+    r = op.post("/api/v1/rounds", json={"preset": "tiny-awr", "base": f"hub://{REPO}@prod", "options": knobs})
+    assert r.status_code == 201, r.text
+    rid, db = r.json()["id"], world.db
+    rec = db.claim_round("test-worker", rid)
+    assert rec is not None
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run_round(config_from_json(rec.config), rid, db, "test-worker")
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    seen: list[dict[str, Any]] = []
+    while t.is_alive():
+        p = viewer.get(f"/api/v1/rounds/{rid}").json()["progress"]
+        if p and (not seen or p != seen[-1]):
+            seen.append(p)
+        time.sleep(0.03)
+    t.join()
+    assert not failed, failed
+    final = viewer.get(f"/api/v1/rounds/{rid}").json()
+    assert final["status"] == "succeeded", final["error"]
+    seen.append(final["progress"])
+    _assert_step_progress(seen, knobs, watched=False)  # 10 steps can be over before a look
+    etas = [p["eta_s"] for p in seen if p.get("stage") == "train" and p["step"] < p["total_steps"]]
+    assert all(e is None or e >= 0 for e in etas)
+    assert final["progress"]["eta_s"] == 0 and final["progress"]["phase"] == "evaluating"
+
+
+def test_progress_writer_throttles_to_one_write_a_second(world: FleetWorld) -> None:
+    """1,000 trainer steps over 10 s (a fake clock) become ~1 DB write a second: the phase, the first
+    report of each stage, one a second, the last step of a stage; the row holds the latest numbers and an
+    ETA from the stage's rate; a held-back report is written by flush; a round that is not the writer's
+    raises RoundLost."""
+    from fleet.db import RoundLost
+    from vla_rl.rounds import ProgressWriter
+    from vla_rl.train.base import StepProgress, reporting_progress
+
+    db = world.db
+    rid = db.create_round(algo="awr", task=TASK, base_ref=f"hub://{REPO}@prod", config={})
+    assert db.claim_round("w1", rid) is not None
+    now = [0.0]
+    w = ProgressWriter(db, rid, "w1", interval_s=1.0, clock=lambda: now[0])
+    w.phase("training")
+    with reporting_progress(w), StepProgress(1000, stage="train", show=False) as bar:
+        for i in range(1000):
+            now[0] += 0.01
+            bar.update(1)
+            if i == 499:
+                mid = db.round(rid).progress
+    assert 1 + 1 + 9 <= w.writes <= 1 + 1 + 10 + 1, w.writes
+    assert mid["phase"] == "training" and mid["stage"] == "train" and mid["total_steps"] == 1000
+    assert 400 <= mid["step"] <= 500 and mid["eta_s"] == pytest.approx(5.0, abs=1.2)
+    p = db.round(rid).progress
+    assert (p["step"], p["total_steps"], p["eta_s"]) == (1000, 1000, 0)
+    # an evaluation: its own keys, the training numbers stay
+    with reporting_progress(w), StepProgress(4, stage="eval", show=False) as bar:
+        now[0] += 0.1
+        bar.update(1)  # held back (< 1 s since the stage's first report)
+        before = w.writes
+        w.flush()
+        assert w.writes == before + 1 and db.round(rid).progress["episodes_done"] == 1
+        w.flush()  # nothing held back: no write
+        assert w.writes == before + 1
+        bar.update(3)
+    p = db.round(rid).progress
+    assert (p["episodes_done"], p["episodes_total"], p["step"]) == (4, 4, 1000)
+    db.update_round(rid, status="failed", error="test over", finished_at=time.time())
+    with pytest.raises(RoundLost):
+        w.phase("evaluating")

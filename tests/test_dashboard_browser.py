@@ -424,8 +424,18 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     page.wait_for_function(
         f"document.querySelector('.selection-count').textContent.includes('selects {FLEET_EPISODES} episodes')"
     )
+    # the algorithms and presets are the server's (GET /api/v1/algorithms), not a list in the page
+    from vla_rl.train.algorithms import ALGORITHMS
+    from vla_rl.train.presets import PRESETS
+
+    options = "(sel) => [...document.querySelectorAll(sel + ' option')].map((o) => o.value)"
+    assert page.evaluate(options, "select[name='algo']") == list(ALGORITHMS)
+    page.select_option("select[name='algo']", "qam")
+    qam_presets = [n for n, p in PRESETS.items() if p.algorithm == "qam"]
+    assert page.evaluate(options, "select[name='preset']") == ["", *qam_presets]
     page.select_option("select[name='algo']", "awr")
     page.select_option("select[name='preset']", "tiny-awr")
+    assert PRESETS["tiny-awr"].summary in page.text_content(".algo-about")
     assert page.input_value("select[name='base']") == f"hub://{REPO}@prod"
     # a selection that matches nothing: 4xx naming the field, nothing queued
     n_before = len(world.db.rounds())
@@ -502,6 +512,9 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
         page.wait_for_url(re.compile(r".*/rounds/\d+$"))
         n = int(page.url.rsplit("/", 1)[1])
         page.wait_for_selector(".round-detail .badge.st-succeeded", timeout=400_000)
+        # the worker's step counts drawn as a bar (kept once trained): 40 of 40 policy steps
+        steps = page.locator(".round-detail .progress .bar-train progress")
+        assert steps.evaluate("(p) => [p.value, p.max]") == [40, 40]
         rec = world.db.round(n)
         assert rec.status == "succeeded" and not rec.promoted and rec.checkpoint_revision, rec.error
         page.click("button:has-text('Promote')")

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
 from sim.vector import VectorSimEnv
 from vla_rl.spec import RobotSpec
+from vla_rl.train.base import StepProgress
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def evaluate(
     results: dict[int, EpisodeResult] = {}
     frames: dict[int, list[np.ndarray]] = {}
     video_seeds = set(range(seed, seed + num_videos)) if want_video else set()
-    bar = tqdm(total=episodes, desc=f"eval {env.task}", unit="ep", disable=not progress)
+    bar = StepProgress(episodes, stage="eval", desc=f"eval {env.task}", unit="ep", show=progress)
 
     def episode_ended(ep: EpisodeRecord) -> None:
         assert ep.seed is not None

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_si
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.algorithms import make_config, train
-from vla_rl.train.base import TrainerConfig
+from vla_rl.train.base import TrainerConfig, reporting_progress
 from vla_rl.train.transitions import DataSelection
 
 log = logging.getLogger(__name__)
@@ -126,16 +127,29 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
 
 
 def _sim_gate(
-    cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str
+    cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str, progress: ProgressWriter | None = None
 ) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
     """Simulation: success rate of candidate and base on the same seeds; gate ``delta > margin``."""
     ev_kw = dict(
         episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=cfg.train.progress
     )
+
+    def evaluating(which: str) -> None:
+        if progress is not None:
+            progress.phase(
+                "evaluating",
+                evaluating=which,
+                episodes_done=0,
+                episodes_total=cfg.eval_episodes,
+                eval_eta_s=None,
+            )
+
     base_score = _known_base_score(db, base, task, cfg)
     if base_score is None:
+        evaluating("base")
         ev = evaluate(base, task, **ev_kw)  # type: ignore[arg-type]
         base_score = {"success": ev.success_rate, "ci95": list(ev.ci95), "source": "evaluated"}
+    evaluating("candidate")
     new_eval = evaluate(new, task, **ev_kw)  # type: ignore[arg-type]
     delta = new_eval.success_rate - base_score["success"]
     metrics = {
@@ -306,10 +320,86 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
-def _phase(db: MetadataDB, round_id: int, worker: str | None, phase: str) -> None:
-    """Report what the round does now (the dashboard shows it); raises RoundLost if it is not ours."""
-    if worker is not None:
-        db.heartbeat_round(round_id, worker, progress={"phase": phase, "since": time.time()})
+_PROGRESS_KEYS = (
+    "phase", "since", "stage", "step", "total_steps", "eta_s", "evaluating", "episodes_done", "episodes_total",
+    "eval_eta_s", "updated_at",
+)  # fmt: skip
+
+
+class ProgressWriter:
+    """A running round's progress in its ``round_jobs.progress`` (what the dashboard streams):
+
+    * :meth:`phase` (``loading base`` / ``training`` / ``evaluating`` / ``pushing``) is written at once;
+    * the step reports of the trainer's and the evaluation's :class:`~vla_rl.train.base.StepProgress`
+      (``__call__``, the ``on_progress`` of :func:`vla_rl.train.algorithms.train`) become ``stage``,
+      ``step``, ``total_steps`` and ``eta_s = elapsed_in_stage / steps_in_stage * (total - step)`` (an
+      evaluation's: ``episodes_done``, ``episodes_total``, ``eval_eta_s``); they are written at most once
+      every ``interval_s``, except the first report of a new stage and its last step (written at once;
+      a held-back one is written by :meth:`flush`), so a fast trainer costs ~1 DB write a second.
+
+    Without a ``worker`` (a round run outside the queue) nothing is written. A write that fails is
+    logged and skipped (progress is best effort), except :class:`RoundLost`: the round is not ours."""
+
+    def __init__(
+        self,
+        db: MetadataDB,
+        round_id: int,
+        worker: str | None,
+        *,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.db, self.round_id, self.worker = db, round_id, worker
+        self.interval_s, self.clock = interval_s, clock
+        self.state: dict[str, Any] = dict.fromkeys(_PROGRESS_KEYS)
+        self.writes = 0
+        self._last_write = -float("inf")
+        self._pending = False
+        self._stage: str | None = None  # of the latest report
+        self._stages: dict[str, tuple[float, int, int]] = {}  # stage -> (start time, start step, last step)
+
+    def _write(self) -> None:
+        if self.worker is None:
+            return
+        self.state["updated_at"] = time.time()
+        self.db.heartbeat_round(self.round_id, self.worker, progress=dict(self.state))
+        self.writes += 1
+        self._last_write, self._pending = self.clock(), False
+
+    def phase(self, phase: str, **extra: Any) -> None:
+        """The round moved on to ``phase`` (raises RoundLost if the round is no longer this worker's)."""
+        self.state.update(phase=phase, since=time.time(), **extra)
+        self._write()
+
+    def __call__(self, report: Mapping[str, Any]) -> None:
+        stage, step, total = str(report["stage"]), int(report["step"]), int(report["total_steps"])
+        now = self.clock()
+        t0, s0, last = self._stages.get(stage, (now, step, step))
+        if step < last:  # the stage started over (e.g. another evaluation, the next cross-fitting fold)
+            t0, s0 = now, step
+        self._stages[stage] = (t0, s0, step)
+        eta = (now - t0) / (step - s0) * max(0, total - step) if step > s0 else None
+        eta = round(eta, 1) if eta is not None else None
+        if stage == "eval":
+            self.state.update(episodes_done=step, episodes_total=total, eval_eta_s=eta)
+        else:
+            self.state.update(stage=stage, step=step, total_steps=total, eta_s=eta)
+        self._pending = True
+        new_stage, self._stage = stage != self._stage, stage
+        if new_stage or step >= total or now - self._last_write >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write a held-back report now."""
+        if not self._pending:
+            return
+        try:
+            self._write()
+        except RoundLost:
+            raise
+        except Exception as e:  # a DB hiccup must not stop training; the next report retries
+            self._pending = False
+            log.warning("progress write failed", extra={"round": self.round_id, "error": str(e)})
 
 
 def _tag_exists(repo: str, tag: str) -> bool:
@@ -329,8 +419,9 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
     t = cfg.train
     assert t.base is not None
     log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": t.base, "worker": worker})
+    progress = ProgressWriter(db, round_id, worker)
     try:
-        _phase(db, round_id, worker, "loading base")
+        progress.phase("loading base")
         base = load_policy(t.base)
         task = t.task or base.info.robot_spec.name
         if task != base.info.robot_spec.name:
@@ -348,15 +439,18 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         run = dataclasses.replace(
             t, out=t.out / f"round-{round_id}", task=task, round_index=round_id, data=data
         )
-        _phase(db, round_id, worker, "training")
-        trained = train(run)
+        progress.phase("training")
+        trained = train(run, on_progress=progress)
+        progress.flush()
         db.update_round(round_id, data=json.loads(json.dumps(trained.data, default=str)))
 
         # evaluate base and candidate on the same seeds (simulation) or the same held-out episodes (offline)
-        _phase(db, round_id, worker, "evaluating")
+        progress.phase("evaluating")
         new = load_policy(trained.checkpoint)
         if is_sim_task(task):
-            metrics, eval_metrics, gate, reason = _sim_gate(cfg, db, base, new, task)
+            with reporting_progress(progress):
+                metrics, eval_metrics, gate, reason = _sim_gate(cfg, db, base, new, task, progress)
+            progress.flush()
         else:
             metrics, eval_metrics, gate, reason = _offline_gate(cfg, db, base, new, task)
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
@@ -376,7 +470,7 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
         if cfg.push:
             repo = cfg.repo or parse_ref(t.base).repo_id
             tag = f"round-{round_id}"
-            _phase(db, round_id, worker, "pushing")
+            progress.phase("pushing")
             if _tag_exists(repo, tag):  # an earlier attempt of this round pushed it, then its worker died
                 raise RoundError(
                     f"{tag} already exists in {repo} (pushed by an earlier attempt); a round never tags twice"

@@ -9,14 +9,17 @@ Request bodies are bounded (``max_body_kb``; larger: 413).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import posixpath
+import re
 import threading
-from collections.abc import AsyncIterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,7 +37,21 @@ STATIC = Path(__file__).with_name("static")
 API = "/api/v1"
 PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "/fleet", "/flagged")
 STATIC_MAX_AGE_S = 300
-"""Assets are revalidated after this long (ETag / Last-Modified make that a 304)."""
+"""Assets under ``/static/`` are revalidated after this long (ETag / Last-Modified make that a 304)."""
+IMMUTABLE_MAX_AGE_S = 365 * 86400
+"""Assets under ``/static/<version>/`` (what the page loads) never change: cached this long, immutable."""
+
+
+def static_version(root: Path = STATIC) -> str:
+    """A content hash of every asset (12 hex digits of SHA-256 over each file's relative path and bytes,
+    in sorted order), computed when the app is made: the page loads its assets from
+    ``/static/<version>/...`` so a browser may cache them forever, and a changed asset is a new URL.
+    ES modules import each other by relative paths, so they stay inside the same version."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 class BodyLimit:
@@ -75,19 +92,62 @@ class BodyLimit:
 class CachedStatic(StaticFiles):
     """Static files with a Cache-Control header (plus the ETag / Last-Modified StaticFiles sends)."""
 
+    def __init__(self, *args: Any, cache_control: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache_control = cache_control
+
     def file_response(self, *args: Any, **kwargs: Any) -> Response:
         resp = super().file_response(*args, **kwargs)
-        resp.headers["Cache-Control"] = f"public, max-age={STATIC_MAX_AGE_S}"
+        resp.headers["Cache-Control"] = self.cache_control
         return resp
 
 
-def _index() -> Response:
+_STATIC_IMPORT = re.compile(r'^\s*import\b[^;]*?\bfrom\s+"(\.{1,2}/[^"]+\.js)"', re.M)
+_ROUTE = re.compile(r'route\("([^"]+)",\s*\(\)\s*=>\s*import\("\./([^"]+\.js)"\)\)')
+
+
+def page_modules(page: str, root: Path = STATIC) -> list[str]:
+    """The ES modules (paths under ``root``) the page at route ``page`` (a FastAPI path such as
+    ``/episodes/{episode_id}``) runs: ``app.js``, the page module app.js routes it to (its
+    ``route("/episodes/:id", () => import("./pages/episode.js"))`` lines) and everything they import
+    statically, transitively; sorted. What index.html preloads for that route, so a fresh browser
+    fetches them all at once and nothing the page does not need."""
+
+    def shape(path: str) -> list[str]:
+        return ["*" if p.startswith((":", "{")) else p for p in path.strip("/").split("/")]
+
+    start = ["app.js"]
+    routes = _ROUTE.findall((root / "app.js").read_text())
+    start += [mod for pattern, mod in routes if shape(pattern) == shape(page)][:1]
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        mod = todo.pop()
+        if mod in seen or not (root / mod).is_file():
+            continue
+        seen.add(mod)
+        base = PurePosixPath(mod).parent
+        for dep in _STATIC_IMPORT.findall((root / mod).read_text()):
+            todo.append(posixpath.normpath((base / dep).as_posix()))
+    return sorted(seen)
+
+
+def _index_page(version: str, page: str) -> Callable[[], Response]:
+    """The page for route ``page``: index.html (never cached: it names the assets' version) with its
+    asset URLs under ``/static/<version>/`` and a ``<link rel="modulepreload">`` for each module of
+    :func:`page_modules` in place of its ``<!-- modulepreload -->`` line."""
     index = STATIC / "index.html"
     if not index.is_file():
-        return HTMLResponse(
-            "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
-        )
-    return FileResponse(index, media_type="text/html", headers={"Cache-Control": "no-cache"})
+        text = "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
+    else:
+        links = "\n".join(f'    <link rel="modulepreload" href="/static/{m}" />' for m in page_modules(page))
+        text = index.read_text().replace("    <!-- modulepreload -->", links)
+        text = text.replace('"/static/', f'"/static/{version}/')
+
+    def serve() -> Response:
+        return HTMLResponse(text, headers={"Cache-Control": "no-cache"})
+
+    return serve
 
 
 def _warm_imports() -> None:
@@ -96,6 +156,9 @@ def _warm_imports() -> None:
     try:
         import vla_rl.rounds
         import vla_rl.train.transitions  # noqa: F401
+        from vla_rl.dashboard.rounds import algorithm_catalogue
+
+        algorithm_catalogue()  # imports every trainer's config (the rounds form asks for it)
     except Exception:  # the request that needs them reports the problem
         log.warning("warming imports failed", exc_info=True)
 
@@ -180,10 +243,23 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         raise ApiError(404, "path", f"no API route {API}/{path}", f"a route of {API}/openapi.json")
 
     app.include_router(api)
+    version = static_version() if STATIC.is_dir() else "none"
+    app.state.static_version = version
     if STATIC.is_dir():
-        app.mount("/static", CachedStatic(directory=STATIC), name="static")
+        immutable = f"public, max-age={IMMUTABLE_MAX_AGE_S}, immutable"
+        app.mount(
+            f"/static/{version}", CachedStatic(directory=STATIC, cache_control=immutable), name="assets"
+        )
+        revalidate = f"public, max-age={STATIC_MAX_AGE_S}"
+        app.mount("/static", CachedStatic(directory=STATIC, cache_control=revalidate), name="static")
     for page in PAGES:
-        app.add_api_route(page, _index, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
+        app.add_api_route(
+            page,
+            _index_page(version, page),
+            methods=["GET"],
+            include_in_schema=False,
+            response_class=HTMLResponse,
+        )
 
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_kb * 1024)
     return app

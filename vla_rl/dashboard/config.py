@@ -12,6 +12,17 @@ from vla_rl.hub.naming import validate_client_revision, validate_repo_id
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
 
 
+def store_root(store: str | Path) -> str | Path:
+    """An episode store as the dashboard keeps it: an object-store URL stays text (``s3://b/p``; also
+    what ``Path`` made of one, ``s3:/b/p``), a folder a Path."""
+    from fleet.objstore import is_remote  # imports zarr: not for --help
+
+    if is_remote(store):
+        text = str(store)
+        return text if text.startswith("s3://") else "s3://" + text.removeprefix("s3:/")
+    return Path(store)
+
+
 @dataclass
 class DashboardConfig:
     """The fleet's workbench in a browser: review and label every rollout (synchronised camera playback,
@@ -23,10 +34,11 @@ class DashboardConfig:
     flag: ps shows flags); without any, a one-time operator token is made and printed. Binds 127.0.0.1
     unless told otherwise. Example: vla-rl dashboard --store runs/fleet/store --server 127.0.0.1:50061"""
 
-    store: Path
-    """Episode store (its frames are read from here; they never pass through the DB)."""
+    store: str | Path
+    """Episode store: a folder or an object-store URL (``s3://bucket/prefix``; then --db is needed).
+    Its frames are read from here; they never pass through the DB."""
     db: str | None = None
-    """Metadata DB URL; None = the SQLite file next to the store."""
+    """Metadata DB URL; None = the SQLite file next to the store (a local store only)."""
     hub: str | None = None
     """Hub endpoint for refs, promotion and round bases; None = the global --hub (env VLA_RL_HUB)."""
     repo: str | None = None
@@ -57,7 +69,12 @@ class DashboardConfig:
     the DB, e.g. by `vla-rl sim demos`), so the episode list shows them."""
 
     def __post_init__(self) -> None:
-        self.store = Path(self.store)
+        self.store = store_root(self.store)
+        if isinstance(self.store, str) and self.db is None:
+            raise ValueError(
+                f"db: the store {self.store} is on object storage and has no SQLite file beside it; "
+                "give the metadata DB's URL with --db (e.g. postgresql://host/vla_rl)"
+            )
         self.workdir = Path(self.workdir)
         self.server = tuple(self.server)
         for addr in (*self.server, *([self.collector] if self.collector else [])):

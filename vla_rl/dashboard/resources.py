@@ -80,11 +80,14 @@ class Resources:
     def store_health(self) -> dict[str, Any]:
         try:
             store = self.store()
-            if not store.episodes_dir.is_dir():
+            if store.remote is not None:  # an object store: its root document still answers
+                if not store.remote.exists("zarr.json"):
+                    raise FileNotFoundError(f"{store.root}/zarr.json")
+            elif not store.episodes_dir.is_dir():
                 raise FileNotFoundError(store.episodes_dir)
         except ApiError as e:
             return {"ok": False, "error": e.message, "path": str(self.cfg.store)}
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: fleet.objstore.StoreURLError
             with self._lock:
                 self._store = None
                 self._store_error = f"the episode store {self.cfg.store} went away ({e}); check --store"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -195,7 +196,7 @@ def build_round(ctx: Context, body: RoundRequest, who: Principal) -> Any:
         **preset_values,
         **train_opts,
         "base": body.base,
-        "store": Path(ctx.cfg.store).resolve(),
+        "store": ctx.cfg.store if isinstance(ctx.cfg.store, str) else Path(ctx.cfg.store).resolve(),
         "out": out,
         "data": body.data or None,
         "task": task,
@@ -216,6 +217,72 @@ def build_round(ctx: Context, body: RoundRequest, who: Principal) -> Any:
     except (TypeError, ValueError) as e:
         raise _field_error(e, "options") from None
     return cfg, len(ids)
+
+
+def _knob_value(v: Any) -> Any:
+    """A config default as JSON (paths and other objects as text)."""
+    v = jsonable(v)
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, list):
+        return [_knob_value(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _knob_value(x) for k, x in v.items()}
+    return str(v)
+
+
+def _knobs(cls: type, skip: set[str]) -> list[dict[str, Any]]:
+    """The settable fields of dataclass ``cls`` but ``skip``: ``{"name", "type", "default"}``."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        out.append({"name": f.name, "type": str(f.type), "default": _knob_value(default)})
+    return out
+
+
+@functools.cache
+def algorithm_catalogue() -> dict[str, Any]:
+    """``GET /api/v1/algorithms``: every algorithm of :data:`vla_rl.train.algorithms.ALGORITHMS` (name,
+    summary, ``offline`` = learns from the episode store, ``online`` = can collect its own experience in
+    simulation (its config has ``env_steps``), ``needs_base``, the fields its name fixes, its knobs with
+    their defaults) with its presets (:data:`vla_rl.train.presets.PRESETS`: name, summary, knob values),
+    and the round's own knobs (:class:`vla_rl.rounds.RoundOptions`) that ``options`` may also set."""
+    from vla_rl.rounds import RoundOptions
+    from vla_rl.train.algorithms import ALGORITHMS
+    from vla_rl.train.presets import PRESETS
+
+    algos = []
+    for a in ALGORITHMS.values():
+        cls = a.config_class()
+        names = {f.name for f in dataclasses.fields(cls)}
+        algos.append(
+            {
+                "name": a.name,
+                "summary": a.summary,
+                "offline": bool(cls.needs_store),
+                "online": "env_steps" in names,
+                "needs_base": bool(cls.needs_base),
+                "fixed": {k: _knob_value(v) for k, v in a.fixed.items()},
+                "knobs": _knobs(cls, set(_RESERVED) | set(a.fixed)),
+                "presets": [
+                    {
+                        "name": p.name,
+                        "summary": p.summary,
+                        "values": {k: _knob_value(v) for k, v in p.values.items()},
+                    }
+                    for p in PRESETS.values()
+                    if p.algorithm == a.name
+                ],
+            }
+        )
+    return {"algorithms": algos, "round_knobs": _knobs(RoundOptions, {"margin", "promote_ref"})}
 
 
 def _events(rec: RoundRecord) -> list[dict[str, Any]]:
@@ -260,6 +327,10 @@ def make_router(ctx: Context) -> APIRouter:
     r = APIRouter()
     viewer = Depends(ctx.require("viewer"))
     operator = Depends(ctx.require("operator"))
+
+    @r.get("/algorithms", summary="the algorithms and presets a round can use, with their knobs")
+    def algorithms(_: Principal = viewer) -> dict[str, Any]:
+        return algorithm_catalogue()
 
     @r.get("/rounds", summary="rounds, newest first")
     def rounds(_: Principal = viewer) -> dict[str, Any]:

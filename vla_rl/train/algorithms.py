@@ -3,6 +3,7 @@
     from vla_rl.train.algorithms import ALGORITHMS, make_config, train
     cfg = make_config("qam", base="hub://org/arm@prod", store="runs/store", out="runs/qam", inv_temp=20)
     result = train(cfg)            # a TrainResult: checkpoint, seconds, metrics, curve, data
+    train(cfg, on_progress=print)  # ... reporting {"stage", "step", "total_steps"} as it goes
 
 Rounds, the CLI (``vla-rl train NAME``, ``vla-rl round start --algo NAME``), presets and benchmarks all go
 through this table, so an algorithm is added in one place. Modules are imported on first use: listing
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import ProgressCallback, TrainerConfig, TrainResult, reporting_progress
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ def make_config(name: str, **values: Any) -> TrainerConfig:
     return get_algorithm(name).make_config(**values)
 
 
-def train(cfg: TrainerConfig) -> TrainResult:
-    """Run the trainer ``cfg`` belongs to."""
-    return get_algorithm(cfg.algorithm).run(cfg)
+def train(cfg: TrainerConfig, on_progress: ProgressCallback | None = None) -> TrainResult:
+    """Run the trainer ``cfg`` belongs to; ``on_progress`` receives its step counts
+    (:class:`vla_rl.train.base.StepProgress`) as it goes (None: whoever listens around the call)."""
+    if on_progress is None:
+        return get_algorithm(cfg.algorithm).run(cfg)
+    with reporting_progress(on_progress):
+        return get_algorithm(cfg.algorithm).run(cfg)

@@ -37,7 +37,6 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fleet.db import MetadataDB
 from fleet.meta import Controller
@@ -49,7 +48,7 @@ from policies.flow_vla.modeling_flow_vla import (
     ADVANTAGE_UNCONDITIONAL,
 )
 from vla_rl.policy_loading import load_policy
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -227,7 +226,8 @@ def _fit_value(
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)
     rng = np.random.default_rng([cfg.seed, 1])
     loss_val = float("nan")
-    for _step in tqdm(range(cfg.value_steps), desc=bar_desc, unit="step", disable=not cfg.progress):
+    bar = StepProgress(cfg.value_steps, stage="value", desc=bar_desc, show=cfg.progress)
+    for _step in range(cfg.value_steps):
         rows = torch.from_numpy(rng.choice(train_rows, size=cfg.batch_size))
         f, g = feats[rows], returns[rows]
         if isinstance(head, CategoricalValue):
@@ -238,6 +238,8 @@ def _fit_value(
         loss.backward()
         opt.step()
         loss_val = float(loss.detach())
+        bar.update(1)
+    bar.close()
     return head.eval(), loss_val
 
 
@@ -409,7 +411,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
             writer.add_scalar(f"value/{k}", v, 0)
     model.train()
     end = min(cfg.steps, cfg.stop_at or cfg.steps)
-    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.variant, unit="step", disable=not cfg.progress)
+    bar = StepProgress(cfg.steps, initial=start, stage="train", desc=cfg.variant, show=cfg.progress)
     a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
 
     def save(step: int) -> None:

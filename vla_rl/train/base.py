@@ -6,11 +6,18 @@ device, threads, progress, logging) and its ``train_*`` function returns a :clas
 benchmarks and ``vla-rl up`` therefore drive every algorithm the same way (see
 :mod:`vla_rl.train.algorithms`).
 
+Progress: every trainer counts its steps with :class:`StepProgress` (a terminal bar when ``progress`` is
+on, and a report to whoever runs it: ``train(cfg, on_progress=callback)`` in
+:mod:`vla_rl.train.algorithms`, e.g. a round worker writing it into the DB for the dashboard).
+
 This module imports nothing heavy (no torch), so the CLI can build ``--help`` from the configs cheaply.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -90,3 +97,67 @@ class TrainResult:
     """One row per logged point (step, env steps, losses, success ...), for plots."""
     data: dict[str, Any] = field(default_factory=dict)
     """Snapshot of the data it learned from (selection, episodes, frames, env steps)."""
+
+
+# ---------------------------------------------------------------------------- progress reports
+ProgressCallback = Callable[[Mapping[str, Any]], None]
+"""Receives ``{"stage": str, "step": int, "total_steps": int}`` after every counted step (cheap to call:
+the listener throttles what it does with it)."""
+
+_listener: ContextVar[ProgressCallback | None] = ContextVar("vla_rl_train_progress", default=None)
+
+
+@contextmanager
+def reporting_progress(callback: ProgressCallback | None) -> Iterator[None]:
+    """Within the block, every :class:`StepProgress` of this thread reports to ``callback`` (None: to nobody)."""
+    token = _listener.set(callback)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
+
+
+class StepProgress:
+    """A trainer's (or an evaluation's) step counter: ``step`` of ``total`` in ``stage``.
+
+    It shows a tqdm bar on the terminal when ``show`` and reports ``{"stage", "step", "total_steps"}`` to
+    the callback of the enclosing :func:`reporting_progress` on creation and on every :meth:`update`;
+    the one way every trainer tells a round how far it is."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        stage: str,
+        initial: int = 0,
+        desc: str | None = None,
+        unit: str = "step",
+        show: bool = True,
+    ) -> None:
+        from tqdm import tqdm
+
+        self.total, self.stage, self.n = int(total), stage, int(initial)
+        self._bar = tqdm(total=total, initial=initial, desc=desc or stage, unit=unit, disable=not show)
+        self._callback = _listener.get()
+        self._report()
+
+    def _report(self) -> None:
+        if self._callback is not None:
+            self._callback({"stage": self.stage, "step": self.n, "total_steps": self.total})
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self._bar.update(n)
+        self._report()
+
+    def set_postfix(self, **values: Any) -> None:
+        self._bar.set_postfix(**values)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> StepProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -60,14 +60,13 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from policies.flow_vla import DenoisingChain, FlowVLAConfig, FlowVLAPolicy, PrefixCache, SDESchedule
 from policies.flow_vla.sampling import chain_log_prob, noise_kernel
 from sim.ray_workers import check_ray_address
 from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import config_dict, save_derived_checkpoint
 
 log = logging.getLogger(__name__)
@@ -821,7 +820,9 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     sampler = _Sampler(cfg, policy, value_fn, emb)
     curve: list[dict[str, float]] = []
     env_steps = episodes_total = iteration = 0
-    bar = tqdm(total=cfg.env_steps, desc=f"ppo {cfg.algorithm}", unit="step", disable=not cfg.progress)
+    bar = StepProgress(
+        cfg.env_steps, stage="online", desc=f"ppo {cfg.algorithm}", unit="env step", show=cfg.progress
+    )
     try:
         rollout = _Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
         while env_steps < cfg.env_steps:

@@ -60,7 +60,6 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from fleet.meta import Controller
 from fleet.store import EpisodeStore
@@ -71,7 +70,7 @@ from sim.ray_workers import check_ray_address
 from sim.rollout import EpisodeRecord, StepRecord
 from vla_rl.policy_loading import LoadedPolicy, load_policy
 from vla_rl.spec import RobotSpec
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     TRAIN_STATE,
     batch_to_policy_inputs,
@@ -904,7 +903,7 @@ class _QAMRun:
             if cfg.next_action_cache
             else None
         )
-        self.bar: tqdm | None = None
+        self.bar: StepProgress | None = None
         self.stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
         self.deadline = math.inf
 
@@ -1173,12 +1172,12 @@ class _QAMRun:
         """Updates on the replay up to ``offline_steps`` (or the stop / time limit); True when stopped
         at ``stop_at`` (preempted: the caller saves and returns)."""
         cfg = self.cfg
-        self.bar = tqdm(
-            total=cfg.offline_steps,
+        self.bar = StepProgress(
+            cfg.offline_steps,
             initial=min(self.step, cfg.offline_steps),
+            stage="offline",
             desc="qam offline",
-            unit="step",
-            disable=not cfg.progress,
+            show=cfg.progress,
         )
         self.learner.fine.train()
         self.deadline = self.t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
@@ -1203,12 +1202,13 @@ class _QAMRun:
             if self.dist.is_main
             else None
         )
-        self.bar = tqdm(
-            total=cfg.env_steps,
+        self.bar = StepProgress(
+            cfg.env_steps,
             initial=self.env_steps,
+            stage="online",
             desc="qam online",
             unit="env step",
-            disable=not cfg.progress,
+            show=cfg.progress,
         )
         due = 0.0
         try:

@@ -2,7 +2,10 @@
 
 Conditional flow matching with π0's Beta(1.5, 1) time sampling (in the policy), AdamW, linear warmup
 then cosine decay, gradient clipping, EMA weights (those are what we ship), bf16 autocast on CUDA.
-Normalisation statistics are computed from the training data and saved inside the checkpoint.
+Normalisation statistics are computed from the training data and saved inside the checkpoint. Span
+labels of key ``segment`` apply as in every trainer (:func:`vla_rl.train.transitions.span_effects`):
+frames in an ``idle`` span (not also in a ``recovery`` one) are no samples, and no action chunk
+crosses them.
 
 Output folder::
 
@@ -19,20 +22,21 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
-from tqdm import tqdm
 
 from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB, default_url
-from fleet.store import EpisodeStore
+from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -57,7 +61,7 @@ from vla_rl.train.distributed import (
     mean_scalars,
     summary_writer,
 )
-from vla_rl.train.transitions import DataSelection, select_episode_ids
+from vla_rl.train.transitions import SPAN_KEY, DataSelection, select_episode_ids, span_effects
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +172,23 @@ def _save_policy(path: Path, model: FlowVLAPolicy, cfg: SFTConfig, ds: ChunkData
     save_checkpoint(path, model.state_dict(), info)
 
 
+def span_keep(db: MetadataDB, episode_ids: list[str]) -> Callable[[Episode], np.ndarray]:
+    """The ``keep`` of :class:`fleet.dataset.ChunkDataset` from the episodes' current ``segment`` span
+    labels: :func:`~vla_rl.train.transitions.span_effects`'s mask (False in idle spans not covered by a
+    recovery span), the same frames AWR / RECAP / QAM drop."""
+    spans = db.current_spans(episode_ids)
+
+    def keep(ep: Episode) -> np.ndarray:
+        mine = [
+            (str(lb.value), lb.start, lb.end)
+            for lb in spans.get(ep.meta.episode_id, [])
+            if lb.key == SPAN_KEY
+        ]
+        return span_effects(ep.length, ep.controller, mine)[0]
+
+    return keep
+
+
 def train_sft(cfg: SFTConfig) -> SFTResult:
     """Train (or resume) an SFT run; returns where the last checkpoint is and how the loss moved.
 
@@ -186,7 +207,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     db = MetadataDB(cfg.db_url or default_url(store.root))
     selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
     episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
-    ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids)
+    ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids, keep=span_keep(db, episode_ids))
     stats = compute_normalization_stats(ds.states, ds.actions)
     model_kw: dict[str, Any] = {
         "chunk_len": cfg.chunk_len,
@@ -254,9 +275,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
             "processes": dist.world,
         },
     )
-    bar = tqdm(
-        total=cfg.steps, initial=step, desc="sft", unit="step", disable=not (cfg.progress and dist.is_main)
-    )
+    bar = StepProgress(cfg.steps, initial=step, stage="train", desc="sft", show=cfg.progress and dist.is_main)
     a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
     speed = Throughput()
     model.train()

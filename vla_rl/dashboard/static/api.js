@@ -68,6 +68,15 @@ async function failure(res, path) {
   return err;
 }
 
+/** The response promise of a request index.html started before the modules loaded (once). */
+function takeEarly(path) {
+  const early = window.vlaEarly;
+  if (!early || !(path in early)) return null;
+  const p = early[path];
+  delete early[path];
+  return p;
+}
+
 /** JSON request to /api/v1{path}; `body` is sent as JSON. Throws ApiError. */
 export async function api(path, { method = "GET", body, signal } = {}) {
   const init = { method, headers: headers(), signal };
@@ -77,7 +86,8 @@ export async function api(path, { method = "GET", body, signal } = {}) {
   }
   let res;
   try {
-    res = await fetch(API + path, init);
+    res = (method === "GET" && takeEarly(path)) || (await fetch(API + path, init));
+    res = await res;
   } catch (e) {
     if (e.name === "AbortError") throw e;
     throw new ApiError(0, { message: `dashboard server unreachable (${e.message})` }, path);

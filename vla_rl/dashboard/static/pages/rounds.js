@@ -8,16 +8,6 @@ import { LinePlot } from "../plot.js";
 import { navigate } from "../router.js";
 import { ago, badge, clear, confirmDialog, debounce, h, num, pct, short, showError, when } from "../util.js";
 
-// What `vla-rl round start --algo/--preset` accepts (vla_rl/train/algorithms.py, presets.py).
-const ALGOS = ["awr", "recap", "qam", "sft", "flow-noise", "flow-sde"];
-const PRESETS = {
-  "tiny-awr": "awr",
-  "kinematic-sft": "sft",
-  "kinematic-qam-offline": "qam",
-  "kinematic-qam-pi": "qam",
-  "kinematic-flow-noise": "flow-noise",
-  "kinematic-flow-sde-all": "flow-sde",
-};
 const ACTIVE = new Set(["queued", "running"]);
 
 /** An episode-list filter (URL query) -> DataSelection text + task; what cannot be carried. */
@@ -37,6 +27,27 @@ export function filterToSelection(q) {
 
 const roundNo = (r) => r.id ?? r.round ?? r.n;
 
+/** Seconds -> "1 h 05 min" / "3 min 20 s" / "12 s". */
+export function duration(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "";
+  s = Math.max(0, Math.round(s));
+  if (s >= 3600) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
+  if (s >= 60) return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, "0")} s`;
+  return `${s} s`;
+}
+
+/** A progress bar with "done / total unit" and the ETA. */
+function bar(label, done, total, unit, eta) {
+  const frac = total ? Math.min(1, done / total) : 0;
+  return h(
+    `div.bar.bar-${label.split(" ")[0]}`,
+    h("b", `${label} `),
+    h("progress", { max: total || 1, value: done || 0 }),
+    h("span.mono", ` ${num(done)} / ${num(total)} ${unit} (${pct(frac)})`),
+    eta !== null && eta !== undefined && done < total ? h("span.muted.eta", ` · ETA ${duration(eta)}`) : null,
+  );
+}
+
 export async function render(root, ctx) {
   await ctx.ready;
   const err = h("div.err-slot");
@@ -49,13 +60,14 @@ export async function render(root, ctx) {
   const cleanups = [];
   let stopped = false;
 
-  // ---- refs + rollback -----------------------------------------------------------------------
+  // ---- refs + rollback, the algorithms and presets the server knows --------------------------
   let refs = { repo: "", refs: [] };
-  try {
-    refs = await api("/refs");
-  } catch (e) {
-    showError(err, e, "refs");
-  }
+  let catalogue = { algorithms: [], round_knobs: [] };
+  const [refsRes, algosRes] = await Promise.allSettled([api("/refs"), api("/algorithms")]);
+  if (refsRes.status === "fulfilled") refs = refsRes.value;
+  else showError(err, refsRes.reason, "refs");
+  if (algosRes.status === "fulfilled") catalogue = algosRes.value;
+  else showError(err, algosRes.reason, "algorithms");
 
   // ---- the list ------------------------------------------------------------------------------
   let listTimer = null;
@@ -126,12 +138,38 @@ export async function render(root, ctx) {
   drawForm();
   function drawForm() {
     const fromFilter = ctx.query.get("filter") !== null ? filterToSelection(new URLSearchParams(ctx.query.get("filter"))) : { data: "", task: "", dropped: [] };
-    const algo = h("select", { name: "algo" }, ALGOS.map((a) => h("option", { value: a }, a)));
+    const algos = catalogue.algorithms || [];
+    const modes = (a) => [a.offline ? "offline" : null, a.online ? "online" : null].filter(Boolean).join(" + ");
+    const algo = h(
+      "select",
+      { name: "algo" },
+      algos.map((a) => h("option", { value: a.name, title: a.summary }, `${a.name} (${modes(a)})`)),
+    );
     const preset = h("select", { name: "preset" });
-    const fillPresets = () =>
-      clear(preset, h("option", { value: "" }, "none"), Object.entries(PRESETS).filter(([, a]) => a === algo.value).map(([p]) => h("option", { value: p }, p)));
+    const about = h("p.small.muted.algo-about");
+    const knobsList = h("details.small.knobs");
+    const fillPresets = () => {
+      const a = algos.find((x) => x.name === algo.value);
+      clear(preset, h("option", { value: "" }, "none"), (a ? a.presets : []).map((p) => h("option", { value: p.name, title: p.summary }, p.name)));
+      describe();
+    };
+    const describe = () => {
+      const a = algos.find((x) => x.name === algo.value);
+      const p = a && a.presets.find((x) => x.name === preset.value);
+      const knobs = a ? [...a.knobs, ...(catalogue.round_knobs || [])] : [];
+      clear(
+        knobsList,
+        h("summary", `${knobs.length} knobs options may set`),
+        h("ul.mono", knobs.map((k) => h("li", `${k.name}: ${k.type} = ${JSON.stringify(k.default)}`))),
+      );
+      clear(
+        about,
+        a ? a.summary : "",
+        p ? h("span", h("br"), h("b", `${p.name}: `), p.summary, h("br"), h("span.mono", JSON.stringify(p.values))) : null,
+      );
+    };
     algo.addEventListener("change", fillPresets);
-    fillPresets();
+    preset.addEventListener("change", describe);
     const base = h(
       "select",
       { name: "base" },
@@ -144,6 +182,7 @@ export async function render(root, ctx) {
     const task = h("input", { name: "task", value: fromFilter.task, placeholder: "from the base checkpoint" });
     const margin = h("input", { name: "margin", type: "number", step: "0.01", min: "-0.99", max: "0.99", value: "0" });
     const options = h("textarea", { name: "options", rows: 3, placeholder: '{"steps": 20, "eval_episodes": 10}' });
+    fillPresets();
     const count = h("div.selection-count.muted", { "aria-live": "polite" });
     const formErr = h("div.err-slot");
     const submit = h("button.primary", { type: "submit", disabled: !ctx.can("operator"), title: ctx.can("operator") ? "" : forbiddenText(null, ctx.session, "start rounds") }, "Start round");
@@ -176,6 +215,7 @@ export async function render(root, ctx) {
       { onsubmit: (ev) => start(ev) },
       h("label", h("span", "algorithm"), algo),
       h("label", h("span", "preset"), preset),
+      about,
       h("label", h("span", "base"), base, baseOther),
       h("label", h("span", "task"), task),
       h("label.wide", h("span", "data selection"), data),
@@ -183,6 +223,7 @@ export async function render(root, ctx) {
       clear(dropSlot, fromFilter.dropped.length ? `not expressible as a data selection, left out: ${fromFilter.dropped.join(", ")}` : ""),
       h("label", h("span", "margin"), margin),
       h("label.wide", h("span", "options (JSON: trainer and round fields)"), options),
+      knobsList,
       formErr,
       h("menu", submit),
     );
@@ -264,27 +305,20 @@ export async function render(root, ctx) {
       clear(lastLoss, losses.x.length ? `training loss ${num(losses.y[losses.y.length - 1], 4)} at step ${losses.x[losses.x.length - 1]}` : "");
       curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
     };
+    // p: what the worker last wrote (vla_rl.rounds.ProgressWriter): phase, since, stage, step,
+    // total_steps, eta_s, evaluating (base | candidate), episodes_done, episodes_total, eval_eta_s
     const drawProgress = (p) => {
-      const step = p.step ?? p.steps_done;
-      const total = p.total_steps ?? p.steps ?? p.total;
-      const evDone = p.eval_done ?? p.episodes_done ?? p.eval_episodes_done;
-      const evTotal = p.eval_total ?? p.eval_episodes;
+      const active = ACTIVE.has(r.status);
+      const hasSteps = typeof p.step === "number" && typeof p.total_steps === "number";
+      const hasEval = typeof p.episodes_done === "number" && typeof p.episodes_total === "number";
       clear(
         progress,
-        ACTIVE.has(r.status)
+        active
           ? h("div", h("b", "phase "), h("span.phase", p.phase || r.status), p.since ? h("span.muted", ` (${ago(p.since)})`) : null)
           : h("div", h("b", "finished "), h("span.phase", r.status), r.finished_at ? h("span.muted", ` (${ago(r.finished_at)})`) : null),
-        step !== undefined ? h("div", h("b", "step "), `${step}${total ? ` / ${total}` : ""}`, total ? h("progress", { max: total, value: step }) : null) : null,
-        p.loss !== undefined ? h("div", h("b", "loss "), num(p.loss, 4)) : null,
-        evDone !== undefined ? h("div", h("b", "evaluation "), `${evDone}${evTotal ? ` / ${evTotal}` : ""} episodes`, evTotal ? h("progress", { max: evTotal, value: evDone }) : null) : null,
+        hasSteps ? bar(`${p.stage || "train"} steps`, p.step, p.total_steps, "", active ? p.eta_s : null) : null,
+        hasEval ? bar(`evaluation${p.evaluating ? ` (${p.evaluating})` : ""}`, p.episodes_done, p.episodes_total, "episodes", active ? p.eval_eta_s : null) : null,
       );
-      if (p.curve) setCurve(p.curve);
-      else if (p.loss !== undefined && step !== undefined && losses.x[losses.x.length - 1] !== step) {
-        losses.x.push(step);
-        losses.y.push(p.loss);
-        curveSlot.hidden = losses.x.length < 2;
-        curve.setData({ x: losses.x, series: [{ values: losses.y, color: "#4e79a7", width: 1.5, points: losses.x.length < 30 }] });
-      }
     };
     const drawActions = () => {
       const canOp = ctx.can("operator");
