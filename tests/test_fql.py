@@ -114,6 +114,10 @@ def test_learner_losses_match_an_independent_recomputation(tmp_path: Path) -> No
     torch.testing.assert_close(out["loss_distill"], (mu - ode).square().mean())
     torch.testing.assert_close(out["loss_q_pi"], -q_pi.mean() / q_pi.abs().mean())
     torch.testing.assert_close(out["loss_actor"], 3.0 * out["loss_distill"] + out["loss_q_pi"])
+    # the actor's Q term moves the actor only, never the critic's weights
+    out["loss_actor"].backward()
+    assert all(p.grad is None for p in learner.critic.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in learner.actor.parameters())
     # the MC warm start regresses on the Monte-Carlo return, and no Q term before the warm-up ends
     mc = learner.losses(batch, None, mc=True, use_q=False)
     torch.testing.assert_close(mc["loss_q"], (q - batch["mc_return"][None]).square().mean())

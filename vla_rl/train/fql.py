@@ -266,7 +266,13 @@ class FQLLearner(nn.Module):
         out["loss_distill"] = distillation_loss(mu, self.base_ode(batch, z))
         actor = cfg.alpha * out["loss_distill"]
         if use_q:
-            q_pi = self.critic(feats, self.clip_norm(mu)[:, : self.n_exec])
+            # Q at the policy's action trains the actor only: the critic's weights are constants here
+            # (the reference evaluates the critic with its current, not its gradient, parameters)
+            self.critic.requires_grad_(False)
+            try:
+                q_pi = self.critic(feats, self.clip_norm(mu)[:, : self.n_exec])
+            finally:
+                self.critic.requires_grad_(True)
             out["loss_q_pi"] = fql_q_loss(q_pi, cfg.normalize_q_loss)
             actor = actor + out["loss_q_pi"]
             out["q_pi_mean"] = q_pi.mean().detach()
