@@ -56,13 +56,13 @@ def _batch(b: int = 5) -> tuple[dict, dict]:
     return batch, {"state": torch.randn(b, 3), "cameras": {}}
 
 
-def test_one_step_actions_hand_computed_and_equal_to_the_deployed_one_step_sampler() -> None:
+def test_one_step_actions_hand_computed_and_equal_to_the_deployed_one_step_sampler(tmp_path: Path) -> None:
     a = torch.tensor([[0.5, -0.2], [0.1, 0.3]])
     c = torch.tensor([0.05, -0.4])
     z = torch.randn(3, 2)
     torch.testing.assert_close(one_step_actions(lambda x, t: x @ a + c, z), z + z @ a + c)
     # the actor's μ(s, z) is exactly what serving computes with the saved num_inference_steps = 1
-    learner = FQLLearner(_policy(), _cfg(Path("/tmp")))
+    learner = FQLLearner(_policy(), _cfg(tmp_path))
     batch, _ = _batch()
     z = torch.randn(5, 4, 2)
     with torch.no_grad():
