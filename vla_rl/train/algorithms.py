@@ -79,6 +79,12 @@ ALGORITHMS: dict[str, Algorithm] = {
             "vla_rl.train.qam:QAMConfig",
             "vla_rl.train.qam:train_qam",
         ),
+        Algorithm(
+            "fql",
+            "flow Q-learning: a one-step policy distilled from the BC flow against Q (offline)",
+            "vla_rl.train.fql:FQLConfig",
+            "vla_rl.train.fql:train_fql",
+        ),
         Algorithm("flow-noise", "π-RL Flow-Noise PPO, online in simulation", *_PPO, {"method": "noise"}),
         Algorithm("flow-sde", "π-RL Flow-SDE PPO, online in simulation", *_PPO, {"method": "sde"}),
     )

@@ -8,8 +8,9 @@ its advantage, and re-train the flow policy to prefer better-than-average action
    :mod:`vla_rl.train.transitions`: returns are cut at human takeovers, which count as failures of the
    autonomous stretch) of non-human frames, cross-fitted: each episode is scored by a value that did
    not see it (a value fitted on the same returns memorises them and leaves only noise). ``value="categorical"``: RECAP/DIVL's distributional
-   head (cross-entropy on atoms spanning the data's return range); ``"expectile"``: IQL's
-   asymmetric L2 (tau > 0.5 leans optimistic).
+   head (cross-entropy on atoms spanning the data's return range, read out by its mean); ``"divl"``:
+   LWD's distributional implicit value, the same head read out by an upper quantile
+   (:mod:`vla_rl.train.divl`); ``"expectile"``: IQL's asymmetric L2 (tau > 0.5 leans optimistic).
 2. **Advantage.** A_t = G_t - V(s_t), computed once for every frame with the value frozen.
 3. **Policy extraction**, from the base checkpoint:
 
@@ -73,6 +74,7 @@ from vla_rl.train.distributed import (
     mean_scalars,
     summary_writer,
 )
+from vla_rl.train.divl import DIVLConfig, DIVLValue
 from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,9 @@ class AWRConfig(TrainerConfig):
     """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
 
     # value function
-    value: Literal["categorical", "expectile"] = "categorical"
+    value: Literal["categorical", "expectile", "divl"] = "categorical"
+    """V(s): a categorical head's mean, IQL's expectile, or DIVL's τ-quantile of the categorical head
+    (``divl_quantile``; vla_rl/train/divl.py)."""
     reward: RewardKind = "steps_to_go"
     """Return definition (see transitions.py). steps_to_go makes faster successes better, as RECAP."""
     gamma: float = 1.0
@@ -107,6 +111,8 @@ class AWRConfig(TrainerConfig):
     """Atoms of the categorical value, spanning the data's return range."""
     expectile: float = 0.7
     """tau of the expectile value (value="expectile")."""
+    divl_quantile: float = 0.7
+    """τ of the DIVL read-out V_τ(s) = Quant_τ(p(G | s)) (value="divl"): > 0.5 leans optimistic."""
 
     # policy extraction
     steps: int = 1500
@@ -149,8 +155,9 @@ class AWRConfig(TrainerConfig):
         self.value_hidden = tuple(self.value_hidden)
         if self.variant not in ("awr", "recap"):
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
-        if self.value not in ("categorical", "expectile"):
-            raise ValueError(f"value: expected categorical or expectile, got {self.value!r}")
+        if self.value not in ("categorical", "expectile", "divl"):
+            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
+        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
         for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
@@ -221,6 +228,9 @@ def _fit_value(
     head: torch.nn.Module
     if cfg.value == "categorical":
         head = CategoricalValue(feats.shape[1], cfg.value_bins, lo, hi, cfg.value_hidden).to(feats.device)
+    elif cfg.value == "divl":
+        divl = DIVLConfig(quantile=cfg.divl_quantile, bins=cfg.value_bins)
+        head = DIVLValue(feats.shape[1], divl, lo, hi, cfg.value_hidden).to(feats.device)
     else:
         head = ValueMLP(feats.shape[1], cfg.value_hidden).to(feats.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)

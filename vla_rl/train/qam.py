@@ -15,7 +15,9 @@ policies). Networks on a flow VLA (section 7 checklist):
 The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp``. One update:
 
 1. ``L_Q = mean_{m,B} valid·(Q_m(s, a) − y)²``, ``y = R_n + γ^n·bootstrap·(mean_m Q̄_m − ρ std_m Q̄_m)(s', a')``
-   with a' ~ fine policy at s' = s_{t+n} (Euler ODE, clipped);
+   with a' ~ fine policy at s' = s_{t+n} (Euler ODE, clipped); with ``value="divl"`` instead
+   ``y = R_n + γ^n·bootstrap·V_τ(s')``, V_τ the τ-quantile of a categorical value fitted to the target
+   critic at the data's actions (LWD's DIVL, :mod:`vla_rl.train.divl`);
 2. ``L_BC``: the base's flow-matching loss (only with ``train_base``);
 3. adjoint matching: simulate the fine policy under the memoryless SDE (last step deterministic with
    the base), take the terminal adjoint ``ã_K = −λ ∇_a mean_m Q̄(s, clip(a))`` (zero on the actions
@@ -94,6 +96,7 @@ from vla_rl.train.distributed import (
     mean_scalars,
     summary_writer,
 )
+from vla_rl.train.divl import DIVLConfig, DIVLValue, divl_support, divl_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
     DataSelection,
@@ -280,6 +283,17 @@ class QAMConfig(TrainerConfig):
     train_base: bool = False
     """Keep training the behaviour flow with L_BC and use its Polyak copy as the adjoint's base (the
     reference). False freezes the SFT policy as the base (cheaper; the prior never drifts)."""
+    value: Literal["policy", "divl"] = "policy"
+    """The TD target's bootstrap: 'policy' = the target critic at the fine policy's next chunk (the
+    reference); 'divl' = LWD's distributional implicit value V_τ(s') (a categorical value trained by
+    cross-entropy on the target critic at the data's actions, read out at ``divl_quantile``;
+    vla_rl/train/divl.py): in-sample, and no fine-policy sampling per TD target."""
+    divl_quantile: float = 0.7
+    """value="divl": τ of the read-out V_τ(s) = Quant_τ(p(Q̄(s, a_data) | s)); > 0.5 leans optimistic."""
+    value_bins: int = 51
+    """value="divl": atoms of the categorical value (spanning the data's return range, widened 10%)."""
+    value_hidden: tuple[int, ...] = (256, 256)
+    """value="divl": the value MLP's widths (LayerNorm, as the critic)."""
     feature_mode: FeatureMode = "auto"
     """Critic input: 'state' = normalised state; 'trunk' = the frozen base's mean-pooled trunk tokens
     (needed with cameras; they include the instruction); 'auto' = trunk when the policy has cameras or
@@ -383,6 +397,14 @@ class QAMConfig(TrainerConfig):
         if self.init_reset_actor and self.init_from is None:
             raise ValueError("init_reset_actor: needs init_from (the run whose critic to keep)")
         self.critic_hidden = tuple(int(h) for h in self.critic_hidden)
+        self.value_hidden = tuple(int(h) for h in self.value_hidden)
+        if self.value not in ("policy", "divl"):
+            raise ValueError(f"value: expected policy or divl, got {self.value!r}")
+        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile, value_bins
+        if self.value == "divl" and self.next_action_cache:
+            raise ValueError(
+                "next_action_cache: value='divl' bootstraps from V(s') and samples no next action; set it to 0"
+            )
         self.ray = check_ray_address(self.ray)
         for name in (
             "members",
@@ -455,8 +477,15 @@ class QAMResult(TrainResult):
 class QAMLearner(nn.Module):
     """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target."""
 
-    def __init__(self, base: FlowVLAPolicy, cfg: QAMConfig, instructions: int = 1) -> None:
-        """``instructions``: how many distinct instructions the data holds (``feature_mode="auto"``)."""
+    def __init__(
+        self,
+        base: FlowVLAPolicy,
+        cfg: QAMConfig,
+        value_support: tuple[float, float] = (-1.0, 0.0),
+        instructions: int = 1,
+    ) -> None:
+        """``value_support``: the DIVL value's atom range (``value="divl"``; see :func:`divl_support`);
+        ``instructions``: how many distinct instructions the data holds (``feature_mode="auto"``)."""
         super().__init__()
         pc = base.config
         self.cfg = cfg
@@ -481,6 +510,10 @@ class QAMLearner(nn.Module):
             feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
         )
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.value_head: DIVLValue | None = None
+        if cfg.value == "divl":
+            divl = DIVLConfig(quantile=cfg.divl_quantile, bins=cfg.value_bins)
+            self.value_head = DIVLValue(feature_dim, divl, *value_support, cfg.value_hidden)
 
     @property
     def adjoint_base(self) -> FlowVLAPolicy:
@@ -531,14 +564,25 @@ class QAMLearner(nn.Module):
         return (q_fine - q_base).mean()
 
     # ------------------------------------------------------------------ losses
+    def value_loss(self, feats: Tensor, chunk: Tensor, valid: Tensor) -> dict[str, Tensor]:
+        """DIVL (LWD Eq. 12): cross-entropy of V's distribution to ``mean_m Q̄_m(s, a_data)``, valid rows
+        (empty without a value head)."""
+        if self.value_head is None:
+            return {}
+        with torch.no_grad():
+            q_data = self.critic_target(feats, chunk).mean(0)
+        return {"loss_v": self.value_head.loss(feats, q_data, valid)}
+
     def mc_losses(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
-        """Critic warm start: ``mean_{m,B} valid·(Q_m(s, a_data) − G_MC)²``."""
-        q = self.critic(self.features(batch), self.dataset_chunk(batch["action"]))
+        """Critic warm start: ``mean_{m,B} valid·(Q_m(s, a_data) − G_MC)²`` (and the DIVL value's loss)."""
+        feats, chunk = self.features(batch), self.dataset_chunk(batch["action"])
+        q = self.critic(feats, chunk)
         y = batch["mc_return"]
         return {
             "loss_q": critic_loss(q, y, batch["valid"]),
             "q_mean": q.mean().detach(),
             "target_mean": y.mean().detach(),
+            **self.value_loss(feats, chunk, batch["valid"]),
         }
 
     def losses(
@@ -563,14 +607,20 @@ class QAMLearner(nn.Module):
         # ---- critic: chunked n-step TD with a pessimistic target ensemble
         feats = self.features(batch)
         with torch.no_grad():
-            a_next = next_chunk
-            if a_next is None:
-                a_next = self.sample_fine(next_obs, shard.randn(*event, device=feats.device))
-            q_next = self.critic_target(self.features(next_obs), a_next[:, : self.n_exec])
-            y = critic_td_target(
-                q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
-            )
-        q = self.critic(feats, self.dataset_chunk(batch["action"]))
+            if self.value_head is not None:  # DIVL: in-sample, no next action
+                v_next = self.value_head(self.features(next_obs))
+                y = divl_td_target(v_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec)
+            else:
+                a_next = next_chunk
+                if a_next is None:
+                    a_next = self.sample_fine(next_obs, shard.randn(*event, device=feats.device))
+                q_next = self.critic_target(self.features(next_obs), a_next[:, : self.n_exec])
+                y = critic_td_target(
+                    q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
+                )
+        chunk = self.dataset_chunk(batch["action"])
+        q = self.critic(feats, chunk)
+        out.update(self.value_loss(feats, chunk, batch["valid"]))
         out["loss_q"] = critic_loss(q, y, batch["valid"])
         out["q_mean"] = q.mean().detach()
         out["target_mean"] = y.mean().detach()
@@ -894,6 +944,7 @@ class _QAMRun:
         )
         self.params = {
             "critic": list(learner.critic.parameters()),
+            "value": list(learner.value_head.parameters()) if learner.value_head is not None else [],
             "actor": list(learner.fine.parameters()),
             "base": list(learner.base.parameters()) if cfg.train_base else [],
         }
@@ -928,11 +979,15 @@ class _QAMRun:
         """The learner (seeded), its optimisers and the embeddings of the replay's instructions."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        learner = QAMLearner(base, cfg, instructions=len(self.buffer.instructions)).to(self.device)
+        support = divl_support(torch.from_numpy(self.buffer.array("mc_return")), DIVLConfig().support_margin)
+        learner = QAMLearner(base, cfg, support, instructions=len(self.buffer.instructions)).to(self.device)
         learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
         if cfg.train_base:
             learner.base.train()
-        self.opt_critic = torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr)
+        critic_params = itertools.chain(
+            learner.critic.parameters(), learner.value_head.parameters() if learner.value_head else ()
+        )
+        self.opt_critic = torch.optim.Adam(critic_params, lr=cfg.critic_lr)
         self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
         self.opt_base = (
             torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
@@ -1074,7 +1129,7 @@ class _QAMRun:
         """One backward pass and optimiser steps (gradients clipped per module), then the Polyak
         targets; returns the gradient norms."""
         cfg, lr = self.cfg, self.learner
-        total = out["loss_q"] + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
+        total = out["loss_q"] + out.get("loss_v", 0.0) + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
         for opt in (self.opt_critic, self.opt_actor, self.opt_base):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
