@@ -7,14 +7,26 @@ Only committed frames are ever read (see :mod:`fleet.store`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fleet.meta import TASK_RUNS_LABEL, frame_instructions
 from fleet.store import Episode, EpisodeStore
+
+
+def labelled_instructions(labels: Mapping[str, Mapping[str, Any]]) -> Callable[[Episode], list[str]]:
+    """The ``instructions`` of :class:`ChunkDataset` from the episodes' current labels
+    (``MetadataDB.current_labels``): each frame's instruction by :func:`frame_instructions`."""
+
+    def instructions(ep: Episode) -> list[str]:
+        runs = labels.get(ep.meta.episode_id, {}).get(TASK_RUNS_LABEL)
+        return frame_instructions(ep.length, ep.meta.instruction, runs)
+
+    return instructions
 
 
 def episode_tensors(ep: Episode) -> dict[str, Any]:
@@ -80,7 +92,9 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
 
     The instruction is per frame: each frame takes its episode's ``EpisodeMeta.instruction`` (what the
     robot was told; LeRobot import sets it from the episode's task string), so a multi-instruction
-    dataset conditions each sample on its own instruction rather than on the spec's one.
+    dataset conditions each sample on its own instruction rather than on the spec's one; with
+    ``instructions`` (a function of the episode returning its T frames' strings, e.g.
+    :func:`labelled_instructions` for LeRobot episodes whose task changes mid-way), each frame its own.
 
     ``keep`` (optional) says which frames of an episode are samples: a function of the episode returning
     a bool mask [T] (e.g. SFT drops frames in ``idle`` span labels, see
@@ -104,6 +118,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         closed_only: bool = True,
         cameras: bool = True,
         keep: Callable[[Episode], np.ndarray] | None = None,
+        instructions: Callable[[Episode], Sequence[str]] | None = None,
     ) -> None:
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
@@ -151,11 +166,10 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
         self._controller = cat(ep.controller for ep in episodes).astype(np.int64)
         # Distinct instruction strings (sorted, so the index is stable for a given set of episodes) and
         # each frame's index into them. Per frame so that a store with per-frame instructions fits here.
-        self.instructions: tuple[str, ...] = tuple(sorted({ep.meta.instruction for ep in episodes}))
+        per_frame = [_frame_texts(instructions, ep, f) for ep, f in zip(episodes, frames, strict=True)]
+        self.instructions: tuple[str, ...] = tuple(sorted({t for texts in per_frame for t in texts}))
         code = {text: i for i, text in enumerate(self.instructions)}
-        self._instruction = np.repeat(
-            np.array([code[ep.meta.instruction] for ep in episodes], dtype=np.int64), lengths
-        )
+        self._instruction = np.array([code[t] for texts in per_frame for t in texts], dtype=np.int64)
         self._images = {c: cat(ep.cameras[c] for ep in episodes) for c in episodes[0].cameras}
 
     def __len__(self) -> int:
@@ -219,3 +233,17 @@ def _keep_mask(keep: Callable[[Episode], np.ndarray] | None, ep: Episode) -> np.
             f"keep: expected a bool mask of {ep.length} frames for {ep.meta.episode_id}, got {m.shape}"
         )
     return None if m.all() else m
+
+
+def _frame_texts(
+    instructions: Callable[[Episode], Sequence[str]] | None, ep: Episode, frames: np.ndarray
+) -> list[str]:
+    """The kept ``frames``' instructions of ``ep`` (its own one for all without ``instructions``)."""
+    if instructions is None:
+        return [ep.meta.instruction] * len(frames)
+    texts = list(instructions(ep))
+    if len(texts) != ep.length:
+        raise ValueError(
+            f"instructions: expected {ep.length} strings for episode {ep.meta.episode_id}, got {len(texts)}"
+        )
+    return [texts[int(i)] for i in frames]

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleet.codecs import CameraCodecs
-from fleet.meta import Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
+from fleet.meta import TASK_RUNS_LABEL, Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
 from fleet.store import Episode, EpisodeStore, outcome_known
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
@@ -122,7 +122,7 @@ LABEL_COLUMNS = (
 SIDECAR_FORMAT = "vla-rl-lerobot-export"
 SIDECAR_VERSION = 1
 LABEL_KEY = "source"
-TASKS_LABEL_KEY = "lerobot_tasks"
+TASKS_LABEL_KEY = TASK_RUNS_LABEL  # per-frame task runs; training reads them (fleet.dataset)
 LABEL_AUTHOR = "fleet.lerobot_io"
 
 _FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
@@ -540,7 +540,8 @@ def import_lerobot(
 
     Per episode: the LeRobot task (the instruction string) of its first frame becomes the instruction;
     an episode whose frames carry several tasks also gets a ``lerobot_tasks`` label in the DB with
-    every run ``[start, end, task]`` (the store has one instruction per episode). ``task`` (our store
+    every run ``[start, end, task]`` (the store has one instruction per episode; training conditions each
+    frame on its run's task through that label, see :func:`fleet.meta.frame_instructions`). ``task`` (our store
     task) defaults to the exported one for our own exports, else the dataset's robot type
     (``robot_type`` in ``meta/info.json``), else the repo id (``local/<folder>`` for a folder). State and
     action are cast to float32 and copied as they are (LeRobot actions are usually raw joint targets,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any, Protocol
@@ -195,3 +195,30 @@ class EpisodeDB(Protocol):
     def add_label(
         self, episode_id: str, key: str, value: Any, *, author: str, segment_index: int | None = None
     ) -> int: ...
+
+
+TASK_RUNS_LABEL = "lerobot_tasks"
+"""The DB label a LeRobot import writes on an episode whose frames carry several tasks: its runs of
+frames as ``[[start, end, task], ...]`` (end exclusive). The episode's ``instruction`` is its first task."""
+
+
+def frame_instructions(length: int, instruction: str, runs: Any = None) -> list[str]:
+    """Each of an episode's ``length`` frames' instruction: ``instruction`` everywhere, replaced over each
+    ``[start, end, text]`` of ``runs`` (a :data:`TASK_RUNS_LABEL` value; None: no runs). ValueError naming
+    the label for runs that are not integer ranges inside the episode with a string each."""
+    out = [instruction] * length
+    for run in runs or ():
+        ok = isinstance(run, Sequence) and not isinstance(run, str) and len(run) == 3
+        start, end, text = run if ok else (None, None, None)
+        if not (
+            isinstance(start, int)
+            and isinstance(end, int)
+            and isinstance(text, str)
+            and 0 <= start < end <= length
+        ):
+            raise ValueError(
+                f"{TASK_RUNS_LABEL}: expected runs [start, end, task] with 0 <= start < end <= {length} "
+                f"(the episode's length), got {run!r}"
+            )
+        out[start:end] = [text] * (end - start)
+    return out

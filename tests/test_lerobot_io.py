@@ -847,3 +847,45 @@ def test_import_and_export_with_a_jpeg_camera(exported: tuple[EpisodeStore, Path
             np.testing.assert_array_equal(
                 back.read_episode(y).cameras[cam], jstore.read_episode(x).cameras[cam]
             )
+
+
+def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(tmp_path: Path) -> None:
+    """The last record-style episode switches task half-way: SFT's dataset and the RL trainers' buffer
+    give each frame its run's task (the import's ``lerobot_tasks`` label), not the episode's first one."""
+    from fleet.dataset import ChunkDataset, labelled_instructions
+    from fleet.meta import frame_instructions
+    from vla_rl.cli import main
+    from vla_rl.train.transitions import DataSelection, load_transitions
+
+    data, store_dir = tmp_path / "koch", tmp_path / "store"
+    record_style_dataset(data)
+    assert main(["store", "import-lerobot", str(data), str(store_dir)]) == 0
+    store, db = EpisodeStore(store_dir), MetadataDB.for_store(store_dir)
+    ids = store.episode_ids()
+
+    def expected(e: int, t: int) -> str:
+        return KOCH_TASKS[0] if e == 3 and t >= 10 else KOCH_TASKS[e % 2]
+
+    ds = ChunkDataset(store, 4, instructions=labelled_instructions(db.current_labels(ids)))
+    plain = ChunkDataset(store, 4)  # without the labels: the episode's (first) task for all its frames
+    assert len(ds) == len(plain) == 4 * EPISODE_LEN
+    b = ds.batch(np.arange(len(ds)))
+    got = [
+        (ids.index(ds.episode_ids[e]), int(t))
+        for e, t in zip(b["episode_index"], b["frame_index"], strict=True)
+    ]
+    assert [ds.instruction(i) for i in range(len(ds))] == [expected(e, t) for e, t in got]
+    assert {plain.instruction(i) for i, (e, _) in enumerate(got) if e == 3} == {KOCH_TASKS[1]}
+
+    buf = load_transitions(store, DataSelection.parse("koch", None), db=db, cameras=False)
+    codes = buf.array("instruction")
+    eps, frames = buf.array("episode"), buf.array("frame")
+    texts = [buf.instructions[c] for c in codes]
+    assert texts == [
+        expected(ids.index(buf.episode_ids[e]), int(t)) for e, t in zip(eps, frames, strict=True)
+    ]
+
+    assert frame_instructions(3, "a", [[1, 3, "b"]]) == ["a", "b", "b"]
+    for bad in ([[0, 4, "b"]], [[2, 1, "b"]], [[0, 1]], [["0", 1, "b"]], [[0, 1, 2]]):
+        with pytest.raises(ValueError, match=r"^lerobot_tasks: expected runs \[start, end, task\]"):
+            frame_instructions(3, "a", bad)

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from fleet.dataset import ChunkDataset
+from fleet.dataset import ChunkDataset, labelled_instructions
 from fleet.db import MetadataDB, default_url
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
@@ -207,7 +207,13 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     db = MetadataDB(cfg.db_url or default_url(store.root))
     selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
     episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
-    ds = ChunkDataset(store, cfg.chunk_len, episode_ids=episode_ids, keep=span_keep(db, episode_ids))
+    ds = ChunkDataset(
+        store,
+        cfg.chunk_len,
+        episode_ids=episode_ids,
+        keep=span_keep(db, episode_ids),
+        instructions=labelled_instructions(db.current_labels(episode_ids)),
+    )
     stats = compute_normalization_stats(ds.states, ds.actions)
     model_kw: dict[str, Any] = {
         "chunk_len": cfg.chunk_len,

@@ -68,8 +68,8 @@ import numpy as np
 import torch
 
 from fleet.db import MetadataDB, effective_outcome, parse_time
-from fleet.meta import Controller
-from fleet.store import EpisodeStore
+from fleet.meta import TASK_RUNS_LABEL, Controller, frame_instructions
+from fleet.store import Episode, EpisodeStore
 from vla_rl.spec import RobotSpec
 
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
@@ -288,6 +288,12 @@ def load_transitions(
     )
 
 
+def _instructions(ep: Episode, labels: Mapping[str, Any]) -> str | list[str]:
+    """An episode's instruction, or one per frame where a LeRobot import recorded task runs."""
+    runs = labels.get(TASK_RUNS_LABEL)
+    return frame_instructions(ep.length, ep.meta.instruction, runs) if runs else ep.meta.instruction
+
+
 # ---------------------------------------------------------------------------- rewards and credit
 def step_rewards(
     kind: RewardKind,
@@ -464,7 +470,7 @@ class TransitionBuffer:
                 success=bool(success),
                 cameras=ep.cameras if buf.use_cameras else None,
                 episode_id=eid,
-                instruction=ep.meta.instruction,
+                instruction=_instructions(ep, labels.get(eid, {})),
                 spans=[(str(lb.value), lb.start, lb.end) for lb in spans.get(eid, []) if lb.key == SPAN_KEY],
             )
         if not len(buf):
@@ -483,11 +489,12 @@ class TransitionBuffer:
         cameras: Mapping[str, np.ndarray] | None = None,
         episode_id: str | None = None,
         spans: Sequence[tuple[str, int, int]] = (),
-        instruction: str | None = None,
+        instruction: str | Sequence[str] | None = None,
     ) -> None:
         """Append one finished episode (arrays over its T frames; ``reward`` as the sim recorded it).
         ``spans``: its ``segment`` span labels as ``(type, start, end)`` (module docstring);
-        ``instruction``: what the robot was told (default: the spec's, as a simulator's episode)."""
+        ``instruction``: what the robot was told, for the episode or one string per frame (default: the
+        spec's, as a simulator's episode)."""
         t = len(state)
         if t == 0:
             raise ValueError("state: expected at least one frame")
@@ -529,7 +536,7 @@ class TransitionBuffer:
             "episode": np.full(t, len(self.episode_ids), np.int64),
             "frame": np.arange(t, dtype=np.int64),
             "run": run.astype(np.int64),
-            "instruction": np.full(t, self.instruction_code(instruction), np.int64),
+            "instruction": self._instruction_codes(instruction, t),
         }
         part["terminal"][-1] = bool(np.asarray(terminated)[-1])
         if self.use_cameras:
@@ -551,6 +558,15 @@ class TransitionBuffer:
         self.episode_ids.append(episode_id or f"online-{len(self.episode_ids)}-{time.time_ns()}")
         self.episode_success.append(bool(success))
         self._dirty = True
+
+    def _instruction_codes(self, instruction: str | Sequence[str] | None, t: int) -> np.ndarray:
+        if instruction is None or isinstance(instruction, str):
+            return np.full(t, self.instruction_code(instruction), np.int64)
+        if len(instruction) != t:
+            raise ValueError(
+                f"instruction: expected one string or {t} (one per frame), got {len(instruction)}"
+            )
+        return np.array([self.instruction_code(x) for x in instruction], np.int64)
 
     def instruction_code(self, instruction: str | None = None) -> int:
         """The index of ``instruction`` (default: the spec's) in :attr:`instructions`, added if new."""
