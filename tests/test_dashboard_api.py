@@ -312,6 +312,7 @@ def test_algorithms_lists_every_trainer_and_preset_with_their_knobs(dash: Dashbo
         "awr": (True, False),
         "recap": (True, False),
         "qam": (True, True),
+        "fql": (True, False),
         "flow-noise": (False, True),
         "flow-sde": (False, True),
     }
