@@ -907,7 +907,9 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     statuses = [e[1]["status"] for e in events if e[0] == "progress"]
     assert events[-1] == ("done", {"id": rid, "status": "succeeded"}), events[-3:]
     assert "running" in statuses and statuses[-1] == "succeeded"
-    assert {"training", "evaluating", "pushing"} <= set(phases), phases
+    # (the 2-episode evaluations can fall between two polls of the stream: their episode counts, kept in
+    # the progress through the later phases, are what _assert_step_progress checks)
+    assert {"training", "pushing"} <= set(phases), phases
     _assert_step_progress([e[1]["progress"] for e in events if e[0] == "progress"], knobs, watched=True)
     rec = world.db.round(rid)
     assert (

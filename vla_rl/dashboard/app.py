@@ -156,9 +156,6 @@ def _warm_imports() -> None:
     try:
         import vla_rl.rounds
         import vla_rl.train.transitions  # noqa: F401
-        from vla_rl.dashboard.rounds import algorithm_catalogue
-
-        algorithm_catalogue()  # imports every trainer's config (the rounds form asks for it)
     except Exception:  # the request that needs them reports the problem
         log.warning("warming imports failed", exc_info=True)
 
