@@ -15,14 +15,14 @@ This is what a post-training round reports, and gates on, when its task is not a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from fleet.dataset import ChunkDataset
+from fleet.dataset import ChunkDataset, labelled_instructions
 from fleet.store import EpisodeStore
 
 
@@ -105,18 +105,25 @@ def evaluate_offline(
     max_frames: int | None = None,
     batch_size: int = 64,
     val_loss: bool = True,
+    labels: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> OfflineEvalResult:
     """Predict each frame's chunk of ``episode_ids`` from its recorded observation and compare it with the
     recorded next ``policy.chunk_len`` actions (see the module docstring). ``max_frames`` evaluates a
     seeded subsample of the frames instead of all. Chunks are predicted in batches with seed
-    ``seed + batch number``."""
+    ``seed + batch number``. ``labels`` (the episodes' current DB labels, ``MetadataDB.current_labels``):
+    a LeRobot episode whose task changes mid-way conditions each frame on its own task, as in training."""
     t0 = time.perf_counter()
     if not episode_ids:
         raise ValueError("episode_ids: expected at least one episode to evaluate on")
     horizon = int(policy.chunk_len)
     spec = policy.spec
     ds = ChunkDataset(
-        store, horizon, episode_ids=list(episode_ids), closed_only=False, cameras=bool(spec.cameras)
+        store,
+        horizon,
+        episode_ids=list(episode_ids),
+        closed_only=False,
+        cameras=bool(spec.cameras),
+        instructions=labelled_instructions(labels) if labels is not None else None,
     )
     if ds.spec.state_dim != spec.state_dim or ds.spec.action_dim != spec.action_dim:
         raise ValueError(

@@ -211,7 +211,7 @@ def _offline_gate(
     assert cfg.train.store is not None
     ids = offline_eval_episode_ids(cfg, db, task)
     store = EpisodeStore(cfg.train.store)
-    kw: dict[str, Any] = dict(seed=cfg.eval_seed)
+    kw: dict[str, Any] = dict(seed=cfg.eval_seed, labels=db.current_labels(ids))
     base_ev = evaluate_offline(base, store, ids, **kw)
     new_ev = evaluate_offline(new, store, ids, **kw)
     b, n = base_ev.action_mse, new_ev.action_mse
