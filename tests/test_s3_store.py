@@ -522,9 +522,11 @@ def test_the_store_lease_expires_is_taken_over_and_never_deleted_by_a_loser(
     assert remote is not None
     a = StoreLease(remote, tmp_path / "a", ttl_s=1.5).acquire()  # renewed every 0.5 s
     first = json.loads(remote.get(LEASE_KEY))
-    time.sleep(1.8)  # past its first expiry: the heartbeat moved it on
-    now = json.loads(remote.get(LEASE_KEY))
-    assert now["owner"] == a.owner and now["expires"] > first["expires"]
+    deadline = time.monotonic() + 15  # the heartbeat moves it on (0.5 s apart; later on a loaded machine)
+    while (now := json.loads(remote.get(LEASE_KEY)))["expires"] <= first["expires"]:
+        assert time.monotonic() < deadline, "the heartbeat never renewed the lease"
+        time.sleep(0.1)
+    assert now["owner"] == a.owner
     assert a.renew()  # fresh (the heartbeat may lag on a loaded machine)
     with pytest.raises(LeaseHeld, match=r"holds its lease: .*expires in"):
         StoreLease(remote, tmp_path / "b", ttl_s=1.5).acquire()
