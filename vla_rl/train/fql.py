@@ -55,7 +55,7 @@ from vla_rl.train.common import (
     seed_step,
 )
 from vla_rl.train.distributed import SINGLE, summary_writer
-from vla_rl.train.qam import critic_loss, critic_td_target
+from vla_rl.train.qam import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
     DataSelection,
@@ -186,7 +186,7 @@ class FQLConfig(TrainerConfig):
 
 
 # ============================================================================ the learner
-class FQLLearner(nn.Module):
+class FQLLearner(ChunkCriticInputs, nn.Module):
     """Behaviour flow (base), the one-step policy, the critic ensemble and its target."""
 
     def __init__(self, base: FlowVLAPolicy, cfg: FQLConfig) -> None:
@@ -210,19 +210,6 @@ class FQLLearner(nn.Module):
             feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
         )
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
-
-    def clip_norm(self, a: Tensor) -> Tensor:
-        return a.clamp(-1.0, 1.0) if self.clip else a
-
-    @torch.no_grad()
-    def features(self, obs: Mapping[str, Any]) -> Tensor:
-        if self.feature_net is not None:
-            return self.feature_net.encode_prefix(obs).pooled()
-        return self.base.normalizer.normalize_state(obs["state"].float())
-
-    def dataset_chunk(self, actions: Tensor) -> Tensor:
-        """Env-unit ``[B, H, A]`` -> the normalised, clipped executed part ``[B, n_exec, A]``."""
-        return self.clip_norm(self.base.normalizer.normalize_action(actions.float()))[:, : self.n_exec]
 
     def one_step(self, obs: Mapping[str, Any], z: Tensor) -> Tensor:
         """μ_ω(s, z) ``[B, H, A]`` (normalised, unclipped), differentiable in the actor's weights."""

@@ -474,7 +474,30 @@ class QAMResult(TrainResult):
 
 
 # ============================================================================ the learner
-class QAMLearner(nn.Module):
+class ChunkCriticInputs:
+    """What a chunked critic reads, shared by :class:`QAMLearner` and ``fql.FQLLearner``: needs ``base``
+    (its normaliser), ``feature_net`` (the frozen trunk, or None: the state), ``clip`` and ``n_exec``."""
+
+    base: FlowVLAPolicy
+    feature_net: FlowVLAPolicy | None
+    clip: bool
+    n_exec: int
+
+    def clip_norm(self, a: Tensor) -> Tensor:
+        return a.clamp(-1.0, 1.0) if self.clip else a
+
+    @torch.no_grad()
+    def features(self, obs: Mapping[str, Any]) -> Tensor:
+        if self.feature_net is not None:
+            return self.feature_net.encode_prefix(obs).pooled()
+        return self.base.normalizer.normalize_state(obs["state"].float())
+
+    def dataset_chunk(self, actions: Tensor) -> Tensor:
+        """Env-unit ``[B, H, A]`` -> the normalised, clipped executed part ``[B, n_exec, A]``."""
+        return self.clip_norm(self.base.normalizer.normalize_action(actions.float()))[:, : self.n_exec]
+
+
+class QAMLearner(ChunkCriticInputs, nn.Module):
     """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target."""
 
     def __init__(
@@ -526,19 +549,6 @@ class QAMLearner(nn.Module):
         self.base.load_state_dict(fine)
         if self.base_target is not None:
             self.base_target.load_state_dict(fine)
-
-    def clip_norm(self, a: Tensor) -> Tensor:
-        return a.clamp(-1.0, 1.0) if self.clip else a
-
-    @torch.no_grad()
-    def features(self, obs: Mapping[str, Any]) -> Tensor:
-        if self.feature_net is not None:
-            return self.feature_net.encode_prefix(obs).pooled()
-        return self.base.normalizer.normalize_state(obs["state"].float())
-
-    def dataset_chunk(self, actions: Tensor) -> Tensor:
-        """Env-unit ``[B, H, A]`` -> the normalised, clipped executed part ``[B, n_exec, A]``."""
-        return self.clip_norm(self.base.normalizer.normalize_action(actions.float()))[:, : self.n_exec]
 
     @torch.no_grad()
     def sample_fine(self, obs_or_prefix: Mapping[str, Any] | PrefixCache, noise: Tensor) -> Tensor:
