@@ -16,12 +16,19 @@ the episode list filters on them in SQL.
   (the MAD floored at 5% of the median and 1 frame); needs ``min_task_episodes`` closed episodes of
   the task; raised above ``length_z``.
 * ``takeovers``: the number of human segments; raised when > 0.
+* ``high_uncertainty``: the peak of the simulated operator's one-sided CUSUM
+  (:func:`sim.operator.cusum_path`, ``S = max(0, S + (x - mean) / std - k)``) over the episode's
+  per-chunk ``accel`` scores (the policy server's ``uncertainty``, stored per frame:
+  :func:`episode_uncertainty`), restarted at each segment as the operator's is after a handback;
+  raised when it exceeds ``uncertainty_h``. A chunk is a run of frames with the same finite score in one
+  segment (two chunks in a row with bit-identical scores count once). Episodes without scores (recorded
+  before the store kept them, human-only, a policy that cannot score) are not raised: "no uncertainty
+  recorded". The operator acts on the alarm *before* executing the chunk that fires it, so an episode whose
+  takeover came from the alarm may stay under ``uncertainty_h`` here (its ``takeovers`` flag says why).
 
-Hook for the policy's ``accel`` uncertainty: the store does not record it per frame yet.
-:func:`episode_uncertainty` is where it will be read (it returns None today); once it returns an
-array, add a ``high_uncertainty`` check to :data:`CHECKS` (mean / peak uncertainty against a
-threshold) and its name to :data:`FLAG_NAMES`, and :func:`refresh_flags` computes it for every
-episode that lacks it, old ones included.
+A new check: a function of the episode (and the task's lengths) returning a :class:`fleet.db.Flag`,
+an entry in :data:`CHECKS` and its name in :data:`FLAG_NAMES`; :func:`refresh_flags` then computes it
+for every closed episode that lacks it, old ones included (flags are rows: no migration).
 
 :func:`refresh_flags` computes the missing checks of closed episodes (the dashboard calls it lazily
 for the episodes it shows; the collector may call it when an episode closes).
@@ -30,6 +37,7 @@ for the episodes it shows; the collector may call it when an episode closes).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,10 +47,11 @@ import numpy as np
 from fleet.db import Flag, MetadataDB
 from fleet.meta import Controller
 from fleet.store import Episode, EpisodeStore
+from sim.operator import cusum_path
 
 log = logging.getLogger(__name__)
 
-FLAG_NAMES: tuple[str, ...] = ("stillness", "jerk", "length_outlier", "takeovers")
+FLAG_NAMES: tuple[str, ...] = ("stillness", "jerk", "length_outlier", "takeovers", "high_uncertainty")
 
 
 @dataclass(frozen=True)
@@ -61,14 +70,43 @@ class FlagThresholds:
     """Robust z of the length within its task above this raises ``length_outlier``."""
     min_task_episodes: int = 5
     """Fewer closed episodes of the task: no length statistics (score 0, not raised)."""
+    # The CUSUM's reference statistics and threshold default to the calibration in
+    # bench/results/uncertainty.json (kinematic/Reach-v0, a small SFT flow VLA: 68 held-out successful
+    # episodes, split conformal at alpha 0.1, sim.operator.calibrate_cusum). They are the model's: for
+    # another policy, calibrate its own (bench/uncertainty.py) and pass them here.
+    uncertainty_mean: float = 0.596
+    """Reference mean of a chunk's ``accel`` score (successful episodes)."""
+    uncertainty_std: float = 0.189
+    """Reference std of a chunk's score (> 0)."""
+    uncertainty_k: float = 0.25
+    """CUSUM allowance per chunk, in reference stds (>= 0)."""
+    uncertainty_h: float = 3.52
+    """Peak CUSUM above this raises ``high_uncertainty`` (in reference stds; > 0)."""
 
     def __post_init__(self) -> None:
-        for name in ("still_action", "still_s", "jerk_ratio", "jerk_floor", "length_z"):
+        for name in (
+            "still_action",
+            "still_s",
+            "jerk_ratio",
+            "jerk_floor",
+            "length_z",
+            "uncertainty_std",
+            "uncertainty_h",
+        ):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+            if not _is_number(v) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: expected a number > 0, got {v!r}")
+        for name in ("uncertainty_mean", "uncertainty_k"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or (name == "uncertainty_k" and v < 0):
+                what = "a number >= 0" if name == "uncertainty_k" else "a finite number"
+                raise ValueError(f"{name}: expected {what}, got {v!r}")
         if not isinstance(self.min_task_episodes, int) or self.min_task_episodes < 2:
             raise ValueError(f"min_task_episodes: expected an integer >= 2, got {self.min_task_episodes!r}")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 DEFAULT_THRESHOLDS = FlagThresholds()
@@ -133,9 +171,41 @@ def takeovers(ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS) -> Flag:
 
 
 def episode_uncertainty(ep: Episode) -> np.ndarray | None:
-    """The policy's per-frame ``accel`` uncertainty, when the store records it: not yet (None). The hook
-    for a ``high_uncertainty`` check (module docstring)."""
-    return None
+    """The policy's per-frame ``accel`` uncertainty (float64 [T], NaN = frame not scored), or None for an
+    episode recorded before the store kept it."""
+    return None if ep.uncertainty is None else np.asarray(ep.uncertainty, np.float64)
+
+
+def chunk_starts(u: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """Indices of the frames that start a scored chunk: a finite score that differs from the previous
+    frame's score (or follows an unscored frame), or that starts a segment."""
+    if not len(u):
+        return np.zeros(0, np.int64)
+    prev_u = np.concatenate([[np.nan], u[:-1]])
+    prev_seg = np.concatenate([[-1], segment[:-1]])
+    return np.flatnonzero(np.isfinite(u) & ((u != prev_u) | (segment != prev_seg)))
+
+
+def high_uncertainty(ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS) -> Flag:
+    u = episode_uncertainty(ep)
+    starts = np.zeros(0, np.int64) if u is None else chunk_starts(u, np.asarray(ep.segment))
+    if u is None or not len(starts):
+        why = "" if u is None else " (no frame scored)"
+        return Flag("high_uncertainty", 0.0, f"no uncertainty recorded{why}", raised=False)
+    seg = np.asarray(ep.segment)[starts]
+    peak, at = 0.0, int(starts[0])
+    for s in np.unique(seg):  # the CUSUM restarts at each segment, as the operator's after a handback
+        idx = starts[seg == s]
+        path = cusum_path(u[idx], th.uncertainty_mean, th.uncertainty_std, th.uncertainty_k)
+        j = int(np.argmax(path))
+        if path[j] > peak:
+            peak, at = float(path[j]), int(idx[j])
+    scores = u[starts]
+    detail = (
+        f"peak CUSUM {peak:.2f} (threshold {th.uncertainty_h:.2f}) at frame {at}; "
+        f"{len(starts)} scored chunks, mean score {scores.mean():.3f}, max {scores.max():.3f}"
+    )
+    return Flag("high_uncertainty", peak, detail, raised=peak > th.uncertainty_h)
 
 
 CHECKS: dict[str, Callable[[Episode, Sequence[int], FlagThresholds], Flag]] = {
@@ -143,6 +213,7 @@ CHECKS: dict[str, Callable[[Episode, Sequence[int], FlagThresholds], Flag]] = {
     "jerk": lambda ep, _lengths, th: jerk(ep, th),
     "length_outlier": lambda ep, lengths, th: length_outlier(ep, lengths, th),
     "takeovers": lambda ep, _lengths, th: takeovers(ep, th),
+    "high_uncertainty": lambda ep, _lengths, th: high_uncertainty(ep, th),
 }
 
 

@@ -2,7 +2,8 @@
 
     client = RobotClient("127.0.0.1:50071", robot_id="arm-7", spec=spec, task="maniskill/PushCube-v1")
     eid = client.start_episode()                      # segment 0: autonomous, policy in control
-    client.add_frame(cameras=..., state=..., action=..., proposed_action=..., reward=r, revision=commit)
+    client.add_frame(cameras=..., state=..., action=..., proposed_action=..., reward=r, revision=commit,
+                     uncertainty=result.uncertainty)   # the score of the chunk the action came from
     client.begin_segment("intervention", "human", reason="no progress for 10 steps")
     ...
     client.end_episode("success")
@@ -345,8 +346,13 @@ class RobotClient:
         controller: Controller | str | int | None = None,
         revision: str = "",
         timestamp: float | None = None,
+        uncertainty: float | None = None,
     ) -> int:
-        """Validate and buffer one frame; returns its sequence number (index in the episode)."""
+        """Validate and buffer one frame; returns its sequence number (index in the episode).
+
+        ``uncertainty``: the policy server's score of the chunk ``action`` came from (``ActResult.uncertainty``;
+        None or NaN: none, e.g. a human's frame). A batch without any score does not send the field.
+        """
         spec = self.spec
         spec.check_images(cameras)
         spec.check_state(state)
@@ -362,6 +368,12 @@ class RobotClient:
             proposed = proposed_action
         if not np.isfinite(reward):
             raise SpecError("reward", "a finite number", repr(reward))
+        try:
+            score = float("nan") if uncertainty is None else float(uncertainty)
+        except (TypeError, ValueError):
+            raise SpecError("uncertainty", "a number or None", repr(uncertainty)[:80]) from None
+        if np.isinf(score):
+            raise SpecError("uncertainty", "a finite score, or None / NaN for none", repr(uncertainty))
         frame_bytes = sum(int(c.nbytes) for c in cameras.values()) + state.nbytes + 2 * action.nbytes + 32
         deadline = time.monotonic() + self.block_s
         with self._cond:
@@ -389,7 +401,9 @@ class RobotClient:
                 self._cam_buf[name][k] = img
             vec = self._vec_buf
             vec["state"][k], vec["action"][k], vec["proposed_action"][k] = state, action, proposed
-            ep.batch.append((float(reward), bool(terminated), bool(truncated), int(ctrl), revision, ts))
+            ep.batch.append(
+                (float(reward), bool(terminated), bool(truncated), int(ctrl), revision, ts, score)
+            )
             ep.batch_bytes += frame_bytes
             seq = ep.frames
             ep.frames += 1
@@ -537,7 +551,7 @@ class RobotClient:
             return
         n = len(frames)
         seq = ep.frames - n
-        reward, terminated, truncated, controller, revs, times = zip(*frames, strict=True)
+        reward, terminated, truncated, controller, revs, times, scores = zip(*frames, strict=True)
         fb = pb.FrameBatch(episode_id=ep.id, seq=seq)
         for key, buf in self._vec_buf.items():
             getattr(fb, key).CopyFrom(to_tensor(buf[:n]))
@@ -546,6 +560,9 @@ class RobotClient:
         fb.truncated.CopyFrom(to_tensor(np.array(truncated, np.bool_)))
         fb.controller.CopyFrom(to_tensor(np.array(controller, np.uint8)))
         fb.timestamp.CopyFrom(to_tensor(np.array(times, np.float64)))
+        unc = np.array(scores, np.float32)
+        if not np.isnan(unc).all():  # unset = no score for any frame: old collectors never see the field
+            fb.uncertainty.CopyFrom(to_tensor(unc))
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
         # The pixels bypass protobuf: one copy, from the batch buffers into the message (fleet/wire.py).

@@ -15,6 +15,12 @@ Layout::
         segment                           int32   [T]  (index into the segments list)
         revision                          int16   [T]  (index into the revisions table)
         timestamp                         float64 [T]  (unix seconds)
+        uncertainty                       float32 [T]  (the policy's per-chunk score, NaN = none; optional)
+
+``uncertainty`` is *optional*: episodes recorded before it existed have no such array, read it as None
+(:attr:`Episode.uncertainty`), pass ``verify`` without it, and, resumed by a newer writer, stay without
+it (their scores are dropped, not back-filled). Every episode created now has it (all NaN when nothing
+was scored).
 
 One group per episode means concurrent writers of *different* episodes, even in different processes,
 never touch the same array (two processes appending to one zarr array corrupt it).
@@ -96,8 +102,11 @@ FRAME_FIELDS = frozenset(
         "controller",
         "revision",
         "timestamp",
+        "uncertainty",
     ]
 )
+OPTIONAL_ARRAYS = frozenset(["uncertainty"])
+"""Arrays an episode may lack (it was recorded before they existed): read as None, not an error."""
 
 
 @dataclass
@@ -116,6 +125,9 @@ class Episode:
     segment: np.ndarray
     revision: np.ndarray
     timestamp: np.ndarray
+    uncertainty: np.ndarray | None = None
+    """float32 [T]: the policy's score of the chunk each frame's action came from (NaN: none);
+    None for an episode recorded before the store kept it."""
 
     @property
     def length(self) -> int:
@@ -143,6 +155,7 @@ def _layout(spec: RobotSpec) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
         segment=((), np.dtype(np.int32)),
         revision=((), np.dtype(np.int16)),
         timestamp=((), np.dtype(np.float64)),
+        uncertainty=((), np.dtype(np.float32)),
     )
     return out
 
@@ -211,7 +224,7 @@ def _episode_template(
         group = zarr.open_group(root, mode="w-")
         for key, (shape, dtype) in _layout(spec).items():
             fill: float | int | bool = (
-                math.nan if key == "proposed_action" else False if dtype == np.bool_ else 0
+                math.nan if key in ("proposed_action", "uncertainty") else False if dtype == np.bool_ else 0
             )
             extra: dict[str, Any] = {}
             codec = camera_codecs.of(key.removeprefix("cameras/")) if key.startswith("cameras/") else None
@@ -382,7 +395,12 @@ class EpisodeWriter:
         self._meta = meta
         self._dir = store.episodes_dir / meta.episode_id
         self._db = db
-        self._layout = _layout(meta.spec)
+        # An optional array an older episode lacks stays absent (see the module docstring).
+        self._layout = {
+            k: v
+            for k, v in _layout(meta.spec).items()
+            if k not in OPTIONAL_ARRAYS or isinstance(group.get(k), zarr.Array)
+        }
         # Camera chunks are never all zero in practice, and checking (zarr skips writing chunks that equal
         # the fill value) costs a pass over megabytes per chunk: ~15% of image write time.
         self._arrays: dict[str, zarr.Array] = {
@@ -512,13 +530,15 @@ class EpisodeWriter:
         controller: Controller | str | int | None = None,
         revision: str = "",
         timestamp: float | None = None,
+        uncertainty: float | None = None,
     ) -> int:
         """Validate and buffer one frame; returns its index in the episode.
 
         ``action`` is what was executed, ``proposed_action`` what the policy proposed (None or an
         all-NaN row: no proposal). ``controller`` defaults to the current segment's controller,
         ``revision`` is the checkpoint revision that produced the action ("" for none), ``timestamp``
-        defaults to now and may not go backwards.
+        defaults to now and may not go backwards. ``uncertainty`` is the policy's score of the chunk
+        the action came from (None or NaN: none).
         """
         frame = {
             "cameras": cameras,
@@ -531,6 +551,7 @@ class EpisodeWriter:
             "controller": controller,
             "revision": revision,
             "timestamp": timestamp,
+            "uncertainty": uncertainty,
         }
         return self._add(frame, None)
 
@@ -540,8 +561,8 @@ class EpisodeWriter:
         Keys: ``cameras`` ({name: uint8 [N,H,W,3]}), ``state`` [N,S], ``action`` [N,A] (float32) and,
         optionally, ``proposed_action`` ([N,A] float32, all-NaN rows = none), ``reward`` [N],
         ``terminated``/``truncated`` (bool [N]), ``controller`` (one value or [N]), ``revision`` (one
-        string or N strings), ``timestamp`` ([N] float). The whole batch is checked before any frame
-        is buffered.
+        string or N strings), ``timestamp`` ([N] float), ``uncertainty`` ([N] float, NaN = no score).
+        The whole batch is checked before any frame is buffered.
         """
         action = batch.get("action")
         if not (isinstance(action, np.ndarray) and action.ndim == 2):
@@ -589,6 +610,13 @@ class EpisodeWriter:
         ctrl = self._controllers(frame.get("controller"), rows, n)
         rev_idx, new_revs = self._revision_indices(frame.get("revision", ""), rows, n)
         ts = self._timestamps(frame.get("timestamp"), rows, n)
+        unc = frame.get("uncertainty")
+        if unc is None:
+            unc = np.full(rows, np.nan, np.float32)
+        else:
+            unc = _scalars("uncertainty", unc, n, "fiu").astype(np.float32).reshape(rows)
+            if np.isinf(unc).any():
+                raise SpecError("uncertainty", "finite scores, or NaN for none", "inf")
 
         # Everything is valid: buffer (copies, so callers may reuse their arrays).
         if not self._segments:
@@ -609,6 +637,7 @@ class EpisodeWriter:
             segment=np.full(rows, self.segment_index, np.int32),
             revision=rev_idx,
             timestamp=ts,
+            uncertainty=unc,
         )
         self._reserve(self._n_pending + rows)
         at = self._n_pending
@@ -1182,6 +1211,11 @@ class EpisodeStore:
         for key in _layout(meta.spec):
             if key.startswith("cameras/") and not cameras:
                 continue
+            if key in OPTIONAL_ARRAYS:
+                arr = group.get(key)
+                if isinstance(arr, zarr.Array):
+                    data[key] = arr[:n]
+                continue
             data[key] = _array(group, key)[:n]
         return Episode(
             meta=meta,
@@ -1196,6 +1230,7 @@ class EpisodeStore:
             segment=data["segment"],
             revision=data["revision"],
             timestamp=data["timestamp"],
+            uncertainty=data.get("uncertainty"),
         )
 
     def iter_episodes(
@@ -1287,6 +1322,8 @@ class EpisodeStore:
         rows: dict[str, int] = {}
         for key, (shape, dtype) in layout.items():
             arr = group.get(key)
+            if arr is None and key in OPTIONAL_ARRAYS:
+                continue  # an episode recorded before the array existed
             if not isinstance(arr, zarr.Array):
                 out.append(f"array {key} is missing")
                 continue
@@ -1308,7 +1345,7 @@ class EpisodeStore:
         if partial:
             log.info("%s: %d leftover *.partial files from an interrupted write (ignored)", eid, partial)
 
-        v = {k: _array(group, k)[:n] for k in layout if not k.startswith("cameras/")}
+        v = {k: _array(group, k)[:n] for k in layout if not k.startswith("cameras/") and k in rows}
         if not np.isin(v["controller"], [int(c) for c in Controller]).all():
             out.append(
                 f"controller holds invalid codes {sorted(set(v['controller'].tolist()) - {int(c) for c in Controller})}"
@@ -1327,6 +1364,8 @@ class EpisodeStore:
         p = v["proposed_action"]
         if n and not (np.isnan(p).all(axis=1) | np.isfinite(p).all(axis=1)).all():
             out.append("proposed_action has partly NaN rows")
+        if "uncertainty" in v and np.isinf(v["uncertainty"]).any():
+            out.append("uncertainty has inf in committed frames")
         if meta.is_closed and (meta.outcome is None or meta.success is None or meta.closed is None):
             out.append("closed without outcome/success/closed time")
         if db is not None and meta.is_closed:

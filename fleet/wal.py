@@ -294,6 +294,11 @@ def decode_frames(
                 "frames.controller", "codes 0 (policy), 1 (human) or 2 (scripted)", f"{int(c.max())}"
             )
         out["controller"] = c
+    if msg.HasField("uncertainty"):
+        u = tensor("uncertainty", "float32", (n,))
+        if np.isinf(u).any():
+            raise SpecError("frames.uncertainty", "finite scores, or NaN for no score", "inf")
+        out["uncertainty"] = u
     revs = list(msg.revision)
     if len(revs) not in (0, 1, n):
         raise SpecError("frames.revision", f"no, one or {n} strings", f"{len(revs)} strings")

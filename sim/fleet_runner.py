@@ -354,7 +354,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
             )
             segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
             chunk: np.ndarray | None = None
-            k, n_exec, commit = 0, 1, ""
+            k, n_exec, commit, score = 0, 1, "", float("nan")
             t = 0
             terminated = truncated = False
             while not (terminated or truncated):
@@ -368,6 +368,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                         seed=seed * 1000 + t,
                     )
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
+                    score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)
                     ev = operator.observe_chunk(t, res.uncertainty)  # the uncertainty alarm, if on
                     if ev is not None:  # the robot asks for help instead of executing this chunk
                         _switch(client, segments, ev, t)
@@ -375,13 +376,13 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                 if operator.driving:
                     action = operator.act(info["privileged"])
                     proposed = np.full(env.spec.action_dim, np.nan, np.float32)
-                    ctrl, revision = 1, ""
+                    ctrl, revision, unc = 1, "", float("nan")
                 else:
                     assert chunk is not None
                     proposed = np.asarray(chunk[k], np.float32)
                     k += 1
                     action = np.clip(proposed, -1.0, 1.0).astype(np.float32)
-                    ctrl, revision = 0, commit
+                    ctrl, revision, unc = 0, commit, score
                 next_obs, reward, terminated, truncated, next_info = env.step(action)
                 ts = max(time.time(), last_ts)
                 last_ts = ts
@@ -396,6 +397,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                     ctrl,
                     revision,
                     ts,
+                    unc,
                 )
                 digest = frame_digest(
                     obs["cameras"], obs["state"], action, proposed, reward, terminated, truncated, ctrl, ts

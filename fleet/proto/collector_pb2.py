@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from server.proto import policy_service_pb2 as policy__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x63ollector.proto\x12\x0fvla_rl.fleet.v1\x1a\x14policy_service.proto\"X\n\x05Hello\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x17\n\x0frobot_spec_json\x18\x03 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x04 \x01(\t\"7\n\x0cStartEpisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\"\xeb\x03\n\nFrameBatch\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x39\n\x07\x63\x61meras\x18\x03 \x03(\x0b\x32(.vla_rl.fleet.v1.FrameBatch.CamerasEntry\x12 \n\x05state\x18\x04 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12!\n\x06\x61\x63tion\x18\x05 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12*\n\x0fproposed_action\x18\x06 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12!\n\x06reward\x18\x07 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12%\n\nterminated\x18\x08 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12$\n\ttruncated\x18\t \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12%\n\ncontroller\x18\n \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12\x10\n\x08revision\x18\x0b \x03(\t\x12$\n\ttimestamp\x18\x0c \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x1a\x41\n\x0c\x43\x61merasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.vla_rl.v1.Tensor:\x02\x38\x01\"\xae\x01\n\rSegmentMarker\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12*\n\x04kind\x18\x04 \x01(\x0e\x32\x1c.vla_rl.fleet.v1.SegmentKind\x12/\n\ncontroller\x18\x05 \x01(\x0e\x32\x1b.vla_rl.fleet.v1.Controller\x12\x0e\n\x06reason\x18\x06 \x01(\t\"c\n\nEndEpisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12\x14\n\x07success\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_success\"\x8d\x02\n\x0cRobotMessage\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\'\n\x05hello\x18\x02 \x01(\x0b\x32\x16.vla_rl.fleet.v1.HelloH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.vla_rl.fleet.v1.StartEpisodeH\x00\x12-\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x1b.vla_rl.fleet.v1.FrameBatchH\x00\x12\x31\n\x07segment\x18\x05 \x01(\x0b\x32\x1e.vla_rl.fleet.v1.SegmentMarkerH\x00\x12*\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x1b.vla_rl.fleet.v1.EndEpisodeH\x00\x42\x06\n\x04\x62ody\"Y\n\x07Welcome\x12\x19\n\x11\x63ollector_version\x18\x01 \x01(\t\x12\x18\n\x10max_batch_frames\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\"\x81\x01\n\x03\x41\x63k\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x11\n\tcommitted\x18\x03 \x01(\x04\x12\x10\n\x08segments\x18\x04 \x01(\r\x12\r\n\x05\x65nded\x18\x05 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x12\x12\n\nduplicates\x18\x07 \x01(\x04\"K\n\x06Reject\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x97\x01\n\x10\x43ollectorMessage\x12+\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.vla_rl.fleet.v1.WelcomeH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.vla_rl.fleet.v1.AckH\x00\x12)\n\x06reject\x18\x03 \x01(\x0b\x32\x17.vla_rl.fleet.v1.RejectH\x00\x42\x06\n\x04\x62ody\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\nRobotStats\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66rames_received\x18\x02 \x01(\x04\x12\x18\n\x10\x66rames_committed\x18\x03 \x01(\x04\x12\x15\n\rframes_stored\x18\x04 \x01(\x04\x12\x17\n\x0f\x66rames_rejected\x18\x05 \x01(\x04\x12\x18\n\x10\x66rames_duplicate\x18\x06 \x01(\x04\x12\x17\n\x0f\x65pisodes_closed\x18\x07 \x01(\x04\x12\x11\n\tconnected\x18\x08 \x01(\x08\"U\n\rStatsResponse\x12+\n\x06robots\x18\x01 \x03(\x0b\x32\x1b.vla_rl.fleet.v1.RobotStats\x12\x17\n\x0fprometheus_text\x18\x02 \x01(\t*X\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nAUTONOMOUS\x10\x01\x12\x10\n\x0cINTERVENTION\x10\x02\x12\t\n\x05RESET\x10\x03*1\n\nController\x12\n\n\x06POLICY\x10\x00\x12\t\n\x05HUMAN\x10\x01\x12\x0c\n\x08SCRIPTED\x10\x02\x32\xa6\x01\n\tCollector\x12N\n\x06Stream\x12\x1d.vla_rl.fleet.v1.RobotMessage\x1a!.vla_rl.fleet.v1.CollectorMessage(\x01\x30\x01\x12I\n\x08GetStats\x12\x1d.vla_rl.fleet.v1.StatsRequest\x1a\x1e.vla_rl.fleet.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x63ollector.proto\x12\x0fvla_rl.fleet.v1\x1a\x14policy_service.proto\"X\n\x05Hello\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x17\n\x0frobot_spec_json\x18\x03 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x04 \x01(\t\"7\n\x0cStartEpisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\"\x93\x04\n\nFrameBatch\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x39\n\x07\x63\x61meras\x18\x03 \x03(\x0b\x32(.vla_rl.fleet.v1.FrameBatch.CamerasEntry\x12 \n\x05state\x18\x04 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12!\n\x06\x61\x63tion\x18\x05 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12*\n\x0fproposed_action\x18\x06 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12!\n\x06reward\x18\x07 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12%\n\nterminated\x18\x08 \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12$\n\ttruncated\x18\t \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12%\n\ncontroller\x18\n \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12\x10\n\x08revision\x18\x0b \x03(\t\x12$\n\ttimestamp\x18\x0c \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x12&\n\x0buncertainty\x18\r \x01(\x0b\x32\x11.vla_rl.v1.Tensor\x1a\x41\n\x0c\x43\x61merasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.vla_rl.v1.Tensor:\x02\x38\x01\"\xae\x01\n\rSegmentMarker\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12*\n\x04kind\x18\x04 \x01(\x0e\x32\x1c.vla_rl.fleet.v1.SegmentKind\x12/\n\ncontroller\x18\x05 \x01(\x0e\x32\x1b.vla_rl.fleet.v1.Controller\x12\x0e\n\x06reason\x18\x06 \x01(\t\"c\n\nEndEpisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12\x14\n\x07success\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_success\"\x8d\x02\n\x0cRobotMessage\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\'\n\x05hello\x18\x02 \x01(\x0b\x32\x16.vla_rl.fleet.v1.HelloH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.vla_rl.fleet.v1.StartEpisodeH\x00\x12-\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x1b.vla_rl.fleet.v1.FrameBatchH\x00\x12\x31\n\x07segment\x18\x05 \x01(\x0b\x32\x1e.vla_rl.fleet.v1.SegmentMarkerH\x00\x12*\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x1b.vla_rl.fleet.v1.EndEpisodeH\x00\x42\x06\n\x04\x62ody\"Y\n\x07Welcome\x12\x19\n\x11\x63ollector_version\x18\x01 \x01(\t\x12\x18\n\x10max_batch_frames\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\"\x81\x01\n\x03\x41\x63k\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x11\n\tcommitted\x18\x03 \x01(\x04\x12\x10\n\x08segments\x18\x04 \x01(\r\x12\r\n\x05\x65nded\x18\x05 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x12\x12\n\nduplicates\x18\x07 \x01(\x04\"K\n\x06Reject\x12\x0e\n\x06msg_id\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x97\x01\n\x10\x43ollectorMessage\x12+\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.vla_rl.fleet.v1.WelcomeH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.vla_rl.fleet.v1.AckH\x00\x12)\n\x06reject\x18\x03 \x01(\x0b\x32\x17.vla_rl.fleet.v1.RejectH\x00\x42\x06\n\x04\x62ody\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\nRobotStats\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66rames_received\x18\x02 \x01(\x04\x12\x18\n\x10\x66rames_committed\x18\x03 \x01(\x04\x12\x15\n\rframes_stored\x18\x04 \x01(\x04\x12\x17\n\x0f\x66rames_rejected\x18\x05 \x01(\x04\x12\x18\n\x10\x66rames_duplicate\x18\x06 \x01(\x04\x12\x17\n\x0f\x65pisodes_closed\x18\x07 \x01(\x04\x12\x11\n\tconnected\x18\x08 \x01(\x08\"U\n\rStatsResponse\x12+\n\x06robots\x18\x01 \x03(\x0b\x32\x1b.vla_rl.fleet.v1.RobotStats\x12\x17\n\x0fprometheus_text\x18\x02 \x01(\t*X\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nAUTONOMOUS\x10\x01\x12\x10\n\x0cINTERVENTION\x10\x02\x12\t\n\x05RESET\x10\x03*1\n\nController\x12\n\n\x06POLICY\x10\x00\x12\t\n\x05HUMAN\x10\x01\x12\x0c\n\x08SCRIPTED\x10\x02\x32\xa6\x01\n\tCollector\x12N\n\x06Stream\x12\x1d.vla_rl.fleet.v1.RobotMessage\x1a!.vla_rl.fleet.v1.CollectorMessage(\x01\x30\x01\x12I\n\x08GetStats\x12\x1d.vla_rl.fleet.v1.StatsRequest\x1a\x1e.vla_rl.fleet.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FRAMEBATCH_CAMERASENTRY']._loaded_options = None
   _globals['_FRAMEBATCH_CAMERASENTRY']._serialized_options = b'8\001'
-  _globals['_SEGMENTKIND']._serialized_start=2008
-  _globals['_SEGMENTKIND']._serialized_end=2096
-  _globals['_CONTROLLER']._serialized_start=2098
-  _globals['_CONTROLLER']._serialized_end=2147
+  _globals['_SEGMENTKIND']._serialized_start=2048
+  _globals['_SEGMENTKIND']._serialized_end=2136
+  _globals['_CONTROLLER']._serialized_start=2138
+  _globals['_CONTROLLER']._serialized_end=2187
   _globals['_HELLO']._serialized_start=58
   _globals['_HELLO']._serialized_end=146
   _globals['_STARTEPISODE']._serialized_start=148
   _globals['_STARTEPISODE']._serialized_end=203
   _globals['_FRAMEBATCH']._serialized_start=206
-  _globals['_FRAMEBATCH']._serialized_end=697
-  _globals['_FRAMEBATCH_CAMERASENTRY']._serialized_start=632
-  _globals['_FRAMEBATCH_CAMERASENTRY']._serialized_end=697
-  _globals['_SEGMENTMARKER']._serialized_start=700
-  _globals['_SEGMENTMARKER']._serialized_end=874
-  _globals['_ENDEPISODE']._serialized_start=876
-  _globals['_ENDEPISODE']._serialized_end=975
-  _globals['_ROBOTMESSAGE']._serialized_start=978
-  _globals['_ROBOTMESSAGE']._serialized_end=1247
-  _globals['_WELCOME']._serialized_start=1249
-  _globals['_WELCOME']._serialized_end=1338
-  _globals['_ACK']._serialized_start=1341
-  _globals['_ACK']._serialized_end=1470
-  _globals['_REJECT']._serialized_start=1472
-  _globals['_REJECT']._serialized_end=1547
-  _globals['_COLLECTORMESSAGE']._serialized_start=1550
-  _globals['_COLLECTORMESSAGE']._serialized_end=1701
-  _globals['_STATSREQUEST']._serialized_start=1703
-  _globals['_STATSREQUEST']._serialized_end=1717
-  _globals['_ROBOTSTATS']._serialized_start=1720
-  _globals['_ROBOTSTATS']._serialized_end=1919
-  _globals['_STATSRESPONSE']._serialized_start=1921
-  _globals['_STATSRESPONSE']._serialized_end=2006
-  _globals['_COLLECTOR']._serialized_start=2150
-  _globals['_COLLECTOR']._serialized_end=2316
+  _globals['_FRAMEBATCH']._serialized_end=737
+  _globals['_FRAMEBATCH_CAMERASENTRY']._serialized_start=672
+  _globals['_FRAMEBATCH_CAMERASENTRY']._serialized_end=737
+  _globals['_SEGMENTMARKER']._serialized_start=740
+  _globals['_SEGMENTMARKER']._serialized_end=914
+  _globals['_ENDEPISODE']._serialized_start=916
+  _globals['_ENDEPISODE']._serialized_end=1015
+  _globals['_ROBOTMESSAGE']._serialized_start=1018
+  _globals['_ROBOTMESSAGE']._serialized_end=1287
+  _globals['_WELCOME']._serialized_start=1289
+  _globals['_WELCOME']._serialized_end=1378
+  _globals['_ACK']._serialized_start=1381
+  _globals['_ACK']._serialized_end=1510
+  _globals['_REJECT']._serialized_start=1512
+  _globals['_REJECT']._serialized_end=1587
+  _globals['_COLLECTORMESSAGE']._serialized_start=1590
+  _globals['_COLLECTORMESSAGE']._serialized_end=1741
+  _globals['_STATSREQUEST']._serialized_start=1743
+  _globals['_STATSREQUEST']._serialized_end=1757
+  _globals['_ROBOTSTATS']._serialized_start=1760
+  _globals['_ROBOTSTATS']._serialized_end=1959
+  _globals['_STATSRESPONSE']._serialized_start=1961
+  _globals['_STATSRESPONSE']._serialized_end=2046
+  _globals['_COLLECTOR']._serialized_start=2190
+  _globals['_COLLECTOR']._serialized_end=2356
 # @@protoc_insertion_point(module_scope)

@@ -114,6 +114,8 @@ def make_router(ctx: Context) -> APIRouter:
             "revisions": list(ep.meta.revisions),
             "terminated": ep.terminated.astype(bool).tolist(),
             "truncated": ep.truncated.astype(bool).tolist(),
+            # the policy's per-chunk score on each frame (null: not scored); None: not recorded
+            "uncertainty": None if ep.uncertainty is None else _floats(ep.uncertainty),
         }
 
     @r.get(
