@@ -38,7 +38,7 @@ from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
 from server.codec import to_tensor
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 TOKEN = "collector-test-token"
 SPEC = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
@@ -191,6 +191,61 @@ def test_roundtrip_segments_db_and_accounting(collector: Collector) -> None:
     text = collector.stats().prometheus_text
     assert 'vla_rl_collector_frames_committed_total{robot="arm-1"} 60.0' in text
     assert 'vla_rl_collector_episodes_closed_total{outcome="success",robot="arm-1"} 2.0' in text
+
+
+def test_uncertainty_round_trip_rejects_and_old_style_batches(collector: Collector) -> None:
+    """Per-frame chunk scores travel robot -> collector -> store (NaN kept for unscored frames); a bad
+    uncertainty tensor is refused naming the field; a batch without one (an older client) is stored with
+    an all-NaN array."""
+    client = RobotClient(collector.address, "arm-u", SPEC, "test/task", token=TOKEN, max_batch_frames=4)
+    rng = np.random.default_rng(3)
+    scores = np.repeat(rng.uniform(0.2, 1.5, 15).astype(np.float32), 2)  # one score per 2-frame chunk
+    scores[10:16] = np.nan  # a human's frames: no chunk
+    cam = {"front": np.zeros((16, 16, 3), np.uint8)}
+    eid = client.start_episode()
+    for i in range(30):
+        if i == 10:
+            client.begin_segment("intervention", "human", reason="test")
+        if i == 16:
+            client.begin_segment("autonomous", "policy", reason="handback")
+        score = None if np.isnan(scores[i]) else float(scores[i])
+        client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=score)
+    with pytest.raises(SpecError, match=r"^uncertainty: expected a finite score"):
+        client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=np.inf)
+    client.end_episode("success")
+    assert client.close(30) and client.stats.rejects == 0
+
+    send, recv, close = raw_stream(collector.address)
+    send(hello())
+    assert recv().WhichOneof("body") == "welcome"
+    send(pb.RobotMessage(start=pb.StartEpisode(episode_id="old-style")))
+    assert recv().ack.committed == 0
+    send(segment("old-style", 0, 0))
+    assert recv().ack.segments == 1
+    for bad, text in (
+        (np.zeros(2, np.float64), "frames.uncertainty: expected dtype float32"),
+        (np.zeros((2, 1), np.float32), "frames.uncertainty: expected shape [2]"),
+        (np.zeros(3, np.float32), "frames.uncertainty: expected a tensor of at most 8 non-negative dims"),
+        (np.array([0.5, np.inf], np.float32), "frames.uncertainty: expected finite scores, or NaN"),
+    ):
+        send(batch("old-style", 0, 2, uncertainty=bad))
+        r = recv()
+        assert r.WhichOneof("body") == "reject" and r.reject.code == SC.INVALID_ARGUMENT.value[0], r
+        assert text in r.reject.message, r.reject.message
+    send(batch("old-style", 0, 4))  # no uncertainty field at all
+    assert recv().ack.committed == 4
+    send(pb.RobotMessage(end=pb.EndEpisode(episode_id="old-style", length=4, outcome="success")))
+    assert recv().ack.ended
+    close()
+    assert collector.drain(30)
+    store = collector.store
+    ep = store.read_episode(eid, cameras=False)
+    assert ep.uncertainty is not None and ep.uncertainty.dtype == np.float32
+    np.testing.assert_allclose(ep.uncertainty, scores, rtol=1e-6)  # NaN where NaN was sent
+    assert np.isnan(ep.uncertainty[10:16]).all() and np.isfinite(ep.uncertainty[:10]).all()
+    old = store.read_episode("old-style", cameras=False)
+    assert old.uncertainty is not None and len(old.uncertainty) == 4 and np.isnan(old.uncertainty).all()
+    assert store.verify(db=collector.db) == []
 
 
 def test_auth_required(collector: Collector, tmp_path: Path) -> None:
@@ -546,7 +601,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
             rng.standard_normal(5).astype(np.float32),
             rng.uniform(-1, 1, 3).astype(np.float32),
         )
-        client.add_frame(cams, state, action, timestamp=2000.0 + i)
+        client.add_frame(cams, state, action, timestamp=2000.0 + i, uncertainty=0.1 * i if i % 3 else None)
         sent.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 2000.0 + i))
     assert client.flush(30)
     assert EpisodeStore(root).read_metadata(eid).length == 0  # acknowledged, only in the log (chunk of 64)
@@ -570,6 +625,8 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         assert c2.drain(30)
         ep = EpisodeStore(root).read_episode(eid)
         assert ep.meta.is_closed and ep.length == 20
+        want = [0.1 * i if i % 3 else np.nan for i in range(20)]
+        np.testing.assert_allclose(ep.uncertainty, want, rtol=1e-6)  # replayed from the log
         got = store_digests(root)
         assert sorted(d for (_, _, d) in got) == sorted(sent)
     finally:

@@ -355,6 +355,11 @@ def test_episode_detail_series_frame_and_video(dash: Dashboard, world: FleetWorl
     np.testing.assert_allclose(
         np.array([s["proposed_action"][i] for i in policy]), ep.proposed_action[policy], atol=1e-5
     )
+    # the policy's chunk scores (recorded by the sim fleet from the server): null on human frames
+    u = s["uncertainty"]
+    assert u is not None and all(u[i] is None for i in np.flatnonzero(human))
+    assert ep.uncertainty is not None
+    np.testing.assert_allclose(np.array([u[i] for i in policy]), ep.uncertainty[policy], atol=1e-5)
 
     for t in (0, ep.length // 2, ep.length - 1):
         r = c.get(f"/api/v1/episodes/{eid}/frames/top_camera/{t}.jpg", params={"quality": 95})
@@ -715,6 +720,52 @@ def test_revision_stats_skip_the_empty_revision(tmp_path: Path) -> None:
     timeline = db.revision_timeline(bucket_s=3600.0)
     assert sorted(p.revision for p in timeline) == ["r1", "r2"]
     assert sum(p.episodes for p in timeline) == 3
+
+
+def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) -> None:
+    """An episode with a burst of high chunk scores gets the ``high_uncertainty`` badge and the flag
+    filter finds it alone; a calm one and one without scores do not; the series carries the scores (null
+    where there are none)."""
+    from fleet.meta import Controller
+
+    spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
+    store = EpisodeStore(tmp_path / "store", create=True, db=MetadataDB.for_store(tmp_path / "store"))
+    calm = np.repeat(np.float32([0.55, 0.62, 0.58, 0.65, 0.6, 0.57, 0.63, 0.59, 0.61, 0.56]), 2)
+    burst = calm.copy()
+    burst[8:14] = np.repeat(np.float32([1.2, 1.3, 1.25]), 2)
+    ids = {}
+    for name, u in (("burst", burst), ("calm", calm), ("unscored", None)):
+        w = store.create_episode(spec, robot_id="arm-1", task=TASK, episode_id=f"ep-{name}")
+        x = np.linspace(0, 3, len(calm), dtype=np.float32)
+        w.add_frames(
+            {
+                "cameras": {},
+                "state": np.zeros((len(x), 2), np.float32),
+                "action": 0.5 * np.stack([np.sin(x), np.cos(x)], 1),
+                "controller": Controller.POLICY,
+                "uncertainty": u,
+            }
+        )
+        ids[name] = w.close("success").episode_id
+    cfg = DashboardConfig(store=tmp_path / "store", workdir=tmp_path / "w")
+    for d in serve_dashboard(cfg):
+        c = d.client("viewer")
+        # the list computes the flags of the episodes it shows (start-up computes them too, later)
+        everything = c.get("/api/v1/episodes", params={"per_page": 10}).json()["items"]
+        assert {x["id"]: sorted(x["flags"]) for x in everything} == {
+            ids["burst"]: ["high_uncertainty"],
+            ids["calm"]: [],
+            ids["unscored"]: [],
+        }
+        got = c.get("/api/v1/episodes", params={"flag": "high_uncertainty"}).json()
+        assert [x["id"] for x in got["items"]] == [ids["burst"]]
+        f = got["items"][0]["flags"]["high_uncertainty"]
+        assert f["score"] > 3.52 and f["detail"].startswith("peak CUSUM")
+        assert "high_uncertainty" in c.get(f"/api/v1/episodes/{ids['burst']}").json()["flags"]
+        series = c.get(f"/api/v1/episodes/{ids['burst']}/series").json()
+        np.testing.assert_allclose(series["uncertainty"], burst, atol=1e-5)
+        unscored = c.get(f"/api/v1/episodes/{ids['unscored']}/series").json()["uncertainty"]
+        assert unscored == [None] * len(calm)
 
 
 def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from fleet.flags import (
     FlagThresholds,
     compute_flags,
     episode_uncertainty,
+    high_uncertainty,
     jerk,
     length_outlier,
     refresh_flags,
@@ -25,7 +26,9 @@ from vla_rl.spec import RobotSpec
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")
 
 
-def _episode(action: np.ndarray, segments: tuple[Segment, ...] = ()) -> Episode:
+def _episode(
+    action: np.ndarray, segments: tuple[Segment, ...] = (), uncertainty: np.ndarray | None = None
+) -> Episode:
     t = len(action)
     meta = EpisodeMeta(
         episode_id="e",
@@ -44,6 +47,9 @@ def _episode(action: np.ndarray, segments: tuple[Segment, ...] = ()) -> Episode:
         segments=segments or (Segment(0, SegmentKind.AUTONOMOUS, Controller.POLICY, 0, t),),
     )
     z = np.zeros(t)
+    seg = np.zeros(t, np.int32)
+    for g in segments:
+        seg[g.start : g.end] = g.index
     return Episode(
         meta=meta,
         cameras={},
@@ -54,9 +60,10 @@ def _episode(action: np.ndarray, segments: tuple[Segment, ...] = ()) -> Episode:
         terminated=z.astype(bool),
         truncated=z.astype(bool),
         controller=z.astype(np.uint8),
-        segment=z.astype(np.int32),
+        segment=seg,
         revision=z.astype(np.int16),
         timestamp=z,
+        uncertainty=None if uncertainty is None else np.asarray(uncertainty, np.float32),
     )
 
 
@@ -107,7 +114,65 @@ def test_takeovers_counts_human_segments_with_their_reasons() -> None:
     f = takeovers(_episode(_smooth(30), segs))
     assert f.raised and f.score == 2.0 and f.detail == "2 takeovers (14 human frames): drop, slip"
     assert not takeovers(_episode(_smooth(30))).raised
-    assert episode_uncertainty(_episode(_smooth(5))) is None  # the documented hook: not stored yet
+
+
+# per-chunk scores near the default reference (mean 0.596, std 0.189), two frames per chunk
+CALM = [0.55, 0.62, 0.58, 0.65, 0.6, 0.57, 0.63, 0.59, 0.61, 0.56]
+
+
+def _per_frame(chunks: list[float], frames_per_chunk: int = 2) -> np.ndarray:
+    return np.repeat(np.asarray(chunks, np.float32), frames_per_chunk)
+
+
+def _reference_peak(chunks: list[float], th: FlagThresholds) -> float:
+    """The CUSUM peak written out independently of sim.operator."""
+    s, peak = 0.0, 0.0
+    for x in chunks:
+        s = max(0.0, s + (x - th.uncertainty_mean) / th.uncertainty_std - th.uncertainty_k)
+        peak = max(peak, s)
+    return peak
+
+
+def test_high_uncertainty_is_the_peak_cusum_over_chunks() -> None:
+    th = FlagThresholds()
+    burst = [*CALM[:4], 1.2, 1.3, 1.25, *CALM[4:]]  # three chunks ~3.4 stds high
+    u = _per_frame(burst)
+    u[:4] = np.nan  # the first two chunks unscored (e.g. the robot started under a human)
+    f = high_uncertainty(_episode(_smooth(len(u)), uncertainty=u))
+    # one CUSUM step per chunk, not per frame (per frame, the peak would be about twice as high)
+    assert f.raised and f.score == pytest.approx(_reference_peak(burst[2:], th), rel=1e-5)
+    assert (
+        f.score > th.uncertainty_h
+        and "at frame 12" in f.detail
+        and f"{len(burst) - 2} scored chunks" in f.detail
+    )
+    calm = high_uncertainty(_episode(_smooth(20), uncertainty=_per_frame(CALM)))
+    assert not calm.raised and calm.score == pytest.approx(_reference_peak(CALM, th), rel=1e-5)
+    assert calm.score < 1.0
+    # no scores: an old episode (no array) or nothing scored (all NaN)
+    for u0 in (None, np.full(20, np.nan, np.float32)):
+        f = high_uncertainty(_episode(_smooth(20), uncertainty=u0))
+        assert not f.raised and f.score == 0.0 and f.detail.startswith("no uncertainty recorded")
+    assert episode_uncertainty(_episode(_smooth(5))) is None
+    np.testing.assert_allclose(episode_uncertainty(_episode(_smooth(20), uncertainty=u[:20])), u[:20])
+
+
+def test_high_uncertainty_restarts_at_each_segment() -> None:
+    """As the operator's CUSUM restarts after a handback: two moderate stretches split by a takeover do
+    not add up; the same chunks in one segment do."""
+    th = FlagThresholds()
+    half = [0.86, 0.88]  # CUSUM 2.4 after one stretch, 4.8 after both: only together above h = 3.52
+    u = np.concatenate([_per_frame(half), np.full(4, np.nan, np.float32), _per_frame(half)])
+    t = len(u)
+    one = high_uncertainty(_episode(_smooth(t), uncertainty=u))
+    assert one.raised and one.score == pytest.approx(_reference_peak(half * 2, th), rel=1e-5)
+    segs = (
+        Segment(0, SegmentKind.AUTONOMOUS, Controller.POLICY, 0, 4),
+        Segment(1, SegmentKind.INTERVENTION, Controller.HUMAN, 4, 8, "stall"),
+        Segment(2, SegmentKind.AUTONOMOUS, Controller.POLICY, 8, t),
+    )
+    split = high_uncertainty(_episode(_smooth(t), segs, uncertainty=u))
+    assert not split.raised and split.score == pytest.approx(_reference_peak(half, th), rel=1e-5)
 
 
 def test_thresholds_are_validated() -> None:
@@ -115,11 +180,22 @@ def test_thresholds_are_validated() -> None:
         FlagThresholds(still_s=0)
     with pytest.raises(ValueError, match="min_task_episodes: expected an integer >= 2"):
         FlagThresholds(min_task_episodes=1)
+    with pytest.raises(ValueError, match="uncertainty_std: expected a number > 0"):
+        FlagThresholds(uncertainty_std=0.0)
+    with pytest.raises(ValueError, match="uncertainty_k: expected a number >= 0"):
+        FlagThresholds(uncertainty_k=-0.1)
+    with pytest.raises(ValueError, match="uncertainty_mean: expected a finite number"):
+        FlagThresholds(uncertainty_mean=float("nan"))
     with pytest.raises(ValueError, match="flag: unknown check 'colour'"):
         compute_flags(_episode(_smooth(5)), [], names=["colour"])
 
 
-def _record(store: EpisodeStore, actions: np.ndarray, human: tuple[int, int] | None = None) -> str:
+def _record(
+    store: EpisodeStore,
+    actions: np.ndarray,
+    human: tuple[int, int] | None = None,
+    uncertainty: np.ndarray | None = None,
+) -> str:
     w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
     for i, a in enumerate(actions):
         if human is not None and i == human[0]:
@@ -136,6 +212,7 @@ def _record(store: EpisodeStore, actions: np.ndarray, human: tuple[int, int] | N
             truncated=False,
             controller=Controller.HUMAN if in_human else Controller.POLICY,
             revision="r",
+            uncertainty=None if uncertainty is None else float(uncertainty[i]),
         )
     return w.close(outcome="success", success=True).episode_id
 
@@ -149,12 +226,20 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     idle_ep = _record(store, still)
     long_ep = _record(store, _smooth(200))
     taken = _record(store, _smooth(40), human=(10, 20))
+    unsure = _record(store, _smooth(40), uncertainty=_per_frame([*CALM, 1.2, 1.3, 1.25, *CALM[:7]]))
+    calm = _record(store, _smooth(40), uncertainty=_per_frame(CALM * 2))
     w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)  # still open: skipped
     opened = w.episode_id
-    got = refresh_flags(store, db, [*normal, idle_ep, long_ep, taken, opened, "no-such-episode"])
-    assert set(got) == {*normal, idle_ep, long_ep, taken}
+    got = refresh_flags(
+        store, db, [*normal, idle_ep, long_ep, taken, unsure, calm, opened, "no-such-episode"]
+    )
+    assert set(got) == {*normal, idle_ep, long_ep, taken, unsure, calm}
     assert all({f.name for f in fs} == set(FLAG_NAMES) for fs in got.values())
-    raised = db.flags([idle_ep, long_ep, taken, normal[0]])
+    raised = db.flags([idle_ep, long_ep, taken, normal[0], unsure, calm])
+    assert set(raised[unsure]) == {"high_uncertainty"} and raised[calm] == {}
+    assert raised[unsure]["high_uncertainty"].detail.startswith("peak CUSUM 9.")
+    everything = db.flags([normal[0]], raised_only=False)[normal[0]]
+    assert everything["high_uncertainty"].detail == "no uncertainty recorded (no frame scored)"
     assert set(raised[idle_ep]) == {"stillness"} and raised[idle_ep]["stillness"].score == pytest.approx(3.6)
     assert set(raised[long_ep]) == {"length_outlier"}
     assert set(raised[taken]) == {"takeovers"} and "10 human frames" in raised[taken]["takeovers"].detail
@@ -162,7 +247,9 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     assert len(db.flags([normal[0]], raised_only=False)[normal[0]]) == len(FLAG_NAMES)
     assert refresh_flags(store, db) == {}  # cached: nothing left to compute
     items, total = db.query_episodes(EpisodeQuery(flagged=True, sort="created_at"))
-    assert total == 3 and [i.id for i in items] == [idle_ep, long_ep, taken]
+    assert total == 4 and [i.id for i in items] == [idle_ep, long_ep, taken, unsure]
+    only = db.query_episodes(EpisodeQuery(flags=("high_uncertainty",)))[0]
+    assert [i.id for i in only] == [unsure]
     assert items[0].to_dict()["flags"]["stillness"]["detail"].startswith("no motion for 3.6 s")
     assert db.query_episodes(EpisodeQuery(flags=("takeovers", "stillness")))[1] == 2
     w.close(outcome="success", success=True)

@@ -68,7 +68,16 @@ def assert_frames_equal(ep: Any, frames: dict[str, Any], n: int) -> None:
     assert ep.length == n
     for c, arr in frames["cameras"].items():
         np.testing.assert_array_equal(ep.cameras[c], arr[:n])
-    for key in ("state", "action", "proposed_action", "reward", "terminated", "truncated", "controller"):
+    for key in (
+        "state",
+        "action",
+        "proposed_action",
+        "reward",
+        "terminated",
+        "truncated",
+        "controller",
+        "uncertainty",
+    ):
         np.testing.assert_array_equal(getattr(ep, key), frames[key][:n], err_msg=key)
     np.testing.assert_array_equal(ep.timestamp, frames["timestamp"][:n])
 

@@ -253,6 +253,9 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         assert ep.segment.tolist() == [f["segment"] for f in mine]
         human = ep.controller == 1
         assert not ep.has_proposal[human].any() and ep.has_proposal[~human].all()
+        # every policy frame carries its chunk's score from the server (flow_vla: accel); human ones none
+        assert ep.uncertainty is not None
+        assert np.isfinite(ep.uncertainty[~human]).all() and np.isnan(ep.uncertainty[human]).all()
         revs = np.array(ep.meta.revisions)[ep.revision]
         assert (revs[~human] == commit).all() and (revs[human] == "").all()
         for i in range(ep.length):

@@ -45,10 +45,13 @@ Frames = dict[str, Any]
 
 
 def make_frames(n: int, seed: int) -> Frames:
-    """Deterministic frames (an add_frames batch); every 4th frame has no proposed action."""
+    """Deterministic frames (an add_frames batch); every 4th frame has no proposed action and no
+    uncertainty score."""
     rng = np.random.default_rng(seed)
     proposed = rng.uniform(-1, 1, (n, SPEC.action_dim)).astype(np.float32)
     proposed[::4] = np.nan
+    uncertainty = rng.uniform(0.2, 1.5, n).astype(np.float32)
+    uncertainty[::4] = np.nan
     return {
         "cameras": {c.name: rng.integers(0, 256, (n, *c.shape), dtype=np.uint8) for c in SPEC.cameras},
         "state": rng.standard_normal((n, SPEC.state_dim), dtype=np.float32),
@@ -60,6 +63,7 @@ def make_frames(n: int, seed: int) -> Frames:
         "controller": rng.integers(0, 3, n).astype(np.uint8),
         "revision": [f"rev-{k}" if k else "" for k in rng.integers(0, 3, n)],
         "timestamp": 1.7e9 + np.cumsum(rng.uniform(0.01, 0.1, n)),
+        "uncertainty": uncertainty,
     }
 
 
@@ -82,6 +86,7 @@ def add_singly(w: EpisodeWriter, frames: Frames, i: int, j: int) -> None:
             controller=Controller(int(frames["controller"][t])).label,
             revision=frames["revision"][t],
             timestamp=float(frames["timestamp"][t]),
+            uncertainty=None if np.isnan(frames["uncertainty"][t]) else float(frames["uncertainty"][t]),
         )
 
 
@@ -101,6 +106,7 @@ def assert_frames_equal(ep: Episode, frames: Frames, n: int) -> None:
         "truncated",
         "controller",
         "timestamp",
+        "uncertainty",
     ):
         got = getattr(ep, key)
         assert got.dtype == np.asarray(exp[key]).dtype, key
@@ -450,6 +456,8 @@ BAD_FRAMES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("timestamp", _with(timestamp=1.0)),  # earlier than the frames already buffered
     ("timestamp", _with(timestamp=float("inf"))),
     ("revision", _with(revision=3)),
+    ("uncertainty", _with(uncertainty=float("inf"))),
+    ("uncertainty", _with(uncertainty="high")),
 ]
 
 
@@ -476,6 +484,7 @@ def test_bad_frames_are_rejected_naming_the_field_and_change_nothing(tmp_path: P
         ("controller", take(frames, 31, 40) | {"controller": ["policy"] * 8 + ["robot"]}),
         ("timestamp", take(frames, 31, 40) | {"timestamp": frames["timestamp"][31:40][::-1].copy()}),
         ("revision", take(frames, 31, 40) | {"revision": ["a"] * 8}),
+        ("uncertainty", take(frames, 31, 40) | {"uncertainty": frames["uncertainty"][31:39]}),
         ("cameras.base_camera", take(frames, 31, 40) | {"cameras": take(frames, 30, 40)["cameras"]}),
     ]
     for field_name, batch in bad_batches:
@@ -510,6 +519,36 @@ def test_verify_reports_damage(tmp_path: Path) -> None:
     assert isinstance(controller, zarr.Array)
     controller[3] = 9
     assert any("controller holds invalid codes [9]" in p for p in store.verify())
+
+
+def test_episodes_recorded_before_uncertainty_read_none_verify_and_resume(tmp_path: Path) -> None:
+    """``uncertainty`` is optional: an episode without the array (as every episode written before it
+    existed) reads as None, verifies clean, and a resumed writer continues it without the array; one
+    with the array verifies its values (finite or NaN)."""
+    import shutil
+
+    store = EpisodeStore(tmp_path, create=True)
+    frames = make_frames(40, seed=6)
+    w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="old")
+    w.add_frames(take(frames, 0, 20))
+    w.flush()
+    del w  # the writer went away with the episode open
+    shutil.rmtree(store.episodes_dir / "old" / "uncertainty")  # recorded by an older version
+    assert store.read_episode("old").uncertainty is None
+    r = store.resume_episode("old")
+    r.add_frames(take(frames, 20, 40))  # its scores are dropped: no array to hold them
+    r.close()
+    ep = store.read_episode("old")
+    assert ep.uncertainty is None and ep.length == 40 and store.verify() == []
+    np.testing.assert_array_equal(ep.action, frames["action"])
+    with store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="new") as w:
+        w.add_frames(take(frames, 0, 40) | {"uncertainty": None})  # nothing scored: all NaN
+    got = store.read_episode("new").uncertainty
+    assert got is not None and got.dtype == np.float32 and np.isnan(got).all() and len(got) == 40
+    arr = zarr.open_group(store.episodes_dir / "new", mode="r+")["uncertainty"]
+    assert isinstance(arr, zarr.Array)
+    arr[3] = np.inf
+    assert store.verify() == ["new: uncertainty has inf in committed frames"]
 
 
 # ---------------------------------------------------------------------- metadata DB
