@@ -51,9 +51,10 @@ What LeRobot cannot hold per frame (segment kinds and reasons, outcomes, episode
 spec) goes into a sidecar, ``meta/vla_rl.json``. LeRobot ignores files it does not know, and
 :func:`import_lerobot` uses the sidecar only where it still agrees with the data, so an export imported
 back reproduces episodes exactly: frames bit for bit (images too, unless stored as video), segments,
-outcomes and spec. Not carried: ``proposed_action``, checkpoint ``revision`` and per-frame wall-clock
-``timestamp`` (LeRobot timestamps are ``frame_index / fps``; an import restores each episode's start
-time from the sidecar, or uses the import time, and spaces frames at ``1 / fps``).
+outcomes and spec. Not carried: ``proposed_action``, ``uncertainty`` (an import has none: all NaN),
+checkpoint ``revision`` and per-frame wall-clock ``timestamp`` (LeRobot timestamps are
+``frame_index / fps``; an import restores each episode's start time from the sidecar, or uses the
+import time, and spaces frames at ``1 / fps``).
 
 LeRobot is imported lazily: it pulls in torch and takes seconds, and most users of :mod:`fleet` never
 need it. LeRobot resolves ``HF_HOME`` / ``HF_LEROBOT_HOME`` when it is first imported, and reading a

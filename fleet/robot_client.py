@@ -63,6 +63,7 @@ _KIND = {
 }
 _END = object()
 _FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class BufferFull(RuntimeError):
@@ -372,8 +373,10 @@ class RobotClient:
             score = float("nan") if uncertainty is None else float(uncertainty)
         except (TypeError, ValueError):
             raise SpecError("uncertainty", "a number or None", repr(uncertainty)[:80]) from None
-        if np.isinf(score):
-            raise SpecError("uncertainty", "a finite score, or None / NaN for none", repr(uncertainty))
+        if abs(score) > _F32_MAX:  # sent as float32, that would be inf: the collector refuses it
+            raise SpecError(
+                "uncertainty", "a finite float32 score, or None / NaN for none", repr(uncertainty)
+            )
         frame_bytes = sum(int(c.nbytes) for c in cameras.values()) + state.nbytes + 2 * action.nbytes + 32
         deadline = time.monotonic() + self.block_s
         with self._cond:

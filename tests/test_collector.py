@@ -210,8 +210,9 @@ def test_uncertainty_round_trip_rejects_and_old_style_batches(collector: Collect
             client.begin_segment("autonomous", "policy", reason="handback")
         score = None if np.isnan(scores[i]) else float(scores[i])
         client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=score)
-    with pytest.raises(SpecError, match=r"^uncertainty: expected a finite score"):
-        client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=np.inf)
+    for bad_score in (np.inf, 1e39):  # 1e39: inf once sent as float32
+        with pytest.raises(SpecError, match=r"^uncertainty: expected a finite float32 score"):
+            client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=bad_score)
     client.end_episode("success")
     assert client.close(30) and client.stats.rejects == 0
 
