@@ -255,6 +255,8 @@ def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
     human = page.locator("svg.timeline g.ctl-human").first
     assert "takeover" in human.locator("title").text_content()
     assert page.locator("figure.camera canvas").count() == 1
+    # the policy's per-chunk uncertainty (recorded by the sim fleet from the server) is plotted
+    page.locator(".plot-title", has_text="policy uncertainty").wait_for()
 
     page.keyboard.press("Space")  # play
     page.wait_for_function("window.vlaPlayer.t >= 3")
