@@ -694,6 +694,11 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+_CALIBRATION_QUERY = EpisodeQuery(status="closed", outcome="success", intervention=False)
+"""Closed, successful (effective outcome), no takeover: the episodes that calibrate a revision's
+uncertainty CUSUM (algorithms.md 6a's held-out successful episodes)."""
+
+
 class MetadataDBError(RuntimeError):
     """The metadata DB cannot be opened (unreachable server, refused credentials, missing database, a
     schema newer than this code); the message names the URL (password hidden) and how to fix it."""
@@ -1183,6 +1188,30 @@ class MetadataDB:
         with Session(self._reader) as s:
             q = select(EpisodeRow.id, EpisodeRow.task, EpisodeRow.length).where(EpisodeRow.status == "closed")
             return [(r.id, r.task, int(r.length)) for r in s.execute(q)]
+
+    def calibration_counts(self) -> dict[str, tuple[int, float]]:
+        """Per checkpoint revision: how many closed episodes it acted in are successful (effective
+        outcome) without a takeover, and the newest one's ``closed_at`` (auto-flags' uncertainty
+        calibration, :mod:`fleet.flags`; one grouped query). The empty revision is not one."""
+        q = (
+            select(EpisodeRevisionRow.revision, func.count(), func.max(EpisodeRow.closed_at))
+            .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .where(EpisodeRevisionRow.revision != "", *_episode_filters(_CALIBRATION_QUERY))
+            .group_by(EpisodeRevisionRow.revision)
+        )
+        with Session(self._reader) as s:
+            return {rev: (int(n), float(newest or 0.0)) for rev, n, newest in s.execute(q)}
+
+    def calibration_episode_ids(self, revision: str) -> list[str]:
+        """The episodes :meth:`calibration_counts` counts for ``revision``, oldest first."""
+        q = (
+            select(EpisodeRow.id)
+            .join(EpisodeRevisionRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
+            .where(EpisodeRevisionRow.revision == revision, *_episode_filters(_CALIBRATION_QUERY))
+            .order_by(EpisodeRow.created_at, EpisodeRow.id)
+        )
+        with Session(self._reader) as s:
+            return list(s.scalars(q))
 
     # ------------------------------------------------------------------ fleet statistics (dashboard)
     def robot_stats(self, now: float | None = None) -> list[RobotStats]:

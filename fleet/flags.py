@@ -38,16 +38,19 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from fleet.db import Flag, MetadataDB
-from fleet.meta import Controller
+from fleet.meta import Controller, EpisodeMeta
 from fleet.store import Episode, EpisodeStore
-from sim.operator import cusum_path
+from fleet.uncertainty import calibrate_cusum, conformal_threshold, cusum_path, min_calibration_episodes
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +73,26 @@ class FlagThresholds:
     """Robust z of the length within its task above this raises ``length_outlier``."""
     min_task_episodes: int = 5
     """Fewer closed episodes of the task: no length statistics (score 0, not raised)."""
-    # The CUSUM's reference statistics and threshold default to the calibration in
-    # bench/results/uncertainty.json (kinematic/Reach-v0, a small SFT flow VLA: 68 held-out successful
-    # episodes, split conformal at alpha 0.1, sim.operator.calibrate_cusum). They are the model's: for
-    # another policy, calibrate its own (bench/uncertainty.py) and pass them here.
-    uncertainty_mean: float = 0.596
-    """Reference mean of a chunk's ``accel`` score (successful episodes)."""
-    uncertainty_std: float = 0.189
-    """Reference std of a chunk's score (> 0)."""
+    uncertainty_alpha: float = 0.1
+    """Split-conformal level of the per-revision calibration: at most this share of a revision's
+    successful episodes is raised (algorithms.md 6a); needs ``ceil(1 / alpha - 1)`` of them (9 at 0.1)."""
     uncertainty_k: float = 0.25
     """CUSUM allowance per chunk, in reference stds (>= 0)."""
+    uncertainty_max_calibration: int = 1000
+    """A revision is calibrated on at most its newest this many successful episodes."""
+    uncertainty_fallback: bool = False
+    """A revision with too few successful episodes to calibrate: judge it with the fixed reference below
+    (True) or not at all (False: score 0, "not enough successful episodes ...")."""
+    # The fixed reference (the fallback, and what high_uncertainty uses when called without a
+    # calibration) defaults to the calibration in bench/results/uncertainty.json (kinematic/Reach-v0, a
+    # small SFT flow VLA: 68 held-out successful episodes, split conformal at alpha 0.1). It is that
+    # model's: another policy's scores sit on another scale.
+    uncertainty_mean: float = 0.596
+    """Fixed reference mean of a chunk's ``accel`` score."""
+    uncertainty_std: float = 0.189
+    """Fixed reference std of a chunk's score (> 0)."""
     uncertainty_h: float = 3.52
-    """Peak CUSUM above this raises ``high_uncertainty`` (in reference stds; > 0)."""
+    """Fixed threshold: peak CUSUM above this raises ``high_uncertainty`` (in reference stds; > 0)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -103,6 +114,21 @@ class FlagThresholds:
                 raise ValueError(f"{name}: expected {what}, got {v!r}")
         if not isinstance(self.min_task_episodes, int) or self.min_task_episodes < 2:
             raise ValueError(f"min_task_episodes: expected an integer >= 2, got {self.min_task_episodes!r}")
+        a = self.uncertainty_alpha
+        if not _is_number(a) or not 0.001 <= a < 1:
+            raise ValueError(f"uncertainty_alpha: expected a number in [0.001, 1), got {a!r}")
+        n = self.uncertainty_max_calibration
+        if not isinstance(n, int) or isinstance(n, bool) or not 10 <= n <= 100_000:
+            raise ValueError(f"uncertainty_max_calibration: expected an integer in [10, 100000], got {n!r}")
+        if n < min_calibration_episodes(a):
+            raise ValueError(
+                f"uncertainty_max_calibration: expected at least {min_calibration_episodes(a)} "
+                f"(what alpha {a} needs), got {n}"
+            )
+        if not isinstance(self.uncertainty_fallback, bool):
+            raise ValueError(
+                f"uncertainty_fallback: expected true or false, got {self.uncertainty_fallback!r}"
+            )
 
 
 def _is_number(v: object) -> bool:
@@ -186,34 +212,244 @@ def chunk_starts(u: np.ndarray, segment: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.isfinite(u) & ((u != prev_u) | (segment != prev_seg)))
 
 
-def high_uncertainty(ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS) -> Flag:
+def chunk_revisions(meta: EpisodeMeta, revision: np.ndarray, starts: np.ndarray) -> list[str]:
+    """The checkpoint revision that produced each chunk (the revision of its first frame)."""
+    table = list(meta.revisions)
+    return [table[int(j)] if 0 <= int(j) < len(table) else "" for j in np.asarray(revision)[starts]]
+
+
+def scoring_revision(revs: Sequence[str]) -> str:
+    """The revision an episode is judged by: the one that produced most of its scored chunks (ties: the
+    first to act)."""
+    counts: dict[str, int] = {}
+    for r in revs:
+        counts[r] = counts.get(r, 0) + 1
+    return max(counts, key=lambda r: counts[r])
+
+
+@dataclass(frozen=True)
+class CusumReference:
+    """The CUSUM's reference statistics and threshold (:mod:`fleet.uncertainty`), in score units / stds."""
+
+    mean: float
+    std: float
+    k: float
+    h: float
+
+
+@dataclass(frozen=True)
+class RevisionCalibration:
+    """One checkpoint revision's ``high_uncertainty`` calibration (algorithms.md 6a): ``reference`` from
+    :func:`fleet.uncertainty.calibrate_cusum` over ``peaks``' episodes (the revision's closed, successful
+    episodes without a takeover that have scores; None when there are fewer than ``needed``), and each
+    such episode's peak CUSUM under it (for judging one of them against the others)."""
+
+    revision: str
+    needed: int
+    alpha: float
+    peaks: dict[str, float]
+    reference: CusumReference | None
+
+    def for_episode(self, episode_id: str) -> tuple[CusumReference | None, int]:
+        """The reference that judges ``episode_id`` and how many calibration episodes it rests on. An
+        episode of the calibration set is judged as a new one would be, by the other episodes' conformal
+        threshold (leave one out; the pooled mean/std keep it: one episode moves them little)."""
+        if episode_id not in self.peaks:
+            return self.reference, len(self.peaks)
+        others = [p for e, p in self.peaks.items() if e != episode_id]
+        if self.reference is None or len(others) < self.needed:
+            return None, len(others)
+        h = max(conformal_threshold(others, self.alpha), 1e-6)
+        r = self.reference
+        return CusumReference(r.mean, r.std, r.k, h), len(others)
+
+
+def calibrate_revision(
+    revision: str, episodes: dict[str, np.ndarray], th: FlagThresholds = DEFAULT_THRESHOLDS
+) -> RevisionCalibration:
+    """A revision's calibration from its successful episodes' per-chunk scores ``{episode_id: scores}``
+    (episodes without a finite score are left out)."""
+    scored = {e: x[np.isfinite(x)] for e, x in episodes.items() if np.isfinite(x).any()}
+    needed = min_calibration_episodes(th.uncertainty_alpha)
+    if len(scored) < needed:
+        return RevisionCalibration(revision, needed, th.uncertainty_alpha, {e: 0.0 for e in scored}, None)
+    cal = calibrate_cusum(list(scored.values()), alpha=th.uncertainty_alpha, k=th.uncertainty_k)
+    ref = CusumReference(
+        cal["uncertainty_mean"], cal["uncertainty_std"], cal["uncertainty_k"], cal["uncertainty_h"]
+    )
+    peaks = {e: float(cusum_path(x, ref.mean, ref.std, ref.k).max()) for e, x in scored.items()}
+    return RevisionCalibration(revision, needed, th.uncertainty_alpha, peaks, ref)
+
+
+def _rev_name(revision: str) -> str:
+    return revision or "(no revision)"
+
+
+def _not_enough(revision: str, m: int, needed: int) -> str:
+    return f"not enough successful episodes of {_rev_name(revision)} to calibrate ({m}/{needed})"
+
+
+def high_uncertainty(
+    ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS, calibration: RevisionCalibration | None = None
+) -> Flag:
+    """The peak per-chunk CUSUM of the episode (module docstring). With ``calibration`` (the episode's
+    scoring revision's: :func:`refresh_flags` passes it), only that revision's chunks are judged, by its
+    reference; without, every scored chunk by the fixed reference in ``th``."""
     u = episode_uncertainty(ep)
     starts = np.zeros(0, np.int64) if u is None else chunk_starts(u, np.asarray(ep.segment))
     if u is None or not len(starts):
         why = "" if u is None else " (no frame scored)"
         return Flag("high_uncertainty", 0.0, f"no uncertainty recorded{why}", raised=False)
+    fixed = CusumReference(th.uncertainty_mean, th.uncertainty_std, th.uncertainty_k, th.uncertainty_h)
+    ref, basis, others = fixed, "fixed thresholds", 0
+    if calibration is not None:
+        revs = chunk_revisions(ep.meta, ep.revision, starts)
+        keep = np.asarray([r == calibration.revision for r in revs], bool)
+        others = int((~keep).sum())
+        starts = starts[keep]
+        cref, m = calibration.for_episode(ep.meta.episode_id)
+        if not len(starts):
+            return Flag(
+                "high_uncertainty", 0.0, f"no chunk of {_rev_name(calibration.revision)}", raised=False
+            )
+        if cref is not None:
+            ref, basis = cref, f"calibrated on {m} successful episodes of {_rev_name(calibration.revision)}"
+        elif th.uncertainty_fallback:
+            basis = f"fixed thresholds, {_not_enough(calibration.revision, m, calibration.needed)}"
+        else:
+            return Flag(
+                "high_uncertainty",
+                0.0,
+                _not_enough(calibration.revision, m, calibration.needed),
+                raised=False,
+            )
     seg = np.asarray(ep.segment)[starts]
     peak, at = 0.0, int(starts[0])
     for s in np.unique(seg):  # the CUSUM restarts at each segment, as the operator's after a handback
         idx = starts[seg == s]
-        path = cusum_path(u[idx], th.uncertainty_mean, th.uncertainty_std, th.uncertainty_k)
+        path = cusum_path(u[idx], ref.mean, ref.std, ref.k)
         j = int(np.argmax(path))
         if path[j] > peak:
             peak, at = float(path[j]), int(idx[j])
     scores = u[starts]
+    skipped = f" ({others} chunks of other revisions not judged)" if others else ""
     detail = (
-        f"peak CUSUM {peak:.2f} (threshold {th.uncertainty_h:.2f}) at frame {at}; "
-        f"{len(starts)} scored chunks, mean score {scores.mean():.3f}, max {scores.max():.3f}"
+        f"peak CUSUM {peak:.2f} (threshold {ref.h:.2f}) at frame {at}; "
+        f"{len(starts)} scored chunks{skipped}, mean score {scores.mean():.3f}, max {scores.max():.3f}; {basis}"
     )
-    return Flag("high_uncertainty", peak, detail, raised=peak > th.uncertainty_h)
+    return Flag("high_uncertainty", peak, detail, raised=peak > ref.h)
 
 
-CHECKS: dict[str, Callable[[Episode, Sequence[int], FlagThresholds], Flag]] = {
-    "stillness": lambda ep, _lengths, th: stillness(ep, th),
-    "jerk": lambda ep, _lengths, th: jerk(ep, th),
-    "length_outlier": lambda ep, lengths, th: length_outlier(ep, lengths, th),
-    "takeovers": lambda ep, _lengths, th: takeovers(ep, th),
-    "high_uncertainty": lambda ep, _lengths, th: high_uncertainty(ep, th),
+_CALIBRATED_RE = re.compile(r"; calibrated on (\d+) successful episodes of (.*)$", re.S)
+_NOT_ENOUGH_RE = re.compile(r"not enough successful episodes of (.*) to calibrate \((\d+)/\d+\)$", re.S)
+
+
+def calibration_basis(flag: Flag) -> tuple[str, int, bool] | None:
+    """``(revision, episodes, calibrated)`` a stored ``high_uncertainty`` result was computed on (from
+    its detail), ``("", -1, False)`` for one of the version before calibration (recompute it), None when
+    it does not depend on a calibration (no scores; fixed thresholds asked for)."""
+    if (m := _CALIBRATED_RE.search(flag.detail)) is not None:
+        return m.group(2), int(m.group(1)), True
+    if (m := _NOT_ENOUGH_RE.search(flag.detail)) is not None:
+        return m.group(1), int(m.group(2)), False
+    if flag.detail.startswith("peak CUSUM") and not flag.detail.endswith("fixed thresholds"):
+        return "", -1, False  # computed before per-revision calibration
+    return None
+
+
+def needs_recalibration(
+    flag: Flag, counts: dict[str, tuple[int, float]], th: FlagThresholds = DEFAULT_THRESHOLDS
+) -> bool:
+    """Whether a stored ``high_uncertainty`` result is out of date: its revision has successful episodes
+    that closed after it was computed (``counts``: :meth:`fleet.db.MetadataDB.calibration_counts`) and
+    their number ``c`` reached twice the calibration's ``m`` episodes (at most ``log2`` recomputations
+    per episode; none once ``m`` reaches ``uncertainty_max_calibration``), or, while it could not
+    calibrate, grew at all. Results of the version before calibration are out of date."""
+    basis = calibration_basis(flag)
+    if basis is None:
+        return False
+    rev, m, calibrated = basis
+    if m < 0:
+        return True
+    c, newest = counts.get(rev, (0, 0.0))
+    if newest <= flag.computed_at:
+        return False
+    if calibrated:
+        return c >= 2 * m and m < th.uncertainty_max_calibration
+    return c > m
+
+
+class _ScoreCache:
+    """Per-chunk scores of closed episodes by (store, episode, revision): they never change, so a
+    revision's calibration re-reads only its new episodes (LRU, ``maxsize`` entries)."""
+
+    def __init__(self, maxsize: int = 50_000) -> None:
+        self.maxsize = maxsize
+        self._d: OrderedDict[tuple[str, str, str], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, store: EpisodeStore, eid: str, rev: str) -> np.ndarray:
+        key = (str(store.root), eid, rev)
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
+        x = revision_chunk_scores(store, eid, rev)
+        with self._lock:
+            self._d[key] = x
+            while len(self._d) > self.maxsize:
+                self._d.popitem(last=False)
+        return x
+
+
+_SCORES = _ScoreCache()
+
+
+def revision_chunk_scores(store: EpisodeStore, eid: str, revision: str) -> np.ndarray:
+    """The per-chunk scores of ``revision`` in one episode (reads only the commit record and the
+    ``uncertainty``, ``segment`` and ``revision`` arrays; empty when it has none)."""
+    meta = store.read_metadata(eid)
+    a = store.read_arrays(eid, ("uncertainty", "segment", "revision"))
+    if "uncertainty" not in a:
+        return np.zeros(0, np.float64)  # recorded before the store kept scores
+    u, segment, revision_idx = np.asarray(a["uncertainty"], np.float64), a["segment"], a["revision"]
+    starts = chunk_starts(u, segment)
+    keep = np.asarray([r == revision for r in chunk_revisions(meta, revision_idx, starts)], bool)
+    return u[starts[keep]] if len(starts) else np.zeros(0, np.float64)
+
+
+def load_calibration(
+    store: EpisodeStore, db: MetadataDB, revision: str, th: FlagThresholds = DEFAULT_THRESHOLDS
+) -> RevisionCalibration:
+    """``revision``'s calibration from its newest ``uncertainty_max_calibration`` closed, successful
+    episodes without a takeover (the metadata DB picks them; their scores come from the store)."""
+    ids = db.calibration_episode_ids(revision)[-th.uncertainty_max_calibration :] if revision else []
+    scores: dict[str, np.ndarray] = {}
+    for eid in ids:
+        try:
+            scores[eid] = _SCORES.get(store, eid, revision)
+        except (KeyError, FileNotFoundError, ValueError) as e:
+            log.warning(
+                "auto-flags: cannot read a calibration episode", extra={"episode_id": eid, "error": str(e)}
+            )
+    return calibrate_revision(revision, scores, th)
+
+
+def episode_scoring_revision(ep: Episode) -> str | None:
+    """The revision that judges the episode's ``high_uncertainty`` (None: no scored chunk)."""
+    u = episode_uncertainty(ep)
+    if u is None:
+        return None
+    starts = chunk_starts(u, np.asarray(ep.segment))
+    return scoring_revision(chunk_revisions(ep.meta, ep.revision, starts)) if len(starts) else None
+
+
+CHECKS: dict[str, Callable[[Episode, Sequence[int], FlagThresholds, RevisionCalibration | None], Flag]] = {
+    "stillness": lambda ep, _lengths, th, _cal: stillness(ep, th),
+    "jerk": lambda ep, _lengths, th, _cal: jerk(ep, th),
+    "length_outlier": lambda ep, lengths, th, _cal: length_outlier(ep, lengths, th),
+    "takeovers": lambda ep, _lengths, th, _cal: takeovers(ep, th),
+    "high_uncertainty": lambda ep, _lengths, th, cal: high_uncertainty(ep, th, cal),
 }
 
 
@@ -222,6 +458,7 @@ def compute_flags(
     task_lengths: Sequence[int],
     names: Iterable[str] = FLAG_NAMES,
     th: FlagThresholds = DEFAULT_THRESHOLDS,
+    calibration: RevisionCalibration | None = None,
 ) -> list[Flag]:
     """Every named check's result for one episode (raised or not), stamped with the time."""
     now = time.time()
@@ -229,8 +466,26 @@ def compute_flags(
     for name in names:
         if name not in CHECKS:
             raise ValueError(f"flag: unknown check {name!r}; expected one of {', '.join(CHECKS)}")
-        f = CHECKS[name](ep, task_lengths, th)
+        f = CHECKS[name](ep, task_lengths, th, calibration)
         out.append(Flag(f.name, f.score, f.detail, f.raised, now))
+    return out
+
+
+def _to_compute(db: MetadataDB, ids: Sequence[str], th: FlagThresholds) -> dict[str, list[str]]:
+    """The checks each episode lacks or has out of date (:func:`needs_recalibration`), by episode."""
+    have = db.flags(ids, raised_only=False)
+    counts: dict[str, tuple[int, float]] | None = None
+    out: dict[str, list[str]] = {}
+    for eid in ids:
+        known = have.get(eid, {})
+        names = [n for n in FLAG_NAMES if n not in known]
+        f = known.get("high_uncertainty")
+        if f is not None and calibration_basis(f) is not None:
+            counts = db.calibration_counts() if counts is None else counts
+            if needs_recalibration(f, counts, th):
+                names.append("high_uncertainty")
+        if names:
+            out[eid] = names
     return out
 
 
@@ -241,15 +496,17 @@ def refresh_flags(
     th: FlagThresholds = DEFAULT_THRESHOLDS,
     unreadable: set[str] | None = None,
 ) -> dict[str, list[Flag]]:
-    """Compute and store the checks that closed episodes (all, or ``episode_ids``) do not have yet;
-    open and unknown episodes are skipped. Returns what it computed. Cached results are kept (a length
-    outlier is judged against the task's lengths when it was computed). ``unreadable``: episodes whose
-    frames could not be read are added to it and skipped next time (a caller that asks per request
-    passes the same set, so a row without frames costs one warning, not one per request)."""
-    if episode_ids is not None:  # the common, per-page case: nothing missing -> no table scan
+    """Compute and store the checks that closed episodes (all, or ``episode_ids``) do not have yet, and
+    the ``high_uncertainty`` results whose revision's calibration has grown (:func:`needs_recalibration`);
+    open and unknown episodes are skipped. Returns what it computed. Other cached results are kept (a
+    length outlier is judged against the task's lengths when it was computed). ``high_uncertainty`` is
+    judged by the episode's scoring revision's calibration (:func:`load_calibration`, built once per call
+    and revision). ``unreadable``: episodes whose frames could not be read are added to it and skipped
+    next time (a caller that asks per request passes the same set, so a row without frames costs one
+    warning, not one per request)."""
+    if episode_ids is not None:  # the common, per-page case: nothing to do -> no table scan
         asked = [e for e in dict.fromkeys(episode_ids) if unreadable is None or e not in unreadable]
-        known = db.flags(asked, raised_only=False)
-        if all(n in known.get(e, {}) for e in asked for n in FLAG_NAMES):
+        if not _to_compute(db, asked, th):
             return {}
         episode_ids = asked
     index = db.closed_episode_index()
@@ -259,11 +516,11 @@ def refresh_flags(
         lengths.setdefault(task, []).append(length)
         task_of[eid] = task
     wanted = list(task_of) if episode_ids is None else [e for e in dict.fromkeys(episode_ids) if e in task_of]
-    have = db.flags(wanted, raised_only=False)
+    todo = _to_compute(db, wanted, th)
+    calibrations: dict[str, RevisionCalibration] = {}
     results: dict[str, list[Flag]] = {}
     for eid in wanted:
-        missing = [n for n in FLAG_NAMES if n not in have[eid]]
-        if not missing:
+        if eid not in todo:
             continue
         try:
             ep = store.read_episode(eid, cameras=False)
@@ -272,7 +529,12 @@ def refresh_flags(
             if unreadable is not None:
                 unreadable.add(eid)
             continue
-        results[eid] = compute_flags(ep, lengths[task_of[eid]], missing, th)
+        cal = None
+        if "high_uncertainty" in todo[eid] and (rev := episode_scoring_revision(ep)) is not None:
+            if rev not in calibrations:
+                calibrations[rev] = load_calibration(store, db, rev, th)
+            cal = calibrations[rev]
+        results[eid] = compute_flags(ep, lengths[task_of[eid]], todo[eid], th, cal)
     if results:
         db.set_flags(results)
     return results

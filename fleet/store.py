@@ -1198,6 +1198,20 @@ class EpisodeStore:
         ``cached``: through the local read cache (closed episodes only)."""
         return _array(self._group(episode_id, "r", cached=cached), key)
 
+    def read_arrays(self, episode_id: str, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        """Some of an episode's committed arrays (``uncertainty``, ``segment``, ...), opening it once; an
+        optional array the episode lacks is left out of the result (auto-flags' calibration reads)."""
+        meta = self.read_metadata(episode_id)
+        group = self._group(episode_id, "r", cached=meta.is_closed)
+        out: dict[str, np.ndarray] = {}
+        for key in keys:
+            arr = group.get(key)
+            if isinstance(arr, zarr.Array):
+                out[key] = arr[: meta.length]
+            elif key not in OPTIONAL_ARRAYS:
+                raise KeyError(f"array {key!r} is missing from episode {episode_id!r}")
+        return out
+
     def read_episode(self, episode_id: str, cameras: bool = True) -> Episode:
         """Committed frames of one episode (``cameras=False`` skips the images, leaving ``cameras`` empty).
 

@@ -15,8 +15,8 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
   Each new chunk's score x is standardised with reference statistics, ``z = (x - uncertainty_mean) /
   uncertainty_std``, and accumulated as ``S = max(0, S + z - uncertainty_k)``; the alarm fires when
   ``S > uncertainty_h``, before the chunk is executed (:meth:`SimulatedOperator.observe_chunk`). The
-  statistics and ``h`` come from held-out *successful* episodes (:func:`calibrate_cusum`: split conformal
-  on their peak CUSUM); S restarts at 0 each episode and after each handback. Scores that are not
+  statistics and ``h`` come from held-out *successful* episodes (:func:`fleet.uncertainty.calibrate_cusum`:
+  split conformal on their peak CUSUM; the CUSUM functions live in :mod:`fleet.uncertainty`); S restarts at 0 each episode and after each handback. Scores that are not
   available (NaN: a LeRobot policy) leave S unchanged.
 
 A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from fleet.uncertainty import cusum_path, cusum_step
 from sim.base import Privileged
 from sim.experts import ScriptedExpert, make_expert
 
@@ -99,22 +100,6 @@ class OperatorRules:
 
 
 # ------------------------------------------------------------------------------------------ CUSUM
-def cusum_step(s: float, score: float, mean: float, std: float, k: float) -> float:
-    """One CUSUM update ``max(0, s + (score - mean) / std - k)``; a non-finite score leaves ``s``."""
-    if not math.isfinite(score):
-        return s
-    return max(0.0, s + (score - mean) / std - k)
-
-
-def cusum_path(scores: Iterable[float], mean: float, std: float, k: float) -> np.ndarray:
-    """``S_1..S_n`` over one episode's per-chunk scores, from ``S_0 = 0``."""
-    out, s = [], 0.0
-    for x in scores:
-        s = cusum_step(s, float(x), mean, std, k)
-        out.append(s)
-    return np.asarray(out, np.float64)
-
-
 def first_alarm(scores: Sequence[float], rules: OperatorRules) -> int | None:
     """Index of the first chunk whose CUSUM exceeds ``rules.uncertainty_h`` (None: no alarm / alarm off)."""
     if not rules.uncertainty_alarm:
@@ -122,42 +107,6 @@ def first_alarm(scores: Sequence[float], rules: OperatorRules) -> int | None:
     path = cusum_path(scores, rules.uncertainty_mean, rules.uncertainty_std, rules.uncertainty_k)
     hits = np.flatnonzero(path > rules.uncertainty_h)
     return int(hits[0]) if hits.size else None
-
-
-def calibrate_cusum(
-    episodes: Sequence[Sequence[float]], *, alpha: float = 0.1, k: float = 0.25
-) -> dict[str, float]:
-    """OperatorRules fields for the uncertainty alarm from held-out *successful* episodes' per-chunk scores.
-
-    ``uncertainty_mean`` / ``uncertainty_std``: mean and std of every calibration chunk's score (pooled);
-    ``uncertainty_h``: split conformal on the M episodes' peak CUSUM, the r-th smallest with
-    ``r = ceil((M + 1)(1 - alpha))`` (algorithms.md 6a: alpha = 0.1, the 46th of 50), so a new successful
-    episode alarms with probability at most alpha (exchangeability). Needs ``M >= 1 / alpha - 1``.
-    Use as ``OperatorRules(**calibrate_cusum(...), ...)``.
-    """
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha: expected a value in (0, 1), got {alpha}")
-    eps = [np.asarray(e, np.float64) for e in episodes]
-    eps = [e[np.isfinite(e)] for e in eps]
-    eps = [e for e in eps if e.size]
-    m = len(eps)
-    r = math.ceil((m + 1) * (1 - alpha))
-    if m == 0 or r > m:
-        raise ValueError(
-            f"calibrate_cusum: {m} scored episodes cannot give a conformal threshold at alpha={alpha} "
-            f"(need at least {math.ceil(1 / alpha - 1)})"
-        )
-    pooled = np.concatenate(eps)
-    mean, std = float(pooled.mean()), float(pooled.std())
-    std = std if std > 0 else 1.0
-    peaks = np.sort([float(cusum_path(e, mean, std, k).max()) for e in eps])
-    h = float(peaks[r - 1])
-    return {
-        "uncertainty_mean": mean,
-        "uncertainty_std": std,
-        "uncertainty_k": float(k),
-        "uncertainty_h": max(h, 1e-6),  # 0 would mean "off"; a zero peak threshold alarms on any excess
-    }
 
 
 class OperatorDesk:

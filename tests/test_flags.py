@@ -195,6 +195,8 @@ def _record(
     actions: np.ndarray,
     human: tuple[int, int] | None = None,
     uncertainty: np.ndarray | None = None,
+    revision: str = "r",
+    outcome: str = "success",
 ) -> str:
     w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
     for i, a in enumerate(actions):
@@ -211,10 +213,10 @@ def _record(
             terminated=i == len(actions) - 1,
             truncated=False,
             controller=Controller.HUMAN if in_human else Controller.POLICY,
-            revision="r",
+            revision=revision,
             uncertainty=None if uncertainty is None else float(uncertainty[i]),
         )
-    return w.close(outcome="success", success=True).episode_id
+    return w.close(outcome=outcome, success=outcome == "success").episode_id
 
 
 def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> None:
@@ -230,14 +232,19 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     calm = _record(store, _smooth(40), uncertainty=_per_frame(CALM * 2))
     w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)  # still open: skipped
     opened = w.episode_id
+    # two scored episodes of revision "r" cannot calibrate it: judged by the fixed reference, as asked
+    fallback = FlagThresholds(uncertainty_fallback=True)
     got = refresh_flags(
-        store, db, [*normal, idle_ep, long_ep, taken, unsure, calm, opened, "no-such-episode"]
+        store, db, [*normal, idle_ep, long_ep, taken, unsure, calm, opened, "no-such-episode"], fallback
     )
     assert set(got) == {*normal, idle_ep, long_ep, taken, unsure, calm}
     assert all({f.name for f in fs} == set(FLAG_NAMES) for fs in got.values())
     raised = db.flags([idle_ep, long_ep, taken, normal[0], unsure, calm])
     assert set(raised[unsure]) == {"high_uncertainty"} and raised[calm] == {}
     assert raised[unsure]["high_uncertainty"].detail.startswith("peak CUSUM 9.")
+    assert raised[unsure]["high_uncertainty"].detail.endswith(
+        "fixed thresholds, not enough successful episodes of r to calibrate (1/9)"
+    )
     everything = db.flags([normal[0]], raised_only=False)[normal[0]]
     assert everything["high_uncertainty"].detail == "no uncertainty recorded (no frame scored)"
     assert set(raised[idle_ep]) == {"stillness"} and raised[idle_ep]["stillness"].score == pytest.approx(3.6)
@@ -245,7 +252,7 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     assert set(raised[taken]) == {"takeovers"} and "10 human frames" in raised[taken]["takeovers"].detail
     assert raised[normal[0]] == {}
     assert len(db.flags([normal[0]], raised_only=False)[normal[0]]) == len(FLAG_NAMES)
-    assert refresh_flags(store, db) == {}  # cached: nothing left to compute
+    assert refresh_flags(store, db, th=fallback) == {}  # cached: nothing left to compute
     items, total = db.query_episodes(EpisodeQuery(flagged=True, sort="created_at"))
     assert total == 4 and [i.id for i in items] == [idle_ep, long_ep, taken, unsure]
     only = db.query_episodes(EpisodeQuery(flags=("high_uncertainty",)))[0]
@@ -253,7 +260,7 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     assert items[0].to_dict()["flags"]["stillness"]["detail"].startswith("no motion for 3.6 s")
     assert db.query_episodes(EpisodeQuery(flags=("takeovers", "stillness")))[1] == 2
     w.close(outcome="success", success=True)
-    assert set(refresh_flags(store, db)) == {opened}  # closed now: computed on the next refresh
+    assert set(refresh_flags(store, db, th=fallback)) == {opened}  # closed now: computed on the next refresh
 
 
 def test_an_episode_without_frames_is_skipped_after_one_try(tmp_path, db_url: str) -> None:
@@ -299,3 +306,108 @@ def test_two_writers_of_the_same_flags_take_turns(tmp_path, db_url: str) -> None
         t.join(60)
     assert errors == []
     assert all(len(v) == len(FLAG_NAMES) for v in db.flags(eids, raised_only=False).values())
+
+
+def _calm_chunks(rng: np.random.Generator, mean: float, n: int = 10) -> list[float]:
+    return list(rng.normal(mean, 0.1 * mean, n))
+
+
+def _scored(store: EpisodeStore, chunks: list[float], revision: str, outcome: str = "success") -> str:
+    """A policy-driven episode, two frames per chunk, written in one batch (fast)."""
+    u = _per_frame(chunks)
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
+    w.add_frames(
+        {
+            "cameras": {},
+            "state": np.zeros((len(u), 2), np.float32),
+            "action": _smooth(len(u)).astype(np.float32),
+            "controller": Controller.POLICY,
+            "revision": revision,
+            "uncertainty": u,
+        }
+    )
+    return w.close(outcome=outcome, success=outcome == "success").episode_id
+
+
+def test_high_uncertainty_is_calibrated_per_revision(tmp_path, db_url: str) -> None:
+    """Two checkpoints whose scores sit on scales 6x apart: each is judged by its own successful
+    episodes, so calm episodes of both pass (about alpha of them at most, by construction) and a burst in
+    either is raised; the fixed reference (one benchmark model's) raises every calm one of the high scale.
+    A revision with too few successful episodes is not judged."""
+    rng = np.random.default_rng(7)
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    calm: dict[str, list[str]] = {}
+    burst: dict[str, str] = {}
+    fixed_raised = {}
+    for rev, mean in (("small", 0.5), ("big", 3.0)):
+        scores = [_calm_chunks(rng, mean) for _ in range(10)]
+        calm[rev] = [_scored(store, c, rev) for c in scores]
+        # the fixed reference (one benchmark model's) on the same episodes
+        fixed_raised[rev] = sum(
+            high_uncertainty(_episode(_smooth(20), uncertainty=_per_frame(c))).raised for c in scores
+        )
+        chunks = _calm_chunks(rng, mean)
+        chunks[4:7] = [1.4 * mean, 1.42 * mean, 1.45 * mean]  # three chunks ~4 stds high
+        burst[rev] = _scored(store, chunks, rev, "failure")
+    few = [_scored(store, _calm_chunks(rng, 1.0), "few") for _ in range(3)]
+    # a successful episode with a takeover does not calibrate (nor does a failure)
+    _record(store, _smooth(20), human=(4, 8), uncertainty=_per_frame(_calm_chunks(rng, 1.0)), revision="few")
+    few_fail = _scored(store, _calm_chunks(rng, 1.0), "few", "failure")
+    refresh_flags(store, db)
+    got = db.flags(
+        [e for es in calm.values() for e in es] + [*burst.values(), *few, few_fail], raised_only=False
+    )
+    for rev in ("small", "big"):
+        hu = [got[e]["high_uncertainty"] for e in calm[rev]]
+        assert sum(f.raised for f in hu) <= 1  # alpha = 0.1 of 10
+        assert all(f.detail.endswith(f"calibrated on 9 successful episodes of {rev}") for f in hu)
+        b = got[burst[rev]]["high_uncertainty"]
+        assert b.raised and b.detail.endswith(f"calibrated on 10 successful episodes of {rev}")
+        assert b.score > max(f.score for f in hu)
+    assert fixed_raised == {"small": 0, "big": 10}
+    f = got[few_fail]["high_uncertainty"]
+    assert not f.raised and f.score == 0.0
+    assert f.detail == "not enough successful episodes of few to calibrate (3/9)"
+    assert (
+        got[few[0]]["high_uncertainty"].detail == "not enough successful episodes of few to calibrate (2/9)"
+    )
+    assert db.calibration_counts()["few"][0] == 3
+
+
+def test_a_provisional_uncertainty_flag_is_recomputed_when_the_calibration_grows(
+    tmp_path, db_url: str
+) -> None:
+    """Too few successful episodes: "not enough"; once there are enough the next refresh recomputes it
+    (calibrated, raised); after that only when the calibration has doubled, so a refresh stays cheap."""
+    rng = np.random.default_rng(3)
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+
+    def calm() -> str:
+        return _scored(store, _calm_chunks(rng, 2.0), "v2")
+
+    first = [calm() for _ in range(5)]
+    chunks = _calm_chunks(rng, 2.0)
+    chunks[3:6] = [2.8, 2.85, 2.9]
+    fail = _scored(store, chunks, "v2", "failure")
+    refresh_flags(store, db, [fail, *first])
+    before = db.flags([fail], raised_only=False)[fail]["high_uncertainty"]
+    assert not before.raised and before.detail.endswith("(5/9)")
+    assert refresh_flags(store, db, [fail]) == {}  # nothing new: cached
+    _more = [calm() for _ in range(4)]  # 9 successful episodes: enough at alpha 0.1
+    got = refresh_flags(store, db, [fail])
+    assert set(got) == {fail} and [f.name for f in got[fail]] == ["high_uncertainty"]
+    now = db.flags([fail], raised_only=False)[fail]["high_uncertainty"]
+    assert now.raised and now.detail.endswith("calibrated on 9 successful episodes of v2")
+    assert now.computed_at > before.computed_at
+    calm()  # 10: under twice 9, the result stands
+    assert refresh_flags(store, db, [fail]) == {}
+    for _ in range(8):  # 18 = twice 9
+        calm()
+    again = refresh_flags(store, db, [fail])
+    assert again[fail][0].detail.endswith("calibrated on 18 successful episodes of v2")
+    th = FlagThresholds(uncertainty_alpha=0.05)  # alpha 0.05 needs 19
+    with pytest.raises(ValueError, match="uncertainty_alpha: expected a number in"):
+        FlagThresholds(uncertainty_alpha=1.5)
+    assert min(th.uncertainty_max_calibration, 19) == 19

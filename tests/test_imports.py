@@ -29,6 +29,10 @@ CONTRACTS = (
     "fleet/wire.py",
 )
 
+# Packages below others: the fleet (collector, store, metadata DB, auto-flags) records what simulators and
+# policies do and is imported by them (sim/fleet_runner.py), never the other way.
+BELOW: dict[str, tuple[str, ...]] = {"fleet": ("sim", "policies")}
+
 
 @pytest.fixture(scope="module")
 def graph() -> Graph:
@@ -109,6 +113,19 @@ def test_contract_layer_imports_only_contracts(graph: Graph) -> None:
     assert set(CONTRACTS) <= set(graph.edges)
     wrong = [str(e) for f in CONTRACTS for e in graph.edges[f] if e.dst not in CONTRACTS]
     assert not wrong, "the contract layer imports from above it:\n" + "\n".join(wrong)
+
+
+def test_lower_packages_do_not_import_upper_ones(graph: Graph) -> None:
+    wrong = [
+        str(e)
+        for low, ups in BELOW.items()
+        for f, es in graph.edges.items()
+        if f.startswith(f"{low}/")
+        for e in es
+        if e.dst.split("/")[0] in ups
+    ]
+    assert any(f.startswith("fleet/") for f in graph.edges) and any(f.startswith("sim/") for f in graph.edges)
+    assert not wrong, "a lower package imports from above it:\n" + "\n".join(wrong)
 
 
 def test_client_package_is_self_contained(graph: Graph) -> None:

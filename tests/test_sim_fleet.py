@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_uncertainty import reference_cusum
 
 from fleet.collector import Collector
 from fleet.robot_client import frame_digest
@@ -21,14 +22,7 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
 from sim.base import ACTION_NAMES
 from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
-from sim.operator import (
-    OperatorDesk,
-    OperatorRules,
-    SimulatedOperator,
-    calibrate_cusum,
-    cusum_path,
-    first_alarm,
-)
+from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
 from sim.registry import resolve_task
 from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.cli import main
@@ -121,41 +115,6 @@ def test_operator_rules_budget_and_shared_desk() -> None:
 
 
 # ------------------------------------------------------------------------------------------ uncertainty alarm
-def _reference_cusum(scores: list[float], mu0: float, sigma: float, k_sigma: float) -> list[float]:
-    """algorithms.md 6a in raw score units: S_t = max(0, S_{t-1} + x_t - mu0 - k), k = k_sigma * sigma."""
-    out, s = [], 0.0
-    for x in scores:
-        if x != x:  # NaN: not available
-            out.append(s / sigma)
-            continue
-        s = max(0.0, s + x - mu0 - k_sigma * sigma)
-        out.append(s / sigma)  # in sigma units, as OperatorRules.uncertainty_h
-    return out
-
-
-def test_uncertainty_cusum_and_calibration_match_an_independent_computation() -> None:
-    rng = np.random.default_rng(0)
-    scores = list(rng.gamma(2.0, 0.5, 40))
-    scores[7] = float("nan")
-    np.testing.assert_allclose(cusum_path(scores, 1.1, 0.7, 0.25), _reference_cusum(scores, 1.1, 0.7, 0.25))
-    # split conformal over M = 50 successful episodes at alpha = 0.1: the 46th smallest peak
-    episodes = [list(rng.gamma(2.0, 0.5, int(rng.integers(5, 30)))) for _ in range(50)]
-    cal = calibrate_cusum(episodes, alpha=0.1, k=0.25)
-    pooled = np.concatenate(episodes)
-    assert cal["uncertainty_mean"] == pytest.approx(pooled.mean())
-    assert cal["uncertainty_std"] == pytest.approx(pooled.std())
-    peaks = sorted(max(_reference_cusum(e, pooled.mean(), pooled.std(), 0.25)) for e in episodes)
-    assert cal["uncertainty_h"] == pytest.approx(peaks[45]) and cal["uncertainty_k"] == 0.25
-    rules = OperatorRules(**cal)
-    alarmed = [first_alarm(e, rules) is not None for e in episodes]
-    assert sum(alarmed) == sum(p > peaks[45] for p in peaks) <= 5  # at most alpha of them, by construction
-    with pytest.raises(ValueError, match="conformal"):
-        calibrate_cusum(episodes[:5], alpha=0.1)
-    with pytest.raises(ValueError, match="uncertainty_std"):
-        OperatorRules(uncertainty_std=0.0)
-    assert first_alarm(scores, OperatorRules()) is None  # off by default
-
-
 def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
     near = _priv((0.0, 0.0, 0.1))
     off = SimulatedOperator(TASK, OperatorRules(stall_steps=0))
@@ -174,7 +133,7 @@ def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
     op = SimulatedOperator(TASK, rules, desk)
     op.reset(0, max_steps=50)
     scores = [1.0, float("nan"), 1.5, 2.0, 2.0, 2.0]  # z = 0, -, 1, 2, 2, 2 -> S = 0, 0, 0.5, 2.0, 3.5
-    want = _reference_cusum(scores, 1.0, 0.5, 0.5)
+    want = reference_cusum(scores, 1.0, 0.5, 0.5)
     events = []
     for t, x in enumerate(scores[:5]):
         assert op.observe(t, near, 0.5) is None
