@@ -17,14 +17,22 @@ the episode list filters on them in SQL.
   the task; raised above ``length_z``.
 * ``takeovers``: the number of human segments; raised when > 0.
 * ``high_uncertainty``: the peak of the simulated operator's one-sided CUSUM
-  (:func:`sim.operator.cusum_path`, ``S = max(0, S + (x - mean) / std - k)``) over the episode's
+  (:func:`fleet.uncertainty.cusum_path`, ``S = max(0, S + (x - mean) / std - k)``) over the episode's
   per-chunk ``accel`` scores (the policy server's ``uncertainty``, stored per frame:
   :func:`episode_uncertainty`), restarted at each segment as the operator's is after a handback;
-  raised when it exceeds ``uncertainty_h``. A chunk is a run of frames with the same finite score in one
-  segment (two chunks in a row with bit-identical scores count once). Episodes without scores (recorded
-  before the store kept them, human-only, a policy that cannot score) are not raised: "no uncertainty
-  recorded". The operator acts on the alarm *before* executing the chunk that fires it, so an episode whose
-  takeover came from the alarm may stay under ``uncertainty_h`` here (its ``takeovers`` flag says why).
+  raised when it exceeds ``h``. ``mean``, ``std`` and ``h`` are the calibration of the episode's scoring
+  revision (:func:`scoring_revision`: the one that produced most of its scored chunks; only its chunks
+  are judged), split conformal on that revision's closed, successful episodes without a takeover
+  (algorithms.md 6a, :func:`load_calibration`, level ``uncertainty_alpha``; a member of that set is
+  judged by the others). Too few of them (``ceil(1 / alpha - 1)``): not raised, "not enough successful
+  episodes of REV to calibrate (M/needed)", or the fixed reference in :class:`FlagThresholds` when
+  ``uncertainty_fallback``. A stored result is recomputed when the calibration has doubled (or, while
+  provisional, grown): :func:`needs_recalibration`. A chunk is a run of frames with the same finite
+  score in one segment (two chunks in a row with bit-identical scores count once). Episodes without
+  scores (recorded before the store kept them, human-only, a policy that cannot score) are not raised:
+  "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
+  so an episode whose takeover came from the alarm may stay under ``h`` here (its ``takeovers`` flag
+  says why).
 
 A new check: a function of the episode (and the task's lengths) returning a :class:`fleet.db.Flag`,
 an entry in :data:`CHECKS` and its name in :data:`FLAG_NAMES`; :func:`refresh_flags` then computes it
