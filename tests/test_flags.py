@@ -6,15 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleet.db import EpisodeQuery, MetadataDB
+from fleet.db import EpisodeQuery, Flag, MetadataDB
 from fleet.flags import (
     FLAG_NAMES,
     FlagThresholds,
+    calibrate_revision,
+    calibration_basis,
     compute_flags,
     episode_uncertainty,
     high_uncertainty,
     jerk,
     length_outlier,
+    needs_recalibration,
     refresh_flags,
     stillness,
     takeovers,
@@ -125,7 +128,7 @@ def _per_frame(chunks: list[float], frames_per_chunk: int = 2) -> np.ndarray:
 
 
 def _reference_peak(chunks: list[float], th: FlagThresholds) -> float:
-    """The CUSUM peak written out independently of sim.operator."""
+    """The CUSUM peak written out independently of fleet.uncertainty."""
     s, peak = 0.0, 0.0
     for x in chunks:
         s = max(0.0, s + (x - th.uncertainty_mean) / th.uncertainty_std - th.uncertainty_k)
@@ -411,3 +414,37 @@ def test_a_provisional_uncertainty_flag_is_recomputed_when_the_calibration_grows
     with pytest.raises(ValueError, match="uncertainty_alpha: expected a number in"):
         FlagThresholds(uncertainty_alpha=1.5)
     assert min(th.uncertainty_max_calibration, 19) == 19
+
+
+def test_revision_calibration_judges_a_member_by_the_others_and_knows_when_it_is_stale() -> None:
+    rng = np.random.default_rng(11)
+    episodes = {f"e{i}": rng.normal(2.0, 0.2, 12) for i in range(10)}
+    cal = calibrate_revision("v", episodes)
+    assert cal.reference is not None
+    pooled = np.concatenate(list(episodes.values()))
+    ref = FlagThresholds(uncertainty_mean=float(pooled.mean()), uncertainty_std=float(pooled.std()))
+    peaks = {e: _reference_peak(list(x), ref) for e, x in episodes.items()}
+    assert cal.reference.h == pytest.approx(sorted(peaks.values())[9])  # r = ceil(11 * 0.9) = 10 of 10
+    member, m = cal.for_episode("e3")
+    others = sorted(p for e, p in peaks.items() if e != "e3")
+    assert m == 9 and member is not None and member.h == pytest.approx(others[8])  # ceil(10 * 0.9) = 9 of 9
+    assert cal.for_episode("new") == (cal.reference, 10)
+    assert calibrate_revision("v", dict(list(episodes.items())[:8])).reference is None  # 8 < 9
+    # what a stored result was computed on, and when it is out of date
+    at = 100.0
+    done = Flag(
+        "high_uncertainty", 1.0, "peak CUSUM 1.00 ...; calibrated on 9 successful episodes of v 2", False, at
+    )
+    assert calibration_basis(done) == ("v 2", 9, True)
+    assert not needs_recalibration(done, {"v 2": (17, at + 5)})  # under twice 9
+    assert not needs_recalibration(done, {"v 2": (18, at - 5)})  # none closed since
+    assert needs_recalibration(done, {"v 2": (18, at + 5)})
+    few = Flag("high_uncertainty", 0.0, "not enough successful episodes of v to calibrate (3/9)", False, at)
+    assert calibration_basis(few) == ("v", 3, False) and needs_recalibration(few, {"v": (4, at + 1)})
+    old = Flag(
+        "high_uncertainty", 5.0, "peak CUSUM 5.00 (threshold 3.52) at frame 3; 9 scored chunks", True, at
+    )
+    assert needs_recalibration(old, {})  # computed before calibration existed: once more
+    fixed = Flag("high_uncertainty", 5.0, "peak CUSUM 5.00 ...; fixed thresholds", True, at)
+    none = Flag("high_uncertainty", 0.0, "no uncertainty recorded", False, at)
+    assert calibration_basis(fixed) is None and calibration_basis(none) is None
