@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_base import tiny_base
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.train.algorithms import ALGORITHMS, make_config
@@ -142,34 +143,11 @@ KINEMATIC = "kinematic/Reach-v0"
 
 @pytest.fixture(scope="module")
 def kinematic_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Kinematic Reach demos and a tiny SFT base trained on them."""
-    from fleet.store import EpisodeStore
-    from sim.demos import record_demos
-    from vla_rl.train.sft import SFTConfig, train_sft
-
-    root = tmp_path_factory.mktemp("fql")
-    store = EpisodeStore(root / "store", create=True)
-    record_demos(store, KINEMATIC, episodes=4, noise=0.5, seed=0, progress=False)
-    sft = train_sft(
-        SFTConfig(
-            task=KINEMATIC,
-            store=store.root,
-            out=root / "sft",
-            steps=10,
-            batch_size=16,
-            checkpoint_every=10,
-            d_model=32,
-            n_layers=1,
-            expert_n_layers=1,
-            n_heads=2,
-            chunk_len=4,
-            n_exec=2,
-            instruction_encoder="none",
-            threads=1,
-            progress=False,
-        )
+    """Kinematic Reach demos and a tiny SFT base trained on them (tests/tiny_base.py)."""
+    store, ckpt = tiny_base(
+        tmp_path_factory.mktemp("fql"), KINEMATIC, episodes=4, noise=0.5, steps=10, batch_size=16
     )
-    return store.root, sft.checkpoint
+    return store.root, ckpt
 
 
 def test_offline_run_writes_a_one_step_fql_checkpoint(
