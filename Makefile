@@ -31,6 +31,10 @@ format: setup
 	.venv/bin/python -m ruff check --fix . && .venv/bin/python -m ruff format .
 
 # The slim robot-side wheel, vla-rl-client (numpy, grpcio, protobuf, Pillow only): see server/__init__.py.
+# Regenerate requirements/lock.txt (pip freeze of pyproject.toml + dev resolved afresh; see the script's header).
+lock:
+	bash scripts/lock.sh
+
 client: setup
 	.venv/bin/python -m scripts.build_client --out dist/
 

@@ -36,7 +36,7 @@ from vla_rl.policy_loading import load_policy
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
 
-OFFLINE = ("awr", "recap", "qam")
+OFFLINE = ("awr", "recap", "qam", "fql")
 ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all")
 ALL = OFFLINE + ONLINE
 
@@ -66,6 +66,7 @@ ALGORITHM = {
     "awr": ("awr", {}),
     "recap": ("recap", {}),
     "qam": ("qam", {"env_steps": 0}),
+    "fql": ("fql", {}),
     "qam-o2o": ("qam", {}),
     "flow-noise": ("flow-noise", {}),
     "flow-sde": ("flow-sde", {}),
@@ -85,6 +86,8 @@ def _train(
         values |= {"store": store, "env_steps": args.env_steps, **init, **args.qam}
     elif name in ("awr", "recap"):
         values |= {"store": store, **args.awr}
+    elif name == "fql":
+        values |= {"store": store, **args.fql}
     else:
         values |= {"task": args.task, "env_steps": args.env_steps, **args.ppo}
     values |= implied
@@ -253,6 +256,7 @@ def main() -> None:
         help="start each seed's QAM run from that seed's earlier run folder <work>/seed<N>/<NAME> "
         "(e.g. qam-lam10; QAMConfig.init_from; add '{\"init_reset_actor\": true}' to --qam to re-extract)",
     )
+    p.add_argument("--fql", type=json.loads, default={}, help="FQLConfig overrides as JSON")
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))
@@ -295,7 +299,13 @@ def main() -> None:
                 "env_steps": args.env_steps,
                 "eval_episodes": args.eval_episodes,
             },
-            "overrides": {"sft": args.sft, "awr": args.awr, "qam": args.qam, "ppo": args.ppo},
+            "overrides": {
+                "sft": args.sft,
+                "awr": args.awr,
+                "qam": args.qam,
+                "fql": args.fql,
+                "ppo": args.ppo,
+            },
             "per_seed": per_seed,
             "table": {"header": header, "rows": rows},
             "seconds": time.perf_counter() - t0,

@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_base import demo_store
 
-from fleet.store import EpisodeStore
 from policies.critics import CategoricalValue
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from sim.demos import record_demos
 from vla_rl.train.awr import AWRConfig, _cross_fitted_values
 from vla_rl.train.divl import DIVLConfig, DIVLValue, divl_support, divl_td_target, interpolated_quantile
 from vla_rl.train.qam import QAMConfig, QAMLearner
@@ -112,8 +111,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- on kinematic data
 @pytest.fixture(scope="module")
 def kinematic_buffer(tmp_path_factory: pytest.TempPathFactory) -> TransitionBuffer:
-    store = EpisodeStore(tmp_path_factory.mktemp("divl") / "store", create=True)
-    record_demos(store, KINEMATIC, episodes=16, noise=0.8, seed=0, progress=False)
+    store = demo_store(tmp_path_factory.mktemp("divl") / "store", KINEMATIC, episodes=16, noise=0.8)
     return load_transitions(store, DataSelection.parse(KINEMATIC, None), reward="steps_to_go", gamma=1.0)
 
 

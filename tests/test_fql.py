@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_base import tiny_base
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.train.algorithms import ALGORITHMS, make_config
@@ -142,34 +143,11 @@ KINEMATIC = "kinematic/Reach-v0"
 
 @pytest.fixture(scope="module")
 def kinematic_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Kinematic Reach demos and a tiny SFT base trained on them."""
-    from fleet.store import EpisodeStore
-    from sim.demos import record_demos
-    from vla_rl.train.sft import SFTConfig, train_sft
-
-    root = tmp_path_factory.mktemp("fql")
-    store = EpisodeStore(root / "store", create=True)
-    record_demos(store, KINEMATIC, episodes=4, noise=0.5, seed=0, progress=False)
-    sft = train_sft(
-        SFTConfig(
-            task=KINEMATIC,
-            store=store.root,
-            out=root / "sft",
-            steps=10,
-            batch_size=16,
-            checkpoint_every=10,
-            d_model=32,
-            n_layers=1,
-            expert_n_layers=1,
-            n_heads=2,
-            chunk_len=4,
-            n_exec=2,
-            instruction_encoder="none",
-            threads=1,
-            progress=False,
-        )
+    """Kinematic Reach demos and a tiny SFT base trained on them (tests/tiny_base.py)."""
+    store, ckpt = tiny_base(
+        tmp_path_factory.mktemp("fql"), KINEMATIC, episodes=4, noise=0.5, steps=10, batch_size=16
     )
-    return store.root, sft.checkpoint
+    return store.root, ckpt
 
 
 def test_offline_run_writes_a_one_step_fql_checkpoint(
@@ -197,3 +175,42 @@ def test_offline_run_writes_a_one_step_fql_checkpoint(
         if not torch.equal(p, q)
     ]  # fmt: skip
     assert moved, "the one-step policy did not train"
+
+
+def _distillation_error(
+    policy: torch.nn.Module, base: torch.nn.Module, batch: dict, z: torch.Tensor
+) -> float:
+    """mean ||μ(s, z) − ODE_β(s, z)||² with μ the policy's one Euler step and ODE_β the base's 3-step ODE."""
+    with torch.no_grad():
+        mu = policy.sample(batch, method="ode", num_steps=1, noise=z[:, None]).actions[:, 0]
+        ode = base.sample(batch, method="ode", num_steps=3, noise=z[:, None]).actions[:, 0]
+    return float((mu - ode).square().mean())
+
+
+def test_distillation_alone_turns_the_copy_into_a_one_step_base(
+    kinematic_base: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The copy of the base evaluated at t = 0 is not yet a one-step base (its velocity at t = 0 points at
+    the mean action); the distillation-only phase before ``critic_warmup``, at the default actor learning
+    rate, makes the saved one-step policy match the base's ODE on the data's states (fixed z)."""
+    from vla_rl.policy_loading import load_policy
+    from vla_rl.train.algorithms import train
+    from vla_rl.train.common import batch_to_policy_inputs
+    from vla_rl.train.transitions import DataSelection, load_transitions
+
+    store, base = kinematic_base
+    buf = load_transitions(store, DataSelection(task=KINEMATIC))
+    rows = torch.randperm(len(buf), generator=torch.Generator().manual_seed(0))[:64].numpy()
+    batch = batch_to_policy_inputs(buf.batch(rows, horizon=4, n_step=2), torch.device("cpu"))
+    base_policy = load_policy(base, device="cpu").policy
+    z = torch.randn(len(rows), 4, base_policy.config.action_dim, generator=torch.Generator().manual_seed(1))
+    before = _distillation_error(base_policy, base_policy, batch, z)
+    cfg = make_config(
+        "fql", base=str(base), store=store, out=tmp_path / "fql", steps=100, critic_mc_steps=0,
+        critic_warmup=99, batch_size=32, members=2, critic_hidden=(16,), flow_steps=3, log_every=50,
+        threads=1, progress=False, device="cpu",
+    )  # fmt: skip
+    res = train(cfg)
+    after = _distillation_error(load_policy(res.checkpoint, device="cpu").policy, base_policy, batch, z)
+    assert after < 0.25 * before, (before, after)  # before: 0.017 per element
+    assert res.curve[-1]["loss_distill"] < 0.25 * before

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 from left_right import instruction_means, mixed_base, spec_instruction_only
+from tiny_base import tiny_base as make_tiny_base
 from torch import nn
 
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble
-from sim.demos import record_demos
 from vla_rl.checkpoint import load_checkpoint, read_info
 from vla_rl.policy_loading import load_policy
 from vla_rl.train.common import load_train_state
@@ -32,7 +32,6 @@ from vla_rl.train.qam import (
     terminal_adjoint,
     train_qam,
 )
-from vla_rl.train.sft import SFTConfig, train_sft
 from vla_rl.train.transitions import TransitionBuffer
 
 TASK = "maniskill/PushCube-v1"
@@ -232,29 +231,17 @@ def test_adjoint_matching_tilts_a_gaussian_toward_exp_lambda_q() -> None:
 # ---------------------------------------------------------------------------- on a real policy
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("qam")
-    store = EpisodeStore(root / "store", create=True)
-    record_demos(store, TASK, episodes=3, noise=0.5, seed=0, max_episode_steps=20, progress=False)
-    res = train_sft(
-        SFTConfig(
-            task=TASK,
-            store=store.root,
-            out=root / "sft",
-            steps=10,
-            batch_size=16,
-            checkpoint_every=10,
-            d_model=32,
-            n_layers=1,
-            expert_n_layers=1,
-            n_heads=2,
-            chunk_len=4,
-            n_exec=2,
-            instruction_encoder="none",
-            threads=1,
-            progress=False,
-        )
+    """3 short PushCube demos and the tiny SFT base after 10 steps (tests/tiny_base.py)."""
+    store, ckpt = make_tiny_base(
+        tmp_path_factory.mktemp("qam"),
+        TASK,
+        episodes=3,
+        noise=0.5,
+        steps=10,
+        batch_size=16,
+        max_episode_steps=20,
     )
-    return store.root, res.checkpoint
+    return store.root, ckpt
 
 
 def _cfg(tiny_base: tuple[Path, Path], out: Path, **kw: object) -> QAMConfig:

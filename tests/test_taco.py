@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_base import tiny_base
 
 from fleet.store import EpisodeStore
-from sim.demos import record_demos
 from vla_rl.cli import main
 from vla_rl.policy_loading import load_policy
 from vla_rl.train import taco
-from vla_rl.train.sft import SFTConfig, train_sft
 
 TASK = "kinematic/Reach-v0"
 
@@ -56,30 +55,9 @@ def test_cfn_counts_how_often_a_feature_occurs() -> None:
 
 @pytest.fixture(scope="module")
 def kin(tmp_path_factory: pytest.TempPathFactory) -> tuple[EpisodeStore, Path]:
+    """32 kinematic demos at noise 0.3 and the tiny SFT base after 20 steps (tests/tiny_base.py)."""
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("taco")
-    store = EpisodeStore(root / "store", create=True)
-    record_demos(store, TASK, episodes=32, noise=0.3, seed=0, progress=False)
-    res = train_sft(
-        SFTConfig(
-            task=TASK,
-            store=store.root,
-            out=root / "sft",
-            steps=20,
-            batch_size=32,
-            checkpoint_every=20,
-            d_model=32,
-            n_layers=1,
-            expert_n_layers=1,
-            n_heads=2,
-            chunk_len=4,
-            n_exec=2,
-            instruction_encoder="none",
-            threads=1,
-            progress=False,
-        )
-    )
-    return store, res.checkpoint
+    return tiny_base(tmp_path_factory.mktemp("taco"), TASK, episodes=32, noise=0.3, steps=20, batch_size=32)
 
 
 def test_best_of_n_executes_the_sample_the_scorer_ranks_highest(kin: tuple[EpisodeStore, Path]) -> None:
