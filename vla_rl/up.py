@@ -324,6 +324,19 @@ def shown_db_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def split_db_password(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without its password, and the environment that carries it instead (``PGPASSWORD``, which
+    libpq reads): children get the DB on their command line, and a password never belongs in argv (nor
+    in the round configs the DB records). A URL without a password, or not PostgreSQL, is kept."""
+    from sqlalchemy import URL, make_url
+
+    u = make_url(url)
+    if u.password is None or u.get_backend_name() != "postgresql":
+        return url, {}
+    bare = URL.create(u.drivername, u.username, None, u.host, u.port, u.database, u.query)
+    return bare.render_as_string(hide_password=False), {"PGPASSWORD": str(u.password)}
+
+
 def workdir_db(given: str | None, recorded: str | None, store: Path) -> str:
     """The metadata DB URL of this run: ``given`` (--db), else the SQLite file in ``store``. A workdir
     whose earlier run recorded (password hidden) another DB is refused: its episodes, rounds and labels
@@ -473,11 +486,13 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     state_path.write_text(json.dumps(state, indent=2))
     tokens = {k: _secret(work / "secrets" / k) for k in ("hub", "collector", "server", "dashboard")}
     hub_url = f"http://127.0.0.1:{ports.hub}"
+    db_url, db_env = split_db_password(db_url)  # the password goes through the environment
     env = {
         "VLA_RL_HUB": hub_url,
         "VLA_RL_HUB_TOKEN": tokens["hub"],
         "VLA_RL_COLLECTOR_TOKEN": tokens["collector"],
         "VLA_RL_SERVER_TOKEN": tokens["server"],
+        **db_env,
     }
     os.environ.update(env)
     configure_hub(hub_url, tokens["hub"])
