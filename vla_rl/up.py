@@ -481,6 +481,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     # a workdir of a run before --db existed (no "db" key) used the store's SQLite
     recorded = old.get("db", shown_db_url(default_url(store)) if old else None)
     db_url = workdir_db(cfg.db, recorded, store)
+    store.mkdir(exist_ok=True)  # the default SQLite file lives in it
     ports = Ports.load_or_pick(state_path)
     state = {"ports": vars(ports), "repo": cfg.repo, "task": cfg.task, "db": shown_db_url(db_url)}
     state_path.write_text(json.dumps(state, indent=2))
