@@ -1119,3 +1119,123 @@ def test_progress_writer_throttles_to_one_write_a_second(world: FleetWorld) -> N
     db.update_round(rid, status="failed", error="test over", finished_at=time.time())
     with pytest.raises(RoundLost):
         w.phase("evaluating")
+
+
+def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_postgresql(
+    tmp_path: Path, pg: Any
+) -> None:
+    """Issue 21's concurrency on one PostgreSQL database, with the real parts (tests/test_metadata_db.py
+    has the same at the DB API, on both backends): two collectors (two stores) record 2 robots' episodes
+    each, the dashboard labels every closed episode it lists as it appears, and a round's data selection
+    (``label.quality=good``, what a round snapshots) reads at the same time. Every snapshot is whole (no
+    episode twice, none vanishing, each selected one closed and labelled); at the end every episode is in
+    the DB once, closed with its 3 segments, with exactly one label."""
+    from test_collector import SPEC, stream_episodes
+    from test_collector import TOKEN as ROBOT_TOKEN
+
+    from fleet.robot_client import RobotClient
+    from vla_rl.train.transitions import DataSelection, select_episode_ids
+
+    url, task, per_robot = pg.create_database(), "t", 4
+    stores = [tmp_path / "s1", tmp_path / "s2"]
+    collectors = [
+        Collector(s, url, port=0, token=ROBOT_TOKEN, chunk_len=8, store_writers=0).start() for s in stores
+    ]
+    d = Dashboard(DashboardConfig(store=stores[0], db=url, workdir=tmp_path / "dash"))
+    done, labelled_all = threading.Event(), threading.Event()  # the robots' streams; the last label pass
+    failures: list[str] = []
+
+    def robots(c: Collector, name: str) -> None:
+        try:
+            clients = [RobotClient(c.address, f"{name}-{i}", SPEC, task, token=ROBOT_TOKEN) for i in range(2)]
+            ts = [
+                threading.Thread(target=stream_episodes, args=(cl, per_robot, 12, i))
+                for i, cl in enumerate(clients)
+            ]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(120)
+            assert all(cl.close(60) for cl in clients) and c.drain(60)
+        except BaseException as e:
+            failures.append(f"{name}: {e!r}")
+
+    labelled: set[str] = set()
+
+    def labeller() -> None:
+        ana = d.client("labeller")
+        while True:
+            last = done.is_set()
+            items = ana.get("/api/v1/episodes", params={"per_page": 500, "status": "closed"}).json()["items"]
+            new = [x["id"] for x in items if x["id"] not in labelled]
+            if new:
+                r = ana.post("/api/v1/labels", json={"episode_ids": new, "key": "quality", "value": "good"})
+                if r.status_code != 201:
+                    failures.append(f"label: {r.status_code} {r.text[:200]}")
+                    labelled_all.set()
+                    return
+                labelled.update(new)
+            if last:
+                labelled_all.set()
+                return
+            time.sleep(0.05)
+
+    snaps: list[list[str]] = []
+
+    def round_snapshot() -> None:
+        try:
+            read_snapshots()
+        except BaseException as e:
+            failures.append(f"round snapshot: {e!r}")
+
+    def read_snapshots() -> None:
+        db, store = MetadataDB(url), EpisodeStore(stores[0])
+        sel = DataSelection.parse(task, "label.quality=good")
+        while True:
+            last = labelled_all.is_set()
+            try:
+                ids = select_episode_ids(store, sel, db, db.round_revisions())
+            except ValueError as e:  # nothing labelled yet: a round would refuse to start
+                if "no closed episodes" not in str(e):
+                    raise
+                ids = []
+            snaps.append(ids)
+            if len(ids) != len(set(ids)):
+                failures.append(f"a snapshot holds an episode twice: {ids}")
+            if snaps[:-1] and not set(snaps[-2]) <= set(ids):
+                failures.append(f"episodes vanished: {sorted(set(snaps[-2]) - set(ids))}")
+            labels = db.current_labels(ids)
+            if any(labels.get(e, {}).get("quality") != "good" for e in ids):
+                failures.append("a selected episode is not labelled")
+            if last:
+                return
+            time.sleep(0.02)
+
+    try:
+        writers = [
+            threading.Thread(target=robots, args=(c, n)) for c, n in zip(collectors, ("a", "b"), strict=True)
+        ]
+        readers = [threading.Thread(target=labeller), threading.Thread(target=round_snapshot)]
+        for t in writers + readers:
+            t.start()
+        for t in writers:
+            t.join(180)
+        done.set()
+        for t in readers:
+            t.join(60)
+    finally:
+        d.stop()
+        for c in collectors:
+            c.stop()
+    assert failures == [], failures[:5]
+    db = MetadataDB(url)
+    want = {e for s in stores for e in EpisodeStore(s).episode_ids()}
+    eps = db.episodes()
+    assert len(want) == 2 * 2 * per_robot and sorted(e.id for e in eps) == sorted(want)  # once each
+    assert all(e.status == "closed" and len(e.segments) == 3 for e in eps)
+    labels = db.labels(key="quality")
+    assert sorted(lb.episode_id for lb in labels) == sorted(want)  # exactly one label each
+    assert len(snaps) > 2 and len({len(x) for x in snaps}) > 1, [
+        len(x) for x in snaps
+    ]  # it read as they wrote
+    assert set(snaps[-1]) == set(EpisodeStore(stores[0]).episode_ids())  # the round sees all of its store's

@@ -136,14 +136,22 @@ def test_up_runs_rounds_and_prints_a_row_per_round(work: Path, up_db: str | None
     assert _verify(work, up_db).returncode == 0
 
 
-def test_a_resumed_run_must_name_the_same_db(work: Path, up_db: str | None, pg: Any) -> None:
+def test_a_resumed_run_must_name_the_same_db(
+    work: Path, up_db: str | None, pg: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The workdir's episodes, rounds and labels are in its DB: a run naming another one is refused
-    before anything starts (exit 2, one line naming the recorded DB)."""
+    before anything starts (exit 2, one line naming the recorded DB). In this process: it is refused
+    before any child would start."""
+    from vla_rl.cli import main
+
     other = None if up_db else pg.url("elsewhere")
-    r = subprocess.run(_up(work, 5, other), capture_output=True, text=True, timeout=120)
-    recorded = json.loads((work / "up.json").read_text())["db"]
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "db: this workdir's earlier run used the metadata DB" in r.stderr and recorded in r.stderr
+    before = (work / "up.json").read_text()
+    assert main(_up(work, 5, other)[len(CLI) :]) == 2
+    err = capsys.readouterr().err
+    recorded = json.loads(before)["db"]
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "db: this workdir's earlier run used the metadata DB" in err and recorded in err
+    assert (work / "up.json").read_text() == before  # nothing rewritten
     assert recorded == (up_db or f"sqlite:///{(work / 'store').resolve() / 'metadata.db'}")
 
 
