@@ -703,6 +703,7 @@ def start_collector_process(
     "episodes,frames,size",
     [pytest.param(2, 40, 16, id="short"), pytest.param(4, 150, 64, id="long", marks=pytest.mark.slow)],
 )
+@PG_SLOW  # ~25 s: `collect --db` runs on PostgreSQL in CI under test_up.py's loop; in-process tests here
 def test_sigkill_collector_while_8_robots_stream(
     tmp_path: Path, episodes: int, frames: int, size: int, store_db_url: str | None
 ) -> None:

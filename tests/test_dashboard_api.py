@@ -246,6 +246,10 @@ def dash(request: pytest.FixtureRequest, backend: str, world: FleetWorld) -> Das
 
 
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+# PostgreSQL in the slow suite only: its DB paths (round rows, progress, labels) have a CI test on it
+BOTH_PG_SLOW = pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
 
 
 def _detail(r: httpx.Response) -> dict[str, Any]:
@@ -451,7 +455,7 @@ def test_episode_detail_series_frame_and_video(dash: Dashboard, world: FleetWorl
     print(f"video encode ({ep.length} frames, cold): {first_s * 1000:.0f} ms")
 
 
-@BOTH
+@BOTH_PG_SLOW
 def test_open_episode_frames_follow_the_committed_length(dash: Dashboard, world: FleetWorld) -> None:
     """An episode a writer is still appending to: only committed frames are served, and frames committed
     after a chunk was cached are read anew."""
@@ -498,7 +502,7 @@ def test_open_episode_frames_follow_the_committed_length(dash: Dashboard, world:
         w.close("aborted", success=False)
 
 
-@BOTH
+@BOTH_PG_SLOW
 def test_bad_input_is_4xx_naming_the_field(dash: Dashboard, world: FleetWorld) -> None:
     c = dash.client("viewer")
     eid = _episode_with_takeover(world)
@@ -672,7 +676,7 @@ def _serving(world: FleetWorld) -> str:
     return world.server.slots["reach"].active.commit
 
 
-@BOTH
+@BOTH_PG_SLOW
 def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
     dash: Dashboard, world: FleetWorld
 ) -> None:
@@ -1031,7 +1035,7 @@ def _assert_step_progress(seen: list[dict[str, Any]], knobs: dict[str, Any], *, 
     assert seen[-1]["step"] == knobs["steps"] and seen[-1]["total_steps"] == knobs["steps"]
 
 
-@BOTH
+@BOTH_PG_SLOW
 def test_a_running_round_reports_its_steps_and_evaluation_episodes(
     dash: Dashboard, world: FleetWorld
 ) -> None:

@@ -206,6 +206,9 @@ def test_round_on_imported_real_data_gates_on_offline_action_mse(koch_db, tmp_pa
     assert (store / "metadata.db").exists() is (db_url is None)  # a round on PostgreSQL writes nothing beside
 
 
+@pytest.mark.parametrize(
+    "koch_db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
 def test_an_awr_round_on_teleoperated_data_fails_naming_the_reason(koch_db, tmp_path: Path) -> None:
     """A LeRobot recording is all teleoperation (intervention segments): AWR has no autonomous frames to
     weight, and the round says so (recorded as failed) rather than training on nothing."""

@@ -45,9 +45,11 @@ def _up(work: Path, rounds: int, db: str | None, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def up_db(request: pytest.FixtureRequest) -> str | None:
-    """The loop's metadata DB: None = the store's SQLite (no --db), or a PostgreSQL database (--db URL)."""
+    """The loop's metadata DB: None = the store's SQLite (no --db), or a PostgreSQL database (--db URL).
+    PostgreSQL in the slow suite only: its run costs ~2 min, and `up --db` is run on PostgreSQL in CI by
+    tests/test_up.py (a failed round's row on PostgreSQL: tests/test_round_jobs.py)."""
     return None if request.param == "sqlite" else request.getfixturevalue("pg").create_database()
 
 
