@@ -177,7 +177,7 @@ def _fleet_into(w: World) -> None:
     )
     assert result.errors == []
     assert w.collector.drain(60)
-    w.dashboard, w.proc = start_dashboard(w, *(("--db", w.db_url) if w.db_url else ()))
+    w.dashboard, w.proc = start_dashboard(w)
 
 
 # Two worlds: the store's SQLite, and a PostgreSQL database (sharing the first one's hub, base and policy
@@ -210,29 +210,35 @@ def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 def postgresql_world(
     sqlite_world: World, pg: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
-    """The same on a PostgreSQL database: 4 demos recorded into it, then the fleet's 22 episodes."""
+    """The same episodes on a PostgreSQL database: a copy of the SQLite world's store (its Zarr data, not
+    its DB), which the dashboard (--db URL) records into the empty database on start (its sync of a store
+    written without the DB), as it would a store `vla-rl sim demos` wrote. The collector is the SQLite
+    world's (the collector's own PostgreSQL path: tests/test_collector.py, tests/test_up.py)."""
+    import shutil
+
     root = tmp_path_factory.mktemp("dash-pg")
     url, store = pg.create_database(), root / "store"
-    record_demos(
-        EpisodeStore(store, create=True, db=MetadataDB(url)),
-        TASK,
-        episodes=4,
-        noise=0.3,
-        obs="rgb",
-        image_size=64,
-        robot_prefix="demo",
-        progress=False,
+    shutil.copytree(
+        sqlite_world.store, store, ignore=shutil.ignore_patterns("metadata.db*", "wal", "collector.lock")
     )
-    collector = Collector(store, url, port=0, token=COLLECTOR_TOKEN, chunk_len=16).start()
     w = World(
-        root, store, sqlite_world.hub, sqlite_world.server, collector, sqlite_world.base_commit, db_url=url
+        root,
+        store,
+        sqlite_world.hub,
+        sqlite_world.server,
+        sqlite_world.collector,
+        sqlite_world.base_commit,
+        db_url=url,
     )
     try:
-        _fleet_into(w)
+        w.dashboard, w.proc = start_dashboard(w, "--db", url)
+        want, deadline = len(EpisodeStore(store).episode_ids()), time.monotonic() + 60
+        while len(w.db.episodes()) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(w.db.episodes()) == want == 4 + FLEET_ROBOTS * FLEET_EPISODES
         yield w
     finally:
         stop(w.proc)
-        collector.stop()
 
 
 @pytest.fixture
