@@ -341,12 +341,14 @@ def workdir_db(given: str | None, recorded: str | None, store: Path) -> str:
     """The metadata DB URL of this run: ``given`` (--db), else the SQLite file in ``store``. A workdir
     whose earlier run recorded (password hidden) another DB is refused: its episodes, rounds and labels
     are there, a run against another DB would start over inside the same store and registry."""
+    from sqlalchemy.exc import ArgumentError
+
     from fleet.db import default_url
 
     url = given or default_url(store)
     try:
         shown = shown_db_url(url)
-    except Exception as e:  # SQLAlchemy's ArgumentError: not a URL at all
+    except ArgumentError as e:  # not a URL at all
         raise ValueError(
             f"db: expected an SQLAlchemy URL (e.g. postgresql://host/vla_rl), got {url!r}"
         ) from e
