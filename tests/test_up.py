@@ -144,6 +144,7 @@ def test_a_resumed_run_must_name_the_same_db(
     before any child would start."""
     from vla_rl.cli import main
 
+    _ensure_rounds(work, up_db, 1)
     other = None if up_db else pg.url("elsewhere")
     before = (work / "up.json").read_text()
     assert main(_up(work, 5, other)[len(CLI) :]) == 2
