@@ -1,5 +1,6 @@
 """Fixtures shared by several test files: a free loopback port, a `vla-rl serve` process, and the metadata
-DB on both backends (``db_url``: SQLite, and a database in a throwaway PostgreSQL cluster)."""
+DB on both backends (``db_url``: SQLite, and a database in a throwaway PostgreSQL cluster;
+``store_db_url``: the same, with None for the store's own SQLite file)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """A fresh, empty metadata DB URL: a SQLite file, or a new database on the session's PostgreSQL."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path_factory.mktemp('db') / 'metadata.db'}"
+    return request.getfixturevalue("pg").create_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_db_url(request: pytest.FixtureRequest) -> str | None:
+    """The metadata DB as a user would name it: None = the SQLite file inside the store (no --db, what
+    every command defaults to), or a new database on the session's PostgreSQL (passed with --db)."""
+    if request.param == "sqlite":
+        return None
     return request.getfixturevalue("pg").create_database()
 
 

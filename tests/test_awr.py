@@ -199,18 +199,18 @@ def test_train_end_to_end(base_and_store: tuple[Path, Path], tmp_path: Path, var
 
 
 def test_a_recovery_span_label_is_cloned_like_a_takeover(
-    base_and_store: tuple[Path, Path], tmp_path: Path
+    base_and_store: tuple[Path, Path], tmp_path: Path, store_db_url: str | None
 ) -> None:
     """A person labels the autonomous frames after the takeover `recovery`: AWR clones them (weight
     ``human_weight``) as it clones the 7 human frames, instead of weighting them by an advantage."""
     import shutil
 
-    from fleet.db import MetadataDB
+    from vla_rl.cli.common import open_db
 
     base, src = base_and_store
     store = tmp_path / "store"
     shutil.copytree(src, store)
-    db = MetadataDB.for_store(store)
+    db = open_db(store, store_db_url)
     es = EpisodeStore(store)
     db.record_episodes([es.read_metadata(e) for e in es.episode_ids()], str(store))  # demos bypassed the DB
     eid = next(e for e in es.episode_ids() if "arm-7" in e)
@@ -222,6 +222,7 @@ def test_a_recovery_span_label_is_cloned_like_a_takeover(
             base=str(base),
             store=store,
             out=tmp_path / "out",
+            db_url=store_db_url,
             value_steps=5,
             steps=2,
             batch_size=32,

@@ -30,7 +30,6 @@ import psutil
 import pytest
 
 from fleet.collector import Collector, _ProcessWriter
-from fleet.db import MetadataDB
 from fleet.proto import collector_pb2 as pb
 from fleet.proto import collector_pb2_grpc as pb_grpc
 from fleet.robot_client import RobotClient, frame_digest
@@ -38,6 +37,7 @@ from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
 from server.codec import to_tensor
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
+from vla_rl.cli.common import open_db
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 TOKEN = "collector-test-token"
@@ -152,9 +152,21 @@ def stream_episodes(
     return out
 
 
+# The collector's metadata DB (store_db_url): the store's SQLite and PostgreSQL both in CI where the test is
+# about what reaches the DB; SQLITE_ONLY where the DB plays no part (auth, wire garbage); PG_SLOW where
+# the PostgreSQL run repeats a long test whose DB path a CI test covers already.
+SQLITE_ONLY = pytest.mark.parametrize("store_db_url", ["sqlite"], indirect=True)
+PG_SLOW = pytest.mark.parametrize(
+    "store_db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
+
+
 @pytest.fixture
-def collector(tmp_path: Path) -> Iterator[Collector]:
-    c = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.5).start()
+def collector(tmp_path: Path, store_db_url: str | None) -> Iterator[Collector]:
+    """A collector on the store's own SQLite, or (second parameter) on a PostgreSQL database."""
+    c = Collector(
+        tmp_path / "store", store_db_url, port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.5
+    ).start()
     yield c
     c.stop()
 
@@ -249,6 +261,7 @@ def test_uncertainty_round_trip_rejects_and_old_style_batches(collector: Collect
     assert store.verify(db=collector.db) == []
 
 
+@SQLITE_ONLY
 def test_auth_required(collector: Collector, tmp_path: Path) -> None:
     for token in (None, "wrong"):
         send, recv, close = raw_stream(collector.address, token)
@@ -267,6 +280,7 @@ def test_auth_required(collector: Collector, tmp_path: Path) -> None:
     assert EpisodeStore(collector.store.root).episode_ids() == []
 
 
+@PG_SLOW
 def test_bad_input_rejected_while_other_robots_stream(collector: Collector) -> None:
     good = RobotClient(collector.address, "good-1", SPEC, "test/task", token=TOKEN, max_batch_frames=2)
     produced: list[tuple[str, int, str]] = []
@@ -392,6 +406,7 @@ def test_allow_list(tmp_path: Path) -> None:
         close()
 
 
+@PG_SLOW
 def test_duplicates_and_overlaps_are_dropped(collector: Collector) -> None:
     send, recv, close = raw_stream(collector.address)
     send(hello())
@@ -467,10 +482,13 @@ def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pyt
         assert waited > 0.1
 
 
-def test_killed_store_writer_is_restarted_and_every_frame_lands_once(tmp_path: Path) -> None:
+@PG_SLOW
+def test_killed_store_writer_is_restarted_and_every_frame_lands_once(
+    tmp_path: Path, store_db_url: str | None
+) -> None:
     """SIGKILL the store writer processes three times while 4 robots stream: each restart replays the logs
     from the Zarr commits; every frame is stored exactly once and nothing else appears."""
-    c = Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
+    c = Collector(tmp_path / "s", store_db_url, port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
     try:
         sent: list[tuple[str, int, str]] = []
         clients = [
@@ -588,10 +606,11 @@ def test_buffer_full_raises_instead_of_dropping(tmp_path: Path) -> None:
     client.close(0.1)
 
 
-def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
-    """Frames acknowledged but not yet in Zarr survive a crash; a half-written record is cut off."""
+def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_url: str | None) -> None:
+    """Frames acknowledged but not yet in Zarr survive a crash; a half-written record is cut off; the
+    recovered episode's DB row closes with it."""
     root = tmp_path / "s"
-    c = Collector(root, port=0, token=TOKEN, chunk_len=64).start()
+    c = Collector(root, store_db_url, port=0, token=TOKEN, chunk_len=64).start()
     client = RobotClient(c.address, "arm-1", SPEC, "t", token=TOKEN)
     rng = np.random.default_rng(5)
     eid = client.start_episode(episode_id="crash-ep")
@@ -618,7 +637,8 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
     msgs = [pb.RobotMessage.FromString(r) for r in records]
     assert msgs[0].WhichOneof("body") == "segment" and good < log.stat().st_size
     assert sum(m.frames.action.shape[0] for m in msgs[1:]) == 20
-    c2 = Collector(root, port=int(c.address.rsplit(":", 1)[1]), token=TOKEN, chunk_len=64).start()
+    port = int(c.address.rsplit(":", 1)[1])
+    c2 = Collector(root, store_db_url, port=port, token=TOKEN, chunk_len=64).start()
     try:
         assert log.stat().st_size == good
         client.end_episode("success")
@@ -628,6 +648,9 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path) -> None:
         assert ep.meta.is_closed and ep.length == 20
         want = [0.1 * i if i % 3 else np.nan for i in range(20)]
         np.testing.assert_allclose(ep.uncertainty, want, rtol=1e-6)  # replayed from the log
+        rec = c2.db.episode(eid)
+        assert rec is not None and (rec.status, rec.length) == ("closed", 20)
+        assert EpisodeStore(root).verify(db=c2.db) == []
         got = store_digests(root)
         assert sorted(d for (_, _, d) in got) == sorted(sent)
     finally:
@@ -690,6 +713,7 @@ class _Proxy:
         self.cuts += 1
 
 
+@PG_SLOW
 def test_connection_drops_mid_episode(collector: Collector) -> None:
     proxy = _Proxy(collector.port)
     client = RobotClient(
@@ -719,10 +743,13 @@ def busy_logs(store: Path) -> int:
     return n
 
 
-def start_collector_process(store: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+def start_collector_process(
+    store: Path, port: int, log_path: Path, db_url: str | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
     cmd += ["--port", str(port), "--token", TOKEN, "--chunk-len", "16"]
+    cmd += ["--db", db_url] if db_url else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "ab"), env=env)  # noqa: SIM115
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
@@ -734,14 +761,15 @@ def start_collector_process(store: Path, port: int, log_path: Path) -> subproces
     "episodes,frames,size",
     [pytest.param(2, 40, 16, id="short"), pytest.param(4, 150, 64, id="long", marks=pytest.mark.slow)],
 )
+@PG_SLOW  # ~25 s: `collect --db` runs on PostgreSQL in CI under test_up.py's loop; in-process tests here
 def test_sigkill_collector_while_8_robots_stream(
-    tmp_path: Path, episodes: int, frames: int, size: int
+    tmp_path: Path, episodes: int, frames: int, size: int, store_db_url: str | None
 ) -> None:
     spec = RobotSpec(
         "arm", 5, 3, 30.0, "push", cameras=(CameraSpec("front", size, size), CameraSpec("wrist", size, size))
     )
     store, port, log_path = tmp_path / "store", free_port(), tmp_path / "collector.log"
-    proc = start_collector_process(store, port, log_path)
+    proc = start_collector_process(store, port, log_path, store_db_url)
     ctx = mp.get_context("spawn")
     robots = []
     for i in range(8):
@@ -778,7 +806,7 @@ def test_sigkill_collector_while_8_robots_stream(
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         time.sleep(1.0)  # robots keep producing; their clients buffer
-        proc = start_collector_process(store, port, log_path)
+        proc = start_collector_process(store, port, log_path, store_db_url)
         # a malformed batch from another robot is refused while the 8 catch up
         send, recv, close = raw_stream(f"127.0.0.1:{port}")
         send(hello("bad-robot", spec))
@@ -791,6 +819,16 @@ def test_sigkill_collector_while_8_robots_stream(
         for p in robots:
             p.join(120)
             assert p.exitcode == 0
+        # A robot is done once its last message is acknowledged (durable in the log); the store writers
+        # apply the logs behind it. SIGTERM bounds their drain (drain_timeout_s) and leaves the rest to
+        # the next start's replay, so wait for the store to catch up first (a loaded machine, and the
+        # DB round trips of a PostgreSQL collector, widen that lag to seconds).
+        eids = set(read_records(sorted(tmp_path.glob("robot-*.jsonl")))[1])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            EpisodeStore(store).read_metadata(e).is_closed for e in eids
+        ):
+            time.sleep(0.1)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -802,7 +840,7 @@ def test_sigkill_collector_while_8_robots_stream(
     produced = collections.Counter((f["episode"], f["seq"], f["digest"]) for f in records)
     assert got == produced  # every frame exactly once, nothing else
     s = EpisodeStore(store)
-    db = MetadataDB.for_store(store)
+    db = open_db(store, store_db_url)
     assert s.verify(db=db) == []
     for eid, rec in eps.items():
         meta = s.read_metadata(eid)
@@ -821,6 +859,7 @@ def test_sigkill_collector_while_8_robots_stream(
     assert sum(r["reconnects"] for r in results) >= 8  # every robot lost its collector and came back
 
 
+@SQLITE_ONLY
 def test_garbage_bytes_are_refused_and_the_stream_survives(collector: Collector) -> None:
     with grpc.insecure_channel(collector.address) as ch:
         call = ch.stream_stream(
@@ -883,6 +922,7 @@ _EXIT_SCRIPT = """
 import sys, time
 import numpy as np
 from fleet.robot_client import RobotClient
+from vla_rl.cli.common import open_db
 from vla_rl.spec import CameraSpec, RobotSpec
 
 spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
@@ -931,6 +971,7 @@ _SPOOL_SCRIPT = """
 import json, sys, time
 import numpy as np
 from fleet.robot_client import RobotClient, frame_digest
+from vla_rl.cli.common import open_db
 from vla_rl.spec import CameraSpec, RobotSpec
 
 spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))

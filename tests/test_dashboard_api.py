@@ -69,27 +69,44 @@ class FleetWorld:
     collector: Collector
     base_commit: str
     spec: RobotSpec
+    db_url: str | None = None
+    """The metadata DB (None: the SQLite file in the store)."""
+    owns_services: bool = True
+    """False: the hub and policy server are another world's (:func:`fleet_world`'s ``shared``)."""
 
     @property
     def db(self) -> MetadataDB:
-        return MetadataDB.for_store(self.store)
+        return MetadataDB(self.db_url) if self.db_url else MetadataDB.for_store(self.store)
 
 
-def fleet_world(root: Path, episodes: int = 2) -> FleetWorld:
+def fleet_world(
+    root: Path, episodes: int = 2, db_url: str | None = None, shared: FleetWorld | None = None
+) -> FleetWorld:
     """Hub with the base policy as ``prod``; a policy server serving it; 2 simulated robots (camera,
-    operator takeovers from the uncertainty alarm and stalls) streaming through a collector into a store.
-    The server and collector keep running (the fleet page asks them); :func:`stop_world` stops them."""
+    operator takeovers from the uncertainty alarm and stalls) streaming through a collector into a store
+    whose metadata DB is ``db_url`` (None: the store's SQLite). With ``shared``, that world's hub, base
+    and policy server are used (one registry per process: the hub settings are process-global), with a
+    store, collector and DB of this world's own. The server and collector keep running (the fleet page
+    asks them); :func:`stop_world` stops them."""
     spec = camera_spec()
-    hub = HubServer(root / "hub", token=HUB_TOKEN).start()
-    configure_hub(hub.url, HUB_TOKEN)
-    base = tiny_checkpoint(root / "base", spec)
-    base_commit = push_folder(base, REPO, message="base", tag="prod")
     ref = f"hub://{REPO}@prod"
-    server = PolicyServer(
-        {"reach": ref}, port=0, torch_threads=1, device="cpu", follow={"reach": ref}, follow_interval_s=0.5
-    ).start()
+    if shared is None:
+        hub = HubServer(root / "hub", token=HUB_TOKEN).start()
+        configure_hub(hub.url, HUB_TOKEN)
+        base = tiny_checkpoint(root / "base", spec)
+        base_commit = push_folder(base, REPO, message="base", tag="prod")
+        server = PolicyServer(
+            {"reach": ref},
+            port=0,
+            torch_threads=1,
+            device="cpu",
+            follow={"reach": ref},
+            follow_interval_s=0.5,
+        ).start()
+    else:
+        hub, server, base_commit = shared.hub, shared.server, shared.base_commit
     store = root / "store"
-    collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=8).start()
+    collector = Collector(store, db_url, port=0, token=COLLECTOR_TOKEN, chunk_len=8).start()
     # a sloppy operator (noise) takes over a stalled policy for 3 steps at a time: episodes run long
     # enough to have autonomous and intervention segments both
     rules = OperatorRules(
@@ -107,13 +124,14 @@ def fleet_world(root: Path, episodes: int = 2) -> FleetWorld:
     result = run_sim_fleet(cfg, progress=False)
     assert result.errors == [], result.errors
     assert collector.drain(60)
-    return FleetWorld(root, store, hub, server, collector, base_commit, spec)
+    return FleetWorld(root, store, hub, server, collector, base_commit, spec, db_url, shared is None)
 
 
 def stop_world(w: FleetWorld) -> None:
     w.collector.stop()
-    w.server.stop()
-    w.hub.stop()
+    if w.owns_services:
+        w.server.stop()
+        w.hub.stop()
 
 
 def free_port() -> int:
@@ -166,8 +184,10 @@ def serve_dashboard(cfg: DashboardConfig) -> Iterator[Dashboard]:
 
 
 # ------------------------------------------------------------------------------------------ fixtures
+# Two worlds: the store's SQLite, and a PostgreSQL database (sharing the first one's hub and policy
+# server). Tests read ``world`` / ``dash``: the SQLite one, or with ``@BOTH`` each backend's in turn.
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
+def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
     w = fleet_world(tmp_path_factory.mktemp("dash"))
     try:
         yield w
@@ -176,16 +196,60 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
 
 
 @pytest.fixture(scope="module")
-def dash(world: FleetWorld) -> Iterator[Dashboard]:
+def postgresql_world(
+    sqlite_world: FleetWorld, pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetWorld]:
+    w = fleet_world(tmp_path_factory.mktemp("dash-pg"), db_url=pg.create_database(), shared=sqlite_world)
+    try:
+        yield w
+    finally:
+        stop_world(w)
+
+
+def _dashboard_of(world: FleetWorld) -> Iterator[Dashboard]:
     os.environ["VLA_RL_COLLECTOR_TOKEN"] = COLLECTOR_TOKEN  # how the dashboard asks the collector
     cfg = DashboardConfig(
         store=world.store,
+        db=world.db_url,
         repo=REPO,
         server=(world.server.address, "127.0.0.1:1"),
         collector=world.collector.address,
         workdir=world.root / "dashboard",
     )
     yield from serve_dashboard(cfg)
+
+
+@pytest.fixture(scope="module")
+def sqlite_dash(sqlite_world: FleetWorld) -> Iterator[Dashboard]:
+    yield from _dashboard_of(sqlite_world)
+
+
+@pytest.fixture(scope="module")
+def postgresql_dash(postgresql_world: FleetWorld) -> Iterator[Dashboard]:
+    yield from _dashboard_of(postgresql_world)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The metadata DB backend of this test's world: sqlite, unless ``@BOTH`` parametrizes it."""
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, backend: str) -> FleetWorld:
+    return request.getfixturevalue(f"{backend}_world")
+
+
+@pytest.fixture
+def dash(request: pytest.FixtureRequest, backend: str, world: FleetWorld) -> Dashboard:
+    return request.getfixturevalue(f"{backend}_dash")
+
+
+BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+# PostgreSQL in the slow suite only: its DB paths (round rows, progress, labels) have a CI test on it
+BOTH_PG_SLOW = pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
 
 
 def _detail(r: httpx.Response) -> dict[str, Any]:
@@ -217,6 +281,7 @@ def _episode_with_takeover(world: FleetWorld) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tests
+@BOTH
 def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorld) -> None:
     anon = dash.client(None)
     h = anon.get("/api/v1/health")
@@ -395,6 +460,7 @@ def test_episode_detail_series_frame_and_video(dash: Dashboard, world: FleetWorl
     print(f"video encode ({ep.length} frames, cold): {first_s * 1000:.0f} ms")
 
 
+@BOTH_PG_SLOW
 def test_open_episode_frames_follow_the_committed_length(dash: Dashboard, world: FleetWorld) -> None:
     """An episode a writer is still appending to: only committed frames are served, and frames committed
     after a chunk was cached are read anew."""
@@ -441,6 +507,7 @@ def test_open_episode_frames_follow_the_committed_length(dash: Dashboard, world:
         w.close("aborted", success=False)
 
 
+@BOTH_PG_SLOW
 def test_bad_input_is_4xx_naming_the_field(dash: Dashboard, world: FleetWorld) -> None:
     c = dash.client("viewer")
     eid = _episode_with_takeover(world)
@@ -500,6 +567,7 @@ def test_bad_input_is_4xx_naming_the_field(dash: Dashboard, world: FleetWorld) -
     assert len(world.db.rounds()) == before  # nothing written
 
 
+@BOTH
 def test_selection_counts_what_a_round_would_train_on(dash: Dashboard, world: FleetWorld) -> None:
     from vla_rl.train.transitions import DataSelection, select_episode_ids
 
@@ -544,6 +612,7 @@ def _sse(c: httpx.Client, path: str, until: str = "done", timeout_s: float = 120
 TINY_ROUND = {"value_steps": 5, "steps": 5, "batch_size": 8, "threads": 1, "eval_episodes": 2, "eval_envs": 1}
 
 
+@BOTH
 def test_queue_a_round_watch_it_over_sse_and_cancel_it(dash: Dashboard, world: FleetWorld) -> None:
     op = dash.client("operator")
     r = op.post(
@@ -612,6 +681,7 @@ def _serving(world: FleetWorld) -> str:
     return world.server.slots["reach"].active.commit
 
 
+@BOTH_PG_SLOW
 def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
     dash: Dashboard, world: FleetWorld
 ) -> None:
@@ -655,6 +725,7 @@ def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
     world.db.cancel_round(queued)
 
 
+@BOTH
 def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
     from server.client import PolicyClient
 
@@ -698,13 +769,13 @@ def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
     assert all(x["revision"] for x in f["revisions"] + f["timeline"])  # human frames' "" is no revision
 
 
-def test_revision_stats_skip_the_empty_revision(tmp_path: Path) -> None:
+def test_revision_stats_skip_the_empty_revision(tmp_path: Path, db_url: str) -> None:
     """Demonstrations and human-driven frames carry revision "": it is not a checkpoint, so neither the
     per-revision numbers nor the timeline list it; an episode that mixes a policy's frames with human
     ones counts for the policy's revision."""
     from fleet.meta import EpisodeMeta
 
-    db = MetadataDB(f"sqlite:///{tmp_path / 'meta.db'}")
+    db = MetadataDB(db_url)
     spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
     metas = [
         EpisodeMeta(f"ep-{i}", "arm-1", TASK, "reach", spec, 4, 1000.0 + i, 10, "closed", revs, success=ok)
@@ -784,16 +855,20 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
         assert unscored == [None] * len(calm)
 
 
-def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path, backend: str) -> None:
     missing = tmp_path / "no-store"
-    cfg = DashboardConfig(
-        store=missing, db=f"sqlite:///{tmp_path}/nodir/x/metadata.db", workdir=tmp_path / "w"
-    )
+    if backend == "sqlite":
+        db, where = f"sqlite:///{tmp_path}/nodir/x/metadata.db", "nodir"
+    else:  # a loopback port nothing listens on
+        where = f"127.0.0.1:{free_port()}"
+        db = f"postgresql://vla_rl@{where}/metadata"
+    cfg = DashboardConfig(store=missing, db=db, workdir=tmp_path / "w")
     for d in serve_dashboard(cfg):
         c = d.client("viewer")
         h = c.get("/api/v1/health").json()
         assert not h["store"]["ok"] and str(missing) in h["store"]["error"]
-        assert not h["db"]["ok"] and "nodir" in h["db"]["error"]
+        assert not h["db"]["ok"] and where in h["db"]["error"]
         r = c.get("/api/v1/episodes/x/series")
         assert (
             r.status_code == 503 and _detail(r)["field"] == "store" and str(missing) in _detail(r)["message"]
@@ -803,6 +878,7 @@ def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path) -> None
         assert c.get("/").status_code == 200  # the page still loads (and shows the banner)
 
 
+@BOTH
 def test_episode_list_filters_sorts_and_pages_in_the_db(dash: Dashboard, world: FleetWorld) -> None:
     c = dash.client("viewer")
     db = world.db
@@ -848,6 +924,7 @@ def test_episode_list_filters_sorts_and_pages_in_the_db(dash: Dashboard, world: 
         assert r.status_code == 422 and _detail(r)["field"] == field, (params, r.text)
 
 
+@BOTH
 def test_labels_roles_bulk_spans_undo_and_bad_input(dash: Dashboard, world: FleetWorld) -> None:
     db = world.db
     viewer, ana = dash.client("viewer"), dash.client("labeller")
@@ -941,6 +1018,7 @@ def test_labels_roles_bulk_spans_undo_and_bad_input(dash: Dashboard, world: Flee
 
 
 @pytest.mark.slow
+@BOTH
 def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     dash: Dashboard, world: FleetWorld
 ) -> None:
@@ -961,7 +1039,16 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     ran: list[int] = []
     worker = threading.Thread(
         target=lambda: ran.append(
-            run_worker(WorkerConfig(store=world.store, once=True, max_rounds=1, poll_s=0.5, heartbeat_s=1.0))
+            run_worker(
+                WorkerConfig(
+                    store=world.store,
+                    db_url=world.db_url,
+                    once=True,
+                    max_rounds=1,
+                    poll_s=0.5,
+                    heartbeat_s=1.0,
+                )
+            )
         )
     )
     t0 = time.monotonic()
@@ -1015,6 +1102,7 @@ def _assert_step_progress(seen: list[dict[str, Any]], knobs: dict[str, Any], *, 
     assert seen[-1]["step"] == knobs["steps"] and seen[-1]["total_steps"] == knobs["steps"]
 
 
+@BOTH_PG_SLOW
 def test_a_running_round_reports_its_steps_and_evaluation_episodes(
     dash: Dashboard, world: FleetWorld
 ) -> None:
@@ -1060,6 +1148,7 @@ def test_a_running_round_reports_its_steps_and_evaluation_episodes(
     assert final["progress"]["eta_s"] == 0 and final["progress"]["phase"] == "evaluating"
 
 
+@BOTH
 def test_progress_writer_throttles_to_one_write_a_second(world: FleetWorld) -> None:
     """1,000 trainer steps over 10 s (a fake clock) become ~1 DB write a second: the phase, the first
     report of each stage, one a second, the last step of a stage; the row holds the latest numbers and an
@@ -1101,3 +1190,123 @@ def test_progress_writer_throttles_to_one_write_a_second(world: FleetWorld) -> N
     db.update_round(rid, status="failed", error="test over", finished_at=time.time())
     with pytest.raises(RoundLost):
         w.phase("evaluating")
+
+
+def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_postgresql(
+    tmp_path: Path, pg: Any
+) -> None:
+    """Issue 21's concurrency on one PostgreSQL database, with the real parts (tests/test_metadata_db.py
+    has the same at the DB API, on both backends): two collectors (two stores) record 2 robots' episodes
+    each, the dashboard labels every closed episode it lists as it appears, and a round's data selection
+    (``label.quality=good``, what a round snapshots) reads at the same time. Every snapshot is whole (no
+    episode twice, none vanishing, each selected one closed and labelled); at the end every episode is in
+    the DB once, closed with its 3 segments, with exactly one label."""
+    from test_collector import SPEC, stream_episodes
+    from test_collector import TOKEN as ROBOT_TOKEN
+
+    from fleet.robot_client import RobotClient
+    from vla_rl.train.transitions import DataSelection, select_episode_ids
+
+    url, task, per_robot = pg.create_database(), "t", 4
+    stores = [tmp_path / "s1", tmp_path / "s2"]
+    collectors = [
+        Collector(s, url, port=0, token=ROBOT_TOKEN, chunk_len=8, store_writers=0).start() for s in stores
+    ]
+    d = Dashboard(DashboardConfig(store=stores[0], db=url, workdir=tmp_path / "dash"))
+    done, labelled_all = threading.Event(), threading.Event()  # the robots' streams; the last label pass
+    failures: list[str] = []
+
+    def robots(c: Collector, name: str) -> None:
+        try:
+            clients = [RobotClient(c.address, f"{name}-{i}", SPEC, task, token=ROBOT_TOKEN) for i in range(2)]
+            ts = [
+                threading.Thread(target=stream_episodes, args=(cl, per_robot, 12, i))
+                for i, cl in enumerate(clients)
+            ]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(120)
+            assert all(cl.close(60) for cl in clients) and c.drain(60)
+        except BaseException as e:
+            failures.append(f"{name}: {e!r}")
+
+    labelled: set[str] = set()
+
+    def labeller() -> None:
+        ana = d.client("labeller")
+        while True:
+            last = done.is_set()
+            items = ana.get("/api/v1/episodes", params={"per_page": 500, "status": "closed"}).json()["items"]
+            new = [x["id"] for x in items if x["id"] not in labelled]
+            if new:
+                r = ana.post("/api/v1/labels", json={"episode_ids": new, "key": "quality", "value": "good"})
+                if r.status_code != 201:
+                    failures.append(f"label: {r.status_code} {r.text[:200]}")
+                    labelled_all.set()
+                    return
+                labelled.update(new)
+            if last:
+                labelled_all.set()
+                return
+            time.sleep(0.05)
+
+    snaps: list[list[str]] = []
+
+    def round_snapshot() -> None:
+        try:
+            read_snapshots()
+        except BaseException as e:
+            failures.append(f"round snapshot: {e!r}")
+
+    def read_snapshots() -> None:
+        db, store = MetadataDB(url), EpisodeStore(stores[0])
+        sel = DataSelection.parse(task, "label.quality=good")
+        while True:
+            last = labelled_all.is_set()
+            try:
+                ids = select_episode_ids(store, sel, db, db.round_revisions())
+            except ValueError as e:  # nothing labelled yet: a round would refuse to start
+                if "no closed episodes" not in str(e):
+                    raise
+                ids = []
+            snaps.append(ids)
+            if len(ids) != len(set(ids)):
+                failures.append(f"a snapshot holds an episode twice: {ids}")
+            if snaps[:-1] and not set(snaps[-2]) <= set(ids):
+                failures.append(f"episodes vanished: {sorted(set(snaps[-2]) - set(ids))}")
+            labels = db.current_labels(ids)
+            if any(labels.get(e, {}).get("quality") != "good" for e in ids):
+                failures.append("a selected episode is not labelled")
+            if last:
+                return
+            time.sleep(0.02)
+
+    try:
+        writers = [
+            threading.Thread(target=robots, args=(c, n)) for c, n in zip(collectors, ("a", "b"), strict=True)
+        ]
+        readers = [threading.Thread(target=labeller), threading.Thread(target=round_snapshot)]
+        for t in writers + readers:
+            t.start()
+        for t in writers:
+            t.join(180)
+        done.set()
+        for t in readers:
+            t.join(60)
+    finally:
+        d.stop()
+        for c in collectors:
+            c.stop()
+    assert failures == [], failures[:5]
+    db = MetadataDB(url)
+    want = {e for s in stores for e in EpisodeStore(s).episode_ids()}
+    eps = db.episodes()
+    assert len(want) == 2 * 2 * per_robot and sorted(e.id for e in eps) == sorted(want)  # once each
+    assert all(e.status == "closed" and len(e.segments) == 3 for e in eps)
+    labels = db.labels(key="quality")
+    assert sorted(lb.episode_id for lb in labels) == sorted(want)  # exactly one label each
+    assert len(snaps) > 2 and len({len(x) for x in snaps}) > 1, [
+        len(x) for x in snaps
+    ]  # it read as they wrote
+    assert set(snaps[-1]) == set(EpisodeStore(stores[0]).episode_ids())  # the round sees all of its store's

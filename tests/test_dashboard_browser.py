@@ -70,10 +70,12 @@ class World:
     base_commit: str
     dashboard: str = ""
     proc: subprocess.Popen[str] | None = None
+    db_url: str | None = None
+    """The metadata DB (None: the SQLite file in the store)."""
 
     @property
     def db(self) -> MetadataDB:
-        return MetadataDB.for_store(self.store)
+        return MetadataDB(self.db_url) if self.db_url else MetadataDB.for_store(self.store)
 
 
 def build_store(root: Path, hub_url: str) -> tuple[Path, Path]:
@@ -158,8 +160,31 @@ def stop(proc: subprocess.Popen[str] | None) -> None:
         proc.wait()
 
 
+def _fleet_into(w: World) -> None:
+    """22 sim-fleet episodes with takeovers through ``w``'s collector, then ``w``'s dashboard started."""
+    rules = OperatorRules(stall_steps=3, drive_steps=4, max_takeovers=2, max_fraction=0.6)
+    result = run_sim_fleet(
+        FleetConfig(
+            robots=FLEET_ROBOTS,
+            server=w.server.address,
+            collector=w.collector.address,
+            episodes=FLEET_EPISODES,
+            max_episode_steps=20,
+            rules=rules,
+            collector_token=COLLECTOR_TOKEN,
+        ),
+        progress=False,
+    )
+    assert result.errors == []
+    assert w.collector.drain(60)
+    w.dashboard, w.proc = start_dashboard(w)
+
+
+# Two worlds: the store's SQLite, and a PostgreSQL database (sharing the first one's hub, base and policy
+# server: the hub settings are process-global). Tests read ``world``: the SQLite one, or with ``@BOTH``
+# each backend's in turn.
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """Hub with the base at prod, a policy server and collector, 22 sim-fleet episodes with takeovers
     (+ 4 demos) in the store, and the dashboard serving it."""
     root = tmp_path_factory.mktemp("dash")
@@ -172,28 +197,72 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=16).start()
     w = World(root, store, hub, server, collector, resolve(f"hub://{REPO}@prod"))
     try:
-        rules = OperatorRules(stall_steps=3, drive_steps=4, max_takeovers=2, max_fraction=0.6)
-        result = run_sim_fleet(
-            FleetConfig(
-                robots=FLEET_ROBOTS,
-                server=server.address,
-                collector=collector.address,
-                episodes=FLEET_EPISODES,
-                max_episode_steps=20,
-                rules=rules,
-                collector_token=COLLECTOR_TOKEN,
-            ),
-            progress=False,
-        )
-        assert result.errors == []
-        assert collector.drain(60)
-        w.dashboard, w.proc = start_dashboard(w)
+        _fleet_into(w)
         yield w
     finally:
         stop(w.proc)
         collector.stop()
         server.stop()
         hub.stop()
+
+
+@pytest.fixture(scope="module")
+def postgresql_world(
+    sqlite_world: World, pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
+    """The same episodes on a PostgreSQL database: a copy of the SQLite world's store (its Zarr data, not
+    its DB), which the dashboard (--db URL) records into the empty database on start (its sync of a store
+    written without the DB), as it would a store `vla-rl sim demos` wrote. The collector is the SQLite
+    world's (the collector's own PostgreSQL path: tests/test_collector.py, tests/test_up.py)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("dash-pg")
+    url, store = pg.create_database(), root / "store"
+    shutil.copytree(
+        sqlite_world.store, store, ignore=shutil.ignore_patterns("metadata.db*", "wal", "collector.lock")
+    )
+    w = World(
+        root,
+        store,
+        sqlite_world.hub,
+        sqlite_world.server,
+        sqlite_world.collector,
+        sqlite_world.base_commit,
+        db_url=url,
+    )
+    try:
+        w.dashboard, w.proc = start_dashboard(w, "--db", url)
+        want, deadline = len(EpisodeStore(store).episode_ids()), time.monotonic() + 60
+        while len(w.db.episodes()) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(w.db.episodes()) == want == 4 + FLEET_ROBOTS * FLEET_EPISODES
+        yield w
+    finally:
+        stop(w.proc)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The metadata DB backend of this test's world: sqlite, unless ``@BOTH`` parametrizes it."""
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, backend: str) -> World:
+    return request.getfixturevalue(f"{backend}_world")
+
+
+BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+BOTH_PG_SLOW = pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
+
+
+def screenshot(page: Any, world: World, name: str) -> None:
+    """The README's screenshot ``docs/img/NAME`` (from the SQLite world's run only)."""
+    if world.db_url is None:
+        IMG.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(IMG / name), full_page=True)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +310,7 @@ def episode_with_takeover(world: World) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------------------------------------ episode
+@BOTH_PG_SLOW
 def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
     browser: Any, world: World
 ) -> None:
@@ -306,13 +376,13 @@ def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
     page.wait_for_selector(".history-list li:has-text('failure=timeout')")
     page.keyboard.press("Control+z")
     page.wait_for_selector(".history-list li.undone:has-text('failure=timeout')")
-    IMG.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(IMG / "dashboard-episode.png"), full_page=True)
+    screenshot(page, world, "dashboard-episode.png")
     assert page.errors == []  # type: ignore[attr-defined]
     page.context.close()
 
 
 # ------------------------------------------------------------------------------------------ episodes
+@BOTH
 def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: World) -> None:
     page = open_page(browser, world, "ana", "/episodes")
     page.wait_for_selector("table.episodes tbody tr")
@@ -356,6 +426,7 @@ def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: World) -> Non
     page.context.close()
 
 
+@BOTH_PG_SLOW
 def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: World) -> None:
     eid, _ = episode_with_takeover(world)
     page = open_page(browser, world, None, f"/episodes/{eid}")
@@ -384,6 +455,7 @@ def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: World)
 
 
 # ------------------------------------------------------------------------------------------ fleet
+@BOTH_PG_SLOW
 def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: World) -> None:
     page = open_page(browser, world, "vic", "/")
     page.wait_for_selector("table.robots tr[data-robot='sim-0']")
@@ -392,8 +464,7 @@ def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: Worl
     server_row.wait_for()
     assert page.locator("#banner").is_hidden()
     page.wait_for_timeout(300)  # plots drawn
-    IMG.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(IMG / "dashboard-fleet.png"), full_page=True)
+    screenshot(page, world, "dashboard-fleet.png")
     assert page.errors == []  # type: ignore[attr-defined]
     page.context.close()
 
@@ -417,6 +488,7 @@ def test_an_unreachable_store_and_db_show_a_banner_not_a_blank_page(browser: Any
 
 
 # ------------------------------------------------------------------------------------------ rounds
+@BOTH_PG_SLOW
 def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world: World) -> None:
     page = open_page(browser, world, "ops", "/episodes?robot=sim-0")
     page.wait_for_selector("table.episodes tbody tr")
@@ -464,6 +536,7 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
 
 
 @pytest.mark.slow
+@BOTH
 def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
     browser: Any, world: World, cli_server: Any
 ) -> None:
@@ -485,7 +558,8 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
     with PolicyClient(addr) as c:
         assert next(iter(c.info().values())).commit == world.base_commit
     worker = subprocess.Popen(
-        [*CLI, "round", "worker", "--store", str(world.store), "--poll-s", "0.5", "--heartbeat-s", "1"],
+        [*CLI, "round", "worker", "--store", str(world.store), "--poll-s", "0.5", "--heartbeat-s", "1"]
+        + (["--db-url", world.db_url] if world.db_url else []),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -528,8 +602,7 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
             while next(iter(c.info().values())).commit != rec.checkpoint_revision:
                 assert time.monotonic() < deadline, "the --follow server did not swap to the promoted commit"
                 time.sleep(0.5)
-        IMG.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(IMG / "dashboard-rounds.png"), full_page=True)
+        screenshot(page, world, "dashboard-rounds.png")
         assert page.errors == []  # type: ignore[attr-defined]
         page.context.close()
     finally:

@@ -15,20 +15,23 @@ from fleet.db import MetadataDB
 from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
+from vla_rl.cli.common import open_db
 
 TASK = "maniskill/PushCube-v1"
 
 
-def _record(root: Path, **kwargs: object) -> tuple[EpisodeStore, MetadataDB]:
-    db = MetadataDB.for_store(root)
+def _record(root: Path, db_url: str | None = None, **kwargs: object) -> tuple[EpisodeStore, MetadataDB]:
+    """Demos into a store at ``root`` and its metadata DB (``db_url``; None: the store's SQLite file)."""
+    db = open_db(root, db_url)
     store = EpisodeStore(root, create=True, db=db)
     record_demos(store, TASK, progress=False, **kwargs)  # type: ignore[arg-type]
     return store, db
 
 
-def test_demos_land_in_store_and_db_and_replay_exactly(tmp_path: Path) -> None:
-    store, db = _record(tmp_path / "a", episodes=3, noise=0.3, seed=5)
+def test_demos_land_in_store_and_db_and_replay_exactly(tmp_path: Path, store_db_url: str | None) -> None:
+    store, db = _record(tmp_path / "a", store_db_url, episodes=3, noise=0.3, seed=5)
     assert store.verify(db=db) == []
+    assert (tmp_path / "a" / "metadata.db").exists() is (store_db_url is None)  # --db: nothing beside it
     episodes = [store.read_episode(eid) for eid in store.episode_ids()]
     assert len(episodes) == 3
     assert {r.id for r in db.episodes(task=TASK)} == set(store.episode_ids())
@@ -80,8 +83,9 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 # slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
 @pytest.mark.slow
-def test_cli_end_to_end(tmp_path: Path) -> None:
+def test_cli_end_to_end(tmp_path: Path, store_db_url: str | None) -> None:
     store = tmp_path / "store"
+    db = ["--db", store_db_url] if store_db_url else []
     out = _cli("--help").stdout
     assert "sim" in out and "store" in out and "demo" in out
     listing = json.loads(_cli("sim", "list", "--json").stdout)
@@ -101,17 +105,20 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
         "--seed",
         "3",
         "--no-progress",
+        *db,
     )
     assert "recorded 2 episodes" in demos.stdout
     log_lines = [json.loads(line) for line in demos.stderr.splitlines() if line.startswith("{")]
     assert any(rec["msg"] == "recorded demos" and rec["episodes"] == 2 for rec in log_lines)
 
-    info = json.loads(_cli("store", "info", str(store), "--json").stdout)
+    info = json.loads(_cli("store", "info", str(store), "--json", *db).stdout)
     assert info["episodes"] == 2 and info["tasks"][TASK]["episodes"] == 2 and info["bytes"] > 0
-    assert "consistent" in _cli("store", "verify", str(store)).stdout
+    assert "consistent" in _cli("store", "verify", str(store), *db).stdout
+    assert len(open_db(store, store_db_url).episodes(task=TASK)) == 2
+    assert (store / "metadata.db").exists() is (store_db_url is None)
 
     # LeRobot round trip through the CLI: export, import into a new store, same frame count.
-    _cli("store", "export-lerobot", str(store), str(tmp_path / "lerobot"), "--repo-id", "test/push")
+    _cli("store", "export-lerobot", str(store), str(tmp_path / "lerobot"), "--repo-id", "test/push", *db)
     assert (tmp_path / "lerobot" / "meta" / "info.json").is_file()
     _cli("store", "import-lerobot", str(tmp_path / "lerobot"), str(tmp_path / "imported"))
     imported = json.loads(_cli("store", "info", str(tmp_path / "imported"), "--json").stdout)
@@ -122,7 +129,7 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     meta = json.loads(commit.read_text())
     meta["length"] += 5
     commit.write_text(json.dumps(meta))
-    bad = _cli("store", "verify", str(store), check=False)
+    bad = _cli("store", "verify", str(store), *db, check=False)
     assert bad.returncode == 1 and "PROBLEM" in bad.stdout
 
     missing = _cli("store", "info", str(tmp_path / "nope"), check=False)

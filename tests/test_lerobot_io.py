@@ -19,6 +19,7 @@ import pytest
 from fleet.db import MetadataDB
 from fleet.meta import Controller, Segment, SegmentKind
 from fleet.store import EpisodeStore, EpisodeWriter, outcome_known
+from vla_rl.cli.common import open_db
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(
@@ -52,6 +53,11 @@ def offline_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def db_flag(url: str | None) -> list[str]:
+    """The CLI's ``--db URL``, or nothing for the store's own SQLite file (the default)."""
+    return ["--db", url] if url else []
 
 
 # ---------------------------------------------------------------------- our store
@@ -250,12 +256,17 @@ def test_export_reads_back_in_lerobot(exported: tuple[EpisodeStore, Path]) -> No
 
 
 # ---------------------------------------------------------------------- import
-def test_import_of_export_is_exact(exported: tuple[EpisodeStore, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(  # the CLI round trip below covers an import's DB rows on PostgreSQL in CI
+    "store_db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
+def test_import_of_export_is_exact(
+    exported: tuple[EpisodeStore, Path], tmp_path: Path, store_db_url: str | None
+) -> None:
     from fleet.lerobot_io import import_lerobot
 
     store, out = exported
     store2 = EpisodeStore(tmp_path / "store2", create=True)
-    db = MetadataDB.for_store(store2.root)
+    db = open_db(store2.root, store_db_url)
     ids = import_lerobot(out, store2, robot_id="importer", db=db)
     assert len(ids) == 3 and ids == sorted(ids) == store2.episode_ids()
     for eid_orig, eid_new in zip(PICK_IDS, ids, strict=True):
@@ -579,6 +590,18 @@ def record_style_dataset(root: Path, intervention: list[bool] | None = None) -> 
     ds.finalize()
 
 
+def import_into(dataset: Path, root: Path, db_url: str | None = None) -> Path:
+    """``dataset`` imported into a new store at ``root`` (HF_HOME is the caller's), its episodes and labels
+    recorded in the metadata DB ``db_url`` (None: none, as ``import_lerobot`` without a DB)."""
+    from fleet.lerobot_io import import_lerobot
+
+    db = MetadataDB(db_url) if db_url else None
+    import_lerobot(dataset, EpisodeStore(root, create=True, db=db), db=db)
+    if db is not None:
+        db.close()
+    return root
+
+
 def takeover_store(root: Path, spec: RobotSpec = SPEC) -> EpisodeStore:
     """Sim-fleet style: policy, an operator takeover, handback; one success, one failure."""
     store = EpisodeStore(root, create=True)
@@ -621,7 +644,7 @@ def assert_intervention_agrees(store: EpisodeStore, out: Path) -> float:
 
 
 def test_record_style_dataset_round_trip_through_the_cli(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], store_db_url: str | None
 ) -> None:
     import zarr
 
@@ -631,9 +654,10 @@ def test_record_style_dataset_round_trip_through_the_cli(
     data = tmp_path / "koch_towels"
     record_style_dataset(data)
     store_dir = tmp_path / "store"
-    assert main(["store", "import-lerobot", str(data), str(store_dir)]) == 0
+    flag = db_flag(store_db_url)
+    assert main(["store", "import-lerobot", str(data), str(store_dir), *flag]) == 0
     store = EpisodeStore(store_dir)
-    db = MetadataDB.for_store(store_dir)
+    db = open_db(store_dir, store_db_url)
     ids = store.episode_ids()
     assert len(ids) == 4
     for e, eid in enumerate(ids):
@@ -659,7 +683,7 @@ def test_record_style_dataset_round_trip_through_the_cli(
     assert (task["closed"], task["known"], task["unknown"], task["successes"]) == (4, 0, 4, 0)
     assert task["success_rate"] is None and info["robots"]["lerobot"]["intervention_rate"] == 1.0
     capsys.readouterr()
-    assert main(["store", "info", str(store_dir)]) == 0
+    assert main(["store", "info", str(store_dir), *flag]) == 0
     shown = capsys.readouterr().out
     assert "n/a (4 unknown)" in shown and "0/4" not in shown and "100.0%" in shown
 
@@ -668,7 +692,7 @@ def test_record_style_dataset_round_trip_through_the_cli(
     import shutil
 
     shutil.copytree(data, copy)
-    assert main(["store", "import-lerobot", str(copy), str(store_dir)]) == 2
+    assert main(["store", "import-lerobot", str(copy), str(store_dir), *flag]) == 2
     err = capsys.readouterr().err
     assert "already imported" in err and str(copy) in err and ids[0] in err and "--allow-duplicate" in err
     assert store.episode_ids() == ids
@@ -681,7 +705,8 @@ def test_record_style_dataset_round_trip_through_the_cli(
     for eid in store.episode_ids()[4:]:
         shutil.rmtree(store.episodes_dir / eid)
     out = tmp_path / "export"
-    assert main(["store", "export-lerobot", str(store_dir), str(out), "--repo-id", "fleet/towels"]) == 0
+    export = ["store", "export-lerobot", str(store_dir), str(out), "--repo-id", "fleet/towels", *flag]
+    assert main(export) == 0
     features = json.loads((out / "meta" / "info.json").read_text())["features"]
     assert features["observation.images.top"]["dtype"] == "video"
     assert "next.success" not in features and "outcome_known" not in features
@@ -770,7 +795,9 @@ def test_unknown_outcomes_next_to_known_ones_stay_unknown(tmp_path: Path) -> Non
         assert back.info()["tasks"][metas[0].task]["unknown"] == 2
 
 
-def test_a_failed_import_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_import_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_db_url: str | None
+) -> None:
     import fleet.lerobot_io as lio
     from vla_rl.cli import main
 
@@ -786,11 +813,23 @@ def test_a_failed_import_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(lio, "_read_images", failing)
     with pytest.raises(OSError, match="disk went away"):
-        main(["store", "import-lerobot", str(tmp_path / "ds"), str(tmp_path / "new" / "store")])
+        main(
+            [
+                "store",
+                "import-lerobot",
+                str(tmp_path / "ds"),
+                str(tmp_path / "new" / "store"),
+                *db_flag(store_db_url),
+            ]
+        )
     assert not (tmp_path / "new").exists()  # no store folder, no DB
+    if store_db_url:  # the DB elsewhere: no row in it
+        db = MetadataDB(store_db_url)
+        assert db.episodes() == [] and db.labels() == []
+        db.close()
 
     store = takeover_store(tmp_path / "old")  # an existing store keeps exactly what it had
-    db = MetadataDB.for_store(store.root)
+    db = open_db(store.root, store_db_url)
     before = store.episode_ids()
     calls.clear()
     with pytest.raises(OSError, match="disk went away"):
@@ -849,7 +888,9 @@ def test_import_and_export_with_a_jpeg_camera(exported: tuple[EpisodeStore, Path
             )
 
 
-def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(tmp_path: Path) -> None:
+def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(
+    tmp_path: Path, store_db_url: str | None
+) -> None:
     """The last record-style episode switches task half-way: SFT's dataset and the RL trainers' buffer
     give each frame its run's task (the import's ``lerobot_tasks`` label), not the episode's first one."""
     from fleet.dataset import ChunkDataset, labelled_instructions
@@ -859,8 +900,8 @@ def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(tmp
 
     data, store_dir = tmp_path / "koch", tmp_path / "store"
     record_style_dataset(data)
-    assert main(["store", "import-lerobot", str(data), str(store_dir)]) == 0
-    store, db = EpisodeStore(store_dir), MetadataDB.for_store(store_dir)
+    assert main(["store", "import-lerobot", str(data), str(store_dir), *db_flag(store_db_url)]) == 0
+    store, db = EpisodeStore(store_dir), open_db(store_dir, store_db_url)
     ids = store.episode_ids()
 
     def expected(e: int, t: int) -> str:

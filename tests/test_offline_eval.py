@@ -117,9 +117,8 @@ def test_offline_subsample_is_seeded_and_held_out_is_the_most_recent(tmp_path: P
 @pytest.fixture(scope="module")
 def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """An imported LeRobot dataset (LeRobot's own API; task "koch", no simulator) and an SFT base on it."""
-    from test_lerobot_io import record_style_dataset
+    from test_lerobot_io import import_into, record_style_dataset
 
-    from fleet.lerobot_io import import_lerobot
     from vla_rl.train.sft import SFTConfig, train_sft
 
     tmp = tmp_path_factory.mktemp("koch")
@@ -127,7 +126,7 @@ def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     mp.setenv("HF_HOME", str(tmp / "hf"))
     try:
         record_style_dataset(tmp / "lerobot")
-        import_lerobot(tmp / "lerobot", EpisodeStore(tmp / "store", create=True))
+        import_into(tmp / "lerobot", tmp / "store")
     finally:
         mp.undo()
     sft = train_sft(
@@ -146,19 +145,45 @@ def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tmp / "store", sft.checkpoint
 
 
+@pytest.fixture(scope="module")
+def koch_pg(
+    koch: tuple[Path, Path], pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, str]:
+    """The same dataset imported into a store whose metadata DB is a PostgreSQL database (episodes and
+    labels recorded there), with the same base."""
+    from test_lerobot_io import import_into
+
+    store, base = koch
+    url, tmp = pg.create_database(), tmp_path_factory.mktemp("koch-pg")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", str(tmp / "hf"))
+    try:
+        return import_into(store.parent / "lerobot", tmp / "store", url), base, url
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def koch_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
+    """(store, base, metadata DB URL): koch with the store's SQLite (None), or koch_pg."""
+    if request.param == "sqlite":
+        return (*request.getfixturevalue("koch"), None)
+    return request.getfixturevalue("koch_pg")
+
+
 @pytest.mark.parametrize(
     "algo",
     ["sft"],
 )
-def test_round_on_imported_real_data_gates_on_offline_action_mse(koch, tmp_path: Path, algo: str) -> None:
-    from fleet.db import MetadataDB
+def test_round_on_imported_real_data_gates_on_offline_action_mse(koch_db, tmp_path: Path, algo: str) -> None:
     from vla_rl.checkpoint import read_info
+    from vla_rl.cli.common import open_db
     from vla_rl.rounds import RoundConfig, start_round
     from vla_rl.train.algorithms import make_config
 
-    store, base = koch
+    store, base, db_url = koch_db
     knobs: dict[str, Any] = {"steps": 20, "batch_size": 16} | ({"value_steps": 20} if algo == "awr" else {})
-    train = make_config(algo, base=str(base), store=store, out=tmp_path / "rounds", **knobs)
+    train = make_config(algo, base=str(base), store=store, out=tmp_path / "rounds", db_url=db_url, **knobs)
     train.progress = False
     rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0))
     m = rec.metrics
@@ -177,24 +202,35 @@ def test_round_on_imported_real_data_gates_on_offline_action_mse(koch, tmp_path:
     info = read_info(rec.checkpoint_ref)
     assert info.metrics["offline_action_mse"] == pytest.approx(m["action_mse"])
     assert info.metrics["offline_eval_episode_ids"] == ids[-1:] and "success_rate" not in info.metrics
-    assert MetadataDB.for_store(store).rounds(task="koch")[-1].metrics["gate"] == m["gate"]
+    assert open_db(store, db_url).rounds(task="koch")[-1].metrics["gate"] == m["gate"]
+    assert (store / "metadata.db").exists() is (db_url is None)  # a round on PostgreSQL writes nothing beside
 
 
-def test_an_awr_round_on_teleoperated_data_fails_naming_the_reason(koch, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "koch_db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
+def test_an_awr_round_on_teleoperated_data_fails_naming_the_reason(koch_db, tmp_path: Path) -> None:
     """A LeRobot recording is all teleoperation (intervention segments): AWR has no autonomous frames to
     weight, and the round says so (recorded as failed) rather than training on nothing."""
-    from fleet.db import MetadataDB
+    from vla_rl.cli.common import open_db
     from vla_rl.rounds import RoundConfig, start_round
     from vla_rl.train.algorithms import make_config
 
-    store, base = koch
+    store, base, db_url = koch_db
     train = make_config(
-        "awr", base=str(base), store=store, out=tmp_path / "r", steps=5, value_steps=5, batch_size=16
+        "awr",
+        base=str(base),
+        store=store,
+        out=tmp_path / "r",
+        db_url=db_url,
+        steps=5,
+        value_steps=5,
+        batch_size=16,
     )
     train.progress = False
     with pytest.raises(ValueError, match="no autonomous frames"):
         start_round(RoundConfig(train=train, push=False, eval_episodes=50))
-    last = MetadataDB.for_store(store).rounds()[-1]
+    last = open_db(store, db_url).rounds()[-1]
     assert last.status == "failed" and "no autonomous frames" in (last.error or "")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_lerobot_io import EPISODE_LEN, KOCH_TASKS, record_style_dataset
+from test_lerobot_io import EPISODE_LEN, KOCH_TASKS, import_into, record_style_dataset
 
 from fleet.store import EpisodeStore
 from server.client import PolicyClient
@@ -22,15 +22,20 @@ from vla_rl.hub.server import HubServer
 TOKEN = "real-data-token"
 
 
+@pytest.mark.parametrize(
+    "store_db_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
+)
 def test_a_lerobot_dataset_becomes_a_served_versioned_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_server: Callable[..., str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_server: Callable[..., str], store_db_url: str | None
 ) -> None:
     for k in ("HF_ENDPOINT", "HF_TOKEN", "VLA_RL_HUB", "VLA_RL_HUB_TOKEN"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # LeRobot writes the dataset locally
     dataset, store = tmp_path / "koch", tmp_path / "store"
     record_style_dataset(dataset)
-    assert main(["store", "import-lerobot", str(dataset), str(store)]) == 0  # 1. import
+    db = ["--db", store_db_url] if store_db_url else []
+    assert main(["store", "import-lerobot", str(dataset), str(store), *db]) == 0  # 1. import
+    assert (store / "metadata.db").exists() is (store_db_url is None)
     episodes = [EpisodeStore(store).read_episode(e) for e in EpisodeStore(store).episode_ids()]
     assert {ep.meta.task for ep in episodes} == {"koch"}  # the robot type: no simulator task involved
     assert {ep.meta.instruction for ep in episodes} == set(KOCH_TASKS)
@@ -52,6 +57,7 @@ def test_a_lerobot_dataset_becomes_a_served_versioned_checkpoint(
             "16",
         ]
         train += ["--chunk-len", "4", "--n-exec", "2", "--d-model", "32", "--no-progress"]
+        train += ["--db-url", store_db_url] if store_db_url else []
         assert main(["--hub", hub.url, *train]) == 0  # 2. train
         push = ["hub", "push", str(out / "checkpoints" / "last"), "--repo", "fleet/koch", "--tag", "v1"]
         assert main(["--hub", hub.url, *push]) == 0  # 3. push
@@ -81,14 +87,13 @@ DAGGER = [8 <= i < 14 for i in range(EPISODE_LEN)]
 
 def _imported(tmp: Path, intervention: list[bool] | None) -> tuple[Path, Path]:
     """A LeRobot dataset (LeRobot's own API) imported into a store, and a short SFT base on it."""
-    from fleet.lerobot_io import import_lerobot
     from vla_rl.train.sft import SFTConfig, train_sft
 
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HOME", str(tmp / "hf"))
     try:
         record_style_dataset(tmp / "lerobot", intervention=intervention)
-        import_lerobot(tmp / "lerobot", EpisodeStore(tmp / "store", create=True))
+        import_into(tmp / "lerobot", tmp / "store")
     finally:
         mp.undo()
     cfg = SFTConfig(
@@ -117,6 +122,53 @@ def dagger(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _imported(tmp_path_factory.mktemp("dagger"), DAGGER)
 
 
+def _on_postgresql(imported: tuple[Path, Path], pg: Any, tmp: Path) -> tuple[Path, Path, str]:
+    """``imported``'s dataset imported again into a store whose metadata DB is a new PostgreSQL database
+    (episodes and labels recorded there); the same base."""
+    store, base = imported
+    url = pg.create_database()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", str(tmp / "hf"))
+    try:
+        return import_into(store.parent / "lerobot", tmp / "store", url), base, url
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def teleop_pg(
+    teleop: tuple[Path, Path], pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, str]:
+    return _on_postgresql(teleop, pg, tmp_path_factory.mktemp("teleop-pg"))
+
+
+@pytest.fixture(scope="module")
+def dagger_pg(
+    dagger: tuple[Path, Path], pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, str]:
+    return _on_postgresql(dagger, pg, tmp_path_factory.mktemp("dagger-pg"))
+
+
+def _data(request: pytest.FixtureRequest, name: str) -> tuple[Path, Path, str | None]:
+    """(store, base, DB URL) of fixture ``name`` on ``request.param``'s backend (None: the store's SQLite)."""
+    if request.param == "sqlite":
+        return (*request.getfixturevalue(name), None)
+    return request.getfixturevalue(f"{name}_pg")
+
+
+PG_SLOW = ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=PG_SLOW)
+def dagger_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
+    return _data(request, "dagger")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def teleop_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
+    return _data(request, "teleop")
+
+
 def _check_offline_round(rec: Any, store: Path, algo: str) -> None:
     """An offline round on imported data: gated on the held-out action MSE, the held-out episode never
     trained on, the candidate a checkpoint of ``algo`` that the gate's numbers describe."""
@@ -134,12 +186,14 @@ def _check_offline_round(rec: Any, store: Path, algo: str) -> None:
     assert info.metrics["offline_action_mse"] == pytest.approx(m["action_mse"])
 
 
-def test_a_recap_round_on_an_imported_dagger_recording(dagger: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_recap_round_on_an_imported_dagger_recording(dagger_db: Any, tmp_path: Path) -> None:
     from vla_rl.rounds import RoundConfig, start_round
     from vla_rl.train.algorithms import make_config
 
-    store, base = dagger
-    train = make_config("recap", base=str(base), store=store, out=tmp_path, steps=10, value_steps=10)
+    store, base, db_url = dagger_db
+    train = make_config(
+        "recap", base=str(base), store=store, out=tmp_path, db_url=db_url, steps=10, value_steps=10
+    )
     train.batch_size, train.progress = 16, False
     rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0))
     _check_offline_round(rec, store, "recap")
@@ -148,45 +202,47 @@ def test_a_recap_round_on_an_imported_dagger_recording(dagger: tuple[Path, Path]
 
 
 def test_a_qam_round_on_imported_teleoperation_through_the_cli(
-    teleop: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    teleop_db: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """QAM learns its critic from any frames, so it runs on pure teleoperation, offline only (the knobs
     that need a simulator are refused naming the field); `round list` shows the gate's metric."""
-    from fleet.db import MetadataDB
+    from vla_rl.cli.common import open_db
 
-    store, base = teleop
+    store, base, db_url = teleop_db
     argv = ["round", "start", "--algo", "qam", "--base", str(base), "--store", str(store), "--no-push"]
+    argv += ["--db-url", db_url] if db_url else []
     argv += ["--out", str(tmp_path), "--no-progress", "--margin", "0", "--offline-steps", "6"]
     argv += ["--critic-mc-steps", "0", "--critic-warmup", "2", "--batch-size", "8", "--members", "2"]
     argv += ["--critic-hidden", "16", "16", "--flow-steps", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    rec = MetadataDB.for_store(store).rounds(task="koch")[-1]
+    rec = open_db(store, db_url).rounds(task="koch")[-1]
     _check_offline_round(rec, store, "qam")
     assert "gate: offline action MSE" in out and "action MSE" in out.splitlines()[-2]
-    assert main(["round", "list", "--store", str(store)]) == 0
+    assert main(["round", "list", "--store", str(store), *(["--db", db_url] if db_url else [])]) == 0
     assert f"action MSE {rec.metrics['action_mse']:.4f}" in capsys.readouterr().out
     # online steps need a simulator: refused before training, naming the knob
     assert main([*argv, "--env-steps", "10"]) == 2
     assert "env_steps" in capsys.readouterr().err
 
 
-def test_a_recap_round_refuses_pure_teleoperation_naming_the_reason(
-    teleop: tuple[Path, Path], tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("teleop_db", PG_SLOW, indirect=True)
+def test_a_recap_round_refuses_pure_teleoperation_naming_the_reason(teleop_db: Any, tmp_path: Path) -> None:
     """RECAP (as AWR, tests/test_offline_eval.py) weighs the policy's own actions: a teleoperated-only
     recording has none, and the round says so (recorded as failed) and names what works on it, rather
     than training on nothing."""
-    from fleet.db import MetadataDB
+    from vla_rl.cli.common import open_db
     from vla_rl.rounds import RoundConfig, start_round
     from vla_rl.train.algorithms import make_config
 
-    store, base = teleop
-    train = make_config("recap", base=str(base), store=store, out=tmp_path, steps=5, value_steps=5)
+    store, base, db_url = teleop_db
+    train = make_config(
+        "recap", base=str(base), store=store, out=tmp_path, db_url=db_url, steps=5, value_steps=5
+    )
     train.batch_size, train.progress = 16, False
     with pytest.raises(ValueError, match=r"no autonomous frames.*train sft"):
         start_round(RoundConfig(train=train, push=False, eval_episodes=50))
-    last = MetadataDB.for_store(store).rounds()[-1]
+    last = open_db(store, db_url).rounds()[-1]
     assert last.status == "failed" and "no autonomous frames" in (last.error or "")
 
 

@@ -14,23 +14,40 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
-from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
+from vla_rl.cli.common import open_db
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 ROBOTS, EPISODES = 2, 2
 
 
-def _up(work: Path, rounds: int) -> list[str]:
+def _up(work: Path, rounds: int, db: str | None) -> list[str]:
     return [
         *CLI, "up", "--task", "kinematic/Reach-v0", "--robots", str(ROBOTS), "--episodes", str(EPISODES),
         "--rounds", str(rounds), "--base-demos", "4", "--base-steps", "20", "--base-preset", "kinematic-sft",
         "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress",
+        *(["--db", db] if db else []),
     ]  # fmt: skip
+
+
+def _verify(work: Path, db: str | None) -> subprocess.CompletedProcess[str]:
+    """`vla-rl store verify` of the workdir's store against its metadata DB."""
+    cmd = [*CLI, "store", "verify", str(work / "store"), *(["--db", db] if db else [])]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _ensure_rounds(work: Path, db: str | None, n: int) -> None:
+    """Set-up for a test that goes on from an earlier one's workdir (when run alone, e.g. -m slow): a
+    run of ``n`` rounds, unless the workdir holds them already."""
+    done = len(open_db(work / "store", db).rounds()) if (work / "up.json").exists() else 0
+    if done < n:
+        r = subprocess.run(_up(work, n, db), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def _fleet_episodes(work: Path) -> int:
@@ -47,8 +64,21 @@ def _wait(pred: object, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def up_db(request: pytest.FixtureRequest) -> str | None:
+    """The loop's metadata DB: None = the store's SQLite (no --db), or a PostgreSQL database (--db URL)."""
+    return None if request.param == "sqlite" else request.getfixturevalue("pg").create_database()
+
+
+# the PostgreSQL run of the tests that go on from the first one's workdir: in the slow suite only (each
+# `vla-rl up` of them costs a minute or more); the first, the loop itself, runs on both in CI
+PG_SLOW = pytest.mark.parametrize(
+    "up_db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True, scope="module"
+)
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def work(tmp_path_factory: pytest.TempPathFactory, up_db: str | None) -> Path:
     return tmp_path_factory.mktemp("up")
 
 
@@ -69,10 +99,13 @@ def _dashboard_lists_episodes(work: Path) -> bool:
         return False
 
 
-def test_up_runs_rounds_and_prints_a_row_per_round(work: Path) -> None:
-    out_path, err_path = work.parent / "up1.out", work.parent / "up1.err"  # files: a full pipe would block up
+def test_up_runs_rounds_and_prints_a_row_per_round(work: Path, up_db: str | None) -> None:
+    out_path, err_path = (
+        work.parent / f"{work.name}.out",
+        work.parent / f"{work.name}.err",
+    )  # a full pipe blocks up
     with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(_up(work, rounds=1), stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(_up(work, 1, up_db), stdout=out, stderr=err, text=True)
         dashboard_seen = False
         try:
             end = time.monotonic() + 600
@@ -90,17 +123,43 @@ def test_up_runs_rounds_and_prints_a_row_per_round(work: Path) -> None:
     assert "[base] training SFT" in r.stdout and "registry   http://127.0.0.1:" in r.stdout
     assert "stop with Ctrl-C" in r.stdout and "round 1: awr" in r.stdout
     assert "autonomous success (95% CI)" in r.stdout  # the final table
-    db = MetadataDB.for_store(work / "store")
+    db = open_db(work / "store", up_db)
     (rec,) = db.rounds()
     assert rec.status == "succeeded" and rec.checkpoint_ref == "hub://up/policy@round-1"
     row = json.loads((work / "rounds.jsonl").read_text().splitlines()[-1])
     assert row["fleet"]["episodes"] == ROBOTS * EPISODES and row["fleet"]["frames"] > 0
     assert 0.0 <= row["fleet"]["intervention_rate"] <= 1.0 and row["success"] is not None
     assert _fleet_episodes(work) == ROBOTS * EPISODES
+    # every fleet episode and the demos reached the loop's DB (collector) and nothing else was opened
+    assert len(db.episodes()) == len(EpisodeStore(work / "store").episode_ids())
+    assert (work / "store" / "metadata.db").exists() is (up_db is None)
+    assert _verify(work, up_db).returncode == 0
 
 
-def test_up_resumes_and_rides_through_a_killed_collector(work: Path) -> None:
-    proc = subprocess.Popen(_up(work, rounds=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_a_resumed_run_must_name_the_same_db(
+    work: Path, up_db: str | None, pg: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The workdir's episodes, rounds and labels are in its DB: a run naming another one is refused
+    before anything starts (exit 2, one line naming the recorded DB). In this process: it is refused
+    before any child would start."""
+    from vla_rl.cli import main
+
+    _ensure_rounds(work, up_db, 1)
+    other = None if up_db else pg.url("elsewhere")
+    before = (work / "up.json").read_text()
+    assert main(_up(work, 5, other)[len(CLI) :]) == 2
+    err = capsys.readouterr().err
+    recorded = json.loads(before)["db"]
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "db: this workdir's earlier run used the metadata DB" in err and recorded in err
+    assert (work / "up.json").read_text() == before  # nothing rewritten
+    assert recorded == (up_db or f"sqlite:///{(work / 'store').resolve() / 'metadata.db'}")
+
+
+@PG_SLOW
+def test_up_resumes_and_rides_through_a_killed_collector(work: Path, up_db: str | None) -> None:
+    _ensure_rounds(work, up_db, 1)
+    proc = subprocess.Popen(_up(work, 2, up_db), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # once round 2's fleet is running, SIGKILL the collector under it
         _wait(lambda: (work / "logs" / "fleet-round-2.log").exists(), 300, "round 2's fleet")
@@ -114,15 +173,17 @@ def test_up_resumes_and_rides_through_a_killed_collector(work: Path) -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "[base]" not in out, "the base is cached: a second run does not train it again"
     assert "supervisor: collector exited with code -9; restarting it" in out
-    db = MetadataDB.for_store(work / "store")
+    db = open_db(work / "store", up_db)
     assert [r.id for r in db.rounds()] == [1, 2] and db.rounds()[-1].status == "succeeded"
     assert _fleet_episodes(work) == 2 * ROBOTS * EPISODES  # every episode once, none lost, none twice
-    v = subprocess.run([*CLI, "store", "verify", str(work / "store")], capture_output=True, text=True)
+    v = _verify(work, up_db)
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_ctrl_c_stops_everything_within_10_s(work: Path) -> None:
-    proc = subprocess.Popen(_up(work, rounds=3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@PG_SLOW
+def test_ctrl_c_stops_everything_within_10_s(work: Path, up_db: str | None) -> None:
+    _ensure_rounds(work, up_db, 2)
+    proc = subprocess.Popen(_up(work, 3, up_db), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait(lambda: (work / "logs" / "fleet-round-3.log").exists(), 300, "round 3's fleet")
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -137,5 +198,5 @@ def test_ctrl_c_stops_everything_within_10_s(work: Path) -> None:
     assert stopped_in <= 10.0, (stopped_in, out[-2000:])
     gone = psutil.wait_procs(children, timeout=5)[1]
     assert not gone, f"still running after Ctrl-C: {[p.cmdline() for p in gone]}"
-    v = subprocess.run([*CLI, "store", "verify", str(work / "store")], capture_output=True, text=True)
+    v = _verify(work, up_db)
     assert v.returncode == 0, v.stdout + v.stderr  # nothing half-written

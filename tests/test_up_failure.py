@@ -19,33 +19,55 @@ from pathlib import Path
 
 import pytest
 
-from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from vla_rl.up import DASHBOARD_PORT, Ports, Supervisor, _port_free, dashboard_argv, dashboard_flags
+from vla_rl.cli.common import open_db
+from vla_rl.up import (
+    DASHBOARD_PORT,
+    Ports,
+    Supervisor,
+    _port_free,
+    dashboard_argv,
+    dashboard_flags,
+    split_db_password,
+    workdir_db,
+)
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 ROBOTS, EPISODES = 2, 2
 
 
-def _up(work: Path, rounds: int, *extra: str) -> list[str]:
+def _up(work: Path, rounds: int, db: str | None, *extra: str) -> list[str]:
     return [
         *CLI, "up", "--task", "kinematic/Reach-v0", "--robots", str(ROBOTS), "--episodes", str(EPISODES),
         "--rounds", str(rounds), "--base-demos", "4", "--base-steps", "20", "--base-preset", "kinematic-sft",
-        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress", *extra,
+        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress",
+        *(["--db", db] if db else []), *extra,
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
+def up_db(request: pytest.FixtureRequest) -> str | None:
+    """The loop's metadata DB: None = the store's SQLite (no --db), or a PostgreSQL database (--db URL).
+    PostgreSQL in the slow suite only: its run costs ~2 min, and `up --db` is run on PostgreSQL in CI by
+    tests/test_up.py (a failed round's row on PostgreSQL: tests/test_round_jobs.py)."""
+    return None if request.param == "sqlite" else request.getfixturevalue("pg").create_database()
+
+
 @pytest.fixture(scope="module")
-def failed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def failed(tmp_path_factory: pytest.TempPathFactory, up_db: str | None) -> tuple[Path, str]:
     """A workdir whose two rounds failed, and the commit prod (the base) points at."""
     work = tmp_path_factory.mktemp("up-fail")
-    r = subprocess.run(_up(work, 2, "--data", "robot=nobody"), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        _up(work, 2, up_db, "--data", "robot=nobody"), capture_output=True, text=True, timeout=600
+    )
     (work / "out.txt").write_text(r.stdout + r.stderr + f"\nrc={r.returncode}\n")
     rows = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()] if r.stdout else []
     return work, rows[0]["prod_revision"] if rows else ""
 
 
-def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(failed: tuple[Path, str]) -> None:
+def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(
+    failed: tuple[Path, str], up_db: str | None
+) -> None:
     work, base_commit = failed
     out = (work / "out.txt").read_text()
     assert out.rstrip().endswith("rc=1"), out[-4000:]  # a failed round: exit 1, not a traceback
@@ -53,7 +75,7 @@ def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(failed: tupl
     assert "round 1: awr failed: ValueError: no closed episodes" in out
     assert "round 2: awr failed" in out, "the loop goes on after a failed round"
     assert "round 1 failed, prod unchanged: ValueError: no closed episodes" in out  # under the table
-    db = MetadataDB.for_store(work / "store")
+    db = open_db(work / "store", up_db)
     assert [(x.id, x.status, x.promoted) for x in db.rounds()] == [(1, "failed", False), (2, "failed", False)]
     assert all("no closed episodes" in (x.error or "") and x.checkpoint_ref is None for x in db.rounds())
     rows = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()]
@@ -64,17 +86,19 @@ def test_a_failed_round_is_recorded_prod_stays_and_the_loop_goes_on(failed: tupl
         mode = stat.S_IMODE((work / "secrets" / name).stat().st_mode)
         assert mode == 0o600, (name, oct(mode))
     # run again with the same bound: nothing to do, and it says how to run more
-    r = subprocess.run(_up(work, 2), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(_up(work, 2, up_db), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "already holds 2 rounds" in r.stdout and "--rounds 4" in r.stdout, r.stdout
-    assert len(MetadataDB.for_store(work / "store").rounds()) == 2
+    assert len(open_db(work / "store", up_db).rounds()) == 2
 
 
 @pytest.mark.slow
-def test_after_failed_rounds_the_next_round_trains_from_the_untouched_prod(failed: tuple[Path, str]) -> None:
+def test_after_failed_rounds_the_next_round_trains_from_the_untouched_prod(
+    failed: tuple[Path, str], up_db: str | None
+) -> None:
     work, base_commit = failed
-    r = subprocess.run(_up(work, 3), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_up(work, 3, up_db), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (rec,) = [x for x in MetadataDB.for_store(work / "store").rounds() if x.id == 3]
+    (rec,) = [x for x in open_db(work / "store", up_db).rounds() if x.id == 3]
     assert rec.status == "succeeded" and rec.checkpoint_ref == "hub://up/policy@round-3"
     assert rec.base_revision == base_commit, "prod was still the base when round 3 started"
     store = EpisodeStore(work / "store")
@@ -131,6 +155,31 @@ def test_the_dashboard_child_follows_the_cli_command_table() -> None:
         full[full.index("--host") + 1] == "127.0.0.1" and full[full.index("--collector") + 1] == "127.0.0.1:3"
     )
     assert not any("token" in w for w in full), "the token goes through the environment, never argv"
+    assert "--db" not in full  # None: the dashboard's default, the store's SQLite
+    url = "postgresql://u@h/d"
+    with_db = dashboard_argv({"--store", "--db"}, Path("s"), "http://h", ports, db=url)
+    assert with_db[with_db.index("--db") + 1] == url
+
+
+def test_the_db_password_goes_to_children_through_the_environment(tmp_path: Path) -> None:
+    """`up --db` hands its children the URL without the password and PGPASSWORD (libpq's) instead; a
+    workdir's DB is the one its first run recorded (password hidden)."""
+    assert split_db_password("postgresql://ana:s%40cret@db:5432/vla") == (
+        "postgresql://ana@db:5432/vla",
+        {"PGPASSWORD": "s@cret"},
+    )
+    for kept in ("postgresql://ana@db/vla", f"sqlite:///{tmp_path}/m.db"):
+        assert split_db_password(kept) == (kept, {})
+    store = tmp_path / "store"
+    sqlite = f"sqlite:///{store.absolute() / 'metadata.db'}"
+    assert workdir_db(None, None, store) == sqlite
+    assert workdir_db("postgresql://ana:pw@db/vla", "postgresql://ana:***@db/vla", store).endswith(
+        ":pw@db/vla"
+    )
+    with pytest.raises(ValueError, match=r"^db: this workdir's earlier run used the metadata DB sqlite:///"):
+        workdir_db("postgresql://ana@db/vla", sqlite, store)
+    with pytest.raises(ValueError, match=r"^db: expected an SQLAlchemy URL"):
+        workdir_db("not a url", None, store)
 
 
 def test_ports_are_kept_across_runs_and_the_dashboard_prefers_its_usual_port(tmp_path: Path) -> None:

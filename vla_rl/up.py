@@ -101,6 +101,9 @@ class UpConfig:
     """Give up waiting for one round after this long (the loop stops with an error)."""
     dashboard: bool = True
     """Start `vla-rl dashboard` as one of the children, where this install has that command."""
+    db: str | None = None
+    """Metadata DB URL (e.g. postgresql://host/vla_rl) that the collector, worker, rounds and dashboard
+    share; None = the SQLite file in <workdir>/store. A resumed run must name the same DB."""
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -118,6 +121,8 @@ class UpConfig:
             raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s: expected > 0 seconds, got {self.round_timeout_s}")
+        if self.db is not None and not self.db.strip():
+            raise ValueError("db: expected a metadata DB URL (e.g. postgresql://host/vla_rl), got ''")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -312,6 +317,49 @@ def _secret(path: Path) -> str:
     return read_secret_file(path)
 
 
+def shown_db_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (what up.json records and messages show)."""
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def split_db_password(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without its password, and the environment that carries it instead (``PGPASSWORD``, which
+    libpq reads): children get the DB on their command line, and a password never belongs in argv (nor
+    in the round configs the DB records). A URL without a password, or not PostgreSQL, is kept."""
+    from sqlalchemy import URL, make_url
+
+    u = make_url(url)
+    if u.password is None or u.get_backend_name() != "postgresql":
+        return url, {}
+    bare = URL.create(u.drivername, u.username, None, u.host, u.port, u.database, u.query)
+    return bare.render_as_string(hide_password=False), {"PGPASSWORD": str(u.password)}
+
+
+def workdir_db(given: str | None, recorded: str | None, store: Path) -> str:
+    """The metadata DB URL of this run: ``given`` (--db), else the SQLite file in ``store``. A workdir
+    whose earlier run recorded (password hidden) another DB is refused: its episodes, rounds and labels
+    are there, a run against another DB would start over inside the same store and registry."""
+    from sqlalchemy.exc import ArgumentError
+
+    from fleet.db import default_url
+
+    url = given or default_url(store)
+    try:
+        shown = shown_db_url(url)
+    except ArgumentError as e:  # not a URL at all
+        raise ValueError(
+            f"db: expected an SQLAlchemy URL (e.g. postgresql://host/vla_rl), got {url!r}"
+        ) from e
+    if recorded is not None and recorded != shown:
+        raise ValueError(
+            f"db: this workdir's earlier run used the metadata DB {recorded}, not {shown}: resume with "
+            f"--db {recorded} (its password too), or start over in another --workdir"
+        )
+    return url
+
+
 DASHBOARD_PORT = 8780  # `vla-rl dashboard`'s own default; another free port when it is taken
 
 
@@ -340,11 +388,13 @@ def dashboard_argv(
     ports: Ports,
     repo: str | None = None,
     workdir: Path | None = None,
+    db: str | None = None,
 ) -> list[str]:
     """The dashboard child's command line: the documented flags (docs/dashboard.md) that this install's
     `vla-rl dashboard` has. Its operator token goes through the environment (VLA_RL_DASHBOARD_TOKEN)."""
     wanted = [
         ("--store", str(store)),
+        ("--db", db),
         ("--hub", hub_url),
         ("--server", f"127.0.0.1:{ports.server}"),
         ("--collector", f"127.0.0.1:{ports.collector}"),
@@ -417,7 +467,7 @@ def _pct(x: float | None) -> str:
 
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     """Run the loop; returns one row per round run by this call (also printed)."""
-    from fleet.db import MetadataDB
+    from fleet.db import MetadataDB, default_url
     from vla_rl.hub.registry import configure_hub, resolve
     from vla_rl.rounds import RoundConfig, queue_round
     from vla_rl.train.algorithms import make_config
@@ -428,19 +478,27 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     work = cfg.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "up.json"
+    store = work / "store"
+    old = json.loads(state_path.read_text()) if state_path.exists() else {}
+    # a workdir of a run before --db existed (no "db" key) used the store's SQLite
+    recorded = old.get("db", shown_db_url(default_url(store)) if old else None)
+    db_url = workdir_db(cfg.db, recorded, store)
+    store.mkdir(exist_ok=True)  # the default SQLite file lives in it
     ports = Ports.load_or_pick(state_path)
-    state_path.write_text(json.dumps({"ports": vars(ports), "repo": cfg.repo, "task": cfg.task}, indent=2))
+    state = {"ports": vars(ports), "repo": cfg.repo, "task": cfg.task, "db": shown_db_url(db_url)}
+    state_path.write_text(json.dumps(state, indent=2))
     tokens = {k: _secret(work / "secrets" / k) for k in ("hub", "collector", "server", "dashboard")}
     hub_url = f"http://127.0.0.1:{ports.hub}"
+    db_url, db_env = split_db_password(db_url)  # the password goes through the environment
     env = {
         "VLA_RL_HUB": hub_url,
         "VLA_RL_HUB_TOKEN": tokens["hub"],
         "VLA_RL_COLLECTOR_TOKEN": tokens["collector"],
         "VLA_RL_SERVER_TOKEN": tokens["server"],
+        **db_env,
     }
     os.environ.update(env)
     configure_hub(hub_url, tokens["hub"])
-    store = work / "store"
     sup = Supervisor(work / "logs")
     rows: list[dict[str, Any]] = []
     try:
@@ -451,8 +509,9 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             env,
         )
         prod = f"hub://{cfg.repo}@prod"
-        _seed_base(cfg, work, store, prod)
-        done = len(MetadataDB.for_store(store).rounds())
+        _seed_base(cfg, work, store, prod, db_url)
+        db = MetadataDB(db_url)
+        done = len(db.rounds())
         if done >= cfg.rounds:
             print(
                 f"vla-rl up: {cfg.workdir} already holds {done} rounds (--rounds {cfg.rounds} counts them): "
@@ -473,7 +532,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             f"vla-rl up: {cfg.robots} robots on {cfg.task}, {cfg.rounds} rounds of {cfg.algo if not cfg.preset else cfg.preset}\n"
             f"  registry   {hub_url}   policy server 127.0.0.1:{ports.server}   collector 127.0.0.1:{ports.collector}\n"
             f"  dashboard  {dash}\n"
-            f"  store      {store}   logs {work / 'logs'}\n"
+            f"  store      {store}   db {shown_db_url(db_url)}   logs {work / 'logs'}\n"
             "  stop with Ctrl-C (everything stops within seconds; run the same command again to resume)",
             flush=True,
         )
@@ -496,7 +555,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         sup.start(
             "collector",
-            [*CLI, "collect", "--store", str(store), "--port", str(ports.collector)],
+            [*CLI, "collect", "--store", str(store), "--db", db_url, "--port", str(ports.collector)],
             _tcp_ready(ports.collector),
             env,
         )
@@ -508,6 +567,8 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 "worker",
                 "--store",
                 str(store),
+                "--db-url",
+                db_url,
                 "--poll-s",
                 "1",
                 "--heartbeat-s",
@@ -520,14 +581,15 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         if flags is not None and not sup.start(
             "dashboard",
-            dashboard_argv(flags, store, hub_url, ports, repo=cfg.repo, workdir=work / "dashboard"),
+            dashboard_argv(
+                flags, store, hub_url, ports, repo=cfg.repo, workdir=work / "dashboard", db=db_url
+            ),
             _http_ready(f"{dashboard_url}/api/v1/health"),
             env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
             timeout_s=60,
             required=False,
         ):
             print(f"  dashboard  did not start; see {work / 'logs' / 'dashboard.log'}", flush=True)
-        db = MetadataDB.for_store(store)
         table_rows: list[list[object]] = []
         with sup.watching():
             while len(db.rounds()) < cfg.rounds:
@@ -567,6 +629,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     "base": prod,
                     "store": store,
                     "out": work / "rounds",
+                    "db_url": db_url,
                     "seed": cfg.seed + n,
                     "progress": False,
                     "threads": 1,
@@ -659,7 +722,7 @@ HEADER = [
 ]
 
 
-def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str) -> None:
+def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) -> None:
     """The deliberately weak base: SFT on a few noisy demos, pushed as ``base`` and ``prod`` (once)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
@@ -675,7 +738,7 @@ def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str) -> None:
         return  # an earlier run seeded it
     except (RepositoryNotFoundError, RevisionNotFoundError):
         pass
-    db = MetadataDB.for_store(store)
+    db = MetadataDB(db_url)
     s = EpisodeStore(store, create=True, db=db)
     if not any(s.read_metadata(e).robot_id.startswith("demo-") for e in s.episode_ids()):
         print(
@@ -695,6 +758,7 @@ def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str) -> None:
     values = {
         "store": store,
         "out": work / "base",
+        "db_url": db_url,
         "task": cfg.task,
         "seed": cfg.seed,
         "progress": cfg.progress,

@@ -245,12 +245,14 @@ class StoreExportLerobot:
     """Only this task's episodes."""
     videos: bool = True
     """Encode cameras as AV1 video, as LeRobot does (--no-videos: lossless PNG images, much bigger)."""
+    db: str | None = None
+    """Metadata DB URL whose labels travel with the data; None = the SQLite file inside the store."""
 
 
 def store_export_lerobot(a: StoreExportLerobot) -> int:
     from fleet.lerobot_io import export_lerobot
 
-    store, _db = open_store(a.path)
+    store, _db = open_store(a.path, db_url=a.db)
     with user_errors(FileExistsError, ValueError, prefix="store export-lerobot: "):
         out = export_lerobot(store, a.out, a.repo_id, task=a.task, use_videos=a.videos)
     print(
@@ -284,6 +286,8 @@ class StoreImportLerobot:
     camera_codec: str = "lossless"
     """Camera codec in the store: lossless (zstd: every decoded pixel kept), jpeg or jpeg:QUALITY (1-100;
     5x smaller at 90, 11x at 60), per camera CAMERA=CODEC, comma-separated (e.g. jpeg:90,wrist=lossless)."""
+    db: str | None = None
+    """Metadata DB URL the episodes and labels are recorded in; None = the SQLite file inside the store."""
 
 
 def store_import_lerobot(a: StoreImportLerobot) -> int:
@@ -298,7 +302,7 @@ def store_import_lerobot(a: StoreImportLerobot) -> int:
             f"{root}: not a LeRobot v3 dataset (no meta/info.json); give the dataset's root folder"
         )
     created = _created_by_opening(a.store)
-    store, db = open_store(a.store, create=True)
+    store, db = open_store(a.store, create=True, db_url=a.db)
     try:
         with user_errors(FileNotFoundError, ValueError, prefix="store import-lerobot: "):
             ids = import_lerobot(
