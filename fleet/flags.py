@@ -169,12 +169,15 @@ def refresh_flags(
     episode_ids: Iterable[str] | None = None,
     th: FlagThresholds = DEFAULT_THRESHOLDS,
     unreadable: set[str] | None = None,
+    pause: Callable[[], object] | None = None,
 ) -> dict[str, list[Flag]]:
     """Compute and store the checks that closed episodes (all, or ``episode_ids``) do not have yet;
     open and unknown episodes are skipped. Returns what it computed. Cached results are kept (a length
     outlier is judged against the task's lengths when it was computed). ``unreadable``: episodes whose
     frames could not be read are added to it and skipped next time (a caller that asks per request
-    passes the same set, so a row without frames costs one warning, not one per request)."""
+    passes the same set, so a row without frames costs one warning, not one per request). ``pause``:
+    called before each episode is read and before the results are written (a background caller waits
+    there while requests are being served)."""
     if episode_ids is not None:  # the common, per-page case: nothing missing -> no table scan
         asked = [e for e in dict.fromkeys(episode_ids) if unreadable is None or e not in unreadable]
         known = db.flags(asked, raised_only=False)
@@ -194,6 +197,8 @@ def refresh_flags(
         missing = [n for n in FLAG_NAMES if n not in have[eid]]
         if not missing:
             continue
+        if pause is not None:
+            pause()
         try:
             ep = store.read_episode(eid, cameras=False)
         except (KeyError, FileNotFoundError, ValueError) as e:
@@ -203,5 +208,7 @@ def refresh_flags(
             continue
         results[eid] = compute_flags(ep, lengths[task_of[eid]], missing, th)
     if results:
+        if pause is not None:
+            pause()
         db.set_flags(results)
     return results

@@ -151,7 +151,15 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     taken = _record(store, _smooth(40), human=(10, 20))
     w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)  # still open: skipped
     opened = w.episode_id
-    got = refresh_flags(store, db, [*normal, idle_ep, long_ep, taken, opened, "no-such-episode"])
+    closed = [*normal, idle_ep, long_ep, taken]
+    assert db.closed_lacking_flags(FLAG_NAMES) == closed[::-1]  # newest first; the open one is not asked
+    assert db.episode_ids() == sorted([*closed, opened])
+    pauses: list[int] = []
+    got = refresh_flags(
+        store, db, [*closed, opened, "no-such-episode"], pause=lambda: pauses.append(len(pauses))
+    )
+    assert len(pauses) == len(closed) + 1  # before each episode read and before the write
+    assert db.closed_lacking_flags(FLAG_NAMES) == [] and db.closed_lacking_flags(["zz"]) == closed[::-1]
     assert set(got) == {*normal, idle_ep, long_ep, taken}
     assert all({f.name for f in fs} == set(FLAG_NAMES) for fs in got.values())
     raised = db.flags([idle_ep, long_ep, taken, normal[0]])
