@@ -148,9 +148,9 @@ def test_startup_sync_serves_requests_meanwhile_and_computes_every_flag(
                 assert before - after <= startup.flag_batch, (before, after)
                 held = True
             assert time.monotonic() < deadline, f"the start-up sync did not finish: {body['sync']}"
-            # polls closer than QUIET_S hold the sync back to a step per MAX_WAIT_S (so the test sees it
-            # running); after the check, quiet gaps let it run on
-            time.sleep(0.6 if held else 0.1)
+            # a lull lets the sync begin (FIRST_QUIET_S); then polls closer than QUIET_S hold it back to a
+            # step per MAX_WAIT_S (so the test sees it running); after the check, quiet gaps let it run
+            time.sleep(0.6 if held else 1.2 if body["sync"]["phase"] == "waiting" else 0.1)
         assert seen_running >= 2 and held, "the sync finished before the test could watch it"
         assert totals == sorted(totals)  # rows only ever appear
         assert slowest < 5.0  # answered while the sync ran (it never waited for the whole sync)

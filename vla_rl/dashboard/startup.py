@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fleet.flags
 from fleet.db import MetadataDB
@@ -50,8 +50,11 @@ of requests with gaps of tens of ms: HTML, modules, API calls)."""
 MAX_WAIT_S = 0.25
 """... or after waiting this long anyway: a dashboard that is never idle (a page buffering an episode's
 frames) still finishes its sync, one short step every quarter second."""
-IMPORT_QUIET_S = 1.0
-"""Warming the imports is one step of seconds: it waits for a longer lull."""
+FIRST_QUIET_S = 1.0
+"""The sync's first step waits for a longer lull (at most 5 s): a just-started dashboard's first page
+(HTML, then its modules, then its API calls) goes first."""
+IMPORT_QUIET_S = 3.0
+"""Warming the imports is one step of seconds (torch): it waits for a longer lull still."""
 RECORD_BATCH = 100
 """Store episodes recorded per DB transaction (~15 ms of commit.json reads, one short write)."""
 FLAG_BATCH = 256
@@ -102,7 +105,10 @@ class RequestGate:
 
 
 class GateRequests:
-    """ASGI middleware: every HTTP request but streaming ones is counted in ``gate`` while it runs."""
+    """ASGI middleware: every HTTP request but streaming ones is counted in ``gate`` while it runs, and
+    its response says how long the server took until it began (``Server-Timing: app;dur=<ms>``, which
+    a browser's resource timing shows: the server's share of a request, apart from the network's and
+    the browser's)."""
 
     def __init__(self, app: ASGIApp, gate: RequestGate) -> None:
         self.app, self.gate = app, gate
@@ -111,9 +117,17 @@ class GateRequests:
         if scope["type"] != "http" or str(scope.get("path", "")).endswith(STREAMING_SUFFIXES):
             await self.app(scope, receive, send)
             return
+        t0 = time.perf_counter()
+
+        async def timed(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                dur = f"app;dur={1000 * (time.perf_counter() - t0):.1f}".encode()
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"server-timing", dur)]}
+            await send(msg)
+
         self.gate.enter()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, timed)
         finally:
             self.gate.leave()
 
@@ -219,7 +233,7 @@ def run_sync(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataD
     gate, progress = startup.gate, startup.progress
     lower_priority()
     try:
-        gate.wait_quiet()
+        gate.wait_quiet(FIRST_QUIET_S, max_wait_s=5.0)
         store, db = store_of(), db_of()
         known = set(db.episode_ids())
         gate.wait_quiet()
@@ -252,10 +266,10 @@ def run_sync(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataD
 
 def warm_imports(gate: RequestGate) -> None:
     """Import what selection counts and round checks need (torch among it: seconds) before the first
-    request that needs it, not during one: after a lull of ``IMPORT_QUIET_S`` with no request."""
+    request that needs it, not during one: after a lull of ``IMPORT_QUIET_S`` with no request (or a
+    minute after start on a dashboard that is never that idle)."""
     lower_priority()
-    while not gate.wait_quiet(IMPORT_QUIET_S, max_wait_s=30.0):
-        pass
+    gate.wait_quiet(IMPORT_QUIET_S, max_wait_s=60.0)
     try:
         import vla_rl.rounds
         import vla_rl.train.transitions  # noqa: F401
