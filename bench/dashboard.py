@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_1min": round(load, 2),
             "uptime_before": uptime_before,
             "uptime_after": uptime_after,
-            "machine": "2 cores shared with other engineers' builds, tests and benchmarks: timings "
+            "machine_note": "2 cores shared with other engineers' builds, tests and benchmarks: timings "
             "vary with their load (see the uptime lines)",
             "list": listing,
             "list_just_started": started,
