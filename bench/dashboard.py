@@ -18,7 +18,15 @@ seek call to both cameras showing the new frame; measured after load (the page h
 whole episode's JPEGs in the background, as a video player buffers), and also 1 s after the first
 frame while it is still buffering (then most seeks wait for the server to read and encode the frame).
 
+(c) The first Episodes page on a just-started dashboard (a new process, its health answered, nothing
+else asked yet) in a fresh browser context, ``--starts`` times: on the store above, which its DB has
+already synced, and on a never-synced store of ``--never-synced`` episodes (copies of the short real
+ones, a new empty DB each start): its start-up sync records every episode and computes their auto-flags
+in the background while the page loads (the page shows what the DB holds so far and a "syncing" note);
+also when the sync had recorded every episode.
+
 Targets (issue 19): list page < 300 ms, first frame < 1 s, seek < 100 ms.
+The machine is shared: ``uptime`` before and after goes into the JSON.
 
     python bench/dashboard.py --out bench/results/dashboard.json
 """
@@ -30,6 +38,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -149,10 +158,43 @@ def bulk_rows(db: MetadataDB, store: EpisodeStore, template_ids: list[str], tota
     return n
 
 
+def clone_episodes(store: EpisodeStore, template_ids: list[str], n: int, prefix: str = "clone") -> list[str]:
+    """``n`` more real episodes in the store, copies of the templates (array files hard-linked, so
+    cheap in time and disk; ``commit.json`` and the group's ``zarr.json`` rewritten with the new id,
+    robot and times): a store of thousands of episodes its DB has never seen, readable like any other.
+    Local stores only. Returns the new ids."""
+    src = {t: store.episodes_dir / t for t in template_ids}
+    metas = {t: json.loads((d / "commit.json").read_text()) for t, d in src.items()}
+    groups = {t: json.loads((d / "zarr.json").read_text()) for t, d in src.items()}
+    now = time.time()
+    ids = []
+    for i in range(n):
+        t = template_ids[i % len(template_ids)]
+        eid, robot = f"{prefix}-{i:05d}", f"arm-{i % 16:02d}"
+        created = now - 172_800 * (i / max(n, 1))
+        dst = store.episodes_dir / eid
+        shutil.copytree(src[t], dst, copy_function=os.link, ignore=shutil.ignore_patterns("*.json"))
+        for sub in src[t].rglob("zarr.json"):  # array metadata: copied (tiny), not shared
+            if sub.parent != src[t]:
+                shutil.copyfile(sub, dst / sub.relative_to(src[t]))
+        group = json.loads(json.dumps(groups[t]))
+        group["attributes"]["vla_rl"] |= {
+            "episode_id": eid,
+            "robot_id": robot,
+            "created": created,
+            "closed": created + 30,
+        }
+        (dst / "zarr.json").write_text(json.dumps(group))
+        meta = metas[t] | {"episode_id": eid, "robot_id": robot, "created": created, "closed": created + 30}
+        (dst / "commit.json").write_text(json.dumps(meta))
+        ids.append(eid)
+    return ids
+
+
 class Dashboard:
     """`vla-rl dashboard` in its own process (a fresh one = cold server caches)."""
 
-    def __init__(self, store: Path, work: Path) -> None:
+    def __init__(self, store: Path, work: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         env = os.environ | {"VLA_RL_DASHBOARD_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
         env.pop("VLA_RL_DASHBOARD_TOKENS_FILE", None)
@@ -160,7 +202,7 @@ class Dashboard:
         work.mkdir(parents=True, exist_ok=True)
         self.log = open(work / f"dashboard-{self.port}.log", "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [*cmd, "--port", str(self.port)],
+            [*cmd, "--port", str(self.port), *extra],
             stdout=self.log,  # a pipe nobody reads would fill up and block the server's logging
             stderr=subprocess.STDOUT,
             text=True,
@@ -245,6 +287,84 @@ def bench_list(browser: Any, url: str, reps: int) -> dict[str, Any]:
         **{f"{k}_ms": round(statistics.median(v), 1) for k, v in changes.items()},
         "in_page_max_ms": round(max(max(v) for v in changes.values()), 1),
     }
+
+
+LIST_WATERFALL = """() => {
+  // where a list page load's time goes: ms since navigation start
+  const r = performance.getEntriesByType("resource");
+  const nav = performance.getEntriesByType("navigation")[0];
+  const api = (p) => r.find((e) => new URL(e.name).pathname === `/api/v1${p}`);
+  const list = api("/episodes");
+  const mods = r.filter((e) => e.name.includes("/static/"));
+  const app = (e) => (e && e.serverTiming ? (e.serverTiming.find((t) => t.name === "app") || {}).duration : null);
+  return {
+    // the server's own time (its Server-Timing header): the rest of a request is network and browser
+    html_server_ms: app(nav),
+    list_server_ms: app(list),
+    html_sent_ms: nav.requestStart,
+    html_done_ms: nav.responseEnd,
+    modules_done_ms: Math.max(...mods.map((e) => e.responseEnd)),
+    dom_content_loaded_ms: nav.domContentLoadedEventEnd,
+    list_sent_ms: list ? list.requestStart : null,
+    list_done_ms: list ? list.responseEnd : null,
+    drawn_ms: window.vlaEpisodesRendered.at,
+  };
+}"""
+
+
+SYNC_DONE = """async () => {
+  const r = await fetch("/api/v1/health");
+  return (await r.json()).sync || null;  // null: a dashboard from before the start-up sync reported it
+}"""
+
+
+def bench_just_started(
+    browser: Any, store: Path, work: Path, reps: int, fresh_db: bool = False
+) -> dict[str, Any]:
+    """The Episodes page in a fresh browser context on a dashboard process that has just started (its
+    health answered, nothing else asked yet), ``reps`` times, each a new process. ``fresh_db``: each
+    start on a new, empty SQLite DB, so the store has never been synced (the start-up sync records
+    every episode and computes its flags in the background meanwhile); then also how long after start
+    the sync had recorded every episode (``records_done_s``)."""
+    loads, rows, notes, totals, records_done, waterfalls = [], [], [], [], [], []
+    for k in range(reps):
+        extra = ("--db", f"sqlite:///{work}/never-synced-{k}.db") if fresh_db else ()
+        t_start = time.monotonic()
+        dash = Dashboard(store, work, extra)
+        try:
+            page = new_page(browser, dash.url)
+            page.goto(f"{dash.url}/episodes")
+            page.wait_for_function("window.vlaEpisodesRendered")
+            r = page.evaluate("window.vlaEpisodesRendered")
+            loads.append(round(r["at"], 1))
+            waterfalls.append(
+                {k: round(v, 1) for k, v in page.evaluate(LIST_WATERFALL).items() if v is not None}
+            )
+            totals.append(r["total"])
+            rows.append(page.locator("table.episodes tbody tr").count())
+            notes.append(" ".join(page.locator(".sync-note").all_text_contents()))
+            if fresh_db:
+                while (sync := page.evaluate(SYNC_DONE)) and sync["phase"] in ("waiting", "records"):
+                    if time.monotonic() - t_start > 600:
+                        raise RuntimeError(f"the start-up sync did not record the store in 600 s: {sync}")
+                    time.sleep(0.5)
+                records_done.append(round(time.monotonic() - t_start, 1))
+            page.context.close()
+        finally:
+            dash.stop()
+        print(f"just started ({'never' if fresh_db else 'already'} synced): {loads[-1]} ms", flush=True)
+    out: dict[str, Any] = {
+        "page_load_ms": loads,
+        "page_load_median_ms": round(statistics.median(loads), 1),
+        "page_load_max_ms": max(loads),
+        "episodes_shown_total": totals,
+        "rows_drawn": rows,
+        "sync_note": notes,
+        "waterfalls": waterfalls,
+    }
+    if fresh_db:
+        out["records_done_s_after_start"] = records_done
+    return out
 
 
 FRAME_TIMING = """(t) => {
@@ -358,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seeks", type=int, default=10, help="seeks per long episode")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each list measurement")
+    ap.add_argument("--starts", type=int, default=3, help="fresh dashboard starts per just-started case")
+    ap.add_argument(
+        "--never-synced",
+        type=int,
+        default=10_000,
+        help="episodes in the never-synced store (copies of the short ones; 0: skip that case)",
+    )
     ap.add_argument(
         "--out", type=Path, default=None, help="results JSON (default bench/results/dashboard.json)"
     )
@@ -369,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from playwright.sync_api import sync_playwright
 
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(uptime_before, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
         root = Path(tmp)
         store = EpisodeStore(root / "store", create=True)
@@ -389,6 +518,17 @@ def main(argv: list[str] | None = None) -> int:
                 listing = bench_list(browser, dash.url, args.reps)
             finally:
                 dash.stop()
+            started = {"already_synced": bench_just_started(browser, store.root, root / "work", args.starts)}
+            if args.never_synced:
+                other = EpisodeStore(root / "never-synced", create=True)
+                t1 = time.perf_counter()
+                for eid in short_ids:  # the templates, then copies of them: no DB has seen any
+                    shutil.copytree(store.episodes_dir / eid, other.episodes_dir / eid)
+                clone_episodes(other, short_ids, args.never_synced - len(short_ids))
+                print(f"never-synced store: {args.never_synced} episodes in {time.perf_counter() - t1:.0f} s")
+                started["never_synced"] = bench_just_started(
+                    browser, other.root, root / "work", args.starts, fresh_db=True
+                ) | {"episodes_in_store": len(other.episode_ids())}
             playback = bench_playback(browser, store.root, root / "work", long_ids, short_ids[0], args.seeks)
             browser.close()
     rows = [
@@ -398,6 +538,29 @@ def main(argv: list[str] | None = None) -> int:
             "< 300",
         ],
         ["episode list page, warm", f"{listing['page_load_warm_ms']}", "< 300"],
+        [
+            f"first list, just-started dashboard, store already synced (median of {args.starts} starts)",
+            f"{started['already_synced']['page_load_median_ms']}",
+            "< 300",
+        ],
+        ["  max of those starts", f"{started['already_synced']['page_load_max_ms']}", "< 300"],
+        *(
+            [
+                [
+                    f"first list, just-started dashboard, never-synced store of {args.never_synced:,} "
+                    f"(median of {args.starts}; rows shown: {started['never_synced']['rows_drawn']})",
+                    f"{started['never_synced']['page_load_median_ms']}",
+                    "",
+                ],
+                [
+                    "  its start-up sync: every store episode recorded (s after start, max)",
+                    f"{max(started['never_synced']['records_done_s_after_start'])}",
+                    "",
+                ],
+            ]
+            if "never_synced" in started
+            else []
+        ),
         ["next page (click -> rows drawn)", f"{listing['next page_ms']}", "< 300"],
         ["sort by length", f"{listing['sort by length_ms']}", "< 300"],
         ["filter outcome", f"{listing['filter outcome_ms']}", "< 300"],
@@ -430,12 +593,18 @@ def main(argv: list[str] | None = None) -> int:
         ],
     ]
     load = os.getloadavg()[0]
+    uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(
         f"{listing['episodes_in_db']:,} episodes in the DB; playback: {playback['episode']}; load average {load:.1f}"
     )
     print(table(rows, ["measure (in the browser)", "ms", "target ms"]))
     ok = {
-        "list": max(listing["page_load_warm_ms"], listing["page_load_first_ms"], listing["in_page_max_ms"])
+        "list": max(
+            listing["page_load_warm_ms"],
+            listing["page_load_first_ms"],
+            listing["in_page_max_ms"],
+            started["already_synced"]["page_load_max_ms"],
+        )
         < TARGETS_MS["list"],
         "first_frame": playback["first_frame_max_ms"] < TARGETS_MS["first_frame"],
         "seek": playback["seek_p95_ms"] < TARGETS_MS["seek"],
@@ -446,7 +615,12 @@ def main(argv: list[str] | None = None) -> int:
             "targets_ms": TARGETS_MS,
             "passed": ok,
             "load_average_1min": round(load, 2),
+            "uptime_before": uptime_before,
+            "uptime_after": uptime_after,
+            "machine_note": "2 cores shared with other engineers' builds, tests and benchmarks: timings "
+            "vary with their load (see the uptime lines)",
             "list": listing,
+            "list_just_started": started,
             "playback": playback,
         },
         args.out,

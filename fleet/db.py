@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -1209,6 +1209,30 @@ class MetadataDB:
             .join(EpisodeRevisionRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
             .where(EpisodeRevisionRow.revision == revision, *_episode_filters(_CALIBRATION_QUERY))
             .order_by(EpisodeRow.created_at, EpisodeRow.id)
+        )
+        with Session(self._reader) as s:
+            return list(s.scalars(q))
+
+    def episode_ids(self) -> list[str]:
+        """Every recorded episode's id (open and closed), sorted: one column, cheap at 10k+ rows."""
+        with Session(self._reader) as s:
+            return list(s.scalars(select(EpisodeRow.id).order_by(EpisodeRow.id)))
+
+    def closed_lacking_flags(self, names: Sequence[str]) -> list[str]:
+        """Ids of closed episodes without a stored result for at least one check in ``names``, newest
+        first: what :func:`fleet.flags.refresh_flags` would compute (one query, no flag rows loaded)."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return []
+        have = (
+            select(func.count())
+            .where(EpisodeFlagRow.episode_id == EpisodeRow.id, EpisodeFlagRow.name.in_(wanted))
+            .scalar_subquery()
+        )
+        q = (
+            select(EpisodeRow.id)
+            .where(EpisodeRow.status == "closed", have < len(wanted))
+            .order_by(EpisodeRow.created_at.desc(), EpisodeRow.id)
         )
         with Session(self._reader) as s:
             return list(s.scalars(q))

@@ -503,6 +503,7 @@ def refresh_flags(
     episode_ids: Iterable[str] | None = None,
     th: FlagThresholds = DEFAULT_THRESHOLDS,
     unreadable: set[str] | None = None,
+    pause: Callable[[], object] | None = None,
 ) -> dict[str, list[Flag]]:
     """Compute and store the checks that closed episodes (all, or ``episode_ids``) do not have yet, and
     the ``high_uncertainty`` results whose revision's calibration has grown (:func:`needs_recalibration`);
@@ -511,7 +512,8 @@ def refresh_flags(
     judged by the episode's scoring revision's calibration (:func:`load_calibration`, built once per call
     and revision). ``unreadable``: episodes whose frames could not be read are added to it and skipped
     next time (a caller that asks per request passes the same set, so a row without frames costs one
-    warning, not one per request)."""
+    warning, not one per request). ``pause``: called before each episode is read and before the results are
+    written (a background caller waits there while requests are being served)."""
     if episode_ids is not None:  # the common, per-page case: nothing to do -> no table scan
         asked = [e for e in dict.fromkeys(episode_ids) if unreadable is None or e not in unreadable]
         if not _to_compute(db, asked, th):
@@ -530,6 +532,8 @@ def refresh_flags(
     for eid in wanted:
         if eid not in todo:
             continue
+        if pause is not None:
+            pause()
         try:
             ep = store.read_episode(eid, cameras=False)
         except (KeyError, FileNotFoundError, ValueError) as e:
@@ -544,5 +548,7 @@ def refresh_flags(
             cal = calibrations[rev]
         results[eid] = compute_flags(ep, lengths[task_of[eid]], todo[eid], th, cal)
     if results:
+        if pause is not None:
+            pause()
         db.set_flags(results)
     return results

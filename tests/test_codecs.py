@@ -204,10 +204,18 @@ def test_dashboard_passes_stored_jpeg_through(tmp_path: Path) -> None:
 
     cams = frames(10)
     store = EpisodeStore(tmp_path / "s", create=True)
-    w = store.create_episode(SPEC, robot_id="r", task="t", chunk_len=8, camera_codec="jpeg:80")
+    w = store.create_episode(SPEC, robot_id="r", task="t", chunk_len=8, camera_codec="jpeg:80,wrist=lossless")
     w.add_frames(batch(cams, 0, 10))
     meta = w.close()
     reader, cache = FrameReader(store), JpegCache()
+    # the public accessor: the stored bytes of a JPEG camera, None for a lossless one or a lower quality
+    assert reader.stored_jpeg(meta, "front", 3) == encode_jpeg(cams["front"][3], 80)
+    assert reader.stored_jpeg(meta, "front", 3, max_quality=50) is None
+    assert reader.stored_jpeg(meta, "wrist", 3) is None
+    with pytest.raises(IndexError, match=r"t: expected a frame in 0\.\.9"):
+        reader.stored_jpeg(meta, "front", 10)
+    np.testing.assert_array_equal(reader.frame(meta, "wrist", 3), cams["wrist"][3])  # lossless: decoded
+    reader = FrameReader(store)
     assert cache.get(reader, meta, "front", 9, 85) == encode_jpeg(cams["front"][9], 80)  # as stored
     assert reader.misses == 0  # no chunk was decoded
     smaller = cache.get(reader, meta, "front", 9, 40)  # asked below the stored quality: re-encoded

@@ -216,7 +216,13 @@ def _dashboard_of(world: FleetWorld) -> Iterator[Dashboard]:
         collector=world.collector.address,
         workdir=world.root / "dashboard",
     )
-    yield from serve_dashboard(cfg)
+    served = serve_dashboard(cfg)
+    d = next(served)
+    # its start-up sync (auto-flags of the world's episodes) done: the list computes flags itself again
+    anon = d.client(None)
+    _wait(lambda: not anon.get("/api/v1/health").json()["sync"]["running"], 60, "the start-up sync")
+    yield d
+    next(served, None)  # stops it
 
 
 @pytest.fixture(scope="module")

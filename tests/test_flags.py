@@ -237,10 +237,16 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     opened = w.episode_id
     # two scored episodes of revision "r" cannot calibrate it: judged by the fixed reference, as asked
     fallback = FlagThresholds(uncertainty_fallback=True)
+    closed = [*normal, idle_ep, long_ep, taken, unsure, calm]
+    assert db.closed_lacking_flags(FLAG_NAMES) == closed[::-1]  # newest first; the open one is not asked
+    assert db.episode_ids() == sorted([*closed, opened])
+    pauses: list[int] = []
     got = refresh_flags(
-        store, db, [*normal, idle_ep, long_ep, taken, unsure, calm, opened, "no-such-episode"], fallback
+        store, db, [*closed, opened, "no-such-episode"], fallback, pause=lambda: pauses.append(len(pauses))
     )
-    assert set(got) == {*normal, idle_ep, long_ep, taken, unsure, calm}
+    assert len(pauses) == len(closed) + 1  # before each episode read and before the write
+    assert db.closed_lacking_flags(FLAG_NAMES) == [] and db.closed_lacking_flags(["zz"]) == closed[::-1]
+    assert set(got) == set(closed)
     assert all({f.name for f in fs} == set(FLAG_NAMES) for fs in got.values())
     raised = db.flags([idle_ep, long_ep, taken, normal[0], unsure, calm])
     assert set(raised[unsure]) == {"high_uncertainty"} and raised[calm] == {}

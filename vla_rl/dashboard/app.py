@@ -30,6 +30,7 @@ from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError, install_handlers
 from vla_rl.dashboard.resources import Resources
+from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports
 
 log = logging.getLogger("vla_rl.dashboard")
 
@@ -150,37 +151,6 @@ def _index_page(version: str, page: str) -> Callable[[], Response]:
     return serve
 
 
-def _warm_imports() -> None:
-    """Import what selection counts and round checks need (torch among it: seconds) before the first
-    request that needs it, not during it."""
-    try:
-        import vla_rl.rounds
-        import vla_rl.train.transitions  # noqa: F401
-    except Exception:  # the request that needs them reports the problem
-        log.warning("warming imports failed", exc_info=True)
-
-
-def _sync(res: Resources) -> None:
-    """On start: record store episodes the DB lacks, then compute missing auto-flags (background)."""
-    try:
-        n = res.sync_db()
-    except ApiError as e:  # store or DB down: health reports it; nothing to sync then
-        log.warning("could not sync the DB with the store", extra={"error": e.message})
-        return
-    except Exception:
-        log.warning("syncing the DB with the store failed", exc_info=True)
-        return
-    if n:
-        log.info("recorded store episodes the metadata DB lacked", extra={"episodes": n})
-    try:
-        flagged = res.refresh_flags()
-    except Exception:
-        log.warning("computing auto-flags failed", exc_info=True)
-        return
-    if flagged:
-        log.info("computed auto-flags", extra={"episodes": flagged})
-
-
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
@@ -199,9 +169,16 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        threading.Thread(target=_warm_imports, name="dashboard-warm-imports", daemon=True).start()
+        startup = ctx.startup
+        threading.Thread(
+            target=warm_imports, args=(startup.gate,), name="dashboard-warm-imports", daemon=True
+        ).start()
         if cfg.sync_db:
-            threading.Thread(target=_sync, args=(res,), name="dashboard-sync-db", daemon=True).start()
+            threading.Thread(
+                target=run_sync, args=(res.store, res.db, startup), name="dashboard-sync-db", daemon=True
+            ).start()
+        else:
+            startup.progress.update(phase="off")
         yield
         res.close()
 
@@ -224,7 +201,12 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     @api.get("/health", summary="store and DB reachability (no token needed)")
     def health() -> dict[str, Any]:
-        return {"store": res.store_health(), "db": res.db_health(), "version": __version__}
+        return {
+            "store": res.store_health(),
+            "db": res.db_health(),
+            "sync": ctx.startup.progress.to_dict(),
+            "version": __version__,
+        }
 
     @api.get("/session", summary="who the token belongs to")
     def session(who: Principal = viewer) -> dict[str, Any]:
@@ -259,4 +241,5 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         )
 
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_kb * 1024)
+    app.add_middleware(GateRequests, gate=ctx.startup.gate)  # outermost: counts a request from its start
     return app

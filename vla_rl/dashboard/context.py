@@ -15,6 +15,7 @@ from vla_rl.dashboard.curves import LiveCurves
 from vla_rl.dashboard.errors import ApiError
 from vla_rl.dashboard.frames import FrameReader, JpegCache, VideoCache
 from vla_rl.dashboard.resources import Resources
+from vla_rl.dashboard.startup import Startup
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Context:
     tokens: TokenTable
     curves: LiveCurves = field(default_factory=LiveCurves)
     jpegs: JpegCache = field(default_factory=JpegCache)
+    startup: Startup = field(default_factory=Startup)
     _reader: FrameReader | None = None
     _video: VideoCache | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -95,6 +95,14 @@ class FrameReader:
         index = t // meta.chunk_len
         return self.chunk(meta, camera, index)[t - index * meta.chunk_len]
 
+    def stored_jpeg(self, meta: EpisodeMeta, camera: str, t: int, max_quality: int = 100) -> bytes | None:
+        """Frame ``t``'s bytes exactly as the store holds them when ``camera`` is stored as JPEG (codec
+        ``vla_rl.jpeg``) at no more than ``max_quality``; else None (a lossless camera, one stored
+        better than asked, an empty row): :func:`fleet.codecs.stored_jpeg` on the cached array."""
+        if not 0 <= t < meta.length:
+            raise IndexError(f"t: expected a frame in 0..{meta.length - 1}, got {t}")
+        return stored_jpeg(self._array(meta.episode_id, camera, t + 1), t, max_quality=max_quality)
+
     def frames(self, meta: EpisodeMeta, camera: str) -> np.ndarray:
         """Every committed frame of ``camera`` (uint8 [T, H, W, 3]), read directly (not through the LRU)."""
         arr = self._array(meta.episode_id, camera, meta.length)
@@ -120,7 +128,7 @@ class JpegCache:
                 return hit
         # A camera stored as JPEG at no more than this quality: its frame's bytes as they are (no decode,
         # no re-encode, no second generation of loss).
-        stored = stored_jpeg(reader._array(meta.episode_id, camera, t + 1), t, max_quality=quality)
+        stored = reader.stored_jpeg(meta, camera, t, max_quality=quality)
         jpeg = stored if stored is not None else encode_jpeg(reader.frame(meta, camera, t), quality)
         with self._lock:
             if key not in self._items:

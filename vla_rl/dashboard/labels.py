@@ -76,7 +76,7 @@ def make_router(ctx: Context) -> APIRouter:
         except ValueError as e:
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
 
-    unreadable: set[str] = set()  # episodes whose frames are not in the store: flagged never, warned once
+    unreadable = ctx.startup.unreadable  # episodes whose frames are not in the store: flagged never
 
     def refresh_flags(ids: list[str]) -> bool:
         """Compute the auto-flags of these closed episodes if they lack them (lazily, cached in the DB)."""
@@ -92,9 +92,13 @@ def make_router(ctx: Context) -> APIRouter:
     def episode_list(request: Request, _: Principal = viewer) -> dict[str, Any]:
         q = query(request.query_params)
         db = ctx.res.db()
+        sync = ctx.startup.progress.to_dict()
         try:
             items, total = db.query_episodes(q)
-            if refresh_flags([i.id for i in items if i.status == "closed"]):
+            # while the start-up sync runs it computes the flags (with every length recorded), in the
+            # background: the page shows what the DB has now instead of waiting for its own
+            lazy = not sync["running"]
+            if lazy and refresh_flags([i.id for i in items if i.status == "closed"]):
                 flags = db.flags([i.id for i in items])
                 out = [
                     i.to_dict() | {"flags": {n: f.to_dict() for n, f in flags[i.id].items()}} for i in items
@@ -103,7 +107,7 @@ def make_router(ctx: Context) -> APIRouter:
                 out = [i.to_dict() for i in items]
         except ValueError as e:  # a round that does not exist
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
-        return {"total": total, "page": q.page, "per_page": q.per_page, "items": out}
+        return {"total": total, "page": q.page, "per_page": q.per_page, "items": out, "sync": sync}
 
     @r.get("/selection/from-filter", summary="the DataSelection an episode-list filter means, and its counts")
     def selection_from_filter(request: Request, _: Principal = viewer) -> dict[str, Any]:

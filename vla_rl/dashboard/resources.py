@@ -8,7 +8,6 @@ A failed open is retried at most every ``retry_s`` seconds, so the dashboard rec
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -131,40 +130,6 @@ class Resources:
         except (DBAPIError, OSError) as e:
             return {"ok": False, "error": self.db_error_message(e), "url": self.db_shown}
         return {"ok": True, "error": None, "url": self.db_shown}
-
-    def sync_db(self) -> int:
-        """Record closed episodes of the store that the DB has no row for; returns how many. Only closed
-        ones: an open episode's writer records it itself (and would race with us)."""
-        from sqlalchemy.exc import IntegrityError
-
-        store, db = self.store(), self.db()
-        known = {e.id for e in db.episodes()}
-        missing = []
-        for eid in store.episode_ids():
-            if eid in known:
-                continue
-            try:
-                meta = store.read_metadata(eid)
-            except (KeyError, ValueError, OSError):
-                continue
-            if meta.is_closed:
-                missing.append(meta)
-        if not missing:
-            return 0
-        try:
-            return db.record_episodes(missing, str(store.root))
-        except IntegrityError:  # someone recorded some meanwhile: one at a time, skipping those
-            n = 0
-            for m in missing:
-                with contextlib.suppress(IntegrityError):
-                    n += db.record_episodes([m], str(store.root))
-            return n
-
-    def refresh_flags(self) -> int:
-        """Compute the auto-flags closed episodes lack (``fleet.flags``), so flag filters see them all."""
-        from fleet.flags import refresh_flags
-
-        return len(refresh_flags(self.store(), self.db()))
 
     def map_exception(self, e: BaseException) -> ApiError | None:
         """A 503 for an exception that means the DB or the store went away mid-request (else None)."""

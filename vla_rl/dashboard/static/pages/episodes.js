@@ -29,6 +29,7 @@ export async function render(root, ctx) {
   const err = h("div.err-slot");
   const form = h("form.filters", { onsubmit: (ev) => ev.preventDefault() });
   const summary = h("div.summary");
+  const syncNote = h("span.sync-note", { role: "status" });
   const table = h("div.table-wrap");
   const pager = h("div.pager");
   const bulk = h("div.bulk");
@@ -37,7 +38,7 @@ export async function render(root, ctx) {
     h("h1", flaggedView ? "Flagged episodes" : "Episodes"),
     form,
     err,
-    h("div.toolbar", summary, h("span.spacer"), bulk),
+    h("div.toolbar", summary, syncNote, h("span.spacer"), bulk),
     bulkMsg,
     table,
     pager,
@@ -93,6 +94,7 @@ export async function render(root, ctx) {
       state.items = res.items || [];
       state.page = res.page || 1;
       state.perPage = res.per_page || 50;
+      drawSync(res.sync);
       state.cursor = Math.min(state.cursor, Math.max(0, state.items.length - 1));
       showError(err, null);
       drawTable();
@@ -202,6 +204,19 @@ export async function render(root, ctx) {
     on ? state.selected.add(id) : state.selected.delete(id);
     drawBulk();
     drawTable();
+  }
+
+  function drawSync(sync) {
+    // the dashboard's start-up sync is still recording store episodes / computing auto-flags: the list
+    // shows what the DB holds so far
+    if (!sync || !sync.running) return clear(syncNote);
+    const text =
+      sync.phase === "flags"
+        ? `computing auto-flags ${sync.flagged.toLocaleString()}/${sync.to_flag.toLocaleString()}`
+        : sync.phase === "records"
+          ? `syncing ${sync.checked.toLocaleString()}/${sync.to_check.toLocaleString()} store episodes into the DB`
+          : "syncing with the store";
+    clear(syncNote, h("span", { title: "the dashboard started recently; reload to see more" }, `${text}…`));
   }
 
   function drawPager() {
