@@ -2,7 +2,7 @@
 
 For each round algorithm (``--algos``) and seed (``--seeds``), run :func:`vla_rl.up.run_up` in a fresh
 workdir (``--work``/<algo>-seed<S>) with the issue's settings: ``--task maniskill/PickCube-v1 --robots 4
---rounds 3``, the weak base `up` seeds itself (SFT on 10 noisy demos), every other knob `up`'s default.
+--rounds 3``, the weak base `up` seeds itself (SFT on 25 noisy demos), every other knob `up`'s default.
 The whole loop runs as `up` runs it (registry, policy server following prod, collector, round worker,
 simulated fleet + operator, each its own process). Per round it reports:
 

@@ -79,8 +79,9 @@ class UpConfig:
     """Training steps of each round (over the algorithm's or the preset's); None = theirs."""
     base_preset: str | None = None
     """Named SFT recipe for the weak base; None = the defaults below."""
-    base_demos: int = 10
-    """Scripted demonstrations the base is trained on."""
+    base_demos: int = 25
+    """Scripted demonstrations the base is trained on (the default puts a PickCube base in the 25-45% range
+    a weak base should have: docs/benchmarks.md)."""
     base_noise: float = 0.5
     """Expert sloppiness of those demonstrations."""
     base_steps: int | None = 1000
