@@ -840,7 +840,7 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
     for d in serve_dashboard(cfg):
         c = d.client("viewer")
         # the start-up sync computes every closed episode's flags (the list waits for it to do so)
-        _wait(lambda: not c.get("/api/v1/health").json()["sync"]["running"], 60, "the start-up sync")
+        _wait(lambda c=c: not c.get("/api/v1/health").json()["sync"]["running"], 60, "the start-up sync")
         everything = c.get("/api/v1/episodes", params={"per_page": 20}).json()["items"]
         flags = {x["id"]: sorted(x["flags"]) for x in everything}
         assert flags[ids["burst"]] == ["high_uncertainty"] and flags[ids["calm"]] == []
