@@ -8,6 +8,7 @@ Request bodies are bounded (``max_body_kb``; larger: 413).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -170,9 +171,9 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         startup = ctx.startup
-        threading.Thread(
-            target=warm_imports, args=(startup.gate,), name="dashboard-warm-imports", daemon=True
-        ).start()
+        # before the port opens: an import of seconds (torch) holds the GIL, and during a first page
+        # load it made every request of that page wait behind it
+        await asyncio.to_thread(warm_imports)
         if cfg.sync_db:
             threading.Thread(
                 target=run_sync, args=(res.store, res.db, startup), name="dashboard-sync-db", daemon=True

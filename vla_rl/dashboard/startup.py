@@ -12,7 +12,8 @@ OS priority, in small steps:
   middleware); :meth:`RequestGate.wait_quiet` blocks a background step until no request has been in
   flight for ``quiet_s`` (a page load is a burst of requests with short gaps), or ``max_wait_s`` has
   passed (so a dashboard that is never idle still finishes its sync, a step at a time). The first step
-  waits for a longer lull (``FIRST_QUIET_S``), warming the imports for a longer one still.
+  waits for a longer lull (``FIRST_QUIET_S``). :func:`warm_imports` (seconds: torch) runs before the
+  port opens, not beside a page load: an import holds the GIL.
 * :func:`run_sync`: ids first (one column of the DB, the store's listing), then the missing episodes'
   ``commit.json`` in batches of ``record_batch``, each batch one short write transaction; then the
   auto-flags of the episodes that lack some, newest first (what the first page shows), in batches of
@@ -56,8 +57,6 @@ frames) still finishes its sync, one short step every quarter second."""
 FIRST_QUIET_S = 1.0
 """The sync's first step waits for a longer lull (at most 5 s): a just-started dashboard's first page
 (HTML, then its modules, then its API calls) goes first."""
-IMPORT_QUIET_S = 3.0
-"""Warming the imports is one step of seconds (torch): it waits for a longer lull still."""
 RECORD_BATCH = 100
 """Store episodes recorded per DB transaction (~15 ms of commit.json reads, one short write)."""
 FLAG_BATCH = 256
@@ -267,12 +266,10 @@ def run_sync(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataD
         progress.update(phase="failed", error=f"{type(e).__name__}: {e}")
 
 
-def warm_imports(gate: RequestGate) -> None:
+def warm_imports() -> None:
     """Import what selection counts and round checks need (torch among it: seconds) before the first
-    request that needs it, not during one: after a lull of ``IMPORT_QUIET_S`` with no request (or a
-    minute after start on a dashboard that is never that idle)."""
-    lower_priority()
-    gate.wait_quiet(IMPORT_QUIET_S, max_wait_s=60.0)
+    request that needs it: the app runs this before it starts serving (an import holds the GIL; run
+    while a page loaded, it made every request of that page wait)."""
     try:
         import vla_rl.rounds
         import vla_rl.train.transitions  # noqa: F401

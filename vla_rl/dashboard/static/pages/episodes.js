@@ -213,9 +213,9 @@ export async function render(root, ctx) {
     const text =
       sync.phase === "flags"
         ? `computing auto-flags ${sync.flagged.toLocaleString()}/${sync.to_flag.toLocaleString()}`
-        : sync.phase === "records"
+        : sync.phase === "records" && sync.to_check > 0
           ? `syncing ${sync.checked.toLocaleString()}/${sync.to_check.toLocaleString()} store episodes into the DB`
-          : "syncing with the store";
+          : "checking the store for episodes the DB lacks";
     clear(syncNote, h("span", { title: "the dashboard started recently; reload to see more" }, `${text}…`));
   }
 
