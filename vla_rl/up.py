@@ -28,6 +28,7 @@ round; ``vla-rl up`` then exits 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -522,6 +523,10 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             )
             return rows
         flags = dashboard_flags(env) if cfg.dashboard else None
+        if flags is not None and not _port_free(ports.dashboard):  # taken while the base trained
+            ports = dataclasses.replace(ports, dashboard=_free_port())  # (another `up`, a dashboard)
+            state["ports"] = vars(ports)
+            state_path.write_text(json.dumps(state, indent=2))
         dashboard_url = f"http://127.0.0.1:{ports.dashboard}"
         if flags is not None:
             dash = f"{dashboard_url}   operator token in {work / 'secrets' / 'dashboard'}"
