@@ -26,6 +26,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(autouse=True)
+def _normal_scheduling() -> None:
+    """Run every test under the normal scheduler. Seen in CI (running as root): a native library raised
+    an xdist worker's main thread to SCHED_FIFO 99 (with Mesa's llvmpipe threads beside it), so every
+    process it started later (PostgreSQL, Chromium, a dashboard) inherited real-time priority, and a
+    browser test spun at FIFO 99 on both cores while the dashboard it waited for starved."""
+    if hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) != os.SCHED_OTHER:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+@pytest.fixture(autouse=True)
 def _restore_root_log_handlers() -> Iterator[None]:
     """In-process CLI calls point the root logger at the test's captured stderr (``setup_logging``), which
     pytest closes after the test; restore the handlers so later tests' logs do not hit a closed file."""
