@@ -296,6 +296,7 @@ LIST_WATERFALL = """() => {
   const api = (p) => r.find((e) => new URL(e.name).pathname === `/api/v1${p}`);
   const list = api("/episodes");
   const mods = r.filter((e) => e.name.includes("/static/"));
+  const mark = (n) => (performance.getEntriesByName(n, "mark")[0] || {}).startTime;
   const app = (e) => (e && e.serverTiming ? (e.serverTiming.find((t) => t.name === "app") || {}).duration : null);
   return {
     // the server's own time (its Server-Timing header): the rest of a request is network and browser
@@ -305,8 +306,11 @@ LIST_WATERFALL = """() => {
     html_done_ms: nav.responseEnd,
     modules_done_ms: Math.max(...mods.map((e) => e.responseEnd)),
     dom_content_loaded_ms: nav.domContentLoadedEventEnd,
+    app_started_ms: mark("vla:app-start"),
+    list_asked_ms: list ? list.startTime : null,
     list_sent_ms: list ? list.requestStart : null,
     list_done_ms: list ? list.responseEnd : null,
+    list_received_ms: mark("vla:episodes-received"),
     drawn_ms: window.vlaEpisodesRendered.at,
   };
 }"""

@@ -337,7 +337,7 @@ def test_the_page_loads_versioned_immutable_assets(dash: Dashboard, tmp_path: Pa
     with any asset's bytes."""
     import re
 
-    from vla_rl.dashboard.app import STATIC, static_version
+    from vla_rl.dashboard.assets import STATIC, static_version
 
     anon = dash.client(None)
     page = anon.get("/episodes").text

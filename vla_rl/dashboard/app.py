@@ -10,50 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import posixpath
-import re
 import threading
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path, PurePosixPath
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from starlette.staticfiles import StaticFiles
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vla_rl import __version__
 from vla_rl.dashboard import episodes, fleet, labels, rounds
+from vla_rl.dashboard.assets import STATIC, AssetServer, index_page, static_version
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError, install_handlers
 from vla_rl.dashboard.resources import Resources
-from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports
+from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_queries, warm_requests
 
 log = logging.getLogger("vla_rl.dashboard")
 
-STATIC = Path(__file__).with_name("static")
 API = "/api/v1"
 PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "/fleet", "/flagged")
-STATIC_MAX_AGE_S = 300
-"""Assets under ``/static/`` are revalidated after this long (ETag / Last-Modified make that a 304)."""
-IMMUTABLE_MAX_AGE_S = 365 * 86400
-"""Assets under ``/static/<version>/`` (what the page loads) never change: cached this long, immutable."""
-
-
-def static_version(root: Path = STATIC) -> str:
-    """A content hash of every asset (12 hex digits of SHA-256 over each file's relative path and bytes,
-    in sorted order), computed when the app is made: the page loads its assets from
-    ``/static/<version>/...`` so a browser may cache them forever, and a changed asset is a new URL.
-    ES modules import each other by relative paths, so they stay inside the same version."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
 
 
 class BodyLimit:
@@ -91,67 +70,6 @@ class BodyLimit:
         await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
-class CachedStatic(StaticFiles):
-    """Static files with a Cache-Control header (plus the ETag / Last-Modified StaticFiles sends)."""
-
-    def __init__(self, *args: Any, cache_control: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.cache_control = cache_control
-
-    def file_response(self, *args: Any, **kwargs: Any) -> Response:
-        resp = super().file_response(*args, **kwargs)
-        resp.headers["Cache-Control"] = self.cache_control
-        return resp
-
-
-_STATIC_IMPORT = re.compile(r'^\s*import\b[^;]*?\bfrom\s+"(\.{1,2}/[^"]+\.js)"', re.M)
-_ROUTE = re.compile(r'route\("([^"]+)",\s*\(\)\s*=>\s*import\("\./([^"]+\.js)"\)\)')
-
-
-def page_modules(page: str, root: Path = STATIC) -> list[str]:
-    """The ES modules (paths under ``root``) the page at route ``page`` (a FastAPI path such as
-    ``/episodes/{episode_id}``) runs: ``app.js``, the page module app.js routes it to (its
-    ``route("/episodes/:id", () => import("./pages/episode.js"))`` lines) and everything they import
-    statically, transitively; sorted. What index.html preloads for that route, so a fresh browser
-    fetches them all at once and nothing the page does not need."""
-
-    def shape(path: str) -> list[str]:
-        return ["*" if p.startswith((":", "{")) else p for p in path.strip("/").split("/")]
-
-    start = ["app.js"]
-    routes = _ROUTE.findall((root / "app.js").read_text())
-    start += [mod for pattern, mod in routes if shape(pattern) == shape(page)][:1]
-    seen: set[str] = set()
-    todo = list(start)
-    while todo:
-        mod = todo.pop()
-        if mod in seen or not (root / mod).is_file():
-            continue
-        seen.add(mod)
-        base = PurePosixPath(mod).parent
-        for dep in _STATIC_IMPORT.findall((root / mod).read_text()):
-            todo.append(posixpath.normpath((base / dep).as_posix()))
-    return sorted(seen)
-
-
-def _index_page(version: str, page: str) -> Callable[[], Response]:
-    """The page for route ``page``: index.html (never cached: it names the assets' version) with its
-    asset URLs under ``/static/<version>/`` and a ``<link rel="modulepreload">`` for each module of
-    :func:`page_modules` in place of its ``<!-- modulepreload -->`` line."""
-    index = STATIC / "index.html"
-    if not index.is_file():
-        text = "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
-    else:
-        links = "\n".join(f'    <link rel="modulepreload" href="/static/{m}" />' for m in page_modules(page))
-        text = index.read_text().replace("    <!-- modulepreload -->", links)
-        text = text.replace('"/static/', f'"/static/{version}/')
-
-    def serve() -> Response:
-        return HTMLResponse(text, headers={"Cache-Control": "no-cache"})
-
-    return serve
-
-
 def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAPI:
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
@@ -169,11 +87,13 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     ctx = Context(cfg=cfg, res=res, tokens=tokens)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(this: FastAPI) -> AsyncIterator[None]:
         startup = ctx.startup
         # before the port opens: an import of seconds (torch) holds the GIL, and during a first page
         # load it made every request of that page wait behind it
         await asyncio.to_thread(warm_imports)
+        await asyncio.to_thread(warm_queries, res.store, res.db)
+        await warm_requests(this, ["/episodes", f"/static/{this.state.static_version}/app.js"])
         if cfg.sync_db:
             threading.Thread(
                 target=run_sync, args=(res.store, res.db, startup), name="dashboard-sync-db", daemon=True
@@ -225,17 +145,13 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     app.include_router(api)
     version = static_version() if STATIC.is_dir() else "none"
     app.state.static_version = version
-    if STATIC.is_dir():
-        immutable = f"public, max-age={IMMUTABLE_MAX_AGE_S}, immutable"
-        app.mount(
-            f"/static/{version}", CachedStatic(directory=STATIC, cache_control=immutable), name="assets"
-        )
-        revalidate = f"public, max-age={STATIC_MAX_AGE_S}"
-        app.mount("/static", CachedStatic(directory=STATIC, cache_control=revalidate), name="static")
+    app.add_api_route(
+        "/static/{path:path}", AssetServer(version).serve, methods=["GET", "HEAD"], include_in_schema=False
+    )
     for page in PAGES:
         app.add_api_route(
             page,
-            _index_page(version, page),
+            index_page(version, page),
             methods=["GET"],
             include_in_schema=False,
             response_class=HTMLResponse,

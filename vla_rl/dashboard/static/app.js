@@ -3,6 +3,7 @@ import { api, ApiError, getToken, setToken } from "./api.js";
 import { navigate, render, route, start } from "./router.js";
 import { typing } from "./util.js";
 
+performance.mark("vla:app-start"); // the modules loaded and ran (bench/dashboard.py reads the marks)
 const ROLES = ["viewer", "labeller", "operator"];
 const ctx = { session: null, schema: null, ready: Promise.resolve(false), can };
 

@@ -90,6 +90,7 @@ export async function render(root, ctx) {
     const t0 = performance.now();
     try {
       const res = await api(`/episodes${queryString(query)}`, { signal: ac.signal });
+      performance.mark("vla:episodes-received");
       state.total = res.total;
       state.items = res.items || [];
       state.page = res.page || 1;
