@@ -84,6 +84,7 @@ import numpy as np
 from fleet.codecs import CameraCodecs
 from fleet.meta import TASK_RUNS_LABEL, Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
 from fleet.store import Episode, EpisodeStore, outcome_known
+from vla_rl.scheduling import leave_realtime
 from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ _IMAGE_NAMES = ["height", "width", "channels"]
 # SVT-AV1 (libsvtav1, LeRobot's default encoder) dies with SIGFPE on some frames under 32 px a side
 # (16x16 and 24x40 did, here); smaller cameras are exported as PNG images instead.
 MIN_VIDEO_SIDE = 32
+# Run as root, SVT-AV1 also raises the thread that opens an encoder to SCHED_FIFO 99 (svt_av1_enc_init_handle;
+# one camera: this thread, several: LeRobot's pool processes, which exit). Set it back after every episode's
+# encoding, before anything else runs or starts from this thread (vla_rl.scheduling). Debug level: expected.
+_AFTER_ENCODER = "LeRobot video export (SVT-AV1 encoder as root)"
 
 
 # ====================================================================== export
@@ -216,6 +221,7 @@ def export_lerobot(
             ep = dataclasses.replace(ep, meta=meta)  # the outcome an outcome label gives it
             end_flag_added = _write_episode(ds, ep, with_success)
             ds.save_episode()
+            leave_realtime(_AFTER_ENCODER, logging.DEBUG)
             entry = _sidecar_entry(index, ep, end_flag_added)
             entry["labels"] = {
                 lb.key: lb.value
@@ -226,6 +232,7 @@ def export_lerobot(
                 entry["recorded_outcome"], entry["recorded_success"] = recorded[meta.episode_id]
             entries.append(entry)
         ds.finalize()
+        leave_realtime(_AFTER_ENCODER, logging.DEBUG)
         if db is not None:
             _write_labels(tmp / LABELS_PATH, metas, events)
         sidecar = {
@@ -245,6 +252,7 @@ def export_lerobot(
         if ds is not None:
             with contextlib.suppress(Exception):
                 ds.finalize()  # closes parquet writers and stops image threads before the folder goes
+        leave_realtime(_AFTER_ENCODER, logging.DEBUG)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("exported %d episodes (%d frames) to %s", len(entries), sidecar["total_frames"], out)

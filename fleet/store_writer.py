@@ -47,6 +47,7 @@ import numpy as np
 
 from fleet.store import EpisodeStore, EpisodeWriter
 from fleet.wal import SEGMENT_KINDS, WAL_DIR, WriteAheadLog, decode_frames, parse_message
+from vla_rl.scheduling import leave_realtime
 
 
 def _slice_frames(batch: Mapping[str, Any], skip: int) -> dict[str, Any]:
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         help="lower this process's CPU priority by this much (the collector passes 10: see Collector)",
     )
     args = p.parse_args(argv)
+    leave_realtime("fleet.store_writer")
     if args.nice:
         # Before any thread starts: Linux niceness is per thread and new threads inherit it.
         os.nice(args.nice)

@@ -154,7 +154,9 @@ class SimActor:
         import sys
 
         from sim.registry import make_env
+        from vla_rl.scheduling import leave_realtime
 
+        leave_realtime("sim Ray actor")
         self.env = make_env(**make_kwargs)
         if "torch" in sys.modules:  # one simulator per core; torch's pool would only fight it
             sys.modules["torch"].set_num_threads(1)

@@ -34,6 +34,7 @@ import numpy as np
 
 from sim.base import Observation, ObsMode, RewardMode, SimEnv
 from sim.ray_workers import RayWorkerOptions, RayWorkers, check_ray_address
+from vla_rl.scheduling import leave_realtime
 from vla_rl.spec import RobotSpec
 
 
@@ -55,6 +56,7 @@ def _exit_with_parent(parent_pid: int, interval_s: float = 0.25) -> None:
 
 
 def _worker(conn: Connection, make_kwargs: dict[str, Any], parent_pid: int) -> None:
+    leave_realtime("sim env worker")
     _exit_with_parent(parent_pid)
     import torch
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from pg_cluster import PostgresCluster, start_cluster
 
+from vla_rl.scheduling import leave_realtime
+
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 
 
@@ -27,12 +29,12 @@ def _free_port() -> int:
 
 @pytest.fixture(autouse=True)
 def _normal_scheduling() -> None:
-    """Run every test under the normal scheduler. Seen in CI (running as root): a native library raised
-    an xdist worker's main thread to SCHED_FIFO 99 (with Mesa's llvmpipe threads beside it), so every
-    process it started later (PostgreSQL, Chromium, a dashboard) inherited real-time priority, and a
-    browser test spun at FIFO 99 on both cores while the dashboard it waited for starved."""
-    if hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) != os.SCHED_OTHER:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    """Run every test under the normal scheduler. Seen in CI (running as root): a LeRobot video export
+    (SVT-AV1's encoder init) raised an xdist worker's main thread to SCHED_FIFO 99, and the threads it
+    started later (Mesa's llvmpipe ones among them) with it, so every process it started later (PostgreSQL,
+    Chromium, a dashboard) inherited real-time priority, and a browser test spun at FIFO 99 on both cores
+    while the dashboard it waited for starved. The export now resets itself; this stays as a backstop."""
+    leave_realtime("test worker", logging.DEBUG)  # every thread of it (the culprit: vla_rl/scheduling.py)
 
 
 @pytest.fixture(autouse=True)

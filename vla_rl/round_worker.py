@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.db import MetadataDB, RoundLost, default_url
+from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def _child_main(db_url: str, round_id: int, config: dict[str, Any], worker: str,
 
     threading.Thread(target=watch_parent, daemon=True).start()
     setup_logging("info", os.environ.get("VLA_RL_LOG_FORMAT", "text"))
+    leave_realtime(f"round {round_id} process")
     db = MetadataDB(db_url)
     try:
         cfg = config_from_json(config)

@@ -21,6 +21,7 @@ from vla_rl.cli import data, labels, services, taco, training
 from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
 from vla_rl.logs import setup_logging
+from vla_rl.scheduling import leave_realtime
 
 __all__ = ["COMMANDS", "CliError", "_user_errors", "main"]
 
@@ -122,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage(prefix))
         return 0 if g.help or not rest or prefix else 2
     setup_logging(g.log_level, g.log_format)
+    # First thing before any work: whatever this command starts inherits its scheduling (vla_rl.scheduling).
+    leave_realtime("vla-rl " + " ".join(command.path))
     from vla_rl.hub.registry import configure_hub
 
     # Before anything imports huggingface_hub (lerobot, transformers): it reads these at import.

@@ -47,6 +47,7 @@ from vla_rl.hub.routes import ROUTERS
 from vla_rl.hub.routes.errors import add_error_handlers
 from vla_rl.hub.routes.state import Hub, Settings
 from vla_rl.hub.storage import HubStorage
+from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger("vla_rl.hub.server")
 
@@ -183,6 +184,7 @@ def _serve_child() -> None:
     logging.basicConfig(
         level=cfg["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    leave_realtime("hub server process")
     sock = socket.socket(fileno=cfg["fd"])
     _serve_socket(
         sock, cfg["data_dir"], cfg["token"], cfg["private"], cfg["log_level"], Limits(**cfg["limits"])
