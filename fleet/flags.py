@@ -28,10 +28,10 @@ the episode list filters on them in SQL.
   episodes of REV to calibrate (M/needed)", or the fixed reference in :class:`FlagThresholds` when
   ``uncertainty_fallback``. A stored result is recomputed when the calibration has doubled (or, while
   provisional, grown): :func:`needs_recalibration`, on the basis stored with the result
-  (``Flag.calibrated``, ``calibration_revision``, ``calibration_n``; never its detail). A chunk is a run of frames with the same finite
-  score in one segment (two chunks in a row with bit-identical scores count once). Episodes without
-  scores (recorded before the store kept them, human-only, a policy that cannot score) are not raised:
-  "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
+  (``Flag.calibrated``, ``calibration_revision``, ``calibration_n``; never its detail). A chunk is a run
+  of frames with the same finite score in one segment (two chunks in a row with bit-identical scores
+  count once). Episodes without scores (recorded before the store kept them, human-only, a policy that
+  cannot score) are not raised: "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
   so an episode whose takeover came from the alarm may stay under ``h`` here (its ``takeovers`` flag
   says why).
 
@@ -306,7 +306,7 @@ def high_uncertainty(
     scoring revision's: :func:`refresh_flags` passes it), only that revision's chunks are judged, by its
     reference; without, every scored chunk by the fixed reference in ``th``. The result records what it
     was judged on (``Flag.calibrated`` / ``calibration_revision`` / ``calibration_n``)."""
-    independent = {"calibrated": False}  # judged by no revision's calibration: never out of date
+    independent: dict[str, Any] = {"calibrated": False}  # judged by no revision's calibration: never stale
     u = episode_uncertainty(ep)
     starts = np.zeros(0, np.int64) if u is None else chunk_starts(u, np.asarray(ep.segment))
     if u is None or not len(starts):
