@@ -163,6 +163,11 @@ class EpisodeFlagRow(Base):
     raised: Mapped[bool]
     detail: Mapped[str] = mapped_column(Text)
     computed_at: Mapped[float]
+    # what a high_uncertainty result was judged on (Flag's fields of the same names; NULL for the other
+    # checks and for results stored before migration 0004)
+    calibration_revision: Mapped[str | None] = mapped_column(String(128))
+    calibration_n: Mapped[int | None]
+    calibrated: Mapped[bool | None]
 
 
 class RoundRow(Base):
@@ -332,6 +337,26 @@ class Flag:
     detail: str
     raised: bool = True
     computed_at: float = 0.0
+    # The calibration basis of a ``high_uncertainty`` result (:func:`fleet.flags.needs_recalibration`
+    # decides on these, never on ``detail``, which is for people):
+    calibrated: bool | None = None
+    """True: judged by ``calibration_revision``'s calibration on ``calibration_n`` successful episodes;
+    False: not (with a revision: it had only ``calibration_n`` of them, too few, a provisional result; without
+    one: judged by no revision's calibration, e.g. no scores); None: no basis recorded (another check, or a
+    result stored before the metadata DB kept it)."""
+    calibration_revision: str | None = None
+    """The checkpoint revision whose calibration the result depends on (None: none)."""
+    calibration_n: int | None = None
+    """How many of that revision's successful episodes the calibration had (None: no revision)."""
+
+    def __post_init__(self) -> None:
+        if (self.calibration_revision is None) != (self.calibration_n is None):
+            raise ValueError(
+                "calibration_n: expected a count exactly when calibration_revision is given, got "
+                f"{self.calibration_n!r} with revision {self.calibration_revision!r}"
+            )
+        if self.calibration_revision is not None and self.calibrated is None:
+            raise ValueError("calibrated: expected true or false with a calibration_revision, got None")
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": self.score, "detail": self.detail}
@@ -1385,6 +1410,9 @@ class MetadataDB:
                         raised=bool(f.raised),
                         detail=f.detail,
                         computed_at=f.computed_at or now,
+                        calibration_revision=f.calibration_revision,
+                        calibration_n=f.calibration_n,
+                        calibrated=f.calibrated,
                     )
                     for f in fs
                 )
@@ -1536,7 +1564,7 @@ def _alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0004"
 """The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
 at this revision needs no Alembic import, only one query."""
 
@@ -1546,8 +1574,8 @@ def _legacy_revision(tables: set[str]) -> str | None:
     the baseline's tables and round_jobs = 0002; the baseline's = 0001 (the release before rounds were
     jobs); else None (the baseline then creates only the tables that are missing)."""
     if tables >= _BASELINE_TABLES | {"round_jobs"}:
-        # also when today's tables are all there: 0003 adds only what is missing and re-derives the
-        # labels' ``current`` and the revision rows from the rows themselves
+        # also when today's tables are all there: 0003 and 0004 add only what is missing (0003 re-derives
+        # the labels' ``current`` and the revision rows from the rows themselves)
         return "0002"
     if tables >= _BASELINE_TABLES:
         return "0001"
@@ -1680,7 +1708,16 @@ def _read_flags(s: Session, episode_ids: Iterable[str], raised_only: bool) -> di
         if raised_only:
             q = q.where(EpisodeFlagRow.raised.is_(True))
         for r in s.scalars(q.order_by(EpisodeFlagRow.name)):
-            out[r.episode_id][r.name] = Flag(r.name, r.score, r.detail, bool(r.raised), r.computed_at)
+            out[r.episode_id][r.name] = Flag(
+                r.name,
+                r.score,
+                r.detail,
+                bool(r.raised),
+                r.computed_at,
+                calibrated=None if r.calibrated is None else bool(r.calibrated),
+                calibration_revision=r.calibration_revision,
+                calibration_n=r.calibration_n,
+            )
     return out
 
 

@@ -27,10 +27,11 @@ the episode list filters on them in SQL.
   judged by the others). Too few of them (``ceil(1 / alpha - 1)``): not raised, "not enough successful
   episodes of REV to calibrate (M/needed)", or the fixed reference in :class:`FlagThresholds` when
   ``uncertainty_fallback``. A stored result is recomputed when the calibration has doubled (or, while
-  provisional, grown): :func:`needs_recalibration`. A chunk is a run of frames with the same finite
-  score in one segment (two chunks in a row with bit-identical scores count once). Episodes without
-  scores (recorded before the store kept them, human-only, a policy that cannot score) are not raised:
-  "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
+  provisional, grown): :func:`needs_recalibration`, on the basis stored with the result
+  (``Flag.calibrated``, ``calibration_revision``, ``calibration_n``; never its detail). A chunk is a run
+  of frames with the same finite score in one segment (two chunks in a row with bit-identical scores
+  count once). Episodes without scores (recorded before the store kept them, human-only, a policy that
+  cannot score) are not raised: "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
   so an episode whose takeover came from the alarm may stay under ``h`` here (its ``takeovers`` flag
   says why).
 
@@ -44,14 +45,15 @@ for the episodes it shows; the collector may call it when an episode closes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -302,14 +304,17 @@ def high_uncertainty(
 ) -> Flag:
     """The peak per-chunk CUSUM of the episode (module docstring). With ``calibration`` (the episode's
     scoring revision's: :func:`refresh_flags` passes it), only that revision's chunks are judged, by its
-    reference; without, every scored chunk by the fixed reference in ``th``."""
+    reference; without, every scored chunk by the fixed reference in ``th``. The result records what it
+    was judged on (``Flag.calibrated`` / ``calibration_revision`` / ``calibration_n``)."""
+    independent: dict[str, Any] = {"calibrated": False}  # judged by no revision's calibration: never stale
     u = episode_uncertainty(ep)
     starts = np.zeros(0, np.int64) if u is None else chunk_starts(u, np.asarray(ep.segment))
     if u is None or not len(starts):
         why = "" if u is None else " (no frame scored)"
-        return Flag("high_uncertainty", 0.0, f"no uncertainty recorded{why}", raised=False)
+        return Flag("high_uncertainty", 0.0, f"no uncertainty recorded{why}", raised=False, **independent)
     fixed = CusumReference(th.uncertainty_mean, th.uncertainty_std, th.uncertainty_k, th.uncertainty_h)
     ref, basis, others = fixed, "fixed thresholds", 0
+    on: dict[str, Any] = independent
     if calibration is not None:
         revs = chunk_revisions(ep.meta, ep.revision, starts)
         keep = np.asarray([r == calibration.revision for r in revs], bool)
@@ -318,8 +323,17 @@ def high_uncertainty(
         cref, m = calibration.for_episode(ep.meta.episode_id)
         if not len(starts):
             return Flag(
-                "high_uncertainty", 0.0, f"no chunk of {_rev_name(calibration.revision)}", raised=False
+                "high_uncertainty",
+                0.0,
+                f"no chunk of {_rev_name(calibration.revision)}",
+                raised=False,
+                **independent,
             )
+        on = {
+            "calibrated": cref is not None,
+            "calibration_revision": calibration.revision,
+            "calibration_n": m,
+        }
         if cref is not None:
             ref, basis = cref, f"calibrated on {m} successful episodes of {_rev_name(calibration.revision)}"
         elif th.uncertainty_fallback:
@@ -330,6 +344,7 @@ def high_uncertainty(
                 0.0,
                 _not_enough(calibration.revision, m, calibration.needed),
                 raised=False,
+                **on,
             )
     seg = np.asarray(ep.segment)[starts]
     peak, at = 0.0, int(starts[0])
@@ -345,24 +360,22 @@ def high_uncertainty(
         f"peak CUSUM {peak:.2f} (threshold {ref.h:.2f}) at frame {at}; "
         f"{len(starts)} scored chunks{skipped}, mean score {scores.mean():.3f}, max {scores.max():.3f}; {basis}"
     )
-    return Flag("high_uncertainty", peak, detail, raised=peak > ref.h)
-
-
-_CALIBRATED_RE = re.compile(r"; calibrated on (\d+) successful episodes of (.*)$", re.S)
-_NOT_ENOUGH_RE = re.compile(r"not enough successful episodes of (.*) to calibrate \((\d+)/\d+\)$", re.S)
+    return Flag("high_uncertainty", peak, detail, raised=peak > ref.h, **on)
 
 
 def calibration_basis(flag: Flag) -> tuple[str, int, bool] | None:
-    """``(revision, episodes, calibrated)`` a stored ``high_uncertainty`` result was computed on (from
-    its detail), ``("", -1, False)`` for one of the version before calibration (recompute it), None when
-    it does not depend on a calibration (no scores; fixed thresholds asked for)."""
-    if (m := _CALIBRATED_RE.search(flag.detail)) is not None:
-        return m.group(2), int(m.group(1)), True
-    if (m := _NOT_ENOUGH_RE.search(flag.detail)) is not None:
-        return m.group(1), int(m.group(2)), False
-    if flag.detail.startswith("peak CUSUM") and not flag.detail.endswith("fixed thresholds"):
-        return "", -1, False  # computed before per-revision calibration
-    return None
+    """``(revision, episodes, calibrated)`` a stored ``high_uncertainty`` result was computed on (its
+    ``calibration_revision``, ``calibration_n`` and ``calibrated`` columns; the detail text is for people
+    and is not read), ``("", -1, False)`` for one stored without a basis (before the metadata DB kept it:
+    recompute it), None when it does not depend on a calibration (no scores; fixed thresholds asked for)
+    and for the other checks."""
+    if flag.name != "high_uncertainty":
+        return None
+    if flag.calibrated is None:
+        return "", -1, False
+    if flag.calibration_revision is None or flag.calibration_n is None:
+        return None
+    return flag.calibration_revision, flag.calibration_n, flag.calibrated
 
 
 def needs_recalibration(
@@ -372,7 +385,7 @@ def needs_recalibration(
     that closed after it was computed (``counts``: :meth:`fleet.db.MetadataDB.calibration_counts`) and
     their number ``c`` reached twice the calibration's ``m`` episodes (at most ``log2`` recomputations
     per episode; none once ``m`` reaches ``uncertainty_max_calibration``), or, while it could not
-    calibrate, grew at all. Results of the version before calibration are out of date."""
+    calibrate, grew at all (:func:`calibration_basis`). Results stored without a basis are out of date."""
     basis = calibration_basis(flag)
     if basis is None:
         return False
@@ -474,8 +487,7 @@ def compute_flags(
     for name in names:
         if name not in CHECKS:
             raise ValueError(f"flag: unknown check {name!r}; expected one of {', '.join(CHECKS)}")
-        f = CHECKS[name](ep, task_lengths, th, calibration)
-        out.append(Flag(f.name, f.score, f.detail, f.raised, now))
+        out.append(dataclasses.replace(CHECKS[name](ep, task_lengths, th, calibration), computed_at=now))
     return out
 
 

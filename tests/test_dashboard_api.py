@@ -2,8 +2,8 @@
 store recorded by the sim fleet (a real policy server and collector, simulated operator takeovers, one
 camera), a real Hub registry and the real metadata DB, talked to with httpx.
 
-The fleet world and the served dashboard (``fleet_world``, ``Dashboard``) are importable by other
-dashboard tests (``from test_dashboard_api import ...``).
+The world's parts, its fixtures and the served dashboard (``Dashboard``) are tests/dashboard_world.py's
+(shared with tests/test_dashboard_browser.py and other dashboard tests).
 """
 
 from __future__ import annotations
@@ -12,35 +12,41 @@ import io
 import itertools
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import av
+import dashboard_world
 import httpx
 import imageio.v3
 import numpy as np
 import pytest
-import uvicorn
+from dashboard_world import (
+    BOTH,
+    BOTH_PG_SLOW,
+    TOKENS,
+    Dashboard,
+    FleetWorld,
+    free_port,
+    record_fleet,
+    serve_dashboard,
+    serve_prod,
+    start_registry,
+    stop_world,
+)
 from PIL import Image
 from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from server.policy_server import PolicyServer
-from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorRules
 from sim.registry import make_env
 from vla_rl.dashboard import DashboardConfig
-from vla_rl.dashboard.app import create_app
-from vla_rl.dashboard.auth import parse_tokens
-from vla_rl.hub.registry import configure_hub, push_folder
-from vla_rl.hub.server import HubServer
+from vla_rl.hub.registry import push_folder
 from vla_rl.spec import RobotSpec
 
 TASK = "kinematic/Reach-v0"
@@ -48,35 +54,12 @@ REPO = "fleet/reach-cam"
 HUB_TOKEN = "dashboard-test-hub-token"
 COLLECTOR_TOKEN = "dashboard-test-collector-token"
 IMAGE = 32
-TOKENS = {
-    "viewer": ("vic", "viewer-token-0123456789"),
-    "labeller": ("ana", "labeller-token-0123456789"),
-    "operator": ("olga", "operator-token-0123456789"),
-}
+backend, world = dashboard_world.backend, dashboard_world.world  # the fixtures (pytest finds them by name)
 
 
 def camera_spec() -> RobotSpec:
     with make_env(TASK, obs="rgb", image_size=IMAGE) as env:
         return env.spec
-
-
-@dataclass
-class FleetWorld:
-    root: Path
-    store: Path
-    hub: HubServer
-    server: PolicyServer
-    collector: Collector
-    base_commit: str
-    spec: RobotSpec
-    db_url: str | None = None
-    """The metadata DB (None: the SQLite file in the store)."""
-    owns_services: bool = True
-    """False: the hub and policy server are another world's (:func:`fleet_world`'s ``shared``)."""
-
-    @property
-    def db(self) -> MetadataDB:
-        return MetadataDB(self.db_url) if self.db_url else MetadataDB.for_store(self.store)
 
 
 def fleet_world(
@@ -89,103 +72,39 @@ def fleet_world(
     store, collector and DB of this world's own. The server and collector keep running (the fleet page
     asks them); :func:`stop_world` stops them."""
     spec = camera_spec()
-    ref = f"hub://{REPO}@prod"
     if shared is None:
-        hub = HubServer(root / "hub", token=HUB_TOKEN).start()
-        configure_hub(hub.url, HUB_TOKEN)
+        hub = start_registry(root, HUB_TOKEN)
         base = tiny_checkpoint(root / "base", spec)
         base_commit = push_folder(base, REPO, message="base", tag="prod")
-        server = PolicyServer(
-            {"reach": ref},
-            port=0,
-            torch_threads=1,
-            device="cpu",
-            follow={"reach": ref},
-            follow_interval_s=0.5,
-        ).start()
+        server = serve_prod(REPO, follow={"reach": f"hub://{REPO}@prod"}, follow_interval_s=0.5)
     else:
         hub, server, base_commit = shared.hub, shared.server, shared.base_commit
     store = root / "store"
     collector = Collector(store, db_url, port=0, token=COLLECTOR_TOKEN, chunk_len=8).start()
+    w = FleetWorld(
+        root,
+        store,
+        hub,
+        server,
+        collector,
+        base_commit,
+        spec=spec,
+        db_url=db_url,
+        owns_services=shared is None,
+    )
     # a sloppy operator (noise) takes over a stalled policy for 3 steps at a time: episodes run long
     # enough to have autonomous and intervention segments both
     rules = OperatorRules(
         stall_steps=3, drive_steps=3, min_autonomous_steps=2, max_takeovers=2, max_fraction=0.5, noise=0.9
     )
-    cfg = FleetConfig(
-        robots=2,
-        server=server.address,
-        collector=collector.address,
-        episodes=episodes,
-        max_episode_steps=20,
-        rules=rules,
-        collector_token=COLLECTOR_TOKEN,
-    )
-    result = run_sim_fleet(cfg, progress=False)
-    assert result.errors == [], result.errors
-    assert collector.drain(60)
-    return FleetWorld(root, store, hub, server, collector, base_commit, spec, db_url, shared is None)
-
-
-def stop_world(w: FleetWorld) -> None:
-    w.collector.stop()
-    if w.owns_services:
-        w.server.stop()
-        w.hub.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Dashboard:
-    """The app under uvicorn in a thread; ``client(role)`` is an httpx client with that role's token."""
-
-    def __init__(self, cfg: DashboardConfig) -> None:
-        text = "".join(
-            f'[[token]]\nname = "{name}"\nrole = "{role}"\ntoken = "{tok}"\n'
-            for role, (name, tok) in TOKENS.items()
-        )
-        self.app = create_app(cfg, tokens=parse_tokens(text, "test tokens"))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the dashboard did not start"
-            time.sleep(0.02)
-        self._clients: list[httpx.Client] = []
-
-    def client(self, role: str | None = "viewer", token: str | None = None) -> httpx.Client:
-        token = token or (TOKENS[role][1] if role else None)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        c = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
-        self._clients.append(c)
-        return c
-
-    def stop(self) -> None:
-        for c in self._clients:
-            c.close()
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def serve_dashboard(cfg: DashboardConfig) -> Iterator[Dashboard]:
-    d = Dashboard(cfg)
-    try:
-        yield d
-    finally:
-        d.stop()
+    record_fleet(w, 2, episodes, rules, COLLECTOR_TOKEN)
+    return w
 
 
 # ------------------------------------------------------------------------------------------ fixtures
 # Two worlds: the store's SQLite, and a PostgreSQL database (sharing the first one's hub and policy
-# server). Tests read ``world`` / ``dash``: the SQLite one, or with ``@BOTH`` each backend's in turn.
+# server). Tests read ``world`` / ``dash`` (dashboard_world's fixtures): the SQLite one, or with
+# ``@BOTH`` each backend's in turn.
 @pytest.fixture(scope="module")
 def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
     w = fleet_world(tmp_path_factory.mktemp("dash"))
@@ -236,26 +155,8 @@ def postgresql_dash(postgresql_world: FleetWorld) -> Iterator[Dashboard]:
 
 
 @pytest.fixture
-def backend(request: pytest.FixtureRequest) -> str:
-    """The metadata DB backend of this test's world: sqlite, unless ``@BOTH`` parametrizes it."""
-    return getattr(request, "param", "sqlite")
-
-
-@pytest.fixture
-def world(request: pytest.FixtureRequest, backend: str) -> FleetWorld:
-    return request.getfixturevalue(f"{backend}_world")
-
-
-@pytest.fixture
 def dash(request: pytest.FixtureRequest, backend: str, world: FleetWorld) -> Dashboard:
     return request.getfixturevalue(f"{backend}_dash")
-
-
-BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
-# PostgreSQL in the slow suite only: its DB paths (round rows, progress, labels) have a CI test on it
-BOTH_PG_SLOW = pytest.mark.parametrize(
-    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
-)
 
 
 def _detail(r: httpx.Response) -> dict[str, Any]:

@@ -15,27 +15,32 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dashboard_world
 import pytest
 import torch
+from dashboard_world import (
+    BOTH,
+    BOTH_PG_SLOW,
+    FleetWorld,
+    free_port,
+    record_fleet,
+    serve_prod,
+    start_registry,
+    stop_world,
+)
 
 from fleet.collector import Collector
-from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from server.policy_server import PolicyServer
 from sim.demos import record_demos
-from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorRules
-from vla_rl.hub.registry import configure_hub, push_folder, resolve
-from vla_rl.hub.server import HubServer
+from vla_rl.hub.registry import push_folder, resolve
 from vla_rl.train.sft import SFTConfig, train_sft
 
 torch.set_num_threads(1)
@@ -52,30 +57,7 @@ TOKENS = {
     "ops": ("operator", "ops-operator-token-0123456789"),
 }
 FLEET_ROBOTS, FLEET_EPISODES = 2, 11
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class World:
-    root: Path
-    store: Path
-    hub: HubServer
-    server: PolicyServer
-    collector: Collector
-    base_commit: str
-    dashboard: str = ""
-    proc: subprocess.Popen[str] | None = None
-    db_url: str | None = None
-    """The metadata DB (None: the SQLite file in the store)."""
-
-    @property
-    def db(self) -> MetadataDB:
-        return MetadataDB(self.db_url) if self.db_url else MetadataDB.for_store(self.store)
+backend, world = dashboard_world.backend, dashboard_world.world  # the fixtures (pytest finds them by name)
 
 
 def build_store(root: Path, hub_url: str) -> tuple[Path, Path]:
@@ -114,9 +96,9 @@ def build_store(root: Path, hub_url: str) -> tuple[Path, Path]:
 
 
 def start_dashboard(
-    world: World, *extra: str, store: Path | None = None
+    world: FleetWorld, *extra: str, store: Path | None = None
 ) -> tuple[str, subprocess.Popen[str]]:
-    port = _free_port()
+    port = free_port()
     tokens = world.root / "tokens.toml"
     tokens.write_text(
         "".join(f'[[token]]\nname = "{n}"\nrole = "{r}"\ntoken = "{t}"\n\n' for n, (r, t) in TOKENS.items())
@@ -160,23 +142,10 @@ def stop(proc: subprocess.Popen[str] | None) -> None:
         proc.wait()
 
 
-def _fleet_into(w: World) -> None:
+def _fleet_into(w: FleetWorld) -> None:
     """22 sim-fleet episodes with takeovers through ``w``'s collector, then ``w``'s dashboard started."""
     rules = OperatorRules(stall_steps=3, drive_steps=4, max_takeovers=2, max_fraction=0.6)
-    result = run_sim_fleet(
-        FleetConfig(
-            robots=FLEET_ROBOTS,
-            server=w.server.address,
-            collector=w.collector.address,
-            episodes=FLEET_EPISODES,
-            max_episode_steps=20,
-            rules=rules,
-            collector_token=COLLECTOR_TOKEN,
-        ),
-        progress=False,
-    )
-    assert result.errors == []
-    assert w.collector.drain(60)
+    record_fleet(w, FLEET_ROBOTS, FLEET_EPISODES, rules, COLLECTOR_TOKEN)
     w.dashboard, w.proc = start_dashboard(w)
 
 
@@ -184,32 +153,27 @@ def _fleet_into(w: World) -> None:
 # server: the hub settings are process-global). Tests read ``world``: the SQLite one, or with ``@BOTH``
 # each backend's in turn.
 @pytest.fixture(scope="module")
-def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorld]:
     """Hub with the base at prod, a policy server and collector, 22 sim-fleet episodes with takeovers
     (+ 4 demos) in the store, and the dashboard serving it."""
     root = tmp_path_factory.mktemp("dash")
-    hub = HubServer(root / "hub", token=HUB_TOKEN).start()
-    configure_hub(hub.url, HUB_TOKEN)  # children (dashboard, worker, serve) inherit HF_ENDPOINT/HF_TOKEN
+    hub = start_registry(root, HUB_TOKEN)  # children (dashboard, worker, serve) inherit HF_ENDPOINT/HF_TOKEN
     store, _ = build_store(root, hub.url)
-    server = PolicyServer(
-        {"reach": f"hub://{REPO}@prod"}, port=0, token="x", torch_threads=1, device="cpu"
-    ).start()
+    server = serve_prod(REPO, token="x")
     collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=16).start()
-    w = World(root, store, hub, server, collector, resolve(f"hub://{REPO}@prod"))
+    w = FleetWorld(root, store, hub, server, collector, resolve(f"hub://{REPO}@prod"))
     try:
         _fleet_into(w)
         yield w
     finally:
         stop(w.proc)
-        collector.stop()
-        server.stop()
-        hub.stop()
+        stop_world(w)
 
 
 @pytest.fixture(scope="module")
 def postgresql_world(
-    sqlite_world: World, pg: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[World]:
+    sqlite_world: FleetWorld, pg: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetWorld]:
     """The same episodes on a PostgreSQL database: a copy of the SQLite world's store (its Zarr data, not
     its DB), which the dashboard (--db URL) records into the empty database on start (its sync of a store
     written without the DB), as it would a store `vla-rl sim demos` wrote. The collector is the SQLite
@@ -221,7 +185,7 @@ def postgresql_world(
     shutil.copytree(
         sqlite_world.store, store, ignore=shutil.ignore_patterns("metadata.db*", "wal", "collector.lock")
     )
-    w = World(
+    w = FleetWorld(
         root,
         store,
         sqlite_world.hub,
@@ -229,6 +193,7 @@ def postgresql_world(
         sqlite_world.collector,
         sqlite_world.base_commit,
         db_url=url,
+        owns_services=False,
     )
     try:
         w.dashboard, w.proc = start_dashboard(w, "--db", url)
@@ -241,24 +206,7 @@ def postgresql_world(
         stop(w.proc)
 
 
-@pytest.fixture
-def backend(request: pytest.FixtureRequest) -> str:
-    """The metadata DB backend of this test's world: sqlite, unless ``@BOTH`` parametrizes it."""
-    return getattr(request, "param", "sqlite")
-
-
-@pytest.fixture
-def world(request: pytest.FixtureRequest, backend: str) -> World:
-    return request.getfixturevalue(f"{backend}_world")
-
-
-BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
-BOTH_PG_SLOW = pytest.mark.parametrize(
-    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)], indirect=True
-)
-
-
-def screenshot(page: Any, world: World, name: str) -> None:
+def screenshot(page: Any, world: FleetWorld, name: str) -> None:
     """The README's screenshot ``docs/img/NAME`` (from the SQLite world's run only)."""
     if world.db_url is None:
         IMG.mkdir(parents=True, exist_ok=True)
@@ -279,7 +227,9 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-def open_page(browser: Any, world: World, who: str | None, path: str = "/", base: str | None = None) -> Any:
+def open_page(
+    browser: Any, world: FleetWorld, who: str | None, path: str = "/", base: str | None = None
+) -> Any:
     """A fresh browser context (own localStorage) with ``who``'s token, at ``path``."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     if who is not None:
@@ -297,7 +247,7 @@ def frame_of(page: Any) -> int:
     return int(page.evaluate("window.vlaPlayer.t"))
 
 
-def episode_with_takeover(world: World) -> tuple[str, int]:
+def episode_with_takeover(world: FleetWorld) -> tuple[str, int]:
     db = world.db
     for e in db.episodes(task=TASK):
         if (
@@ -312,7 +262,7 @@ def episode_with_takeover(world: World) -> tuple[str, int]:
 # ------------------------------------------------------------------------------------------ episode
 @BOTH_PG_SLOW
 def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
-    browser: Any, world: World
+    browser: Any, world: FleetWorld
 ) -> None:
     eid, length = episode_with_takeover(world)
     page = open_page(browser, world, "ana", f"/episodes?robot={eid and ''}")
@@ -383,7 +333,7 @@ def test_play_scrub_label_a_span_from_the_keyboard_reload_and_find_it_in_the_db(
 
 # ------------------------------------------------------------------------------------------ episodes
 @BOTH
-def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: World) -> None:
+def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: FleetWorld) -> None:
     page = open_page(browser, world, "ana", "/episodes")
     page.wait_for_selector("table.episodes tbody tr")
     # filters live in the URL and reach the server
@@ -427,7 +377,7 @@ def test_bulk_label_20_episodes_from_a_filter(browser: Any, world: World) -> Non
 
 
 @BOTH_PG_SLOW
-def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: World) -> None:
+def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: FleetWorld) -> None:
     eid, _ = episode_with_takeover(world)
     page = open_page(browser, world, None, f"/episodes/{eid}")
     # no token: the page asks for one; a wrong one is refused; the viewer's is taken
@@ -456,7 +406,7 @@ def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: World)
 
 # ------------------------------------------------------------------------------------------ fleet
 @BOTH_PG_SLOW
-def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: World) -> None:
+def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: FleetWorld) -> None:
     page = open_page(browser, world, "vic", "/")
     page.wait_for_selector("table.robots tr[data-robot='sim-0']")
     assert page.locator("table.robots tr[data-robot='sim-1']").count() == 1
@@ -469,7 +419,7 @@ def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: Worl
     page.context.close()
 
 
-def test_an_unreachable_store_and_db_show_a_banner_not_a_blank_page(browser: Any, world: World) -> None:
+def test_an_unreachable_store_and_db_show_a_banner_not_a_blank_page(browser: Any, world: FleetWorld) -> None:
     missing = world.root / "no-store"
     url, proc = start_dashboard(world, "--db", f"sqlite:///{world.root}/nodir/x/metadata.db", store=missing)
     try:
@@ -489,7 +439,7 @@ def test_an_unreachable_store_and_db_show_a_banner_not_a_blank_page(browser: Any
 
 # ------------------------------------------------------------------------------------------ rounds
 @BOTH_PG_SLOW
-def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world: World) -> None:
+def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world: FleetWorld) -> None:
     page = open_page(browser, world, "ops", "/episodes?robot=sim-0")
     page.wait_for_selector("table.episodes tbody tr")
     page.click("a:has-text('Train a round on this selection')")
@@ -538,7 +488,7 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
 @pytest.mark.slow
 @BOTH
 def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
-    browser: Any, world: World, cli_server: Any
+    browser: Any, world: FleetWorld, cli_server: Any
 ) -> None:
     """A real round worker trains the round queued from the page; the page follows its progress over SSE
     until it succeeds; Promote (confirmed) moves prod; a server following prod swaps to the new commit."""

@@ -174,8 +174,8 @@ def test_latency_window_percentiles_rate_and_expiry() -> None:
 def test_on_postgresql_a_db_that_goes_down_is_503_naming_it_and_recovers(store: Path, tmp_path: Path) -> None:
     """The dashboard on PostgreSQL: the list runs there; the server stops -> health and the API say so
     (503 naming the URL, never a traceback); it comes back -> the API works again by itself."""
+    from dashboard_world import Dashboard
     from pg_cluster import start_cluster
-    from test_dashboard_api import Dashboard
 
     from vla_rl.dashboard import DashboardConfig
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dashboard_world import Dashboard, serve_dashboard
 from PIL import Image
-from test_dashboard_api import Dashboard, serve_dashboard
 from test_s3_store import new_bucket, s3, server  # noqa: F401  (moto S3 fixtures)
 from test_store import SPEC, TASK, make_frames
 

@@ -374,10 +374,12 @@ def test_high_uncertainty_is_calibrated_per_revision(tmp_path, db_url: str) -> N
         b = got[burst[rev]]["high_uncertainty"]
         assert b.raised and b.detail.endswith(f"calibrated on 10 successful episodes of {rev}")
         assert b.score > max(f.score for f in hu)
+        assert calibration_basis(b) == (rev, 10, True)  # stored as columns, read back from the DB
     assert fixed_raised == {"small": 0, "big": 10}
     f = got[few_fail]["high_uncertainty"]
     assert not f.raised and f.score == 0.0
     assert f.detail == "not enough successful episodes of few to calibrate (3/9)"
+    assert calibration_basis(f) == ("few", 3, False)
     assert (
         got[few[0]]["high_uncertainty"].detail == "not enough successful episodes of few to calibrate (2/9)"
     )
@@ -436,21 +438,67 @@ def test_revision_calibration_judges_a_member_by_the_others_and_knows_when_it_is
     assert m == 9 and member is not None and member.h == pytest.approx(others[8])  # ceil(10 * 0.9) = 9 of 9
     assert cal.for_episode("new") == (cal.reference, 10)
     assert calibrate_revision("v", dict(list(episodes.items())[:8])).reference is None  # 8 < 9
-    # what a stored result was computed on, and when it is out of date
+    # what a stored result was computed on (its basis columns), and when it is out of date
     at = 100.0
     done = Flag(
-        "high_uncertainty", 1.0, "peak CUSUM 1.00 ...; calibrated on 9 successful episodes of v 2", False, at
+        "high_uncertainty",
+        1.0,
+        "peak CUSUM 1.00 ...; calibrated on 9 successful episodes of v 2",
+        False,
+        at,
+        calibrated=True,
+        calibration_revision="v 2",
+        calibration_n=9,
     )
     assert calibration_basis(done) == ("v 2", 9, True)
     assert not needs_recalibration(done, {"v 2": (17, at + 5)})  # under twice 9
     assert not needs_recalibration(done, {"v 2": (18, at - 5)})  # none closed since
     assert needs_recalibration(done, {"v 2": (18, at + 5)})
-    few = Flag("high_uncertainty", 0.0, "not enough successful episodes of v to calibrate (3/9)", False, at)
+    few = Flag(
+        "high_uncertainty",
+        0.0,
+        "not enough successful episodes of v to calibrate (3/9)",
+        False,
+        at,
+        calibrated=False,
+        calibration_revision="v",
+        calibration_n=3,
+    )
     assert calibration_basis(few) == ("v", 3, False) and needs_recalibration(few, {"v": (4, at + 1)})
-    old = Flag(
+    assert not needs_recalibration(few, {"v": (3, at + 1)})
+    old = Flag(  # stored before the basis was (migration 0004 leaves it NULL)
         "high_uncertainty", 5.0, "peak CUSUM 5.00 (threshold 3.52) at frame 3; 9 scored chunks", True, at
     )
-    assert needs_recalibration(old, {})  # computed before calibration existed: once more
-    fixed = Flag("high_uncertainty", 5.0, "peak CUSUM 5.00 ...; fixed thresholds", True, at)
-    none = Flag("high_uncertainty", 0.0, "no uncertainty recorded", False, at)
+    assert calibration_basis(old) == ("", -1, False) and needs_recalibration(old, {})  # once more
+    fixed = Flag("high_uncertainty", 5.0, "peak CUSUM 5.00 ...; fixed thresholds", True, at, calibrated=False)
+    none = Flag("high_uncertainty", 0.0, "no uncertainty recorded", False, at, calibrated=False)
     assert calibration_basis(fixed) is None and calibration_basis(none) is None
+    assert not needs_recalibration(none, {"": (100, at + 5)})
+    assert calibration_basis(Flag("stillness", 0.0, "always moving", False, at)) is None
+    with pytest.raises(ValueError, match="calibration_n: expected a count exactly when"):
+        Flag("high_uncertainty", 0.0, "x", False, at, calibrated=True, calibration_revision="v")
+
+
+def test_the_recalibration_decision_does_not_read_the_detail_text() -> None:
+    """The detail is for people: reworded (or in another language), every decision stays the same, and a
+    detail that reads like another basis does not fool it."""
+    at = 100.0
+    counts = {"v": (18, at + 5)}
+    calibrated = {"calibrated": True, "calibration_revision": "v", "calibration_n": 9}
+    provisional = {"calibrated": False, "calibration_revision": "v", "calibration_n": 9}
+    for detail in (
+        "peak CUSUM 1.00 ...; calibrated on 9 successful episodes of v",  # today's wording
+        "Spitzenwert 1,00; kalibriert mit 9 Episoden von v",
+        "not enough successful episodes of v to calibrate (3/9)",  # says provisional: the columns win
+        "",
+    ):
+        done = Flag("high_uncertainty", 1.0, detail, False, at, **calibrated)
+        assert calibration_basis(done) == ("v", 9, True)
+        assert needs_recalibration(done, counts) and not needs_recalibration(done, {"v": (17, at + 5)})
+        waiting = Flag("high_uncertainty", 0.0, detail, False, at, **provisional)
+        assert calibration_basis(waiting) == ("v", 9, False)
+        assert not needs_recalibration(waiting, {"v": (9, at + 5)}) and needs_recalibration(
+            waiting, {"v": (10, at + 5)}
+        )
+        independent = Flag("high_uncertainty", 0.0, detail, False, at, calibrated=False)
+        assert calibration_basis(independent) is None and not needs_recalibration(independent, counts)

@@ -17,7 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from pg_cluster import PostgresCluster
 from sqlalchemy import Engine, event, inspect, text
 
-from fleet.db import SCHEMA_HEAD, Base, EpisodeQuery, MetadataDB, MetadataDBError, _alembic_config
+from fleet.db import SCHEMA_HEAD, Base, EpisodeQuery, Flag, MetadataDB, MetadataDBError, _alembic_config
 from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl.spec import RobotSpec
 
@@ -129,10 +129,11 @@ def test_schema_head_is_the_newest_migration() -> None:
 
     scripts = ScriptDirectory.from_config(_alembic_config())
     assert scripts.get_heads() == [SCHEMA_HEAD]  # one line of history, and db.py knows its end
-    assert [s.revision for s in scripts.walk_revisions()][::-1][:3] == [
+    assert [s.revision for s in scripts.walk_revisions()][::-1][:4] == [
         "0001",
         "0002",
         "0003",
+        "0004",
     ]  # baseline first
 
 
@@ -194,6 +195,57 @@ def test_a_0002_db_with_relabels_gets_current_values_and_revision_rows(db_url: s
     )
     assert db.query_episodes(EpisodeQuery(revision="r1"))[1] == 1
     assert [r.revision for r in db.revision_stats()] == ["r1", "r2"]
+
+
+def test_a_0003_db_with_flags_gains_an_empty_calibration_basis(db_url: str) -> None:
+    """0004 adds the calibration basis columns to ``episode_flags``; the rows already there keep theirs
+    NULL, so their high_uncertainty result counts as out of date (recomputed once) and the rest stand."""
+    from fleet.flags import calibration_basis, needs_recalibration
+
+    e = _engine(db_url)
+    with e.begin() as c:
+        command.upgrade(_alembic_config(c), "0003")
+        c.execute(
+            text(
+                "INSERT INTO episodes (id, robot_id, task, instruction, store_path, status, outcome, success,"
+                " length, num_segments, created_at, closed_at, revisions) VALUES ('ep-1', 'r0', :t, 'do',"
+                " '/s', 'closed', 'success', :yes, 7, 1, 1.0, 2.0, '[\"v1\"]')"
+            ),
+            {"t": TASK, "yes": True},
+        )
+        for name, score, raised, detail in (
+            ("stillness", 0.5, False, "no motion for 0.5 s (frames 1-5)"),
+            (
+                "high_uncertainty",
+                1.25,
+                False,
+                "peak CUSUM 1.25 ...; calibrated on 9 successful episodes of v1",
+            ),
+        ):
+            c.execute(
+                text(
+                    "INSERT INTO episode_flags (episode_id, name, score, raised, detail, computed_at)"
+                    " VALUES ('ep-1', :n, :s, :r, :d, 10.0)"
+                ),
+                {"n": name, "s": score, "r": raised, "d": detail},
+            )
+    e.dispose()
+    db = MetadataDB(db_url)
+    _assert_schema_is_head(db)
+    old = db.flags(["ep-1"], raised_only=False)["ep-1"]
+    assert sorted(old) == ["high_uncertainty", "stillness"]
+    hu, still = old["high_uncertainty"], old["stillness"]
+    assert (hu.score, hu.raised, hu.computed_at) == (pytest.approx(1.25), False, pytest.approx(10.0))
+    assert (hu.calibrated, hu.calibration_revision, hu.calibration_n) == (None, None, None)
+    assert calibration_basis(hu) == ("", -1, False) and needs_recalibration(hu, db.calibration_counts())
+    assert still.detail.startswith("no motion") and calibration_basis(still) is None
+    # a new result stores its basis and reads it back
+    new = Flag(hu.name, 2.0, "reworded for people", True, 20.0, True, "v1", 9)
+    db.set_flags({"ep-1": [new]})
+    got = db.flags(["ep-1"])["ep-1"]["high_uncertainty"]
+    assert calibration_basis(got) == ("v1", 9, True)
+    assert not needs_recalibration(got, {"v1": (17, 30.0)}) and needs_recalibration(got, {"v1": (18, 30.0)})
+    db.close()
 
 
 @pytest.mark.parametrize("written_by", ["previous release", "current release"])

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from imported_base import imported_base, on_backend, on_postgresql
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 
 from fleet.store import EpisodeStore
@@ -117,32 +118,7 @@ def test_offline_subsample_is_seeded_and_held_out_is_the_most_recent(tmp_path: P
 @pytest.fixture(scope="module")
 def koch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """An imported LeRobot dataset (LeRobot's own API; task "koch", no simulator) and an SFT base on it."""
-    from test_lerobot_io import import_into, record_style_dataset
-
-    from vla_rl.train.sft import SFTConfig, train_sft
-
-    tmp = tmp_path_factory.mktemp("koch")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(tmp / "hf"))
-    try:
-        record_style_dataset(tmp / "lerobot")
-        import_into(tmp / "lerobot", tmp / "store")
-    finally:
-        mp.undo()
-    sft = train_sft(
-        SFTConfig(
-            store=tmp / "store",
-            out=tmp / "sft",
-            steps=10,
-            batch_size=16,
-            chunk_len=4,
-            n_exec=2,
-            d_model=32,
-            checkpoint_every=10,
-            progress=False,
-        )
-    )
-    return tmp / "store", sft.checkpoint
+    return imported_base(tmp_path_factory.mktemp("koch"))
 
 
 @pytest.fixture(scope="module")
@@ -151,24 +127,13 @@ def koch_pg(
 ) -> tuple[Path, Path, str]:
     """The same dataset imported into a store whose metadata DB is a PostgreSQL database (episodes and
     labels recorded there), with the same base."""
-    from test_lerobot_io import import_into
-
-    store, base = koch
-    url, tmp = pg.create_database(), tmp_path_factory.mktemp("koch-pg")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(tmp / "hf"))
-    try:
-        return import_into(store.parent / "lerobot", tmp / "store", url), base, url
-    finally:
-        mp.undo()
+    return on_postgresql(koch, pg, tmp_path_factory.mktemp("koch-pg"))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def koch_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
     """(store, base, metadata DB URL): koch with the store's SQLite (None), or koch_pg."""
-    if request.param == "sqlite":
-        return (*request.getfixturevalue("koch"), None)
-    return request.getfixturevalue("koch_pg")
+    return on_backend(request, "koch")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_lerobot_io import EPISODE_LEN, KOCH_TASKS, import_into, record_style_dataset
+from imported_base import PG_SLOW, imported_base, on_backend, on_postgresql
+from test_lerobot_io import EPISODE_LEN, KOCH_TASKS, record_style_dataset
 
 from fleet.store import EpisodeStore
 from server.client import PolicyClient
@@ -85,88 +86,40 @@ DAGGER = [8 <= i < 14 for i in range(EPISODE_LEN)]
 """LeRobot's DAgger recording: the policy drives, an operator takes over at frame 8 and hands back at 14."""
 
 
-def _imported(tmp: Path, intervention: list[bool] | None) -> tuple[Path, Path]:
-    """A LeRobot dataset (LeRobot's own API) imported into a store, and a short SFT base on it."""
-    from vla_rl.train.sft import SFTConfig, train_sft
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(tmp / "hf"))
-    try:
-        record_style_dataset(tmp / "lerobot", intervention=intervention)
-        import_into(tmp / "lerobot", tmp / "store")
-    finally:
-        mp.undo()
-    cfg = SFTConfig(
-        store=tmp / "store",
-        out=tmp / "sft",
-        steps=10,
-        batch_size=16,
-        chunk_len=4,
-        n_exec=2,
-        d_model=32,
-        checkpoint_every=10,
-        progress=False,
-    )
-    return tmp / "store", train_sft(cfg).checkpoint
-
-
 @pytest.fixture(scope="module")
 def teleop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """What `lerobot-record` writes: teleoperated demonstrations only (every frame human)."""
-    return _imported(tmp_path_factory.mktemp("teleop"), None)
+    return imported_base(tmp_path_factory.mktemp("teleop"))
 
 
 @pytest.fixture(scope="module")
 def dagger(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A DAgger recording (an ``intervention`` column): autonomous stretches around each takeover."""
-    return _imported(tmp_path_factory.mktemp("dagger"), DAGGER)
-
-
-def _on_postgresql(imported: tuple[Path, Path], pg: Any, tmp: Path) -> tuple[Path, Path, str]:
-    """``imported``'s dataset imported again into a store whose metadata DB is a new PostgreSQL database
-    (episodes and labels recorded there); the same base."""
-    store, base = imported
-    url = pg.create_database()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(tmp / "hf"))
-    try:
-        return import_into(store.parent / "lerobot", tmp / "store", url), base, url
-    finally:
-        mp.undo()
+    return imported_base(tmp_path_factory.mktemp("dagger"), DAGGER)
 
 
 @pytest.fixture(scope="module")
 def teleop_pg(
     teleop: tuple[Path, Path], pg: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path, str]:
-    return _on_postgresql(teleop, pg, tmp_path_factory.mktemp("teleop-pg"))
+    return on_postgresql(teleop, pg, tmp_path_factory.mktemp("teleop-pg"))
 
 
 @pytest.fixture(scope="module")
 def dagger_pg(
     dagger: tuple[Path, Path], pg: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path, str]:
-    return _on_postgresql(dagger, pg, tmp_path_factory.mktemp("dagger-pg"))
-
-
-def _data(request: pytest.FixtureRequest, name: str) -> tuple[Path, Path, str | None]:
-    """(store, base, DB URL) of fixture ``name`` on ``request.param``'s backend (None: the store's SQLite)."""
-    if request.param == "sqlite":
-        return (*request.getfixturevalue(name), None)
-    return request.getfixturevalue(f"{name}_pg")
-
-
-PG_SLOW = ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)]
+    return on_postgresql(dagger, pg, tmp_path_factory.mktemp("dagger-pg"))
 
 
 @pytest.fixture(params=PG_SLOW)
 def dagger_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
-    return _data(request, "dagger")
+    return on_backend(request, "dagger")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def teleop_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
-    return _data(request, "teleop")
+    return on_backend(request, "teleop")
 
 
 def _check_offline_round(rec: Any, store: Path, algo: str) -> None:

@@ -25,6 +25,8 @@ from vla_rl.up import (
     DASHBOARD_PORT,
     Ports,
     Supervisor,
+    _http_child,
+    _http_ready,
     _port_free,
     dashboard_argv,
     dashboard_flags,
@@ -192,3 +194,49 @@ def test_ports_are_kept_across_runs_and_the_dashboard_prefers_its_usual_port(tmp
     assert Ports.load_or_pick(path) == first
     path.write_text(json.dumps({"ports": {"hub": first.hub}}))  # an older up.json without the dashboard
     assert Ports.load_or_pick(path).hub == first.hub
+
+
+# ---------------------------------------------------------------------------- ready checks
+def test_a_ready_check_believes_only_its_own_childs_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up` gives each HTTP child a nonce through the environment and its ready check wants the nonce's
+    tag back: another process answering on the port (another `up`'s dashboard, one started without a
+    nonce) is not taken for the child. Real dashboard apps on loopback and a real hub registry process."""
+    from dashboard_world import Dashboard, free_port
+
+    from vla_rl.dashboard import DashboardConfig
+    from vla_rl.hub.server import HubServer
+    from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
+
+    store = EpisodeStore(tmp_path / "store", create=True).root
+    nonces = {"ours": new_nonce(), "theirs": new_nonce(), "none": ""}
+    dash: dict[str, Dashboard] = {}
+    try:
+        for who, nonce in nonces.items():
+            monkeypatch.setenv(INSTANCE_ENV, nonce)  # what `up` puts in its child's environment
+            dash[who] = Dashboard(DashboardConfig(store=store, workdir=tmp_path / who, sync_db=False))
+        tag = instance_tag(nonces["ours"])
+        health = {who: f"{d.url}/api/v1/health" for who, d in dash.items()}
+        assert _http_ready(health["ours"], tag)()
+        assert not _http_ready(health["theirs"], tag)()  # another up's dashboard on the port
+        assert _http_ready(health["theirs"], instance_tag(nonces["theirs"]))()
+        assert not _http_ready(health["none"], tag)()  # a dashboard started without a nonce
+        assert not _http_ready(f"http://127.0.0.1:{free_port()}/api/v1/health", tag)()  # nobody there
+        body = dash["ours"].client(None).get("/api/v1/health").json()
+        assert body["instance"] == tag and nonces["ours"] not in json.dumps(body)  # its hash, not itself
+        assert dash["none"].client(None).get("/api/v1/health").json()["instance"] is None
+        # a fresh child's check: its own nonce, handed over in the environment only
+        ready, env = _http_child(health["ours"])
+        assert set(env) == {INSTANCE_ENV} and env[INSTANCE_ENV] not in nonces.values() and not ready()
+    finally:
+        for d in dash.values():
+            d.stop()
+    # the hub registry's health answers the same way (HubServer: a real `vla_rl.hub` process)
+    monkeypatch.setenv(INSTANCE_ENV, nonces["ours"])
+    hub = HubServer(tmp_path / "hub").start()
+    try:
+        assert _http_ready(f"{hub.url}/api/health", tag)()
+        assert not _http_ready(f"{hub.url}/api/health", instance_tag(nonces["theirs"]))()
+    finally:
+        hub.stop()

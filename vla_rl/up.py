@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_rl.console import table
+from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
 from vla_rl.secrets import read_secret_file
 
 log = logging.getLogger(__name__)
@@ -297,15 +298,26 @@ def _tcp_ready(port: int) -> Callable[[], bool]:
     return ready
 
 
-def _http_ready(url: str) -> Callable[[], bool]:
+def _http_ready(url: str, instance: str) -> Callable[[], bool]:
+    """Ready when ``GET url`` answers JSON whose ``instance`` is ``instance`` (the tag of the nonce the
+    child was started with, :mod:`vla_rl.instance`): an answer from another process on the port (another
+    ``vla-rl up``'s dashboard) has another tag, or none, and is not taken for our child."""
+
     def ready() -> bool:
         try:
-            with urllib.request.urlopen(url, timeout=1):
-                return True
-        except OSError:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                body = json.loads(r.read(64 * 1024))
+        except (OSError, ValueError):
             return False
+        return isinstance(body, dict) and body.get("instance") == instance
 
     return ready
+
+
+def _http_child(url: str) -> tuple[Callable[[], bool], dict[str, str]]:
+    """A ready check for an HTTP child and the environment that gives the child its nonce (a fresh one)."""
+    nonce = new_nonce()
+    return _http_ready(url, instance_tag(nonce)), {INSTANCE_ENV: nonce}
 
 
 def _secret(path: Path) -> str:
@@ -504,11 +516,12 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     sup = Supervisor(work / "logs")
     rows: list[dict[str, Any]] = []
     try:
+        hub_ready, hub_env = _http_child(f"{hub_url}/api/health")
         sup.start(
             "hub",
             [*CLI, "hub", "serve", "--data", str(work / "hub"), "--port", str(ports.hub)],
-            _http_ready(f"{hub_url}/api/health"),
-            env,
+            hub_ready,
+            env | hub_env,
         )
         prod = f"hub://{cfg.repo}@prod"
         _seed_base(cfg, work, store, prod, db_url)
@@ -585,13 +598,16 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             lambda: True,
             env,
         )
+        # the port was re-picked above if taken, but another process may still take it before our child
+        # binds: the ready check only believes an answer carrying our child's nonce
+        dash_ready, dash_env = _http_child(f"{dashboard_url}/api/v1/health")
         if flags is not None and not sup.start(
             "dashboard",
             dashboard_argv(
                 flags, store, hub_url, ports, repo=cfg.repo, workdir=work / "dashboard", db=db_url
             ),
-            _http_ready(f"{dashboard_url}/api/v1/health"),
-            env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
+            dash_ready,
+            env | dash_env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
             timeout_s=60,
             required=False,
         ):

@@ -28,6 +28,7 @@ from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError, install_handlers
 from vla_rl.dashboard.resources import Resources
 from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_queries, warm_requests
+from vla_rl.instance import own_instance_tag
 
 log = logging.getLogger("vla_rl.dashboard")
 
@@ -119,6 +120,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     api = APIRouter(prefix=API)
     viewer = Depends(ctx.require("viewer"))
+    instance = own_instance_tag()  # which supervisor's child this is (vla_rl.instance)
 
     @api.get("/health", summary="store and DB reachability (no token needed)")
     def health() -> dict[str, Any]:
@@ -127,6 +129,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
             "db": res.db_health(),
             "sync": ctx.startup.progress.to_dict(),
             "version": __version__,
+            "instance": instance,
         }
 
     @api.get("/session", summary="who the token belongs to")

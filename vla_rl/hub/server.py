@@ -47,6 +47,7 @@ from vla_rl.hub.routes import ROUTERS
 from vla_rl.hub.routes.errors import add_error_handlers
 from vla_rl.hub.routes.state import Hub, Settings
 from vla_rl.hub.storage import HubStorage
+from vla_rl.instance import own_instance_tag
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger("vla_rl.hub.server")
@@ -69,6 +70,7 @@ def create_app(
     )
     app = FastAPI(title="vla-rl local hub", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hub = Hub(storage=storage, settings=settings)
+    app.state.instance = own_instance_tag()  # which supervisor's child this is (/api/health says)
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

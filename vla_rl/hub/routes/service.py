@@ -16,8 +16,9 @@ router = APIRouter()
 
 
 @router.get("/api/health")
-def health() -> dict[str, Any]:
-    return {"ok": True}
+def health(request: Request) -> dict[str, Any]:
+    # "instance": the tag of the nonce a supervisor started this server with (vla_rl.instance), or None
+    return {"ok": True, "instance": request.app.state.instance}
 
 
 # Not served on purpose: GET /api/agent-harnesses. The client fetches it from its *global* endpoint to tag
