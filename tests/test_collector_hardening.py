@@ -208,7 +208,10 @@ def test_idle_episodes_are_closed_as_aborted_with_their_frames(tmp_path: Path) -
             time.sleep(0.1)
         meta = c.store.read_metadata("idle-1")
         assert meta.is_closed and meta.outcome == "aborted" and meta.success is False and meta.length == 3
-        a = ask(send, recv, start("idle-1")).ack
+        # the collector learns of the closure from its store writer's reply, a moment after the store
+        # shows it (a loaded machine widens that moment): a re-opened episode is closed by then
+        while not (a := ask(send, recv, start("idle-1")).ack).closed and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert a.closed and a.committed == 3
         r = ask(
             send, recv, batch("idle-1", 3, 2)
