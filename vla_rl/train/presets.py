@@ -90,6 +90,23 @@ PRESETS: dict[str, Preset] = {
             {**_KINEMATIC_PPO, "sde_steps": "all"},
         ),
         Preset(
+            "pickcube-awr-pi",
+            "awr-pi",
+            "online AWR policy iteration on PickCube state: 30 episodes per iteration on 2 robots, a fresh "
+            "cross-fitted value, 750 AWR updates (β = 1, lr 1e-4 kept), up to 100,000 env steps",
+            {
+                "env_steps": 100_000,
+                "episodes_per_iteration": 30,
+                "num_envs": 2,
+                "steps_per_iteration": 750,
+                "value_steps": 1000,
+                "batch_size": 128,
+                "lr": 1e-4,
+                "beta": 1.0,
+                "threads": 1,
+            },
+        ),
+        Preset(
             "tiny-awr",
             "awr",
             "AWR at a smoke-test budget (20 value + 20 policy steps): `vla-rl up` in CI, not a recipe that learns",
