@@ -173,3 +173,51 @@ def test_resume_continues_exactly_and_buffer_episodes_keeps_the_newest(
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     assert [r["buffer_episodes"] for r in whole.curve] == [4 + 2, 4 + 3, 4 + 3]  # demos + newest 3 online
     assert weights_revision(load_policy(whole.checkpoint, device="cpu").policy) != whole.curve[0]["revision"]
+
+
+# ---------------------------------------------------------------------------- learning check
+@pytest.mark.slow
+def test_policy_iteration_improves_a_kinematic_base_on_held_out_episodes(tmp_path: Path) -> None:
+    """The kinematic benchmark's base (20 demos at noise 0.5, SFT 1000 steps of a d_model-64 policy) and
+    awr-pi at 4,000 env steps (20 episodes, then 200 AWR updates, per iteration), both scored on the
+    same 200 held-out episodes (seeds 100000+, no setting was chosen by them). Measured: base 57% -> 70-80%
+    while the online rollouts rise 55% -> 75-85%; a run without updates (steps_per_iteration=0) ships the
+    base's weights unchanged, so it scores exactly the base (the gain is the updates', not the harness')."""
+    from tiny_base import demo_store, tiny_sft
+
+    from vla_rl.evaluation import evaluate, wilson_interval
+    from vla_rl.train.presets import preset_config
+
+    store = demo_store(tmp_path / "store", KINEMATIC, episodes=20, noise=0.5)
+    base = tiny_sft(
+        KINEMATIC,
+        store.root,
+        tmp_path / "sft",
+        1000,
+        64,
+        d_model=64,
+        n_layers=2,
+        expert_n_layers=4,
+        n_heads=4,
+    )
+
+    def successes(ckpt: Path) -> int:
+        return evaluate(
+            load_policy(ckpt, device="cpu"), KINEMATIC, episodes=200, num_envs=1, progress=False
+        ).successes
+
+    def run(out: str, **kw: object) -> Path:
+        cfg = preset_config(
+            "kinematic-awr-pi", base=str(base), store=store.root, out=tmp_path / out, num_envs=1, progress=False,
+            device="cpu", **kw,
+        )  # fmt: skip
+        return train(cfg).checkpoint
+
+    before = successes(base)
+    after = successes(run("pi", env_steps=4000))
+    # +10 points, and the trained policy's 95% interval excludes the base's rate
+    assert after - before >= 20 and wilson_interval(after, 200)[0] > before / 200, (before, after)
+    control = run("control", env_steps=200, steps_per_iteration=0)
+    a = load_policy(control, device="cpu").policy.state_dict()
+    b = load_policy(base, device="cpu").policy.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # no updates: the base ships unchanged, scores `before`
