@@ -86,7 +86,7 @@ def test_the_value_path_is_offline_awrs_and_its_fit_metrics_are_by_the_definitio
             state=rng.normal(size=(t, 2)).astype(np.float32), action=rng.normal(size=(t, 1)).astype(np.float32),
             reward=np.zeros(t, np.float32), terminated=np.zeros(t, bool), controller=ctrl, success=e % 2 == 0,
         )  # fmt: skip
-    cfg = _cfg(tmp_path, value_steps=30, batch_size=8, value_hidden=(8,), progress=False)
+    cfg = _cfg(tmp_path, value_steps=10, batch_size=8, value_hidden=(8,), progress=False)
     feats = torch.from_numpy(buf.states)
     bc = buf.array("bc").astype(bool)
     torch.manual_seed(0)

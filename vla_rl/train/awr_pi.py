@@ -303,7 +303,10 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         log.info(
             "awr-pi resumed", extra={"iteration": iteration, "env_steps": env_steps, "from": str(state_path)}
         )
-    online: dict[str, Episode] = {e: online_store.read_episode(e, cameras=cameras) for e in online_ids}
+    # the online episodes the next buffer can hold, in memory (older ones stay in the store only)
+    online: dict[str, Episode] = {
+        e: online_store.read_episode(e, cameras=cameras) for e in newest(online_ids, cfg.buffer_episodes)
+    }
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -352,6 +355,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             collect_s = time.perf_counter() - it0
             # 2. value and advantages on offline + the newest online episodes
             kept = newest(online_ids, cfg.buffer_episodes)
+            for e in set(online) - set(kept):
+                del online[e]
             buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
             instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
             bc = buf.array("bc").astype(bool)
