@@ -37,7 +37,7 @@ from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
 
 OFFLINE = ("awr", "recap", "qam", "fql")
-ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all")
+ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all", "awr-pi")
 ALL = OFFLINE + ONLINE
 
 
@@ -71,6 +71,7 @@ ALGORITHM = {
     "flow-noise": ("flow-noise", {}),
     "flow-sde": ("flow-sde", {}),
     "flow-sde-all": ("flow-sde", {"sde_steps": "all"}),
+    "awr-pi": ("awr-pi", {}),
 }
 
 
@@ -88,6 +89,8 @@ def _train(
         values |= {"store": store, **args.awr}
     elif name == "fql":
         values |= {"store": store, **args.fql}
+    elif name == "awr-pi":
+        values |= {"store": store, "env_steps": args.env_steps, **args.awr_pi}
     else:
         values |= {"task": args.task, "env_steps": args.env_steps, **args.ppo}
     values |= implied
@@ -257,6 +260,12 @@ def main() -> None:
         "(e.g. qam-lam10; QAMConfig.init_from; add '{\"init_reset_actor\": true}' to --qam to re-extract)",
     )
     p.add_argument("--fql", type=json.loads, default={}, help="FQLConfig overrides as JSON")
+    p.add_argument("--awr-pi", type=json.loads, default={}, help="AWRPIConfig overrides as JSON")
+    p.add_argument(
+        "--awr-pi-preset",
+        default=None,
+        help="start awr-pi's knobs from this named preset (e.g. pickcube-awr-pi); --awr-pi overrides on top",
+    )
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))
@@ -267,6 +276,10 @@ def main() -> None:
         from vla_rl.train.presets import get_preset
 
         args.qam = {**get_preset(args.qam_preset).values, **args.qam}
+    if args.awr_pi_preset:
+        from vla_rl.train.presets import get_preset
+
+        args.awr_pi = {**get_preset(args.awr_pi_preset).values, **args.awr_pi}
     t0 = time.perf_counter()
     per_seed = [run_seed(s, args) for s in args.seeds]
     header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]
@@ -305,6 +318,7 @@ def main() -> None:
                 "qam": args.qam,
                 "fql": args.fql,
                 "ppo": args.ppo,
+                "awr_pi": args.awr_pi,
             },
             "per_seed": per_seed,
             "table": {"header": header, "rows": rows},

@@ -33,6 +33,8 @@ class DemoReport:
     successes: int = 0
     frames: int = 0
     seconds: float = 0.0
+    env_steps: int = 0
+    """Simulator steps taken (every robot's, recorded or not); counted by policy rollouts."""
     episode_ids: list[str] = field(default_factory=list)
 
     @property
@@ -188,21 +190,65 @@ def record_rollouts(
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
-    n_exec = n_exec or max(1, policy.chunk_len // 2)
     spec = policy.spec
-    num_envs = min(num_envs, episodes)
-    t0 = time.perf_counter()
     env = VectorSimEnv(
         task,
-        num_envs=num_envs,
+        num_envs=min(num_envs, episodes),
         seed=seed,
         obs="rgb" if spec.cameras else "state",
         image_size=spec.cameras[0].height if spec.cameras else 128,
         max_episode_steps=max_episode_steps,
     )
+    try:
+        report = record_policy_episodes(
+            store,
+            env,
+            policy,
+            episodes,
+            seed=seed,
+            n_exec=n_exec,
+            revision=revision,
+            robot_prefix=robot_prefix,
+            progress=progress,
+        )
+    finally:
+        env.close()
+    log.info(
+        "recorded rollouts",
+        extra={"task": report.task, "episodes": report.episodes, "success_rate": report.success_rate},
+    )
+    return report
+
+
+def record_policy_episodes(
+    store: EpisodeStore,
+    env: VectorSimEnv,
+    policy: Any,
+    episodes: int,
+    *,
+    seed: int,
+    n_exec: int | None = None,
+    revision: str = "",
+    robot_prefix: str = "sim",
+    progress: bool = True,
+    max_env_steps: int | None = None,
+) -> DemoReport:
+    """:func:`record_rollouts` in an open ``env`` (kept open for the next call, e.g. by an online trainer):
+    reset it to the seed sequence ``seed`` and record ``episodes`` autonomous episodes of ``policy``.
+
+    ``max_env_steps``: stop once the simulators took this many steps (``num_envs`` per vector step); the
+    episodes still running then are closed with outcome ``aborted`` and not counted. ``report.env_steps``
+    counts every simulated step, also those of robots idling while the last episodes finish.
+    """
+    if episodes < 1:
+        raise ValueError(f"episodes: expected >= 1, got {episodes}")
+    if max_env_steps is not None and max_env_steps < 1:
+        raise ValueError(f"max_env_steps: expected >= 1, got {max_env_steps}")
+    n_exec = n_exec or max(1, policy.chunk_len // 2)
+    t0 = time.perf_counter()
     report = DemoReport(task=env.task)
     bar = tqdm(total=episodes, desc=f"rollouts {env.task}", unit="ep", disable=not progress)
-    started = num_envs
+    started = min(env.num_envs, episodes)
 
     def open_writer(i: int) -> EpisodeWriter:
         w = store.create_episode(env.spec, robot_id=f"{robot_prefix}-{i}", task=env.task)
@@ -219,17 +265,20 @@ def record_rollouts(
             else:
                 writers[i] = None
 
+    writers: list[EpisodeWriter | None] = [
+        open_writer(i) if i < started else None for i in range(env.num_envs)
+    ]
     try:
-        rollout = ChunkRollout(env, SeededChunkProposer(policy.predict_chunks, seed), n_exec, on_step=write)
-        writers: list[EpisodeWriter | None] = [open_writer(i) for i in range(num_envs)]
-        while report.episodes < episodes:
+        rollout = ChunkRollout(
+            env, SeededChunkProposer(policy.predict_chunks, seed), n_exec, seed=seed, on_step=write
+        )
+        while report.episodes < episodes and (max_env_steps is None or report.env_steps < max_env_steps):
             rollout.step()
+            report.env_steps += env.num_envs
     finally:
+        for w in writers:
+            if w is not None:
+                w.close(outcome="aborted", success=False)
         bar.close()
-        env.close()
     report.seconds = time.perf_counter() - t0
-    log.info(
-        "recorded rollouts",
-        extra={"task": report.task, "episodes": report.episodes, "success_rate": report.success_rate},
-    )
     return report

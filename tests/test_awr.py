@@ -41,8 +41,8 @@ def test_recap_indicators_hand_computed() -> None:
     assert ind.tolist() == [N, N, P, P, P]  # the human frame is positive whatever its advantage
 
 
-def test_cross_fitted_values_never_see_their_own_episode(tmp_path: Path) -> None:
-    from vla_rl.train.awr import _cross_fitted_values
+def testcross_fitted_values_never_see_their_own_episode(tmp_path: Path) -> None:
+    from vla_rl.train.awr import cross_fitted_values
 
     torch.manual_seed(0)
     cfg = AWRConfig(base="x", store=tmp_path, out=tmp_path, value_steps=20, batch_size=8, progress=False)
@@ -50,13 +50,13 @@ def test_cross_fitted_values_never_see_their_own_episode(tmp_path: Path) -> None
     human = np.zeros(30, bool)
     feats, returns = torch.randn(30, 3), torch.randn(30)
     torch.manual_seed(0)  # same head initialisations in both calls
-    v1, _ = _cross_fitted_values(cfg, feats, returns, episode, human)
+    v1, _ = cross_fitted_values(cfg, feats, returns, episode, human)
     fold_of = np.random.default_rng([cfg.seed, 2]).permutation(6) % 2
     changed = returns.clone()
     e = 0
     changed[torch.from_numpy(episode == e)] += 100.0  # rewrite one episode's returns
     torch.manual_seed(0)
-    v2, _ = _cross_fitted_values(cfg, feats, changed, episode, human)
+    v2, _ = cross_fitted_values(cfg, feats, changed, episode, human)
     own = torch.from_numpy(fold_of[episode] == fold_of[e])
     torch.testing.assert_close(v2[own], v1[own])  # that episode's fold is scored by the other fold's value
     assert not torch.allclose(v2[~own], v1[~own])  # ...while the other fold's value did learn from it

@@ -12,7 +12,7 @@ from tiny_base import demo_store
 
 from policies.critics import CategoricalValue
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from vla_rl.train.awr import AWRConfig, _cross_fitted_values
+from vla_rl.train.awr import AWRConfig, cross_fitted_values
 from vla_rl.train.divl import DIVLConfig, DIVLValue, divl_support, divl_td_target, interpolated_quantile
 from vla_rl.train.qam import QAMConfig, QAMLearner
 from vla_rl.train.transitions import DataSelection, TransitionBuffer, load_transitions
@@ -133,7 +133,7 @@ def test_awr_divl_value_fits_the_return_distribution_of_kinematic_data(
             value_folds=1, value_hidden=(32, 32), batch_size=128, value_lr=3e-3, progress=False,
         )  # fmt: skip
         torch.manual_seed(0)
-        v, _ = _cross_fitted_values(cfg, feats, g, episode, human)
+        v, _ = cross_fitted_values(cfg, feats, g, episode, human)
         cover[tau] = float((g <= v).float().mean())
         corr[tau] = float(np.corrcoef(v.numpy(), g.numpy())[0, 1])
     assert cover[0.2] == pytest.approx(0.2, abs=0.1) and cover[0.8] == pytest.approx(0.8, abs=0.1), cover

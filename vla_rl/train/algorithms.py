@@ -74,6 +74,12 @@ ALGORITHMS: dict[str, Algorithm] = {
         ),
         Algorithm("recap", "advantage-conditioned policy (π0.6's RECAP)", *_AWR, {"variant": "recap"}),
         Algorithm(
+            "awr-pi",
+            "online AWR policy iteration: collect with the current policy, refit the value, AWR updates",
+            "vla_rl.train.awr_pi:AWRPIConfig",
+            "vla_rl.train.awr_pi:train_awr_pi",
+        ),
+        Algorithm(
             "qam",
             "Q-learning with adjoint matching: offline, then optionally online in simulation",
             "vla_rl.train.qam:QAMConfig",

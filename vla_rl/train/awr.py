@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
@@ -79,7 +79,35 @@ from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AWRConfig", "AWRResult", "awr_weights", "recap_indicators", "train_awr"]
+__all__ = [
+    "AWRConfig",
+    "AWRResult",
+    "ValueKnobs",
+    "all_features",
+    "awr_weights",
+    "cross_fitted_values",
+    "fit_value",
+    "recap_indicators",
+    "train_awr",
+    "value_advantages",
+]
+
+
+class ValueKnobs(Protocol):
+    """The value-fit knobs :func:`fit_value` and :func:`cross_fitted_values` read (AWRConfig's, and the
+    online AWR's, :mod:`vla_rl.train.awr_pi`); see :class:`AWRConfig` for what each means."""
+
+    seed: int
+    progress: bool
+    value: str
+    value_bins: int
+    value_hidden: tuple[int, ...]
+    value_lr: float
+    value_steps: int
+    value_folds: int
+    batch_size: int
+    expectile: float
+    divl_quantile: float
 
 
 @dataclass(kw_only=True)
@@ -204,7 +232,7 @@ def recap_indicators(
 
 
 # ---------------------------------------------------------------------------- training
-def _all_features(
+def all_features(
     policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device, instructions: torch.Tensor | None
 ) -> torch.Tensor:
     """Value inputs for every frame; camera policies encode the frame with its own instruction
@@ -217,8 +245,8 @@ def _all_features(
     return torch.cat(feats)
 
 
-def _fit_value(
-    cfg: AWRConfig, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
+def fit_value(
+    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
 ) -> tuple[torch.nn.Module, float]:
     """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
     fit = returns[torch.from_numpy(train_rows).to(returns.device)]
@@ -253,8 +281,8 @@ def _fit_value(
     return head.eval(), loss_val
 
 
-def _cross_fitted_values(
-    cfg: AWRConfig, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
+def cross_fitted_values(
+    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
 ) -> tuple[torch.Tensor, float]:
     """V(s) for every frame from a value fitted WITHOUT that frame's episode (``value_folds`` folds).
 
@@ -271,12 +299,33 @@ def _cross_fitted_values(
         train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
         if len(train_rows) == 0:
             train_rows = np.flatnonzero(~human)
-        head, loss = _fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}")
+        head, loss = fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}")
         rows = torch.from_numpy(np.flatnonzero(frame_fold == k)).to(feats.device)
         with torch.no_grad():
             values[rows] = head(feats[rows]).to(values.dtype)
         losses.append(loss)
     return values, float(np.mean(losses))
+
+
+def value_advantages(
+    cfg: ValueKnobs, feats: torch.Tensor, buf: TransitionBuffer, bc: np.ndarray
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
+    ``mc_return``, ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
+    and how well the value fits: its last loss, the std of the autonomous advantages, and the
+    out-of-fold value's correlation with the returns and explained variance ``1 - Var(G - V) / Var(G)``
+    over the autonomous frames."""
+    returns = torch.from_numpy(buf.array("mc_return")).to(feats.device)
+    values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc)
+    adv = (returns - values).cpu().numpy()
+    g, v = returns.cpu().numpy()[~bc], values.cpu().numpy()[~bc]
+    metrics: dict[str, Any] = {
+        "value_loss": value_loss,
+        "adv_std": float(adv[~bc].std()),
+        "value_return_corr": float(np.corrcoef(v, g)[0, 1]) if len(g) > 2 and g.std() > 0 else float("nan"),
+        "value_explained_var": float(1.0 - (g - v).var() / g.var()) if g.var() > 0 else float("nan"),
+    }
+    return adv, metrics
 
 
 def train_awr(cfg: AWRConfig) -> AWRResult:
@@ -304,20 +353,9 @@ def _score(
             f"recovery: e.g. teleoperated demonstrations); {cfg.variant} weighs the policy's own actions, so "
             "select rollouts too, or train sft (or qam) on demonstrations"
         )
-    # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode
-    feats = _all_features(base.policy, buf, device, instructions)
-    returns = torch.from_numpy(buf.array("mc_return")).to(device)
-    values, value_loss = _cross_fitted_values(cfg, feats, returns, buf.array("episode"), human)
-
-    # 2. advantages (values frozen)
-    adv = (returns - values).cpu().numpy()
-    metrics: dict[str, Any] = {
-        "value_loss": value_loss,
-        "adv_std": float(adv[~human].std()),
-        "value_return_corr": float(np.corrcoef(values.cpu().numpy(), returns.cpu().numpy())[0, 1])
-        if len(buf) > 2
-        else float("nan"),
-    }
+    # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode; 2. advantages
+    feats = all_features(base.policy, buf, device, instructions)
+    adv, metrics = value_advantages(cfg, feats, buf, human)
     if cfg.variant == "awr":
         weights = awr_weights(adv, human, cfg.beta, cfg.w_max, cfg.human_weight)
         w_auto = weights[~human]

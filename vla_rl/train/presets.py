@@ -90,6 +90,39 @@ PRESETS: dict[str, Preset] = {
             {**_KINEMATIC_PPO, "sde_steps": "all"},
         ),
         Preset(
+            "kinematic-awr-pi",
+            "awr-pi",
+            "online AWR policy iteration on the kinematic test bed: 20 episodes per iteration, 200 AWR updates, "
+            "12,000 env steps (the slow learning check in tests/test_awr_pi.py runs 4,000)",
+            {
+                "env_steps": 12_000,
+                "episodes_per_iteration": 20,
+                "num_envs": 2,
+                "steps_per_iteration": 200,
+                "value_steps": 500,
+                "batch_size": 64,
+                "lr": 1e-4,
+                "threads": 1,
+            },
+        ),
+        Preset(
+            "pickcube-awr-pi",
+            "awr-pi",
+            "online AWR policy iteration on PickCube state: 30 episodes per iteration on 2 robots, a fresh "
+            "cross-fitted value (300 steps), 500 greedy AWR updates (β = 0.3, lr 1e-4 kept), up to 100,000 env steps",
+            {
+                "env_steps": 100_000,
+                "episodes_per_iteration": 30,
+                "num_envs": 2,
+                "steps_per_iteration": 500,
+                "value_steps": 300,
+                "batch_size": 128,
+                "lr": 1e-4,
+                "beta": 0.3,
+                "threads": 1,
+            },
+        ),
+        Preset(
             "tiny-awr",
             "awr",
             "AWR at a smoke-test budget (20 value + 20 policy steps): `vla-rl up` in CI, not a recipe that learns",

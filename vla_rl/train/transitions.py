@@ -455,27 +455,39 @@ class TransitionBuffer:
         steps = max_steps or max(ep.length for ep in episodes)
         buf = cls(spec, reward=reward, gamma=gamma, max_steps=steps, cameras=cameras)
         for ep in episodes:
-            if ep.meta.spec != spec:
-                raise ValueError(f"episode {ep.meta.episode_id}: spec {ep.meta.spec.name!r} != {spec.name!r}")
-            if ep.length == 0:
-                continue
             eid = ep.meta.episode_id
-            _, success = effective_outcome(ep.meta.outcome, ep.meta.success, labels.get(eid, {}))
-            buf.add_episode(
-                state=ep.state,
-                action=ep.action,
-                reward=ep.reward,
-                terminated=ep.terminated,
-                controller=ep.controller,
-                success=bool(success),
-                cameras=ep.cameras if buf.use_cameras else None,
-                episode_id=eid,
-                instruction=_instructions(ep, labels.get(eid, {})),
-                spans=[(str(lb.value), lb.start, lb.end) for lb in spans.get(eid, []) if lb.key == SPAN_KEY],
-            )
+            buf.add_stored_episode(ep, labels.get(eid, {}), spans.get(eid, []))
         if not len(buf):
             raise ValueError("selected episodes hold no frames")
         return buf
+
+    def add_stored_episode(
+        self, ep: Episode, labels: Mapping[str, Any] | None = None, spans: Sequence[Any] = ()
+    ) -> None:
+        """Append a stored episode (:meth:`EpisodeStore.read_episode`) as :meth:`from_store` does: its
+        current episode ``labels`` (an ``outcome`` overrides the recorded success) and span labels
+        (``spans``: the DB's labels of the episode; those of key ``segment`` apply) from the metadata DB.
+        Empty episodes are skipped; another spec raises ValueError."""
+        if ep.meta.spec != self.spec:
+            raise ValueError(
+                f"episode {ep.meta.episode_id}: spec {ep.meta.spec.name!r} != {self.spec.name!r}"
+            )
+        if ep.length == 0:
+            return
+        labels = labels or {}
+        _, success = effective_outcome(ep.meta.outcome, ep.meta.success, labels)
+        self.add_episode(
+            state=ep.state,
+            action=ep.action,
+            reward=ep.reward,
+            terminated=ep.terminated,
+            controller=ep.controller,
+            success=bool(success),
+            cameras=ep.cameras if self.use_cameras else None,
+            episode_id=ep.meta.episode_id,
+            instruction=_instructions(ep, labels),
+            spans=[(str(lb.value), lb.start, lb.end) for lb in spans if lb.key == SPAN_KEY],
+        )
 
     def add_episode(
         self,

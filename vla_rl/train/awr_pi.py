@@ -1,0 +1,473 @@
+"""Online AWR policy iteration (Peng et al. 2019, "Advantage-Weighted Regression"): one algorithm, one file.
+
+Offline AWR (:mod:`vla_rl.train.awr`) scores the fleet's experience once and re-trains the policy on it.
+The original AWR is an online algorithm: it iterates
+
+1. **collect** ``episodes_per_iteration`` episodes with the CURRENT policy in the vectorised simulator
+   (``num_envs`` processes, :func:`sim.demos.record_policy_episodes`: controller ``policy``, the acting
+   weights' revision on every frame) into the episode store ``<out>/online_store`` (the dashboard can
+   review it), at episode seeds ``online_seed + k * (episodes_per_iteration + num_envs) + ...`` in
+   iteration ``k`` (far from the demos' 0+ and the evaluation's 100000+);
+2. **fit the value** on the offline store's selected episodes (``data``: demos, fleet rollouts) plus the
+   newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
+   cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
+   :func:`vla_rl.train.awr.value_advantages`); a fresh value each iteration, on the frozen base's
+   features (the normalised state for state-only policies);
+3. **regress the policy** for ``steps_per_iteration`` updates of weighted flow matching on the same
+   buffer, ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`vla_rl.train.awr.awr_weights`), continuing
+   from the current weights with the optimiser's state kept across iterations (linear warm-up, then a
+   constant learning rate); the EMA of the weights acts in the next collection and is shipped;
+
+until ``env_steps`` simulator steps are spent (the last collection stops at the budget; episodes cut
+there are closed ``aborted`` and not learned from).
+
+Outputs::
+
+    <out>/checkpoints/last/   the EMA policy (lineage algorithm "awr-pi")
+    <out>/online_store/       every online episode (Zarr episode store)
+    <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids (resume)
+    <out>/curve.json          one row per iteration; <out>/tb/ TensorBoard
+
+**Resume.** The train state is written atomically after every iteration. Re-running into the same
+``out`` continues from the last finished iteration exactly (collection seeds, batches and noise are
+functions of the run seed and the iteration / update count); episodes an interrupted iteration had
+already closed stay in the online store but are not learned from (the iteration records its own again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from fleet.db import MetadataDB
+from fleet.store import Episode, EpisodeStore
+from policies.flow_vla import FlowVLAPolicy
+from vla_rl.policy_loading import LoadedPolicy, load_policy
+from vla_rl.train.awr import all_features, awr_weights, value_advantages
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
+from vla_rl.train.common import (
+    EMA,
+    TRAIN_STATE,
+    batch_to_policy_inputs,
+    config_dict,
+    instruction_table,
+    load_train_state,
+    save_derived_checkpoint,
+    save_train_state,
+    seed_step,
+    warmup_cosine,
+)
+from vla_rl.train.distributed import SINGLE
+from vla_rl.train.divl import DIVLConfig
+from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, select_episode_ids
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AWRPIConfig", "iteration_seed", "train_awr_pi", "weights_revision"]
+
+
+@dataclass(kw_only=True)
+class AWRPIConfig(TrainerConfig):
+    """Every knob of an online AWR policy-iteration run. The value and policy-extraction knobs mean
+    what they mean in :class:`vla_rl.train.awr.AWRConfig`."""
+
+    algorithm: ClassVar[str] = "awr-pi"
+
+    store: Path = field()
+    """Episode store with the offline experience (demos, fleet rollouts): part of every iteration's buffer."""
+
+    # online collection
+    env_steps: int = 20_000
+    """Budget of simulator steps (all robots together); the run stops once it is spent."""
+    episodes_per_iteration: int = 20
+    """Episodes collected with the current policy before each value fit and policy update."""
+    num_envs: int = 2
+    """Simulator processes stepping together."""
+    buffer_episodes: int = 0
+    """Keep only the newest this many online episodes in the buffer (the offline data always stays);
+    0 = every online episode."""
+    max_episode_steps: int | None = None
+    """Episode time limit; None = the task's."""
+    online_seed: int = 200_000
+    """First episode seed of online collection (demos start at 0, evaluation at 100000)."""
+    n_exec: int | None = None
+    """Actions executed per chunk; None = the policy's ``n_exec``."""
+
+    # value function (as AWRConfig)
+    value: Literal["categorical", "expectile", "divl"] = "categorical"
+    """V(s): a categorical head's mean, IQL's expectile, or DIVL's τ-quantile of the categorical head."""
+    reward: RewardKind = "steps_to_go"
+    """Return definition (transitions.py); steps_to_go makes faster successes better."""
+    gamma: float = 1.0
+    """Discount of the Monte-Carlo returns."""
+    value_steps: int = 1000
+    """Gradient steps per value fit (one fit per fold, every iteration)."""
+    value_folds: int = 2
+    """Cross-fitting: each episode's advantages come from a value fitted on the other folds (1 = off)."""
+    value_lr: float = 1e-3
+    value_hidden: tuple[int, ...] = (256, 256)
+    value_bins: int = 51
+    """Atoms of the categorical value, spanning the buffer's return range."""
+    expectile: float = 0.7
+    """tau of the expectile value (value="expectile")."""
+    divl_quantile: float = 0.7
+    """τ of the DIVL read-out (value="divl")."""
+
+    # policy extraction (as AWRConfig; the optimiser and EMA continue across iterations)
+    steps_per_iteration: int = 500
+    """Weighted flow-matching updates after each value fit (0: collect and fit only, a control run)."""
+    batch_size: int = 128
+    lr: float = 1e-4
+    """Constant after warm-up: every iteration fine-tunes the current policy on fresh data."""
+    weight_decay: float = 1e-4
+    warmup_steps: int = 50
+    grad_clip: float = 1.0
+    ema_decay: float = 0.995
+    """EMA of the weights: the policy that acts in the next collection and the one shipped."""
+    beta: float = 1.0
+    """AWR temperature on std-normalised advantages: smaller = greedier."""
+    w_max: float = 20.0
+    """AWR weight clip."""
+    human_weight: float = 1.0
+    """Weight of human-intervention and recovery frames of the offline data (plain behaviour cloning)."""
+
+    # bookkeeping
+    resume: bool = True
+    """Continue from <out>/train_state.pt when it exists (from the last finished iteration)."""
+    stop_at: int | None = None
+    """Stop after this many iterations, as a preempted job would (tests, budgets in iterations)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.value_hidden = tuple(self.value_hidden)
+        if self.value not in ("categorical", "expectile", "divl"):
+            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
+        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
+        for name in (
+            "env_steps",
+            "episodes_per_iteration",
+            "num_envs",
+            "value_steps",
+            "value_folds",
+            "batch_size",
+            "value_bins",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("steps_per_iteration", "buffer_episodes", "warmup_steps", "online_seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)}")
+        for name in ("max_episode_steps", "n_exec", "stop_at"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer or None, got {getattr(self, name)}")
+        for name in ("lr", "value_lr", "beta", "w_max", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        if not 0.0 < self.expectile < 1.0:
+            raise ValueError(f"expectile: expected in (0, 1), got {self.expectile}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
+        if self.weight_decay < 0 or self.human_weight < 0:
+            raise ValueError("weight_decay and human_weight: expected >= 0")
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def iteration_seed(cfg: AWRPIConfig, iteration: int) -> int:
+    """First episode seed of iteration ``k``'s collection: ``online_seed + k * (E + N)``. An iteration
+    starts at most E + N - 1 episodes (robot i's j-th at ``seed + i + j N``), so no two share a seed."""
+    return cfg.online_seed + iteration * (cfg.episodes_per_iteration + cfg.num_envs)
+
+
+def weights_revision(model: torch.nn.Module) -> str:
+    """``awr-pi:<sha1 of the weights, 16 hex>``: the revision recorded on the frames a training policy
+    acted in (the base's own commit while the weights are still the base's)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return "awr-pi:" + h.hexdigest()[:16]
+
+
+def newest(ids: Sequence[str], keep: int) -> list[str]:
+    """The last ``keep`` of ``ids`` (all of them for ``keep = 0``)."""
+    return list(ids[-keep:]) if keep else list(ids)
+
+
+@dataclass
+class _Offline:
+    """The offline episodes, read once, with their current labels and span labels."""
+
+    episodes: list[Episode]
+    labels: dict[str, Mapping[str, Any]]
+    spans: dict[str, list[Any]]
+
+
+def _load_offline(cfg: AWRPIConfig, task: str, cameras: bool) -> _Offline:
+    store = EpisodeStore(cfg.store)
+    own = store.root / "metadata.db" if isinstance(store.root, Path) else None
+    selection = DataSelection.parse(task, cfg.data)
+    db = MetadataDB(cfg.db_url) if cfg.db_url else None
+    if db is None and (selection.labels or selection.rounds or (own is not None and own.exists())):
+        db = MetadataDB.for_store(store.root)
+    ids = select_episode_ids(
+        store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
+    )
+    return _Offline(
+        episodes=[store.read_episode(e, cameras=cameras) for e in ids],
+        labels=db.current_labels(ids) if db is not None else {},
+        spans=db.current_spans(ids) if db is not None else {},
+    )
+
+
+def _buffer(
+    cfg: AWRPIConfig, offline: _Offline, online: Sequence[Episode], max_steps: int, cameras: bool
+) -> TransitionBuffer:
+    """The iteration's buffer: every offline episode, then the given online ones (oldest first)."""
+    buf = TransitionBuffer(
+        offline.episodes[0].meta.spec,
+        reward=cfg.reward,
+        gamma=cfg.gamma,
+        max_steps=max_steps,
+        cameras=cameras,
+    )
+    for ep in offline.episodes:
+        eid = ep.meta.episode_id
+        buf.add_stored_episode(ep, offline.labels.get(eid, {}), offline.spans.get(eid, []))
+    for ep in online:
+        buf.add_stored_episode(ep)
+    return buf
+
+
+# ---------------------------------------------------------------------------- training
+def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
+    """Iterate collection, value fit and AWR updates until ``env_steps`` are spent; returns the
+    checkpoint (the EMA policy) with the per-iteration curve. Re-running into ``out`` resumes."""
+    from sim.demos import record_policy_episodes
+    from sim.vector import VectorSimEnv
+    from vla_rl.evaluation_offline import is_sim_task
+    from vla_rl.policy_loading import pick_device
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(SINGLE.threads(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.device)
+    base = load_policy(cfg.base, device=str(device))
+    spec = base.info.robot_spec
+    task = cfg.task or spec.name
+    if task != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {task!r}")
+    if not is_sim_task(task):
+        raise ValueError(f"task: {task!r} is not a simulator task; awr-pi collects online (use awr offline)")
+    cameras = bool(spec.cameras)
+    offline = _load_offline(cfg, task, cameras)
+    if offline.episodes[0].meta.spec.state_dim != spec.state_dim:
+        raise ValueError(
+            f"store episodes (spec {offline.episodes[0].meta.spec.name}) do not match the base's spec"
+        )
+
+    model = FlowVLAPolicy(base.policy.config).to(device)
+    model.load_state_dict(base.policy.state_dict())
+    ema = EMA(model, cfg.ema_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.warmup_steps + 1, 1.0)
+    )
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    online_store = EpisodeStore(cfg.out / "online_store", create=not (cfg.out / "online_store").exists())
+    state_path = cfg.out / TRAIN_STATE
+    iteration, env_steps, updates = 0, 0, 0
+    online_ids: list[str] = []
+    curve: list[dict[str, Any]] = []
+    if cfg.resume and state_path.exists():
+        st = load_train_state(state_path)
+        model.load_state_dict(st["model"])
+        ema.load_state_dict(st["ema"])
+        optimizer.load_state_dict(st["optimizer"])
+        scheduler.load_state_dict(st["scheduler"])
+        iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
+        online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
+        log.info(
+            "awr-pi resumed", extra={"iteration": iteration, "env_steps": env_steps, "from": str(state_path)}
+        )
+    # the online episodes the next buffer can hold, in memory (older ones stay in the store only)
+    online: dict[str, Episode] = {
+        e: online_store.read_episode(e, cameras=cameras) for e in newest(online_ids, cfg.buffer_episodes)
+    }
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(cfg.out / "tb"), purge_step=iteration)
+    if iteration == 0:
+        writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+    env = VectorSimEnv(
+        task,
+        num_envs=cfg.num_envs,
+        seed=cfg.online_seed,
+        obs="rgb" if cameras else "state",
+        image_size=spec.cameras[0].height if cameras else 128,
+        max_episode_steps=cfg.max_episode_steps,
+    )
+    max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
+    n_exec = cfg.n_exec or base.policy.config.n_exec
+    a_cfg = model.config
+    bar = StepProgress(
+        cfg.env_steps, initial=env_steps, stage="online", desc="awr-pi", unit="env step", show=cfg.progress
+    )
+    try:
+        while env_steps < cfg.env_steps and (cfg.stop_at is None or iteration < cfg.stop_at):
+            it0 = time.perf_counter()
+            # 1. collect with the current (EMA) policy
+            revision = base.commit if updates == 0 else weights_revision(ema.model)
+            acting = LoadedPolicy(
+                policy=ema.model, info=base.info, path=base.path, commit=revision, ref="awr-pi"
+            )
+            rep = record_policy_episodes(
+                online_store,
+                env,
+                acting,
+                cfg.episodes_per_iteration,
+                seed=iteration_seed(cfg, iteration),
+                n_exec=n_exec,
+                revision=revision,
+                robot_prefix="awr-pi",
+                progress=False,
+                max_env_steps=cfg.env_steps - env_steps,
+            )
+            env_steps += rep.env_steps
+            bar.update(rep.env_steps)
+            for e in rep.episode_ids:
+                online[e] = online_store.read_episode(e, cameras=cameras)
+            online_ids += rep.episode_ids
+            collect_s = time.perf_counter() - it0
+            # 2. value and advantages on offline + the newest online episodes
+            kept = newest(online_ids, cfg.buffer_episodes)
+            for e in set(online) - set(kept):
+                del online[e]
+            buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
+            instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
+            bc = buf.array("bc").astype(bool)
+            feats = all_features(base.policy, buf, device, instructions)
+            seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
+            adv, vm = value_advantages(cfg, feats, buf, bc)
+            weights = torch.from_numpy(awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight))
+            w_auto = weights.numpy()[~bc]
+            # 3. weighted flow matching from the current weights
+            model.train()
+            losses = []
+            for _ in range(cfg.steps_per_iteration):
+                seed_step(cfg.seed, updates)
+                idx = np.random.default_rng([cfg.seed, updates]).integers(0, len(buf), size=cfg.batch_size)
+                batch = batch_to_policy_inputs(
+                    buf.batch(idx, horizon=a_cfg.chunk_len, n_step=1), device, instructions
+                )
+                loss, _m = model.flow_matching_loss(batch, weights=weights[idx].to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                ema.update(model)
+                updates += 1
+                losses.append(float(loss.detach()))
+            iteration += 1
+            row = {
+                "iteration": iteration,
+                "env_steps": env_steps,
+                "episodes": rep.episodes,
+                "rollout_success": rep.success_rate if rep.episodes else float("nan"),
+                "revision": revision,
+                "online_episodes": len(online_ids),
+                "buffer_episodes": len(buf.episode_ids),
+                "buffer_frames": len(buf),
+                **{k: float(v) for k, v in vm.items()},
+                "weight_mean": float(w_auto.mean()) if len(w_auto) else float("nan"),
+                "effective_sample_frac": float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum()))
+                if len(w_auto)
+                else float("nan"),
+                "loss": float(np.mean(losses)) if losses else float("nan"),
+                "updates": updates,
+                "collect_seconds": collect_s,
+                "seconds": time.perf_counter() - it0,
+            }
+            curve.append(row)
+            for k, v in row.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    writer.add_scalar(f"awr_pi/{k}", v, iteration)
+            log.info(
+                "awr-pi iteration",
+                extra={k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
+            )
+            bar.set_postfix(
+                it=iteration, success=f"{row['rollout_success']:.0%}", corr=f"{vm['value_return_corr']:.2f}"
+            )
+            save_train_state(
+                state_path,
+                model=model.state_dict(),
+                ema=ema.state_dict(),
+                optimizer=optimizer.state_dict(),
+                scheduler=scheduler.state_dict(),
+                iteration=iteration,
+                env_steps=env_steps,
+                updates=updates,
+                online_ids=json.dumps(online_ids),
+                curve=json.dumps(curve),
+            )
+            if not rep.episodes:
+                break  # the budget ran out inside the first episodes of this collection
+    finally:
+        bar.close()
+        writer.close()
+        env.close()
+
+    successes = [r["rollout_success"] for r in curve if math.isfinite(r["rollout_success"])]
+    metrics: dict[str, Any] = {
+        "iterations": iteration,
+        "env_steps": env_steps,
+        "updates": updates,
+        "online_episodes": len(online_ids),
+        "rollout_success_first": successes[0] if successes else float("nan"),
+        "rollout_success_last": successes[-1] if successes else float("nan"),
+        **(
+            {k: curve[-1][k] for k in ("value_return_corr", "value_explained_var", "value_loss")}
+            if curve
+            else {}
+        ),
+    }
+    data = {
+        "selection": DataSelection.parse(task, cfg.data).to_dict(),
+        "offline_episodes": len(offline.episodes),
+        "online_store": str(cfg.out / "online_store"),
+        "online_episodes": len(online_ids),
+        "env_steps": env_steps,
+    }
+    ckpt = cfg.out / "checkpoints" / "last"
+    # weights and card are replaced atomically and the config (with their hashes) last: a kill leaves a
+    # checkpoint that either loads or fails its hash check, never a silently mixed one
+    save_derived_checkpoint(
+        ckpt,
+        ema.model,
+        base.info,
+        algorithm=cfg.algorithm,
+        parent_revision=base.commit if base.commit else cfg.base,
+        data=data,
+        metrics={k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()},
+        round_index=cfg.round_index,
+    )
+    (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
+    seconds = time.perf_counter() - t0
+    log.info("awr-pi done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
+    return TrainResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)
