@@ -282,6 +282,7 @@ def test_algorithms_lists_every_trainer_and_preset_with_their_knobs(dash: Dashbo
     assert {n: (a["offline"], a["online"]) for n, a in algos.items()} == {
         "sft": (True, False),
         "awr": (True, False),
+        "awr-pi": (True, True),
         "recap": (True, False),
         "qam": (True, True),
         "fql": (True, False),
