@@ -22,7 +22,7 @@ TEST_WORKERS ?= 2
 test: setup
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m ruff format --check .
-	.venv/bin/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile
+	.venv/bin/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 lint: setup
 	.venv/bin/python -m ruff check . && .venv/bin/python -m ruff format --check .

@@ -24,6 +24,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from vla_rl.hub.registry import configure_hub, push_folder, resolve
 from vla_rl.hub.server import HubServer
+from vla_rl.round_worker import finished_by
 from vla_rl.rounds import RoundConfig, RoundError, queue_round, run_round
 from vla_rl.train.algorithms import make_config
 from vla_rl.train.sft import SFTConfig, train_sft
@@ -112,6 +113,24 @@ def test_queue_transitions(base: tuple[Path, Path], tmp_path: Path, db_url: str)
     assert db.cancel_round(c).status == "running" and db.heartbeat_round(c, "w6") is True
     with pytest.raises(ValueError, match="already failed"):
         db.cancel_round(a)
+
+
+def test_a_result_recorded_between_heartbeats_is_not_a_lost_round(
+    base: tuple[Path, Path], tmp_path: Path, db_url: str
+) -> None:
+    """The round's process records its result and exits; a heartbeat that falls in between fails, and
+    the worker must read that as the round finished (by it), not as the round taken away."""
+    store, ckpt = base
+    db = MetadataDB(db_url)
+    a, b = (queue_round(_round(store, ckpt, tmp_path), db) for _ in range(2))
+    db.claim_round("w1"), db.claim_round("w2")
+    db.update_round(a, status="succeeded", finished_at=time.time())
+    with pytest.raises(RoundLost):
+        db.heartbeat_round(a, "w1")
+    assert finished_by(db, a, "w1") == "succeeded"
+    assert finished_by(db, a, "w2") is None  # someone else's round
+    db.requeue_stale_rounds(stale_after_s=-1, max_attempts=2)  # b re-queued: taken away from w2
+    assert finished_by(db, b, "w2") is None
 
 
 def _claim_all(url: str, worker: str, out: Any) -> None:

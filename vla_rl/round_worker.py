@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.db import MetadataDB, RoundLost, default_url
+from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,12 @@ def run_claimed(
         try:
             cancel = db.heartbeat_round(round_id, worker)
         except RoundLost as e:
+            finished = finished_by(db, round_id, worker)
+            if finished is not None:  # our child recorded its result and is exiting: not lost
+                child.join(30)
+                if child.is_alive():
+                    _stop(child)
+                return finished
             log.error("round lost; stopping it", extra={"round": round_id, "error": str(e)})
             _stop(child)
             return "lost"
@@ -128,6 +134,15 @@ def run_claimed(
         )
     final = db.round(round_id)
     return final.status if final is not None else "missing"
+
+
+def finished_by(db: MetadataDB, round_id: int, worker: str) -> str | None:
+    """The round's final status when ``worker`` ran it to the end (its process recorded the result
+    between two heartbeats), else None: then a failed heartbeat means the round was taken away."""
+    rec = db.round(round_id)
+    if rec is not None and rec.status in FINISHED_STATUSES and rec.worker == worker:
+        return rec.status
+    return None
 
 
 def _stop(child: Any) -> None:

@@ -655,7 +655,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     "db_url": db_url,
                     "seed": cfg.seed + n,
                     "progress": False,
-                    "threads": 1,
+                    "threads": training_threads(),
                 }
                 if cfg.data is not None:
                     common["data"] = cfg.data
@@ -745,6 +745,14 @@ HEADER = [
 ]
 
 
+def training_threads() -> int:
+    """Torch threads for the base's and the rounds' training: every core, at most 4. The fleet is idle
+    while a round trains (it collects its batch before the round is queued), so training may take the
+    whole machine: on 2 cores a round's AWR trains ~1.4x faster on 2 threads than on 1 (quiet machine,
+    docs/benchmarks.md); the cap keeps a small policy from spreading over a big machine's cores."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) -> None:
     """The deliberately weak base: SFT on a few noisy demos, pushed as ``base`` and ``prod`` (once)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
@@ -785,6 +793,7 @@ def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) -
         "task": cfg.task,
         "seed": cfg.seed,
         "progress": cfg.progress,
+        "threads": training_threads(),
     }
     if cfg.base_steps is not None:
         values["steps"] = cfg.base_steps
