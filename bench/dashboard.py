@@ -197,8 +197,9 @@ class Dashboard:
     def __init__(
         self, store: Path, work: Path, extra: tuple[str, ...] = (), code: Path | None = None
     ) -> None:
-        """``code``: run the dashboard of that source tree (put first on its PYTHONPATH; an A/B of two
-        checkouts, bench/dashboard_ab.py), default this one."""
+        """``code``: run the dashboard of that source tree (its working directory, which ``python -m``
+        puts first on the path, and first on its PYTHONPATH; an A/B of two checkouts,
+        bench/dashboard_ab.py), default this one."""
         self.port = _free_port()
         env = os.environ | {"VLA_RL_DASHBOARD_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
         if code is not None:
@@ -213,6 +214,7 @@ class Dashboard:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=code,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx

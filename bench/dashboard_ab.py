@@ -30,7 +30,7 @@ from fleet.store import EpisodeStore
 MEASURES = ("just_started", "fresh_browser", "warm")
 
 
-def first_list(page: Any, url: str) -> tuple[float, dict[str, float]]:
+def first_list(page: Any, url: str) -> tuple[float, dict[str, Any]]:
     """Go to the Episodes page; (navigation -> rows drawn in ms, its waterfall)."""
     t0 = time.time()
     page.goto(f"{url}/episodes")
@@ -39,7 +39,10 @@ def first_list(page: Any, url: str) -> tuple[float, dict[str, float]]:
     wf = {k: round(v, 1) for k, v in page.evaluate(LIST_WATERFALL).items() if v is not None}
     drawn = page.evaluate("window.vlaEpisodesRendered")
     wf["unix_s"] = round(t0, 3)  # when it began (to line up with the dashboard's own logs)
-    wf["sync_phase"] = drawn.get("sync")  # the start-up sync's phase when the list was asked (already synced: waiting / done)
+    # which tree's page it was (its script's URL carries that tree's asset hash)
+    wf["script"] = page.evaluate("new URL(document.querySelector('script[type=module]').src).pathname")
+    # the start-up sync's phase when the list was asked (an already-synced store: waiting or done)
+    wf["sync_phase"] = drawn.get("sync")
     return float(drawn["at"]), wf
 
 
