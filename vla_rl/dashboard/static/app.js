@@ -128,5 +128,6 @@ async function main() {
   await first.finally(health);
 }
 
-window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval(healthTimer) };
+// stopHealth before the first check also keeps it from starting (healthTimer no longer null)
+window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval((healthTimer = healthTimer ?? 0)) };
 main();
