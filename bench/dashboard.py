@@ -194,9 +194,16 @@ def clone_episodes(store: EpisodeStore, template_ids: list[str], n: int, prefix:
 class Dashboard:
     """`vla-rl dashboard` in its own process (a fresh one = cold server caches)."""
 
-    def __init__(self, store: Path, work: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, store: Path, work: Path, extra: tuple[str, ...] = (), code: Path | None = None
+    ) -> None:
+        """``code``: run the dashboard of that source tree (its working directory, which ``python -m``
+        puts first on the path, and first on its PYTHONPATH; an A/B of two checkouts,
+        bench/dashboard_ab.py), default this one."""
         self.port = _free_port()
         env = os.environ | {"VLA_RL_DASHBOARD_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+        if code is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
         env.pop("VLA_RL_DASHBOARD_TOKENS_FILE", None)
         cmd = [sys.executable, "-m", "vla_rl.cli", "dashboard", "--store", str(store), "--workdir", str(work)]
         work.mkdir(parents=True, exist_ok=True)
@@ -207,6 +214,7 @@ class Dashboard:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=code,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -297,11 +305,15 @@ LIST_WATERFALL = """() => {
   const list = api("/episodes");
   const mods = r.filter((e) => e.name.includes("/static/"));
   const mark = (n) => (performance.getEntriesByName(n, "mark")[0] || {}).startTime;
-  const app = (e) => (e && e.serverTiming ? (e.serverTiming.find((t) => t.name === "app") || {}).duration : null);
+  const app = (e, name = "app") => (e && e.serverTiming ? (e.serverTiming.find((t) => t.name === name) || {}).duration : null);
   return {
     // the server's own time (its Server-Timing header): the rest of a request is network and browser
     html_server_ms: app(nav),
     list_server_ms: app(list),
+    // its phases (labels.py: the SQL query, the auto-flags, the JSON; absent from dashboards before them)
+    list_query_ms: app(list, "query"),
+    list_flags_ms: app(list, "flags"),
+    list_json_ms: app(list, "json"),
     html_sent_ms: nav.requestStart,
     html_done_ms: nav.responseEnd,
     modules_done_ms: Math.max(...mods.map((e) => e.responseEnd)),
@@ -311,6 +323,7 @@ LIST_WATERFALL = """() => {
     list_sent_ms: list ? list.requestStart : null,
     list_done_ms: list ? list.responseEnd : null,
     list_received_ms: mark("vla:episodes-received"),
+    rows_in_dom_ms: mark("vla:episodes-in-dom"),
     drawn_ms: window.vlaEpisodesRendered.at,
   };
 }"""

@@ -233,29 +233,26 @@ def test_health_session_roles_schema_and_pages(dash: Dashboard, world: FleetWorl
 
 
 def test_the_page_loads_versioned_immutable_assets(dash: Dashboard, tmp_path: Path) -> None:
-    """The page names its assets under /static/<content hash>/ (cached forever, immutable; ES modules'
-    relative imports stay in that version) and preloads the modules its route runs; the hash changes
-    with any asset's bytes."""
+    """The page names its assets under /static/<content hash>/ (cached forever, immutable) and runs the
+    bundle of every module (vla_rl.dashboard.assets.bundle): one script, whatever the route; the hash
+    changes with any asset's bytes."""
     import re
 
-    from vla_rl.dashboard.assets import STATIC, static_version
+    from vla_rl.dashboard.assets import BUNDLE, STATIC, static_version
 
     anon = dash.client(None)
     page = anon.get("/episodes").text
     version = static_version()
-    assert re.fullmatch(r"[0-9a-f]{12}", version) and f'src="/static/{version}/app.js"' in page
-    # a fresh browser fetches what the route runs at once (app.js, its page and their static imports)
-    core = ["api.js", "app.js", "router.js", "util.js"]
-    expect = {
-        "/episodes": [*core, "labels.js", "pages/episodes.js"],
-        "/episodes/abc": [*core, "labels.js", "pages/episode.js", "player.js", "plot.js", "timeline.js"],
-        "/rounds/3": [*core, "labels.js", "pages/rounds.js", "plot.js"],
-        "/": [*core, "pages/fleet.js", "plot.js"],
-    }
-    for path, mods in expect.items():
+    assert re.fullmatch(r"[0-9a-f]{12}", version)
+    for path in ("/episodes", "/episodes/abc", "/rounds/3", "/"):
         html = anon.get(path).text
-        preloaded = re.findall(rf'<link rel="modulepreload" href="/static/{version}/([^"]+)"', html)
-        assert sorted(preloaded) == sorted(mods), path
+        scripts = re.findall(r'<script type="module" src="([^"]+)"', html)
+        assert scripts == [f"/static/{version}/{BUNDLE}"] and "modulepreload" not in html, path
+    js = anon.get(f"/static/{version}/{BUNDLE}").text
+    modules = re.findall(r"^// ---- (\S+)$", js, re.M)
+    every = sorted(p.relative_to(STATIC).as_posix() for p in STATIC.rglob("*.js"))
+    assert sorted(modules) == every and modules[-1] == "app.js"  # each module once, the entry last
+    assert page == html
     for asset in ("app.js", "pages/rounds.js", "style.css"):
         r = anon.get(f"/static/{version}/{asset}")
         assert r.status_code == 200 and r.content == (STATIC / asset).read_bytes()
@@ -792,7 +789,12 @@ def test_episode_list_filters_sorts_and_pages_in_the_db(dash: Dashboard, world: 
     c = dash.client("viewer")
     db = world.db
     everything = db.episodes()
-    got = c.get("/api/v1/episodes", params={"per_page": 500}).json()
+    r = c.get("/api/v1/episodes", params={"per_page": 500})
+    # the list's phases in its Server-Timing (what a browser's network tab shows), beside the app's total
+    phases = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+    assert list(phases) == ["query", "flags", "json", "app"] and all(float(v) >= 0 for v in phases.values())
+    assert r.headers["content-type"] == "application/json"
+    got = r.json()
     assert got["total"] == len(everything) and got["page"] == 1 and got["per_page"] == 500
     created = [x["created_at"] for x in got["items"]]
     assert created == sorted(created, reverse=True)  # default -created_at

@@ -5,19 +5,29 @@ start-up (no path from a request reaches the file system)."""
 from __future__ import annotations
 
 import gzip
+import re
 from pathlib import Path
 
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from vla_rl.dashboard.assets import AssetServer, index_page, load_assets, static_version
+from vla_rl.dashboard.assets import (
+    BUNDLE,
+    AssetServer,
+    BundleError,
+    bundle,
+    index_page,
+    load_assets,
+    static_version,
+)
 
 
 def _app(root: Path) -> tuple[TestClient, str]:
     version = static_version(root)
     app = FastAPI()
     app.add_api_route("/static/{path:path}", AssetServer(version, root).serve, methods=["GET", "HEAD"])
-    app.add_api_route("/episodes", index_page(version, "/episodes", root), methods=["GET"])
+    app.add_api_route("/episodes", index_page(version, root), methods=["GET"])
     return TestClient(app), version
 
 
@@ -25,15 +35,18 @@ def _root(tmp_path: Path) -> Path:
     root = tmp_path / "static"
     (root / "pages").mkdir(parents=True)
     (root / "app.js").write_text(
-        'import { x } from "./util.js";\nroute("/episodes", () => import("./pages/episodes.js"));\n'
-        + "// padding so that it is gzipped\n" * 60
+        'import { x, y as why } from "./util.js";\n'
+        'route("/episodes", () => import("./pages/episodes.js"));\n'
+        "export function can(role) {\n  return role + x + why;\n}\n"
+        + "// padding so that it is gzipped\n"
+        * 60
     )
-    (root / "util.js").write_text("export const x = 1;\n")
-    (root / "pages" / "episodes.js").write_text('import { x } from "../util.js";\nexport const y = x;\n')
+    (root / "util.js").write_text("export const x = 1;\nexport async function y() {}\nconst own = 2;\n")
+    (root / "pages" / "episodes.js").write_text('import { x } from "../util.js";\nexport class Page {}\n')
     (root / "style.css").write_text("body { margin: 0 }\n")
     (root / "index.html").write_text(
-        '<html><head>\n    <!-- modulepreload -->\n<script type="module" src="/static/app.js"></script>'
-        '<link rel="stylesheet" href="/static/style.css" /></head></html>\n'
+        '<html><head><link rel="stylesheet" href="/static/style.css" />'
+        '<script type="module" src="/static/app.bundle.js"></script></head></html>\n'
     )
     (tmp_path / "secret.txt").write_text("not an asset")
     return root
@@ -62,7 +75,8 @@ def test_assets_come_from_memory_with_cache_headers_etag_and_gzip(tmp_path: Path
     assert r.headers["content-encoding"] == "gzip" and r.headers["vary"] == "Accept-Encoding"
     assert r.content == body and int(r.headers["content-length"]) < len(body) / 2
     small = client.get(f"/static/{version}/util.js", headers={"Accept-Encoding": "gzip"})
-    assert small.content == b"export const x = 1;\n" and "content-encoding" not in small.headers  # too small
+    small_body = (root / "util.js").read_bytes()
+    assert small.content == small_body and "content-encoding" not in small.headers  # too small
 
     # revalidation: a matching ETag is a 304 without a body; a stale one gets the file
     r = client.get("/static/app.js", headers={"If-None-Match": etag})
@@ -88,21 +102,61 @@ def test_assets_come_from_memory_with_cache_headers_etag_and_gzip(tmp_path: Path
         assert r.status_code == 404 and b"not an asset" not in r.content, path
 
 
-def test_the_page_is_built_once_with_versioned_urls_and_its_modules_preloaded(tmp_path: Path) -> None:
+def test_the_page_is_built_once_with_versioned_urls_and_runs_the_bundle(tmp_path: Path) -> None:
     root = _root(tmp_path)
     client, version = _app(root)
     r = client.get("/episodes")
     assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
-    assert f'src="/static/{version}/app.js"' in r.text and f'href="/static/{version}/style.css"' in r.text
-    preloads = sorted(line.split('"')[3] for line in r.text.splitlines() if "modulepreload" in line)
-    assert preloads == [f"/static/{version}/{m}" for m in ("app.js", "pages/episodes.js", "util.js")]
+    assert f'src="/static/{version}/{BUNDLE}"' in r.text and f'href="/static/{version}/style.css"' in r.text
+    js = client.get(f"/static/{version}/{BUNDLE}")
+    assert js.status_code == 200 and js.text == bundle(root)
+    assert js.headers["cache-control"] == "public, max-age=31536000, immutable"
+    assert js.headers["content-type"].startswith(("text/javascript", "application/javascript"))
     (root / "index.html").write_text("changed on disk")  # built once: a running app keeps its page
     assert client.get("/episodes").text == r.text
 
 
+def test_bundle_runs_each_module_once_dependencies_first_with_its_own_scope(tmp_path: Path) -> None:
+    text = bundle(_root(tmp_path))
+    order = [line.split()[2] for line in text.splitlines() if line.startswith("// ---- ")]
+    # depth-first in import order (util.js, then the page app.js routes to), the entry last
+    assert order == ["util.js", "pages/episodes.js", "app.js"]
+    lines = text.splitlines()
+    assert 'const { x, y: why } = __vlaModules["util.js"];' in lines  # `as` renames
+    assert 'const { x } = __vlaModules["util.js"];' in lines  # ../ resolved from pages/
+    assert 'route("/episodes", () => Promise.resolve(__vlaModules["pages/episodes.js"]));' in lines
+    # export dropped from declarations, which each module returns as its namespace (own names stay inside)
+    assert "const x = 1;" in lines and "async function y() {}" in lines and "function can(role) {" in lines
+    assert "return { x, y };" in lines and "return { Page };" in lines and "return { can };" in lines
+    assert not any(line.startswith(("import ", "export ")) for line in lines)
+    assert len(load_assets(_root(tmp_path / "again"))[BUNDLE].gzipped or b"") > 0  # served gzipped too
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("export let n = 1;\n", "util.js:1: expected export function"),  # a live binding would freeze
+        ("export default 1;\n", "util.js:1: expected export function"),
+        ("const a = 1;\nexport { a };\n", "util.js:2: expected export function"),
+        ('import * as m from "./app.js";\n', "util.js:1: expected export function"),
+        ("import {\n  a,\n} from './app.js';\n", "util.js:1: expected export function"),
+        ('import { } from "./app.js";\n', "util.js:1: expected import { a, b as c }"),
+        ("const m = import(name);\n", 'util.js:1: expected import("./x.js")'),
+        ("const u = import.meta.url;\n", "util.js:1: import.meta"),
+        ('import { a } from "./missing.js";\n', "missing.js: imported but not under"),
+        ('import { can } from "./app.js";\n', "import cycle: app.js -> util.js -> app.js"),
+    ],
+)
+def test_bundle_refuses_what_it_does_not_handle(tmp_path: Path, source: str, what: str) -> None:
+    root = _root(tmp_path)
+    (root / "util.js").write_text(source)
+    with pytest.raises(BundleError, match="^" + re.escape(what)):
+        bundle(root)
+
+
 def test_load_assets_types_and_gzip_copies(tmp_path: Path) -> None:
     assets = load_assets(_root(tmp_path))
-    assert sorted(assets) == ["app.js", "index.html", "pages/episodes.js", "style.css", "util.js"]
+    assert sorted(assets) == [BUNDLE, "app.js", "index.html", "pages/episodes.js", "style.css", "util.js"]
     app = assets["app.js"]
     assert app.gzipped is not None and gzip.decompress(app.gzipped) == app.body
     assert assets["util.js"].gzipped is None and assets["style.css"].media_type.startswith("text/css")

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vla_rl import __version__
 from vla_rl.dashboard import episodes, fleet, labels, rounds
-from vla_rl.dashboard.assets import STATIC, AssetServer, index_page, static_version
+from vla_rl.dashboard.assets import BUNDLE, STATIC, AssetServer, index_page, static_version
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.context import Context
@@ -94,7 +94,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         # load it made every request of that page wait behind it
         await asyncio.to_thread(warm_imports)
         await asyncio.to_thread(warm_queries, res.store, res.db)
-        await warm_requests(this, ["/episodes", f"/static/{this.state.static_version}/app.js"])
+        await warm_requests(this, ["/episodes", f"/static/{this.state.static_version}/{BUNDLE}"])
         if cfg.sync_db:
             threading.Thread(
                 target=run_sync, args=(res.store, res.db, startup), name="dashboard-sync-db", daemon=True
@@ -133,7 +133,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
         }
 
     @api.get("/session", summary="who the token belongs to")
-    def session(who: Principal = viewer) -> dict[str, Any]:
+    async def session(who: Principal = viewer) -> dict[str, Any]:  # no I/O: on the event loop
         return {"name": who.name, "role": who.role}
 
     api.include_router(labels.make_router(ctx))
@@ -151,10 +151,11 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     app.add_api_route(
         "/static/{path:path}", AssetServer(version).serve, methods=["GET", "HEAD"], include_in_schema=False
     )
+    page_handler = index_page(version)
     for page in PAGES:
         app.add_api_route(
             page,
-            index_page(version, page),
+            page_handler,
             methods=["GET"],
             include_in_schema=False,
             response_class=HTMLResponse,

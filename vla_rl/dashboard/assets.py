@@ -49,49 +49,128 @@ def static_version(root: Path = STATIC) -> str:
     return h.hexdigest()[:12]
 
 
-_STATIC_IMPORT = re.compile(r'^\s*import\b[^;]*?\bfrom\s+"(\.{1,2}/[^"]+\.js)"', re.M)
-_ROUTE = re.compile(r'route\("([^"]+)",\s*\(\)\s*=>\s*import\("\./([^"]+\.js)"\)\)')
+BUNDLE = "app.bundle.js"
+"""The asset the page runs: ``app.js`` and every module it imports, statically or by ``import()``, in
+one file (:func:`bundle`), built in memory when the assets are read, so a fresh browser fetches one
+script instead of a module graph (on ``/episodes`` six module requests became one, and the page's first
+API requests no longer wait for one of the browser's 6 connections behind them)."""
+ENTRY = "app.js"
+_MODULES = "__vlaModules"
+_IMPORT = re.compile(r'^import \{([^}]*)\} from "(\.{1,2}/[^"]+\.js)";[ \t]*$')
+_EXPORT = re.compile(r"^export (?:async function\*?|function\*?|class|const) ([A-Za-z_$][\w$]*)")
+_DYNAMIC = re.compile(r'\bimport\("(\.{1,2}/[^"]+\.js)"\)')
 
 
-def page_modules(page: str, root: Path = STATIC) -> list[str]:
-    """The ES modules (paths under ``root``) the page at route ``page`` (a FastAPI path such as
-    ``/episodes/{episode_id}``) runs: ``app.js``, the page module app.js routes it to (its
-    ``route("/episodes/:id", () => import("./pages/episode.js"))`` lines) and everything they import
-    statically, transitively; sorted. What index.html preloads for that route, so a fresh browser
-    fetches them all at once and nothing the page does not need."""
+class BundleError(ValueError):
+    """A module uses a form :func:`bundle` does not handle; the message names the file and line."""
 
-    def shape(path: str) -> list[str]:
-        return ["*" if p.startswith((":", "{")) else p for p in path.strip("/").split("/")]
 
-    start = ["app.js"]
-    routes = _ROUTE.findall((root / "app.js").read_text())
-    start += [mod for pattern, mod in routes if shape(pattern) == shape(page)][:1]
-    seen: set[str] = set()
-    todo = list(start)
-    while todo:
-        mod = todo.pop()
-        if mod in seen or not (root / mod).is_file():
+@dataclass(frozen=True)
+class _Module:
+    path: str
+    deps: tuple[str, ...]
+    """Static imports first, then ``import()`` targets (paths under the root), in source order."""
+    text: str
+
+
+def _resolve(base: str, spec: str) -> str:
+    return posixpath.normpath((PurePosixPath(base).parent / spec).as_posix())
+
+
+def _parse(root: Path, path: str) -> _Module:
+    """One module rewritten to run inside a function: its ``import { a, b as c } from "./x.js";`` lines
+    become ``const { a, b: c } = __vlaModules["x.js"];``, ``export`` is dropped from its declarations
+    (which it returns as its namespace), ``import("./y.js")`` becomes a promise of that module's namespace.
+    Anything else that imports or exports (default exports, ``export let``, ``export { }``, ``import *``,
+    multi-line imports, ``import.meta``) is a :class:`BundleError`: exports are bound once, so a live
+    binding (``export let``) would silently freeze."""
+    source = root / path
+    if not source.is_file():
+        raise BundleError(f"{path}: imported but not under {root}")
+    static: list[str] = []
+    dynamic: list[str] = []
+    exports: list[str] = []
+    out: list[str] = []
+    for n, line in enumerate(source.read_text().splitlines(), 1):
+        where = f"{path}:{n}"
+        if m := _IMPORT.match(line):
+            dep = _resolve(path, m.group(2))
+            names = [x.strip() for x in m.group(1).split(",") if x.strip()]
+            bound = [x.replace(" as ", ": ") for x in names]
+            if not names or any(not re.fullmatch(r"[\w$]+(?:: [\w$]+)?", b) for b in bound):
+                raise BundleError(
+                    f'{where}: expected import {{ a, b as c }} from "./x.js", got {line.strip()!r}'
+                )
+            static.append(dep)
+            out.append(f'const {{ {", ".join(bound)} }} = {_MODULES}["{dep}"];')
             continue
-        seen.add(mod)
-        base = PurePosixPath(mod).parent
-        for dep in _STATIC_IMPORT.findall((root / mod).read_text()):
-            todo.append(posixpath.normpath((base / dep).as_posix()))
-    return sorted(seen)
+        if "import.meta" in line or _MODULES in line:
+            raise BundleError(
+                f"{where}: import.meta and the name {_MODULES} are not bundled, got {line.strip()!r}"
+            )
+        if re.match(r"^\s*(import|export)\b(?!\()", line):
+            if not (m := _EXPORT.match(line)):
+                raise BundleError(
+                    f"{where}: expected export function|async function|class|const NAME (or a one-line "
+                    f'import {{ ... }} from "./x.js"), got {line.strip()!r}'
+                )
+            exports.append(m.group(1))
+            line = line[len("export ") :]
+        for spec in _DYNAMIC.findall(line):
+            dynamic.append(_resolve(path, spec))
+        line = _DYNAMIC.sub(lambda m: f'Promise.resolve({_MODULES}["{_resolve(path, m.group(1))}"])', line)
+        if re.search(r"\bimport\s*\(", line):
+            raise BundleError(
+                f'{where}: expected import("./x.js") with a literal relative path, got {line.strip()!r}'
+            )
+        out.append(line)
+    body = "\n".join(out)
+    text = f'// ---- {path}\n{_MODULES}["{path}"] = (() => {{\n{body}\nreturn {{ {", ".join(exports)} }};\n}})();\n'
+    return _Module(path, (*static, *dynamic), text)
 
 
-def index_page(version: str, page: str, root: Path = STATIC) -> Callable[[], Response]:
-    """The route handler of page ``page``: index.html (never cached: it names the assets' version) with
-    its asset URLs under ``/static/<version>/`` and a ``<link rel="modulepreload">`` for each module of
-    :func:`page_modules` in place of its ``<!-- modulepreload -->`` line; built once, here."""
+def bundle(root: Path = STATIC, entry: str = ENTRY) -> str:
+    """``entry`` and every module it reaches, each wrapped in a function of its own (its top-level names
+    stay its own) and run once, dependencies first (depth-first in import order, as a browser evaluates
+    a module graph), the entry last. A module reached only by ``import()`` (a page) runs before the entry
+    too, not when first asked for: the pages define functions and classes, nothing runs at their top
+    level. The bundle is an ES module itself (served as :data:`BUNDLE`, run by ``<script type="module">``:
+    strict and deferred as the modules were). The sources stay as they are (readable, each also served on
+    its own); a cycle or a form :func:`_parse` does not handle is a :class:`BundleError` when the app is
+    made, never a broken page."""
+    done: dict[str, _Module] = {}
+    visiting: list[str] = []
+
+    def visit(path: str) -> None:
+        if path in done:
+            return
+        if path in visiting:
+            raise BundleError(f"import cycle: {' -> '.join([*visiting[visiting.index(path) :], path])}")
+        visiting.append(path)
+        mod = _parse(root, path)
+        for dep in mod.deps:
+            visit(dep)
+        visiting.pop()
+        done[path] = mod
+
+    visit(entry)
+    head = (
+        f"// The dashboard's ES modules in one file: {entry} and what it imports, built in memory from\n"
+        f"// static/*.js when the app starts (vla_rl.dashboard.assets.bundle); edit those, not this.\n"
+        f"const {_MODULES} = {{}};\n"
+    )
+    return head + "".join(m.text for m in done.values())
+
+
+def index_page(version: str, root: Path = STATIC) -> Callable[[], Response]:
+    """A page route's handler: index.html (never cached: it names the assets' version) with its asset
+    URLs under ``/static/<version>/``; built once, here. (Every route gets the same page: the frontend
+    routes itself, from the one :data:`BUNDLE`.)"""
     index = root / "index.html"
     if not index.is_file():
         text = "<!doctype html><title>vla-rl</title><p>The dashboard's page is not installed.</p>"
     else:
-        links = "\n".join(
-            f'    <link rel="modulepreload" href="/static/{m}" />' for m in page_modules(page, root)
-        )
-        text = index.read_text().replace("    <!-- modulepreload -->", links)
-        text = text.replace('"/static/', f'"/static/{version}/')
+        text = index.read_text().replace('"/static/', f'"/static/{version}/')
     body = text.encode()
 
     async def serve() -> Response:
@@ -111,21 +190,27 @@ class Asset:
     media_type: str
 
 
+def _asset(name: str, body: bytes) -> Asset:
+    media = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    if media.startswith("text/") or media in ("application/javascript", "application/json"):
+        media += "; charset=utf-8"
+    packed = (
+        gzip.compress(body, compresslevel=9, mtime=0)
+        if PurePosixPath(name).suffix in _TEXT and len(body) >= GZIP_MIN_BYTES
+        else None
+    )
+    return Asset(body, packed, '"' + hashlib.sha256(body).hexdigest()[:20] + '"', media)
+
+
 def load_assets(root: Path = STATIC) -> dict[str, Asset]:
-    """Every file under ``root`` by its POSIX path relative to it."""
-    out: dict[str, Asset] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        body = path.read_bytes()
-        media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        if media.startswith("text/") or media in ("application/javascript", "application/json"):
-            media += "; charset=utf-8"
-        packed = (
-            gzip.compress(body, compresslevel=9, mtime=0)
-            if path.suffix in _TEXT and len(body) >= GZIP_MIN_BYTES
-            else None
-        )
-        etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
-        out[path.relative_to(root).as_posix()] = Asset(body, packed, etag, media)
+    """Every file under ``root`` by its POSIX path relative to it, and :data:`BUNDLE` (:func:`bundle`)
+    when ``root`` has an :data:`ENTRY`."""
+    out = {
+        p.relative_to(root).as_posix(): _asset(p.name, p.read_bytes())
+        for p in sorted(p for p in root.rglob("*") if p.is_file())
+    }
+    if (root / ENTRY).is_file():
+        out[BUNDLE] = _asset(BUNDLE, bundle(root).encode())
     return out
 
 

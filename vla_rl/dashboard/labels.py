@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import fleet.flags
@@ -20,6 +21,7 @@ from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.episodes import episode_json, read_meta
 from vla_rl.dashboard.errors import ApiError
 from vla_rl.dashboard.resources import labels_path
+from vla_rl.dashboard.startup import PhaseTimer
 
 MAX_BULK = 10_000
 """Most episodes one POST /labels may label (listed, or matched by its filter)."""
@@ -88,13 +90,19 @@ def make_router(ctx: Context) -> APIRouter:
     def label_schema(_: Principal = viewer) -> dict[str, Any]:
         return schema().to_dict()
 
-    @r.get("/episodes", summary="filtered, sorted, paged episode list (docs/dashboard.md for the parameters)")
-    def episode_list(request: Request, _: Principal = viewer) -> dict[str, Any]:
+    @r.get(
+        "/episodes",
+        summary="filtered, sorted, paged episode list (docs/dashboard.md for the parameters)",
+        response_class=JSONResponse,
+    )
+    def episode_list(request: Request, _: Principal = viewer) -> Response:
+        timer = PhaseTimer()
         q = query(request.query_params)
         db = ctx.res.db()
         sync = ctx.startup.progress.to_dict()
         try:
             items, total = db.query_episodes(q)
+            timer.lap("query")
             # while the start-up sync runs it computes the flags (with every length recorded), in the
             # background: the page shows what the DB has now instead of waiting for its own
             lazy = not sync["running"]
@@ -105,9 +113,16 @@ def make_router(ctx: Context) -> APIRouter:
                 ]
             else:
                 out = [i.to_dict() for i in items]
+            timer.lap("flags")
         except ValueError as e:  # a round that does not exist
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
-        return {"total": total, "page": q.page, "per_page": q.per_page, "items": out, "sync": sync}
+        # JSON types already: rendered as is (no pass through FastAPI's encoder and response model)
+        res = JSONResponse(
+            {"total": total, "page": q.page, "per_page": q.per_page, "items": out, "sync": sync}
+        )
+        timer.lap("json")
+        res.headers["Server-Timing"] = timer.header()
+        return res
 
     @r.get("/selection/from-filter", summary="the DataSelection an episode-list filter means, and its counts")
     def selection_from_filter(request: Request, _: Principal = viewer) -> dict[str, Any]:

@@ -134,6 +134,24 @@ class GateRequests:
             self.gate.leave()
 
 
+class PhaseTimer:
+    """A request's phases for its ``Server-Timing`` header (beside the middleware's ``app``): each
+    :meth:`lap` names the time since the previous one (or since the timer was made)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + 1000 * (now - self._last)
+        self._last = now
+
+    def header(self) -> str:
+        """``name;dur=<ms>, ...`` in lap order."""
+        return ", ".join(f"{n};dur={ms:.1f}" for n, ms in self.phases.items())
+
+
 @dataclass
 class SyncProgress:
     """Where the start-up sync is. ``phase``: ``waiting`` (not begun), ``records`` (recording store

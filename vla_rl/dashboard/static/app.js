@@ -110,16 +110,24 @@ async function main() {
   $("help-button").addEventListener("click", () => $("help-dialog").showModal());
   window.addEventListener("vla:unauthorized", () => askToken("Your token was rejected (401): enter a valid one."));
   globalKeys();
-  checkHealth();
-  healthTimer = setInterval(checkHealth, 10000);
 
   // the session and the label schema load while the first page starts (pages await ctx.ready)
   ctx.ready = getToken() ? loadSession().catch(() => false) : Promise.resolve(false);
   ctx.ready.then((ok) => {
     if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
   });
-  await start($("page"), () => ctx);
+  // the health banner's first request waits for the first page (or 2 s): it is not on the path to
+  // its first rows, and a fresh browser has few connections (6 per host) to share among the first ones
+  const first = start($("page"), () => ctx);
+  const health = () => {
+    if (healthTimer !== null) return;
+    healthTimer = setInterval(checkHealth, 10000);
+    checkHealth();
+  };
+  setTimeout(health, 2000);
+  await first.finally(health);
 }
 
-window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval(healthTimer) };
+// stopHealth before the first check also keeps it from starting (healthTimer no longer null)
+window.vla = { ctx, can, checkHealth, stopHealth: () => clearInterval((healthTimer = healthTimer ?? 0)) };
 main();

@@ -100,11 +100,12 @@ export async function render(root, ctx) {
       showError(err, null);
       drawTable();
       drawPager();
+      performance.mark("vla:episodes-in-dom"); // the rows are built; the browser lays them out and paints next
       sessionStorage.setItem("vla:last-episodes", location.pathname + location.search);
       toRound.href = `/rounds?new=1&filter=${encodeURIComponent(filterOnly(query).toString())}`;
       requestAnimationFrame(() => {
         performance.mark("vla:episodes-rendered");
-        window.vlaEpisodesRendered = { ms: performance.now() - t0, at: performance.now(), total: state.total };
+        window.vlaEpisodesRendered = { ms: performance.now() - t0, at: performance.now(), total: state.total, sync: res.sync?.phase };
       });
       await ctx.ready; // the bulk-label bar needs the schema and the role
       drawBulk();
