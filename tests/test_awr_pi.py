@@ -3,6 +3,7 @@ learns from, the value path shared with offline AWR, resume, and a learning chec
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,29 @@ def _cfg(tmp_path: Path, **kw: object) -> AWRPIConfig:
 def test_a_bad_knob_is_named(tmp_path: Path, knob: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _cfg(tmp_path, **{knob: value})
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [("value_steps", 0), ("value_folds", 0), ("value_lr", 0.0), ("value_hidden", (0,)), ("gamma", 0.0),
+     ("expectile", 1.0), ("divl_quantile", 0.0), ("value", "mc"), ("beta", -1.0), ("w_max", 0.0),
+     ("human_weight", -1.0), ("batch_size", 0), ("grad_clip", 0.0), ("ema_decay", 1.0),
+     ("warmup_steps", -1)],
+)  # fmt: skip
+def test_a_bad_shared_knob_is_named_the_same_by_offline_and_online_awr(
+    tmp_path: Path, knob: str, value: object
+) -> None:
+    """The value / weighting / optimiser knobs are one definition (awr.AdvantageConfig): a bad one fails
+    with the same message, naming the field, from awr, recap and awr-pi."""
+    assert {f.name for f in dataclasses.fields(awr.AdvantageConfig)} <= {
+        f.name for f in dataclasses.fields(AWRPIConfig)
+    } & {f.name for f in dataclasses.fields(awr.AWRConfig)}
+    messages = set()
+    for algo in ("awr", "recap", "awr-pi"):
+        with pytest.raises(ValueError, match=f"^{knob}: expected") as err:
+            make_config(algo, base="b", store=tmp_path, out=tmp_path, **{knob: value})
+        messages.add(str(err.value))
+    assert len(messages) == 1, messages
 
 
 def test_registered_with_its_defaults(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AWRConfig",
     "AWRResult",
-    "ValueKnobs",
+    "AdvantageConfig",
     "all_features",
     "awr_weights",
     "cross_fitted_values",
@@ -93,33 +93,16 @@ __all__ = [
 ]
 
 
-class ValueKnobs(Protocol):
-    """The value-fit knobs :func:`fit_value` and :func:`cross_fitted_values` read (AWRConfig's, and the
-    online AWR's, :mod:`vla_rl.train.awr_pi`); see :class:`AWRConfig` for what each means."""
-
-    seed: int
-    progress: bool
-    value: str
-    value_bins: int
-    value_hidden: tuple[int, ...]
-    value_lr: float
-    value_steps: int
-    value_folds: int
-    batch_size: int
-    expectile: float
-    divl_quantile: float
-
-
 @dataclass(kw_only=True)
-class AWRConfig(TrainerConfig):
-    """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
-
-    distributed: ClassVar[bool] = True
+class AdvantageConfig(TrainerConfig):
+    """The knobs every advantage-weighted trainer shares (offline AWR / RECAP, :class:`AWRConfig`, and
+    online AWR policy iteration, :class:`vla_rl.train.awr_pi.AWRPIConfig`), defined and validated here
+    once: the value fit (:func:`fit_value`, :func:`cross_fitted_values`), the AWR weights
+    ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`awr_weights`) and the policy's optimiser. The
+    subclasses inherit the fields, so their command-line flags stay flat (``--value-steps``)."""
 
     store: Path = field()
-    """Episode store with the experience (demos, autonomous rollouts, interventions)."""
-    variant: Literal["awr", "recap"] = "awr"
-    """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
+    """Episode store with the experience (demos, fleet rollouts, human interventions)."""
 
     # value function
     value: Literal["categorical", "expectile", "divl"] = "categorical"
@@ -134,29 +117,75 @@ class AWRConfig(TrainerConfig):
     value_folds: int = 2
     """Cross-fitting: each episode's advantages come from a value fitted on the other folds (1 = off)."""
     value_lr: float = 1e-3
+    """AdamW learning rate of the value head."""
     value_hidden: tuple[int, ...] = (256, 256)
+    """Hidden widths of the value head's MLP."""
     value_bins: int = 51
     """Atoms of the categorical value, spanning the data's return range."""
     expectile: float = 0.7
-    """tau of the expectile value (value="expectile")."""
+    """tau of the expectile value (value="expectile"): > 0.5 leans optimistic."""
     divl_quantile: float = 0.7
     """τ of the DIVL read-out V_τ(s) = Quant_τ(p(G | s)) (value="divl"): > 0.5 leans optimistic."""
 
-    # policy extraction
-    steps: int = 1500
-    batch_size: int = 128
-    lr: float = 1e-4
-    """Lower than SFT's: we fine-tune a working policy."""
-    weight_decay: float = 1e-4
-    warmup_steps: int = 50
-    grad_clip: float = 1.0
-    ema_decay: float = 0.995
+    # advantage weights and the policy's optimiser
     beta: float = 1.0
     """AWR temperature on std-normalised advantages: smaller = greedier."""
     w_max: float = 20.0
     """AWR weight clip (AWR's 20; IQL uses 100)."""
     human_weight: float = 1.0
-    """AWR weight of human-intervention frames (plain behaviour cloning)."""
+    """AWR weight of human-intervention and recovery frames (plain behaviour cloning)."""
+    batch_size: int = 128
+    """Rows per value and policy update."""
+    lr: float = 1e-4
+    """Policy learning rate; lower than SFT's: we fine-tune a working policy."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay of the policy."""
+    warmup_steps: int = 50
+    """Linear learning-rate warm-up of the policy, in updates."""
+    grad_clip: float = 1.0
+    """Clip of the policy gradient's global norm."""
+    ema_decay: float = 0.995
+    """EMA of the policy weights: the EMA is the policy shipped (and, online, the one that acts)."""
+
+    def __post_init__(self) -> None:
+        """Validates the shared knobs; subclasses call it first and then check their own."""
+        super().__post_init__()
+        self.value_hidden = tuple(self.value_hidden)
+        if self.value not in ("categorical", "expectile", "divl"):
+            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
+        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
+        for name in ("value_steps", "value_folds", "value_bins", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if not all(h >= 1 for h in self.value_hidden):
+            raise ValueError(f"value_hidden: expected positive layer widths, got {self.value_hidden}")
+        for name in ("lr", "value_lr", "beta", "w_max", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "human_weight", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        if not 0.0 < self.expectile < 1.0:
+            raise ValueError(f"expectile: expected in (0, 1), got {self.expectile}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
+
+
+@dataclass(kw_only=True)
+class AWRConfig(AdvantageConfig):
+    """Every knob of an AWR / RECAP run; the value, weighting and optimiser knobs are those of the
+    shared :class:`AdvantageConfig`. Defaults suit the small state-only policies on CPU."""
+
+    distributed: ClassVar[bool] = True
+
+    variant: Literal["awr", "recap"] = "awr"
+    """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
+
+    # policy extraction
+    steps: int = 1500
+    """Policy-extraction updates (one cosine schedule after the warm-up)."""
     positive_fraction: float = 0.3
     """RECAP: share of autonomous frames labelled positive (RLinf's positive_quantile)."""
     unconditional_prob: float = 0.3
@@ -180,27 +209,17 @@ class AWRConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.value_hidden = tuple(self.value_hidden)
         if self.variant not in ("awr", "recap"):
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
-        if self.value not in ("categorical", "expectile", "divl"):
-            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
-        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
-        for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins", "checkpoint_every"):
+        for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("lr", "value_lr", "beta", "w_max"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
-        for name in ("positive_fraction", "expectile"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise ValueError(f"{name}: expected in (0, 1), got {getattr(self, name)}")
+        if not 0.0 < self.positive_fraction < 1.0:
+            raise ValueError(f"positive_fraction: expected in (0, 1), got {self.positive_fraction}")
         if not 0.0 <= self.unconditional_prob < 1.0:
             raise ValueError(f"unconditional_prob: expected in [0, 1), got {self.unconditional_prob}")
-        if self.human_weight < 0 or self.guidance_scale < 0:
-            raise ValueError("human_weight and guidance_scale: expected >= 0")
+        if self.guidance_scale < 0:
+            raise ValueError(f"guidance_scale: expected >= 0, got {self.guidance_scale}")
 
 
 AWRResult = TrainResult
@@ -246,7 +265,7 @@ def all_features(
 
 
 def fit_value(
-    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
+    cfg: AdvantageConfig, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
 ) -> tuple[torch.nn.Module, float]:
     """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
     fit = returns[torch.from_numpy(train_rows).to(returns.device)]
@@ -282,7 +301,7 @@ def fit_value(
 
 
 def cross_fitted_values(
-    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
+    cfg: AdvantageConfig, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
 ) -> tuple[torch.Tensor, float]:
     """V(s) for every frame from a value fitted WITHOUT that frame's episode (``value_folds`` folds).
 
@@ -308,7 +327,7 @@ def cross_fitted_values(
 
 
 def value_advantages(
-    cfg: ValueKnobs, feats: torch.Tensor, buf: TransitionBuffer, bc: np.ndarray
+    cfg: AdvantageConfig, feats: torch.Tensor, buf: TransitionBuffer, bc: np.ndarray
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
     ``mc_return``, ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
