@@ -29,9 +29,11 @@ the frames of a ``recovery`` span label (the buffer's ``bc`` array, :mod:`vla_rl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -86,10 +88,12 @@ __all__ = [
     "all_features",
     "awr_weights",
     "cross_fitted_values",
+    "episode_folds",
     "fit_value",
     "recap_indicators",
     "train_awr",
     "value_advantages",
+    "value_head",
 ]
 
 
@@ -264,22 +268,34 @@ def all_features(
     return torch.cat(feats)
 
 
-def fit_value(
-    cfg: AdvantageConfig, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
-) -> tuple[torch.nn.Module, float]:
-    """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
-    fit = returns[torch.from_numpy(train_rows).to(returns.device)]
-    lo, hi = float(fit.min()), float(fit.max())
-    if hi - lo < 1e-6:
-        lo, hi = lo - 1.0, hi + 1.0
-    head: torch.nn.Module
+def value_head(cfg: AdvantageConfig, feature_dim: int, v_min: float, v_max: float) -> torch.nn.Module:
+    """A fresh value head of kind ``cfg.value``; the categorical ones put their atoms on ``[v_min, v_max]``."""
     if cfg.value == "categorical":
-        head = CategoricalValue(feats.shape[1], cfg.value_bins, lo, hi, cfg.value_hidden).to(feats.device)
-    elif cfg.value == "divl":
+        return CategoricalValue(feature_dim, cfg.value_bins, v_min, v_max, cfg.value_hidden)
+    if cfg.value == "divl":
         divl = DIVLConfig(quantile=cfg.divl_quantile, bins=cfg.value_bins)
-        head = DIVLValue(feats.shape[1], divl, lo, hi, cfg.value_hidden).to(feats.device)
-    else:
-        head = ValueMLP(feats.shape[1], cfg.value_hidden).to(feats.device)
+        return DIVLValue(feature_dim, divl, v_min, v_max, cfg.value_hidden)
+    return ValueMLP(feature_dim, cfg.value_hidden)
+
+
+def fit_value(
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    returns: torch.Tensor,
+    train_rows: np.ndarray,
+    bar_desc: str,
+    head: torch.nn.Module | None = None,
+) -> tuple[torch.nn.Module, float]:
+    """Fit V on ``feats[train_rows] -> returns[train_rows]`` for ``value_steps`` updates (a fresh AdamW);
+    returns the head and its last loss. ``head``: continue from it (a warm start: its weights and its
+    atoms' support are kept) instead of a fresh head whose support spans the rows' return range."""
+    if head is None:
+        fit = returns[torch.from_numpy(train_rows).to(returns.device)]
+        lo, hi = float(fit.min()), float(fit.max())
+        if hi - lo < 1e-6:
+            lo, hi = lo - 1.0, hi + 1.0
+        head = value_head(cfg, feats.shape[1], lo, hi).to(feats.device)
+    head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)
     rng = np.random.default_rng([cfg.seed, 1])
     loss_val = float("nan")
@@ -300,26 +316,62 @@ def fit_value(
     return head.eval(), loss_val
 
 
+def episode_folds(keys: Sequence[int | str], folds: int, seed: int) -> np.ndarray:
+    """Fold of each episode, ``sha1(seed, key) mod folds``, from a key that names the episode for the
+    whole run (awr-pi: its arrival index, offline episodes first, then online ones in collection order):
+    an episode keeps its fold whatever else the buffer holds, so a value head kept across iterations
+    (``value_warm_start``) never scores an episode it was trained on, even as episodes arrive and
+    leave. Deterministic given the keys (a run stays a function of its config)."""
+    out = np.empty(len(keys), np.int64)
+    for i, key in enumerate(keys):
+        digest = hashlib.sha1(f"{seed}:{key}".encode(), usedforsecurity=False).digest()
+        out[i] = int.from_bytes(digest[:8], "big") % folds
+    return out
+
+
 def cross_fitted_values(
-    cfg: AdvantageConfig, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    returns: torch.Tensor,
+    episode: np.ndarray,
+    human: np.ndarray,
+    fold_of: np.ndarray | None = None,
+    heads: dict[int, torch.nn.Module] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """V(s) for every frame from a value fitted WITHOUT that frame's episode (``value_folds`` folds).
 
     A value trained on the very returns it is compared with memorises them (each trajectory's states
     identify it), so G - V collapses to noise; out-of-fold values give honest advantages.
+
+    ``fold_of``: each episode's fold (indexed by ``episode``); None = a seeded balanced permutation.
+    ``heads`` (a warm start across calls): fold k's fit continues from ``heads[k]`` when present, and
+    the fitted head is stored there; with stable folds (:func:`episode_folds`) each head only ever
+    trains on episodes outside its fold. A head that had to fall back to every episode (no other fold
+    holds any) is not kept.
     """
+    if heads is not None and fold_of is None:
+        raise ValueError("heads: a warm start needs folds fixed per episode (fold_of, see episode_folds)")
     n_ep = int(episode.max()) + 1
-    folds = min(cfg.value_folds, n_ep)
-    fold_of = np.random.default_rng([cfg.seed, 2]).permutation(n_ep) % folds
+    if fold_of is None:
+        folds = min(cfg.value_folds, n_ep)
+        fold_of = np.random.default_rng([cfg.seed, 2]).permutation(n_ep) % folds
+    else:
+        folds = cfg.value_folds
     frame_fold = fold_of[episode]
     values = torch.empty_like(returns)
     losses = []
     for k in range(folds):
-        train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
-        if len(train_rows) == 0:
-            train_rows = np.flatnonzero(~human)
-        head, loss = fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}")
         rows = torch.from_numpy(np.flatnonzero(frame_fold == k)).to(feats.device)
+        if len(rows) == 0:
+            continue  # nothing to score in this fold (stable folds can leave one empty)
+        train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
+        out_of_fold = len(train_rows) > 0 or folds == 1
+        if not out_of_fold:
+            train_rows = np.flatnonzero(~human)
+        warm = heads.get(k) if heads is not None and out_of_fold else None
+        head, loss = fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}", head=warm)
+        if heads is not None and out_of_fold:
+            heads[k] = head
         with torch.no_grad():
             values[rows] = head(feats[rows]).to(values.dtype)
         losses.append(loss)
@@ -327,15 +379,22 @@ def cross_fitted_values(
 
 
 def value_advantages(
-    cfg: AdvantageConfig, feats: torch.Tensor, buf: TransitionBuffer, bc: np.ndarray
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    buf: TransitionBuffer,
+    bc: np.ndarray,
+    heads: dict[int, torch.nn.Module] | None = None,
+    fold_of: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
     ``mc_return``, ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
     and how well the value fits: its last loss, the std of the autonomous advantages, and the
     out-of-fold value's correlation with the returns and explained variance ``1 - Var(G - V) / Var(G)``
-    over the autonomous frames."""
+    over the autonomous frames. ``heads`` and ``fold_of``: a warm start of the fold heads from (and
+    into) ``heads`` on folds fixed per episode (:func:`episode_folds`, :func:`cross_fitted_values`);
+    None = fresh heads on a seeded permutation."""
     returns = torch.from_numpy(buf.array("mc_return")).to(feats.device)
-    values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc)
+    values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc, fold_of, heads)
     adv = (returns - values).cpu().numpy()
     g, v = returns.cpu().numpy()[~bc], values.cpu().numpy()[~bc]
     metrics: dict[str, Any] = {

@@ -12,7 +12,8 @@ The original AWR is an online algorithm: it iterates
    newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
    :func:`vla_rl.train.awr.value_advantages`); a fresh value each iteration, on the frozen base's
-   features (the normalised state for state-only policies);
+   features (the normalised state for state-only policies), or with ``value_warm_start`` the previous
+   iteration's fold heads fine-tuned on the grown buffer (folds then fixed per episode);
 3. **regress the policy** for ``steps_per_iteration`` updates of weighted flow matching on the same
    buffer, ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`vla_rl.train.awr.awr_weights`), continuing
    from the current weights with the optimiser's state kept across iterations (linear warm-up, then a
@@ -25,7 +26,8 @@ Outputs::
 
     <out>/checkpoints/last/   the EMA policy (lineage algorithm "awr-pi")
     <out>/online_store/       every online episode (Zarr episode store)
-    <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids (resume)
+    <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids and
+                              the warm-started value heads (resume)
     <out>/curve.json          one row per iteration; <out>/tb/ TensorBoard
 
 **Resume.** The train state is written atomically after every iteration. Re-running into the same
@@ -53,7 +55,14 @@ from fleet.db import MetadataDB
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAPolicy
 from vla_rl.policy_loading import LoadedPolicy, load_policy
-from vla_rl.train.awr import AdvantageConfig, all_features, awr_weights, value_advantages
+from vla_rl.train.awr import (
+    AdvantageConfig,
+    all_features,
+    awr_weights,
+    episode_folds,
+    value_advantages,
+    value_head,
+)
 from vla_rl.train.base import StepProgress, TrainResult
 from vla_rl.train.common import (
     EMA,
@@ -101,6 +110,10 @@ class AWRPIConfig(AdvantageConfig):
     """Actions executed per chunk; None = the policy's ``n_exec``."""
     value_steps: int = 1000
     """Gradient steps per value fit (one fit per fold, every iteration)."""
+    value_warm_start: bool = False
+    """Keep each fold's value head across iterations and fine-tune it (``value_steps`` updates) on the
+    grown buffer instead of fitting a fresh one. Folds are then fixed per episode (a hash of its arrival
+    index, :func:`vla_rl.train.awr.episode_folds`), so a head never scores an episode it trained on."""
 
     # policy extraction
     steps_per_iteration: int = 500
@@ -192,6 +205,32 @@ def _buffer(
     return buf
 
 
+def _saved_heads(heads: Mapping[int, torch.nn.Module] | None, feature_dim: int) -> dict[str, Any]:
+    """The warm-started fold heads as plain data for the train state: weights, input width, support."""
+    out: dict[str, Any] = {}
+    for k, head in (heads or {}).items():
+        v_min, v_max = float(getattr(head, "v_min", -1.0)), float(getattr(head, "v_max", 1.0))
+        out[str(k)] = {
+            "weights": head.state_dict(),
+            "feature_dim": feature_dim,
+            "v_min": v_min,
+            "v_max": v_max,
+        }
+    return out
+
+
+def _load_heads(
+    cfg: AWRPIConfig, saved: Mapping[str, Any], device: torch.device
+) -> dict[int, torch.nn.Module]:
+    """Inverse of :func:`_saved_heads`."""
+    heads: dict[int, torch.nn.Module] = {}
+    for k, h in saved.items():
+        head = value_head(cfg, int(h["feature_dim"]), float(h["v_min"]), float(h["v_max"]))
+        head.load_state_dict(h["weights"])
+        heads[int(k)] = head.to(device).eval()
+    return heads
+
+
 # ---------------------------------------------------------------------------- training
 def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     """Iterate collection, value fit and AWR updates until ``env_steps`` are spent; returns the
@@ -234,6 +273,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     iteration, env_steps, updates = 0, 0, 0
     online_ids: list[str] = []
     curve: list[dict[str, Any]] = []
+    # value_warm_start: the fold heads kept across iterations (None: a fresh value every iteration)
+    heads: dict[int, torch.nn.Module] | None = {} if cfg.value_warm_start else None
     if cfg.resume and state_path.exists():
         st = load_train_state(state_path)
         model.load_state_dict(st["model"])
@@ -242,6 +283,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         scheduler.load_state_dict(st["scheduler"])
         iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
         online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
+        if heads is not None:
+            heads.update(_load_heads(cfg, st.get("value_heads", {}), device))
         log.info(
             "awr-pi resumed", extra={"iteration": iteration, "env_steps": env_steps, "from": str(state_path)}
         )
@@ -304,7 +347,11 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             bc = buf.array("bc").astype(bool)
             feats = all_features(base.policy, buf, device, instructions)
             seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
-            adv, vm = value_advantages(cfg, feats, buf, bc)
+            # warm start: folds by arrival index (offline first, then online in collection order)
+            first = len(offline.episodes) + len(online_ids) - len(kept)
+            arrival = [*range(len(offline.episodes)), *range(first, first + len(kept))]
+            fold_of = episode_folds(arrival, cfg.value_folds, cfg.seed) if heads is not None else None
+            adv, vm = value_advantages(cfg, feats, buf, bc, heads, fold_of)
             weights = torch.from_numpy(awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight))
             w_auto = weights.numpy()[~bc]
             # 3. weighted flow matching from the current weights
@@ -367,6 +414,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 updates=updates,
                 online_ids=json.dumps(online_ids),
                 curve=json.dumps(curve),
+                value_heads=_saved_heads(heads, int(feats.shape[1])),
             )
             if not rep.episodes:
                 break  # the budget ran out inside the first episodes of this collection
