@@ -287,6 +287,9 @@ def test_resume_continues_exactly_and_buffer_episodes_keeps_the_newest(
 
 
 # ---------------------------------------------------------------------------- learning check
+# No fast (CI) variant: the cheapest honest setting measured takes ~3 min on the loaded 2-core box (a
+# base that can improve needs ~40 s of SFT, and one short iteration's gain is mostly more behaviour
+# cloning: docs/experiment-log.md, "No seconds-long CI learning check").
 @pytest.mark.slow
 def test_policy_iteration_improves_a_kinematic_base_on_held_out_episodes(tmp_path: Path) -> None:
     """The kinematic benchmark's base (20 demos at noise 0.5, SFT 1000 steps of a d_model-64 policy) and
