@@ -14,7 +14,9 @@ autoreset). For each step, ``info`` holds
 Seeding: env ``i``'s ``j``-th episode uses seed ``seed + i + j * num_envs``, so a run is reproducible
 and no two episodes share a seed.
 
-Workers: ``num_envs > 1`` runs one worker process per env on this machine; ``ray="auto"`` or a Ray
+Workers: ``num_envs > 1`` runs one worker process per env on this machine (except for the physics-free
+``kinematic`` task, whose envs step in this process: a process each would only add IPC to a numpy step;
+``processes=True`` forces workers); ``ray="auto"`` or a Ray
 cluster address runs them as Ray actors instead (:mod:`sim.ray_workers`: same calls, same seeds, so the
 same rollouts, and a dead actor is replaced and its episode re-run).
 """
@@ -152,7 +154,11 @@ class VectorSimEnv:
         self._local: list[SimEnv] = []
         self._remotes: list[_Remote] = []
         self._ray: RayWorkers | None = None
-        use_processes = num_envs > 1 if processes is None else processes
+        if processes is None:  # physics wants a process per env; the kinematic task is numpy microseconds
+            from sim.registry import resolve_task
+
+            processes = num_envs > 1 and resolve_task(task).backend != "kinematic"
+        use_processes = processes
         ray = check_ray_address(ray)
         if ray is not None:
             self._ray = RayWorkers(make_kwargs, num_envs, ray, ray_options)

@@ -235,11 +235,12 @@ def test_same_seed_same_episodes() -> None:
 
 
 def test_real_vector_env_reseeds_deterministically() -> None:
+    """The kinematic task's envs step in this process by default (no physics to isolate)."""
+
     def episodes(seed: int) -> list[tuple[int, int | None, int, float]]:
         out: list[EpisodeRecord] = []
-        with VectorSimEnv(
-            "kinematic/Reach-v0", num_envs=2, seed=0, max_episode_steps=5, processes=False
-        ) as env:
+        with VectorSimEnv("kinematic/Reach-v0", num_envs=2, seed=0, max_episode_steps=5) as env:
+            assert env.backend == "local"
             rng = np.random.default_rng(0)
             rollout = ChunkRollout(
                 env,

@@ -29,12 +29,14 @@ the frames of a ``recovery`` span label (the buffer's ``bc`` array, :mod:`vla_rl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -82,44 +84,29 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AWRConfig",
     "AWRResult",
-    "ValueKnobs",
+    "AdvantageConfig",
     "all_features",
     "awr_weights",
     "cross_fitted_values",
+    "episode_folds",
     "fit_value",
     "recap_indicators",
     "train_awr",
     "value_advantages",
+    "value_head",
 ]
 
 
-class ValueKnobs(Protocol):
-    """The value-fit knobs :func:`fit_value` and :func:`cross_fitted_values` read (AWRConfig's, and the
-    online AWR's, :mod:`vla_rl.train.awr_pi`); see :class:`AWRConfig` for what each means."""
-
-    seed: int
-    progress: bool
-    value: str
-    value_bins: int
-    value_hidden: tuple[int, ...]
-    value_lr: float
-    value_steps: int
-    value_folds: int
-    batch_size: int
-    expectile: float
-    divl_quantile: float
-
-
 @dataclass(kw_only=True)
-class AWRConfig(TrainerConfig):
-    """Every knob of an AWR / RECAP run. Defaults suit the small state-only policies on CPU."""
-
-    distributed: ClassVar[bool] = True
+class AdvantageConfig(TrainerConfig):
+    """The knobs every advantage-weighted trainer shares (offline AWR / RECAP, :class:`AWRConfig`, and
+    online AWR policy iteration, :class:`vla_rl.train.awr_pi.AWRPIConfig`), defined and validated here
+    once: the value fit (:func:`fit_value`, :func:`cross_fitted_values`), the AWR weights
+    ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`awr_weights`) and the policy's optimiser. The
+    subclasses inherit the fields, so their command-line flags stay flat (``--value-steps``)."""
 
     store: Path = field()
-    """Episode store with the experience (demos, autonomous rollouts, interventions)."""
-    variant: Literal["awr", "recap"] = "awr"
-    """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
+    """Episode store with the experience (demos, fleet rollouts, human interventions)."""
 
     # value function
     value: Literal["categorical", "expectile", "divl"] = "categorical"
@@ -134,29 +121,75 @@ class AWRConfig(TrainerConfig):
     value_folds: int = 2
     """Cross-fitting: each episode's advantages come from a value fitted on the other folds (1 = off)."""
     value_lr: float = 1e-3
+    """AdamW learning rate of the value head."""
     value_hidden: tuple[int, ...] = (256, 256)
+    """Hidden widths of the value head's MLP."""
     value_bins: int = 51
     """Atoms of the categorical value, spanning the data's return range."""
     expectile: float = 0.7
-    """tau of the expectile value (value="expectile")."""
+    """tau of the expectile value (value="expectile"): > 0.5 leans optimistic."""
     divl_quantile: float = 0.7
     """τ of the DIVL read-out V_τ(s) = Quant_τ(p(G | s)) (value="divl"): > 0.5 leans optimistic."""
 
-    # policy extraction
-    steps: int = 1500
-    batch_size: int = 128
-    lr: float = 1e-4
-    """Lower than SFT's: we fine-tune a working policy."""
-    weight_decay: float = 1e-4
-    warmup_steps: int = 50
-    grad_clip: float = 1.0
-    ema_decay: float = 0.995
+    # advantage weights and the policy's optimiser
     beta: float = 1.0
     """AWR temperature on std-normalised advantages: smaller = greedier."""
     w_max: float = 20.0
     """AWR weight clip (AWR's 20; IQL uses 100)."""
     human_weight: float = 1.0
-    """AWR weight of human-intervention frames (plain behaviour cloning)."""
+    """AWR weight of human-intervention and recovery frames (plain behaviour cloning)."""
+    batch_size: int = 128
+    """Rows per value and policy update."""
+    lr: float = 1e-4
+    """Policy learning rate; lower than SFT's: we fine-tune a working policy."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay of the policy."""
+    warmup_steps: int = 50
+    """Linear learning-rate warm-up of the policy, in updates."""
+    grad_clip: float = 1.0
+    """Clip of the policy gradient's global norm."""
+    ema_decay: float = 0.995
+    """EMA of the policy weights: the EMA is the policy shipped (and, online, the one that acts)."""
+
+    def __post_init__(self) -> None:
+        """Validates the shared knobs; subclasses call it first and then check their own."""
+        super().__post_init__()
+        self.value_hidden = tuple(self.value_hidden)
+        if self.value not in ("categorical", "expectile", "divl"):
+            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
+        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
+        for name in ("value_steps", "value_folds", "value_bins", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if not all(h >= 1 for h in self.value_hidden):
+            raise ValueError(f"value_hidden: expected positive layer widths, got {self.value_hidden}")
+        for name in ("lr", "value_lr", "beta", "w_max", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "human_weight", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        if not 0.0 < self.expectile < 1.0:
+            raise ValueError(f"expectile: expected in (0, 1), got {self.expectile}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
+
+
+@dataclass(kw_only=True)
+class AWRConfig(AdvantageConfig):
+    """Every knob of an AWR / RECAP run; the value, weighting and optimiser knobs are those of the
+    shared :class:`AdvantageConfig`. Defaults suit the small state-only policies on CPU."""
+
+    distributed: ClassVar[bool] = True
+
+    variant: Literal["awr", "recap"] = "awr"
+    """awr: advantage-weighted regression; recap: advantage-conditioned (π0.6's RECAP)."""
+
+    # policy extraction
+    steps: int = 1500
+    """Policy-extraction updates (one cosine schedule after the warm-up)."""
     positive_fraction: float = 0.3
     """RECAP: share of autonomous frames labelled positive (RLinf's positive_quantile)."""
     unconditional_prob: float = 0.3
@@ -180,27 +213,17 @@ class AWRConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.value_hidden = tuple(self.value_hidden)
         if self.variant not in ("awr", "recap"):
             raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
-        if self.value not in ("categorical", "expectile", "divl"):
-            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
-        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
-        for name in ("value_steps", "value_folds", "steps", "batch_size", "value_bins", "checkpoint_every"):
+        for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("lr", "value_lr", "beta", "w_max"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
-        for name in ("positive_fraction", "expectile"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise ValueError(f"{name}: expected in (0, 1), got {getattr(self, name)}")
+        if not 0.0 < self.positive_fraction < 1.0:
+            raise ValueError(f"positive_fraction: expected in (0, 1), got {self.positive_fraction}")
         if not 0.0 <= self.unconditional_prob < 1.0:
             raise ValueError(f"unconditional_prob: expected in [0, 1), got {self.unconditional_prob}")
-        if self.human_weight < 0 or self.guidance_scale < 0:
-            raise ValueError("human_weight and guidance_scale: expected >= 0")
+        if self.guidance_scale < 0:
+            raise ValueError(f"guidance_scale: expected >= 0, got {self.guidance_scale}")
 
 
 AWRResult = TrainResult
@@ -245,22 +268,34 @@ def all_features(
     return torch.cat(feats)
 
 
-def fit_value(
-    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, train_rows: np.ndarray, bar_desc: str
-) -> tuple[torch.nn.Module, float]:
-    """Fit V on ``feats[train_rows] -> returns[train_rows]``; returns the head and its last loss."""
-    fit = returns[torch.from_numpy(train_rows).to(returns.device)]
-    lo, hi = float(fit.min()), float(fit.max())
-    if hi - lo < 1e-6:
-        lo, hi = lo - 1.0, hi + 1.0
-    head: torch.nn.Module
+def value_head(cfg: AdvantageConfig, feature_dim: int, v_min: float, v_max: float) -> torch.nn.Module:
+    """A fresh value head of kind ``cfg.value``; the categorical ones put their atoms on ``[v_min, v_max]``."""
     if cfg.value == "categorical":
-        head = CategoricalValue(feats.shape[1], cfg.value_bins, lo, hi, cfg.value_hidden).to(feats.device)
-    elif cfg.value == "divl":
+        return CategoricalValue(feature_dim, cfg.value_bins, v_min, v_max, cfg.value_hidden)
+    if cfg.value == "divl":
         divl = DIVLConfig(quantile=cfg.divl_quantile, bins=cfg.value_bins)
-        head = DIVLValue(feats.shape[1], divl, lo, hi, cfg.value_hidden).to(feats.device)
-    else:
-        head = ValueMLP(feats.shape[1], cfg.value_hidden).to(feats.device)
+        return DIVLValue(feature_dim, divl, v_min, v_max, cfg.value_hidden)
+    return ValueMLP(feature_dim, cfg.value_hidden)
+
+
+def fit_value(
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    returns: torch.Tensor,
+    train_rows: np.ndarray,
+    bar_desc: str,
+    head: torch.nn.Module | None = None,
+) -> tuple[torch.nn.Module, float]:
+    """Fit V on ``feats[train_rows] -> returns[train_rows]`` for ``value_steps`` updates (a fresh AdamW);
+    returns the head and its last loss. ``head``: continue from it (a warm start: its weights and its
+    atoms' support are kept) instead of a fresh head whose support spans the rows' return range."""
+    if head is None:
+        fit = returns[torch.from_numpy(train_rows).to(returns.device)]
+        lo, hi = float(fit.min()), float(fit.max())
+        if hi - lo < 1e-6:
+            lo, hi = lo - 1.0, hi + 1.0
+        head = value_head(cfg, feats.shape[1], lo, hi).to(feats.device)
+    head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)
     rng = np.random.default_rng([cfg.seed, 1])
     loss_val = float("nan")
@@ -281,26 +316,62 @@ def fit_value(
     return head.eval(), loss_val
 
 
+def episode_folds(keys: Sequence[int | str], folds: int, seed: int) -> np.ndarray:
+    """Fold of each episode, ``sha1(seed, key) mod folds``, from a key that names the episode for the
+    whole run (awr-pi: its arrival index, offline episodes first, then online ones in collection order):
+    an episode keeps its fold whatever else the buffer holds, so a value head kept across iterations
+    (``value_warm_start``) never scores an episode it was trained on, even as episodes arrive and
+    leave. Deterministic given the keys (a run stays a function of its config)."""
+    out = np.empty(len(keys), np.int64)
+    for i, key in enumerate(keys):
+        digest = hashlib.sha1(f"{seed}:{key}".encode(), usedforsecurity=False).digest()
+        out[i] = int.from_bytes(digest[:8], "big") % folds
+    return out
+
+
 def cross_fitted_values(
-    cfg: ValueKnobs, feats: torch.Tensor, returns: torch.Tensor, episode: np.ndarray, human: np.ndarray
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    returns: torch.Tensor,
+    episode: np.ndarray,
+    human: np.ndarray,
+    fold_of: np.ndarray | None = None,
+    heads: dict[int, torch.nn.Module] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """V(s) for every frame from a value fitted WITHOUT that frame's episode (``value_folds`` folds).
 
     A value trained on the very returns it is compared with memorises them (each trajectory's states
     identify it), so G - V collapses to noise; out-of-fold values give honest advantages.
+
+    ``fold_of``: each episode's fold (indexed by ``episode``); None = a seeded balanced permutation.
+    ``heads`` (a warm start across calls): fold k's fit continues from ``heads[k]`` when present, and
+    the fitted head is stored there; with stable folds (:func:`episode_folds`) each head only ever
+    trains on episodes outside its fold. A head that had to fall back to every episode (no other fold
+    holds any) is not kept.
     """
+    if heads is not None and fold_of is None:
+        raise ValueError("heads: a warm start needs folds fixed per episode (fold_of, see episode_folds)")
     n_ep = int(episode.max()) + 1
-    folds = min(cfg.value_folds, n_ep)
-    fold_of = np.random.default_rng([cfg.seed, 2]).permutation(n_ep) % folds
+    if fold_of is None:
+        folds = min(cfg.value_folds, n_ep)
+        fold_of = np.random.default_rng([cfg.seed, 2]).permutation(n_ep) % folds
+    else:
+        folds = cfg.value_folds
     frame_fold = fold_of[episode]
     values = torch.empty_like(returns)
     losses = []
     for k in range(folds):
-        train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
-        if len(train_rows) == 0:
-            train_rows = np.flatnonzero(~human)
-        head, loss = fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}")
         rows = torch.from_numpy(np.flatnonzero(frame_fold == k)).to(feats.device)
+        if len(rows) == 0:
+            continue  # nothing to score in this fold (stable folds can leave one empty)
+        train_rows = np.flatnonzero((frame_fold != k) & ~human) if folds > 1 else np.flatnonzero(~human)
+        out_of_fold = len(train_rows) > 0 or folds == 1
+        if not out_of_fold:
+            train_rows = np.flatnonzero(~human)
+        warm = heads.get(k) if heads is not None and out_of_fold else None
+        head, loss = fit_value(cfg, feats, returns, train_rows, f"value {k + 1}/{folds}", head=warm)
+        if heads is not None and out_of_fold:
+            heads[k] = head
         with torch.no_grad():
             values[rows] = head(feats[rows]).to(values.dtype)
         losses.append(loss)
@@ -308,15 +379,22 @@ def cross_fitted_values(
 
 
 def value_advantages(
-    cfg: ValueKnobs, feats: torch.Tensor, buf: TransitionBuffer, bc: np.ndarray
+    cfg: AdvantageConfig,
+    feats: torch.Tensor,
+    buf: TransitionBuffer,
+    bc: np.ndarray,
+    heads: dict[int, torch.nn.Module] | None = None,
+    fold_of: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
     ``mc_return``, ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
     and how well the value fits: its last loss, the std of the autonomous advantages, and the
     out-of-fold value's correlation with the returns and explained variance ``1 - Var(G - V) / Var(G)``
-    over the autonomous frames."""
+    over the autonomous frames. ``heads`` and ``fold_of``: a warm start of the fold heads from (and
+    into) ``heads`` on folds fixed per episode (:func:`episode_folds`, :func:`cross_fitted_values`);
+    None = fresh heads on a seeded permutation."""
     returns = torch.from_numpy(buf.array("mc_return")).to(feats.device)
-    values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc)
+    values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc, fold_of, heads)
     adv = (returns - values).cpu().numpy()
     g, v = returns.cpu().numpy()[~bc], values.cpu().numpy()[~bc]
     metrics: dict[str, Any] = {

@@ -12,7 +12,8 @@ The original AWR is an online algorithm: it iterates
    newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
    :func:`vla_rl.train.awr.value_advantages`); a fresh value each iteration, on the frozen base's
-   features (the normalised state for state-only policies);
+   features (the normalised state for state-only policies), or with ``value_warm_start`` the previous
+   iteration's fold heads fine-tuned on the grown buffer (folds then fixed per episode);
 3. **regress the policy** for ``steps_per_iteration`` updates of weighted flow matching on the same
    buffer, ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`vla_rl.train.awr.awr_weights`), continuing
    from the current weights with the optimiser's state kept across iterations (linear warm-up, then a
@@ -25,7 +26,8 @@ Outputs::
 
     <out>/checkpoints/last/   the EMA policy (lineage algorithm "awr-pi")
     <out>/online_store/       every online episode (Zarr episode store)
-    <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids (resume)
+    <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids and
+                              the warm-started value heads (resume)
     <out>/curve.json          one row per iteration; <out>/tb/ TensorBoard
 
 **Resume.** The train state is written atomically after every iteration. Re-running into the same
@@ -42,9 +44,9 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -53,8 +55,15 @@ from fleet.db import MetadataDB
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAPolicy
 from vla_rl.policy_loading import LoadedPolicy, load_policy
-from vla_rl.train.awr import all_features, awr_weights, value_advantages
-from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
+from vla_rl.train.awr import (
+    AdvantageConfig,
+    all_features,
+    awr_weights,
+    episode_folds,
+    value_advantages,
+    value_head,
+)
+from vla_rl.train.base import StepProgress, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -68,8 +77,7 @@ from vla_rl.train.common import (
     warmup_cosine,
 )
 from vla_rl.train.distributed import SINGLE
-from vla_rl.train.divl import DIVLConfig
-from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, select_episode_ids
+from vla_rl.train.transitions import DataSelection, TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +85,12 @@ __all__ = ["AWRPIConfig", "iteration_seed", "train_awr_pi", "weights_revision"]
 
 
 @dataclass(kw_only=True)
-class AWRPIConfig(TrainerConfig):
-    """Every knob of an online AWR policy-iteration run. The value and policy-extraction knobs mean
-    what they mean in :class:`vla_rl.train.awr.AWRConfig`."""
+class AWRPIConfig(AdvantageConfig):
+    """Every knob of an online AWR policy-iteration run. The value, weighting and optimiser knobs are
+    offline AWR's (:class:`vla_rl.train.awr.AdvantageConfig`); the optimiser and EMA continue across
+    iterations, the learning rate is constant after its warm-up."""
 
     algorithm: ClassVar[str] = "awr-pi"
-
-    store: Path = field()
-    """Episode store with the offline experience (demos, fleet rollouts): part of every iteration's buffer."""
 
     # online collection
     env_steps: int = 20_000
@@ -94,52 +100,24 @@ class AWRPIConfig(TrainerConfig):
     num_envs: int = 2
     """Simulator processes stepping together."""
     buffer_episodes: int = 0
-    """Keep only the newest this many online episodes in the buffer (the offline data always stays);
-    0 = every online episode."""
+    """Keep only the newest this many online episodes in the buffer (the offline data, from ``store``,
+    always stays); 0 = every online episode."""
     max_episode_steps: int | None = None
     """Episode time limit; None = the task's."""
     online_seed: int = 200_000
     """First episode seed of online collection (demos start at 0, evaluation at 100000)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the policy's ``n_exec``."""
-
-    # value function (as AWRConfig)
-    value: Literal["categorical", "expectile", "divl"] = "categorical"
-    """V(s): a categorical head's mean, IQL's expectile, or DIVL's τ-quantile of the categorical head."""
-    reward: RewardKind = "steps_to_go"
-    """Return definition (transitions.py); steps_to_go makes faster successes better."""
-    gamma: float = 1.0
-    """Discount of the Monte-Carlo returns."""
     value_steps: int = 1000
     """Gradient steps per value fit (one fit per fold, every iteration)."""
-    value_folds: int = 2
-    """Cross-fitting: each episode's advantages come from a value fitted on the other folds (1 = off)."""
-    value_lr: float = 1e-3
-    value_hidden: tuple[int, ...] = (256, 256)
-    value_bins: int = 51
-    """Atoms of the categorical value, spanning the buffer's return range."""
-    expectile: float = 0.7
-    """tau of the expectile value (value="expectile")."""
-    divl_quantile: float = 0.7
-    """τ of the DIVL read-out (value="divl")."""
+    value_warm_start: bool = False
+    """Keep each fold's value head across iterations and fine-tune it (``value_steps`` updates) on the
+    grown buffer instead of fitting a fresh one. Folds are then fixed per episode (a hash of its arrival
+    index, :func:`vla_rl.train.awr.episode_folds`), so a head never scores an episode it trained on."""
 
-    # policy extraction (as AWRConfig; the optimiser and EMA continue across iterations)
+    # policy extraction
     steps_per_iteration: int = 500
     """Weighted flow-matching updates after each value fit (0: collect and fit only, a control run)."""
-    batch_size: int = 128
-    lr: float = 1e-4
-    """Constant after warm-up: every iteration fine-tunes the current policy on fresh data."""
-    weight_decay: float = 1e-4
-    warmup_steps: int = 50
-    grad_clip: float = 1.0
-    ema_decay: float = 0.995
-    """EMA of the weights: the policy that acts in the next collection and the one shipped."""
-    beta: float = 1.0
-    """AWR temperature on std-normalised advantages: smaller = greedier."""
-    w_max: float = 20.0
-    """AWR weight clip."""
-    human_weight: float = 1.0
-    """Weight of human-intervention and recovery frames of the offline data (plain behaviour cloning)."""
 
     # bookkeeping
     resume: bool = True
@@ -149,38 +127,15 @@ class AWRPIConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.value_hidden = tuple(self.value_hidden)
-        if self.value not in ("categorical", "expectile", "divl"):
-            raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
-        DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
-        for name in (
-            "env_steps",
-            "episodes_per_iteration",
-            "num_envs",
-            "value_steps",
-            "value_folds",
-            "batch_size",
-            "value_bins",
-        ):
+        for name in ("env_steps", "episodes_per_iteration", "num_envs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("steps_per_iteration", "buffer_episodes", "warmup_steps", "online_seed"):
+        for name in ("steps_per_iteration", "buffer_episodes", "online_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)}")
         for name in ("max_episode_steps", "n_exec", "stop_at"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer or None, got {getattr(self, name)}")
-        for name in ("lr", "value_lr", "beta", "w_max", "grad_clip"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
-        if not 0.0 < self.expectile < 1.0:
-            raise ValueError(f"expectile: expected in (0, 1), got {self.expectile}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
-        if self.weight_decay < 0 or self.human_weight < 0:
-            raise ValueError("weight_decay and human_weight: expected >= 0")
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -250,6 +205,32 @@ def _buffer(
     return buf
 
 
+def _saved_heads(heads: Mapping[int, torch.nn.Module] | None, feature_dim: int) -> dict[str, Any]:
+    """The warm-started fold heads as plain data for the train state: weights, input width, support."""
+    out: dict[str, Any] = {}
+    for k, head in (heads or {}).items():
+        v_min, v_max = float(getattr(head, "v_min", -1.0)), float(getattr(head, "v_max", 1.0))
+        out[str(k)] = {
+            "weights": head.state_dict(),
+            "feature_dim": feature_dim,
+            "v_min": v_min,
+            "v_max": v_max,
+        }
+    return out
+
+
+def _load_heads(
+    cfg: AWRPIConfig, saved: Mapping[str, Any], device: torch.device
+) -> dict[int, torch.nn.Module]:
+    """Inverse of :func:`_saved_heads`."""
+    heads: dict[int, torch.nn.Module] = {}
+    for k, h in saved.items():
+        head = value_head(cfg, int(h["feature_dim"]), float(h["v_min"]), float(h["v_max"]))
+        head.load_state_dict(h["weights"])
+        heads[int(k)] = head.to(device).eval()
+    return heads
+
+
 # ---------------------------------------------------------------------------- training
 def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     """Iterate collection, value fit and AWR updates until ``env_steps`` are spent; returns the
@@ -292,6 +273,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     iteration, env_steps, updates = 0, 0, 0
     online_ids: list[str] = []
     curve: list[dict[str, Any]] = []
+    # value_warm_start: the fold heads kept across iterations (None: a fresh value every iteration)
+    heads: dict[int, torch.nn.Module] | None = {} if cfg.value_warm_start else None
     if cfg.resume and state_path.exists():
         st = load_train_state(state_path)
         model.load_state_dict(st["model"])
@@ -300,6 +283,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         scheduler.load_state_dict(st["scheduler"])
         iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
         online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
+        if heads is not None:
+            heads.update(_load_heads(cfg, st.get("value_heads", {}), device))
         log.info(
             "awr-pi resumed", extra={"iteration": iteration, "env_steps": env_steps, "from": str(state_path)}
         )
@@ -362,7 +347,11 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             bc = buf.array("bc").astype(bool)
             feats = all_features(base.policy, buf, device, instructions)
             seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
-            adv, vm = value_advantages(cfg, feats, buf, bc)
+            # warm start: folds by arrival index (offline first, then online in collection order)
+            first = len(offline.episodes) + len(online_ids) - len(kept)
+            arrival = [*range(len(offline.episodes)), *range(first, first + len(kept))]
+            fold_of = episode_folds(arrival, cfg.value_folds, cfg.seed) if heads is not None else None
+            adv, vm = value_advantages(cfg, feats, buf, bc, heads, fold_of)
             weights = torch.from_numpy(awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight))
             w_auto = weights.numpy()[~bc]
             # 3. weighted flow matching from the current weights
@@ -425,6 +414,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 updates=updates,
                 online_ids=json.dumps(online_ids),
                 curve=json.dumps(curve),
+                value_heads=_saved_heads(heads, int(feats.shape[1])),
             )
             if not rep.episodes:
                 break  # the budget ran out inside the first episodes of this collection
