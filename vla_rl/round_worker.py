@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.db import MetadataDB, RoundLost, default_url
+from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url
+from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,16 @@ def run_claimed(
     )
     child.start()
     log.info("round running", extra={"round": round_id, "worker": worker, "pid": child.pid})
+    try:
+        return _watch(db, child, round_id, worker, heartbeat_s)
+    except KeyboardInterrupt:  # the worker is told to stop: so is the round (re-queued once stale)
+        log.warning("stopping: the round's process too", extra={"round": round_id})
+        _stop(child, timeout_s=2.0)
+        raise
+
+
+def _watch(db: MetadataDB, child: Any, round_id: int, worker: str, heartbeat_s: float) -> str:
+    """Heartbeat ``round_id`` while its process ``child`` runs; its final status."""
     while child.is_alive():
         child.join(heartbeat_s)
         if not child.is_alive():
@@ -105,6 +115,12 @@ def run_claimed(
         try:
             cancel = db.heartbeat_round(round_id, worker)
         except RoundLost as e:
+            rec = db.round(round_id)
+            if rec is not None and rec.worker == worker and rec.status in FINISHED_STATUSES:
+                # not lost: the round's process recorded its result between the join and the beat
+                child.join(10)
+                if not child.is_alive():
+                    return rec.status
             log.error("round lost; stopping it", extra={"round": round_id, "error": str(e)})
             _stop(child)
             return "lost"
@@ -130,9 +146,10 @@ def run_claimed(
     return final.status if final is not None else "missing"
 
 
-def _stop(child: Any) -> None:
+def _stop(child: Any, timeout_s: float = 10.0) -> None:
+    """Terminate the round's process; kill it if it is still there after ``timeout_s``."""
     child.terminate()
-    child.join(10)
+    child.join(timeout_s)
     if child.is_alive():
         child.kill()
         child.join()
@@ -144,13 +161,7 @@ def _child_main(db_url: str, round_id: int, config: dict[str, Any], worker: str,
     from vla_rl.logs import setup_logging
     from vla_rl.rounds import config_from_json, run_round
 
-    def watch_parent() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    exit_with_parent(parent_pid, code=3, interval_s=1.0, where=f"round {round_id} process")
     setup_logging("info", os.environ.get("VLA_RL_LOG_FORMAT", "text"))
     leave_realtime(f"round {round_id} process")
     db = MetadataDB(db_url)

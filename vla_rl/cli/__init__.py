@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vla_rl import __version__
+from vla_rl import __version__, lifeline
 from vla_rl.cli import data, labels, services, taco, training
 from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
@@ -125,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(g.log_level, g.log_format)
     # First thing before any work: whatever this command starts inherits its scheduling (vla_rl.scheduling).
     leave_realtime("vla-rl " + " ".join(command.path))
+    # Ctrl-C stops it even where it was started ignoring SIGINT; started by `vla-rl up`: it stops with up.
+    lifeline.install("vla-rl " + " ".join(command.path))
     from vla_rl.hub.registry import configure_hub
 
     # Before anything imports huggingface_hub (lerobot, transformers): it reads these at import.
