@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url
+from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url, worker_id
 from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 
@@ -67,8 +67,6 @@ class WorkerConfig:
 
 def run_worker(cfg: WorkerConfig, worker: str | None = None) -> int:
     """The worker loop; returns how many rounds it ran."""
-    from vla_rl.rounds import worker_id
-
     db = MetadataDB(cfg.db_url or default_url(cfg.store))
     worker = worker or worker_id()
     ran = 0

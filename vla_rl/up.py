@@ -344,14 +344,17 @@ class Supervisor:
             stop.set()
             t.join(5)
 
-    def stop_all(self, timeout_s: float = 8.0) -> None:
-        """Stop every service and job within ``timeout_s`` in all (plus the kills): by ``stop_order``, each
-        group SIGINTed (as a user would) and waited for against one deadline, so that nothing spins on a
-        dependency already gone (the fleet and the worker first, then server and collector, the registry
-        last); what still runs at the deadline, or on a second Ctrl-C, is SIGKILLed."""
+    def stop_all(self, timeout_s: float = 8.0, stage_s: float = 1.5) -> None:
+        """Stop every service and job within ``timeout_s`` in all (plus the kills), by ``stop_order``: each
+        group is SIGINTed (as a user would) once the one before it has exited, or ``stage_s`` after it was
+        told to (a process's own exit can take seconds on a loaded machine: its stop is done by then), so
+        that nothing spins on a dependency already gone (the fleet and the worker first, then server and
+        collector, the registry last). Then all are waited for against the one deadline; what still runs
+        at it, or on a second Ctrl-C, is SIGKILLed."""
         self._stopping.set()  # a restart under way gives up (check() wakes from its waits)
         with self._lock:
             members = [c for c in [*self.jobs.values(), *self.children.values()] if c.proc is not None]
+        procs = [c.proc for c in members if c.proc is not None]
         end = time.monotonic() + timeout_s
         try:
             for order in sorted({c.stop_order for c in members}):
@@ -360,18 +363,23 @@ class Supervisor:
                     if p.poll() is None:
                         with contextlib.suppress(ProcessLookupError):
                             p.send_signal(signal.SIGINT)
-                for p in group:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        p.wait(max(0.2, end - time.monotonic()))
+                _wait_all(group, min(end, time.monotonic() + stage_s))
+            _wait_all(procs, end)
         except KeyboardInterrupt:
             log.warning("interrupted again: killing what still runs")
         finally:
-            for c in members:
-                if c.proc is not None and c.proc.poll() is None:
-                    c.proc.kill()
-            for c in members:
-                if c.proc is not None:
-                    c.proc.wait()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], until: float) -> None:
+    """Wait for every process in ``procs`` to exit, until the ``time.monotonic()`` deadline ``until``."""
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, until - time.monotonic()))
 
 
 STOP_ORDER = {"fleet": 0, "worker": 0, "dashboard": 0, "server": 1, "collector": 1, "hub": 2}
