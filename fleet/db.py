@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -684,6 +685,11 @@ class TimelinePoint:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def worker_id() -> str:
+    """This process's name as a round worker (``claim_round``, ``heartbeat_round``): ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def default_url(store_root: str | os.PathLike[str]) -> str:

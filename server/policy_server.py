@@ -1563,6 +1563,7 @@ def serve(
     )
     server.start()
     previous = _stop_on_sigterm()
+    grace_s = 1.0  # Ctrl-C stops at once: calls in flight get a second, open streams are cancelled
     try:
         try:
             while server._thread is not None and server._thread.is_alive():
@@ -1570,15 +1571,17 @@ def serve(
         except KeyboardInterrupt as stop:
             if isinstance(stop, _Terminate) and drain_s > 0:
                 log.info("stop requested: draining first", extra={"drain_s": drain_s})
+                grace_s = 5.0
                 try:
                     server.drain()
                     # not Thread.join: after a join interrupted by the signal, is_alive() can say False
                     time.sleep(drain_s)
                 except KeyboardInterrupt:
                     log.info("second stop request: stopping now")
+                    grace_s = 1.0
             log.info("stopping policy server")
     finally:
-        server.stop(grace_s=5.0)
+        server.stop(grace_s=grace_s)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

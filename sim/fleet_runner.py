@@ -34,6 +34,7 @@ import numpy as np
 
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl import console
+from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger("vla_rl.fleet")
@@ -319,6 +320,8 @@ def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> N
 def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
     """Process entry point: run episodes through the policy server, stream them, report each episode."""
     leave_realtime(f"sim robot {cfg.robot_id}")
+    # a fleet killed without stopping its robots (SIGKILL, `vla-rl up` gone) must not leave them driving
+    exit_with_parent(where=f"sim robot {cfg.robot_id}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         _sim_robot(cfg, desk, reports)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -36,30 +34,15 @@ import numpy as np
 
 from sim.base import Observation, ObsMode, RewardMode, SimEnv
 from sim.ray_workers import RayWorkerOptions, RayWorkers, check_ray_address
+from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 from vla_rl.spec import RobotSpec
 
 
-def _exit_with_parent(parent_pid: int, interval_s: float = 0.25) -> None:
-    """End this worker as soon as the process driving it is gone.
-
-    A parent killed by SIGTERM, SIGKILL or the OOM killer never calls ``close()``, and when it has forked
-    other processes they hold its pipe ends open, so the worker would wait for a command forever. A thread
-    polling ``getppid`` (rather than ``prctl(PR_SET_PDEATHSIG)``, which fires when the *thread* that started
-    the worker exits, not the process) catches every way the parent can die.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        os._exit(1)  # the env's resources go with the process; nobody is left to report to
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def _worker(conn: Connection, make_kwargs: dict[str, Any], parent_pid: int) -> None:
     leave_realtime("sim env worker")
-    _exit_with_parent(parent_pid)
+    # the env's resources go with the process; nobody is left to report to
+    exit_with_parent(parent_pid, where="sim env worker")
     import torch
 
     # One simulator per process already fills the cores; torch's own thread pool would only fight them.

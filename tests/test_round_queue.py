@@ -270,6 +270,8 @@ def test_a_killed_workers_round_is_requeued_and_its_process_stops(
     db.update_round(
         rid, config={**db.round(rid).config, "train": {**db.round(rid).config["train"], "steps": 5}}
     )
+    # a worker starts in about a second: let the heartbeat go stale first, or --once finds nothing to do
+    _wait(lambda: time.time() - (db.round(rid).heartbeat_at or 0) > 2.5, 10, "the heartbeat to go stale")
     second = _worker(store, "--once", "--heartbeat-s", "0.5", "--stale-after-s", "2")
     log = second.communicate(timeout=600)[0]
     rec = db.round(rid)

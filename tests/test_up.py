@@ -9,6 +9,7 @@ checks the machinery, not learning (bench/loop.py is where learning is measured)
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -198,5 +199,48 @@ def test_ctrl_c_stops_everything_within_10_s(work: Path, up_db: str | None) -> N
     assert stopped_in <= 10.0, (stopped_in, out[-2000:])
     gone = psutil.wait_procs(children, timeout=5)[1]
     assert not gone, f"still running after Ctrl-C: {[p.cmdline() for p in gone]}"
+    assert not _running_in(work), "a process of this run outlived up"
     v = _verify(work, up_db)
     assert v.returncode == 0, v.stdout + v.stderr  # nothing half-written
+
+
+def _running_in(work: Path) -> list[list[str]]:
+    """Command lines of the processes that name ``work`` (up's children do; the fleet's robots do not:
+    the tests track them as up's descendants)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(str(work) in part for part in cmd) and p.pid != os.getpid():
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.slow
+def test_nothing_outlives_a_killed_up(work: Path, up_db: str | None) -> None:
+    """`up` SIGKILLed mid-round (no chance to stop anything): every process it started, and theirs (the
+    fleet's robots, the collector's store writer), stops by itself within seconds (vla_rl/lifeline.py);
+    the next run resumes with every acknowledged episode stored once."""
+    _ensure_rounds(work, up_db, 2)
+    done = len(open_db(work / "store", up_db).rounds())
+    proc = subprocess.Popen(
+        _up(work, done + 1, up_db), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        up = psutil.Process(proc.pid)
+
+        def fleet_driving() -> bool:
+            fleets = [c for c in up.children() if "fleet" in c.cmdline()]
+            return bool(fleets) and len(fleets[0].children()) >= ROBOTS
+
+        _wait(fleet_driving, 300, "the fleet's robots")
+        everything = up.children(recursive=True)
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    alive = psutil.wait_procs(everything, timeout=10)[1]
+    assert not alive, f"outlived a killed up: {[p.cmdline() for p in alive]}"
+    assert not _running_in(work)
+    v = _verify(work, up_db)
+    assert v.returncode == 0, v.stdout + v.stderr

@@ -11,10 +11,13 @@ CI-scale setup as tests/test_up.py (kinematic test bed, tiny recipes).
 from __future__ import annotations
 
 import json
+import os
+import socket
 import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from vla_rl.up import (
     DASHBOARD_PORT,
     Ports,
     Supervisor,
+    _free_port,
     _http_child,
     _http_ready,
     _port_free,
@@ -240,3 +244,65 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
         assert not _http_ready(f"{hub.url}/api/health", instance_tag(nonces["theirs"]))()
     finally:
         hub.stop()
+
+
+# ---------------------------------------------------------------------------- a port taken under the dashboard
+_HTTP_CHILD = """
+import json, socket, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from vla_rl.instance import own_instance_tag
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"instance": own_instance_tag()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_dashboard_binds_it_gets_a_fresh_one(tmp_path: Path) -> None:
+    """One mechanism for a dashboard port someone else holds (another `up`'s dashboard, answering health
+    with its own nonce): our child fails to bind, the ready check never takes the other answer for ours,
+    the port is still taken once our child is gone, so the supervisor picks a fresh port and starts the
+    child there once. Real HTTP children on loopback, real nonces."""
+
+    def make(port: int) -> tuple[list[str], Callable[[], bool], dict[str, str]]:
+        ready, env = _http_child(f"http://127.0.0.1:{port}/api/v1/health")
+        return [*_py(_HTTP_CHILD), str(port)], ready, env
+
+    taken = _free_port()
+    other_argv, other_ready, other_env = make(taken)  # "another up's dashboard"
+    other = subprocess.Popen(other_argv, env=os.environ | other_env)
+    sup = Supervisor(tmp_path / "logs")
+    try:
+        end = time.monotonic() + 20
+        while not other_ready() and time.monotonic() < end:
+            time.sleep(0.05)
+        port = sup.start_on_port("dashboard", taken, make, timeout_s=20)
+        assert port is not None and port != taken
+        assert (
+            f"dashboard: port {taken} was taken by another process; starting it on port {port}" in sup.events
+        )
+        child = sup.children["dashboard"]
+        assert child.proc is not None and child.proc.poll() is None and child.ready()
+        assert other.poll() is None and other_ready()  # the other process was left alone
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+        # a child that fails for another reason (its port free) is dropped, not retried elsewhere
+        free = _free_port()
+        assert (
+            sup.start_on_port("broken", free, lambda p: (_py("raise SystemExit(3)"), lambda: False, {}))
+            is None
+        )
+        assert "broken" not in sup.children and "broken exited with code 3" in sup.events[-1]
+    finally:
+        sup.stop_all(timeout_s=2)
+        other.kill()
+        other.wait()

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url
+from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url, worker_id
+from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,6 @@ class WorkerConfig:
 
 def run_worker(cfg: WorkerConfig, worker: str | None = None) -> int:
     """The worker loop; returns how many rounds it ran."""
-    from vla_rl.rounds import worker_id
-
     db = MetadataDB(cfg.db_url or default_url(cfg.store))
     worker = worker or worker_id()
     ran = 0
@@ -98,6 +96,16 @@ def run_claimed(
     )
     child.start()
     log.info("round running", extra={"round": round_id, "worker": worker, "pid": child.pid})
+    try:
+        return _watch(db, child, round_id, worker, heartbeat_s)
+    except KeyboardInterrupt:  # the worker is told to stop: so is the round (re-queued once stale)
+        log.warning("stopping: the round's process too", extra={"round": round_id})
+        _stop(child, timeout_s=2.0)
+        raise
+
+
+def _watch(db: MetadataDB, child: Any, round_id: int, worker: str, heartbeat_s: float) -> str:
+    """Heartbeat ``round_id`` while its process ``child`` runs; its final status."""
     while child.is_alive():
         child.join(heartbeat_s)
         if not child.is_alive():
@@ -107,7 +115,7 @@ def run_claimed(
         except RoundLost as e:
             finished = finished_by(db, round_id, worker)
             if finished is not None:  # our child recorded its result and is exiting: not lost
-                child.join(30)
+                child.join(10)
                 if child.is_alive():
                     _stop(child)
                 return finished
@@ -145,9 +153,10 @@ def finished_by(db: MetadataDB, round_id: int, worker: str) -> str | None:
     return None
 
 
-def _stop(child: Any) -> None:
+def _stop(child: Any, timeout_s: float = 10.0) -> None:
+    """Terminate the round's process; kill it if it is still there after ``timeout_s``."""
     child.terminate()
-    child.join(10)
+    child.join(timeout_s)
     if child.is_alive():
         child.kill()
         child.join()
@@ -159,13 +168,7 @@ def _child_main(db_url: str, round_id: int, config: dict[str, Any], worker: str,
     from vla_rl.logs import setup_logging
     from vla_rl.rounds import config_from_json, run_round
 
-    def watch_parent() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    exit_with_parent(parent_pid, code=3, interval_s=1.0, where=f"round {round_id} process")
     setup_logging("info", os.environ.get("VLA_RL_LOG_FORMAT", "text"))
     leave_realtime(f"round {round_id} process")
     db = MetadataDB(db_url)

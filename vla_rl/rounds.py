@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import traceback
@@ -30,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url
+from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
 from vla_rl.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
@@ -275,10 +273,6 @@ def queue_round(cfg: RoundConfig, db: MetadataDB | None = None) -> int:
     round_id = db.create_round(algo=cfg.algo, task=t.task or "", base_ref=t.base, config=config_to_json(cfg))
     log.info("round queued", extra={"round": round_id, "algo": cfg.algo, "base": t.base})
     return round_id
-
-
-def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:

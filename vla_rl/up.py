@@ -12,8 +12,10 @@ deliberately weak base policy (SFT on a few noisy demos; cached), publishes it a
       -> the server swaps live; the fleet carries on under the new commit
 
 and prints one row per round. Running it again in the same workdir resumes (same store, DB, registry,
-next round number). Ctrl-C stops every process within seconds; nothing acknowledged is lost (the
-collector's write-ahead log holds it).
+next round number). Ctrl-C (or SIGTERM) stops every process within seconds, in order (the fleet and the
+worker, then the policy server and the collector, the registry last); nothing acknowledged is lost (the
+collector's write-ahead log holds it). Should ``up`` itself be killed outright, its children stop by
+themselves (:mod:`vla_rl.lifeline`).
 
 Layout of ``workdir``: ``hub/`` (registry data), ``store/`` (episodes + metadata DB), ``base/`` (demos'
 SFT run), ``rounds/round-N/`` (training runs), ``logs/*.log`` (one per process), ``up.json`` (ports,
@@ -48,6 +50,7 @@ from typing import Any
 
 from vla_rl.console import table
 from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
+from vla_rl.lifeline import supervised_env
 from vla_rl.secrets import read_secret_file
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,8 @@ class Child:
     log_path: Path
     required: bool = True
     """False: the loop goes on without it when it cannot start or keeps dying (e.g. the dashboard)."""
+    stop_order: int = 0
+    """:meth:`Supervisor.stop_all` stops lower numbers first: what uses the others before what they use."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -146,13 +151,18 @@ class Child:
 
 @dataclass
 class Supervisor:
-    """Starts services, restarts one that dies (with backoff), stops them all on the way out."""
+    """Starts services, restarts one that dies (with backoff), runs jobs (the fleet), stops them all on the
+    way out. Each process gets its own process group (a terminal's Ctrl-C reaches ``up`` alone, which stops
+    them in order) and :func:`vla_rl.lifeline.supervised_env`: it acts on SIGINT even where ``up`` was
+    started ignoring it, and it stops by itself when ``up`` dies (SIGKILL, a crash)."""
 
     logs: Path
     max_restarts: int = 5
     children: dict[str, Child] = field(default_factory=dict)
+    jobs: dict[str, Child] = field(default_factory=dict)
+    """Processes run to their end (:meth:`run`), never restarted."""
     events: list[str] = field(default_factory=list)
-    _stopping: bool = False
+    _stopping: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(
@@ -163,38 +173,107 @@ class Supervisor:
         env: dict[str, str],
         timeout_s: float = 180,
         required: bool = True,
+        stop_order: int = 0,
     ) -> bool:
         """Start ``name`` and wait until ``ready()``; returns whether it runs. A required child that
         fails to start raises; an optional one is stopped, dropped and reported in ``events``."""
-        child = Child(name, argv, ready, env, self.logs / f"{name}.log", required=required)
-        self.children[name] = child
+        child = Child(
+            name, argv, ready, env, self.logs / f"{name}.log", required=required, stop_order=stop_order
+        )
+        error = self._launch(child, timeout_s)
+        if error is None:
+            return True
+        if required:
+            raise RuntimeError(error)
+        self._drop(child, f"{error}; going on without it")
+        return False
+
+    def start_on_port(
+        self,
+        name: str,
+        port: int,
+        make: Callable[[int], tuple[list[str], Callable[[], bool], dict[str, str]]],
+        timeout_s: float = 60,
+        stop_order: int = 0,
+    ) -> int | None:
+        """Start the optional child ``name`` serving on ``port`` (``make(port)``: its argv, ready check
+        and environment); returns the port it serves on, or None (dropped, reported in ``events``).
+
+        A port picked free can be taken by another process before the child binds it: the child then
+        fails (its ready check, which believes only its own nonce, never passes) and the port is still
+        not free once it is gone. Then, once, a fresh port is picked and the child started again."""
+        for attempt in (0, 1):
+            argv, ready, env = make(port)
+            child = Child(
+                name, argv, ready, env, self.logs / f"{name}.log", required=False, stop_order=stop_order
+            )
+            error = self._launch(child, timeout_s)
+            if error is None:
+                return port
+            self._remove(child)
+            if attempt == 0 and not _port_free(port):
+                taken, port = port, _free_port()
+                msg = f"{name}: port {taken} was taken by another process; starting it on port {port}"
+                self.events.append(msg)
+                log.warning(msg)
+                continue
+            self._drop(child, f"{error}; going on without it")
+        return None
+
+    def _launch(self, child: Child, timeout_s: float) -> str | None:
+        """Register and spawn ``child``, wait until it is ready; None, or why it is not."""
+        self.children[child.name] = child
         self._spawn(child)
         try:
             self._wait_ready(child, timeout_s)
         except RuntimeError as e:
-            if required:
-                raise
-            self._drop(child, f"{e}; going on without it")
-            return False
-        return True
+            return str(e)
+        return None
 
-    def _drop(self, child: Child, why: str) -> None:
-        """Stop an optional child for good (the loop does not need it)."""
-        self.children.pop(child.name, None)
+    def _remove(self, child: Child) -> None:
+        """Stop ``child`` (SIGKILL) and forget it."""
+        if self.children.get(child.name) is child:
+            self.children.pop(child.name)
         if child.proc is not None and child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
+
+    def _drop(self, child: Child, why: str) -> None:
+        """Stop an optional child for good (the loop does not need it)."""
+        self._remove(child)
         self.events.append(why)
         log.warning(why)
 
     def _spawn(self, child: Child) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
-        child.proc = subprocess.Popen(
-            child.argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ | child.env
-        )
-        out.close()
+        try:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=os.environ | child.env | supervised_env(),
+                process_group=0,  # Ctrl-C at a terminal reaches `up`; it stops the children in order
+            )
+        finally:
+            out.close()
         child.started_at = time.monotonic()
+
+    def run(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, stop_order: int = 0
+    ) -> int:
+        """Run ``argv`` to its end as job ``name`` (output appended to ``log_path``; not restarted; stopped
+        with the rest by :meth:`stop_all`); returns its exit code."""
+        if self._stopping.is_set():
+            raise RuntimeError(f"{name}: not started, the supervisor is stopping")
+        job = Child(name, argv, lambda: True, env, log_path, stop_order=stop_order)
+        self.jobs[name] = job
+        self._spawn(job)
+        assert job.proc is not None
+        code = job.proc.wait()  # an interrupt leaves it in jobs: stop_all stops it
+        self.jobs.pop(name, None)
+        return code
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -204,17 +283,19 @@ class Supervisor:
                 raise RuntimeError(
                     f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}"
                 )
+            if self._stopping.is_set():
+                raise RuntimeError(f"{child.name}: stopping")
             if child.ready():
                 return
-            time.sleep(0.2)
+            self._stopping.wait(0.2)
         raise RuntimeError(f"{child.name} not ready after {timeout_s:.0f} s; see {child.log_path}")
 
     def check(self) -> None:
         """Restart any service that died (the loop calls this between its steps, and a thread every second)."""
         with self._lock:
-            if self._stopping:
-                return
             for child in list(self.children.values()):
+                if self._stopping.is_set():
+                    return
                 assert child.proc is not None
                 code = child.proc.poll()
                 if code is None:
@@ -229,11 +310,14 @@ class Supervisor:
                 msg = f"{child.name} exited with code {code}; restarting it (restart {child.restarts})"
                 self.events.append(msg)
                 log.warning(msg)
-                time.sleep(min(2.0, 0.2 * 2**child.restarts))
+                if self._stopping.wait(min(2.0, 0.2 * 2**child.restarts)):
+                    return
                 self._spawn(child)
                 try:
                     self._wait_ready(child, 180)
                 except RuntimeError as e:
+                    if self._stopping.is_set():
+                        return  # stop_all stops it
                     if child.required:
                         raise
                     self._drop(child, f"{e}; going on without it")
@@ -253,26 +337,54 @@ class Supervisor:
         t.start()
         try:
             yield
+        except BaseException:
+            self._stopping.set()  # on the way out (Ctrl-C): a restart under way gives up at once
+            raise
         finally:
             stop.set()
             t.join(5)
 
-    def stop_all(self, timeout_s: float = 8.0) -> None:
-        """SIGINT every service (as a user would), then kill what is still running after ``timeout_s``."""
+    def stop_all(self, timeout_s: float = 8.0, stage_s: float = 1.5) -> None:
+        """Stop every service and job within ``timeout_s`` in all (plus the kills), by ``stop_order``: each
+        group is SIGINTed (as a user would) once the one before it has exited, or ``stage_s`` after it was
+        told to (a process's own exit can take seconds on a loaded machine: its stop is done by then), so
+        that nothing spins on a dependency already gone (the fleet and the worker first, then server and
+        collector, the registry last). Then all are waited for against the one deadline; what still runs
+        at it, or on a second Ctrl-C, is SIGKILLed."""
+        self._stopping.set()  # a restart under way gives up (check() wakes from its waits)
         with self._lock:
-            self._stopping = True
-        procs = [c.proc for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGINT)
+            members = [c for c in [*self.jobs.values(), *self.children.values()] if c.proc is not None]
+        procs = [c.proc for c in members if c.proc is not None]
         end = time.monotonic() + timeout_s
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, end - time.monotonic()))
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        try:
+            for order in sorted({c.stop_order for c in members}):
+                group = [c.proc for c in members if c.stop_order == order and c.proc is not None]
+                for p in group:
+                    if p.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(signal.SIGINT)
+                _wait_all(group, min(end, time.monotonic() + stage_s))
+            _wait_all(procs, end)
+        except KeyboardInterrupt:
+            log.warning("interrupted again: killing what still runs")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
                 p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], until: float) -> None:
+    """Wait for every process in ``procs`` to exit, until the ``time.monotonic()`` deadline ``until``."""
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, until - time.monotonic()))
+
+
+STOP_ORDER = {"fleet": 0, "worker": 0, "dashboard": 0, "server": 1, "collector": 1, "hub": 2}
+"""The order :meth:`Supervisor.stop_all` stops ``up``'s processes in: each before what it uses (the fleet
+uses server and collector, the server follows prod on the registry), so none spins on one gone."""
 
 
 def _free_port() -> int:
@@ -523,6 +635,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             [*CLI, "hub", "serve", "--data", str(work / "hub"), "--port", str(ports.hub)],
             hub_ready,
             env | hub_env,
+            stop_order=STOP_ORDER["hub"],
         )
         prod = f"hub://{cfg.repo}@prod"
         _seed_base(cfg, work, store, prod, db_url)
@@ -537,10 +650,6 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             )
             return rows
         flags = dashboard_flags(env) if cfg.dashboard else None
-        if flags is not None and not _port_free(ports.dashboard):  # taken while the base trained
-            ports = dataclasses.replace(ports, dashboard=_free_port())  # (another `up`, a dashboard)
-            state["ports"] = vars(ports)
-            state_path.write_text(json.dumps(state, indent=2))
         dashboard_url = f"http://127.0.0.1:{ports.dashboard}"
         if flags is not None:
             dash = f"{dashboard_url}   operator token in {work / 'secrets' / 'dashboard'}"
@@ -572,12 +681,14 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             ],
             _tcp_ready(ports.server),
             env,
+            stop_order=STOP_ORDER["server"],
         )
         sup.start(
             "collector",
             [*CLI, "collect", "--store", str(store), "--db", db_url, "--port", str(ports.collector)],
             _tcp_ready(ports.collector),
             env,
+            stop_order=STOP_ORDER["collector"],
         )
         sup.start(
             "worker",
@@ -598,21 +709,35 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             ],
             lambda: True,
             env,
+            stop_order=STOP_ORDER["worker"],
         )
-        # the port was re-picked above if taken, but another process may still take it before our child
-        # binds: the ready check only believes an answer carrying our child's nonce
-        dash_ready, dash_env = _http_child(f"{dashboard_url}/api/v1/health")
-        if flags is not None and not sup.start(
-            "dashboard",
-            dashboard_argv(
-                flags, store, hub_url, ports, repo=cfg.repo, workdir=work / "dashboard", db=db_url
-            ),
-            dash_ready,
-            env | dash_env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]},
-            timeout_s=60,
-            required=False,
-        ):
-            print(f"  dashboard  did not start; see {work / 'logs' / 'dashboard.log'}", flush=True)
+        if flags is not None:
+            dash_flags = flags
+
+            def dashboard_child(port: int) -> tuple[list[str], Callable[[], bool], dict[str, str]]:
+                # the ready check believes only an answer carrying this child's nonce (not another
+                # process that took the port: then start_on_port picks another one)
+                ready, nonce_env = _http_child(f"http://127.0.0.1:{port}/api/v1/health")
+                at = dataclasses.replace(ports, dashboard=port)
+                argv = dashboard_argv(
+                    dash_flags, store, hub_url, at, repo=cfg.repo, workdir=work / "dashboard", db=db_url
+                )
+                return argv, ready, env | nonce_env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]}
+
+            port = sup.start_on_port(
+                "dashboard",
+                ports.dashboard,
+                dashboard_child,
+                timeout_s=60,
+                stop_order=STOP_ORDER["dashboard"],
+            )
+            if port is None:
+                print(f"  dashboard  did not start; see {work / 'logs' / 'dashboard.log'}", flush=True)
+            elif port != ports.dashboard:
+                ports = dataclasses.replace(ports, dashboard=port)
+                state["ports"] = vars(ports)
+                state_path.write_text(json.dumps(state, indent=2))
+                print(f"  dashboard  its port was taken meanwhile: now http://127.0.0.1:{port}", flush=True)
         table_rows: list[list[object]] = []
         with sup.watching():
             while len(db.rounds()) < cfg.rounds:
@@ -638,10 +763,13 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     str(cfg.seed * 1_000_000 + n * 10_000),
                     "--no-progress",
                 ]
-                with open(work / "logs" / f"fleet-round-{n}.log", "ab") as out:
-                    subprocess.run(
-                        fleet, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, check=False
-                    )
+                sup.run(
+                    "fleet",
+                    fleet,
+                    env,
+                    work / "logs" / f"fleet-round-{n}.log",
+                    stop_order=STOP_ORDER["fleet"],
+                )
                 # the collector acknowledges into its log first: wait until the store holds the episodes
                 expected, deadline = cfg.robots * cfg.episodes, time.monotonic() + 120
                 summary = fleet_summary(store, since, "sim")

@@ -11,12 +11,13 @@ store, an unknown task) print one ``error:`` line with how to fix it, exit 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from vla_rl import __version__
+from vla_rl import __version__, lifeline
 from vla_rl.cli import data, labels, services, taco, training
 from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
@@ -101,7 +102,18 @@ def _find(words: list[str]) -> tuple[Command | None, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command ``argv`` names (None: this program's command line); returns the exit code."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        if argv is None:
+            # The program ends here: skip the cyclic GC of every object at interpreter shutdown. With torch
+            # loaded it costs seconds on a busy machine, most of a Ctrl-C'd service's stop; the OS takes
+            # the memory back (atexit handlers and the freeing of what is not in a cycle still run).
+            gc.freeze()
+
+
+def _main(argv: list[str]) -> int:
     first = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     # global options take a value: step over "--hub URL"-style pairs to find the command word
     i = 0
@@ -125,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(g.log_level, g.log_format)
     # First thing before any work: whatever this command starts inherits its scheduling (vla_rl.scheduling).
     leave_realtime("vla-rl " + " ".join(command.path))
+    # Ctrl-C stops it even where it was started ignoring SIGINT; started by `vla-rl up`: it stops with up.
+    lifeline.install("vla-rl " + " ".join(command.path))
     from vla_rl.hub.registry import configure_hub
 
     # Before anything imports huggingface_hub (lerobot, transformers): it reads these at import.

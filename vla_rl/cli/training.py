@@ -580,9 +580,11 @@ def _up_args() -> type:
 
 
 def up(cfg: Any) -> int:
+    from vla_rl.lifeline import interruptible
     from vla_rl.up import run_up
 
-    with user_errors(RuntimeError, ValueError, prefix="up: "):
+    # SIGTERM too: `up` stops its children (in order) however it is told to stop
+    with interruptible(), user_errors(RuntimeError, ValueError, prefix="up: "):
         rows = run_up(cfg)
     return 0 if all(r["status"] == "succeeded" for r in rows) else 1
 

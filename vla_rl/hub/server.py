@@ -48,6 +48,7 @@ from vla_rl.hub.routes.errors import add_error_handlers
 from vla_rl.hub.routes.state import Hub, Settings
 from vla_rl.hub.storage import HubStorage
 from vla_rl.instance import own_instance_tag
+from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger("vla_rl.hub.server")
@@ -174,15 +175,8 @@ def _serve_child() -> None:
     """Entry of :class:`HubServer` subprocesses: settings (token included) come through the environment, not
     argv, so the token never shows in ``ps``; the listening socket is inherited from the parent."""
     cfg = json.loads(os.environ.pop(_CHILD_ENV))
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        # A killed test run or CLI must not leave a server holding the port and the data folder.
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    # A killed test run or CLI must not leave a server holding the port and the data folder.
+    exit_with_parent(cfg.get("parent", os.getppid()), code=0, interval_s=1.0, where="hub server process")
     logging.basicConfig(
         level=cfg["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -288,6 +282,7 @@ class HubServer:
             "private": self.private,
             "log_level": self.log_level,
             "limits": dataclasses.asdict(self.limits),
+            "parent": os.getpid(),  # known before the fork: a parent that dies first is noticed too
         }
         env = {**os.environ, _CHILD_ENV: json.dumps(cfg)}
         self._proc = subprocess.Popen(
