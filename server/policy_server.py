@@ -616,6 +616,11 @@ class ModelSlot:
             return self.active
 
     # -- the batcher
+    def queued(self) -> int:
+        """Requests waiting for a batch (not yet picked for inference)."""
+        with self._cond:
+            return len(self._queue)
+
     def active_clients(self) -> int:
         """Connections that sent a request within the last ``activity_window_s`` (or have one queued)."""
         with self._cond:

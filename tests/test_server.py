@@ -623,9 +623,18 @@ def test_queue_full_and_expired_requests(ckpts: dict[str, Path]) -> None:
     slot = srv.slots["arm"]
     fast_infer = slot.active.infer_scored  # what the batcher calls
 
+    started, release = threading.Event(), threading.Event()
+
     def slow_infer(*args: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
-        time.sleep(0.4)
+        started.set()
+        release.wait(10)  # held until the test has filled the queue (no sleeps to order the requests)
         return fast_infer(*args, **kw)
+
+    def wait_for(cond: Callable[[], bool]) -> None:
+        end = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < end, "the server never reached the state the test waits for"
+            time.sleep(0.01)
 
     slot.active.infer_scored = slow_infer  # type: ignore[method-assign]
     obs = make_obs(np.random.default_rng(12))
@@ -645,19 +654,22 @@ def test_queue_full_and_expired_requests(ckpts: dict[str, Path]) -> None:
 
     try:
         with PolicyClient(srv.address, timeout_s=10) as c:
-            t1 = background()  # runs (0.4 s)
-            time.sleep(0.15)
+            t1 = background()  # in inference, held
+            assert started.wait(10)
             t2 = background()  # waits in the queue (max_queue=1)
-            time.sleep(0.1)
+            wait_for(lambda: slot.queued() == 1)
             with pytest.raises(PolicyError) as err:
                 c.act(obs, seed=1)
             assert err.value.code == SC.RESOURCE_EXHAUSTED and "queue full" in err.value.message
+            release.set()
             t1.join(10)
             t2.join(10)
             assert all(not isinstance(o, PolicyError) for o in outcomes) and len(outcomes) == 2
             # a request whose budget runs out while it waits is dropped before inference
-            t3 = background()
-            time.sleep(0.1)
+            started.clear(), release.clear()
+            t3 = background()  # in inference, held until 0.3 s after the next request was sent
+            assert started.wait(10)
+            threading.Timer(0.3, release.set).start()
             with c.stream() as s:
                 with pytest.raises(PolicyError) as err:
                     s.act(obs, seed=1, timeout_s=0.1)
