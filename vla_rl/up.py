@@ -217,7 +217,8 @@ class Supervisor:
                 self.events.append(msg)
                 log.warning(msg)
                 continue
-            self._drop(child, f"{error}; going on without it")
+            self._drop(child, f"{error}; going on without it")  # a failure the port does not explain
+            break
         return None
 
     def _launch(self, child: Child, timeout_s: float) -> str | None:
