@@ -379,6 +379,8 @@ def test_config_errors_name_the_field() -> None:
         PPOConfig(base="b", out=Path("o"), actor_lr=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="advantage"):
         PPOConfig(base="b", out=Path("o"), advantage="vtrace")
+    with pytest.raises(ValueError, match="max_minutes: expected a positive number"):
+        PPOConfig(base="b", out=Path("o"), max_minutes=0)
     assert PPOConfig(base="b", out=Path("o"), method="sde").algorithm == "flow-sde"
 
 
@@ -439,6 +441,28 @@ def test_train_ppo_end_to_end(method: str, tmp_path: Path) -> None:
     assert any(not torch.equal(w_new[k], w_old[k]) for k in w_old), "the actor update changed nothing"
     assert (tmp_path / "run" / "critic.pt").is_file() and (tmp_path / "run" / "curve.json").is_file()
     assert any((tmp_path / "run" / "tb").iterdir())
+
+
+def test_a_spent_time_budget_ships_the_policy_as_it_is(tmp_path: Path) -> None:
+    """``max_minutes``: no iteration starts after the budget; what exists is shipped and says so."""
+    base = _sim_checkpoint(tmp_path / "base")
+    cfg = PPOConfig(
+        base=str(base),
+        out=tmp_path / "run",
+        num_steps=3,
+        num_envs=1,
+        env_steps=40,
+        rollout_steps=10,
+        max_minutes=1e-9,  # spent before the first iteration
+        progress=False,
+    )
+    result = train_ppo(cfg)
+    assert result.iterations == 0 and result.env_steps == 0 and result.curve == []
+    assert result.metrics["stopped_by_time"] is True
+    assert read_info(result.checkpoint).metrics["stopped_by_time"] is True
+    _, w_new = load_checkpoint(result.checkpoint)
+    _, w_old = load_checkpoint(base)
+    assert all(torch.equal(w_new[k], w_old[k]) for k in w_old)
 
 
 def test_cli_train_ppo_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

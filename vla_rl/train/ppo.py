@@ -201,6 +201,10 @@ class PPOConfig(TrainerConfig):
     """Torch CPU threads in the trainer (sim workers use 1 each)."""
     checkpoint_every: int = 0
     """Also save out/checkpoints/iter_NNNN every this many iterations; 0 = only the final one."""
+    max_minutes: float | None = None
+    """Wall-clock budget: no new iteration starts once this many minutes have passed since the start,
+    and the policy as it is then is shipped (``metrics["env_steps"]`` says how far it got; a round on a
+    deadline, or a benchmark on a borrowed machine). None = run until ``env_steps``."""
     final_eval_episodes: int = 0
     """Evaluate the final policy on this many held-out episodes (seeds from ``final_eval_seed``), stored in
     the checkpoint's metrics; 0 = skip."""
@@ -259,6 +263,14 @@ class PPOConfig(TrainerConfig):
             raise ValueError(f"clip: expected in (0, 1), got {self.clip}")
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: expected > 1 (or 0 = off), got {self.dual_clip}")
+        if self.max_minutes is not None and not (
+            isinstance(self.max_minutes, (int, float))
+            and math.isfinite(self.max_minutes)
+            and self.max_minutes > 0
+        ):
+            raise ValueError(
+                f"max_minutes: expected a positive number of minutes or None, got {self.max_minutes!r}"
+            )
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"target_kl: expected > 0 or None, got {self.target_kl}")
         if self.noise_std_range is not None:
@@ -825,8 +837,15 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     )
     try:
         rollout = _Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
+        deadline = t_start + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
         while env_steps < cfg.env_steps:
             t_iter = time.perf_counter()
+            if t_iter >= deadline:
+                log.info(
+                    "ppo stopped at its time budget",
+                    extra={"max_minutes": cfg.max_minutes, "env_steps": env_steps},
+                )
+                break
             if cfg.advantage == "grpo":
                 seed = cfg.env_seed + iteration * cfg.num_envs  # fresh initial states every iteration
                 chunks, adv, episodes, taken = collect_groups(cfg, env, sampler, seed)
@@ -869,7 +888,12 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
         env.close()
         writer.close()
 
-    metrics: dict[str, Any] = {"env_steps": env_steps, "iterations": iteration, "episodes": episodes_total}
+    metrics: dict[str, Any] = {
+        "env_steps": env_steps,
+        "iterations": iteration,
+        "episodes": episodes_total,
+        "stopped_by_time": env_steps < cfg.env_steps,
+    }
     tail = [r["rollout_success"] for r in curve[-3:] if math.isfinite(r["rollout_success"])]
     metrics["rollout_success_last3"] = float(np.mean(tail)) if tail else float("nan")
     if cfg.final_eval_episodes:
