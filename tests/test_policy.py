@@ -526,6 +526,19 @@ def test_state_dict_round_trips_through_safetensors_bit_exact(tmp_path: Path) ->
     )
 
 
+def test_precomputed_instruction_embeddings_are_served_without_the_model() -> None:
+    """``add_precomputed``: a machine without the encoder's weights gets the exact vectors computed elsewhere."""
+    text = "an instruction no test embeds with the model: 7f3a"
+    vec = torch.linspace(-1, 1, 384)
+    before = MiniLMEmbedder.load_count
+    MiniLMEmbedder.add_precomputed({text: vec.tolist()})
+    emb = MiniLMEmbedder.embed([text, text])
+    assert MiniLMEmbedder.load_count == before  # the model was not loaded for it
+    assert emb.shape == (2, 384) and torch.equal(emb[0], vec) and torch.equal(emb[1], vec)
+    with pytest.raises(ValueError, match="expected 384 floats"):
+        MiniLMEmbedder.add_precomputed({"short": [0.0, 1.0]})
+
+
 def test_minilm_instruction_is_frozen_cached_and_not_saved() -> None:
     cfg = tiny_config(instruction_encoder="minilm")
     policy = FlowVLAPolicy(cfg).eval()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +275,21 @@ class MiniLMEmbedder:
                 cls._model = m
                 cls.load_count += 1
             return cls._model
+
+    @classmethod
+    def add_precomputed(cls, embeddings: Mapping[str, Sequence[float] | Tensor]) -> None:
+        """Seed the cache with embeddings computed elsewhere (e.g. on a machine without the encoder's
+        weights): those strings are then never sent to the model."""
+        vecs = {
+            str(t): torch.as_tensor(v, dtype=torch.float32).reshape(-1).clone() for t, v in embeddings.items()
+        }
+        for t, v in vecs.items():
+            if v.shape != (MINILM_DIM,):
+                raise ValueError(
+                    f"embeddings[{t!r}]: expected {MINILM_DIM} floats, got shape {tuple(v.shape)}"
+                )
+        with cls._lock:
+            cls._cache.update(vecs)
 
     @classmethod
     def embed(cls, texts: Sequence[str]) -> Tensor:
