@@ -43,7 +43,9 @@ class ManiSkillEnv(SimEnv):
             obs_mode="state" if options.obs == "state" else "rgb",
             control_mode="pd_ee_delta_pos",
             sim_backend="physx_cpu",
-            render_backend="cpu",
+            # No renderer at all when nothing is drawn (state observations, no render_size): the physics
+            # is the same, the env starts ~3x faster, and no Vulkan driver is needed (a headless node).
+            render_backend="cpu" if options.obs == "rgb" or options.render_size else "none",
             num_envs=1,
             reward_mode="normalized_dense",
             max_episode_steps=10**9,  # our SimEnv owns truncation
