@@ -120,3 +120,15 @@ export function colour(name, i) {
 export function badge(text, cls = "", title = "") {
   return h(`span.badge${cls ? "." + cls : ""}`, { title: title || undefined }, text);
 }
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+
+/** Text (anything: null and undefined are "") escaped for HTML text and quoted attribute values. */
+export function esc(x) {
+  return x === null || x === undefined ? "" : String(x).replace(/[&<>"']/g, (c) => ESCAPES[c]);
+}
+
+/** badge() as an HTML string (every part escaped), for tables built as one string. */
+export function badgeHtml(text, cls = "", title = "") {
+  return `<span class="badge${cls ? " " + esc(cls) : ""}"${title ? ` title="${esc(title)}"` : ""}>${esc(text)}</span>`;
+}
