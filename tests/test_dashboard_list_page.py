@@ -141,6 +141,15 @@ def test_first_load_draws_rows_with_the_filters_and_asks_the_list_first(
     # ...and they still arrive: the header names the session, the bulk bar has the schema's keys
     page.wait_for_function(f"document.querySelector('#session').textContent === '{NAME} (labeller)'")
     page.wait_for_selector("select[name='bulk-key']")
+    # the health banner's first check waits 0.5 s after the first page (not into the rows' first frame)
+    page.wait_for_function(
+        "performance.getEntriesByType('resource').some((e) => e.name.endsWith('/api/v1/health'))"
+    )
+    health = page.evaluate(
+        "performance.getEntriesByType('resource').find((e) => e.name.endsWith('/api/v1/health')).startTime"
+    )
+    in_dom = page.evaluate("performance.getEntriesByName('vla:episodes-in-dom')[0].startTime")
+    assert health >= in_dom + 500 and health > marks[1], (health, in_dom, marks)
     assert page.errors == []
     page.context.close()
 
@@ -187,5 +196,30 @@ def test_rows_escape_what_the_db_holds_and_the_table_still_works(
     page.wait_for_function(f"window.vlaEpisodesRendered.at > {prev}")
     assert "sort=-length" in page.url
     assert page.locator("th[data-sort=length]").text_content() == "length ▼"
+    assert page.errors == []
+    page.context.close()
+
+
+def test_util_formats_counts_and_escapes_without_intl(
+    served: tuple[str, MetadataDB, str], browser: Any
+) -> None:
+    url, _, _ = served
+    page = _page(browser, url)
+    assert page.locator(".summary").text_content() == f"{ROWS + 1} episodes"
+    got = page.evaluate(
+        """async () => {
+          const u = await import("/static/util.js");  // the source module, as served beside the bundle
+          return {
+            counts: [0, 7, 999, 1000, 10000, 1234567, -1234].map(u.thousands),
+            esc: u.esc(`<a href="x" title='y'>&</a>`),
+            none: [u.esc(null), u.esc(undefined), u.esc(0)],
+            badge: u.badgeHtml("<b>", "oc-<x>", 'say "hi"'),
+          };
+        }"""
+    )
+    assert got["counts"] == ["0", "7", "999", "1,000", "10,000", "1,234,567", "-1,234"]
+    assert got["esc"] == "&lt;a href=&quot;x&quot; title=&#39;y&#39;&gt;&amp;&lt;/a&gt;"
+    assert got["none"] == ["", "", "0"]
+    assert got["badge"] == '<span class="badge oc-&lt;x&gt;" title="say &quot;hi&quot;">&lt;b&gt;</span>'
     assert page.errors == []
     page.context.close()

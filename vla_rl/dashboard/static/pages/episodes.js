@@ -3,7 +3,7 @@
 import { api, queryString } from "../api.js";
 import { forbiddenText, normaliseSchema } from "../labels.js";
 import { navigate, setQuery } from "../router.js";
-import { badgeHtml, clear, esc, h, num, short, showError, typing, when } from "../util.js";
+import { badgeHtml, clear, esc, h, num, short, showError, thousands, typing, when } from "../util.js";
 
 const FILTERS = [
   ["task", "task", "text"],
@@ -252,9 +252,9 @@ export async function render(root, ctx) {
     if (!sync || !sync.running) return clear(syncNote);
     const text =
       sync.phase === "flags"
-        ? `computing auto-flags ${sync.flagged.toLocaleString()}/${sync.to_flag.toLocaleString()}`
+        ? `computing auto-flags ${thousands(sync.flagged)}/${thousands(sync.to_flag)}`
         : sync.phase === "records" && sync.to_check > 0
-          ? `syncing ${sync.checked.toLocaleString()}/${sync.to_check.toLocaleString()} store episodes into the DB`
+          ? `syncing ${thousands(sync.checked)}/${thousands(sync.to_check)} store episodes into the DB`
           : "checking the store for episodes the DB lacks";
     clear(syncNote, h("span", { title: "the dashboard started recently; reload to see more" }, `${text}…`));
   }
@@ -267,7 +267,7 @@ export async function render(root, ctx) {
       h("span", ` page ${state.page} of ${last} `),
       h("button", { disabled: state.page >= last, onclick: () => goPage(state.page + 1) }, "next ›"),
     );
-    clear(summary, `${state.total.toLocaleString()} episodes`);
+    clear(summary, `${thousands(state.total)} episodes`);
   }
 
   function drawBulk() {
@@ -286,9 +286,9 @@ export async function render(root, ctx) {
     keySel.addEventListener("change", () => (valueEl = valueInput()));
     const selectAll =
       state.total > state.items.length && !state.all
-        ? h("button.link", { type: "button", onclick: () => ((state.all = true), drawBulk(), drawTable()) }, `select all ${state.total.toLocaleString()} matching`)
+        ? h("button.link", { type: "button", onclick: () => ((state.all = true), drawBulk(), drawTable()) }, `select all ${thousands(state.total)} matching`)
         : null;
-    const applyBtn = h("button.primary", { type: "button", disabled: n === 0 || !ctx.can("labeller"), title: ctx.can("labeller") ? "" : forbiddenText(null, ctx.session) }, `Label ${n.toLocaleString()} selected`);
+    const applyBtn = h("button.primary", { type: "button", disabled: n === 0 || !ctx.can("labeller"), title: ctx.can("labeller") ? "" : forbiddenText(null, ctx.session) }, `Label ${thousands(n)} selected`);
     applyBtn.addEventListener("click", async () => {
       const body = { key: keySel.value, value: valueEl.value };
       if (state.all) body.filter = Object.fromEntries([...new Set(filterOnly(query).keys())].map((k) => [k, REPEATED.has(k) ? filterOnly(query).getAll(k) : filterOnly(query).get(k)]));
