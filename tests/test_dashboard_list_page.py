@@ -104,15 +104,20 @@ new MutationObserver((_, obs) => {
 """
 
 
-def _page(browser: Any, url: str, path: str = "/episodes") -> Any:
+def _page(browser: Any, url: str, path: str = "/episodes", route: Any = None, wait: bool = True) -> Any:
+    """A fresh context on ``path`` with the token set; ``route``: a Playwright handler for the list's
+    requests; ``wait``: until the rows are drawn."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     ctx.add_init_script(f"localStorage.setItem('vla-rl-dashboard-token', '{TOKEN}');{WATCH_FORM}")
     page = ctx.new_page()
     page.set_default_timeout(30_000)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    if route is not None:
+        page.route("**/api/v1/episodes*", route)
     page.goto(url + path)
-    page.wait_for_function("window.vlaEpisodesRendered")
+    if wait:
+        page.wait_for_function("window.vlaEpisodesRendered")
     page.errors = errors
     return page
 
@@ -222,4 +227,30 @@ def test_util_formats_counts_and_escapes_without_intl(
     assert got["none"] == ["", "", "0"]
     assert got["badge"] == '<span class="badge oc-&lt;x&gt;" title="say &quot;hi&quot;">&lt;b&gt;</span>'
     assert page.errors == []
+    page.context.close()
+
+
+def test_a_slow_or_failing_list_still_shows_the_filters(
+    served: tuple[str, MetadataDB, str], browser: Any
+) -> None:
+    url, _, _ = served
+
+    def slow(route: Any) -> None:
+        time.sleep(1.0)  # the page's 0.3 s fallback puts the filters up meanwhile
+        route.continue_()
+
+    page = _page(browser, url, route=slow)
+    assert page.evaluate("window.vlaFormWithRows") == 0  # the filters came alone, before the rows
+    assert page.locator("table.episodes tbody tr").count() == 50
+    assert page.errors == []
+    page.context.close()
+
+    def down(route: Any) -> None:
+        detail = {"field": "db", "message": "db: the metadata DB is down", "expected": "a reachable DB"}
+        route.fulfill(status=503, json={"detail": detail})
+
+    page = _page(browser, url, route=down, wait=False)
+    page.wait_for_selector(".err-slot .error")
+    assert "the metadata DB is down" in page.locator(".err-slot").text_content()
+    assert page.locator("form.filters").is_visible() and page.evaluate("window.vlaFormWithRows") == 0
     page.context.close()

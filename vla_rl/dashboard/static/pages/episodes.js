@@ -22,9 +22,9 @@ const FILTERS = [
 ];
 const SORTS = { created_at: "created", length: "length", robot_id: "robot", task: "task" };
 const REPEATED = new Set(["label", "flag"]);
-const SKELETON_WAIT_MS = 300;
 /** The filters and the rest of the page are put on screen with the first rows, in one frame (one
  * style and layout pass instead of two), or after this long if the list is slow to come. */
+const SKELETON_WAIT_MS = 300;
 
 export async function render(root, ctx) {
   let query = new URLSearchParams(location.search);
@@ -37,7 +37,15 @@ export async function render(root, ctx) {
   const pager = h("div.pager");
   const bulk = h("div.bulk");
   const bulkMsg = h("div.bulk-msg", { role: "status" });
-  const parts = [h("h1", flaggedView ? "Flagged episodes" : "Episodes"), form, err, h("div.toolbar", summary, syncNote, h("span.spacer"), bulk), bulkMsg, table, pager];
+  const parts = [
+    h("h1", flaggedView ? "Flagged episodes" : "Episodes"),
+    form,
+    err,
+    h("div.toolbar", summary, syncNote, h("span.spacer"), bulk),
+    bulkMsg,
+    table,
+    pager,
+  ];
   let shown = false;
   const show = () => {
     if (shown) return;
