@@ -325,6 +325,8 @@ LIST_WATERFALL = """() => {
     list_received_ms: mark("vla:episodes-received"),
     rows_in_dom_ms: mark("vla:episodes-in-dom"),
     drawn_ms: window.vlaEpisodesRendered.at,
+    // after that frame's style, layout and paint (absent from pages before this mark)
+    painted_ms: mark("vla:episodes-painted"),
   };
 }"""
 

@@ -116,8 +116,9 @@ async function main() {
   ctx.ready.then((ok) => {
     if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
   });
-  // the health banner's first request waits for the first page (or 2 s): it is not on the path to
-  // its first rows, and a fresh browser has few connections (6 per host) to share among the first ones
+  // the health banner's first request waits until the first page is drawn and painted (0.5 s after
+  // it, or 2 s after start): it is not on the path to its first rows, and its answer would otherwise
+  // land in the middle of their first frame
   const first = start($("page"), () => ctx);
   const health = () => {
     if (healthTimer !== null) return;
@@ -125,7 +126,7 @@ async function main() {
     checkHealth();
   };
   setTimeout(health, 2000);
-  await first.finally(health);
+  await first.finally(() => setTimeout(health, 500));
 }
 
 // stopHealth before the first check also keeps it from starting (healthTimer no longer null)

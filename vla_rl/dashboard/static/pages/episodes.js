@@ -3,7 +3,7 @@
 import { api, queryString } from "../api.js";
 import { forbiddenText, normaliseSchema } from "../labels.js";
 import { navigate, setQuery } from "../router.js";
-import { badge, clear, h, num, short, showError, typing, when } from "../util.js";
+import { badgeHtml, clear, esc, h, num, short, showError, thousands, typing, when } from "../util.js";
 
 const FILTERS = [
   ["task", "task", "text"],
@@ -22,6 +22,9 @@ const FILTERS = [
 ];
 const SORTS = { created_at: "created", length: "length", robot_id: "robot", task: "task" };
 const REPEATED = new Set(["label", "flag"]);
+/** The filters and the rest of the page are put on screen with the first rows, in one frame (one
+ * style and layout pass instead of two), or after this long if the list is slow to come. */
+const SKELETON_WAIT_MS = 300;
 
 export async function render(root, ctx) {
   let query = new URLSearchParams(location.search);
@@ -34,7 +37,7 @@ export async function render(root, ctx) {
   const pager = h("div.pager");
   const bulk = h("div.bulk");
   const bulkMsg = h("div.bulk-msg", { role: "status" });
-  root.append(
+  const parts = [
     h("h1", flaggedView ? "Flagged episodes" : "Episodes"),
     form,
     err,
@@ -42,7 +45,15 @@ export async function render(root, ctx) {
     bulkMsg,
     table,
     pager,
-  );
+  ];
+  let shown = false;
+  const show = () => {
+    if (shown) return;
+    shown = true;
+    clearTimeout(showTimer);
+    root.append(...parts);
+  };
+  const showTimer = setTimeout(show, SKELETON_WAIT_MS);
 
   const inputs = {};
   for (const [name, label, type, options] of FILTERS) {
@@ -100,12 +111,17 @@ export async function render(root, ctx) {
       showError(err, null);
       drawTable();
       drawPager();
+      show();
       performance.mark("vla:episodes-in-dom"); // the rows are built; the browser lays them out and paints next
       sessionStorage.setItem("vla:last-episodes", location.pathname + location.search);
       toRound.href = `/rounds?new=1&filter=${encodeURIComponent(filterOnly(query).toString())}`;
       requestAnimationFrame(() => {
         performance.mark("vla:episodes-rendered");
         window.vlaEpisodesRendered = { ms: performance.now() - t0, at: performance.now(), total: state.total, sync: res.sync?.phase };
+        // a task posted in the frame runs once the frame's style, layout and paint are done
+        const ch = new MessageChannel();
+        ch.port1.onmessage = () => performance.mark("vla:episodes-painted");
+        ch.port2.postMessage(null);
       });
       await ctx.ready; // the bulk-label bar needs the schema and the role
       drawBulk();
@@ -113,6 +129,7 @@ export async function render(root, ctx) {
       if (e.name === "AbortError") return;
       showError(err, e, "episodes");
       clear(table);
+      show();
     }
   };
 
@@ -152,51 +169,80 @@ export async function render(root, ctx) {
     load();
   };
 
+  // the table is one HTML string (every value escaped) and its events are handled on its wrapper:
+  // building 50 rows element by element was most of the script time between the list's arrival and
+  // its rows on screen
   function drawTable() {
     const sort = query.get("sort") || "-created_at";
     const th = (key, label) => {
-      if (!SORTS[key]) return h("th", label);
+      if (!SORTS[key]) return `<th>${label}</th>`;
       const arrow = sort === key ? " ▲" : sort === `-${key}` ? " ▼" : "";
-      return h("th.sortable", { tabindex: 0, onclick: () => sortBy(key), onkeydown: (e) => e.key === "Enter" && sortBy(key), dataset: { sort: key } }, label + arrow);
+      return `<th class="sortable" tabindex="0" data-sort="${key}">${label}${arrow}</th>`;
     };
-    const allBox = h("input", {
-      type: "checkbox",
-      "aria-label": "select all on this page",
-      checked: state.items.length > 0 && state.items.every((e) => state.selected.has(e.id)),
-      onchange: (ev) => {
-        state.all = false;
-        for (const e of state.items) ev.target.checked ? state.selected.add(e.id) : state.selected.delete(e.id);
-        drawTable();
-        drawBulk();
-      },
-    });
-    const rows = state.items.map((e, i) =>
-      h(
-        "tr",
-        { class: i === state.cursor ? "cursor" : "", dataset: { id: e.id }, onclick: (ev) => !ev.target.closest("input,a") && ((state.cursor = i), drawTable()) },
-        h("td", h("input", { type: "checkbox", checked: state.all || state.selected.has(e.id), "aria-label": `select ${e.id}`, onchange: (ev) => toggle(e.id, ev.target.checked) })),
-        h("td.mono", h("a", { href: `/episodes/${encodeURIComponent(e.id)}`, title: e.id }, e.id)),
-        h("td", e.robot_id),
-        h("td", { title: e.instruction || "" }, e.task),
-        h("td", badge(e.outcome || (e.success === true ? "success" : e.success === false ? "failure" : "unknown"), `oc-${e.outcome || "unknown"}`)),
-        h("td.num", num(e.length)),
-        h("td.num", { title: `${e.intervention_frames || 0} frames under human control` }, e.takeovers ? `${e.takeovers} (${e.intervention_frames} f)` : "–"),
-        h("td.mono", (e.revisions || []).map((r) => h("span", { title: r }, short(r), " "))),
-        h("td", Object.entries(e.labels || {}).map(([k, v]) => badge(`${k}=${typeof v === "object" && v ? v.value ?? JSON.stringify(v) : v}`, "label"))),
-        h("td", Object.entries(e.flags || {}).map(([k, f]) => badge(k, "flag", `${k}: ${f.detail || ""} (score ${Number(f.score).toFixed(2)})`))),
-        h("td", { title: when(e.created_at) }, when(e.created_at)),
-      ),
-    );
-    clear(
-      table,
-      h(
-        "table.episodes",
-        h("thead", h("tr", h("th", allBox), h("th", "id"), th("robot_id", "robot"), th("task", "task"), h("th", "outcome"), th("length", "length"), h("th", "takeovers"), h("th", "revisions"), h("th", "labels"), h("th", "flags"), th("created_at", "created"))),
-        h("tbody", rows),
-      ),
-      state.items.length ? null : h("p.muted.empty", "No episode matches these filters."),
+    const all = state.items.length > 0 && state.items.every((e) => state.selected.has(e.id));
+    const head =
+      `<thead><tr><th><input type="checkbox" aria-label="select all on this page"${all ? " checked" : ""}></th><th>id</th>` +
+      `${th("robot_id", "robot")}${th("task", "task")}<th>outcome</th>${th("length", "length")}<th>takeovers</th>` +
+      `<th>revisions</th><th>labels</th><th>flags</th>${th("created_at", "created")}</tr></thead>`;
+    const rows = state.items.map((e, i) => rowHtml(e, i)).join("");
+    const empty = state.items.length ? "" : '<p class="muted empty">No episode matches these filters.</p>';
+    table.innerHTML = `<table class="episodes">${head}<tbody>${rows}</tbody></table>${empty}`;
+  }
+
+  function rowHtml(e, i) {
+    const id = esc(e.id);
+    const outcome = e.outcome || (e.success === true ? "success" : e.success === false ? "failure" : "unknown");
+    const label = ([k, v]) => badgeHtml(`${k}=${typeof v === "object" && v ? v.value ?? JSON.stringify(v) : v}`, "label");
+    const flag = ([k, f]) => badgeHtml(k, "flag", `${k}: ${f.detail || ""} (score ${Number(f.score).toFixed(2)})`);
+    const created = esc(when(e.created_at));
+    return (
+      `<tr data-id="${id}" data-i="${i}"${i === state.cursor ? ' class="cursor"' : ""}>` +
+      `<td><input type="checkbox" aria-label="select ${id}"${state.all || state.selected.has(e.id) ? " checked" : ""}></td>` +
+      `<td class="mono"><a href="/episodes/${esc(encodeURIComponent(e.id))}" title="${id}">${id}</a></td>` +
+      `<td>${esc(e.robot_id)}</td>` +
+      `<td title="${esc(e.instruction)}">${esc(e.task)}</td>` +
+      `<td>${badgeHtml(outcome, `oc-${e.outcome || "unknown"}`)}</td>` +
+      `<td class="num">${esc(num(e.length))}</td>` +
+      `<td class="num" title="${esc(e.intervention_frames || 0)} frames under human control">${e.takeovers ? esc(`${e.takeovers} (${e.intervention_frames} f)`) : "–"}</td>` +
+      `<td class="mono">${(e.revisions || []).map((r) => `<span title="${esc(r)}">${esc(short(r))} </span>`).join("")}</td>` +
+      `<td>${Object.entries(e.labels || {}).map(label).join("")}</td>` +
+      `<td>${Object.entries(e.flags || {}).map(flag).join("")}</td>` +
+      `<td title="${created}">${created}</td></tr>`
     );
   }
+
+  /** Move the cursor's highlight to state.cursor (no redraw). */
+  function markCursor() {
+    table.querySelector("tr.cursor")?.classList.remove("cursor");
+    table.querySelector(`tbody tr[data-i="${state.cursor}"]`)?.classList.add("cursor");
+  }
+
+  table.addEventListener("change", (ev) => {
+    const box = ev.target;
+    if (!(box instanceof HTMLInputElement) || box.type !== "checkbox") return;
+    const row = box.closest("tbody tr");
+    if (row) return toggle(row.dataset.id, box.checked);
+    state.all = false; // the header box: the whole page
+    for (const e of state.items) box.checked ? state.selected.add(e.id) : state.selected.delete(e.id);
+    drawTable();
+    drawBulk();
+  });
+  table.addEventListener("click", (ev) => {
+    const th = ev.target.closest("th[data-sort]");
+    if (th) return sortBy(th.dataset.sort);
+    const row = ev.target.closest("tbody tr");
+    if (row && !ev.target.closest("input,a")) {
+      state.cursor = Number(row.dataset.i);
+      markCursor();
+    }
+  });
+  table.addEventListener("keydown", (ev) => {
+    const th = ev.target.closest("th[data-sort]");
+    if (th && ev.key === "Enter") {
+      ev.stopPropagation(); // not also the page's Enter (open the episode under the cursor)
+      sortBy(th.dataset.sort);
+    }
+  });
 
   function toggle(id, on) {
     if (state.all) {
@@ -214,9 +260,9 @@ export async function render(root, ctx) {
     if (!sync || !sync.running) return clear(syncNote);
     const text =
       sync.phase === "flags"
-        ? `computing auto-flags ${sync.flagged.toLocaleString()}/${sync.to_flag.toLocaleString()}`
+        ? `computing auto-flags ${thousands(sync.flagged)}/${thousands(sync.to_flag)}`
         : sync.phase === "records" && sync.to_check > 0
-          ? `syncing ${sync.checked.toLocaleString()}/${sync.to_check.toLocaleString()} store episodes into the DB`
+          ? `syncing ${thousands(sync.checked)}/${thousands(sync.to_check)} store episodes into the DB`
           : "checking the store for episodes the DB lacks";
     clear(syncNote, h("span", { title: "the dashboard started recently; reload to see more" }, `${text}…`));
   }
@@ -229,7 +275,7 @@ export async function render(root, ctx) {
       h("span", ` page ${state.page} of ${last} `),
       h("button", { disabled: state.page >= last, onclick: () => goPage(state.page + 1) }, "next ›"),
     );
-    clear(summary, `${state.total.toLocaleString()} episodes`);
+    clear(summary, `${thousands(state.total)} episodes`);
   }
 
   function drawBulk() {
@@ -248,9 +294,9 @@ export async function render(root, ctx) {
     keySel.addEventListener("change", () => (valueEl = valueInput()));
     const selectAll =
       state.total > state.items.length && !state.all
-        ? h("button.link", { type: "button", onclick: () => ((state.all = true), drawBulk(), drawTable()) }, `select all ${state.total.toLocaleString()} matching`)
+        ? h("button.link", { type: "button", onclick: () => ((state.all = true), drawBulk(), drawTable()) }, `select all ${thousands(state.total)} matching`)
         : null;
-    const applyBtn = h("button.primary", { type: "button", disabled: n === 0 || !ctx.can("labeller"), title: ctx.can("labeller") ? "" : forbiddenText(null, ctx.session) }, `Label ${n.toLocaleString()} selected`);
+    const applyBtn = h("button.primary", { type: "button", disabled: n === 0 || !ctx.can("labeller"), title: ctx.can("labeller") ? "" : forbiddenText(null, ctx.session) }, `Label ${thousands(n)} selected`);
     applyBtn.addEventListener("click", async () => {
       const body = { key: keySel.value, value: valueEl.value };
       if (state.all) body.filter = Object.fromEntries([...new Set(filterOnly(query).keys())].map((k) => [k, REPEATED.has(k) ? filterOnly(query).getAll(k) : filterOnly(query).get(k)]));
@@ -291,12 +337,14 @@ export async function render(root, ctx) {
       return;
     } else return;
     ev.preventDefault();
-    drawTable();
+    markCursor();
     table.querySelector("tr.cursor")?.scrollIntoView({ block: "nearest" });
   };
   document.addEventListener("keydown", onKey);
   await load();
   return () => {
+    clearTimeout(showTimer);
+    shown = true; // another page owns the root now
     document.removeEventListener("keydown", onKey);
     state.loading?.abort();
   };
