@@ -57,8 +57,13 @@ def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = 100_00
     return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
 
 
+def _eval_name(tag: str, args: argparse.Namespace) -> str:
+    """The cache file of ``tag``'s evaluation on the held-out seeds ``args`` names."""
+    return f"{tag}.eval-{args.eval_seed}-{args.eval_episodes}.json"
+
+
 def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
-    return evaluate_checkpoint(ckpt, args.task, args.eval_episodes)
+    return evaluate_checkpoint(ckpt, args.task, args.eval_episodes, seed=args.eval_seed)
 
 
 # bench names -> the algorithm table's names (vla_rl.train.algorithms) and the knobs a variant implies
@@ -135,7 +140,9 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     base = _cached(work / "sft.json", sft)
     base_ckpt = Path(base["checkpoint"])
-    base_eval = _cached(work / "sft_eval.json", lambda: _eval(base_ckpt, args))
+    base_eval = (
+        {} if args.train_only else _cached(work / _eval_name("sft", args), lambda: _eval(base_ckpt, args))
+    )
 
     def rollouts() -> dict[str, Any]:
         lp = load_policy(base_ckpt)
@@ -163,13 +170,25 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         tag = algo + (f"-{args.tag}" if args.tag else "")
 
         def one(algo: str = algo, tag: str = tag) -> dict[str, Any]:
-            trained = _train(algo, base_ckpt, store_path, work / tag, seed, args)
-            return {**trained, **_eval(Path(trained["checkpoint"]), args)}
+            return _train(algo, base_ckpt, store_path, work / tag, seed, args)
 
         try:
-            results[algo] = _cached(work / f"{tag}.json", one)
+            trained = _cached(work / f"{tag}.train.json", one)
         except ImportError as e:
             results[algo] = {"error": f"not available: {e}"}
+            print(f"seed {seed} {algo:<10} {results[algo]['error']}", flush=True)
+            continue
+        if args.train_only:
+            print(
+                f"seed {seed} {algo:<10} trained in {trained['seconds'] / 60:.1f} min (--train-only)",
+                flush=True,
+            )
+            continue
+        ckpt = Path(trained["checkpoint"])
+        results[algo] = {
+            **trained,
+            **_cached(work / _eval_name(tag, args), lambda ckpt=ckpt: _eval(ckpt, args)),
+        }
         r = results[algo]
         print(
             f"seed {seed} {algo:<10} "
@@ -238,6 +257,19 @@ def main() -> None:
     p.add_argument("--env-steps", type=int, default=20_000, help="online budget per online algorithm")
     p.add_argument("--eval-episodes", type=int, default=50)
     p.add_argument(
+        "--eval-seed",
+        type=int,
+        default=100_000,
+        help="first held-out episode seed (episodes eval-seed .. eval-seed + eval-episodes - 1); pick a range "
+        "no setting was chosen on",
+    )
+    p.add_argument(
+        "--train-only",
+        action="store_true",
+        help="prepare and train, evaluate nothing (e.g. train on a GPU machine, evaluate here later: the "
+        "cached <work>/seedN/<algo>.train.json and checkpoints are what a later run evaluates)",
+    )
+    p.add_argument(
         "--awr", type=json.loads, default={}, help="AWRConfig overrides as JSON, e.g. '{\"beta\": 0.5}'"
     )
     p.add_argument(
@@ -282,6 +314,8 @@ def main() -> None:
         args.awr_pi = {**get_preset(args.awr_pi_preset).values, **args.awr_pi}
     t0 = time.perf_counter()
     per_seed = [run_seed(s, args) for s in args.seeds]
+    if args.train_only:
+        return
     header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]
     rows = []
     sft_mean = float(np.mean([s["sft"]["success"] for s in per_seed]))
@@ -311,6 +345,7 @@ def main() -> None:
                 "rollouts": args.rollouts,
                 "env_steps": args.env_steps,
                 "eval_episodes": args.eval_episodes,
+                "eval_seed": args.eval_seed,
             },
             "overrides": {
                 "sft": args.sft,
