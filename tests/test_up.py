@@ -1,5 +1,6 @@
 """`vla-rl up` end to end at CI scale: the loop runs, resumes in the same workdir, rides through a killed
-collector with every frame stored once, and stops everything on Ctrl-C within 10 s.
+collector with every frame stored once, stops everything on Ctrl-C within 10 s, and rides through a killed
+policy server and round worker.
 
 Real processes throughout (registry, policy server following prod, collector, round worker, simulated
 fleet with its operator) on the kinematic test bed, with a smoke-test round recipe (``tiny-awr``): this
@@ -202,6 +203,48 @@ def test_ctrl_c_stops_everything_within_10_s(work: Path, up_db: str | None) -> N
     assert not _running_in(work), "a process of this run outlived up"
     v = _verify(work, up_db)
     assert v.returncode == 0, v.stdout + v.stderr  # nothing half-written
+
+
+@PG_SLOW
+def test_up_rides_through_a_killed_server_and_worker(work: Path, up_db: str | None) -> None:
+    """SIGKILL the policy server while the fleet acts through it, then the round worker while it runs the
+    round: the supervisor restarts both, the robots ride through on their retries, the dead worker's round
+    is re-queued and run again by the restarted one (claimed twice, tagged once), and the store is clean."""
+    _ensure_rounds(work, up_db, 2)
+    db = open_db(work / "store", up_db)
+    target = len(db.rounds()) + 1
+    proc = subprocess.Popen(
+        _up(work, target, up_db), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        up = psutil.Process(proc.pid)
+
+        def fleet_driving() -> bool:  # this run's fleet (a log from an interrupted run may exist already)
+            fleets = [c for c in up.children() if "fleet" in c.cmdline()]
+            return bool(fleets) and len(fleets[0].children()) >= ROBOTS
+
+        _wait(fleet_driving, 300, f"round {target}'s fleet")
+        (server,) = [c for c in up.children() if "serve" in c.cmdline() and "hub" not in c.cmdline()]
+        server.kill()
+        _wait(
+            lambda: any(r.id == target and r.status == "running" for r in db.rounds()),
+            600,
+            f"round {target} running",
+        )
+        (worker,) = [c for c in up.children() if "worker" in c.cmdline()]
+        worker.kill()
+        out = proc.communicate(timeout=900)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "server exited with code -9; restarting it" in out, out[-4000:]
+    assert "worker exited with code -9; restarting it" in out, out[-4000:]
+    rounds = db.rounds()
+    assert [r.id for r in rounds] == list(range(1, target + 1))
+    assert rounds[-1].status == "succeeded" and rounds[-1].attempts == 2, rounds[-1]
+    v = _verify(work, up_db)
+    assert v.returncode == 0, v.stdout + v.stderr  # every acknowledged frame once, nothing half-written
 
 
 def _running_in(work: Path) -> list[list[str]]:
