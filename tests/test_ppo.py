@@ -22,6 +22,7 @@ from vla_rl.train.ppo import (
     ValueFn,
     _Rollout,
     _Sampler,
+    adapt_lr,
     chunk_discounts,
     collect_groups,
     gae,
@@ -134,6 +135,25 @@ def test_ppo_policy_loss_batch_mean_and_no_dual_clip() -> None:
     assert loss_off.item() == pytest.approx((-1.1 - 1.2 + 5.0) / 4, abs=1e-6)
     same, m1 = ppo_policy_loss(torch.full((3,), -2.0), torch.full((3,), -2.0), torch.ones(3))
     assert m1["ratio"].item() == 1.0 and m1["approx_kl"].item() == 0.0 and same.item() == -1.0
+
+
+@pytest.mark.parametrize(
+    ("kl", "expected"),
+    [
+        (0.03, 1e-5 / 1.5),  # over twice the desired 0.01: smaller
+        (0.004, 1e-5 * 1.5),  # under half of it: larger
+        (0.01, 1e-5),  # in between: kept
+        (0.019, 1e-5),
+        (float("nan"), 1e-5),  # no actor update this iteration (critic warm-up): kept
+    ],
+)
+def test_adapt_lr_hand_values(kl: float, expected: float) -> None:
+    assert adapt_lr(1e-5, kl, 0.01, (1e-7, 1e-4)) == pytest.approx(expected)
+
+
+def test_adapt_lr_stays_within_its_bounds() -> None:
+    assert adapt_lr(9e-5, 0.0, 0.01, (1e-7, 1e-4)) == 1e-4
+    assert adapt_lr(1.2e-7, 1.0, 0.01, (1e-7, 1e-4)) == 1e-7
 
 
 def test_value_loss_clip_hand_values() -> None:
@@ -381,6 +401,10 @@ def test_config_errors_name_the_field() -> None:
         PPOConfig(base="b", out=Path("o"), advantage="vtrace")
     with pytest.raises(ValueError, match="max_minutes: expected a positive number"):
         PPOConfig(base="b", out=Path("o"), max_minutes=0)
+    with pytest.raises(ValueError, match="adaptive_kl: expected a positive"):
+        PPOConfig(base="b", out=Path("o"), adaptive_kl=-0.01)
+    with pytest.raises(ValueError, match="adaptive_lr_bounds"):
+        PPOConfig(base="b", out=Path("o"), adaptive_lr_bounds=(1e-4, 1e-6))
     assert PPOConfig(base="b", out=Path("o"), method="sde").algorithm == "flow-sde"
 
 
@@ -414,6 +438,7 @@ def test_train_ppo_end_to_end(method: str, tmp_path: Path) -> None:
         reward="dense",  # a random policy never succeeds: sparse rewards would give zero advantages
         final_eval_episodes=2 if method == "sde" else 0,
         actor_lr=1e-3,
+        adaptive_kl=0.01,
         round_index=2,
         progress=False,
     )
@@ -425,6 +450,11 @@ def test_train_ppo_end_to_end(method: str, tmp_path: Path) -> None:
     for key in ("policy_loss", "value_loss", "approx_kl", "chunk_return"):
         assert math.isfinite(result.curve[1][key]), key
     assert result.curve[0]["chunks"] == 10  # 2 robots x 10 steps / n_exec 2: episodes of 8 never cut a chunk
+    # the adaptive schedule: iteration 0 (critic only) keeps the rate, iteration 1's KL sets the next one
+    assert [r["actor_lr"] for r in result.curve] == [1e-3, 1e-3]
+    assert result.metrics["actor_lr_final"] == pytest.approx(
+        adapt_lr(1e-3, result.curve[1]["approx_kl"], 0.01, cfg.adaptive_lr_bounds)
+    )
 
     info = read_info(result.checkpoint)
     lp_base = load_policy(base)
