@@ -7,7 +7,7 @@ This packs, into ``<out>/site.tar.xz`` (unpack it on ``PYTHONPATH``):
 * SAPIEN and ManiSkill3 stripped to what state-only tabletop tasks load with no renderer (``sim/maniskill.py``
   builds such envs with ``render_backend="none"``): every Python file, the Panda's URDF/SRDF and collision
   meshes, the PartNet-Mobility metadata ManiSkill reads at import; no textures, environment maps, visual
-  meshes, headers or other robots (113 MB of wheels -> ~31 MB packed);
+  meshes, headers or other robots (113 MB of wheels -> ~31 MB packed; the whole bundle ~40 MB);
 * the pure-Python and small compiled packages the training path imports that the machine lacks (``PACKAGES``);
 * ``xlibs/``: the X11 client libraries ``pysapien`` links against (never used without a display);
 * ``IPython/``: a stand-in for the one name ManiSkill imports from it at import time (a Jupyter helper
@@ -15,6 +15,12 @@ This packs, into ``<out>/site.tar.xz`` (unpack it on ``PYTHONPATH``):
 * ``instruction_embeddings.json``: the frozen MiniLM embedding of each task's instruction, computed here
   (the 88 MB encoder does not fit); ``scripts/device_train.py`` seeds the embedder's cache with it, so the
   policy sees exactly the vector it sees here.
+
+SAPIEN still needs a Vulkan device to build render materials: carry the Vulkan loader's Debian packages too
+(``.gl/``, see scripts/device_ppo.sh). To check a bundle here first, put a ``sitecustomize.py`` in the unpack
+folder that replaces this venv's site-packages on ``sys.path`` with a folder of symlinks to only the packages
+the machine has (its list: the device tool's KINDS.md), then run scripts/device_ppo.sh with ``PYTHON`` and
+``SITE`` pointing there: a module the bundle lacks then fails here as it would there.
 
 It also copies each seed's demonstration store and its ``demos.json`` (``bench.rl``'s first stage) to
 ``<out>/work/seedN`` so the machine starts at the SFT stage. Run from the repository root::
