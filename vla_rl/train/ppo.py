@@ -272,22 +272,8 @@ class PPOConfig(TrainerConfig):
             raise ValueError(f"clip: expected in (0, 1), got {self.clip}")
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: expected > 1 (or 0 = off), got {self.dual_clip}")
-        if self.max_minutes is not None and not (
-            isinstance(self.max_minutes, (int, float))
-            and math.isfinite(self.max_minutes)
-            and self.max_minutes > 0
-        ):
-            raise ValueError(
-                f"max_minutes: expected a positive number of minutes or None, got {self.max_minutes!r}"
-            )
-        if self.adaptive_kl is not None and not (
-            isinstance(self.adaptive_kl, (int, float))
-            and math.isfinite(self.adaptive_kl)
-            and self.adaptive_kl > 0
-        ):
-            raise ValueError(
-                f"adaptive_kl: expected a positive approx-KL per iteration or None, got {self.adaptive_kl!r}"
-            )
+        _optional_positive(self, "max_minutes", "a positive number of minutes")
+        _optional_positive(self, "adaptive_kl", "a positive approx-KL per iteration")
         lo, hi = (float(x) for x in self.adaptive_lr_bounds)
         if not 0 < lo <= hi:
             raise ValueError(f"adaptive_lr_bounds: expected 0 < min <= max, got {self.adaptive_lr_bounds}")
@@ -329,6 +315,14 @@ _NUMBERS = (
 def _choice(cfg: Any, name: str, options: tuple[str, ...]) -> None:
     if getattr(cfg, name) not in options:
         raise ValueError(f"{name}: expected one of {list(options)}, got {getattr(cfg, name)!r}")
+
+
+def _optional_positive(cfg: Any, name: str, what: str) -> None:
+    v = getattr(cfg, name)
+    if v is not None and not (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    ):
+        raise ValueError(f"{name}: expected {what} or None, got {v!r}")
 
 
 def _positive_int(cfg: Any, name: str) -> None:
