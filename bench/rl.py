@@ -2,7 +2,8 @@
 
 Protocol per seed (everything seeded; stages are cached under --work so reruns skip finished work):
 
-1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default);
+1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default; ``--task``,
+   ``--obs rgb --image-size 64`` for pixels + proprioception);
 2. SFT base for ``--sft-steps``; evaluate on ``--eval-episodes`` held-out seeds (100000+);
 3. the fleet's experience: ``--rollouts`` autonomous episodes of the SFT base (controller policy,
    revision = the base), stored next to the demos;
@@ -115,6 +116,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             episodes=args.demos,
             noise=args.noise,
             seed=seed * 10_000,
+            obs=args.obs,
+            image_size=args.image_size,
             num_envs=2,
             progress=False,
         )
@@ -246,6 +249,14 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="maniskill/PickCube-v1")
+    p.add_argument(
+        "--obs",
+        default="state",
+        choices=["state", "rgb"],
+        help="what the demos record and so what the policy sees: the simulator state, or camera images "
+        "plus proprioception (every later stage follows the policy's spec)",
+    )
+    p.add_argument("--image-size", type=int, default=64, help="camera height = width in pixels (--obs rgb)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--algos", nargs="+", default=list(ALL), choices=ALL)
     p.add_argument("--demos", type=int, default=30)
@@ -338,6 +349,7 @@ def main() -> None:
         "rl",
         {
             "task": args.task,
+            "obs": args.obs if args.obs == "state" else f"rgb {args.image_size} px + proprioception",
             "budgets": {
                 "demos": args.demos,
                 "noise": args.noise,

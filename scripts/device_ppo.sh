@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 20 target 1 on a borrowed GPU machine (one H200, 16 cores): Flow-SDE PPO on ManiSkill PickCube
-# (state), several training seeds at once, each with its own simulated robots, under one deadline.
+# Issue 20 target 1 on a borrowed GPU machine (one H200, 16 cores): an online algorithm (Flow-SDE PPO by
+# default, or awr-pi) on ManiSkill PickCube (state), several training seeds at once, each with its own
+# simulated robots, under one deadline.
 #
 # Before (here):  python -m bench.rl ... --train-only (the seeds' demos), then
 #                 python scripts/device_bundle.py --work runs/pc --out .carry
@@ -11,17 +12,24 @@
 # After (here):   unpack $OUT/seedN.tgz at the repo root and run bench.rl without --train-only to evaluate
 #                 the SFT bases and the PPO policies on held-out episodes (docs/benchmarks.md).
 #
-# Knobs (environment): SEEDS, BUDGET (seconds from the start after which no PPO iteration starts),
-# NUM_ENVS (robots per seed), ROLLOUT_STEPS, ENV_STEPS, SFT_STEPS, ACTOR_LR, TAG, PYTHON.
+# Knobs (environment): ALGO (flow-sde, flow-noise, flow-sde-all or awr-pi), SEEDS, BUDGET (seconds from
+# the start after which no training iteration starts), NUM_ENVS (robots per seed), ENV_STEPS, SFT_STEPS,
+# ROLLOUTS (the base's fleet episodes in the offline store; awr-pi's recipe had 100),
+# TAG, PYTHON; PPO: ROLLOUT_STEPS, ACTOR_LR; awr-pi (preset pickcube-awr-pi): EPISODES (per iteration),
+# AWR_STEPS (updates per iteration).
 set -u
 T0=$(date +%s)
+ALGO=${ALGO:-flow-sde}
 SEEDS=${SEEDS:-"0 1 2"}
 BUDGET=${BUDGET:-470}
 NUM_ENVS=${NUM_ENVS:-5}
 ROLLOUT_STEPS=${ROLLOUT_STEPS:-1000}
 ENV_STEPS=${ENV_STEPS:-100000}
 SFT_STEPS=${SFT_STEPS:-1500}
+ROLLOUTS=${ROLLOUTS:-0}
 ACTOR_LR=${ACTOR_LR:-3e-6}
+EPISODES=${EPISODES:-30}
+AWR_STEPS=${AWR_STEPS:-500}
 TAG=${TAG:-dev}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/device-out}
@@ -55,25 +63,29 @@ for _ in range(50):
 print(f"smoke: PickCube 50 steps ok ({time.time() - t:.1f} s with imports), cuda={torch.cuda.is_available()}")
 EOF
 
-PPO="{\"num_envs\": $NUM_ENVS, \"rollout_steps\": $ROLLOUT_STEPS, \"actor_lr\": $ACTOR_LR, \"checkpoint_every\": 4}"
+if [ "$ALGO" = awr-pi ]; then
+  KNOBS=(--awr-pi-preset pickcube-awr-pi --awr-pi "{\"num_envs\": $NUM_ENVS, \"env_steps\": $ENV_STEPS, \"episodes_per_iteration\": $EPISODES, \"steps_per_iteration\": $AWR_STEPS}")
+else
+  KNOBS=(--ppo "{\"num_envs\": $NUM_ENVS, \"rollout_steps\": $ROLLOUT_STEPS, \"actor_lr\": $ACTOR_LR, \"checkpoint_every\": 4}")
+fi
 for s in $SEEDS; do
   "$PYTHON" scripts/device_train.py --site "$SITE" --deadline $((T0 + BUDGET)) -- \
-    --algos flow-sde --seeds "$s" --rollouts 0 --train-only --tag "$TAG" --env-steps "$ENV_STEPS" \
-    --sft-steps "$SFT_STEPS" --work runs/pc --no-progress --ppo "$PPO" >"$OUT/seed$s.log" 2>&1 &
+    --algos "$ALGO" --seeds "$s" --rollouts "$ROLLOUTS" --train-only --tag "$TAG" --env-steps "$ENV_STEPS" \
+    --sft-steps "$SFT_STEPS" --work runs/pc --no-progress "${KNOBS[@]}" >"$OUT/seed$s.log" 2>&1 &
 done
 wait
 echo "trained in $(($(date +%s) - T0)) s"
 
-# One archive per seed: its SFT base and PPO policy (the last checkpoint, or the newest iteration saved if
-# the run was cut off), the run's record and curve.
+# One archive per seed: its SFT base and trained policy (the last checkpoint, or the newest iteration saved
+# if the run was cut off), the run's record and curve.
 for s in $SEEDS; do
   d=runs/pc/seed$s
   files=("$d/sft.json" "$d/sft/checkpoints/last")
-  for f in "$d/flow-sde-$TAG.train.json" "$d/flow-sde-$TAG/curve.json" "$d/flow-sde-$TAG/checkpoints/last"; do
+  for f in "$d/$ALGO-$TAG.train.json" "$d/$ALGO-$TAG/curve.json" "$d/$ALGO-$TAG/checkpoints/last"; do
     [ -e "$f" ] && files+=("$f")
   done
-  if [ ! -e "$d/flow-sde-$TAG/checkpoints/last" ]; then
-    newest=$(ls -d "$d/flow-sde-$TAG/checkpoints/iter_"* 2>/dev/null | tail -1)
+  if [ ! -e "$d/$ALGO-$TAG/checkpoints/last" ]; then
+    newest=$(ls -d "$d/$ALGO-$TAG/checkpoints/iter_"* 2>/dev/null | tail -1)
     [ -n "$newest" ] && files+=("$newest")
   fi
   tar -czf "$OUT/seed$s.tgz" "${files[@]}"

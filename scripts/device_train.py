@@ -11,6 +11,8 @@ evaluated on this project's CPU machine, like every other PickCube number). On t
 
     python scripts/device_train.py --site /tmp/site --deadline $((T0 + 480)) -- \\
         --algos flow-sde --seeds 0 --rollouts 0 --train-only --work runs/pc --env-steps 100000
+
+Online algorithms with a time budget: the PPO family (``--ppo``) and awr-pi (``--awr-pi``).
 """
 
 from __future__ import annotations
@@ -51,19 +53,24 @@ def main() -> None:
             return train_sft(cfg)
 
     def train_with_budget(algo: str, base: Path, store: Path, out: Path, seed: int, ns: Any) -> Any:
-        if args.deadline is not None:
-            minutes = max((args.deadline - time.time()) / 60, 0.5)
-            ns.ppo = {**ns.ppo, "max_minutes": minutes}
-            log.info("seed %d %s: %.1f minutes to the deadline", seed, algo, minutes)
+        # the overrides this algorithm reads (bench.rl's --ppo or --awr-pi); both have max_minutes and device
+        knobs = "awr_pi" if algo == "awr-pi" else "ppo"
+
+        def budget() -> None:
+            if args.deadline is not None:
+                minutes = max((args.deadline - time.time()) / 60, 0.5)
+                setattr(ns, knobs, {**getattr(ns, knobs), "max_minutes": minutes})
+                log.info("seed %d %s: %.1f minutes to the deadline", seed, algo, minutes)
+
+        budget()
         try:
             return train_algo(algo, base, store, out, seed, ns)
         except Exception:
-            if ns.ppo.get("device") == "cpu":
+            if getattr(ns, knobs).get("device") == "cpu":
                 raise
             log.exception("%s failed on the GPU; retrying on the CPU", algo)
-            ns.ppo = {**ns.ppo, "device": "cpu"}
-            if args.deadline is not None:
-                ns.ppo["max_minutes"] = max((args.deadline - time.time()) / 60, 0.5)
+            setattr(ns, knobs, {**getattr(ns, knobs), "device": "cpu"})
+            budget()
             return train_algo(algo, base, store, out, seed, ns)
 
     rl.train_sft, rl._train = sft_with_fallback, train_with_budget

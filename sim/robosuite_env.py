@@ -8,6 +8,7 @@ work across simulators.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -19,14 +20,24 @@ from vla_rl.spec import CameraSpec, RobotSpec
 LIFT_HEIGHT = 0.04  # robosuite's own success threshold above the table
 
 
-def _configure_rendering() -> None:
-    # Headless: EGL through Mesa works on CPU-only machines; respect a user's choice (e.g. osmesa).
+def _import_robosuite() -> Any:
+    """``robosuite``, configured for a headless, quiet process.
+
+    Rendering: EGL through Mesa works on CPU-only machines; a user's choice (e.g. osmesa) is respected.
+    Logging: robosuite sets its logger to INFO when it is imported and then warns on every episode that
+    the Panda has no "left"/"torso"/"head"/"base"/"legs" controller (and at import that no private macro
+    file exists); only its errors reach our logs.
+    """
     os.environ.setdefault("MUJOCO_GL", "egl")
     if os.environ["MUJOCO_GL"] == "osmesa":
         os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
-    import logging
-
+    logging.disable(logging.WARNING)  # the import-time warnings; restored right after
+    try:
+        import robosuite
+    finally:
+        logging.disable(logging.NOTSET)
     logging.getLogger("robosuite_logs").setLevel(logging.ERROR)
+    return robosuite
 
 
 class RobosuiteEnv(SimEnv):
@@ -34,8 +45,7 @@ class RobosuiteEnv(SimEnv):
 
     def __init__(self, info: TaskInfo, options: EnvOptions) -> None:
         super().__init__(options)
-        _configure_rendering()
-        import robosuite as suite
+        suite = _import_robosuite()
         from robosuite.controllers import load_composite_controller_config
 
         self.task = info.name

@@ -40,6 +40,8 @@ def _cfg(tmp_path: Path, **kw: object) -> AWRPIConfig:
         ("buffer_episodes", -3, "buffer_episodes: expected an integer >= 0"),
         ("max_episode_steps", 0, "max_episode_steps: expected a positive integer or None"),
         ("stop_at", 0, "stop_at: expected a positive integer or None"),
+        ("max_minutes", 0, "max_minutes: expected a positive number of minutes or None"),
+        ("max_minutes", True, "max_minutes: expected a positive number of minutes or None"),
         ("beta", 0.0, "beta: expected > 0"),
         ("lr", -1e-4, "lr: expected > 0"),
         ("gamma", 1.5, r"gamma: expected in \(0, 1\]"),
@@ -263,6 +265,20 @@ def test_each_iteration_records_its_episodes_as_the_acting_policy(
     info = read_info(res.checkpoint)
     assert info.lineage.algorithm == "awr-pi" and info.lineage.parent_revision == base.commit
     assert res.metrics["updates"] == 3 * len(res.curve)
+
+
+def test_a_spent_time_budget_ships_the_policy_as_it_is(small_base: tuple[Path, Path], tmp_path: Path) -> None:
+    """``max_minutes``: no iteration starts after the budget; what exists is shipped and says so (here
+    the base itself: the budget is spent before the first collection)."""
+    res = train(_tiny_run(small_base, tmp_path / "pi", env_steps=10_000, max_minutes=1e-9))
+    assert res.curve == [] and res.metrics["env_steps"] == 0 and res.metrics["iterations"] == 0
+    assert res.metrics["stopped_by_time"] is True
+    assert read_info(res.checkpoint).metrics["stopped_by_time"] is True
+    a = load_policy(res.checkpoint, device="cpu").policy.state_dict()
+    b = load_policy(small_base[1], device="cpu").policy.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    unbounded = train(_tiny_run(small_base, tmp_path / "free", env_steps=10_000, stop_at=1))
+    assert unbounded.metrics["stopped_by_time"] is False and unbounded.metrics["iterations"] == 1
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh-value", "warm-value"])

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
+from processes import still_running
 
 from fleet.store import EpisodeStore
 from vla_rl.cli.common import open_db
@@ -198,7 +199,7 @@ def test_ctrl_c_stops_everything_within_10_s(work: Path, up_db: str | None) -> N
         if proc.poll() is None:
             proc.kill()
     assert stopped_in <= 10.0, (stopped_in, out[-2000:])
-    gone = psutil.wait_procs(children, timeout=5)[1]
+    gone = still_running(children, timeout=5)
     assert not gone, f"still running after Ctrl-C: {[p.cmdline() for p in gone]}"
     assert not _running_in(work), "a process of this run outlived up"
     v = _verify(work, up_db)
@@ -282,7 +283,7 @@ def test_nothing_outlives_a_killed_up(work: Path, up_db: str | None) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    alive = psutil.wait_procs(everything, timeout=10)[1]
+    alive = still_running(everything, timeout=10)
     assert not alive, f"outlived a killed up: {[p.cmdline() for p in alive]}"
     assert not _running_in(work)
     v = _verify(work, up_db)

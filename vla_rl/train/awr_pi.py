@@ -63,7 +63,7 @@ from vla_rl.train.awr import (
     value_advantages,
     value_head,
 )
-from vla_rl.train.base import StepProgress, TrainResult
+from vla_rl.train.base import StepProgress, TrainResult, check_optional_positive
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
@@ -124,6 +124,11 @@ class AWRPIConfig(AdvantageConfig):
     """Continue from <out>/train_state.pt when it exists (from the last finished iteration)."""
     stop_at: int | None = None
     """Stop after this many iterations, as a preempted job would (tests, budgets in iterations)."""
+    max_minutes: float | None = None
+    """Wall-clock budget: no new iteration starts once this many minutes have passed since the start,
+    and the policy as it is then is shipped (``metrics["env_steps"]`` says how far it got,
+    ``stopped_by_time`` that the clock stopped it; a round on a deadline, or a benchmark on a borrowed
+    machine). None = run until ``env_steps``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,6 +141,7 @@ class AWRPIConfig(AdvantageConfig):
         for name in ("max_episode_steps", "n_exec", "stop_at"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer or None, got {getattr(self, name)}")
+        check_optional_positive(self, "max_minutes", "a positive number of minutes")
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -313,8 +319,17 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         cfg.env_steps, initial=env_steps, stage="online", desc="awr-pi", unit="env step", show=cfg.progress
     )
     try:
+        deadline = t0 + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
+        stopped_by_time = False
         while env_steps < cfg.env_steps and (cfg.stop_at is None or iteration < cfg.stop_at):
             it0 = time.perf_counter()
+            if it0 >= deadline:
+                stopped_by_time = True
+                log.info(
+                    "awr-pi stopped at its time budget",
+                    extra={"max_minutes": cfg.max_minutes, "env_steps": env_steps, "iteration": iteration},
+                )
+                break
             # 1. collect with the current (EMA) policy
             revision = base.commit if updates == 0 else weights_revision(ema.model)
             acting = LoadedPolicy(
@@ -431,6 +446,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         "online_episodes": len(online_ids),
         "rollout_success_first": successes[0] if successes else float("nan"),
         "rollout_success_last": successes[-1] if successes else float("nan"),
+        "stopped_by_time": stopped_by_time,
         **(
             {k: curve[-1][k] for k in ("value_return_corr", "value_explained_var", "value_loss")}
             if curve

@@ -15,6 +15,7 @@ This module imports nothing heavy (no torch), so the CLI can build ``--help`` fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -81,6 +82,15 @@ class TrainerConfig:
             raise ValueError(f"threads: expected >= 0 (0 = all cores but one), got {self.threads}")
         if self.log_every < 1:
             raise ValueError(f"log_every: expected a positive integer, got {self.log_every}")
+
+
+def check_optional_positive(cfg: Any, name: str, what: str) -> None:
+    """``cfg.<name>`` is None or a finite number > 0 (not a bool); else a ValueError naming the field."""
+    v = getattr(cfg, name)
+    if v is not None and not (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    ):
+        raise ValueError(f"{name}: expected {what} or None, got {v!r}")
 
 
 @dataclass(kw_only=True)

@@ -66,7 +66,7 @@ from policies.flow_vla.sampling import chain_log_prob, noise_kernel
 from sim.ray_workers import check_ray_address
 from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
-from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
+from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult, check_optional_positive
 from vla_rl.train.common import config_dict, save_derived_checkpoint
 
 log = logging.getLogger(__name__)
@@ -272,8 +272,8 @@ class PPOConfig(TrainerConfig):
             raise ValueError(f"clip: expected in (0, 1), got {self.clip}")
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: expected > 1 (or 0 = off), got {self.dual_clip}")
-        _optional_positive(self, "max_minutes", "a positive number of minutes")
-        _optional_positive(self, "adaptive_kl", "a positive approx-KL per iteration")
+        check_optional_positive(self, "max_minutes", "a positive number of minutes")
+        check_optional_positive(self, "adaptive_kl", "a positive approx-KL per iteration")
         lo, hi = (float(x) for x in self.adaptive_lr_bounds)
         if not 0 < lo <= hi:
             raise ValueError(f"adaptive_lr_bounds: expected 0 < min <= max, got {self.adaptive_lr_bounds}")
@@ -315,14 +315,6 @@ _NUMBERS = (
 def _choice(cfg: Any, name: str, options: tuple[str, ...]) -> None:
     if getattr(cfg, name) not in options:
         raise ValueError(f"{name}: expected one of {list(options)}, got {getattr(cfg, name)!r}")
-
-
-def _optional_positive(cfg: Any, name: str, what: str) -> None:
-    v = getattr(cfg, name)
-    if v is not None and not (
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-    ):
-        raise ValueError(f"{name}: expected {what} or None, got {v!r}")
 
 
 def _positive_int(cfg: Any, name: str) -> None:
