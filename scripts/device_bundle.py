@@ -26,6 +26,10 @@ It also copies each seed's demonstration store and its ``demos.json`` (``bench.r
 ``<out>/work/seedN`` so the machine starts at the SFT stage. Run from the repository root::
 
     python scripts/device_bundle.py --work runs/pc --seeds 0 1 2 --out .carry
+
+With ``--bases`` it copies each seed's SFT base instead (``sft.json`` and ``sft/checkpoints/last``, ~6 MB
+each), so the machine post-trains the very bases already evaluated here; it then records the demos (and
+``--rollouts``) itself in seconds: stores with fleet rollouts are too large for the carry limit.
 """
 
 from __future__ import annotations
@@ -135,6 +139,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(".carry"), help="folder to write (git-ignored)")
     p.add_argument("--work", type=Path, default=Path("runs/pc"), help="bench.rl --work with the seeds' demos")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument(
+        "--bases",
+        action="store_true",
+        help="carry each seed's trained SFT base instead of its demo store (the machine records the demos)",
+    )
     args = p.parse_args()
     site = Path(next(s for s in sys.path if s.endswith("site-packages") and Path(s, "sapien").is_dir()))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -163,8 +172,12 @@ def main() -> None:
     for seed in args.seeds:
         src, dst = args.work / f"seed{seed}", args.out / "work" / f"seed{seed}"
         shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(src / "store", dst / "store")
-        shutil.copy2(src / "demos.json", dst / "demos.json")
+        if args.bases:
+            shutil.copytree(src / "sft" / "checkpoints" / "last", dst / "sft" / "checkpoints" / "last")
+            shutil.copy2(src / "sft.json", dst / "sft.json")
+        else:
+            shutil.copytree(src / "store", dst / "store")
+            shutil.copy2(src / "demos.json", dst / "demos.json")
     size = subprocess.run(["du", "-sh", str(args.out)], capture_output=True, text=True).stdout.split()[0]
     print(f"wrote {args.out} ({size})")
 
