@@ -177,7 +177,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
         try:
             trained = _cached(work / f"{tag}.train.json", one)
-        except ImportError as e:
+        except ModuleNotFoundError as e:  # an optional package is missing; a broken import is a bug: raise
             results[algo] = {"error": f"not available: {e}"}
             print(f"seed {seed} {algo:<10} {results[algo]['error']}", flush=True)
             continue
