@@ -34,6 +34,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
+from vla_rl.seeds import SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -100,14 +101,43 @@ def _train(
     else:
         values |= {"task": args.task, "env_steps": args.env_steps, **args.ppo}
     values |= implied
-    r = train(make_config(name, **values))
-    return {"checkpoint": str(r.checkpoint), "seconds": r.seconds, "curve": r.curve, "metrics": r.metrics}
+    cfg = make_config(name, **values)
+    seeds: range | None = cfg.collection_seeds() if hasattr(cfg, "collection_seeds") else None
+    if seeds is not None:
+        check_disjoint(_eval_seeds(args), {algo: seeds})
+    r = train(cfg)
+    return {
+        "checkpoint": str(r.checkpoint),
+        "seconds": r.seconds,
+        "curve": r.curve,
+        "metrics": r.metrics,
+        **({"collection_seeds": [seeds.start, seeds.stop]} if seeds is not None else {}),
+    }
+
+
+def _eval_seeds(args: argparse.Namespace) -> range:
+    return range(args.eval_seed, args.eval_seed + args.eval_episodes)
+
+
+def _demo_seed(seed: int) -> int:
+    return seed * 10_000
+
+
+def _rollout_seed(seed: int) -> int:
+    return 50_000 + seed * 10_000
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = args.work / f"seed{seed}"
     store_path = work / "store"
+    check_disjoint(
+        _eval_seeds(args),
+        {
+            "demos": range(_demo_seed(seed), _demo_seed(seed) + args.demos),
+            "base rollouts": range(_rollout_seed(seed), _rollout_seed(seed) + args.rollouts),
+        },
+    )
 
     def demos() -> dict[str, Any]:
         rep = record_demos(
@@ -115,7 +145,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             args.task,
             episodes=args.demos,
             noise=args.noise,
-            seed=seed * 10_000,
+            seed=_demo_seed(seed),
             obs=args.obs,
             image_size=args.image_size,
             num_envs=2,
@@ -154,7 +184,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             lp,
             args.task,
             episodes=args.rollouts,
-            seed=50_000 + seed * 10_000,
+            seed=_rollout_seed(seed),
             num_envs=2,
             revision=lp.commit,
             robot_prefix="fleet",
@@ -187,6 +217,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
             continue
+        if "collection_seeds" in trained:  # a cached run: its episodes must still be outside the evaluation
+            check_disjoint(_eval_seeds(args), {algo: range(*trained["collection_seeds"])})
         ckpt = Path(trained["checkpoint"])
         results[algo] = {
             **trained,
@@ -324,7 +356,10 @@ def main() -> None:
 
         args.awr_pi = {**get_preset(args.awr_pi_preset).values, **args.awr_pi}
     t0 = time.perf_counter()
-    per_seed = [run_seed(s, args) for s in args.seeds]
+    try:
+        per_seed = [run_seed(s, args) for s in args.seeds]
+    except SeedOverlapError as e:
+        p.error(str(e))
     if args.train_only:
         return
     header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]

@@ -36,6 +36,7 @@ from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl import console
 from vla_rl.lifeline import exit_with_parent
 from vla_rl.scheduling import leave_realtime
+from vla_rl.seeds import ONLINE
 
 log = logging.getLogger("vla_rl.fleet")
 
@@ -471,8 +472,9 @@ class FleetConfig:
     """Task; None = the served model's robot spec."""
     episodes: int = 5
     """Episodes per robot."""
-    seed: int = 0
-    """First episode seed (robot i's j-th episode: seed + i + j * robots)."""
+    seed: int = ONLINE
+    """First episode seed: robot i's j-th episode is ``seed + i * 100000 + j``. The default starts in the
+    training range, away from every evaluation's seeds (:mod:`vla_rl.seeds`)."""
     operators: int = 1
     """Robots the operator can drive at once."""
     rules: OperatorRules = field(default_factory=OperatorRules)

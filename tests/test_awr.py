@@ -41,6 +41,71 @@ def test_recap_indicators_hand_computed() -> None:
     assert ind.tolist() == [N, N, P, P, P]  # the human frame is positive whatever its advantage
 
 
+def test_lambda_returns_match_the_forward_view() -> None:
+    """Backward recursion vs the forward view on one terminal episode: G^λ_t = (1 - λ) Σ_{n=1}^{T-t-1}
+    λ^{n-1} G^(n)_t + λ^{T-t-1} G_t, with n-step returns G^(n)_t = Σ_{k<n} γ^k r_{t+k} + γ^n V(s_{t+n})."""
+    from vla_rl.train.awr import lambda_returns
+
+    rng = np.random.default_rng(0)
+    T, gamma = 7, 0.9
+    r, v = rng.normal(size=T), rng.normal(size=T)
+    mc = np.array([sum(gamma**k * r[t + k] for k in range(T - t)) for t in range(T)])
+    last, cut = np.arange(T) == T - 1, np.zeros(T, bool)
+    for lam in (0.0, 0.6, 1.0):
+        got = lambda_returns(r, mc, v, last, cut, gamma, lam)
+        for t in range(T):
+            n_step = [
+                sum(gamma**k * r[t + k] for k in range(n)) + gamma**n * v[t + n] for n in range(1, T - t)
+            ]
+            want = (1 - lam) * sum(lam ** (n - 1) * g for n, g in enumerate(n_step, 1)) + lam ** (
+                T - t - 1
+            ) * mc[t]
+            assert got[t] == pytest.approx(want, rel=1e-5, abs=1e-5), (lam, t)
+    np.testing.assert_allclose(
+        lambda_returns(r, mc, v, last, cut, gamma, 0.0)[:-1], r[:-1] + gamma * v[1:], rtol=1e-5
+    )
+
+
+def test_lambda_one_is_the_monte_carlo_return_across_takeovers_and_idle_spans() -> None:
+    """On a real buffer (a takeover cuts the returns, an idle span drops frames): λ = 1 gives back every
+    frame's mc_return, and λ < 1 still keeps the cut and run-end frames' Monte-Carlo returns."""
+    from vla_rl.spec import RobotSpec
+    from vla_rl.train.awr import lambda_returns
+    from vla_rl.train.transitions import TransitionBuffer
+
+    spec = RobotSpec(name="t", state_dim=2, action_dim=1, control_hz=10.0, instruction="go")
+    buf = TransitionBuffer(spec, reward="steps_to_go", gamma=0.95, max_steps=12)
+    P, H = int(Controller.POLICY), int(Controller.HUMAN)
+    ctrl = np.array([P, P, P, H, H, P, P, P, P, P])
+    buf.add_episode(
+        state=np.arange(20, dtype=np.float32).reshape(10, 2),
+        action=np.zeros((10, 1), np.float32),
+        reward=np.zeros(10, np.float32),
+        terminated=np.eye(10, dtype=bool)[-1],
+        controller=ctrl,
+        success=True,
+        spans=[("idle", 6, 8)],
+    )
+    buf.add_episode(
+        state=np.ones((4, 2), np.float32),
+        action=np.zeros((4, 1), np.float32),
+        reward=np.zeros(4, np.float32),
+        terminated=np.zeros(4, bool),
+        controller=np.full(4, P),
+        success=False,
+    )
+    end, cut = buf.array("end"), buf.array("cut")
+    last = np.arange(len(buf)) == end - 1
+    assert len(buf) == 12 and cut.sum() == 1 and last.sum() == 3  # runs: 0-5, 8-9, then episode 1
+    v = np.random.default_rng(1).normal(size=len(buf))
+    mc = buf.array("mc_return")
+    args = (buf.array("reward"), mc, v, last, cut, 0.95)
+    np.testing.assert_allclose(lambda_returns(*args, 1.0), mc, rtol=1e-5, atol=1e-6)
+    td = lambda_returns(*args, 0.5)
+    np.testing.assert_allclose(td[last | cut], mc[last | cut], rtol=1e-6)
+    assert not np.allclose(td[~(last | cut)], mc[~(last | cut)])
+
+
 def testcross_fitted_values_never_see_their_own_episode(tmp_path: Path) -> None:
     from vla_rl.train.awr import cross_fitted_values
 

@@ -34,6 +34,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.policy_loading import load_policy
+from vla_rl.seeds import EVAL
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
 from vla_rl.train.transitions import DataSelection
@@ -61,8 +62,9 @@ class RoundOptions:
     """Promote only if new success rate - base success rate > margin (a fraction, 0.05 = 5 points)."""
     eval_episodes: int = 50
     """Held-out simulated episodes for the candidate and the base (the same seeds)."""
-    eval_seed: int = 100_000
-    """First episode seed of the evaluation."""
+    eval_seed: int = EVAL
+    """First episode seed of the evaluation (below every online trainer's and the simulated fleet's
+    episodes, :mod:`vla_rl.seeds`)."""
     eval_envs: int = 2
     """Simulator processes for the evaluation."""
 

@@ -52,6 +52,7 @@ from vla_rl.console import table
 from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
 from vla_rl.lifeline import supervised_env
 from vla_rl.secrets import read_secret_file
+from vla_rl.seeds import ONLINE
 
 log = logging.getLogger(__name__)
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -761,7 +762,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     "--collector",
                     f"127.0.0.1:{ports.collector}",
                     "--seed",
-                    str(cfg.seed * 1_000_000 + n * 10_000),
+                    str(ONLINE + cfg.seed * 1_000_000 + n * 10_000),
                     "--no-progress",
                 ]
                 sup.run(

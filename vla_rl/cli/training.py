@@ -27,6 +27,7 @@ from vla_rl.cli.common import (
     user_errors,
     with_options,
 )
+from vla_rl.seeds import EVAL
 from vla_rl.train.algorithms import ALGORITHMS, Algorithm, get_algorithm
 from vla_rl.train.presets import PRESETS, get_preset
 
@@ -419,8 +420,8 @@ class Eval:
     ray: str | None = None
     """Run the simulators as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1)
     or a cluster address host:port; None = local processes. Same seeds, same episodes."""
-    seed: int = 100_000
-    """First episode seed (held-out seeds start at 100000)."""
+    seed: int = EVAL
+    """First episode seed (evaluations start at 100000; training collects from 1000000 up, :mod:`vla_rl.seeds`)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the checkpoint's."""
     num_steps: int | None = None

@@ -116,6 +116,11 @@ class AdvantageConfig(TrainerConfig):
     """Return definition (see transitions.py). steps_to_go makes faster successes better, as RECAP."""
     gamma: float = 1.0
     """Discount of the Monte-Carlo returns (RECAP uses 1 with steps-to-go rewards)."""
+    advantage_lambda: float = 1.0
+    """λ of the advantage ``A_t = G^λ_t - V(s_t)``, with the λ-return
+    ``G^λ_t = r_t + γ((1 - λ) V(s_{t+1}) + λ G^λ_{t+1})`` (TD(λ), GAE; :func:`lambda_returns`). 1 = the
+    Monte-Carlo return, as the original AWR; smaller leans on the value: lower variance, and credit for
+    what the next few chunks did rather than for the whole episode's outcome."""
     value_steps: int = 1500
     """Gradient steps per value fit (one fit per fold)."""
     value_folds: int = 2
@@ -171,6 +176,8 @@ class AdvantageConfig(TrainerConfig):
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if not 0.0 < self.gamma <= 1.0:
             raise ValueError(f"gamma: expected in (0, 1], got {self.gamma}")
+        if not 0.0 <= self.advantage_lambda <= 1.0:
+            raise ValueError(f"advantage_lambda: expected in [0, 1], got {self.advantage_lambda}")
         if not 0.0 < self.expectile < 1.0:
             raise ValueError(f"expectile: expected in (0, 1), got {self.expectile}")
         if not 0.0 <= self.ema_decay < 1.0:
@@ -329,6 +336,36 @@ def episode_folds(keys: Sequence[int | str], folds: int, seed: int) -> np.ndarra
     return out
 
 
+def lambda_returns(
+    reward: np.ndarray,
+    mc_return: np.ndarray,
+    values: np.ndarray,
+    last: np.ndarray,
+    cut: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> np.ndarray:
+    """λ-returns over a buffer's frames (arrays ``[N]`` in buffer order), backwards within each run of
+    consecutive frames::
+
+        G^λ_t = r_t + γ ((1 - λ) V(s_{t+1}) + λ G^λ_{t+1})
+
+    The last frame of a run (an episode's end, or the frame before a dropped idle stretch) and a frame
+    whose return is cut (a takeover scored as a failure) keep their Monte-Carlo return ``mc_return``,
+    which already holds what lies beyond them (nothing after a terminal, the failure's cost after a cut,
+    the dropped frames' rewards before a gap). ``λ = 1`` gives ``mc_return`` back (the recursion is the
+    Monte-Carlo one); ``λ = 0`` the one-step TD target ``r_t + γ V(s_{t+1})``."""
+    out = np.empty(len(reward), np.float64)
+    nxt = 0.0
+    for t in range(len(reward) - 1, -1, -1):
+        if last[t] or cut[t]:
+            nxt = float(mc_return[t])
+        else:
+            nxt = float(reward[t]) + gamma * ((1.0 - lam) * float(values[t + 1]) + lam * nxt)
+        out[t] = nxt
+    return out.astype(np.float32)
+
+
 def cross_fitted_values(
     cfg: AdvantageConfig,
     feats: torch.Tensor,
@@ -387,7 +424,7 @@ def value_advantages(
     fold_of: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
-    ``mc_return``, ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
+    ``mc_return``, or its λ-return for ``advantage_lambda < 1`` (:func:`lambda_returns`), ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
     and how well the value fits: its last loss, the std of the autonomous advantages, and the
     out-of-fold value's correlation with the returns and explained variance ``1 - Var(G - V) / Var(G)``
     over the autonomous frames. ``heads`` and ``fold_of``: a warm start of the fold heads from (and
@@ -395,7 +432,19 @@ def value_advantages(
     None = fresh heads on a seeded permutation."""
     returns = torch.from_numpy(buf.array("mc_return")).to(feats.device)
     values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc, fold_of, heads)
-    adv = (returns - values).cpu().numpy()
+    target = returns.cpu().numpy()
+    if cfg.advantage_lambda < 1.0:
+        end = buf.array("end")
+        target = lambda_returns(
+            buf.array("reward"),
+            target,
+            values.cpu().numpy(),
+            np.arange(len(end)) == end - 1,
+            buf.array("cut"),
+            cfg.gamma,
+            cfg.advantage_lambda,
+        )
+    adv = target - values.cpu().numpy()
     g, v = returns.cpu().numpy()[~bc], values.cpu().numpy()[~bc]
     metrics: dict[str, Any] = {
         "value_loss": value_loss,

@@ -7,7 +7,7 @@ The original AWR is an online algorithm: it iterates
    (``num_envs`` processes, :func:`sim.demos.record_policy_episodes`: controller ``policy``, the acting
    weights' revision on every frame) into the episode store ``<out>/online_store`` (the dashboard can
    review it), at episode seeds ``online_seed + k * (episodes_per_iteration + num_envs) + ...`` in
-   iteration ``k`` (far from the demos' 0+ and the evaluation's 100000+);
+   iteration ``k`` (from 1,000,000: far from every evaluation range, :mod:`vla_rl.seeds`);
 2. **fit the value** on the offline store's selected episodes (``data``: demos, fleet rollouts) plus the
    newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
@@ -55,6 +55,7 @@ from fleet.db import MetadataDB
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAPolicy
 from vla_rl.policy_loading import LoadedPolicy, load_policy
+from vla_rl.seeds import ONLINE
 from vla_rl.train.awr import (
     AdvantageConfig,
     all_features,
@@ -104,8 +105,8 @@ class AWRPIConfig(AdvantageConfig):
     always stays); 0 = every online episode."""
     max_episode_steps: int | None = None
     """Episode time limit; None = the task's."""
-    online_seed: int = 200_000
-    """First episode seed of online collection (demos start at 0, evaluation at 100000)."""
+    online_seed: int = ONLINE
+    """First episode seed of online collection; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the policy's ``n_exec``."""
     value_steps: int = 1000
@@ -142,6 +143,14 @@ class AWRPIConfig(AdvantageConfig):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer or None, got {getattr(self, name)}")
         check_optional_positive(self, "max_minutes", "a positive number of minutes")
+
+    def collection_seeds(self) -> range:
+        """A superset of the episode seeds this run collects from: a full iteration takes at least
+        ``episodes_per_iteration`` env steps, so at most ``ceil(env_steps / E) + 1`` iterations start, each
+        on ``E + N`` seeds (:func:`iteration_seed`)."""
+        iterations = math.ceil(self.env_steps / self.episodes_per_iteration) + 1
+        stride = self.episodes_per_iteration + self.num_envs
+        return range(self.online_seed, self.online_seed + iterations * stride)
 
 
 # ---------------------------------------------------------------------------- pure pieces

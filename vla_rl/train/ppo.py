@@ -66,6 +66,7 @@ from policies.flow_vla.sampling import chain_log_prob, noise_kernel
 from sim.ray_workers import check_ray_address
 from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.seeds import EVAL, ONLINE, check_disjoint
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult, check_optional_positive
 from vla_rl.train.common import config_dict, save_derived_checkpoint
 
@@ -153,8 +154,8 @@ class PPOConfig(TrainerConfig):
     gae_lambda: float = 0.95
     max_episode_steps: int | None = None
     """Episode step limit; None = the task's."""
-    env_seed: int = 50_000
-    """Seed of the first training episode (demos start at 0, evaluation at 100000)."""
+    env_seed: int = ONLINE
+    """Seed of the first training episode; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
 
     # ------------------------------------------------------------ advantages
     advantage: Advantage = "gae"
@@ -217,7 +218,7 @@ class PPOConfig(TrainerConfig):
     final_eval_episodes: int = 0
     """Evaluate the final policy on this many held-out episodes (seeds from ``final_eval_seed``), stored in
     the checkpoint's metrics; 0 = skip."""
-    final_eval_seed: int = 100_000
+    final_eval_seed: int = EVAL
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -290,6 +291,14 @@ class PPOConfig(TrainerConfig):
             raise ValueError(f"critic_hidden: expected positive widths, got {self.critic_hidden}")
         if self.max_episode_steps is not None and self.max_episode_steps < 1:
             raise ValueError(f"max_episode_steps: expected >= 1 or None, got {self.max_episode_steps}")
+        if self.final_eval_episodes:
+            evaluation = range(self.final_eval_seed, self.final_eval_seed + self.final_eval_episodes)
+            check_disjoint(evaluation, {"ppo": self.collection_seeds()})
+
+    def collection_seeds(self) -> range:
+        """A superset of the training episode seeds: robot i's j-th episode is ``env_seed + i + j N``
+        (GRPO: iteration k replays ``env_seed + k N + i``), and every episode takes at least one env step."""
+        return range(self.env_seed, self.env_seed + self.env_steps + self.num_envs)
 
     @property
     def algorithm(self) -> str:

@@ -71,6 +71,7 @@ from policies.flow_vla.modeling_flow_vla import PrefixCache
 from sim.ray_workers import check_ray_address
 from sim.rollout import EpisodeRecord, StepRecord
 from vla_rl.policy_loading import LoadedPolicy, load_policy
+from vla_rl.seeds import ONLINE
 from vla_rl.spec import RobotSpec
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
@@ -360,8 +361,8 @@ class QAMConfig(TrainerConfig):
     """Run the online rollouts' simulators (and evaluations) as Ray actors: 'auto' (this machine's Ray
     cluster, or a local head on 127.0.0.1) or a cluster address host:port; None = local processes. The
     same seeds give the same rollouts; a dead actor is replaced and its episode re-run (docs/sim.md)."""
-    online_seed: int = 200_000
-    """First episode seed of online rollouts (demos start at 0, evaluation at 100000)."""
+    online_seed: int = ONLINE
+    """First episode seed of online rollouts; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
     max_episode_steps: int | None = None
     """Online episode length limit; None = the task's."""
 
@@ -464,6 +465,11 @@ class QAMConfig(TrainerConfig):
             raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
         if self.eval_every_episodes < 1 or self.final_eval_episodes < 0:
             raise ValueError("eval_every_episodes: expected >= 1 and final_eval_episodes >= 0")
+
+    def collection_seeds(self) -> range:
+        """A superset of the online episode seeds: robot i's j-th episode is ``online_seed + i + j N``
+        and every episode takes at least one env step."""
+        return range(self.online_seed, self.online_seed + self.env_steps + self.num_envs)
 
 
 @dataclass(kw_only=True)

@@ -545,6 +545,7 @@ class TransitionBuffer:
             "credit": credit,
             "bc": human | recovery,
             "mc_return": _discounted_returns(r, cut, self.gamma, cut_value),
+            "cut": np.asarray(cut, bool),
             "episode": np.full(t, len(self.episode_ids), np.int64),
             "frame": np.arange(t, dtype=np.int64),
             "run": run.astype(np.int64),
