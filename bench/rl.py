@@ -34,7 +34,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
-from vla_rl.seeds import SeedOverlapError, check_disjoint
+from vla_rl.seeds import EVAL, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -53,7 +53,7 @@ def _cached(path: Path, fn: Any) -> dict[str, Any]:
     return res
 
 
-def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = 100_000) -> dict[str, Any]:
+def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = EVAL) -> dict[str, Any]:
     """Success of a checkpoint on the held-out episode seeds ``seed .. seed + episodes - 1``."""
     ev = evaluate(load_policy(ckpt), task, episodes=episodes, num_envs=2, seed=seed, progress=False)
     return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
@@ -302,7 +302,7 @@ def main() -> None:
     p.add_argument(
         "--eval-seed",
         type=int,
-        default=100_000,
+        default=EVAL,
         help="first held-out episode seed (episodes eval-seed .. eval-seed + eval-episodes - 1); pick a range "
         "no setting was chosen on",
     )

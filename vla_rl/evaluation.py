@@ -19,6 +19,7 @@ import numpy as np
 
 from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
 from sim.vector import VectorSimEnv
+from vla_rl.seeds import EVAL
 from vla_rl.spec import RobotSpec
 from vla_rl.train.base import StepProgress
 
@@ -94,7 +95,7 @@ def evaluate(
     task: str,
     episodes: int = 20,
     num_envs: int = 2,
-    seed: int = 100_000,
+    seed: int = EVAL,
     n_exec: int | None = None,
     video_dir: Path | None = None,
     num_videos: int = 0,

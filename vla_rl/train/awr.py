@@ -424,7 +424,8 @@ def value_advantages(
     fold_of: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Steps 1 and 2: ``A_t = G_t - V(s_t)`` for every frame of ``buf`` (``G`` its credit-aware
-    ``mc_return``, or its λ-return for ``advantage_lambda < 1`` (:func:`lambda_returns`), ``V`` cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
+    ``mc_return``, or its λ-return for ``advantage_lambda < 1`` (:func:`lambda_returns`); ``V``
+    cross-fitted by episode on the frames not in ``bc``, :func:`cross_fitted_values`),
     and how well the value fits: its last loss, the std of the autonomous advantages, and the
     out-of-fold value's correlation with the returns and explained variance ``1 - Var(G - V) / Var(G)``
     over the autonomous frames. ``heads`` and ``fold_of``: a warm start of the fold heads from (and
@@ -432,20 +433,16 @@ def value_advantages(
     None = fresh heads on a seeded permutation."""
     returns = torch.from_numpy(buf.array("mc_return")).to(feats.device)
     values, value_loss = cross_fitted_values(cfg, feats, returns, buf.array("episode"), bc, fold_of, heads)
-    target = returns.cpu().numpy()
+    g_all, v_all = returns.cpu().numpy(), values.cpu().numpy()
+    target = g_all
     if cfg.advantage_lambda < 1.0:
         end = buf.array("end")
+        last = np.arange(len(end)) == end - 1
         target = lambda_returns(
-            buf.array("reward"),
-            target,
-            values.cpu().numpy(),
-            np.arange(len(end)) == end - 1,
-            buf.array("cut"),
-            cfg.gamma,
-            cfg.advantage_lambda,
+            buf.array("reward"), g_all, v_all, last, buf.array("cut"), cfg.gamma, cfg.advantage_lambda
         )
-    adv = target - values.cpu().numpy()
-    g, v = returns.cpu().numpy()[~bc], values.cpu().numpy()[~bc]
+    adv = target - v_all
+    g, v = g_all[~bc], v_all[~bc]
     metrics: dict[str, Any] = {
         "value_loss": value_loss,
         "adv_std": float(adv[~bc].std()),
