@@ -398,10 +398,12 @@ def _meta(eid: str, robot: str, closed: bool) -> EpisodeMeta:
     )
 
 
-def _recorder(url: str, robot: str, go: Any, out: Any) -> None:
+def _recorder(url: str, robot: str, go: Any, read_once: Any, out: Any) -> None:
     db = MetadataDB(url)
     go.wait(120)
     for i in range(N_EPISODES):
+        if i == N_EPISODES // 2:  # half written: hold until the reader has taken a snapshot, so it
+            read_once.wait(120)  # reads mid-write however the scheduler orders the processes
         eid = f"{robot}-{i:03d}"
         db.record_episode_open(_meta(eid, robot, closed=False), "/store")
         db.record_episode_closed(_meta(eid, robot, closed=True))
@@ -421,7 +423,7 @@ def _labeller(url: str, want: int, go: Any, out: Any) -> None:
     out.put(("labeller", len(done)))
 
 
-def _reader(url: str, want: int, go: Any, out: Any) -> None:
+def _reader(url: str, want: int, go: Any, read_once: Any, out: Any) -> None:
     """What a round snapshots: the closed episodes (with all their segments) and their labels. Every
     snapshot must be whole: no closed episode missing segments, no duplicate, nothing lost later."""
     db = MetadataDB(url)
@@ -446,6 +448,7 @@ def _reader(url: str, want: int, go: Any, out: Any) -> None:
             problems.append("an episode labelled twice")
         db.round_revisions()
         snaps += 1
+        read_once.set()
         if len(ids) == want and len(labels) == want:
             break
     out.put(("reader", snaps, problems[:5]))
@@ -455,12 +458,12 @@ def test_two_recorders_a_labeller_and_a_reader_at_once(db_url: str) -> None:
     MetadataDB(db_url).close()
     want = 2 * N_EPISODES
     ctx = mp.get_context("spawn")
-    out, go = ctx.Queue(), ctx.Barrier(4)  # all four start their work together
+    out, go, read_once = ctx.Queue(), ctx.Barrier(4), ctx.Event()  # all four start together
     procs = [
-        ctx.Process(target=_recorder, args=(db_url, "arm-a", go, out)),
-        ctx.Process(target=_recorder, args=(db_url, "arm-b", go, out)),
+        ctx.Process(target=_recorder, args=(db_url, "arm-a", go, read_once, out)),
+        ctx.Process(target=_recorder, args=(db_url, "arm-b", go, read_once, out)),
         ctx.Process(target=_labeller, args=(db_url, want, go, out)),
-        ctx.Process(target=_reader, args=(db_url, want, go, out)),
+        ctx.Process(target=_reader, args=(db_url, want, go, read_once, out)),
     ]
     for p in procs:
         p.start()
@@ -471,7 +474,7 @@ def test_two_recorders_a_labeller_and_a_reader_at_once(db_url: str) -> None:
     by = {g[0]: g for g in got}
     assert by["labeller"] == ("labeller", want)
     _, snaps, problems = by["reader"]
-    assert problems == [] and snaps > 1, (snaps, problems)  # it read while the others wrote
+    assert problems == [] and snaps > 1, (snaps, problems)  # it read mid-write, then again
     db = MetadataDB(db_url)
     eps = db.episodes()
     assert sorted(e.id for e in eps) == sorted(f"arm-{r}-{i:03d}" for r in "ab" for i in range(N_EPISODES))
