@@ -115,6 +115,21 @@ def _train(
     }
 
 
+def _held_out_curve(
+    work: Path, tag: str, trained: dict[str, Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Success on the held-out seeds of every intermediate checkpoint ``<run>/checkpoints/iter_NNNN``
+    (``checkpoint_every``), each evaluation cached like the final one, with the env steps the run had
+    spent when it was saved (from the run's curve)."""
+    steps = {int(c["iteration"]): c.get("env_steps") for c in trained.get("curve", []) if "iteration" in c}
+    rows = []
+    for ckpt in sorted((work / tag / "checkpoints").glob("iter_*")):
+        it = int(ckpt.name.removeprefix("iter_"))
+        ev = _cached(work / _eval_name(f"{tag}.{ckpt.name}", args), lambda ckpt=ckpt: _eval(ckpt, args))
+        rows.append({"iteration": it, "env_steps": steps.get(it), **ev})
+    return rows
+
+
 def _eval_seeds(args: argparse.Namespace) -> range:
     return range(args.eval_seed, args.eval_seed + args.eval_episodes)
 
@@ -224,6 +239,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             **trained,
             **_cached(work / _eval_name(tag, args), lambda ckpt=ckpt: _eval(ckpt, args)),
         }
+        if args.eval_checkpoints:
+            results[algo]["held_out_curve"] = _held_out_curve(work, tag, trained, args)
         r = results[algo]
         print(
             f"seed {seed} {algo:<10} "
@@ -268,10 +285,20 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
             ]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             if xs:
-                ax2.plot(xs, ys, label=f"{a} seed {s['seed']}")
+                (line,) = ax2.plot(xs, ys, label=f"{a} seed {s['seed']}", alpha=0.6)
+                held = [h for h in s[a].get("held_out_curve", []) if h.get("env_steps")]
+                final = s[a].get("metrics", {}).get("env_steps")
+                if held and "success" in s[a] and final:  # held-out points: the snapshots and the end
+                    ax2.plot(
+                        [h["env_steps"] for h in held] + [final],
+                        [100 * h["success"] for h in held] + [100 * s[a]["success"]],
+                        "o-",
+                        color=line.get_color(),
+                        label=f"{a} seed {s['seed']} held-out",
+                    )
     ax2.set_xlabel("env steps")
-    ax2.set_ylabel("rollout success (%)")
-    ax2.set_title("online learning curves")
+    ax2.set_ylabel("success (%)")
+    ax2.set_title("online learning curves (lines: rollouts; dots: held-out)")
     if ax2.lines:
         ax2.legend(fontsize=7)
     fig.tight_layout()
@@ -342,6 +369,12 @@ def main() -> None:
         help="start awr-pi's knobs from this named preset (e.g. pickcube-awr-pi); --awr-pi overrides on top",
     )
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
+    p.add_argument(
+        "--eval-checkpoints",
+        action="store_true",
+        help="also score every intermediate checkpoint (checkpoints/iter_NNNN, saved by awr-pi's and PPO's "
+        "checkpoint_every) on the same held-out seeds: a held-out learning curve over the budget",
+    )
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))
     p.add_argument("--no-progress", action="store_true")

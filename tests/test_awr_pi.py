@@ -38,6 +38,7 @@ def _cfg(tmp_path: Path, **kw: object) -> AWRPIConfig:
         ("num_envs", 0, "num_envs: expected a positive integer"),
         ("steps_per_iteration", -1, "steps_per_iteration: expected an integer >= 0"),
         ("buffer_episodes", -3, "buffer_episodes: expected an integer >= 0"),
+        ("checkpoint_every", -1, "checkpoint_every: expected an integer >= 0"),
         ("max_episode_steps", 0, "max_episode_steps: expected a positive integer or None"),
         ("stop_at", 0, "stop_at: expected a positive integer or None"),
         ("max_minutes", 0, "max_minutes: expected a positive number of minutes or None"),
@@ -239,7 +240,7 @@ def test_each_iteration_records_its_episodes_as_the_acting_policy(
     policy's, with the revision of the weights that acted (the base's commit first), and only completed
     episodes are learned from."""
     budget = 2 * 2 * 20 + 7  # Reach episodes last <= 20 steps; one robot, so no idle steps
-    res = train(_tiny_run(small_base, tmp_path / "pi", env_steps=budget))
+    res = train(_tiny_run(small_base, tmp_path / "pi", env_steps=budget, checkpoint_every=1))
     store = EpisodeStore(tmp_path / "pi" / "online_store")
     metas = [store.read_metadata(e) for e in store.episode_ids()]
     assert all(m.is_closed for m in metas)
@@ -265,6 +266,15 @@ def test_each_iteration_records_its_episodes_as_the_acting_policy(
     info = read_info(res.checkpoint)
     assert info.lineage.algorithm == "awr-pi" and info.lineage.parent_revision == base.commit
     assert res.metrics["updates"] == 3 * len(res.curve)
+    # checkpoint_every=1: iteration k's checkpoint holds the weights that acted in iteration k + 1
+    snaps = sorted((tmp_path / "pi" / "checkpoints").glob("iter_*"))
+    assert [p.name for p in snaps] == [f"iter_{k:04d}" for k in range(1, len(res.curve) + 1)]
+    for k, snap in enumerate(snaps[:-1], start=1):
+        assert weights_revision(load_policy(snap, device="cpu").policy) == revisions[k]
+        assert read_info(snap).metrics["env_steps"] == res.curve[k - 1]["env_steps"]
+    last = load_policy(res.checkpoint, device="cpu").policy.state_dict()
+    final = load_policy(snaps[-1], device="cpu").policy.state_dict()
+    assert all(torch.equal(last[k], final[k]) for k in last)
 
 
 def test_a_spent_time_budget_ships_the_policy_as_it_is(small_base: tuple[Path, Path], tmp_path: Path) -> None:

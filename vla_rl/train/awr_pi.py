@@ -24,7 +24,8 @@ there are closed ``aborted`` and not learned from).
 
 Outputs::
 
-    <out>/checkpoints/last/   the EMA policy (lineage algorithm "awr-pi")
+    <out>/checkpoints/last/   the EMA policy (lineage algorithm "awr-pi"; plus iter_NNNN/ every
+                              ``checkpoint_every`` iterations, for a held-out learning curve)
     <out>/online_store/       every online episode (Zarr episode store)
     <out>/train_state.pt      weights, EMA, optimiser, iteration, env steps, online episode ids and
                               the warm-started value heads (resume)
@@ -121,6 +122,9 @@ class AWRPIConfig(AdvantageConfig):
     """Weighted flow-matching updates after each value fit (0: collect and fit only, a control run)."""
 
     # bookkeeping
+    checkpoint_every: int = 0
+    """Also ship the EMA policy to out/checkpoints/iter_NNNN every this many iterations (as PPO does), so
+    one run can be scored on held-out episodes along its budget; 0 = only the final one."""
     resume: bool = True
     """Continue from <out>/train_state.pt when it exists (from the last finished iteration)."""
     stop_at: int | None = None
@@ -136,7 +140,7 @@ class AWRPIConfig(AdvantageConfig):
         for name in ("env_steps", "episodes_per_iteration", "num_envs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("steps_per_iteration", "buffer_episodes", "online_seed"):
+        for name in ("steps_per_iteration", "buffer_episodes", "online_seed", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)}")
         for name in ("max_episode_steps", "n_exec", "stop_at"):
@@ -327,6 +331,30 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     bar = StepProgress(
         cfg.env_steps, initial=env_steps, stage="online", desc="awr-pi", unit="env step", show=cfg.progress
     )
+
+    def ship(ckpt: Path, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Save the EMA policy as a derived checkpoint at ``ckpt``; returns its data record. Weights and
+        card are replaced atomically and the config (with their hashes) last: a kill leaves a checkpoint
+        that either loads or fails its hash check, never a silently mixed one."""
+        data = {
+            "selection": DataSelection.parse(task, cfg.data).to_dict(),
+            "offline_episodes": len(offline.episodes),
+            "online_store": str(cfg.out / "online_store"),
+            "online_episodes": len(online_ids),
+            "env_steps": env_steps,
+        }
+        save_derived_checkpoint(
+            ckpt,
+            ema.model,
+            base.info,
+            algorithm=cfg.algorithm,
+            parent_revision=base.commit if base.commit else cfg.base,
+            data=data,
+            metrics={k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()},
+            round_index=cfg.round_index,
+        )
+        return data
+
     try:
         deadline = t0 + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
         stopped_by_time = False
@@ -440,6 +468,11 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 curve=json.dumps(curve),
                 value_heads=_saved_heads(heads, int(feats.shape[1])),
             )
+            if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
+                ship(
+                    cfg.out / "checkpoints" / f"iter_{iteration:04d}",
+                    {"iterations": iteration, "env_steps": env_steps, "updates": updates},
+                )
             if not rep.episodes:
                 break  # the budget ran out inside the first episodes of this collection
     finally:
@@ -462,26 +495,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             else {}
         ),
     }
-    data = {
-        "selection": DataSelection.parse(task, cfg.data).to_dict(),
-        "offline_episodes": len(offline.episodes),
-        "online_store": str(cfg.out / "online_store"),
-        "online_episodes": len(online_ids),
-        "env_steps": env_steps,
-    }
     ckpt = cfg.out / "checkpoints" / "last"
-    # weights and card are replaced atomically and the config (with their hashes) last: a kill leaves a
-    # checkpoint that either loads or fails its hash check, never a silently mixed one
-    save_derived_checkpoint(
-        ckpt,
-        ema.model,
-        base.info,
-        algorithm=cfg.algorithm,
-        parent_revision=base.commit if base.commit else cfg.base,
-        data=data,
-        metrics={k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()},
-        round_index=cfg.round_index,
-    )
+    data = ship(ckpt, metrics)
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
     seconds = time.perf_counter() - t0
     log.info("awr-pi done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
