@@ -455,6 +455,12 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             bar.set_postfix(
                 it=iteration, success=f"{row['rollout_success']:.0%}", corr=f"{vm['value_return_corr']:.2f}"
             )
+            # the snapshot before the train state: a kill between them re-runs the iteration and re-ships it
+            if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
+                ship(
+                    cfg.out / "checkpoints" / f"iter_{iteration:04d}",
+                    {"iterations": iteration, "env_steps": env_steps, "updates": updates},
+                )
             save_train_state(
                 state_path,
                 model=model.state_dict(),
@@ -468,11 +474,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 curve=json.dumps(curve),
                 value_heads=_saved_heads(heads, int(feats.shape[1])),
             )
-            if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
-                ship(
-                    cfg.out / "checkpoints" / f"iter_{iteration:04d}",
-                    {"iterations": iteration, "env_steps": env_steps, "updates": updates},
-                )
             if not rep.episodes:
                 break  # the budget ran out inside the first episodes of this collection
     finally:

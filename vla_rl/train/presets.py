@@ -129,8 +129,7 @@ PRESETS: dict[str, Preset] = {
             "pickcube-awr-pi-shaped",
             "awr-pi",
             "pickcube-awr-pi with TD(λ = 0.9) advantages on the shaped reward (success plus potential-based "
-            "dense progress, γ 0.99): a value that correlates ~0.55 with the return instead of ~0.3, "
-            "+16.7 vs +13.5 on the same 2 PickCube seeds at 15,000 env steps (docs/benchmarks.md)",
+            "dense progress, γ 0.99): a value that tracks the return better (measured in docs/benchmarks.md)",
             {**_PICKCUBE_AWR_PI, "reward": "shaped", "gamma": 0.99, "advantage_lambda": 0.9},
         ),
         Preset(
