@@ -1146,8 +1146,11 @@ def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_
 
     def labeller() -> None:
         ana = d.client("labeller")
+        give_up = time.monotonic() + 300
         while True:
-            last = done.is_set()
+            # the last pass once the robots are done AND every episode reads closed: a drained collector
+            # may still be committing an episode's close to the DB
+            last = done.is_set() and (len(labelled) == 2 * 2 * per_robot or time.monotonic() > give_up)
             items = ana.get("/api/v1/episodes", params={"per_page": 500, "status": "closed"}).json()["items"]
             new = [x["id"] for x in items if x["id"] not in labelled]
             if new:
