@@ -290,6 +290,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     online_store = EpisodeStore(cfg.out / "online_store", create=not (cfg.out / "online_store").exists())
     state_path = cfg.out / TRAIN_STATE
     iteration, env_steps, updates = 0, 0, 0
+    seconds_before = 0.0  # training time of the runs this one resumes, so `seconds` is the whole run's
     online_ids: list[str] = []
     curve: list[dict[str, Any]] = []
     # value_warm_start: the fold heads kept across iterations (None: a fresh value every iteration)
@@ -301,6 +302,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
         iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
+        seconds_before = float(st.get("seconds", 0.0))
         online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
         if heads is not None:
             heads.update(_load_heads(cfg, st.get("value_heads", {}), device))
@@ -470,6 +472,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 iteration=iteration,
                 env_steps=env_steps,
                 updates=updates,
+                seconds=seconds_before + time.perf_counter() - t0,
                 online_ids=json.dumps(online_ids),
                 curve=json.dumps(curve),
                 value_heads=_saved_heads(heads, int(feats.shape[1])),
@@ -499,6 +502,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     ckpt = cfg.out / "checkpoints" / "last"
     data = ship(ckpt, metrics)
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
-    seconds = time.perf_counter() - t0
+    seconds = seconds_before + time.perf_counter() - t0
     log.info("awr-pi done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
     return TrainResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)
