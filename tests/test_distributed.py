@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from run_clock import resume_after_earlier_seconds
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 
 from fleet.store import EpisodeStore
@@ -254,7 +255,10 @@ def test_awr_resumes_exactly_in_one_process(data: tuple[Path, Path], tmp_path: P
     straight = train(make_config("awr", **_awr(store, base, tmp_path / "a")))
     train(make_config("awr", **(_awr(store, base, tmp_path / "b") | {"stop_at": 12})))
     assert int(load_train_state(tmp_path / "b" / "train_state.pt")["step"]) == 12
-    resumed = train(make_config("awr", **_awr(store, base, tmp_path / "b")))
+    resumed = resume_after_earlier_seconds(  # and reports the whole run's wall time
+        tmp_path / "b" / "train_state.pt",
+        lambda: train(make_config("awr", **_awr(store, base, tmp_path / "b"))),
+    )
     assert resumed.metrics == straight.metrics and resumed.curve == straight.curve
     w_a, w_b = _weights(straight.checkpoint), _weights(resumed.checkpoint)
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from left_right import instruction_means, mixed_base, spec_instruction_only
+from run_clock import resume_after_earlier_seconds
 from tiny_base import tiny_base as make_tiny_base
 from torch import nn
 
@@ -16,7 +17,7 @@ from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble
 from vla_rl.checkpoint import load_checkpoint, read_info
 from vla_rl.policy_loading import load_policy
-from vla_rl.train.common import load_train_state
+from vla_rl.train.common import TRAIN_STATE, load_train_state
 from vla_rl.train.qam import (
     QAMConfig,
     QAMLearner,
@@ -356,7 +357,9 @@ def test_offline_run_writes_a_qam_checkpoint_and_resumes_exactly(
 
     # preempted at step 4 then resumed == straight
     train_qam(_cfg(tiny_base, tmp_path / "b", train_base=True, stop_at=4))
-    resumed = train_qam(_cfg(tiny_base, tmp_path / "b", train_base=True))
+    resumed = resume_after_earlier_seconds(  # and reports the whole run's wall time
+        tmp_path / "b" / TRAIN_STATE, lambda: train_qam(_cfg(tiny_base, tmp_path / "b", train_base=True))
+    )
     assert resumed.steps == 6
     _, w_b = load_checkpoint(resumed.checkpoint)
     assert all(torch.equal(w_fine[k], w_b[k]) for k in w_fine), "resumed run must match the straight one"

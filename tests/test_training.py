@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from left_right import LR_TASK, left_right_store
+from run_clock import resume_after_earlier_seconds
 
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
@@ -21,6 +22,7 @@ from vla_rl.hub.registry import configure_hub, pull, push_folder
 from vla_rl.hub.server import HubServer
 from vla_rl.policy_loading import load_policy
 from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl.train.common import TRAIN_STATE
 from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
 
 TASK = "maniskill/PushCube-v1"
@@ -88,7 +90,10 @@ def test_resume_is_exact(demo_store: Path, tmp_path: Path) -> None:
     kw = dict(steps=40, checkpoint_every=15, warmup_steps=5)  # cosine decay active, odd checkpoint spacing
     straight = train_sft(_cfg(demo_store, tmp_path / "a", **kw))
     train_sft(_cfg(demo_store, tmp_path / "b", stop_at=23, **kw))  # preempted at step 23
-    resumed = train_sft(_cfg(demo_store, tmp_path / "b", **kw))
+    # the reported wall time is the whole run's: the preempted part plus this call's
+    resumed = resume_after_earlier_seconds(
+        tmp_path / "b" / TRAIN_STATE, lambda: train_sft(_cfg(demo_store, tmp_path / "b", **kw))
+    )
     assert resumed.steps == straight.steps == 40
     _, w_a = load_checkpoint(straight.checkpoint)
     _, w_b = load_checkpoint(resumed.checkpoint)

@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
+    RunClock,
     batch_to_policy_inputs,
     config_dict,
     instruction_table,
@@ -495,7 +495,7 @@ def _score(
 
 
 def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
-    t0 = time.perf_counter()
+    clock = RunClock()
     dist.check_batch(cfg.batch_size)
     shard = Shard(dist, cfg.batch_size)
     if not dist.is_main:
@@ -537,6 +537,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         },
     )
     if st is not None:
+        clock.resume(st)
         metrics: dict[str, Any] = json.loads(st["metrics"])
         per_frame = st["per_frame"]
         if len(per_frame) != len(buf):
@@ -599,6 +600,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
             metrics=json.dumps(metrics),
             curve=json.dumps(curve),
             last_loss=loss_val,
+            seconds=clock.seconds,
         )
 
     for step in range(start, end):
@@ -654,7 +656,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
             round_index=cfg.round_index,
         )
         save(step)
-    seconds = time.perf_counter() - t0
+    seconds = clock.seconds
     log.info(f"{cfg.variant} done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
     return AWRResult(
         checkpoint=ckpt,

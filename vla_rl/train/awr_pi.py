@@ -69,6 +69,7 @@ from vla_rl.train.base import StepProgress, TrainResult, check_optional_positive
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
+    RunClock,
     batch_to_policy_inputs,
     config_dict,
     instruction_table,
@@ -259,7 +260,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     from vla_rl.evaluation_offline import is_sim_task
     from vla_rl.policy_loading import pick_device
 
-    t0 = time.perf_counter()
+    clock = RunClock()
     torch.set_num_threads(SINGLE.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
@@ -290,7 +291,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     online_store = EpisodeStore(cfg.out / "online_store", create=not (cfg.out / "online_store").exists())
     state_path = cfg.out / TRAIN_STATE
     iteration, env_steps, updates = 0, 0, 0
-    seconds_before = 0.0  # training time of the runs this one resumes, so `seconds` is the whole run's
     online_ids: list[str] = []
     curve: list[dict[str, Any]] = []
     # value_warm_start: the fold heads kept across iterations (None: a fresh value every iteration)
@@ -302,7 +302,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
         iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
-        seconds_before = float(st.get("seconds", 0.0))
+        clock.resume(st)
         online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
         if heads is not None:
             heads.update(_load_heads(cfg, st.get("value_heads", {}), device))
@@ -358,7 +358,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         return data
 
     try:
-        deadline = t0 + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
+        deadline = clock.t0 + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
         stopped_by_time = False
         while env_steps < cfg.env_steps and (cfg.stop_at is None or iteration < cfg.stop_at):
             it0 = time.perf_counter()
@@ -472,7 +472,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 iteration=iteration,
                 env_steps=env_steps,
                 updates=updates,
-                seconds=seconds_before + time.perf_counter() - t0,
+                seconds=clock.seconds,
                 online_ids=json.dumps(online_ids),
                 curve=json.dumps(curve),
                 value_heads=_saved_heads(heads, int(feats.shape[1])),
@@ -502,6 +502,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     ckpt = cfg.out / "checkpoints" / "last"
     data = ship(ckpt, metrics)
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
-    seconds = seconds_before + time.perf_counter() - t0
+    seconds = clock.seconds
     log.info("awr-pi done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
     return TrainResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)

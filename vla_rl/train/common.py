@@ -151,6 +151,24 @@ def load_train_state(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+class RunClock:
+    """A run's wall time across resumes: the seconds its earlier processes spent (the train state's
+    ``seconds``, which every resumable trainer saves as :attr:`seconds`) plus this process's own. A run
+    preempted and resumed reports what it cost in all, not what its last process took."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.before = 0.0
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Continue from a train state this run saved (states written before it carried no ``seconds``)."""
+        self.before = float(state.get("seconds", 0.0))
+
+    @property
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.t0
+
+
 def config_dict(cfg: Any) -> dict[str, Any]:
     d = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
     return json.loads(json.dumps(d, default=str))

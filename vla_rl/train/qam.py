@@ -76,6 +76,7 @@ from vla_rl.spec import RobotSpec
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     TRAIN_STATE,
+    RunClock,
     batch_to_policy_inputs,
     config_dict,
     instruction_table,
@@ -921,7 +922,7 @@ class _QAMRun:
         if not dist.is_main:
             cfg = dataclasses.replace(cfg, progress=False)  # one set of progress bars: rank 0's
         self.cfg = cfg
-        self.t_start = time.perf_counter()
+        self.clock = RunClock()  # the whole run's wall time, across resumes
         self.device = device
         torch.set_num_threads(dist.threads(cfg.threads))
         self.loaded = loaded = load_policy(cfg.base, device=str(device))
@@ -1046,6 +1047,8 @@ class _QAMRun:
         if self.opt_base is not None:
             self.opt_base.load_state_dict(st["opt_base"])
         self.step, self.env_steps = int(st["step"]), int(st["env_steps"])
+        if not fresh:
+            self.clock.resume(st)
         self.curve = json.loads(st["curve"])
         for ep in st["online_episodes"]:
             ep_np = {k: v.numpy() for k, v in ep.items()}
@@ -1093,6 +1096,7 @@ class _QAMRun:
             opt_base=self.opt_base.state_dict() if self.opt_base is not None else {},
             step=step,
             env_steps=env_steps,
+            seconds=self.clock.seconds,
             curve=json.dumps(self.curve),
             online_episodes=[
                 {k: torch.from_numpy(np.asarray(v)) for k, v in ep.items()} for ep in self.online_episodes
@@ -1251,7 +1255,7 @@ class _QAMRun:
             show=cfg.progress,
         )
         self.learner.fine.train()
-        self.deadline = self.t_start + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
+        self.deadline = self.clock.t0 + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
         while self.step < min(cfg.offline_steps, self.stop_at) and self.in_time():
             self.update("offline", None)
             self.bar.update(1)
@@ -1316,7 +1320,7 @@ class _QAMRun:
         if cfg.final_eval_episodes and self.dist.is_main:
             metrics["eval_success"] = self.evaluate_fine(cfg.final_eval_episodes)
         self.writer.close()
-        seconds = time.perf_counter() - self.t_start
+        seconds = self.clock.seconds
         if self.dist.is_main:
             (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
         return QAMResult(
@@ -1346,7 +1350,7 @@ def _train_qam(cfg: QAMConfig, dist: Dist, device: torch.device) -> QAMResult:
         run.save()
         return QAMResult(
             checkpoint=cfg.out / "checkpoints" / "last",
-            seconds=time.perf_counter() - run.t_start,
+            seconds=run.clock.seconds,
             steps=run.step,
             env_steps=run.env_steps,
             curve=run.curve,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
     TRAIN_STATE,
+    RunClock,
     Throughput,
     autocast_for,
     batch_to_policy_inputs,
@@ -199,7 +199,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
 
 
 def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
-    t_start = time.perf_counter()
+    clock = RunClock()
     dist.check_batch(cfg.batch_size)
     shard = Shard(dist, cfg.batch_size)
     torch.set_num_threads(dist.threads(cfg.threads))
@@ -260,6 +260,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         ema.load_state_dict(st["ema"])
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
+        clock.resume(st)
         step, first_loss, loss_val = int(st["step"]), st.get("first_loss"), float(st.get("last_loss", "nan"))
         log.info("resumed", extra={"step": step, "from": str(state_path)})
 
@@ -333,11 +334,12 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
                 step=step,
                 first_loss=first_loss,
                 last_loss=loss_val,
+                seconds=clock.seconds,
             )
             log.info("checkpoint", extra={"step": step, "path": str(ckpt), "loss": round(loss_val, 5)})
     bar.close()
     writer.close()
-    seconds = time.perf_counter() - t_start
+    seconds = clock.seconds
     first = float(first_loss if first_loss is not None else float("nan"))
     samples_per_s = step * cfg.batch_size / max(seconds, 1e-9)
     return SFTResult(
