@@ -305,6 +305,15 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def preset_knobs(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A named preset's knobs with ``overrides`` (``--qam`` / ``--awr-pi``) on top. The preset's own
+    ``env_steps`` (a round's budget) gives way to the bench's ``--env-steps``, the budget every online
+    algorithm of a run shares and the JSON reports; set it in ``overrides`` to pin another."""
+    from vla_rl.train.presets import get_preset
+
+    return {**{k: v for k, v in get_preset(name).values.items() if k != "env_steps"}, **overrides}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="maniskill/PickCube-v1")
@@ -353,7 +362,7 @@ def main() -> None:
         "--qam-preset",
         default=None,
         help="start QAM's knobs from this named preset (vla_rl/train/presets.py, e.g. kinematic-qam-pi); "
-        "--qam overrides single knobs on top",
+        "--qam overrides single knobs on top; its env_steps gives way to --env-steps",
     )
     p.add_argument(
         "--qam-init-from",
@@ -366,7 +375,8 @@ def main() -> None:
     p.add_argument(
         "--awr-pi-preset",
         default=None,
-        help="start awr-pi's knobs from this named preset (e.g. pickcube-awr-pi); --awr-pi overrides on top",
+        help="start awr-pi's knobs from this named preset (e.g. pickcube-awr-pi); --awr-pi overrides on top; "
+        "its env_steps gives way to --env-steps",
     )
     p.add_argument("--ppo", type=json.loads, default={}, help="PPOConfig overrides as JSON")
     p.add_argument(
@@ -381,13 +391,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/rl.json)")
     args = p.parse_args()
     if args.qam_preset:
-        from vla_rl.train.presets import get_preset
-
-        args.qam = {**get_preset(args.qam_preset).values, **args.qam}
+        args.qam = preset_knobs(args.qam_preset, args.qam)
     if args.awr_pi_preset:
-        from vla_rl.train.presets import get_preset
-
-        args.awr_pi = {**get_preset(args.awr_pi_preset).values, **args.awr_pi}
+        args.awr_pi = preset_knobs(args.awr_pi_preset, args.awr_pi)
     t0 = time.perf_counter()
     try:
         per_seed = [run_seed(s, args) for s in args.seeds]
