@@ -1,6 +1,7 @@
 """Offline-to-online post-training on a task where SFT from noisy, limited demos is mediocre.
 
-Protocol per seed (everything seeded; stages are cached under --work so reruns skip finished work):
+Protocol per seed (everything seeded; stages are cached under --work so reruns skip finished work, and a
+cached training is reused only with the knobs it ran with):
 
 1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default; ``--task``,
    ``--obs rgb --image-size 64`` for pixels + proprioception);
@@ -36,6 +37,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
 from vla_rl.seeds import EVAL, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
+from vla_rl.train.common import config_dict
 from vla_rl.train.sft import SFTConfig, train_sft
 
 OFFLINE = ("awr", "recap", "qam", "fql")
@@ -82,11 +84,8 @@ ALGORITHM = {
 }
 
 
-def _train(
-    algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Train one algorithm from the SFT base through the same entry point as rounds and the CLI;
-    returns checkpoint path, seconds, curve, metrics."""
+def _config(algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace) -> Any:
+    """One algorithm's trainer config from the SFT base: the same config rounds and the CLI build."""
     name, implied = ALGORITHM[algo]
     values: dict[str, Any] = {"base": str(base), "out": out, "seed": seed, "progress": not args.no_progress}
     if name == "qam":
@@ -100,17 +99,42 @@ def _train(
         values |= {"store": store, "env_steps": args.env_steps, **args.awr_pi}
     else:
         values |= {"task": args.task, "env_steps": args.env_steps, **args.ppo}
-    values |= implied
-    cfg = make_config(name, **values)
+    return make_config(name, **(values | implied))
+
+
+def knobs(cfg: Any) -> dict[str, Any]:
+    """What a cached training result must match to be reused: the config, less the progress display."""
+    return {k: v for k, v in config_dict(cfg).items() if k != "progress"}
+
+
+def check_cached_knobs(path: Path, trained: dict[str, Any], cfg: Any) -> None:
+    """Refuse a cached result trained with other knobs (results cached before the knobs were recorded
+    pass): reusing it would report the old run under the new settings."""
+    if "config" not in trained:
+        return
+    want = knobs(cfg)
+    diff = sorted(k for k in set(want) | set(trained["config"]) if want.get(k) != trained["config"].get(k))
+    if diff:
+        shown = ", ".join(f"{k} {trained['config'].get(k)!r} -> {want.get(k)!r}" for k in diff)
+        raise SystemExit(
+            f"{path}: cached training used other knobs ({shown}); give another --tag, or delete the file "
+            "to retrain (a run folder next to it resumes from its train state)"
+        )
+
+
+def _train(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one algorithm through the same entry point as rounds and the CLI; returns checkpoint path,
+    seconds, curve, metrics and the knobs it ran with."""
     seeds: range | None = cfg.collection_seeds() if hasattr(cfg, "collection_seeds") else None
     if seeds is not None:
-        check_disjoint(_eval_seeds(args), {algo: seeds})
+        check_disjoint(_eval_seeds(args), {cfg.algorithm: seeds})
     r = train(cfg)
     return {
         "checkpoint": str(r.checkpoint),
         "seconds": r.seconds,
         "curve": r.curve,
         "metrics": r.metrics,
+        "config": knobs(cfg),
         **({"collection_seeds": [seeds.start, seeds.stop]} if seeds is not None else {}),
     }
 
@@ -217,15 +241,15 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     for algo in args.algos:
         tag = algo + (f"-{args.tag}" if args.tag else "")
 
-        def one(algo: str = algo, tag: str = tag) -> dict[str, Any]:
-            return _train(algo, base_ckpt, store_path, work / tag, seed, args)
-
+        cache = work / f"{tag}.train.json"
         try:
-            trained = _cached(work / f"{tag}.train.json", one)
+            cfg = _config(algo, base_ckpt, store_path, work / tag, seed, args)
+            trained = _cached(cache, lambda cfg=cfg: _train(cfg, args))
         except ModuleNotFoundError as e:  # an optional package is missing; a broken import is a bug: raise
             results[algo] = {"error": f"not available: {e}"}
             print(f"seed {seed} {algo:<10} {results[algo]['error']}", flush=True)
             continue
+        check_cached_knobs(cache, trained, cfg)
         if args.train_only:
             print(
                 f"seed {seed} {algo:<10} trained in {trained['seconds'] / 60:.1f} min (--train-only)",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from bench.rl import preset_knobs
+from pathlib import Path
+
+import pytest
+
+from bench.rl import check_cached_knobs, knobs, preset_knobs
+from vla_rl.train.algorithms import make_config
 from vla_rl.train.presets import get_preset
 
 
@@ -17,3 +22,21 @@ def test_a_preset_in_the_bench_runs_on_the_benchs_env_step_budget() -> None:
         knobs["advantage_lambda"] == 0.7 and knobs["reward"] == "shaped" and knobs["beta"] == preset["beta"]
     )
     assert preset_knobs("pickcube-awr-pi-shaped", {"env_steps": 30_000})["env_steps"] == 30_000
+
+
+def test_a_cached_training_result_is_reused_only_with_the_same_knobs(tmp_path: Path) -> None:
+    """A cached run of other knobs (here: a smaller budget) is refused with the knob named, never
+    reported under the new settings; the same knobs, or a result cached before knobs were recorded, pass."""
+    values = {"base": "b", "store": tmp_path / "s", "out": tmp_path / "o", "progress": False}
+    cfg = make_config("awr-pi", **values, env_steps=25_000)
+    cache = tmp_path / "awr-pi.train.json"
+    check_cached_knobs(cache, {"config": knobs(cfg)}, cfg)
+    check_cached_knobs(cache, {"checkpoint": "c"}, cfg)
+    shown = make_config("awr-pi", **{**values, "progress": True}, env_steps=25_000)
+    check_cached_knobs(cache, {"config": knobs(cfg)}, shown)  # the progress display is not a knob
+    old = {"config": knobs(make_config("awr-pi", **values, env_steps=15_000))}
+    with pytest.raises(
+        SystemExit,
+        match=r"awr-pi\.train\.json: cached training used other knobs \(env_steps 15000 -> 25000\)",
+    ):
+        check_cached_knobs(cache, old, cfg)
