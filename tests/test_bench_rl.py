@@ -1,4 +1,4 @@
-"""bench/rl.py's knob merging (no training, no simulator; instant)."""
+"""bench/rl.py's knob merging and its training cache (no training, no simulator; seconds)."""
 
 from __future__ import annotations
 
