@@ -37,6 +37,7 @@ from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
 from vla_rl.seeds import EVAL, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
+from vla_rl.train.base import TrainerConfig
 from vla_rl.train.common import config_dict
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -84,7 +85,9 @@ ALGORITHM = {
 }
 
 
-def _config(algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace) -> Any:
+def _config(
+    algo: str, base: Path, store: Path, out: Path, seed: int, args: argparse.Namespace
+) -> TrainerConfig:
     """One algorithm's trainer config from the SFT base: the same config rounds and the CLI build."""
     name, implied = ALGORITHM[algo]
     values: dict[str, Any] = {"base": str(base), "out": out, "seed": seed, "progress": not args.no_progress}
@@ -102,12 +105,12 @@ def _config(algo: str, base: Path, store: Path, out: Path, seed: int, args: argp
     return make_config(name, **(values | implied))
 
 
-def knobs(cfg: Any) -> dict[str, Any]:
+def knobs(cfg: TrainerConfig) -> dict[str, Any]:
     """What a cached training result must match to be reused: the config, less the progress display."""
     return {k: v for k, v in config_dict(cfg).items() if k != "progress"}
 
 
-def check_cached_knobs(path: Path, trained: dict[str, Any], cfg: Any) -> None:
+def check_cached_knobs(path: Path, trained: dict[str, Any], cfg: TrainerConfig) -> None:
     """Refuse a cached result trained with other knobs (results cached before the knobs were recorded
     pass): reusing it would report the old run under the new settings."""
     if "config" not in trained:
@@ -122,7 +125,7 @@ def check_cached_knobs(path: Path, trained: dict[str, Any], cfg: Any) -> None:
         )
 
 
-def _train(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _train(cfg: TrainerConfig, args: argparse.Namespace) -> dict[str, Any]:
     """Train one algorithm through the same entry point as rounds and the CLI; returns checkpoint path,
     seconds, curve, metrics and the knobs it ran with."""
     seeds: range | None = cfg.collection_seeds() if hasattr(cfg, "collection_seeds") else None
