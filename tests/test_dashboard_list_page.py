@@ -104,11 +104,22 @@ new MutationObserver((_, obs) => {
 """
 
 
-def _page(browser: Any, url: str, path: str = "/episodes", route: Any = None, wait: bool = True) -> Any:
+def _page(
+    browser: Any,
+    url: str,
+    path: str = "/episodes",
+    route: Any = None,
+    wait: bool = True,
+    skeleton_wait_ms: int = 300,
+) -> Any:
     """A fresh context on ``path`` with the token set; ``route``: a Playwright handler for the list's
-    requests; ``wait``: until the rows are drawn."""
+    requests; ``wait``: until the rows are drawn; ``skeleton_wait_ms``: how long the page waits for the
+    list before it puts the filters up alone (the page's own default is 300 ms)."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
-    ctx.add_init_script(f"localStorage.setItem('vla-rl-dashboard-token', '{TOKEN}');{WATCH_FORM}")
+    ctx.add_init_script(
+        f"localStorage.setItem('vla-rl-dashboard-token', '{TOKEN}');"
+        f"window.vlaSkeletonWaitMs = {int(skeleton_wait_ms)};{WATCH_FORM}"
+    )
     page = ctx.new_page()
     page.set_default_timeout(30_000)
     errors: list[str] = []
@@ -126,7 +137,8 @@ def test_first_load_draws_rows_with_the_filters_and_asks_the_list_first(
     served: tuple[str, MetadataDB, str], browser: Any
 ) -> None:
     url, _, _ = served
-    page = _page(browser, url)
+    # a wait no loaded CI machine overruns: this test is about the fast path (the slow one is below)
+    page = _page(browser, url, skeleton_wait_ms=20_000)
     assert page.locator("table.episodes tbody tr").count() == 50
     assert page.evaluate("window.vlaFormWithRows") == 50  # the form came with the rows, not before
     page.wait_for_function("performance.getEntriesByName('vla:episodes-painted').length > 0")

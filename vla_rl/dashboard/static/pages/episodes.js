@@ -23,8 +23,10 @@ const FILTERS = [
 const SORTS = { created_at: "created", length: "length", robot_id: "robot", task: "task" };
 const REPEATED = new Set(["label", "flag"]);
 /** The filters and the rest of the page are put on screen with the first rows, in one frame (one
- * style and layout pass instead of two), or after this long if the list is slow to come. */
-const SKELETON_WAIT_MS = 300;
+ * style and layout pass instead of two), or after this long if the list is slow to come (a page may set
+ * ``window.vlaSkeletonWaitMs`` before it loads: the browser tests do, so a loaded CI machine cannot
+ * decide which of the two paths they see). */
+const SKELETON_WAIT_MS = Number.isFinite(window.vlaSkeletonWaitMs) ? window.vlaSkeletonWaitMs : 300;
 
 export async function render(root, ctx) {
   let query = new URLSearchParams(location.search);
