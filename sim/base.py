@@ -39,6 +39,31 @@ GRIPPER_CLOSED = -1.0
 
 
 @dataclass(frozen=True)
+class GoalLayout:
+    """Where a goal-conditioned task's ``state`` observation holds its goal, so a trainer can relabel a
+    failed episode in hindsight (:mod:`vla_rl.train.hindsight`): the place the episode did bring the
+    object (or gripper) to becomes the goal it reached. Indices are into the state vector; positions are
+    3 values (metres, world frame).
+
+    A frame ``t`` counts as "reached" when the state after it, ``s[t + 1]``, has ``s[held] > 0.5`` (the
+    object is grasped, or the gripper is closed) and, with ``still``, ``max |s[still]| <= still_below``
+    (the arm is at rest, as the simulator's own success test asks)."""
+
+    goal: int
+    """``s[goal:goal + 3]``: the goal position."""
+    achieved: int
+    """``s[achieved:achieved + 3]``: the position that must reach the goal (the object, or the gripper)."""
+    to_goal: tuple[int, ...] = ()
+    """Each ``s[i:i + 3] = goal - achieved`` the state also carries (recomputed on relabelling)."""
+    held: int | None = None
+    """``s[held] > 0.5`` where a reached frame must have the object in hand (None: no such test)."""
+    still: tuple[int, int] | None = None
+    """``(a, b)``: joint velocities ``s[a:b]`` a reached frame must have at rest (None: no such test)."""
+    still_below: float = 0.2
+    """At rest: every ``|s[a:b]|`` at most this (ManiSkill's ``is_static(0.2)``, rad/s)."""
+
+
+@dataclass(frozen=True)
 class TaskInfo:
     """One simulated task (the table is ``sim.registry.TASKS``); every backend's env is built from one."""
 
@@ -51,6 +76,7 @@ class TaskInfo:
     state_dim: dict[str, int]  # obs mode -> state vector size (a test checks these against the sims)
     action_dim: int = 4  # [dx, dy, dz, gripper] for every task
     control_hz: float = 20.0
+    goal_layout: GoalLayout | None = None  # the goal in the obs="state" vector (hindsight relabelling)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.base import EnvOptions, ObsMode, RewardMode, SimEnv, TaskInfo
+from sim.base import EnvOptions, GoalLayout, ObsMode, RewardMode, SimEnv, TaskInfo
 
 TASKS: dict[str, TaskInfo] = {
     t.name: t
@@ -24,6 +24,9 @@ TASKS: dict[str, TaskInfo] = {
             50,
             ("base_camera",),
             {"state": 42, "rgb": 29},
+            # state: qpos 0:9, qvel 9:18, is_grasped 18, tcp_pose 19:26, goal_pos 26:29, obj_pose 29:36,
+            # tcp_to_obj 36:39, obj_to_goal 39:42; success = cube within 2.5 cm of the goal, arm at rest
+            goal_layout=GoalLayout(goal=26, achieved=29, to_goal=(39,), held=18, still=(9, 16)),
         ),
         # ManiSkill's default 50 steps leave the expert too little room once noise is added.
         TaskInfo(
@@ -53,6 +56,8 @@ TASKS: dict[str, TaskInfo] = {
             20,
             ("top_camera",),
             {"state": 7, "rgb": 4},
+            # state: gripper xyz 0:3, goal xyz 3:6, gripper closed 6; success = closed within 1.5 cm
+            goal_layout=GoalLayout(goal=3, achieved=0, held=6),
         ),
     )
 }

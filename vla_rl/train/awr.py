@@ -77,6 +77,7 @@ from vla_rl.train.distributed import (
     summary_writer,
 )
 from vla_rl.train.divl import DIVLConfig, DIVLValue
+from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
 from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,10 @@ class AdvantageConfig(TrainerConfig):
     """AWR weight clip (AWR's 20; IQL uses 100)."""
     human_weight: float = 1.0
     """AWR weight of human-intervention and recovery frames (plain behaviour cloning)."""
+    hindsight_weight: float = 0.0
+    """> 0: add a hindsight-relabelled copy of each failed episode, ending in success where it came
+    nearest its goal with the object in hand (:mod:`vla_rl.train.hindsight`; tasks whose state holds
+    their goal), cloned with this weight and kept out of the value fit. 0 = off."""
     batch_size: int = 128
     """Rows per value and policy update."""
     lr: float = 1e-4
@@ -171,7 +176,7 @@ class AdvantageConfig(TrainerConfig):
         for name in ("lr", "value_lr", "beta", "w_max", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "human_weight", "warmup_steps"):
+        for name in ("weight_decay", "human_weight", "hindsight_weight", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if not 0.0 < self.gamma <= 1.0:
@@ -467,10 +472,12 @@ def _score(
     base: Any,
     buf: TransitionBuffer,
     human: np.ndarray,
+    hindsight: np.ndarray,
     device: torch.device,
     instructions: torch.Tensor | None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator."""
+    """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator
+    (``hindsight`` frames, a subset of ``human``'s frames to clone: weight ``hindsight_weight``)."""
     if not (~human).any():
         raise ValueError(
             f"the selected episodes hold no autonomous frames to score ({len(buf)} frames, all human or "
@@ -482,6 +489,7 @@ def _score(
     adv, metrics = value_advantages(cfg, feats, buf, human)
     if cfg.variant == "awr":
         weights = awr_weights(adv, human, cfg.beta, cfg.w_max, cfg.human_weight)
+        weights[hindsight] = cfg.hindsight_weight
         w_auto = weights[~human]
         metrics.update(
             weight_mean=float(w_auto.mean()),
@@ -511,6 +519,10 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
+    copies = (
+        add_hindsight_copies(buf, goal_layout(spec.name, bool(spec.cameras))) if cfg.hindsight_weight else []
+    )
+    hindsight = np.isin(buf.array("episode"), copies)
     # each frame is conditioned on its own instruction (its episode's task string), as in SFT
     instructions = instruction_table(buf, device) if base.policy.config.uses_instruction else None
     # frames to clone: human interventions, and autonomous frames a person labelled `recovery` (the buffer's bc)
@@ -522,6 +534,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         "frames": snap["frames"],
         "human_frames": int((buf.array("controller") == int(Controller.HUMAN)).sum()),
         "clone_frames": int(human.sum()),
+        "hindsight_episodes": len(copies),
         "digest": snap["digest"],
     }
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -546,7 +559,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
                 "give another --out (or --no-resume) for other data"
             )
     else:
-        metrics, per_frame = _score(cfg, base, buf, human, device, instructions)
+        metrics, per_frame = _score(cfg, base, buf, human, hindsight, device, instructions)
         # every rank fitted the same value; rank 0's result is the one all train on (GPU kernels need
         # not be bit-reproducible across processes)
         per_frame = broadcast_tensor(per_frame, dist)

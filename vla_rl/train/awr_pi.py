@@ -13,7 +13,9 @@ The original AWR is an online algorithm: it iterates
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
    :func:`vla_rl.train.awr.value_advantages`); a fresh value each iteration, on the frozen base's
    features (the normalised state for state-only policies), or with ``value_warm_start`` the previous
-   iteration's fold heads fine-tuned on the grown buffer (folds then fixed per episode);
+   iteration's fold heads fine-tuned on the grown buffer (folds then fixed per episode); with
+   ``hindsight_weight`` each failed episode also gets a goal-relabelled copy that ends in success
+   (:mod:`vla_rl.train.hindsight`), cloned with that weight and kept out of the value fit;
 3. **regress the policy** for ``steps_per_iteration`` updates of weighted flow matching on the same
    buffer, ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`vla_rl.train.awr.awr_weights`), continuing
    from the current weights with the optimiser's state kept across iterations (linear warm-up, then a
@@ -80,6 +82,7 @@ from vla_rl.train.common import (
     warmup_cosine,
 )
 from vla_rl.train.distributed import SINGLE
+from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
 from vla_rl.train.transitions import DataSelection, TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -272,6 +275,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     if not is_sim_task(task):
         raise ValueError(f"task: {task!r} is not a simulator task; awr-pi collects online (use awr offline)")
     cameras = bool(spec.cameras)
+    layout = goal_layout(task, cameras) if cfg.hindsight_weight else None
     offline = _load_offline(cfg, task, cameras)
     if offline.episodes[0].meta.spec.state_dim != spec.state_dim:
         raise ValueError(
@@ -397,6 +401,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             for e in set(online) - set(kept):
                 del online[e]
             buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
+            copies = add_hindsight_copies(buf, layout) if layout is not None else []
             instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
             bc = buf.array("bc").astype(bool)
             feats = all_features(base.policy, buf, device, instructions)
@@ -406,8 +411,10 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             arrival = [*range(len(offline.episodes)), *range(first, first + len(kept))]
             fold_of = episode_folds(arrival, cfg.value_folds, cfg.seed) if heads is not None else None
             adv, vm = value_advantages(cfg, feats, buf, bc, heads, fold_of)
-            weights = torch.from_numpy(awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight))
-            w_auto = weights.numpy()[~bc]
+            w = awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight)
+            w[np.isin(buf.array("episode"), copies)] = cfg.hindsight_weight
+            weights = torch.from_numpy(w)
+            w_auto = w[~bc]
             # 3. weighted flow matching from the current weights
             model.train()
             losses = []
@@ -436,6 +443,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
                 "online_episodes": len(online_ids),
                 "buffer_episodes": len(buf.episode_ids),
                 "buffer_frames": len(buf),
+                "hindsight_episodes": len(copies),
                 **{k: float(v) for k, v in vm.items()},
                 "weight_mean": float(w_auto.mean()) if len(w_auto) else float("nan"),
                 "effective_sample_frac": float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum()))

@@ -502,11 +502,13 @@ class TransitionBuffer:
         episode_id: str | None = None,
         spans: Sequence[tuple[str, int, int]] = (),
         instruction: str | Sequence[str] | None = None,
+        clone: bool = False,
     ) -> None:
         """Append one finished episode (arrays over its T frames; ``reward`` as the sim recorded it).
         ``spans``: its ``segment`` span labels as ``(type, start, end)`` (module docstring);
         ``instruction``: what the robot was told, for the episode or one string per frame (default: the
-        spec's, as a simulator's episode)."""
+        spec's, as a simulator's episode); ``clone``: every frame is one to clone (``bc``), e.g. a
+        hindsight-relabelled success (:mod:`vla_rl.train.hindsight`)."""
         t = len(state)
         if t == 0:
             raise ValueError("state: expected at least one frame")
@@ -543,7 +545,7 @@ class TransitionBuffer:
             "terminal": np.zeros(t, bool),
             "controller": np.asarray(controller, np.int64),
             "credit": credit,
-            "bc": human | recovery,
+            "bc": human | recovery | clone,
             "mc_return": _discounted_returns(r, cut, self.gamma, cut_value),
             "cut": np.asarray(cut, bool),
             "episode": np.full(t, len(self.episode_ids), np.int64),
