@@ -22,6 +22,7 @@ online algorithms).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -112,13 +113,21 @@ def knobs(cfg: TrainerConfig) -> dict[str, Any]:
 
 def check_cached_knobs(path: Path, trained: dict[str, Any], cfg: TrainerConfig) -> None:
     """Refuse a cached result trained with other knobs (results cached before the knobs were recorded
-    pass): reusing it would report the old run under the new settings."""
+    pass): reusing it would report the old run under the new settings. A knob the cached config lacks
+    and this run leaves at its default was added to the config since, and the cached run had its
+    behaviour: it matches."""
     if "config" not in trained:
         return
     want = knobs(cfg)
-    diff = sorted(k for k in set(want) | set(trained["config"]) if want.get(k) != trained["config"].get(k))
+    defaults = {
+        f.name: config_dict({f.name: f.default})[f.name]
+        for f in dataclasses.fields(cfg)
+        if f.default is not dataclasses.MISSING
+    }
+    have = {**{k: v for k, v in defaults.items() if k in want}, **trained["config"]}
+    diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
     if diff:
-        shown = ", ".join(f"{k} {trained['config'].get(k)!r} -> {want.get(k)!r}" for k in diff)
+        shown = ", ".join(f"{k} {have.get(k)!r} -> {want.get(k)!r}" for k in diff)
         raise SystemExit(
             f"{path}: cached training used other knobs ({shown}); give another --tag, or delete the file "
             "to retrain (a run folder next to it resumes from its train state)"

@@ -12,10 +12,10 @@ from vla_rl.train.presets import get_preset
 
 
 def test_a_preset_in_the_bench_runs_on_the_benchs_env_step_budget() -> None:
-    """The preset's env_steps (a round's 100,000) must not silently replace --env-steps, which the JSON
+    """The preset's env_steps (a round's 50,000) must not silently replace --env-steps, which the JSON
     reports as the budget; the other knobs come from the preset, and explicit overrides win over both."""
     preset = get_preset("pickcube-awr-pi-shaped").values
-    assert preset["env_steps"] == 100_000
+    assert preset["env_steps"] == 50_000
     knobs = preset_knobs("pickcube-awr-pi-shaped", {"advantage_lambda": 0.7})
     assert "env_steps" not in knobs
     assert (
@@ -40,3 +40,10 @@ def test_a_cached_training_result_is_reused_only_with_the_same_knobs(tmp_path: P
         match=r"awr-pi\.train\.json: cached training used other knobs \(env_steps 15000 -> 25000\)",
     ):
         check_cached_knobs(cache, old, cfg)
+    # a knob added to the config since (here: hindsight_weight) matches at its default, not otherwise
+    before = {"config": {k: v for k, v in knobs(cfg).items() if k != "hindsight_weight"}}
+    check_cached_knobs(cache, before, cfg)
+    with pytest.raises(SystemExit, match=r"other knobs \(hindsight_weight 0\.0 -> 2\.0\)"):
+        check_cached_knobs(
+            cache, before, make_config("awr-pi", **values, env_steps=25_000, hindsight_weight=2.0)
+        )
