@@ -131,7 +131,13 @@ PRESETS: dict[str, Preset] = {
             "pickcube-awr-pi with TD(λ = 0.9) advantages on the shaped reward (success plus potential-based "
             "dense progress, γ 0.99) over 50,000 env steps: PickCube state 37.8 -> 67.9% (+30.1, 3 seeds, held "
             "out; docs/benchmarks.md)",
-            {**_PICKCUBE_AWR_PI, "reward": "shaped", "gamma": 0.99, "advantage_lambda": 0.9, "env_steps": 50_000},
+            {
+                **_PICKCUBE_AWR_PI,
+                "reward": "shaped",
+                "gamma": 0.99,
+                "advantage_lambda": 0.9,
+                "env_steps": 50_000,
+            },
         ),
         Preset(
             "tiny-awr",
