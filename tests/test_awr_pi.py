@@ -61,7 +61,7 @@ def test_a_bad_knob_is_named(tmp_path: Path, knob: str, value: object, message: 
     ("knob", "value"),
     [("value_steps", 0), ("value_folds", 0), ("value_lr", 0.0), ("value_hidden", (0,)), ("gamma", 0.0),
      ("expectile", 1.0), ("divl_quantile", 0.0), ("value", "mc"), ("beta", -1.0), ("w_max", 0.0),
-     ("human_weight", -1.0), ("batch_size", 0), ("grad_clip", 0.0), ("ema_decay", 1.0),
+     ("human_weight", -1.0), ("hindsight_weight", -1.0), ("batch_size", 0), ("grad_clip", 0.0), ("ema_decay", 1.0),
      ("warmup_steps", -1)],
 )  # fmt: skip
 def test_a_bad_shared_knob_is_named_the_same_by_offline_and_online_awr(
