@@ -93,9 +93,9 @@ def relabel_states(state: np.ndarray, layout: GoalLayout, goal: np.ndarray) -> n
 def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]:
     """Append to ``buf`` one hindsight copy of each failed episode it holds (frames ``0..e``, the goal
     relabelled, ending in success; the copy's frames are to clone, ``bc``); returns the copies' episode
-    indices in the buffer. Episodes with dropped (idle) frames and those with no reached frame get none."""
+    indices in the buffer. Episodes with dropped (idle) frames and those with no reached frame get none.
+    State buffers only (:func:`goal_layout` refuses camera policies)."""
     a = {k: buf.array(k) for k in ("state", "action", "controller", "episode", "frame", "instruction")}
-    cams = {c.name: buf.array(f"image.{c.name}") for c in buf.spec.cameras} if buf.use_cameras else None
     order = np.argsort(a["episode"], kind="stable")
     bounds = np.searchsorted(a["episode"][order], np.arange(len(buf.episode_ids) + 1))
     copies: list[int] = []
@@ -118,7 +118,6 @@ def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]
             terminated=terminated,
             controller=a["controller"][keep],
             success=True,
-            cameras={n: v[keep] for n, v in cams.items()} if cams is not None else None,
             episode_id=f"hindsight:{buf.episode_ids[k]}",
             instruction=[buf.instructions[i] for i in a["instruction"][keep]],
             clone=True,
