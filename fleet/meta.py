@@ -111,6 +111,9 @@ class EpisodeMeta:
     outcome: str | None = None
     success: bool | None = None
     closed: float | None = None
+    episode_seed: int | None = None
+    """A simulated episode's reset seed: with its actions it replays the episode exactly
+    (:mod:`sim.replay`); None for real robots and for episodes recorded before the store kept it."""
 
     @property
     def is_closed(self) -> bool:
@@ -133,6 +136,7 @@ class EpisodeMeta:
             "outcome": self.outcome,
             "success": self.success,
             "closed": self.closed,
+            "episode_seed": self.episode_seed,
         }
 
     @classmethod
@@ -154,6 +158,7 @@ class EpisodeMeta:
             outcome=d.get("outcome"),
             success=None if success is None else bool(success),
             closed=None if closed is None else float(closed),
+            episode_seed=None if d.get("episode_seed") is None else int(d["episode_seed"]),
         )
 
 

@@ -852,15 +852,24 @@ class EpisodeWriter:
             self._write(self._n_pending)
         return self._length
 
-    def close(self, outcome: str = "success", success: bool | None = None) -> EpisodeMeta:
+    def close(
+        self, outcome: str = "success", success: bool | None = None, episode_seed: int | None = None
+    ) -> EpisodeMeta:
         """Flush, end the last segment, trim the arrays and commit the final metadata.
 
-        ``success`` defaults to ``outcome == "success"``. Records the episode in the DB if the writer
-        has one. Returns the final metadata.
+        ``success`` defaults to ``outcome == "success"``. ``episode_seed``: a simulated episode's reset
+        seed (kept in the metadata, so the episode can be replayed). Records the episode in the DB if the
+        writer has one. Returns the final metadata.
         """
         self._check_open()
         if not isinstance(outcome, str) or not outcome:
             raise ValueError(f"outcome must be a non-empty string, got {outcome!r}")
+        if episode_seed is not None and (
+            isinstance(episode_seed, bool)
+            or not isinstance(episode_seed, (int, np.integer))
+            or episode_seed < 0
+        ):
+            raise ValueError(f"episode_seed: expected a non-negative integer or None, got {episode_seed!r}")
         self.flush()
         self._release_blocks()
         self._end_segment()
@@ -873,6 +882,7 @@ class EpisodeWriter:
             outcome=outcome,
             success=(outcome == "success") if success is None else bool(success),
             closed=time.time(),
+            **({} if episode_seed is None else {"episode_seed": int(episode_seed)}),
         )
         self._closed = True
         if self._db is not None:

@@ -41,9 +41,11 @@ class DemoReport:
     def success_rate(self) -> float:
         return self.successes / max(self.episodes, 1)
 
-    def close_episode(self, writer: EpisodeWriter, success: bool) -> None:
-        """Close ``writer``'s episode with its outcome and count it."""
-        meta = writer.close(outcome="success" if success else "failure", success=success)
+    def close_episode(self, writer: EpisodeWriter, success: bool, episode_seed: int | None = None) -> None:
+        """Close ``writer``'s episode with its outcome (and its reset seed, for replay) and count it."""
+        meta = writer.close(
+            outcome="success" if success else "failure", success=success, episode_seed=episode_seed
+        )
         self.episodes += 1
         self.successes += success
         self.frames += meta.length
@@ -71,7 +73,8 @@ class DemoReport:
                 **{k: v[i] if isinstance(v, np.ndarray) else v for k, v in fields.items()},
             )
             if step.terminated[i] or step.truncated[i]:
-                self.close_episode(w, bool(step.info["success"][i]))
+                seed = step.seeds[i] if step.seeds else None
+                self.close_episode(w, bool(step.info["success"][i]), seed)
                 bar.update(1)
                 bar.set_postfix(success=f"{self.success_rate:.0%}")
                 ended.append(i)

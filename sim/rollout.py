@@ -152,6 +152,8 @@ class StepRecord:
     truncated: np.ndarray
     info: dict[str, Any]
     next_obs: Obs
+    seeds: tuple[int | None, ...] = ()
+    """Each robot's episode seed for ``obs`` (the episode its action belongs to; None: unseeded env)."""
 
 
 class ChunkRollout:
@@ -218,7 +220,7 @@ class ChunkRollout:
         """Refill, execute one action per robot, cut chunks and episodes, call the hooks."""
         self.refill()
         actions = np.stack([q.popleft() for q in self.queues]).astype(np.float32)
-        obs = self.obs
+        obs, seeds = self.obs, tuple(self.seeds)
         next_obs, reward, terminated, truncated, info = self.env.step(actions)
         rewards = reward if self.reward_key is None else info[self.reward_key]
         finished: list[ChunkRecord] = []
@@ -244,7 +246,7 @@ class ChunkRollout:
                 episodes.append(self._end_episode(chunk))
         self.obs, self.info = next_obs, info
         self.seeds = self._seeds()
-        record = StepRecord(obs, actions, reward, terminated, truncated, info, next_obs)
+        record = StepRecord(obs, actions, reward, terminated, truncated, info, next_obs, seeds)
         if self.on_step is not None:
             self.on_step(record)
         if finished and self.on_chunks is not None:

@@ -81,6 +81,16 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def test_sim_list_json_holds_every_task_with_its_goal_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """In process (no simulator is built): the JSON the CLI prints for scripts, nested layouts included."""
+    from vla_rl.cli.data import SimList, sim_list
+
+    assert sim_list(SimList(json=True)) == 0
+    tasks = {t["name"]: t for t in json.loads(capsys.readouterr().out)}
+    assert tasks["maniskill/PickCube-v1"]["goal_layout"]["goal"] == 26
+    assert tasks["robosuite/Lift"]["goal_layout"] is None
+
+
 # slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
 @pytest.mark.slow
 def test_cli_end_to_end(tmp_path: Path, store_db_url: str | None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tyro.conf import Positional
@@ -27,7 +27,7 @@ def sim_list(a: SimList) -> int:
 
     tasks = list_tasks()
     if a.json:
-        print(json.dumps([t.__dict__ for t in tasks], indent=2))
+        print(json.dumps([asdict(t) for t in tasks], indent=2))
         return 0
     rows = [
         [
