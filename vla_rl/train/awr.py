@@ -42,6 +42,7 @@ import torch
 
 from fleet.db import MetadataDB
 from fleet.meta import Controller
+from fleet.store import EpisodeStore
 from policies.critics import CategoricalValue, ValueMLP, expectile_loss
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import (
@@ -78,6 +79,7 @@ from vla_rl.train.distributed import (
 )
 from vla_rl.train.divl import DIVLConfig, DIVLValue
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
+from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,11 @@ class AdvantageConfig(TrainerConfig):
     value: Literal["categorical", "expectile", "divl"] = "categorical"
     """V(s): a categorical head's mean, IQL's expectile, or DIVL's τ-quantile of the categorical head
     (``divl_quantile``; vla_rl/train/divl.py)."""
+    value_input: Literal["policy", "privileged"] = "policy"
+    """What V(s) reads: ``policy``, the frozen base's features of the policy's own inputs (the normalised
+    state for state-only policies); ``privileged``, the simulator's full state replayed from each
+    episode's seed and actions, for training only (asymmetric actor-critic for camera policies:
+    :mod:`vla_rl.train.privileged`; simulated episodes recorded with their seed)."""
     reward: RewardKind = "steps_to_go"
     """Return definition (see transitions.py). steps_to_go makes faster successes better, as RECAP."""
     gamma: float = 1.0
@@ -167,6 +174,8 @@ class AdvantageConfig(TrainerConfig):
         self.value_hidden = tuple(self.value_hidden)
         if self.value not in ("categorical", "expectile", "divl"):
             raise ValueError(f"value: expected categorical, expectile or divl, got {self.value!r}")
+        if self.value_input not in ("policy", "privileged"):
+            raise ValueError(f"value_input: expected policy or privileged, got {self.value_input!r}")
         DIVLConfig(quantile=self.divl_quantile, bins=self.value_bins)  # validates divl_quantile
         for name in ("value_steps", "value_folds", "value_bins", "batch_size"):
             if getattr(self, name) < 1:
@@ -485,7 +494,16 @@ def _score(
             "select rollouts too, or train sft (or qam) on demonstrations"
         )
     # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode; 2. advantages
-    feats = all_features(base.policy, buf, device, instructions)
+    if cfg.value_input == "privileged":
+        store, replayed = EpisodeStore(cfg.store), ReplayedStates(buf.spec.name)
+        try:
+            feats = torch.from_numpy(
+                replayed.features(buf, lambda e: store.read_episode(e, cameras=False))
+            ).to(device)
+        finally:
+            replayed.close()
+    else:
+        feats = all_features(base.policy, buf, device, instructions)
     adv, metrics = value_advantages(cfg, feats, buf, human)
     if cfg.variant == "awr":
         weights = awr_weights(adv, human, cfg.beta, cfg.w_max, cfg.human_weight)

@@ -12,7 +12,9 @@ The original AWR is an online algorithm: it iterates
    newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
    :func:`vla_rl.train.awr.value_advantages`); a fresh value each iteration, on the frozen base's
-   features (the normalised state for state-only policies), or with ``value_warm_start`` the previous
+   features (the normalised state for state-only policies; with ``value_input = "privileged"`` the
+   simulator's full state instead, replayed from each episode's seed: :mod:`vla_rl.train.privileged`),
+   or with ``value_warm_start`` the previous
    iteration's fold heads fine-tuned on the grown buffer (folds then fixed per episode); with
    ``hindsight_weight`` each failed episode also gets a goal-relabelled copy that ends in success
    (:mod:`vla_rl.train.hindsight`), cloned with that weight and kept out of the value fit;
@@ -83,6 +85,7 @@ from vla_rl.train.common import (
 )
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
+from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import DataSelection, TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -332,6 +335,9 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         max_episode_steps=cfg.max_episode_steps,
     )
     max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
+    # value_input "privileged": V reads each frame's full simulator state, replayed once per episode
+    replayed = ReplayedStates(task) if cfg.value_input == "privileged" else None
+    offline_by_id = {ep.meta.episode_id: ep for ep in offline.episodes}
     n_exec = cfg.n_exec or base.policy.config.n_exec
     a_cfg = model.config
     bar = StepProgress(
@@ -404,7 +410,13 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             copies = add_hindsight_copies(buf, layout) if layout is not None else []
             instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
             bc = buf.array("bc").astype(bool)
-            feats = all_features(base.policy, buf, device, instructions)
+            if replayed is None:
+                feats = all_features(base.policy, buf, device, instructions)
+            else:
+                replayed.forget({*offline_by_id, *online})
+                feats = torch.from_numpy(
+                    replayed.features(buf, lambda e: online[e] if e in online else offline_by_id[e])
+                ).to(device)
             seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
             # warm start: folds by arrival index (offline first, then online in collection order)
             first = len(offline.episodes) + len(online_ids) - len(kept)
@@ -491,6 +503,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         bar.close()
         writer.close()
         env.close()
+        if replayed is not None:
+            replayed.close()
 
     successes = [r["rollout_success"] for r in curve if math.isfinite(r["rollout_success"])]
     metrics: dict[str, Any] = {

@@ -31,7 +31,17 @@ if TYPE_CHECKING:
     from sim.base import GoalLayout
     from vla_rl.train.transitions import TransitionBuffer
 
-__all__ = ["add_hindsight_copies", "goal_layout", "hindsight_end", "reached_frames", "relabel_states"]
+__all__ = [
+    "HINDSIGHT_PREFIX",
+    "add_hindsight_copies",
+    "goal_layout",
+    "hindsight_end",
+    "reached_frames",
+    "relabel_states",
+]
+
+HINDSIGHT_PREFIX = "hindsight:"
+"""Episode-id prefix of a hindsight copy in a buffer (the rest is its source episode's id)."""
 
 
 def goal_layout(task: str, cameras: bool) -> GoalLayout:
@@ -118,7 +128,7 @@ def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]
             terminated=terminated,
             controller=a["controller"][keep],
             success=True,
-            episode_id=f"hindsight:{buf.episode_ids[k]}",
+            episode_id=f"{HINDSIGHT_PREFIX}{buf.episode_ids[k]}",
             instruction=[buf.instructions[i] for i in a["instruction"][keep]],
             clone=True,
         )
