@@ -537,9 +537,19 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
-    copies = (
-        add_hindsight_copies(buf, goal_layout(spec.name, bool(spec.cameras))) if cfg.hindsight_weight else []
-    )
+    copies: list[int] = []
+    if cfg.hindsight_weight:
+        layout = goal_layout(spec.name, bool(spec.cameras))
+        if spec.cameras:  # a camera policy's copies are computed on the episodes' replayed full state
+            store, replayed = EpisodeStore(cfg.store), ReplayedStates(spec.name)
+            try:
+                copies = add_hindsight_copies(
+                    buf, layout, lambda e: replayed.states(store.read_episode(e, cameras=False))
+                )
+            finally:
+                replayed.close()
+        else:
+            copies = add_hindsight_copies(buf, layout)
     hindsight = np.isin(buf.array("episode"), copies)
     # each frame is conditioned on its own instruction (its episode's task string), as in SFT
     instructions = instruction_table(buf, device) if base.policy.config.uses_instruction else None

@@ -335,9 +335,19 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         max_episode_steps=cfg.max_episode_steps,
     )
     max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
-    # value_input "privileged": V reads each frame's full simulator state, replayed once per episode
-    replayed = ReplayedStates(task) if cfg.value_input == "privileged" else None
+    # each episode's full simulator state, replayed once: V's inputs with value_input "privileged", and a
+    # camera policy's hindsight copies (its own state lacks the achieved position)
+    camera_hindsight = layout is not None and cameras
+    replayed = ReplayedStates(task) if cfg.value_input == "privileged" or camera_hindsight else None
     offline_by_id = {ep.meta.episode_id: ep for ep in offline.episodes}
+
+    def stored(eid: str) -> Episode:
+        return online[eid] if eid in online else offline_by_id[eid]
+
+    def full_states(eid: str) -> np.ndarray:
+        assert replayed is not None
+        return replayed.states(stored(eid))
+
     n_exec = cfg.n_exec or base.policy.config.n_exec
     a_cfg = model.config
     bar = StepProgress(
@@ -407,16 +417,20 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             for e in set(online) - set(kept):
                 del online[e]
             buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
-            copies = add_hindsight_copies(buf, layout) if layout is not None else []
+            if replayed is not None:
+                replayed.forget({*offline_by_id, *online})
+            copies = (
+                add_hindsight_copies(buf, layout, full_states if camera_hindsight else None)
+                if layout is not None
+                else []
+            )
             instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
             bc = buf.array("bc").astype(bool)
-            if replayed is None:
-                feats = all_features(base.policy, buf, device, instructions)
+            if cfg.value_input == "privileged":
+                assert replayed is not None
+                feats = torch.from_numpy(replayed.features(buf, stored)).to(device)
             else:
-                replayed.forget({*offline_by_id, *online})
-                feats = torch.from_numpy(
-                    replayed.features(buf, lambda e: online[e] if e in online else offline_by_id[e])
-                ).to(device)
+                feats = all_features(base.policy, buf, device, instructions)
             seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
             # warm start: folds by arrival index (offline first, then online in collection order)
             first = len(offline.episodes) + len(online_ids) - len(kept)

@@ -17,12 +17,16 @@ failed is copied, up to its *reached* frame, with the goal replaced:
 
 The trainers (:class:`vla_rl.train.awr.AdvantageConfig.hindsight_weight`) add one copy per failed
 episode to the buffer (:func:`add_hindsight_copies`) as frames to clone with a fixed weight, kept out
-of the value fit: their stored rewards were earned for the old goal. State observations only: a
-camera policy's state vector has another layout, and its images would need the goal redrawn.
+of the value fit: their stored rewards were earned for the old goal. A camera policy's state is a
+prefix of the state observation (proprioception and the goal, not the object's pose): its copies are
+computed on the episode's full state replayed from its seed (:mod:`sim.replay`) and cut back to the
+prefix, its images kept, which is sound where the cameras do not see the goal (PickCube hides its goal
+marker from them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,12 +59,18 @@ def goal_layout(task: str, cameras: bool) -> GoalLayout:
             f"hindsight_weight: task {task!r} declares no goal in its state (tasks that do: {known}); "
             "set hindsight_weight 0"
         )
+    layout = info.goal_layout
     if cameras:
-        raise ValueError(
-            f"hindsight_weight: {task!r}'s goal layout is for state observations; this policy sees cameras "
-            "(set hindsight_weight 0)"
-        )
-    return info.goal_layout
+        # a camera policy's state is a prefix of the state observation: it must hold what gets relabelled
+        dim = info.state_dim["rgb"]
+        used = [layout.goal + 2, *([layout.held] if layout.held is not None else [])]
+        used += [layout.still[1] - 1] if layout.still is not None else []
+        if max(used) >= dim:
+            raise ValueError(
+                f"hindsight_weight: {task!r}'s camera observation ({dim} state values) does not hold its goal "
+                "(set hindsight_weight 0)"
+            )
+    return layout
 
 
 def reached_frames(state: np.ndarray, layout: GoalLayout) -> np.ndarray:
@@ -100,12 +110,26 @@ def relabel_states(state: np.ndarray, layout: GoalLayout, goal: np.ndarray) -> n
     return out
 
 
-def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]:
+def add_hindsight_copies(
+    buf: TransitionBuffer, layout: GoalLayout, full_states: Callable[[str], np.ndarray] | None = None
+) -> list[int]:
     """Append to ``buf`` one hindsight copy of each failed episode it holds (frames ``0..e``, the goal
     relabelled, ending in success; the copy's frames are to clone, ``bc``); returns the copies' episode
     indices in the buffer. Episodes with dropped (idle) frames and those with no reached frame get none.
-    State buffers only (:func:`goal_layout` refuses camera policies)."""
-    a = {k: buf.array(k) for k in ("state", "action", "controller", "episode", "frame", "instruction")}
+
+    ``full_states(episode_id)``: the episode's full ``state``-mode observation on every frame (replayed:
+    :class:`vla_rl.train.privileged.ReplayedStates`), for a camera policy's buffer, whose state is a
+    prefix of it without the achieved position. The reached frames, the end and the new goal are read
+    there; the copy's state is the relabelled full state cut to the buffer's width, and its images are
+    the episode's (the goal must be invisible to the cameras, as PickCube's goal marker is)."""
+    if buf.use_cameras and full_states is None:
+        raise ValueError(
+            "hindsight: a camera buffer needs full_states (the episodes' replayed simulator state)"
+        )
+    keys = ["state", "action", "controller", "episode", "frame", "instruction"]
+    keys += [f"image.{c}" for c in buf.spec.camera_names] if buf.use_cameras else []
+    a = {k: buf.array(k) for k in keys}
+    width = buf.spec.state_dim
     order = np.argsort(a["episode"], kind="stable")
     bounds = np.searchsorted(a["episode"][order], np.arange(len(buf.episode_ids) + 1))
     copies: list[int] = []
@@ -113,7 +137,7 @@ def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]
         rows = order[bounds[k] : bounds[k + 1]]
         if success or len(rows) < 2 or not np.array_equal(a["frame"][rows], np.arange(len(rows))):
             continue
-        state = a["state"][rows]
+        state = a["state"][rows] if full_states is None else full_states(buf.episode_ids[k])[: len(rows)]
         end = hindsight_end(state, layout)
         if end is None:
             continue
@@ -122,7 +146,8 @@ def add_hindsight_copies(buf: TransitionBuffer, layout: GoalLayout) -> list[int]
         terminated = np.zeros(len(keep), bool)
         terminated[-1] = True
         buf.add_episode(
-            state=relabel_states(state[: end + 1], layout, goal),
+            state=relabel_states(state[: end + 1], layout, goal)[:, :width],
+            cameras={c: a[f"image.{c}"][keep] for c in buf.spec.camera_names} if buf.use_cameras else None,
             action=a["action"][keep],
             reward=np.zeros(len(keep), np.float32),
             terminated=terminated,
