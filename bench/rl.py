@@ -17,6 +17,7 @@ online algorithms).
 
     python bench/rl.py                                  # all algorithms, 3 seeds (hours on 2 cores)
     python bench/rl.py --seeds 0 --algos awr recap      # one seed, offline algorithms only
+    python -m bench.rl --merge A.json B.json --out AB.json   # seeds run apart, one table
 """
 
 from __future__ import annotations
@@ -424,8 +425,21 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix for cached algorithm results (to compare settings)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_rl"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="only join these results files of one protocol on other seeds into --out (no training)",
+    )
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/rl.json)")
     args = p.parse_args()
+    if args.merge:
+        if args.out is None:
+            p.error("--merge: give the merged file's path with --out")
+        merge(args.merge, args.out)
+        return
     if args.qam_preset:
         args.qam = preset_knobs(args.qam_preset, args.qam)
     if args.awr_pi_preset:
@@ -437,23 +451,7 @@ def main() -> None:
         p.error(str(e))
     if args.train_only:
         return
-    header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]
-    rows = []
-    sft_mean = float(np.mean([s["sft"]["success"] for s in per_seed]))
-    for a in ["sft", *args.algos]:
-        vals = [s[a].get("success") for s in per_seed]
-        ok = [v for v in vals if v is not None]
-        mean = float(np.mean(ok)) if ok else float("nan")
-        secs = [s[a].get("seconds", 0) for s in per_seed]
-        rows.append(
-            [
-                a,
-                *[f"{v:.0%}" if v is not None else "n/a" for v in vals],
-                f"{mean:.0%}" if ok else "n/a",
-                "-" if a == "sft" or not ok else f"{100 * (mean - sft_mean):+.0f} pts",
-                f"{np.mean(secs) / 60:.1f}",
-            ]
-        )
+    header, rows = _table(per_seed, list(args.algos))
     print(table(rows, header))
     out = write_results(
         "rl",
@@ -485,6 +483,66 @@ def main() -> None:
     )
     _plot(per_seed, list(args.algos), (args.out or RESULTS / "rl.json").with_suffix(".png"))
     print(f"wrote {out}")
+
+
+def _table(per_seed: list[dict[str, Any]], algos: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The printed table: success per seed, mean, change over the SFT base, wall minutes per seed."""
+    header = ["algorithm", *[f"seed {s['seed']}" for s in per_seed], "mean", "vs SFT", "wall min/seed"]
+    rows = []
+    sft_mean = float(np.mean([s["sft"]["success"] for s in per_seed]))
+    for a in ["sft", *algos]:
+        vals = [s[a].get("success") for s in per_seed]
+        ok = [v for v in vals if v is not None]
+        mean = float(np.mean(ok)) if ok else float("nan")
+        secs = [s[a].get("seconds", 0) for s in per_seed]
+        rows.append(
+            [
+                a,
+                *[f"{v:.0%}" if v is not None else "n/a" for v in vals],
+                f"{mean:.0%}" if ok else "n/a",
+                "-" if a == "sft" or not ok else f"{100 * (mean - sft_mean):+.0f} pts",
+                f"{np.mean(secs) / 60:.1f}",
+            ]
+        )
+    return header, rows
+
+
+def merge(paths: list[Path], out: Path) -> Path:
+    """One results JSON (and plot) from runs of the same protocol on other seeds, e.g. seeds trained in
+    parallel processes or sessions: their ``per_seed`` rows joined, the table recomputed, and each
+    source's file and machine kept under ``merged_from``. The task, observation, budgets and overrides
+    must agree; a seed may appear once."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    first = docs[0]["results"]
+    for path, doc in zip(paths[1:], docs[1:], strict=True):
+        for key in ("task", "obs", "budgets", "overrides"):
+            if doc["results"][key] != first[key]:
+                raise SystemExit(
+                    f"merge: {path}'s {key} differs from {paths[0]}'s; only runs of one protocol merge"
+                )
+    per_seed = sorted((s for d in docs for s in d["results"]["per_seed"]), key=lambda s: s["seed"])
+    seeds = [s["seed"] for s in per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"merge: a seed appears twice ({seeds})")
+    algos = [a for a in ALL if any(a in s for s in per_seed)]
+    header, rows = _table(per_seed, algos)
+    print(table(rows, header))
+    written = write_results(
+        "rl",
+        {
+            **{k: first[k] for k in ("task", "obs", "budgets", "overrides")},
+            "per_seed": per_seed,
+            "table": {"header": header, "rows": rows},
+            "seconds": sum(d["results"].get("seconds", 0.0) for d in docs),
+            "merged_from": [
+                {"file": Path(p).name, "machine": d["machine"]} for p, d in zip(paths, docs, strict=True)
+            ],
+        },
+        out=out,
+    )
+    _plot(per_seed, algos, out.with_suffix(".png"))
+    print(f"wrote {written}")
+    return written
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ def test_a_preset_in_the_bench_runs_on_the_benchs_env_step_budget() -> None:
     assert preset_knobs("pickcube-awr-pi-shaped", {"env_steps": 30_000})["env_steps"] == 30_000
 
 
+def test_the_hindsight_preset_is_the_shaped_recipe_plus_hindsight_copies_at_half_the_steps() -> None:
+    shaped, hindsight = (
+        get_preset(n).values for n in ("pickcube-awr-pi-shaped", "pickcube-awr-pi-hindsight")
+    )
+    assert hindsight["hindsight_weight"] == 4.0 and shaped.get("hindsight_weight", 0.0) == 0.0
+    assert hindsight["env_steps"] == 25_000
+    rest = {k: v for k, v in hindsight.items() if k not in ("hindsight_weight", "env_steps")}
+    assert rest == {k: v for k, v in shaped.items() if k != "env_steps"}
+
+
 def test_a_cached_training_result_is_reused_only_with_the_same_knobs(tmp_path: Path) -> None:
     """A cached run of other knobs (here: a smaller budget) is refused with the knob named, never
     reported under the new settings; the same knobs, or a result cached before knobs were recorded, pass."""
@@ -47,3 +57,34 @@ def test_a_cached_training_result_is_reused_only_with_the_same_knobs(tmp_path: P
         check_cached_knobs(
             cache, before, make_config("awr-pi", **values, env_steps=25_000, hindsight_weight=2.0)
         )
+
+
+def test_merge_joins_seeds_of_one_protocol_and_refuses_others(tmp_path: Path) -> None:
+    """Seeds trained apart (other processes or sessions) become one table: rows joined by seed, the mean
+    recomputed from them, each source's machine kept; another protocol or a repeated seed is refused."""
+    import json
+
+    from bench.common import write_results
+    from bench.rl import merge
+
+    def run(name: str, seed: int, base: float, after: float, **budgets: int) -> Path:
+        row = {
+            "seed": seed,
+            "sft": {"success": base, "seconds": 60.0},
+            "awr-pi": {"success": after, "seconds": 600.0},
+        }
+        results = {"task": "t", "obs": "state", "budgets": {"env_steps": 25_000, **budgets}, "overrides": {},
+                   "per_seed": [row], "seconds": 700.0}  # fmt: skip
+        return write_results("rl", results, out=tmp_path / name)
+
+    a, b = run("a.json", 2, 0.30, 0.70), run("b.json", 0, 0.40, 0.60)
+    out = merge([a, b], tmp_path / "ab.json")
+    res = json.loads(out.read_text())["results"]
+    assert [s["seed"] for s in res["per_seed"]] == [0, 2]
+    assert res["table"]["rows"][1][:5] == ["awr-pi", "60%", "70%", "65%", "+30 pts"]
+    assert [m["file"] for m in res["merged_from"]] == ["a.json", "b.json"] and res["seconds"] == 1400.0
+    assert out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit, match=r"c\.json's budgets differs"):
+        merge([a, run("c.json", 1, 0.3, 0.5, eval_episodes=50)], tmp_path / "x.json")
+    with pytest.raises(SystemExit, match=r"a seed appears twice"):
+        merge([a, run("d.json", 2, 0.3, 0.5)], tmp_path / "y.json")
