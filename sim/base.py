@@ -135,6 +135,10 @@ class SimEnv(abc.ABC):
         """A third-person uint8 [H, W, 3] view for videos (needs ``render_size``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot render")
 
+    def clear_history(self, seed: int | None = None) -> None:  # noqa: B027 - optional hook
+        """Forget what earlier episodes left in the simulator, so the next reset behaves as a new
+        simulator's would: what an exact replay needs (:mod:`sim.replay`). Default: nothing to forget."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
