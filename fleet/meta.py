@@ -112,8 +112,8 @@ class EpisodeMeta:
     success: bool | None = None
     closed: float | None = None
     episode_seed: int | None = None
-    """A simulated episode's reset seed: with its actions it replays the episode exactly
-    (:mod:`sim.replay`); None for real robots and for episodes recorded before the store kept it."""
+    """A simulated episode's reset seed: with its actions it replays the episode (checked, drift refused:
+    :mod:`sim.replay`); None for real robots and for episodes recorded before the store kept it."""
 
     @property
     def is_closed(self) -> bool:
