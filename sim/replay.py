@@ -12,10 +12,10 @@ Each replay starts from a cleared simulator (:meth:`sim.base.SimEnv.clear_histor
 its scene, ~0.2 s), since PhysX keeps state across resets that made ~1 in 16 replays drift by up to
 2 cm when one simulator replayed episodes back to back. The recordings can carry such state from their
 own simulator's earlier episodes too (ManiSkill vector envs reset without a rebuild), which no replay
-reproduces: the check below refuses those. Replays are checked: the recorded state must equal the replayed one's leading columns at every frame
-(within ``atol``), else the replay has diverged (another simulator version, a machine whose physics
-rounds differently, frames the store dropped) and :func:`replay_episode` says so rather than return
-another episode's states. Frame 0 is not compared: at a reset ManiSkill reports the contact-derived
+reproduces. So replays are checked: the recorded state must equal the replayed one's leading columns
+at every frame (within ``atol``), else the replay has diverged (that history, another simulator
+version, a machine whose physics rounds differently, frames the store dropped) and
+:func:`replay_episode` says so rather than return another episode's states. Frame 0 is not compared: at a reset ManiSkill reports the contact-derived
 extras (PickCube's ``is_grasped``) of the previous episode's last physics step, so they depend on what
 the simulator did before; the returned states keep the recorded columns, frame 0 included.
 """
@@ -39,9 +39,8 @@ def replay_states(env: SimEnv, episode_seed: int, actions: np.ndarray) -> np.nda
     actions = np.asarray(actions, dtype=np.float32)
     if actions.ndim != 2 or actions.shape[1] != env.spec.action_dim:
         raise ValueError(f"actions: expected [T, {env.spec.action_dim}], got {list(actions.shape)}")
-    env.clear_history(
-        int(episode_seed)
-    )  # what earlier episodes left in the simulator must not steer this one
+    # what earlier episodes left in the simulator must not steer this one
+    env.clear_history(int(episode_seed))
     obs, _ = env.reset(seed=int(episode_seed))
     states = [np.asarray(obs["state"], dtype=np.float32)]
     for a in actions[:-1]:

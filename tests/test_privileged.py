@@ -48,9 +48,9 @@ def test_features_are_each_frames_replayed_state_standardised(sloppy: tuple[Path
     n_source = len(buf)
     copies = add_hindsight_copies(buf, goal_layout(REACH, cameras=False))
     assert copies, "noise 0.9 should leave failures to relabel"
-    replayed = ReplayedStates(REACH)
+    replayed = ReplayedStates(REACH, lambda e: store.read_episode(e, cameras=False))
     try:
-        feats = replayed.features(buf, lambda e: store.read_episode(e, cameras=False))
+        feats = replayed.features(buf)
     finally:
         replayed.close()
     ep_idx, frame = buf.array("episode"), buf.array("frame")
@@ -76,11 +76,11 @@ def test_an_episode_without_a_seed_is_named(sloppy: tuple[Path, Path]) -> None:
     buf = load_transitions(store, DataSelection.parse(REACH, None))
     first = store.read_episode(buf.episode_ids[0], cameras=False)
     unseeded = dataclasses.replace(first, meta=dataclasses.replace(first.meta, episode_seed=None))
-    replayed = ReplayedStates(REACH)
+    replayed = ReplayedStates(REACH, lambda e: unseeded)
     with pytest.raises(
         ValueError, match=rf"value_input 'privileged'.*{first.meta.episode_id} has no episode_seed"
     ):
-        replayed.features(buf, lambda e: unseeded)
+        replayed.features(buf)
     replayed.close()
 
 

@@ -109,10 +109,10 @@ def test_camera_hindsight_copies_are_the_state_copies_cut_to_the_camera_state(
     cam_buf, state_buf = buffer(cam_eps), buffer(state_eps)
     # demos hold the cube but rest only at their (unstored) last state: reached = in hand, for this test
     layout = dataclasses.replace(goal_layout(PICK, cameras=True), still=None)
-    replayed = ReplayedStates(PICK)
     by_id = {e.meta.episode_id: e for e in cam_eps}
+    replayed = ReplayedStates(PICK, by_id.__getitem__)
     try:
-        cam_copies = add_hindsight_copies(cam_buf, layout, lambda e: replayed.states(by_id[e]))
+        cam_copies = add_hindsight_copies(cam_buf, layout, replayed.states)
     finally:
         replayed.close()
     state_copies = add_hindsight_copies(state_buf, layout)

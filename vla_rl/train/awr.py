@@ -484,9 +484,11 @@ def _score(
     hindsight: np.ndarray,
     device: torch.device,
     instructions: torch.Tensor | None,
+    replayed: ReplayedStates,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator
-    (``hindsight`` frames, a subset of ``human``'s frames to clone: weight ``hindsight_weight``)."""
+    (``hindsight`` frames, a subset of ``human``'s frames to clone: weight ``hindsight_weight``;
+    ``replayed``: the episodes' full simulator state, V's input with ``value_input = "privileged"``)."""
     if not (~human).any():
         raise ValueError(
             f"the selected episodes hold no autonomous frames to score ({len(buf)} frames, all human or "
@@ -495,11 +497,8 @@ def _score(
         )
     # 1. value on credit-aware returns of autonomous frames, cross-fitted by episode; 2. advantages
     if cfg.value_input == "privileged":
-        store, replayed = EpisodeStore(cfg.store), ReplayedStates(buf.spec.name)
         try:
-            feats = torch.from_numpy(
-                replayed.features(buf, lambda e: store.read_episode(e, cameras=False))
-            ).to(device)
+            feats = torch.from_numpy(replayed.features(buf)).to(device)
         finally:
             replayed.close()
     else:
@@ -537,19 +536,17 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
         raise ValueError(f"store episodes (spec {buf.spec.name}) do not match the base checkpoint's spec")
+    # each episode's full simulator state, replayed once where it is needed: a camera policy's hindsight
+    # copies and a privileged value (vla_rl/train/privileged.py)
+    store = EpisodeStore(cfg.store)
+    replayed = ReplayedStates(spec.name, lambda e: store.read_episode(e, cameras=False))
     copies: list[int] = []
     if cfg.hindsight_weight:
         layout = goal_layout(spec.name, bool(spec.cameras))
-        if spec.cameras:  # a camera policy's copies are computed on the episodes' replayed full state
-            store, replayed = EpisodeStore(cfg.store), ReplayedStates(spec.name)
-            try:
-                copies = add_hindsight_copies(
-                    buf, layout, lambda e: replayed.states(store.read_episode(e, cameras=False))
-                )
-            finally:
-                replayed.close()
-        else:
-            copies = add_hindsight_copies(buf, layout)
+        try:
+            copies = add_hindsight_copies(buf, layout, replayed.states if spec.cameras else None)
+        finally:
+            replayed.close()
     hindsight = np.isin(buf.array("episode"), copies)
     # each frame is conditioned on its own instruction (its episode's task string), as in SFT
     instructions = instruction_table(buf, device) if base.policy.config.uses_instruction else None
@@ -587,7 +584,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
                 "give another --out (or --no-resume) for other data"
             )
     else:
-        metrics, per_frame = _score(cfg, base, buf, human, hindsight, device, instructions)
+        metrics, per_frame = _score(cfg, base, buf, human, hindsight, device, instructions, replayed)
         # every rank fitted the same value; rank 0's result is the one all train on (GPU kernels need
         # not be bit-reproducible across processes)
         per_frame = broadcast_tensor(per_frame, dist)

@@ -337,16 +337,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
     # each episode's full simulator state, replayed once: V's inputs with value_input "privileged", and a
     # camera policy's hindsight copies (its own state lacks the achieved position)
-    camera_hindsight = layout is not None and cameras
-    replayed = ReplayedStates(task) if cfg.value_input == "privileged" or camera_hindsight else None
     offline_by_id = {ep.meta.episode_id: ep for ep in offline.episodes}
-
-    def stored(eid: str) -> Episode:
-        return online[eid] if eid in online else offline_by_id[eid]
-
-    def full_states(eid: str) -> np.ndarray:
-        assert replayed is not None
-        return replayed.states(stored(eid))
+    replayed = ReplayedStates(task, lambda e: online[e] if e in online else offline_by_id[e])
 
     n_exec = cfg.n_exec or base.policy.config.n_exec
     a_cfg = model.config
@@ -417,18 +409,16 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             for e in set(online) - set(kept):
                 del online[e]
             buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
-            if replayed is not None:
-                replayed.forget({*offline_by_id, *online})
+            replayed.forget({*offline_by_id, *online})
             copies = (
-                add_hindsight_copies(buf, layout, full_states if camera_hindsight else None)
+                add_hindsight_copies(buf, layout, replayed.states if cameras else None)
                 if layout is not None
                 else []
             )
             instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
             bc = buf.array("bc").astype(bool)
             if cfg.value_input == "privileged":
-                assert replayed is not None
-                feats = torch.from_numpy(replayed.features(buf, stored)).to(device)
+                feats = torch.from_numpy(replayed.features(buf)).to(device)
             else:
                 feats = all_features(base.policy, buf, device, instructions)
             seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
@@ -517,8 +507,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         bar.close()
         writer.close()
         env.close()
-        if replayed is not None:
-            replayed.close()
+        replayed.close()
 
     successes = [r["rollout_success"] for r in curve if math.isfinite(r["rollout_success"])]
     metrics: dict[str, Any] = {

@@ -21,56 +21,55 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vla_rl.train.hindsight import HINDSIGHT_PREFIX
+
 if TYPE_CHECKING:
     from fleet.store import Episode
     from sim.base import SimEnv
     from vla_rl.train.transitions import TransitionBuffer
-
-from vla_rl.train.hindsight import HINDSIGHT_PREFIX
 
 __all__ = ["ReplayedStates"]
 
 
 class ReplayedStates:
     """The full simulator state of each buffered frame, by replaying its episode once (cached by id)
-    in a ``state``-mode simulator of ``task`` (built on first use; :meth:`close` it)."""
+    in a ``state``-mode simulator of ``task`` (built on first use; :meth:`close` frees it and keeps the
+    cache). ``episode(id)``: the stored episode of a buffer's episode id."""
 
-    def __init__(self, task: str, atol: float = 1e-3) -> None:
-        self.task, self.atol = task, atol
+    def __init__(self, task: str, episode: Callable[[str], Episode], atol: float = 1e-3) -> None:
+        self.task, self.episode, self.atol = task, episode, atol
         self._env: SimEnv | None = None
         self._states: dict[str, np.ndarray] = {}
 
-    def states(self, episode: Episode) -> np.ndarray:
+    def states(self, episode_id: str) -> np.ndarray:
         """float32 [T, S]: the episode's replayed full state before each frame (cached)."""
-        eid = episode.meta.episode_id
-        if eid not in self._states:
+        if episode_id not in self._states:
             from sim.registry import make_env
             from sim.replay import replay_episode
 
             if self._env is None:
                 self._env = make_env(self.task, obs="state")
             try:
-                self._states[eid] = replay_episode(self._env, episode, atol=self.atol)
+                self._states[episode_id] = replay_episode(self._env, self.episode(episode_id), atol=self.atol)
             except ValueError as e:
                 raise ValueError(f"value_input 'privileged': {e} (or set value_input 'policy')") from None
-        return self._states[eid]
+        return self._states[episode_id]
 
     def forget(self, keep: set[str]) -> None:
         """Drop the cached replays of episodes not in ``keep`` (an online trainer's buffer moved on)."""
         for eid in set(self._states) - keep:
             del self._states[eid]
 
-    def features(self, buf: TransitionBuffer, episode: Callable[[str], Episode]) -> np.ndarray:
+    def features(self, buf: TransitionBuffer) -> np.ndarray:
         """float32 [N, S]: the replayed state of each of ``buf``'s rows, standardised over the rows
-        (``episode(id)``: the stored episode of a buffer id; hindsight copies read their source's)."""
+        (hindsight copies read their source episode's)."""
         ep_idx, frame = buf.array("episode"), buf.array("frame")
         out: np.ndarray | None = None
         for k, eid in enumerate(buf.episode_ids):
             rows = np.flatnonzero(ep_idx == k)
             if not len(rows):
                 continue
-            source = eid[len(HINDSIGHT_PREFIX) :] if eid.startswith(HINDSIGHT_PREFIX) else eid
-            states = self.states(episode(source))
+            states = self.states(eid.removeprefix(HINDSIGHT_PREFIX))
             if out is None:
                 out = np.zeros((len(buf), states.shape[1]), np.float32)
             out[rows] = states[frame[rows]]
