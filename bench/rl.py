@@ -202,6 +202,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             image_size=args.image_size,
             num_envs=2,
             progress=False,
+            replayable=args.obs == "rgb",  # a camera policy's trainers may replay them (privileged inputs)
         )
         return {"success_rate": rep.success_rate, "frames": rep.frames, "seconds": rep.seconds}
 
@@ -241,6 +242,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             revision=lp.commit,
             robot_prefix="fleet",
             progress=False,
+            replayable=args.obs == "rgb",
         )
         return {"success_rate": rep.success_rate, "frames": rep.frames, "seconds": rep.seconds}
 

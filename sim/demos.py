@@ -95,6 +95,7 @@ def record_demos(
     progress: bool = True,
     camera_codec: str | CameraCodecs | None = None,
     ray: str | None = None,
+    replayable: bool = False,
 ) -> DemoReport:
     """Run the scripted expert for ``episodes`` episodes and write every frame to ``store``.
 
@@ -105,6 +106,7 @@ def record_demos(
     the same frames. The expert of each episode is seeded with the episode's seed. ``ray`` (``auto`` or a
     cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`): the seeds, the expert
     and the writes stay in this process, so the same call writes the same frames there too.
+    ``replayable``: every episode replays exactly from its seed (:class:`sim.base.EnvOptions`).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -121,6 +123,7 @@ def record_demos(
         image_size=image_size,  # type: ignore[arg-type]
         max_episode_steps=max_episode_steps,
         ray=ray,
+        replayable=replayable,
     )
     codecs.check(env.spec.camera_names)
     report = DemoReport(task=env.task)
@@ -183,6 +186,7 @@ def record_rollouts(
     max_episode_steps: int | None = None,
     robot_prefix: str = "sim",
     progress: bool = True,
+    replayable: bool = False,
 ) -> DemoReport:
     """Run ``policy`` (a :class:`vla_rl.evaluation.ChunkPolicy`: ``predict_chunks(obs, seed)``,
     ``spec``, ``chunk_len``) autonomously and write every frame to ``store``: controller ``policy``,
@@ -190,6 +194,7 @@ def record_rollouts(
 
     Receding horizon: each robot executes the first ``n_exec`` actions of a chunk (default H/2), then
     asks again. Episode seeds follow the vector env's sequence, so the same call writes the same frames.
+    ``replayable``: every episode replays exactly from its seed (:class:`sim.base.EnvOptions`).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -201,6 +206,7 @@ def record_rollouts(
         obs="rgb" if spec.cameras else "state",
         image_size=spec.cameras[0].height if spec.cameras else 128,
         max_episode_steps=max_episode_steps,
+        replayable=replayable,
     )
     try:
         report = record_policy_episodes(

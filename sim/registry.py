@@ -93,8 +93,9 @@ def make_env(
     max_episode_steps: int | None = None,
     reward: RewardMode = "dense",
     render_size: int | None = None,
+    replayable: bool = False,
 ) -> SimEnv:
-    """Build one simulated robot for ``task`` (see :func:`list_tasks`)."""
+    """Build one simulated robot for ``task`` (see :func:`list_tasks`; options: :class:`EnvOptions`)."""
     info = resolve_task(task)
     options = EnvOptions(
         obs=obs,
@@ -102,6 +103,7 @@ def make_env(
         max_episode_steps=max_episode_steps,
         reward=reward,
         render_size=render_size,
+        replayable=replayable,
     )
     if info.backend == "maniskill":
         from sim.maniskill import ManiSkillEnv

@@ -11,8 +11,9 @@ goals for camera policies), without storing it.
 Each replay starts from a cleared simulator (:meth:`sim.base.SimEnv.clear_history`: ManiSkill rebuilds
 its scene, ~0.2 s), since PhysX keeps state across resets that made ~1 in 16 replays drift by up to
 2 cm when one simulator replayed episodes back to back. The recordings can carry such state from their
-own simulator's earlier episodes too (ManiSkill vector envs reset without a rebuild), which no replay
-reproduces. So replays are checked: the recorded state must equal the replayed one's leading columns
+own simulator's earlier episodes too, which no replay reproduces, unless they were recorded
+``replayable`` (:class:`sim.base.EnvOptions`: the recording simulator clears it at every reset as well).
+So replays are checked: the recorded state must equal the replayed one's leading columns
 at every frame (within ``atol``), else the replay has diverged (that history, another simulator
 version, a machine whose physics rounds differently, frames the store dropped) and
 :func:`replay_episode` says so rather than return another episode's states. Frame 0 is not compared: at a reset ManiSkill reports the contact-derived
@@ -40,7 +41,8 @@ def replay_states(env: SimEnv, episode_seed: int, actions: np.ndarray) -> np.nda
     if actions.ndim != 2 or actions.shape[1] != env.spec.action_dim:
         raise ValueError(f"actions: expected [T, {env.spec.action_dim}], got {list(actions.shape)}")
     # what earlier episodes left in the simulator must not steer this one
-    env.clear_history(int(episode_seed))
+    if not env.options.replayable:  # (a replayable env clears it at every reset)
+        env.clear_history(int(episode_seed))
     obs, _ = env.reset(seed=int(episode_seed))
     states = [np.asarray(obs["state"], dtype=np.float32)]
     for a in actions[:-1]:

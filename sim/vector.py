@@ -12,7 +12,8 @@ autoreset). For each step, ``info`` holds
   finished), because that is what the next action is computed from.
 
 Seeding: env ``i``'s ``j``-th episode uses seed ``seed + i + j * num_envs``, so a run is reproducible
-and no two episodes share a seed.
+and no two episodes share a seed. ``replayable=True`` clears each simulator's history at every reset
+(:class:`sim.base.EnvOptions`), so every episode replays exactly from its seed (:mod:`sim.replay`).
 
 Workers: ``num_envs > 1`` runs one worker process per env on this machine (except for the physics-free
 ``kinematic`` task, whose envs step in this process: a process each would only add IPC to a numpy step;
@@ -120,6 +121,7 @@ class VectorSimEnv:
         render_size: int | None = None,
         ray: str | None = None,
         ray_options: RayWorkerOptions | None = None,
+        replayable: bool = False,
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs: expected >= 1, got {num_envs}")
@@ -132,6 +134,7 @@ class VectorSimEnv:
             max_episode_steps=max_episode_steps,
             reward=reward,
             render_size=render_size,
+            replayable=replayable,
         )
         self._episode_count = np.zeros(num_envs, dtype=np.int64)
         self._local: list[SimEnv] = []

@@ -114,10 +114,17 @@ def test_cli_end_to_end(tmp_path: Path, store_db_url: str | None) -> None:
         str(store),
         "--seed",
         "3",
+        "--replayable",
         "--no-progress",
         *db,
     )
     assert "recorded 2 episodes" in demos.stdout
+    from sim.replay import replay_episode
+
+    with sim.make_env(TASK) as env:  # --replayable: each episode replays from its seed, checked
+        for eid in EpisodeStore(store).episode_ids():
+            ep = EpisodeStore(store).read_episode(eid)
+            np.testing.assert_allclose(replay_episode(env, ep), ep.state, atol=1e-5)
     log_lines = [json.loads(line) for line in demos.stderr.splitlines() if line.startswith("{")]
     assert any(rec["msg"] == "recorded demos" and rec["episodes"] == 2 for rec in log_lines)
 

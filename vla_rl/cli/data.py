@@ -92,6 +92,10 @@ class SimDemos:
     camera_codec: str = "lossless"
     """Camera codec in the store: lossless (zstd), jpeg or jpeg:QUALITY (1-100), per camera CAMERA=CODEC,
     comma-separated (e.g. jpeg:90,hand_camera=lossless). See docs/store.md."""
+    replayable: bool = False
+    """Clear each simulator's history at every reset (~0.25 s an episode) so every episode replays exactly
+    from its seed: what a camera policy's trainers need for privileged inputs (value_input privileged,
+    hindsight copies)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -121,6 +125,7 @@ def sim_demos(a: SimDemos) -> int:
             progress=a.progress,
             camera_codec=codecs,
             ray=ray,
+            replayable=a.replayable,
         )
     print(
         f"recorded {report.episodes} episodes of {report.task} ({report.frames} frames) into {store.root}: "

@@ -333,6 +333,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         obs="rgb" if cameras else "state",
         image_size=spec.cameras[0].height if cameras else 128,
         max_episode_steps=cfg.max_episode_steps,
+        # the online episodes are replayed for what a camera policy's state lacks (see below)
+        replayable=cameras and (cfg.value_input == "privileged" or layout is not None),
     )
     max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
     # each episode's full simulator state, replayed once: V's inputs with value_input "privileged", and a

@@ -48,7 +48,7 @@ class ReplayedStates:
             from sim.replay import replay_episode
 
             if self._env is None:
-                self._env = make_env(self.task, obs="state")
+                self._env = make_env(self.task, obs="state", replayable=True)
             try:
                 self._states[episode_id] = replay_episode(self._env, self.episode(episode_id), atol=self.atol)
             except ValueError as e:
