@@ -15,6 +15,7 @@ from tiny_base import demo_store, tiny_sft
 from fleet.store import EpisodeStore
 from sim.registry import make_env
 from vla_rl.train.algorithms import make_config, train
+from vla_rl.train.awr import AWRConfig
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
 from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import DataSelection, load_transitions
@@ -82,6 +83,16 @@ def test_an_episode_without_a_seed_is_named(sloppy: tuple[Path, Path]) -> None:
     ):
         replayed.features(buf)
     replayed.close()
+    # a camera policy's hindsight copies replay too: the message names what asked, not only the value
+    cfg = AWRConfig(base="b", store=sloppy[0], out=sloppy[0].parent / "o", hindsight_weight=4.0)
+    assert cfg.replay_uses(cameras=False) == []  # a state policy's own state holds the achieved goal
+    assert cfg.replay_uses(cameras=True) == ["hindsight_weight > 0 on a camera policy"]
+    both = dataclasses.replace(cfg, value_input="privileged").replay_uses(cameras=True)
+    replayed = ReplayedStates(REACH, lambda e: unseeded, uses=both)
+    with pytest.raises(
+        ValueError, match=r"^value_input 'privileged' and hindsight_weight > 0 on a camera policy: "
+    ):
+        replayed.states(first.meta.episode_id)
 
 
 def test_awr_pi_and_awr_train_with_a_privileged_value(sloppy: tuple[Path, Path], tmp_path: Path) -> None:

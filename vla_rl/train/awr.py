@@ -197,6 +197,15 @@ class AdvantageConfig(TrainerConfig):
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
 
+    def replay_uses(self, cameras: bool) -> list[str]:
+        """What needs each episode's simulator state replayed (:mod:`vla_rl.train.privileged`), as the
+        knobs that ask for it: a privileged value, and a camera policy's hindsight copies (its own state
+        lacks where the object was brought). Empty: nothing is replayed, and recordings need no seed."""
+        uses = ["value_input 'privileged'"] if self.value_input == "privileged" else []
+        return uses + (
+            ["hindsight_weight > 0 on a camera policy"] if cameras and self.hindsight_weight else []
+        )
+
 
 @dataclass(kw_only=True)
 class AWRConfig(AdvantageConfig):
@@ -539,7 +548,9 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     # each episode's full simulator state, replayed once where it is needed: a camera policy's hindsight
     # copies and a privileged value (vla_rl/train/privileged.py)
     store = EpisodeStore(cfg.store)
-    replayed = ReplayedStates(spec.name, lambda e: store.read_episode(e, cameras=False))
+    replayed = ReplayedStates(
+        spec.name, lambda e: store.read_episode(e, cameras=False), uses=cfg.replay_uses(bool(spec.cameras))
+    )
     copies: list[int] = []
     if cfg.hindsight_weight:
         layout = goal_layout(spec.name, bool(spec.cameras))

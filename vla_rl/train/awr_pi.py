@@ -334,13 +334,15 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         image_size=spec.cameras[0].height if cameras else 128,
         max_episode_steps=cfg.max_episode_steps,
         # the online episodes are replayed for what a camera policy's state lacks (see below)
-        replayable=cameras and (cfg.value_input == "privileged" or layout is not None),
+        replayable=cameras and bool(cfg.replay_uses(cameras)),
     )
     max_steps = max(env.max_episode_steps, *(ep.length for ep in offline.episodes))
     # each episode's full simulator state, replayed once: V's inputs with value_input "privileged", and a
     # camera policy's hindsight copies (its own state lacks the achieved position)
     offline_by_id = {ep.meta.episode_id: ep for ep in offline.episodes}
-    replayed = ReplayedStates(task, lambda e: online[e] if e in online else offline_by_id[e])
+    replayed = ReplayedStates(
+        task, lambda e: online[e] if e in online else offline_by_id[e], uses=cfg.replay_uses(cameras)
+    )
 
     n_exec = cfg.n_exec or base.policy.config.n_exec
     a_cfg = model.config

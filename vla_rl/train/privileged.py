@@ -16,7 +16,7 @@ episode's frames; its weight is fixed, so what V says of it is not used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,10 +34,17 @@ __all__ = ["ReplayedStates"]
 class ReplayedStates:
     """The full simulator state of each buffered frame, by replaying its episode once (cached by id)
     in a ``state``-mode simulator of ``task`` (built on first use; :meth:`close` frees it and keeps the
-    cache). ``episode(id)``: the stored episode of a buffer's episode id."""
+    cache). ``episode(id)``: the stored episode of a buffer's episode id; ``uses``: the knobs that asked
+    for the replay (:meth:`vla_rl.train.awr.AdvantageConfig.replay_uses`), named when one fails."""
 
-    def __init__(self, task: str, episode: Callable[[str], Episode], atol: float = 1e-3) -> None:
-        self.task, self.episode, self.atol = task, episode, atol
+    def __init__(
+        self,
+        task: str,
+        episode: Callable[[str], Episode],
+        atol: float = 1e-3,
+        uses: Sequence[str] = ("value_input 'privileged'",),
+    ) -> None:
+        self.task, self.episode, self.atol, self.uses = task, episode, atol, list(uses)
         self._env: SimEnv | None = None
         self._states: dict[str, np.ndarray] = {}
 
@@ -52,7 +59,11 @@ class ReplayedStates:
             try:
                 self._states[episode_id] = replay_episode(self._env, self.episode(episode_id), atol=self.atol)
             except ValueError as e:
-                raise ValueError(f"value_input 'privileged': {e} (or set value_input 'policy')") from None
+                knobs = " and ".join(self.uses) or "replaying episodes"
+                raise ValueError(
+                    f"{knobs}: {e} (these need each episode's simulator state; or turn them off: "
+                    "value_input 'policy', hindsight_weight 0)"
+                ) from None
         return self._states[episode_id]
 
     def forget(self, keep: set[str]) -> None:
