@@ -5,7 +5,9 @@ cached training is reused only with the knobs it ran with):
 
 1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default; ``--task``,
    ``--obs rgb --image-size 64`` for pixels + proprioception);
-2. SFT base for ``--sft-steps``; evaluate on ``--eval-episodes`` held-out seeds (100000+);
+2. SFT base for ``--sft-steps``; with ``--base-band LO HI`` the base is the most-trained SFT checkpoint
+   whose success on ``--base-probe-episodes`` selection seeds (400000+, never evaluated) lies in the band
+   (the issue's "base at 30-60%" as a rule, not a reroll); evaluate on ``--eval-episodes`` held-out seeds;
 3. the fleet's experience: ``--rollouts`` autonomous episodes of the SFT base (controller policy,
    revision = the base), stored next to the demos;
 4. each algorithm starts from the SFT base on that data (and, for online ones, the same env-step
@@ -26,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from fleet.store import EpisodeStore
 from sim.demos import record_demos, record_rollouts
 from vla_rl.evaluation import evaluate
 from vla_rl.policy_loading import load_policy
-from vla_rl.seeds import EVAL, SeedOverlapError, check_disjoint
+from vla_rl.seeds import BASE_SELECTION, EVAL, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig
 from vla_rl.train.common import config_dict
@@ -71,6 +74,33 @@ def _eval_name(tag: str, args: argparse.Namespace) -> str:
 
 def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
     return evaluate_checkpoint(ckpt, args.task, args.eval_episodes, seed=args.eval_seed)
+
+
+class BaseOutOfBand(ValueError):
+    """No SFT checkpoint of a seed scored inside ``--base-band`` on the selection seeds."""
+
+
+def select_base(
+    checkpoints: list[Path], band: tuple[float, float], score: Callable[[Path], float]
+) -> dict[str, Any]:
+    """The base a run starts from when it must score inside ``band`` (fractions, inclusive): the
+    most-trained of ``checkpoints`` (SFT's ``step_NNNNNN`` folders) whose ``score`` lies in it. Scored
+    from the last back, stopping at the first inside, so a base that came out too strong gives way to an
+    earlier checkpoint of the same run; returns the choice and every score taken. Raises
+    :class:`BaseOutOfBand` naming every score when none is inside."""
+    lo, hi = band
+    probed: list[dict[str, Any]] = []
+    for ckpt in sorted(checkpoints, key=lambda c: c.name, reverse=True):
+        success = float(score(ckpt))
+        probed.append({"checkpoint": str(ckpt), "success": success})
+        if lo <= success <= hi:
+            return {"checkpoint": str(ckpt), "success": success, "band": [lo, hi], "probed": probed}
+    shown = ", ".join(f"{Path(p['checkpoint']).name} {p['success']:.0%}" for p in probed) or "no checkpoints"
+    raise BaseOutOfBand(
+        f"--base-band {lo:g} {hi:g}: no SFT checkpoint scored inside the band ({shown}); all below it: train "
+        "longer (--sft-steps) or record more demos (--demos); all above it: fewer demos, or checkpoints "
+        "earlier in training (--sft '{\"checkpoint_every\": N}')"
+    )
 
 
 # bench names -> the algorithm table's names (vla_rl.train.algorithms) and the knobs a variant implies
@@ -171,6 +201,10 @@ def _eval_seeds(args: argparse.Namespace) -> range:
     return range(args.eval_seed, args.eval_seed + args.eval_episodes)
 
 
+def _selection_seeds(args: argparse.Namespace) -> range:
+    return range(BASE_SELECTION, BASE_SELECTION + args.base_probe_episodes)
+
+
 def _demo_seed(seed: int) -> int:
     return seed * 10_000
 
@@ -188,6 +222,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         {
             "demos": range(_demo_seed(seed), _demo_seed(seed) + args.demos),
             "base rollouts": range(_rollout_seed(seed), _rollout_seed(seed) + args.rollouts),
+            **({"the base's selection": _selection_seeds(args)} if args.base_band else {}),
         },
     )
 
@@ -225,9 +260,26 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0}
 
     base = _cached(work / "sft.json", sft)
-    base_ckpt = Path(base["checkpoint"])
+    base_ckpt, base_name, selection = Path(base["checkpoint"]), "sft", {}
+    if args.base_band:
+        sel = _selection_seeds(args)
+        lo, hi = args.base_band
+        selection = _cached(
+            work / f"base-band-{lo:g}-{hi:g}.seeds-{sel.start}-{len(sel)}.json",
+            lambda: select_base(
+                list((work / "sft" / "checkpoints").glob("step_*")),
+                (lo, hi),
+                lambda c: evaluate_checkpoint(c, args.task, len(sel), seed=sel.start)["success"],
+            ),
+        )
+        base_ckpt = Path(selection["checkpoint"])
+        base_name = f"sft.{base_ckpt.name}"
+        print(
+            f"seed {seed} base {base_ckpt.name}: {selection['success']:.0%} on the selection seeds",
+            flush=True,
+        )
     base_eval = (
-        {} if args.train_only else _cached(work / _eval_name("sft", args), lambda: _eval(base_ckpt, args))
+        {} if args.train_only else _cached(work / _eval_name(base_name, args), lambda: _eval(base_ckpt, args))
     )
 
     def rollouts() -> dict[str, Any]:
@@ -244,14 +296,24 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             progress=False,
             replayable=args.obs == "rgb",
         )
-        return {"success_rate": rep.success_rate, "frames": rep.frames, "seconds": rep.seconds}
+        return {
+            "success_rate": rep.success_rate,
+            "frames": rep.frames,
+            "seconds": rep.seconds,
+            "base": str(base_ckpt),
+        }
 
     roll = _cached(work / "rollouts.json", rollouts) if args.rollouts else {}
+    if roll.get("base", str(base_ckpt)) != str(base_ckpt):
+        raise SystemExit(
+            f"{work / 'rollouts.json'}: the store holds rollouts of {roll['base']}, not of this run's base "
+            f"{base_ckpt}; give this setting its own --work"
+        )
     results: dict[str, Any] = {
         "seed": seed,
         "demos": demo,
         "rollouts": roll,
-        "sft": {**base_eval, "seconds": base["seconds"]},
+        "sft": {**base_eval, "seconds": base["seconds"], **({"selection": selection} if selection else {})},
     }
     for algo in args.algos:
         tag = algo + (f"-{args.tag}" if args.tag else "")
@@ -370,6 +432,22 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.5)
     p.add_argument("--sft-steps", type=int, default=1500)
     p.add_argument(
+        "--base-band",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="start from the most-trained SFT checkpoint whose success on the selection seeds (400000+) lies "
+        "in [LO, HI] (fractions, e.g. 0.3 0.6); SFT then saves a checkpoint every sft-steps / 6 unless --sft "
+        "sets checkpoint_every; a seed with none inside stops with every checkpoint's score",
+    )
+    p.add_argument(
+        "--base-probe-episodes",
+        type=int,
+        default=50,
+        help="episodes each checkpoint is scored on (--base-band)",
+    )
+    p.add_argument(
         "--rollouts", type=int, default=100, help="autonomous episodes of the SFT base (the fleet data)"
     )
     p.add_argument("--env-steps", type=int, default=20_000, help="online budget per online algorithm")
@@ -442,6 +520,13 @@ def main() -> None:
             p.error("--merge: give the merged file's path with --out")
         merge(args.merge, args.out)
         return
+    if args.base_band:
+        lo, hi = args.base_band
+        if not 0 <= lo <= hi <= 1:
+            p.error(f"--base-band: expected 0 <= LO <= HI <= 1 (success fractions), got {lo:g} {hi:g}")
+        if args.base_probe_episodes < 1:
+            p.error(f"--base-probe-episodes: expected a positive integer, got {args.base_probe_episodes}")
+        args.sft = {"checkpoint_every": max(1, args.sft_steps // 6), **args.sft}
     if args.qam_preset:
         args.qam = preset_knobs(args.qam_preset, args.qam)
     if args.awr_pi_preset:
@@ -449,7 +534,7 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         per_seed = [run_seed(s, args) for s in args.seeds]
-    except SeedOverlapError as e:
+    except (SeedOverlapError, BaseOutOfBand) as e:
         p.error(str(e))
     if args.train_only:
         return
@@ -468,6 +553,11 @@ def main() -> None:
                 "env_steps": args.env_steps,
                 "eval_episodes": args.eval_episodes,
                 "eval_seed": args.eval_seed,
+                **(
+                    {"base_band": args.base_band, "base_probe_episodes": args.base_probe_episodes}
+                    if args.base_band
+                    else {}
+                ),
             },
             "overrides": {
                 "sft": args.sft,

@@ -88,3 +88,66 @@ def test_merge_joins_seeds_of_one_protocol_and_refuses_others(tmp_path: Path) ->
         merge([a, run("c.json", 1, 0.3, 0.5, eval_episodes=50)], tmp_path / "x.json")
     with pytest.raises(SystemExit, match=r"a seed appears twice"):
         merge([a, run("d.json", 2, 0.3, 0.5)], tmp_path / "y.json")
+
+
+def test_base_band_takes_the_most_trained_checkpoint_inside_and_names_every_score_otherwise() -> None:
+    """Scored from the last checkpoint back: a base that came out too strong gives way to the latest
+    checkpoint inside the band, and the earlier ones are never scored; none inside is an error listing
+    each checkpoint's score and what to change."""
+    from bench.rl import BaseOutOfBand, select_base
+
+    scores = {"step_000250": 0.10, "step_000500": 0.35, "step_000750": 0.50, "step_001000": 0.70}
+    ckpts = [Path("sft/checkpoints") / n for n in scores]
+    scored: list[str] = []
+
+    def score(c: Path) -> float:
+        scored.append(c.name)
+        return scores[c.name]
+
+    sel = select_base(ckpts[::-1], (0.3, 0.6), score)
+    assert sel["checkpoint"] == str(Path("sft/checkpoints/step_000750")) and sel["success"] == 0.50
+    assert scored == ["step_001000", "step_000750"]
+    assert [p["success"] for p in sel["probed"]] == [0.70, 0.50] and sel["band"] == [0.3, 0.6]
+    with pytest.raises(
+        BaseOutOfBand, match=r"step_001000 70%, step_000750 50%, step_000500 35%, step_000250 10%"
+    ):
+        select_base(ckpts, (0.8, 0.9), lambda c: scores[c.name])
+    with pytest.raises(BaseOutOfBand, match=r"no checkpoints"):
+        select_base([], (0.3, 0.6), lambda c: 0.0)
+
+
+def test_a_banded_run_starts_from_the_chosen_checkpoint_and_records_the_choice(tmp_path: Path) -> None:
+    """bench/rl.py end to end on the kinematic bed (seconds): SFT saves sft-steps / 6 checkpoints, the
+    chosen one is scored on the selection seeds (400000+) and is the base the held-out table reports;
+    an inverted band is a usage error naming the flag, not a traceback."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_base import TINY_POLICY
+
+    out = tmp_path / "rl.json"
+    cmd = [
+        sys.executable, "-m", "bench.rl", "--task", "kinematic/Reach-v0", "--seeds", "0", "--demos", "4",
+        "--sft-steps", "12", "--sft", json.dumps({**TINY_POLICY, "batch_size": 16}), "--rollouts", "0",
+        "--algos", "awr", "--awr", json.dumps({"steps": 4, "value_steps": 4, "batch_size": 16}),
+        "--eval-episodes", "4", "--eval-seed", "200000", "--base-band", "0", "1", "--base-probe-episodes", "3",
+        "--work", str(tmp_path / "work"), "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["budgets"]["base_band"] == [0.0, 1.0] and res["overrides"]["sft"]["checkpoint_every"] == 2
+    sft = res["per_seed"][0]["sft"]
+    assert Path(sft["selection"]["checkpoint"]).name == "step_000012"  # band [0, 1]: the last one
+    assert len(sft["selection"]["probed"]) == 1 and "success" in sft
+    work = tmp_path / "work" / "seed0"
+    assert len(list((work / "sft" / "checkpoints").glob("step_*"))) == 6
+    assert (work / "sft.step_000012.eval-200000-4.json").exists()
+    assert res["per_seed"][0]["awr"]["config"]["base"].endswith("step_000012")
+
+    bad = subprocess.run(
+        [*cmd[:-2], "--base-band", "0.6", "0.3"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "--base-band: expected 0 <= LO <= HI <= 1" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -15,6 +15,8 @@ evaluation                      :data:`EVAL` = 100,000          ``vla-rl eval``,
 held-out benchmark finals       200,000                         ``bench/* --eval-seed 200000``: no setting
                                                                 is ever chosen on these
 probes, calibration             300,000                         settings are chosen on these
+SFT base selection              400,000                         ``bench/rl.py --base-band`` picks the base
+                                                                checkpoint on these (:data:`BASE_SELECTION`)
 online training                 :data:`ONLINE` = 1,000,000 up   awr-pi, QAM online, PPO, ``vla-rl up``'s
                                                                 simulated fleet
 ==============================  ==============================  =========================================
@@ -27,12 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["EVAL", "ONLINE", "SeedOverlapError", "check_disjoint"]
+__all__ = ["BASE_SELECTION", "EVAL", "ONLINE", "SeedOverlapError", "check_disjoint"]
 
 EVAL = 100_000
 """First seed of evaluations (and of the rounds' promotion gate)."""
 ONLINE = 1_000_000
 """First seed of online training collection; every evaluation range must stay below it."""
+BASE_SELECTION = 400_000
+"""First seed of the episodes a benchmark scores SFT checkpoints on to pick a base inside a success band."""
 
 
 class SeedOverlapError(ValueError):
