@@ -264,13 +264,15 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.base_band:
         sel = _selection_seeds(args)
         lo, hi = args.base_band
-        selection = _cached(
-            work / f"base-band-{lo:g}-{hi:g}.seeds-{sel.start}-{len(sel)}.json",
-            lambda: select_base(
-                list((work / "sft" / "checkpoints").glob("step_*")),
-                (lo, hi),
-                lambda c: evaluate_checkpoint(c, args.task, len(sel), seed=sel.start)["success"],
-            ),
+        # each checkpoint's score is cached as an evaluation is, so another band or a rerun after a seed
+        # with none inside scores nothing twice; the choice itself is derived from them every time
+        selection = select_base(
+            list((work / "sft" / "checkpoints").glob("step_*")),
+            (lo, hi),
+            lambda c: _cached(
+                work / f"sft.{c.name}.eval-{sel.start}-{len(sel)}.json",
+                lambda: evaluate_checkpoint(c, args.task, len(sel), seed=sel.start),
+            )["success"],
         )
         base_ckpt = Path(selection["checkpoint"])
         base_name = f"sft.{base_ckpt.name}"

@@ -144,6 +144,7 @@ def test_a_banded_run_starts_from_the_chosen_checkpoint_and_records_the_choice(t
     work = tmp_path / "work" / "seed0"
     assert len(list((work / "sft" / "checkpoints").glob("step_*"))) == 6
     assert (work / "sft.step_000012.eval-200000-4.json").exists()
+    assert (work / "sft.step_000012.eval-400000-3.json").exists()  # the selection score, cached
     assert res["per_seed"][0]["awr"]["config"]["base"].endswith("step_000012")
 
     bad = subprocess.run(
