@@ -604,7 +604,8 @@ def _table(per_seed: list[dict[str, Any]], algos: list[str]) -> tuple[list[str],
 def merge(paths: list[Path], out: Path) -> Path:
     """One results JSON (and plot) from runs of the same protocol on other seeds, e.g. seeds trained in
     parallel processes or sessions: their ``per_seed`` rows joined, the table recomputed, and each
-    source's file and machine kept under ``merged_from``. The task, observation, budgets and overrides
+    source's file and machine kept under ``merged_from`` (a merged source contributes its own sources, so
+    seeds added in a later session merge into the earlier table). The task, observation, budgets and overrides
     must agree; a seed may appear once."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     first = docs[0]["results"]
@@ -629,7 +630,9 @@ def merge(paths: list[Path], out: Path) -> Path:
             "table": {"header": header, "rows": rows},
             "seconds": sum(d["results"].get("seconds", 0.0) for d in docs),
             "merged_from": [
-                {"file": Path(p).name, "machine": d["machine"]} for p, d in zip(paths, docs, strict=True)
+                src
+                for p, d in zip(paths, docs, strict=True)
+                for src in d["results"].get("merged_from", [{"file": Path(p).name, "machine": d["machine"]}])
             ],
         },
         out=out,

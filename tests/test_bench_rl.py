@@ -84,6 +84,11 @@ def test_merge_joins_seeds_of_one_protocol_and_refuses_others(tmp_path: Path) ->
     assert res["table"]["rows"][1][:5] == ["awr-pi", "60%", "70%", "65%", "+30 pts"]
     assert [m["file"] for m in res["merged_from"]] == ["a.json", "b.json"] and res["seconds"] == 1400.0
     assert out.with_suffix(".png").exists()
+    # a seed from a later session joins the merged table; the sources stay the per-seed files
+    abe = json.loads(merge([out, run("e.json", 5, 0.50, 0.90)], tmp_path / "abe.json").read_text())["results"]
+    assert [s["seed"] for s in abe["per_seed"]] == [0, 2, 5]
+    assert abe["table"]["rows"][1][4:6] == ["73%", "+33 pts"]
+    assert [m["file"] for m in abe["merged_from"]] == ["a.json", "b.json", "e.json"]
     with pytest.raises(SystemExit, match=r"c\.json's budgets differs"):
         merge([a, run("c.json", 1, 0.3, 0.5, eval_episodes=50)], tmp_path / "x.json")
     with pytest.raises(SystemExit, match=r"a seed appears twice"):
