@@ -399,9 +399,20 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
                         color=line.get_color(),
                         label=f"{a} seed {s['seed']} held-out",
                     )
-    ax2.set_xlabel("env steps")
+    if ax2.lines:
+        ax2.set_xlabel("env steps")
+        ax2.set_title("online learning curves (lines: rollouts; dots: held-out)")
+    else:  # offline rows only: each seed's base and result with their 95% intervals
+        for j, a in enumerate(names):
+            rows = [(i, s[a]) for i, s in enumerate(per_seed) if "success" in s.get(a, {})]
+            xs = [i + (j - (len(names) - 1) / 2) * 0.15 for i, _ in rows]
+            ys = [100 * r["success"] for _, r in rows]
+            ci = np.array([[100 * r["success"] - 100 * r["ci95"][0], 100 * r["ci95"][1] - 100 * r["success"]]
+                           for _, r in rows if "ci95" in r]).T  # fmt: skip
+            ax2.errorbar(xs, ys, yerr=ci if ci.size == 2 * len(rows) else None, fmt="o", capsize=3, label=a)
+        ax2.set_xticks(range(len(per_seed)), [f"seed {s['seed']}" for s in per_seed])
+        ax2.set_title("per seed, with 95% intervals")
     ax2.set_ylabel("success (%)")
-    ax2.set_title("online learning curves (lines: rollouts; dots: held-out)")
     if ax2.lines:
         ax2.legend(fontsize=7)
     fig.tight_layout()
