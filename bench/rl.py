@@ -67,9 +67,9 @@ def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = EVAL) 
     return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
 
 
-def _eval_name(tag: str, args: argparse.Namespace) -> str:
-    """The cache file of ``tag``'s evaluation on the held-out seeds ``args`` names."""
-    return f"{tag}.eval-{args.eval_seed}-{args.eval_episodes}.json"
+def _eval_name(tag: str, seeds: range) -> str:
+    """The cache file of ``tag``'s evaluation on the episode seeds ``seeds`` (held-out or selection)."""
+    return f"{tag}.eval-{seeds.start}-{len(seeds)}.json"
 
 
 def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -192,7 +192,9 @@ def _held_out_curve(
     rows = []
     for ckpt in sorted((work / tag / "checkpoints").glob("iter_*")):
         it = int(ckpt.name.removeprefix("iter_"))
-        ev = _cached(work / _eval_name(f"{tag}.{ckpt.name}", args), lambda ckpt=ckpt: _eval(ckpt, args))
+        ev = _cached(
+            work / _eval_name(f"{tag}.{ckpt.name}", _eval_seeds(args)), lambda ckpt=ckpt: _eval(ckpt, args)
+        )
         rows.append({"iteration": it, "env_steps": steps.get(it), **ev})
     return rows
 
@@ -270,7 +272,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             list((work / "sft" / "checkpoints").glob("step_*")),
             (lo, hi),
             lambda c: _cached(
-                work / f"sft.{c.name}.eval-{sel.start}-{len(sel)}.json",
+                work / _eval_name(f"sft.{c.name}", sel),
                 lambda: evaluate_checkpoint(c, args.task, len(sel), seed=sel.start),
             )["success"],
         )
@@ -281,7 +283,9 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     base_eval = (
-        {} if args.train_only else _cached(work / _eval_name(base_name, args), lambda: _eval(base_ckpt, args))
+        {}
+        if args.train_only
+        else _cached(work / _eval_name(base_name, _eval_seeds(args)), lambda: _eval(base_ckpt, args))
     )
 
     def rollouts() -> dict[str, Any]:
@@ -340,7 +344,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         ckpt = Path(trained["checkpoint"])
         results[algo] = {
             **trained,
-            **_cached(work / _eval_name(tag, args), lambda ckpt=ckpt: _eval(ckpt, args)),
+            **_cached(work / _eval_name(tag, _eval_seeds(args)), lambda ckpt=ckpt: _eval(ckpt, args)),
         }
         if args.eval_checkpoints:
             results[algo]["held_out_curve"] = _held_out_curve(work, tag, trained, args)
@@ -407,9 +411,11 @@ def _plot(per_seed: list[dict[str, Any]], algos: list[str], path: Path) -> None:
             rows = [(i, s[a]) for i, s in enumerate(per_seed) if "success" in s.get(a, {})]
             xs = [i + (j - (len(names) - 1) / 2) * 0.15 for i, _ in rows]
             ys = [100 * r["success"] for _, r in rows]
-            ci = np.array([[100 * r["success"] - 100 * r["ci95"][0], 100 * r["ci95"][1] - 100 * r["success"]]
-                           for _, r in rows if "ci95" in r]).T  # fmt: skip
-            ax2.errorbar(xs, ys, yerr=ci if ci.size == 2 * len(rows) else None, fmt="o", capsize=3, label=a)
+            yerr = None
+            if all("ci95" in r for _, r in rows):
+                lo, hi = (np.array([100 * r["ci95"][k] for _, r in rows]) for k in (0, 1))
+                yerr = [np.array(ys) - lo, hi - np.array(ys)]
+            ax2.errorbar(xs, ys, yerr=yerr, fmt="o", capsize=3, label=a)
         ax2.set_xticks(range(len(per_seed)), [f"seed {s['seed']}" for s in per_seed])
         ax2.set_title("per seed, with 95% intervals")
     ax2.set_ylabel("success (%)")

@@ -60,14 +60,12 @@ _PICKCUBE_AWR_PI: dict[str, Any] = {
     "threads": 1,
 }
 
-# ... with TD(λ) advantages on the shaped reward (success plus potential-based dense progress)
-_PICKCUBE_AWR_PI_SHAPED: dict[str, Any] = {
-    **_PICKCUBE_AWR_PI,
-    "reward": "shaped",
-    "gamma": 0.99,
-    "advantage_lambda": 0.9,
-    "env_steps": 50_000,
-}
+# TD(λ) advantages on the shaped reward (success plus potential-based dense progress)
+_SHAPED_ADVANTAGES: dict[str, Any] = {"reward": "shaped", "gamma": 0.99, "advantage_lambda": 0.9}
+_PICKCUBE_AWR_PI_SHAPED: dict[str, Any] = {**_PICKCUBE_AWR_PI, **_SHAPED_ADVANTAGES, "env_steps": 50_000}
+
+# offline AWR on the fleet's rollouts + demos: sharp weights, 6,000 updates
+_PICKCUBE_AWR_OFFLINE: dict[str, Any] = {"beta": 0.1, "steps": 6000}
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -165,7 +163,7 @@ PRESETS: dict[str, Preset] = {
             "offline AWR on the fleet's rollouts + demos, sharp weights (β 0.1) and 6,000 updates: PickCube "
             "state 37.8 -> 44.0% (+6.2, 3 seeds, 400 base rollouts, held out; docs/benchmarks.md); for "
             "goal-conditioned tasks pickcube-awr-offline-hindsight gains 2.5 times as much",
-            {"beta": 0.1, "steps": 6000},
+            _PICKCUBE_AWR_OFFLINE,
         ),
         Preset(
             "pickcube-awr-offline-hindsight",
@@ -174,14 +172,7 @@ PRESETS: dict[str, Preset] = {
             "episode (the goal relabelled to where the cube was brought, cloned at weight 4): PickCube state "
             "37.8 -> 53.7% (+15.9, 3 seeds, 400 base rollouts + 30 demos, held out; docs/benchmarks.md), the "
             "best offline recipe. Goal-conditioned tasks only (train/hindsight.py)",
-            {
-                "beta": 0.1,
-                "steps": 6000,
-                "reward": "shaped",
-                "gamma": 0.99,
-                "advantage_lambda": 0.9,
-                "hindsight_weight": 4.0,
-            },
+            {**_PICKCUBE_AWR_OFFLINE, **_SHAPED_ADVANTAGES, "hindsight_weight": 4.0},
         ),
         Preset(
             "tiny-awr",
