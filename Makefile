@@ -30,13 +30,13 @@ lint: setup
 format: setup
 	.venv/bin/python -m ruff check --fix . && .venv/bin/python -m ruff format .
 
-# The slim robot-side wheel, vla-rl-client (numpy, grpcio, protobuf, Pillow only): see server/__init__.py.
 # Regenerate requirements/lock.txt (pip freeze of pyproject.toml + dev resolved afresh; see the script's header).
 lock:
 	bash scripts/lock.sh
 
+# The robot-side wheel, vla-rl-client (packages/vla-rl-client: numpy, grpcio, protobuf, Pillow only) -> dist/.
 client: setup
-	.venv/bin/python -m scripts.build_client --out dist/
+	.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w dist/ packages/vla-rl-client
 
 # Benchmarks (bench/*.py; each one's --help says what it measures). Both targets print each benchmark's table.
 #   make bench       a quick subset with short settings: every part of the system once (simulators, episode

@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 import psutil
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import machine, table, write_results
 from sim.fleet_runner import SyntheticRobotConfig, smooth_image_pool, synthetic_robot_main
-from vla_rl.spec import CameraSpec, RobotSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("VLA_RL_CACHE", Path.home() / ".cache" / "vla-rl")) / "bench"

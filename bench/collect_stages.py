@@ -23,16 +23,16 @@ from typing import Any
 
 import numpy as np
 import zarr
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.robot_client import RobotClient
+from vla_rl_client.spec import CameraSpec, RobotSpec
+from vla_rl_client.wire import keep_freed_memory
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from bench.collect import CAMERAS, frame_pool, free_port
 from bench.common import table, write_results
-from fleet.proto import collector_pb2 as pb
-from fleet.robot_client import RobotClient
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog, decode_frames, parse_message
-from fleet.wire import keep_freed_memory
-from vla_rl.spec import CameraSpec, RobotSpec
 
 
 def cpu_ms(fn: Callable[[], Any], frames: int) -> float:

@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import table, write_results
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
-from vla_rl.spec import CameraSpec, RobotSpec
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "bench-dashboard-operator-token"

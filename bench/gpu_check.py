@@ -40,16 +40,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from vla_rl_client.policy_client import PolicyClient
+from vla_rl_client.spec import CameraSpec
 
 from bench import inference
 from bench.common import table, write_results
 from bench.serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
-from server.client import PolicyClient
+from policies.loading import load_policy
 from server.policy_server import ServedVersion, initial_noise
-from vla_rl.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.policy_loading import load_policy
-from vla_rl.spec import CameraSpec
+from vla_rl.hub.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,7 +242,7 @@ def train_end_to_end(args: argparse.Namespace, work: Path, res: dict[str, Any]) 
     """train_sft then train_qam (offline) on the device, on a kinematic-sim camera store."""
     from fleet.store import EpisodeStore
     from sim.demos import record_demos
-    from vla_rl.checkpoint import load_checkpoint
+    from vla_rl.hub.checkpoint import load_checkpoint
     from vla_rl.train.qam import QAMConfig, train_qam
     from vla_rl.train.sft import SFTConfig, train_sft
 

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import torch
+from vla_rl_client.spec import CameraSpec
 
 from bench.common import table, write_results
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from vla_rl.policy_loading import pick_device
-from vla_rl.spec import CameraSpec
+from policies.loading import pick_device
 
 
 def obs_batch(cfg: FlowVLAConfig, b: int, device: torch.device) -> dict[str, object]:

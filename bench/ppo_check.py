@@ -24,9 +24,9 @@ import torch
 
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos
 from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
 from vla_rl.train.ppo import PPOConfig, train_ppo
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -126,7 +126,7 @@ def main() -> None:
     p.add_argument("--label", default="", help="suffix of the result file (ppo_check[_LABEL].json)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    from vla_rl.logs import setup_logging
+    from vla_rl.core.logs import setup_logging
 
     setup_logging()
     t0 = time.perf_counter()

@@ -26,9 +26,9 @@ import torch
 
 from bench.common import RESULTS, table, write_results
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos
 from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
 from vla_rl.train.qam import QAMConfig, train_qam
 from vla_rl.train.sft import SFTConfig, train_sft
 

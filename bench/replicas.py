@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
 from bench.common import table, write_results
-from server.client import Backoff, PolicyClient, PolicyError
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -49,10 +49,10 @@ def free_port() -> int:
 
 def make_checkpoint(folder: Path) -> Path:
     import torch
+    from vla_rl_client.spec import CameraSpec, RobotSpec
 
     from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-    from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-    from vla_rl.spec import CameraSpec, RobotSpec
+    from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
     spec = RobotSpec("arm", 8, 6, 10.0, "push the cube", cameras=(CameraSpec("front", 64, 64),))
     cfg = FlowVLAConfig.from_robot_spec(

@@ -37,10 +37,10 @@ import torch
 
 from bench.common import RESULTS, table, write_results
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos, record_rollouts
+from vla_rl.core.seeds import BASE_SELECTION, EVAL, SeedOverlapError, check_disjoint
 from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
-from vla_rl.seeds import BASE_SELECTION, EVAL, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig
 from vla_rl.train.common import config_dict

@@ -34,7 +34,7 @@ from vla_rl.train import segment_critic as sc
 
 def record(work: Path, task: str, args: argparse.Namespace) -> tuple[EpisodeStore, dict[str, str]]:
     """The store with every episode, and each episode's source (``expert-<noise>`` / ``weak-policy``)."""
-    from vla_rl.policy_loading import load_policy
+    from policies.loading import load_policy
     from vla_rl.train.sft import SFTConfig, train_sft
 
     root = work / "store"

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client.policy_client import PolicyClient, PolicyError
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import table, write_results
-from server.client import PolicyClient, PolicyError
-from vla_rl.spec import CameraSpec, RobotSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,7 @@ def make_models(folder: Path) -> dict[str, Path]:
 
     from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
     from policies.lerobot_adapter import save_random_policy
-    from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+    from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
     act = save_random_policy(folder / "act", "act", SPEC, seed=0)
     cfg = FlowVLAConfig.from_robot_spec(SPEC, instruction_encoder="none", num_inference_steps=10)

@@ -21,9 +21,9 @@ import torch
 
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos
 from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
 from vla_rl.train.sft import SFTConfig, train_sft
 
 # Per-setting budgets sized so the whole bench fits in about an hour on 2 CPU cores.

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import table, write_results
-from vla_rl.spec import CameraSpec, RobotSpec
 
 TASK = "bench/store-s3"
 

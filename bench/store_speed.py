@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet.dataset import ChunkDataset
 from fleet.store import EpisodeStore
-from vla_rl.spec import CameraSpec, RobotSpec
 
 STATE_DIM, ACTION_DIM, CHUNK_LEN, POOL = 9, 8, 64, 128
 

@@ -25,10 +25,10 @@ import torch
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from policies.critics import mlp
+from policies.loading import load_policy
 from sim.demos import record_demos
 from sim.registry import resolve_task
 from vla_rl.evaluation import evaluate
-from vla_rl.policy_loading import load_policy
 from vla_rl.train import taco
 from vla_rl.train.sft import SFTConfig, train_sft
 

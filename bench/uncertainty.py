@@ -35,11 +35,11 @@ import torch
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from fleet.uncertainty import calibrate_cusum, cusum_path
+from policies.loading import load_policy
 from server.policy_server import ServedVersion, initial_noise
 from sim.demos import record_demos
 from sim.operator import OperatorRules, SimulatedOperator
 from sim.registry import make_env, resolve_task
-from vla_rl.policy_loading import load_policy
 from vla_rl.train.sft import SFTConfig, train_sft
 
 CALIB_SEED, EVAL_SEED = 200_000, 300_000

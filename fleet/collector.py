@@ -1,6 +1,6 @@
 """Fleet collector: many robots stream frames, segments and outcomes into one episode store, exactly once.
 
-Wire contract: ``fleet/proto/collector.proto``. A robot opens a stream, says who it is (``Hello``: robot
+Wire contract: ``packages/vla-rl-client/vla_rl_client/proto/collector.proto``. A robot opens a stream, says who it is (``Hello``: robot
 id, task, robot spec), then sends episodes: ``StartEpisode``, ``SegmentMarker`` (who is in control from
 which frame, and why), ``FrameBatch`` (consecutive frames with the index of the first, ``seq``) and
 ``EndEpisode`` (outcome). Every message is answered in order with an ``Ack`` (what is durable for that
@@ -93,11 +93,14 @@ from typing import Any
 import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from vla_rl_client.codec import from_tensor, to_tensor
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.spec import RobotSpec, SpecError
+from vla_rl_client.wire import WireTensor, keep_freed_memory
 
 from fleet.codecs import CameraCodecs
 from fleet.db import MetadataDB
 from fleet.objstore import StoreLease, is_remote
-from fleet.proto import collector_pb2 as pb
 from fleet.store import EpisodeStore
 from fleet.store_writer import DEFAULT_MAX_BUFFERED_BYTES, StoreWriter
 from fleet.wal import (
@@ -111,11 +114,8 @@ from fleet.wal import (
     frames_declared,
     parse_message,
 )
-from fleet.wire import WireTensor, keep_freed_memory
-from server.codec import from_tensor, to_tensor
-from vla_rl import __version__
-from vla_rl.secrets import read_secret_file
-from vla_rl.spec import RobotSpec, SpecError
+from vla_rl.core.secrets import read_secret_file
+from vla_rl.core.version import __version__
 
 log = logging.getLogger("vla_rl.collector")
 
@@ -1635,7 +1635,7 @@ class _ProcessWriter(_WriterHandle):
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The shared collector token kept in a file (see :func:`vla_rl.secrets.read_secret_file`)."""
+    """The shared collector token kept in a file (see :func:`vla_rl.core.secrets.read_secret_file`)."""
     try:
         return read_secret_file(path)
     except ValueError as e:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from vla_rl_client.meta import TASK_RUNS_LABEL, frame_instructions
 
-from fleet.meta import TASK_RUNS_LABEL, frame_instructions
 from fleet.store import Episode, EpisodeStore
 
 
@@ -86,7 +86,7 @@ class ChunkDataset(Dataset[dict[str, torch.Tensor]]):
     (``observation.state`` float32 [S], ``observation.images.<camera>`` uint8 [H, W, 3]),
     ``action`` float32 [horizon, A] = actions ``t .. t+horizon-1`` with the episode's last action
     repeated past its end, ``action_is_pad`` bool [horizon] marking those repeats, and ``reward``
-    (float32), ``controller`` (int64, :class:`fleet.meta.Controller` code), ``episode_index``
+    (float32), ``controller`` (int64, :class:`vla_rl_client.meta.Controller` code), ``episode_index``
     (into :attr:`episode_ids`), ``frame_index`` (int64) and ``instruction_index`` (int64, into
     :attr:`instructions`: the frame's language instruction). Keys follow LeRobot's naming.
 

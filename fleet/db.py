@@ -63,8 +63,7 @@ from sqlalchemy.orm import (
     relationship,
     selectinload,
 )
-
-from fleet.meta import Controller, EpisodeMeta, EpisodeRecord, Segment
+from vla_rl_client.meta import Controller, EpisodeMeta, EpisodeRecord, Segment
 
 log = logging.getLogger(__name__)
 

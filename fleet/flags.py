@@ -56,9 +56,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from vla_rl_client.meta import Controller, EpisodeMeta
 
 from fleet.db import Flag, MetadataDB
-from fleet.meta import Controller, EpisodeMeta
 from fleet.store import Episode, EpisodeStore
 from fleet.uncertainty import calibrate_cusum, conformal_threshold, cusum_path, min_calibration_episodes
 

@@ -80,12 +80,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from vla_rl_client.meta import TASK_RUNS_LABEL, Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
+from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from fleet.codecs import CameraCodecs
-from fleet.meta import TASK_RUNS_LABEL, Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
 from fleet.store import Episode, EpisodeStore, outcome_known
-from vla_rl.scheduling import leave_realtime
-from vla_rl.spec import CameraSpec, RobotSpec, SpecError
+from vla_rl.core.scheduling import leave_realtime
 
 if TYPE_CHECKING:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
@@ -135,7 +135,7 @@ _IMAGE_NAMES = ["height", "width", "channels"]
 MIN_VIDEO_SIDE = 32
 # Run as root, SVT-AV1 also raises the thread that opens an encoder to SCHED_FIFO 99 (svt_av1_enc_init_handle;
 # one camera: this thread, several: LeRobot's pool processes, which exit). Set it back after every episode's
-# encoding, before anything else runs or starts from this thread (vla_rl.scheduling). Debug level: expected.
+# encoding, before anything else runs or starts from this thread (vla_rl.core.scheduling). Debug level: expected.
 _AFTER_ENCODER = "LeRobot video export (SVT-AV1 encoder as root)"
 
 
@@ -550,7 +550,7 @@ def import_lerobot(
     Per episode: the LeRobot task (the instruction string) of its first frame becomes the instruction;
     an episode whose frames carry several tasks also gets a ``lerobot_tasks`` label in the DB with
     every run ``[start, end, task]`` (the store has one instruction per episode; training conditions each
-    frame on its run's task through that label, see :func:`fleet.meta.frame_instructions`). ``task`` (our store
+    frame on its run's task through that label, see :func:`vla_rl_client.meta.frame_instructions`). ``task`` (our store
     task) defaults to the exported one for our own exports, else the dataset's robot type
     (``robot_type`` in ``meta/info.json``), else the repo id (``local/<folder>`` for a folder). State and
     action are cast to float32 and copied as they are (LeRobot actions are usually raw joint targets,

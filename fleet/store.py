@@ -60,10 +60,7 @@ from typing import Any, Self
 import numcodecs
 import numpy as np
 import zarr
-from zarr.codecs import BytesCodec, ZstdCodec
-
-from fleet.codecs import CameraCodecs, JpegCodec, encode_chunk, jpeg_codec, merge_chunk
-from fleet.meta import (
+from vla_rl_client.meta import (
     STORE_VERSION,
     Controller,
     EpisodeDB,
@@ -72,6 +69,10 @@ from fleet.meta import (
     SegmentKind,
     new_episode_id,
 )
+from vla_rl_client.spec import RobotSpec, SpecError
+from zarr.codecs import BytesCodec, ZstdCodec
+
+from fleet.codecs import CameraCodecs, JpegCodec, encode_chunk, jpeg_codec, merge_chunk
 from fleet.objstore import (
     ObjectStore,
     ReadCache,
@@ -81,7 +82,6 @@ from fleet.objstore import (
     read_cached,
     write_cached,
 )
-from vla_rl.spec import RobotSpec, SpecError
 
 log = logging.getLogger(__name__)
 

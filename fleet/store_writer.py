@@ -47,7 +47,7 @@ import numpy as np
 
 from fleet.store import EpisodeStore, EpisodeWriter
 from fleet.wal import SEGMENT_KINDS, WAL_DIR, WriteAheadLog, decode_frames, parse_message
-from vla_rl.scheduling import leave_realtime
+from vla_rl.core.scheduling import leave_realtime
 
 
 def _slice_frames(batch: Mapping[str, Any], skip: int) -> dict[str, Any]:
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nice:
         # Before any thread starts: Linux niceness is per thread and new threads inherit it.
         os.nice(args.nice)
-    from fleet.wire import keep_freed_memory
+    from vla_rl_client.wire import keep_freed_memory
 
     keep_freed_memory()
     sw = StoreWriter(

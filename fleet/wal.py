@@ -2,10 +2,10 @@
 that the store writers (``fleet/store_writer.py``) share with it.
 
 A log is one file per open episode, ``<store>/wal/<episode_id>.wal``, of records
-``[u32 length][u32 crc32][payload]`` (:func:`fleet.wire.parse_records`) holding ``RobotMessage`` bytes
+``[u32 length][u32 crc32][payload]`` (:func:`vla_rl_client.wire.parse_records`) holding ``RobotMessage`` bytes
 exactly as received (see ``fleet/collector.py`` for how it makes "ack only when durable" and "exactly
 once" cheap).
-:func:`parse_message` reads such bytes (camera pixels as views, see ``fleet/wire.py``) and
+:func:`parse_message` reads such bytes (camera pixels as views, see ``packages/vla-rl-client/vla_rl_client/wire.py``) and
 :func:`decode_frames` validates a ``FrameBatch`` against the robot's spec into ``EpisodeWriter`` input.
 """
 
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client import wire
+from vla_rl_client.codec import from_tensor
+from vla_rl_client.meta import SegmentKind
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.spec import RobotSpec, SpecError
+from vla_rl_client.wire import WireTensor
 
-from fleet import wire
-from fleet.meta import SegmentKind
-from fleet.proto import collector_pb2 as pb
 from fleet.store import FRAME_FIELDS
-from fleet.wire import WireTensor
-from server.codec import from_tensor
-from vla_rl.spec import RobotSpec, SpecError
 
 WAL_DIR = "wal"  # under the store's root
 SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind
@@ -157,7 +157,7 @@ class WriteAheadLog:
 
 # ------------------------------------------------------------------------------------------ decoding
 def parse_message(raw: bytes) -> tuple[pb.RobotMessage, dict[str, WireTensor] | None]:
-    """A received message, and for a ``FrameBatch`` its cameras as views of ``raw`` (see fleet/wire.py).
+    """A received message, and for a ``FrameBatch`` its cameras as views of ``raw`` (see packages/vla-rl-client/vla_rl_client/wire.py).
 
     The cameras are None when the message was parsed whole (then they are in the message).
     Raises protobuf's ``DecodeError`` for bytes that are not a ``RobotMessage``.

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from vla_rl.checkpoint import CheckpointError
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl.hub.checkpoint import CheckpointError
 
 log = logging.getLogger("vla_rl.lerobot_adapter")
 

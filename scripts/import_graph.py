@@ -7,9 +7,10 @@ when that is a module, else at ``pkg``'s own file; ``import a.b.c`` points at th
 ``__init__.py``; that is not an edge here (it would make every package with re-exports a cycle), but
 :func:`closure` adds it when asking "what does importing this file load".
 
-``tests/test_imports.py`` checks the graph (no cycle, layering); ``scripts/build_client.py`` uses it to
-check that the slim client package is self-contained. ``python -m scripts.import_graph`` prints the
-cycles of this checkout.
+``tests/test_imports.py`` checks the graph: no cycle, no import running up a floor or sideways between the
+rooms of :data:`ROOMS`, and a client package (``packages/vla-rl-client``) that loads nothing of ours
+outside it. ``python -m scripts.import_graph`` prints the cycles, the wrong-way imports and the arrows
+between rooms of this checkout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGES = ("vla_rl", "fleet", "sim", "policies", "server")
+PACKAGES = ("packages/vla-rl-client/vla_rl_client", "vla_rl", "fleet", "sim", "policies", "server")
+"""Our packages, as folders under the repo root (a package's module names start at its folder's parent)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,11 +53,12 @@ def module_files(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, st
     """Dotted module name -> repo-relative path of every ``.py`` file under ``packages``."""
     out: dict[str, str] = {}
     for pkg in packages:
+        base = (root / pkg).parent
         for path in sorted((root / pkg).rglob("*.py")):
             rel = path.relative_to(root)
             if "__pycache__" in rel.parts:
                 continue
-            parts = list(rel.with_suffix("").parts)
+            parts = list(path.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = rel.as_posix()
@@ -206,12 +209,104 @@ def closure(graph: Graph, files: Iterable[str]) -> set[str]:
     return seen
 
 
+# ------------------------------------------------------------------------------------------------ layers
+@dataclass(frozen=True)
+class Room:
+    """A set of files (path prefixes, repo-relative) on one floor of the house."""
+
+    name: str
+    floor: int
+    prefixes: tuple[str, ...]
+
+    def holds(self, rel: str) -> bool:
+        return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in self.prefixes)
+
+
+# The floors, bottom up. A file may import files of its own room and of any room on a lower floor; never a
+# room beside it on the same floor, never one above. docs/architecture.md draws them and says what each owns.
+ROOMS: tuple[Room, ...] = (
+    Room("client", 0, ("packages/vla-rl-client/vla_rl_client/",)),  # contracts + robot-side clients
+    Room("core", 1, ("vla_rl/core/",)),  # runtime every service shares
+    Room("registry", 2, ("vla_rl/hub/",)),  # checkpoint format, Hub client, embedded Hub server
+    Room("fleet", 3, ("fleet/",)),  # episode store, metadata DB, collector
+    Room("policies", 3, ("policies/",)),  # flow-policy models, critics, loading a checkpoint
+    Room("sim", 4, ("sim/",)),  # simulated robots, experts, operator, sim fleet (records into fleet/)
+    Room("server", 5, ("server/",)),  # the policy server
+    Room("training", 6, ("vla_rl/train/", "vla_rl/evaluation.py", "vla_rl/evaluation_offline.py")),
+    Room("rounds", 7, ("vla_rl/rounds.py", "vla_rl/round_worker.py")),
+    Room("dashboard", 8, ("vla_rl/dashboard/",)),
+    Room("jobs", 9, ("vla_rl/up.py", "vla_rl/main_job.py")),
+    Room("cli", 10, ("vla_rl/cli/", "vla_rl/__init__.py")),
+)
+
+
+def room_of(rel: str, rooms: Iterable[Room] = ROOMS) -> Room | None:
+    """The room holding file ``rel`` (None: the file is in no room)."""
+    return next((r for r in rooms if r.holds(rel)), None)
+
+
+def upward(graph: Graph, rooms: tuple[Room, ...] = ROOMS) -> list[Edge]:
+    """Every import that runs up a floor or sideways into a room beside its own."""
+    wrong = []
+    for src, es in graph.edges.items():
+        a = room_of(src, rooms)
+        for e in es:
+            b = room_of(e.dst, rooms)
+            if a is not None and b is not None and a != b and b.floor >= a.floor:
+                wrong.append(e)
+    return wrong
+
+
+def room_arrows(graph: Graph, rooms: tuple[Room, ...] = ROOMS) -> dict[tuple[str, str], int]:
+    """Room -> room import counts (edges between files of two different rooms)."""
+    out: dict[tuple[str, str], int] = {}
+    for src, es in graph.edges.items():
+        a = room_of(src, rooms)
+        for e in es:
+            b = room_of(e.dst, rooms)
+            if a is not None and b is not None and a != b:
+                out[(a.name, b.name)] = out.get((a.name, b.name), 0) + 1
+    return out
+
+
+# ------------------------------------------------------------------------------------ the client package
+CLIENT = "packages/vla-rl-client/vla_rl_client/"
+# vla-rl-client's dependencies (distribution -> the top-level module it provides), and its [health] extra
+CLIENT_DEPENDENCIES = {"numpy": "numpy", "grpcio": "grpc", "protobuf": "google", "Pillow": "PIL"}
+CLIENT_OPTIONAL = {"grpcio-health-checking": "grpc_health"}
+
+
+def client_problems(graph: Graph) -> list[str]:
+    """What would keep vla-rl-client from installing alone: a file of ours outside it that importing it
+    loads, or a module that is neither its dependency nor the standard library."""
+    files = [f for f in graph.edges if f.startswith(CLIENT)]
+    problems = []
+    for f in sorted(closure(graph, files) - set(files)):
+        why = [str(e) for src in files for e in graph.edges[src] if e.dst == f]
+        problems.append(
+            f"{f} is loaded but not in vla-rl-client: " + ("; ".join(why) or "a package __init__")
+        )
+    allowed = set(CLIENT_DEPENDENCIES.values()) | set(CLIENT_OPTIONAL.values())
+    for f in files:
+        extra = graph.external[f] - allowed - sys.stdlib_module_names
+        if extra:
+            problems.append(f"{f} imports {sorted(extra)}: not a dependency of vla-rl-client")
+    return problems
+
+
 def main() -> int:
-    found = cycles(build())
+    graph = build()
+    found = cycles(graph)
     for cyc in found:
         print("cycle:\n  " + "\n  ".join(map(str, cyc)))
-    print(f"{len(found)} import cycle(s)")
-    return 1 if found else 0
+    wrong = upward(graph)
+    for e in wrong:
+        print(f"up or sideways: {e}  ({room_of(e.src).name} -> {room_of(e.dst).name})")  # type: ignore[union-attr]
+    print("room arrows (imports):")
+    for (a, b), n in sorted(room_arrows(graph).items()):
+        print(f"  {a:>9} -> {b:<9} {n}")
+    print(f"{len(found)} import cycle(s), {len(wrong)} import(s) running up or sideways")
+    return 1 if found or wrong else 0
 
 
 if __name__ == "__main__":

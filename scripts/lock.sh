@@ -7,7 +7,7 @@
 #   scripts/lock.sh --from-venv DIR   freeze an existing venv instead (no network), e.g. after adding a pin
 #   --out FILE                        write there instead of requirements/lock.txt
 #
-# What it leaves out: vla-rl itself (installed editable by setup.sh) and every package of
+# What it leaves out: vla-rl and vla-rl-client themselves (installed editable by setup.sh) and every package of
 # requirements/no-deps.txt (robosuite: installed with --no-deps, its real needs are in pyproject.toml).
 # Knobs: VLA_RL_PYTHON (the Python 3.12 interpreter, as setup.sh), PIP_INDEX_URL etc. as pip reads them.
 set -euo pipefail
@@ -44,7 +44,7 @@ else
   py="$tmp/venv/bin/python"
   # shellcheck disable=SC2086
   "$py" -m pip install -q $bootstrap
-  "$py" -m pip install -q -e ".[dev]"
+  "$py" -m pip install -q -e packages/vla-rl-client -e ".[dev]"
 fi
 "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
   || die "the venv's Python is not 3.12 (the lock is for CPython 3.12)"

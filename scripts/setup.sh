@@ -2,7 +2,7 @@
 # Set up everything vla-rl needs on a fresh Debian 12 machine, idempotently:
 #   1. system packages the simulators need (Vulkan CPU driver from bookworm-backports, OSMesa/EGL, ffmpeg)
 #   2. a Python 3.12 virtual environment with the locked dependency set (requirements/lock.txt)
-#   3. vla-rl itself, installed editable into that environment
+#   3. vla-rl itself and its robot-side package (packages/vla-rl-client), installed editable into it
 # The environment lives outside the clone, keyed by the lock file's hash, and `.venv` links to it,
 # so a fresh clone (CI) with an unchanged lock file is ready in seconds.
 #
@@ -120,8 +120,9 @@ setup_python() {
   else
     ln -sfn "$venv" .venv
   fi
-  quiet_pip .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . >&2
-  .venv/bin/python -c 'import vla_rl' || { log "vla_rl failed to import"; exit 1; }
+  # the robot-side package first (vla-rl depends on it), then vla-rl itself; both editable
+  quiet_pip .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e packages/vla-rl-client -e . >&2
+  .venv/bin/python -c 'import vla_rl, vla_rl_client' || { log "vla_rl or vla_rl_client failed to import"; exit 1; }
 }
 
 setup_system

@@ -16,7 +16,7 @@ Why it is built this way (what LeRobot's async server and openpi's server get wr
 * **Reproducible under batching.** Each request's initial noise comes from its own seed (a CPU
   ``torch.Generator``, :func:`initial_noise`) or explicit tensor, so its actions do not depend on what it
   was batched with (up to BLAS rounding, ~1e-6).
-* **Live swap.** A new checkpoint is pulled, hash-verified (:func:`vla_rl.checkpoint.load_checkpoint`),
+* **Live swap.** A new checkpoint is pulled, hash-verified (:func:`vla_rl.hub.checkpoint.load_checkpoint`),
   checked for spec compatibility and warmed up off the serving path; the batcher reads the serving
   version once per batch, so the swap happens between batches, in-flight requests finish on the old
   model, and every reply names the commit that produced it. A refused checkpoint leaves the old one
@@ -58,14 +58,14 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from vla_rl_client.codec import decode_image, from_tensor, to_tensor
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
+from vla_rl_client.spec import RobotSpec, SpecError
 
-from server.codec import decode_image, from_tensor, to_tensor
-from server.proto import policy_service_pb2 as pb
-from server.proto import policy_service_pb2_grpc as pb_grpc
-from vla_rl import __version__
-from vla_rl.checkpoint import DEFAULT_MAX_FILE_BYTES, CheckpointError, LoadLimits
-from vla_rl.policy_loading import LoadedPolicy, load_servable
-from vla_rl.spec import RobotSpec, SpecError
+from policies.loading import LoadedPolicy, load_servable
+from vla_rl.core.version import __version__
+from vla_rl.hub.checkpoint import DEFAULT_MAX_FILE_BYTES, CheckpointError, LoadLimits
 
 log = logging.getLogger("vla_rl.server")
 

@@ -1,7 +1,7 @@
 """The one interface every simulated robot follows.
 
 A :class:`SimEnv` is a single robot in a single simulator process. Its observations follow the robot
-spec (``vla_rl.spec``): ``{"cameras": {name: uint8[H, W, 3]}, "state": float32[S], "instruction": str}``;
+spec (``vla_rl_client.spec``): ``{"cameras": {name: uint8[H, W, 3]}, "state": float32[S], "instruction": str}``;
 its actions are float32 in [-1, 1] (end-effector delta position x/y/z and a gripper command where
 +1 opens and -1 closes, for every task, so policies and experts carry across simulators).
 
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import numpy as np
-
-from vla_rl.spec import RobotSpec
+from vla_rl_client.spec import RobotSpec
 
 ObsMode = Literal["state", "rgb"]
 RewardMode = Literal["sparse", "dense"]

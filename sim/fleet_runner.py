@@ -4,7 +4,7 @@
   policy server (receding horizon over a ``StreamAct`` stream), watched by a shared
   :class:`~sim.operator.SimulatedOperator` that takes over when the policy stalls or drifts (or, with
   the alarm on, when the CUSUM of the uncertainty the server returns with every chunk fires), and
-  streaming every frame, segment and outcome to the collector through :class:`~fleet.robot_client.RobotClient`.
+  streaming every frame, segment and outcome to the collector through :class:`~vla_rl_client.robot_client.RobotClient`.
   Episode outcomes and intervention rates are reported live, per robot.
 * :func:`synthetic_robot_main`: a robot without a simulator that streams deterministic frames (smooth
   synthetic images or a pool of rendered ones) at a fixed rate, with a takeover in every episode. Fault
@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
-from vla_rl import console
-from vla_rl.lifeline import exit_with_parent
-from vla_rl.scheduling import leave_realtime
-from vla_rl.seeds import ONLINE
+from vla_rl.core import console
+from vla_rl.core.lifeline import exit_with_parent
+from vla_rl.core.scheduling import leave_realtime
+from vla_rl.core.seeds import ONLINE
 
 log = logging.getLogger("vla_rl.fleet")
 
@@ -145,10 +145,10 @@ class SyntheticRobotConfig:
 
 def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
     """Process entry point: stream ``episodes`` episodes of deterministic frames, record them, report."""
-    from fleet.meta import new_episode_id
-    from fleet.robot_client import RobotClient, frame_digest
-    from fleet.wire import keep_freed_memory
-    from vla_rl.spec import RobotSpec
+    from vla_rl_client.meta import new_episode_id
+    from vla_rl_client.robot_client import RobotClient, frame_digest
+    from vla_rl_client.spec import RobotSpec
+    from vla_rl_client.wire import keep_freed_memory
 
     keep_freed_memory()
     spec = RobotSpec.from_dict(cfg.spec)
@@ -334,9 +334,10 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any)
 
 
 def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
-    from fleet.meta import new_episode_id
-    from fleet.robot_client import RobotClient, frame_digest
-    from server.client import PolicyClient
+    from vla_rl_client.meta import new_episode_id
+    from vla_rl_client.policy_client import PolicyClient
+    from vla_rl_client.robot_client import RobotClient, frame_digest
+
     from sim.registry import make_env
 
     rules = OperatorRules(**cfg.rules)
@@ -474,7 +475,7 @@ class FleetConfig:
     """Episodes per robot."""
     seed: int = ONLINE
     """First episode seed: robot i's j-th episode is ``seed + i * 100000 + j``. The default starts in the
-    training range, away from every evaluation's seeds (:mod:`vla_rl.seeds`)."""
+    training range, away from every evaluation's seeds (:mod:`vla_rl.core.seeds`)."""
     operators: int = 1
     """Robots the operator can drive at once."""
     rules: OperatorRules = field(default_factory=OperatorRules)
@@ -561,7 +562,7 @@ class FleetResult:
 
 
 def _spec_from_server(server: str, model_id: str) -> tuple[dict[str, Any], str]:
-    from server.client import PolicyClient
+    from vla_rl_client.policy_client import PolicyClient
 
     with PolicyClient(server, timeout_s=30.0) as c:
         info = c.info()

@@ -19,9 +19,9 @@ top-down ``top_camera`` image (goal in red, gripper in blue, darker when lower) 
 from __future__ import annotations
 
 import numpy as np
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv, TaskInfo
-from vla_rl.spec import CameraSpec, RobotSpec
 
 ACTION_SCALE = 0.1
 """Metres per unit of action (ManiSkill's pd_ee_delta_pos scale)."""

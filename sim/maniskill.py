@@ -12,9 +12,9 @@ import os
 from typing import Any
 
 import numpy as np
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv, TaskInfo
-from vla_rl.spec import CameraSpec, RobotSpec
 
 
 def _np(t: Any, dtype: type = np.float64) -> np.ndarray:

@@ -154,7 +154,7 @@ class SimActor:
         import sys
 
         from sim.registry import make_env
-        from vla_rl.scheduling import leave_realtime
+        from vla_rl.core.scheduling import leave_realtime
 
         leave_realtime("sim Ray actor")
         self.env = make_env(**make_kwargs)

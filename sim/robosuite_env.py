@@ -13,9 +13,9 @@ import os
 from typing import Any
 
 import numpy as np
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from sim.base import ACTION_NAMES, EnvOptions, Observation, Privileged, SimEnv, TaskInfo
-from vla_rl.spec import CameraSpec, RobotSpec
 
 LIFT_HEIGHT = 0.04  # robosuite's own success threshold above the table
 

@@ -32,12 +32,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from vla_rl_client.spec import RobotSpec
 
 from sim.base import Observation, ObsMode, RewardMode, SimEnv
 from sim.ray_workers import RayWorkerOptions, RayWorkers, check_ray_address
-from vla_rl.lifeline import exit_with_parent
-from vla_rl.scheduling import leave_realtime
-from vla_rl.spec import RobotSpec
+from vla_rl.core.lifeline import exit_with_parent
+from vla_rl.core.scheduling import leave_realtime
 
 
 def _worker(conn: Connection, make_kwargs: dict[str, Any], parent_pid: int) -> None:

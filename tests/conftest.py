@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from pg_cluster import PostgresCluster, start_cluster
 
-from vla_rl.scheduling import leave_realtime
+from vla_rl.core.scheduling import leave_realtime
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 
@@ -34,7 +34,9 @@ def _normal_scheduling() -> None:
     started later (Mesa's llvmpipe ones among them) with it, so every process it started later (PostgreSQL,
     Chromium, a dashboard) inherited real-time priority, and a browser test spun at FIFO 99 on both cores
     while the dashboard it waited for starved. The export now resets itself; this stays as a backstop."""
-    leave_realtime("test worker", logging.DEBUG)  # every thread of it (the culprit: vla_rl/scheduling.py)
+    leave_realtime(
+        "test worker", logging.DEBUG
+    )  # every thread of it (the culprit: vla_rl/core/scheduling.py)
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +90,7 @@ def cli_server() -> Iterator[Callable[..., str]]:
     """``start(*serve_args, env=None, timeout_s=120) -> "127.0.0.1:PORT"``: `vla-rl serve *serve_args` in its
     own process on a free port, returned once its health service says SERVING; stopped with SIGINT (as a
     user would) after the test, killed if it does not stop within 20 s."""
-    from server.client import PolicyClient, PolicyError
+    from vla_rl_client.policy_client import PolicyClient, PolicyError
 
     procs: list[subprocess.Popen[str]] = []
 

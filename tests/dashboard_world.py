@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
@@ -35,7 +36,6 @@ from vla_rl.dashboard.app import create_app
 from vla_rl.dashboard.auth import parse_tokens
 from vla_rl.hub.registry import configure_hub
 from vla_rl.hub.server import HubServer
-from vla_rl.spec import RobotSpec
 
 TOKENS = {
     "viewer": ("vic", "viewer-token-0123456789"),

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from vla_rl_client.spec import RobotSpec
 
 from fleet.store import EpisodeStore
-from vla_rl.spec import RobotSpec
 
 LR_TASK = "toy/left-right"
 LR_SPEC = RobotSpec(name=LR_TASK, state_dim=1, action_dim=1, control_hz=10.0, instruction="go somewhere")
@@ -49,7 +49,7 @@ def left_right_store(
 def instruction_means(checkpoint: Path, samples: int = 8, seed: int = 0) -> tuple[float, float]:
     """The policy's mean action under "go left" and under "go right" at the state 0, over ``samples``
     chunks each (seeded noise)."""
-    from vla_rl.policy_loading import load_policy
+    from policies.loading import load_policy
 
     lp = load_policy(checkpoint, device="cpu")
     texts = [t for t in INSTRUCTIONS for _ in range(samples)]

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 from left_right import LR_TASK, instruction_means, mixed_base, spec_instruction_only
+from vla_rl_client.meta import Controller, SegmentKind
 
-from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE
+from policies.loading import load_policy
 from sim.demos import record_demos, record_rollouts
-from vla_rl.checkpoint import read_info
-from vla_rl.policy_loading import load_policy
+from vla_rl.hub.checkpoint import read_info
 from vla_rl.train.awr import AWRConfig, awr_weights, recap_indicators, train_awr
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -69,7 +69,8 @@ def test_lambda_returns_match_the_forward_view() -> None:
 def test_lambda_one_is_the_monte_carlo_return_across_takeovers_and_idle_spans() -> None:
     """On a real buffer (a takeover cuts the returns, an idle span drops frames): λ = 1 gives back every
     frame's mc_return, and λ < 1 still keeps the cut and run-end frames' Monte-Carlo returns."""
-    from vla_rl.spec import RobotSpec
+    from vla_rl_client.spec import RobotSpec
+
     from vla_rl.train.awr import lambda_returns
     from vla_rl.train.transitions import TransitionBuffer
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from run_clock import resume_after_earlier_seconds
 from tiny_base import tiny_base
+from vla_rl_client.meta import Controller
 
 import vla_rl.train.awr as awr
 import vla_rl.train.awr_pi as awr_pi
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
-from vla_rl.checkpoint import read_info
-from vla_rl.policy_loading import load_policy
+from policies.loading import load_policy
+from vla_rl.hub.checkpoint import read_info
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.awr_pi import AWRPIConfig, iteration_seed, newest, weights_revision
 from vla_rl.train.common import TRAIN_STATE, load_train_state
@@ -103,7 +103,7 @@ def test_iteration_seeds_never_collide_and_newest_keeps_the_tail(tmp_path: Path)
 
 def test_the_value_path_is_offline_awrs_and_its_fit_metrics_are_by_the_definition(tmp_path: Path) -> None:
     assert awr_pi.value_advantages is awr.value_advantages and awr_pi.awr_weights is awr.awr_weights
-    from vla_rl.spec import RobotSpec
+    from vla_rl_client.spec import RobotSpec
 
     spec = RobotSpec(name="t", state_dim=2, action_dim=1, control_hz=10.0, instruction="go")
     buf = TransitionBuffer(spec, reward="steps_to_go", gamma=1.0, max_steps=4)

@@ -1,7 +1,7 @@
 """The slim robot-side distribution, ``vla-rl-client``, installed into a bare venv without torch, drives a
 robot loop against a real policy server and a real fleet collector started here (from the full venv).
 
-Built with ``scripts/build_client.py``; the venv (``python -m venv``, no system site packages) gets the
+Built from ``packages/vla-rl-client`` with ``pip wheel`` (as ``make client`` does); the venv (``python -m venv``, no system site packages) gets the
 wheel and its dependencies from pip, pinned to requirements/lock.txt. Built once per test session.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,6 @@ import pytest
 from test_server import SPEC, TOKEN, make_checkpoint, start_server
 
 from fleet.collector import Collector
-from scripts.build_client import build_wheel
 from scripts.import_graph import ROOT
 
 ROBOT_LOOP = dedent(
@@ -33,19 +33,19 @@ ROBOT_LOOP = dedent(
         pass
     else:
         sys.exit("torch is importable in the bare venv")
-    import fleet.robot_client
-    import server.client
-    from vla_rl.spec import RobotSpec
+    import vla_rl_client.robot_client
+    import vla_rl_client.policy_client
+    from vla_rl_client.spec import RobotSpec
 
     args = json.loads(sys.argv[1])
     spec = RobotSpec.from_json(args["spec"])
     rng = np.random.default_rng(0)
     state = rng.normal(size=spec.state_dim).astype(np.float32)
     actions, commits = [], set()
-    robot = fleet.robot_client.RobotClient(
+    robot = vla_rl_client.robot_client.RobotClient(
         args["collector"], "bare-arm", spec, "test/task", token=args["token"], max_batch_frames=4
     )
-    with server.client.PolicyClient(args["policy"], token=args["token"], timeout_s=30) as policy:
+    with vla_rl_client.policy_client.PolicyClient(args["policy"], token=args["token"], timeout_s=30) as policy:
         eid = robot.start_episode()
         for k in range(args["chunks"]):
             cams = {c.name: rng.integers(0, 256, c.shape, dtype=np.uint8) for c in spec.cameras}
@@ -58,11 +58,36 @@ ROBOT_LOOP = dedent(
     robot.end_episode("success")
     assert robot.close(60), robot.errors
     heavy = sorted(m for m in ("torch", "zarr", "sqlalchemy", "lerobot", "grpc_health") if m in sys.modules)
-    files = [m.__file__ for m in (server.client, fleet.robot_client)]
+    files = [m.__file__ for m in (vla_rl_client.policy_client, vla_rl_client.robot_client)]
     out = {"episode": eid, "actions": actions, "commits": sorted(commits), "heavy": heavy, "files": files}
     print(json.dumps(out))
     """
 )
+
+
+def build_wheel(out: Path) -> Path:
+    """``make client``: the vla-rl-client wheel built from (a copy of: setuptools builds in the source
+    folder) its own folder into ``out``; its path."""
+    src = out.parent / "vla-rl-client-src"
+    shutil.copytree(
+        ROOT / "packages" / "vla-rl-client", src, ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out)]
+    subprocess.run([*cmd, str(src)], check=True, capture_output=True)
+    [wheel] = out.glob("vla_rl_client-*.whl")
+    return wheel
+
+
+def test_the_wheel_holds_the_client_package_and_nothing_else(tmp_path: Path) -> None:
+    """Every module and the .proto contracts, and no file of the full distribution (quick: no install)."""
+    import zipfile
+
+    names = zipfile.ZipFile(build_wheel(tmp_path / "dist")).namelist()
+    src = ROOT / "packages" / "vla-rl-client"
+    want = {p.relative_to(src).as_posix() for p in (src / "vla_rl_client").rglob("*") if p.is_file()}
+    want = {w for w in want if "__pycache__" not in w}
+    assert {n for n in names if not n.startswith("vla_rl_client-")} == want
+    assert {"vla_rl_client/proto/policy_service.proto", "vla_rl_client/robot_client.py"} <= want
 
 
 def _bare_env() -> dict[str, str]:

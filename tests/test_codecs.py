@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet.codecs import (
     CameraCodec,
@@ -30,7 +31,6 @@ from fleet.dataset import ChunkDataset
 from fleet.store import EpisodeStore
 from sim.fleet_runner import smooth_image_pool
 from vla_rl.cli import main
-from vla_rl.spec import CameraSpec, RobotSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = RobotSpec("arm", 4, 2, 30.0, "push", (CameraSpec("front", 48, 64), CameraSpec("wrist", 48, 64)))
@@ -164,8 +164,9 @@ def test_collector_writes_a_jpeg_camera_end_to_end(tmp_path: Path) -> None:
     """A robot streams two cameras over gRPC to a collector with --camera-codec jpeg:90,wrist=lossless
     (a camera of another robot named too); its store writer, resuming the episode the collector created,
     writes front as JPEG from the array's metadata alone."""
+    from vla_rl_client.robot_client import RobotClient
+
     from fleet.collector import Collector
-    from fleet.robot_client import RobotClient
 
     token = "codec-test"
     c = Collector(

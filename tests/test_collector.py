@@ -28,17 +28,17 @@ import grpc
 import numpy as np
 import psutil
 import pytest
+from vla_rl_client.codec import to_tensor
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
+from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from fleet.collector import Collector, _ProcessWriter
-from fleet.proto import collector_pb2 as pb
-from fleet.proto import collector_pb2_grpc as pb_grpc
-from fleet.robot_client import RobotClient, frame_digest
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
-from server.codec import to_tensor
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
 from vla_rl.cli.common import open_db
-from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 TOKEN = "collector-test-token"
 SPEC = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
@@ -593,7 +593,7 @@ def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> No
 
 
 def test_buffer_full_raises_instead_of_dropping(tmp_path: Path) -> None:
-    from fleet.robot_client import BufferFull
+    from vla_rl_client.robot_client import BufferFull
 
     client = RobotClient(f"127.0.0.1:{free_port()}", "arm-1", SPEC, "t", max_buffer_bytes=4000, block_s=0.2)
     client.start_episode()
@@ -921,9 +921,9 @@ def test_store_resume_episode_after_a_killed_writer(tmp_path: Path) -> None:
 _EXIT_SCRIPT = """
 import sys, time
 import numpy as np
-from fleet.robot_client import RobotClient
+from vla_rl_client.robot_client import RobotClient
 from vla_rl.cli.common import open_db
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
 client = RobotClient(sys.argv[1], "arm-exit", spec, "t", token=sys.argv[2], reconnect_backoff_s=(0.05, 0.2))
@@ -970,9 +970,9 @@ def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: 
 _SPOOL_SCRIPT = """
 import json, sys, time
 import numpy as np
-from fleet.robot_client import RobotClient, frame_digest
+from vla_rl_client.robot_client import RobotClient, frame_digest
 from vla_rl.cli.common import open_db
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 spec = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
 address, token, spool, phase = sys.argv[1:5]

@@ -36,14 +36,14 @@ from test_collector import (
     store_digests,
     stream_episodes,
 )
+from vla_rl_client.codec import to_tensor
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
+from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet import store as store_mod
 from fleet.collector import Collector, load_robot_tokens, read_token_file
-from fleet.proto import collector_pb2 as pb
-from fleet.proto import collector_pb2_grpc as pb_grpc
-from fleet.robot_client import RobotClient, frame_digest
-from server.codec import to_tensor
-from vla_rl.spec import CameraSpec, RobotSpec
 
 SC = grpc.StatusCode
 

@@ -39,6 +39,7 @@ from dashboard_world import (
 )
 from PIL import Image
 from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
+from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
@@ -47,7 +48,6 @@ from sim.operator import OperatorRules
 from sim.registry import make_env
 from vla_rl.dashboard import DashboardConfig
 from vla_rl.hub.registry import push_folder
-from vla_rl.spec import RobotSpec
 
 TASK = "kinematic/Reach-v0"
 REPO = "fleet/reach-cam"
@@ -632,7 +632,7 @@ def test_promote_moves_the_ref_a_following_server_swaps_and_rollback_returns(
 
 @BOTH
 def test_fleet_page_data(dash: Dashboard, world: FleetWorld) -> None:
-    from server.client import PolicyClient
+    from vla_rl_client.policy_client import PolicyClient
 
     with make_env(TASK, obs="rgb", image_size=IMAGE) as env, PolicyClient(world.server.address) as client:
         obs, _ = env.reset(seed=0)  # a request within GetInfo's 60 s latency window, however slow the run
@@ -678,7 +678,7 @@ def test_revision_stats_skip_the_empty_revision(tmp_path: Path, db_url: str) -> 
     """Demonstrations and human-driven frames carry revision "": it is not a checkpoint, so neither the
     per-revision numbers nor the timeline list it; an episode that mixes a policy's frames with human
     ones counts for the policy's revision."""
-    from fleet.meta import EpisodeMeta
+    from vla_rl_client.meta import EpisodeMeta
 
     db = MetadataDB(db_url)
     spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
@@ -702,7 +702,7 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
     """An episode with a burst of high chunk scores gets the ``high_uncertainty`` badge and the flag
     filter finds it alone; a calm one and one without scores do not; the series carries the scores (null
     where there are none)."""
-    from fleet.meta import Controller
+    from vla_rl_client.meta import Controller
 
     spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
     store = EpisodeStore(tmp_path / "store", create=True, db=MetadataDB.for_store(tmp_path / "store"))
@@ -1114,8 +1114,8 @@ def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_
     the DB once, closed with its 3 segments, with exactly one label."""
     from test_collector import SPEC, stream_episodes
     from test_collector import TOKEN as ROBOT_TOKEN
+    from vla_rl_client.robot_client import RobotClient
 
-    from fleet.robot_client import RobotClient
     from vla_rl.train.transitions import DataSelection, select_episode_ids
 
     url, task, per_robot = pg.create_database(), "t", 4

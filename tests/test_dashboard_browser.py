@@ -492,7 +492,7 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
 ) -> None:
     """A real round worker trains the round queued from the page; the page follows its progress over SSE
     until it succeeds; Promote (confirmed) moves prod; a server following prod swaps to the new commit."""
-    from server.client import PolicyClient
+    from vla_rl_client.policy_client import PolicyClient
 
     addr = cli_server(
         "--checkpoint",

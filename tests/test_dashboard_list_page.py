@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 from dashboard_world import TOKENS, Dashboard
+from vla_rl_client.meta import Controller
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from vla_rl.dashboard import DashboardConfig
-from vla_rl.spec import RobotSpec
 
 CHROMIUM = "/usr/bin/chromium"
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")

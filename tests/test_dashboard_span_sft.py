@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vla_rl_client.meta import Controller
+from vla_rl_client.spec import RobotSpec
 
 from fleet.dataset import ChunkDataset
 from fleet.db import MetadataDB
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
-from vla_rl.spec import RobotSpec
 from vla_rl.train.sft import SFTConfig, span_keep
 from vla_rl.train.transitions import TransitionBuffer
 

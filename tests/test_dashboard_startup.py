@@ -16,16 +16,16 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from vla_rl_client.meta import Controller, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from bench.dashboard import clone_episodes
 from fleet.db import MetadataDB
 from fleet.flags import FLAG_NAMES
-from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
 from vla_rl.dashboard import DashboardConfig, create_app
 from vla_rl.dashboard.auth import parse_tokens
 from vla_rl.dashboard.startup import RequestGate, Startup
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")
 TOKEN = "startup-test-viewer-token-0123"

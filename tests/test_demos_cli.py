@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vla_rl_client.meta import Controller
 
 import sim
 from fleet.db import MetadataDB
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from vla_rl.cli.common import open_db

@@ -28,8 +28,8 @@ from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
-from vla_rl.checkpoint import load_checkpoint
 from vla_rl.cli import main
+from vla_rl.hub.checkpoint import load_checkpoint
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.common import load_train_state
 from vla_rl.train.distributed import SINGLE, Dist, Shard

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import EPISODE_SORTS, EpisodeQuery, Flag, MetadataDB
-from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
 TASKS = ("toy/Reach-v0", "toy/Push-v0")

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vla_rl_client.spec import RobotSpec
 
 import sim
 from sim.experts import PushExpert
 from vla_rl.evaluation import evaluate, wilson_interval
-from vla_rl.spec import RobotSpec
 
 TASK = "maniskill/PushCube-v1"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import EpisodeQuery, Flag, MetadataDB
 from fleet.flags import (
@@ -22,9 +24,7 @@ from fleet.flags import (
     stillness,
     takeovers,
 )
-from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from fleet.store import Episode, EpisodeStore
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")
 

@@ -1,4 +1,4 @@
-"""fleet/wire.py: the robot's hand-built FrameBatch bytes are plain protobuf, and the collector's scanner
+"""packages/vla-rl-client/vla_rl_client/wire.py: the robot's hand-built FrameBatch bytes are plain protobuf, and the collector's scanner
 reads the same cameras from any encoding, without crashing on bad bytes."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from vla_rl_client import wire
+from vla_rl_client.codec import to_tensor
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from fleet import wire
-from fleet.proto import collector_pb2 as pb
 from fleet.wal import decode_frames, parse_message
-from server.codec import to_tensor
-from vla_rl.spec import CameraSpec, RobotSpec
 
 SPEC = RobotSpec("arm", 5, 3, 30.0, "push", cameras=(CameraSpec("front", 8, 8), CameraSpec("wrist", 4, 6)))
 
@@ -84,7 +84,7 @@ def test_a_wrong_camera_shape_is_refused_naming_the_field() -> None:
     fb, cams = batch(2, seed=3)
     cams["front"] = np.ascontiguousarray(cams["front"][:, :4])
     msg, wire_cams = parse_message(hand_built(fb, cams, 1))
-    from vla_rl.spec import SpecError
+    from vla_rl_client.spec import SpecError
 
     with pytest.raises(SpecError, match=r"frames.cameras.front.*shape \[2, 8, 8, 3\]"):
         decode_frames(msg.frames, SPEC, 64, -math.inf, wire_cams)

@@ -153,8 +153,8 @@ def kinematic_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 def test_offline_run_writes_a_one_step_fql_checkpoint(
     kinematic_base: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from vla_rl.checkpoint import read_info
-    from vla_rl.policy_loading import load_policy
+    from policies.loading import load_policy
+    from vla_rl.hub.checkpoint import read_info
     from vla_rl.train.algorithms import train
 
     store, base = kinematic_base
@@ -193,7 +193,7 @@ def test_distillation_alone_turns_the_copy_into_a_one_step_base(
     """The copy of the base evaluated at t = 0 is not yet a one-step base (its velocity at t = 0 points at
     the mean action); the distillation-only phase before ``critic_warmup``, at the default actor learning
     rate, makes the saved one-step policy match the base's ODE on the data's states (fixed z)."""
-    from vla_rl.policy_loading import load_policy
+    from policies.loading import load_policy
     from vla_rl.train.algorithms import train
     from vla_rl.train.common import batch_to_policy_inputs
     from vla_rl.train.transitions import DataSelection, load_transitions

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vla_rl_client.meta import Controller
 
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from sim.base import GoalLayout
 from sim.registry import TASKS, make_env
@@ -109,7 +109,7 @@ def _episode(states: np.ndarray, success: bool) -> dict[str, object]:
 def test_the_buffer_gets_one_copy_per_failed_episode_that_reached_somewhere() -> None:
     """Reach layout: a success (no copy), a failure that closed the gripper at frames 3-5 (a copy of
     frames 0..e, relabelled, cloned, ending in success), a failure that never closed (no copy)."""
-    from vla_rl.spec import RobotSpec
+    from vla_rl_client.spec import RobotSpec
 
     layout = TASKS[REACH].goal_layout
     assert layout is not None
@@ -189,9 +189,9 @@ def _off_target_fleet(root: Path, episodes: int, offset: float = 0.04) -> Episod
 def _closing_miss(policy_dir: Path, root: Path, episodes: int) -> tuple[float, int]:
     """Roll the policy out on held-out seeds (100000+): the median distance of the gripper from the goal
     on the last frame (where a success ended, or the time ran out), and its successes."""
+    from policies.loading import load_policy
     from sim.demos import record_rollouts
-    from vla_rl.policy_loading import load_policy
-    from vla_rl.seeds import EVAL
+    from vla_rl.core.seeds import EVAL
 
     store = EpisodeStore(root, create=True)
     rep = record_rollouts(

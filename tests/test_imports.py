@@ -1,37 +1,33 @@
-"""Imports go one way: no file-level import cycle, a bottom layer of contracts, a self-contained client.
+"""Imports go one way: no file-level import cycle, no import running up a floor or sideways between rooms,
+and a client package that installs alone.
 
 The graph is read with ``ast`` by ``scripts/import_graph.py`` (every import anywhere in a file counts,
-function-local and ``TYPE_CHECKING`` ones too); the checks are tried on a small fake tree first.
+function-local and ``TYPE_CHECKING`` ones too); the checks are tried on a small fake tree first. The
+floors and rooms are ``scripts.import_graph.ROOMS`` (drawn in docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from textwrap import dedent
 
 import pytest
 
-from scripts.build_client import CLIENT_FILES, check_self_contained
-from scripts.import_graph import Graph, build, cycles
-
-# The bottom layer: what every side agrees on (robot spec, tensor codec, wire encoding and protos, episode
-# types). It imports nothing of ours from above it.
-CONTRACTS = (
-    "vla_rl/spec.py",
-    "server/codec.py",
-    "server/proto/__init__.py",
-    "server/proto/policy_service_pb2.py",
-    "server/proto/policy_service_pb2_grpc.py",
-    "fleet/proto/__init__.py",
-    "fleet/proto/collector_pb2.py",
-    "fleet/proto/collector_pb2_grpc.py",
-    "fleet/meta.py",
-    "fleet/wire.py",
+from scripts.import_graph import (
+    CLIENT_DEPENDENCIES,
+    CLIENT_OPTIONAL,
+    PACKAGES,
+    ROOMS,
+    ROOT,
+    Graph,
+    Room,
+    build,
+    client_problems,
+    cycles,
+    room_of,
+    upward,
 )
-
-# Packages below others: the fleet (collector, store, metadata DB, auto-flags) records what simulators and
-# policies do and is imported by them (sim/fleet_runner.py), never the other way.
-BELOW: dict[str, tuple[str, ...]] = {"fleet": ("sim", "policies")}
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +83,53 @@ def test_checker_finds_cycles_through_every_kind_of_import(tmp_path: Path) -> No
     assert cycles(build(root, ("a", "b"))) == []
 
 
-def test_checker_finds_what_a_client_would_be_missing(tmp_path: Path) -> None:
+def test_checker_finds_imports_running_up_or_sideways(tmp_path: Path) -> None:
     root = _tree(
         tmp_path,
         {
-            "c/__init__.py": "import c.heavy\n",  # an __init__ that pulls in more than its package
-            "c/light.py": "import json\nfrom c import spec\n",
-            "c/spec.py": "import torch\n",
-            "c/heavy.py": "",
+            "low/__init__.py": "",
+            "low/a.py": "import json\n",
+            "low/b.py": "from low import a\n",  # inside its own room: fine
+            "mid/__init__.py": "",
+            "mid/x.py": "from low.a import *\n",  # down a floor: fine
+            "mid/y.py": "def f():\n    from side.z import Z\n",  # sideways, function-local
+            "side/__init__.py": "",
+            "side/z.py": "Z = 1\n",
+            "top/__init__.py": "",
+            "top/t.py": "import mid.x\n",
+            "low/c.py": "from top import t\n",  # up two floors
         },
     )
-    problems = check_self_contained(build(root, ("c",)), ("c/__init__.py", "c/light.py", "c/spec.py"))
-    assert len(problems) == 2, problems
-    assert problems[0].startswith("c/heavy.py is loaded but not in the package")
-    assert problems[1] == "c/spec.py imports ['torch']: not a dependency of vla-rl-client"
+    rooms = (
+        Room("low", 0, ("low/",)),
+        Room("mid", 1, ("mid/",)),
+        Room("side", 1, ("side/",)),
+        Room("top", 2, ("top/",)),
+    )
+    g = build(root, ("low", "mid", "side", "top"))
+    wrong = sorted(map(str, upward(g, rooms)))
+    assert wrong == ["low/c.py:1 -> top/t.py (t)", "mid/y.py:2 -> side/z.py (Z)"], wrong
+    assert room_of("mid/x.py", rooms) == rooms[1] and room_of("else/q.py", rooms) is None
+
+
+def test_checker_finds_what_the_client_would_be_missing(tmp_path: Path) -> None:
+    client = "packages/vla-rl-client/vla_rl_client"
+    root = _tree(
+        tmp_path,
+        {
+            f"{client}/__init__.py": "",
+            f"{client}/spec.py": "import numpy\nimport torch\n",  # torch: not a client dependency
+            f"{client}/client.py": "import grpc\nfrom vla_rl_client import spec\nfrom app import heavy\n",
+            "app/__init__.py": "",
+            "app/heavy.py": "",
+        },
+    )
+    problems = client_problems(build(root, (client, "app")))
+    assert problems == [
+        "app/__init__.py is loaded but not in vla-rl-client: a package __init__",
+        f"app/heavy.py is loaded but not in vla-rl-client: {client}/client.py:3 -> app/heavy.py (heavy)",
+        f"{client}/spec.py imports ['torch']: not a dependency of vla-rl-client",
+    ], problems
 
 
 # ------------------------------------------------------------------------------------------ this tree
@@ -109,26 +138,43 @@ def test_no_import_cycle(graph: Graph) -> None:
     assert not found, _report(found)
 
 
-def test_contract_layer_imports_only_contracts(graph: Graph) -> None:
-    assert set(CONTRACTS) <= set(graph.edges)
-    wrong = [str(e) for f in CONTRACTS for e in graph.edges[f] if e.dst not in CONTRACTS]
-    assert not wrong, "the contract layer imports from above it:\n" + "\n".join(wrong)
+def test_every_file_is_in_a_room(graph: Graph) -> None:
+    homeless = [f for f in graph.edges if room_of(f) is None]
+    assert not homeless, "files in no room of scripts.import_graph.ROOMS:\n" + "\n".join(homeless)
+    assert len(graph.edges) > 100 and {r.name for r in ROOMS} == {room_of(f).name for f in graph.edges}  # type: ignore[union-attr]
 
 
-def test_lower_packages_do_not_import_upper_ones(graph: Graph) -> None:
-    wrong = [
-        str(e)
-        for low, ups in BELOW.items()
-        for f, es in graph.edges.items()
-        if f.startswith(f"{low}/")
-        for e in es
-        if e.dst.split("/")[0] in ups
-    ]
-    assert any(f.startswith("fleet/") for f in graph.edges) and any(f.startswith("sim/") for f in graph.edges)
-    assert not wrong, "a lower package imports from above it:\n" + "\n".join(wrong)
+def test_no_import_runs_up_a_floor_or_sideways(graph: Graph) -> None:
+    wrong = upward(graph)
+    assert not wrong, "imports running up a floor or into a room beside their own:\n" + "\n".join(
+        f"{e}  ({room_of(e.src).name} -> {room_of(e.dst).name})"  # type: ignore[union-attr]
+        for e in wrong
+    )
 
 
-def test_client_package_is_self_contained(graph: Graph) -> None:
-    problems = check_self_contained(graph)
+def test_ground_floor_imports_nothing_above_it(graph: Graph) -> None:
+    """The contracts (vla-rl-client) import nothing of ours outside them; the runtime (vla_rl/core) only
+    them: the direction rule spelled out for the bottom, where a slip would cost the most."""
+    for room, allowed in (("client", {"client"}), ("core", {"client", "core"})):
+        files = [f for f in graph.edges if room_of(f).name == room]  # type: ignore[union-attr]
+        assert files
+        out = {room_of(e.dst).name for f in files for e in graph.edges[f]}  # type: ignore[union-attr]
+        assert out <= allowed, (room, out)
+
+
+def test_client_package_installs_alone(graph: Graph) -> None:
+    problems = client_problems(graph)
     assert not problems, "\n".join(problems)
-    assert {"fleet/robot_client.py", "server/client.py", "fleet/meta.py"} <= set(CLIENT_FILES)
+    client = ROOT / "packages" / "vla-rl-client"
+    meta = tomllib.loads((client / "pyproject.toml").read_text())["project"]
+    deps = {d.split(">")[0].split("<")[0].split("=")[0].strip() for d in meta["dependencies"]}
+    assert deps == set(CLIENT_DEPENDENCIES), deps
+    extra = {d.split(">")[0].strip() for d in meta["optional-dependencies"]["health"]}
+    assert extra == set(CLIENT_OPTIONAL)
+    # the full distribution depends on exactly this version of it
+    full = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"vla-rl-client=={meta['version']}" in full["dependencies"]
+    import vla_rl_client
+
+    assert vla_rl_client.__version__ == meta["version"]
+    assert PACKAGES[0] == "packages/vla-rl-client/vla_rl_client"

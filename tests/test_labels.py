@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import Label, MetadataDB, effective_outcome
 from fleet.labels import DEFAULT_SCHEMA_PATH, LabelSchema
-from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
 

@@ -16,12 +16,12 @@ from typing import Any
 import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE before the fixture sets it)
 import numpy as np
 import pytest
+from vla_rl_client.meta import Controller, Segment, SegmentKind
+from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller, Segment, SegmentKind
 from fleet.store import EpisodeStore, EpisodeWriter, outcome_known
 from vla_rl.cli.common import open_db
-from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(
     name="test-arm",
@@ -565,14 +565,14 @@ def test_video_export_leaves_the_thread_off_realtime(
     except Exception:
         pytest.skip("PyAV has no libsvtav1 encoder")
     from fleet.lerobot_io import export_lerobot
-    from vla_rl.scheduling import realtime_policy
+    from vla_rl.core.scheduling import realtime_policy
 
     spec = RobotSpec("one-cam", 5, 3, 10.0, "x", (CameraSpec("base", 32, 32),))
     store = EpisodeStore(tmp_path / "store", create=True)
     w = store.create_episode(spec, robot_id="r", task="pick", episode_id="v0")
     add(w, np.random.default_rng(0), 4, T0)
     w.close()
-    with caplog.at_level(logging.DEBUG, "vla_rl.scheduling"):
+    with caplog.at_level(logging.DEBUG, "vla_rl.core.scheduling"):
         export_lerobot(store, tmp_path / "video_ds", REPO_ID, use_videos=True)
     assert all(realtime_policy(int(t)) is None for t in os.listdir("/proc/self/task"))
     if os.geteuid() == 0:  # where the encoder raises it: the reset saw it (the culprit, still there)
@@ -920,8 +920,9 @@ def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(
 ) -> None:
     """The last record-style episode switches task half-way: SFT's dataset and the RL trainers' buffer
     give each frame its run's task (the import's ``lerobot_tasks`` label), not the episode's first one."""
+    from vla_rl_client.meta import frame_instructions
+
     from fleet.dataset import ChunkDataset, labelled_instructions
-    from fleet.meta import frame_instructions
     from vla_rl.cli import main
     from vla_rl.train.transitions import DataSelection, load_transitions
 

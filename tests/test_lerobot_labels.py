@@ -11,12 +11,12 @@ from pathlib import Path
 import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE before the fixture sets it)
 import numpy as np
 import pytest
+from vla_rl_client.meta import Controller, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
 from fleet.lerobot_io import LABEL_COLUMNS, LABELS_PATH, SIDECAR_PATH, export_lerobot, read_exported_labels
-from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=1, control_hz=10.0, instruction="do it")
 

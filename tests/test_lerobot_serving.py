@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import torch
 from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.codec import to_tensor
+from vla_rl_client.policy_client import PolicyClient, PolicyError, build_request
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.lerobot_adapter import is_lerobot_folder, save_random_policy, spec_from_config
-from server.client import PolicyClient, PolicyError, build_request
-from server.codec import to_tensor
+from policies.loading import load_servable
 from server.policy_server import PolicyServer, initial_noise
-from vla_rl.checkpoint import CheckpointError
-from vla_rl.policy_loading import load_servable
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl.hub.checkpoint import CheckpointError
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """Supervised processes stop on SIGINT however they were started, and stop by themselves when the process
-that started them dies (vla_rl/lifeline.py, used by `vla-rl up`'s Supervisor and the fleet's robots).
+that started them dies (vla_rl/core/lifeline.py, used by `vla-rl up`'s Supervisor and the fleet's robots).
 
 Real processes: a real `vla-rl collect` (one of the children that ignored up's SIGINT) started by a real
 Supervisor, killed parents, a real ``multiprocessing`` spawn child. ~2-4 s each on 2 cores.
@@ -20,7 +20,7 @@ import psutil
 import pytest
 from processes import still_running
 
-from vla_rl.lifeline import SUPERVISOR_ENV, act_on_interrupt, install, interruptible
+from vla_rl.core.lifeline import SUPERVISOR_ENV, act_on_interrupt, install, interruptible
 from vla_rl.up import Supervisor
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -128,7 +128,7 @@ if __name__ == "__main__":
 
 _PROBE = """
 import time
-from vla_rl.lifeline import exit_with_parent
+from vla_rl.core.lifeline import exit_with_parent
 
 def robot():
     exit_with_parent(where="probe robot")  # what sim_robot_main does first

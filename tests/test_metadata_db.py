@@ -16,10 +16,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from pg_cluster import PostgresCluster
 from sqlalchemy import Engine, event, inspect, text
+from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import SCHEMA_HEAD, Base, EpisodeQuery, Flag, MetadataDB, MetadataDBError, _alembic_config
-from fleet.meta import Controller, EpisodeMeta, Segment, SegmentKind
-from vla_rl.spec import RobotSpec
 
 TASK = "toy/Task-v0"
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from imported_base import imported_base, on_backend, on_postgresql
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
+from vla_rl_client.spec import RobotSpec
 
 from fleet.store import EpisodeStore
 from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes
-from vla_rl.spec import RobotSpec
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
 H = 4
@@ -141,8 +141,8 @@ def koch_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
     ["sft"],
 )
 def test_round_on_imported_real_data_gates_on_offline_action_mse(koch_db, tmp_path: Path, algo: str) -> None:
-    from vla_rl.checkpoint import read_info
     from vla_rl.cli.common import open_db
+    from vla_rl.hub.checkpoint import read_info
     from vla_rl.rounds import RoundConfig, start_round
     from vla_rl.train.algorithms import make_config
 
@@ -200,8 +200,8 @@ def test_an_awr_round_on_teleoperated_data_fails_naming_the_reason(koch_db, tmp_
 
 
 def test_eval_cli_offline_on_a_store(koch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from policies.loading import load_policy
     from vla_rl.cli import main
-    from vla_rl.policy_loading import load_policy
 
     store, base = koch
     out = tmp_path / "eval.json"
@@ -222,7 +222,8 @@ def test_eval_cli_offline_on_a_store(koch, tmp_path: Path, capsys: pytest.Captur
 def test_client_act_sends_a_recorded_observation(
     koch, cli_server, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from server.client import PolicyClient
+    from vla_rl_client.policy_client import PolicyClient
+
     from vla_rl.cli import main
 
     store, base = koch

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.flow_vla import (
     ConfigError,
@@ -36,7 +37,6 @@ from policies.flow_vla import (
 )
 from policies.flow_vla.encoders import MiniLMEmbedder, random_shift
 from policies.flow_vla.sampling import noise_kernel, sde_kernel
-from vla_rl.spec import CameraSpec, RobotSpec
 
 MU, SD = 1.5, 0.5
 Normal = torch.distributions.Normal

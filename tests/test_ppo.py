@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
+from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
+from policies.loading import load_policy
 from sim.registry import resolve_task
-from vla_rl.checkpoint import CheckpointInfo, Lineage, load_checkpoint, read_info, save_checkpoint
-from vla_rl.policy_loading import load_policy
-from vla_rl.spec import RobotSpec
+from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, load_checkpoint, read_info, save_checkpoint
 from vla_rl.train.ppo import (
     PPOConfig,
     ValueFn,

@@ -15,8 +15,8 @@ from torch import nn
 
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble
-from vla_rl.checkpoint import load_checkpoint, read_info
-from vla_rl.policy_loading import load_policy
+from policies.loading import load_policy
+from vla_rl.hub.checkpoint import load_checkpoint, read_info
 from vla_rl.train.common import TRAIN_STATE, load_train_state
 from vla_rl.train.qam import (
     QAMConfig,

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import pytest
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
+from vla_rl_client.spec import RobotSpec
 
 import sim
 from sim.base import GRIPPER_CLOSED, GRIPPER_OPEN
 from sim.ray_workers import RayUnavailable, RayWorkerOptions, check_ray_address, local_head_options
 from sim.vector import VectorSimEnv
 from vla_rl.evaluation import evaluate
-from vla_rl.spec import RobotSpec
 
 ray = pytest.importorskip("ray")
 
@@ -383,7 +383,7 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
 
 # ---------------------------------------------------------------------------- trainers
 def _weights_close(a: Path, b: Path) -> None:
-    from vla_rl.checkpoint import load_checkpoint
+    from vla_rl.hub.checkpoint import load_checkpoint
 
     _, wa = load_checkpoint(a)
     _, wb = load_checkpoint(b)

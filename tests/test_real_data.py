@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from imported_base import PG_SLOW, imported_base, on_backend, on_postgresql
 from test_lerobot_io import EPISODE_LEN, KOCH_TASKS, record_style_dataset
+from vla_rl_client.policy_client import PolicyClient
 
 from fleet.store import EpisodeStore
-from server.client import PolicyClient
 from vla_rl.cli import main
 from vla_rl.hub.registry import resolve
 from vla_rl.hub.server import HubServer
@@ -125,7 +125,7 @@ def teleop_db(request: pytest.FixtureRequest) -> tuple[Path, Path, str | None]:
 def _check_offline_round(rec: Any, store: Path, algo: str) -> None:
     """An offline round on imported data: gated on the held-out action MSE, the held-out episode never
     trained on, the candidate a checkpoint of ``algo`` that the gate's numbers describe."""
-    from vla_rl.checkpoint import read_info
+    from vla_rl.hub.checkpoint import read_info
 
     m, ids = rec.metrics, EpisodeStore(store).episode_ids()
     assert rec.status == "succeeded" and rec.algo == algo and rec.task == "koch"
@@ -206,7 +206,7 @@ def test_train_commands_on_imported_data_need_no_task(
     --store` on its checkpoint; `train awr` on teleoperation alone is one line and exit 2."""
     import json
 
-    from vla_rl.checkpoint import read_info
+    from vla_rl.hub.checkpoint import read_info
 
     store, base = dagger
     out = tmp_path / "recap"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vla_rl_client.meta import EpisodeMeta
 
-from fleet.meta import EpisodeMeta
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from sim.registry import make_env

@@ -29,10 +29,10 @@ import pytest
 import torch
 from conftest import _free_port
 from test_server import make_checkpoint, make_obs
+from vla_rl_client.aio_policy_client import AsyncPolicyClient
+from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
+from vla_rl_client.policy_common import HEALTH_SERVICE, channel_target
 
-from server.aio_client import AsyncPolicyClient
-from server.client import Backoff, PolicyClient, PolicyError
-from server.client_common import HEALTH_SERVICE, channel_target
 from server.policy_server import SERVICE_NAME, PolicyServer
 from vla_rl.cli import main
 
@@ -189,7 +189,7 @@ def test_async_client_balances_and_survives_a_stopped_replica(ckpts: dict[str, P
 def test_async_stream_reads_aios_ended_stream_write_as_closed() -> None:
     """grpc.aio turns a write to a stream a stopped replica ended into INTERNAL "Internal error from Core"
     (grpc/grpc#36066); the stream reopens on that (UNAVAILABLE) but keeps every real server error."""
-    from server.aio_client import _stream_error
+    from vla_rl_client.aio_policy_client import _stream_error
 
     def aio(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

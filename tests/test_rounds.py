@@ -11,8 +11,8 @@ import pytest
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
-from vla_rl.checkpoint import read_info
 from vla_rl.cli import main as cli_main
+from vla_rl.hub.checkpoint import read_info
 from vla_rl.hub.registry import configure_hub, pull, push_folder, resolve
 from vla_rl.hub.server import HubServer
 from vla_rl.rounds import RoundConfig, RoundOptions, start_round

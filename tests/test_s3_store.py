@@ -25,12 +25,12 @@ import pytest
 from test_collector import SPEC as ROBOT_SPEC
 from test_collector import TOKEN, store_digests, stream_episodes
 from test_store import SPEC, TASK, make_frames, take
+from vla_rl_client.robot_client import RobotClient
 
 from bench.store_s3 import MotoS3
 from fleet.collector import Collector
 from fleet.dataset import ChunkDataset
 from fleet.objstore import StoreURLError
-from fleet.robot_client import RobotClient
 from fleet.store import EpisodeStore
 from vla_rl.cli import main
 from vla_rl.train.transitions import DataSelection, load_transitions
@@ -633,7 +633,7 @@ def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, t
             eid = client.start_episode()
 
             def frames(a: int, b: int) -> None:
-                from fleet.robot_client import frame_digest
+                from vla_rl_client.robot_client import frame_digest
 
                 for i in range(a, b):
                     cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}

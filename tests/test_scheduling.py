@@ -1,4 +1,4 @@
-"""No vla-rl process passes real-time scheduling on (vla_rl/scheduling.py): started from a SCHED_FIFO thread,
+"""No vla-rl process passes real-time scheduling on (vla_rl/core/scheduling.py): started from a SCHED_FIFO thread,
 the real entry points (the ``vla-rl`` CLI, a sim env worker) set themselves back to SCHED_OTHER first.
 
 Needs permission to raise a thread to SCHED_FIFO (root, or CAP_SYS_NICE / RLIMIT_RTPRIO); the tests skip only
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from vla_rl.scheduling import leave_realtime, realtime_policy
+from vla_rl.core.scheduling import leave_realtime, realtime_policy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="no POSIX scheduler calls")
 
@@ -93,7 +93,7 @@ def test_leave_realtime_sets_every_realtime_thread_back(
     _raise(rr, os.SCHED_RR, 2)
     os.sched_setscheduler(batch, os.SCHED_BATCH, os.sched_param(0))
     assert realtime_policy(fifo) == "SCHED_FIFO" and realtime_policy(rr) == "SCHED_RR"
-    with caplog.at_level(logging.WARNING, "vla_rl.scheduling"):
+    with caplog.at_level(logging.WARNING, "vla_rl.core.scheduling"):
         found = leave_realtime("the test")
     assert {(t.tid, t.policy, t.priority, t.error) for t in found} == {
         (fifo, "SCHED_FIFO", 3, None),
@@ -101,7 +101,7 @@ def test_leave_realtime_sets_every_realtime_thread_back(
     }
     assert os.sched_getscheduler(fifo) == os.sched_getscheduler(rr) == os.SCHED_OTHER
     assert os.sched_getscheduler(batch) == os.SCHED_BATCH  # not real-time: left alone
-    [record] = [r for r in caplog.records if r.name == "vla_rl.scheduling"]
+    [record] = [r for r in caplog.records if r.name == "vla_rl.core.scheduling"]
     assert record.levelno == logging.WARNING
     assert (
         "the test ran under real-time scheduling (SCHED_FIFO 3, SCHED_RR 2 on 2 thread(s)" in record.message

@@ -1,4 +1,4 @@
-"""Episode-seed ranges (vla_rl/seeds.py): online training never collects from an evaluation's seeds."""
+"""Episode-seed ranges (vla_rl/core/seeds.py): online training never collects from an evaluation's seeds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vla_rl.seeds import EVAL, ONLINE, SeedOverlapError, check_disjoint
+from vla_rl.core.seeds import EVAL, ONLINE, SeedOverlapError, check_disjoint
 from vla_rl.train.algorithms import make_config
 from vla_rl.train.awr_pi import AWRPIConfig, iteration_seed
 from vla_rl.train.presets import PRESETS, preset_config

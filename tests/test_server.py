@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 import torch
 from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.codec import encode_image, to_tensor
+from vla_rl_client.policy_client import PolicyClient, PolicyError, build_request
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.uncertainty import accel_score
-from server.client import PolicyClient, PolicyError, build_request
-from server.codec import encode_image, to_tensor
+from policies.loading import load_policy
 from server.policy_server import PolicyServer, ServedVersion, initial_noise
-from server.proto import policy_service_pb2 as pb
-from vla_rl.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.policy_loading import load_policy
-from vla_rl.spec import CameraSpec, RobotSpec, SpecError
+from vla_rl.hub.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 torch.set_num_threads(1)
 
@@ -163,7 +163,7 @@ def test_encoded_images(client: PolicyClient) -> None:
 
 def test_from_tensor_reads_the_bytes_once() -> None:
     """Each access of a protobuf bytes field copies it; the decoder must take one copy, not two."""
-    from server.codec import from_tensor
+    from vla_rl_client.codec import from_tensor
 
     class Counting:
         def __init__(self, t: pb.Tensor) -> None:
@@ -453,7 +453,7 @@ def test_uncertainty_is_absent_for_models_that_cannot_score(
     server: PolicyServer, client: PolicyClient, reference: dict[str, ServedVersion]
 ) -> None:
     """A model without ``infer_scored`` (LeRobot policies) replies with the field unset: NaN, kind ""."""
-    from server.proto import policy_service_pb2_grpc as pb_grpc
+    from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
     slot = server.slots["arm"]
     real = slot.active.model

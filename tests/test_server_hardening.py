@@ -28,9 +28,13 @@ import numpy as np
 import pytest
 import torch
 from test_server import SPEC, TOKEN, A, H, make_checkpoint, make_obs, start_server
+from vla_rl_client.codec import encode_image, image_header_size, to_tensor
+from vla_rl_client.policy_client import PolicyClient, PolicyError, build_request
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from server.client import PolicyClient, PolicyError, build_request
-from server.codec import encode_image, image_header_size, to_tensor
+from policies.loading import load_policy
 from server.policy_server import (
     SERVICE_NAME,
     ModelSlot,
@@ -42,9 +46,7 @@ from server.policy_server import (
     bad_field,
     request_bytes_for,
 )
-from server.proto import policy_service_pb2 as pb
-from server.proto import policy_service_pb2_grpc as pb_grpc
-from vla_rl.checkpoint import (
+from vla_rl.hub.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
@@ -52,8 +54,6 @@ from vla_rl.checkpoint import (
     load_checkpoint,
     member_path,
 )
-from vla_rl.policy_loading import load_policy
-from vla_rl.spec import CameraSpec, RobotSpec
 
 torch.set_num_threads(1)
 SC = grpc.StatusCode
@@ -178,7 +178,7 @@ def test_load_errors_leak_nothing_without_the_token(ckpts: dict[str, Path], tmp_
 def _slow_hashing(monkeypatch: pytest.MonkeyPatch, block_s: float) -> None:
     import types
 
-    import vla_rl.checkpoint as ck
+    import vla_rl.hub.checkpoint as ck
 
     class Slow:
         def __init__(self) -> None:

@@ -22,12 +22,12 @@ import pytest
 import torch
 from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs
 from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
+from vla_rl_client.aio_policy_client import AsyncPolicyClient
+from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
-from server.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
-from server.aio_client import AsyncPolicyClient
-from server.client import Backoff, PolicyClient, PolicyError
+from policies.loading import load_policy
 from server.policy_server import PolicyServer, ServedVersion
-from vla_rl.policy_loading import load_policy
 
 torch.set_num_threads(1)
 SC = grpc.StatusCode
@@ -435,9 +435,7 @@ def test_robot_side_modules_do_not_import_torch() -> None:
     """Robots install numpy, grpcio and Pillow only: the clients and the action queue must not pull in torch."""
     import sys
 
-    code = (
-        "import sys, server.client, server.aio_client, server.action_queue; assert 'torch' not in sys.modules"
-    )
+    code = "import sys, vla_rl_client.policy_client, vla_rl_client.aio_policy_client, vla_rl_client.action_queue; assert 'torch' not in sys.modules"
     subprocess.run(
         [sys.executable, "-c", code],
         check=True,

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 from test_uncertainty import reference_cusum
+from vla_rl_client.robot_client import frame_digest
+from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector
-from fleet.robot_client import frame_digest
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
@@ -24,9 +25,8 @@ from sim.base import ACTION_NAMES
 from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
 from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
 from sim.registry import resolve_task
-from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.cli import main
-from vla_rl.spec import RobotSpec
+from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
 torch.set_num_threads(1)
 TOKEN = "fleet-test-token"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.meta import Controller, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
-from vla_rl.spec import RobotSpec
 from vla_rl.train.transitions import (
     DataSelection,
     TransitionBuffer,

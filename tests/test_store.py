@@ -23,11 +23,11 @@ import pytest
 import zarr
 from sqlalchemy import update
 from sqlalchemy.orm import Session
+from vla_rl_client.meta import Controller, SegmentKind
+from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from fleet.db import EpisodeRow, MetadataDB, default_url
-from fleet.meta import Controller, SegmentKind
 from fleet.store import Episode, EpisodeStore, EpisodeWriter
-from vla_rl.spec import CameraSpec, RobotSpec, SpecError
 
 SPEC = RobotSpec(
     name="test-arm",

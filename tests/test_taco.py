@@ -13,8 +13,8 @@ import torch
 from tiny_base import tiny_base
 
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from vla_rl.cli import main
-from vla_rl.policy_loading import load_policy
 from vla_rl.train import taco
 
 TASK = "kinematic/Reach-v0"

@@ -13,15 +13,15 @@ import pytest
 import torch
 from left_right import LR_TASK, left_right_store
 from run_clock import resume_after_earlier_seconds
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos
-from vla_rl.checkpoint import CheckpointError, load_checkpoint, read_info
 from vla_rl.evaluation import evaluate
+from vla_rl.hub.checkpoint import CheckpointError, load_checkpoint, read_info
 from vla_rl.hub.registry import configure_hub, pull, push_folder
 from vla_rl.hub.server import HubServer
-from vla_rl.policy_loading import load_policy
-from vla_rl.spec import CameraSpec, RobotSpec
 from vla_rl.train.common import TRAIN_STATE
 from vla_rl.train.sft import SFTConfig, SFTResult, train_sft
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from vla_rl_client.meta import Controller, SegmentKind
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller, SegmentKind
 from fleet.store import EpisodeStore
 from policies.critics import (
     CategoricalValue,
@@ -17,7 +18,6 @@ from policies.critics import (
     pessimistic,
     polyak_update,
 )
-from vla_rl.spec import RobotSpec
 from vla_rl.train.transitions import (
     DataSelection,
     TransitionBuffer,

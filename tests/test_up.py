@@ -262,7 +262,7 @@ def _running_in(work: Path) -> list[list[str]]:
 @pytest.mark.slow
 def test_nothing_outlives_a_killed_up(work: Path, up_db: str | None) -> None:
     """`up` SIGKILLed mid-round (no chance to stop anything): every process it started, and theirs (the
-    fleet's robots, the collector's store writer), stops by itself within seconds (vla_rl/lifeline.py);
+    fleet's robots, the collector's store writer), stops by itself within seconds (vla_rl/core/lifeline.py);
     the next run resumes with every acknowledged episode stored once."""
     _ensure_rounds(work, up_db, 2)
     done = len(open_db(work / "store", up_db).rounds())

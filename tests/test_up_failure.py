@@ -209,9 +209,9 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
     nonce) is not taken for the child. Real dashboard apps on loopback and a real hub registry process."""
     from dashboard_world import Dashboard, free_port
 
+    from vla_rl.core.instance import INSTANCE_ENV, instance_tag, new_nonce
     from vla_rl.dashboard import DashboardConfig
     from vla_rl.hub.server import HubServer
-    from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
 
     store = EpisodeStore(tmp_path / "store", create=True).root
     nonces = {"ours": new_nonce(), "theirs": new_nonce(), "none": ""}
@@ -250,7 +250,7 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
 _HTTP_CHILD = """
 import json, socket, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from vla_rl.instance import own_instance_tag
+from vla_rl.core.instance import own_instance_tag
 
 class H(BaseHTTPRequestHandler):
     def do_GET(self):

@@ -1,7 +1,10 @@
 """vla-rl: improve robot VLA policies while they are deployed.
 
-Core package: shared specs and types, config, the CLI (and, as the project grows, wire contracts,
-checkpoints and the Hub registry, the trainer and its algorithms, post-training rounds).
+The app floor (CLI, dashboard, trainers, rounds, ``up``) sits in this package above everything else;
+:mod:`vla_rl.core` is the ground floor beside the contracts in :mod:`vla_rl_client`, and
+:mod:`vla_rl.hub` the registry floor. Which package may import which: docs/architecture.md.
 """
 
-__version__ = "0.1.0"
+from vla_rl.core.version import __version__
+
+__all__ = ["__version__"]

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from vla_rl_client.spec import RobotSpec
 
 from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
 from sim.vector import VectorSimEnv
-from vla_rl.seeds import EVAL
-from vla_rl.spec import RobotSpec
+from vla_rl.core.seeds import EVAL
 from vla_rl.train.base import StepProgress
 
 log = logging.getLogger(__name__)

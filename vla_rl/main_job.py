@@ -18,12 +18,12 @@ from pathlib import Path
 
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
+from policies.loading import load_policy
 from sim.demos import record_demos
 from sim.registry import resolve_task
 from vla_rl.evaluation import EvalResult, evaluate
 from vla_rl.hub.registry import configure_hub, push_folder
 from vla_rl.hub.server import HubServer
-from vla_rl.policy_loading import load_policy
 from vla_rl.train.sft import SFTConfig, train_sft
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fleet.db import FINISHED_STATUSES, MetadataDB, RoundLost, default_url, worker_id
-from vla_rl.lifeline import exit_with_parent
-from vla_rl.scheduling import leave_realtime
+from vla_rl.core.lifeline import exit_with_parent
+from vla_rl.core.scheduling import leave_realtime
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _stop(child: Any, timeout_s: float = 10.0) -> None:
 def _child_main(db_url: str, round_id: int, config: dict[str, Any], worker: str, parent_pid: int) -> None:
     """The round's process: exits by itself when the worker that started it dies (so a re-queued round
     never runs twice at once), records its own success or failure in the DB."""
-    from vla_rl.logs import setup_logging
+    from vla_rl.core.logs import setup_logging
     from vla_rl.rounds import config_from_json, run_round
 
     exit_with_parent(parent_pid, code=3, interval_s=1.0, where=f"round {round_id} process")

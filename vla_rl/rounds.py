@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
-from vla_rl.checkpoint import load_checkpoint, save_checkpoint
+from policies.loading import load_policy
+from vla_rl.core.seeds import EVAL
 from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
+from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
-from vla_rl.policy_loading import load_policy
-from vla_rl.seeds import EVAL
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
 from vla_rl.train.transitions import DataSelection
@@ -64,7 +64,7 @@ class RoundOptions:
     """Held-out simulated episodes for the candidate and the base (the same seeds)."""
     eval_seed: int = EVAL
     """First episode seed of the evaluation (below every online trainer's and the simulated fleet's
-    episodes, :mod:`vla_rl.seeds`)."""
+    episodes, :mod:`vla_rl.core.seeds`)."""
     eval_envs: int = 2
     """Simulator processes for the evaluation."""
 

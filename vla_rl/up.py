@@ -15,7 +15,7 @@ and prints one row per round. Running it again in the same workdir resumes (same
 next round number). Ctrl-C (or SIGTERM) stops every process within seconds, in order (the fleet and the
 worker, then the policy server and the collector, the registry last); nothing acknowledged is lost (the
 collector's write-ahead log holds it). Should ``up`` itself be killed outright, its children stop by
-themselves (:mod:`vla_rl.lifeline`).
+themselves (:mod:`vla_rl.core.lifeline`).
 
 Layout of ``workdir``: ``hub/`` (registry data), ``store/`` (episodes + metadata DB), ``base/`` (demos'
 SFT run), ``rounds/round-N/`` (training runs), ``logs/*.log`` (one per process), ``up.json`` (ports,
@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vla_rl.console import table
-from vla_rl.instance import INSTANCE_ENV, instance_tag, new_nonce
-from vla_rl.lifeline import supervised_env
-from vla_rl.secrets import read_secret_file
-from vla_rl.seeds import ONLINE
+from vla_rl.core.console import table
+from vla_rl.core.instance import INSTANCE_ENV, instance_tag, new_nonce
+from vla_rl.core.lifeline import supervised_env
+from vla_rl.core.secrets import read_secret_file
+from vla_rl.core.seeds import ONLINE
 
 log = logging.getLogger(__name__)
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -154,7 +154,7 @@ class Child:
 class Supervisor:
     """Starts services, restarts one that dies (with backoff), runs jobs (the fleet), stops them all on the
     way out. Each process gets its own process group (a terminal's Ctrl-C reaches ``up`` alone, which stops
-    them in order) and :func:`vla_rl.lifeline.supervised_env`: it acts on SIGINT even where ``up`` was
+    them in order) and :func:`vla_rl.core.lifeline.supervised_env`: it acts on SIGINT even where ``up`` was
     started ignoring it, and it stops by itself when ``up`` dies (SIGKILL, a crash)."""
 
     logs: Path
@@ -415,7 +415,7 @@ def _tcp_ready(port: int) -> Callable[[], bool]:
 
 def _http_ready(url: str, instance: str) -> Callable[[], bool]:
     """Ready when ``GET url`` answers JSON whose ``instance`` is ``instance`` (the tag of the nonce the
-    child was started with, :mod:`vla_rl.instance`): an answer from another process on the port (another
+    child was started with, :mod:`vla_rl.core.instance`): an answer from another process on the port (another
     ``vla-rl up``'s dashboard) has another tag, or none, and is not taken for our child."""
 
     def ready() -> bool:
@@ -566,7 +566,8 @@ class Ports:
 
 def fleet_summary(store_root: Path, since: float, robot_prefix: str) -> dict[str, Any]:
     """Success, intervention rate and takeovers of the fleet's episodes created since ``since``."""
-    from fleet.meta import SegmentKind
+    from vla_rl_client.meta import SegmentKind
+
     from fleet.store import EpisodeStore
 
     store = EpisodeStore(store_root)

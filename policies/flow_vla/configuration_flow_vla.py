@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from vla_rl.spec import CameraSpec, RobotSpec
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 POLICY_TYPE = "flow_vla"
 # Option sets: the Literal is the one spelling; the tuple (for checks and messages) is derived from it.

@@ -17,12 +17,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vla_rl import __version__, lifeline
 from vla_rl.cli import data, labels, services, taco, training
-from vla_rl.cli.common import DEFAULT_HUB, CliError, Command, hub_errors, parse
+from vla_rl.cli.common import CliError, Command, hub_errors, parse
 from vla_rl.cli.common import user_errors as _user_errors
-from vla_rl.logs import setup_logging
-from vla_rl.scheduling import leave_realtime
+from vla_rl.core import lifeline
+from vla_rl.core.logs import setup_logging
+from vla_rl.core.scheduling import leave_realtime
+from vla_rl.core.version import __version__
+from vla_rl.hub.registry import DEFAULT_HUB
 
 __all__ = ["COMMANDS", "CliError", "_user_errors", "main"]
 
@@ -135,7 +137,7 @@ def _main(argv: list[str]) -> int:
         print(_usage(prefix))
         return 0 if g.help or not rest or prefix else 2
     setup_logging(g.log_level, g.log_format)
-    # First thing before any work: whatever this command starts inherits its scheduling (vla_rl.scheduling).
+    # First thing before any work: whatever this command starts inherits its scheduling (vla_rl.core.scheduling).
     leave_realtime("vla-rl " + " ".join(command.path))
     # Ctrl-C stops it even where it was started ignoring SIGINT; started by `vla-rl up`: it stops with up.
     lifeline.install("vla-rl " + " ".join(command.path))

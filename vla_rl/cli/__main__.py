@@ -2,7 +2,7 @@
 
 import sys
 
-from vla_rl.lifeline import act_on_interrupt
+from vla_rl.core.lifeline import act_on_interrupt
 
 act_on_interrupt()  # before the imports below: a SIGINT during them stops us even if we were born ignoring it
 

@@ -13,8 +13,6 @@ from typing import Annotated, Any
 
 import tyro
 
-DEFAULT_HUB = "http://127.0.0.1:8808"  # the embedded registry (`vla-rl hub serve`)
-
 
 class CliError(Exception):
     """A user-facing error: printed as one line with a hint, exit code 2."""
@@ -42,7 +40,7 @@ def hub_errors() -> Iterator[None]:
         RevisionNotFoundError,
     )
 
-    from vla_rl.hub.registry import HubUnavailable
+    from vla_rl.hub.registry import DEFAULT_HUB, HubUnavailable
 
     endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_HUB)
     try:

@@ -10,7 +10,7 @@ from tyro.conf import Positional
 
 from sim.base import ObsMode
 from vla_rl.cli.common import CliError, Command, open_store, task_arg, user_errors
-from vla_rl.console import human_bytes, table
+from vla_rl.core.console import human_bytes, table
 
 
 # ---------------------------------------------------------------------------- sim

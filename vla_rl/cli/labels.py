@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from vla_rl.cli.common import CliError, Command, open_store, user_errors
-from vla_rl.console import table
+from vla_rl.core.console import table
 
 
 def _label_auto_args() -> type:

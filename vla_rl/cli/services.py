@@ -16,7 +16,7 @@ import tyro
 from tyro.conf import Positional
 
 from vla_rl.cli.common import CliError, Command, check_port, task_arg, user_errors
-from vla_rl.secrets import env_secret, read_secret_file
+from vla_rl.core.secrets import env_secret, read_secret_file
 
 
 # ---------------------------------------------------------------------------- policy server
@@ -90,7 +90,7 @@ class Serve:
 
 
 def _read_token_file(path: Path) -> str:
-    """The token in ``path`` (see :func:`vla_rl.secrets.read_secret_file`), or an error naming --token-file."""
+    """The token in ``path`` (see :func:`vla_rl.core.secrets.read_secret_file`), or an error naming --token-file."""
     with user_errors(ValueError, prefix="--token-file "):
         return read_secret_file(path)
 
@@ -208,8 +208,8 @@ def _recorded_observation(a: ClientAct) -> tuple[dict[str, Any], Any]:
 
 def client_act(a: ClientAct) -> int:
     import numpy as np
+    from vla_rl_client.policy_client import PolicyClient, PolicyError
 
-    from server.client import PolicyClient, PolicyError
     from sim.registry import make_env
 
     if a.tls_ca is not None and not a.tls_ca.is_file():
@@ -385,7 +385,8 @@ def _fleet_args() -> type:
 
 
 def fleet_sim(a: Any) -> int:
-    from server.client_common import channel_target
+    from vla_rl_client.policy_common import channel_target
+
     from sim.fleet_runner import run_sim_fleet
 
     cfg = a.fleet
@@ -503,7 +504,7 @@ class HubPull:
 
 
 def hub_pull(a: HubPull) -> int:
-    from vla_rl.checkpoint import load_checkpoint
+    from vla_rl.hub.checkpoint import load_checkpoint
     from vla_rl.hub.registry import check_hub, pull
 
     check_hub()

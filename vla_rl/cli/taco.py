@@ -15,7 +15,7 @@ def _fit_args() -> type:
 
 def taco_fit(cfg: Any) -> int:
     """Fit the CFN on the base's SFT data (vla_rl/train/taco.py) and save it in --out."""
-    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.hub.checkpoint import CheckpointError
     from vla_rl.train.taco import train_taco
 
     with user_errors(FileNotFoundError, ValueError, CheckpointError):

@@ -27,7 +27,7 @@ from vla_rl.cli.common import (
     user_errors,
     with_options,
 )
-from vla_rl.seeds import EVAL
+from vla_rl.core.seeds import EVAL
 from vla_rl.train.algorithms import ALGORITHMS, Algorithm, get_algorithm
 from vla_rl.train.presets import PRESETS, get_preset
 
@@ -74,7 +74,7 @@ def _launch_torchrun(name: str, argv: Sequence[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from vla_rl.logs import JsonFormatter
+    from vla_rl.core.logs import JsonFormatter
 
     root = logging.getLogger()
     fmt = "json" if any(isinstance(h.formatter, JsonFormatter) for h in root.handlers) else "text"
@@ -164,7 +164,7 @@ def _summary(name: str, r: Any) -> str:
 
 def _train_command(name: str) -> Any:
     def run(argv: Sequence[str], prog: str) -> int:
-        from vla_rl.checkpoint import CheckpointError
+        from vla_rl.hub.checkpoint import CheckpointError
         from vla_rl.train.algorithms import train
 
         argv = list(argv)
@@ -214,7 +214,7 @@ def _presets_for(algo: str | None) -> str:
 # ---------------------------------------------------------------------------- rounds
 def round_start(argv: Sequence[str], prog: str) -> int:
     """Run one post-training round (its flags: the algorithm's, plus the round's)."""
-    from vla_rl.checkpoint import CheckpointError
+    from vla_rl.hub.checkpoint import CheckpointError
     from vla_rl.rounds import RoundConfig, RoundError, RoundOptions, queue_round, start_round
 
     argv = list(argv)
@@ -421,7 +421,7 @@ class Eval:
     """Run the simulators as Ray actors: 'auto' (this machine's Ray cluster, or a local head on 127.0.0.1)
     or a cluster address host:port; None = local processes. Same seeds, same episodes."""
     seed: int = EVAL
-    """First episode seed (evaluations start at 100000; training collects from 1000000 up, :mod:`vla_rl.seeds`)."""
+    """First episode seed (evaluations start at 100000; training collects from 1000000 up, :mod:`vla_rl.core.seeds`)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the checkpoint's."""
     num_steps: int | None = None
@@ -452,9 +452,9 @@ class Eval:
 
 
 def eval_(a: Eval) -> int:
-    from vla_rl.checkpoint import CheckpointError
+    from policies.loading import load_policy
     from vla_rl.evaluation import evaluate
-    from vla_rl.policy_loading import load_policy
+    from vla_rl.hub.checkpoint import CheckpointError
 
     if a.threads < 1:
         raise CliError(f"--threads: expected a positive integer, got {a.threads}")
@@ -581,7 +581,7 @@ def _up_args() -> type:
 
 
 def up(cfg: Any) -> int:
-    from vla_rl.lifeline import interruptible
+    from vla_rl.core.lifeline import interruptible
     from vla_rl.up import run_up
 
     # SIGTERM too: `up` stops its children (in order) however it is told to stop

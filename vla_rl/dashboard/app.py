@@ -19,7 +19,8 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vla_rl import __version__
+from vla_rl.core.instance import own_instance_tag
+from vla_rl.core.version import __version__
 from vla_rl.dashboard import episodes, fleet, labels, rounds
 from vla_rl.dashboard.assets import BUNDLE, STATIC, AssetServer, index_page, static_version
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
@@ -28,7 +29,6 @@ from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError, install_handlers
 from vla_rl.dashboard.resources import Resources
 from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_queries, warm_requests
-from vla_rl.instance import own_instance_tag
 
 log = logging.getLogger("vla_rl.dashboard")
 
@@ -75,8 +75,8 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     """The app. ``tokens`` default: :func:`~vla_rl.dashboard.auth.load_tokens` (the tokens file or
     environment), else a generated one-time operator token (``app.state.generated_token``)."""
     if cfg.hub:
+        from vla_rl.core.secrets import env_secret
         from vla_rl.hub.registry import configure_hub
-        from vla_rl.secrets import env_secret
 
         configure_hub(cfg.hub, env_secret("VLA_RL_HUB_TOKEN", "HF_TOKEN"))
     generated_token = None
@@ -120,7 +120,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     api = APIRouter(prefix=API)
     viewer = Depends(ctx.require("viewer"))
-    instance = own_instance_tag()  # which supervisor's child this is (vla_rl.instance)
+    instance = own_instance_tag()  # which supervisor's child this is (vla_rl.core.instance)
 
     @api.get("/health", summary="store and DB reachability (no token needed)")
     def health() -> dict[str, Any]:

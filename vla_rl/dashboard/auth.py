@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from vla_rl.secrets import env_secret, read_secret_file
+from vla_rl.core.secrets import env_secret, read_secret_file
 
 Role = Literal["viewer", "labeller", "operator"]
 ROLES: tuple[str, ...] = get_args(Role)

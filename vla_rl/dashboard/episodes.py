@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import FileResponse, Response
+from vla_rl_client.meta import Controller, EpisodeMeta
 
-from fleet.meta import Controller, EpisodeMeta
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError

@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
+from vla_rl.core.secrets import env_secret
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
-from vla_rl.secrets import env_secret
 
 RPC_TIMEOUT_S = 1.0
 
@@ -30,9 +30,8 @@ def _rpc_error(e: Exception) -> str:
 def server_info(address: str) -> dict[str, Any]:
     """GetInfo of one policy server, one row per served model (``ok: false`` + error when unreachable)."""
     import grpc
-
-    from server.proto import policy_service_pb2 as pb
-    from server.proto import policy_service_pb2_grpc as pb_grpc
+    from vla_rl_client.proto import policy_service_pb2 as pb
+    from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
     try:
         with grpc.insecure_channel(address) as ch:
@@ -73,9 +72,8 @@ def server_info(address: str) -> dict[str, Any]:
 def collector_stats(address: str) -> tuple[dict[str, dict[str, Any]], str | None]:
     """robot id -> the collector's counters, and the error when it could not be asked."""
     import grpc
-
-    from fleet.proto import collector_pb2 as cpb
-    from fleet.proto import collector_pb2_grpc as cpb_grpc
+    from vla_rl_client.proto import collector_pb2 as cpb
+    from vla_rl_client.proto import collector_pb2_grpc as cpb_grpc
 
     token = env_secret("VLA_RL_COLLECTOR_TOKEN")
     metadata = [("authorization", f"Bearer {token}")] if token else None

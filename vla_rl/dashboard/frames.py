@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+from vla_rl_client.meta import EpisodeMeta
 
 from fleet.codecs import stored_jpeg
-from fleet.meta import EpisodeMeta
 from fleet.store import EpisodeStore
 
 log = logging.getLogger("vla_rl.dashboard")

@@ -12,7 +12,7 @@ from vla_rl.dashboard.errors import ApiError
 
 
 def endpoint() -> str:
-    from vla_rl.cli.common import DEFAULT_HUB
+    from vla_rl.hub.registry import DEFAULT_HUB
 
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB)
 
@@ -114,7 +114,7 @@ def robot_spec_name(ref: str, commit: str, field: str) -> str:
     """The task a checkpoint was trained for (its config.json's robot spec), read without its weights."""
     from pathlib import Path
 
-    from vla_rl.checkpoint import CheckpointError, read_info
+    from vla_rl.hub.checkpoint import CheckpointError, read_info
     from vla_rl.hub.registry import is_hub_ref, parse_ref
 
     try:

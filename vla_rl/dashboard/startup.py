@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from vla_rl_client.meta import EpisodeMeta
 
 import fleet.flags
 from fleet.db import MetadataDB
-from fleet.meta import EpisodeMeta
 from fleet.store import EpisodeStore
 from vla_rl.dashboard.errors import ApiError
 

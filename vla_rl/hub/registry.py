@@ -84,6 +84,10 @@ class Checkpoint:
 
 
 # ----- configuration ---------------------------------------------------------------------------------------
+DEFAULT_HUB = "http://127.0.0.1:8808"
+"""Where the embedded registry (`vla-rl hub serve`) listens by default: the CLI's and dashboard's default Hub."""
+
+
 def _normalize_endpoint(endpoint: str | None) -> str:
     value = (endpoint or os.environ.get("HF_ENDPOINT") or OFFICIAL_ENDPOINT).strip().rstrip("/")
     parts = urlsplit(value)
@@ -147,7 +151,7 @@ def _client_for(endpoint: str | None, token: str | None) -> tuple[HfApi, str]:
             constants.HF_HUB_DISABLE_XET = True
     from huggingface_hub import HfApi
 
-    from vla_rl import __version__
+    from vla_rl.core.version import __version__
 
     return HfApi(endpoint=endpoint, token=token, library_name="vla-rl", library_version=__version__), endpoint
 

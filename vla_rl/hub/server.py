@@ -42,14 +42,14 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from vla_rl.core.instance import own_instance_tag
+from vla_rl.core.lifeline import exit_with_parent
+from vla_rl.core.scheduling import leave_realtime
 from vla_rl.hub.limits import Limits
 from vla_rl.hub.routes import ROUTERS
 from vla_rl.hub.routes.errors import add_error_handlers
 from vla_rl.hub.routes.state import Hub, Settings
 from vla_rl.hub.storage import HubStorage
-from vla_rl.instance import own_instance_tag
-from vla_rl.lifeline import exit_with_parent
-from vla_rl.scheduling import leave_realtime
 
 log = logging.getLogger("vla_rl.hub.server")
 
@@ -116,7 +116,7 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
         access_log=log_level == "debug",
         timeout_keep_alive=30,
         lifespan="off",
-        log_config=None,  # keep the host process's logging setup (vla_rl.logs)
+        log_config=None,  # keep the host process's logging setup (vla_rl.core.logs)
     )
     return uvicorn.Server(config)
 

@@ -39,9 +39,9 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from vla_rl_client.meta import Controller
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from policies.critics import CategoricalValue, ValueMLP, expectile_loss
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
@@ -50,7 +50,7 @@ from policies.flow_vla.modeling_flow_vla import (
     ADVANTAGE_POSITIVE,
     ADVANTAGE_UNCONDITIONAL,
 )
-from vla_rl.policy_loading import load_policy
+from policies.loading import load_policy
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,

@@ -7,7 +7,7 @@ The original AWR is an online algorithm: it iterates
    (``num_envs`` processes, :func:`sim.demos.record_policy_episodes`: controller ``policy``, the acting
    weights' revision on every frame) into the episode store ``<out>/online_store`` (the dashboard can
    review it), at episode seeds ``online_seed + k * (episodes_per_iteration + num_envs) + ...`` in
-   iteration ``k`` (from 1,000,000: far from every evaluation range, :mod:`vla_rl.seeds`);
+   iteration ``k`` (from 1,000,000: far from every evaluation range, :mod:`vla_rl.core.seeds`);
 2. **fit the value** on the offline store's selected episodes (``data``: demos, fleet rollouts) plus the
    newest ``buffer_episodes`` online episodes: V(s) regressed on the credit-aware Monte-Carlo returns,
    cross-fitted by episode, and ``A_t = G_t - V(s_t)`` (the very functions of offline AWR:
@@ -59,8 +59,8 @@ import torch
 from fleet.db import MetadataDB
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAPolicy
-from vla_rl.policy_loading import LoadedPolicy, load_policy
-from vla_rl.seeds import ONLINE
+from policies.loading import LoadedPolicy, load_policy
+from vla_rl.core.seeds import ONLINE
 from vla_rl.train.awr import (
     AdvantageConfig,
     all_features,
@@ -114,7 +114,7 @@ class AWRPIConfig(AdvantageConfig):
     max_episode_steps: int | None = None
     """Episode time limit; None = the task's."""
     online_seed: int = ONLINE
-    """First episode seed of online collection; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
+    """First episode seed of online collection; every evaluation range stays below it (:mod:`vla_rl.core.seeds`)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the policy's ``n_exec``."""
     value_steps: int = 1000
@@ -261,10 +261,10 @@ def _load_heads(
 def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     """Iterate collection, value fit and AWR updates until ``env_steps`` are spent; returns the
     checkpoint (the EMA policy) with the per-iteration curve. Re-running into ``out`` resumes."""
+    from policies.loading import pick_device
     from sim.demos import record_policy_episodes
     from sim.vector import VectorSimEnv
     from vla_rl.evaluation_offline import is_sim_task
-    from vla_rl.policy_loading import pick_device
 
     clock = RunClock()
     torch.set_num_threads(SINGLE.threads(cfg.threads))

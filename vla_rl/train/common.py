@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fleet.dataset import ChunkDataset
-from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.train.transitions import TransitionBuffer
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from vla_rl.policy_loading import pick_device
+from policies.loading import pick_device
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
 from policies.flow_vla import FlowVLAPolicy
-from vla_rl.policy_loading import load_policy, pick_device
+from policies.loading import load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     batch_to_policy_inputs,

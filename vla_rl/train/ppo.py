@@ -63,10 +63,10 @@ from torch import nn
 
 from policies.flow_vla import DenoisingChain, FlowVLAConfig, FlowVLAPolicy, PrefixCache, SDESchedule
 from policies.flow_vla.sampling import chain_log_prob, noise_kernel
+from policies.loading import LoadedPolicy, load_policy, pick_device
 from sim.ray_workers import check_ray_address
 from sim.rollout import ChunkRecord, ChunkRollout
-from vla_rl.policy_loading import LoadedPolicy, load_policy, pick_device
-from vla_rl.seeds import EVAL, ONLINE, check_disjoint
+from vla_rl.core.seeds import EVAL, ONLINE, check_disjoint
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult, check_optional_positive
 from vla_rl.train.common import config_dict, save_derived_checkpoint
 
@@ -155,7 +155,7 @@ class PPOConfig(TrainerConfig):
     max_episode_steps: int | None = None
     """Episode step limit; None = the task's."""
     env_seed: int = ONLINE
-    """Seed of the first training episode; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
+    """Seed of the first training episode; every evaluation range stays below it (:mod:`vla_rl.core.seeds`)."""
 
     # ------------------------------------------------------------ advantages
     advantage: Advantage = "gae"

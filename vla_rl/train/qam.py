@@ -37,7 +37,7 @@ kinematic benchmark it is the recipe that clears +20.
 
 Output folder::
 
-    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with vla_rl.policy_loading)
+    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with policies.loading)
     <out>/train_state.pt      models, optimisers, step, env steps, online episodes (resume)
     <out>/tb/                 TensorBoard (losses, Q statistics, rollout / eval success)
     <out>/curve.json          the learning curve (also returned in QAMResult)
@@ -62,17 +62,17 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 import torch
 from torch import nn
+from vla_rl_client.meta import Controller
+from vla_rl_client.spec import RobotSpec
 
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import PrefixCache
+from policies.loading import LoadedPolicy, load_policy
 from sim.ray_workers import check_ray_address
 from sim.rollout import EpisodeRecord, StepRecord
-from vla_rl.policy_loading import LoadedPolicy, load_policy
-from vla_rl.seeds import ONLINE
-from vla_rl.spec import RobotSpec
+from vla_rl.core.seeds import ONLINE
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     TRAIN_STATE,
@@ -363,7 +363,7 @@ class QAMConfig(TrainerConfig):
     cluster, or a local head on 127.0.0.1) or a cluster address host:port; None = local processes. The
     same seeds give the same rollouts; a dead actor is replaced and its episode re-run (docs/sim.md)."""
     online_seed: int = ONLINE
-    """First episode seed of online rollouts; every evaluation range stays below it (:mod:`vla_rl.seeds`)."""
+    """First episode seed of online rollouts; every evaluation range stays below it (:mod:`vla_rl.core.seeds`)."""
     max_episode_steps: int | None = None
     """Online episode length limit; None = the task's."""
 

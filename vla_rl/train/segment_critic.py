@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from vla_rl_client.meta import Controller
 
 from fleet.db import MetadataDB
-from fleet.meta import Controller
 from fleet.store import EpisodeStore
 from policies.critics import ValueMLP
 from vla_rl.train.transitions import SPAN_KEY, DataSelection, TransitionBuffer, select_episode_ids

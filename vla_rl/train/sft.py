@@ -9,7 +9,7 @@ crosses them.
 
 Output folder::
 
-    <out>/checkpoints/step_000500/   checkpoint folders (EMA weights; see vla_rl.checkpoint)
+    <out>/checkpoints/step_000500/   checkpoint folders (EMA weights; see vla_rl.hub.checkpoint)
     <out>/checkpoints/last/          the latest one (what `vla-rl eval` and rounds usually take)
     <out>/train_state.pt             model, EMA, optimiser, schedule and step, for exact resume
     <out>/tb/                        TensorBoard logs (loss, lr, grad norm, samples/s)
@@ -34,7 +34,7 @@ from fleet.db import MetadataDB, default_url
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
-from vla_rl.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,

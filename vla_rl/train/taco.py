@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from vla_rl_client.spec import RobotSpec
 
 from fleet.store import EpisodeStore
 from policies.critics import mlp
-from vla_rl.policy_loading import LoadedPolicy
-from vla_rl.spec import RobotSpec
+from policies.loading import LoadedPolicy
 from vla_rl.train.transitions import DataSelection, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def data_features(
 
 def train_taco(cfg: TACOConfig) -> dict[str, Any]:
     """Fit the CFN on the base's data and save it in ``cfg.out``; returns a summary."""
-    from vla_rl.policy_loading import load_policy
+    from policies.loading import load_policy
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.threads)

@@ -66,11 +66,11 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
+from vla_rl_client.meta import TASK_RUNS_LABEL, Controller, frame_instructions
+from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB, effective_outcome, parse_time
-from fleet.meta import TASK_RUNS_LABEL, Controller, frame_instructions
 from fleet.store import Episode, EpisodeStore
-from vla_rl.spec import RobotSpec
 
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
 REWARD_KINDS: tuple[str, ...] = get_args(RewardKind)

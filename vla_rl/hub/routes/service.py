@@ -17,7 +17,7 @@ router = APIRouter()
 
 @router.get("/api/health")
 def health(request: Request) -> dict[str, Any]:
-    # "instance": the tag of the nonce a supervisor started this server with (vla_rl.instance), or None
+    # "instance": the tag of the nonce a supervisor started this server with (vla_rl.core.instance), or None
     return {"ok": True, "instance": request.app.state.instance}
 
 

@@ -10,7 +10,7 @@
     client.close()                                    # waits (bounded) until everything is acknowledged
 
 The control loop never waits for the network: ``add_frame`` validates the frame against the spec (a bad
-frame raises :class:`~vla_rl.spec.SpecError` at once, naming the field), buffers it and returns. A
+frame raises :class:`~vla_rl_client.spec.SpecError` at once, naming the field), buffers it and returns. A
 background thread batches frames (``max_batch_frames`` or ``batch_interval_s``, whichever comes first),
 streams them, and drops them from the buffer only when the collector acknowledges them as durable. If the
 collector goes away, the thread reconnects with backoff and resends everything not acknowledged; the
@@ -23,7 +23,7 @@ sealed into a message (only the batch being filled, at most ``max_batch_frames``
 that ``spool_dir`` resends it and ends an unfinished episode as ``aborted``.
 
 Needs numpy and grpcio only (no torch); messages use the same tensor codec as the policy client, except
-that camera pixels are written onto the wire directly (see :mod:`fleet.wire`). ``close()`` leaves no
+that camera pixels are written onto the wire directly (see :mod:`vla_rl_client.wire`). ``close()`` leaves no
 stream or thread behind, so a robot program exits as soon as it returns.
 """
 
@@ -45,12 +45,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from fleet import wire
-from fleet.meta import Controller, SegmentKind, new_episode_id
-from fleet.proto import collector_pb2 as pb
-from server.codec import to_tensor
-from vla_rl import __version__
-from vla_rl.spec import RobotSpec, SpecError
+from vla_rl_client import __version__, wire
+from vla_rl_client.codec import to_tensor
+from vla_rl_client.meta import Controller, SegmentKind, new_episode_id
+from vla_rl_client.proto import collector_pb2 as pb
+from vla_rl_client.spec import RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.robot_client")
 
@@ -257,7 +256,7 @@ class RobotClient:
                 ("grpc.max_reconnect_backoff_ms", int(reconnect_backoff_s[1] * 1000)),
             ],
         )
-        # Messages are serialised when they are built (see fleet/wire.py), so the stream sends bytes as they are.
+        # Messages are serialised when they are built (see packages/vla-rl-client/vla_rl_client/wire.py), so the stream sends bytes as they are.
         self._stream = self._channel.stream_stream(
             f"/{pb.DESCRIPTOR.services_by_name['Collector'].full_name}/Stream",
             request_serializer=None,
@@ -568,7 +567,7 @@ class RobotClient:
             fb.uncertainty.CopyFrom(to_tensor(unc))
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
-        # The pixels bypass protobuf: one copy, from the batch buffers into the message (fleet/wire.py).
+        # The pixels bypass protobuf: one copy, from the batch buffers into the message (packages/vla-rl-client/vla_rl_client/wire.py).
         cams = []
         for cam in self.spec.cameras:
             head = self._cam_heads.get((cam.name, n))

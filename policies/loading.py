@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from vla_rl.checkpoint import CheckpointError, CheckpointInfo, LoadLimits, load_checkpoint
-from vla_rl.spec import RobotSpec
+from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, LoadLimits, load_checkpoint
 
 if TYPE_CHECKING:
     from policies.lerobot_adapter import LeRobotModel

@@ -10,8 +10,8 @@ budget and gets an error, not a hang, for a longer one. Inference calls are safe
 server); control calls are never retried. The channel's own reconnect backoff is capped at the same maximum,
 so a server that comes back is found within ``Backoff.max_s`` (gRPC's default cap is 120 s).
 
-:mod:`server.aio_client` is the asyncio twin (both build requests, parse replies and decide retries with
-:mod:`server.client_common`); :mod:`server.action_queue` turns chunks into a steady action stream for a
+:mod:`vla_rl_client.aio_policy_client` is the asyncio twin (both build requests, parse replies and decide retries with
+:mod:`vla_rl_client.policy_common`); :mod:`vla_rl_client.action_queue` turns chunks into a steady action stream for a
 control loop.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from server.client_common import (
+from vla_rl_client.policy_common import (
     DEFAULT_BACKOFF,
     RETRYABLE,
     ActResult,
@@ -41,10 +41,10 @@ from server.client_common import (
     check_reply,
     parse_response,
 )
-from server.proto import policy_service_pb2 as pb
-from server.proto import policy_service_pb2_grpc as pb_grpc
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
-# the shared pieces are re-exported: ``from server.client import Backoff, PolicyError, ...`` is the API
+# the shared pieces are re-exported: ``from vla_rl_client.policy_client import Backoff, PolicyError, ...`` is the API
 __all__ = [
     "DEFAULT_BACKOFF",
     "RETRYABLE",

@@ -17,7 +17,7 @@ not expect (another body, an unknown field inside a camera entry, a bad length) 
 and the caller parses the whole message with protobuf, whose errors then apply.
 
 Both ends also keep messages on disk in the same framing, records ``[u32 length][u32 crc32][payload]``:
-the collector's write-ahead log (``fleet/wal.py``) and the robot's spool (``fleet/robot_client.py``);
+the collector's write-ahead log (``fleet/wal.py``) and the robot's spool (``packages/vla-rl-client/vla_rl_client/robot_client.py``);
 :func:`record_head` and :func:`parse_records` are that framing.
 """
 

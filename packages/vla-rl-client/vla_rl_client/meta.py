@@ -1,7 +1,7 @@
 """Episode metadata: the types the episode store, the metadata DB, the collector and robots share.
 
 A bottom-layer module: it imports nothing of ours but the robot spec, and no storage library, so the
-robot-side client (``fleet/robot_client.py``) uses it without zarr or SQLAlchemy, and ``fleet/store.py``
+robot-side client (``packages/vla-rl-client/vla_rl_client/robot_client.py``) uses it without zarr or SQLAlchemy, and ``fleet/store.py``
 and ``fleet/db.py`` both build on it without importing each other (the store is handed its DB as an
 :class:`EpisodeDB`).
 """
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from vla_rl.spec import RobotSpec, SpecError
+from vla_rl_client.spec import RobotSpec, SpecError
 
 STORE_VERSION = 1  # the store's format version; also the ``format`` of every commit record
 

@@ -1,8 +1,8 @@
-"""asyncio client for the policy server (``grpc.aio``): the twin of :class:`server.client.PolicyClient`.
+"""asyncio client for the policy server (``grpc.aio``): the twin of :class:`vla_rl_client.policy_client.PolicyClient`.
 
 For robot stacks built on asyncio (ROS 2 executors, web dashboards, many simulated robots in one process):
 nothing blocks the event loop, every call has a deadline, UNAVAILABLE is retried with the same
-:class:`~server.client.Backoff` within that deadline, TLS and the control token work the same way.
+:class:`~vla_rl_client.policy_client.Backoff` within that deadline, TLS and the control token work the same way.
 Create it inside a running event loop (``async with AsyncPolicyClient(...) as c``).
 """
 
@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from server.client_common import (
+from vla_rl_client.policy_common import (
     ActResult,
     ClientBase,
     PolicyError,
@@ -26,7 +26,7 @@ from server.client_common import (
     check_reply,
     parse_response,
 )
-from server.proto import policy_service_pb2 as pb
+from vla_rl_client.proto import policy_service_pb2 as pb
 
 __all__ = ["AsyncActStream", "AsyncPolicyClient"]
 
@@ -51,7 +51,7 @@ def _stream_error(e: grpc.RpcError | asyncio.InvalidStateError) -> PolicyError:
 class AsyncActStream:
     """One robot's ``StreamAct`` stream on asyncio: ``await s.act(obs)`` -> its chunk, in order.
 
-    Like :class:`server.client.ActStream`: a bad request raises but keeps the stream; a stream the server
+    Like :class:`vla_rl_client.policy_client.ActStream`: a bad request raises but keeps the stream; a stream the server
     closes is reopened on the next ``act`` with backoff, within that call's budget.
     """
 
@@ -122,7 +122,7 @@ class AsyncActStream:
 
 
 class AsyncPolicyClient(ClientBase):
-    """``await client.act(obs)`` and friends; see :class:`server.client.PolicyClient` for the semantics."""
+    """``await client.act(obs)`` and friends; see :class:`vla_rl_client.policy_client.PolicyClient` for the semantics."""
 
     _grpc = grpc.aio
 

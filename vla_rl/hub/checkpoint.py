@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from vla_rl_client.spec import RobotSpec
 
-from vla_rl import __version__
-from vla_rl.spec import RobotSpec
+from vla_rl.core.version import __version__
 
 CHECKPOINT_FORMAT = "vla-rl-checkpoint"
 CHECKPOINT_VERSION = 1

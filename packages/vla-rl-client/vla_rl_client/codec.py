@@ -20,8 +20,8 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from server.proto import policy_service_pb2 as pb
-from vla_rl.spec import SpecError
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.spec import SpecError
 
 # numpy dtype names accepted on the wire: plain numeric types only (no object, string or void dtypes).
 WIRE_DTYPES = frozenset(

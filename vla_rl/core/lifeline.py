@@ -19,7 +19,7 @@ fleet; the fleet's robots; a worker's round process; a sim env worker) used to o
    :func:`act_on_interrupt` puts Python's handler back: every ``vla-rl`` command stops on Ctrl-C.
 
 A supervisor sets ``env |= supervised_env()`` on each child; every ``vla-rl`` process calls :func:`install`
-first thing (``vla_rl.cli.main`` does, next to :func:`vla_rl.scheduling.leave_realtime`). This module
+first thing (``vla_rl.cli.main`` does, next to :func:`vla_rl.core.scheduling.leave_realtime`). This module
 imports nothing of ours: ``fleet/``, ``sim/``, ``server/`` and ``vla_rl/`` all use it.
 """
 

@@ -1,4 +1,4 @@
-"""What the blocking (:mod:`server.client`) and asyncio (:mod:`server.aio_client`) clients share.
+"""What the blocking (:mod:`vla_rl_client.policy_client`) and asyncio (:mod:`vla_rl_client.aio_policy_client`) clients share.
 
 Everything here is independent of how a call waits: the retry policy (:class:`Backoff` and one call's
 :class:`RetryBudget`), channel options and TLS, building requests (:func:`build_request` and the control
@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from server.codec import encode_image, from_tensor, to_tensor
-from server.proto import policy_service_pb2 as pb
-from server.proto import policy_service_pb2_grpc as pb_grpc
+from vla_rl_client.codec import encode_image, from_tensor, to_tensor
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_BACKOFF",

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from server.client import ActResult
+from vla_rl_client.policy_client import ActResult
 
 __all__ = ["AGGREGATES", "ActionQueue", "AsyncQueuedPolicy", "QueueStats", "QueuedPolicy"]
 

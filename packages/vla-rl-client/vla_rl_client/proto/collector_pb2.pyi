@@ -1,4 +1,4 @@
-from server.proto import policy_service_pb2 as _policy_service_pb2
+from . import policy_service_pb2 as _policy_service_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

@@ -1,1 +1,0 @@
-"""Generated protobuf/gRPC stubs for the policy service (regenerate with scripts/gen_protos.sh)."""
