@@ -301,6 +301,49 @@ def test_cancel_stops_a_running_round(base: tuple[Path, Path], tmp_path: Path) -
     assert r.returncode == 2 and "already cancelled" in r.stderr
 
 
+def test_cancel_stops_a_round_started_in_its_own_process(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """`vla-rl round start` runs the round in the same process (no worker): `round cancel` stops it too, at
+    its next progress report after a heartbeat, and the row says cancelled (it said running, forever)."""
+    store, ckpt = base
+    args = ["--base", str(ckpt), "--store", str(store), "--out", str(tmp_path / "r"), "--no-push"]
+    args += [
+        "--steps",
+        "100000",
+        "--value-steps",
+        "5",
+        "--batch-size",
+        "16",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
+    db = MetadataDB.for_store(store)
+    before = {r.id for r in db.rounds()}
+    proc = subprocess.Popen(
+        [*CLI, "round", "start", "--algo", "awr", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait(lambda: {r.id for r in db.rounds()} - before, 60, "the round to be queued")
+        [rid] = {r.id for r in db.rounds()} - before
+        _wait(lambda: (db.round(rid).progress or {}).get("phase") == "training", 180, "the round to train")
+        r = subprocess.run(
+            [*CLI, "round", "cancel", str(rid), "--store", str(store)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+        _, err = proc.communicate(timeout=60)  # a heartbeat (5 s) and the next training step
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and f"round {rid} was cancelled while running" in err, err[-3000:]
+    rec = db.round(rid)
+    assert (
+        rec.status == "cancelled" and rec.error == "cancelled while running" and rec.finished_at is not None
+    )
+
+
 def test_a_round_never_pushes_its_tag_twice(base: tuple[Path, Path], tmp_path: Path) -> None:
     store, ckpt = base
     hub = HubServer(tmp_path / "hub", token="t").start()

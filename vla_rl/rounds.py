@@ -277,31 +277,39 @@ def queue_round(cfg: RoundConfig, db: MetadataDB | None = None) -> int:
     return round_id
 
 
-def start_round(cfg: RoundConfig, db: MetadataDB | None = None) -> RoundRecord:
+def start_round(cfg: RoundConfig, db: MetadataDB | None = None, heartbeat_s: float = 5.0) -> RoundRecord:
     """Queue one round and run it here, now (``vla-rl round start``): returns its final DB record
-    (succeeded), or raises after recording it as failed with the error."""
+    (succeeded), or raises after recording it as failed with the error. ``vla-rl round cancel N`` stops
+    it at its next progress report after the next heartbeat (every ``heartbeat_s``): it raises
+    :class:`RoundCancelled` with the round recorded as cancelled (never once it is pushing)."""
     db = db or round_db(cfg)
     round_id = queue_round(cfg, db)
     worker = worker_id()
     if db.claim_round(worker, round_id) is None:
         raise RoundError(f"round {round_id} was claimed by another worker before this process could run it")
-    with Heartbeat(db, round_id, worker):
-        return run_round(cfg, round_id, db, worker)
+    with Heartbeat(db, round_id, worker, interval_s=heartbeat_s) as beat:
+        return run_round(cfg, round_id, db, worker, cancel_requested=beat.cancel_requested.is_set)
+
+
+class RoundCancelled(Exception):
+    """Someone cancelled the round while it ran in this process (``vla-rl round cancel``)."""
 
 
 class Heartbeat:
-    """Keeps a claimed round's heartbeat fresh from a background thread while the round runs here."""
+    """Keeps a claimed round's heartbeat fresh from a background thread while the round runs here, and
+    sets :attr:`cancel_requested` when a heartbeat finds the round's cancel flag raised."""
 
     def __init__(self, db: MetadataDB, round_id: int, worker: str, interval_s: float = 5.0) -> None:
         self.db, self.round_id, self.worker, self.interval_s = db, round_id, worker, interval_s
-        self.cancel_requested = False
+        self.cancel_requested = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"round-{round_id}-heartbeat", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.cancel_requested = self.db.heartbeat_round(self.round_id, self.worker)
+                if self.db.heartbeat_round(self.round_id, self.worker):
+                    self.cancel_requested.set()
             except RoundLost:
                 return
             except Exception as e:  # a DB hiccup must not kill the round; the next beat retries
@@ -334,7 +342,9 @@ class ProgressWriter:
       a held-back one is written by :meth:`flush`), so a fast trainer costs ~1 DB write a second.
 
     Without a ``worker`` (a round run outside the queue) nothing is written. A write that fails is
-    logged and skipped (progress is best effort), except :class:`RoundLost`: the round is not ours."""
+    logged and skipped (progress is best effort), except :class:`RoundLost`: the round is not ours.
+    Every report and phase first asks ``cancel_requested`` (when given) and raises
+    :class:`RoundCancelled` if it says so: a round run in-process stops at its next step."""
 
     def __init__(
         self,
@@ -344,8 +354,10 @@ class ProgressWriter:
         *,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        cancel_requested: Callable[[], bool] | None = None,
     ) -> None:
         self.db, self.round_id, self.worker = db, round_id, worker
+        self.cancel_requested = cancel_requested
         self.interval_s, self.clock = interval_s, clock
         self.state: dict[str, Any] = dict.fromkeys(_PROGRESS_KEYS)
         self.writes = 0
@@ -362,12 +374,19 @@ class ProgressWriter:
         self.writes += 1
         self._last_write, self._pending = self.clock(), False
 
+    def _check_cancel(self) -> None:
+        if self.cancel_requested is not None and self.cancel_requested():
+            raise RoundCancelled(f"round {self.round_id} was cancelled while running")
+
     def phase(self, phase: str, **extra: Any) -> None:
-        """The round moved on to ``phase`` (raises RoundLost if the round is no longer this worker's)."""
+        """The round moved on to ``phase`` (raises RoundLost if the round is no longer this worker's,
+        RoundCancelled if it was cancelled)."""
+        self._check_cancel()
         self.state.update(phase=phase, since=time.time(), **extra)
         self._write()
 
     def __call__(self, report: Mapping[str, Any]) -> None:
+        self._check_cancel()
         stage, step, total = str(report["stage"]), int(report["step"]), int(report["total_steps"])
         now = self.clock()
         t0, s0, last = self._stages.get(stage, (now, step, step))
@@ -408,14 +427,22 @@ def _tag_exists(repo: str, tag: str) -> bool:
     return True
 
 
-def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | None = None) -> RoundRecord:
+def run_round(
+    cfg: RoundConfig,
+    round_id: int,
+    db: MetadataDB,
+    worker: str | None = None,
+    cancel_requested: Callable[[], bool] | None = None,
+) -> RoundRecord:
     """The round's work, for a round already claimed by ``worker`` (status running): train, evaluate
     candidate and base on the same seeds, push ``round-N`` (never twice), promote if the gate passes.
-    Returns the final record, or raises after recording the failure."""
+    Returns the final record, or raises after recording the failure. ``cancel_requested`` is asked at
+    every progress report up to the push: when it says so, the round is recorded cancelled and
+    :class:`RoundCancelled` raised."""
     t = cfg.train
     assert t.base is not None
     log.info("round start", extra={"round": round_id, "algo": cfg.algo, "base": t.base, "worker": worker})
-    progress = ProgressWriter(db, round_id, worker)
+    progress = ProgressWriter(db, round_id, worker, cancel_requested=cancel_requested)
     try:
         progress.phase("loading base")
         base = load_policy(t.base)
@@ -503,6 +530,12 @@ def run_round(cfg: RoundConfig, round_id: int, db: MetadataDB, worker: str | Non
     except RoundLost:
         log.error("round lost", extra={"round": round_id, "worker": worker})
         raise  # re-queued or cancelled meanwhile: its row belongs to someone else now
+    except RoundCancelled:
+        db.update_round(
+            round_id, status="cancelled", error="cancelled while running", finished_at=time.time()
+        )
+        log.info("round cancelled", extra={"round": round_id})
+        raise
     except BaseException as e:
         db.update_round(
             round_id,

@@ -215,7 +215,7 @@ def _presets_for(algo: str | None) -> str:
 def round_start(argv: Sequence[str], prog: str) -> int:
     """Run one post-training round (its flags: the algorithm's, plus the round's)."""
     from vla_rl.hub.checkpoint import CheckpointError
-    from vla_rl.rounds import RoundConfig, RoundError, RoundOptions, queue_round, start_round
+    from vla_rl.rounds import RoundCancelled, RoundConfig, RoundError, RoundOptions, queue_round, start_round
 
     argv = list(argv)
     queue_only = "--queue" in argv
@@ -253,7 +253,11 @@ def round_start(argv: Sequence[str], prog: str) -> int:
             rid = queue_round(cfg)
             print(f"queued round {rid}; a `vla-rl round worker --store {cfg.train.store}` runs it")
             return 0
-        rec = start_round(cfg)
+        try:
+            rec = start_round(cfg)
+        except RoundCancelled as e:
+            print(f"{e} (vla-rl round cancel); its row records it: vla-rl round list", file=sys.stderr)
+            return 1
     print(_round_line(rec))
     print(f"gate: {rec.metrics.get('gate', {}).get('reason', '')}")
     return 0
