@@ -28,12 +28,14 @@ import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import tyro
 
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl.core import console
+from vla_rl.core.configs import SECRET
 from vla_rl.core.lifeline import exit_with_parent
 from vla_rl.core.scheduling import leave_realtime
 from vla_rl.core.seeds import ONLINE
@@ -460,7 +462,12 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
 # ------------------------------------------------------------------------------------------ the fleet
 @dataclass
 class FleetConfig:
-    """N simulated robots acting through a policy server and streaming to a collector."""
+    """N simulated robots (one process each) get action chunks from the policy server and stream every
+    frame, segment and outcome to the collector. A simulated operator (the task's privileged scripted
+    expert) takes over when the policy stalls (--stall-steps), drifts (--drift-radius) or at random
+    (--spot-check-prob), drives for --drive-steps and hands back, within a budget per episode. The collector
+    token is read from VLA_RL_COLLECTOR_TOKEN.
+    Example: vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 --collector 127.0.0.1:50071"""
 
     robots: int = 4
     """Simulated robots (one process each)."""
@@ -478,9 +485,9 @@ class FleetConfig:
     training range, away from every evaluation's seeds (:mod:`vla_rl.core.seeds`)."""
     operators: int = 1
     """Robots the operator can drive at once."""
-    rules: OperatorRules = field(default_factory=OperatorRules)
+    rules: Annotated[OperatorRules, tyro.conf.OmitArgPrefixes] = field(default_factory=OperatorRules)
     """When the simulated operator takes over and for how long."""
-    collector_token: str | None = None
+    collector_token: str | None = field(default=None, repr=False, metadata=SECRET)
     """The collector's token; None = env VLA_RL_COLLECTOR_TOKEN (prefer the environment: ps shows flags)."""
     model_id: str = ""
     """Served model; empty = the only one."""
@@ -497,6 +504,8 @@ class FleetConfig:
     re-runs the episode it was in (same seed) under a new episode id."""
     ray_max_restarts: int = 3
     """With --ray: how many times each robot's actor is replaced before the fleet gives up on it."""
+    progress: bool = True
+    """Show a progress bar."""
 
     def __post_init__(self) -> None:
         from sim.ray_workers import check_ray_address
@@ -572,7 +581,7 @@ def _spec_from_server(server: str, model_id: str) -> tuple[dict[str, Any], str]:
     return json.loads(model.robot_spec_json), model.model_id
 
 
-def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
+def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     """Run the fleet until every robot has done its episodes; report live; return per-robot summaries."""
     from tqdm import tqdm
 
@@ -636,7 +645,7 @@ def run_sim_fleet(cfg: FleetConfig, progress: bool = True) -> FleetResult:
         else None
     )
     t0 = time.perf_counter()
-    bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not progress)
+    bar = tqdm(total=cfg.robots * cfg.episodes, desc=f"fleet {task}", unit="ep", disable=not cfg.progress)
     try:
         last_check = time.monotonic()
         backlog: deque[tuple[str, str, Any]] = deque()

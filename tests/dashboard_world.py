@@ -89,6 +89,7 @@ def record_fleet(
     """``robots`` simulated robots (20 steps an episode at most, ``rules``' operator) record ``episodes``
     episodes each under ``w``'s policy server through its collector, all of them written when it returns."""
     cfg = FleetConfig(
+        progress=False,
         robots=robots,
         server=w.server.address,
         collector=w.collector.address,
@@ -97,7 +98,7 @@ def record_fleet(
         rules=rules,
         collector_token=collector_token,
     )
-    result = run_sim_fleet(cfg, progress=False)
+    result = run_sim_fleet(cfg)
     assert result.errors == [], result.errors
     assert w.collector.drain(60)
 

@@ -8,7 +8,6 @@ page; ids matched in full. Servers run on loopback; every test is bounded in tim
 from __future__ import annotations
 
 import base64
-import dataclasses
 import errno
 import http.client
 import json
@@ -663,33 +662,37 @@ def test_trailing_newlines_in_urls_and_bodies_are_refused(hub: HubServer, api: A
 
 
 # ----- 5. hub serve: token file and limits -------------------------------------------------------------------
-def test_hub_serve_token_file_and_limit_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_serve_token_file_and_limit_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vla-rl hub serve` is HubConfig: the limits are Limits' own fields (flags of the same names, defaults
+    not restated), the token comes from --token-file, and the config reaches serve() whole."""
     import tyro
 
-    from vla_rl.cli import services
+    from vla_rl.cli import main, services
     from vla_rl.cli.common import CliError
     from vla_rl.hub import server
+    from vla_rl.hub.config import HubConfig
 
-    defaults = services.HubServe(token=None)
-    assert {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Limits)} == dataclasses.asdict(
-        Limits()
-    )
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(server, "serve", lambda data, **kw: calls.append(kw))
+    assert HubConfig(token=None).limits == Limits()
+    calls: list[HubConfig] = []
+    monkeypatch.setattr(server, "serve", lambda config, **kw: calls.append(config))
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
+    flags = ["--token-file", str(token_file), "--max-commit-bytes", "12345", "--max-json-bytes", "999"]
     args = tyro.cli(
-        services.HubServe,
-        args=["--token-file", str(token_file), "--max-commit-bytes", "12345", "--max-json-bytes", "999"],
-    )
+        HubConfig, args=[*flags, "--port", "0"]
+    )  # never the default port (a registry may be there)
     assert services.hub_serve(args) == 0
-    assert calls[-1]["token"] == "from-the-file"
-    assert calls[-1]["limits"] == Limits(max_commit_bytes=12345, max_json_bytes=999)
+    assert calls[-1].resolved_token() == "from-the-file" and calls[-1].port == 0
+    assert calls[-1].limits == Limits(max_commit_bytes=12345, max_json_bytes=999)
     for bad in (tmp_path / "missing", tmp_path / "empty"):
         if bad.name == "empty":
             bad.write_text("  \n")
         with pytest.raises(CliError, match="--token-file"):
-            services.hub_serve(services.HubServe(token=None, token_file=bad))
-    with pytest.raises(CliError, match="--max-inline-file-bytes"):
-        services.hub_serve(services.HubServe(token=None, max_inline_file_bytes=11 * MB))
-    assert "ps" in (services.HubServe.__doc__ or "")
+            services.hub_serve(HubConfig(token=None, token_file=bad, port=0))
+    assert main(["hub", "serve", "--max-inline-file-bytes", str(11 * MB), "--port", "0"]) == 2
+    assert "max_inline_file_bytes must be <= 10485760" in capsys.readouterr().err.replace("\n", " ").replace(
+        "│", ""
+    )
+    assert "ps" in (HubConfig.__doc__ or "")

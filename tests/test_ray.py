@@ -339,6 +339,7 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
     killer.start()
     try:
         cfg = FleetConfig(
+            progress=False,
             robots=2,
             server=server.address,
             collector=collector.address,
@@ -348,7 +349,7 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
             record_dir=str(records),
             ray=ray_head,
         )
-        result = run_sim_fleet(cfg, progress=False)
+        result = run_sim_fleet(cfg)
         assert collector.drain(60)
     finally:
         stop.set()

@@ -177,6 +177,7 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
             uncertainty_h=1e-3,
         )
         cfg = FleetConfig(
+            progress=False,
             robots=2,
             server=server.address,
             collector=collector.address,
@@ -186,7 +187,7 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
             collector_token=TOKEN,
             record_dir=str(tmp_path / "records"),
         )
-        result = run_sim_fleet(cfg, progress=False)
+        result = run_sim_fleet(cfg)
         assert result.errors == []
         assert collector.drain(60)
         commit = server.slots["push"].active.commit

@@ -32,8 +32,8 @@ from vla_rl.up import (
     _http_child,
     _http_ready,
     _port_free,
-    dashboard_argv,
-    dashboard_flags,
+    child_argv,
+    child_configs,
     split_db_password,
     workdir_db,
 )
@@ -145,26 +145,43 @@ def test_an_optional_child_that_keeps_dying_is_given_up_and_the_rest_stay_superv
         sup.stop_all(timeout_s=2)
 
 
-# ---------------------------------------------------------------------------- the dashboard hook
-def test_the_dashboard_child_follows_the_cli_command_table() -> None:
+# ---------------------------------------------------------------------------- the children's configs
+def test_children_get_config_files_their_commands_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up` builds each service child's config dataclass and hands it over as WORKDIR/configs/NAME.json
+    (`vla-rl COMMAND --config FILE`), not as argv: every file parses back through the command's own flags
+    parser into the same config, and no token or password is in a file or on a command line."""
     from vla_rl.cli import COMMANDS
+    from vla_rl.cli.common import config_defaults, parse
 
-    flags = dashboard_flags({})
-    assert (flags is not None) == any(c.path == ("dashboard",) for c in COMMANDS)
-    ports = Ports(hub=1, server=2, collector=3, dashboard=4)
-    argv = dashboard_argv({"--store", "--port", "--server"}, Path("/w/store"), "http://127.0.0.1:1", ports)
-    assert argv[-7:] == ["dashboard", "--store", "/w/store", "--server", "127.0.0.1:2", "--port", "4"]
-    full = dashboard_argv(
-        {"--store", "--hub", "--server", "--collector", "--host", "--port"}, Path("s"), "http://h", ports
+    for var in ("VLA_RL_HUB_TOKEN", "VLA_RL_COLLECTOR_TOKEN", "VLA_RL_SERVER_TOKEN"):
+        monkeypatch.setenv(var, f"secret-{var}")
+    ports = Ports(hub=11, server=12, collector=13, dashboard=14)
+    store = tmp_path / "store"
+    children = child_configs(
+        tmp_path, store, "postgresql://ana@db/vla", "http://127.0.0.1:11", ports, "fleet/up"
     )
     assert (
-        full[full.index("--host") + 1] == "127.0.0.1" and full[full.index("--collector") + 1] == "127.0.0.1:3"
+        children["dashboard"].server == ("127.0.0.1:12",)
+        and children["dashboard"].collector == "127.0.0.1:13"
     )
-    assert not any("token" in w for w in full), "the token goes through the environment, never argv"
-    assert "--db" not in full  # None: the dashboard's default, the store's SQLite
-    url = "postgresql://u@h/d"
-    with_db = dashboard_argv({"--store", "--db"}, Path("s"), "http://h", ports, db=url)
-    assert with_db[with_db.index("--db") + 1] == url
+    assert children["hub"].port == 11 and children["worker"].db_url == "postgresql://ana@db/vla"
+    by_path = {c.path: c for c in COMMANDS}
+    for name, cfg in children.items():
+        argv = child_argv(name, cfg, tmp_path)
+        path = Path(argv[-1])
+        assert argv[-2] == "--config" and path == tmp_path / "configs" / f"{name}.json"
+        text = path.read_text()
+        assert "secret-" not in text and "secret-" not in " ".join(argv)
+        command = by_path[tuple(argv[3:-2])]
+        cls = command.args if isinstance(command.args, type) else command.args()
+        assert command.config_file and cls is type(cfg)
+        rest = ["--config", str(path)]
+        back = parse(cls, rest, "vla-rl", "", config_defaults(cls, rest))
+        assert {k: v for k, v in vars(back).items() if k != "token"} == {
+            k: v for k, v in vars(cfg).items() if k != "token"
+        }, name
 
 
 def test_the_db_password_goes_to_children_through_the_environment(tmp_path: Path) -> None:

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -492,51 +491,43 @@ def workdir_db(given: str | None, recorded: str | None, store: Path) -> str:
 DASHBOARD_PORT = 8780  # `vla-rl dashboard`'s own default; another free port when it is taken
 
 
-def dashboard_flags(env: dict[str, str]) -> set[str] | None:
-    """The flags `vla-rl dashboard --help` lists, or None where the CLI's command table has no
-    ``dashboard`` command (it exits 2 then). Asked of a probe process: the CLI imports this module, so
-    this module does not import the CLI."""
-    try:
-        r = subprocess.run(
-            [*CLI, "dashboard", "--help"],
-            capture_output=True,
-            text=True,
-            env=os.environ | env | {"COLUMNS": "200"},
-            timeout=120,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return set(re.findall(r"--[a-z][a-z0-9-]*", r.stdout)) if r.returncode == 0 else None
+def child_configs(
+    work: Path, store: Path, db_url: str, hub_url: str, ports: Ports, repo: str
+) -> dict[str, Any]:
+    """The config of every service child ``up`` starts, by child name: each command's own config dataclass,
+    written to WORKDIR/configs/NAME.json and read back by ``vla-rl COMMAND --config FILE``. Secrets are not
+    in them (tokens and the DB password reach the children through the environment)."""
+    from vla_rl.dashboard.config import DashboardConfig
+    from vla_rl.hub.config import HubConfig
+    from vla_rl.round_worker import WorkerConfig
+
+    return {
+        "hub": HubConfig(data=work / "hub", port=ports.hub, token=None),
+        "worker": WorkerConfig(store=store, db_url=db_url, poll_s=1, heartbeat_s=2, stale_after_s=15),
+        "dashboard": DashboardConfig(
+            store=store,
+            db=db_url,
+            hub=hub_url,
+            server=(f"127.0.0.1:{ports.server}",),
+            collector=f"127.0.0.1:{ports.collector}",
+            host="127.0.0.1",
+            port=ports.dashboard,
+            repo=repo,
+            workdir=work / "dashboard",
+        ),
+    }
 
 
-def dashboard_argv(
-    flags: set[str],
-    store: Path,
-    hub_url: str,
-    ports: Ports,
-    repo: str | None = None,
-    workdir: Path | None = None,
-    db: str | None = None,
-) -> list[str]:
-    """The dashboard child's command line: the documented flags (docs/dashboard.md) that this install's
-    `vla-rl dashboard` has. Its operator token goes through the environment (VLA_RL_DASHBOARD_TOKEN)."""
-    wanted = [
-        ("--store", str(store)),
-        ("--db", db),
-        ("--hub", hub_url),
-        ("--server", f"127.0.0.1:{ports.server}"),
-        ("--collector", f"127.0.0.1:{ports.collector}"),
-        ("--host", "127.0.0.1"),
-        ("--port", str(ports.dashboard)),
-        ("--repo", repo),
-        ("--workdir", None if workdir is None else str(workdir)),
-    ]
-    argv = [*CLI, "dashboard"]
-    for flag, value in wanted:
-        if flag in flags and value is not None:
-            argv += [flag, value]
-    return argv
+CHILD_COMMANDS = {"hub": ("hub", "serve"), "worker": ("round", "worker"), "dashboard": ("dashboard",)}
+CHILD_COMMANDS |= {"server": ("serve",), "collector": ("collect",), "fleet": ("fleet", "sim")}
+
+
+def child_argv(name: str, cfg: Any, work: Path, file: str | None = None) -> list[str]:
+    """Write ``cfg`` to WORKDIR/configs/(``file`` or NAME).json; the child's command line that reads it."""
+    from vla_rl.core import configs
+
+    path = configs.save(cfg, work / "configs" / f"{file or name}.json")
+    return [*CLI, *CHILD_COMMANDS[name], "--config", str(path)]
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -598,6 +589,7 @@ def _pct(x: float | None) -> str:
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     """Run the loop; returns one row per round run by this call (also printed)."""
     from fleet.db import MetadataDB, default_url
+    from sim.fleet_runner import FleetConfig
     from vla_rl.hub.registry import configure_hub, resolve
     from vla_rl.rounds import RoundConfig, queue_round
     from vla_rl.train.algorithms import make_config
@@ -631,11 +623,12 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     configure_hub(hub_url, tokens["hub"])
     sup = Supervisor(work / "logs")
     rows: list[dict[str, Any]] = []
+    children = child_configs(work, store, db_url, hub_url, ports, cfg.repo)
     try:
         hub_ready, hub_env = _http_child(f"{hub_url}/api/health")
         sup.start(
             "hub",
-            [*CLI, "hub", "serve", "--data", str(work / "hub"), "--port", str(ports.hub)],
+            child_argv("hub", children["hub"], work),
             hub_ready,
             env | hub_env,
             stop_order=STOP_ORDER["hub"],
@@ -652,12 +645,9 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 flush=True,
             )
             return rows
-        flags = dashboard_flags(env) if cfg.dashboard else None
         dashboard_url = f"http://127.0.0.1:{ports.dashboard}"
-        if flags is not None:
+        if cfg.dashboard:
             dash = f"{dashboard_url}   operator token in {work / 'secrets' / 'dashboard'}"
-        elif cfg.dashboard:
-            dash = "not in this install (no `vla-rl dashboard` command)"
         else:
             dash = "off (--no-dashboard)"
         print(
@@ -695,36 +685,18 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         sup.start(
             "worker",
-            [
-                *CLI,
-                "round",
-                "worker",
-                "--store",
-                str(store),
-                "--db-url",
-                db_url,
-                "--poll-s",
-                "1",
-                "--heartbeat-s",
-                "2",
-                "--stale-after-s",
-                "15",
-            ],
+            child_argv("worker", children["worker"], work),
             lambda: True,
             env,
             stop_order=STOP_ORDER["worker"],
         )
-        if flags is not None:
-            dash_flags = flags
+        if cfg.dashboard:
 
             def dashboard_child(port: int) -> tuple[list[str], Callable[[], bool], dict[str, str]]:
                 # the ready check believes only an answer carrying this child's nonce (not another
                 # process that took the port: then start_on_port picks another one)
                 ready, nonce_env = _http_child(f"http://127.0.0.1:{port}/api/v1/health")
-                at = dataclasses.replace(ports, dashboard=port)
-                argv = dashboard_argv(
-                    dash_flags, store, hub_url, at, repo=cfg.repo, workdir=work / "dashboard", db=db_url
-                )
+                argv = child_argv("dashboard", dataclasses.replace(children["dashboard"], port=port), work)
                 return argv, ready, env | nonce_env | {"VLA_RL_DASHBOARD_TOKEN": tokens["dashboard"]}
 
             port = sup.start_on_port(
@@ -746,29 +718,19 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             while len(db.rounds()) < cfg.rounds:
                 n = len(db.rounds()) + 1
                 t0, since = time.monotonic(), time.time()
-                fleet = [
-                    *CLI,
-                    "fleet",
-                    "sim",
-                    "--robots",
-                    str(cfg.robots),
-                    "--episodes",
-                    str(cfg.episodes),
-                    "--operators",
-                    str(cfg.operators),
-                    "--task",
-                    cfg.task,
-                    "--server",
-                    f"127.0.0.1:{ports.server}",
-                    "--collector",
-                    f"127.0.0.1:{ports.collector}",
-                    "--seed",
-                    str(ONLINE + cfg.seed * 1_000_000 + n * 10_000),
-                    "--no-progress",
-                ]
+                fleet = FleetConfig(
+                    robots=cfg.robots,
+                    episodes=cfg.episodes,
+                    operators=cfg.operators,
+                    task=cfg.task,
+                    server=f"127.0.0.1:{ports.server}",
+                    collector=f"127.0.0.1:{ports.collector}",
+                    seed=ONLINE + cfg.seed * 1_000_000 + n * 10_000,
+                    progress=False,
+                )
                 sup.run(
                     "fleet",
-                    fleet,
+                    child_argv("fleet", fleet, work, file=f"fleet-round-{n}"),
                     env,
                     work / "logs" / f"fleet-round-{n}.log",
                     stop_order=STOP_ORDER["fleet"],

@@ -138,6 +138,24 @@ def with_options(name: str, inner: type, options: type) -> type:
     )
 
 
+CONFIG_HELP = (
+    "--config FILE: a JSON object of these flags' values (as snake_case keys; flags given as well win; "
+    "secrets are never read from it). `vla-rl up` writes one per service in WORKDIR/configs."
+)
+
+
+def config_defaults(cls: type, argv: list[str]) -> Any:
+    """``--config FILE`` taken out of ``argv``: its values as tyro's defaults for ``cls`` (None: no file).
+    A bad file is one line naming it and the key (exit 2)."""
+    from vla_rl.core import configs
+
+    path = pop_option(argv, "--config")
+    if path is None:
+        return None
+    with user_errors(ValueError, prefix="--config "):
+        return partial(cls, configs.load(cls, path))
+
+
 def pop_option(argv: list[str], flag: str) -> str | None:
     """Remove ``flag VALUE`` (or ``flag=VALUE``) from ``argv`` and return VALUE (None if absent)."""
     for i, a in enumerate(argv):
@@ -201,3 +219,6 @@ class Command:
     """``run(parsed_args) -> exit code``; or ``run(argv, prog) -> exit code`` when ``args`` is None
     (commands that parse their own flags, e.g. to pick a preset first)."""
     description: str = ""
+    config_file: bool = False
+    """A service: also takes ``--config FILE``, a JSON object of its config's fields (secrets aside; see
+    :mod:`vla_rl.core.configs`) whose values are the defaults the flags override."""

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import tyro
 from tyro.conf import Positional
 
 from vla_rl.cli.common import CliError, Command, check_port, task_arg, user_errors
@@ -368,20 +367,7 @@ def collect(a: Collect) -> int:
 def _fleet_args() -> type:
     from sim.fleet_runner import FleetConfig
 
-    doc = """N simulated robots (one process each) get action chunks from the policy server and stream every
-    frame, segment and outcome to the collector. A simulated operator (the task's privileged scripted
-    expert) takes over when the policy stalls (--stall-steps), drifts (--drift-radius) or at random
-    (--spot-check-prob), drives for --drive-steps and hands back, within a budget per episode. The collector
-    token is read from VLA_RL_COLLECTOR_TOKEN.
-    Example: vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 --collector 127.0.0.1:50071"""
-    return make_dataclass(
-        "FleetSim",
-        [
-            ("fleet", Annotated[FleetConfig, tyro.conf.OmitArgPrefixes]),
-            ("progress", Annotated[bool, tyro.conf.arg(help="Show a progress bar.")], field(default=True)),
-        ],
-        namespace={"__doc__": doc},
-    )
+    return FleetConfig
 
 
 def fleet_sim(a: Any) -> int:
@@ -389,7 +375,7 @@ def fleet_sim(a: Any) -> int:
 
     from sim.fleet_runner import run_sim_fleet
 
-    cfg = a.fleet
+    cfg = a
     if cfg.robots < 1 or cfg.episodes < 1:
         raise CliError("--robots and --episodes must be >= 1")
     with user_errors(ValueError, prefix="--server: "):
@@ -399,7 +385,7 @@ def fleet_sim(a: Any) -> int:
     if cfg.collector_token is None:
         cfg.collector_token = env_secret("VLA_RL_COLLECTOR_TOKEN")
     with user_errors(RuntimeError):
-        result = run_sim_fleet(cfg, progress=a.progress)
+        result = run_sim_fleet(cfg)
     print()
     print(result.table())
     total = sum(s.episodes for s in result.robots.values())
@@ -417,52 +403,21 @@ def fleet_sim(a: Any) -> int:
 
 
 # ---------------------------------------------------------------------------- hub
-@dataclass
-class HubServe:
-    """Run the embedded Hub-compatible registry: model repos stored under --data, served with the
-    Hugging Face Hub's HTTP API so the real huggingface_hub client pushes and pulls checkpoints here.
-    Writes need the token when one is set, and so do reads of repos created private. The token comes from
-    env VLA_RL_HUB_TOKEN or --token-file rather than a flag: a command line is visible to every user of the
-    machine through ps (and /proc), the environment and a 0600 file are not. Request bodies are bounded
-    (--max-commit-bytes, --max-inline-file-bytes, --max-json-bytes, --max-commit-operations; over a
-    limit: 413 naming it). Binds 127.0.0.1 unless told otherwise."""
+def _hub_args() -> type:
+    from vla_rl.hub.config import HubConfig
 
-    data: Path = Path("runs/hub")
-    """Repository storage folder."""
-    host: str = "127.0.0.1"
-    """Bind address."""
-    port: int = 8808
-    """HTTP port."""
-    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_HUB_TOKEN"))
-    """Write token (default: env VLA_RL_HUB_TOKEN; prefer the environment or --token-file over this flag)."""
-    token_file: Path | None = None
-    """File holding the token alone (surrounding whitespace ignored; wins over VLA_RL_HUB_TOKEN); mode 0600."""
-    max_commit_bytes: int = 256 * 1024 * 1024  # = vla_rl.hub.limits.Limits() (a test checks)
-    """Largest commit body in bytes (NDJSON with inline files base64-encoded; parsed as a stream)."""
-    max_inline_file_bytes: int = 10 * 1024 * 1024
-    """Largest regular file a commit carries inline, in bytes (at most 10 MiB; larger files use LFS)."""
-    max_json_bytes: int = 4 * 1024 * 1024
-    """Largest JSON body of other requests (preupload, LFS batch, paths-info, refs), in bytes."""
-    max_commit_operations: int = 100_000
-    """Most file operations (adds, deletes) in one commit."""
+    return HubConfig
 
 
-def hub_serve(a: HubServe) -> int:
-    from vla_rl.hub.limits import Limits
+def hub_serve(a: Any) -> int:
     from vla_rl.hub.server import serve as run
 
     check_port(a.host, a.port)
-    token = _read_token_file(a.token_file) if a.token_file is not None else (a.token or None)
     try:
-        limits = Limits(
-            max_commit_bytes=a.max_commit_bytes,
-            max_inline_file_bytes=a.max_inline_file_bytes,
-            max_json_bytes=a.max_json_bytes,
-            max_commit_operations=a.max_commit_operations,
-        )
+        a.resolved_token()  # a bad token file fails here, before the port is bound
     except ValueError as e:
-        raise CliError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
-    run(a.data, host=a.host, port=a.port, token=token, limits=limits)
+        raise CliError(f"--token-file {str(e).removeprefix('token_file: ')}") from None
+    run(a)
     return 0
 
 
@@ -577,14 +532,18 @@ COMMANDS = [
         "simulated robots + operator takeovers streaming to a collector",
         _fleet_args,
         fleet_sim,
+        config_file=True,
     ),
     Command(
         ("dashboard",),
         "the web dashboard: review and label rollouts, start, promote and roll back rounds",
         _dashboard_args,
         dashboard,
+        config_file=True,
     ),
-    Command(("hub", "serve"), "run the embedded Hub-compatible registry", HubServe, hub_serve),
+    Command(
+        ("hub", "serve"), "run the embedded Hub-compatible registry", _hub_args, hub_serve, config_file=True
+    ),
     Command(("hub", "push"), "push a checkpoint folder as a commit (and tag)", HubPush, hub_push),
     Command(("hub", "pull"), "download a checkpoint by ref and verify its hashes", HubPull, hub_pull),
 ]

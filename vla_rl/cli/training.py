@@ -621,6 +621,7 @@ COMMANDS = [
         "claim queued rounds from the DB and run them (many may share a queue)",
         _worker_args,
         round_worker,
+        config_file=True,
     ),
     Command(("round", "cancel"), "cancel a queued or running round", RoundCancel, round_cancel),
     Command(("eval",), "evaluate a checkpoint in simulation", Eval, eval_),

@@ -45,6 +45,7 @@ from fastapi import FastAPI
 from vla_rl.core.instance import own_instance_tag
 from vla_rl.core.lifeline import exit_with_parent
 from vla_rl.core.scheduling import leave_realtime
+from vla_rl.hub.config import HubConfig
 from vla_rl.hub.limits import Limits
 from vla_rl.hub.routes import ROUTERS
 from vla_rl.hub.routes.errors import add_error_handlers
@@ -52,8 +53,6 @@ from vla_rl.hub.routes.state import Hub, Settings
 from vla_rl.hub.storage import HubStorage
 
 log = logging.getLogger("vla_rl.hub.server")
-
-DEFAULT_PORT = 8808
 
 
 def create_app(
@@ -143,27 +142,18 @@ def _serve_socket(
     server.run(sockets=[sock])
 
 
-def serve(
-    data_dir: str | os.PathLike[str],
-    host: str = "127.0.0.1",
-    port: int = DEFAULT_PORT,
-    token: str | None = None,
-    *,
-    private: bool = False,
-    log_level: str = "info",
-    limits: Limits | None = None,
-) -> None:
-    """Run the Hub server in the foreground until interrupted (Ctrl-C / SIGTERM).
+def serve(config: HubConfig, *, private: bool = False, log_level: str = "info") -> None:
+    """Run the Hub server ``config`` describes in the foreground until interrupted (Ctrl-C / SIGTERM).
 
     ``port=0`` picks a free port (logged as ``hub listening url=...``). Without a token anyone who can reach
-    the port can write, so a non-loopback ``host`` without a token is allowed but warned about. ``limits``
-    bounds request bodies (default :class:`~vla_rl.hub.limits.Limits`).
+    the port can write, so a non-loopback ``host`` without a token is allowed but warned about.
     """
-    if token is None and not _is_loopback(host):
-        log.warning("hub binds %s without a token: anyone on the network can push and delete", host)
-    sock = _bind(host, port)
+    token = config.resolved_token()
+    if token is None and not _is_loopback(config.host):
+        log.warning("hub binds %s without a token: anyone on the network can push and delete", config.host)
+    sock = _bind(config.host, config.port)
     try:
-        _serve_socket(sock, data_dir, token, private, log_level, limits or Limits())
+        _serve_socket(sock, config.data, token, private, log_level, config.limits)
     finally:
         sock.close()
 
