@@ -25,7 +25,7 @@ export function filterToSelection(q) {
   return { data: parts.join(","), task: q.get("task") || "", dropped };
 }
 
-const roundNo = (r) => r.id ?? r.round ?? r.n;
+const roundNo = (r) => r.id;
 
 /** Seconds -> "1 h 05 min" / "3 min 20 s" / "12 s". */
 export function duration(s) {
@@ -75,7 +75,7 @@ export async function render(root, ctx) {
     clearTimeout(listTimer);
     try {
       const res = await api("/rounds");
-      drawList(Array.isArray(res) ? res : res.rounds || res.items || []);
+      drawList(res.rounds); // GET /rounds answers {rounds: [round summary, ...]}
     } catch (e) {
       showError(err, e, "rounds");
     }
@@ -290,12 +290,13 @@ export async function render(root, ctx) {
       else if (mc && !losses.x.length) setCurve(mc);
       drawActions();
     };
+    // c: a running round's live curve ([step, value] pairs, liveLoss) or a finished one's metrics.curve
+    // (the trainer's rows, {step, loss, ...})
     const setCurve = (c) => {
-      const pts = Array.isArray(c) ? c : Array.isArray(c.loss) ? c.loss.map((y, i) => [c.step ? c.step[i] : i, y]) : [];
       losses.x = [];
       losses.y = [];
-      for (const p of pts) {
-        const [x, y] = Array.isArray(p) ? p : [p.step, p.loss ?? p.value];
+      for (const p of c) {
+        const [x, y] = Array.isArray(p) ? p : [p.step, p.loss];
         if (y !== undefined && y !== null) {
           losses.x.push(x);
           losses.y.push(y);
