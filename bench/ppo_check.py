@@ -1,8 +1,7 @@
 """Does PPO (Flow-Noise / Flow-SDE) improve a mediocre SFT policy? Success before and after, same seeds.
 
 Without ``--base`` it first makes the weak base: ``--demos`` noisy scripted demonstrations of PickCube
-(state) and a short SFT run (30 demos at noise 0.5 and 1500 steps gave 36-38% here; Flow-SDE at lr 3e-6 took it to 50% and 38% (two seeds) in
-24k env steps). Then, for each
+(state) and a short SFT run (what it measured: docs/benchmarks.md and docs/experiment-log.md). Then, for each
 method, ``train_ppo`` with a fixed env-step budget, and ``evaluate`` on the same ``--episodes`` held-out
 seeds (from 100000) for the base (at its own K and at the RL K) and for each fine-tuned policy.
 Prints a markdown table and writes bench/results/ppo_check.json.
@@ -31,11 +30,14 @@ from vla_rl.train.ppo import PPOConfig, train_ppo
 from vla_rl.train.sft import SFTConfig, train_sft
 
 TASK = "maniskill/PickCube-v1"
-ACTOR_LR = {"sde": 3e-6, "noise": 1e-6}  # sde: measured best; noise: ~10x more sensitive (not yet run)
+ACTOR_LR = {
+    "sde": 3e-6,
+    "noise": 1e-6,
+}  # the learning rates measured best per method (docs/experiment-log.md)
 
 
 def make_weak_base(work: Path, demos: int, noise: float, steps: int, seed: int) -> Path:
-    """Noisy demos + a short SFT run: a PickCube policy that succeeds about a third of the time."""
+    """Noisy demos + a short SFT run: a weak PickCube policy, room to improve."""
     store = EpisodeStore(work / "store", create=True)
     record_demos(store, TASK, episodes=demos, noise=noise, seed=seed * 10_000, num_envs=2, progress=False)
     cfg = SFTConfig(

@@ -90,8 +90,9 @@ class EnvOptions:
     replayable: bool = False
     """Clear the simulator's history at every reset (:meth:`SimEnv.clear_history`), so each recorded
     episode replays exactly from its seed and actions (:mod:`sim.replay`: privileged training inputs for
-    camera policies). ManiSkill rebuilds its scene: ~0.25 s a reset. Off, PhysX carries state across
-    resets and ~1 episode in 12 replays off by up to 0.17 (docs/experiment-log.md)."""
+    camera policies). ManiSkill rebuilds its scene, a slower reset. Off, PhysX carries state across
+    resets and some episodes replay off (both measured: docs/experiment-log.md, replaying simulated
+    episodes)."""
 
     def __post_init__(self) -> None:
         if self.obs not in OBS_MODES:

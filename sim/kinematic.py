@@ -6,7 +6,7 @@ episode succeeds on the first step the gripper is closed within ``TOLERANCE`` of
 the common action layout ([dx, dy, dz, gripper]) and the :class:`sim.base.SimEnv` contract, so every
 trainer, the evaluator, demos and the sim fleet run on it unchanged, thousands of steps per second.
 
-Why it exists: ManiSkill on this CPU does ~70 steps/s, so a test that an RL algorithm *learns*
+Why it exists: ManiSkill on a CPU does tens of steps a second (docs/benchmarks.md), so a test that an RL algorithm *learns*
 (not just that it runs) would take hours there. Here SFT from a few noisy demonstrations is
 imprecise (it closes the gripper a little off target), and an algorithm that works must fix that in a
 few thousand steps. It is a test bed, not a benchmark of manipulation skill.

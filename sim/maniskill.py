@@ -44,7 +44,7 @@ class ManiSkillEnv(SimEnv):
             control_mode="pd_ee_delta_pos",
             sim_backend="physx_cpu",
             # No renderer at all when nothing is drawn (state observations, no render_size): the physics
-            # is the same, the env starts ~3x faster, and no Vulkan driver is needed (a headless node).
+            # is the same, the env starts faster (docs/sim.md), and no Vulkan driver is needed (a headless node).
             render_backend="cpu" if options.obs == "rgb" or options.render_size else "none",
             num_envs=1,
             reward_mode="normalized_dense",
@@ -137,8 +137,8 @@ class ManiSkillEnv(SimEnv):
         }
 
     def clear_history(self, seed: int | None = None) -> None:
-        # PhysX keeps state across resets: an episode replayed after others drifted by up to ~2 cm in ~1
-        # of 16 replays, never after a rebuild of the scene (~0.2 s; docs/experiment-log.md)
+        # PhysX keeps state across resets: an episode replayed after others sometimes drifted, never after
+        # a rebuild of the scene (docs/experiment-log.md, replaying simulated episodes)
         self._env.reset(seed=seed, options={"reconfigure": True})
 
     def close(self) -> None:

@@ -9,8 +9,8 @@ what a trainer needs for privileged information during training only (an asymmet
 goals for camera policies), without storing it.
 
 Each replay starts from a cleared simulator (:meth:`sim.base.SimEnv.clear_history`: ManiSkill rebuilds
-its scene, ~0.2 s), since PhysX keeps state across resets that made ~1 in 16 replays drift by up to
-2 cm when one simulator replayed episodes back to back. The recordings can carry such state from their
+its scene), since PhysX keeps state across resets that made some replays drift when one simulator
+replayed episodes back to back (docs/experiment-log.md, replaying simulated episodes). The recordings can carry such state from their
 own simulator's earlier episodes too, which no replay reproduces, unless they were recorded
 ``replayable`` (:class:`sim.base.EnvOptions`: the recording simulator clears it at every reset as well).
 So replays are checked: the recorded state must equal the replayed one's leading columns

@@ -65,7 +65,7 @@ class RobosuiteEnv(SimEnv):
             control_freq=int(info.control_hz),
             horizon=10**9,  # our SimEnv owns truncation
             ignore_done=True,
-            hard_reset=False,  # reloading the MuJoCo model every episode costs ~0.5 s
+            hard_reset=False,  # else the MuJoCo model is reloaded every episode
             seed=0,
         )
         self._raw: dict[str, Any] = self._env.reset()

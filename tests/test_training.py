@@ -207,9 +207,9 @@ def test_cli_train_push_eval(demo_store: Path, tmp_path: Path, hub: HubServer) -
 
 # slow: kept out of CI's short run for time (make test <= 15 min on 2 cores); run with -m slow
 @pytest.mark.slow
-def test_main_job_runs_the_loop(tmp_path: Path) -> None:
+def test_demo_runs_the_loop(tmp_path: Path) -> None:
     """`vla-rl demo` at toy scale: demos -> store -> SFT -> embedded registry -> pull by tag -> eval."""
-    from vla_rl.main_job import DemoJobConfig, run_demo
+    from vla_rl.demo import DemoJobConfig, run_demo
 
     res = run_demo(
         DemoJobConfig(

@@ -1,10 +1,10 @@
-"""The main job on embedded defaults (``vla-rl demo``): one pass of the loop on one machine.
+"""``vla-rl demo``: one pass of the loop on one machine, a smaller look than ``vla-rl up`` (vla_rl/up.py).
 
     scripted demos -> episode store + metadata DB -> SFT -> push a tagged checkpoint to the embedded
     Hub-compatible registry -> pull it back by tag (hash-verified) -> evaluate in simulation
 
-It starts its own registry on a free loopback port, so it needs nothing running beforehand. Later
-issues grow this into ``vla-rl up`` (policy server, fleet collector, post-training rounds).
+It starts its own registry on a free loopback port, so it needs nothing running beforehand. The whole
+loop (policy server, fleet collector, simulated fleet, post-training rounds, live swaps) is ``vla-rl up``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class DemoJobConfig:
     """One pass of the loop on this machine, nothing to start beforehand: record scripted demonstrations
     into a Zarr store + SQLite DB, train a flow-matching policy with SFT, push it as a tagged checkpoint
     to an embedded Hub-compatible registry, pull it back by tag and evaluate it in simulation (with a
-    video). About 5 minutes on 2 CPU cores. The workdir's outputs are cleared first."""
+    video). The workdir's outputs are cleared first."""
 
     workdir: Path = Path("runs/demo")
     """Everything goes here (store/, sft/, hub/, videos/); it is cleared at the start of each run."""

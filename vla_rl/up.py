@@ -72,8 +72,8 @@ class UpConfig:
     rounds: int = 3
     """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
     episodes: int = 10
-    """Episodes per robot between rounds (the trigger). 10 (40 fleet episodes a round with 4 robots) lifted
-    PickCube +26 and +46 points in 3 rounds where 5 gave +18 and +20 (docs/benchmarks.md)."""
+    """Episodes per robot between rounds (the trigger): 40 fleet episodes a round with 4 robots. Why 10 and
+    not 5: docs/benchmarks.md, "The improvement loop"."""
     algo: str = "awr"
     """Round algorithm (see `vla-rl round start --help`), unless --preset names a recipe."""
     preset: str | None = None
@@ -86,8 +86,8 @@ class UpConfig:
     base_preset: str | None = None
     """Named SFT recipe for the weak base; None = the defaults below."""
     base_demos: int = 25
-    """Scripted demonstrations the base is trained on (the default puts a PickCube base in the 25-45% range
-    a weak base should have: docs/benchmarks.md)."""
+    """Scripted demonstrations the base is trained on (the default makes the weak base a loop should start
+    from; its measured success: docs/benchmarks.md, "The improvement loop")."""
     base_noise: float = 0.5
     """Expert sloppiness of those demonstrations."""
     base_steps: int | None = 1000

@@ -73,7 +73,8 @@ class SimDemos:
     episodes: int = 10
     """Episodes to record."""
     noise: float = 0.0
-    """Expert sloppiness in [0, 2]: 0 = clean demos; 0.3 still ~100% success; 1.0 leaves 15-65% by task."""
+    """Expert sloppiness in [0, 2]: 0 = clean demos, larger = more perturbed actions and fewer successes
+    (the expert's success per task and noise: docs/sim.md)."""
     seed: int = 0
     """First episode seed."""
     obs: ObsMode = "state"
@@ -93,9 +94,9 @@ class SimDemos:
     """Camera codec in the store: lossless (zstd), jpeg or jpeg:QUALITY (1-100), per camera CAMERA=CODEC,
     comma-separated (e.g. jpeg:90,hand_camera=lossless). See docs/store.md."""
     replayable: bool = False
-    """Clear each simulator's history at every reset (~0.25 s an episode) so every episode replays exactly
-    from its seed: what a camera policy's trainers need for privileged inputs (value_input privileged,
-    hindsight copies)."""
+    """Clear each simulator's history at every reset (a slower reset: docs/sim.md) so every episode replays
+    exactly from its seed: what a camera policy's trainers need for privileged inputs (value_input
+    privileged, hindsight copies)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -290,7 +291,7 @@ class StoreImportLerobot:
     """Import even if this dataset (same fingerprint) was imported into the store before."""
     camera_codec: str = "lossless"
     """Camera codec in the store: lossless (zstd: every decoded pixel kept), jpeg or jpeg:QUALITY (1-100;
-    5x smaller at 90, 11x at 60), per camera CAMERA=CODEC, comma-separated (e.g. jpeg:90,wrist=lossless)."""
+    sizes per quality: docs/store.md), per camera CAMERA=CODEC, comma-separated (e.g. jpeg:90,wrist=lossless)."""
     db: str | None = None
     """Metadata DB URL the episodes and labels are recorded in; None = the SQLite file inside the store."""
 

@@ -553,15 +553,15 @@ def _eval_offline(a: Eval, lp: Any) -> int:
 
 
 def _demo_args() -> type:
-    from vla_rl.main_job import DemoJobConfig
+    from vla_rl.demo import DemoJobConfig
 
     return DemoJobConfig
 
 
 def demo(cfg: Any) -> int:
-    """The embedded main job: demos -> store -> SFT -> registry -> eval (see vla_rl.main_job)."""
+    """The embedded main job: demos -> store -> SFT -> registry -> eval (see vla_rl.demo)."""
     from vla_rl.cli.data import StoreInfo, StoreVerify, store_info, store_verify
-    from vla_rl.main_job import run_demo
+    from vla_rl.demo import run_demo
 
     res = run_demo(cfg)
     print()

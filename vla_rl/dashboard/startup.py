@@ -3,10 +3,9 @@
 On start the dashboard records the store's closed episodes that the metadata DB lacks, computes the
 auto-flags closed episodes lack (``fleet.flags``) and imports what round checks need (torch among it).
 All of it is CPU work in this process, so done in one go it competes with the first page loads for
-the GIL and the cores (on a just-started dashboard over 10,000 episodes the first /api/v1/episodes
-request took 2.7 s instead of ~0.1 s: loading every row with its segments, 2.1 s of Python, every
-episode's flags, 1.7 s, and importing torch, 2.2 s). Here it runs in background threads, at a lower
-OS priority, in small steps:
+the GIL and the cores (what that cost on a just-started dashboard over 10,000 episodes:
+docs/benchmarks.md, the dashboard section). Here it runs in background threads, at a lower OS priority,
+in small steps:
 
 * :class:`RequestGate` counts the HTTP requests in flight (:class:`GateRequests` is the ASGI
   middleware); :meth:`RequestGate.wait_quiet` blocks a background step until no request has been in
@@ -22,7 +21,7 @@ OS priority, in small steps:
   runs the list serves what the DB already has and does not compute flags itself (the sync does, with
   every length in the DB, in the background), and the page shows "syncing N/M".
 
-An already-synced store costs two id queries and one flags query (~0.1 s at 10,000 episodes).
+An already-synced store costs two id queries and one flags query.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ FIRST_QUIET_S = 1.0
 """The sync's first step waits for a longer lull (at most 5 s): a just-started dashboard's first page
 (HTML, then its modules, then its API calls) goes first."""
 RECORD_BATCH = 100
-"""Store episodes recorded per DB transaction (~15 ms of commit.json reads, one short write)."""
+"""Store episodes recorded per DB transaction (their commit.json reads, then one short write)."""
 FLAG_BATCH = 256
 """Episodes per ``refresh_flags`` call (one length-index query each; a pause before every read)."""
 NICE = 10
@@ -286,8 +285,8 @@ def run_sync(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataD
 
 async def warm_requests(app: ASGIApp, paths: Sequence[str]) -> None:
     """Answer ``paths`` (GETs needing no token: the page, an asset) once, in process, before the port
-    opens: a route's first answer costs ~15 ms more than later ones, and on a just-started dashboard
-    the first page load is that first answer."""
+    opens: a route's first answer costs more than later ones, and on a just-started dashboard the first
+    page load is that first answer."""
     import httpx
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm") as c:
@@ -298,9 +297,8 @@ async def warm_requests(app: ASGIApp, paths: Sequence[str]) -> None:
 
 def warm_queries(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataDB]) -> None:
     """Open the store and the DB and run the episode list's first page and flags query once, before the
-    port opens: the first run of a query compiles its SQL (the first list took ~30 ms, later ones ~9 ms,
-    in a process of its own; several times that on a loaded machine). Read-only; a store or DB that is
-    down is left to health and the requests to report."""
+    port opens: the first run of a query compiles its SQL, so the first list would be slower than the
+    rest. Read-only; a store or DB that is down is left to health and the requests to report."""
     from fleet.db import EpisodeQuery
 
     try:
