@@ -19,7 +19,7 @@ section 5; time convention t = 0 noise, t = 1 data, as our policies). Networks:
 One update (z ~ N(0, I), x ~ ODE_β(s, z) the base's K-step Euler ODE from z, no gradient through it):
 
 1. critic: ``y = R_n + γ^n · bootstrap · (mean_m Q̄_m − ρ std_m Q̄_m)(s', clip(μ_ω(s', z')))`` and
-   ``L_Q = mean_{m,B} valid·(Q_m(s, a_data) − y)²`` (:func:`vla_rl.train.qam.critic_td_target`; ρ = 0 is
+   ``L_Q = mean_{m,B} valid·(Q_m(s, a_data) − y)²`` (:func:`vla_rl.train.qam_math.critic_td_target`; ρ = 0 is
    FQL's mean, QAM's chunked setup uses 0.5). The first ``critic_mc_steps`` regress Q on the Monte-Carlo
    return instead (as QAM: a cheap warm start);
 2. actor: ``L_π = α · mean ||μ_ω(s, z) − ODE_β(s, z)||² − λ_q · mean_B mean_m Q_m(s, clip(μ_ω(s, z)))``
@@ -51,8 +51,8 @@ from policies.loading import load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import RunClock, batch_to_policy_inputs, sample_indices, save_derived_checkpoint
 from vla_rl.train.distributed import SINGLE
-from vla_rl.train.loop import Beat, Optimiser, TrainLog, UpdateLoop, gradient_step, time_budget
-from vla_rl.train.qam import ChunkCriticInputs, critic_loss, critic_td_target
+from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step, time_budget
+from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
     DataSelection,
@@ -342,12 +342,8 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
         polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
         return out
 
-    loop = UpdateLoop(
-        update,
-        seed=cfg.seed,
-        dist=SINGLE,
-        log=Beat(cfg.log_every, also=cfg.steps),
-        on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step),
+    loop = UpdateLoop.over_steps(
+        update, cfg, SINGLE, on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step)
     )
     step = loop.run(
         cfg.steps,
