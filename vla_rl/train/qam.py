@@ -52,8 +52,6 @@ import itertools
 import json
 import logging
 import math
-import shutil
-import time
 from typing import Any
 
 import numpy as np
@@ -63,30 +61,33 @@ from fleet.store import EpisodeStore
 from policies.critics import polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.loading import load_policy
-from vla_rl.train.base import StepProgress
 from vla_rl.train.common import (
     TRAIN_STATE,
     RunClock,
     batch_to_policy_inputs,
-    config_dict,
     instruction_table,
     load_train_state,
     save_derived_checkpoint,
-    save_train_state,
-    seed_step,
 )
 from vla_rl.train.distributed import (
     Dist,
     Shard,
-    agree,
-    all_reduce_grads,
     broadcast_module,
     broadcast_object,
     distributed,
     mean_scalars,
-    summary_writer,
 )
 from vla_rl.train.divl import DIVLConfig, divl_support
+from vla_rl.train.loop import (
+    Beat,
+    Optimiser,
+    TrainLog,
+    TrainState,
+    UpdateLoop,
+    gradient_step,
+    publish_last,
+    time_budget,
+)
 from vla_rl.train.qam_config import QAMConfig, QAMResult
 from vla_rl.train.qam_math import QAMLearner
 from vla_rl.train.qam_online import FineEvalView, NextActionCache, OnlineRollouts, add_episode, replay_indices
@@ -141,7 +142,8 @@ class _QAMRun:
     """One QAM run: the offline data, the learner and its optimisers, the counters and the logs.
 
     Built (and restored from a train state) by the constructor; :meth:`offline_phase`,
-    :meth:`online_phase` and :meth:`finish` are the run, :meth:`update` one gradient step,
+    :meth:`online_phase` and :meth:`finish` are the run, :meth:`_update` one gradient step (which the
+    :class:`~vla_rl.train.loop.UpdateLoop` :attr:`loop` runs with its log and checkpoint beats),
     :meth:`save` a checkpoint plus the train state.
     """
 
@@ -165,16 +167,33 @@ class _QAMRun:
         self._load_data()
         self.learner = learner = self._build_learner(base)
         cfg.out.mkdir(parents=True, exist_ok=True)
-        self.state_path = cfg.out / TRAIN_STATE
-        self.step, self.env_steps = 0, 0
-        self.curve: list[dict[str, Any]] = []
+        self.state = TrainState(
+            cfg.out,
+            self.clock,
+            {
+                "learner": learner,
+                "opt_critic": self.opt_critic,
+                "opt_actor": self.opt_actor,
+                "opt_base": self.opt_base,
+            },
+        )
+        self.loop = UpdateLoop(
+            self._update,
+            seed=cfg.seed,
+            dist=dist,
+            # a curve row every log_every updates, an evaluation every eval_every
+            log=lambda step: Beat(cfg.log_every)(step) or Beat(cfg.eval_every)(step),
+            on_log=self._log,
+            checkpoint=Beat(cfg.checkpoint_every),
+            on_checkpoint=lambda step: self.save(),
+        )
+        self.env_steps = 0
         self.online_episodes: list[dict[str, np.ndarray]] = []
-        self._restore()
+        curve = self._restore()
         broadcast_module(learner, dist)  # every rank starts from rank 0's weights
         self.synced_episodes = len(self.online_episodes)
 
-        self.writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=self.step)
-        self.writer.add_text("config", f"```\n{config_dict(cfg)}\n```", self.step)
+        self.tlog = TrainLog(cfg, dist, purge_step=self.step, config_step=self.step, curve=curve)
         log.info(
             "qam start",
             extra={
@@ -189,21 +208,27 @@ class _QAMRun:
                 "processes": dist.world,
             },
         )
-        self.params = {
-            "critic": list(learner.critic.parameters()),
-            "value": list(learner.value_head.parameters()) if learner.value_head is not None else [],
-            "actor": list(learner.fine.parameters()),
-            "base": list(learner.base.parameters()) if cfg.train_base else [],
-        }
-        self.last_metrics: dict[str, float] = {}
         self.next_cache = (
             NextActionCache(learner, self.buffer, cfg, self.instructions, device)
             if cfg.next_action_cache
             else None
         )
-        self.bar: StepProgress | None = None
         self.stop_at = cfg.stop_at if cfg.stop_at is not None else math.inf
-        self.deadline = math.inf
+        self.in_time = time_budget(self.clock, cfg.max_seconds, dist)
+        """Within ``max_seconds``? Rank 0's clock decides for every rank."""
+        self.phase = "offline"
+        self.rollouts: OnlineRollouts | None = None
+        self.batch: dict[str, Any] = {}
+        """The last update's batch (the log's Q-gain diagnostic reads it)."""
+
+    @property
+    def step(self) -> int:
+        """Gradient updates done (offline and online)."""
+        return self.loop.step
+
+    @property
+    def curve(self) -> list[dict[str, Any]]:
+        return self.tlog.curve
 
     # ------------------------------------------------------------------ build
     def _load_data(self) -> None:
@@ -231,14 +256,24 @@ class _QAMRun:
         learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
         if cfg.train_base:
             learner.base.train()
-        critic_params = itertools.chain(
-            learner.critic.parameters(), learner.value_head.parameters() if learner.value_head else ()
-        )
-        self.opt_critic = torch.optim.Adam(critic_params, lr=cfg.critic_lr)
+        critic = {
+            "critic": list(learner.critic.parameters()),
+            "value": list(learner.value_head.parameters()) if learner.value_head is not None else [],
+        }
+        self.opt_critic = torch.optim.Adam(itertools.chain(*critic.values()), lr=cfg.critic_lr)
         self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
         self.opt_base = (
             torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
         )
+        # each module's gradient is clipped on its own, so a large L_AM never shrinks the critic's step
+        self.optimisers = [
+            Optimiser(self.opt_critic, critic, cfg.grad_clip),
+            Optimiser(self.opt_actor, {"actor": list(learner.fine.parameters())}, cfg.grad_clip),
+        ]
+        if self.opt_base is not None:
+            self.optimisers.append(
+                Optimiser(self.opt_base, {"base": list(learner.base.parameters())}, cfg.grad_clip)
+            )
         # each replay frame is conditioned on its own instruction (its episode's, as SFT); online episodes
         # on the simulator's, the spec's: registered first so the table covers them too
         sim_code = self.buffer.instruction_code(self.spec.instruction)
@@ -249,10 +284,11 @@ class _QAMRun:
             self.instruction_emb = self.instructions[sim_code : sim_code + 1]
         return learner
 
-    def _restore(self) -> None:
-        """Continue from ``out``'s train state (resume) or another run's (``init_from``), if any."""
+    def _restore(self) -> list[dict[str, Any]] | None:
+        """Continue from ``out``'s train state (resume) or another run's (``init_from``), if any; returns
+        the curve so far (None: a fresh run)."""
         cfg = self.cfg
-        start_from = self.state_path if cfg.resume and self.state_path.exists() else None
+        start_from = self.state.path if cfg.resume and self.state.path.exists() else None
         if start_from is None and cfg.init_from is not None:
             start_from = cfg.init_from / TRAIN_STATE
             if not start_from.is_file():
@@ -260,9 +296,9 @@ class _QAMRun:
                     f"init_from: no {TRAIN_STATE} in {cfg.init_from}; expected the out folder of a QAM run"
                 )
         if start_from is None:
-            return
+            return None
         st = load_train_state(start_from)
-        fresh = start_from != self.state_path
+        fresh = start_from != self.state.path
         if fresh:
             _adapt_init_state(st, self.learner, self.opt_base, reset_actor=cfg.init_reset_actor)
         try:
@@ -276,10 +312,9 @@ class _QAMRun:
         self.opt_actor.load_state_dict(st["opt_actor"])
         if self.opt_base is not None:
             self.opt_base.load_state_dict(st["opt_base"])
-        self.step, self.env_steps = int(st["step"]), int(st["env_steps"])
+        self.loop.step, self.env_steps = int(st["step"]), int(st["env_steps"])
         if not fresh:
             self.clock.resume(st)
-        self.curve = json.loads(st["curve"])
         for ep in st["online_episodes"]:
             ep_np = {k: v.numpy() for k, v in ep.items()}
             add_episode(self.buffer, ep_np)
@@ -288,6 +323,7 @@ class _QAMRun:
             "initialised from another run" if fresh else "resumed",
             extra={"step": self.step, "env_steps": self.env_steps, "from": str(start_from)},
         )
+        return json.loads(st["curve"])
 
     # ------------------------------------------------------------------ checkpoints and evaluation
     def save(self, final: bool = False) -> None:
@@ -315,18 +351,10 @@ class _QAMRun:
             },
             metrics={"train_steps": step, "env_steps": env_steps, "inv_temp": cfg.inv_temp},
         )
-        last = cfg.out / "checkpoints" / "last"
-        shutil.rmtree(last, ignore_errors=True)
-        shutil.copytree(ckpt, last)
-        save_train_state(
-            self.state_path,
-            learner=self.learner.state_dict(),
-            opt_critic=self.opt_critic.state_dict(),
-            opt_actor=self.opt_actor.state_dict(),
-            opt_base=self.opt_base.state_dict() if self.opt_base is not None else {},
+        publish_last(ckpt)
+        self.state.save(
             step=step,
             env_steps=env_steps,
-            seconds=self.clock.seconds,
             curve=json.dumps(self.curve),
             online_episodes=[
                 {k: torch.from_numpy(np.asarray(v)) for k, v in ep.items()} for ep in self.online_episodes
@@ -375,67 +403,43 @@ class _QAMRun:
         a_next = self.next_cache.lookup(raw["next_index"], self.step) if self.next_cache is not None else None
         return self.learner.losses(batch, nxt, train_actor, a_next, self.shard)
 
-    def _apply(self, out: dict[str, Tensor], mc: bool, train_actor: bool) -> dict[str, float]:
-        """One backward pass and optimiser steps (gradients clipped per module), then the Polyak
-        targets; returns the gradient norms."""
+    def _update(self, step: int) -> dict[str, Any]:
+        """One gradient update (MC warm start, critic-only or full): the losses, one backward pass and
+        the optimiser steps (gradients clipped per module), then the Polyak targets; returns the losses
+        and the gradient norms."""
         cfg, lr = self.cfg, self.learner
-        total = out["loss_q"] + out.get("loss_v", 0.0) + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
-        for opt in (self.opt_critic, self.opt_actor, self.opt_base):
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-        total.backward()
-        all_reduce_grads(itertools.chain(*self.params.values()), self.dist)
-        norms = {}
-        for name, ps in self.params.items():
-            if ps:
-                norms[f"grad_norm_{name}"] = float(torch.nn.utils.clip_grad_norm_(ps, cfg.grad_clip))
-        self.opt_critic.step()
-        if train_actor:
-            self.opt_actor.step()
-        if self.opt_base is not None:
-            self.opt_base.step()
-            assert lr.base_target is not None
-            polyak_update(lr.base_target, lr.base, cfg.tau)
-        polyak_update(lr.critic_target, lr.critic, 1.0 if mc else cfg.tau)
-        return norms
-
-    def update(self, phase: str, rollouts: OnlineRollouts | None) -> None:
-        """One gradient update (MC warm start, critic-only or full), its log row and checkpoint."""
-        cfg, step = self.cfg, self.step
-        seed_step(cfg.seed, step)
-        raw, batch = self._batch()
+        raw, self.batch = self._batch()
         mc = step < cfg.critic_mc_steps
         warmup = max(cfg.critic_warmup, cfg.critic_mc_steps)
         train_actor = step >= warmup and (step - warmup) % cfg.actor_every == 0
-        if phase == "online" and cfg.reanchor_every and (step - cfg.offline_steps) % cfg.reanchor_every == 0:
-            self.learner.reanchor()
+        online = self.phase == "online"
+        if online and cfg.reanchor_every and (step - cfg.offline_steps) % cfg.reanchor_every == 0:
+            lr.reanchor()
             log.info("re-anchored: the fine policy is the prior now", extra={"step": step})
-        out = self._losses(raw, batch, mc, train_actor)
-        norms = self._apply(out, mc, train_actor)
-        self.step += 1
-        self.last_metrics = mean_scalars({k: float(v.detach()) for k, v in out.items()} | norms, self.dist)
-        self._log(phase, rollouts, batch, warmup)
-        if self.step % cfg.checkpoint_every == 0:
-            self.save()
+        out = self._losses(raw, self.batch, mc, train_actor)
+        total = out["loss_q"] + out.get("loss_v", 0.0) + out.get("loss_bc", 0.0) + out.get("loss_am", 0.0)
+        stepping = [True, train_actor] + [True] * (len(self.optimisers) - 2)
+        norms = gradient_step(total, self.optimisers, self.dist, stepping)
+        if lr.base_target is not None:
+            polyak_update(lr.base_target, lr.base, cfg.tau)
+        polyak_update(lr.critic_target, lr.critic, 1.0 if mc else cfg.tau)
+        return {**out, **{f"grad_norm_{name}": norm for name, norm in norms.items()}}
 
-    def _log(self, phase: str, rollouts: OnlineRollouts | None, batch: dict[str, Any], warmup: int) -> None:
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Every ``log_every`` updates a curve row (and TensorBoard); evaluations every ``eval_every``."""
-        cfg, step, metrics = self.cfg, self.step, self.last_metrics
+        cfg = self.cfg
         if step % cfg.log_every == 0:
-            if step > warmup:
-                q_gain = float(self.learner.q_gain(batch, self.shard))
+            if step > max(cfg.critic_warmup, cfg.critic_mc_steps):
+                q_gain = float(self.learner.q_gain(self.batch, self.shard))
                 metrics["q_gain"] = mean_scalars({"q_gain": q_gain}, self.dist)["q_gain"]
-            row: dict[str, Any] = {"step": step, "env_steps": self.env_steps, "phase": phase, **metrics}
-            if rollouts is not None and rollouts.successes:
-                row["rollout_success"] = float(np.mean(rollouts.successes))
+            row: dict[str, Any] = {"step": step, "env_steps": self.env_steps, "phase": self.phase, **metrics}
+            if self.rollouts is not None and self.rollouts.successes:
+                row["rollout_success"] = float(np.mean(self.rollouts.successes))
             if cfg.eval_every and step % cfg.eval_every == 0 and self.dist.is_main:
                 row["eval_success"] = self.evaluate_fine(cfg.eval_every_episodes)
-            for k, v in row.items():
-                if isinstance(v, float):
-                    self.writer.add_scalar(f"{phase}/{k}", v, step)
-            self.curve.append(row)
-            assert self.bar is not None
-            self.bar.set_postfix(
+            self.tlog.row(self.phase, row, step)
+            assert self.tlog.bar is not None
+            self.tlog.bar.set_postfix(
                 q=f"{metrics['loss_q']:.3g}",
                 am=f"{metrics.get('loss_am', float('nan')):.3g}",
                 **({"succ": f"{row['rollout_success']:.0%}"} if "rollout_success" in row else {}),
@@ -445,19 +449,12 @@ class _QAMRun:
                 {
                     "step": step,
                     "env_steps": self.env_steps,
-                    "phase": phase,
+                    "phase": self.phase,
                     "eval_success": self.evaluate_fine(cfg.eval_every_episodes),
                 }
             )
 
     # ------------------------------------------------------------------ processes
-    def in_time(self) -> bool:
-        """Within ``max_seconds``? Rank 0's clock decides for every rank (one broadcast per update, only
-        with a budget), so all leave their loops at the same update."""
-        if self.cfg.max_seconds is None:
-            return True
-        return agree(time.perf_counter() < self.deadline, self.dist)
-
     def sync_episodes(self) -> None:
         """Under torchrun: the online episodes rank 0 finished since the last call join every other
         rank's replay, in the same order (so all ranks sample the same replay)."""
@@ -477,19 +474,12 @@ class _QAMRun:
         """Updates on the replay up to ``offline_steps`` (or the stop / time limit); True when stopped
         at ``stop_at`` (preempted: the caller saves and returns)."""
         cfg = self.cfg
-        self.bar = StepProgress(
-            cfg.offline_steps,
-            initial=min(self.step, cfg.offline_steps),
-            stage="offline",
-            desc="qam offline",
-            show=cfg.progress,
+        bar = self.tlog.progress(
+            cfg.offline_steps, initial=min(self.step, cfg.offline_steps), stage="offline", desc="qam offline"
         )
         self.learner.fine.train()
-        self.deadline = self.clock.t0 + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
-        while self.step < min(cfg.offline_steps, self.stop_at) and self.in_time():
-            self.update("offline", None)
-            self.bar.update(1)
-        self.bar.close()
+        self.loop.run(min(cfg.offline_steps, self.stop_at), bar, self.in_time)
+        bar.close()
         return self.step >= self.stop_at
 
     def online_phase(self) -> None:
@@ -502,20 +492,16 @@ class _QAMRun:
             self.save()  # the offline result survives a failure online (the final save covers the other cases)
         # under torchrun rank 0 collects and every rank learns: its finished episodes reach the others'
         # replay after each vector step (sync_episodes), before any update samples the replay
-        rollouts = (
+        self.phase = "online"
+        self.rollouts = rollouts = (
             OnlineRollouts(
                 self.learner, self.spec, cfg, self.instruction_emb, self.buffer, self.online_episodes
             )
             if self.dist.is_main
             else None
         )
-        self.bar = StepProgress(
-            cfg.env_steps,
-            initial=self.env_steps,
-            stage="online",
-            desc="qam online",
-            unit="env step",
-            show=cfg.progress,
+        bar = self.tlog.progress(
+            cfg.env_steps, initial=self.env_steps, stage="online", desc="qam online", unit="env step"
         )
         due = 0.0
         try:
@@ -524,22 +510,22 @@ class _QAMRun:
                     rollouts.step()
                 self.sync_episodes()
                 self.env_steps += cfg.num_envs
-                self.bar.update(cfg.num_envs)
+                bar.update(cfg.num_envs)
                 if self.env_steps > cfg.start_online_after:
                     due += cfg.utd * cfg.num_envs
                     while due >= 1.0:
-                        self.update("online", rollouts)
+                        self.loop.one()
                         due -= 1.0
         finally:
             if rollouts is not None:
                 rollouts.close()
-            self.bar.close()
+            bar.close()
 
     def finish(self) -> QAMResult:
         """The final save, metrics (and final evaluation) and the result."""
         cfg, step, env_steps = self.cfg, self.step, self.env_steps
         self.save(final=True)
-        metrics: dict[str, Any] = dict(self.last_metrics)
+        metrics: dict[str, Any] = dict(self.loop.metrics)
         metrics.update(
             updates=step,
             timed_out=(step < cfg.offline_steps or env_steps < cfg.env_steps) and step < self.stop_at,
@@ -551,7 +537,7 @@ class _QAMRun:
         )
         if cfg.final_eval_episodes and self.dist.is_main:
             metrics["eval_success"] = self.evaluate_fine(cfg.final_eval_episodes)
-        self.writer.close()
+        self.tlog.close()
         seconds = self.clock.seconds
         if self.dist.is_main:
             (cfg.out / "curve.json").write_text(json.dumps(self.curve, indent=1))
