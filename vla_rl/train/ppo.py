@@ -54,7 +54,6 @@ import json
 import logging
 import math
 import shutil
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,8 +64,9 @@ from torch import nn
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import LoadedPolicy, load_policy, pick_device
-from vla_rl.train.base import StepProgress
-from vla_rl.train.common import config_dict, save_derived_checkpoint
+from vla_rl.train.common import RunClock, save_derived_checkpoint
+from vla_rl.train.distributed import SINGLE
+from vla_rl.train.loop import IterationLoop, Optimiser, TrainLog, gradient_step
 from vla_rl.train.ppo_config import PPOConfig, PPOResult
 from vla_rl.train.ppo_math import (
     adapt_lr,
@@ -145,7 +145,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     """
     from sim.vector import VectorSimEnv
 
-    t_start = time.perf_counter()
+    clock = RunClock()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
@@ -167,10 +167,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     )
 
     cfg.out.mkdir(parents=True, exist_ok=True)
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(cfg.out / "tb"))
-    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+    tlog = TrainLog(cfg, SINGLE, purge_step=None, config_step=0, finite_only=True)
     spec = base.spec
     env = VectorSimEnv(
         task,
@@ -200,70 +197,63 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
         },
     )
     sampler = Sampler(cfg, policy, value_fn, emb)
-    curve: list[dict[str, float]] = []
-    env_steps = episodes_total = iteration = 0
-    bar = StepProgress(
-        cfg.env_steps, stage="online", desc=f"ppo {cfg.algorithm}", unit="env step", show=cfg.progress
-    )
-    try:
-        rollout = Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
-        deadline = t_start + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
-        while env_steps < cfg.env_steps:
-            t_iter = time.perf_counter()
-            if t_iter >= deadline:
-                log.info(
-                    "ppo stopped at its time budget",
-                    extra={"max_minutes": cfg.max_minutes, "env_steps": env_steps},
-                )
-                break
-            if cfg.advantage == "grpo":
-                seed = cfg.env_seed + iteration * cfg.num_envs  # fresh initial states every iteration
-                chunks, adv, episodes, taken = collect_groups(cfg, env, sampler, seed)
-                ret = np.zeros_like(adv)
-            else:
-                steps = min(cfg.rollout_steps, math.ceil((cfg.env_steps - env_steps) / cfg.num_envs))
-                assert rollout is not None
-                taken = rollout.collect(steps)
-                done, episodes = rollout.take()
-                chunks, adv, ret = _flatten(done, cfg)
-            env_steps += taken
-            episodes_total += len(episodes)
-            lr_used = actor_opt.param_groups[0]["lr"]
-            stats = _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, emb, iteration)
-            if cfg.adaptive_kl is not None:
-                lr_next = adapt_lr(lr_used, stats["approx_kl"], cfg.adaptive_kl, cfg.adaptive_lr_bounds)
-                for g in actor_opt.param_groups:
-                    g["lr"] = lr_next
-            row = {
-                "iteration": iteration,
-                "env_steps": env_steps,
-                "actor_lr": lr_used,
-                "episodes": len(episodes),
-                "rollout_success": float(np.mean(episodes)) if episodes else float("nan"),
-                "chunk_return": float(np.mean([c.reward for c in chunks])) if chunks else float("nan"),
-                "chunks": len(chunks),
-                **stats,
-                "seconds": time.perf_counter() - t_iter,
-            }
-            curve.append(row)
-            for k, v in row.items():
-                if k != "iteration" and isinstance(v, float) and math.isfinite(v):
-                    writer.add_scalar(f"ppo/{k}", v, env_steps)
-            log.info(
-                "ppo iteration", extra={k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-            )
-            bar.update(taken)
-            bar.set_postfix(succ=f"{row['rollout_success']:.0%}", kl=f"{row['approx_kl']:.4f}")
-            iteration += 1
-            if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
-                _save(
-                    cfg, policy, base, cfg.out / "checkpoints" / f"iter_{iteration:04d}", env_steps, curve, {}
-                )
-    finally:
-        bar.close()
-        env.close()
-        writer.close()
+    rollout = Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
+    episodes_total = 0
 
+    def iterate() -> dict[str, Any]:
+        """Collect (GAE: ``rollout_steps`` vector steps, chunks in flight carry over; GRPO: groups of
+        replays from fresh initial states), then PPO epochs on what was collected; the curve row."""
+        nonlocal episodes_total
+        if cfg.advantage == "grpo":
+            seed = cfg.env_seed + loop.iteration * cfg.num_envs  # fresh initial states every iteration
+            chunks, adv, episodes, taken = collect_groups(cfg, env, sampler, seed)
+            ret = np.zeros_like(adv)
+        else:
+            steps = min(cfg.rollout_steps, math.ceil((cfg.env_steps - loop.env_steps) / cfg.num_envs))
+            assert rollout is not None
+            taken = rollout.collect(steps)
+            done, episodes = rollout.take()
+            chunks, adv, ret = _flatten(done, cfg)
+        loop.collected(taken)
+        episodes_total += len(episodes)
+        lr_used = actor_opt.param_groups[0]["lr"]
+        stats = _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, emb, loop.iteration)
+        if cfg.adaptive_kl is not None:
+            lr_next = adapt_lr(lr_used, stats["approx_kl"], cfg.adaptive_kl, cfg.adaptive_lr_bounds)
+            for g in actor_opt.param_groups:
+                g["lr"] = lr_next
+        return {
+            "iteration": loop.iteration,
+            "env_steps": loop.env_steps,
+            "actor_lr": lr_used,
+            "episodes": len(episodes),
+            "rollout_success": float(np.mean(episodes)) if episodes else float("nan"),
+            "chunk_return": float(np.mean([c.reward for c in chunks])) if chunks else float("nan"),
+            "chunks": len(chunks),
+            **stats,
+        }
+
+    loop = IterationLoop(
+        "ppo",
+        "ppo",
+        tlog,
+        clock,
+        cfg.env_steps,
+        max_minutes=cfg.max_minutes,
+        postfix=lambda row: {"succ": f"{row['rollout_success']:.0%}", "kl": f"{row['approx_kl']:.4f}"},
+        checkpoint_every=cfg.checkpoint_every,
+        on_checkpoint=lambda i: _save(
+            cfg, policy, base, cfg.out / "checkpoints" / f"iter_{i:04d}", loop.env_steps, tlog.curve, {}
+        ),
+    )
+    tlog.progress(cfg.env_steps, stage="online", desc=f"ppo {cfg.algorithm}", unit="env step")
+    try:
+        loop.run(iterate)
+    finally:
+        tlog.close()
+        env.close()
+
+    env_steps, iteration, curve = loop.env_steps, loop.iteration, tlog.curve
     metrics: dict[str, Any] = {
         "env_steps": env_steps,
         "iterations": iteration,
@@ -290,7 +280,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     ckpt = _save(cfg, policy, base, cfg.out / "checkpoints" / "last", env_steps, curve, metrics)
     torch.save(value_fn.net.state_dict(), cfg.out / "critic.pt")
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
-    seconds = time.perf_counter() - t_start
+    seconds = clock.seconds
     metrics["seconds"] = seconds
     log.info(
         "ppo done", extra={"checkpoint": str(ckpt), **{k: v for k, v in metrics.items() if k != "seconds"}}
@@ -376,6 +366,10 @@ def _update(
     train_actor = grpo or iteration >= cfg.critic_warmup_iterations
     schedule = SDESchedule("flow_sde", cfg.noise_level) if cfg.method == "sde" else None
     rng = np.random.default_rng([cfg.seed, 2, iteration])
+    optimisers = [
+        Optimiser(actor_opt, {"actor": _params(actor_opt)}, cfg.grad_clip),
+        Optimiser(critic_opt, {"critic": _params(critic_opt)}, cfg.grad_clip),
+    ]
     sums: dict[str, float] = {}
     count = 0
     stop = False
@@ -409,17 +403,9 @@ def _update(
                 vl = value_loss(v, v_old[mb_t], returns[mb_t], cfg.value_clip)
                 stats["value_loss"] = vl.detach()
                 loss = loss + vl
-            actor_opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
             # one backward: actor and critic own disjoint parameters (a prefix critic with
             # critic_detach=False also trains the trunk, on purpose)
-            loss.backward()
-            if train_actor:
-                torch.nn.utils.clip_grad_norm_(_params(actor_opt), cfg.grad_clip)
-                actor_opt.step()
-            if not grpo:
-                torch.nn.utils.clip_grad_norm_(_params(critic_opt), cfg.grad_clip)
-                critic_opt.step()
+            gradient_step(loss, optimisers, SINGLE, [train_actor, not grpo])
             for k, val in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(val)
             count += 1
