@@ -336,7 +336,8 @@ class UpdateLoop:
         seed_step(self.seed, self.step)
         values = self.update(self.step)
         self.step += 1
-        self.metrics = mean_scalars({k: float(v) for k, v in values.items()}, self.dist)
+        scalars = {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        self.metrics = mean_scalars(scalars, self.dist)
         if self.first is None:
             self.first = dict(self.metrics)
         if self.on_log is not None and self.log(self.step):
