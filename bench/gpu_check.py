@@ -324,16 +324,9 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
     """One PPO iteration's update (_update: epochs x minibatches) on sampled chunks with made-up
     advantages, as train_ppo runs it after a rollout; device vs CPU."""
     from policies.flow_vla import SDESchedule
-    from vla_rl.train.ppo import (
-        PPOConfig,
-        ValueFn,
-        _actor_params,
-        _Sampler,
-        _stack_obs,
-        _update,
-        score_chain,
-        stored_chain,
-    )
+    from vla_rl.train.ppo import PPOConfig, _actor_params, _update
+    from vla_rl.train.ppo_math import score_chain, stored_chain
+    from vla_rl.train.ppo_rollout import Sampler, ValueFn, stack_obs
 
     chunks_n = 32 if args.quick else 320  # 4 robots x 400 steps / n_exec 5
     rows = random_rows(chunks_n, np.random.default_rng(0))
@@ -351,7 +344,7 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
             policy = realistic_policy(dev).eval()
             value_fn = ValueFn(cfg, policy)
             emb = torch.randn(1, 384, device=dev)  # the task's (MiniLM) instruction embedding
-            sampler = _Sampler(cfg, policy, value_fn, emb)
+            sampler = Sampler(cfg, policy, value_fn, emb)
             (chunks, _), sample_s = timed(dev, lambda: sampler.act(rows))  # noqa: B023
             # the stored chains re-scored on the device must give the recorded log-probs (ratio 1)
             with torch.no_grad():
@@ -364,7 +357,7 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
                     policy.config.n_exec,
                 )
                 logp, _ = score_chain(
-                    policy, policy.encode_prefix(_stack_obs([c.obs for c in few], emb)), chain
+                    policy, policy.encode_prefix(stack_obs([c.obs for c in few], emb)), chain
                 )
                 recorded = torch.tensor([c.logp for c in few])
                 rescore_diff = float((logp[:, 0].cpu() - recorded).abs().max())

@@ -12,7 +12,7 @@ from tiny_base import tiny_base
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.train.algorithms import ALGORITHMS, make_config
 from vla_rl.train.fql import FQLConfig, FQLLearner, distillation_loss, fql_q_loss, one_step_actions
-from vla_rl.train.qam import critic_td_target
+from vla_rl.train.qam_math import critic_td_target
 
 torch.set_num_threads(1)  # small nets on a shared machine: extra threads only contend
 

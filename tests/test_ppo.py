@@ -17,22 +17,18 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import load_policy
 from sim.registry import resolve_task
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, load_checkpoint, read_info, save_checkpoint
-from vla_rl.train.ppo import (
-    PPOConfig,
-    ValueFn,
-    _Rollout,
-    _Sampler,
+from vla_rl.train.ppo import PPOConfig, train_ppo
+from vla_rl.train.ppo_math import (
     adapt_lr,
     chunk_discounts,
-    collect_groups,
     gae,
     group_advantages,
     ppo_policy_loss,
     score_chain,
     stored_chain,
-    train_ppo,
     value_loss,
 )
+from vla_rl.train.ppo_rollout import Rollout, Sampler, ValueFn, collect_groups
 
 torch.set_num_threads(1)
 TASK = "maniskill/PushCube-v1"
@@ -186,7 +182,7 @@ def test_stored_chain_rescores_to_the_recorded_log_prob(method: str) -> None:
     cfg = PPOConfig(
         base="unused", out=Path("unused"), method=method, num_steps=4, seed=3, sde_steps=sde_steps
     )
-    sampler = _Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
     rng = np.random.default_rng(0)
     rows = [{"state": rng.normal(size=3).astype(np.float32), "cameras": {}} for _ in range(5)]
     chunks = []
@@ -237,7 +233,7 @@ def test_ppo_updates_climb_a_reward_on_the_executed_actions(method: str) -> None
     cfg = PPOConfig(
         base="unused", out=Path("unused"), method=method, num_steps=4, seed=0, sde_steps=sde_steps
     )
-    sampler = _Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=(0.9, 0.95))
     schedule = SDESchedule("flow_sde", cfg.noise_level) if method == "sde" else None
     rng = np.random.default_rng(0)
@@ -323,9 +319,9 @@ def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
     cfg = PPOConfig(base="unused", out=Path("unused"), reward=reward, seed=1)
     value_fn = ValueFn(cfg, policy)
     torch.nn.init.normal_(value_fn.net.net[-1].weight)  # a non-trivial critic so values are distinguishable
-    sampler = _Sampler(cfg, policy, value_fn, None)
+    sampler = Sampler(cfg, policy, value_fn, None)
     env = ScriptedEnv()
-    rollout = _Rollout(cfg, env, sampler)
+    rollout = Rollout(cfg, env, sampler)
     assert rollout.collect(6) == 12
     done, episodes = rollout.take()
     assert episodes == [True, True, False]  # robot 0 twice (steps 3 and 6), then robot 1's time limit
@@ -369,7 +365,7 @@ def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
 def test_grpo_groups_replay_initial_states_and_standardise_success() -> None:
     policy = tiny_policy()
     cfg = PPOConfig(base="unused", out=Path("unused"), advantage="grpo", group_size=3, seed=2)
-    sampler = _Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
     env = ScriptedEnv(robot1_wins_after_reset={0, 2})  # robot 1 wins in rounds 0 and 2, loses round 1
     chunks, adv, episodes, steps = collect_groups(cfg, env, sampler, seed=77)
     assert env.resets == [77, 77, 77]  # every round starts from the same initial states

@@ -18,21 +18,18 @@ from policies.critics import ChunkQEnsemble
 from policies.loading import load_policy
 from vla_rl.hub.checkpoint import load_checkpoint, read_info
 from vla_rl.train.common import TRAIN_STATE, load_train_state
-from vla_rl.train.qam import (
-    QAMConfig,
-    QAMLearner,
-    _NextActionCache,
+from vla_rl.train.qam import QAMConfig, QAMLearner, train_qam
+from vla_rl.train.qam_math import (
     adjoint_matching_loss,
     am_velocity_target,
     critic_loss,
     critic_td_target,
     lean_adjoint,
     memoryless_sigma,
-    replay_indices,
     simulate_fine_sde,
     terminal_adjoint,
-    train_qam,
 )
+from vla_rl.train.qam_online import NextActionCache, replay_indices
 from vla_rl.train.transitions import TransitionBuffer
 
 TASK = "maniskill/PushCube-v1"
@@ -460,7 +457,7 @@ def test_next_action_cache_holds_fine_samples_per_frame_refreshed_on_a_grid(
     cfg = _cfg(tiny_base, tmp_path, next_action_cache=5, seed=3)
     learner = QAMLearner(load_policy(tiny_base[1], device="cpu").policy, cfg)
     buffer = TransitionBuffer.from_store(store, store.episode_ids(), cameras=False)
-    cache = _NextActionCache(learner, buffer, cfg, None, torch.device("cpu"))
+    cache = NextActionCache(learner, buffer, cfg, None, torch.device("cpu"))
     n, event = len(buffer), (learner.horizon, learner.action_dim)
 
     def expected(epoch: int) -> torch.Tensor:

@@ -54,31 +54,33 @@ from policies.loading import load_policy
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
-    TRAIN_STATE,
     RunClock,
     batch_to_policy_inputs,
-    config_dict,
     instruction_table,
-    load_train_state,
     observation_features,
+    sample_indices,
     save_derived_checkpoint,
-    save_train_state,
-    seed_step,
-    warmup_cosine,
 )
 from vla_rl.train.distributed import (
     Dist,
     Shard,
-    all_reduce_grads,
     broadcast_module,
     broadcast_object,
     broadcast_tensor,
     distributed,
-    mean_scalars,
-    summary_writer,
 )
 from vla_rl.train.divl import DIVLConfig, DIVLValue
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
+from vla_rl.train.loop import (
+    Beat,
+    Optimiser,
+    TrainLog,
+    TrainState,
+    UpdateLoop,
+    fit_minibatches,
+    gradient_step,
+    warmup_cosine_schedule,
+)
 from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
 
@@ -328,21 +330,16 @@ def fit_value(
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.value_lr, weight_decay=1e-4)
     rng = np.random.default_rng([cfg.seed, 1])
-    loss_val = float("nan")
-    bar = StepProgress(cfg.value_steps, stage="value", desc=bar_desc, show=cfg.progress)
-    for _step in range(cfg.value_steps):
+
+    def loss_fn() -> torch.Tensor:
         rows = torch.from_numpy(rng.choice(train_rows, size=cfg.batch_size))
         f, g = feats[rows], returns[rows]
         if isinstance(head, CategoricalValue):
-            loss = head.loss(f, g)
-        else:
-            loss = expectile_loss(head(f), g, cfg.expectile)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_val = float(loss.detach())
-        bar.update(1)
-    bar.close()
+            return head.loss(f, g)
+        return expectile_loss(head(f), g, cfg.expectile)
+
+    with StepProgress(cfg.value_steps, stage="value", desc=bar_desc, show=cfg.progress) as bar:
+        loss_val = fit_minibatches(opt, loss_fn, cfg.value_steps, bar)[-1]
     return head.eval(), loss_val
 
 
@@ -574,24 +571,23 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         "digest": snap["digest"],
     }
     cfg.out.mkdir(parents=True, exist_ok=True)
-    state_path = cfg.out / TRAIN_STATE
-    st = load_train_state(state_path) if cfg.resume and state_path.exists() else None
+    state = TrainState(cfg.out, clock)
+    st = state.read(cfg.resume)
     log.info(
         f"{cfg.variant} {'resumed' if st is not None else 'start'}",
         extra={
             "base": cfg.base,
             "processes": dist.world,
             **{k: v for k, v in data.items() if k != "selection"},
-            **({"step": int(st["step"]), "from": str(state_path)} if st is not None else {}),
+            **({"step": int(st["step"]), "from": str(state.path)} if st is not None else {}),
         },
     )
     if st is not None:
-        clock.resume(st)
         metrics: dict[str, Any] = json.loads(st["metrics"])
         per_frame = st["per_frame"]
         if len(per_frame) != len(buf):
             raise ValueError(
-                f"resume: {state_path} scored {len(per_frame)} frames, the selected data holds {len(buf)}; "
+                f"resume: {state.path} scored {len(per_frame)} frames, the selected data holds {len(buf)}; "
                 "give another --out (or --no-resume) for other data"
             )
     else:
@@ -602,62 +598,40 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         metrics = broadcast_object(metrics, dist)
 
     # 3. policy extraction, starting from the base weights
-    model_cfg = base.policy.config
-    if cfg.variant == "recap":
-        model_cfg = FlowVLAConfig.from_dict(
-            {**model_cfg.to_dict(), "advantage_conditioning": True, "guidance_scale": cfg.guidance_scale}
-        )
-    model = FlowVLAPolicy(model_cfg).to(device)
-    missing, unexpected = model.load_state_dict(base.policy.state_dict(), strict=False)
-    if unexpected or set(missing) - {"advantage_embedding.weight"}:
-        raise RuntimeError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
+    model = _extraction_policy(cfg, base.policy, device)
     broadcast_module(model, dist)
     ema = EMA(model, cfg.ema_decay)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.steps, 0.1)
+    opt = Optimiser(
+        optimizer,
+        {"policy": list(model.parameters())},
+        cfg.grad_clip,
+        warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.steps, 0.1),
     )
-    start, curve, loss_val = 0, [], float("nan")
+    state.parts.update(model=model, ema=ema, optimizer=optimizer, scheduler=opt.scheduler)
+    start, last_loss = 0, float("nan")
     if st is not None:
-        model.load_state_dict(st["model"])
-        ema.load_state_dict(st["ema"])
-        optimizer.load_state_dict(st["optimizer"])
-        scheduler.load_state_dict(st["scheduler"])
-        start, curve, loss_val = int(st["step"]), json.loads(st["curve"]), float(st["last_loss"])
-    writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=start)
+        state.restore(st)
+        start, last_loss = int(st["step"]), float(st["last_loss"])
+    tlog = TrainLog(
+        cfg,
+        dist,
+        purge_step=start,
+        config_step=0 if st is None else None,
+        curve=json.loads(st["curve"]) if st is not None else None,
+    )
     if st is None:
-        writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
-        for k, v in metrics.items():
-            writer.add_scalar(f"value/{k}", v, 0)
-    model.train()
-    end = min(cfg.steps, cfg.stop_at or cfg.steps)
-    bar = StepProgress(cfg.steps, initial=start, stage="train", desc=cfg.variant, show=cfg.progress)
-    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
+        tlog.scalars("value", metrics, 0)
+    a_shape = (model.config.chunk_len, model.config.action_dim)
 
-    def save(step: int) -> None:
-        """The train state (every ``checkpoint_every`` steps and at the end), rank 0 only."""
-        save_train_state(
-            state_path,
-            model=model.state_dict(),
-            ema=ema.state_dict(),
-            optimizer=optimizer.state_dict(),
-            scheduler=scheduler.state_dict(),
-            step=step,
-            per_frame=per_frame,
-            metrics=json.dumps(metrics),
-            curve=json.dumps(curve),
-            last_loss=loss_val,
-            seconds=clock.seconds,
-        )
-
-    for step in range(start, end):
-        seed_step(cfg.seed, step)
-        # the global batch's rows and random draws (as one process makes them), this rank's share
-        idx = shard.take(np.random.default_rng([cfg.seed, step]).integers(0, len(buf), size=cfg.batch_size))
+    def update(step: int) -> dict[str, Any]:
+        """Weighted (AWR) or advantage-conditioned (RECAP) flow matching on the global batch's rows and
+        random draws (as one process makes them), this rank's share."""
+        idx = shard.take(sample_indices(len(buf), cfg.batch_size, cfg.seed, step))
         batch = batch_to_policy_inputs(
-            buf.batch(idx, horizon=model_cfg.chunk_len, n_step=1), device, instructions
+            buf.batch(idx, horizon=model.config.chunk_len, n_step=1), device, instructions
         )
         sel = per_frame[idx].to(device)
         if cfg.variant == "awr":
@@ -668,30 +642,40 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
             batch["advantage"] = torch.where(drop, torch.full_like(sel, ADVANTAGE_UNCONDITIONAL), sel)
             noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
             loss, m = model.flow_matching_loss(batch, noise=noise, time=t)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        all_reduce_grads(model.parameters(), dist)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        gradient_step(loss, [opt], dist)
         ema.update(model)
-        bar.update(1)
-        done = step + 1
-        logged = done % cfg.log_every == 0 or done == cfg.steps
-        if logged or done == end or (dist.enabled and done % cfg.checkpoint_every == 0) or not dist.enabled:
-            m = mean_scalars({"loss": float(m["loss"]), "mse": float(m["mse"])}, dist)
-            loss_val = m["loss"]
-        if logged:
-            writer.add_scalar("train/loss", loss_val, done)
-            writer.add_scalar("train/mse", m["mse"], done)
-            curve.append({"step": done, "loss": loss_val, "mse": m["mse"]})
-            bar.set_postfix(loss=f"{loss_val:.4f}")
-        if dist.is_main and done % cfg.checkpoint_every == 0 and done < end:
-            save(done)
-    bar.close()
-    writer.close()
+        return {"loss": m["loss"], "mse": m["mse"]}
+
+    def on_log(step: int, m: dict[str, float]) -> None:
+        tlog.row("train", {"step": step, "loss": m["loss"], "mse": m["mse"]}, step)
+        bar.set_postfix(loss=f"{m['loss']:.4f}")
+
+    def save(step: int) -> None:
+        """The train state (every ``checkpoint_every`` steps before the end, and at the end), rank 0 only."""
+        state.save(
+            step=step,
+            per_frame=per_frame,
+            metrics=json.dumps(metrics),
+            curve=json.dumps(tlog.curve),
+            last_loss=loop.metrics.get("loss", last_loss),
+        )
+
+    end = min(cfg.steps, cfg.stop_at or cfg.steps)
+    loop = UpdateLoop.over_steps(
+        update,
+        cfg,
+        dist,
+        step=start,
+        on_log=on_log,
+        checkpoint=Beat(cfg.checkpoint_every),
+        on_checkpoint=lambda step: save(step) if step < end else None,  # the end's state follows below
+    )
+    model.train()
+    bar = tlog.progress(cfg.steps, initial=start, stage="train", desc=cfg.variant)
+    loop.run(end, bar)
+    tlog.close()
     step = max(start, end)
-    metrics["final_loss"] = loss_val
+    metrics["final_loss"] = loop.metrics.get("loss", last_loss)
     ckpt = cfg.out / "checkpoint"
     if dist.is_main:
         save_derived_checkpoint(
@@ -711,6 +695,21 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         checkpoint=ckpt,
         seconds=seconds,
         metrics=metrics,
-        curve=curve,
+        curve=tlog.curve,
         data={**data, "episode_lengths": snap["episode_lengths"]},
     )
+
+
+def _extraction_policy(cfg: AWRConfig, base: FlowVLAPolicy, device: torch.device) -> FlowVLAPolicy:
+    """The policy that extraction trains: the base's weights, with RECAP's advantage conditioning (its
+    embedding fresh) and guidance scale."""
+    model_cfg = base.config
+    if cfg.variant == "recap":
+        model_cfg = FlowVLAConfig.from_dict(
+            {**model_cfg.to_dict(), "advantage_conditioning": True, "guidance_scale": cfg.guidance_scale}
+        )
+    model = FlowVLAPolicy(model_cfg).to(device)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    if unexpected or set(missing) - {"advantage_embedding.weight"}:
+        raise RuntimeError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
+    return model

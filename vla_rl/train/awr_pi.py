@@ -69,22 +69,27 @@ from vla_rl.train.awr import (
     value_advantages,
     value_head,
 )
-from vla_rl.train.base import StepProgress, TrainResult, check_optional_positive
+from vla_rl.train.base import TrainResult, check_optional_positive
 from vla_rl.train.common import (
     EMA,
-    TRAIN_STATE,
     RunClock,
     batch_to_policy_inputs,
-    config_dict,
     instruction_table,
-    load_train_state,
+    sample_indices,
     save_derived_checkpoint,
-    save_train_state,
     seed_step,
-    warmup_cosine,
 )
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
+from vla_rl.train.loop import (
+    IterationLoop,
+    Optimiser,
+    TrainLog,
+    TrainState,
+    UpdateLoop,
+    gradient_step,
+    warmup_cosine_schedule,
+)
 from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import DataSelection, TransitionBuffer, select_episode_ids
 
@@ -262,7 +267,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     """Iterate collection, value fit and AWR updates until ``env_steps`` are spent; returns the
     checkpoint (the EMA policy) with the per-iteration curve. Re-running into ``out`` resumes."""
     from policies.loading import pick_device
-    from sim.demos import record_policy_episodes
     from sim.vector import VectorSimEnv
     from vla_rl.evaluation_offline import is_sim_task
 
@@ -278,7 +282,6 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     if not is_sim_task(task):
         raise ValueError(f"task: {task!r} is not a simulator task; awr-pi collects online (use awr offline)")
     cameras = bool(spec.cameras)
-    layout = goal_layout(task, cameras) if cfg.hindsight_weight else None
     offline = _load_offline(cfg, task, cameras)
     if offline.episodes[0].meta.spec.state_dim != spec.state_dim:
         raise ValueError(
@@ -291,41 +294,42 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.warmup_steps + 1, 1.0)
-    )
+    # linear warm-up, then a constant rate
+    scheduler = warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.warmup_steps + 1, 1.0)
+    opt = Optimiser(optimizer, {"policy": list(model.parameters())}, cfg.grad_clip, scheduler)
     cfg.out.mkdir(parents=True, exist_ok=True)
     online_store = EpisodeStore(cfg.out / "online_store", create=not (cfg.out / "online_store").exists())
-    state_path = cfg.out / TRAIN_STATE
+    state = TrainState(
+        cfg.out, clock, {"model": model, "ema": ema, "optimizer": optimizer, "scheduler": scheduler}
+    )
     iteration, env_steps, updates = 0, 0, 0
     online_ids: list[str] = []
-    curve: list[dict[str, Any]] = []
     # value_warm_start: the fold heads kept across iterations (None: a fresh value every iteration)
     heads: dict[int, torch.nn.Module] | None = {} if cfg.value_warm_start else None
-    if cfg.resume and state_path.exists():
-        st = load_train_state(state_path)
-        model.load_state_dict(st["model"])
-        ema.load_state_dict(st["ema"])
-        optimizer.load_state_dict(st["optimizer"])
-        scheduler.load_state_dict(st["scheduler"])
+    st = state.read(cfg.resume)
+    curve: list[dict[str, Any]] | None = None
+    if st is not None:
+        state.restore(st)
         iteration, env_steps, updates = int(st["iteration"]), int(st["env_steps"]), int(st["updates"])
-        clock.resume(st)
         online_ids, curve = list(json.loads(st["online_ids"])), json.loads(st["curve"])
         if heads is not None:
             heads.update(_load_heads(cfg, st.get("value_heads", {}), device))
         log.info(
-            "awr-pi resumed", extra={"iteration": iteration, "env_steps": env_steps, "from": str(state_path)}
+            "awr-pi resumed",
+            extra={"iteration": iteration, "env_steps": env_steps, "from": str(state.path)},
         )
     # the online episodes the next buffer can hold, in memory (older ones stay in the store only)
     online: dict[str, Episode] = {
         e: online_store.read_episode(e, cameras=cameras) for e in newest(online_ids, cfg.buffer_episodes)
     }
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(cfg.out / "tb"), purge_step=iteration)
-    if iteration == 0:
-        writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+    tlog = TrainLog(
+        cfg,
+        SINGLE,
+        purge_step=iteration,
+        config_step=0 if iteration == 0 else None,
+        finite_only=True,
+        curve=curve,
+    )
     env = VectorSimEnv(
         task,
         num_envs=cfg.num_envs,
@@ -343,12 +347,9 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     replayed = ReplayedStates(
         task, lambda e: online[e] if e in online else offline_by_id[e], uses=cfg.replay_uses(cameras)
     )
-
-    n_exec = cfg.n_exec or base.policy.config.n_exec
-    a_cfg = model.config
-    bar = StepProgress(
-        cfg.env_steps, initial=env_steps, stage="online", desc="awr-pi", unit="env step", show=cfg.progress
-    )
+    layout = goal_layout(task, cameras) if cfg.hindsight_weight else None
+    tlog.progress(cfg.env_steps, initial=env_steps, stage="online", desc="awr-pi", unit="env step")
+    feature_dim = 0  # the value's input width (saved with warm-started heads)
 
     def ship(ckpt: Path, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Save the EMA policy as a derived checkpoint at ``ckpt``; returns its data record. Weights and
@@ -359,7 +360,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             "offline_episodes": len(offline.episodes),
             "online_store": str(cfg.out / "online_store"),
             "online_episodes": len(online_ids),
-            "env_steps": env_steps,
+            "env_steps": loop.env_steps,
         }
         save_derived_checkpoint(
             ckpt,
@@ -373,155 +374,119 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         )
         return data
 
+    def iterate() -> dict[str, Any]:
+        """1. collect with the current (EMA) policy, 2. value and advantages on the offline and newest
+        online episodes, 3. weighted flow matching from the current weights; returns the curve row."""
+        nonlocal updates, feature_dim
+        it0 = time.perf_counter()
+        rep, revision = _collect(cfg, base, ema.model, online_store, env, loop, updates)
+        loop.collected(rep.env_steps)
+        for e in rep.episode_ids:
+            online[e] = online_store.read_episode(e, cameras=cameras)
+        online_ids.extend(rep.episode_ids)
+        collect_s = time.perf_counter() - it0
+        kept = newest(online_ids, cfg.buffer_episodes)
+        for e in set(online) - set(kept):
+            del online[e]
+        buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
+        replayed.forget({*offline_by_id, *online})
+        copies = (
+            add_hindsight_copies(buf, layout, replayed.states if cameras else None)
+            if layout is not None
+            else []
+        )
+        instructions = instruction_table(buf, device) if model.config.uses_instruction else None
+        bc = buf.array("bc").astype(bool)
+        if cfg.value_input == "privileged":
+            feats = torch.from_numpy(replayed.features(buf)).to(device)
+        else:
+            feats = all_features(base.policy, buf, device, instructions)
+        feature_dim = int(feats.shape[1])
+        seed_step(cfg.seed, -(loop.iteration + 1))  # value heads' init: a function of (seed, iteration)
+        # warm start: folds by arrival index (offline first, then online in collection order)
+        first = len(offline.episodes) + len(online_ids) - len(kept)
+        arrival = [*range(len(offline.episodes)), *range(first, first + len(kept))]
+        fold_of = episode_folds(arrival, cfg.value_folds, cfg.seed) if heads is not None else None
+        adv, vm = value_advantages(cfg, feats, buf, bc, heads, fold_of)
+        w = awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight)
+        w[np.isin(buf.array("episode"), copies)] = cfg.hindsight_weight
+        weights = torch.from_numpy(w)
+        w_auto = w[~bc]
+        updates, losses = _regress(cfg, model, ema, opt, buf, weights, instructions, updates)
+        if not rep.episodes:
+            loop.stop()  # the budget ran out inside the first episodes of this collection
+        return {
+            "iteration": loop.iteration + 1,
+            "env_steps": loop.env_steps,
+            "episodes": rep.episodes,
+            "rollout_success": rep.success_rate if rep.episodes else float("nan"),
+            "revision": revision,
+            "online_episodes": len(online_ids),
+            "buffer_episodes": len(buf.episode_ids),
+            "buffer_frames": len(buf),
+            "hindsight_episodes": len(copies),
+            **{k: float(v) for k, v in vm.items()},
+            "weight_mean": float(w_auto.mean()) if len(w_auto) else float("nan"),
+            "effective_sample_frac": float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum()))
+            if len(w_auto)
+            else float("nan"),
+            "loss": float(np.mean(losses)) if losses else float("nan"),
+            "updates": updates,
+            "collect_seconds": collect_s,
+        }
+
+    def save_state(iteration: int) -> None:
+        """After every iteration (after its snapshot: a kill between them re-runs the iteration and
+        re-ships it)."""
+        state.save(
+            iteration=iteration,
+            env_steps=loop.env_steps,
+            updates=updates,
+            online_ids=json.dumps(online_ids),
+            curve=json.dumps(tlog.curve),
+            value_heads=_saved_heads(heads, feature_dim),
+        )
+
+    loop = IterationLoop(
+        "awr-pi",
+        "awr_pi",
+        tlog,
+        clock,
+        cfg.env_steps,
+        env_steps=env_steps,
+        iteration=iteration,
+        max_minutes=cfg.max_minutes,
+        stop_at=cfg.stop_at,
+        tb_step="iteration",
+        postfix=lambda row: {
+            "it": row["iteration"],
+            "success": f"{row['rollout_success']:.0%}",
+            "corr": f"{row['value_return_corr']:.2f}",
+        },
+        checkpoint_every=cfg.checkpoint_every,
+        on_checkpoint=lambda i: ship(
+            cfg.out / "checkpoints" / f"iter_{i:04d}",
+            {"iterations": i, "env_steps": loop.env_steps, "updates": updates},
+        ),
+        on_iteration=save_state,
+    )
     try:
-        deadline = clock.t0 + 60 * cfg.max_minutes if cfg.max_minutes else math.inf
-        stopped_by_time = False
-        while env_steps < cfg.env_steps and (cfg.stop_at is None or iteration < cfg.stop_at):
-            it0 = time.perf_counter()
-            if it0 >= deadline:
-                stopped_by_time = True
-                log.info(
-                    "awr-pi stopped at its time budget",
-                    extra={"max_minutes": cfg.max_minutes, "env_steps": env_steps, "iteration": iteration},
-                )
-                break
-            # 1. collect with the current (EMA) policy
-            revision = base.commit if updates == 0 else weights_revision(ema.model)
-            acting = LoadedPolicy(
-                policy=ema.model, info=base.info, path=base.path, commit=revision, ref="awr-pi"
-            )
-            rep = record_policy_episodes(
-                online_store,
-                env,
-                acting,
-                cfg.episodes_per_iteration,
-                seed=iteration_seed(cfg, iteration),
-                n_exec=n_exec,
-                revision=revision,
-                robot_prefix="awr-pi",
-                progress=False,
-                max_env_steps=cfg.env_steps - env_steps,
-            )
-            env_steps += rep.env_steps
-            bar.update(rep.env_steps)
-            for e in rep.episode_ids:
-                online[e] = online_store.read_episode(e, cameras=cameras)
-            online_ids += rep.episode_ids
-            collect_s = time.perf_counter() - it0
-            # 2. value and advantages on offline + the newest online episodes
-            kept = newest(online_ids, cfg.buffer_episodes)
-            for e in set(online) - set(kept):
-                del online[e]
-            buf = _buffer(cfg, offline, [online[e] for e in kept], max_steps, cameras)
-            replayed.forget({*offline_by_id, *online})
-            copies = (
-                add_hindsight_copies(buf, layout, replayed.states if cameras else None)
-                if layout is not None
-                else []
-            )
-            instructions = instruction_table(buf, device) if a_cfg.uses_instruction else None
-            bc = buf.array("bc").astype(bool)
-            if cfg.value_input == "privileged":
-                feats = torch.from_numpy(replayed.features(buf)).to(device)
-            else:
-                feats = all_features(base.policy, buf, device, instructions)
-            seed_step(cfg.seed, -(iteration + 1))  # value heads' init: a function of (seed, iteration)
-            # warm start: folds by arrival index (offline first, then online in collection order)
-            first = len(offline.episodes) + len(online_ids) - len(kept)
-            arrival = [*range(len(offline.episodes)), *range(first, first + len(kept))]
-            fold_of = episode_folds(arrival, cfg.value_folds, cfg.seed) if heads is not None else None
-            adv, vm = value_advantages(cfg, feats, buf, bc, heads, fold_of)
-            w = awr_weights(adv, bc, cfg.beta, cfg.w_max, cfg.human_weight)
-            w[np.isin(buf.array("episode"), copies)] = cfg.hindsight_weight
-            weights = torch.from_numpy(w)
-            w_auto = w[~bc]
-            # 3. weighted flow matching from the current weights
-            model.train()
-            losses = []
-            for _ in range(cfg.steps_per_iteration):
-                seed_step(cfg.seed, updates)
-                idx = np.random.default_rng([cfg.seed, updates]).integers(0, len(buf), size=cfg.batch_size)
-                batch = batch_to_policy_inputs(
-                    buf.batch(idx, horizon=a_cfg.chunk_len, n_step=1), device, instructions
-                )
-                loss, _m = model.flow_matching_loss(batch, weights=weights[idx].to(device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                ema.update(model)
-                updates += 1
-                losses.append(float(loss.detach()))
-            iteration += 1
-            row = {
-                "iteration": iteration,
-                "env_steps": env_steps,
-                "episodes": rep.episodes,
-                "rollout_success": rep.success_rate if rep.episodes else float("nan"),
-                "revision": revision,
-                "online_episodes": len(online_ids),
-                "buffer_episodes": len(buf.episode_ids),
-                "buffer_frames": len(buf),
-                "hindsight_episodes": len(copies),
-                **{k: float(v) for k, v in vm.items()},
-                "weight_mean": float(w_auto.mean()) if len(w_auto) else float("nan"),
-                "effective_sample_frac": float(w_auto.sum() ** 2 / (len(w_auto) * (w_auto**2).sum()))
-                if len(w_auto)
-                else float("nan"),
-                "loss": float(np.mean(losses)) if losses else float("nan"),
-                "updates": updates,
-                "collect_seconds": collect_s,
-                "seconds": time.perf_counter() - it0,
-            }
-            curve.append(row)
-            for k, v in row.items():
-                if isinstance(v, float) and math.isfinite(v):
-                    writer.add_scalar(f"awr_pi/{k}", v, iteration)
-            log.info(
-                "awr-pi iteration",
-                extra={k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
-            )
-            bar.set_postfix(
-                it=iteration, success=f"{row['rollout_success']:.0%}", corr=f"{vm['value_return_corr']:.2f}"
-            )
-            # the snapshot before the train state: a kill between them re-runs the iteration and re-ships it
-            if cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0:
-                ship(
-                    cfg.out / "checkpoints" / f"iter_{iteration:04d}",
-                    {"iterations": iteration, "env_steps": env_steps, "updates": updates},
-                )
-            save_train_state(
-                state_path,
-                model=model.state_dict(),
-                ema=ema.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                iteration=iteration,
-                env_steps=env_steps,
-                updates=updates,
-                seconds=clock.seconds,
-                online_ids=json.dumps(online_ids),
-                curve=json.dumps(curve),
-                value_heads=_saved_heads(heads, int(feats.shape[1])),
-            )
-            if not rep.episodes:
-                break  # the budget ran out inside the first episodes of this collection
+        loop.run(iterate)
     finally:
-        bar.close()
-        writer.close()
+        tlog.close()
         env.close()
         replayed.close()
 
+    curve = tlog.curve
     successes = [r["rollout_success"] for r in curve if math.isfinite(r["rollout_success"])]
     metrics: dict[str, Any] = {
-        "iterations": iteration,
-        "env_steps": env_steps,
+        "iterations": loop.iteration,
+        "env_steps": loop.env_steps,
         "updates": updates,
         "online_episodes": len(online_ids),
         "rollout_success_first": successes[0] if successes else float("nan"),
         "rollout_success_last": successes[-1] if successes else float("nan"),
-        "stopped_by_time": stopped_by_time,
+        "stopped_by_time": loop.stopped_by_time,
         **(
             {k: curve[-1][k] for k in ("value_return_corr", "value_explained_var", "value_loss")}
             if curve
@@ -534,3 +499,65 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     seconds = clock.seconds
     log.info("awr-pi done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), **metrics})
     return TrainResult(checkpoint=ckpt, seconds=seconds, metrics=metrics, curve=curve, data=data)
+
+
+def _collect(
+    cfg: AWRPIConfig,
+    base: LoadedPolicy,
+    acting: torch.nn.Module,
+    store: EpisodeStore,
+    env: Any,
+    loop: IterationLoop,
+    updates: int,
+) -> tuple[Any, str]:
+    """Step 1: this iteration's episodes of the ``acting`` policy (the EMA weights) into ``store``, at
+    most the env steps left; returns the recording report and the revision written on its frames (the
+    base's commit until the first update)."""
+    from sim.demos import record_policy_episodes
+
+    revision = base.commit if updates == 0 else weights_revision(acting)
+    policy = LoadedPolicy(policy=acting, info=base.info, path=base.path, commit=revision, ref="awr-pi")
+    rep = record_policy_episodes(
+        store,
+        env,
+        policy,
+        cfg.episodes_per_iteration,
+        seed=iteration_seed(cfg, loop.iteration),
+        n_exec=cfg.n_exec or base.policy.config.n_exec,
+        revision=revision,
+        robot_prefix="awr-pi",
+        progress=False,
+        max_env_steps=cfg.env_steps - loop.env_steps,
+    )
+    return rep, revision
+
+
+def _regress(
+    cfg: AWRPIConfig,
+    model: FlowVLAPolicy,
+    ema: EMA,
+    opt: Optimiser,
+    buf: TransitionBuffer,
+    weights: torch.Tensor,
+    instructions: torch.Tensor | None,
+    updates: int,
+) -> tuple[int, list[float]]:
+    """Step 3: ``steps_per_iteration`` updates of weighted flow matching on ``buf`` from the current
+    weights, counted on from ``updates`` (batches and noise are functions of the run seed and the update
+    count); returns the new count and the updates' losses."""
+    model.train()
+    losses: list[float] = []
+
+    def update(step: int) -> dict[str, float]:
+        idx = sample_indices(len(buf), cfg.batch_size, cfg.seed, step)
+        batch = batch_to_policy_inputs(
+            buf.batch(idx, horizon=model.config.chunk_len, n_step=1), model.device, instructions
+        )
+        loss, _m = model.flow_matching_loss(batch, weights=weights[idx].to(model.device))
+        gradient_step(loss, [opt], SINGLE)
+        ema.update(model)
+        losses.append(float(loss.detach()))
+        return {"loss": losses[-1]}
+
+    loop = UpdateLoop(update, seed=cfg.seed, dist=SINGLE, step=updates)
+    return loop.run(updates + cfg.steps_per_iteration), losses

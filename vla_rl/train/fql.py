@@ -19,7 +19,7 @@ section 5; time convention t = 0 noise, t = 1 data, as our policies). Networks:
 One update (z ~ N(0, I), x ~ ODE_β(s, z) the base's K-step Euler ODE from z, no gradient through it):
 
 1. critic: ``y = R_n + γ^n · bootstrap · (mean_m Q̄_m − ρ std_m Q̄_m)(s', clip(μ_ω(s', z')))`` and
-   ``L_Q = mean_{m,B} valid·(Q_m(s, a_data) − y)²`` (:func:`vla_rl.train.qam.critic_td_target`; ρ = 0 is
+   ``L_Q = mean_{m,B} valid·(Q_m(s, a_data) − y)²`` (:func:`vla_rl.train.qam_math.critic_td_target`; ρ = 0 is
    FQL's mean, QAM's chunked setup uses 0.5). The first ``critic_mc_steps`` regress Q on the Monte-Carlo
    return instead (as QAM: a cheap warm start);
 2. actor: ``L_π = α · mean ||μ_ω(s, z) − ODE_β(s, z)||² − λ_q · mean_B mean_m Q_m(s, clip(μ_ω(s, z)))``
@@ -36,8 +36,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,22 +43,16 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.loading import load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
-from vla_rl.train.common import (
-    batch_to_policy_inputs,
-    config_dict,
-    sample_indices,
-    save_derived_checkpoint,
-    seed_step,
-)
-from vla_rl.train.distributed import SINGLE, summary_writer
-from vla_rl.train.qam import ChunkCriticInputs, critic_loss, critic_td_target
+from vla_rl.train.common import RunClock, batch_to_policy_inputs, sample_indices, save_derived_checkpoint
+from vla_rl.train.distributed import SINGLE
+from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step, time_budget
+from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
     DataSelection,
@@ -287,7 +279,7 @@ class FQLResult(TrainResult):
 
 def train_fql(cfg: FQLConfig) -> FQLResult:
     """Run FQL offline on the store's data; returns the one-step policy's checkpoint and metrics."""
-    t0 = time.perf_counter()
+    clock = RunClock()
     device = pick_device(cfg.device)
     torch.set_num_threads(SINGLE.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
@@ -309,30 +301,26 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
     )
     learner = FQLLearner(loaded.policy, cfg).to(device)
     learner.base.train(cfg.train_base)
-    opts = {
-        "critic": torch.optim.Adam(learner.critic.parameters(), lr=cfg.critic_lr),
-        "actor": torch.optim.Adam(learner.actor.parameters(), lr=cfg.actor_lr),
-    }
+    trained = {"critic": (learner.critic, cfg.critic_lr), "actor": (learner.actor, cfg.actor_lr)}
     if cfg.train_base:
-        opts["base"] = torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr)
-    modules = {"critic": learner.critic, "actor": learner.actor, "base": learner.base}
+        trained["base"] = (learner.base, cfg.base_lr)
+    opts = [
+        Optimiser(
+            torch.optim.Adam(module.parameters(), lr=lr), {name: list(module.parameters())}, cfg.grad_clip
+        )
+        for name, (module, lr) in trained.items()
+    ]
     emb = None
     if loaded.policy.config.uses_instruction:
         from policies.flow_vla import embed_instructions
 
         emb = embed_instructions([spec.instruction]).to(device)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    writer = summary_writer(SINGLE, str(cfg.out / "tb"))
-    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", 0)
+    tlog = TrainLog(cfg, SINGLE, purge_step=None, config_step=0)
     log.info("fql start", extra={"task": task, "base": cfg.base, "frames": len(buf), "steps": cfg.steps})
-    deadline = t0 + (cfg.max_seconds if cfg.max_seconds is not None else math.inf)
-    curve: list[dict[str, Any]] = []
-    metrics: dict[str, float] = {}
-    step = 0
-    for step in tqdm(range(cfg.steps), desc="fql", unit="step", disable=not cfg.progress):
-        if time.perf_counter() > deadline:
-            break
-        seed_step(cfg.seed, step)
+
+    def update(step: int) -> dict[str, Tensor]:
+        """An MC or TD critic update, distillation (plus the Q term after the warm-up), the Polyak target."""
         rows = sample_indices(len(buf), cfg.batch_size, cfg.seed, step)
         raw = buf.batch(rows, horizon=learner.horizon, n_step=learner.n_exec)
         batch = batch_to_policy_inputs(raw, device)
@@ -350,21 +338,21 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
             if nxt is not None:
                 nxt["instruction_embedding"] = batch["instruction_embedding"]
         out = learner.losses(batch, nxt, mc, use_q=step >= max(cfg.critic_warmup, cfg.critic_mc_steps))
-        for opt in opts.values():
-            opt.zero_grad(set_to_none=True)
-        (out["loss_q"] + out["loss_actor"] + out.get("loss_bc", 0.0)).backward()
-        for name, opt in opts.items():
-            torch.nn.utils.clip_grad_norm_(modules[name].parameters(), cfg.grad_clip)
-            opt.step()
+        gradient_step(out["loss_q"] + out["loss_actor"] + out.get("loss_bc", 0.0), opts, SINGLE)
         polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
-        metrics = {k: float(v.detach()) for k, v in out.items()}
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            curve.append({"step": step + 1, **metrics})
-            for k, v in metrics.items():
-                writer.add_scalar(f"train/{k}", v, step + 1)
-    else:
-        step = cfg.steps
-    writer.close()
+        return out
+
+    loop = UpdateLoop.over_steps(
+        update, cfg, SINGLE, on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step)
+    )
+    step = loop.run(
+        cfg.steps,
+        tlog.progress(cfg.steps, stage="train", desc="fql"),
+        time_budget(clock, cfg.max_seconds, SINGLE),
+    )
+    metrics = loop.metrics
+    curve = tlog.curve
+    tlog.close()
     ckpt = cfg.out / "checkpoints" / "last"
     save_derived_checkpoint(
         ckpt,
@@ -396,7 +384,7 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
             progress=False,
         )
         result_metrics["eval_success"] = ev.success_rate
-    seconds = time.perf_counter() - t0
+    seconds = clock.seconds
     log.info("fql done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), "updates": step})
     return FQLResult(
         checkpoint=ckpt,

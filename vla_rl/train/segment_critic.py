@@ -49,6 +49,7 @@ from vla_rl_client.meta import Controller
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
 from policies.critics import ValueMLP
+from vla_rl.train.loop import fit_minibatches
 from vla_rl.train.transitions import SPAN_KEY, DataSelection, TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -340,14 +341,12 @@ def fit_progress_value(
     net = ValueMLP(x.shape[1], tuple(hidden))
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     rng = np.random.default_rng(seed)
-    losses = []
-    for _ in range(steps):
+
+    def loss_fn() -> torch.Tensor:
         idx = torch.from_numpy(rng.integers(0, len(x), size=min(batch_size, len(x))))
-        loss = torch.nn.functional.mse_loss(net(x[idx]), yt[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        return torch.nn.functional.mse_loss(net(x[idx]), yt[idx])
+
+    losses = fit_minibatches(opt, loss_fn, steps)
     net.eval()
     return ProgressValue(net, mean, std, buffer.max_steps, float(np.mean(losses[-50:])), losses)
 

@@ -20,7 +20,6 @@ Run ``vla-rl train sft --help`` for the command-line form of :class:`SFTConfig`.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,31 +34,27 @@ from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
+from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     EMA,
-    TRAIN_STATE,
     RunClock,
     Throughput,
     autocast_for,
     batch_to_policy_inputs,
-    config_dict,
     dataset_digest,
     instruction_table,
-    load_train_state,
     sample_indices,
-    save_train_state,
-    seed_step,
-    warmup_cosine,
 )
-from vla_rl.train.distributed import (
-    Dist,
-    Shard,
-    all_reduce_grads,
-    broadcast_module,
-    distributed,
-    mean_scalars,
-    summary_writer,
+from vla_rl.train.distributed import Dist, Shard, broadcast_module, distributed
+from vla_rl.train.loop import (
+    Beat,
+    Optimiser,
+    TrainLog,
+    TrainState,
+    UpdateLoop,
+    gradient_step,
+    publish_last,
+    warmup_cosine_schedule,
 )
 from vla_rl.train.transitions import SPAN_KEY, DataSelection, select_episode_ids, span_effects
 
@@ -214,6 +209,106 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         keep=span_keep(db, episode_ids),
         instructions=labelled_instructions(db.current_labels(episode_ids)),
     )
+    model_cfg = _model_config(cfg, ds)
+    torch.manual_seed(cfg.seed)
+    model = FlowVLAPolicy(model_cfg)
+    if model.load_pretrained_image_encoders():
+        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
+    model = model.to(device)
+    broadcast_module(model, dist)
+    ema = EMA(model, cfg.ema_decay)
+    opt = _optimiser(cfg, model)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    state = TrainState(
+        cfg.out, clock, {"model": model, "ema": ema, "optimizer": opt.optimizer, "scheduler": opt.scheduler}
+    )
+    st = state.load(cfg.resume)
+    step = int(st["step"]) if st is not None else 0
+    first_loss: float | None = st.get("first_loss") if st is not None else None
+    last_loss = float(st.get("last_loss", "nan")) if st is not None else float("nan")
+
+    # Each sample is conditioned on its own episode's instruction: the distinct strings are embedded
+    # once (frozen MiniLM, one batched call) and each batch gathers its rows.
+    instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
+
+    tlog = TrainLog(cfg, dist, purge_step=step, config_step=step)
+    log.info(
+        "sft start",
+        extra={
+            "task": cfg.task,
+            "episodes": len(episode_ids),
+            "frames": len(ds),
+            "params": model.num_parameters(),
+            "device": str(device),
+            "steps": cfg.steps,
+            "processes": dist.world,
+        },
+    )
+    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
+    speed = Throughput()
+
+    def update(step: int) -> dict[str, Any]:
+        """Flow matching on the global batch's rows, noise and times (the same draws as one process),
+        this rank's share."""
+        rows = shard.take(sample_indices(len(ds), cfg.batch_size, cfg.seed, step))
+        batch = batch_to_policy_inputs(ds.batch(rows), device, instructions)
+        noise = shard.randn(*a_shape, device=device)
+        t = shard.take(model.sample_time(cfg.batch_size))
+        with autocast_for(device, cfg.amp):
+            loss, metrics = model.flow_matching_loss(batch, noise=noise, time=t)
+        norms = gradient_step(loss, [opt], dist)
+        ema.update(model)
+        speed.add(cfg.batch_size)
+        return {"loss": metrics["loss"], "grad_norm": norms["policy"]}
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        sps = speed.rate()
+        tlog.writer.add_scalar("train/loss", metrics["loss"], step)
+        tlog.writer.add_scalar("train/lr", opt.scheduler.get_last_lr()[0], step)
+        tlog.writer.add_scalar("train/grad_norm", metrics["grad_norm"], step)
+        tlog.writer.add_scalar("train/samples_per_s", sps, step)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=f"{sps:.0f}")
+
+    def on_checkpoint(step: int) -> None:
+        """A checkpoint of the EMA weights (copied to ``last``) and the train state."""
+        loss = loop.metrics["loss"]
+        ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
+        _save_policy(ckpt, ema.model, cfg, ds, step)
+        publish_last(ckpt)
+        state.save(step=step, first_loss=run_first_loss(), last_loss=loss)
+        log.info("checkpoint", extra={"step": step, "path": str(ckpt), "loss": round(loss, 5)})
+
+    def run_first_loss() -> float | None:
+        """The run's first loss: the saved one when resumed, else this process's first update's."""
+        return first_loss if first_loss is not None else (loop.first or {}).get("loss")
+
+    end = min(cfg.steps, cfg.stop_at or cfg.steps)
+    checkpoint = Beat(cfg.checkpoint_every, also=end)
+    loop = UpdateLoop.over_steps(
+        update, cfg, dist, step=step, on_log=on_log, checkpoint=checkpoint, on_checkpoint=on_checkpoint
+    )
+    bar = tlog.progress(cfg.steps, initial=step, stage="train", desc="sft")
+    model.train()
+    step = loop.run(end, bar)
+    tlog.close()
+    seconds = clock.seconds
+    loss_val = loop.metrics.get("loss", last_loss)
+    first = float(v if (v := run_first_loss()) is not None else float("nan"))
+    samples_per_s = step * cfg.batch_size / max(seconds, 1e-9)
+    return SFTResult(
+        checkpoint=cfg.out / "checkpoints" / "last",
+        seconds=seconds,
+        metrics={"steps": step, "first_loss": first, "final_loss": loss_val, "samples_per_s": samples_per_s},
+        data={"selection": selection.to_dict(), **dataset_digest(ds)},
+        steps=step,
+        final_loss=loss_val,
+        first_loss=first,
+        samples_per_s=samples_per_s,
+    )
+
+
+def _model_config(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAConfig:
+    """The policy's architecture from the knobs, with normalisation statistics from the training data."""
     stats = compute_normalization_stats(ds.states, ds.actions)
     model_kw: dict[str, Any] = {
         "chunk_len": cfg.chunk_len,
@@ -229,14 +324,11 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         "freeze_image_encoder": cfg.freeze_image_encoder,
         "normalization_stats": stats,
     }
-    model_cfg = FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
-    torch.manual_seed(cfg.seed)
-    model = FlowVLAPolicy(model_cfg)
-    if model.load_pretrained_image_encoders():
-        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
-    model = model.to(device)
-    broadcast_module(model, dist)
-    ema = EMA(model, cfg.ema_decay)
+    return FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
+
+
+def _optimiser(cfg: SFTConfig, model: FlowVLAPolicy) -> Optimiser:
+    """AdamW without weight decay on biases, norms and embeddings, warm-up then cosine decay."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -246,112 +338,8 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    )
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    state_path = cfg.out / TRAIN_STATE
-    step = 0
-    first_loss: float | None = None
-    loss_val = float("nan")
-    if cfg.resume and state_path.exists():
-        st = load_train_state(state_path)
-        model.load_state_dict(st["model"])
-        ema.load_state_dict(st["ema"])
-        optimizer.load_state_dict(st["optimizer"])
-        scheduler.load_state_dict(st["scheduler"])
-        clock.resume(st)
-        step, first_loss, loss_val = int(st["step"]), st.get("first_loss"), float(st.get("last_loss", "nan"))
-        log.info("resumed", extra={"step": step, "from": str(state_path)})
-
-    # Each sample is conditioned on its own episode's instruction: the distinct strings are embedded
-    # once (frozen MiniLM, one batched call) and each batch gathers its rows.
-    instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
-
-    writer = summary_writer(dist, str(cfg.out / "tb"), purge_step=step)
-    writer.add_text("config", f"```\n{config_dict(cfg)}\n```", step)
-    log.info(
-        "sft start",
-        extra={
-            "task": cfg.task,
-            "episodes": len(episode_ids),
-            "frames": len(ds),
-            "params": model.num_parameters(),
-            "device": str(device),
-            "steps": cfg.steps,
-            "processes": dist.world,
-        },
-    )
-    bar = StepProgress(cfg.steps, initial=step, stage="train", desc="sft", show=cfg.progress and dist.is_main)
-    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
-    speed = Throughput()
-    model.train()
-    end = min(cfg.steps, cfg.stop_at or cfg.steps)
-    while step < end:
-        seed_step(cfg.seed, step)
-        # the global batch's rows, noise and times (the same draws as one process), this rank's share
-        rows = shard.take(sample_indices(len(ds), cfg.batch_size, cfg.seed, step))
-        batch = batch_to_policy_inputs(ds.batch(rows), device, instructions)
-        noise = shard.randn(*a_shape, device=device)
-        t = shard.take(model.sample_time(cfg.batch_size))
-        with autocast_for(device, cfg.amp):
-            loss, metrics = model.flow_matching_loss(batch, noise=noise, time=t)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        all_reduce_grads(model.parameters(), dist)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        ema.update(model)
-        step += 1
-        speed.add(cfg.batch_size)
-        logged = step % cfg.log_every == 0 or step == cfg.steps
-        if not dist.enabled:
-            loss_val = float(metrics["loss"])
-        elif logged or first_loss is None or step % cfg.checkpoint_every == 0 or step == end:
-            loss_val = mean_scalars({"loss": float(metrics["loss"])}, dist)["loss"]  # the global batch's
-        first_loss = loss_val if first_loss is None else first_loss
-        if logged:
-            sps = speed.rate()
-            writer.add_scalar("train/loss", loss_val, step)
-            writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
-            writer.add_scalar("train/grad_norm", float(grad_norm), step)
-            writer.add_scalar("train/samples_per_s", sps, step)
-            bar.set_postfix(loss=f"{loss_val:.4f}", sps=f"{sps:.0f}")
-        bar.update(1)
-        if (step % cfg.checkpoint_every == 0 or step == end) and dist.is_main:
-            ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
-            _save_policy(ckpt, ema.model, cfg, ds, step)
-            last = cfg.out / "checkpoints" / "last"
-            shutil.rmtree(last, ignore_errors=True)
-            shutil.copytree(ckpt, last)
-            save_train_state(
-                state_path,
-                model=model.state_dict(),
-                ema=ema.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                step=step,
-                first_loss=first_loss,
-                last_loss=loss_val,
-                seconds=clock.seconds,
-            )
-            log.info("checkpoint", extra={"step": step, "path": str(ckpt), "loss": round(loss_val, 5)})
-    bar.close()
-    writer.close()
-    seconds = clock.seconds
-    first = float(first_loss if first_loss is not None else float("nan"))
-    samples_per_s = step * cfg.batch_size / max(seconds, 1e-9)
-    return SFTResult(
-        checkpoint=cfg.out / "checkpoints" / "last",
-        seconds=seconds,
-        metrics={"steps": step, "first_loss": first, "final_loss": loss_val, "samples_per_s": samples_per_s},
-        data={"selection": selection.to_dict(), **dataset_digest(ds)},
-        steps=step,
-        final_loss=loss_val,
-        first_loss=first,
-        samples_per_s=samples_per_s,
-    )
+    scheduler = warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    return Optimiser(optimizer, {"policy": list(model.parameters())}, cfg.grad_clip, scheduler)
 
 
 def _only_task(store: EpisodeStore) -> str:

@@ -43,6 +43,7 @@ from vla_rl_client.spec import RobotSpec
 from fleet.store import EpisodeStore
 from policies.critics import mlp
 from policies.loading import LoadedPolicy
+from vla_rl.train.loop import fit_minibatches
 from vla_rl.train.transitions import DataSelection, select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -192,14 +193,12 @@ def train_cfn(
     net.std.copy_(features.std(0).clamp_min(1e-6) if n > 1 else torch.ones(features.shape[1]))
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     rng = np.random.default_rng(seed + 1)
-    losses = []
-    for _ in range(steps):
+
+    def loss_fn() -> Tensor:
         idx = torch.from_numpy(rng.integers(0, n, size=min(batch_size, n)))
-        loss = cfn_loss(net(features[idx]), codes[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        return cfn_loss(net(features[idx]), codes[idx])
+
+    losses = fit_minibatches(opt, loss_fn, steps)
     return net.eval(), losses
 
 
