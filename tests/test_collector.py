@@ -34,7 +34,8 @@ from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
 from vla_rl_client.robot_client import RobotClient, frame_digest
 from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
-from fleet.collector import Collector, _ProcessWriter
+from fleet.collector import Collector
+from fleet.collector.writers import _ProcessWriter
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main

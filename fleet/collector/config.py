@@ -1,0 +1,17 @@
+"""The collector's defaults and limits."""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_PORT = 50071
+DEFAULT_MAX_BATCH_FRAMES = 64
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PENDING_BYTES = 1024 * 1024 * 1024
+DEFAULT_MAX_OPEN_EPISODES_PER_ROBOT = 16
+DEFAULT_EPISODE_IDLE_TIMEOUT_S = 1800.0
+DEFAULT_MAX_OPEN_LOGS = 256
+DEFAULT_MAX_CAMERA_PIXELS = 1280 * 720
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
