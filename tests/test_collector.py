@@ -34,7 +34,8 @@ from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
 from vla_rl_client.robot_client import RobotClient, frame_digest
 from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
+from fleet.collector.config import MB
 from fleet.collector.writers import _ProcessWriter
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
@@ -166,7 +167,8 @@ PG_SLOW = pytest.mark.parametrize(
 def collector(tmp_path: Path, store_db_url: str | None) -> Iterator[Collector]:
     """A collector on the store's own SQLite, or (second parameter) on a PostgreSQL database."""
     c = Collector(
-        tmp_path / "store", store_db_url, port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.5
+        CollectorConfig(store=tmp_path / "store", db=store_db_url, port=0, chunk_len=16, idle_flush_s=0.5),
+        token=TOKEN,
     ).start()
     yield c
     c.stop()
@@ -277,7 +279,7 @@ def test_auth_required(collector: Collector, tmp_path: Path) -> None:
                 pb_grpc.CollectorStub(ch).GetStats(pb.StatsRequest(), metadata=md, timeout=5)
             assert e.value.code() == SC.UNAUTHENTICATED
     with pytest.raises(ValueError, match="token"):
-        Collector(tmp_path / "other", host="0.0.0.0", port=0)
+        Collector(CollectorConfig(store=tmp_path / "other", host="0.0.0.0", port=0))
     assert EpisodeStore(collector.store.root).episode_ids() == []
 
 
@@ -392,12 +394,12 @@ def test_bad_settings_name_the_field_and_create_nothing(tmp_path: Path) -> None:
         ({"store_writer_nice": 20}, "store_writer_nice"),
     ):
         with pytest.raises(ValueError, match=field_name):
-            Collector(tmp_path / "s", port=0, **kw)  # type: ignore[arg-type]
+            CollectorConfig(store=tmp_path / "s", port=0, **kw)  # type: ignore[arg-type]
         assert not (tmp_path / "s").exists()
 
 
 def test_allow_list(tmp_path: Path) -> None:
-    with Collector(tmp_path / "s", port=0, token=TOKEN, allowed_robots={"arm-1"}) as c:
+    with Collector(CollectorConfig(store=tmp_path / "s", port=0, robots="arm-1"), token=TOKEN) as c:
         send, recv, close = raw_stream(c.address)
         send(hello("intruder"))
         r = recv().reject
@@ -463,7 +465,8 @@ def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pyt
     # store_writers=0: the writer runs in this process, so the slow-down applies to it
     monkeypatch.setattr(fleet.store_writer, "apply_record", slow_apply)
     with Collector(
-        tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8, store_writers=0
+        CollectorConfig(store=tmp_path / "s", port=0, max_pending_mb=1 / MB, chunk_len=8, store_writers=0),
+        token=TOKEN,
     ) as c:
         client = RobotClient(
             c.address, "arm-1", SPEC, "t", token=TOKEN, max_batch_frames=1, batch_interval_s=0
@@ -489,7 +492,10 @@ def test_killed_store_writer_is_restarted_and_every_frame_lands_once(
 ) -> None:
     """SIGKILL the store writer processes three times while 4 robots stream: each restart replays the logs
     from the Zarr commits; every frame is stored exactly once and nothing else appears."""
-    c = Collector(tmp_path / "s", store_db_url, port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
+    c = Collector(
+        CollectorConfig(store=tmp_path / "s", db=store_db_url, port=0, chunk_len=8, store_writers=2),
+        token=TOKEN,
+    ).start()
     try:
         sent: list[tuple[str, int, str]] = []
         clients = [
@@ -547,7 +553,7 @@ def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None
     """Past 5 deaths a minute the writer is not restarted: its episodes' streams get UNAVAILABLE (no silent
     acks of frames nobody will write), and the next collector replays what was acknowledged."""
     root = tmp_path / "s"
-    c = Collector(root, port=0, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=0, chunk_len=8), token=TOKEN).start()
     try:
         send, recv, close = raw_stream(c.address)
         send(hello())
@@ -570,7 +576,7 @@ def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None
         close()
     finally:
         c.stop()
-    with Collector(root, port=0, token=TOKEN, chunk_len=8) as c2:
+    with Collector(CollectorConfig(store=root, port=0, chunk_len=8), token=TOKEN) as c2:
         assert c2.drain(30)
         send, recv, close = raw_stream(c2.address)
         send(hello())
@@ -587,7 +593,7 @@ def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> No
     )
     sent = stream_episodes(client, 2, 12, seed=4)
     assert not client.flush(0.5) and client.stats.pending_frames == 24
-    with Collector(tmp_path / "s", port=port, token=TOKEN) as c:
+    with Collector(CollectorConfig(store=tmp_path / "s", port=port), token=TOKEN) as c:
         assert client.close(30)
         assert c.drain(30)
         assert sorted(store_digests(c.store.root)) == sorted(sent)
@@ -611,7 +617,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_
     """Frames acknowledged but not yet in Zarr survive a crash; a half-written record is cut off; the
     recovered episode's DB row closes with it."""
     root = tmp_path / "s"
-    c = Collector(root, store_db_url, port=0, token=TOKEN, chunk_len=64).start()
+    c = Collector(CollectorConfig(store=root, db=store_db_url, port=0, chunk_len=64), token=TOKEN).start()
     client = RobotClient(c.address, "arm-1", SPEC, "t", token=TOKEN)
     rng = np.random.default_rng(5)
     eid = client.start_episode(episode_id="crash-ep")
@@ -639,7 +645,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_
     assert msgs[0].WhichOneof("body") == "segment" and good < log.stat().st_size
     assert sum(m.frames.action.shape[0] for m in msgs[1:]) == 20
     port = int(c.address.rsplit(":", 1)[1])
-    c2 = Collector(root, store_db_url, port=port, token=TOKEN, chunk_len=64).start()
+    c2 = Collector(CollectorConfig(store=root, db=store_db_url, port=port, chunk_len=64), token=TOKEN).start()
     try:
         assert log.stat().st_size == good
         client.end_episode("success")
@@ -944,7 +950,11 @@ print("closed", ok, flush=True)
 def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: bool) -> None:
     """A robot program ends by itself once close() returns: no grpc thread keeps the interpreter alive."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    c = Collector(tmp_path / "s", port=0, token=TOKEN).start() if collector_up else None
+    c = (
+        Collector(CollectorConfig(store=tmp_path / "s", port=0), token=TOKEN).start()
+        if collector_up
+        else None
+    )
     address = c.address if c is not None else f"127.0.0.1:{free_port()}"
     try:
         proc = subprocess.Popen(
@@ -1012,7 +1022,7 @@ def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     root, spool, port = tmp_path / "s", tmp_path / "spool", free_port()
     address = f"127.0.0.1:{port}"
-    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=port, chunk_len=8), token=TOKEN).start()
     robot = subprocess.Popen(
         [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "stream"],
         stdin=subprocess.PIPE,
@@ -1031,7 +1041,7 @@ def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
     finally:
         robot.kill()
     assert len(digests) == 22 and len(list(spool.glob("*.spool"))) == 1
-    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=port, chunk_len=8), token=TOKEN).start()
     try:
         out = subprocess.run(
             [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "resend"],

@@ -42,7 +42,7 @@ shared token (if any) stays the operator's: it may speak as any robot. ``/metric
 authentication: it binds ``metrics_host`` (loopback by default) and ``metrics_robot_labels=False``
 keeps robot ids out of it.
 
-Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal names its limit):
+Limits (each a :class:`CollectorConfig` field and a ``vla-rl collect`` flag; a refusal names its limit):
 
 * Every size a ``FrameBatch`` declares is checked before anything is counted or allocated
   (:func:`fleet.wal.batch_size`); undecodable messages get a ``Reject`` (``INVALID_ARGUMENT``), logged
@@ -52,7 +52,7 @@ Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal n
   collector with outcome ``aborted`` (success false); its frames are kept.
 * ``max_open_logs`` (256): log descriptors are a pool (least recently used closed, reopened on
   demand), so open episodes cost no descriptor and a restart with many logs needs none per log.
-* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_bytes`` (1 GiB): the
+* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_mb`` (1024 MiB): the
   frame blocks a store writer holds, all episodes together (past it, least recently used episodes are
   flushed to Zarr and let go).
 * A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
@@ -67,8 +67,9 @@ Limits (each a ``Collector`` argument and a ``vla-rl collect`` flag; a refusal n
 
 The package, by job:
 
-* :mod:`fleet.collector.config`: the defaults and limits;
-* :mod:`fleet.collector.rpc`: the gRPC shell (the service's methods, sessions, refusals, the event loop);
+* :mod:`fleet.collector.config`: :class:`CollectorConfig`, every knob typed and validated once (no secrets);
+* :mod:`fleet.collector.rpc`: the gRPC shell (the service's methods, sessions, credential checks, refusals of
+  undecodable bytes, rate-limited logs, the event loop, SIGTERM, credential files);
 * :mod:`fleet.collector.episodes`: the per-episode state machine (hello, start, frames, segment, end);
 * :mod:`fleet.collector.writers`: the store writer handles (a thread, or a ``fleet.store_writer`` process);
 * :mod:`fleet.collector.metrics`: Prometheus metrics and per-robot accounts;
@@ -77,6 +78,7 @@ The package, by job:
 """
 
 from fleet.collector.collector import Collector, serve
+from fleet.collector.config import CollectorConfig
 from fleet.collector.rpc import RequestError, load_robot_tokens, read_token_file
 
-__all__ = ["Collector", "RequestError", "load_robot_tokens", "read_token_file", "serve"]
+__all__ = ["Collector", "CollectorConfig", "RequestError", "load_robot_tokens", "read_token_file", "serve"]

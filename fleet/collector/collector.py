@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from collections.abc import Coroutine, Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,20 +21,7 @@ from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec
 from vla_rl_client.wire import keep_freed_memory
 
-from fleet.codecs import CameraCodecs
-from fleet.collector.config import (
-    _ID_RE,
-    _LOOPBACK,
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_EPISODE_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_BATCH_FRAMES,
-    DEFAULT_MAX_CAMERA_PIXELS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_OPEN_EPISODES_PER_ROBOT,
-    DEFAULT_MAX_OPEN_LOGS,
-    DEFAULT_MAX_PENDING_BYTES,
-    DEFAULT_PORT,
-)
+from fleet.collector.config import _ID_RE, _LOOPBACK, CollectorConfig
 from fleet.collector.episodes import ABORTED, _Episode, _EpisodeIntake
 from fleet.collector.metrics import RobotAccount, _Metrics
 from fleet.collector.rpc import (
@@ -45,12 +31,14 @@ from fleet.collector.rpc import (
     _RateLimitedLog,
     _Service,
     _Session,
+    authorize,
+    stop_on_sigterm,
+    wait_for,
 )
 from fleet.collector.writers import _ProcessWriter, _ThreadWriter, _WriterHandle
 from fleet.db import MetadataDB
-from fleet.objstore import StoreLease, is_remote
+from fleet.objstore import StoreLease
 from fleet.store import EpisodeStore
-from fleet.store_writer import DEFAULT_MAX_BUFFERED_BYTES
 from fleet.wal import (
     WAL_DIR,
     LogFiles,
@@ -70,108 +58,41 @@ class Collector(_EpisodeIntake):
 
     def __init__(
         self,
-        store: str | os.PathLike[str],
-        db_url: str | None = None,
+        config: CollectorConfig,
         *,
-        host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
         token: str | None = None,
-        fsync: bool = False,
-        chunk_len: int = 128,
-        camera_zstd_level: int | None = -3,
-        camera_codec: str | None = None,
-        max_batch_frames: int = DEFAULT_MAX_BATCH_FRAMES,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        store_writers: int = 1,
-        store_writer_nice: int = 10,
-        max_streams: int = 256,
-        allowed_robots: set[str] | None = None,
-        idle_flush_s: float = 5.0,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        metrics_robot_labels: bool = True,
         robot_tokens: Mapping[str, str] | None = None,
-        max_open_episodes_per_robot: int = DEFAULT_MAX_OPEN_EPISODES_PER_ROBOT,
-        episode_idle_timeout_s: float = DEFAULT_EPISODE_IDLE_TIMEOUT_S,
-        max_open_logs: int = DEFAULT_MAX_OPEN_LOGS,
-        max_camera_pixels: int = DEFAULT_MAX_CAMERA_PIXELS,
-        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-        store_retry_max_s: float = 30.0,
-        wal_dir: str | os.PathLike[str] | None = None,
-        lease_ttl_s: float = 30.0,
     ) -> None:
+        """``config``: every knob (see :class:`CollectorConfig`); ``token``: the shared credential (its
+        holder may speak as any robot); ``robot_tokens``: robot id -> that robot's own credential. The
+        secrets are kept apart from the config, which can be saved."""
         robot_tokens = dict(robot_tokens or {})
-        if not token and not robot_tokens and host not in _LOOPBACK:
+        if not token and not robot_tokens and config.host not in _LOOPBACK:
             raise ValueError(
-                f"refusing to accept unauthenticated robots on {host}: pass a token or robot tokens"
+                f"refusing to accept unauthenticated robots on {config.host}: pass a token or robot tokens"
             )
-        for name, value, low in (
-            ("max_open_episodes_per_robot", max_open_episodes_per_robot, 1),
-            ("max_open_logs", max_open_logs, 1),
-            ("max_camera_pixels", max_camera_pixels, 1),
-            ("max_buffered_bytes", max_buffered_bytes, 1),
-            ("episode_idle_timeout_s", episode_idle_timeout_s, 0.001),
-            ("drain_timeout_s", drain_timeout_s, 0.0),
-            ("store_retry_max_s", store_retry_max_s, 0.001),
-            ("lease_ttl_s", lease_ttl_s, 0.001),
-        ):
-            if not value >= low:
-                raise ValueError(f"{name}: expected at least {low}, got {value}")
         for rid, tok in robot_tokens.items():
             if not _ID_RE.match(rid) or not tok:
                 raise ValueError(f"robot_tokens: expected robot id -> non-empty token, got {rid!r}")
-        if store_writers < 0:
-            raise ValueError(
-                f"store_writers: expected 0 (a thread in this process) or more, got {store_writers}"
-            )
-        if not 0 <= store_writer_nice <= 19:
-            raise ValueError(f"store_writer_nice: expected 0..19, got {store_writer_nice}")
-        self.host, self.port = host, port
+        self.config = config
+        self.host, self.port = config.host, config.port  # port: the bound one once started (0 = any)
+        self.metrics_port = config.metrics_port  # likewise
         self.token = token
-        self.chunk_len = chunk_len
-        self.camera_zstd_level = camera_zstd_level
-        self.camera_codecs = CameraCodecs.parse(camera_codec)  # a bad value fails here, at start-up
-        self.max_batch_frames = max_batch_frames
-        self.max_message_bytes = max_message_bytes
-        self.max_pending_bytes = max_pending_bytes
-        self.max_streams = max_streams
-        self.allowed_robots = allowed_robots
-        self.idle_flush_s = idle_flush_s
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        self.metrics_robot_labels = metrics_robot_labels
         # Bearer credential -> the robot it speaks for (hmac-compared in authorize).
         self.robot_tokens = robot_tokens
-        self.max_open_episodes_per_robot = max_open_episodes_per_robot
-        self.episode_idle_timeout_s = episode_idle_timeout_s
-        self.max_camera_pixels = max_camera_pixels
-        self.max_buffered_bytes = max_buffered_bytes
-        self.drain_timeout_s = drain_timeout_s
-        self.store_retry_max_s = store_retry_max_s
-        self.log_files = LogFiles(max_open_logs)
+        self.camera_codecs = config.camera_codecs
+        self.allowed_robots = config.allowed_robots
+        self.log_files = LogFiles(config.max_open_logs)
         self._undecodable = _RateLimitedLog(60.0)  # per peer
         self._refused = _RateLimitedLog(10.0)  # per peer and code
-        if is_remote(store):
-            # An object store: the log (and the lock) stay on local disk, the DB is a server.
-            if wal_dir is None:
-                raise ValueError(
-                    f"wal_dir: an object-store episode store ({store}) keeps its write-ahead log on local "
-                    "disk: give a local directory (--wal-dir)"
-                )
-            if not db_url:
-                raise ValueError(
-                    f"db_url: an object-store episode store ({store}) has no SQLite file beside it: give "
-                    "the metadata DB's URL (--db postgresql://...)"
-                )
-        self.db = MetadataDB(db_url) if db_url else MetadataDB.for_store(store)
-        self.store = EpisodeStore(store, create=True, fsync=fsync, db=self.db)
-        self.wal_dir = Path(wal_dir).absolute() if wal_dir is not None else self.store.root / WAL_DIR
+        store = config.store_location
+        self.db = MetadataDB(config.db) if config.db else MetadataDB.for_store(store)
+        self.store = EpisodeStore(store, create=True, fsync=config.fsync, db=self.db)
+        wal_dir = config.wal_dir
+        self.wal_dir = wal_dir.absolute() if wal_dir is not None else self.store.root / WAL_DIR
         self.wal_dir.mkdir(parents=wal_dir is not None, exist_ok=True)
         # The lock beside what it guards: the store's folder, or (object store) the local log.
         self._lock_path = (self.store.root if self.store.remote is None else self.wal_dir) / LOCK_FILE
-        self.fsync = fsync
         self.metrics = _Metrics()
         self.accounts: dict[str, RobotAccount] = collections.defaultdict(RobotAccount)
         self._connected: dict[str, int] = collections.defaultdict(int)
@@ -183,15 +104,12 @@ class Collector(_EpisodeIntake):
         self._start_locks_guard = threading.Lock()
         self._pending_bytes = 0
         self._room = threading.Condition()
-        self.store_writers = store_writers
-        self.store_writer_nice = store_writer_nice
         self._writers: list[_WriterHandle] = []
         self._writer_deaths: list[float] = []
         self._dead_writers: set[int] = set()
         self._next_writer = 0
         self._stop = threading.Event()
         self._lock_fd: int | None = None
-        self.lease_ttl_s = lease_ttl_s
         self.lease: StoreLease | None = None  # an object store's one-writer lease (see _lock_store)
         self._server: _AioServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,14 +125,14 @@ class Collector(_EpisodeIntake):
         """Lock the store, replay the logs of open episodes, then serve (returns once the port is bound)."""
         self._lock_store()
         try:
-            self._writers = [self._new_writer(i) for i in range(max(self.store_writers, 1))]
+            self._writers = [self._new_writer(i) for i in range(max(self.config.store_writers, 1))]
             self.recover()
         except BaseException:
             self._stop_writers()
             self._unlock_store()
             raise
         opts = [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", 4 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 30_000),
@@ -236,7 +154,7 @@ class Collector(_EpisodeIntake):
             # /metrics has no authentication: it binds metrics_host (loopback by default), and
             # metrics_robot_labels=False keeps robot ids out of it.
             self._metrics_server, _ = start_http_server(
-                self.metrics_port, addr=self.metrics_host, registry=self.metrics.registry
+                self.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
             )
             self.metrics_port = self._metrics_server.server_port
         self._flusher = threading.Thread(
@@ -259,7 +177,7 @@ class Collector(_EpisodeIntake):
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         assert self._loop is not None
-        server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_streams)
+        server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.config.max_streams)
         server.add_generic_rpc_handlers((_Service(self).handler(),))
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -283,7 +201,7 @@ class Collector(_EpisodeIntake):
         write-ahead log, which the next start replays into Zarr. Messages not yet acknowledged are
         resent by the robots (their clients keep them) and duplicates are dropped.
         """
-        bound = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        bound = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + bound
         self._stop.set()
         if self._server is not None:
@@ -302,7 +220,7 @@ class Collector(_EpisodeIntake):
     def _stop_writers(self, deadline: float | None = None) -> None:
         self._stop.set()
         if deadline is None:
-            deadline = time.monotonic() + self.drain_timeout_s
+            deadline = time.monotonic() + self.config.drain_timeout_s
         for w in self._writers:
             w.post({"op": "stop"})
         for w in self._writers:
@@ -338,7 +256,7 @@ class Collector(_EpisodeIntake):
             # The local lock guards this machine's log only; collectors on two machines must not share
             # a prefix either: the lease object on the store refuses the second (fleet.objstore.StoreLease).
             try:
-                self.lease = StoreLease(self.store.remote, self.wal_dir, self.lease_ttl_s).acquire()
+                self.lease = StoreLease(self.store.remote, self.wal_dir, self.config.lease_ttl_s).acquire()
             except BaseException:
                 self._lock_fd = None
                 os.close(fd)
@@ -415,7 +333,7 @@ class Collector(_EpisodeIntake):
             id=eid,
             robot_id=robot_id,
             spec=spec,
-            wal=WriteAheadLog(path, self.fsync, self.log_files),
+            wal=WriteAheadLog(path, self.config.fsync, self.log_files),
             committed=committed,
             segments=segments,
             last_ts=last_ts,
@@ -430,22 +348,33 @@ class Collector(_EpisodeIntake):
             self._hand_off(ep, ep.wal.size)
         return ep
 
+    def authorize(self, metadata: Any) -> str | None:
+        """The robot id the caller's credential is bound to, or None when it may speak as any robot (see
+        :func:`fleet.collector.rpc.authorize`)."""
+        return authorize(metadata, self.token, self.robot_tokens)
+
     # -------------------------------------------------------------- store writers
     def _new_writer(self, index: int) -> _WriterHandle:
-        if self.store_writers == 0:
+        if self.config.store_writers == 0:
             return _ThreadWriter(
-                self.store.root, self.fsync, self._on_report, self.max_buffered_bytes, self.wal_dir
+                self.store.root,
+                self.config.fsync,
+                self._on_report,
+                self.config.max_buffered_bytes,
+                self.wal_dir,
             )
-        share = max(self.max_buffered_bytes // self.store_writers, 1)  # the bound is for all writers
+        share = max(
+            self.config.max_buffered_bytes // self.config.store_writers, 1
+        )  # the bound is for all writers
         assert self._lock_fd is not None
         return _ProcessWriter(
             index,
             self.store.root,
-            self.fsync,
+            self.config.fsync,
             self._lock_fd,
             self._on_report,
             self._writer_died,
-            self.store_writer_nice,
+            self.config.store_writer_nice,
             share,
             self.wal_dir,
         )
@@ -487,7 +416,7 @@ class Collector(_EpisodeIntake):
             if r.get("error") and r.get("retry"):
                 # A full disk (or out of descriptors): the writer dropped its state of the episode and
                 # replays the log from the Zarr commit when asked again, after a backoff.
-                ep.backoff_s = min(max(2 * ep.backoff_s, 0.25), self.store_retry_max_s)
+                ep.backoff_s = min(max(2 * ep.backoff_s, 0.25), self.config.store_retry_max_s)
                 ep.retry_at = time.monotonic() + ep.backoff_s
                 self.metrics.store_retries.inc()
                 log.warning(
@@ -583,10 +512,14 @@ class Collector(_EpisodeIntake):
 
     async def wait_for_room(self, context: grpc.aio.ServicerContext) -> None:
         """Hold a stream while the store writers are behind (gRPC flow control then slows the robot)."""
-        if self._pending_bytes <= self.max_pending_bytes:
+        if self._pending_bytes <= self.config.max_pending_bytes:
             return
         t0 = time.perf_counter()
-        while self._pending_bytes > self.max_pending_bytes and not context.done() and not self._stop.is_set():
+        while (
+            self._pending_bytes > self.config.max_pending_bytes
+            and not context.done()
+            and not self._stop.is_set()
+        ):
             await asyncio.sleep(0.01)
         self.metrics.backpressure.inc(time.perf_counter() - t0)
 
@@ -608,10 +541,10 @@ class Collector(_EpisodeIntake):
                             ep.retry_at = None
                             self._writers[ep.writer].post_data(ep.id, ep.wal.size)
                         continue
-                    if not ep.ended and now - ep.last_op > self.episode_idle_timeout_s:
+                    if not ep.ended and now - ep.last_op > self.config.episode_idle_timeout_s:
                         self._expire(ep)
                         continue
-                    idle = now - ep.last_op > self.idle_flush_s
+                    idle = now - ep.last_op > self.config.idle_flush_s
                     if idle and ep.stored < ep.committed and ep.flush_sent != ep.committed:
                         ep.flush_sent = ep.committed
                         self._writers[ep.writer].post({"op": "flush", "episode": ep.id})
@@ -639,7 +572,7 @@ class Collector(_EpisodeIntake):
                 "robot": ep.robot_id,
                 "frames": ep.committed,
                 "idle_s": round(time.monotonic() - ep.last_op, 1),
-                "episode_idle_timeout_s": self.episode_idle_timeout_s,
+                "episode_idle_timeout_s": self.config.episode_idle_timeout_s,
             },
         )
         self._hand_off(ep, ep.wal.size - before)
@@ -690,22 +623,17 @@ class Collector(_EpisodeIntake):
             log.info("robot disconnected", extra={"robot": session.robot_id})
 
 
-def serve(store: str | os.PathLike[str], db_url: str | None = None, **kwargs: Any) -> None:
+def serve(
+    config: CollectorConfig, *, token: str | None = None, robot_tokens: Mapping[str, str] | None = None
+) -> None:
     """Run a collector until interrupted or SIGTERM (what ``vla-rl collect`` runs); stopping takes at most
-    ``drain_timeout_s`` (see :meth:`Collector.stop`)."""
+    ``config.drain_timeout_s`` (see :meth:`Collector.stop`)."""
     keep_freed_memory()
-    import signal
-
-    stop = threading.Event()
-    # Before the line tools wait for: a SIGTERM right after it must drain, not kill.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    c = Collector(store, db_url, **kwargs).start()
+    stop = stop_on_sigterm()  # before the line tools wait for: a SIGTERM right after it must drain, not kill
+    c = Collector(config, token=token, robot_tokens=robot_tokens).start()
     print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
     try:
-        while not stop.wait(0.2):
-            pass
-    except KeyboardInterrupt:
-        pass
+        wait_for(stop)
     finally:
         log.info("stopping collector")
         c.stop()

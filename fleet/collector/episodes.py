@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import shutil
@@ -11,7 +10,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from vla_rl_client.codec import to_tensor
@@ -20,9 +18,9 @@ from vla_rl_client.spec import RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
 
 from fleet.codecs import CameraCodecs
-from fleet.collector.config import _ID_RE
+from fleet.collector.config import _ID_RE, CollectorConfig
 from fleet.collector.metrics import HIDDEN_ROBOT, RobotAccount, _Metrics
-from fleet.collector.rpc import SC, RequestError, _episode_of, _RateLimitedLog, _Session
+from fleet.collector.rpc import SC, RequestError, _episode_of, _RateLimitedLog, _Session, undecodable_reject
 from fleet.store import EpisodeStore
 from fleet.wal import (
     SEGMENT_KINDS,
@@ -88,22 +86,11 @@ class _EpisodeIntake:
     """The message handlers of :class:`~fleet.collector.collector.Collector` (a mixin: the collector holds
     the state they read and the store writers they hand the log to)."""
 
+    config: CollectorConfig
     store: EpisodeStore
-    token: str | None
-    robot_tokens: dict[str, str]
-    chunk_len: int
-    camera_zstd_level: int | None
     camera_codecs: CameraCodecs
-    max_batch_frames: int
-    max_message_bytes: int
-    allowed_robots: set[str] | None
-    metrics_robot_labels: bool
-    max_open_episodes_per_robot: int
-    episode_idle_timeout_s: float
-    max_camera_pixels: int
-    max_buffered_bytes: int
+    allowed_robots: frozenset[str] | None
     wal_dir: Path
-    fsync: bool
     log_files: LogFiles
     metrics: _Metrics
     accounts: dict[str, RobotAccount]
@@ -124,33 +111,9 @@ class _EpisodeIntake:
     def _hand_off(self, ep: _Episode, nbytes: int) -> None:
         raise NotImplementedError
 
-    def authorize(self, metadata: Any) -> str | None:
-        """Check the caller's credential: the robot id it is bound to (a per-robot token), or None when
-        it may speak as any robot (the shared token, or no authentication configured)."""
-        if not self.token and not self.robot_tokens:
-            return None
-        got = ""
-        for key, value in metadata or ():
-            if key == "authorization":
-                got = value if isinstance(value, str) else value.decode()
-        presented = got.encode()
-        if self.token and hmac.compare_digest(presented, f"Bearer {self.token}".encode()):
-            return None
-        robot = None
-        for rid, tok in self.robot_tokens.items():  # every entry compared: the time says nothing
-            if hmac.compare_digest(presented, f"Bearer {tok}".encode()):
-                robot = rid
-        if robot is not None:
-            return robot
-        raise RequestError(
-            SC.UNAUTHENTICATED,
-            "authorization: expected metadata 'authorization: Bearer <token>'"
-            + (", got a wrong token" if got else ", got none"),
-        )
-
     def _label(self, robot: str) -> str:
         """A metric's robot label (metrics_robot_labels=False: one label for all robots)."""
-        return robot if self.metrics_robot_labels else HIDDEN_ROBOT
+        return robot if self.config.metrics_robot_labels else HIDDEN_ROBOT
 
     def handle(
         self,
@@ -169,13 +132,13 @@ class _EpisodeIntake:
         try:
             if body == "frames":
                 # Every declared size against its bound before anything is counted or allocated.
-                if frames_declared(msg) > self.max_batch_frames:
+                if frames_declared(msg) > self.config.max_batch_frames:
                     raise RequestError(
                         SC.RESOURCE_EXHAUSTED,
-                        f"frames: at most {self.max_batch_frames} frames per batch (max_batch_frames), "
+                        f"frames: at most {self.config.max_batch_frames} frames per batch (max_batch_frames), "
                         f"got {frames_declared(msg)}; split it",
                     )
-                batch_size(msg.frames, self.max_batch_frames, cameras)
+                batch_size(msg.frames, self.config.max_batch_frames, cameras)
             if body == "hello":
                 return self._hello(session, msg)
             if session.spec is None:
@@ -195,23 +158,14 @@ class _EpisodeIntake:
     def undecodable(
         self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
     ) -> pb.CollectorMessage:
-        """The reply to a message that could not be decoded (logged once per peer per minute)."""
-        body = msg.WhichOneof("body") if msg is not None else None
-        where = f"{body}" if body else "message"
-        text = f"{where}: not a RobotMessage that can be decoded ({type(e).__name__}: {str(e)[:200]})"
+        """The reply to a message that could not be decoded, counted and logged once per peer per minute."""
+        reply = undecodable_reject(e, msg)
         robot = session.robot_id or "unknown"
         self.metrics.messages_rejected.labels(self._label(robot), SC.INVALID_ARGUMENT.name).inc()
         self._undecodable.warning(
-            session.peer or robot, "undecodable message refused", robot=robot, error=text
+            session.peer or robot, "undecodable message refused", robot=robot, error=reply.reject.message
         )
-        return pb.CollectorMessage(
-            reject=pb.Reject(
-                msg_id=msg.msg_id if msg is not None else 0,
-                episode_id=_episode_of(msg) if msg is not None else "",
-                code=SC.INVALID_ARGUMENT.value[0],
-                message=text,
-            )
-        )
+        return reply
 
     def _reject(self, session: _Session, msg: pb.RobotMessage, e: RequestError) -> pb.CollectorMessage:
         robot = session.robot_id or "unknown"
@@ -264,21 +218,21 @@ class _EpisodeIntake:
                 SC.INVALID_ARGUMENT, f"hello.robot_spec_json: expected a robot spec, {e}"
             ) from None
         for cam in spec.cameras:
-            if cam.height * cam.width > self.max_camera_pixels:
+            if cam.height * cam.width > self.config.max_camera_pixels:
                 raise RequestError(
                     SC.RESOURCE_EXHAUSTED,
                     f"hello.robot_spec_json: camera {cam.name!r} is {cam.width}x{cam.height} = "
                     f"{cam.height * cam.width} pixels; this collector takes at most max_camera_pixels="
-                    f"{self.max_camera_pixels}",
+                    f"{self.config.max_camera_pixels}",
                 )
         # What one open episode makes a store writer hold: a chunk block of each array.
         frame = sum(3 * c.height * c.width for c in spec.cameras) + 4 * (spec.state_dim + 2 * spec.action_dim)
-        block = self.chunk_len * (frame + 32)  # + reward, flags, controller, revision, timestamp
-        if block > self.max_buffered_bytes:
+        block = self.config.chunk_len * (frame + 32)  # + reward, flags, controller, revision, timestamp
+        if block > self.config.max_buffered_bytes:
             raise RequestError(
                 SC.RESOURCE_EXHAUSTED,
                 f"hello.robot_spec_json: one chunk of this robot's frames is {block} bytes (chunk_len="
-                f"{self.chunk_len}); this collector holds at most max_buffered_bytes={self.max_buffered_bytes}",
+                f"{self.config.chunk_len}); this collector holds at most max_buffered_bytes={self.config.max_buffered_bytes}",
             )
         if not session.robot_id:
             self._connected[h.robot_id] += 1
@@ -289,8 +243,8 @@ class _EpisodeIntake:
         return pb.CollectorMessage(
             welcome=pb.Welcome(
                 collector_version=__version__,
-                max_batch_frames=self.max_batch_frames,
-                max_message_bytes=self.max_message_bytes,
+                max_batch_frames=self.config.max_batch_frames,
+                max_message_bytes=self.config.max_message_bytes,
             )
         )
 
@@ -342,13 +296,13 @@ class _EpisodeIntake:
     def _check_open_cap(self, robot: str, eid: str) -> None:
         with self._episodes_lock:
             n = sum(1 for ep in self._episodes.values() if ep.robot_id == robot and not ep.closed)
-        if n >= self.max_open_episodes_per_robot:
+        if n >= self.config.max_open_episodes_per_robot:
             raise RequestError(
                 SC.RESOURCE_EXHAUSTED,
                 f"start: robot {robot!r} has {n} open episodes, the most this collector keeps "
-                f"(max_open_episodes_per_robot={self.max_open_episodes_per_robot}); end one first "
+                f"(max_open_episodes_per_robot={self.config.max_open_episodes_per_robot}); end one first "
                 f"(idle ones are closed as {ABORTED!r} after episode_idle_timeout_s="
-                f"{self.episode_idle_timeout_s:g})",
+                f"{self.config.episode_idle_timeout_s:g})",
                 eid,
             )
 
@@ -390,16 +344,16 @@ class _EpisodeIntake:
             robot_id=session.robot_id,
             task=session.task,
             instruction=msg.start.instruction or None,
-            chunk_len=self.chunk_len,
+            chunk_len=self.config.chunk_len,
             episode_id=eid,
-            camera_zstd_level=self.camera_zstd_level if session.spec.cameras else None,
+            camera_zstd_level=self.config.camera_zstd_level if session.spec.cameras else None,
             camera_codec=self.camera_codecs.restrict(session.spec.camera_names),
         )
         ep = _Episode(
             id=eid,
             robot_id=session.robot_id,
             spec=session.spec,
-            wal=WriteAheadLog(self.wal_dir / f"{eid}.wal", self.fsync, self.log_files),
+            wal=WriteAheadLog(self.wal_dir / f"{eid}.wal", self.config.fsync, self.log_files),
             committed=0,
             segments=0,
             last_ts=-math.inf,
@@ -452,10 +406,10 @@ class _EpisodeIntake:
         fb = msg.frames
         t0 = time.perf_counter()
         robot = session.robot_id
-        if _frames_in(msg) > self.max_batch_frames:
+        if _frames_in(msg) > self.config.max_batch_frames:
             raise RequestError(
                 SC.RESOURCE_EXHAUSTED,
-                f"frames: at most {self.max_batch_frames} frames per batch, got {_frames_in(msg)}; split it",
+                f"frames: at most {self.config.max_batch_frames} frames per batch, got {_frames_in(msg)}; split it",
                 ep.id,
             )
         if ep.ended:
@@ -486,7 +440,7 @@ class _EpisodeIntake:
             n = int(fb.action.shape[0])
             fb.timestamp.CopyFrom(to_tensor(np.full(n, max(time.time(), ep.last_ts), np.float64)))
             raw = None  # the log must hold the times we filled in
-        batch = decode_frames(fb, ep.spec, self.max_batch_frames, -math.inf, cams)
+        batch = decode_frames(fb, ep.spec, self.config.max_batch_frames, -math.inf, cams)
         n = len(batch["action"])
         dup = ep.committed - fb.seq
         if dup < n and batch["timestamp"][dup] < ep.last_ts:

@@ -1,19 +1,26 @@
-"""The collector's gRPC shell: the service's methods, a stream's session, refusals (:class:`RequestError`),
-rate-limited logging of what peers get wrong, the event loop every collector of a process shares, and
-the credential files."""
+"""The collector's gRPC shell: the service's methods (:class:`_Service`), a stream's session, credential
+checks (:func:`authorize`), refusals (:class:`RequestError`; :func:`undecodable_reject` for bytes that are
+not a ``RobotMessage``), rate-limited logging of what peers get wrong, the event loop every collector of a
+process shares, SIGTERM handling and the credential files.
+
+Everything the collector needs of gRPC around its episode logic is here, in one module, so that it can
+move to a shell shared with the policy server in one place."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import hmac
 import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,6 +89,48 @@ class _RateLimitedLog:
 def _episode_of(msg: pb.RobotMessage) -> str:
     body = msg.WhichOneof("body")
     return getattr(msg, body).episode_id if body in ("start", "frames", "segment", "end") else ""
+
+
+def authorize(metadata: Any, token: str | None, robot_tokens: Mapping[str, str]) -> str | None:
+    """Check a call's ``authorization: Bearer <token>`` metadata: the robot id its credential is bound to
+    (one of ``robot_tokens``), or None when it may speak as any robot (``token``, the shared credential,
+    or no authentication configured). Anything else is a :class:`RequestError` (``UNAUTHENTICATED``)."""
+    if not token and not robot_tokens:
+        return None
+    got = ""
+    for key, value in metadata or ():
+        if key == "authorization":
+            got = value if isinstance(value, str) else value.decode()
+    presented = got.encode()
+    if token and hmac.compare_digest(presented, f"Bearer {token}".encode()):
+        return None
+    robot = None
+    for rid, tok in robot_tokens.items():  # every entry compared: the time says nothing
+        if hmac.compare_digest(presented, f"Bearer {tok}".encode()):
+            robot = rid
+    if robot is not None:
+        return robot
+    raise RequestError(
+        SC.UNAUTHENTICATED,
+        "authorization: expected metadata 'authorization: Bearer <token>'"
+        + (", got a wrong token" if got else ", got none"),
+    )
+
+
+def undecodable_reject(e: BaseException, msg: pb.RobotMessage | None = None) -> pb.CollectorMessage:
+    """The ``Reject`` (``INVALID_ARGUMENT``) of bytes that are not a ``RobotMessage`` (``msg`` None), or of
+    a message whose content could not be decoded; it names the part and the error."""
+    body = msg.WhichOneof("body") if msg is not None else None
+    where = f"{body}" if body else "message"
+    text = f"{where}: not a RobotMessage that can be decoded ({type(e).__name__}: {str(e)[:200]})"
+    return pb.CollectorMessage(
+        reject=pb.Reject(
+            msg_id=msg.msg_id if msg is not None else 0,
+            episode_id=_episode_of(msg) if msg is not None else "",
+            code=SC.INVALID_ARGUMENT.value[0],
+            message=text,
+        )
+    )
 
 
 class _Handler(Protocol):
@@ -247,3 +296,17 @@ def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:
     if len(set(out.values())) != len(out):
         raise ValueError(f"robot_tokens_file: {path}: two robots share a token")
     return out
+
+
+def stop_on_sigterm() -> threading.Event:
+    """An event that SIGTERM sets (instead of killing the process), so a service drains when stopped."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def wait_for(stop: threading.Event) -> None:
+    """Block until ``stop`` is set or Ctrl-C."""
+    with contextlib.suppress(KeyboardInterrupt):
+        while not stop.wait(0.2):
+            pass
