@@ -613,6 +613,30 @@ def test_buffer_full_raises_instead_of_dropping(tmp_path: Path) -> None:
     client.close(0.1)
 
 
+def test_drain_returns_once_ended_episodes_are_closed_in_the_db(tmp_path: Path) -> None:
+    """drain() waits for the metadata DB's row too, not only for the log to be applied: the store writer's
+    last report releases the log first, then the collector records the close (slowed down here)."""
+    with Collector(CollectorConfig(store=tmp_path / "s", port=0, chunk_len=8, store_writers=0), token=TOKEN) as c:
+        record = c.db.record_episode_closed
+
+        def slow_record(meta: Any) -> None:
+            time.sleep(0.5)
+            record(meta)
+
+        c.db.record_episode_closed = slow_record  # type: ignore[method-assign]
+        client = RobotClient(c.address, "arm-1", SPEC, "t", token=TOKEN)
+        eid = client.start_episode()
+        for _ in range(5):
+            client.add_frame(
+                {"front": np.zeros((16, 16, 3), np.uint8)}, np.zeros(5, np.float32), np.zeros(3, np.float32)
+            )
+        client.end_episode("success")
+        assert client.close(30)
+        assert c.drain(30)
+        rec = c.db.episode(eid)
+        assert rec is not None and (rec.status, rec.length) == ("closed", 5)
+
+
 def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_url: str | None) -> None:
     """Frames acknowledged but not yet in Zarr survive a crash; a half-written record is cut off; the
     recovered episode's DB row closes with it."""

@@ -578,12 +578,17 @@ class Collector(_EpisodeIntake):
         self._hand_off(ep, ep.wal.size - before)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait until the store writers have applied every log received so far (for tests and tools)."""
+        """Wait until the store writers have applied every log received so far, and every episode whose
+        end was received is closed: in the store and in the metadata DB (for tests and tools). An episode
+        that failed (its error is logged) is not waited for. False if that took longer than ``timeout_s``.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._episodes_lock:
+                # An ended episode stays busy until _closed has recorded it in the DB: the writer's last
+                # report releases its log bytes first, then the DB row is written.
                 busy = any(
-                    ep.error is None and not ep.closed and ep.applied < ep.wal.size
+                    ep.error is None and not ep.closed and (ep.applied < ep.wal.size or ep.ended)
                     for ep in self._episodes.values()
                 )
             if not busy and self._pending_bytes == 0:
