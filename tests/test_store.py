@@ -655,7 +655,7 @@ def test_store_root_is_one_zarr_hierarchy(tmp_path: Path) -> None:
     document on open, idempotently, and racing creators neither fail nor tear it."""
     import threading
 
-    from fleet.store import _create_group_doc
+    from fleet.store.layout import _create_group_doc
 
     store = EpisodeStore(tmp_path / "s", create=True)
     frames = make_frames(5, 0)
