@@ -22,12 +22,11 @@ from typing import Any
 import numpy as np
 from vla_rl_client import wire
 from vla_rl_client.codec import from_tensor
+from vla_rl_client.frame import FRAME_FIELDS
 from vla_rl_client.meta import SegmentKind
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
-
-from fleet.store import FRAME_FIELDS
 
 WAL_DIR = "wal"  # under the store's root
 SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind

@@ -29,9 +29,10 @@ import numpy as np
 import psutil
 import pytest
 from vla_rl_client.codec import to_tensor
+from vla_rl_client.frame import Frame
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.robot_client import RobotClient
 from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
 from fleet.collector import Collector, CollectorConfig
@@ -45,6 +46,15 @@ from vla_rl.cli.common import open_db
 TOKEN = "collector-test-token"
 SPEC = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
 REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that runs this checkout's code: the repo first on its path, then
+    whatever this process's PYTHONPATH holds (e.g. a client package checkout beside the installed one)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 SC = grpc.StatusCode
 
 
@@ -56,18 +66,7 @@ def store_digests(root: Path) -> collections.Counter[tuple[str, int, str]]:
     for eid in store.episode_ids():
         ep = store.read_episode(eid)
         for i in range(ep.length):
-            d = frame_digest(
-                {k: v[i] for k, v in ep.cameras.items()},
-                ep.state[i],
-                ep.action[i],
-                ep.proposed_action[i],
-                float(ep.reward[i]),
-                bool(ep.terminated[i]),
-                bool(ep.truncated[i]),
-                int(ep.controller[i]),
-                float(ep.timestamp[i]),
-            )
-            out[(eid, i, d)] += 1
+            out[(eid, i, ep.frame(i).digest())] += 1
     return out
 
 
@@ -146,8 +145,9 @@ def stream_episodes(
             action = rng.uniform(-1, 1, 3).astype(np.float32)
             prop = action if ctrl == 0 else np.full(3, np.nan, np.float32)
             ts = max(time.time(), ts)
-            client.add_frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
-            out.append((eid, i, frame_digest(cams, state, action, prop, 0.5, False, False, ctrl, ts)))
+            frame = Frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
+            client.add(frame)
+            out.append((eid, i, frame.digest()))
             if pace_s:
                 time.sleep(pace_s)
         client.end_episode("success")
@@ -616,7 +616,9 @@ def test_buffer_full_raises_instead_of_dropping(tmp_path: Path) -> None:
 def test_drain_returns_once_ended_episodes_are_closed_in_the_db(tmp_path: Path) -> None:
     """drain() waits for the metadata DB's row too, not only for the log to be applied: the store writer's
     last report releases the log first, then the collector records the close (slowed down here)."""
-    with Collector(CollectorConfig(store=tmp_path / "s", port=0, chunk_len=8, store_writers=0), token=TOKEN) as c:
+    with Collector(
+        CollectorConfig(store=tmp_path / "s", port=0, chunk_len=8, store_writers=0), token=TOKEN
+    ) as c:
         record = c.db.record_episode_closed
 
         def slow_record(meta: Any) -> None:
@@ -653,7 +655,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_
             rng.uniform(-1, 1, 3).astype(np.float32),
         )
         client.add_frame(cams, state, action, timestamp=2000.0 + i, uncertainty=0.1 * i if i % 3 else None)
-        sent.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 2000.0 + i))
+        sent.append(Frame(cams, state, action, controller=0, timestamp=2000.0 + i).digest())
     assert client.flush(30)
     assert EpisodeStore(root).read_metadata(eid).length == 0  # acknowledged, only in the log (chunk of 64)
     # "crash": the server and its store writer go away without writing their buffers, as after SIGKILL
@@ -777,7 +779,7 @@ def busy_logs(store: Path) -> int:
 def start_collector_process(
     store: Path, port: int, log_path: Path, db_url: str | None = None
 ) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
     cmd += ["--port", str(port), "--token", TOKEN, "--chunk-len", "16"]
     cmd += ["--db", db_url] if db_url else []
@@ -973,7 +975,7 @@ print("closed", ok, flush=True)
 @pytest.mark.parametrize("collector_up", [True, False], ids=["acked", "collector-down"])
 def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: bool) -> None:
     """A robot program ends by itself once close() returns: no grpc thread keeps the interpreter alive."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     c = (
         Collector(CollectorConfig(store=tmp_path / "s", port=0), token=TOKEN).start()
         if collector_up
@@ -1005,7 +1007,8 @@ def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: 
 _SPOOL_SCRIPT = """
 import json, sys, time
 import numpy as np
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.frame import Frame
+from vla_rl_client.robot_client import RobotClient
 from vla_rl.cli.common import open_db
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
@@ -1027,8 +1030,9 @@ def frames(k):
         i = len(digests)
         cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
         state, action = rng.standard_normal(5).astype(np.float32), rng.uniform(-1, 1, 3).astype(np.float32)
-        client.add_frame(cams, state, action, timestamp=100.0 + i)
-        digests.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 100.0 + i))
+        frame = Frame(cams, state, action, controller=0, timestamp=100.0 + i)
+        client.add(frame)
+        digests.append(frame.digest())
 
 frames(8)
 assert client.flush(30)
@@ -1043,7 +1047,7 @@ time.sleep(600)
 def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
     """SIGKILL a robot with unacknowledged frames; its next process resends them from the spool: every
     sealed frame lands exactly once, and the episode is closed as aborted."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     root, spool, port = tmp_path / "s", tmp_path / "spool", free_port()
     address = f"127.0.0.1:{port}"
     c = Collector(CollectorConfig(store=root, port=port, chunk_len=8), token=TOKEN).start()

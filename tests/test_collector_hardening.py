@@ -25,10 +25,10 @@ import grpc
 import numpy as np
 import pytest
 from test_collector import (
-    REPO,
     SPEC,
     TOKEN,
     batch,
+    child_env,
     free_port,
     hello,
     raw_stream,
@@ -37,9 +37,10 @@ from test_collector import (
     stream_episodes,
 )
 from vla_rl_client.codec import to_tensor
+from vla_rl_client.frame import Frame
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.robot_client import RobotClient
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet import store as store_mod
@@ -84,7 +85,7 @@ def batch_digests(eid: str, seq: int, msg: pb.RobotMessage) -> list[tuple[str, i
         (
             eid,
             seq + i,
-            frame_digest({"front": cams[i]}, state[i], action[i], nan, 0.0, False, False, 0, ts[i]),
+            Frame({"front": cams[i]}, state[i], action[i], nan, controller=0, timestamp=ts[i]).digest(),
         )
         for i in range(n)
     ]
@@ -265,7 +266,7 @@ def _collector_proc(
     def limit() -> None:  # in the child only
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLA_RL_COLLECTOR_TOKEN": TOKEN}
+    env = child_env(VLA_RL_COLLECTOR_TOKEN=TOKEN)
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
     cmd += ["--port", str(port), "--chunk-len", "16", *extra]
     with open(log_path, "ab") as err:  # the child keeps its own copy of the descriptor
@@ -330,7 +331,7 @@ def test_many_open_episodes_under_a_low_descriptor_limit_and_a_restart(tmp_path:
     assert store_digests(store) == dict.fromkeys(sent, 1)
     out = subprocess.run(
         [sys.executable, "-m", "vla_rl.cli", "store", "verify", str(store)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,

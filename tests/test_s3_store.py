@@ -644,15 +644,16 @@ def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, t
             eid = client.start_episode()
 
             def frames(a: int, b: int) -> None:
-                from vla_rl_client.robot_client import frame_digest
+                from vla_rl_client.frame import Frame
 
                 for i in range(a, b):
                     cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
                     state = rng.standard_normal(5).astype(np.float32)
                     action = rng.uniform(-1, 1, 3).astype(np.float32)
                     ts = 1000.0 + i
-                    client.add_frame(cams, state, action, action, 0.0, False, False, 0, "", ts)
-                    sent.append((eid, i, frame_digest(cams, state, action, action, 0.0, False, False, 0, ts)))
+                    frame = Frame(cams, state, action, action, controller=0, timestamp=ts)
+                    client.add(frame)
+                    sent.append((eid, i, frame.digest()))
                 assert client.flush(30)
 
             frames(0, 16)

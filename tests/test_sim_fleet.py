@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from test_uncertainty import reference_cusum
-from vla_rl_client.robot_client import frame_digest
 from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector, CollectorConfig
@@ -220,23 +219,7 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         revs = np.array(ep.meta.revisions)[ep.revision]
         assert (revs[~human] == commit).all() and (revs[human] == "").all()
         for i in range(ep.length):
-            got[
-                (
-                    eid,
-                    i,
-                    frame_digest(
-                        {},
-                        ep.state[i],
-                        ep.action[i],
-                        ep.proposed_action[i],
-                        float(ep.reward[i]),
-                        bool(ep.terminated[i]),
-                        bool(ep.truncated[i]),
-                        int(ep.controller[i]),
-                        float(ep.timestamp[i]),
-                    ),
-                )
-            ] += 1
+            got[(eid, i, ep.frame(i).digest())] += 1
     assert got == collections.Counter((f["episode"], f["seq"], f["digest"]) for f in frames)
     assert n_interventions >= 1  # the weak policy needed help
     # the alarm fired on the first chunk; it waits (pending) while the one operator drives the other robot

@@ -152,7 +152,12 @@ def spawn_writer(
     root: Path, seed: int, n: int, chunk_len: int, db_url: str = "", wait_go: bool = False
 ) -> subprocess.Popen[str]:
     code = f"import test_store; test_store.child_writer({str(root)!r}, {seed}, {n}, {chunk_len}, {db_url!r}, {wait_go})"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])}
+    path = [
+        str(REPO),
+        str(TESTS_DIR),
+        os.environ.get("PYTHONPATH"),
+    ]  # the last: e.g. a client package checkout
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))}
     return subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.PIPE,

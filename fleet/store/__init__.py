@@ -43,8 +43,8 @@ The package, by job: :mod:`fleet.store.layout` (constants, :class:`Episode`, wha
 :mod:`fleet.store.verify` (``EpisodeStore.verify``).
 """
 
-from fleet.store.layout import FRAME_FIELDS, Episode, outcome_known
+from fleet.store.layout import Episode, outcome_known
 from fleet.store.store import EpisodeStore
 from fleet.store.writer import EpisodeWriter
 
-__all__ = ["FRAME_FIELDS", "Episode", "EpisodeStore", "EpisodeWriter", "outcome_known"]
+__all__ = ["Episode", "EpisodeStore", "EpisodeWriter", "outcome_known"]

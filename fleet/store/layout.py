@@ -19,6 +19,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 import zarr
+from vla_rl_client.frame import Frame
 from vla_rl_client.meta import EpisodeMeta
 from vla_rl_client.spec import RobotSpec, SpecError
 from zarr.codecs import BytesCodec, ZstdCodec
@@ -30,21 +31,6 @@ COMMIT_FILE = "commit.json"
 DEFAULT_CHUNK_LEN = 64
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _MAX_REVISIONS = int(np.iinfo(np.int16).max) + 1
-FRAME_FIELDS = frozenset(
-    [
-        "cameras",
-        "state",
-        "action",
-        "proposed_action",
-        "reward",
-        "terminated",
-        "truncated",
-        "controller",
-        "revision",
-        "timestamp",
-        "uncertainty",
-    ]
-)
 OPTIONAL_ARRAYS = frozenset(["uncertainty"])
 """Arrays an episode may lack (it was recorded before they existed): read as None, not an error."""
 
@@ -72,6 +58,22 @@ class Episode:
     @property
     def length(self) -> int:
         return self.meta.length
+
+    def frame(self, i: int) -> Frame:
+        """Frame ``i`` as a robot would have added it (views into the arrays; the revision by name)."""
+        return Frame(
+            cameras={k: v[i] for k, v in self.cameras.items()},
+            state=self.state[i],
+            action=self.action[i],
+            proposed_action=self.proposed_action[i],
+            reward=float(self.reward[i]),
+            terminated=bool(self.terminated[i]),
+            truncated=bool(self.truncated[i]),
+            controller=int(self.controller[i]),
+            revision=self.meta.revisions[int(self.revision[i])],
+            timestamp=float(self.timestamp[i]),
+            uncertainty=None if self.uncertainty is None else float(self.uncertainty[i]),
+        )
 
     @property
     def has_proposal(self) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import Any, Protocol, Self
 
 import numpy as np
 import zarr
+from vla_rl_client.frame import FRAME_FIELDS, Frame
 from vla_rl_client.meta import Controller, EpisodeDB, EpisodeMeta, Segment, SegmentKind
 from vla_rl_client.spec import RobotSpec, SpecError
 
@@ -21,7 +22,6 @@ from fleet.objstore import ObjectStore
 from fleet.store.layout import (
     _BLOCKS,
     _MAX_REVISIONS,
-    FRAME_FIELDS,
     OPTIONAL_ARRAYS,
     _array,
     _chunk_encoder,
@@ -183,20 +183,12 @@ class EpisodeWriter:
             )
 
     # ------------------------------------------------------------------ frames
-    def add_frame(
-        self,
-        cameras: Mapping[str, np.ndarray],
-        state: np.ndarray,
-        action: np.ndarray,
-        proposed_action: np.ndarray | None = None,
-        reward: float = 0.0,
-        terminated: bool = False,
-        truncated: bool = False,
-        controller: Controller | str | int | None = None,
-        revision: str = "",
-        timestamp: float | None = None,
-        uncertainty: float | None = None,
-    ) -> int:
+    def add_frame(self, *args: Any, **fields: Any) -> int:
+        """``add(Frame(...))``: the frame's fields by keyword (``cameras=..., state=..., action=...``, see
+        :class:`~vla_rl_client.frame.Frame`); returns its index in the episode."""
+        return self.add(Frame(*args, **fields))
+
+    def add(self, frame: Frame) -> int:
         """Validate and buffer one frame; returns its index in the episode.
 
         ``action`` is what was executed, ``proposed_action`` what the policy proposed (None or an
@@ -205,20 +197,7 @@ class EpisodeWriter:
         defaults to now and may not go backwards. ``uncertainty`` is the policy's score of the chunk
         the action came from (None or NaN: none).
         """
-        frame = {
-            "cameras": cameras,
-            "state": state,
-            "action": action,
-            "proposed_action": proposed_action,
-            "reward": reward,
-            "terminated": terminated,
-            "truncated": truncated,
-            "controller": controller,
-            "revision": revision,
-            "timestamp": timestamp,
-            "uncertainty": uncertainty,
-        }
-        return self._add(frame, None)
+        return self._add(frame.fields(), None)
 
     def add_frames(self, batch: Mapping[str, Any]) -> int:
         """Validate and buffer N frames given as stacked arrays; returns the index of the first.
