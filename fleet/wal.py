@@ -3,7 +3,7 @@ that the store writers (``fleet/store_writer.py``) share with it.
 
 A log is one file per open episode, ``<store>/wal/<episode_id>.wal``, of records
 ``[u32 length][u32 crc32][payload]`` (:func:`vla_rl_client.wire.parse_records`) holding ``RobotMessage`` bytes
-exactly as received (see ``fleet/collector.py`` for how it makes "ack only when durable" and "exactly
+exactly as received (see ``fleet/collector/`` for how it makes "ack only when durable" and "exactly
 once" cheap).
 :func:`parse_message` reads such bytes (camera pixels as views, see ``packages/vla-rl-client/vla_rl_client/wire.py``) and
 :func:`decode_frames` validates a ``FrameBatch`` against the robot's spec into ``EpisodeWriter`` input.
@@ -22,12 +22,11 @@ from typing import Any
 import numpy as np
 from vla_rl_client import wire
 from vla_rl_client.codec import from_tensor
+from vla_rl_client.frame import FRAME_FIELDS
 from vla_rl_client.meta import SegmentKind
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
-
-from fleet.store import FRAME_FIELDS
 
 WAL_DIR = "wal"  # under the store's root
 SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind

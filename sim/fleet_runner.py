@@ -147,8 +147,9 @@ class SyntheticRobotConfig:
 
 def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
     """Process entry point: stream ``episodes`` episodes of deterministic frames, record them, report."""
+    from vla_rl_client.frame import Frame
     from vla_rl_client.meta import new_episode_id
-    from vla_rl_client.robot_client import RobotClient, frame_digest
+    from vla_rl_client.robot_client import RobotClient
     from vla_rl_client.spec import RobotSpec
     from vla_rl_client.wire import keep_freed_memory
 
@@ -221,12 +222,10 @@ def synthetic_robot_main(cfg: SyntheticRobotConfig) -> None:
             reward = float(i == n - 1)
             ts = max(time.time(), last_ts)
             last_ts = ts
-            client.add_frame(
-                cams, state, action, proposed, reward, i == n - 1, False, ctrl, "synthetic-rev", timestamp=ts
-            )
+            frame = Frame(cams, state, action, proposed, reward, i == n - 1, False, ctrl, "synthetic-rev", ts)
+            client.add(frame)
             if cfg.record_path:
-                digest = frame_digest(cams, state, action, proposed, reward, i == n - 1, False, ctrl, ts)
-                record.frame(eid, i, digest, ctrl, seg)
+                record.frame(eid, i, frame.digest(), ctrl, seg)
             if period:
                 next_t += period
                 delay = next_t - time.perf_counter()
@@ -336,9 +335,10 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any)
 
 
 def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+    from vla_rl_client.frame import Frame
     from vla_rl_client.meta import new_episode_id
     from vla_rl_client.policy_client import PolicyClient
-    from vla_rl_client.robot_client import RobotClient, frame_digest
+    from vla_rl_client.robot_client import RobotClient
 
     from sim.registry import make_env
 
@@ -395,23 +395,21 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                 next_obs, reward, terminated, truncated, next_info = env.step(action)
                 ts = max(time.time(), last_ts)
                 last_ts = ts
-                client.add_frame(
-                    obs["cameras"],
-                    obs["state"],
-                    action,
-                    proposed,
-                    reward,
-                    terminated,
-                    truncated,
-                    ctrl,
-                    revision,
-                    ts,
-                    unc,
+                frame = Frame(
+                    cameras=obs["cameras"],
+                    state=obs["state"],
+                    action=action,
+                    proposed_action=proposed,
+                    reward=reward,
+                    terminated=terminated,
+                    truncated=truncated,
+                    controller=ctrl,
+                    revision=revision,
+                    timestamp=ts,
+                    uncertainty=unc,
                 )
-                digest = frame_digest(
-                    obs["cameras"], obs["state"], action, proposed, reward, terminated, truncated, ctrl, ts
-                )
-                record.frame(eid, t, digest, ctrl, len(segments) - 1)
+                client.add(frame)
+                record.frame(eid, t, frame.digest(), ctrl, len(segments) - 1)
                 obs, info = next_obs, next_info
                 t += 1
             success = bool(info["success"])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_server import SPEC, TOKEN, make_checkpoint, start_server
 
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
 from scripts.import_graph import ROOT
 
 ROBOT_LOOP = dedent(
@@ -143,7 +143,9 @@ def test_robot_loop_from_the_bare_venv(bare_python: Path, tmp_path: Path) -> Non
     script.write_text(ROBOT_LOOP)
     policy_server = start_server({"arm": make_checkpoint(tmp_path / "ckpt", 0)})
     try:
-        with Collector(tmp_path / "store", port=0, token=TOKEN, idle_flush_s=0.5) as collector:
+        with Collector(
+            CollectorConfig(store=tmp_path / "store", port=0, idle_flush_s=0.5), token=TOKEN
+        ) as collector:
             args = {
                 "policy": policy_server.address,
                 "collector": collector.address,

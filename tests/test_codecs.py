@@ -166,16 +166,18 @@ def test_collector_writes_a_jpeg_camera_end_to_end(tmp_path: Path) -> None:
     writes front as JPEG from the array's metadata alone."""
     from vla_rl_client.robot_client import RobotClient
 
-    from fleet.collector import Collector
+    from fleet.collector import Collector, CollectorConfig
 
     token = "codec-test"
     c = Collector(
-        tmp_path / "store",
-        port=0,
+        CollectorConfig(
+            store=tmp_path / "store",
+            port=0,
+            chunk_len=16,
+            camera_codec="jpeg:90,wrist=lossless,hand=jpeg:50",
+            store_writers=0,  # its StoreWriter in a thread: the same code as the process, without a start-up
+        ),
         token=token,
-        chunk_len=16,
-        camera_codec="jpeg:90,wrist=lossless,hand=jpeg:50",
-        store_writers=0,  # its StoreWriter in a thread: the same code as the process, without a start-up
     ).start()
     try:
         client = RobotClient(c.address, "arm-1", SPEC, "test/task", token=token, max_batch_frames=4)

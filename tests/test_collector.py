@@ -29,12 +29,15 @@ import numpy as np
 import psutil
 import pytest
 from vla_rl_client.codec import to_tensor
+from vla_rl_client.frame import Frame
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.robot_client import RobotClient
 from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 
-from fleet.collector import Collector, _ProcessWriter
+from fleet.collector import Collector, CollectorConfig
+from fleet.collector.config import MB
+from fleet.collector.writers import _ProcessWriter
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
 from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
@@ -43,6 +46,15 @@ from vla_rl.cli.common import open_db
 TOKEN = "collector-test-token"
 SPEC = RobotSpec("arm", 5, 3, 30.0, "push the cube", cameras=(CameraSpec("front", 16, 16),))
 REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that runs this checkout's code: the repo first on its path, then
+    whatever this process's PYTHONPATH holds (e.g. a client package checkout beside the installed one)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 SC = grpc.StatusCode
 
 
@@ -54,18 +66,7 @@ def store_digests(root: Path) -> collections.Counter[tuple[str, int, str]]:
     for eid in store.episode_ids():
         ep = store.read_episode(eid)
         for i in range(ep.length):
-            d = frame_digest(
-                {k: v[i] for k, v in ep.cameras.items()},
-                ep.state[i],
-                ep.action[i],
-                ep.proposed_action[i],
-                float(ep.reward[i]),
-                bool(ep.terminated[i]),
-                bool(ep.truncated[i]),
-                int(ep.controller[i]),
-                float(ep.timestamp[i]),
-            )
-            out[(eid, i, d)] += 1
+            out[(eid, i, ep.frame(i).digest())] += 1
     return out
 
 
@@ -144,8 +145,9 @@ def stream_episodes(
             action = rng.uniform(-1, 1, 3).astype(np.float32)
             prop = action if ctrl == 0 else np.full(3, np.nan, np.float32)
             ts = max(time.time(), ts)
-            client.add_frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
-            out.append((eid, i, frame_digest(cams, state, action, prop, 0.5, False, False, ctrl, ts)))
+            frame = Frame(cams, state, action, prop, 0.5, False, False, ctrl, "rev-a", ts)
+            client.add(frame)
+            out.append((eid, i, frame.digest()))
             if pace_s:
                 time.sleep(pace_s)
         client.end_episode("success")
@@ -165,7 +167,8 @@ PG_SLOW = pytest.mark.parametrize(
 def collector(tmp_path: Path, store_db_url: str | None) -> Iterator[Collector]:
     """A collector on the store's own SQLite, or (second parameter) on a PostgreSQL database."""
     c = Collector(
-        tmp_path / "store", store_db_url, port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.5
+        CollectorConfig(store=tmp_path / "store", db=store_db_url, port=0, chunk_len=16, idle_flush_s=0.5),
+        token=TOKEN,
     ).start()
     yield c
     c.stop()
@@ -276,7 +279,7 @@ def test_auth_required(collector: Collector, tmp_path: Path) -> None:
                 pb_grpc.CollectorStub(ch).GetStats(pb.StatsRequest(), metadata=md, timeout=5)
             assert e.value.code() == SC.UNAUTHENTICATED
     with pytest.raises(ValueError, match="token"):
-        Collector(tmp_path / "other", host="0.0.0.0", port=0)
+        Collector(CollectorConfig(store=tmp_path / "other", host="0.0.0.0", port=0))
     assert EpisodeStore(collector.store.root).episode_ids() == []
 
 
@@ -391,12 +394,12 @@ def test_bad_settings_name_the_field_and_create_nothing(tmp_path: Path) -> None:
         ({"store_writer_nice": 20}, "store_writer_nice"),
     ):
         with pytest.raises(ValueError, match=field_name):
-            Collector(tmp_path / "s", port=0, **kw)  # type: ignore[arg-type]
+            CollectorConfig(store=tmp_path / "s", port=0, **kw)  # type: ignore[arg-type]
         assert not (tmp_path / "s").exists()
 
 
 def test_allow_list(tmp_path: Path) -> None:
-    with Collector(tmp_path / "s", port=0, token=TOKEN, allowed_robots={"arm-1"}) as c:
+    with Collector(CollectorConfig(store=tmp_path / "s", port=0, robots="arm-1"), token=TOKEN) as c:
         send, recv, close = raw_stream(c.address)
         send(hello("intruder"))
         r = recv().reject
@@ -462,7 +465,8 @@ def test_backpressure_slows_robots_without_loss(tmp_path: Path, monkeypatch: pyt
     # store_writers=0: the writer runs in this process, so the slow-down applies to it
     monkeypatch.setattr(fleet.store_writer, "apply_record", slow_apply)
     with Collector(
-        tmp_path / "s", port=0, token=TOKEN, max_pending_bytes=1, chunk_len=8, store_writers=0
+        CollectorConfig(store=tmp_path / "s", port=0, max_pending_mb=1 / MB, chunk_len=8, store_writers=0),
+        token=TOKEN,
     ) as c:
         client = RobotClient(
             c.address, "arm-1", SPEC, "t", token=TOKEN, max_batch_frames=1, batch_interval_s=0
@@ -488,7 +492,10 @@ def test_killed_store_writer_is_restarted_and_every_frame_lands_once(
 ) -> None:
     """SIGKILL the store writer processes three times while 4 robots stream: each restart replays the logs
     from the Zarr commits; every frame is stored exactly once and nothing else appears."""
-    c = Collector(tmp_path / "s", store_db_url, port=0, token=TOKEN, chunk_len=8, store_writers=2).start()
+    c = Collector(
+        CollectorConfig(store=tmp_path / "s", db=store_db_url, port=0, chunk_len=8, store_writers=2),
+        token=TOKEN,
+    ).start()
     try:
         sent: list[tuple[str, int, str]] = []
         clients = [
@@ -546,7 +553,7 @@ def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None
     """Past 5 deaths a minute the writer is not restarted: its episodes' streams get UNAVAILABLE (no silent
     acks of frames nobody will write), and the next collector replays what was acknowledged."""
     root = tmp_path / "s"
-    c = Collector(root, port=0, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=0, chunk_len=8), token=TOKEN).start()
     try:
         send, recv, close = raw_stream(c.address)
         send(hello())
@@ -569,7 +576,7 @@ def test_store_writer_dying_again_and_again_fails_loudly(tmp_path: Path) -> None
         close()
     finally:
         c.stop()
-    with Collector(root, port=0, token=TOKEN, chunk_len=8) as c2:
+    with Collector(CollectorConfig(store=root, port=0, chunk_len=8), token=TOKEN) as c2:
         assert c2.drain(30)
         send, recv, close = raw_stream(c2.address)
         send(hello())
@@ -586,7 +593,7 @@ def test_client_buffers_offline_until_the_collector_starts(tmp_path: Path) -> No
     )
     sent = stream_episodes(client, 2, 12, seed=4)
     assert not client.flush(0.5) and client.stats.pending_frames == 24
-    with Collector(tmp_path / "s", port=port, token=TOKEN) as c:
+    with Collector(CollectorConfig(store=tmp_path / "s", port=port), token=TOKEN) as c:
         assert client.close(30)
         assert c.drain(30)
         assert sorted(store_digests(c.store.root)) == sorted(sent)
@@ -606,11 +613,37 @@ def test_buffer_full_raises_instead_of_dropping(tmp_path: Path) -> None:
     client.close(0.1)
 
 
+def test_drain_returns_once_ended_episodes_are_closed_in_the_db(tmp_path: Path) -> None:
+    """drain() waits for the metadata DB's row too, not only for the log to be applied: the store writer's
+    last report releases the log first, then the collector records the close (slowed down here)."""
+    with Collector(
+        CollectorConfig(store=tmp_path / "s", port=0, chunk_len=8, store_writers=0), token=TOKEN
+    ) as c:
+        record = c.db.record_episode_closed
+
+        def slow_record(meta: Any) -> None:
+            time.sleep(0.5)
+            record(meta)
+
+        c.db.record_episode_closed = slow_record  # type: ignore[method-assign]
+        client = RobotClient(c.address, "arm-1", SPEC, "t", token=TOKEN)
+        eid = client.start_episode()
+        for _ in range(5):
+            client.add_frame(
+                {"front": np.zeros((16, 16, 3), np.uint8)}, np.zeros(5, np.float32), np.zeros(3, np.float32)
+            )
+        client.end_episode("success")
+        assert client.close(30)
+        assert c.drain(30)
+        rec = c.db.episode(eid)
+        assert rec is not None and (rec.status, rec.length) == ("closed", 5)
+
+
 def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_url: str | None) -> None:
     """Frames acknowledged but not yet in Zarr survive a crash; a half-written record is cut off; the
     recovered episode's DB row closes with it."""
     root = tmp_path / "s"
-    c = Collector(root, store_db_url, port=0, token=TOKEN, chunk_len=64).start()
+    c = Collector(CollectorConfig(store=root, db=store_db_url, port=0, chunk_len=64), token=TOKEN).start()
     client = RobotClient(c.address, "arm-1", SPEC, "t", token=TOKEN)
     rng = np.random.default_rng(5)
     eid = client.start_episode(episode_id="crash-ep")
@@ -622,7 +655,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_
             rng.uniform(-1, 1, 3).astype(np.float32),
         )
         client.add_frame(cams, state, action, timestamp=2000.0 + i, uncertainty=0.1 * i if i % 3 else None)
-        sent.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 2000.0 + i))
+        sent.append(Frame(cams, state, action, controller=0, timestamp=2000.0 + i).digest())
     assert client.flush(30)
     assert EpisodeStore(root).read_metadata(eid).length == 0  # acknowledged, only in the log (chunk of 64)
     # "crash": the server and its store writer go away without writing their buffers, as after SIGKILL
@@ -638,7 +671,7 @@ def test_recovery_replays_the_log_and_cuts_a_torn_tail(tmp_path: Path, store_db_
     assert msgs[0].WhichOneof("body") == "segment" and good < log.stat().st_size
     assert sum(m.frames.action.shape[0] for m in msgs[1:]) == 20
     port = int(c.address.rsplit(":", 1)[1])
-    c2 = Collector(root, store_db_url, port=port, token=TOKEN, chunk_len=64).start()
+    c2 = Collector(CollectorConfig(store=root, db=store_db_url, port=port, chunk_len=64), token=TOKEN).start()
     try:
         assert log.stat().st_size == good
         client.end_episode("success")
@@ -746,7 +779,7 @@ def busy_logs(store: Path) -> int:
 def start_collector_process(
     store: Path, port: int, log_path: Path, db_url: str | None = None
 ) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
     cmd += ["--port", str(port), "--token", TOKEN, "--chunk-len", "16"]
     cmd += ["--db", db_url] if db_url else []
@@ -942,8 +975,12 @@ print("closed", ok, flush=True)
 @pytest.mark.parametrize("collector_up", [True, False], ids=["acked", "collector-down"])
 def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: bool) -> None:
     """A robot program ends by itself once close() returns: no grpc thread keeps the interpreter alive."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    c = Collector(tmp_path / "s", port=0, token=TOKEN).start() if collector_up else None
+    env = child_env()
+    c = (
+        Collector(CollectorConfig(store=tmp_path / "s", port=0), token=TOKEN).start()
+        if collector_up
+        else None
+    )
     address = c.address if c is not None else f"127.0.0.1:{free_port()}"
     try:
         proc = subprocess.Popen(
@@ -970,7 +1007,8 @@ def test_robot_process_exits_promptly_after_close(tmp_path: Path, collector_up: 
 _SPOOL_SCRIPT = """
 import json, sys, time
 import numpy as np
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.frame import Frame
+from vla_rl_client.robot_client import RobotClient
 from vla_rl.cli.common import open_db
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
@@ -992,8 +1030,9 @@ def frames(k):
         i = len(digests)
         cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
         state, action = rng.standard_normal(5).astype(np.float32), rng.uniform(-1, 1, 3).astype(np.float32)
-        client.add_frame(cams, state, action, timestamp=100.0 + i)
-        digests.append(frame_digest(cams, state, action, np.full(3, np.nan), 0.0, False, False, 0, 100.0 + i))
+        frame = Frame(cams, state, action, controller=0, timestamp=100.0 + i)
+        client.add(frame)
+        digests.append(frame.digest())
 
 frames(8)
 assert client.flush(30)
@@ -1008,10 +1047,10 @@ time.sleep(600)
 def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
     """SIGKILL a robot with unacknowledged frames; its next process resends them from the spool: every
     sealed frame lands exactly once, and the episode is closed as aborted."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     root, spool, port = tmp_path / "s", tmp_path / "spool", free_port()
     address = f"127.0.0.1:{port}"
-    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=port, chunk_len=8), token=TOKEN).start()
     robot = subprocess.Popen(
         [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "stream"],
         stdin=subprocess.PIPE,
@@ -1030,7 +1069,7 @@ def test_spooled_frames_survive_a_killed_robot_process(tmp_path: Path) -> None:
     finally:
         robot.kill()
     assert len(digests) == 22 and len(list(spool.glob("*.spool"))) == 1
-    c = Collector(root, port=port, token=TOKEN, chunk_len=8).start()
+    c = Collector(CollectorConfig(store=root, port=port, chunk_len=8), token=TOKEN).start()
     try:
         out = subprocess.run(
             [sys.executable, "-c", _SPOOL_SCRIPT, address, TOKEN, str(spool), "resend"],

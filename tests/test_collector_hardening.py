@@ -25,10 +25,10 @@ import grpc
 import numpy as np
 import pytest
 from test_collector import (
-    REPO,
     SPEC,
     TOKEN,
     batch,
+    child_env,
     free_port,
     hello,
     raw_stream,
@@ -37,20 +37,24 @@ from test_collector import (
     stream_episodes,
 )
 from vla_rl_client.codec import to_tensor
+from vla_rl_client.frame import Frame
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.proto import collector_pb2_grpc as pb_grpc
-from vla_rl_client.robot_client import RobotClient, frame_digest
+from vla_rl_client.robot_client import RobotClient
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from fleet import store as store_mod
-from fleet.collector import Collector, load_robot_tokens, read_token_file
+from fleet.collector import Collector, CollectorConfig, load_robot_tokens, read_token_file
+from fleet.collector.config import MB
 
 SC = grpc.StatusCode
 
 
 @pytest.fixture
 def collector(tmp_path: Path) -> Iterator[Collector]:
-    c = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.5).start()
+    c = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16, idle_flush_s=0.5), token=TOKEN
+    ).start()
     yield c
     c.stop()
 
@@ -81,7 +85,7 @@ def batch_digests(eid: str, seq: int, msg: pb.RobotMessage) -> list[tuple[str, i
         (
             eid,
             seq + i,
-            frame_digest({"front": cams[i]}, state[i], action[i], nan, 0.0, False, False, 0, ts[i]),
+            Frame({"front": cams[i]}, state[i], action[i], nan, controller=0, timestamp=ts[i]).digest(),
         )
         for i in range(n)
     ]
@@ -171,7 +175,10 @@ def test_undecodable_messages_are_rejected_and_logged_once_per_peer(
 
 # ------------------------------------------------------------------------------------------ 2. episodes, fds
 def test_open_episodes_are_capped_per_robot(tmp_path: Path) -> None:
-    with Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=16, max_open_episodes_per_robot=3) as c:
+    with Collector(
+        CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16, max_open_episodes_per_robot=3),
+        token=TOKEN,
+    ) as c:
         send, recv, close = raw_stream(c.address)
         ask(send, recv, hello("cap-0"))
         for i in range(3):
@@ -194,7 +201,9 @@ def test_open_episodes_are_capped_per_robot(tmp_path: Path) -> None:
 
 
 def test_idle_episodes_are_closed_as_aborted_with_their_frames(tmp_path: Path) -> None:
-    with Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=16, episode_idle_timeout_s=0.5) as c:
+    with Collector(
+        CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16, episode_idle_timeout_s=0.5), token=TOKEN
+    ) as c:
         send, recv, close = raw_stream(c.address)
         ask(send, recv, hello())
         ask(send, recv, start("idle-1"))
@@ -225,7 +234,9 @@ def test_idle_episodes_are_closed_as_aborted_with_their_frames(tmp_path: Path) -
 
 
 def test_log_descriptors_are_pooled(tmp_path: Path) -> None:
-    with Collector(tmp_path / "s", port=0, token=TOKEN, chunk_len=16, max_open_logs=3) as c:
+    with Collector(
+        CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16, max_open_logs=3), token=TOKEN
+    ) as c:
         send, recv, close = raw_stream(c.address)
         ask(send, recv, hello())
         eids = [f"pool-{i}" for i in range(10)]
@@ -255,7 +266,7 @@ def _collector_proc(
     def limit() -> None:  # in the child only
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLA_RL_COLLECTOR_TOKEN": TOKEN}
+    env = child_env(VLA_RL_COLLECTOR_TOKEN=TOKEN)
     cmd = [sys.executable, "-m", "vla_rl.cli", "--log-format", "json", "collect", "--store", str(store)]
     cmd += ["--port", str(port), "--chunk-len", "16", *extra]
     with open(log_path, "ab") as err:  # the child keeps its own copy of the descriptor
@@ -320,7 +331,7 @@ def test_many_open_episodes_under_a_low_descriptor_limit_and_a_restart(tmp_path:
     assert store_digests(store) == dict.fromkeys(sent, 1)
     out = subprocess.run(
         [sys.executable, "-m", "vla_rl.cli", "store", "verify", str(store)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -332,13 +343,15 @@ def test_many_open_episodes_under_a_low_descriptor_limit_and_a_restart(tmp_path:
 def test_camera_sizes_and_writer_buffers_are_bounded(tmp_path: Path) -> None:
     big = RobotSpec("arm", 5, 3, 30.0, "push", cameras=(CameraSpec("front", 1024, 1024),))
     with Collector(
-        tmp_path / "s",
-        port=0,
+        CollectorConfig(
+            store=tmp_path / "s",
+            port=0,
+            chunk_len=64,
+            store_writers=0,
+            max_camera_pixels=640 * 480,
+            max_buffered_mb=100_000 / MB,  # ~2 episodes' blocks of 64 frames of one 16x16 camera
+        ),
         token=TOKEN,
-        chunk_len=64,
-        store_writers=0,
-        max_camera_pixels=640 * 480,
-        max_buffered_bytes=100_000,  # ~2 episodes' blocks of 64 frames of one 16x16 camera
     ) as c:
         send, recv, close = raw_stream(c.address)
         r = ask(send, recv, hello("big-0", big)).reject
@@ -389,13 +402,15 @@ def test_a_full_disk_is_retried_with_backoff_and_nothing_is_lost(
 
     monkeypatch.setattr(store_mod.EpisodeWriter, "_write", full_disk)
     with Collector(
-        tmp_path / "s",
-        port=0,
+        CollectorConfig(
+            store=tmp_path / "s",
+            port=0,
+            chunk_len=16,
+            store_writers=0,
+            idle_flush_s=0.3,
+            store_retry_max_s=0.5,
+        ),
         token=TOKEN,
-        chunk_len=16,
-        store_writers=0,
-        idle_flush_s=0.3,
-        store_retry_max_s=0.5,
     ) as c:
         client = RobotClient(c.address, "arm-1", SPEC, "test/task", token=TOKEN, max_batch_frames=4)
         sent = stream_episodes(client, episodes=2, frames=40, seed=3)
@@ -414,7 +429,9 @@ def test_a_full_disk_is_retried_with_backoff_and_nothing_is_lost(
 # ------------------------------------------------------------------------------------------ 5. drain
 def test_stop_is_bounded_by_drain_timeout_and_loses_nothing_acknowledged(tmp_path: Path) -> None:
     store = tmp_path / "s"
-    c = Collector(store, port=0, token=TOKEN, chunk_len=16, drain_timeout_s=1.0).start()
+    c = Collector(
+        CollectorConfig(store=store, port=0, chunk_len=16, drain_timeout_s=1.0), token=TOKEN
+    ).start()
     send, recv, close = raw_stream(c.address)
     ask(send, recv, hello())
     ask(send, recv, start("drain-1"))
@@ -433,7 +450,8 @@ def test_stop_is_bounded_by_drain_timeout_and_loses_nothing_acknowledged(tmp_pat
     took = time.monotonic() - t0
     assert took < 1.0 + 2.5, took
     assert writer.poll() is not None  # killed past the bound
-    with Collector(store, port=0, token=TOKEN, chunk_len=16) as c2:  # the log gives back what was acked
+    # the log gives back what was acked
+    with Collector(CollectorConfig(store=store, port=0, chunk_len=16), token=TOKEN) as c2:
         send, recv, close = raw_stream(c2.address)
         ask(send, recv, hello())
         assert ask(send, recv, start("drain-1")).ack.committed == 12
@@ -456,7 +474,7 @@ def test_sigterm_exits_within_the_drain_bound(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ 6-7. identity
 def test_per_robot_tokens_bind_the_robot_id(tmp_path: Path) -> None:
     tokens = {"arm-a": "a" * 20, "arm-b": "b" * 20}
-    with Collector(tmp_path / "s", port=0, robot_tokens=tokens, chunk_len=16) as c:
+    with Collector(CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16), robot_tokens=tokens) as c:
         send, recv, close = raw_stream(c.address, token=tokens["arm-a"])
         r = ask(send, recv, hello("arm-b")).reject
         assert r.code == SC.PERMISSION_DENIED.value[0] and "'arm-a'" in r.message
@@ -478,7 +496,7 @@ def test_per_robot_tokens_bind_the_robot_id(tmp_path: Path) -> None:
             assert e.value.code() == SC.UNAUTHENTICATED
             close()
     with pytest.raises(ValueError, match="token"):
-        Collector(tmp_path / "t", host="0.0.0.0", port=0)
+        Collector(CollectorConfig(store=tmp_path / "t", host="0.0.0.0", port=0))
 
 
 def test_token_files(tmp_path: Path) -> None:
@@ -507,7 +525,10 @@ def test_token_files(tmp_path: Path) -> None:
 
 def test_metrics_bind_loopback_and_can_hide_robot_ids(tmp_path: Path) -> None:
     with Collector(
-        tmp_path / "s", port=0, token=TOKEN, chunk_len=16, metrics_port=0, metrics_robot_labels=False
+        CollectorConfig(
+            store=tmp_path / "s", port=0, chunk_len=16, metrics_port=0, metrics_robot_labels=False
+        ),
+        token=TOKEN,
     ) as c:
         assert c._metrics_server.server_address[0] == "127.0.0.1"
         client = RobotClient(c.address, "secret-robot-7", SPEC, "test/task", token=TOKEN, max_batch_frames=4)

@@ -41,7 +41,7 @@ from PIL import Image
 from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
 from vla_rl_client.spec import RobotSpec
 
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
 from sim.operator import OperatorRules
@@ -80,7 +80,9 @@ def fleet_world(
     else:
         hub, server, base_commit = shared.hub, shared.server, shared.base_commit
     store = root / "store"
-    collector = Collector(store, db_url, port=0, token=COLLECTOR_TOKEN, chunk_len=8).start()
+    collector = Collector(
+        CollectorConfig(store=store, db=db_url, port=0, chunk_len=8), token=COLLECTOR_TOKEN
+    ).start()
     w = FleetWorld(
         root,
         store,
@@ -1121,7 +1123,10 @@ def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_
     url, task, per_robot = pg.create_database(), "t", 4
     stores = [tmp_path / "s1", tmp_path / "s2"]
     collectors = [
-        Collector(s, url, port=0, token=ROBOT_TOKEN, chunk_len=8, store_writers=0).start() for s in stores
+        Collector(
+            CollectorConfig(store=s, db=url, port=0, chunk_len=8, store_writers=0), token=ROBOT_TOKEN
+        ).start()
+        for s in stores
     ]
     d = Dashboard(DashboardConfig(store=stores[0], db=url, workdir=tmp_path / "dash"))
     done, labelled_all = threading.Event(), threading.Event()  # the robots' streams; the last label pass

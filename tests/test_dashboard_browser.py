@@ -36,7 +36,7 @@ from dashboard_world import (
     stop_world,
 )
 
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
 from fleet.store import EpisodeStore
 from sim.demos import record_demos
 from sim.operator import OperatorRules
@@ -160,7 +160,7 @@ def sqlite_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetWorl
     hub = start_registry(root, HUB_TOKEN)  # children (dashboard, worker, serve) inherit HF_ENDPOINT/HF_TOKEN
     store, _ = build_store(root, hub.url)
     server = serve_prod(REPO, token="x")
-    collector = Collector(store, port=0, token=COLLECTOR_TOKEN, chunk_len=16).start()
+    collector = Collector(CollectorConfig(store=store, port=0, chunk_len=16), token=COLLECTOR_TOKEN).start()
     w = FleetWorld(root, store, hub, server, collector, resolve(f"hub://{REPO}@prod"))
     try:
         _fleet_into(w)

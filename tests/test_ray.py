@@ -303,14 +303,16 @@ def test_too_small_a_cluster_is_a_clear_error(ray_head: str) -> None:
 def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path) -> None:
     from test_sim_fleet import TOKEN, task_spec, tiny_checkpoint
 
-    from fleet.collector import Collector
+    from fleet.collector import Collector, CollectorConfig
     from fleet.store import EpisodeStore
     from server.policy_server import PolicyServer
     from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec(KIN))
     server = PolicyServer({"reach": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
-    collector = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16).start()
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
     records = tmp_path / "records"
     killed: list[int] = []
     stop = threading.Event()

@@ -28,7 +28,7 @@ from test_store import SPEC, TASK, make_frames, take
 from vla_rl_client.robot_client import RobotClient
 
 from bench.store_s3 import MotoS3
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
 from fleet.dataset import ChunkDataset
 from fleet.objstore import StoreURLError
 from fleet.store import EpisodeStore
@@ -87,7 +87,10 @@ def test_collector_writes_to_s3_and_the_episodes_read_back_bit_exact(s3: MotoS3,
     url = f"s3://{new_bucket(s3)}/fleet/store"
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
     wal = tmp_path / "wal"
-    c = Collector(url, db_url, wal_dir=wal, port=0, token=TOKEN, chunk_len=16, idle_flush_s=0.2).start()
+    c = Collector(
+        CollectorConfig(store=url, db=db_url, wal_dir=wal, port=0, chunk_len=16, idle_flush_s=0.2),
+        token=TOKEN,
+    ).start()
     try:
         client = RobotClient(c.address, "arm-1", ROBOT_SPEC, "test/task", token=TOKEN, max_batch_frames=4)
         sent = stream_episodes(client, episodes=2, frames=40, seed=0)
@@ -441,7 +444,9 @@ def test_a_round_trains_on_an_s3_store(s3: MotoS3, tmp_path: Path, writer: str) 
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
     spec = task_spec(task)
     if writer == "collector":
-        c = Collector(url, db_url, wal_dir=tmp_path / "wal", port=0, token=TOKEN, chunk_len=8).start()
+        c = Collector(
+            CollectorConfig(store=url, db=db_url, wal_dir=tmp_path / "wal", port=0, chunk_len=8), token=TOKEN
+        ).start()
         try:
             client = RobotClient(c.address, "arm-1", spec, task, token=TOKEN, max_batch_frames=8)
             stream_expert_episodes(client, task, episodes=4, steps=12, seed=0)
@@ -491,10 +496,14 @@ def test_a_second_collector_on_the_same_prefix_refuses_naming_the_holder(
 
     url = f"s3://{new_bucket(s3)}/shared"
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
-    first = Collector(url, db_url, wal_dir=tmp_path / "wal-a", port=0, token=TOKEN).start()
+    first = Collector(
+        CollectorConfig(store=url, db=db_url, wal_dir=tmp_path / "wal-a", port=0), token=TOKEN
+    ).start()
     try:
         assert first.lease is not None and EpisodeStore(url).remote.exists(LEASE_KEY)  # type: ignore[union-attr]
-        second = Collector(url, db_url, wal_dir=tmp_path / "wal-b", port=0, token=TOKEN)
+        second = Collector(
+            CollectorConfig(store=url, db=db_url, wal_dir=tmp_path / "wal-b", port=0), token=TOKEN
+        )
         t0 = time.monotonic()
         with pytest.raises(LeaseHeld, match="another collector holds its lease") as held:
             second.start()
@@ -576,9 +585,9 @@ def test_bad_urls_and_missing_credentials_name_the_setting(
     assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err, err
     # The collector needs a local log directory and a DB server for an object store.
     with pytest.raises(ValueError, match=r"wal_dir:.*--wal-dir"):
-        Collector(f"s3://{bucket}/c", f"sqlite:///{tmp_path / 'm.db'}", port=0)
-    with pytest.raises(ValueError, match=r"db_url:.*--db"):
-        Collector(f"s3://{bucket}/c", wal_dir=tmp_path / "wal", port=0)
+        Collector(CollectorConfig(store=f"s3://{bucket}/c", db=f"sqlite:///{tmp_path / 'm.db'}", port=0))
+    with pytest.raises(ValueError, match=r"db:.*--db"):
+        Collector(CollectorConfig(store=f"s3://{bucket}/c", wal_dir=tmp_path / "wal", port=0))
     # Missing credentials: named, before any request.
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
@@ -618,13 +627,15 @@ def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, t
         own.create_bucket("outage")
         url = "s3://outage/store"
         c = Collector(
-            url,
-            f"sqlite:///{tmp_path / 'meta.db'}",
-            wal_dir=tmp_path / "wal",
-            port=0,
+            CollectorConfig(
+                store=url,
+                db=f"sqlite:///{tmp_path / 'meta.db'}",
+                wal_dir=tmp_path / "wal",
+                port=0,
+                chunk_len=8,
+                store_retry_max_s=1.0,
+            ),
             token=TOKEN,
-            chunk_len=8,
-            store_retry_max_s=1.0,
         ).start()
         try:
             client = RobotClient(c.address, "arm-1", ROBOT_SPEC, "test/task", token=TOKEN, max_batch_frames=4)
@@ -633,15 +644,16 @@ def test_the_collector_rides_out_an_s3_outage(monkeypatch: pytest.MonkeyPatch, t
             eid = client.start_episode()
 
             def frames(a: int, b: int) -> None:
-                from vla_rl_client.robot_client import frame_digest
+                from vla_rl_client.frame import Frame
 
                 for i in range(a, b):
                     cams = {"front": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)}
                     state = rng.standard_normal(5).astype(np.float32)
                     action = rng.uniform(-1, 1, 3).astype(np.float32)
                     ts = 1000.0 + i
-                    client.add_frame(cams, state, action, action, 0.0, False, False, 0, "", ts)
-                    sent.append((eid, i, frame_digest(cams, state, action, action, 0.0, False, False, 0, ts)))
+                    frame = Frame(cams, state, action, action, controller=0, timestamp=ts)
+                    client.add(frame)
+                    sent.append((eid, i, frame.digest()))
                 assert client.flush(30)
 
             frames(0, 16)

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 from test_uncertainty import reference_cusum
-from vla_rl_client.robot_client import frame_digest
 from vla_rl_client.spec import RobotSpec
 
-from fleet.collector import Collector
+from fleet.collector import Collector, CollectorConfig
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.policy_server import PolicyServer
@@ -164,7 +163,9 @@ def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
 def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
     server = PolicyServer({"push": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
-    collector = Collector(tmp_path / "store", port=0, token=TOKEN, chunk_len=16).start()
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
     try:
         # the uncertainty alarm on, with a threshold the random policy's first chunk crosses (its score
         # rides with the chunk from the server): every episode starts with an "uncertainty" takeover
@@ -219,23 +220,7 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         revs = np.array(ep.meta.revisions)[ep.revision]
         assert (revs[~human] == commit).all() and (revs[human] == "").all()
         for i in range(ep.length):
-            got[
-                (
-                    eid,
-                    i,
-                    frame_digest(
-                        {},
-                        ep.state[i],
-                        ep.action[i],
-                        ep.proposed_action[i],
-                        float(ep.reward[i]),
-                        bool(ep.terminated[i]),
-                        bool(ep.truncated[i]),
-                        int(ep.controller[i]),
-                        float(ep.timestamp[i]),
-                    ),
-                )
-            ] += 1
+            got[(eid, i, ep.frame(i).digest())] += 1
     assert got == collections.Counter((f["episode"], f["seq"], f["digest"]) for f in frames)
     assert n_interventions >= 1  # the weak policy needed help
     # the alarm fired on the first chunk; it waits (pending) while the one operator drives the other robot

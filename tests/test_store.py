@@ -152,7 +152,12 @@ def spawn_writer(
     root: Path, seed: int, n: int, chunk_len: int, db_url: str = "", wait_go: bool = False
 ) -> subprocess.Popen[str]:
     code = f"import test_store; test_store.child_writer({str(root)!r}, {seed}, {n}, {chunk_len}, {db_url!r}, {wait_go})"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])}
+    path = [
+        str(REPO),
+        str(TESTS_DIR),
+        os.environ.get("PYTHONPATH"),
+    ]  # the last: e.g. a client package checkout
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))}
     return subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.PIPE,
@@ -655,7 +660,7 @@ def test_store_root_is_one_zarr_hierarchy(tmp_path: Path) -> None:
     document on open, idempotently, and racing creators neither fail nor tear it."""
     import threading
 
-    from fleet.store import _create_group_doc
+    from fleet.store.layout import _create_group_doc
 
     store = EpisodeStore(tmp_path / "s", create=True)
     frames = make_frames(5, 0)

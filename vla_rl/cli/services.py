@@ -246,120 +246,54 @@ def client_act(a: ClientAct) -> int:
 
 
 # ---------------------------------------------------------------------------- fleet
-@dataclass
-class Collect:
-    """Run the fleet collector: receive frames, segments (autonomous / intervention / reset, with who
+_COLLECT_DOC = """Run the fleet collector: receive frames, segments (autonomous / intervention / reset, with who
     was in control and why) and episode outcomes from many robots over gRPC and write them into an
     episode store + metadata DB. A message is acknowledged once it is durable (in the write-ahead log;
     with --fsync, on disk); robots resend what is not acknowledged and duplicates are dropped, so every
     frame is stored exactly once, across collector restarts too. The robots' token is read from
     VLA_RL_COLLECTOR_TOKEN. Example: vla-rl collect --store runs/fleet/store --port 50071 --metrics-port 9171"""
 
-    store: Path
-    """Episode store directory (created if missing), or s3://BUCKET/PREFIX (S3 credentials and endpoint
-    from the environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; needs --wal-dir
-    and --db)."""
-    db: str | None = None
-    """Metadata DB URL; None = the SQLite file inside the store."""
-    wal_dir: Path | None = None
-    """Local directory of the write-ahead logs (and the lock); None = <store>/wal. Required with an
-    s3:// store: the log stays on local disk, only whole chunks and commit records are uploaded."""
-    host: str = "127.0.0.1"
-    """Bind address (anything but loopback needs a token)."""
-    port: int = 50071
-    """gRPC port (0 = any free port; printed on start)."""
-    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"))
-    """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment or --token-file
-    over this flag). Its holder may speak as any robot id; see --robot-tokens-file."""
-    token_file: Path | None = None
-    """Read the shared token from this file's first line (instead of --token / the environment)."""
-    robot_tokens_file: Path | None = None
-    """Per-robot credentials, JSON {"robot_id": "token"} or lines "robot_id: token": a robot may only
-    say Hello as the id its token is bound to (another id: PERMISSION_DENIED)."""
-    fsync: bool = False
-    """fsync every acknowledged message (power-loss safe, slower)."""
-    metrics_port: int | None = None
-    """Serve Prometheus /metrics on this port (no authentication: it lists robot ids unless
-    --no-metrics-robot-labels)."""
-    metrics_host: str = "127.0.0.1"
-    """Bind address of /metrics (loopback by default; anything else exposes it to the network)."""
-    metrics_robot_labels: bool = True
-    """Label per-robot metrics with the robot id (off: one label 'all', no robot ids in /metrics)."""
-    robots: str | None = None
-    """Comma-separated robot ids to accept; None = any."""
-    chunk_len: int = 128
-    """Frames per Zarr chunk."""
-    camera_zstd_level: int = -3
-    """zstd level of lossless camera arrays (-3: fast; 1 or 3 = ~10-20% smaller for 1.5-3x the CPU)."""
-    camera_codec: str = "lossless"
-    """Codec of the camera arrays: lossless (zstd), jpeg or jpeg:QUALITY (1-100; 5x smaller at 90, 11x at 60 on
-    rendered frames: docs/store.md), per camera CAMERA=CODEC, comma-separated: e.g. jpeg:90,wrist=lossless."""
-    max_batch_frames: int = 64
-    """Largest FrameBatch accepted."""
-    max_pending_mb: float = 1024
-    """Frame MB waiting for the store before robots are slowed."""
-    store_writers: int = 1
-    """Processes writing the logged frames into Zarr beside the one taking messages (0 = a thread in
-    the collector's process, which then shares its one core)."""
-    store_writer_nice: int = 10
-    """How much lower the store writers' CPU priority is (0-19): intake and acks go first."""
-    max_open_episodes_per_robot: int = 16
-    """Episodes one robot may have open at once (more: StartEpisode is refused, RESOURCE_EXHAUSTED)."""
-    episode_idle_timeout_s: float = 1800.0
-    """An open episode with no message for this long is closed with outcome 'aborted' (frames kept)."""
-    max_open_logs: int = 256
-    """Write-ahead log file descriptors kept open (least recently used closed first, reopened on demand)."""
-    max_camera_pixels: int = 1280 * 720
-    """Largest camera (height x width) a robot's Hello may announce (larger: RESOURCE_EXHAUSTED)."""
-    max_buffered_mb: float = 1024
-    """Frame MB the store writers hold in memory in all (past it, idle episodes are flushed to Zarr); a
-    Hello whose one chunk (--chunk-len frames) is larger is refused."""
-    drain_timeout_s: float = 5.0
-    """Longest a stop (SIGTERM, Ctrl-C) takes: writing buffered frames to Zarr is cut off after it.
-    Nothing acknowledged is lost (it is in the log, replayed on the next start); robots resend the rest."""
+
+def _collect_args() -> type:
+    """``vla-rl collect``'s flags: every :class:`~fleet.collector.CollectorConfig` field, then the secrets,
+    which are not config fields (a config can be saved without them). Built on demand: it imports the
+    collector."""
+    from fleet.collector import CollectorConfig
+
+    @dataclass(frozen=True)
+    class Collect(CollectorConfig):
+        __doc__ = _COLLECT_DOC
+
+        token: str | None = field(default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"), repr=False)
+        """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment or --token-file
+        over this flag). Its holder may speak as any robot id; see --robot-tokens-file."""
+        token_file: Path | None = None
+        """Read the shared token from this file's first line (instead of --token / the environment)."""
+        robot_tokens_file: Path | None = None
+        """Per-robot credentials, JSON {"robot_id": "token"} or lines "robot_id: token": a robot may only
+        say Hello as the id its token is bound to (another id: PERMISSION_DENIED)."""
+
+        def __post_init__(self) -> None:
+            try:
+                super().__post_init__()
+            except ValueError as e:  # "field: what was expected" -> one line naming the flag
+                name, _, why = str(e).partition(": ")
+                raise CliError(f"collect: --{name.replace('_', '-')}: {why}") from None
+
+    return Collect
 
 
-# Collect fields passed to serve() under the same name (the rest are converted in collect()).
-_COLLECT_AS_IS = (
-    "host",
-    "port",
-    "fsync",
-    "chunk_len",
-    "camera_zstd_level",
-    "camera_codec",
-    "max_batch_frames",
-    "store_writers",
-    "store_writer_nice",
-    "metrics_port",
-    "metrics_host",
-    "metrics_robot_labels",
-    "max_open_episodes_per_robot",
-    "episode_idle_timeout_s",
-    "max_open_logs",
-    "max_camera_pixels",
-    "drain_timeout_s",
-    "wal_dir",
-)
-
-
-def collect(a: Collect) -> int:
-    from fleet.collector import load_robot_tokens
+def collect(a: Any) -> int:
+    from fleet.collector import CollectorConfig, load_robot_tokens
     from fleet.collector import serve as run
 
     check_port(a.host, a.port)
-    robots = {r.strip() for r in a.robots.split(",") if r.strip()} if a.robots else None
-    mb = 1024 * 1024
     with user_errors(ValueError, RuntimeError, OSError, prefix="collect: "):
         token = _read_token_file(a.token_file) if a.token_file else a.token
         run(
-            a.store,
-            a.db,
+            CollectorConfig.from_dict(a.to_dict()),  # the config alone: no secrets in it
             token=token or None,
             robot_tokens=load_robot_tokens(a.robot_tokens_file) if a.robot_tokens_file else None,
-            max_buffered_bytes=int(a.max_buffered_mb * mb),
-            max_pending_bytes=int(a.max_pending_mb * mb),
-            allowed_robots=robots,
-            **{k: getattr(a, k) for k in _COLLECT_AS_IS},
         )
     return 0
 
@@ -526,7 +460,9 @@ COMMANDS = [
         ClientAct,
         client_act,
     ),
-    Command(("collect",), "run the fleet collector (robots stream episodes into a store)", Collect, collect),
+    Command(
+        ("collect",), "run the fleet collector (robots stream episodes into a store)", _collect_args, collect
+    ),
     Command(
         ("fleet", "sim"),
         "simulated robots + operator takeovers streaming to a collector",

@@ -10,6 +10,7 @@ Contracts (what crosses a process boundary):
 - :mod:`vla_rl_client.codec`: tensors and images to and from protobuf
 - :mod:`vla_rl_client.proto`: the gRPC services (``policy_service.proto``, ``collector.proto``) and stubs
 - :mod:`vla_rl_client.meta`: episode metadata types (controller, segment kinds, outcomes, episode ids)
+- :mod:`vla_rl_client.frame`: ``Frame``, one recorded time step (what robots send and the store keeps)
 - :mod:`vla_rl_client.wire`: frame and log-record framing for the collector
 
 Clients (built only on the contracts):

@@ -30,14 +30,12 @@ stream or thread behind, so a robot program exits as soon as it returns.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,13 +45,14 @@ import numpy as np
 
 from vla_rl_client import __version__, wire
 from vla_rl_client.codec import to_tensor
+from vla_rl_client.frame import Frame
 from vla_rl_client.meta import Controller, SegmentKind, new_episode_id
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.robot_client")
 
-__all__ = ["BufferFull", "ClientStats", "RobotClient", "frame_digest"]
+__all__ = ["BufferFull", "ClientStats", "RobotClient"]
 
 _KIND = {
     SegmentKind.AUTONOMOUS: pb.AUTONOMOUS,
@@ -67,33 +66,6 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 class BufferFull(RuntimeError):
     """The unacknowledged-frames buffer stayed full for ``block_s``: the collector is unreachable or too slow."""
-
-
-def frame_digest(
-    cameras: Mapping[str, np.ndarray],
-    state: np.ndarray,
-    action: np.ndarray,
-    proposed_action: np.ndarray,
-    reward: float,
-    terminated: bool,
-    truncated: bool,
-    controller: int,
-    timestamp: float,
-) -> str:
-    """A content hash of one frame, computed the same way from what a robot sent and what a store holds."""
-    h = hashlib.sha256()
-    for name in sorted(cameras):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(cameras[name], np.uint8).tobytes())
-    prop = np.asarray(proposed_action, np.float32)
-    prop = np.where(np.isnan(prop), np.float32(np.nan), prop)  # one NaN bit pattern
-    for arr in (state, action, prop):
-        h.update(np.ascontiguousarray(arr, np.float32).tobytes())
-    h.update(np.array([reward], np.float32).tobytes())
-    h.update(np.array([terminated, truncated], np.bool_).tobytes())
-    h.update(np.array([controller], np.uint8).tobytes())
-    h.update(np.array([timestamp], np.float64).tobytes())
-    return h.hexdigest()
 
 
 @dataclass
@@ -334,25 +306,20 @@ class RobotClient:
             self._queue(ep, item)
         return index
 
-    def add_frame(
-        self,
-        cameras: Mapping[str, np.ndarray],
-        state: np.ndarray,
-        action: np.ndarray,
-        proposed_action: np.ndarray | None = None,
-        reward: float = 0.0,
-        terminated: bool = False,
-        truncated: bool = False,
-        controller: Controller | str | int | None = None,
-        revision: str = "",
-        timestamp: float | None = None,
-        uncertainty: float | None = None,
-    ) -> int:
+    def add_frame(self, *args: Any, **fields: Any) -> int:
+        """``add(Frame(...))``: the frame's fields by keyword (``cameras=..., state=..., action=...``, see
+        :class:`~vla_rl_client.frame.Frame`); returns its sequence number (index in the episode)."""
+        return self.add(Frame(*args, **fields))
+
+    def add(self, frame: Frame) -> int:
         """Validate and buffer one frame; returns its sequence number (index in the episode).
 
-        ``uncertainty``: the policy server's score of the chunk ``action`` came from (``ActResult.uncertainty``;
-        None or NaN: none, e.g. a human's frame). A batch without any score does not send the field.
+        ``frame.uncertainty``: the policy server's score of the chunk the action came from
+        (``ActResult.uncertainty``; None or NaN: none, e.g. a human's frame). A batch without any score
+        does not send the field.
         """
+        cameras, state, action = frame.cameras, frame.state, frame.action
+        proposed_action, reward, uncertainty = frame.proposed_action, frame.reward, frame.uncertainty
         spec = self.spec
         spec.check_images(cameras)
         spec.check_state(state)
@@ -388,12 +355,12 @@ class RobotClient:
                         f"(limit {self.max_buffer_bytes}); last error: {self.stats.last_error or 'none'}"
                     )
                 self._cond.wait(min(left, 0.1))
-            ts = time.time() if timestamp is None else float(timestamp)
+            ts = time.time() if frame.timestamp is None else float(frame.timestamp)
             ts = max(
                 ts, ep.last_ts
             )  # the store needs non-decreasing times; a clock step back must not lose frames
             ep.last_ts = ts
-            ctrl = ep.controller if controller is None else Controller.parse(controller)
+            ctrl = ep.controller if frame.controller is None else Controller.parse(frame.controller)
             if not ep.batch:
                 ep.batch_t0 = time.perf_counter()
                 self._cond.notify_all()  # the sender times the batch from now
@@ -404,7 +371,15 @@ class RobotClient:
             vec = self._vec_buf
             vec["state"][k], vec["action"][k], vec["proposed_action"][k] = state, action, proposed
             ep.batch.append(
-                (float(reward), bool(terminated), bool(truncated), int(ctrl), revision, ts, score)
+                (
+                    float(reward),
+                    bool(frame.terminated),
+                    bool(frame.truncated),
+                    int(ctrl),
+                    frame.revision,
+                    ts,
+                    score,
+                )
             )
             ep.batch_bytes += frame_bytes
             seq = ep.frames
