@@ -71,7 +71,7 @@ def test_defaults_round_trip_and_an_object_store_keeps_its_url() -> None:
 
 
 def test_unknown_and_missing_keys_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"unknown key\(s\) chunk_length, tokn"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['chunk_length', 'tokn'\]"):
         CollectorConfig.from_dict({"store": "s", "chunk_length": 8, "tokn": "x"})
     with pytest.raises(ValueError, match=r"^store: required"):
         CollectorConfig.from_dict({"port": 1})

@@ -497,12 +497,14 @@ def child_configs(
     """The config of every service child ``up`` starts, by child name: each command's own config dataclass,
     written to WORKDIR/configs/NAME.json and read back by ``vla-rl COMMAND --config FILE``. Secrets are not
     in them (tokens and the DB password reach the children through the environment)."""
+    from fleet.collector import CollectorConfig
     from vla_rl.dashboard.config import DashboardConfig
     from vla_rl.hub.config import HubConfig
     from vla_rl.round_worker import WorkerConfig
 
     return {
         "hub": HubConfig(data=work / "hub", port=ports.hub, token=None),
+        "collector": CollectorConfig(store=store, db=db_url, port=ports.collector),
         "worker": WorkerConfig(store=store, db_url=db_url, poll_s=1, heartbeat_s=2, stale_after_s=15),
         "dashboard": DashboardConfig(
             store=store,
@@ -678,7 +680,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         sup.start(
             "collector",
-            [*CLI, "collect", "--store", str(store), "--db", db_url, "--port", str(ports.collector)],
+            child_argv("collector", children["collector"], work),
             _tcp_ready(ports.collector),
             env,
             stop_order=STOP_ORDER["collector"],

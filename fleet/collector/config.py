@@ -17,6 +17,7 @@ from typing import Any, Self
 
 from fleet.codecs import CameraCodecs
 from fleet.objstore import is_remote
+from vla_rl.core import configs
 
 MB = 1024 * 1024
 DEFAULT_PORT = 50071
@@ -200,25 +201,19 @@ class CollectorConfig:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
-        """Every field, JSON-safe (paths as text): what :meth:`from_dict` reads back."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(CollectorConfig):  # not a subclass's extra fields (the CLI's secrets)
-            value = getattr(self, f.name)
-            out[f.name] = self.store_location if f.name == "store" else _plain(value)
-        return out
+        """Every field of :class:`CollectorConfig` (not a subclass's: the CLI's secrets), JSON-safe as
+        :func:`vla_rl.core.configs.to_dict` writes it, the store as its URL: what :meth:`from_dict` reads."""
+        names = {f.name for f in dataclasses.fields(CollectorConfig)}
+        out = {k: v for k, v in configs.to_dict(self).items() if k in names}
+        return out | {"store": self.store_location}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        """A config from :meth:`to_dict`'s form; unknown keys are refused, naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(
-                f"collector config: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(names))}"
-            )
-        if "store" not in data:
+        """A config from :meth:`to_dict`'s form (:func:`vla_rl.core.configs.from_dict`: unknown keys are
+        refused by name, values checked against the field types)."""
+        if isinstance(data, dict) and "store" not in data:
             raise ValueError("store: required (an episode store folder or s3://BUCKET/PREFIX)")
-        return cls(**data)
+        return configs.from_dict(cls, data, "collector config")
 
 
 _KINDS: dict[str, tuple[type, ...]] = {
@@ -240,7 +235,3 @@ def _check_types(cfg: CollectorConfig) -> None:
         ok = tuple(t for p in parts for t in _KINDS.get(p, ()))
         if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
             raise ValueError(f"{f.name}: expected {f.type}, got {type(value).__name__} {value!r}")
-
-
-def _plain(value: Any) -> Any:
-    return str(value) if isinstance(value, Path) else value

@@ -15,6 +15,7 @@ from typing import Any
 from tyro.conf import Positional
 
 from vla_rl.cli.common import CliError, Command, check_port, task_arg, user_errors
+from vla_rl.core.configs import SECRET
 from vla_rl.core.secrets import env_secret, read_secret_file
 
 
@@ -264,7 +265,9 @@ def _collect_args() -> type:
     class Collect(CollectorConfig):
         __doc__ = _COLLECT_DOC
 
-        token: str | None = field(default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"), repr=False)
+        token: str | None = field(
+            default_factory=lambda: env_secret("VLA_RL_COLLECTOR_TOKEN"), repr=False, metadata=SECRET
+        )
         """Robots must send it (default: env VLA_RL_COLLECTOR_TOKEN; prefer the environment or --token-file
         over this flag). Its holder may speak as any robot id; see --robot-tokens-file."""
         token_file: Path | None = None
@@ -461,7 +464,11 @@ COMMANDS = [
         client_act,
     ),
     Command(
-        ("collect",), "run the fleet collector (robots stream episodes into a store)", _collect_args, collect
+        ("collect",),
+        "run the fleet collector (robots stream episodes into a store)",
+        _collect_args,
+        collect,
+        config_file=True,
     ),
     Command(
         ("fleet", "sim"),
