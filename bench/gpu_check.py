@@ -48,7 +48,7 @@ from bench.common import table, write_results
 from bench.serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.loading import load_policy
-from server.policy_server import ServedVersion, initial_noise
+from server.slots import ServedVersion, initial_noise
 from vla_rl.hub.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

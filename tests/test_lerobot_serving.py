@@ -30,7 +30,8 @@ from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.lerobot_adapter import is_lerobot_folder, save_random_policy, spec_from_config
 from policies.loading import load_servable
-from server.policy_server import PolicyServer, initial_noise
+from server.policy_server import PolicyServer
+from server.slots import initial_noise
 from vla_rl.hub.checkpoint import CheckpointError
 
 torch.set_num_threads(1)

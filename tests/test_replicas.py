@@ -33,7 +33,8 @@ from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 from vla_rl_client.policy_common import HEALTH_SERVICE, channel_target
 
-from server.policy_server import SERVICE_NAME, PolicyServer
+from server.policy_server import PolicyServer
+from server.service import SERVICE_NAME
 from vla_rl.cli import main
 
 torch.set_num_threads(1)

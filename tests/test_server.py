@@ -27,7 +27,8 @@ from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import load_policy
-from server.policy_server import PolicyServer, ServedVersion, initial_noise
+from server.policy_server import PolicyServer
+from server.slots import ServedVersion, initial_noise
 from vla_rl.hub.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 torch.set_num_threads(1)

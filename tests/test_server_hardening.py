@@ -35,17 +35,11 @@ from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.loading import load_policy
-from server.policy_server import (
-    SERVICE_NAME,
-    ModelSlot,
-    PolicyServer,
-    RateLimitedLog,
-    ServedVersion,
-    ServerLimits,
-    _Pending,
-    bad_field,
-    request_bytes_for,
-)
+from server.batching import _Pending
+from server.guard import RateLimitedLog, ServerLimits, bad_field, request_bytes_for
+from server.policy_server import PolicyServer
+from server.service import SERVICE_NAME
+from server.slots import ModelSlot, ServedVersion
 from vla_rl.hub.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,

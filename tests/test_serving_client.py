@@ -27,7 +27,8 @@ from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
 from policies.loading import load_policy
-from server.policy_server import PolicyServer, ServedVersion
+from server.policy_server import PolicyServer
+from server.slots import ServedVersion
 
 torch.set_num_threads(1)
 SC = grpc.StatusCode

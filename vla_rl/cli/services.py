@@ -96,7 +96,7 @@ def _read_token_file(path: Path) -> str:
 
 
 def serve(a: Serve) -> int:
-    from server.policy_server import ServerLimits
+    from server.guard import ServerLimits
     from server.policy_server import serve as run
 
     follow: bool | str | None = True if a.follow == "self" else a.follow
