@@ -96,9 +96,9 @@ def cli_server(checkpoint: Path, device: str, threads: int, log_path: Path) -> I
     port = free_port()
     cmd = [sys.executable, "-m", "vla_rl.cli", "serve", "--checkpoint", str(checkpoint)]
     cmd += ["--follow", "self", "--follow-interval", "0.5", "--device", device, "--port", str(port)]
-    cmd += ["--token", TOKEN, "--model-id", "flow", "--max-batch", "16"]
+    cmd += ["--model-id", "flow", "--max-batch", "16"]
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path, "VLA_RL_SERVER_TOKEN": TOKEN}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"

@@ -25,29 +25,26 @@ Why it is built this way (what LeRobot's async server and openpi's server get wr
   without a configured token they are disabled. Bound to 127.0.0.1 unless told otherwise. GetInfo is
   open, so its ``last_load_error`` says only that a load failed; the reason goes to the log and to
   GetInfo callers that send the token.
-* **Bounded by** :class:`ServerLimits`. A checkpoint only opens its own regular files, each under
-  ``max_file_bytes``, and a load stops at ``load_timeout_s``; loads run in their own pool, so
-  Promote/Rollback never wait behind them. The config's implied tensor shapes are checked against the
-  safetensors header before anything is built. Requests are capped in size (derived from the robot
-  spec), in number (``max_concurrent_rpcs``, ``max_peer_queued``) and in values (``max_noise_abs``,
-  ``max_state_abs``). Bytes that do not parse are INVALID_ARGUMENT naming the field, logged once per
-  peer per ``log_interval_s``. When requests wait, the connections served least recently go first, and
-  a stream reply the robot does not read within ``stream_write_timeout_s`` closes that stream. A
-  non-finite chunk is an error reply and is never sent as actions.
+* **Bounded by** the limits of :class:`~server.config.ServerConfig`. A checkpoint only opens its own
+  regular files, each under ``max_file_mb``, and a load stops at ``load_timeout``; loads run in their
+  own pool, so Promote/Rollback never wait behind them. The config's implied tensor shapes are checked
+  against the safetensors header before anything is built. Requests are capped in size (derived from
+  the robot spec), in number (``max_concurrent_rpcs``, ``max_peer_queued``) and in values
+  (``max_noise_abs``, ``max_state_abs``). Bytes that do not parse are INVALID_ARGUMENT naming the field,
+  logged once per peer per ``log_interval``. When requests wait, the connections served least recently
+  go first, and a stream reply the robot does not read within ``stream_write_timeout`` closes that
+  stream. A non-finite chunk is an error reply and is never sent as actions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,22 +54,14 @@ from grpc_reflection.v1alpha import reflection
 from vla_rl_client.proto import policy_service_pb2 as pb
 
 from policies.loading import load_servable
-from server.guard import (
-    MESSAGE_SLACK_BYTES,
-    MIN_DERIVED_MESSAGE_BYTES,
-    RateLimitedLog,
-    RequestError,
-    ServerLimits,
-    request_bytes_for,
-)
+from server.config import ServerConfig
+from server.guard import MIN_DERIVED_MESSAGE_BYTES, request_bytes_for
 from server.service import SERVICE_NAME, _Service, add_service
 from server.slots import ModelSlot, ServedVersion, spec_problems
+from vla_rl.core.rpc import RateLimitedLog, RequestError, SigtermFlag, require_bearer, wait_for_stop
 from vla_rl.hub.checkpoint import CheckpointError, LoadLimits
 
 log = logging.getLogger("vla_rl.server")
-
-DEFAULT_PORT = 50061
-DEFAULT_DRAIN_S = 2.0  # vla-rl serve: seconds NOT_SERVING between SIGTERM and the stop
 
 
 class _AnySet:
@@ -87,70 +76,56 @@ class _AnySet:
 
 # ----------------------------------------------------------------------------------------------- server
 class PolicyServer:
-    """Host one or more checkpoints behind the ``vla_rl.v1.PolicyService`` gRPC service.
+    """Host one or more checkpoints behind the ``vla_rl.v1.PolicyService`` gRPC service, as ``config`` says.
 
-    ``models`` maps model id -> checkpoint reference (``hub://org/name@rev`` or a folder). ``follow`` maps
-    model id -> a reference to poll every ``follow_interval_s`` (often the same ref, e.g. ``...@prod``);
-    a new commit there is loaded and swapped in as LoadCheckpoint would. ``start()`` runs the server on a
-    background thread (tests, embedding); :func:`serve` runs it in the foreground.
+    By default it serves ``config.checkpoint`` as ``config.model_id`` (following ``config.follow``).
+    ``models`` (model id -> checkpoint reference, ``hub://org/name@rev`` or a folder) serves several
+    instead; then ``follow`` maps model id -> a reference to poll every ``config.follow_interval`` seconds
+    (often the same ref, e.g. ``...@prod``), and ``config``'s checkpoint, model id and follow are not used.
+    A new commit at a followed ref is loaded and swapped in as LoadCheckpoint would. ``token`` enables
+    the control calls (never part of the config: secrets are not saved with it). ``start()`` runs the
+    server on a background thread (tests, embedding); :func:`serve` runs it in the foreground.
     """
 
     def __init__(
         self,
-        models: Mapping[str, str | os.PathLike[str]],
+        config: ServerConfig,
         *,
-        host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
-        max_batch: int = 16,
-        max_wait_us: int = 2000,
-        max_queue: int = 256,
-        token: str | None = None,
+        models: Mapping[str, str | os.PathLike[str]] | None = None,
         follow: Mapping[str, str] | None = None,
-        follow_interval_s: float = 30.0,
-        device: str = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
-        max_message_bytes: int | None = None,
-        torch_threads: int | None = None,
-        adaptive_wait: bool = True,
-        tls_cert: str | os.PathLike[str] | None = None,
-        tls_key: str | os.PathLike[str] | None = None,
-        limits: ServerLimits | None = None,
+        token: str | None = None,
     ) -> None:
-        self.limits = lim = limits or ServerLimits()
-        if max_message_bytes is not None and max_message_bytes < MESSAGE_SLACK_BYTES:
-            raise ValueError(f"max_message_bytes: expected >= {MESSAGE_SLACK_BYTES}, got {max_message_bytes}")
-        self.load_timeout_s, self.max_file_bytes = lim.load_timeout_s, lim.max_file_bytes
-        self.max_concurrent_rpcs, self.max_peer_queued = lim.max_concurrent_rpcs, lim.max_peer_queued
-        self.stream_write_timeout_s = lim.stream_write_timeout_s
-        self.max_noise_abs, self.max_state_abs = lim.max_noise_abs, lim.max_state_abs
-        self.ratelog = RateLimitedLog(lim.log_interval_s)
+        self.config = config
+        if models is None:
+            if follow is not None:
+                raise ValueError("follow: a follow map goes with models=...; one model follows config.follow")
+            models, follow = config.models(), config.follow_map()
+        elif config.follow is not None:
+            raise ValueError(
+                f"follow: config.follow ({config.follow!r}) names no model of models=...; pass follow={{id: ref}}"
+            )
         if not models:
             raise ValueError("PolicyServer needs at least one model (model id -> checkpoint reference)")
         unknown = set(follow or {}) - set(models)
         if unknown:
             raise ValueError(f"follow names model ids that are not served: {sorted(unknown)}")
-        self.host, self.port = host, port
+        self.ratelog = RateLimitedLog(log, config.log_interval)
+        self.host, self.port = config.host, config.port  # port: the bound one once started
         self.batching = {
-            "max_batch": max_batch,
-            "max_wait_us": max_wait_us,
-            "max_queue": max_queue,
-            "adaptive_wait": adaptive_wait,
-            "max_peer_queued": lim.max_peer_queued,
+            "max_batch": config.max_batch,
+            "max_wait_us": config.max_wait_us,
+            "max_queue": config.max_queue,
+            "adaptive_wait": config.adaptive_wait,
+            "max_peer_queued": config.max_peer_queued,
         }
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("TLS needs both tls_cert (PEM certificate chain) and tls_key (PEM private key)")
         self.tls: tuple[bytes, bytes] | None = None
-        if tls_cert is not None and tls_key is not None:
-            self.tls = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())
+        if config.tls_cert is not None and config.tls_key is not None:
+            self.tls = (config.tls_key.read_bytes(), config.tls_cert.read_bytes())
         self.token = token
-        self.device = device
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.max_message_bytes = max_message_bytes
         self._message_limit: int | None = None  # set at start
         self.follow = dict(follow or {})
-        self.follow_interval_s = follow_interval_s
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         self.slots: dict[str, ModelSlot] = {}
         self._slots_lock = threading.Lock()
         # Promote/Rollback never wait behind a load: loads have their own pool, each bounded by load_timeout_s.
@@ -208,16 +183,16 @@ class PolicyServer:
             )
         slot = self.slots.get(model_id)
         lock = slot.load_lock if slot is not None else self._slots_lock
-        if not lock.acquire(timeout=self.load_timeout_s):
+        if not lock.acquire(timeout=self.config.load_timeout):
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"model {model_id!r}: another load is still running after load_timeout_s "
-                f"({self.load_timeout_s:g} s); retry later",
+                f"({self.config.load_timeout:g} s); retry later",
             )
         try:
             limits = LoadLimits(
-                max_file_bytes=self.max_file_bytes,
-                deadline=time.monotonic() + self.load_timeout_s,
+                max_file_bytes=self.config.max_file_bytes,
+                deadline=time.monotonic() + self.config.load_timeout,
                 cancelled=_AnySet(self._stop, *(() if cancel is None else (cancel,))),
             )
             t0 = time.perf_counter()
@@ -264,7 +239,7 @@ class PolicyServer:
     ) -> ServedVersion:
         try:
             version = ServedVersion(
-                load_servable(ref, device=self.device, cache_dir=self.cache_dir, limits=limits)
+                load_servable(ref, device=self.config.device, cache_dir=self.config.cache_dir, limits=limits)
             )
         except CheckpointError as e:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {e}") from None
@@ -307,21 +282,12 @@ class PolicyServer:
         return True
 
     def authorize(self, metadata: Any) -> None:
+        """Raise UNAUTHENTICATED unless ``metadata`` carries the control token (none configured: never)."""
         if not self.token:
             raise RequestError(
                 grpc.StatusCode.UNAUTHENTICATED, "control calls are disabled: the server has no token"
             )
-        got = ""
-        for key, value in metadata or ():
-            if key == "authorization":
-                got = value if isinstance(value, str) else value.decode()
-        want = f"Bearer {self.token}"
-        if not hmac.compare_digest(got.encode(), want.encode()):
-            raise RequestError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "authorization: expected metadata 'authorization: Bearer <token>'"
-                + (", got a wrong token" if got else ", got none"),
-            )
+        require_bearer(metadata, self.token)
 
     def model_info(self, s: ModelSlot, detailed: bool = False) -> pb.ModelInfo:
         v = s.active
@@ -365,7 +331,7 @@ class PolicyServer:
     def _follow_loop(self, model_id: str, ref: str) -> None:
         from vla_rl.hub.registry import resolve
 
-        while not self._stop.wait(self.follow_interval_s):
+        while not self._stop.wait(self.config.follow_interval):
             slot = self.slots.get(model_id)
             if slot is None:
                 continue
@@ -391,8 +357,8 @@ class PolicyServer:
 
     def message_limit(self) -> int:
         """The receive limit: ``max_message_bytes`` if given, else what the served specs need."""
-        if self.max_message_bytes is not None:
-            return self.max_message_bytes
+        if self.config.max_message_bytes is not None:
+            return self.config.max_message_bytes
         need = max(request_bytes_for(s.active.spec, s.active.noise_shape) for s in self.slots.values())
         return max(need, MIN_DERIVED_MESSAGE_BYTES)
 
@@ -406,7 +372,7 @@ class PolicyServer:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
-        self._aio = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        self._aio = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         add_service(_Service(self), self._aio)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._aio)
@@ -513,94 +479,27 @@ class PolicyServer:
         self.stop()
 
 
-def serve(
-    checkpoint: str | os.PathLike[str],
-    *,
-    follow: bool | str | None = None,
-    host: str = "127.0.0.1",
-    port: int = DEFAULT_PORT,
-    max_batch: int = 16,
-    max_wait_us: int = 2000,
-    token: str | None = None,
-    model_id: str = "default",
-    max_queue: int = 256,
-    follow_interval_s: float = 30.0,
-    device: str = "auto",
-    cache_dir: str | os.PathLike[str] | None = None,
-    adaptive_wait: bool = True,
-    tls_cert: str | os.PathLike[str] | None = None,
-    tls_key: str | os.PathLike[str] | None = None,
-    max_message_bytes: int | None = None,
-    limits: ServerLimits | None = None,
-    drain_s: float = DEFAULT_DRAIN_S,
-) -> None:
-    """Serve ``checkpoint`` as ``model_id`` until interrupted (what ``vla-rl serve`` runs).
+def serve(config: ServerConfig, *, token: str | None = None) -> None:
+    """Serve ``config.checkpoint`` as ``config.model_id`` until interrupted (what ``vla-rl serve`` runs).
 
-    ``checkpoint`` is a vla-rl checkpoint or a LeRobot policy folder (picked by its ``config.json``).
-    ``follow=True`` polls ``checkpoint`` itself for new revisions (use a moving ref such as
-    ``hub://org/name@prod``); a string follows that ref instead. ``token`` enables the control calls.
-    ``tls_cert``/``tls_key`` (PEM files) serve over TLS. ``max_message_bytes`` (None = derived from the
-    robot spec) and ``limits`` bound what one client can make the server do. SIGTERM first drains for
-    ``drain_s`` seconds (:meth:`PolicyServer.drain`: balanced clients move to the other replicas), then
-    stops; Ctrl-C, or a second signal, stops at once.
+    The checkpoint is a vla-rl checkpoint or a LeRobot policy folder (picked by its ``config.json``).
+    ``token`` enables the control calls (the CLI reads it from ``config.token_file`` or the environment).
+    SIGTERM first drains for ``config.drain`` seconds (:meth:`PolicyServer.drain`: balanced clients move to
+    the other replicas), then stops; Ctrl-C, or a second signal, stops at once.
     """
-    if isinstance(drain_s, bool) or not isinstance(drain_s, int | float) or not 0 <= drain_s < float("inf"):
-        raise ValueError(f"drain_s: expected a number of seconds >= 0, got {drain_s!r}")
-    follow_ref = str(checkpoint) if follow is True else (follow or None)
-    server = PolicyServer(
-        {model_id: checkpoint},
-        host=host,
-        port=port,
-        max_batch=max_batch,
-        max_wait_us=max_wait_us,
-        max_queue=max_queue,
-        token=token,
-        follow={model_id: follow_ref} if follow_ref else None,
-        follow_interval_s=follow_interval_s,
-        device=device,
-        cache_dir=cache_dir,
-        adaptive_wait=adaptive_wait,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        max_message_bytes=max_message_bytes,
-        limits=limits,
-    )
+    server = PolicyServer(config, token=token)
     server.start()
-    previous = _stop_on_sigterm()
-    grace_s = 1.0  # Ctrl-C stops at once: calls in flight get a second, open streams are cancelled
-    try:
+    with SigtermFlag() as sigterm:
+        drained = False
         try:
-            while server._thread is not None and server._thread.is_alive():
-                server._thread.join(1.0)
-        except KeyboardInterrupt as stop:
-            if isinstance(stop, _Terminate) and drain_s > 0:
-                log.info("stop requested: draining first", extra={"drain_s": drain_s})
-                grace_s = 5.0
-                try:
-                    server.drain()
-                    # not Thread.join: after a join interrupted by the signal, is_alive() can say False
-                    time.sleep(drain_s)
-                except KeyboardInterrupt:
-                    log.info("second stop request: stopping now")
-                    grace_s = 1.0
+            drained = wait_for_stop(
+                lambda: server._thread is not None and server._thread.is_alive(),
+                sigterm,
+                drain=server.drain,
+                drain_s=config.drain,
+                logger=log,
+            )
             log.info("stopping policy server")
-    finally:
-        server.stop(grace_s=grace_s)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-class _Terminate(KeyboardInterrupt):
-    """SIGTERM: stop :func:`serve` after draining (Ctrl-C stops it at once)."""
-
-
-def _raise_terminate(signum: int, frame: Any) -> None:
-    raise _Terminate(f"signal {signum}")
-
-
-def _stop_on_sigterm() -> Any:
-    """Make SIGTERM (``docker stop``, Kubernetes, systemd) stop :func:`serve`: drain, then stop. Returns
-    the previous handler (None when not on the main thread, where signals cannot be handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_terminate)
+        finally:
+            # Ctrl-C stops at once: calls in flight get a second, open streams are cancelled
+            server.stop(grace_s=5.0 if drained else 1.0)

@@ -20,15 +20,10 @@ from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import SpecError
 
 from server.batching import _Pending
-from server.guard import (
-    MAX_INSTRUCTION_CHARS,
-    MAX_REQUEST_ID_CHARS,
-    RateLimitedLog,
-    RequestError,
-    Undecodable,
-    _safe_deserializer,
-)
+from server.config import ServerConfig
+from server.guard import MAX_INSTRUCTION_CHARS, MAX_REQUEST_ID_CHARS
 from server.slots import ModelSlot
+from vla_rl.core.rpc import RateLimitedLog, RequestError, Undecodable, abort, stream_handler, unary_handler
 from vla_rl.core.version import __version__
 
 log = logging.getLogger("vla_rl.server")
@@ -39,13 +34,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
 class PolicyHost(Protocol):
     """What the servicer needs of the server that hosts it (:class:`server.policy_server.PolicyServer`)."""
 
+    config: ServerConfig
     slots: dict[str, ModelSlot]
     ratelog: RateLimitedLog
     draining: bool
-    max_state_abs: float
-    max_noise_abs: float
-    stream_write_timeout_s: float
-    load_timeout_s: float
     control_pool: concurrent.futures.Executor
     load_pool: concurrent.futures.Executor
 
@@ -85,10 +77,10 @@ class _Service(pb_grpc.PolicyServiceServicer):
         else:
             state = from_tensor(obs.state, "observation.state", dtype="float32", shape=(spec.state_dim,))
         spec.check_state(state, name="observation.state")  # finite
-        if state.size and float(np.abs(state).max()) > self.s.max_state_abs:
+        if state.size and float(np.abs(state).max()) > self.s.config.max_state_abs:
             raise SpecError(
                 "observation.state",
-                f"values within +-{self.s.max_state_abs:g} (max_state_abs)",
+                f"values within +-{self.s.config.max_state_abs:g} (max_state_abs)",
                 f"max |x| {float(np.abs(state).max()):.3g}",
             )
         cams: dict[str, np.ndarray] = {}
@@ -122,10 +114,10 @@ class _Service(pb_grpc.PolicyServiceServicer):
             noise = from_tensor(req.noise, "noise", dtype="float32", shape=noise_shape)
             if not np.isfinite(noise).all():
                 raise SpecError("noise", "finite values", "NaN or inf")
-            if noise.size and float(np.abs(noise).max()) > self.s.max_noise_abs:
+            if noise.size and float(np.abs(noise).max()) > self.s.config.max_noise_abs:
                 raise SpecError(
                     "noise",
-                    f"standard-normal values within +-{self.s.max_noise_abs:g} (max_noise_abs)",
+                    f"standard-normal values within +-{self.s.config.max_noise_abs:g} (max_noise_abs)",
                     f"max |x| {float(np.abs(noise).max()):.3g}",
                 )
         seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
@@ -204,8 +196,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
         try:
             return await self._act(request, context)
         except RequestError as e:
-            await context.abort(e.code, e.message)
-            raise AssertionError("unreachable") from None
+            await abort(context, e)
 
     async def _stream_reply(
         self, req: pb.ActRequest | Undecodable, context: grpc.aio.ServicerContext
@@ -232,7 +223,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
         open. A robot that does not read its replies stops being served: its next request is not read while
         a reply waits in the transport, and a reply that cannot be written within stream_write_timeout_s
         ends the stream (RESOURCE_EXHAUSTED), so it cannot take batch slots from robots that do read."""
-        write_timeout = self.s.stream_write_timeout_s
+        write_timeout = self.s.config.stream_write_timeout
         async for req in request_iterator:
             reply = await self._stream_reply(req, context)
             try:
@@ -254,8 +245,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
                 raise self._refuse_undecodable(request, context)
             slots = [self.s.slot(request.model_id)] if request.model_id else list(self.s.slots.values())
         except RequestError as e:
-            await context.abort(e.code, e.message)
-            raise AssertionError("unreachable") from None
+            await abort(context, e)
         detailed = self.s.authorized(context.invocation_metadata())
         return pb.GetInfoResponse(
             models=[self.s.model_info(s, detailed=detailed) for s in slots], server_version=__version__
@@ -282,14 +272,13 @@ class _Service(pb_grpc.PolicyServiceServicer):
                 cancel.set()  # the load stops at its next check; the pool thread comes back
                 raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"load did not finish within load_timeout_s ({self.s.load_timeout_s:g} s); abandoned",
+                    f"load did not finish within load_timeout_s ({self.s.config.load_timeout:g} s); abandoned",
                 ) from None
             except asyncio.CancelledError:
                 cancel.set()
                 raise
         except RequestError as e:
-            await context.abort(e.code, e.message)
-            raise AssertionError("unreachable") from None
+            await abort(context, e)
 
     async def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.aio.ServicerContext
@@ -312,7 +301,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             )
 
         return await self._control(
-            request, context, work, pool=self.s.load_pool, timeout_s=self.s.load_timeout_s + 5.0
+            request, context, work, pool=self.s.load_pool, timeout_s=self.s.config.load_timeout + 5.0
         )
 
     async def Promote(self, request: pb.ModelRequest, context: grpc.aio.ServicerContext) -> pb.SwapResponse:
@@ -338,25 +327,13 @@ def add_service(service: _Service, server: grpc.aio.Server) -> None:
     """Register ``service`` like the generated ``add_PolicyServiceServicer_to_server``, but with
     deserializers that return :class:`Undecodable` instead of raising on garbage bytes."""
     rpc = {
-        "Act": grpc.unary_unary_rpc_method_handler(
-            service.Act, _safe_deserializer(pb.ActRequest), pb.ActResponse.SerializeToString
+        "Act": unary_handler(service.Act, pb.ActRequest, pb.ActResponse),
+        "StreamAct": stream_handler(service.StreamAct, pb.ActRequest, pb.ActResponse),
+        "GetInfo": unary_handler(service.GetInfo, pb.GetInfoRequest, pb.GetInfoResponse),
+        "LoadCheckpoint": unary_handler(
+            service.LoadCheckpoint, pb.LoadCheckpointRequest, pb.LoadCheckpointResponse
         ),
-        "StreamAct": grpc.stream_stream_rpc_method_handler(
-            service.StreamAct, _safe_deserializer(pb.ActRequest), pb.ActResponse.SerializeToString
-        ),
-        "GetInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetInfo, _safe_deserializer(pb.GetInfoRequest), pb.GetInfoResponse.SerializeToString
-        ),
-        "LoadCheckpoint": grpc.unary_unary_rpc_method_handler(
-            service.LoadCheckpoint,
-            _safe_deserializer(pb.LoadCheckpointRequest),
-            pb.LoadCheckpointResponse.SerializeToString,
-        ),
-        "Promote": grpc.unary_unary_rpc_method_handler(
-            service.Promote, _safe_deserializer(pb.ModelRequest), pb.SwapResponse.SerializeToString
-        ),
-        "Rollback": grpc.unary_unary_rpc_method_handler(
-            service.Rollback, _safe_deserializer(pb.ModelRequest), pb.SwapResponse.SerializeToString
-        ),
+        "Promote": unary_handler(service.Promote, pb.ModelRequest, pb.SwapResponse),
+        "Rollback": unary_handler(service.Rollback, pb.ModelRequest, pb.SwapResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, rpc),))

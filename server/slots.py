@@ -18,7 +18,8 @@ from vla_rl_client.spec import RobotSpec
 
 from policies.loading import LoadedPolicy
 from server.batching import LatencyWindow, _Pending, _Result
-from server.guard import DEFAULT_MAX_PEER_QUEUED, RequestError
+from server.config import DEFAULT_MAX_PEER_QUEUED
+from vla_rl.core.rpc import RequestError
 from vla_rl.hub.checkpoint import CheckpointError
 
 log = logging.getLogger("vla_rl.server")

@@ -36,10 +36,12 @@ from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.loading import load_policy
 from server.batching import _Pending
-from server.guard import RateLimitedLog, ServerLimits, bad_field, request_bytes_for
+from server.config import ServerConfig
+from server.guard import request_bytes_for
 from server.policy_server import PolicyServer
 from server.service import SERVICE_NAME
 from server.slots import ModelSlot, ServedVersion
+from vla_rl.core.rpc import RateLimitedLog, bad_field
 from vla_rl.hub.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -198,7 +200,7 @@ def test_slow_loads_do_not_wedge_control_calls(
     _edit_config(
         slow, lambda c: c["files"].update({"big.bin": hashlib.sha256(b"\0" * (6 << 20)).hexdigest()})
     )
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(load_timeout_s=1.0))
+    srv = start_server({"arm": ckpts["a"]}, load_timeout=1.0)
     try:
         with PolicyClient(srv.address, token=TOKEN, timeout_s=30, model_id="arm") as c:
             c.load_checkpoint(str(ckpts["b"]))  # so there is something to roll back to
@@ -237,7 +239,7 @@ def test_follower_refuses_an_evil_revision_and_keeps_following(
     from vla_rl.hub.registry import resolve
 
     live = _copy(ckpts["a"], tmp_path / "prod")
-    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval_s=0.1)
+    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval=0.1)
     try:
         with PolicyClient(srv.address, timeout_s=10, model_id="arm") as c:
             first = c.info()["arm"].commit
@@ -349,7 +351,7 @@ def test_undecodable_requests_are_invalid_argument_naming_the_field(
 
 
 def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFixture) -> None:
-    rl = RateLimitedLog(interval_s=0.2)
+    rl = RateLimitedLog(logging.getLogger("vla_rl.server"), interval_s=0.2)
     with caplog.at_level(logging.WARNING, logger="vla_rl.server"):
         logged = [rl.warning("peer-a", "kind", "bad") for _ in range(100)]
         assert rl.warning("peer-b", "kind", "bad")  # another peer is not silenced by peer-a
@@ -374,7 +376,7 @@ def test_message_limit_is_derived_from_the_spec(ckpts: dict[str, Path], server: 
 
 
 def test_concurrent_rpcs_are_capped(ckpts: dict[str, Path]) -> None:
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(max_concurrent_rpcs=2))
+    srv = start_server({"arm": ckpts["a"]}, max_concurrent_rpcs=2)
     release = threading.Event()
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -498,7 +500,7 @@ def test_a_stream_whose_replies_are_not_read_is_closed(ckpts: dict[str, Path]) -
     """Replies the robot does not read fill its flow-control window (small here: no BDP growth); the
     server then holds one reply for that stream, reads no more of its requests, and closes it after
     stream_write_timeout_s. Other robots are served meanwhile and after."""
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(stream_write_timeout_s=0.5))
+    srv = start_server({"arm": ckpts["a"]}, stream_write_timeout=0.5)
     stop = threading.Event()
     req = _good(1).SerializeToString()
 
@@ -616,8 +618,8 @@ def test_sampler_validates_its_inputs(ckpts: dict[str, Path]) -> None:
 
 # ------------------------------------------------------------------------------------- 7. CLI: token + limits
 def test_serve_token_file_and_limit_errors(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    from vla_rl.cli.common import CliError
-    from vla_rl.cli.services import Serve, _read_token_file, serve
+    from vla_rl.cli.common import CliError, build_config
+    from vla_rl.cli.services import _read_token_file, serve
 
     good = tmp_path / "token"
     good.write_text("s3cret\n")
@@ -625,10 +627,10 @@ def test_serve_token_file_and_limit_errors(ckpts: dict[str, Path], tmp_path: Pat
     (tmp_path / "empty").write_text("\n")
     for path in (tmp_path / "missing", tmp_path / "empty", tmp_path):
         with pytest.raises(CliError, match="--token-file"):
-            serve(Serve(checkpoint=str(ckpts["a"]), token_file=path))
-    with pytest.raises(CliError, match="--load-timeout"):
-        serve(Serve(checkpoint=str(ckpts["a"]), load_timeout=0))
+            serve(ServerConfig(checkpoint=str(ckpts["a"]), token_file=path))
+    with pytest.raises(CliError, match="--load-timeout"):  # how the CLI builds its config from the flags
+        serve(build_config(ServerConfig, {"checkpoint": str(ckpts["a"]), "load_timeout": 0}))
     with pytest.raises(CliError, match="--max-concurrent-rpcs"):
-        serve(Serve(checkpoint=str(ckpts["a"]), max_concurrent_rpcs=0))
+        serve(build_config(ServerConfig, {"checkpoint": str(ckpts["a"]), "max_concurrent_rpcs": 0}))
     with pytest.raises(ValueError, match="max_peer_queued"):
-        ServerLimits(max_peer_queued=0)
+        ServerConfig(checkpoint=str(ckpts["a"]), max_peer_queued=0)

@@ -20,13 +20,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs
+from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs, start_server
 from tolerances import RECOMPUTED_ATOL
 from vla_rl_client.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
 from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
 from policies.loading import load_policy
+from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from server.slots import ServedVersion
 
@@ -47,8 +48,7 @@ def reference(ckpts: dict[str, Path]) -> dict[str, ServedVersion]:
 
 
 def start(models: dict[str, Path], **kw: Any) -> PolicyServer:
-    opts: dict[str, Any] = {"port": 0, "token": TOKEN, "torch_threads": 1, "device": "cpu"}
-    return PolicyServer({k: str(v) for k, v in models.items()}, **(opts | kw)).start()
+    return start_server(models, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_tls(ckpts: dict[str, Path], tmp_path: Path, reference: dict[str, Served
     finally:
         srv.stop()
     with pytest.raises(ValueError, match="both"):
-        PolicyServer({"arm": str(ckpts["a"])}, tls_cert=cert)
+        ServerConfig(checkpoint=str(ckpts["a"]), tls_cert=cert)
 
 
 # ---------------------------------------------------------------------------------------------- action queue
@@ -383,7 +383,7 @@ def test_follows_prod_on_the_hub_without_failed_requests(
     srv = start(
         {"arm": "hub://fleet/arm@prod"},
         follow={"arm": "hub://fleet/arm@prod"},
-        follow_interval_s=0.2,
+        follow_interval=0.2,
         cache_dir=tmp_path / "cache",
     )
     log: list[tuple[dict[str, Any], int, Any]] = []

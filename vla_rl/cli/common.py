@@ -103,6 +103,31 @@ def parse(cls: type, argv: Sequence[str], prog: str, description: str, default: 
     return tyro.cli(cls, args=list(argv), prog=prog, description=description, default=default)
 
 
+def parse_config(cls: type, argv: Sequence[str], prog: str, description: str | None = None) -> Any:
+    """:func:`parse` for a config dataclass that validates itself in ``__post_init__`` and whose field
+    names are its flags': tyro fills an unvalidated copy of ``cls`` (it would draw its own box around a
+    ValueError), then the config is built here with :func:`build_config`."""
+    unvalidated = type(cls.__name__, (cls,), {"__post_init__": _no_checks, "__module__": cls.__module__})
+    raw = parse(unvalidated, argv, prog, description or cls.__doc__ or "")
+    return build_config(cls, {f.name: getattr(raw, f.name) for f in dataclasses.fields(cls) if f.init})
+
+
+def _no_checks(self: Any) -> None:
+    """``__post_init__`` of the copy tyro fills: the real config checks the values afterwards."""
+
+
+def build_config(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)``; its ValueError ("max_queue: expected ...") becomes one CliError line naming the
+    flag ("--max-queue: expected ...")."""
+    try:
+        return cls(**values)
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")
+        if sep and field.isidentifier():
+            raise CliError(f"--{field.replace('_', '-')}:{rest}") from None
+        raise CliError(str(e)) from None
+
+
 def partial(cls: type, values: dict[str, Any]) -> Any:
     """An instance of dataclass ``cls`` holding ``values`` and the field defaults, required fields left
     as ``tyro.MISSING``, built without ``__post_init__``: tyro's ``default=`` for a preset (the result
