@@ -54,6 +54,7 @@ from grpc_reflection.v1alpha import reflection
 from vla_rl_client.proto import policy_service_pb2 as pb
 
 from policies.loading import load_servable
+from server.batching import BatchQueue
 from server.config import ServerConfig
 from server.guard import MIN_DERIVED_MESSAGE_BYTES, request_bytes_for
 from server.service import SERVICE_NAME, _Service, add_service
@@ -213,7 +214,7 @@ class PolicyServer:
                 )
                 raise
             if slot is None:
-                slot = ModelSlot(model_id, version, **self.batching)
+                slot = ModelSlot(model_id, version, BatchQueue(model_id, **self.batching))
                 slot.start()
                 self.slots[model_id] = slot
             elif stage_only:
@@ -310,10 +311,10 @@ class PolicyServer:
             batches=s.batches,
             dropped_expired=s.dropped_expired,
             rejected_full=s.rejected_full,
-            max_batch=s.max_batch,
-            max_wait_us=s.max_wait_us,
-            max_queue=s.max_queue,
-            adaptive_wait=s.adaptive_wait,
+            max_batch=s.queue.max_batch,
+            max_wait_us=s.queue.max_wait_us,
+            max_queue=s.queue.max_queue,
+            adaptive_wait=s.queue.adaptive_wait,
             active_clients=s.active_clients(),
             latency_p50_ms=p50,
             latency_p99_ms=p99,

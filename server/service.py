@@ -6,22 +6,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
-import numpy as np
-from vla_rl_client.codec import decode_image, from_tensor, to_tensor
+from vla_rl_client.codec import to_tensor
 from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import SpecError
 
 from server.batching import _Pending
 from server.config import ServerConfig
-from server.guard import MAX_INSTRUCTION_CHARS, MAX_REQUEST_ID_CHARS
+from server.guard import decode_request
 from server.slots import ModelSlot
 from vla_rl.core.rpc import RateLimitedLog, RequestError, Undecodable, abort, stream_handler, unary_handler
 from vla_rl.core.version import __version__
@@ -65,77 +63,11 @@ class _Service(pb_grpc.PolicyServiceServicer):
     # -- inference
     def _decode(self, req: pb.ActRequest, context: grpc.aio.ServicerContext) -> tuple[ModelSlot, _Pending]:
         slot = self.s.slot(req.model_id)
-        spec = slot.active.spec
-        noise_shape = slot.active.noise_shape
-        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-            raise SpecError(
-                "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters", f"{len(req.request_id)}"
-            )
-        obs = req.observation
-        if spec.state_dim == 0 and not obs.state.dtype:
-            state = np.zeros((0,), np.float32)
-        else:
-            state = from_tensor(obs.state, "observation.state", dtype="float32", shape=(spec.state_dim,))
-        spec.check_state(state, name="observation.state")  # finite
-        if state.size and float(np.abs(state).max()) > self.s.config.max_state_abs:
-            raise SpecError(
-                "observation.state",
-                f"values within +-{self.s.config.max_state_abs:g} (max_state_abs)",
-                f"max |x| {float(np.abs(state).max()):.3g}",
-            )
-        cams: dict[str, np.ndarray] = {}
-        for name, img in obs.cameras.items():
-            try:
-                cam = spec.camera(name)
-            except KeyError:
-                raise SpecError(
-                    f"observation.cameras.{name}",
-                    f"only cameras {list(spec.camera_names)}",
-                    "an unknown camera",
-                ) from None
-            cams[name] = decode_image(img, f"observation.cameras.{name}", cam.height, cam.width)
-        spec.check_images(cams, prefix="observation.cameras")
-        if len(obs.instruction) > MAX_INSTRUCTION_CHARS:
-            raise SpecError(
-                "observation.instruction",
-                f"at most {MAX_INSTRUCTION_CHARS} characters",
-                f"{len(obs.instruction)}",
-            )
-        noise = None
-        if req.noise.dtype or req.noise.shape or req.noise.data:
-            if req.HasField("seed"):
-                raise SpecError("noise", "either seed or noise, not both", "both")
-            if noise_shape is None:
-                raise SpecError(
-                    "noise",
-                    f"no noise: {slot.active.model.policy_type} takes no initial noise (send a seed or nothing)",
-                    "a noise tensor",
-                )
-            noise = from_tensor(req.noise, "noise", dtype="float32", shape=noise_shape)
-            if not np.isfinite(noise).all():
-                raise SpecError("noise", "finite values", "NaN or inf")
-            if noise.size and float(np.abs(noise).max()) > self.s.config.max_noise_abs:
-                raise SpecError(
-                    "noise",
-                    f"standard-normal values within +-{self.s.config.max_noise_abs:g} (max_noise_abs)",
-                    f"max |x| {float(np.abs(noise).max()):.3g}",
-                )
-        seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
-        deadline = None
-        remaining = context.time_remaining()
-        if remaining is not None:
-            deadline = time.monotonic() + remaining
-        if req.timeout_ms:
-            mine = time.monotonic() + req.timeout_ms / 1000
-            deadline = mine if deadline is None else min(deadline, mine)
-        item = _Pending(
-            state=state,
-            cameras=cams,
-            instruction=obs.instruction or spec.instruction,
-            seed=seed,
-            noise=noise,
-            deadline=deadline,
-            enqueued_ns=0,
+        item = decode_request(
+            req,
+            slot.active,
+            self.s.config,
+            time_remaining=context.time_remaining(),
             peer=context.peer() or "",
         )
         return slot, item

@@ -4,7 +4,6 @@ previous and staged versions, bounded queue and batcher thread."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -17,8 +16,7 @@ import torch
 from vla_rl_client.spec import RobotSpec
 
 from policies.loading import LoadedPolicy
-from server.batching import LatencyWindow, _Pending, _Result
-from server.config import DEFAULT_MAX_PEER_QUEUED
+from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
 from vla_rl.core.rpc import RequestError
 from vla_rl.hub.checkpoint import CheckpointError
 
@@ -233,96 +231,55 @@ class ServedVersion:
 
 
 class ModelSlot:
-    """One model id: its serving version (plus previous and staged ones), bounded queue and batcher thread."""
+    """One model id: its serving version (plus previous and staged ones), its :class:`BatchQueue` and the
+    batcher thread that runs each batch through the version serving when the batch was taken."""
 
-    def __init__(
-        self,
-        model_id: str,
-        version: ServedVersion,
-        *,
-        max_batch: int,
-        max_wait_us: int,
-        max_queue: int,
-        adaptive_wait: bool = True,
-        activity_window_s: float = 1.0,
-        max_peer_queued: int = DEFAULT_MAX_PEER_QUEUED,
-    ) -> None:
-        if max_batch < 1 or max_queue < 1 or max_wait_us < 0:
-            raise ValueError(
-                f"need max_batch >= 1, max_queue >= 1, max_wait_us >= 0; got {max_batch}, {max_queue}, {max_wait_us}"
-            )
+    def __init__(self, model_id: str, version: ServedVersion, queue: BatchQueue) -> None:
+        self.queue = queue
         self.model_id = model_id
         self.active = version
         self.previous: ServedVersion | None = None
         self.staged: ServedVersion | None = None
-        self.max_batch, self.max_wait_us, self.max_queue = max_batch, max_wait_us, max_queue
-        self.adaptive_wait, self.activity_window_s = adaptive_wait, activity_window_s
-        self.max_peer_queued = max_peer_queued
-        self._usage: dict[str, tuple[float, float]] = {}  # peer -> (decayed requests served, at time)
-        self._last_seen: dict[str, float] = {}  # peer -> time.monotonic() of its last request
-        self._queued_peers: collections.Counter[str] = collections.Counter()
         self.last_load_error = ""  # public (GetInfo without a token): no file names, contents or hashes
         self.last_load_error_detail = ""  # the full reason: server log, and GetInfo with the control token
         self.last_failed_commit = ""
         self.followed_ref = ""
-        self.served = self.batches = self.dropped_expired = self.rejected_full = self.non_finite = 0
+        self.served = self.batches = self.dropped_expired = self.non_finite = 0
         self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
         self.load_lock = threading.Lock()  # one load per model at a time
-        self._cond = threading.Condition()
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model_id}", daemon=True)
+
+    @property
+    def rejected_full(self) -> int:
+        """Requests refused RESOURCE_EXHAUSTED (queue full, or too many from one connection)."""
+        return self.queue.rejected_full
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self._cond.notify_all()
-        for item in pending:
+        for item in self.queue.close():
             if item.future.set_running_or_notify_cancel():
                 item.future.set_exception(RequestError(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
         self._thread.join(timeout=10)
 
     def submit(self, item: _Pending) -> None:
         """Queue ``item`` or raise RESOURCE_EXHAUSTED at once (backpressure, not unbounded latency)."""
-        with self._cond:
-            if self._stopping:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server shutting down")
-            if len(self._queue) >= self.max_queue:
-                self.rejected_full += 1
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"model {self.model_id!r}: request queue full ({self.max_queue} waiting); retry with backoff",
-                )
-            if self._queued_peers[item.peer] >= self.max_peer_queued:
-                self.rejected_full += 1
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"model {self.model_id!r}: this connection already has {self.max_peer_queued} requests "
-                    "waiting (max_peer_queued); retry with backoff",
-                )
-            self._queue.append(item)
-            self._last_seen[item.peer] = time.monotonic()
-            self._queued_peers[item.peer] += 1
-            self._cond.notify()
+        self.queue.submit(item)
 
-    # -- swaps: all under the batcher's lock, so they land between batches
+    # -- swaps: all under the queue's lock, so they land between batches
     def swap_in(self, version: ServedVersion) -> ServedVersion:
-        with self._cond:
+        with self.queue.cond:
             old, self.active = self.active, version
             self.previous = old
             return old
 
     def stage(self, version: ServedVersion) -> None:
-        with self._cond:
+        with self.queue.cond:
             self.staged = version
 
     def promote(self) -> ServedVersion:
-        with self._cond:
+        with self.queue.cond:
             if self.staged is None:
                 raise RequestError(
                     grpc.StatusCode.FAILED_PRECONDITION, f"model {self.model_id!r}: nothing staged"
@@ -331,7 +288,7 @@ class ModelSlot:
             return self.active
 
     def rollback(self) -> ServedVersion:
-        with self._cond:
+        with self.queue.cond:
             if self.previous is None:
                 raise RequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -343,80 +300,17 @@ class ModelSlot:
     # -- the batcher
     def queued(self) -> int:
         """Requests waiting for a batch (not yet picked for inference)."""
-        with self._cond:
-            return len(self._queue)
+        return len(self.queue)
 
     def active_clients(self) -> int:
         """Connections that sent a request within the last ``activity_window_s`` (or have one queued)."""
-        with self._cond:
-            self._forget_idle_peers()
-            return len(self._last_seen)
-
-    def _forget_idle_peers(self) -> None:
-        cutoff = time.monotonic() - self.activity_window_s
-        for peer in [p for p, t in self._last_seen.items() if t < cutoff and not self._queued_peers[p]]:
-            del self._last_seen[peer]
-            del self._queued_peers[peer]
-
-    def _nobody_else_expected(self) -> bool:
-        """Every recently active connection already has a request queued: waiting longer cannot grow the
-        batch (a closed-loop robot sends its next request only after this reply), so dispatch now."""
-        self._forget_idle_peers()
-        return all(self._queued_peers[p] for p in self._last_seen)
+        return self.queue.active_clients()
 
     def _take_batch(self) -> tuple[list[_Pending], ServedVersion] | None:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            # Gather up to max_batch, waiting at most max_wait_us after the oldest request arrived: a
-            # crowd fills the batch without waiting. With adaptive_wait a lone robot (or a batch that
-            # already holds every active robot) goes at once instead of paying max_wait_us.
-            until = self._queue[0].enqueued_ns / 1e9 + self.max_wait_us / 1e6
-            while len(self._queue) < self.max_batch and not self._stopping:
-                if self.adaptive_wait and self._nobody_else_expected():
-                    break
-                remaining = until - time.perf_counter_ns() / 1e9
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            batch = self._pick(min(self.max_batch, len(self._queue)))
-            for item in batch:
-                self._queued_peers[item.peer] -= 1
-            return batch, self.active  # the version is read once per batch: swaps land between batches
-
-    USAGE_HALF_LIFE_S = 1.0
-
-    def _usage_of(self, peer: str, now: float) -> float:
-        value, at = self._usage.get(peer, (0.0, now))
-        return value * 0.5 ** ((now - at) / self.USAGE_HALF_LIFE_S)
-
-    def _pick(self, n: int) -> list[_Pending]:
-        """Take ``n`` queued requests. When more are waiting than fit, the connections served least
-        recently (decayed count, half-life USAGE_HALF_LIFE_S) go first, FIFO among equals: a flood of
-        requests from some connections (e.g. streams that never read their replies) cannot push a robot
-        asking at its control rate behind them."""
-        now = time.monotonic()
-        if n >= len(self._queue):
-            batch = list(self._queue)
-            self._queue.clear()
-        else:
-            batch = self._least_served(n, now)
-        for item in batch:
-            self._usage[item.peer] = (self._usage_of(item.peer, now) + 1.0, now)
-        return batch
-
-    def _least_served(self, n: int, now: float) -> list[_Pending]:
-        if len(self._usage) > 4 * self.max_queue:
-            self._usage = {
-                p: (self._usage_of(p, now), now) for p in self._usage if self._usage_of(p, now) > 0.01
-            }
-        items = list(self._queue)
-        order = sorted(range(len(items)), key=lambda i: (self._usage_of(items[i].peer, now), i))
-        chosen = set(order[:n])
-        self._queue = collections.deque(it for i, it in enumerate(items) if i not in chosen)
-        return [it for i, it in enumerate(items) if i in chosen]
+        with self.queue.cond:
+            batch = self.queue.take()
+            # the version is read once per batch, in the same hold of the lock: swaps land between batches
+            return None if batch is None else (batch, self.active)
 
     def _run(self) -> None:
         while True:

@@ -35,7 +35,7 @@ from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.loading import load_policy
-from server.batching import _Pending
+from server.batching import BatchQueue, _Pending
 from server.config import ServerConfig
 from server.guard import request_bytes_for
 from server.policy_server import PolicyServer
@@ -410,15 +410,18 @@ def test_concurrent_rpcs_are_capped(ckpts: dict[str, Path]) -> None:
 
 def test_one_connection_cannot_fill_the_queue(ckpts: dict[str, Path]) -> None:
     version = ServedVersion(load_policy(ckpts["a"], device="cpu"))
-    slot = ModelSlot("arm", version, max_batch=1, max_wait_us=0, max_queue=10, max_peer_queued=2)
+    queue = BatchQueue("arm", max_batch=1, max_wait_us=0, max_queue=10, max_peer_queued=2)
+    slot = ModelSlot("arm", version, queue)
     item = dict(state=np.zeros(5, np.float32), cameras={}, instruction="", seed=0, noise=None, deadline=None)
     for _ in range(2):
         slot.submit(_Pending(**item, enqueued_ns=0, peer="flood"))  # type: ignore[arg-type]
     with pytest.raises(Exception, match="max_peer_queued"):
         slot.submit(_Pending(**item, enqueued_ns=0, peer="flood"))  # type: ignore[arg-type]
     slot.submit(_Pending(**item, enqueued_ns=0, peer="robot"))  # type: ignore[arg-type]
-    assert [p.peer for p in slot._pick(1)] == ["flood"]  # FIFO among equals...
-    assert [p.peer for p in slot._pick(1)] == ["robot"]  # ...but the least-served connection goes first
+    assert [p.peer for p in slot.queue.take() or []] == ["flood"]  # FIFO among equals...
+    assert [p.peer for p in slot.queue.take() or []] == [
+        "robot"
+    ]  # ...but the least-served connection goes first
 
 
 ATTACKER = """
