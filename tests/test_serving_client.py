@@ -30,6 +30,7 @@ from policies.loading import load_policy
 from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from server.slots import ServedVersion
+from vla_rl.core.version import __version__
 
 torch.set_num_threads(1)
 SC = grpc.StatusCode
@@ -67,6 +68,8 @@ def test_async_client_act_stream_info_and_errors(
             obs = make_obs(np.random.default_rng(0))
             info = await c.info()
             assert info["arm"].commit == reference["a"].commit and info["arm"].adaptive_wait
+            whole = await c.get_info()  # the whole reply: the models and the server's version
+            assert whole.server_version == __version__ and [m.model_id for m in whole.models] == ["arm"]
             # many concurrent robots from one event loop: each gets the chunk for its own observation
             rngs = [np.random.default_rng(10 + k) for k in range(6)]
             obss = [make_obs(r) for r in rngs]
@@ -93,6 +96,10 @@ def test_async_client_act_stream_info_and_errors(
                 await c.act(obs, model_id="nope")
             assert err.value.code == SC.NOT_FOUND
             assert await c.health() == "SERVING"
+        with PolicyClient(server.address, timeout_s=10) as sync:
+            whole = sync.get_info()
+            assert whole.server_version == __version__ and whole.models[0].commit == reference["a"].commit
+            assert list(sync.info()) == ["arm"] and sync.info()["arm"].commit == whole.models[0].commit
         async with AsyncPolicyClient(server.address, timeout_s=10) as anon:  # control needs the token
             with pytest.raises(PolicyError) as err:
                 await anon.rollback()
