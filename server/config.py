@@ -139,8 +139,8 @@ class ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             given, missing = ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
             raise ValueError(
-                f"{missing}: expected both tls_cert (PEM certificate chain) and tls_key (its PEM private key), "
-                f"got only {given}"
+                f"{missing}: expected both tls_cert (PEM certificate chain) and tls_key (its PEM private "
+                f"key), got only {given}"
             )
         for name in ("tls_cert", "tls_key"):
             path = _path_or_none(name, getattr(self, name))
@@ -202,7 +202,8 @@ def _integer(name: str, value: object, *, low: int) -> None:
 def _number(
     name: str, value: object, *, low: float, strict: bool, unit: str = "a number", finite: bool = False
 ) -> None:
-    """``value`` is a number above ``low`` (``strict``) or at least ``low``; never NaN, never inf if ``finite``."""
+    """``value`` is a number above ``low`` (``strict``) or at least ``low``; never NaN, and never inf
+    when ``finite``."""
     ok = not isinstance(value, bool) and isinstance(value, int | float) and not math.isnan(value)
     ok = ok and not (finite and math.isinf(value))  # type: ignore[arg-type]
     if not ok or (value <= low if strict else value < low):  # type: ignore[operator]

@@ -114,7 +114,7 @@ def _noise(req: pb.ActRequest, version: ServedVersion, max_abs: float) -> np.nda
 
 
 def _within(name: str, x: np.ndarray, max_abs: float, what: str, knob: str) -> None:
-    """Refuse ``x`` (the field ``name``) when a value lies beyond +-``max_abs`` (the config field ``knob``)."""
+    """Refuse ``x`` (the field ``name``) when a value lies beyond +-``max_abs`` (config field ``knob``)."""
     if x.size and float(np.abs(x).max()) > max_abs:
         raise SpecError(
             name, f"{what} within +-{max_abs:g} ({knob})", f"max |x| {float(np.abs(x).max()):.3g}"

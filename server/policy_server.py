@@ -103,7 +103,8 @@ class PolicyServer:
             models, follow = config.models(), config.follow_map()
         elif config.follow is not None:
             raise ValueError(
-                f"follow: config.follow ({config.follow!r}) names no model of models=...; pass follow={{id: ref}}"
+                f"follow: config.follow ({config.follow!r}) names no model of models=...; "
+                "pass follow={id: ref}"
             )
         if not models:
             raise ValueError("PolicyServer needs at least one model (model id -> checkpoint reference)")
@@ -112,13 +113,6 @@ class PolicyServer:
             raise ValueError(f"follow names model ids that are not served: {sorted(unknown)}")
         self.ratelog = RateLimitedLog(log, config.log_interval)
         self.host, self.port = config.host, config.port  # port: the bound one once started
-        self.batching = {
-            "max_batch": config.max_batch,
-            "max_wait_us": config.max_wait_us,
-            "max_queue": config.max_queue,
-            "adaptive_wait": config.adaptive_wait,
-            "max_peer_queued": config.max_peer_queued,
-        }
         self.tls: tuple[bytes, bytes] | None = None
         if config.tls_cert is not None and config.tls_key is not None:
             self.tls = (config.tls_key.read_bytes(), config.tls_cert.read_bytes())
@@ -129,7 +123,7 @@ class PolicyServer:
             torch.set_num_threads(config.torch_threads)
         self.slots: dict[str, ModelSlot] = {}
         self._slots_lock = threading.Lock()
-        # Promote/Rollback never wait behind a load: loads have their own pool, each bounded by load_timeout_s.
+        # Promote/Rollback never wait behind a load: loads have their own pool, each bounded by load_timeout.
         self.control_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="policy-control")
         self.load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="policy-load")
         self._initial = {k: str(v) for k, v in models.items()}
@@ -175,8 +169,8 @@ class PolicyServer:
 
         Runs on the caller's thread (a control or follower thread), never the batcher's. On failure the
         serving version is untouched, the error is recorded for GetInfo and logged, and RequestError raised.
-        Bounded by ``load_timeout_s`` (checked between file blocks) and ``max_file_bytes``; ``cancel``
-        (or the server stopping) abandons it at the next check.
+        Bounded by ``config.load_timeout`` (checked between file blocks) and ``config.max_file_mb``;
+        ``cancel`` (or the server stopping) abandons it at the next check.
         """
         if not ref:
             raise RequestError(
@@ -214,7 +208,7 @@ class PolicyServer:
                 )
                 raise
             if slot is None:
-                slot = ModelSlot(model_id, version, BatchQueue(model_id, **self.batching))
+                slot = ModelSlot(model_id, version, self._new_queue(model_id))
                 slot.start()
                 self.slots[model_id] = slot
             elif stage_only:
@@ -234,6 +228,18 @@ class PolicyServer:
             return slot
         finally:
             lock.release()
+
+    def _new_queue(self, model_id: str) -> BatchQueue:
+        """The batch queue of a newly served model id, bounded and paced as the config says."""
+        c = self.config
+        return BatchQueue(
+            model_id,
+            max_batch=c.max_batch,
+            max_wait_us=c.max_wait_us,
+            max_queue=c.max_queue,
+            adaptive_wait=c.adaptive_wait,
+            max_peer_queued=c.max_peer_queued,
+        )
 
     def _load_version(
         self, ref: str, slot: ModelSlot | None, force: bool, limits: LoadLimits | None = None

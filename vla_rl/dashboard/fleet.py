@@ -19,7 +19,8 @@ RPC_TIMEOUT_S = 1.0
 
 
 def _rpc_error(e: Exception) -> str:
-    """One line for a failed remote call: "CODE: details" for a gRPC error, else the exception's type and text."""
+    """One line for a failed remote call: "CODE: details" for a gRPC error, else the exception's type
+    and text."""
     import grpc
     from vla_rl_client.policy_client import PolicyError
 
