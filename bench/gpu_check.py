@@ -48,7 +48,7 @@ from bench.common import table, write_results
 from bench.serve import SPEC, free_port, obs, our_client, run_clients, wait_until_serving
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.loading import load_policy
-from server.policy_server import ServedVersion, initial_noise
+from server.slots import ServedVersion, initial_noise
 from vla_rl.hub.checkpoint import CARD_FILE, WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,9 +96,9 @@ def cli_server(checkpoint: Path, device: str, threads: int, log_path: Path) -> I
     port = free_port()
     cmd = [sys.executable, "-m", "vla_rl.cli", "serve", "--checkpoint", str(checkpoint)]
     cmd += ["--follow", "self", "--follow-interval", "0.5", "--device", device, "--port", str(port)]
-    cmd += ["--token", TOKEN, "--model-id", "flow", "--max-batch", "16"]
+    cmd += ["--model-id", "flow", "--max-batch", "16"]
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path, "VLA_RL_SERVER_TOKEN": TOKEN}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"

@@ -105,18 +105,20 @@ def serve_ours_main(args: argparse.Namespace) -> None:
     """``--serve-ours``: host the bench models in this (child) process until SIGTERM."""
     import torch
 
+    from server.config import ServerConfig
     from server.policy_server import PolicyServer
 
     torch.set_num_threads(args.threads)
     models = dict(kv.split("=", 1) for kv in args.serve_ours.split(","))
-    srv = PolicyServer(
-        models,
+    config = ServerConfig(
+        checkpoint=next(iter(models.values())),
         port=args.port,
         device="cpu",
         max_batch=16,
         max_wait_us=2000,
         adaptive_wait=not args.no_adaptive,
-    ).start()
+    )
+    srv = PolicyServer(config, models=models).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()

@@ -12,7 +12,7 @@
    would have taken over. Per failed episode: was it flagged, how many steps before the end (failure is the
    time limit on Reach), and which rule flagged it first. Per successful episode: a false alarm.
 
-The chunks come from the policy server's own scored inference (:class:`server.policy_server.ServedVersion`,
+The chunks come from the policy server's own scored inference (:class:`server.slots.ServedVersion`,
 ``infer_scored``: the same code, batch and seeds ``seed * 1000 + t`` as ``vla-rl fleet sim``), run in
 this process with the episodes of a group in lock-step. Prints a markdown table and writes
 bench/results/uncertainty.json.
@@ -36,7 +36,7 @@ from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from fleet.uncertainty import calibrate_cusum, cusum_path
 from policies.loading import load_policy
-from server.policy_server import ServedVersion, initial_noise
+from server.slots import ServedVersion, initial_noise
 from sim.demos import record_demos
 from sim.operator import OperatorRules, SimulatedOperator
 from sim.registry import make_env, resolve_task

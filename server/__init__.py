@@ -1,17 +1,19 @@
-"""gRPC policy server (:mod:`server.policy_server`), its slim clients (:mod:`vla_rl_client.policy_client`, asyncio:
-:mod:`vla_rl_client.aio_policy_client`, their shared :mod:`vla_rl_client.policy_common`), the robot-side action-chunk queue
-(:mod:`vla_rl_client.action_queue`) and wire codec.
+"""The gRPC policy server: dynamic batching across robots, several models, live checkpoint swaps.
 
-Kept import-free so that ``import vla_rl_client.policy_client`` pulls in neither torch nor the model code: robots need
-only numpy, grpcio, protobuf and Pillow. The dashboard will live here too.
+Split by job (why it is built this way: :mod:`server.policy_server`):
 
-The robot side ships on its own as ``vla-rl-client`` (like openpi's ``openpi-client``): the policy clients,
-action queue, codec and stubs, ``vla_rl_client.spec`` and the fleet robot client (``vla_rl_client.robot_client``,
-``vla_rl_client.wire``, ``vla_rl_client.meta``), with numpy, grpcio, protobuf and Pillow as its only dependencies::
+* :mod:`server.config`: :class:`~server.config.ServerConfig`, every knob typed once (``vla-rl serve``'s
+  flags, :func:`~server.policy_server.serve`'s and :class:`~server.policy_server.PolicyServer`'s input, a
+  config file's content);
+* :mod:`server.guard`: what a request may be: decoding an ``ActRequest`` with its checks, and the
+  request size a robot spec needs;
+* :mod:`server.batching`: pending requests, the bounded fair queue they wait in, the latency window;
+* :mod:`server.slots`: hosted models (``ServedModel``, ``FlowVLAModel``, ``ServedVersion``) and a model
+  id's ``ModelSlot`` (serving / previous / staged versions, swap, promote, rollback, its batcher thread);
+* :mod:`server.service`: the ``vla_rl.v1.PolicyService`` servicer;
+* :mod:`server.policy_server`: ``PolicyServer`` (load, follow, start, drain, stop) and ``serve()``.
 
-    python -m scripts.build_client --out dist/      # in the repo root, with the dev venv
-    pip install dist/vla_rl_client-0.1.0-py3-none-any.whl   # on the robot; [health] adds client.health()
-
-``scripts/build_client.py`` lists its files; ``tests/test_imports.py`` keeps them importing nothing else
-and ``tests/test_client_package.py`` drives a robot from a bare venv. Never install it next to ``vla-rl``.
+What it shares with the fleet collector (status errors, rate-limited warnings, undecodable bytes, token
+checks, SIGTERM -> drain) is :mod:`vla_rl.core.rpc`. The robot side (policy clients, action queue, codec,
+stubs) is the separate ``vla_rl_client`` package; the web dashboard is :mod:`vla_rl.dashboard`.
 """

@@ -28,6 +28,7 @@ from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector
 from fleet.db import MetadataDB
+from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorRules
@@ -77,10 +78,13 @@ def start_registry(root: Path, token: str) -> HubServer:
     return hub
 
 
-def serve_prod(repo: str, **kw: Any) -> PolicyServer:
+def serve_prod(repo: str, token: str | None = None, **kw: Any) -> PolicyServer:
     """A policy server on a free loopback port serving ``hub://REPO@prod`` as model ``reach`` (CPU, one
-    torch thread; ``kw``: more :class:`PolicyServer` options)."""
-    return PolicyServer({"reach": f"hub://{repo}@prod"}, port=0, torch_threads=1, device="cpu", **kw).start()
+    torch thread; ``kw``: more :class:`ServerConfig` fields, e.g. ``follow="self"``)."""
+    config = ServerConfig(
+        checkpoint=f"hub://{repo}@prod", model_id="reach", port=0, torch_threads=1, device="cpu", **kw
+    )
+    return PolicyServer(config, token=token).start()
 
 
 def record_fleet(

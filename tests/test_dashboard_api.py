@@ -76,7 +76,7 @@ def fleet_world(
         hub = start_registry(root, HUB_TOKEN)
         base = tiny_checkpoint(root / "base", spec)
         base_commit = push_folder(base, REPO, message="base", tag="prod")
-        server = serve_prod(REPO, follow={"reach": f"hub://{REPO}@prod"}, follow_interval_s=0.5)
+        server = serve_prod(REPO, follow="self", follow_interval=0.5)
     else:
         hub, server, base_commit = shared.hub, shared.server, shared.base_commit
     store = root / "store"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from fleet.store import EpisodeStore
-from server.policy_server import LatencyWindow
+from server.batching import LatencyWindow
 from sim.demos import record_demos
 from vla_rl.cli import main
 from vla_rl.dashboard.auth import TokenError, parse_tokens

@@ -30,7 +30,9 @@ from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.lerobot_adapter import is_lerobot_folder, save_random_policy, spec_from_config
 from policies.loading import load_servable
-from server.policy_server import PolicyServer, initial_noise
+from server.config import ServerConfig
+from server.policy_server import PolicyServer
+from server.slots import initial_noise
 from vla_rl.hub.checkpoint import CheckpointError
 
 torch.set_num_threads(1)
@@ -97,15 +99,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(folders: dict[str, Path]) -> Iterator[PolicyServer]:
-    srv = PolicyServer(
-        {"act": str(folders["act"]), "diffusion": str(folders["diffusion"])},
-        port=0,
-        token=TOKEN,
-        torch_threads=1,
-        device="cpu",
-        max_batch=8,
-        max_wait_us=5000,
-    ).start()
+    models = {"act": str(folders["act"]), "diffusion": str(folders["diffusion"])}
+    config = ServerConfig(
+        checkpoint=models["act"], port=0, torch_threads=1, device="cpu", max_batch=8, max_wait_us=5000
+    )
+    srv = PolicyServer(config, models=models, token=TOKEN).start()
     yield srv
     srv.stop()
 

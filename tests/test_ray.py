@@ -305,11 +305,13 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
 
     from fleet.collector import Collector, CollectorConfig
     from fleet.store import EpisodeStore
+    from server.config import ServerConfig
     from server.policy_server import PolicyServer
     from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec(KIN))
-    server = PolicyServer({"reach": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
+    config = ServerConfig(checkpoint=str(ckpt), model_id="reach", port=0, torch_threads=1, device="cpu")
+    server = PolicyServer(config, token="x").start()
     collector = Collector(
         CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
     ).start()

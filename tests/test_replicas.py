@@ -33,7 +33,9 @@ from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 from vla_rl_client.policy_common import HEALTH_SERVICE, channel_target
 
-from server.policy_server import SERVICE_NAME, PolicyServer
+from server.config import ServerConfig
+from server.policy_server import PolicyServer
+from server.service import SERVICE_NAME
 from vla_rl.cli import main
 
 torch.set_num_threads(1)
@@ -52,7 +54,12 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _start(ckpt: Path) -> PolicyServer:
-    return PolicyServer({"arm": str(ckpt)}, port=0, torch_threads=1, device="cpu").start()
+    return PolicyServer(_config(ckpt)).start()
+
+
+def _config(ckpt: Path, **kw: Any) -> ServerConfig:
+    """Model ``arm`` on a free loopback port, CPU, one torch thread; ``kw``: more fields."""
+    return ServerConfig(checkpoint=str(ckpt), model_id="arm", port=0, torch_threads=1, device="cpu", **kw)
 
 
 def _served(*servers: PolicyServer) -> list[int]:
@@ -208,12 +215,7 @@ def test_replicas_over_tls(ckpts: dict[str, Path], tmp_path: Path) -> None:
 
     cert, key = _self_signed(tmp_path, "replicas")
     other, _ = _self_signed(tmp_path, "other")
-    servers = [
-        PolicyServer(
-            {"arm": str(ckpts["a"])}, port=0, torch_threads=1, device="cpu", tls_cert=cert, tls_key=key
-        ).start()
-        for _ in range(2)
-    ]
+    servers = [PolicyServer(_config(ckpts["a"], tls_cert=cert, tls_key=key)).start() for _ in range(2)]
     rng = np.random.default_rng(2)
     try:
         target = ",".join(f"localhost:{s.port}" for s in servers)

@@ -27,7 +27,9 @@ from vla_rl_client.spec import CameraSpec, RobotSpec, SpecError
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import load_policy
-from server.policy_server import PolicyServer, ServedVersion, initial_noise
+from server.config import ServerConfig
+from server.policy_server import PolicyServer
+from server.slots import ServedVersion, initial_noise
 from vla_rl.hub.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
 
 torch.set_num_threads(1)
@@ -93,10 +95,15 @@ def make_obs(rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
-def start_server(models: dict[str, Path], **kw: Any) -> PolicyServer:
-    opts: dict[str, Any] = {"port": 0, "token": TOKEN, "torch_threads": 1, "device": "cpu"}
-    opts.update(kw)
-    return PolicyServer({k: str(v) for k, v in models.items()}, **opts).start()
+def start_server(
+    models: dict[str, Path], *, follow: dict[str, str] | None = None, token: str | None = TOKEN, **config: Any
+) -> PolicyServer:
+    """A started server of ``models`` on a free loopback port (CPU, one torch thread; ``config``: more
+    :class:`ServerConfig` fields)."""
+    refs = {k: str(v) for k, v in models.items()}
+    defaults: dict[str, Any] = {"port": 0, "torch_threads": 1, "device": "cpu"}
+    cfg = ServerConfig(checkpoint=next(iter(refs.values())), **(defaults | config))
+    return PolicyServer(cfg, models=refs, follow=follow, token=token).start()
 
 
 @pytest.fixture(scope="module")
@@ -597,7 +604,7 @@ def test_follow_a_moving_ref(
 
     live = tmp_path / "prod"
     shutil.copytree(ckpts["a"], live)
-    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval_s=0.1)
+    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval=0.1)
     try:
         with PolicyClient(srv.address, timeout_s=10) as c:
             first = c.info()["arm"].commit

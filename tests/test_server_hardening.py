@@ -35,17 +35,13 @@ from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.loading import load_policy
-from server.policy_server import (
-    SERVICE_NAME,
-    ModelSlot,
-    PolicyServer,
-    RateLimitedLog,
-    ServedVersion,
-    ServerLimits,
-    _Pending,
-    bad_field,
-    request_bytes_for,
-)
+from server.batching import BatchQueue, _Pending
+from server.config import ServerConfig
+from server.guard import request_bytes_for
+from server.policy_server import PolicyServer
+from server.service import SERVICE_NAME
+from server.slots import ModelSlot, ServedVersion
+from vla_rl.core.rpc import RateLimitedLog, bad_field
 from vla_rl.hub.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -204,7 +200,7 @@ def test_slow_loads_do_not_wedge_control_calls(
     _edit_config(
         slow, lambda c: c["files"].update({"big.bin": hashlib.sha256(b"\0" * (6 << 20)).hexdigest()})
     )
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(load_timeout_s=1.0))
+    srv = start_server({"arm": ckpts["a"]}, load_timeout=1.0)
     try:
         with PolicyClient(srv.address, token=TOKEN, timeout_s=30, model_id="arm") as c:
             c.load_checkpoint(str(ckpts["b"]))  # so there is something to roll back to
@@ -243,7 +239,7 @@ def test_follower_refuses_an_evil_revision_and_keeps_following(
     from vla_rl.hub.registry import resolve
 
     live = _copy(ckpts["a"], tmp_path / "prod")
-    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval_s=0.1)
+    srv = start_server({"arm": live}, follow={"arm": str(live)}, follow_interval=0.1)
     try:
         with PolicyClient(srv.address, timeout_s=10, model_id="arm") as c:
             first = c.info()["arm"].commit
@@ -355,7 +351,7 @@ def test_undecodable_requests_are_invalid_argument_naming_the_field(
 
 
 def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFixture) -> None:
-    rl = RateLimitedLog(interval_s=0.2)
+    rl = RateLimitedLog(logging.getLogger("vla_rl.server"), interval_s=0.2)
     with caplog.at_level(logging.WARNING, logger="vla_rl.server"):
         logged = [rl.warning("peer-a", "kind", "bad") for _ in range(100)]
         assert rl.warning("peer-b", "kind", "bad")  # another peer is not silenced by peer-a
@@ -380,7 +376,7 @@ def test_message_limit_is_derived_from_the_spec(ckpts: dict[str, Path], server: 
 
 
 def test_concurrent_rpcs_are_capped(ckpts: dict[str, Path]) -> None:
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(max_concurrent_rpcs=2))
+    srv = start_server({"arm": ckpts["a"]}, max_concurrent_rpcs=2)
     release = threading.Event()
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -414,15 +410,18 @@ def test_concurrent_rpcs_are_capped(ckpts: dict[str, Path]) -> None:
 
 def test_one_connection_cannot_fill_the_queue(ckpts: dict[str, Path]) -> None:
     version = ServedVersion(load_policy(ckpts["a"], device="cpu"))
-    slot = ModelSlot("arm", version, max_batch=1, max_wait_us=0, max_queue=10, max_peer_queued=2)
+    queue = BatchQueue("arm", max_batch=1, max_wait_us=0, max_queue=10, max_peer_queued=2)
+    slot = ModelSlot("arm", version, queue)
     item = dict(state=np.zeros(5, np.float32), cameras={}, instruction="", seed=0, noise=None, deadline=None)
     for _ in range(2):
         slot.submit(_Pending(**item, enqueued_ns=0, peer="flood"))  # type: ignore[arg-type]
     with pytest.raises(Exception, match="max_peer_queued"):
         slot.submit(_Pending(**item, enqueued_ns=0, peer="flood"))  # type: ignore[arg-type]
     slot.submit(_Pending(**item, enqueued_ns=0, peer="robot"))  # type: ignore[arg-type]
-    assert [p.peer for p in slot._pick(1)] == ["flood"]  # FIFO among equals...
-    assert [p.peer for p in slot._pick(1)] == ["robot"]  # ...but the least-served connection goes first
+    assert [p.peer for p in slot.queue.take() or []] == ["flood"]  # FIFO among equals...
+    assert [p.peer for p in slot.queue.take() or []] == [
+        "robot"
+    ]  # ...but the least-served connection goes first
 
 
 ATTACKER = """
@@ -504,7 +503,7 @@ def test_a_stream_whose_replies_are_not_read_is_closed(ckpts: dict[str, Path]) -
     """Replies the robot does not read fill its flow-control window (small here: no BDP growth); the
     server then holds one reply for that stream, reads no more of its requests, and closes it after
     stream_write_timeout_s. Other robots are served meanwhile and after."""
-    srv = start_server({"arm": ckpts["a"]}, limits=ServerLimits(stream_write_timeout_s=0.5))
+    srv = start_server({"arm": ckpts["a"]}, stream_write_timeout=0.5)
     stop = threading.Event()
     req = _good(1).SerializeToString()
 
@@ -622,8 +621,8 @@ def test_sampler_validates_its_inputs(ckpts: dict[str, Path]) -> None:
 
 # ------------------------------------------------------------------------------------- 7. CLI: token + limits
 def test_serve_token_file_and_limit_errors(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    from vla_rl.cli.common import CliError
-    from vla_rl.cli.services import Serve, _read_token_file, serve
+    from vla_rl.cli.common import CliError, build_config
+    from vla_rl.cli.services import _read_token_file, serve
 
     good = tmp_path / "token"
     good.write_text("s3cret\n")
@@ -631,10 +630,10 @@ def test_serve_token_file_and_limit_errors(ckpts: dict[str, Path], tmp_path: Pat
     (tmp_path / "empty").write_text("\n")
     for path in (tmp_path / "missing", tmp_path / "empty", tmp_path):
         with pytest.raises(CliError, match="--token-file"):
-            serve(Serve(checkpoint=str(ckpts["a"]), token_file=path))
-    with pytest.raises(CliError, match="--load-timeout"):
-        serve(Serve(checkpoint=str(ckpts["a"]), load_timeout=0))
+            serve(ServerConfig(checkpoint=str(ckpts["a"]), token_file=path))
+    with pytest.raises(CliError, match="--load-timeout"):  # how the CLI builds its config from the flags
+        serve(build_config(ServerConfig, {"checkpoint": str(ckpts["a"]), "load_timeout": 0}))
     with pytest.raises(CliError, match="--max-concurrent-rpcs"):
-        serve(Serve(checkpoint=str(ckpts["a"]), max_concurrent_rpcs=0))
+        serve(build_config(ServerConfig, {"checkpoint": str(ckpts["a"]), "max_concurrent_rpcs": 0}))
     with pytest.raises(ValueError, match="max_peer_queued"):
-        ServerLimits(max_peer_queued=0)
+        ServerConfig(checkpoint=str(ckpts["a"]), max_peer_queued=0)

@@ -20,14 +20,17 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs
+from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs, start_server
 from tolerances import RECOMPUTED_ATOL
 from vla_rl_client.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
 from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
 from policies.loading import load_policy
-from server.policy_server import PolicyServer, ServedVersion
+from server.config import ServerConfig
+from server.policy_server import PolicyServer
+from server.slots import ServedVersion
+from vla_rl.core.version import __version__
 
 torch.set_num_threads(1)
 SC = grpc.StatusCode
@@ -46,8 +49,7 @@ def reference(ckpts: dict[str, Path]) -> dict[str, ServedVersion]:
 
 
 def start(models: dict[str, Path], **kw: Any) -> PolicyServer:
-    opts: dict[str, Any] = {"port": 0, "token": TOKEN, "torch_threads": 1, "device": "cpu"}
-    return PolicyServer({k: str(v) for k, v in models.items()}, **(opts | kw)).start()
+    return start_server(models, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,8 @@ def test_async_client_act_stream_info_and_errors(
             obs = make_obs(np.random.default_rng(0))
             info = await c.info()
             assert info["arm"].commit == reference["a"].commit and info["arm"].adaptive_wait
+            whole = await c.get_info()  # the whole reply: the models and the server's version
+            assert whole.server_version == __version__ and [m.model_id for m in whole.models] == ["arm"]
             # many concurrent robots from one event loop: each gets the chunk for its own observation
             rngs = [np.random.default_rng(10 + k) for k in range(6)]
             obss = [make_obs(r) for r in rngs]
@@ -92,6 +96,10 @@ def test_async_client_act_stream_info_and_errors(
                 await c.act(obs, model_id="nope")
             assert err.value.code == SC.NOT_FOUND
             assert await c.health() == "SERVING"
+        with PolicyClient(server.address, timeout_s=10) as sync:
+            whole = sync.get_info()
+            assert whole.server_version == __version__ and whole.models[0].commit == reference["a"].commit
+            assert list(sync.info()) == ["arm"] and sync.info()["arm"].commit == whole.models[0].commit
         async with AsyncPolicyClient(server.address, timeout_s=10) as anon:  # control needs the token
             with pytest.raises(PolicyError) as err:
                 await anon.rollback()
@@ -260,7 +268,7 @@ def test_tls(ckpts: dict[str, Path], tmp_path: Path, reference: dict[str, Served
     finally:
         srv.stop()
     with pytest.raises(ValueError, match="both"):
-        PolicyServer({"arm": str(ckpts["a"])}, tls_cert=cert)
+        ServerConfig(checkpoint=str(ckpts["a"]), tls_cert=cert)
 
 
 # ---------------------------------------------------------------------------------------------- action queue
@@ -382,7 +390,7 @@ def test_follows_prod_on_the_hub_without_failed_requests(
     srv = start(
         {"arm": "hub://fleet/arm@prod"},
         follow={"arm": "hub://fleet/arm@prod"},
-        follow_interval_s=0.2,
+        follow_interval=0.2,
         cache_dir=tmp_path / "cache",
     )
     log: list[tuple[dict[str, Any], int, Any]] = []

@@ -19,6 +19,7 @@ from vla_rl_client.spec import RobotSpec
 from fleet.collector import Collector, CollectorConfig
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from sim.base import ACTION_NAMES
 from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
@@ -162,7 +163,8 @@ def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
 # ------------------------------------------------------------------------------------------ the fleet
 def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
-    server = PolicyServer({"push": str(ckpt)}, port=0, token="x", torch_threads=1, device="cpu").start()
+    config = ServerConfig(checkpoint=str(ckpt), model_id="push", port=0, torch_threads=1, device="cpu")
+    server = PolicyServer(config, token="x").start()
     collector = Collector(
         CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
     ).start()

@@ -330,7 +330,7 @@ def _camera_cfg(tmp_path: Path, steps: int, **kw: object) -> SFTConfig:
 
 
 def test_sft_trains_at_image_size_and_serves_native_images(tmp_path: Path) -> None:
-    from server.policy_server import ServedVersion
+    from server.slots import ServedVersion
 
     cfg = _camera_cfg(
         tmp_path, steps=4, model_overrides={"image_encoder_width": 8, "image_encoder_stages": 2}

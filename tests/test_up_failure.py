@@ -154,7 +154,7 @@ def test_children_get_config_files_their_commands_read_back(
     (`vla-rl COMMAND --config FILE`), not as argv: every file parses back through the command's own flags
     parser into the same config, and no token or password is in a file or on a command line."""
     from vla_rl.cli import COMMANDS
-    from vla_rl.cli.common import config_defaults, parse
+    from vla_rl.cli.common import parse_config
     from vla_rl.core.configs import is_secret
 
     for var in ("VLA_RL_HUB_TOKEN", "VLA_RL_COLLECTOR_TOKEN", "VLA_RL_SERVER_TOKEN"):
@@ -162,8 +162,15 @@ def test_children_get_config_files_their_commands_read_back(
     ports = Ports(hub=11, server=12, collector=13, dashboard=14)
     store = tmp_path / "store"
     children = child_configs(
-        tmp_path, store, "postgresql://ana@db/vla", "http://127.0.0.1:11", ports, "fleet/up"
+        tmp_path,
+        store,
+        "postgresql://ana@db/vla",
+        "http://127.0.0.1:11",
+        ports,
+        "fleet/up",
+        "hub://fleet/up@prod",
     )
+    assert children["server"].follow == "self" and children["server"].checkpoint == "hub://fleet/up@prod"
     assert (
         children["dashboard"].server == ("127.0.0.1:12",)
         and children["dashboard"].collector == "127.0.0.1:13"
@@ -179,11 +186,10 @@ def test_children_get_config_files_their_commands_read_back(
         command = by_path[tuple(argv[3:-2])]
         cls = command.args if isinstance(command.args, type) else command.args()
         assert command.config_file and issubclass(cls, type(cfg))  # the command may add its secrets' flags
-        rest = ["--config", str(path)]
-        back = parse(cls, rest, "vla-rl", "", config_defaults(cls, rest))
+        back = parse_config(cls, ["--config", str(path)], "vla-rl")
         saved = [f.name for f in dataclasses.fields(cfg) if not is_secret(f)]
         assert {k: getattr(back, k) for k in saved} == {k: getattr(cfg, k) for k in saved}, name
-    assert set(children) == {"hub", "collector", "worker", "dashboard"}
+    assert set(children) == {"hub", "server", "collector", "worker", "dashboard"}
 
 
 def test_the_db_password_goes_to_children_through_the_environment(tmp_path: Path) -> None:

@@ -492,18 +492,21 @@ DASHBOARD_PORT = 8780  # `vla-rl dashboard`'s own default; another free port whe
 
 
 def child_configs(
-    work: Path, store: Path, db_url: str, hub_url: str, ports: Ports, repo: str
+    work: Path, store: Path, db_url: str, hub_url: str, ports: Ports, repo: str, served: str
 ) -> dict[str, Any]:
     """The config of every service child ``up`` starts, by child name: each command's own config dataclass,
     written to WORKDIR/configs/NAME.json and read back by ``vla-rl COMMAND --config FILE``. Secrets are not
-    in them (tokens and the DB password reach the children through the environment)."""
+    in them (tokens and the DB password reach the children through the environment). The policy server
+    serves and follows the ref ``served``."""
     from fleet.collector import CollectorConfig
+    from server.config import ServerConfig
     from vla_rl.dashboard.config import DashboardConfig
     from vla_rl.hub.config import HubConfig
     from vla_rl.round_worker import WorkerConfig
 
     return {
         "hub": HubConfig(data=work / "hub", port=ports.hub, token=None),
+        "server": ServerConfig(checkpoint=served, follow="self", follow_interval=2.0, port=ports.server),
         "collector": CollectorConfig(store=store, db=db_url, port=ports.collector),
         "worker": WorkerConfig(store=store, db_url=db_url, poll_s=1, heartbeat_s=2, stale_after_s=15),
         "dashboard": DashboardConfig(
@@ -625,7 +628,8 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     configure_hub(hub_url, tokens["hub"])
     sup = Supervisor(work / "logs")
     rows: list[dict[str, Any]] = []
-    children = child_configs(work, store, db_url, hub_url, ports, cfg.repo)
+    prod = f"hub://{cfg.repo}@prod"
+    children = child_configs(work, store, db_url, hub_url, ports, cfg.repo, served=prod)
     try:
         hub_ready, hub_env = _http_child(f"{hub_url}/api/health")
         sup.start(
@@ -635,7 +639,6 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             env | hub_env,
             stop_order=STOP_ORDER["hub"],
         )
-        prod = f"hub://{cfg.repo}@prod"
         _seed_base(cfg, work, store, prod, db_url)
         db = MetadataDB(db_url)
         done = len(db.rounds())
@@ -662,18 +665,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         )
         sup.start(
             "server",
-            [
-                *CLI,
-                "serve",
-                "--checkpoint",
-                prod,
-                "--follow",
-                "self",
-                "--follow-interval",
-                "2",
-                "--port",
-                str(ports.server),
-            ],
+            child_argv("server", children["server"], work),
             _tcp_ready(ports.server),
             env,
             stop_order=STOP_ORDER["server"],

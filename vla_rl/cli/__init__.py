@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from vla_rl.cli import data, labels, services, taco, training
-from vla_rl.cli.common import CONFIG_HELP, CliError, Command, config_defaults, hub_errors, parse
+from vla_rl.cli.common import CliError, Command, hub_errors, parse, parse_config
 from vla_rl.cli.common import user_errors as _user_errors
 from vla_rl.core import lifeline
 from vla_rl.core.logs import setup_logging
@@ -153,10 +153,10 @@ def _main(argv: list[str]) -> int:
                 return int(command.run(args, prog) or 0)
             cls = command.args if isinstance(command.args, type) else command.args()
             doc = cls.__doc__ or command.summary
-            default = config_defaults(cls, args) if command.config_file else None
-            parsed = parse(
-                cls, args, prog, f"{doc}\n\n{CONFIG_HELP}" if command.config_file else doc, default
-            )
+            if command.config_file:  # a service: its config dataclass, --config FILE, one-line errors
+                parsed = parse_config(cls, args, prog, doc)
+            else:
+                parsed = parse(cls, args, prog, doc)
             return int(command.run(parsed) or 0)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)

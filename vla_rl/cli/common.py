@@ -103,6 +103,41 @@ def parse(cls: type, argv: Sequence[str], prog: str, description: str, default: 
     return tyro.cli(cls, args=list(argv), prog=prog, description=description, default=default)
 
 
+def parse_config(cls: type, argv: Sequence[str], prog: str, description: str | None = None) -> Any:
+    """:func:`parse` for a service's config dataclass, which validates itself in ``__post_init__`` and
+    whose field names are its flags': ``--config FILE`` (taken out of ``argv``) gives the defaults the
+    flags override (:mod:`vla_rl.core.configs`; secrets are never read from it), tyro fills an unvalidated
+    copy of ``cls`` (it would draw its own box around a ValueError), then the config is built here with
+    :func:`build_config`, whose errors name the flag."""
+    from vla_rl.core import configs
+
+    argv = list(argv)
+    unvalidated = type(cls.__name__, (cls,), {"__post_init__": _no_checks, "__module__": cls.__module__})
+    path, default = pop_option(argv, "--config"), None
+    if path is not None:
+        with user_errors(ValueError, prefix="--config "):
+            default = partial(unvalidated, configs.load(cls, path))
+    doc = f"{description or cls.__doc__ or ''}\n\n{CONFIG_HELP}"
+    raw = parse(unvalidated, argv, prog, doc, default)
+    return build_config(cls, {f.name: getattr(raw, f.name) for f in dataclasses.fields(cls) if f.init})
+
+
+def _no_checks(self: Any) -> None:
+    """``__post_init__`` of the copy tyro fills: the real config checks the values afterwards."""
+
+
+def build_config(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)``; its ValueError ("max_queue: expected ...") becomes one CliError line naming the
+    flag ("--max-queue: expected ...")."""
+    try:
+        return cls(**values)
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")
+        if sep and field.isidentifier():
+            raise CliError(f"--{field.replace('_', '-')}:{rest}") from None
+        raise CliError(str(e)) from None
+
+
 def partial(cls: type, values: dict[str, Any]) -> Any:
     """An instance of dataclass ``cls`` holding ``values`` and the field defaults, required fields left
     as ``tyro.MISSING``, built without ``__post_init__``: tyro's ``default=`` for a preset (the result
@@ -142,18 +177,6 @@ CONFIG_HELP = (
     "--config FILE: a JSON object of these flags' values (as snake_case keys; flags given as well win; "
     "secrets are never read from it). `vla-rl up` writes one per service in WORKDIR/configs."
 )
-
-
-def config_defaults(cls: type, argv: list[str]) -> Any:
-    """``--config FILE`` taken out of ``argv``: its values as tyro's defaults for ``cls`` (None: no file).
-    A bad file is one line naming it and the key (exit 2)."""
-    from vla_rl.core import configs
-
-    path = pop_option(argv, "--config")
-    if path is None:
-        return None
-    with user_errors(ValueError, prefix="--config "):
-        return partial(cls, configs.load(cls, path))
 
 
 def pop_option(argv: list[str], flag: str) -> str | None:

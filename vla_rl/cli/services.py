@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tyro.conf import Positional
 
@@ -18,136 +18,34 @@ from vla_rl.cli.common import CliError, Command, check_port, task_arg, user_erro
 from vla_rl.core.configs import SECRET
 from vla_rl.core.secrets import env_secret, read_secret_file
 
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+
 
 # ---------------------------------------------------------------------------- policy server
-@dataclass
-class Serve:
-    """Serve a checkpoint to many robots over gRPC: dynamic batching across clients, a bounded queue
-    (RESOURCE_EXHAUSTED when full), deadlines, health + reflection, and live checkpoint swaps
-    (LoadCheckpoint / Promote / Rollback with the token, or --follow a moving ref such as
-    hub://org/name@prod). --checkpoint may also be a LeRobot policy folder (config.json with a "type",
-    e.g. ACT or Diffusion, saved by save_pretrained with its processors). Binds 127.0.0.1 unless told
-    otherwise; --tls-cert/--tls-key serve over TLS. The control token is read from VLA_RL_SERVER_TOKEN
-    or --token-file. Limits bound what one client or checkpoint can make the server do (--max-* flags).
-    Several servers can follow the same ref as replicas: clients list them (--server a:50061,b:50061) and
-    skip one that is down or draining (SIGTERM drains for --drain seconds before stopping).
-    Example: vla-rl serve --checkpoint hub://fleet/push@prod --follow self"""
-
-    checkpoint: str
-    """hub://org/name@rev, a checkpoint folder, or a LeRobot policy folder."""
-    follow: str | None = None
-    """A ref to follow for new revisions ('self' = --checkpoint's ref)."""
-    follow_interval: float = 30.0
-    """Seconds between ref polls."""
-    host: str = "127.0.0.1"
-    """Bind address."""
-    port: int = 50061
-    """gRPC port."""
-    max_batch: int = 16
-    """Largest batch per forward pass."""
-    max_wait_us: int = 2000
-    """Longest a batch waits to fill."""
-    adaptive_wait: bool = True
-    """Stop waiting once every active robot is in the batch (--no-adaptive-wait: always wait --max-wait-us)."""
-    tls_cert: Path | None = None
-    """PEM certificate chain: serve over TLS."""
-    tls_key: Path | None = None
-    """PEM private key for --tls-cert."""
-    max_queue: int = 256
-    """Queued requests before RESOURCE_EXHAUSTED."""
-    model_id: str = "default"
-    """Name of the served model."""
-    token: str | None = field(default_factory=lambda: env_secret("VLA_RL_SERVER_TOKEN"))
-    """Enables control calls (default: env VLA_RL_SERVER_TOKEN; prefer the environment over this flag)."""
-    token_file: Path | None = None
-    """Read the control token from this file (first line; overrides VLA_RL_SERVER_TOKEN). Keep it mode 0600."""
-    device: str = "auto"
-    """auto (CUDA if present), cpu, cuda, cuda:1, ..."""
-    max_message_bytes: int | None = None
-    """Largest request accepted; None = derived from the robot spec (2 x cameras x H x W x 3 + state +
-    noise + 64 KiB, at least 1 MiB)."""
-    max_concurrent_rpcs: int = 256
-    """Calls and open streams served at once; more are answered RESOURCE_EXHAUSTED."""
-    max_peer_queued: int = 64
-    """Requests one connection may have waiting for inference; more are answered RESOURCE_EXHAUSTED."""
-    stream_write_timeout: float = 10.0
-    """Seconds a stream reply may wait for the robot to read it before the stream is closed."""
-    load_timeout: float = 600.0
-    """Seconds one checkpoint load may take: past it, reading stops at its next check and the call answers
-    DEADLINE_EXCEEDED (later loads, rollbacks and --follow keep working)."""
-    max_file_mb: float = 65536.0
-    """Largest checkpoint file (MiB) a load will read."""
-    max_noise_abs: float = 10.0
-    """Largest |value| of explicit initial noise in a request (it is standard normal)."""
-    max_state_abs: float = 1e6
-    """Largest |value| in observation.state."""
-    log_interval: float = 10.0
-    """Seconds between repeated warnings about one client's bad requests (the rest are counted)."""
-    drain: float = 2.0
-    """Seconds to drain on SIGTERM before stopping: the health service says NOT_SERVING, so clients given
-    several replicas send new calls elsewhere, and open streams close after their next reply (Ctrl-C or a
-    second signal stops at once; 0 = no drain)."""
-
-
 def _read_token_file(path: Path) -> str:
     """The token in ``path`` (see :func:`vla_rl.core.secrets.read_secret_file`), or an error naming --token-file."""
     with user_errors(ValueError, prefix="--token-file "):
         return read_secret_file(path)
 
 
-def serve(a: Serve) -> int:
-    from server.policy_server import ServerLimits
+def _serve_args() -> type:
+    from server.config import ServerConfig
+
+    return ServerConfig
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the policy server of ``config`` in the foreground; the control token comes from
+    ``--token-file`` or VLA_RL_SERVER_TOKEN (never a flag: ``ps`` shows command lines to everyone)."""
     from server.policy_server import serve as run
 
-    follow: bool | str | None = True if a.follow == "self" else a.follow
-    if not 0 <= a.drain < float("inf"):
-        raise CliError(f"--drain: expected seconds >= 0, got {a.drain}")
-    if (a.tls_cert is None) != (a.tls_key is None):
-        raise CliError("--tls-cert and --tls-key go together (PEM certificate chain and its private key)")
-    for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
-        if path is not None and not path.is_file():
-            raise CliError(f"{flag} {path}: no such file")
-    check_port(a.host, a.port)
-    token = _read_token_file(a.token_file) if a.token_file is not None else a.token
-    try:
-        limits = ServerLimits(
-            load_timeout_s=a.load_timeout,
-            max_file_bytes=int(a.max_file_mb * 1024 * 1024),
-            max_concurrent_rpcs=a.max_concurrent_rpcs,
-            max_peer_queued=a.max_peer_queued,
-            stream_write_timeout_s=a.stream_write_timeout,
-            max_noise_abs=a.max_noise_abs,
-            max_state_abs=a.max_state_abs,
-            log_interval_s=a.log_interval,
-        )
-    except ValueError as e:  # names the field; map it to its flag
-        field_name = str(e).split(":", 1)[0]
-        flags = {"load_timeout_s": "load-timeout", "max_file_bytes": "max-file-mb"}
-        flags |= {"stream_write_timeout_s": "stream-write-timeout", "log_interval_s": "log-interval"}
-        raise CliError(
-            f"--{flags.get(field_name, field_name.replace('_', '-'))}: {str(e).split(':', 1)[1].strip()}"
-        ) from None
-    if a.max_message_bytes is not None and a.max_message_bytes < 64 * 1024:
-        raise CliError(f"--max-message-bytes: expected >= 65536, got {a.max_message_bytes}")
-    run(
-        a.checkpoint,
-        follow=follow,
-        host=a.host,
-        port=a.port,
-        max_batch=a.max_batch,
-        max_wait_us=a.max_wait_us,
-        token=token or None,
-        model_id=a.model_id,
-        max_queue=a.max_queue,
-        follow_interval_s=a.follow_interval,
-        device=a.device,
-        adaptive_wait=a.adaptive_wait,
-        tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
-        max_message_bytes=a.max_message_bytes,
-        limits=limits,
-        drain_s=a.drain,
-    )
+    if config.token_file is not None:
+        token: str | None = _read_token_file(config.token_file)
+    else:
+        token = env_secret("VLA_RL_SERVER_TOKEN")
+    check_port(config.host, config.port)
+    run(config, token=token or None)
     return 0
 
 
@@ -456,7 +354,13 @@ def dashboard(a: Any) -> int:
 
 
 COMMANDS = [
-    Command(("serve",), "serve action chunks over gRPC (batched, hot-swappable)", Serve, serve),
+    Command(
+        ("serve",),
+        "serve action chunks over gRPC (batched, hot-swappable)",
+        _serve_args,
+        serve,
+        config_file=True,
+    ),
     Command(
         ("client", "act"),
         "one action chunk for a simulated observation (a quick check)",

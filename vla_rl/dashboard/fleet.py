@@ -19,8 +19,13 @@ RPC_TIMEOUT_S = 1.0
 
 
 def _rpc_error(e: Exception) -> str:
+    """One line for a failed remote call: "CODE: details" for a gRPC error, else the exception's type
+    and text."""
     import grpc
+    from vla_rl_client.policy_client import PolicyError
 
+    if isinstance(e, PolicyError):
+        return str(e)  # "CODE: message"
     if isinstance(e, grpc.RpcError):
         code = e.code()  # type: ignore[attr-defined]
         return f"{code.name if code else 'UNKNOWN'}: {e.details()}"  # type: ignore[attr-defined]
@@ -28,15 +33,14 @@ def _rpc_error(e: Exception) -> str:
 
 
 def server_info(address: str) -> dict[str, Any]:
-    """GetInfo of one policy server, one row per served model (``ok: false`` + error when unreachable)."""
-    import grpc
-    from vla_rl_client.proto import policy_service_pb2 as pb
-    from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
+    """GetInfo of one policy server, one row per served model (``ok: false`` + error when unreachable).
+    One call, not retried: an unreachable server costs the page at most ``RPC_TIMEOUT_S``."""
+    from vla_rl_client.policy_client import PolicyClient
 
     try:
-        with grpc.insecure_channel(address) as ch:
-            resp = pb_grpc.PolicyServiceStub(ch).GetInfo(pb.GetInfoRequest(), timeout=RPC_TIMEOUT_S)
-    except Exception as e:  # grpc.RpcError mostly; a bad address raises other things
+        with PolicyClient(address, timeout_s=RPC_TIMEOUT_S, backoff=None) as client:
+            resp = client.get_info()
+    except Exception as e:  # PolicyError mostly; a bad address raises other things
         return {"address": address, "ok": False, "error": _rpc_error(e), "models": []}
     models = [
         {

@@ -158,11 +158,14 @@ class AsyncPolicyClient(ClientBase):
         return AsyncActStream(self, self._model(model_id))
 
     async def info(self, model_id: str = "", timeout_s: float | None = None) -> dict[str, pb.ModelInfo]:
+        return {m.model_id: m for m in (await self.get_info(model_id, timeout_s)).models}
+
+    async def get_info(self, model_id: str = "", timeout_s: float | None = None) -> pb.GetInfoResponse:
+        """The whole GetInfo reply: every served model ("" = all) and the server's version."""
         req = pb.GetInfoRequest(model_id=model_id)
-        resp = await self._retrying(
+        return await self._retrying(
             lambda t: self._stub.GetInfo(req, timeout=t, metadata=self._metadata), timeout_s
         )
-        return {m.model_id: m for m in resp.models}
 
     async def load_checkpoint(
         self,

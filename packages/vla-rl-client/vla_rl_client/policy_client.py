@@ -195,11 +195,14 @@ class PolicyClient(ClientBase):
 
     def info(self, model_id: str = "", timeout_s: float | None = None) -> dict[str, pb.ModelInfo]:
         """Served models by id: commit, spec JSON, chunk length, n_exec, last load error, counters."""
+        return {m.model_id: m for m in self.get_info(model_id, timeout_s).models}
+
+    def get_info(self, model_id: str = "", timeout_s: float | None = None) -> pb.GetInfoResponse:
+        """The whole GetInfo reply: every served model ("" = all) and the server's version."""
         req = pb.GetInfoRequest(model_id=model_id)
-        resp = self._retrying(
+        return self._retrying(
             lambda t: self._stub.GetInfo(req, timeout=t, metadata=self._metadata), timeout_s
         )
-        return {m.model_id: m for m in resp.models}
 
     def load_checkpoint(
         self,

@@ -1,0 +1,133 @@
+"""What a request may be: an ``ActRequest`` decoded into a :class:`~server.batching._Pending` with every
+check on the way (sizes, values, the robot spec, seed or noise, the deadline), and the request size a
+robot spec needs (:func:`request_bytes_for`). Each refusal is a :class:`SpecError` naming the field."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import numpy as np
+from vla_rl_client.codec import decode_image, from_tensor
+from vla_rl_client.proto import policy_service_pb2 as pb
+from vla_rl_client.spec import RobotSpec, SpecError
+
+from server.batching import _Pending
+from server.config import MESSAGE_SLACK_BYTES, ServerConfig
+from server.slots import ServedVersion
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # only an upper bound now: the default is derived from the spec
+MIN_DERIVED_MESSAGE_BYTES = 1024 * 1024  # headroom for a later checkpoint with a slightly larger spec
+MAX_INSTRUCTION_CHARS = 2000
+MAX_REQUEST_ID_CHARS = 200
+
+
+def request_bytes_for(spec: RobotSpec, noise_shape: tuple[int, int] | None) -> int:
+    """The largest ActRequest a robot with ``spec`` needs to send: every camera raw (or encoded, up to 2x
+    raw for incompressible JPEG/PNG), the state, explicit noise, plus
+    :data:`~server.config.MESSAGE_SLACK_BYTES` (ids, instruction, framing)."""
+    pixels = sum(c.height * c.width * 3 for c in spec.cameras)
+    noise = 4 * noise_shape[0] * noise_shape[1] if noise_shape else 0
+    return 2 * pixels + 4 * spec.state_dim + noise + MESSAGE_SLACK_BYTES
+
+
+def decode_request(
+    req: pb.ActRequest,
+    version: ServedVersion,
+    config: ServerConfig,
+    *,
+    time_remaining: float | None,
+    peer: str,
+) -> _Pending:
+    """``req`` checked against the serving ``version``'s robot spec and ``config``'s value bounds, as a
+    request ready to queue (``enqueued_ns`` set by the caller). ``time_remaining``: the call's deadline
+    in seconds (None: none); ``peer``: the connection it came on."""
+    spec = version.spec
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise SpecError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters", f"{len(req.request_id)}")
+    obs = req.observation
+    state = _state(obs, spec, config.max_state_abs)
+    cams = _cameras(obs, spec)
+    if len(obs.instruction) > MAX_INSTRUCTION_CHARS:
+        raise SpecError(
+            "observation.instruction",
+            f"at most {MAX_INSTRUCTION_CHARS} characters",
+            f"{len(obs.instruction)}",
+        )
+    noise = _noise(req, version, config.max_noise_abs)
+    seed = req.seed if req.HasField("seed") else (0 if noise is not None else secrets.randbits(63))
+    return _Pending(
+        state=state,
+        cameras=cams,
+        instruction=obs.instruction or spec.instruction,
+        seed=seed,
+        noise=noise,
+        deadline=_deadline(time_remaining, req.timeout_ms),
+        enqueued_ns=0,
+        peer=peer,
+    )
+
+
+def _state(obs: pb.Observation, spec: RobotSpec, max_abs: float) -> np.ndarray:
+    """``observation.state``: float32 [state_dim], finite, within +-``max_abs``."""
+    if spec.state_dim == 0 and not obs.state.dtype:
+        return np.zeros((0,), np.float32)
+    state = from_tensor(obs.state, "observation.state", dtype="float32", shape=(spec.state_dim,))
+    spec.check_state(state, name="observation.state")  # finite
+    _within("observation.state", state, max_abs, "values", "max_state_abs")
+    return state
+
+
+def _cameras(obs: pb.Observation, spec: RobotSpec) -> dict[str, np.ndarray]:
+    """Every camera of the spec, decoded (sizes read from the image header and checked before decoding)."""
+    cams: dict[str, np.ndarray] = {}
+    for name, img in obs.cameras.items():
+        try:
+            cam = spec.camera(name)
+        except KeyError:
+            raise SpecError(
+                f"observation.cameras.{name}", f"only cameras {list(spec.camera_names)}", "an unknown camera"
+            ) from None
+        cams[name] = decode_image(img, f"observation.cameras.{name}", cam.height, cam.width)
+    spec.check_images(cams, prefix="observation.cameras")
+    return cams
+
+
+def _noise(req: pb.ActRequest, version: ServedVersion, max_abs: float) -> np.ndarray | None:
+    """Explicit initial noise (None when the request sends none): never with a seed, only for a model that
+    takes noise, of its shape, finite and within +-``max_abs``."""
+    if not (req.noise.dtype or req.noise.shape or req.noise.data):
+        return None
+    if req.HasField("seed"):
+        raise SpecError("noise", "either seed or noise, not both", "both")
+    if version.noise_shape is None:
+        raise SpecError(
+            "noise",
+            f"no noise: {version.model.policy_type} takes no initial noise (send a seed or nothing)",
+            "a noise tensor",
+        )
+    noise = from_tensor(req.noise, "noise", dtype="float32", shape=version.noise_shape)
+    if not np.isfinite(noise).all():
+        raise SpecError("noise", "finite values", "NaN or inf")
+    _within("noise", noise, max_abs, "standard-normal values", "max_noise_abs")
+    return noise
+
+
+def _within(name: str, x: np.ndarray, max_abs: float, what: str, knob: str) -> None:
+    """Refuse ``x`` (the field ``name``) when a value lies beyond +-``max_abs`` (config field ``knob``)."""
+    if x.size and float(np.abs(x).max()) > max_abs:
+        raise SpecError(
+            name, f"{what} within +-{max_abs:g} ({knob})", f"max |x| {float(np.abs(x).max()):.3g}"
+        )
+
+
+def _deadline(time_remaining: float | None, timeout_ms: int) -> float | None:
+    """The ``time.monotonic()`` after which nobody waits for the answer: the call's deadline or the
+    request's own ``timeout_ms`` (streams), whichever comes first; None when neither is set."""
+    deadline = None
+    if time_remaining is not None:
+        deadline = time.monotonic() + time_remaining
+    if timeout_ms:
+        mine = time.monotonic() + timeout_ms / 1000
+        deadline = mine if deadline is None else min(deadline, mine)
+    return deadline

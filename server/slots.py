@@ -1,0 +1,408 @@
+"""The models a server hosts: the :class:`ServedModel` protocol, our flow VLA as one (:class:`FlowVLAModel`),
+a loaded version (:class:`ServedVersion`) and a model id's slot (:class:`ModelSlot`): its serving,
+previous and staged versions, bounded queue and batcher thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import grpc
+import numpy as np
+import torch
+from vla_rl_client.spec import RobotSpec
+
+from policies.loading import LoadedPolicy
+from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
+from vla_rl.core.rpc import RequestError
+from vla_rl.hub.checkpoint import CheckpointError
+
+log = logging.getLogger("vla_rl.server")
+
+
+def initial_noise(seed: int, chunk_len: int, action_dim: int) -> np.ndarray:
+    """The float32 [H, A] initial flow noise a request with ``seed`` gets (clients can reproduce it).
+
+    Drawn on the CPU with its own generator so it is the same on any device and in any batch.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randn((chunk_len, action_dim), generator=gen, dtype=torch.float32).numpy()
+
+
+def spec_problems(serving: RobotSpec, new: RobotSpec) -> list[str]:
+    """Why a robot talking to ``serving`` could not talk to ``new`` (empty = compatible)."""
+    problems = []
+    if serving.state_dim != new.state_dim:
+        problems.append(f"state_dim {serving.state_dim} -> {new.state_dim}")
+    if serving.action_dim != new.action_dim:
+        problems.append(f"action_dim {serving.action_dim} -> {new.action_dim}")
+    old_cams = {c.name: c.shape for c in serving.cameras}
+    new_cams = {c.name: c.shape for c in new.cameras}
+    if old_cams != new_cams:
+        problems.append(f"cameras {old_cams} -> {new_cams}")
+    return problems
+
+
+class ServedModel(Protocol):
+    """What the server needs from a hosted model: our flow VLA (:class:`FlowVLAModel`) or a LeRobot policy
+    (:class:`policies.lerobot_adapter.LeRobotModel`)."""
+
+    ref: str
+    commit: str
+
+    @property
+    def spec(self) -> RobotSpec: ...
+    @property
+    def chunk_len(self) -> int: ...
+    @property
+    def n_exec(self) -> int: ...
+    @property
+    def policy_type(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def noise_shape(self) -> tuple[int, int] | None: ...  # per-request initial noise; None = takes none
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> np.ndarray: ...
+
+    # Optional: ``infer_scored(...) -> (actions [B, H, A], uncertainty float32 [B])`` from the same pass,
+    # with ``uncertainty_kind`` naming the score. A model without it replies with no uncertainty.
+
+
+UNCERTAINTY_KIND = "accel"
+"""The score flow_vla replies carry: :func:`policies.flow_vla.uncertainty.accel_score` of the executed
+window's ODE iterates, default prefix (round(K / 2) steps), on normalised actions (no extra dim_scale)."""
+
+
+class FlowVLAModel:
+    """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`."""
+
+    def __init__(self, loaded: LoadedPolicy) -> None:
+        self.loaded = loaded
+        self.ref, self.commit = loaded.ref, loaded.commit
+
+    spec = property(lambda self: self.loaded.spec)
+    chunk_len = property(lambda self: self.loaded.chunk_len)
+    n_exec = property(lambda self: int(self.loaded.policy.config.n_exec))
+    policy_type = property(lambda self: self.loaded.info.policy_type)
+    device = property(lambda self: self.loaded.policy.device)
+    noise_shape = property(lambda self: (self.loaded.chunk_len, self.loaded.spec.action_dim))
+    uncertainty_kind = UNCERTAINTY_KIND
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> np.ndarray:
+        return self.infer_scored(states, cameras, instructions, noise)[0]
+
+    def infer_scored(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Env-unit chunks [B, H, A] and their ``accel`` uncertainty [B], from one ODE sample per row.
+
+        The same computation as ``policy.predict_action_chunk`` (Euler ODE from ``noise``, clipped to the
+        data range under min-max normalisation, unnormalised), keeping the K + 1 Euler iterates the loop
+        computes anyway: the score costs no forward pass, only a few vector norms over them.
+        """
+        policy = self.loaded.policy
+        device = policy.device
+        with torch.inference_mode():
+            obs = {
+                "state": torch.from_numpy(states).to(device),
+                "cameras": {k: torch.from_numpy(v).to(device) for k, v in cameras.items()},
+                "instruction": instructions,
+            }
+            s = policy.sample(
+                obs,
+                method="ode",
+                num_steps=self.loaded.num_steps,
+                noise=None if noise is None else torch.from_numpy(noise).to(device)[:, None],
+                return_iterates=True,
+            )
+            a = s.actions[:, 0]
+            if policy.config.action_norm == "min_max":
+                a = a.clamp(-1.0, 1.0)
+            actions = policy.normalizer.unnormalize_action(a)
+            assert s.iterates is not None
+            score = policy.accel(s.iterates[:, 0].float())
+            return actions.float().cpu().numpy(), score.float().cpu().numpy()
+
+
+class ServedVersion:
+    """One loaded, verified model (a vla-rl checkpoint or a LeRobot policy) and how to run a batch through it."""
+
+    def __init__(self, model: LoadedPolicy | ServedModel) -> None:
+        self.model: ServedModel = FlowVLAModel(model) if isinstance(model, LoadedPolicy) else model
+        self.loaded_at = time.time()
+
+    @property
+    def commit(self) -> str:
+        return self.model.commit
+
+    @property
+    def spec(self) -> RobotSpec:
+        return self.model.spec
+
+    @property
+    def chunk_len(self) -> int:
+        return self.model.chunk_len
+
+    @property
+    def action_dim(self) -> int:
+        return self.model.spec.action_dim
+
+    @property
+    def n_exec(self) -> int:
+        return self.model.n_exec
+
+    @property
+    def noise_shape(self) -> tuple[int, int] | None:
+        return self.model.noise_shape
+
+    def initial_noise(self, seed: int) -> np.ndarray | None:
+        shape = self.noise_shape
+        return None if shape is None else initial_noise(seed, *shape)
+
+    def infer(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> np.ndarray:
+        """float32 [B, H, A] env-unit chunks for a batch, from explicit initial noise [B, *noise_shape]
+        (None for a model that takes none)."""
+        return self.model.infer(states, cameras, instructions, noise)
+
+    @property
+    def uncertainty_kind(self) -> str:
+        """What the replies' ``uncertainty`` is ("accel" for flow_vla); "" = the model cannot score chunks."""
+        return str(getattr(self.model, "uncertainty_kind", "")) if self._scorer() is not None else ""
+
+    def _scorer(self) -> Callable[..., tuple[np.ndarray, np.ndarray]] | None:
+        return getattr(self.model, "infer_scored", None)
+
+    def infer_scored(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        noise: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`infer` plus each chunk's uncertainty (float32 [B], from the same pass); NaN when the
+        model cannot score its chunks (a LeRobot policy): the replies then carry no uncertainty."""
+        scorer = self._scorer()
+        if scorer is None:
+            actions = self.infer(states, cameras, instructions, noise)
+            return actions, np.full(len(actions), np.nan, np.float32)
+        actions, score = scorer(states, cameras, instructions, noise)
+        return actions, np.asarray(score, np.float32).reshape(len(actions))
+
+    def warm_up(self) -> None:
+        """One forward pass on a blank observation: fails early (and off the serving path) on a broken
+        model, and pays one-time costs (allocator, kernels) before the first robot does."""
+        spec = self.spec
+        states = np.zeros((1, spec.state_dim), np.float32)
+        cams = {c.name: np.zeros((1, *c.shape), np.uint8) for c in spec.cameras}
+        noise = self.initial_noise(0)
+        out = self.infer(states, cams, [spec.instruction], None if noise is None else noise[None])
+        if out.shape != (1, self.chunk_len, self.action_dim):
+            raise CheckpointError(
+                f"warm-up: expected actions [1, {self.chunk_len}, {self.action_dim}], got {list(out.shape)}"
+            )
+        if not np.isfinite(out).all():
+            raise CheckpointError("warm-up: the model produced NaN or inf actions on a blank observation")
+
+
+class ModelSlot:
+    """One model id: its serving version (plus previous and staged ones), its :class:`BatchQueue` and the
+    batcher thread that runs each batch through the version serving when the batch was taken."""
+
+    def __init__(self, model_id: str, version: ServedVersion, queue: BatchQueue) -> None:
+        self.queue = queue
+        self.model_id = model_id
+        self.active = version
+        self.previous: ServedVersion | None = None
+        self.staged: ServedVersion | None = None
+        self.last_load_error = ""  # public (GetInfo without a token): no file names, contents or hashes
+        self.last_load_error_detail = ""  # the full reason: server log, and GetInfo with the control token
+        self.last_failed_commit = ""
+        self.followed_ref = ""
+        self.served = self.batches = self.dropped_expired = self.non_finite = 0
+        self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
+        self.load_lock = threading.Lock()  # one load per model at a time
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{model_id}", daemon=True)
+
+    @property
+    def rejected_full(self) -> int:
+        """Requests refused RESOURCE_EXHAUSTED (queue full, or too many from one connection)."""
+        return self.queue.rejected_full
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        for item in self.queue.close():
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(RequestError(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
+        self._thread.join(timeout=10)
+
+    def submit(self, item: _Pending) -> None:
+        """Queue ``item`` or raise RESOURCE_EXHAUSTED at once (backpressure, not unbounded latency)."""
+        self.queue.submit(item)
+
+    # -- swaps: all under the queue's lock, so they land between batches
+    def swap_in(self, version: ServedVersion) -> ServedVersion:
+        with self.queue.cond:
+            old, self.active = self.active, version
+            self.previous = old
+            return old
+
+    def stage(self, version: ServedVersion) -> None:
+        with self.queue.cond:
+            self.staged = version
+
+    def promote(self) -> ServedVersion:
+        with self.queue.cond:
+            if self.staged is None:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"model {self.model_id!r}: nothing staged"
+                )
+            self.previous, self.active, self.staged = self.active, self.staged, None
+            return self.active
+
+    def rollback(self) -> ServedVersion:
+        with self.queue.cond:
+            if self.previous is None:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {self.model_id!r}: no previous revision to roll back to",
+                )
+            self.active, self.previous = self.previous, self.active
+            return self.active
+
+    # -- the batcher
+    def queued(self) -> int:
+        """Requests waiting for a batch (not yet picked for inference)."""
+        return len(self.queue)
+
+    def active_clients(self) -> int:
+        """Connections that sent a request within the last ``activity_window_s`` (or have one queued)."""
+        return self.queue.active_clients()
+
+    def _take_batch(self) -> tuple[list[_Pending], ServedVersion] | None:
+        with self.queue.cond:
+            batch = self.queue.take()
+            # the version is read once per batch, in the same hold of the lock: swaps land between batches
+            return None if batch is None else (batch, self.active)
+
+    def _run(self) -> None:
+        while True:
+            taken = self._take_batch()
+            if taken is None:
+                return
+            batch, version = taken
+            start_ns = time.perf_counter_ns()
+            now = time.monotonic()
+            live: list[_Pending] = []
+            for item in batch:
+                if not item.future.set_running_or_notify_cancel():
+                    continue  # the caller gave up (cancelled) while queued
+                if item.deadline is not None and now >= item.deadline:
+                    self.dropped_expired += 1
+                    item.future.set_exception(
+                        RequestError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"deadline passed after {(start_ns - item.enqueued_ns) // 1000} us in the queue; "
+                            "dropped before inference",
+                        )
+                    )
+                    continue
+                live.append(item)
+            if live:
+                self._run_batch(live, version, start_ns)
+
+    def _run_batch(self, live: list[_Pending], version: ServedVersion, start_ns: int) -> None:
+        shape = version.noise_shape
+        try:
+            noise = None
+            if shape is not None:
+                noise = np.stack(
+                    [it.noise if it.noise is not None else initial_noise(it.seed, *shape) for it in live]
+                )
+                if (
+                    noise.shape[1:] != shape
+                ):  # explicit noise checked against the version serving before a swap
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"noise: expected float32{list(shape)} for commit {version.commit}, got {list(noise.shape[1:])}",
+                    )
+            elif any(it.noise is not None for it in live):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"noise: commit {version.commit} takes no initial noise; send a seed or nothing",
+                )
+            states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
+            cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
+            t0 = time.perf_counter_ns()
+            actions, scores = version.infer_scored(states, cams, [it.instruction for it in live], noise)
+            infer_us = (time.perf_counter_ns() - t0) // 1000
+            want = (len(live), version.chunk_len, version.action_dim)
+            if actions.shape != want:
+                raise RequestError(
+                    grpc.StatusCode.INTERNAL,
+                    f"inference failed: expected actions {list(want)}, got {list(actions.shape)}",
+                )
+            kind = version.uncertainty_kind
+            finite = np.isfinite(actions.reshape(len(live), -1)).all(axis=1)
+        except Exception as e:  # every waiting request must get an answer
+            err = (
+                e
+                if isinstance(e, RequestError)
+                else RequestError(grpc.StatusCode.INTERNAL, f"inference failed: {type(e).__name__}: {e}")
+            )
+            log.exception("batch failed", extra={"model_id": self.model_id, "batch": len(live)})
+            for it in live:
+                it.future.set_exception(err)
+            return
+        self.batches += 1
+        self.served += len(live)
+        for i, it in enumerate(live):
+            if not finite[i]:  # never data: a non-finite chunk is an error reply
+                self.non_finite += 1
+                it.future.set_exception(
+                    RequestError(
+                        grpc.StatusCode.INTERNAL,
+                        f"actions: the model produced NaN or inf for this request (commit {version.commit}); "
+                        "nothing to execute",
+                    )
+                )
+                continue
+            it.future.set_result(
+                _Result(
+                    actions=actions[i],
+                    commit=version.commit,
+                    n_exec=version.n_exec,
+                    batch_size=len(live),
+                    queue_us=(start_ns - it.enqueued_ns) // 1000,
+                    inference_us=infer_us,
+                    uncertainty=float(scores[i]),
+                    uncertainty_kind=kind if np.isfinite(scores[i]) else "",
+                )
+            )
