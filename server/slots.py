@@ -140,8 +140,11 @@ class FlowVLAModel:
                 a = a.clamp(-1.0, 1.0)
             actions = policy.normalizer.unnormalize_action(a)
             assert s.iterates is not None
+            out = actions.float().cpu().numpy()
+            if s.iterates.shape[2] < 3:  # accel needs two velocity steps: a one-step head (FQL) has none
+                return out, np.full(len(out), np.nan, np.float32)
             score = policy.accel(s.iterates[:, 0].float())
-            return actions.float().cpu().numpy(), score.float().cpu().numpy()
+            return out, score.float().cpu().numpy()
 
 
 class ServedVersion:

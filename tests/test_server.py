@@ -7,6 +7,7 @@ tests neither fight each other nor distort other work on the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -30,7 +31,7 @@ from policies.loading import load_policy
 from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from server.slots import ServedVersion, initial_noise
-from vla_rl.hub.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, save_checkpoint
+from vla_rl.hub.checkpoint import WEIGHTS_FILE, CheckpointInfo, Lineage, load_checkpoint, save_checkpoint
 
 torch.set_num_threads(1)
 
@@ -419,6 +420,23 @@ def local_accel(version: ServedVersion, obs: dict[str, Any], seed: int) -> float
         chunk = policy.predict_action_chunk(batch, num_steps=loaded.num_steps, noise=noise[:, 0])
     np.testing.assert_array_equal(expected(version, obs, seed), chunk[0].numpy())
     return float(accel_score(s.iterates[:, 0], n_exec=policy.config.n_exec).item())
+
+
+def test_a_one_step_checkpoint_is_served_without_an_uncertainty(tmp_path: Path) -> None:
+    """accel needs at least two denoising steps: a K = 1 head (what FQL saves) answers every request, with
+    no uncertainty (NaN, kind ""), instead of failing each one."""
+    folder = make_checkpoint(tmp_path / "one", 3)
+    info, weights = load_checkpoint(folder)
+    cfg = dict(info.model_config, num_inference_steps=1)
+    save_checkpoint(folder, weights, dataclasses.replace(info, model_config=cfg))
+    srv = start_server({"one": folder})
+    try:
+        with PolicyClient(srv.address, timeout_s=30) as c:
+            r = c.act(make_obs(np.random.default_rng(0)), seed=1)
+    finally:
+        srv.stop()
+    assert r.actions.shape == (H, A) and np.isfinite(r.actions).all()
+    assert np.isnan(r.uncertainty) and r.uncertainty_kind == ""
 
 
 def test_uncertainty_rides_with_every_chunk(
