@@ -4,7 +4,7 @@
    fails often enough to have something to detect);
 2. **calibrate** on ``--calib-episodes`` held-out episodes (seeds from 200000): roll the policy out alone,
    keep the successful ones, and set the CUSUM's reference mean/std and threshold h by split conformal on
-   their peak CUSUM (:func:`fleet.uncertainty.calibrate_cusum`, alpha ``--alpha``, algorithms.md 6a);
+   their peak CUSUM (:func:`fleet.uncertainty.calibrate_cusum`, alpha ``--alpha``, docs/algorithms.md §6a);
 3. **evaluate** on ``--episodes`` other episodes (seeds from 300000, disjoint from the calibration seeds):
    roll the policy out autonomously (no operator) to find the episodes that fail without help, then
    replay each recorded episode through :class:`sim.operator.SimulatedOperator` twice, once with only the

@@ -726,7 +726,7 @@ def _sqlite_setup(engine: Engine) -> None:
 
 _CALIBRATION_QUERY = EpisodeQuery(status="closed", outcome="success", intervention=False)
 """Closed, successful (effective outcome), no takeover: the episodes that calibrate a revision's
-uncertainty CUSUM (algorithms.md 6a's held-out successful episodes)."""
+uncertainty CUSUM (docs/algorithms.md §6a's held-out successful episodes)."""
 
 
 class MetadataDBError(RuntimeError):

@@ -23,7 +23,7 @@ the episode list filters on them in SQL.
   raised when it exceeds ``h``. ``mean``, ``std`` and ``h`` are the calibration of the episode's scoring
   revision (:func:`scoring_revision`: the one that produced most of its scored chunks; only its chunks
   are judged), split conformal on that revision's closed, successful episodes without a takeover
-  (algorithms.md 6a, :func:`load_calibration`, level ``uncertainty_alpha``; a member of that set is
+  (docs/algorithms.md §6a, :func:`load_calibration`, level ``uncertainty_alpha``; a member of that set is
   judged by the others). Too few of them (``ceil(1 / alpha - 1)``): not raised, "not enough successful
   episodes of REV to calibrate (M/needed)", or the fixed reference in :class:`FlagThresholds` when
   ``uncertainty_fallback``. A stored result is recomputed when the calibration has doubled (or, while
@@ -85,7 +85,7 @@ class FlagThresholds:
     """Fewer closed episodes of the task: no length statistics (score 0, not raised)."""
     uncertainty_alpha: float = 0.1
     """Split-conformal level of the per-revision calibration: at most this share of a revision's
-    successful episodes is raised (algorithms.md 6a); needs ``ceil(1 / alpha - 1)`` of them (9 at 0.1)."""
+    successful episodes is raised (docs/algorithms.md §6a); needs ``ceil(1 / alpha - 1)`` of them (9 at 0.1)."""
     uncertainty_k: float = 0.25
     """CUSUM allowance per chunk, in reference stds (>= 0)."""
     uncertainty_max_calibration: int = 1000
@@ -249,7 +249,7 @@ class CusumReference:
 
 @dataclass(frozen=True)
 class RevisionCalibration:
-    """One checkpoint revision's ``high_uncertainty`` calibration (algorithms.md 6a): ``reference`` from
+    """One checkpoint revision's ``high_uncertainty`` calibration (docs/algorithms.md §6a): ``reference`` from
     :func:`fleet.uncertainty.calibrate_cusum` over ``peaks``' episodes (the revision's closed, successful
     episodes without a takeover that have scores; None when there are fewer than ``needed``), and each
     such episode's peak CUSUM under it (for judging one of them against the others)."""

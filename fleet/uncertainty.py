@@ -1,11 +1,11 @@
-"""The online uncertainty detector over a policy's per-chunk scores (algorithms.md 6a), as pure functions.
+"""The online uncertainty detector over a policy's per-chunk scores (docs/algorithms.md §6a), as pure functions.
 
 A one-sided CUSUM over per-chunk ``accel`` scores x (the policy server's ``uncertainty``), standardised
 with reference statistics from held-out *successful* episodes::
 
     z_t = (x_t - mean) / std,   S_t = max(0, S_{t-1} + z_t - k),   alarm when S_t > h
 
-(algorithms.md writes it in raw units, ``S_t = max(0, S_{t-1} + x_t - mu0 - k sigma)``: the same path
+(docs/algorithms.md §6a writes it in raw units, ``S_t = max(0, S_{t-1} + x_t - mu0 - k sigma)``: the same path
 divided by sigma). ``h`` is split conformal on the calibration episodes' peak CUSUM: the r-th smallest of
 M peaks, ``r = ceil((M + 1)(1 - alpha))`` (alpha = 0.1: the 46th of 50), so a new successful episode
 alarms with probability at most alpha (exchangeability). Needs ``M >= 1 / alpha - 1`` episodes.
@@ -73,7 +73,7 @@ def calibrate_cusum(
     """The CUSUM's reference from held-out *successful* episodes' per-chunk scores.
 
     ``uncertainty_mean`` / ``uncertainty_std``: mean and std of every calibration chunk's score (pooled);
-    ``uncertainty_h``: :func:`conformal_threshold` of the M episodes' peak CUSUM (algorithms.md 6a).
+    ``uncertainty_h``: :func:`conformal_threshold` of the M episodes' peak CUSUM (docs/algorithms.md §6a).
     Needs ``M >= min_calibration_episodes(alpha)`` scored episodes (ValueError naming the count).
     Use as ``OperatorRules(**calibrate_cusum(...), ...)``.
     """

@@ -3,7 +3,7 @@
 All heads take a feature vector per observation (``[B, F]``): the normalised proprio state for a
 standalone critic, or a policy's pooled trunk features (``PrefixCache.pooled()``) when images matter.
 Q heads also take the flattened executed action chunk ``[B, n_exec * A]`` (Q-chunking: the chunk is the
-RL action). See ../shared/reference/algorithms.md sections 2 (QAM critic), 4a (AWR) and 4d (DIVL).
+RL action). See docs/algorithms.md §2 (QAM critic), §4a (AWR) and §4d (DIVL).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """gRPC policy server: dynamic batching across robots, several models, live checkpoint swaps.
 
-Why it is built this way (what LeRobot's async server and openpi's server get wrong, see
-``shared/reference/anchors.md`` sections 1-2):
+Why it is built this way (what LeRobot's async server and openpi's server get wrong; their issues are
+named where each point is made):
 
 * **Every chunk answers its own observation.** A request becomes a :class:`_Pending` item holding its
   own future; the batcher resolves exactly that future with exactly that row of the batch. There is no

@@ -11,7 +11,7 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
 * **drift**: the gripper is more than ``drift_radius`` metres from the object (it left the workspace);
 * **spot check**: with probability ``spot_check_prob`` per step, at random;
 * **uncertainty** (off by default): a one-sided CUSUM over the policy's per-chunk uncertainty (the
-  ``accel`` score the policy server returns with every chunk, algorithms.md 6a) crosses ``uncertainty_h``.
+  ``accel`` score the policy server returns with every chunk, docs/algorithms.md §6a) crosses ``uncertainty_h``.
   Each new chunk's score x is standardised with reference statistics, ``z = (x - uncertainty_mean) /
   uncertainty_std``, and accumulated as ``S = max(0, S + z - uncertainty_k)``; the alarm fires when
   ``S > uncertainty_h``, before the chunk is executed (:meth:`SimulatedOperator.observe_chunk`). The

@@ -1,7 +1,7 @@
 """Receding-horizon chunk rollouts over a vector env: the one driver evaluation, RL and demos share.
 
 A policy answers a robot's observation with a chunk of actions; the robot executes the first
-``n_exec`` of them, then asks again (DESIGN.md "Action chunk"). :class:`ChunkRollout` keeps each robot's
+``n_exec`` of them, then asks again (docs/architecture.md "Contracts"). :class:`ChunkRollout` keeps each robot's
 queue and asks for all robots that ran dry in ONE batched ``propose(robots, obs)`` call. A chunk ends
 when its queue is empty or when the robot's episode ends (terminated or truncated) inside it: the rest
 of the chunk is dropped, and because the vector env resets a finished episode in the same ``step`` (see

@@ -295,3 +295,37 @@ def test_every_docs_page_is_in_the_index() -> None:
     index = {m.split("#")[0] for m in LINK.findall(prose((DOCS / "README.md").read_text()))}
     pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
     assert pages <= index, f"docs/README.md does not link {sorted(pages - index)}"
+
+
+# ------------------------------------------------------------------------- the code's citations of docs
+CODE_DIRS = ("vla_rl", "fleet", "server", "sim", "policies", "packages", "bench", "scripts", "tests")
+SECTION_CITE = re.compile(r"docs/algorithms\.md\s+§(\d[a-z]?)")
+OUTSIDE = re.compile(r"\.\./shared/|shared/reference|DESIGN\.md|(?<![\w/])(algorithms|anchors)\.md")
+
+
+def numbered_sections(md: Path) -> set[str]:
+    """The section numbers of a page's ``## 4.`` / ``### 4a.`` headings."""
+    return {m.group(1) for m in re.finditer(r"^#{2,3}\s+(\d+[a-z]?)\.\s", md.read_text(), re.M)}
+
+
+def test_the_code_cites_sections_that_exist_and_nothing_outside_the_repository() -> None:
+    """Docstrings point at the equations they implement as docs/algorithms.md §N; every such §N is a
+    heading there, and no code cites a file the repository does not ship (the reference notes the
+    algorithms page replaced)."""
+    sections = numbered_sections(ROOT / "docs" / "algorithms.md")
+    assert {"0", "2", "3", "4a", "4d", "5a", "6a", "6b"} <= sections
+    missing, outside, cited = [], [], 0
+    for folder in CODE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "test_docs.py" or "__pycache__" in path.parts:
+                continue
+            text = path.read_text()
+            rel = path.relative_to(ROOT).as_posix()
+            for m in SECTION_CITE.finditer(text):
+                cited += 1
+                if m.group(1) not in sections:
+                    missing.append(f"{rel}: docs/algorithms.md §{m.group(1)}")
+            outside += [f"{rel}: {m.group(0)}" for m in OUTSIDE.finditer(text)]
+    assert cited > 15, cited
+    assert not missing, "citations of sections docs/algorithms.md lacks:\n" + "\n".join(missing)
+    assert not outside, "citations of files outside the repository:\n" + "\n".join(outside)

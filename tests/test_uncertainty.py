@@ -1,4 +1,4 @@
-"""The uncertainty CUSUM and its split-conformal calibration (fleet/uncertainty.py, algorithms.md 6a)
+"""The uncertainty CUSUM and its split-conformal calibration (fleet/uncertainty.py, docs/algorithms.md §6a)
 against an independent computation in raw score units; the simulated operator's alarm built from it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sim.operator import OperatorRules, first_alarm
 
 
 def reference_cusum(scores: list[float], mu0: float, sigma: float, k_sigma: float) -> list[float]:
-    """algorithms.md 6a in raw score units: S_t = max(0, S_{t-1} + x_t - mu0 - k), k = k_sigma * sigma."""
+    """docs/algorithms.md §6a in raw score units: S_t = max(0, S_{t-1} + x_t - mu0 - k), k = k_sigma * sigma."""
     out, s = [], 0.0
     for x in scores:
         if x != x:  # NaN: not available

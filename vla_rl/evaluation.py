@@ -1,7 +1,7 @@
 """Evaluate a chunk policy in simulation: vectorised rollouts with receding-horizon execution.
 
 The policy predicts an H-step action chunk; each robot executes the first ``n_exec`` actions and asks
-again (DESIGN.md "Action chunk"). Episodes are exactly the seeds ``seed .. seed + episodes - 1``, so two
+again (docs/architecture.md "Contracts"). Episodes are exactly the seeds ``seed .. seed + episodes - 1``, so two
 checkpoints evaluated with the same seed face the same initial states — the promotion gate compares
 like with like.
 """

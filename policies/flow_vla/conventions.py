@@ -9,7 +9,7 @@ This package uses ONE convention everywhere (the π0 paper's, QAM's, FQL's, Rein
 
 The openpi code and RLinf's π-RL use the opposite one (``s = 1`` noise, ``s = 0`` data,
 ``x_s = s * eps + (1 - s) * a``, ``u = eps - a``, integrate ``s: 1 -> 0``). Mixing the two is the most
-likely source of silent bugs (algorithms.md §0), so anything that comes from or goes to openpi-style
+likely source of silent bugs (docs/algorithms.md §0), so anything that comes from or goes to openpi-style
 code passes through the functions below and nowhere else:
 
 * ``s = to_openpi_time(t) = 1 - t`` and ``t = from_openpi_time(s) = 1 - s``;

@@ -1,4 +1,4 @@
-"""Free per-decision uncertainty scores from the denoising path (algorithms.md §6a, `fm-geometry`).
+"""Free per-decision uncertainty scores from the denoising path (docs/algorithms.md §6a, `fm-geometry`).
 
 For the linear interpolant the velocity is ``(E[x1 | x_t] - x) / (1 - t)``: if the posterior over
 the clean chunk has collapsed, paths are straight at constant speed and the Euler iterates have zero

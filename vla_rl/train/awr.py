@@ -2,7 +2,7 @@
 
 Both fit a value function on the fleet's experience, score every autonomous frame's action chunk by
 its advantage, and re-train the flow policy to prefer better-than-average actions
-(algorithms.md section 4):
+(docs/algorithms.md §4):
 
 1. **Value.** V(s) regressed on credit-aware Monte-Carlo returns (see
    :mod:`vla_rl.train.transitions`: returns are cut at human takeovers, which count as failures of the

@@ -1,4 +1,4 @@
-"""DIVL: distributional implicit value learning (LWD, arXiv 2605.00416; ../shared/reference/algorithms.md 4d).
+"""DIVL: distributional implicit value learning (LWD, arXiv 2605.00416; docs/algorithms.md §4d).
 
 The value for AWR's advantages and QAM's TD targets, next to the mean of a categorical head
 (``value="categorical"``) and IQL's expectile (``value="expectile"``). DIVL fits the whole distribution of

@@ -1,7 +1,7 @@
 """FQL: Flow Q-Learning (Park, Li & Levine, ICML 2025; ``seohongpark/fql``), offline, on a flow VLA.
 
-One algorithm, one file: the offline baseline the QAM paper compares to (../shared/reference/algorithms.md
-section 5; time convention t = 0 noise, t = 1 data, as our policies). Networks:
+One algorithm, one file: the offline baseline the QAM paper compares to (docs/algorithms.md
+§5a; time convention t = 0 noise, t = 1 data, as our policies). Networks:
 
 * **base** v_β: the SFT checkpoint's velocity field, the behaviour (BC) flow. Frozen by default; with
   ``train_base`` it keeps training with the flow-matching loss L_BC (the reference trains it).

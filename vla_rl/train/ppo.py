@@ -4,7 +4,7 @@ Its knobs are :class:`~vla_rl.train.ppo_config.PPOConfig`, its equations :mod:`v
 its sampling and rollouts :mod:`vla_rl.train.ppo_rollout`.
 
 The flow policy is made stochastic by injecting noise into its denoising chain, which gives an exact,
-differentiable log-likelihood of the executed action sub-chunk (algorithms.md §3):
+differentiable log-likelihood of the executed action sub-chunk (docs/algorithms.md §3):
 
 * ``method="noise"`` (Flow-Noise / ReinFlow): every one of the K Euler steps draws
   ``x_{k+1} ~ N(x_k + v dt, σ_φ²)`` with σ_φ from the policy's learnable, bounded noise head; the

@@ -3,8 +3,8 @@
 This is the trainer; the knobs are :class:`~vla_rl.train.qam_config.QAMConfig`, the equations and the
 learner :mod:`vla_rl.train.qam_math`, the online rollouts and replay :mod:`vla_rl.train.qam_online`.
 Every equation follows ``ColinQiyangLi/qam`` ``agents/qam.py`` as transcribed
-in ../shared/reference/algorithms.md section 2 (time convention: t = 0 noise, t = 1 data, as our
-policies). Networks on a flow VLA (section 7 checklist):
+in docs/algorithms.md §2 (time convention: t = 0 noise, t = 1 data, as our
+policies). Networks on a flow VLA (docs/algorithms.md §7):
 
 * **base** v_β: the SFT checkpoint's velocity field. Frozen by default; with ``train_base`` it keeps
   training with the behaviour flow-matching loss L_BC and the adjoint uses its Polyak copy v̄_β (the

@@ -1,6 +1,6 @@
 """HELP's segment critic: split fleet episodes into progress / idle / failure-inducing / recovery spans.
 
-HELP (arXiv 2607.09776; ../shared/reference/algorithms.md section 4e) publishes the classes, not the
+HELP (arXiv 2607.09776; docs/algorithms.md §4e) publishes the classes, not the
 equations; this is our design ([inferred] there). It needs only what a real fleet records: states,
 controllers (human takeovers) and outcomes, never the simulator's shaped reward, which the benchmark
 keeps as the ground truth it is scored against.

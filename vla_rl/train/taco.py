@@ -1,4 +1,4 @@
-"""TACO: test-time anti-exploration by pseudo-counts (../shared/reference/algorithms.md section 6b).
+"""TACO: test-time anti-exploration by pseudo-counts (docs/algorithms.md §6b).
 
 An SFT flow policy keeps modes its data barely supports; which one a chunk lands in depends on the
 initial noise. TACO samples N chunks per decision and executes the one the SFT data *counts* most:

@@ -17,7 +17,7 @@ Rewards (``RewardKind``):
   terminal state. The same reward as PPO's ``dense`` setting; it keeps the sparse task's optimal
   policy (summing the raw dense reward instead pays for hovering near the goal rather than finishing).
 
-**Credit assignment** (HABC / HELP / LWD, algorithms.md section 4): an episode's outcome is credited
+**Credit assignment** (HABC / HELP / LWD, docs/algorithms.md §4): an episode's outcome is credited
 only to frames the policy (or a scripted controller) drove, and never across an intervention
 boundary. A policy segment that ends in a human takeover gets outcome *failure* (the operator judged
 it failing); the final autonomous segment gets the episode outcome; human frames get no outcome

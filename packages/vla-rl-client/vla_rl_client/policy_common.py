@@ -271,7 +271,7 @@ class ActResult:
     request_id: str
     uncertainty: float = float("nan")
     """The chunk's uncertainty from its own denoising path (higher = less sure; flow_vla: the ``accel``
-    score, algorithms.md 6a); NaN when the model cannot score its chunks (LeRobot policies) or the server
+    score, docs/algorithms.md §6a); NaN when the model cannot score its chunks (LeRobot policies) or the server
     predates the field."""
     uncertainty_kind: str = ""
     """What :attr:`uncertainty` is ("accel"); "" when it is not available."""
