@@ -14,7 +14,7 @@ Timestamps are unix seconds (float), like the store's.
 
 The package splits the DB by job: ``schema`` (the ORM rows), ``engine`` (opening one), ``migrate`` (the
 schema upgrade), ``episodes``, ``labels``, ``flags``, ``stats``, ``rounds`` (rounds and their job queue),
-``query`` (the episode list's query and its SQL); :class:`MetadataDB` (``metadata``) is composed from
+``query`` (a :class:`fleet.selection.Selection` in SQL); :class:`MetadataDB` (``metadata``) is composed from
 their parts. Import from here: ``from fleet.db import MetadataDB``.
 """
 
@@ -24,7 +24,6 @@ from fleet.db.flags import Flag
 from fleet.db.labels import LABEL_SOURCES, OUTCOME_KEY, Label, LabelSource, effective_outcome
 from fleet.db.metadata import MetadataDB
 from fleet.db.migrate import SCHEMA_HEAD, _alembic_config, upgrade_schema
-from fleet.db.query import EPISODE_SORTS, MAX_PER_PAGE, SORT_KEYS, EpisodeQuery, parse_time
 from fleet.db.rounds import (
     FINISHED_STATUSES,
     ROUND_STATUSES,
@@ -46,17 +45,13 @@ from fleet.db.schema import (
 from fleet.db.stats import RevisionStats, RobotStats, TimelinePoint
 
 __all__ = [
-    "EPISODE_SORTS",
     "FINISHED_STATUSES",
     "LABEL_SOURCES",
-    "MAX_PER_PAGE",
     "OUTCOME_KEY",
     "ROUND_STATUSES",
     "SCHEMA_HEAD",
-    "SORT_KEYS",
     "Base",
     "EpisodeFlagRow",
-    "EpisodeQuery",
     "EpisodeRevisionRow",
     "EpisodeRow",
     "EpisodeSummary",
@@ -78,7 +73,6 @@ __all__ = [
     "_alembic_config",
     "default_url",
     "effective_outcome",
-    "parse_time",
     "upgrade_schema",
     "worker_id",
 ]

@@ -95,7 +95,3 @@ class DBPart:
 def _chunks(ids: list[str]) -> Iterator[list[str]]:
     for i in range(0, len(ids), _ID_CHUNK):
         yield ids[i : i + _ID_CHUNK]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,5 +1,6 @@
 """Episodes: recording them as writers open and close them (or in bulk), reading them back, and the
-episode list (:class:`EpisodeSummary` pages of an :class:`~fleet.db.query.EpisodeQuery`)."""
+episode list (:class:`EpisodeSummary` pages of a :class:`~fleet.selection.EpisodeQuery`), and the
+closed episodes a :class:`~fleet.selection.Selection` selects, all in SQL."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from vla_rl_client.meta import Controller, EpisodeMeta, EpisodeRecord, Segment
 from fleet.db.engine import DBPart
 from fleet.db.flags import Flag, _read_flags
 from fleet.db.labels import _read_current_events, effective_outcome
-from fleet.db.query import EpisodeQuery, _episode_filters
-from fleet.db.schema import EpisodeRevisionRow, EpisodeRow, RoundRow, SegmentRow
+from fleet.db.query import check_rounds, selection_where
+from fleet.db.schema import EpisodeRevisionRow, EpisodeRow, SegmentRow
+from fleet.selection import EpisodeQuery, Selection
 
 
 @dataclass(frozen=True)
@@ -190,9 +192,8 @@ class EpisodesPart(DBPart):
         """One page of the episode list and the total number of matches, filtered, sorted and paged in
         SQL (the same on SQLite and PostgreSQL). ValueError for a round that does not exist."""
         with Session(self._reader) as s:
-            if q.round is not None and s.get(RoundRow, q.round) is None:
-                raise ValueError(f"round: no round {q.round} in the metadata DB")
-            where = _episode_filters(q)
+            check_rounds(s, q)
+            where = selection_where(q)
             total = int(s.scalar(select(func.count()).select_from(EpisodeRow).where(*where)) or 0)
             key = q.sort.lstrip("-")
             col = getattr(EpisodeRow, key)
@@ -246,13 +247,32 @@ class EpisodesPart(DBPart):
         """Every id matching ``q``'s filters (ignoring its paging), in its sort order, at most ``limit``
         (bulk labelling "every match of this filter")."""
         with Session(self._reader) as s:
-            if q.round is not None and s.get(RoundRow, q.round) is None:
-                raise ValueError(f"round: no round {q.round} in the metadata DB")
+            check_rounds(s, q)
             col = getattr(EpisodeRow, q.sort.lstrip("-"))
             desc = q.sort.startswith("-")
             order = [col.desc(), EpisodeRow.id.desc()] if desc else [col.asc(), EpisodeRow.id.asc()]
-            sel = select(EpisodeRow.id).where(*_episode_filters(q)).order_by(*order).limit(limit)
+            sel = select(EpisodeRow.id).where(*selection_where(q)).order_by(*order).limit(limit)
             return list(s.scalars(sel))
+
+    def select_ids(self, q: Selection) -> list[str]:
+        """The closed episodes ``q`` selects (what a round trains on), oldest first (created_at, then id):
+        one query. ValueError naming ``round`` for a round the DB does not hold."""
+        with Session(self._reader) as s:
+            check_rounds(s, q)
+            sel = select(EpisodeRow.id).where(*selection_where(q, EpisodeRow.status == "closed"))
+            return list(s.scalars(sel.order_by(EpisodeRow.created_at, EpisodeRow.id)))
+
+    def select_records(self, q: Selection) -> list[EpisodeRecord]:
+        """:meth:`select_ids` as records, with their segments (lengths, outcomes, takeovers)."""
+        with Session(self._reader) as s:
+            check_rounds(s, q)
+            sel = (
+                select(EpisodeRow)
+                .options(selectinload(EpisodeRow.segments))
+                .where(*selection_where(q, EpisodeRow.status == "closed"))
+                .order_by(EpisodeRow.created_at, EpisodeRow.id)
+            )
+            return [_record(r) for r in s.scalars(sel)]
 
     def closed_episode_index(self) -> list[tuple[str, str, int]]:
         """``(id, task, length)`` of every closed episode (auto-flags' length distributions)."""

@@ -12,8 +12,9 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from fleet.db.engine import DBPart, _chunks
-from fleet.db.query import EpisodeQuery, _episode_filters
+from fleet.db.query import selection_where
 from fleet.db.schema import EpisodeFlagRow, EpisodeRevisionRow, EpisodeRow
+from fleet.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Flag:
         return {"score": self.score, "detail": self.detail}
 
 
-_CALIBRATION_QUERY = EpisodeQuery(status="closed", outcome="success", intervention=False)
+_CALIBRATION = Selection(status="closed", outcome="success", intervention=False)
 """Closed, successful (effective outcome), no takeover: the episodes that calibrate a revision's
 uncertainty CUSUM (algorithms.md 6a's held-out successful episodes)."""
 
@@ -112,7 +113,7 @@ class FlagsPart(DBPart):
         q = (
             select(EpisodeRevisionRow.revision, func.count(), func.max(EpisodeRow.closed_at))
             .join(EpisodeRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
-            .where(EpisodeRevisionRow.revision != "", *_episode_filters(_CALIBRATION_QUERY))
+            .where(EpisodeRevisionRow.revision != "", *selection_where(_CALIBRATION))
             .group_by(EpisodeRevisionRow.revision)
         )
         with Session(self._reader) as s:
@@ -123,7 +124,7 @@ class FlagsPart(DBPart):
         q = (
             select(EpisodeRow.id)
             .join(EpisodeRevisionRow, EpisodeRow.id == EpisodeRevisionRow.episode_id)
-            .where(EpisodeRevisionRow.revision == revision, *_episode_filters(_CALIBRATION_QUERY))
+            .where(EpisodeRevisionRow.revision == revision, *selection_where(_CALIBRATION))
             .order_by(EpisodeRow.created_at, EpisodeRow.id)
         )
         with Session(self._reader) as s:

@@ -11,15 +11,16 @@ from typing import Any, Literal, get_args
 from sqlalchemy import ColumnElement, and_, select, update
 from sqlalchemy.orm import Session, aliased
 
-from fleet.db.engine import DBPart, _chunks, _is_int
+from fleet.db.engine import DBPart, _chunks
 from fleet.db.schema import EpisodeRow, LabelRow, SegmentRow
+from fleet.selection import is_int
 
 LabelSource = Literal["human", "auto"]
 LABEL_SOURCES: tuple[str, ...] = get_args(LabelSource)
 OUTCOME_KEY = "outcome"
-"""The episode label whose current value overrides the recorded outcome: for ``DataSelection``'s
-``success=``, training credit, the episode list, the fleet statistics and LeRobot export. Its value is
-the outcome (``success`` -> success True, any other value -> False)."""
+"""The episode label whose current value overrides the recorded outcome: for a selection's ``success=``
+and ``outcome=`` (:mod:`fleet.selection`), training credit, the episode list, the fleet statistics and
+LeRobot export. Its value is the outcome (``success`` -> success True, any other value -> False)."""
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,7 @@ def _check_label(
         raise ValueError(f"source: expected one of {'|'.join(LABEL_SOURCES)}, got {source!r}")
     if note is not None and not isinstance(note, str):
         raise ValueError(f"note: expected text, got {type(note).__name__}")
-    if segment_index is not None and (not _is_int(segment_index) or segment_index < 0):
+    if segment_index is not None and (not is_int(segment_index) or segment_index < 0):
         raise ValueError(f"segment_index: expected a segment index >= 0, got {segment_index!r}")
     if (start is None) != (end is None):
         raise ValueError(
@@ -365,9 +366,9 @@ def _check_label(
             f"episode), got start={start!r}, end={end!r}"
         )
     if start is not None:
-        if not _is_int(start) or start < 0:
+        if not is_int(start) or start < 0:
             raise ValueError(f"start: expected a frame index >= 0, got {start!r}")
-        if not _is_int(end) or end <= start:  # type: ignore[operator]
+        if not is_int(end) or end <= start:  # type: ignore[operator]
             raise ValueError(f"end: expected a frame index > start ({start}), end exclusive, got {end!r}")
 
 

@@ -1,245 +1,20 @@
-"""The episode list's query (:class:`EpisodeQuery`: filters, sort, page; from and to URL parameters)
-and the SQL it compiles to, with the building blocks the statistics share (the effective outcome,
-human segments)."""
+"""A :class:`~fleet.selection.Selection` in SQL (:func:`selection_where`: the WHERE clauses on
+``episodes``, the same on SQLite and PostgreSQL), with the building blocks the statistics share (the
+effective outcome, human segments)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Text, and_, case, cast, func, or_, select
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import Session, aliased
 from vla_rl_client.meta import Controller
 
-from fleet.db.engine import _is_int
+from fleet.db.engine import _chunks
 from fleet.db.labels import OUTCOME_KEY, _episode_level
 from fleet.db.schema import EpisodeFlagRow, EpisodeRevisionRow, EpisodeRow, LabelRow, RoundRow, SegmentRow
-
-
-def parse_time(field_name: str, value: str | float) -> float:
-    """Unix seconds from a number or an ISO date/time (``2026-11-01``, ``2026-11-01T12:00:00+00:00``; a
-    date without a zone is local time, as everywhere in the CLI); ValueError naming ``field_name``."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    text_value = str(value).strip()
-    try:
-        return float(text_value)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text_value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise ValueError(
-            f"{field_name}: expected unix seconds or an ISO date (2026-11-01), got {text_value!r}"
-        ) from None
-
-
-SORT_KEYS: tuple[str, ...] = ("created_at", "length", "robot_id", "task")
-EPISODE_SORTS: tuple[str, ...] = tuple(s for k in SORT_KEYS for s in (k, f"-{k}"))
-"""The episode list's sort orders (``-`` = descending); ties are broken by episode id."""
-MAX_PER_PAGE = 500
-_QUERY_PARAMS = (
-    "task",
-    "robot",
-    "outcome",
-    "revision",
-    "round",
-    "label",
-    "intervention",
-    "flag",
-    "flagged",
-    "status",
-    "since",
-    "until",
-    "min_length",
-    "max_length",
-    "sort",
-    "page",
-    "per_page",
-)
-
-
-@dataclass(frozen=True)
-class EpisodeQuery:
-    """A filtered, sorted page of the episode list (docs/dashboard.md "Episode list"). Every filter is
-    optional and they all narrow the set; :meth:`MetadataDB.query_episodes` runs it in SQL."""
-
-    task: str | None = None
-    robot: str | None = None
-    outcome: str | None = None
-    """The effective outcome (an ``outcome`` label overrides the recorded one); ``unknown`` = none."""
-    revision: str | None = None
-    """Episodes in which this checkpoint revision acted."""
-    round: int | None = None
-    """Episodes collected by the checkpoint this post-training round produced."""
-    labels: Mapping[str, str] = field(default_factory=dict)
-    """Current episode-level label values that must all match (key -> value as text, case-insensitive)."""
-    intervention: bool | None = None
-    """True: at least one human segment; False: none."""
-    flags: tuple[str, ...] = ()
-    """Episodes with any of these auto-flags raised."""
-    flagged: bool | None = None
-    """True: any auto-flag raised; False: none raised."""
-    status: str | None = None
-    """``open`` or ``closed``."""
-    since: float | None = None
-    """Unix seconds; created at or after it."""
-    until: float | None = None
-    """Unix seconds; created at or before it."""
-    min_length: int | None = None
-    max_length: int | None = None
-    sort: str = "-created_at"
-    """One of :data:`EPISODE_SORTS`."""
-    page: int = 1
-    """1-based."""
-    per_page: int = 50
-    """1..500."""
-
-    def __post_init__(self) -> None:
-        for name in ("task", "robot", "outcome", "revision", "status"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ValueError(f"{name}: expected a non-empty string, got {v!r}")
-        if self.status is not None and self.status not in ("open", "closed"):
-            raise ValueError(f"status: expected open or closed, got {self.status!r}")
-        if self.round is not None and (not _is_int(self.round) or self.round < 1):
-            raise ValueError(f"round: expected a round number >= 1, got {self.round!r}")
-        for k, v in self.labels.items():
-            if not isinstance(k, str) or not k.strip():
-                raise ValueError(f"label: expected key:value with a non-empty key, got {k!r}")
-            if not isinstance(v, str) or not v.strip():
-                raise ValueError(f"label: expected key:value with a non-empty value, got {k}:{v!r}")
-        object.__setattr__(self, "labels", dict(self.labels))
-        object.__setattr__(self, "flags", tuple(self.flags))
-        for f in self.flags:
-            if not isinstance(f, str) or not f.strip():
-                raise ValueError(f"flag: expected an auto-flag name, got {f!r}")
-        for name in ("min_length", "max_length"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
-                raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
-        if self.min_length is not None and self.max_length is not None and self.max_length < self.min_length:
-            raise ValueError(f"max_length: expected >= min_length ({self.min_length}), got {self.max_length}")
-        if self.since is not None and self.until is not None and self.until < self.since:
-            raise ValueError(f"until: expected >= since ({self.since}), got {self.until}")
-        if self.sort not in EPISODE_SORTS:
-            raise ValueError(f"sort: expected one of {', '.join(EPISODE_SORTS)}, got {self.sort!r}")
-        if not _is_int(self.page) or self.page < 1:
-            raise ValueError(f"page: expected an integer >= 1, got {self.page!r}")
-        if not _is_int(self.per_page) or not 1 <= self.per_page <= MAX_PER_PAGE:
-            raise ValueError(f"per_page: expected an integer in 1..{MAX_PER_PAGE}, got {self.per_page!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> EpisodeQuery:
-        """From URL query parameters (a plain mapping of str or list-of-str values, or a multi-dict with
-        ``getlist`` such as Starlette's ``QueryParams``). ``label=key:value`` and ``flag=NAME`` repeat;
-        dates are unix seconds or ISO; booleans ``true|false``. Raises ValueError naming the parameter."""
-        values: dict[str, list[str]] = {}
-        getlist = getattr(params, "getlist", None)
-        for key in params:
-            if key not in _QUERY_PARAMS:
-                raise ValueError(
-                    f"{key}: unknown episode-list parameter; expected one of {', '.join(_QUERY_PARAMS)}"
-                )
-            raw = getlist(key) if getlist is not None else params[key]
-            items = list(raw) if isinstance(raw, list | tuple) else [raw]
-            values[key] = [str(v) for v in items if v is not None and str(v) != ""]
-        kw: dict[str, Any] = {}
-
-        def one(key: str) -> str | None:
-            got = values.get(key) or []
-            if len(got) > 1:
-                raise ValueError(f"{key}: expected one value, got {len(got)} ({got})")
-            return got[0] if got else None
-
-        for key in ("task", "robot", "outcome", "revision", "status", "sort"):
-            if (v := one(key)) is not None:
-                kw[key] = v
-        for key in ("round", "min_length", "max_length", "page", "per_page"):
-            if (v := one(key)) is not None:
-                try:
-                    kw[key] = int(v)
-                except ValueError:
-                    raise ValueError(f"{key}: expected an integer, got {v!r}") from None
-        for key in ("intervention", "flagged"):
-            if (v := one(key)) is not None:
-                kw[key] = _parse_bool(key, v)
-        for key in ("since", "until"):
-            if (v := one(key)) is not None:
-                kw[key] = parse_time(key, v)
-        labels: dict[str, str] = {}
-        for item in values.get("label", []):
-            k, sep, v = item.partition(":")
-            if not sep or not k.strip() or not v.strip():
-                raise ValueError(f"label: expected key:value (e.g. quality:good), got {item!r}")
-            labels[k.strip()] = v.strip()
-        kw["labels"] = labels
-        kw["flags"] = tuple(values.get("flag", []))
-        return cls(**kw)
-
-    def to_params(self) -> list[tuple[str, str]]:
-        """The URL query parameters (the inverse of :meth:`from_params`, defaults left out)."""
-        out: list[tuple[str, str]] = []
-        for key in ("task", "robot", "outcome", "revision", "round", "status", "since", "until"):
-            v = getattr(self, key)
-            if v is not None:
-                out.append((key, str(v)))
-        out += [("label", f"{k}:{v}") for k, v in self.labels.items()]
-        for key in ("intervention", "flagged"):
-            v = getattr(self, key)
-            if v is not None:
-                out.append((key, "true" if v else "false"))
-        out += [("flag", f) for f in self.flags]
-        for key in ("min_length", "max_length"):
-            v = getattr(self, key)
-            if v is not None:
-                out.append((key, str(v)))
-        defaults = EpisodeQuery()
-        for key in ("sort", "page", "per_page"):
-            if getattr(self, key) != getattr(defaults, key):
-                out.append((key, str(getattr(self, key))))
-        return out
-
-    def to_data_selection(self) -> tuple[str | None, str, list[str]]:
-        """The round data selection this filter means, for "start a round on these episodes": ``(task,
-        text for DataSelection.parse, [filters a DataSelection cannot express])``. The outcome maps to
-        ``success=`` (success / failure only); intervention, flags, status, lengths and paging do not
-        map and are listed."""
-        parts: list[str] = []
-        dropped: list[str] = []
-        if self.robot is not None:
-            parts.append(f"robot={self.robot}")
-        for key in ("since", "until"):
-            v = getattr(self, key)
-            if v is not None:
-                parts.append(f"{key}={v}")
-        if self.revision is not None:
-            parts.append(f"revision={self.revision}")
-        if self.round is not None:
-            parts.append(f"round={self.round}")
-        parts += [f"label.{k}={v}" for k, v in self.labels.items()]
-        if self.outcome in ("success", "failure"):
-            parts.append(f"success={'true' if self.outcome == 'success' else 'false'}")
-        elif self.outcome is not None:
-            dropped.append("outcome")
-        for key in ("intervention", "flagged", "status", "min_length", "max_length"):
-            if getattr(self, key) is not None:
-                dropped.append(key)
-        if self.flags:
-            dropped.append("flag")
-        return self.task, ",".join(parts), dropped
-
-
-def _parse_bool(key: str, v: str) -> bool:
-    low = v.strip().lower()
-    if low in ("true", "1", "yes"):
-        return True
-    if low in ("false", "0", "no"):
-        return False
-    raise ValueError(f"{key}: expected true or false, got {v!r}")
+from fleet.selection import WILDCARD, Selection
 
 
 def _current_ids(key: str, texts: list[str] | None = None) -> Any:
@@ -292,15 +67,49 @@ def _success_value(ov: Any) -> Any:
     )
 
 
-def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
-    """The WHERE clauses of an episode query (correlated subqueries on ``episodes``)."""
+def _effective_success() -> ColumnElement[bool]:
+    """The episode counts as a success, as :func:`fleet.db.labels.effective_outcome` says: its current
+    ``outcome`` label is ``"success"``, or it has no such label (a JSON null is none) and its recorded
+    success is true. Never NULL, so its negation is "not a success" (failures and unknown outcomes)."""
+    value = cast(LabelRow.value, Text)
+    said = select(LabelRow.episode_id).where(
+        LabelRow.key == OUTCOME_KEY, LabelRow.current.is_(True), _episode_level(LabelRow)
+    )
+    return or_(
+        EpisodeRow.id.in_(said.where(value == json.dumps("success"))),
+        and_(EpisodeRow.id.not_in(said.where(value != "null")), EpisodeRow.success.is_(True)),
+    )
+
+
+def _robots(robots: tuple[str, ...]) -> ColumnElement[bool]:
+    """Any of these robot ids; one ending in ``*`` is a prefix (compared as is: case-sensitive on both
+    backends, where LIKE is not)."""
+    exact = [r for r in robots if not r.endswith(WILDCARD)]
+    prefixes = [r[:-1] for r in robots if r.endswith(WILDCARD)]
+    return or_(
+        *([EpisodeRow.robot_id.in_(exact)] if exact else []),
+        *(func.substr(EpisodeRow.robot_id, 1, len(p)) == p for p in prefixes),
+    )
+
+
+def _acted(revisions: Any) -> ColumnElement[bool]:
+    """One of ``revisions`` (a list or a subquery) acted in the episode."""
+    return EpisodeRow.id.in_(
+        select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision.in_(revisions))
+    )
+
+
+def _filters(q: Selection) -> list[ColumnElement[bool]]:
+    """Every key of ``q`` but ``max`` as WHERE clauses (uncorrelated subqueries on ``episodes``)."""
     w: list[ColumnElement[bool]] = []
     if q.task is not None:
         w.append(EpisodeRow.task == q.task)
-    if q.robot is not None:
-        w.append(EpisodeRow.robot_id == q.robot)
+    if q.robots:
+        w.append(_robots(q.robots))
     if q.status is not None:
         w.append(EpisodeRow.status == q.status)
+    if q.success is not None:
+        w.append(_effective_success() if q.success else ~_effective_success())
     if q.outcome is not None:
         overridden = EpisodeRow.id.in_(_current_ids(OUTCOME_KEY))
         if q.outcome == "unknown":
@@ -312,17 +121,10 @@ def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
                     and_(~overridden, EpisodeRow.outcome == q.outcome),
                 )
             )
-    if q.revision is not None:
-        w.append(
-            EpisodeRow.id.in_(
-                select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision == q.revision)
-            )
-        )
-    if q.round is not None:
-        rev = select(RoundRow.checkpoint_revision).where(RoundRow.id == q.round).scalar_subquery()
-        w.append(
-            EpisodeRow.id.in_(select(EpisodeRevisionRow.episode_id).where(EpisodeRevisionRow.revision == rev))
-        )
+    if q.revisions:
+        w.append(_acted(list(q.revisions)))
+    if q.rounds:
+        w.append(_acted(select(RoundRow.checkpoint_revision).where(RoundRow.id.in_(q.rounds))))
     for key, value in q.labels.items():
         w.append(EpisodeRow.id.in_(_current_ids(key, _json_texts(value))))
     if q.intervention is not None:
@@ -346,4 +148,30 @@ def _episode_filters(q: EpisodeQuery) -> list[ColumnElement[bool]]:
         w.append(EpisodeRow.length >= q.min_length)
     if q.max_length is not None:
         w.append(EpisodeRow.length <= q.max_length)
+    w += [EpisodeRow.id.not_in(chunk) for chunk in _chunks(list(q.exclude))]
     return w
+
+
+def selection_where(q: Selection, *also: ColumnElement[bool]) -> list[ColumnElement[bool]]:
+    """The WHERE clauses of ``q`` and ``also`` (e.g. closed episodes only): ``max`` keeps the most
+    recent (created_at, then id) of what the rest selects."""
+    w = [*also, *_filters(q)]
+    if q.max_episodes is None:
+        return w
+    recent = (
+        select(EpisodeRow.id)
+        .where(*w)
+        .order_by(EpisodeRow.created_at.desc(), EpisodeRow.id.desc())
+        .limit(q.max_episodes)
+    )
+    return [EpisodeRow.id.in_(recent)]
+
+
+def check_rounds(s: Session, q: Selection) -> None:
+    """ValueError naming ``round`` when ``q`` names a round the DB does not hold."""
+    if not q.rounds:
+        return
+    known = set(s.scalars(select(RoundRow.id).where(RoundRow.id.in_(q.rounds))))
+    missing = [r for r in q.rounds if r not in known]
+    if missing:
+        raise ValueError(f"round: no round {missing[0]} in the metadata DB")

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
 from policies.flow_vla import FlowVLAPolicy
@@ -63,7 +64,6 @@ from vla_rl.train.distributed import SINGLE, summary_writer
 from vla_rl.train.qam import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
-    DataSelection,
     RewardKind,
     load_transitions,
     next_observation,
@@ -298,7 +298,7 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
         raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
     from fleet.db import MetadataDB
 
-    selection = DataSelection.parse(task, cfg.data)
+    selection = Selection.parse(cfg.data, task=task)
     buf = load_transitions(
         EpisodeStore(cfg.store),
         selection,

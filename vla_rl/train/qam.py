@@ -65,6 +65,7 @@ from torch import nn
 from vla_rl_client.meta import Controller
 from vla_rl_client.spec import RobotSpec
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, pessimistic, polyak_update
 from policies.flow_vla import FlowVLAPolicy
@@ -101,7 +102,6 @@ from vla_rl.train.distributed import (
 from vla_rl.train.divl import DIVLConfig, DIVLValue, divl_support, divl_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
-    DataSelection,
     RewardKind,
     TransitionBuffer,
     load_transitions,
@@ -980,7 +980,7 @@ class _QAMRun:
         """The offline replay: the store's episodes chosen by ``cfg.data``."""
         cfg = self.cfg
         self.store = store = EpisodeStore(cfg.store)
-        self.selection = DataSelection.parse(self.task, cfg.data)
+        self.selection = Selection.parse(cfg.data, task=self.task)
         # as AWR: the configured DB, else the store's own; its labels (outcome overrides, span labels) and
         # rounds table reach the replay through load_transitions
         from fleet.db import MetadataDB
