@@ -337,9 +337,10 @@ def _awr_left_right(left_right: tuple[Path, Path], out: Path) -> tuple[float, fl
 def test_awr_follows_each_frames_instruction(left_right: tuple[Path, Path], tmp_path: Path) -> None:
     """Behaviour cloning of this data acts ~0 under both instructions; AWR, conditioning each frame on its
     episode's instruction, weighs up the successful action of each and follows the words."""
-    from vla_rl.train.transitions import DataSelection, load_transitions
+    from fleet.selection import Selection
+    from vla_rl.train.transitions import load_transitions
 
-    buf = load_transitions(left_right[0], DataSelection(task=LR_TASK))
+    buf = load_transitions(left_right[0], Selection(task=LR_TASK))
     assert buf.instructions == ["go left", "go right"]
     batch = buf.batch(np.arange(len(buf)), horizon=1, n_step=1)
     texts = [buf.instructions[i] for i in batch["instruction_index"].tolist()]

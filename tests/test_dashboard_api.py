@@ -476,24 +476,27 @@ def test_bad_input_is_4xx_naming_the_field(dash: Dashboard, world: FleetWorld) -
 
 @BOTH
 def test_selection_counts_what_a_round_would_train_on(dash: Dashboard, world: FleetWorld) -> None:
-    from vla_rl.train.transitions import DataSelection, select_episode_ids
+    from fleet import store_index
+    from fleet.selection import Selection
+    from vla_rl.train.transitions import select_episode_ids
 
     c = dash.client("viewer")
     store = EpisodeStore(world.store)
     for data in ("", "robot=sim-0", "success=false", "robot=sim-1,max=1"):
         got = c.get("/api/v1/selection", params={"data": data, "task": TASK}).json()
-        ids = select_episode_ids(store, DataSelection.parse(TASK, data), world.db, {})
+        ids = select_episode_ids(store, Selection.parse(data, task=TASK), world.db)
         assert got["episodes"] == len(ids) and got["frames"] == sum(
             store.read_metadata(i).length for i in ids
         ), data
     assert c.get("/api/v1/selection", params={"data": "robot=sim-0"}).json()["task"] == TASK  # the only task
-    # the page pre-fills a round's data from the episode filter it shows
+    # the page pre-fills a round's data from the episode filter it shows: every filter carries over
     got = c.get(
         "/api/v1/selection/from-filter", params={"robot": "sim-0", "intervention": "true", "page": 2}
     ).json()
-    assert got["data"] == "robot=sim-0" and got["dropped"] == ["intervention"] and got["task"] == TASK
-    ids = select_episode_ids(store, DataSelection.parse(TASK, "robot=sim-0"), world.db, {})
-    assert got["episodes"] == len(ids)
+    assert got["data"] == "robot=sim-0,intervention=true" and got["task"] == TASK and "dropped" not in got
+    taken_over = Selection.parse("robot=sim-0,intervention=true", task=TASK)
+    ids = store_index.select_episode_ids(store, taken_over, world.db)  # none is an answer too: no raise
+    assert got["episodes"] == len(ids) and got["frames"] == sum(store.read_metadata(i).length for i in ids)
     r = c.get("/api/v1/selection/from-filter", params={"colour": "red"})
     assert r.status_code == 422 and _detail(r)["field"] == "colour"
 
@@ -1118,7 +1121,8 @@ def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_
     from test_collector import TOKEN as ROBOT_TOKEN
     from vla_rl_client.robot_client import RobotClient
 
-    from vla_rl.train.transitions import DataSelection, select_episode_ids
+    from fleet.selection import Selection
+    from vla_rl.train.transitions import select_episode_ids
 
     url, task, per_robot = pg.create_database(), "t", 4
     stores = [tmp_path / "s1", tmp_path / "s2"]
@@ -1180,11 +1184,11 @@ def test_two_collectors_the_dashboard_labelling_and_a_round_snapshot_at_once_on_
 
     def read_snapshots() -> None:
         db, store = MetadataDB(url), EpisodeStore(stores[0])
-        sel = DataSelection.parse(task, "label.quality=good")
+        sel = Selection.parse("label.quality=good", task=task)
         while True:
             last = labelled_all.is_set()
             try:
-                ids = select_episode_ids(store, sel, db, db.round_revisions())
+                ids = select_episode_ids(store, sel, db)
             except ValueError as e:  # nothing labelled yet: a round would refuse to start
                 if "no closed episodes" not in str(e):
                     raise

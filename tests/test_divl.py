@@ -10,12 +10,13 @@ import pytest
 import torch
 from tiny_base import demo_store
 
+from fleet.selection import Selection
 from policies.critics import CategoricalValue
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.train.awr import AWRConfig, cross_fitted_values
 from vla_rl.train.divl import DIVLConfig, DIVLValue, divl_support, divl_td_target, interpolated_quantile
 from vla_rl.train.qam import QAMConfig, QAMLearner
-from vla_rl.train.transitions import DataSelection, TransitionBuffer, load_transitions
+from vla_rl.train.transitions import TransitionBuffer, load_transitions
 
 KINEMATIC = "kinematic/Reach-v0"
 torch.set_num_threads(1)  # small nets on a shared machine: extra threads only contend
@@ -112,7 +113,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def kinematic_buffer(tmp_path_factory: pytest.TempPathFactory) -> TransitionBuffer:
     store = demo_store(tmp_path_factory.mktemp("divl") / "store", KINEMATIC, episodes=16, noise=0.8)
-    return load_transitions(store, DataSelection.parse(KINEMATIC, None), reward="steps_to_go", gamma=1.0)
+    return load_transitions(store, Selection.parse(None, task=KINEMATIC), reward="steps_to_go", gamma=1.0)
 
 
 def test_awr_divl_value_fits_the_return_distribution_of_kinematic_data(

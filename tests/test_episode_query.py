@@ -18,7 +18,8 @@ import pytest
 from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
-from fleet.db import EPISODE_SORTS, EpisodeQuery, Flag, MetadataDB
+from fleet.db import Flag, MetadataDB
+from fleet.selection import EPISODE_SORTS, EpisodeQuery, Selection
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
 TASKS = ("toy/Reach-v0", "toy/Push-v0")
@@ -114,16 +115,16 @@ class World:
         keep: list[Callable[[EpisodeMeta], bool]] = []
         if q.task:
             keep.append(lambda m: m.task == q.task)
-        if q.robot:
-            keep.append(lambda m: m.robot_id == q.robot)
+        if q.robots:
+            keep.append(lambda m: m.robot_id in q.robots)
         if q.status:
             keep.append(lambda m: m.status == q.status)
         if q.outcome:
             want = None if q.outcome == "unknown" else q.outcome
             keep.append(lambda m: self.outcome(m) == want)
-        if q.revision:
-            keep.append(lambda m: q.revision in m.revisions)
-        if q.round:
+        if q.revisions:
+            keep.append(lambda m: bool(set(q.revisions) & set(m.revisions)))
+        if q.rounds:
             keep.append(lambda m: "rev-c" in m.revisions)
         for k, v in q.labels.items():
             keep.append(lambda m, k=k, v=v: str(self.labels[m.episode_id].get(k, "")).lower() == v.lower())
@@ -161,12 +162,12 @@ def _world(db_url: str) -> World:
 
 QUERIES = [
     EpisodeQuery(),
-    EpisodeQuery(task=TASKS[1], robot="arm-3", sort="length"),
+    EpisodeQuery(task=TASKS[1], robots=("arm-3",), sort="length"),
     EpisodeQuery(outcome="success", per_page=500),
     EpisodeQuery(outcome="failure", sort="-length", page=3),
     EpisodeQuery(outcome="unknown", per_page=500),
-    EpisodeQuery(revision="rev-b", sort="robot_id", page=7, per_page=20),
-    EpisodeQuery(round=1, sort="task", per_page=100, page=2),
+    EpisodeQuery(revisions=("rev-b",), sort="robot_id", page=7, per_page=20),
+    EpisodeQuery(rounds=(1,), sort="task", per_page=100, page=2),
     EpisodeQuery(labels={"quality": "good"}, per_page=500),
     EpisodeQuery(labels={"quality": "BAD", "outcome": "success"}, per_page=500),
     EpisodeQuery(intervention=True, min_length=100, max_length=200, sort="created_at"),
@@ -210,7 +211,7 @@ def test_ten_thousand_episodes_filter_sort_and_page_in_sql(db_url: str) -> None:
     ids = db.query_episode_ids(EpisodeQuery(labels={"quality": "good"}))
     assert ids == world.expect(EpisodeQuery(labels={"quality": "good"}))
     with pytest.raises(ValueError, match="round: no round 99 in the metadata DB"):
-        db.query_episodes(EpisodeQuery(round=99))
+        db.query_episodes(EpisodeQuery(rounds=(99,)))
 
     # fleet statistics against the same reference
     now = max(m.created for m in world.metas.values()) + 1
@@ -257,7 +258,7 @@ def test_episode_query_validation_and_url_params() -> None:
     )
     assert q.labels == {"quality": "good", "failure": "dropped"} and q.flags == ("stillness", "jerk")
     assert q.intervention is True and q.since is not None and q.until == 1.8e9
-    assert (q.sort, q.page, q.per_page, q.round) == ("-length", 2, 100, 3)
+    assert (q.sort, q.page, q.per_page, q.rounds) == ("-length", 2, 100, (3,))
     assert (
         EpisodeQuery.from_params(
             dict(q.to_params())
@@ -289,8 +290,8 @@ def test_episode_query_validation_and_url_params() -> None:
 
 
 def test_an_episode_filter_becomes_a_round_data_selection() -> None:
-    from vla_rl.train.transitions import DataSelection
-
+    """One language: the list's URL filter is a selection, and its text spelling (what a round's --data
+    takes) carries every filter, the ones the old data-selection text could not express included."""
     q = EpisodeQuery.from_params(
         {
             "task": "toy/Reach-v0",
@@ -302,10 +303,11 @@ def test_an_episode_filter_becomes_a_round_data_selection() -> None:
             "outcome": "success",
             "intervention": "true",
             "flag": "jerk",
+            "page": "3",
         }
     )
-    task, text, dropped = q.to_data_selection()
-    sel = DataSelection.parse(task or "", text)
+    text = q.filters().to_text()
+    sel = Selection.parse(text, task=q.task)
     assert (sel.task, sel.robots, sel.since, sel.revisions, sel.rounds) == (
         "toy/Reach-v0",
         ("arm-1",),
@@ -313,5 +315,11 @@ def test_an_episode_filter_becomes_a_round_data_selection() -> None:
         ("rev-a",),
         (2,),
     )
-    assert sel.labels == {"quality": "good"} and sel.success is True
-    assert dropped == ["intervention", "flag"]
+    assert sel.labels == {"quality": "good"} and sel.outcome == "success"
+    assert sel.intervention is True and sel.flags == ("jerk",)
+    assert sel == q.filters() and "page" not in text
+    # the text spelling's own keys read in the URL spelling too (label.KEY=VALUE, max, exclude, success)
+    both = EpisodeQuery.from_params(
+        {"label.quality": "good", "max": "5", "exclude": "a|b", "success": "false"}
+    )
+    assert both.filters() == Selection.parse("label=quality:good,max=5,exclude=a|b,success=false")

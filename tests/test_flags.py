@@ -8,7 +8,7 @@ import pytest
 from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
-from fleet.db import EpisodeQuery, Flag, MetadataDB
+from fleet.db import Flag, MetadataDB
 from fleet.flags import (
     FLAG_NAMES,
     FlagThresholds,
@@ -24,6 +24,7 @@ from fleet.flags import (
     stillness,
     takeovers,
 )
+from fleet.selection import EpisodeQuery
 from fleet.store import Episode, EpisodeStore
 
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")

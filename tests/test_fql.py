@@ -193,13 +193,14 @@ def test_distillation_alone_turns_the_copy_into_a_one_step_base(
     """The copy of the base evaluated at t = 0 is not yet a one-step base (its velocity at t = 0 points at
     the mean action); the distillation-only phase before ``critic_warmup``, at the default actor learning
     rate, makes the saved one-step policy match the base's ODE on the data's states (fixed z)."""
+    from fleet.selection import Selection
     from policies.loading import load_policy
     from vla_rl.train.algorithms import train
     from vla_rl.train.common import batch_to_policy_inputs
-    from vla_rl.train.transitions import DataSelection, load_transitions
+    from vla_rl.train.transitions import load_transitions
 
     store, base = kinematic_base
-    buf = load_transitions(store, DataSelection(task=KINEMATIC))
+    buf = load_transitions(store, Selection(task=KINEMATIC))
     rows = torch.randperm(len(buf), generator=torch.Generator().manual_seed(0))[:64].numpy()
     batch = batch_to_policy_inputs(buf.batch(rows, horizon=4, n_step=2), torch.device("cpu"))
     base_policy = load_policy(base, device="cpu").policy

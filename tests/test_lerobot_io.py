@@ -923,8 +923,9 @@ def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(
     from vla_rl_client.meta import frame_instructions
 
     from fleet.dataset import ChunkDataset, labelled_instructions
+    from fleet.selection import Selection
     from vla_rl.cli import main
-    from vla_rl.train.transitions import DataSelection, load_transitions
+    from vla_rl.train.transitions import load_transitions
 
     data, store_dir = tmp_path / "koch", tmp_path / "store"
     record_style_dataset(data)
@@ -946,7 +947,7 @@ def test_an_episode_whose_task_changes_conditions_each_frame_on_its_own_task(
     assert [ds.instruction(i) for i in range(len(ds))] == [expected(e, t) for e, t in got]
     assert {plain.instruction(i) for i, (e, _) in enumerate(got) if e == 3} == {KOCH_TASKS[1]}
 
-    buf = load_transitions(store, DataSelection.parse("koch", None), db=db, cameras=False)
+    buf = load_transitions(store, Selection.parse(None, task="koch"), db=db, cameras=False)
     codes = buf.array("instruction")
     eps, frames = buf.array("episode"), buf.array("frame")
     texts = [buf.instructions[c] for c in codes]

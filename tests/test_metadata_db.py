@@ -19,7 +19,8 @@ from sqlalchemy import Engine, event, inspect, text
 from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
-from fleet.db import SCHEMA_HEAD, Base, EpisodeQuery, Flag, MetadataDB, MetadataDBError, _alembic_config
+from fleet.db import SCHEMA_HEAD, Base, Flag, MetadataDB, MetadataDBError, _alembic_config
+from fleet.selection import EpisodeQuery
 
 TASK = "toy/Task-v0"
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
@@ -105,9 +106,9 @@ def _assert_old_rows_kept(db: MetadataDB, old_job: tuple[int, str | None] = (0, 
     assert db.labels()[0].source == "human" and db.current_labels(["ep-old"]) == {
         "ep-old": {"quality": "good"}
     }
-    assert [e.id for e in db.query_episodes(EpisodeQuery(revision="abc", labels={"quality": "good"}))[0]] == [
-        "ep-old"
-    ]
+    assert [
+        e.id for e in db.query_episodes(EpisodeQuery(revisions=("abc",), labels={"quality": "good"}))[0]
+    ] == ["ep-old"]
     old, queued = db.rounds()
     assert (old.status, old.metrics, (old.attempts, old.worker)) == ("succeeded", {"success": 0.5}, old_job)
     # a round from before rounds were jobs has no job row; claiming it makes one
@@ -186,14 +187,14 @@ def test_a_0002_db_with_relabels_gets_current_values_and_revision_rows(db_url: s
         "ep-1": {"quality": "bad", "outcome": "success"},
         "ep-2": {},
     }
-    items, total = db.query_episodes(EpisodeQuery(revision="r2", outcome="success"))
+    items, total = db.query_episodes(EpisodeQuery(revisions=("r2",), outcome="success"))
     assert (
         total == 1
         and items[0].id == "ep-1"
         and items[0].success is True
         and items[0].recorded_success is False
     )
-    assert db.query_episodes(EpisodeQuery(revision="r1"))[1] == 1
+    assert db.query_episodes(EpisodeQuery(revisions=("r1",)))[1] == 1
     assert [r.revision for r in db.revision_stats()] == ["r1", "r2"]
 
 

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from tiny_base import demo_store, tiny_sft
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from sim.registry import make_env
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.awr import AWRConfig
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
 from vla_rl.train.privileged import ReplayedStates
-from vla_rl.train.transitions import DataSelection, load_transitions
+from vla_rl.train.transitions import load_transitions
 
 REACH = "kinematic/Reach-v0"
 
@@ -45,7 +46,7 @@ def _replayed_by_hand(store: EpisodeStore, eid: str) -> np.ndarray:
 
 def test_features_are_each_frames_replayed_state_standardised(sloppy: tuple[Path, Path]) -> None:
     store = EpisodeStore(sloppy[0])
-    buf = load_transitions(store, DataSelection.parse(REACH, None), reward="shaped", gamma=0.99)
+    buf = load_transitions(store, Selection.parse(None, task=REACH), reward="shaped", gamma=0.99)
     n_source = len(buf)
     copies = add_hindsight_copies(buf, goal_layout(REACH, cameras=False))
     assert copies, "noise 0.9 should leave failures to relabel"
@@ -74,7 +75,7 @@ def test_features_are_each_frames_replayed_state_standardised(sloppy: tuple[Path
 
 def test_an_episode_without_a_seed_is_named(sloppy: tuple[Path, Path]) -> None:
     store = EpisodeStore(sloppy[0])
-    buf = load_transitions(store, DataSelection.parse(REACH, None))
+    buf = load_transitions(store, Selection.parse(None, task=REACH))
     first = store.read_episode(buf.episode_ids[0], cameras=False)
     unseeded = dataclasses.replace(first, meta=dataclasses.replace(first.meta, episode_seed=None))
     replayed = ReplayedStates(REACH, lambda e: unseeded)

@@ -31,9 +31,10 @@ from bench.store_s3 import MotoS3
 from fleet.collector import Collector, CollectorConfig
 from fleet.dataset import ChunkDataset
 from fleet.objstore import StoreURLError
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from vla_rl.cli import main
-from vla_rl.train.transitions import DataSelection, load_transitions
+from vla_rl.train.transitions import load_transitions
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 
@@ -252,7 +253,7 @@ def test_training_loads_from_s3_through_the_read_cache(s3: MotoS3, tmp_path: Pat
 
     def load() -> tuple[ChunkDataset, Any]:
         st = EpisodeStore(url, cache_dir=cache)  # a new trainer process: nothing in memory
-        return ChunkDataset(st, horizon=4), load_transitions(st, DataSelection(task=TASK), cameras=False)
+        return ChunkDataset(st, horizon=4), load_transitions(st, Selection(task=TASK), cameras=False)
 
     s3.reset_counts()
     ds, buf = load()

@@ -1,5 +1,5 @@
 """Span labels and the outcome override change the transitions a trainer builds
-(vla_rl/train/transitions.py), checked against hand-computed arrays; and DataSelection filters on
+(vla_rl/train/transitions.py), checked against hand-computed arrays; and selection filters on
 current (not undone) labels. Store + metadata DB are real (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from vla_rl_client.meta import Controller, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from vla_rl.train.transitions import (
-    DataSelection,
     TransitionBuffer,
     credit_labels,
     load_transitions,
@@ -116,20 +116,20 @@ def test_an_outcome_label_overrides_success_for_selection_and_credit(tmp_path, d
     db = MetadataDB(db_url)
     store = EpisodeStore(tmp_path / "store", create=True, db=db)
     a, b = _record(store, success=True), _record(store, success=False)
-    assert select_episode_ids(store, DataSelection.parse("toy", "success=true"), db=db) == [a]
+    assert select_episode_ids(store, Selection.parse("success=true", task="toy"), db=db) == [a]
     db.add_label(a, "outcome", "failure", author="ana")
     lid = db.add_label(b, "outcome", "success", author="ana")
-    assert select_episode_ids(store, DataSelection.parse("toy", "success=true"), db=db) == [b]
-    buf = load_transitions(store, DataSelection.parse("toy", "success=true"), db=db, gamma=0.5)
+    assert select_episode_ids(store, Selection.parse("success=true", task="toy"), db=db) == [b]
+    buf = load_transitions(store, Selection.parse("success=true", task="toy"), db=db, gamma=0.5)
     # b is now a success: its last stretch is credited 1 and earns the sparse reward at frame 9
     assert buf.array("credit").tolist() == [0, 0, 0, 0, -1, -1, 1, 1, 1, 1]
     assert float(buf.array("reward")[-1]) == 1.0
     # a relabelled failure: no reward, the last stretch credited 0
-    buf_a = load_transitions(store, DataSelection.parse("toy", "success=false"), db=db, gamma=0.5)
+    buf_a = load_transitions(store, Selection.parse("success=false", task="toy"), db=db, gamma=0.5)
     assert buf_a.episode_ids == [a] and buf_a.array("credit").tolist()[-4:] == [0, 0, 0, 0]
     db.undo_label(lid, author="ana")  # b is a failure again: nothing is a success now
     with pytest.raises(ValueError, match="no closed episodes"):
-        select_episode_ids(store, DataSelection.parse("toy", "success=true"), db=db)
+        select_episode_ids(store, Selection.parse("success=true", task="toy"), db=db)
 
 
 def test_label_selection_uses_the_current_value(tmp_path, db_url: str) -> None:
@@ -139,13 +139,13 @@ def test_label_selection_uses_the_current_value(tmp_path, db_url: str) -> None:
     db.add_label(a, "quality", "good", author="ana")
     db.add_label(b, "quality", "good", author="ana")
     db.add_label(b, "quality", "bad", author="bob")  # relabelled: b is no longer good
-    sel = DataSelection.parse("toy", "label.quality=good")
+    sel = Selection.parse("label.quality=good", task="toy")
     assert select_episode_ids(store, sel, db=db) == [a]
     undo = db.add_label(a, "quality", "bad", author="bob")
     db.undo_label(undo, author="ana")  # undone: a is good again
     assert select_episode_ids(store, sel, db=db) == [a]
     db.add_label(a, "quality", "good", author="x", start=0, end=2)  # a span is not the episode's value
-    assert select_episode_ids(store, DataSelection.parse("toy", "label.quality=bad"), db=db) == [b]
+    assert select_episode_ids(store, Selection.parse("label.quality=bad", task="toy"), db=db) == [b]
 
 
 def test_load_transitions_finds_the_stores_own_db(tmp_path) -> None:
@@ -155,5 +155,5 @@ def test_load_transitions_finds_the_stores_own_db(tmp_path) -> None:
     store = EpisodeStore(root, create=True, db=db)
     eid = _record(store, success=True)
     db.add_label(eid, "segment", "idle", author="ana", start=0, end=3)
-    buf = load_transitions(root, DataSelection.parse("toy", ""), gamma=0.5)
+    buf = load_transitions(root, Selection.parse("", task="toy"), gamma=0.5)
     assert buf.array("frame").tolist() == [3, 4, 5, 6, 7, 8, 9]

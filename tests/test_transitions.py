@@ -9,6 +9,7 @@ from vla_rl_client.meta import Controller, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import (
     CategoricalValue,
@@ -19,7 +20,6 @@ from policies.critics import (
     polyak_update,
 )
 from vla_rl.train.transitions import (
-    DataSelection,
     TransitionBuffer,
     credit_labels,
     select_episode_ids,
@@ -176,18 +176,26 @@ def test_select_and_load_from_store(tmp_path) -> None:
     a = _record(store, "arm-1", True, "rev-a")
     b = _record(store, "arm-2", False, "rev-b", human_at=3)
     c = _record(store, "arm-1", False, "rev-b")
-    sel = DataSelection.parse("toy", "robot=arm-1")
+    sel = Selection.parse("robot=arm-1", task="toy")
     assert select_episode_ids(store, sel) == [a, c]
-    assert select_episode_ids(store, DataSelection.parse("toy", "revision=rev-b")) == [b, c]
-    assert select_episode_ids(store, DataSelection.parse("toy", "success=true")) == [a]
-    assert select_episode_ids(store, DataSelection.parse("toy", "max=1")) == [c]
-    assert select_episode_ids(store, DataSelection("toy", rounds=(2,)), round_revisions={2: ["rev-a"]}) == [a]
+    assert select_episode_ids(store, Selection.parse("revision=rev-b", task="toy")) == [b, c]
+    assert select_episode_ids(store, Selection.parse("success=true", task="toy")) == [a]
+    assert select_episode_ids(store, Selection.parse("max=1", task="toy")) == [c]
     with pytest.raises(ValueError, match=r"no closed episodes.*store import-lerobot"):  # not a sim task
-        select_episode_ids(store, DataSelection.parse("toy", "robot=nobody"))
+        select_episode_ids(store, Selection.parse("robot=nobody", task="toy"))
     with pytest.raises(ValueError, match="sim demos --task PickCube"):
-        select_episode_ids(store, DataSelection.parse("PickCube", None))
+        select_episode_ids(store, Selection.parse(None, task="PickCube"))
     with pytest.raises(ValueError, match="needs the metadata DB"):
-        select_episode_ids(store, DataSelection.parse("toy", "label.quality=good"))
+        select_episode_ids(store, Selection.parse("label.quality=good", task="toy"))
+    with pytest.raises(ValueError, match="needs the metadata DB's rounds table"):
+        select_episode_ids(store, Selection(task="toy", rounds=(2,)))
+    assert not (store.root / "metadata.db").exists()  # selecting made no DB in the store
+    # a round's episodes: those its checkpoint acted in (the store's DB, made now, indexes the store)
+    db = MetadataDB.for_store(store.root)
+    for _ in range(2):
+        db.create_round(algo="awr", task="toy", base_ref="x", config={})
+    db.update_round(2, checkpoint_revision="rev-a")
+    assert select_episode_ids(store, Selection(task="toy", rounds=(2,)), db) == [a]
     buf = TransitionBuffer.from_store(store, [a, b], reward="sparse", gamma=0.9)
     assert len(buf) == 12
     human = buf.array("controller") == H_
@@ -239,12 +247,12 @@ def test_every_frame_carries_its_episodes_instruction(tmp_path) -> None:
 
 def test_selection_parse_errors() -> None:
     with pytest.raises(ValueError, match="unknown key 'colour'"):
-        DataSelection.parse("t", "colour=red")
+        Selection.parse("colour=red", task="t")
     with pytest.raises(ValueError, match="success: expected true or false"):
-        DataSelection.parse("t", "success=maybe")
+        Selection.parse("success=maybe", task="t")
     with pytest.raises(ValueError, match="since: expected unix seconds or an ISO date"):
-        DataSelection.parse("t", "since=yesterday")
-    sel = DataSelection.parse("t", "robot=a|b, since=2026-11-01, label.quality=good, round=3|4")
+        Selection.parse("since=yesterday", task="t")
+    sel = Selection.parse("robot=a|b, since=2026-11-01, label.quality=good, round=3|4", task="t")
     assert sel.robots == ("a", "b") and sel.rounds == (3, 4) and sel.labels == {"quality": "good"}
     assert sel.since is not None and sel.since > 1.7e9
 
@@ -256,7 +264,7 @@ def test_label_selection(tmp_path, db_url: str) -> None:
     b = _record(store, "arm-1", True, "r")
     db.add_label(a, "quality", "good", author="test")
     db.add_label(b, "quality", "bad", author="test")
-    assert select_episode_ids(store, DataSelection.parse("toy", "label.quality=good"), db=db) == [a]
+    assert select_episode_ids(store, Selection.parse("label.quality=good", task="toy"), db=db) == [a]
 
 
 # ---------------------------------------------------------------------------- critics
@@ -335,9 +343,8 @@ def test_value_mlp_and_polyak() -> None:
 
 
 def test_selection_exclude_parses_and_adds_ids() -> None:
-    sel = DataSelection.parse("t", "success=true,exclude=a|b,max=5")
+    sel = Selection.parse("success=true,exclude=a|b,max=5", task="t")
     assert sel.exclude == ("a", "b") and sel.max_episodes == 5 and sel.success is True
-    text = sel.with_excluded("success=true,exclude=a|b,max=5", ["b", "c"])
-    again = DataSelection.parse("t", text)
+    again = Selection.parse(sel.with_excluded(["b", "c"]).to_text(), task="t")
     assert again.exclude == ("a", "b", "c") and again.max_episodes == 5 and again.success is True
-    assert DataSelection.parse("t", None).with_excluded(None, []) == ""
+    assert Selection.parse(None, task="t").with_excluded([]).to_text() == ""

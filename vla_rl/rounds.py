@@ -12,7 +12,7 @@ themselves (see ``vla-rl serve --follow``).
 
 A task that is not a simulator task (real robot data, e.g. a LeRobot import) has no success rate: both
 are then evaluated offline (:func:`vla_rl.evaluation_offline.evaluate_offline`) on the same held-out
-episodes (:func:`offline_eval_episode_ids`), and the gate is on the normalised action MSE:
+episodes (:func:`round_data`), and the gate is on the normalised action MSE (:class:`GateResult`):
 ``base_mse - new_mse > margin * base_mse``.
 """
 
@@ -26,22 +26,36 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
+from fleet.selection import Selection
+from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from vla_rl.core.seeds import EVAL
 from vla_rl.evaluation import evaluate
-from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
+from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
-from vla_rl.train.transitions import DataSelection
+from vla_rl.train.transitions import select_episode_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoundConfig", "RoundError", "RoundOptions", "queue_round", "run_round", "start_round"]
+__all__ = [
+    "GateResult",
+    "OfflineGate",
+    "RoundConfig",
+    "RoundData",
+    "RoundError",
+    "RoundOptions",
+    "SimGate",
+    "queue_round",
+    "round_data",
+    "run_round",
+    "start_round",
+]
 
 
 class RoundError(RuntimeError):
@@ -126,9 +140,141 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
     return None
 
 
+@dataclass(frozen=True)
+class RoundData:
+    """What a round trains and evaluates on, computed once: one parse of its selection, one store open,
+    one select (:func:`round_data`)."""
+
+    selection: Selection
+    store: EpisodeStore
+    episode_ids: list[str]
+    """The closed episodes the selection selects, oldest first."""
+    held_out: list[str]
+    """An offline round's evaluation episodes (the newest of the selection); empty in simulation."""
+
+    @property
+    def excludes_held_out(self) -> bool:
+        """The held-out episodes are left out of training (unless they are all the selection holds)."""
+        return bool(self.held_out) and len(self.held_out) < len(self.episode_ids)
+
+    def training_data(self, given: str | None) -> str | None:
+        """The trainer's selection text: ``given``, with the held-out episodes added to its ``exclude``."""
+        return self.selection.with_excluded(self.held_out).to_text() if self.excludes_held_out else given
+
+
+def round_data(cfg: RoundConfig, db: MetadataDB, task: str) -> RoundData:
+    """The round's data selection for ``task``, selected once; a bad or empty selection raises
+    ValueError before anything trains. An offline round (no simulator for ``task``) holds out the most
+    recent ``eval_episodes`` of it, but at most a fifth (at least one), so most of the selection remains
+    what the round is mainly about."""
+    assert cfg.train.store is not None
+    selection = Selection.parse(cfg.train.data, task=task)
+    store = EpisodeStore(cfg.train.store)
+    ids = select_episode_ids(store, selection, db)
+    held = [] if is_sim_task(task) else held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
+    return RoundData(selection, store, ids, held)
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
+    success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
+    margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
+    better; promote iff ``base - candidate > margin * base``)."""
+
+    metric: Literal["success", "action_mse"]
+    candidate: float
+    base: float
+    margin: float
+    promote: bool
+    why: str
+    """One line: both scores, the difference and what the gate needed."""
+
+    def round_metrics(self) -> dict[str, Any]:
+        """The evaluation as the round's DB metrics record it."""
+        raise NotImplementedError
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        """The evaluation as the candidate's ``config.json`` metrics record it."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SimGate(GateResult):
+    """Simulation: success rates with 95% intervals; the base's may be reused (``base_source``)."""
+
+    candidate_ci95: tuple[float, float]
+    base_ci95: Any
+    base_source: str
+    """``evaluated``, ``checkpoint`` or ``round N`` (see :func:`_known_base_score`)."""
+    eval_episodes: int
+    eval_seed: int
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {
+            "base_success": self.base,
+            "base_ci95": self.base_ci95,
+            "base_eval_source": self.base_source,
+            "success": self.candidate,
+            "ci95": list(self.candidate_ci95),
+            "delta": self.candidate - self.base,
+            "eval_episodes": self.eval_episodes,
+            "eval_seed": self.eval_seed,
+        }
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        return {
+            "success_rate": self.candidate,
+            "success_ci95": list(self.candidate_ci95),
+            "eval_episodes": self.eval_episodes,
+            "eval_seed": self.eval_seed,
+            "base_success_rate": self.base,
+        }
+
+
+@dataclass(frozen=True)
+class OfflineGate(GateResult):
+    """No simulator: both evaluated offline on the same held-out episodes and frames."""
+
+    candidate_eval: OfflineEvalResult
+    base_eval: OfflineEvalResult
+    relative_improvement: float
+    """``(base - candidate) / base`` (0 when the base's error is 0)."""
+    eval_seed: int
+
+    def round_metrics(self) -> dict[str, Any]:
+        new, base = self.candidate_eval, self.base_eval
+        return {
+            "eval": "offline",
+            "success": None,
+            "base_success": None,
+            "action_mse": self.candidate,
+            "base_action_mse": self.base,
+            "action_mse_per_dim": new.per_dim,
+            "base_action_mse_per_dim": base.per_dim,
+            "action_mse_per_task": new.per_task,
+            "action_mse_per_step": new.per_step,
+            "val_loss": new.val_loss,
+            "base_val_loss": base.val_loss,
+            "relative_improvement": self.relative_improvement,
+            "eval_episode_ids": new.episode_ids,
+            "eval_frames": new.frames,
+            "eval_seed": self.eval_seed,
+        }
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        return {
+            "offline_action_mse": self.candidate,
+            "offline_val_loss": self.candidate_eval.val_loss,
+            "offline_eval_episode_ids": self.candidate_eval.episode_ids,
+            "offline_eval_seed": self.eval_seed,
+            "base_offline_action_mse": self.base,
+        }
+
+
 def _sim_gate(
     cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str, progress: ProgressWriter | None = None
-) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
+) -> SimGate:
     """Simulation: success rate of candidate and base on the same seeds; gate ``delta > margin``."""
     ev_kw = dict(
         episodes=cfg.eval_episodes, num_envs=cfg.eval_envs, seed=cfg.eval_seed, progress=cfg.train.progress
@@ -152,100 +298,51 @@ def _sim_gate(
     evaluating("candidate")
     new_eval = evaluate(new, task, **ev_kw)  # type: ignore[arg-type]
     delta = new_eval.success_rate - base_score["success"]
-    metrics = {
-        "base_success": base_score["success"],
-        "base_ci95": base_score["ci95"],
-        "base_eval_source": base_score["source"],
-        "success": new_eval.success_rate,
-        "ci95": list(new_eval.ci95),
-        "delta": delta,
-        "eval_episodes": cfg.eval_episodes,
-        "eval_seed": cfg.eval_seed,
-    }
-    eval_metrics = {
-        "success_rate": new_eval.success_rate,
-        "success_ci95": list(new_eval.ci95),
-        "eval_episodes": cfg.eval_episodes,
-        "eval_seed": cfg.eval_seed,
-        "base_success_rate": base_score["success"],
-    }
-    reason = (
+    why = (
         f"success {new_eval.success_rate:.0%} vs base {base_score['success']:.0%} "
         f"(delta {delta:+.0%}, needs > {cfg.margin:+.0%})"
     )
-    return metrics, eval_metrics, delta > cfg.margin, reason
+    return SimGate(
+        metric="success",
+        candidate=new_eval.success_rate,
+        base=base_score["success"],
+        margin=cfg.margin,
+        promote=delta > cfg.margin,
+        why=why,
+        candidate_ci95=new_eval.ci95,
+        base_ci95=base_score["ci95"],
+        base_source=base_score["source"],
+        eval_episodes=cfg.eval_episodes,
+        eval_seed=cfg.eval_seed,
+    )
 
 
-def offline_eval_episode_ids(cfg: RoundConfig, db: MetadataDB, task: str) -> list[str]:
-    """The fixed held-out set of an offline round: the most recent ``eval_episodes`` of the round's data
-    selection (oldest-first order of :func:`select_episode_ids`), but at most a fifth of them (at least
-    one), so most of the selection remains what the round is mainly about."""
-    from fleet.store import EpisodeStore
-    from vla_rl.train.transitions import select_episode_ids
-
-    assert cfg.train.store is not None
-    selection = DataSelection.parse(task, cfg.train.data)
-    ids = select_episode_ids(EpisodeStore(cfg.train.store), selection, db, db.round_revisions())
-    if not ids:
-        raise RoundError(f"no closed {task} episodes in {cfg.train.store} to evaluate offline")
-    return held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
-
-
-def _count_selected(cfg: RoundConfig, db: MetadataDB, task: str) -> int:
-    """How many closed episodes the round's data selection picks."""
-    from fleet.store import EpisodeStore
-    from vla_rl.train.transitions import select_episode_ids
-
-    assert cfg.train.store is not None
-    selection = DataSelection.parse(task, cfg.train.data)
-    return len(select_episode_ids(EpisodeStore(cfg.train.store), selection, db, db.round_revisions()))
-
-
-def _offline_gate(
-    cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, task: str
-) -> tuple[dict[str, Any], dict[str, Any], bool, str]:
-    """No simulator for ``task``: action MSE (normalised, :func:`evaluate_offline`) of candidate and base on
-    the same held-out episodes and frames; gate ``base_mse - new_mse > margin * base_mse``."""
-    from fleet.store import EpisodeStore
-
-    assert cfg.train.store is not None
-    ids = offline_eval_episode_ids(cfg, db, task)
-    store = EpisodeStore(cfg.train.store)
+def _offline_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: RoundData) -> OfflineGate:
+    """No simulator for the task: action MSE (normalised, :func:`evaluate_offline`) of candidate and base
+    on the same held-out episodes and frames; gate ``base_mse - new_mse > margin * base_mse``."""
+    ids = data.held_out
     kw: dict[str, Any] = dict(seed=cfg.eval_seed, labels=db.current_labels(ids))
-    base_ev = evaluate_offline(base, store, ids, **kw)
-    new_ev = evaluate_offline(new, store, ids, **kw)
+    base_ev = evaluate_offline(base, data.store, ids, **kw)
+    new_ev = evaluate_offline(new, data.store, ids, **kw)
     b, n = base_ev.action_mse, new_ev.action_mse
     improvement = (b - n) / b if b > 0 else 0.0
-    metrics = {
-        "eval": "offline",
-        "success": None,
-        "base_success": None,
-        "action_mse": n,
-        "base_action_mse": b,
-        "action_mse_per_dim": new_ev.per_dim,
-        "base_action_mse_per_dim": base_ev.per_dim,
-        "action_mse_per_task": new_ev.per_task,
-        "action_mse_per_step": new_ev.per_step,
-        "val_loss": new_ev.val_loss,
-        "base_val_loss": base_ev.val_loss,
-        "relative_improvement": improvement,
-        "eval_episode_ids": ids,
-        "eval_frames": new_ev.frames,
-        "eval_seed": cfg.eval_seed,
-    }
-    eval_metrics = {
-        "offline_action_mse": n,
-        "offline_val_loss": new_ev.val_loss,
-        "offline_eval_episode_ids": ids,
-        "offline_eval_seed": cfg.eval_seed,
-        "base_offline_action_mse": b,
-    }
-    gate = b - n > cfg.margin * b
-    reason = (
+    why = (
         f"offline action MSE {n:.4f} vs base {b:.4f} on {len(ids)} held-out episodes "
-        f"(relative improvement {improvement:+.1%}, needs > {cfg.margin:+.1%}; no simulator for {task})"
+        f"(relative improvement {improvement:+.1%}, needs > {cfg.margin:+.1%}; "
+        f"no simulator for {data.selection.task})"
     )
-    return metrics, eval_metrics, gate, reason
+    return OfflineGate(
+        metric="action_mse",
+        candidate=n,
+        base=b,
+        margin=cfg.margin,
+        promote=b - n > cfg.margin * b,
+        why=why,
+        candidate_eval=new_ev,
+        base_eval=base_ev,
+        relative_improvement=improvement,
+        eval_seed=cfg.eval_seed,
+    )
 
 
 # ---------------------------------------------------------------------------- the round
@@ -450,17 +547,15 @@ def run_round(
         if task != base.info.robot_spec.name:
             raise RoundError(f"task: the base checkpoint is for {base.info.robot_spec.name!r}, not {task!r}")
         db.update_round(round_id, base_revision=base.commit, task=task)
-        selection = DataSelection.parse(task, t.data)  # a bad selection fails before any training
-        data = t.data
-        if not is_sim_task(task):
-            # the offline gate's held-out episodes are not trained on (unless they are all there is)
-            held = offline_eval_episode_ids(
-                dataclasses.replace(cfg, train=dataclasses.replace(t, task=task)), db, task
-            )
-            if len(held) < _count_selected(cfg, db, task):
-                data = selection.with_excluded(t.data, held)
+        # selected once (a bad or empty selection fails before any training); an offline round's
+        # held-out episodes are not trained on (unless they are all there is)
+        data = round_data(cfg, db, task)
         run = dataclasses.replace(
-            t, out=t.out / f"round-{round_id}", task=task, round_index=round_id, data=data
+            t,
+            out=t.out / f"round-{round_id}",
+            task=task,
+            round_index=round_id,
+            data=data.training_data(t.data),
         )
         progress.phase("training")
         trained = train(run, on_progress=progress)
@@ -470,16 +565,18 @@ def run_round(
         # evaluate base and candidate on the same seeds (simulation) or the same held-out episodes (offline)
         progress.phase("evaluating")
         new = load_policy(trained.checkpoint)
+        gate: GateResult
         if is_sim_task(task):
             with reporting_progress(progress):
-                metrics, eval_metrics, gate, reason = _sim_gate(cfg, db, base, new, task, progress)
+                gate = _sim_gate(cfg, db, base, new, task, progress)
             progress.flush()
         else:
-            metrics, eval_metrics, gate, reason = _offline_gate(cfg, db, base, new, task)
+            gate = _offline_gate(cfg, db, base, new, data)
+        metrics = gate.round_metrics()
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
         if not is_sim_task(task):
-            metrics["held_out_excluded_from_training"] = data != t.data
-        eval_metrics["round"] = round_id
+            metrics["held_out_excluded_from_training"] = data.excludes_held_out
+        eval_metrics = {**gate.checkpoint_metrics(), "round": round_id}
         # record the evaluation in the checkpoint itself (config.json metrics + model card)
         info, weights = load_checkpoint(trained.checkpoint)
         lineage = dataclasses.replace(info.lineage, round=round_id)
@@ -502,10 +599,10 @@ def run_round(
                 trained.checkpoint, repo, message=f"round {round_id}: {cfg.algo} on {task}", tag=tag
             )
             checkpoint_ref = f"hub://{repo}@{tag}"
-            if gate:
+            if gate.promote:
                 move_ref(repo, cfg.promote_ref, revision)
                 promoted = True
-        metrics["gate"] = {"margin": cfg.margin, "passed": gate, "reason": reason}
+        metrics["gate"] = {"margin": cfg.margin, "passed": gate.promote, "reason": gate.why}
         record = db.update_round(
             round_id,
             status="succeeded",

@@ -45,13 +45,16 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vla_rl.core.console import table
 from vla_rl.core.instance import INSTANCE_ENV, instance_tag, new_nonce
 from vla_rl.core.lifeline import supervised_env
 from vla_rl.core.secrets import read_secret_file
 from vla_rl.core.seeds import ONLINE
+
+if TYPE_CHECKING:
+    from fleet.db import MetadataDB
 
 log = logging.getLogger(__name__)
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -79,7 +82,7 @@ class UpConfig:
     preset: str | None = None
     """Named round recipe (vla_rl/train/presets.py); overrides --algo."""
     data: str | None = None
-    """What each round trains on, as DataSelection text (e.g. `success=true`; see `vla-rl round start
+    """What each round trains on, as selection text (e.g. `success=true`; see `vla-rl round start
     --help`); None = every episode of the task (the base's demos and everything the fleet did)."""
     round_steps: int | None = None
     """Training steps of each round (over the algorithm's or the preset's); None = theirs."""
@@ -560,27 +563,27 @@ class Ports:
         return cls(**picked)
 
 
-def fleet_summary(store_root: Path, since: float, robot_prefix: str) -> dict[str, Any]:
-    """Success, intervention rate and takeovers of the fleet's episodes created since ``since``."""
+def fleet_summary(db: MetadataDB, since: float, robot_prefix: str) -> dict[str, Any]:
+    """Success, intervention rate and takeovers of the closed episodes of robots ``robot_prefix*``
+    created since ``since``: one selection in the metadata DB (the collector records every episode there
+    once the store holds it)."""
     from vla_rl_client.meta import SegmentKind
 
-    from fleet.store import EpisodeStore
+    from fleet.selection import Selection
 
-    store = EpisodeStore(store_root)
-    metas = [store.read_metadata(e) for e in store.episode_ids()]
-    metas = [m for m in metas if m.is_closed and m.created >= since and m.robot_id.startswith(robot_prefix)]
-    frames = sum(m.length for m in metas)
+    recs = db.select_records(Selection(robots=(f"{robot_prefix}*",), since=since))
+    frames = sum(r.length for r in recs)
     human = sum(
-        (s.end if s.end is not None else m.length) - s.start
-        for m in metas
-        for s in m.segments
+        (s.end if s.end is not None else r.length) - s.start
+        for r in recs
+        for s in r.segments
         if s.kind == SegmentKind.INTERVENTION
     )
-    takeovers = sum(1 for m in metas for s in m.segments if s.kind == SegmentKind.INTERVENTION)
-    n = len(metas)
+    takeovers = sum(1 for r in recs for s in r.segments if s.kind == SegmentKind.INTERVENTION)
+    n = len(recs)
     return {
         "episodes": n,
-        "success": sum(bool(m.success) for m in metas) / n if n else None,
+        "success": sum(bool(r.success) for r in recs) / n if n else None,
         "intervention_rate": human / frames if frames else None,
         "takeovers_per_episode": takeovers / n if n else None,
         "frames": frames,
@@ -594,14 +597,14 @@ def _pct(x: float | None) -> str:
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     """Run the loop; returns one row per round run by this call (also printed)."""
     from fleet.db import MetadataDB, default_url
+    from fleet.selection import Selection
     from sim.fleet_runner import FleetConfig
     from vla_rl.hub.registry import configure_hub, resolve
     from vla_rl.rounds import RoundConfig, queue_round
     from vla_rl.train.algorithms import make_config
     from vla_rl.train.presets import preset_config
-    from vla_rl.train.transitions import DataSelection
 
-    DataSelection.parse(cfg.task, cfg.data)  # a bad --data fails now, not in every round
+    Selection.parse(cfg.data, task=cfg.task)  # a bad --data fails now, not in every round
     work = cfg.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "up.json"
@@ -730,11 +733,12 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     stop_order=STOP_ORDER["fleet"],
                 )
                 # the collector acknowledges into its log first: wait until the store holds the episodes
+                # and the DB has them closed (what the round selects from)
                 expected, deadline = cfg.robots * cfg.episodes, time.monotonic() + 120
-                summary = fleet_summary(store, since, "sim")
+                summary = fleet_summary(db, since, "sim")
                 while summary["episodes"] < expected and time.monotonic() < deadline:
                     time.sleep(0.5)
-                    summary = fleet_summary(store, since, "sim")
+                    summary = fleet_summary(db, since, "sim")
                 common: dict[str, Any] = {
                     "base": prod,
                     "store": store,
@@ -869,6 +873,7 @@ def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) -
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     from fleet.db import MetadataDB
+    from fleet.selection import EpisodeQuery
     from fleet.store import EpisodeStore
     from sim.demos import record_demos
     from vla_rl.hub.registry import push_folder, resolve
@@ -882,7 +887,7 @@ def _seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) -
         pass
     db = MetadataDB(db_url)
     s = EpisodeStore(store, create=True, db=db)
-    if not any(s.read_metadata(e).robot_id.startswith("demo-") for e in s.episode_ids()):
+    if not db.query_episode_ids(EpisodeQuery(robots=("demo-*",)), limit=1):
         print(
             f"[base] recording {cfg.base_demos} scripted demos of {cfg.task} (noise {cfg.base_noise})",
             flush=True,

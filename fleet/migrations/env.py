@@ -11,7 +11,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from fleet.db import Base
+from fleet.db.schema import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -49,10 +49,10 @@ def run_migrations_online() -> None:
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
         raise SystemExit("give the metadata DB URL: alembic -c fleet/migrations/alembic.ini -x url=URL ...")
-    from fleet.db import MetadataDB
+    from fleet.db.engine import engine_for
 
     # through MetadataDB's engine setup (SQLite pragmas + BEGIN IMMEDIATE), without its upgrade-on-open
-    engine = MetadataDB.engine_for(url)
+    engine = engine_for(url)
     try:
         with engine.begin() as conn:
             _configure(conn)

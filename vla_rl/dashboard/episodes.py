@@ -1,5 +1,6 @@
 """Episode routes: one episode's metadata, its per-frame series, camera frames (JPEG) and videos (MP4),
-and how many episodes / frames a DataSelection text selects. (The list and labels: ``labels.py``.)"""
+and how many episodes / frames a selection (:mod:`fleet.selection`) selects. (The list and labels:
+``labels.py``.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import FileResponse, Response
-from vla_rl_client.meta import Controller, EpisodeMeta
+from vla_rl_client.meta import Controller, EpisodeMeta, EpisodeRecord
 
+from fleet.selection import Selection
+from fleet.store_index import select_episodes
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.errors import ApiError
@@ -158,23 +161,22 @@ def make_router(ctx: Context) -> APIRouter:
         headers = _cache_headers(meta) | {"X-Frames": str(meta.length)}
         return FileResponse(path, media_type="video/mp4", headers=headers)
 
-    @r.get("/selection", summary="how many episodes / frames a DataSelection text selects")
+    @r.get("/selection", summary="how many episodes / frames a selection text selects")
     def selection(
-        data: str = Query(
-            "", max_length=4096, description="DataSelection text, e.g. robot=sim-0,success=false"
-        ),
+        data: str = Query("", max_length=4096, description="selection text, e.g. robot=sim-0,success=false"),
         task: str | None = Query(
             None, max_length=256, description="the task (default: the store's only task)"
         ),
         _: Principal = viewer,
     ) -> dict[str, Any]:
         task = task or only_task(ctx)
-        ids = select(ctx, task, data)
-        db = ctx.res.db()
-        lengths = {e.id: e.length for e in db.episodes(task=task)}
-        store = ctx.res.store()
-        frames = sum(lengths[i] if i in lengths else store.read_metadata(i).length for i in ids)
-        return {"task": task, "data": data, "episodes": len(ids), "frames": frames}
+        episodes = select(ctx, parse_selection(data, task))
+        return {
+            "task": task,
+            "data": data,
+            "episodes": len(episodes),
+            "frames": sum(e.length for e in episodes),
+        }
 
     return r
 
@@ -186,19 +188,25 @@ def only_task(ctx: Context) -> str:
     return tasks[0]
 
 
-def select(ctx: Context, task: str, data: str | None) -> list[str]:
-    """Closed episode ids a DataSelection selects (what a round would train on), or 422 naming the key."""
-    from vla_rl.train.transitions import DataSelection, select_episode_ids
+SELECTION_KEYS = (
+    "key=value pairs (task, robot, since, until, revision, round, success, outcome, label.<key>, intervention, "
+    "flag, flagged, status, min_length, max_length, max, exclude), e.g. robot=sim-0|sim-1,success=false"
+)
 
-    db = ctx.res.db()
+
+def parse_selection(data: str | None, task: str) -> Selection:
+    """The selection text ``data`` for ``task``, or 422 naming ``data``."""
     try:
-        sel = DataSelection.parse(task, data)
-        return select_episode_ids(ctx.res.store(), sel, db, db.round_revisions())
+        return Selection.parse(data, task=task)
     except ValueError as e:
-        raise ApiError(
-            422,
-            "data",
-            f"data: {e}",
-            "DataSelection text: key=value pairs (robot, since, until, revision, "
-            "round, success, max, label.<key>), e.g. robot=sim-0|sim-1,success=false",
-        ) from None
+        raise ApiError(422, "data", f"data: {e}", f"selection text: {SELECTION_KEYS}") from None
+
+
+def select(ctx: Context, selection: Selection) -> list[EpisodeRecord]:
+    """The closed episodes ``selection`` selects (what a round would train on), oldest first, in SQL by
+    the dashboard's metadata DB (:func:`fleet.store_index.select_episodes`); 422 naming ``data`` for a
+    round the DB does not hold."""
+    try:
+        return select_episodes(ctx.res.store(), selection, ctx.res.db())
+    except ValueError as e:
+        raise ApiError(422, "data", f"data: {e}", f"selection text: {SELECTION_KEYS}") from None

@@ -6,6 +6,7 @@ name; the source is ``human``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,8 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import fleet.flags
-from fleet.db import EpisodeQuery, effective_outcome
+from fleet.db import effective_outcome
 from fleet.labels import LabelSchema
+from fleet.selection import EpisodeQuery
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.episodes import episode_json, read_meta
@@ -124,22 +126,19 @@ def make_router(ctx: Context) -> APIRouter:
         res.headers["Server-Timing"] = timer.header()
         return res
 
-    @r.get("/selection/from-filter", summary="the DataSelection an episode-list filter means, and its counts")
+    @r.get("/selection/from-filter", summary="an episode-list filter as selection text, and its counts")
     def selection_from_filter(request: Request, _: Principal = viewer) -> dict[str, Any]:
         from vla_rl.dashboard.episodes import only_task, select
 
         names = {k for k in request.query_params if k not in ("page", "per_page", "sort")}
-        q = query({k: request.query_params.getlist(k) for k in names})
-        task, data, dropped = q.to_data_selection()
-        task = task or only_task(ctx)
-        ids = select(ctx, task, data)
-        lengths = {e.id: e.length for e in ctx.res.db().episodes(task=task)}
+        q = query({k: request.query_params.getlist(k) for k in names}).filters()
+        task = q.task or only_task(ctx)
+        episodes = select(ctx, dataclasses.replace(q, task=task))
         return {
             "task": task,
-            "data": data,
-            "dropped": dropped,
-            "episodes": len(ids),
-            "frames": sum(lengths.get(i, 0) for i in ids),
+            "data": q.to_text(),
+            "episodes": len(episodes),
+            "frames": sum(e.length for e in episodes),
         }
 
     @r.get(

@@ -1,7 +1,7 @@
 """Round routes: list, detail, live progress (Server-Sent Events), queue, cancel, promote, roll back.
 
 Queuing goes through :func:`vla_rl.rounds.queue_round` with a :class:`~vla_rl.rounds.RoundConfig` built
-from the algorithm, preset, base ref, DataSelection text and margin the page sent; everything is
+from the algorithm, preset, base ref, selection text and margin the page sent; everything is
 checked first (unknown algorithm or preset, a base that does not resolve, a selection that selects
 nothing), so a refused request writes nothing. A ``vla-rl round worker`` runs the round, never this
 process.
@@ -54,7 +54,7 @@ class RoundRequest(BaseModel):
     preset: str | None = Field(None, max_length=64, description="a named recipe (vla_rl.train.presets)")
     base: str = Field(..., min_length=1, max_length=512, description="base checkpoint: hub://org/name@rev")
     data: str | None = Field(
-        None, max_length=4096, description="DataSelection text (None = every closed episode)"
+        None, max_length=4096, description="selection text (None = every closed episode)"
     )
     margin: float | None = Field(
         None, description="promote only if success beats the base's by more (a fraction)"
@@ -181,10 +181,10 @@ def build_round(ctx: Context, body: RoundRequest, who: Principal) -> Any:
         raise ApiError(
             422, "task", f"task: the base checkpoint is for {spec_task!r}, not {task!r}", spec_task
         )
-    from vla_rl.dashboard.episodes import select
+    from vla_rl.dashboard.episodes import parse_selection, select
 
-    ids = select(ctx, task, body.data)
-    if not ids:
+    episodes = select(ctx, parse_selection(body.data, task))
+    if not episodes:
         raise ApiError(
             422,
             "data",
@@ -216,7 +216,7 @@ def build_round(ctx: Context, body: RoundRequest, who: Principal) -> Any:
         config_from_json(config_to_json(cfg))  # what the worker will do with the row: fail here instead
     except (TypeError, ValueError) as e:
         raise _field_error(e, "options") from None
-    return cfg, len(ids)
+    return cfg, len(episodes)
 
 
 def _knob_value(v: Any) -> Any:

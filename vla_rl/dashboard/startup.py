@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from vla_rl_client.meta import EpisodeMeta
 
 import fleet.flags
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
+from fleet.store_index import record_closed
 from vla_rl.dashboard.errors import ApiError
 
 log = logging.getLogger("vla_rl.dashboard")
@@ -220,32 +220,6 @@ def lower_priority(nice: int = NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
-def record_closed(store: EpisodeStore, db: MetadataDB, episode_ids: Sequence[str]) -> int:
-    """Record the closed ones of ``episode_ids`` (store episodes the DB lacks) in one transaction;
-    returns how many. Open episodes are skipped (their writer records them itself and would race with
-    us), unreadable ones too; ids someone recorded meanwhile are skipped one at a time."""
-    from sqlalchemy.exc import IntegrityError
-
-    metas: list[EpisodeMeta] = []
-    for eid in episode_ids:
-        try:
-            meta = store.read_metadata(eid)
-        except (KeyError, ValueError, OSError):
-            continue
-        if meta.is_closed:
-            metas.append(meta)
-    if not metas:
-        return 0
-    try:
-        return db.record_episodes(metas, str(store.root))
-    except IntegrityError:
-        n = 0
-        for m in metas:
-            with contextlib.suppress(IntegrityError):
-                n += db.record_episodes([m], str(store.root))
-        return n
-
-
 def run_sync(store_of: Callable[[], EpisodeStore], db_of: Callable[[], MetadataDB], startup: Startup) -> None:
     """The start-up sync (module docstring), reporting into ``startup.progress``. ``store_of`` /
     ``db_of`` open them (``Resources.store`` / ``.db``; an :class:`ApiError` there = down: ``failed``)."""
@@ -299,7 +273,7 @@ def warm_queries(store_of: Callable[[], EpisodeStore], db_of: Callable[[], Metad
     """Open the store and the DB and run the episode list's first page and flags query once, before the
     port opens: the first run of a query compiles its SQL, so the first list would be slower than the
     rest. Read-only; a store or DB that is down is left to health and the requests to report."""
-    from fleet.db import EpisodeQuery
+    from fleet.selection import EpisodeQuery
 
     try:
         store_of()

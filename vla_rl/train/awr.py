@@ -42,6 +42,7 @@ import torch
 from vla_rl_client.meta import Controller
 
 from fleet.db import MetadataDB
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import CategoricalValue, ValueMLP, expectile_loss
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
@@ -82,7 +83,7 @@ from vla_rl.train.loop import (
     warmup_cosine_schedule,
 )
 from vla_rl.train.privileged import ReplayedStates
-from vla_rl.train.transitions import DataSelection, RewardKind, TransitionBuffer, load_transitions
+from vla_rl.train.transitions import RewardKind, TransitionBuffer, load_transitions
 
 log = logging.getLogger(__name__)
 
@@ -537,7 +538,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     spec = base.info.robot_spec
     if cfg.task is not None and cfg.task != spec.name:
         raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {cfg.task!r}")
-    selection = DataSelection.parse(spec.name, cfg.data)
+    selection = Selection.parse(cfg.data, task=spec.name)
     db = MetadataDB(cfg.db_url) if cfg.db_url else None
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:

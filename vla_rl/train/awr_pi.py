@@ -57,7 +57,9 @@ import numpy as np
 import torch
 
 from fleet.db import MetadataDB
+from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
+from fleet.store_index import store_db
 from policies.flow_vla import FlowVLAPolicy
 from policies.loading import LoadedPolicy, load_policy
 from vla_rl.core.seeds import ONLINE
@@ -91,7 +93,7 @@ from vla_rl.train.loop import (
     warmup_cosine_schedule,
 )
 from vla_rl.train.privileged import ReplayedStates
-from vla_rl.train.transitions import DataSelection, TransitionBuffer, select_episode_ids
+from vla_rl.train.transitions import TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
 
@@ -202,14 +204,9 @@ class _Offline:
 
 def _load_offline(cfg: AWRPIConfig, task: str, cameras: bool) -> _Offline:
     store = EpisodeStore(cfg.store)
-    own = store.root / "metadata.db" if isinstance(store.root, Path) else None
-    selection = DataSelection.parse(task, cfg.data)
-    db = MetadataDB(cfg.db_url) if cfg.db_url else None
-    if db is None and (selection.labels or selection.rounds or (own is not None and own.exists())):
-        db = MetadataDB.for_store(store.root)
-    ids = select_episode_ids(
-        store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
-    )
+    selection = Selection.parse(cfg.data, task=task)
+    db = store_db(store, MetadataDB(cfg.db_url) if cfg.db_url else None)
+    ids = select_episode_ids(store, selection, db)
     return _Offline(
         episodes=[store.read_episode(e, cameras=cameras) for e in ids],
         labels=db.current_labels(ids) if db is not None else {},
@@ -356,7 +353,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         card are replaced atomically and the config (with their hashes) last: a kill leaves a checkpoint
         that either loads or fails its hash check, never a silently mixed one."""
         data = {
-            "selection": DataSelection.parse(task, cfg.data).to_dict(),
+            "selection": Selection.parse(cfg.data, task=task).to_dict(),
             "offline_episodes": len(offline.episodes),
             "online_store": str(cfg.out / "online_store"),
             "online_episodes": len(online_ids),

@@ -46,7 +46,7 @@ class TrainerConfig:
     store: Path | None = None
     """Episode store with the data: demonstrations, fleet rollouts, human interventions."""
     data: str | None = None
-    """Which episodes to learn from, as DataSelection text, e.g.
+    """Which episodes to learn from, as selection text (docs/training.md), e.g.
     ``robot=arm-1|arm-2,since=2026-11-01,success=true,label.quality=good,round=3,max=200``.
     None = every closed episode of the task."""
     task: str | None = None

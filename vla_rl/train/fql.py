@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import nn
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
 from policies.flow_vla import FlowVLAPolicy
@@ -55,7 +56,6 @@ from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step, ti
 from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
-    DataSelection,
     RewardKind,
     load_transitions,
     next_observation,
@@ -290,7 +290,7 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
         raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
     from fleet.db import MetadataDB
 
-    selection = DataSelection.parse(task, cfg.data)
+    selection = Selection.parse(cfg.data, task=task)
     buf = load_transitions(
         EpisodeStore(cfg.store),
         selection,

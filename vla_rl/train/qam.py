@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import polyak_update
 from policies.flow_vla import FlowVLAPolicy
@@ -91,7 +92,7 @@ from vla_rl.train.loop import (
 from vla_rl.train.qam_config import QAMConfig, QAMResult
 from vla_rl.train.qam_math import QAMLearner
 from vla_rl.train.qam_online import FineEvalView, NextActionCache, OnlineRollouts, add_episode, replay_indices
-from vla_rl.train.transitions import DataSelection, load_transitions, next_observation
+from vla_rl.train.transitions import load_transitions, next_observation
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -235,7 +236,7 @@ class _QAMRun:
         """The offline replay: the store's episodes chosen by ``cfg.data``."""
         cfg = self.cfg
         self.store = store = EpisodeStore(cfg.store)
-        self.selection = DataSelection.parse(self.task, cfg.data)
+        self.selection = Selection.parse(cfg.data, task=self.task)
         # as AWR: the configured DB, else the store's own; its labels (outcome overrides, span labels) and
         # rounds table reach the replay through load_transitions
         from fleet.db import MetadataDB

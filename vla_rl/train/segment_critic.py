@@ -47,10 +47,11 @@ import torch
 from vla_rl_client.meta import Controller
 
 from fleet.db import MetadataDB
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ValueMLP
 from vla_rl.train.loop import fit_minibatches
-from vla_rl.train.transitions import SPAN_KEY, DataSelection, TransitionBuffer, select_episode_ids
+from vla_rl.train.transitions import SPAN_KEY, TransitionBuffer, select_episode_ids
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class SegmentCriticConfig:
     store: Path
     """Episode store with the fleet's episodes."""
     data: str | None = None
-    """Which episodes, as DataSelection text (``robot=arm-1,since=2026-11-01,max=200``, see
+    """Which episodes, as selection text (``robot=arm-1,since=2026-11-01,max=200``, see
     docs/training.md); None = every closed episode of the task."""
     task: str | None = None
     """Task id; None = the store's only task."""
@@ -428,8 +429,8 @@ def label_store(cfg: SegmentCriticConfig, db: MetadataDB | None = None) -> Label
     torch.set_num_threads(cfg.threads)
     db = db or (MetadataDB(cfg.db_url) if cfg.db_url else MetadataDB.for_store(cfg.store))
     store = EpisodeStore(cfg.store, db=db)
-    selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
-    ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
+    selection = Selection.parse(cfg.data, task=cfg.task or _only_task(store))
+    ids = select_episode_ids(store, selection, db)
     if not ids:
         raise ValueError(f"data: no closed episodes of {selection.task} match {cfg.data or 'the task'}")
     buffer = load_buffer(store, ids)

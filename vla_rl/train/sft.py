@@ -30,6 +30,7 @@ import torch
 
 from fleet.dataset import ChunkDataset, labelled_instructions
 from fleet.db import MetadataDB, default_url
+from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
@@ -56,7 +57,7 @@ from vla_rl.train.loop import (
     publish_last,
     warmup_cosine_schedule,
 )
-from vla_rl.train.transitions import SPAN_KEY, DataSelection, select_episode_ids, span_effects
+from vla_rl.train.transitions import SPAN_KEY, select_episode_ids, span_effects
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +201,8 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     torch.set_num_threads(dist.threads(cfg.threads))
     store = EpisodeStore(cfg.store)
     db = MetadataDB(cfg.db_url or default_url(store.root))
-    selection = DataSelection.parse(cfg.task or _only_task(store), cfg.data)
-    episode_ids = select_episode_ids(store, selection, db=db, round_revisions=db.round_revisions())
+    selection = Selection.parse(cfg.data, task=cfg.task or _only_task(store))
+    episode_ids = select_episode_ids(store, selection, db)
     ds = ChunkDataset(
         store,
         cfg.chunk_len,

@@ -40,11 +40,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from vla_rl_client.spec import RobotSpec
 
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import mlp
 from policies.loading import LoadedPolicy
 from vla_rl.train.loop import fit_minibatches
-from vla_rl.train.transitions import DataSelection, select_episode_ids
+from vla_rl.train.transitions import select_episode_ids
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -78,7 +79,7 @@ class TACOConfig:
     out: Path
     """Folder for ``cfn.safetensors`` + ``cfn.json``."""
     data: str | None = None
-    """Which episodes, as DataSelection text; None = every closed episode of the task."""
+    """Which episodes, as selection text (docs/training.md); None = every closed episode of the task."""
     task: str | None = None
     """Task id; None = the base checkpoint's."""
     code_dim: int = 64
@@ -312,8 +313,8 @@ def train_taco(cfg: TACOConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     loaded = load_policy(cfg.base, device="cpu")
     store = EpisodeStore(cfg.store)
-    selection = DataSelection.parse(cfg.task or loaded.spec.name, cfg.data)
-    ids = select_episode_ids(store, selection, db=store.db)
+    selection = Selection.parse(cfg.data, task=cfg.task or loaded.spec.name)
+    ids = select_episode_ids(store, selection)
     if not ids:
         raise ValueError(f"data: no closed episodes of {selection.task} in {cfg.store}")
     n_exec = loaded.policy.config.n_exec

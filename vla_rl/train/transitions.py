@@ -51,8 +51,9 @@ online episode the one it was given (the simulator's, by default the spec's). Th
 ``instructions`` once (:func:`vla_rl.train.common.instruction_table`) and each sample gathers its row,
 as SFT does with :class:`fleet.dataset.ChunkDataset`.
 
-Episodes come from the store + metadata DB through a :class:`DataSelection` (task, robots, time range,
-checkpoint revisions, rounds, labels, outcome), or are appended online (:meth:`add_episode`).
+Episodes come from the store + metadata DB through a :class:`fleet.selection.Selection` (task, robots,
+time range, checkpoint revisions, rounds, labels, outcome, ...; evaluated in SQL), or are appended online
+(:meth:`add_episode`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -69,7 +69,9 @@ import torch
 from vla_rl_client.meta import TASK_RUNS_LABEL, Controller, frame_instructions
 from vla_rl_client.spec import RobotSpec
 
-from fleet.db import MetadataDB, effective_outcome, parse_time
+from fleet import store_index
+from fleet.db import MetadataDB, effective_outcome
+from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
 
 RewardKind = Literal["sparse", "steps_to_go", "dense", "shaped"]
@@ -84,7 +86,6 @@ __all__ = [
     "REWARD_KINDS",
     "SPAN_KEY",
     "SPAN_TYPES",
-    "DataSelection",
     "RewardKind",
     "TransitionBuffer",
     "credit_labels",
@@ -97,159 +98,15 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- selection
-@dataclass(frozen=True)
-class DataSelection:
-    """Which episodes a round trains on. Every field narrows the set; empty means "any".
-
-    The text form (``vla-rl round start --data ...``) is comma-separated ``key=value`` pairs, with
-    ``|`` between alternatives: ``robot=arm-1|arm-2,since=2026-11-01,revision=abc123,round=3,
-    label.quality=good,success=true,max=200``; ``exclude=ID|ID`` leaves those episodes out (an offline
-    round's held-out evaluation episodes).
-    """
-
-    task: str
-    robots: tuple[str, ...] = ()
-    since: float | None = None
-    """Unix time; episodes created at or after it."""
-    until: float | None = None
-    revisions: tuple[str, ...] = ()
-    """Episodes in which any of these checkpoint revisions acted."""
-    rounds: tuple[int, ...] = ()
-    """Episodes collected by the checkpoints these post-training rounds produced (needs the DB)."""
-    labels: Mapping[str, str] = field(default_factory=dict)
-    """Episode-level labels that must match (key -> value as text), from the metadata DB."""
-    success: bool | None = None
-    max_episodes: int | None = None
-    """Keep the most recent this many (after the other filters)."""
-    exclude: tuple[str, ...] = ()
-    """Episode ids left out (before ``max``): e.g. the held-out episodes an offline round evaluates on."""
-
-    def __post_init__(self) -> None:
-        if not self.task:
-            raise ValueError("task: expected a task id, e.g. maniskill/PickCube-v1")
-        if self.max_episodes is not None and self.max_episodes < 1:
-            raise ValueError(f"max: expected a positive integer, got {self.max_episodes}")
-        if self.since is not None and self.until is not None and self.until < self.since:
-            raise ValueError(f"until: expected >= since ({self.since}), got {self.until}")
-
-    @classmethod
-    def parse(cls, task: str, text: str | None) -> DataSelection:
-        """Parse the text form (see the class docstring); raises ValueError naming the bad key."""
-        kw: dict[str, Any] = {}
-        labels: dict[str, str] = {}
-        for part in filter(None, (p.strip() for p in (text or "").split(","))):
-            key, sep, value = part.partition("=")
-            key, value = key.strip(), value.strip()
-            if not sep or not value:
-                raise ValueError(f"data selection: expected key=value, got {part!r}")
-            alts = tuple(v.strip() for v in value.split("|") if v.strip())
-            if key == "robot":
-                kw["robots"] = alts
-            elif key in ("since", "until"):
-                kw[key] = _parse_time(key, value)
-            elif key == "revision":
-                kw["revisions"] = alts
-            elif key == "round":
-                try:
-                    kw["rounds"] = tuple(int(v) for v in alts)
-                except ValueError:
-                    raise ValueError(f"round: expected round numbers, got {value!r}") from None
-            elif key == "success":
-                if value.lower() not in ("true", "false"):
-                    raise ValueError(f"success: expected true or false, got {value!r}")
-                kw["success"] = value.lower() == "true"
-            elif key == "max":
-                if not value.isdigit():
-                    raise ValueError(f"max: expected a positive integer, got {value!r}")
-                kw["max_episodes"] = int(value)
-            elif key == "exclude":
-                kw["exclude"] = alts
-            elif key.startswith("label.") and len(key) > len("label."):
-                labels[key[len("label.") :]] = value
-            else:
-                raise ValueError(
-                    f"data selection: unknown key {key!r}; expected robot, since, until, revision, round, "
-                    "success, max, exclude or label.<name>"
-                )
-        return cls(task=task, labels=labels, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "task": self.task,
-            "robots": list(self.robots),
-            "since": self.since,
-            "until": self.until,
-            "revisions": list(self.revisions),
-            "rounds": list(self.rounds),
-            "labels": dict(self.labels),
-            "success": self.success,
-            "max_episodes": self.max_episodes,
-            "exclude": list(self.exclude),
-        }
-
-    def with_excluded(self, text: str | None, episode_ids: Sequence[str]) -> str:
-        """``text`` (this selection's text form) with ``episode_ids`` added to its ``exclude``."""
-        ids = [*self.exclude, *(e for e in episode_ids if e not in self.exclude)]
-        kept = [p for p in (text or "").split(",") if p.strip() and p.partition("=")[0].strip() != "exclude"]
-        return ",".join([*kept, "exclude=" + "|".join(ids)] if ids else kept)
-
-
-def _parse_time(key: str, value: str) -> float:
-    return parse_time(key, value)
-
-
-def select_episode_ids(
-    store: EpisodeStore,
-    selection: DataSelection,
-    db: MetadataDB | None = None,
-    round_revisions: Mapping[int, Sequence[str]] | None = None,
-) -> list[str]:
-    """Closed episodes matching ``selection``, oldest first. ``round_revisions`` maps a round number
-    to the checkpoint revisions it produced (from the rounds table)."""
-    revisions = set(selection.revisions)
-    if selection.rounds:
-        if round_revisions is None:
-            raise ValueError("round: selecting by round needs the metadata DB's rounds table")
-        for r in selection.rounds:
-            if r not in round_revisions:
-                raise ValueError(f"round: no round {r} in the metadata DB")
-            revisions.update(round_revisions[r])
-    metas = [store.read_metadata(e) for e in store.episode_ids()]
-    metas = [
-        m
-        for m in metas
-        if m.task == selection.task
-        and m.is_closed
-        and (not selection.robots or m.robot_id in selection.robots)
-        and (selection.since is None or m.created >= selection.since)
-        and (selection.until is None or m.created <= selection.until)
-        and (not revisions or revisions.intersection(m.revisions))
-        and m.episode_id not in selection.exclude
-    ]
-    if selection.labels and db is None:
-        raise ValueError("label: selecting by label needs the metadata DB (--db)")
-    # current (not undone) episode labels; an ``outcome`` label overrides the recorded success
-    current = db.current_labels([m.episode_id for m in metas]) if db is not None else {}
-    if selection.success is not None:
-        metas = [
-            m
-            for m in metas
-            if bool(effective_outcome(m.outcome, m.success, current.get(m.episode_id, {}))[1])
-            == selection.success
-        ]
-    if selection.labels:
-        metas = [
-            m
-            for m in metas
-            if all(
-                k in current[m.episode_id] and str(current[m.episode_id][k]).lower() == str(v).lower()
-                for k, v in selection.labels.items()
-            )
-        ]
-    metas.sort(key=lambda m: (m.created, m.episode_id))
-    if selection.max_episodes is not None:
-        metas = metas[-selection.max_episodes :]
-    if not metas:
+def select_episode_ids(store: EpisodeStore, selection: Selection, db: MetadataDB | None = None) -> list[str]:
+    """Closed episodes of ``selection.task`` that ``selection`` selects, oldest first, evaluated in SQL by
+    the metadata DB (:func:`fleet.store_index.select_episode_ids`: ``db``, else the store's own, else a
+    throwaway index of the store). ValueError when the selection has no task, or selects nothing (with
+    how to record data for the task)."""
+    if not selection.task:
+        raise ValueError("task: expected a task id, e.g. maniskill/PickCube-v1")
+    ids = store_index.select_episode_ids(store, selection, db)
+    if not ids:
         from sim.registry import sim_task_name
 
         hint = (
@@ -257,15 +114,14 @@ def select_episode_ids(
             if sim_task_name(selection.task) is not None
             else "import robot data with: vla-rl store import-lerobot DATASET STORE"
         )
-        raise ValueError(
-            f"no closed episodes in {store.root} match {selection.to_dict()}; check the selection, or {hint}"
-        )
-    return [m.episode_id for m in metas]
+        shown = ",".join(filter(None, [f"task={selection.task}", selection.to_text()]))
+        raise ValueError(f"no closed episodes in {store.root} match {shown}; check the selection, or {hint}")
+    return ids
 
 
 def load_transitions(
     store: EpisodeStore | str | Path,
-    selection: DataSelection,
+    selection: Selection,
     *,
     db: MetadataDB | None = None,
     reward: RewardKind = "sparse",
@@ -273,16 +129,11 @@ def load_transitions(
     max_steps: int | None = None,
     cameras: bool = True,
 ) -> TransitionBuffer:
-    """Select episodes (rounds resolved through the DB's rounds table) and load them as a buffer."""
+    """Select episodes and load them as a buffer. Without ``db``, the store's own DB (the SQLite file of a
+    local store, when there is one) selects them and its labels reach training."""
     store = store if isinstance(store, EpisodeStore) else EpisodeStore(store)
-    # the store's own SQLite DB, when there is one (an object-store root is a URL and has none): its
-    # labels reach training
-    own = store.root / "metadata.db" if isinstance(store.root, Path) else None
-    if db is None and (selection.labels or selection.rounds or (own is not None and own.exists())):
-        db = MetadataDB.for_store(store.root)
-    ids = select_episode_ids(
-        store, selection, db=db, round_revisions=db.round_revisions() if db is not None else None
-    )
+    db = store_index.store_db(store, db)
+    ids = select_episode_ids(store, selection, db)
     return TransitionBuffer.from_store(
         store, ids, reward=reward, gamma=gamma, max_steps=max_steps, cameras=cameras, db=db
     )

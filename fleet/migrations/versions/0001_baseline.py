@@ -1,7 +1,7 @@
 """Baseline: the schema of the release before rounds were jobs (episodes, segments, labels, rounds).
 
 Each table is created only where it is missing: a DB that ``create_all`` wrote before migrations existed
-may hold some of them already (see ``fleet.db._legacy_revision``).
+may hold some of them already (see ``fleet.db.migrate._legacy_revision``).
 
 Revision ID: 0001
 Revises:

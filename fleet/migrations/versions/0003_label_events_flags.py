@@ -11,7 +11,7 @@
 * ``ix_episodes_created_at``: the episode list sorts by creation time.
 
 Every step is skipped where its result already exists (a DB written by ``create_all`` of these models
-before it was stamped, see ``fleet.db._legacy_revision``).
+before it was stamped, see ``fleet.db.migrate._legacy_revision``).
 
 Revision ID: 0003
 Revises: 0002

@@ -6,7 +6,7 @@ depends on), ``calibration_n`` (how many of its successful episodes that calibra
 already there keep NULL: a ``high_uncertainty`` result without a recorded basis is out of date and
 recomputed on the next refresh (as results from before per-revision calibration always were), the other
 checks have none. Columns that already exist are skipped (a DB written by ``create_all`` of these models,
-see ``fleet.db._legacy_revision``).
+see ``fleet.db.migrate._legacy_revision``).
 
 Revision ID: 0004
 Revises: 0003

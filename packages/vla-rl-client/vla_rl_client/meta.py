@@ -2,7 +2,7 @@
 
 A bottom-layer module: it imports nothing of ours but the robot spec, and no storage library, so the
 robot-side client (``packages/vla-rl-client/vla_rl_client/robot_client.py``) uses it without zarr or SQLAlchemy, and ``fleet/store.py``
-and ``fleet/db.py`` both build on it without importing each other (the store is handed its DB as an
+and ``fleet/db/`` both build on it without importing each other (the store is handed its DB as an
 :class:`EpisodeDB`).
 """
 

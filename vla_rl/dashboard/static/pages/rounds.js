@@ -10,21 +10,6 @@ import { ago, badge, clear, confirmDialog, debounce, h, num, pct, short, showErr
 
 const ACTIVE = new Set(["queued", "running"]);
 
-/** An episode-list filter (URL query) -> DataSelection text + task; what cannot be carried. */
-export function filterToSelection(q) {
-  const parts = [];
-  const dropped = [];
-  for (const [k, v] of q.entries()) {
-    if (k === "robot" || k === "revision" || k === "round" || k === "since" || k === "until") parts.push(`${k}=${v}`);
-    else if (k === "label") {
-      const [key, ...rest] = v.split(":");
-      parts.push(`label.${key}=${rest.join(":")}`);
-    } else if (k === "outcome" && (v === "success" || v === "failure")) parts.push(`success=${v === "success"}`);
-    else if (k !== "task" && k !== "page" && k !== "per_page" && k !== "sort") dropped.push(`${k}=${v}`);
-  }
-  return { data: parts.join(","), task: q.get("task") || "", dropped };
-}
-
 const roundNo = (r) => r.id;
 
 /** Seconds -> "1 h 05 min" / "3 min 20 s" / "12 s". */
@@ -137,7 +122,6 @@ export async function render(root, ctx) {
   // ---- the start form ------------------------------------------------------------------------
   drawForm();
   function drawForm() {
-    const fromFilter = ctx.query.get("filter") !== null ? filterToSelection(new URLSearchParams(ctx.query.get("filter"))) : { data: "", task: "", dropped: [] };
     const algos = catalogue.algorithms || [];
     const modes = (a) => [a.offline ? "offline" : null, a.online ? "online" : null].filter(Boolean).join(" + ");
     const algo = h(
@@ -178,8 +162,8 @@ export async function render(root, ctx) {
     );
     const baseOther = h("input", { name: "base_other", placeholder: "hub://org/repo@ref", hidden: base.value !== "" });
     base.addEventListener("change", () => (baseOther.hidden = base.value !== ""));
-    const data = h("input", { name: "data", value: fromFilter.data, placeholder: "robot=arm-1,label.quality=good,since=2026-11-01", size: 40 });
-    const task = h("input", { name: "task", value: fromFilter.task, placeholder: "from the base checkpoint" });
+    const data = h("input", { name: "data", placeholder: "robot=arm-1,label.quality=good,since=2026-11-01", size: 40 });
+    const task = h("input", { name: "task", placeholder: "from the base checkpoint" });
     const margin = h("input", { name: "margin", type: "number", step: "0.01", min: "-0.99", max: "0.99", value: "0" });
     const options = h("textarea", { name: "options", rows: 3, placeholder: '{"steps": 20, "eval_episodes": 10}' });
     fillPresets();
@@ -197,17 +181,18 @@ export async function render(root, ctx) {
     }, 250);
     data.addEventListener("input", updateCount);
     task.addEventListener("input", updateCount);
-    const dropSlot = h("p.small.muted");
     if (ctx.query.get("filter") !== null) {
-      // the server's reading of the filter (EpisodeQuery.to_data_selection); the local one meanwhile
+      // the episode filter as selection text: the server translates it (one selection language), unless
+      // the fields were typed in meanwhile
       api(`/selection/from-filter?${ctx.query.get("filter")}`)
         .then((sel) => {
-          if (data.value === fromFilter.data) data.value = sel.data || "";
-          if (task.value === fromFilter.task) task.value = sel.task || "";
-          clear(dropSlot, sel.dropped && sel.dropped.length ? `not expressible as a data selection, left out: ${sel.dropped.join(", ")}` : "");
+          if (!data.value) data.value = sel.data || "";
+          if (!task.value) task.value = sel.task || "";
           updateCount();
         })
-        .catch(() => {});
+        .catch((e) => {
+          if (!data.value) clear(count, h("span.error", `the episode filter: ${e.text || e.message}`));
+        });
     }
     updateCount();
     const form = h(
@@ -220,7 +205,6 @@ export async function render(root, ctx) {
       h("label", h("span", "task"), task),
       h("label.wide", h("span", "data selection"), data),
       count,
-      clear(dropSlot, fromFilter.dropped.length ? `not expressible as a data selection, left out: ${fromFilter.dropped.join(", ")}` : ""),
       h("label", h("span", "margin"), margin),
       h("label.wide", h("span", "options (JSON: trainer and round fields)"), options),
       knobsList,
