@@ -245,6 +245,35 @@ def test_client_errors_map_to_hub_exceptions(hub: HubServer, api: Any, tmp_path:
 
 
 # ----- the registry ----------------------------------------------------------------------------------------
+def test_concurrent_promotions_of_one_ref_all_succeed(hub: HubServer, tmp_path: Path) -> None:
+    """Two round workers promoting at once: a move is delete + create, so one's delete or create meets the
+    other's (404 / 409). Each mover looks again and moves again: no promotion fails, the ref ends at one
+    of the commits."""
+    repo, kw = "robots/race", {"endpoint": hub.url, "token": TOKEN}
+    commits = []
+    for k in range(2):
+        _write_checkpoint(tmp_path / f"c{k}", os.urandom(1024), {"round": k})
+        commits.append(push_folder(tmp_path / f"c{k}", repo, message=f"c{k}", **kw))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def promoter(k: int) -> None:
+        barrier.wait()
+        for i in range(8):
+            try:
+                move_ref(repo, "prod", commits[(k + i) % 2], **kw)
+            except BaseException as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=promoter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert resolve(f"hub://{repo}@prod", **kw) in commits
+
+
 def test_registry_push_pull_promote(hub: HubServer, tmp_path: Path) -> None:
     repo = "robots/pick-cube"
     kw = {"endpoint": hub.url, "token": TOKEN}

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -388,7 +389,25 @@ def move_ref(
     return sha
 
 
-def _point_ref(api: Any, repo_id: str, name: str, sha: str, kind: str | None) -> None:
+def _point_ref(api: Any, repo_id: str, name: str, sha: str, kind: str | None, attempts: int = 6) -> None:
+    """Delete + create ``name`` at ``sha``. Two processes moving the same ref at once (two round workers
+    promoting) race between the look and the move: one's delete or create then answers 404 / 409. That is
+    no failure: look again and move again (the last mover wins), a few times."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    for attempt in range(attempts):
+        try:
+            _point_ref_once(api, repo_id, name, sha, kind)
+            return
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status not in (404, 409) or attempt == attempts - 1:
+                raise
+            log.info("ref moved meanwhile; again", extra={"repo": repo_id, "ref": name, "status": status})
+            time.sleep(0.05 * (attempt + 1))
+
+
+def _point_ref_once(api: Any, repo_id: str, name: str, sha: str, kind: str | None) -> None:
     refs = api.list_repo_refs(repo_id)
     tags = {r.name: r.target_commit for r in refs.tags}
     branches = {r.name: r.target_commit for r in refs.branches}
