@@ -175,6 +175,22 @@ def test_undecodable_messages_are_rejected_and_logged_once_per_peer(
     assert logged[0].robot == "unknown" and "not a RobotMessage" in logged[0].error
 
 
+def test_undecodable_messages_name_the_broken_field(collector: Collector) -> None:
+    bad_utf8 = hello("ab").SerializeToString().replace(b"ab", b"\xff\xfe")  # hello.robot_id, not UTF-8
+    with grpc.insecure_channel(collector.address) as chan:
+        call = chan.stream_stream(
+            "/vla_rl.fleet.v1.Collector/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.CollectorMessage.FromString,
+        )
+        md = (("authorization", f"Bearer {TOKEN}"),)
+        (reply,) = list(call(iter([bad_utf8]), metadata=md, timeout=10))
+    assert reply.reject.code == SC.INVALID_ARGUMENT.value[0]
+    assert reply.reject.message.startswith(
+        "message: not a RobotMessage that can be decoded (broken at hello.robot_id; DecodeError: "
+    ), reply.reject.message
+
+
 def test_refusals_are_logged_once_per_peer_and_code(
     collector: Collector, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -157,10 +157,15 @@ class _EpisodeIntake:
             return self._reject(session, msg, RequestError(SC.INVALID_ARGUMENT, str(e)))
 
     def undecodable(
-        self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
+        self,
+        session: _Session,
+        e: BaseException,
+        msg: pb.RobotMessage | None = None,
+        raw: bytes | None = None,
     ) -> pb.CollectorMessage:
-        """The reply to a message that could not be decoded, counted and logged once per peer per minute."""
-        reply = undecodable_reject(e, msg)
+        """The reply to a message that could not be decoded (``msg``: None when its bytes ``raw`` did not
+        parse), counted and logged once per peer per minute."""
+        reply = undecodable_reject(e, msg, raw)
         robot = session.robot_id or "unknown"
         self.metrics.messages_rejected.labels(self._label(robot), SC.INVALID_ARGUMENT.name).inc()
         self._undecodable.warning(

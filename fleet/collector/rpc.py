@@ -82,12 +82,17 @@ def authorize(metadata: Any, token: str | None, robot_tokens: Mapping[str, str])
     raise rpc.unauthenticated(got)
 
 
-def undecodable_reject(e: BaseException, msg: pb.RobotMessage | None = None) -> pb.CollectorMessage:
+def undecodable_reject(
+    e: BaseException, msg: pb.RobotMessage | None = None, raw: bytes | None = None
+) -> pb.CollectorMessage:
     """The ``Reject`` (``INVALID_ARGUMENT``) of bytes that are not a ``RobotMessage`` (``msg`` None), or of
-    a message whose content could not be decoded; it names the part and the error."""
+    a message whose content could not be decoded; it names the part and the error, and for bytes that
+    did not parse (``raw``) the first broken field when :func:`vla_rl.core.rpc.bad_field` finds it."""
     body = msg.WhichOneof("body") if msg is not None else None
     where = f"{body}" if body else "message"
-    text = f"{where}: not a RobotMessage that can be decoded ({type(e).__name__}: {str(e)[:200]})"
+    broken = rpc.bad_field(raw, pb.RobotMessage.DESCRIPTOR) if msg is None and raw is not None else None
+    at = f"broken at {broken}; " if broken else ""
+    text = f"{where}: not a RobotMessage that can be decoded ({at}{type(e).__name__}: {str(e)[:200]})"
     return pb.CollectorMessage(
         reject=pb.Reject(
             msg_id=msg.msg_id if msg is not None else 0,
@@ -112,7 +117,11 @@ class _Handler(Protocol):
     ) -> pb.CollectorMessage: ...
 
     def undecodable(
-        self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
+        self,
+        session: _Session,
+        e: BaseException,
+        msg: pb.RobotMessage | None = None,
+        raw: bytes | None = None,
     ) -> pb.CollectorMessage: ...
 
     def undecodable_request(
@@ -156,7 +165,7 @@ class _Service:
                 try:
                     msg, cams = parse_message(raw)
                 except Exception as e:  # protobuf's DecodeError; never crash a stream on bytes
-                    yield self.c.undecodable(session, e)
+                    yield self.c.undecodable(session, e, raw=raw)
                     continue
                 try:
                     if msg.WhichOneof("body") == "start":
