@@ -171,6 +171,75 @@ def test_undecodable_messages_are_rejected_and_logged_once_per_peer(
     assert replies[-1].WhichOneof("body") == "welcome"
     logged = [r for r in caplog.records if r.getMessage() == "undecodable message refused"]
     assert len(logged) == 1 and not logged[0].exc_info
+    assert logged[0].kind == "undecodable" and logged[0].peer.startswith("ipv")  # the peer alone
+    assert logged[0].robot == "unknown" and "not a RobotMessage" in logged[0].error
+
+
+def test_undecodable_messages_name_the_broken_field(collector: Collector) -> None:
+    bad_utf8 = hello("ab").SerializeToString().replace(b"ab", b"\xff\xfe")  # hello.robot_id, not UTF-8
+    with grpc.insecure_channel(collector.address) as chan:
+        call = chan.stream_stream(
+            "/vla_rl.fleet.v1.Collector/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.CollectorMessage.FromString,
+        )
+        md = (("authorization", f"Bearer {TOKEN}"),)
+        (reply,) = list(call(iter([bad_utf8]), metadata=md, timeout=10))
+    assert reply.reject.code == SC.INVALID_ARGUMENT.value[0]
+    assert reply.reject.message.startswith(
+        "message: not a RobotMessage that can be decoded (broken at hello.robot_id; DecodeError: "
+    ), reply.reject.message
+
+
+def test_refusals_are_logged_once_per_peer_and_code(
+    collector: Collector, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every refusal is a Reject; the log says so once per (peer, status code) per interval, with the peer
+    alone in ``peer`` and the code in ``kind``."""
+    send, recv, close = raw_stream(collector.address)
+    with caplog.at_level(logging.WARNING, logger="vla_rl.collector"):
+        for _ in range(3):  # before Hello
+            assert ask(send, recv, start("log-1")).reject.code == SC.FAILED_PRECONDITION.value[0]
+        assert ask(send, recv, hello("not an id!")).reject.code == SC.INVALID_ARGUMENT.value[0]
+    close()
+    logged = [r for r in caplog.records if r.getMessage() == "message refused"]
+    assert [(r.kind, r.code, r.suppressed) for r in logged] == [
+        ("FAILED_PRECONDITION", "FAILED_PRECONDITION", 0),
+        ("INVALID_ARGUMENT", "INVALID_ARGUMENT", 0),
+    ]
+    assert logged[0].peer == logged[1].peer and logged[0].peer.startswith("ipv")
+    assert logged[0].episode == "log-1" and logged[0].robot == "unknown"
+
+
+def test_undecodable_stats_requests_are_invalid_argument(
+    collector: Collector, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GetStats with bytes that are not a StatsRequest: INVALID_ARGUMENT naming the field (grpc itself
+    answered UNKNOWN and logged a traceback), once the credential is checked; logged once per peer."""
+    chan = grpc.insecure_channel(collector.address)
+    call = chan.unary_unary(
+        "/vla_rl.fleet.v1.Collector/GetStats",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.StatsResponse.FromString,
+    )
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    with caplog.at_level(logging.WARNING):
+        for garbage, field in ((b"\x0a\x05ab", "field 1"), (b"\xff\xff\xff", "request")) * 2:
+            with pytest.raises(grpc.RpcError) as e:
+                call(garbage, metadata=md, timeout=10)
+            assert e.value.code() == SC.INVALID_ARGUMENT, e.value
+            assert e.value.details() == (
+                f"{field}: the request is not a valid vla_rl.fleet.v1.StatsRequest protobuf ({len(garbage)} bytes)"
+            )
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff", timeout=10)  # no credential: nothing said about the request
+        assert e.value.code() == SC.UNAUTHENTICATED
+        assert call(pb.StatsRequest().SerializeToString(), metadata=md, timeout=10).prometheus_text
+    chan.close()
+    logged = [r for r in caplog.records if r.getMessage() == "undecodable request refused"]
+    assert len(logged) == 1 and not logged[0].exc_info and logged[0].kind == "undecodable"
+    assert logged[0].error.startswith("field 1: ") and logged[0].robot == "unknown"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no traceback from grpc
 
 
 # ------------------------------------------------------------------------------------------ 2. episodes, fds

@@ -16,6 +16,7 @@ import pytest
 from vla_rl_client.proto import policy_service_pb2 as pb
 
 from vla_rl.core.rpc import (
+    MAX_FIELDS_WALKED,
     RateLimitedLog,
     RequestError,
     SigtermFlag,
@@ -99,6 +100,24 @@ def test_bad_field_names_the_first_broken_field() -> None:
     dtype = b"\x0a\x01\xff"  # Tensor.dtype, not UTF-8
     state = b"\x0a" + bytes([len(dtype)]) + dtype  # Observation.state
     assert bad_field(b"\x1a" + bytes([len(state)]) + state, desc) == "observation.state.dtype"
+
+
+def test_bad_field_reads_a_bounded_number_of_fields() -> None:
+    """Tiny unknown fields before a broken one: each costs a step of the walk (which runs on the event
+    loop, for anyone), so past ``max_fields`` the broken field goes unnamed instead of costing seconds."""
+    desc = pb.ActRequest.DESCRIPTOR
+    crafted = b"\x78\x01" * 50 + TRUNCATED_OBSERVATION  # 50 x unknown field 15 (a varint), then the break
+    assert bad_field(crafted, desc, max_fields=51) == "observation"
+    assert bad_field(crafted, desc, max_fields=50) is None
+    inner = b"\x78\x01" * 10 + b"\x80"  # 10 unknown fields, then a key cut off
+    nested = b"\x1a" + bytes([len(inner)]) + inner  # inside observation: nested fields count too
+    assert bad_field(nested, desc, max_fields=12) == "observation"
+    assert bad_field(nested, desc, max_fields=11) is None
+    flood = b"\x78\x01" * MAX_FIELDS_WALKED + TRUNCATED_OBSERVATION
+    assert bad_field(flood, desc) is None
+    assert safe_deserializer(pb.ActRequest)(flood) == Undecodable(
+        "vla_rl.v1.ActRequest", "request", len(flood)
+    )
 
 
 def test_safe_deserializer_returns_undecodable_instead_of_raising() -> None:

@@ -68,8 +68,9 @@ Limits (each a :class:`CollectorConfig` field and a ``vla-rl collect`` flag; a r
 The package, by job:
 
 * :mod:`fleet.collector.config`: :class:`CollectorConfig`, every knob typed and validated once (no secrets);
-* :mod:`fleet.collector.rpc`: the gRPC shell (the service's methods, sessions, credential checks, refusals of
-  undecodable bytes, rate-limited logs, the event loop, SIGTERM, credential files);
+* :mod:`fleet.collector.rpc`: the gRPC service on the shell it shares with the policy server
+  (:mod:`vla_rl.core.rpc`: status errors, rate-limited logs, undecodable requests, bearer tokens, SIGTERM):
+  the service's methods, sessions, credential checks, refusals, the event loop, credential files;
 * :mod:`fleet.collector.episodes`: the per-episode state machine (hello, start, frames, segment, end);
 * :mod:`fleet.collector.writers`: the store writer handles (a thread, or a ``fleet.store_writer`` process);
 * :mod:`fleet.collector.metrics`: Prometheus metrics and per-robot accounts;

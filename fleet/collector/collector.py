@@ -24,17 +24,7 @@ from vla_rl_client.wire import keep_freed_memory
 from fleet.collector.config import _ID_RE, _LOOPBACK, CollectorConfig
 from fleet.collector.episodes import ABORTED, _Episode, _EpisodeIntake
 from fleet.collector.metrics import RobotAccount, _Metrics
-from fleet.collector.rpc import (
-    SERVICE_NAME,
-    _aio_loop,
-    _AioServer,
-    _RateLimitedLog,
-    _Service,
-    _Session,
-    authorize,
-    stop_on_sigterm,
-    wait_for,
-)
+from fleet.collector.rpc import SERVICE_NAME, _aio_loop, _AioServer, _Service, _Session, authorize
 from fleet.collector.writers import _ProcessWriter, _ThreadWriter, _WriterHandle
 from fleet.db import MetadataDB
 from fleet.objstore import StoreLease
@@ -46,6 +36,7 @@ from fleet.wal import (
     WriteAheadLog,
     parse_message,
 )
+from vla_rl.core.rpc import RateLimitedLog, SigtermFlag, wait_for_stop
 
 log = logging.getLogger("vla_rl.collector")
 
@@ -83,8 +74,8 @@ class Collector(_EpisodeIntake):
         self.camera_codecs = config.camera_codecs
         self.allowed_robots = config.allowed_robots
         self.log_files = LogFiles(config.max_open_logs)
-        self._undecodable = _RateLimitedLog(60.0)  # per peer
-        self._refused = _RateLimitedLog(10.0)  # per peer and code
+        self._undecodable = RateLimitedLog(log, 60.0)  # per peer
+        self._refused = RateLimitedLog(log, 10.0)  # per peer and code
         store = config.store_location
         self.db = MetadataDB(config.db) if config.db else MetadataDB.for_store(store)
         self.store = EpisodeStore(store, create=True, fsync=config.fsync, db=self.db)
@@ -634,11 +625,12 @@ def serve(
     """Run a collector until interrupted or SIGTERM (what ``vla-rl collect`` runs); stopping takes at most
     ``config.drain_timeout_s`` (see :meth:`Collector.stop`)."""
     keep_freed_memory()
-    stop = stop_on_sigterm()  # before the line tools wait for: a SIGTERM right after it must drain, not kill
-    c = Collector(config, token=token, robot_tokens=robot_tokens).start()
-    print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
-    try:
-        wait_for(stop)
-    finally:
-        log.info("stopping collector")
-        c.stop()
+    # Before the line tools wait for: a SIGTERM right after it must stop in order, not kill.
+    with SigtermFlag() as sigterm:
+        c = Collector(config, token=token, robot_tokens=robot_tokens).start()
+        print(f"collector listening on {c.address}", flush=True)  # tools wait for this line
+        try:
+            wait_for_stop(lambda: True, sigterm, poll_s=0.2, logger=log)
+        finally:
+            log.info("stopping collector")
+            c.stop()  # drains the store writers itself, within drain_timeout_s

@@ -20,7 +20,7 @@ from vla_rl_client.wire import WireTensor
 from fleet.codecs import CameraCodecs
 from fleet.collector.config import _ID_RE, CollectorConfig
 from fleet.collector.metrics import HIDDEN_ROBOT, RobotAccount, _Metrics
-from fleet.collector.rpc import SC, RequestError, _episode_of, _RateLimitedLog, _Session, undecodable_reject
+from fleet.collector.rpc import SC, RequestError, _episode_of, _Session, undecodable_reject
 from fleet.store import EpisodeStore
 from fleet.wal import (
     SEGMENT_KINDS,
@@ -31,6 +31,7 @@ from fleet.wal import (
     decode_frames,
     frames_declared,
 )
+from vla_rl.core.rpc import RateLimitedLog, Undecodable
 from vla_rl.core.version import __version__
 
 log = logging.getLogger("vla_rl.collector")
@@ -99,8 +100,8 @@ class _EpisodeIntake:
     _episodes_lock: threading.Lock
     _start_locks: dict[str, tuple[threading.Lock, int]]
     _start_locks_guard: threading.Lock
-    _undecodable: _RateLimitedLog
-    _refused: _RateLimitedLog
+    _undecodable: RateLimitedLog
+    _refused: RateLimitedLog
 
     def _resume(self, eid: str, robot_id: str, spec: RobotSpec) -> _Episode:
         raise NotImplementedError
@@ -156,16 +157,34 @@ class _EpisodeIntake:
             return self._reject(session, msg, RequestError(SC.INVALID_ARGUMENT, str(e)))
 
     def undecodable(
-        self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
+        self,
+        session: _Session,
+        e: BaseException,
+        msg: pb.RobotMessage | None = None,
+        raw: bytes | None = None,
     ) -> pb.CollectorMessage:
-        """The reply to a message that could not be decoded, counted and logged once per peer per minute."""
-        reply = undecodable_reject(e, msg)
+        """The reply to a message that could not be decoded (``msg``: None when its bytes ``raw`` did not
+        parse), counted and logged once per peer per minute."""
+        reply = undecodable_reject(e, msg, raw)
         robot = session.robot_id or "unknown"
         self.metrics.messages_rejected.labels(self._label(robot), SC.INVALID_ARGUMENT.name).inc()
         self._undecodable.warning(
-            session.peer or robot, "undecodable message refused", robot=robot, error=reply.reject.message
+            session.peer or robot,
+            "undecodable",
+            "undecodable message refused",
+            robot=robot,
+            error=reply.reject.message,
         )
         return reply
+
+    def undecodable_request(self, peer: str, identity: str | None, request: Undecodable) -> RequestError:
+        """The refusal (``INVALID_ARGUMENT``, naming the field) of a ``GetStats`` request that does not parse,
+        logged with the undecodable messages (once per peer per minute)."""
+        robot = identity or "unknown"
+        self._undecodable.warning(
+            peer or robot, "undecodable", "undecodable request refused", robot=robot, error=request.message
+        )
+        return RequestError(SC.INVALID_ARGUMENT, request.message)
 
     def _reject(self, session: _Session, msg: pb.RobotMessage, e: RequestError) -> pb.CollectorMessage:
         robot = session.robot_id or "unknown"
@@ -179,7 +198,8 @@ class _EpisodeIntake:
             self.accounts[robot].frames_rejected += n
         eid = e.episode_id or _episode_of(msg)
         self._refused.warning(
-            f"{session.peer or robot} {code}",
+            session.peer or robot,
+            code,
             "message refused",
             robot=robot,
             episode=eid,

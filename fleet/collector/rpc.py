@@ -1,25 +1,21 @@
-"""The collector's gRPC shell: the service's methods (:class:`_Service`), a stream's session, credential
-checks (:func:`authorize`), refusals (:class:`RequestError`; :func:`undecodable_reject` for bytes that are
-not a ``RobotMessage``), rate-limited logging of what peers get wrong, the event loop every collector of a
-process shares, SIGTERM handling and the credential files.
+"""The collector's gRPC service on the shell it shares with the policy server (:mod:`vla_rl.core.rpc`): the
+service's methods (:class:`_Service`), a stream's session, credential checks (:func:`authorize`), refusals
+(:class:`RequestError`, which adds the episode; :func:`undecodable_reject` for bytes that are not a
+``RobotMessage``), the event loop every collector of a process shares, and the credential files.
 
-Everything the collector needs of gRPC around its episode logic is here, in one module, so that it can
-move to a shell shared with the policy server in one place."""
+Status errors, rate-limited warnings, requests that do not parse, bearer tokens and SIGTERM are the
+shared module's; what is here is what only the collector has (robot credentials, episode ids, raw bytes
+kept for the log)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
-import hmac
 import json
 import logging
-import math
 import os
-import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +28,7 @@ from vla_rl_client.wire import WireTensor
 
 from fleet.collector.config import _ID_RE
 from fleet.wal import Unavailable, parse_message
+from vla_rl.core import rpc
 from vla_rl.core.secrets import read_secret_file
 
 log = logging.getLogger("vla_rl.collector")
@@ -40,14 +37,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Collector"].full_name
 SC = grpc.StatusCode
 
 
-class RequestError(Exception):
-    """A message is refused (a ``Reject`` with this code; nothing of it is stored)."""
+class RequestError(rpc.RequestError):
+    """A message is refused (a ``Reject`` with this code; nothing of it is stored); ``episode_id``: the
+    episode the ``Reject`` names when the message itself does not (a collector-made refusal)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, episode_id: str = "") -> None:
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.episode_id = episode_id
-        super().__init__(f"{code.name}: {message}")
 
 
 @dataclass
@@ -63,29 +59,6 @@ class _Session:
     cameras: dict[str, WireTensor] | None = None  # its cameras, when parse_message split them off
 
 
-class _RateLimitedLog:
-    """A warning logged at most once per key (a peer) per interval, with how many were held back; no
-    traceback (an attacker's garbage must not flood the log)."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, tuple[float, int]] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, message: str, **extra: Any) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last, held = self._last.get(key, (-math.inf, 0))
-            if now - last < self.interval_s:
-                self._last[key] = (last, held + 1)
-                return False
-            if len(self._last) > 10_000:  # many peers: forget the old ones
-                self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
-            self._last[key] = (now, 0)
-        log.warning(message, extra={**extra, "peer": key, "suppressed": held})
-        return True
-
-
 def _episode_of(msg: pb.RobotMessage) -> str:
     body = msg.WhichOneof("body")
     return getattr(msg, body).episode_id if body in ("start", "frames", "segment", "end") else ""
@@ -94,35 +67,32 @@ def _episode_of(msg: pb.RobotMessage) -> str:
 def authorize(metadata: Any, token: str | None, robot_tokens: Mapping[str, str]) -> str | None:
     """Check a call's ``authorization: Bearer <token>`` metadata: the robot id its credential is bound to
     (one of ``robot_tokens``), or None when it may speak as any robot (``token``, the shared credential,
-    or no authentication configured). Anything else is a :class:`RequestError` (``UNAUTHENTICATED``)."""
+    or no authentication configured). Anything else raises :func:`vla_rl.core.rpc.unauthenticated`."""
     if not token and not robot_tokens:
         return None
-    got = ""
-    for key, value in metadata or ():
-        if key == "authorization":
-            got = value if isinstance(value, str) else value.decode()
-    presented = got.encode()
-    if token and hmac.compare_digest(presented, f"Bearer {token}".encode()):
+    got = rpc.bearer_credential(metadata)
+    if token and rpc.bearer_matches(got, token):
         return None
     robot = None
     for rid, tok in robot_tokens.items():  # every entry compared: the time says nothing
-        if hmac.compare_digest(presented, f"Bearer {tok}".encode()):
+        if rpc.bearer_matches(got, tok):
             robot = rid
     if robot is not None:
         return robot
-    raise RequestError(
-        SC.UNAUTHENTICATED,
-        "authorization: expected metadata 'authorization: Bearer <token>'"
-        + (", got a wrong token" if got else ", got none"),
-    )
+    raise rpc.unauthenticated(got)
 
 
-def undecodable_reject(e: BaseException, msg: pb.RobotMessage | None = None) -> pb.CollectorMessage:
+def undecodable_reject(
+    e: BaseException, msg: pb.RobotMessage | None = None, raw: bytes | None = None
+) -> pb.CollectorMessage:
     """The ``Reject`` (``INVALID_ARGUMENT``) of bytes that are not a ``RobotMessage`` (``msg`` None), or of
-    a message whose content could not be decoded; it names the part and the error."""
+    a message whose content could not be decoded; it names the part and the error, and for bytes that
+    did not parse (``raw``) the first broken field when :func:`vla_rl.core.rpc.bad_field` finds it."""
     body = msg.WhichOneof("body") if msg is not None else None
     where = f"{body}" if body else "message"
-    text = f"{where}: not a RobotMessage that can be decoded ({type(e).__name__}: {str(e)[:200]})"
+    broken = rpc.bad_field(raw, pb.RobotMessage.DESCRIPTOR) if msg is None and raw is not None else None
+    at = f"broken at {broken}; " if broken else ""
+    text = f"{where}: not a RobotMessage that can be decoded ({at}{type(e).__name__}: {str(e)[:200]})"
     return pb.CollectorMessage(
         reject=pb.Reject(
             msg_id=msg.msg_id if msg is not None else 0,
@@ -147,8 +117,16 @@ class _Handler(Protocol):
     ) -> pb.CollectorMessage: ...
 
     def undecodable(
-        self, session: _Session, e: BaseException, msg: pb.RobotMessage | None = None
+        self,
+        session: _Session,
+        e: BaseException,
+        msg: pb.RobotMessage | None = None,
+        raw: bytes | None = None,
     ) -> pb.CollectorMessage: ...
+
+    def undecodable_request(
+        self, peer: str, identity: str | None, request: rpc.Undecodable
+    ) -> rpc.RequestError: ...
 
     async def wait_for_room(self, context: grpc.aio.ServicerContext) -> None: ...
 
@@ -158,7 +136,8 @@ class _Handler(Protocol):
 
 
 class _Service:
-    """The gRPC methods. ``Stream`` takes raw bytes (no request deserializer) so the log can keep them."""
+    """The gRPC methods. ``Stream`` takes raw bytes (no request deserializer) so the log can keep them;
+    ``GetStats`` gets an :class:`~vla_rl.core.rpc.Undecodable` for bytes that are not a ``StatsRequest``."""
 
     def __init__(self, c: _Handler) -> None:
         self.c = c
@@ -167,16 +146,8 @@ class _Service:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Stream": grpc.stream_stream_rpc_method_handler(
-                    self.Stream,
-                    request_deserializer=None,
-                    response_serializer=pb.CollectorMessage.SerializeToString,
-                ),
-                "GetStats": grpc.unary_unary_rpc_method_handler(
-                    self.GetStats,
-                    request_deserializer=pb.StatsRequest.FromString,
-                    response_serializer=pb.StatsResponse.SerializeToString,
-                ),
+                "Stream": rpc.stream_handler(self.Stream, None, pb.CollectorMessage),
+                "GetStats": rpc.unary_handler(self.GetStats, pb.StatsRequest, pb.StatsResponse),
             },
         )
 
@@ -185,8 +156,8 @@ class _Service:
     ) -> AsyncIterator[pb.CollectorMessage]:
         try:
             identity = self.c.authorize(context.invocation_metadata())
-        except RequestError as e:
-            await context.abort(e.code, e.message)
+        except rpc.RequestError as e:
+            await rpc.abort(context, e)
         session = _Session(identity=identity, peer=context.peer() or "")
         try:
             async for raw in request_iterator:
@@ -194,7 +165,7 @@ class _Service:
                 try:
                     msg, cams = parse_message(raw)
                 except Exception as e:  # protobuf's DecodeError; never crash a stream on bytes
-                    yield self.c.undecodable(session, e)
+                    yield self.c.undecodable(session, e, raw=raw)
                     continue
                 try:
                     if msg.WhichOneof("body") == "start":
@@ -210,18 +181,27 @@ class _Service:
                     reply = self.c.undecodable(session, e, msg)
                 except Unavailable as e:
                     log.error("cannot make a message durable; ending the stream", extra={"error": str(e)})
-                    await context.abort(
-                        SC.UNAVAILABLE, f"collector cannot write now ({e}); reconnect and resend"
+                    await rpc.abort(
+                        context,
+                        rpc.RequestError(
+                            SC.UNAVAILABLE, f"collector cannot write now ({e}); reconnect and resend"
+                        ),
                     )
                 yield reply
         finally:
             self.c.disconnected(session)
 
-    async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def GetStats(
+        self, request: pb.StatsRequest | rpc.Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        """The counters the caller's credential may see. The credential is checked first: a caller without
+        one learns nothing of its request, and cannot fill the log with it."""
         try:
             identity = self.c.authorize(context.invocation_metadata())
-        except RequestError as e:
-            await context.abort(e.code, e.message)
+            if isinstance(request, rpc.Undecodable):
+                raise self.c.undecodable_request(context.peer() or "", identity, request)
+        except rpc.RequestError as e:
+            await rpc.abort(context, e)
         return self.c.stats(only=identity)
 
 
@@ -296,17 +276,3 @@ def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:
     if len(set(out.values())) != len(out):
         raise ValueError(f"robot_tokens_file: {path}: two robots share a token")
     return out
-
-
-def stop_on_sigterm() -> threading.Event:
-    """An event that SIGTERM sets (instead of killing the process), so a service drains when stopped."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return stop
-
-
-def wait_for(stop: threading.Event) -> None:
-    """Block until ``stop`` is set or Ctrl-C."""
-    with contextlib.suppress(KeyboardInterrupt):
-        while not stop.wait(0.2):
-            pass

@@ -122,45 +122,64 @@ def read_varint(data: bytes | memoryview, pos: int, end: int | None = None) -> t
             return value, pos
 
 
-def bad_field(data: bytes, desc: Descriptor, prefix: str = "", depth: int = 0) -> str | None:
+MAX_FIELDS_WALKED = 10_000  # fields bad_field reads at most, nested ones included
+
+
+def bad_field(
+    data: bytes, desc: Descriptor, prefix: str = "", depth: int = 0, *, max_fields: int = MAX_FIELDS_WALKED
+) -> str | None:
     """The dotted name of the first field whose wire encoding is broken in ``data`` (None if none is
     found): walks the protobuf wire format with the message descriptor, never allocating more than
-    ``data``. Nested messages are entered up to 8 deep; strings must be UTF-8."""
-    i, n = 0, len(data)
-    while i < n:
-        try:
-            key, i = read_varint(data, i)
-        except ValueError:
-            return prefix.rstrip(".") or "request"
-        num, wire = key >> 3, key & 7
-        f = desc.fields_by_number.get(num)
-        name = prefix + (f.name if f is not None else f"field {num}")
-        try:
-            if wire == 0:
-                _, i = read_varint(data, i)
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
-            elif wire == 2:
-                length, i = read_varint(data, i)
-                chunk = data[i : i + length]
-                i += length
-                if i > n:
+    ``data``. Nested messages are entered up to 8 deep; strings must be UTF-8.
+
+    At most ``max_fields`` fields are read (nested ones included), then it gives up (None): the walk runs
+    in Python on the server's event loop, and a request of millions of tiny fields with a broken tail,
+    sent by anyone (deserializing comes before any token check), must cost a bounded time, not seconds.
+    """
+    left = max_fields
+
+    def walk(data: bytes, desc: Descriptor, prefix: str, depth: int) -> str | None:
+        nonlocal left
+        i, n = 0, len(data)
+        while i < n:
+            left -= 1
+            if left < 0:
+                return None
+            try:
+                key, i = read_varint(data, i)
+            except ValueError:
+                return prefix.rstrip(".") or "request"
+            num, wire = key >> 3, key & 7
+            f = desc.fields_by_number.get(num)
+            name = prefix + (f.name if f is not None else f"field {num}")
+            try:
+                if wire == 0:
+                    _, i = read_varint(data, i)
+                elif wire == 1:
+                    i += 8
+                elif wire == 5:
+                    i += 4
+                elif wire == 2:
+                    length, i = read_varint(data, i)
+                    chunk = data[i : i + length]
+                    i += length
+                    if i > n:
+                        return name
+                    if f is not None and f.type == FD.TYPE_MESSAGE and depth < 8:
+                        inner = walk(chunk, f.message_type, name + ".", depth + 1)
+                        if inner is not None:
+                            return inner
+                    elif f is not None and f.type == FD.TYPE_STRING:
+                        chunk.decode("utf-8")
+                else:
                     return name
-                if f is not None and f.type == FD.TYPE_MESSAGE and depth < 8:
-                    inner = bad_field(chunk, f.message_type, name + ".", depth + 1)
-                    if inner is not None:
-                        return inner
-                elif f is not None and f.type == FD.TYPE_STRING:
-                    chunk.decode("utf-8")
-            else:
+            except (ValueError, UnicodeDecodeError):
                 return name
-        except (ValueError, UnicodeDecodeError):
-            return name
-        if i > n:
-            return name
-    return None
+            if i > n:
+                return name
+        return None
+
+    return walk(data, desc, prefix, depth)
 
 
 def safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
