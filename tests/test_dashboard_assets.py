@@ -161,3 +161,12 @@ def test_load_assets_types_and_gzip_copies(tmp_path: Path) -> None:
     assert app.gzipped is not None and gzip.decompress(app.gzipped) == app.body
     assert assets["util.js"].gzipped is None and assets["style.css"].media_type.startswith("text/css")
     assert len({a.etag for a in assets.values()}) == len(assets)  # content hashes
+
+
+def test_the_inline_early_fetch_and_api_js_read_the_same_token_key() -> None:
+    """index.html's inline script starts the first requests with the token api.js keeps; if the key moved in
+    one and not the other, every first page would wait for the bundle and ask again (or fail)."""
+    static = Path(__file__).resolve().parents[1] / "vla_rl" / "dashboard" / "static"
+    [key] = re.findall(r'const TOKEN_KEY = "([^"]+)";', (static / "api.js").read_text())
+    inline = re.findall(r'localStorage\.getItem\("([^"]+)"\)', (static / "index.html").read_text())
+    assert inline == [key], (inline, key)
