@@ -115,6 +115,38 @@ def test_queue_transitions(base: tuple[Path, Path], tmp_path: Path, db_url: str)
         db.cancel_round(a)
 
 
+def test_cancel_and_commit_decide_in_one_transaction(
+    base: tuple[Path, Path], tmp_path: Path, db_url: str
+) -> None:
+    """A cancel either lands before the round begins committing (push + promote), and wins: the round never
+    pushes and its row says cancelled; or after, and no longer applies: the round finishes and its own record
+    (succeeded, promoted) stands. A finished round is never written over (it could end cancelled while
+    prod had moved)."""
+    store, ckpt = base
+    db = MetadataDB(db_url)
+    late, early, done = (queue_round(_round(store, ckpt, tmp_path), db) for _ in range(3))
+    for rid in (late, early, done):
+        assert db.claim_round("w1", rid) is not None
+    # late: committing first, then the cancel
+    assert db.begin_commit(late, "w1") is True
+    assert db.cancel_round(late).status == "running"  # the flag is set
+    assert db.cancel_running(late).status == "running"  # but the round is pushing: it finishes
+    db.update_round(late, status="succeeded", promoted=True, finished_at=time.time())
+    assert db.cancel_running(late).status == "succeeded" and db.round(late).promoted is True
+    # early: the cancel first, then the round asks to commit
+    db.cancel_round(early)
+    assert db.begin_commit(early, "w1") is False
+    rec = db.cancel_running(early)
+    assert rec.status == "cancelled" and rec.error == "cancelled while running"
+    with pytest.raises(RoundLost):
+        db.begin_commit(early, "w1")
+    # done: a finished round keeps its record
+    db.update_round(done, status="failed", error="boom", finished_at=time.time())
+    assert db.cancel_running(done).status == "failed" and db.round(done).error == "boom"
+    with pytest.raises(RoundLost):
+        db.begin_commit(done, "w1")
+
+
 def test_a_result_recorded_between_heartbeats_is_not_a_lost_round(
     base: tuple[Path, Path], tmp_path: Path, db_url: str
 ) -> None:

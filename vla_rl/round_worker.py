@@ -106,6 +106,7 @@ def run_claimed(
 
 def _watch(db: MetadataDB, child: Any, round_id: int, worker: str, heartbeat_s: float) -> str:
     """Heartbeat ``round_id`` while its process ``child`` runs; its final status."""
+    cancel_noted = False
     while child.is_alive():
         child.join(heartbeat_s)
         if not child.is_alive():
@@ -126,12 +127,16 @@ def _watch(db: MetadataDB, child: Any, round_id: int, worker: str, heartbeat_s: 
             log.warning("heartbeat failed", extra={"round": round_id, "error": str(e)})
             continue
         if cancel:
-            _stop(child)
-            db.update_round(
-                round_id, status="cancelled", error="cancelled while running", finished_at=time.time()
-            )
-            log.info("round cancelled", extra={"round": round_id})
-            return "cancelled"
+            # the transition decides (one transaction with the round's begin_commit): before the round
+            # began pushing, the cancel wins and the round is stopped; after, it finishes as it records
+            rec = db.cancel_running(round_id)
+            if rec.status == "cancelled":
+                _stop(child)
+                log.info("round cancelled", extra={"round": round_id})
+                return "cancelled"
+            if not cancel_noted:
+                log.info("cancel came after the round began pushing: it finishes", extra={"round": round_id})
+                cancel_noted = True
     rec = db.round(round_id)
     if rec is not None and rec.status == "running" and rec.worker == worker:
         db.update_round(

@@ -587,6 +587,10 @@ def run_round(
         )
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
+        progress.phase("committing")  # the last point a cancel stops the round
+        if worker is not None and not db.begin_commit(round_id, worker):
+            raise RoundCancelled(f"round {round_id} was cancelled while running")
+        progress.cancel_requested = None  # committing: a cancel no longer applies, the round finishes
         if cfg.push:
             repo = cfg.repo or parse_ref(t.base).repo_id
             tag = f"round-{round_id}"
@@ -628,9 +632,7 @@ def run_round(
         log.error("round lost", extra={"round": round_id, "worker": worker})
         raise  # re-queued or cancelled meanwhile: its row belongs to someone else now
     except RoundCancelled:
-        db.update_round(
-            round_id, status="cancelled", error="cancelled while running", finished_at=time.time()
-        )
+        db.cancel_running(round_id)  # never over a record of its own: only a running round is cancelled
         log.info("round cancelled", extra={"round": round_id})
         raise
     except BaseException as e:

@@ -31,7 +31,7 @@ def _alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
-SCHEMA_HEAD = "0004"
+SCHEMA_HEAD = "0005"
 """The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
 at this revision needs no Alembic import, only one query."""
 
@@ -41,7 +41,7 @@ def _legacy_revision(tables: set[str]) -> str | None:
     the baseline's tables and round_jobs = 0002; the baseline's = 0001 (the release before rounds were
     jobs); else None (the baseline then creates only the tables that are missing)."""
     if tables >= _BASELINE_TABLES | {"round_jobs"}:
-        # also when today's tables are all there: 0003 and 0004 add only what is missing (0003 re-derives
+        # also when today's tables are all there: 0003-0005 add only what is missing (0003 re-derives
         # the labels' ``current`` and the revision rows from the rows themselves)
         return "0002"
     if tables >= _BASELINE_TABLES:

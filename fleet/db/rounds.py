@@ -153,6 +153,34 @@ class RoundsPart(DBPart):
                 changed.append(_round_record(row))
         return changed
 
+    def begin_commit(self, round_id: int, worker: str) -> bool:
+        """The round ``worker`` runs is about to push and promote: mark it committing, unless a cancel was
+        asked first (then False: the round must stop without pushing). One transaction on the round's row,
+        so a cancel either lands before (and wins) or after (and no longer applies). Raises
+        :class:`RoundLost` when the round is not ``worker``'s running round."""
+        with Session(self.engine) as s, s.begin():
+            row = s.get(RoundRow, round_id, with_for_update=True)
+            if row is None or row.status != "running" or row.job is None or row.job.worker != worker:
+                state = "missing" if row is None else row.status
+                raise RoundLost(f"round {round_id} is no longer run by {worker} (it is {state})")
+            if row.job.cancel_requested:
+                return False
+            row.job.committing_at = time.time()
+            return True
+
+    def cancel_running(self, round_id: int, why: str = "cancelled while running") -> RoundRecord:
+        """Record a running round as cancelled: only if it is still running and has not begun committing
+        (:meth:`begin_commit`), in one transaction. Returns the round as it is now: ``cancelled``, or still
+        ``running`` (it is pushing: it finishes) or already finished (its own record stands)."""
+        with Session(self.engine) as s, s.begin():
+            row = s.get(RoundRow, round_id, with_for_update=True)
+            if row is None:
+                raise KeyError(f"no round {round_id}")
+            if row.status == "running" and (row.job is None or row.job.committing_at is None):
+                row.status, row.finished_at, row.error = "cancelled", time.time(), why
+                s.flush()
+            return _round_record(row)
+
     def cancel_round(self, round_id: int) -> RoundRecord:
         """Cancel a queued round at once; ask a running one's worker to stop (it sees the flag at its next
         heartbeat). A finished round raises ValueError."""

@@ -139,3 +139,5 @@ class RoundJobRow(Base):
     attempts: Mapped[int] = mapped_column(default=0)
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    committing_at: Mapped[float | None] = mapped_column(default=None)
+    """When the round started pushing / promoting: past it, a cancel no longer applies (migration 0005)."""
