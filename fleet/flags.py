@@ -94,9 +94,9 @@ class FlagThresholds:
     """A revision with too few successful episodes to calibrate: judge it with the fixed reference below
     (True) or not at all (False: score 0, "not enough successful episodes ...")."""
     # The fixed reference (the fallback, and what high_uncertainty uses when called without a
-    # calibration) defaults to the calibration in bench/results/uncertainty.json (kinematic/Reach-v0, a
-    # small SFT flow VLA: 68 held-out successful episodes, split conformal at alpha 0.1). It is that
-    # model's: another policy's scores sit on another scale.
+    # calibration) defaults to one small kinematic/Reach-v0 policy's calibration, that of
+    # bench/results/uncertainty.json (how it was made: docs/benchmarks.md, Uncertainty alarm). It is
+    # that model's: another policy's scores sit on another scale.
     uncertainty_mean: float = 0.596
     """Fixed reference mean of a chunk's ``accel`` score."""
     uncertainty_std: float = 0.189

@@ -1,9 +1,9 @@
 """Store writers: turn the collector's write-ahead logs into Zarr, in their own process(es).
 
 The collector acknowledges a message once it is in the episode's log (``<store>/wal/<episode>.wal``).
-Writing it into the Zarr arrays (compressing camera chunks, ~0.5-0.6 ms of CPU per frame of two 224 px
-cameras) is done here. In the collector's process that work and the intake shared one core (the GIL):
-at 16 robots x 30 Hz the collector sat at 1.0 core and acks queued for seconds. A writer process runs on
+Writing it into the Zarr arrays (compressing camera chunks) is done here. In the collector's process that
+work and the intake shared one core (the GIL): at 16 robots x 30 Hz the collector's core was full and acks
+queued for seconds (measured: docs/store.md, Durability: log first, then Zarr). A writer process runs on
 the other core.
 
 The hand-off is the log itself. The collector sends only small JSON lines, never frame data (nothing is

@@ -319,7 +319,8 @@ def decode_frames(
 
 class _Once:
     """A wire tensor whose bytes are read once: every access of a protobuf bytes field makes a new copy,
-    and ``from_tensor`` reads ``data`` twice (length check, then the array), ~0.3 ms per 224 px camera batch."""
+    and ``from_tensor`` reads ``data`` twice (length check, then the array); what that cost per camera
+    batch: docs/store.md, Write-path costs behind the design."""
 
     __slots__ = ("data", "dtype", "shape")
 

@@ -14,11 +14,11 @@ How "exactly once" and "ack only when durable" are kept, cheaply:
   ``store_writers``, default 1) then reads the log back and feeds the frames to the episode's
   :class:`~fleet.store.EpisodeWriter`, which writes chunk-aligned blocks and commits them in
   ``commit.json``. The collector tells it only "the log of E is written up to byte B"; frame data never
-  crosses a pipe. Committing every small batch straight into Zarr would cost ~3 ms of CPU per array
-  per commit (each partial chunk is read, decompressed, recompressed and rewritten: 12 arrays, ~40 ms
-  per commit), far too much for 16 robots at 30 Hz with acks under 100 ms on two cores. And the Zarr
-  writes (~0.5-0.6 ms of CPU per frame of two 224 px cameras) run beside the intake, not under its GIL:
-  in one process both shared one core and acks queued for seconds at 16 robots x 30 Hz. The writer runs
+  crosses a pipe. Committing every small batch straight into Zarr would read, decompress, recompress
+  and rewrite each of the 12 arrays' partial chunks per commit, far too much CPU for 16 robots at 30 Hz
+  with acks under 100 ms on two cores. And the Zarr writes run beside the intake, not under its GIL: in
+  one process both shared one core and acks queued for seconds at 16 robots x 30 Hz (both measured:
+  docs/store.md, Durability: log first, then Zarr). The writer runs
   at a lower CPU priority (``store_writer_nice``, default 10): its work can wait (the log holds it, and
   backpressure bounds it), acks cannot, so when the cores are busy the intake goes first. A writer that
   dies is restarted and replays its episodes' logs from their Zarr commits.

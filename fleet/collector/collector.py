@@ -131,7 +131,8 @@ class Collector(_EpisodeIntake):
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
         # grpc.aio: every stream is a coroutine on one event loop thread. The thread-per-stream server
-        # hands each message between threads (~17% more CPU per message, measured in isolation).
+        # hands each message between threads, which costs CPU per message (measured: docs/benchmarks.md,
+        # Fleet collector).
         self._loop = _aio_loop()
         try:
             self.port = self._run_in_loop(self._serve(opts))

@@ -60,10 +60,11 @@ class CollectorConfig:
     chunk_len: int = 128
     """Frames per Zarr chunk."""
     camera_zstd_level: int = -3
-    """zstd level of lossless camera arrays (-3: fast; 1 or 3 = ~10-20% smaller for 1.5-3x the CPU)."""
+    """zstd level of lossless camera arrays (-3: fast; 1 or 3: smaller files for more CPU, each level's
+    size and cost: docs/benchmarks.md, Fleet collector)."""
     camera_codec: str = "lossless"
-    """Codec of the camera arrays: lossless (zstd), jpeg or jpeg:QUALITY (1-100; 5x smaller at 90, 11x at 60 on
-    rendered frames: docs/store.md), per camera CAMERA=CODEC, comma-separated: e.g. jpeg:90,wrist=lossless."""
+    """Codec of the camera arrays: lossless (zstd), jpeg or jpeg:QUALITY (1-100; lower is smaller:
+    docs/store.md, Camera codecs), per camera CAMERA=CODEC, comma-separated: e.g. jpeg:90,wrist=lossless."""
     max_batch_frames: int = 64
     """Largest FrameBatch accepted."""
     max_pending_mb: float = 1024

@@ -125,8 +125,9 @@ class _EpisodeIntake:
     ) -> pb.CollectorMessage:
         """One message of a stream -> its reply. Raises :class:`Unavailable` to end the stream.
 
-        ``raw`` is the message as received; the log stores it as is (re-serialising a message with two
-        224 px camera batches costs ~1 ms of CPU per frame). ``cameras``: see :func:`parse_message`.
+        ``raw`` is the message as received; the log stores it as is (re-serialising a message with camera
+        batches costs CPU per frame: docs/store.md, Write-path costs behind the design). ``cameras``: see
+        :func:`parse_message`.
         """
         session.raw, session.cameras = raw, cameras
         body = msg.WhichOneof("body")

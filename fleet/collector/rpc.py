@@ -169,10 +169,11 @@ class _Service:
                     continue
                 try:
                     if msg.WhichOneof("body") == "start":
-                        # Creating an episode (Zarr arrays, commit record) takes ~50 ms of file work;
-                        # on the event loop, a fleet whose episodes start together stalled every
-                        # robot's acks for seconds. A thread keeps the other streams flowing (starts
-                        # are serialised by Collector._start_lock; the rest of handle is thread-safe).
+                        # Creating an episode (Zarr arrays, commit record) is file work; on the event
+                        # loop, a fleet whose episodes start together stalled every robot's acks for
+                        # seconds (docs/store.md, Write-path costs behind the design). A thread keeps
+                        # the other streams flowing (starts are serialised by Collector._start_lock;
+                        # the rest of handle is thread-safe).
                         reply = await asyncio.to_thread(self.c.handle, session, msg, raw, cams)
                     else:
                         reply = self.c.handle(session, msg, raw, cams)

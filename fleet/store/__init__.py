@@ -26,11 +26,11 @@ One group per episode means concurrent writers of *different* episodes, even in 
 never touch the same array (two processes appending to one zarr array corrupt it).
 
 Commit protocol. A writer buffers validated frames in memory and writes them in chunk-aligned blocks
-(one-frame appends rewrite the whole chunk and are ~50x slower). After a block's data is in every
-array, the writer replaces ``commit.json`` atomically (temp file + optional fsync + ``os.replace``)
-with the new committed length. Arrays may be longer than that: the writer grows them ahead of the
-data, and a writer killed between writing data and committing leaves rows nobody committed. Readers
-trust only ``commit.json``'s length, so such rows are never returned.
+(one-frame appends rewrite the whole chunk and are much slower: docs/store.md, Episode store). After a
+block's data is in every array, the writer replaces ``commit.json`` atomically (temp file + optional
+fsync + ``os.replace``) with the new committed length. Arrays may be longer than that: the writer grows
+them ahead of the data, and a writer killed between writing data and committing leaves rows nobody
+committed. Readers trust only ``commit.json``'s length, so such rows are never returned.
 
 Why a separate file rather than zarr attributes: zarr 3.4's ``LocalStore`` does write each key through
 a temp file and ``os.replace``, so ``zarr.json`` is atomic against a killed process, but it never

@@ -106,8 +106,9 @@ def _layout(spec: RobotSpec) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
 def _write_pool() -> futures.ThreadPoolExecutor:
     """Threads that write one block's arrays concurrently.
 
-    Compression (zstd releases the GIL) and file writes of different arrays then overlap: ~1.6x
-    more frames/s on 2 cores than writing one array after another.
+    Compression (zstd releases the GIL) and file writes of different arrays then overlap, so a block is
+    written faster than one array after another (measured: docs/store.md, Write-path costs behind the
+    design).
     """
     return futures.ThreadPoolExecutor(
         max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="episode-store"
@@ -116,7 +117,8 @@ def _write_pool() -> futures.ThreadPoolExecutor:
 
 class _BlockPool:
     """Pending-frame blocks of closed writers, for the next ones (a collector opens an episode every few
-    seconds per robot). A fresh 20 MB block page-faults on its first pass: ~0.2 ms of CPU per frame."""
+    seconds per robot). A fresh 20 MB block page-faults on its first pass, which costs CPU on every frame
+    written into it (measured: docs/store.md, Write-path costs behind the design)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -198,10 +200,11 @@ def _chunk_encoder(arr: zarr.Array) -> ChunkEncoder | None:
     """Encode one whole chunk exactly as zarr would for this array, or None if its codecs are not ours.
 
     The store writes whole chunks itself (see ``EpisodeWriter._write``): going through
-    ``zarr.Array.__setitem__`` cost ~2.3x the compression itself for a 128-frame camera chunk (its
+    ``zarr.Array.__setitem__`` cost more than the compression itself for a 128-frame camera chunk (its
     async codec pipeline, chunk selection and copies), and the same fixed cost again for each of the
-    ten small arrays: 0.8 -> 0.6 ms of CPU per frame of two 224 px cameras with this path. Only the layout :func:`_episode_template`
-    creates qualifies (bytes + zstd, or JPEG frames, regular chunks); anything else falls back to zarr.
+    ten small arrays (measured: docs/experiment-log.md, Collector: what changed on 2026-11-30). Only the
+    layout :func:`_episode_template` creates qualifies (bytes + zstd, or JPEG frames, regular chunks);
+    anything else falls back to zarr.
     """
     jpeg = jpeg_codec(arr)
     if jpeg is not None:

@@ -220,8 +220,9 @@ class EpisodeStore(_Verify):
         ``instruction`` defaults to the spec's; ``episode_id`` defaults to ``<UTC time>-<robot>-<random>``
         (sortable by creation time). ``db`` overrides the store's DB for this episode.
         ``camera_zstd_level`` sets the zstd level of the camera arrays (None: zarr's default, level 3).
-        Rendered frames at level 1 or -1 compress 2-10x faster for a slightly larger file, which is what
-        a collector taking many cameras at once needs (see docs/fleet.md). ``camera_codec`` picks each
+        Rendered frames at level 1 or lower compress several times faster for a slightly larger file,
+        which is what a collector taking many cameras at once needs (each level measured:
+        docs/benchmarks.md, Fleet collector). ``camera_codec`` picks each
         camera's codec (``"jpeg:85"``, ``"lossless,wrist=jpeg:80"``: see :mod:`fleet.codecs`; None:
         lossless); it is recorded in the camera arrays' metadata, so readers need nothing.
         """
@@ -257,7 +258,8 @@ class EpisodeStore(_Verify):
         )
         # The arrays' metadata documents are the same for every episode of one spec and layout: write
         # the ones zarr produced once (cached) instead of creating ~12 arrays through zarr each time
-        # (~50 ms, which stalled a collector whose fleet starts episodes together).
+        # (slow enough to stall a collector whose fleet starts episodes together: docs/store.md,
+        # Write-path costs behind the design).
         with _TEMPLATE_LOCK:  # a fleet starting together must not build the same template 16 times
             root_doc, files = _episode_template(spec.to_json(), chunk_len, camera_zstd_level, codecs)
         attributes = {"vla_rl": meta.to_dict() | {"see": COMMIT_FILE}}

@@ -67,7 +67,8 @@ class EpisodeWriter:
             if k not in OPTIONAL_ARRAYS or isinstance(group.get(k), zarr.Array)
         }
         # Camera chunks are never all zero in practice, and checking (zarr skips writing chunks that equal
-        # the fill value) costs a pass over megabytes per chunk: ~15% of image write time.
+        # the fill value) costs a pass over megabytes per chunk (measured: docs/store.md, Write-path costs
+        # behind the design).
         self._arrays: dict[str, zarr.Array] = {
             k: _array(group, k).with_config({"write_empty_chunks": True})
             if k.startswith("cameras/")

@@ -9,10 +9,10 @@ One algorithm, one file: the offline baseline the QAM paper compares to (docs/al
   (so the saved checkpoint is an ordinary flow policy with ``num_inference_steps = 1`` that every server
   and evaluation deploys as is); the deployed policy. The copy is NOT yet a one-step version of the base:
   a flow's velocity at t = 0 points at the data mean, so z + v_β(s, z, 0) starts near E[a | s] for every z
-  (distillation error 0.12-0.17 per element on the kinematic test bed, success 5% vs the base's 10% and
-  45% vs 55%). Only the distillation term makes it one: the first ``critic_warmup`` updates distil alone,
-  at a from-scratch learning rate (``actor_lr``), as the reference trains its one-step MLP from scratch;
-  1,500 such updates bring it back to the base's success (14% vs 10% on 100 held-out episodes).
+  and succeeds less often than the base. Only the distillation term makes it one: the first
+  ``critic_warmup`` updates distil alone, at a from-scratch learning rate (``actor_lr``), as the reference
+  trains its one-step MLP from scratch; enough such updates bring it back to the base's success
+  (measured: docs/benchmarks.md, DIVL and FQL on PickCube state, "Why FQL lost to its base").
 * **critic**: a chunked Q ensemble (:class:`policies.critics.ChunkQEnsemble`) on the *executed* sub-chunk
   (n_exec of H actions, normalised and clipped), with a Polyak target Q̄.
 
@@ -134,8 +134,8 @@ class FQLConfig(TrainerConfig):
     critic_lr: float = 3e-4
     actor_lr: float = 3e-4
     """One-step policy learning rate: the reference's from-scratch rate, not a fine-tuning one (the copy
-    starts far from the base's ODE, see the module docstring). Distillation error after 500 updates on
-    the kinematic test bed's tiny base: 2.8e-4 at 3e-4, 6.3e-4 at 3e-5 (the old default), 5e-4 at 1e-3."""
+    starts far from the base's ODE, see the module docstring; the distillation error each rate leaves:
+    docs/benchmarks.md, "Why FQL lost to its base")."""
     base_lr: float = 3e-5
     """Behaviour-flow learning rate (train_base only)."""
     grad_clip: float = 1.0
@@ -145,7 +145,8 @@ class FQLConfig(TrainerConfig):
     critic_warmup: int = 2000
     """Updates before the Q term enters the actor loss: until then the one-step policy only distils the
     base (and the critic trains), so Q pulls on a faithful copy of the base with a critic that has had
-    time to carry outcomes back (QAM on this test bed needed ~2,000 critic-only updates)."""
+    time to carry outcomes back (as QAM's critic-first warm-up, whose default this is: docs/experiment-log.md,
+    Kinematic test bed: QAM)."""
     final_eval_episodes: int = 0
     """Episodes of a final evaluation in simulation recorded in the metrics (0 = none)."""
     num_envs: int = 2

@@ -115,7 +115,8 @@ class PPOConfig(TrainerConfig):
     """Transitions (chunks) per gradient step."""
     actor_lr: float = 3e-6
     """Actor learning rate. Flow-Noise's exact chain log-prob moves the PPO ratio more than Flow-SDE's
-    single transition at the same rate, so it wants a smaller one (try ~1e-6; docs/experiment-log.md)."""
+    single transition at the same rate, so it wants a smaller one (try ~1e-6; why: docs/experiment-log.md,
+    Measurements behind config defaults)."""
     critic_lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -127,8 +128,9 @@ class PPOConfig(TrainerConfig):
     iteration that updated the actor, the rate is multiplied by 1.5 when the iteration's mean approx-KL
     was under half of this, divided by 1.5 when over twice it, kept within ``adaptive_lr_bounds``
     (:func:`adapt_lr`); ``actor_lr`` is where it starts. None = a fixed ``actor_lr``. For a step size
-    that would otherwise be too small to compound (PickCube: approx-KL 0.003-0.007 an iteration at 3e-6)
-    or too large to be stable (1e-5 on small batches)."""
+    that would otherwise be too small to compound or too large to be stable (the approx-KL PickCube saw at
+    each rate: docs/benchmarks.md, Flow-SDE PPO at 100,000 env steps on PickCube state, and
+    docs/experiment-log.md, Measurements behind config defaults)."""
     adaptive_lr_bounds: tuple[float, float] = (1e-7, 1e-4)
     """(min, max) actor learning rate under ``adaptive_kl``."""
     critic_warmup_iterations: int = 2

@@ -34,8 +34,8 @@ Offline-to-online: the same replay seeded with the offline data; the fine policy
 :class:`sim.rollout.ChunkRollout`) and every finished episode is appended; ``utd`` updates per env step
 until an env-step budget is spent. With ``next_action_cache`` (a' looked up from a periodically
 re-sampled table), ``actor_every`` (critic-only updates in between) and ``reanchor_every`` (the fine
-policy becomes the prior) this is approximate policy iteration at UTD 1 that a CPU can afford; on the
-kinematic benchmark it is the recipe that clears +20.
+policy becomes the prior) this is approximate policy iteration at UTD 1 that a CPU can afford (measured on
+the kinematic benchmark: docs/benchmarks.md, QAM online as policy iteration).
 
 Output folder::
 

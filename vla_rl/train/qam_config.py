@@ -99,8 +99,9 @@ class QAMConfig(TrainerConfig):
     """The first this-many updates regress Q(s, a_data) on the data's Monte-Carlo return instead of
     the TD target (the target critic follows exactly). TD with Polyak targets needs ~1/τ updates per
     chunk of horizon to propagate a sparse outcome, and a TD update samples the fine policy K times; an
-    MC update is ~40x cheaper and starts Q at the behaviour policy's value. Counted in offline_steps
-    and in critic_warmup (the actor never trains on an MC-only critic)."""
+    MC update samples nothing (much cheaper: docs/experiment-log.md, Kinematic test bed: QAM) and starts
+    Q at the behaviour policy's value. Counted in offline_steps and in critic_warmup (the actor never
+    trains on an MC-only critic)."""
 
     actor_every: int = 1
     """After the warm-up, the actor (adjoint matching) trains on every this-many-th update and the

@@ -3,8 +3,9 @@
 A batch of eight frames of two 224 px cameras is 2.4 MB, nearly all of it pixels. Through the protobuf
 runtime every megabyte is copied several times: into the message when built, again to serialise it (and
 ``ByteSize`` serialises too), into the parsed message, and once more each time a ``bytes`` field is read.
-On two shared cores that was ~40% of a frame's CPU. So both ends handle the camera map entries of
-``FrameBatch`` (field 3, ``map<string, Tensor>``) at the wire level and leave the rest to protobuf:
+On two shared cores those copies were a large share of a frame's CPU (measured: docs/benchmarks.md,
+Fleet collector, the stage table). So both ends handle the camera map entries of ``FrameBatch`` (field
+3, ``map<string, Tensor>``) at the wire level and leave the rest to protobuf:
 
 * the robot serialises the small fields with protobuf and joins the camera entries (encoded here) onto
   them: one copy of the pixels, and the result is what goes on the wire (:func:`frames_message`);
@@ -203,9 +204,9 @@ def keep_freed_memory() -> None:
     """Let glibc keep and reuse freed big buffers instead of returning them to the OS (process-wide).
 
     For processes that move many megabyte buffers: the collector (every received batch, chunk block and
-    compressed chunk) and streaming robots. By default glibc maps each from
-    the OS and unmaps it when freed, so each new one page-faults in fresh zeroed pages: measured as
-    ~8% of the collector's CPU. For a long-running service whose memory is bounded anyway
+    compressed chunk) and streaming robots. By default glibc maps each from the OS and unmaps it when
+    freed, so each new one page-faults in fresh zeroed pages, a measurable share of the collector's CPU
+    (docs/benchmarks.md, Fleet collector). For a long-running service whose memory is bounded anyway
     (``max_pending_bytes``), reusing them is the better trade. No-op where glibc is not the allocator.
     """
     try:
