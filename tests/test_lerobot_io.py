@@ -829,7 +829,7 @@ def test_a_failed_import_leaves_nothing(
     from vla_rl.cli import main
 
     record_style_dataset(tmp_path / "ds")
-    real = lio._read_images
+    real = lio.read_images
     calls = []
 
     def failing(ds: Any, plan: Any, cameras: Any, fps: float) -> dict[str, np.ndarray]:
@@ -838,7 +838,7 @@ def test_a_failed_import_leaves_nothing(
             raise OSError("disk went away")
         return real(ds, plan, cameras, fps)
 
-    monkeypatch.setattr(lio, "_read_images", failing)
+    monkeypatch.setattr(lio, "read_images", failing)
     with pytest.raises(OSError, match="disk went away"):
         main(
             [

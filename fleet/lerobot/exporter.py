@@ -19,7 +19,7 @@ import numpy as np
 from vla_rl_client.meta import EpisodeMeta, SegmentKind
 from vla_rl_client.spec import RobotSpec, SpecError
 
-from fleet.lerobot.labels import LABELS_PATH, _with_outcome_label, _write_labels
+from fleet.lerobot.labels import LABELS_PATH, with_outcome_label, write_labels
 from fleet.lerobot.schema import (
     ACTION_KEY,
     CONTROLLER_KEY,
@@ -102,7 +102,7 @@ def export_lerobot(
     if db is not None and hasattr(db, "current_label_events"):
         events = db.current_label_events([m.episode_id for m in metas])
     recorded = {m.episode_id: (m.outcome, m.success) for m in metas}
-    metas = [_with_outcome_label(m, events.get(m.episode_id, [])) for m in metas]
+    metas = [with_outcome_label(m, events.get(m.episode_id, [])) for m in metas]
     spec = metas[0].spec
     for m in metas[1:]:
         _check_same_schema(spec, m)
@@ -149,7 +149,7 @@ def export_lerobot(
         ds.finalize()
         leave_realtime(_AFTER_ENCODER, logging.DEBUG)
         if db is not None:
-            _write_labels(tmp / LABELS_PATH, metas, events)
+            write_labels(tmp / LABELS_PATH, metas, events)
         sidecar = {
             "format": SIDECAR_FORMAT,
             "version": SIDECAR_VERSION,

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vla_rl_client.spec import SpecError
 
-from fleet.lerobot.plan import _Plan
-from fleet.lerobot.source import _Camera
+from fleet.lerobot.plan import EpisodePlan
+from fleet.lerobot.source import Camera
 
 if TYPE_CHECKING:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
 
-def _read_images(
-    ds: LeRobotDataset, plan: _Plan, cameras: Sequence[_Camera], fps: float
+def read_images(
+    ds: LeRobotDataset, plan: EpisodePlan, cameras: Sequence[Camera], fps: float
 ) -> dict[str, np.ndarray]:
     """uint8 [T, H, W, 3] per camera name, checked against the spec's H x W."""
     out: dict[str, np.ndarray] = {}
@@ -62,7 +62,7 @@ def _rgb_channels(arr: np.ndarray) -> np.ndarray:
     return arr[..., :3]
 
 
-def _decode_video(ds: LeRobotDataset, plan: _Plan, cam: _Camera) -> np.ndarray:
+def _decode_video(ds: LeRobotDataset, plan: EpisodePlan, cam: Camera) -> np.ndarray:
     from lerobot.datasets.video_utils import decode_video_frames, get_safe_default_video_backend
 
     ep = ds.meta.episodes[plan.episode_index]

@@ -20,20 +20,20 @@ from vla_rl_client.meta import TASK_RUNS_LABEL, Controller, EpisodeDB, EpisodeMe
 from vla_rl_client.spec import RobotSpec, SpecError
 
 from fleet.codecs import CameraCodecs
-from fleet.lerobot.images import _read_images
-from fleet.lerobot.plan import _Plan, _plan_episodes
+from fleet.lerobot.images import read_images
+from fleet.lerobot.plan import EpisodePlan, plan_episodes
 from fleet.lerobot.schema import ACTION_KEY, STATE_KEY
 from fleet.lerobot.source import (
-    _check_local_files,
-    _check_video_files,
-    _load_info,
-    _load_sidecar,
-    _optional_columns,
-    _resolve_dataset,
-    _restore_spec,
-    _select_cameras,
-    _task_names,
-    _vector_feature,
+    check_local_files,
+    check_video_files,
+    dataset_tasks,
+    load_info,
+    load_sidecar,
+    optional_columns,
+    resolve_dataset,
+    restore_spec,
+    select_cameras,
+    vector_feature,
 )
 from fleet.store import EpisodeStore
 
@@ -107,13 +107,13 @@ def import_lerobot(
     leaves the store and its DB as they were. ``db`` (default: the store's) records the episodes and a
     ``source`` label pointing back at the LeRobot dataset, its fingerprint and episode.
     """
-    root, repo_id = _resolve_dataset(root_or_repo_id)
-    info = _load_info(root)
+    root, repo_id = resolve_dataset(root_or_repo_id)
+    info = load_info(root)
     features: dict[str, dict[str, Any]] = info["features"]
-    state_dim, state_names = _vector_feature(features, STATE_KEY, "float32 [S] joint/proprio state")
-    action_dim, action_names = _vector_feature(features, ACTION_KEY, "float32 [A] action")
-    cameras = _select_cameras(features, camera_keys)
-    optional = _optional_columns(features)
+    state_dim, state_names = vector_feature(features, STATE_KEY, "float32 [S] joint/proprio state")
+    action_dim, action_names = vector_feature(features, ACTION_KEY, "float32 [A] action")
+    cameras = select_cameras(features, camera_keys)
+    optional = optional_columns(features)
     fps = info.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
         raise SpecError("fps", "a positive frame rate in meta/info.json", repr(fps))
@@ -124,21 +124,21 @@ def import_lerobot(
     if int(info.get("total_episodes", 0)) == 0:
         log.warning("%s holds no episodes; nothing imported", root)
         return []
-    _check_local_files(root, info)
+    check_local_files(root, info)
 
     from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     meta = LeRobotDatasetMetadata(repo_id, root=root)  # loads, never downloads: files checked above
-    _check_video_files(root, meta, cameras)
+    check_video_files(root, meta, cameras)
     ds = LeRobotDataset(repo_id, root=root, download_videos=False)
 
     label_db = db if db is not None else store.db
     fingerprint = dataset_fingerprint(root)
     if not allow_duplicate:
         _refuse_duplicate(store, label_db, root, fingerprint)
-    sidecar = _load_sidecar(root, int(info.get("total_frames", -1)))
-    tasks = _task_names(ds)
+    sidecar = load_sidecar(root, int(info.get("total_frames", -1)))
+    tasks = dataset_tasks(ds)
     robot_type = info.get("robot_type") if isinstance(info.get("robot_type"), str) else None
     built = RobotSpec(
         name=spec_name or robot_type or repo_id,
@@ -151,10 +151,10 @@ def import_lerobot(
         state_names=state_names,
         extras={"lerobot": {"repo_id": repo_id, "root": str(root), "robot_type": info.get("robot_type")}},
     )
-    spec = _restore_spec(built, sidecar, spec_name)
+    spec = restore_spec(built, sidecar, spec_name)
     codecs.check(spec.camera_names)
     default_task = task or robot_type or repo_id
-    plans = _plan_episodes(ds, optional, sidecar, ctrl_default, fps, default_task, task is not None)
+    plans = plan_episodes(ds, optional, sidecar, ctrl_default, fps, default_task, task is not None)
 
     metas: list[EpisodeMeta] = []
     written: list[str] = []  # episode ids created so far, half-written ones too
@@ -162,7 +162,7 @@ def import_lerobot(
     safe_robot = re.sub(r"[^A-Za-z0-9_.-]", "_", robot_id)[:64]
     try:
         for plan in plans:
-            images = _read_images(ds, plan, cameras, fps)
+            images = read_images(ds, plan, cameras, fps)
             metas.append(
                 _write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", written, codecs)
             )
@@ -244,7 +244,7 @@ def _refuse_duplicate(store: EpisodeStore, db: EpisodeDB | None, root: Path, fin
 def _write_plan(
     store: EpisodeStore,
     spec: RobotSpec,
-    plan: _Plan,
+    plan: EpisodePlan,
     images: Mapping[str, np.ndarray],
     robot_id: str,
     id_prefix: str,

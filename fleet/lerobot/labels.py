@@ -29,7 +29,7 @@ LABEL_COLUMNS = (
 )
 
 
-def _with_outcome_label(meta: EpisodeMeta, events: Sequence[Any]) -> EpisodeMeta:
+def with_outcome_label(meta: EpisodeMeta, events: Sequence[Any]) -> EpisodeMeta:
     """The meta with a current ``outcome`` label's value as its outcome (``success`` -> success)."""
     from fleet.db import OUTCOME_KEY, effective_outcome
 
@@ -40,7 +40,7 @@ def _with_outcome_label(meta: EpisodeMeta, events: Sequence[Any]) -> EpisodeMeta
     return dataclasses.replace(meta, outcome=outcome, success=success)
 
 
-def _write_labels(path: Path, metas: Sequence[EpisodeMeta], events: Mapping[str, Sequence[Any]]) -> None:
+def write_labels(path: Path, metas: Sequence[EpisodeMeta], events: Mapping[str, Sequence[Any]]) -> None:
     """The current labels as a parquet table (one row per label; :data:`LABEL_COLUMNS`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -26,7 +26,7 @@ from fleet.lerobot.schema import (
     SUCCESS_KEY,
     TRUNCATED_KEY,
 )
-from fleet.lerobot.source import _Optional, _task_names
+from fleet.lerobot.source import OptionalColumns, dataset_tasks
 
 if TYPE_CHECKING:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
@@ -35,7 +35,7 @@ log = logging.getLogger("fleet.lerobot_io")  # one logger for the whole package,
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class EpisodePlan:
     """One LeRobot episode, fully read and checked except for its images."""
 
     episode_index: int
@@ -62,15 +62,15 @@ def _column(cols: Mapping[str, np.ndarray], key: str, n: int) -> np.ndarray:
     return np.asarray(cols[key]).reshape(n, -1)
 
 
-def _plan_episodes(
+def plan_episodes(
     ds: LeRobotDataset,
-    opt: _Optional,
+    opt: OptionalColumns,
     sidecar: Mapping[str, Any] | None,
     default_controller: Controller,
     fps: float,
     task: str,
     task_given: bool,
-) -> list[_Plan]:
+) -> list[EpisodePlan]:
     """Read and check every non-image column of every episode, before anything is written."""
     keys = [STATE_KEY, ACTION_KEY, "episode_index", "frame_index", "timestamp", "task_index"]
     keys += [k for k, on in ((REWARD_KEY, opt.reward), (DONE_KEY, opt.done)) if on]
@@ -115,7 +115,7 @@ def _plan_episodes(
         intervention = _column(cols, opt.intervention, n)[:, 0].astype(bool)
     else:
         intervention = controller == int(Controller.HUMAN)
-    task_names = dict(enumerate(_task_names(ds)))
+    task_names = dict(enumerate(dataset_tasks(ds)))
     task_index = _column(cols, "task_index", n)[:, 0].astype(np.int64)
     video_time = _column(cols, "timestamp", n)[:, 0].astype(np.float64)
 
@@ -159,7 +159,7 @@ def _plan_episodes(
         start = entry.get("start_time") if entry is not None else None
         ep_task = task if task_given or entry is None else str(entry.get("task") or task)
         plans.append(
-            _Plan(
+            EpisodePlan(
                 episode_index=int(e),
                 rows=rows,
                 instruction=instruction,

@@ -43,13 +43,15 @@ _INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "
 
 
 @dataclasses.dataclass(frozen=True)
-class _Camera:
+class Camera:
+    """One RGB camera feature of the dataset: its key, the camera it becomes, and whether it is video."""
+
     key: str  # LeRobot feature key
     spec: CameraSpec
     video: bool
 
 
-def _resolve_dataset(root_or_repo_id: str | os.PathLike[str]) -> tuple[Path, str]:
+def resolve_dataset(root_or_repo_id: str | os.PathLike[str]) -> tuple[Path, str]:
     """(dataset root, repo id) for a directory or a repo id in the local LeRobot cache."""
     path = Path(root_or_repo_id).expanduser()
     if (path / "meta" / "info.json").is_file():
@@ -72,7 +74,8 @@ def _resolve_dataset(root_or_repo_id: str | os.PathLike[str]) -> tuple[Path, str
     )
 
 
-def _load_info(root: Path) -> dict[str, Any]:
+def load_info(root: Path) -> dict[str, Any]:
+    """``meta/info.json`` of a v3.x dataset with a feature dict; anything else is an error naming it."""
     path = root / "meta" / "info.json"
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
@@ -89,7 +92,7 @@ def _load_info(root: Path) -> dict[str, Any]:
     return info
 
 
-def _vector_feature(features: Mapping[str, Any], key: str, what: str) -> tuple[int, tuple[str, ...]]:
+def vector_feature(features: Mapping[str, Any], key: str, what: str) -> tuple[int, tuple[str, ...]]:
     """Dim and names of a 1-D float feature, or a SpecError naming the key."""
     ft = features.get(key)
     if not isinstance(ft, Mapping):
@@ -107,7 +110,9 @@ def _vector_feature(features: Mapping[str, Any], key: str, what: str) -> tuple[i
     return shape[0], ()
 
 
-def _select_cameras(features: Mapping[str, Any], camera_keys: Sequence[str] | None) -> list[_Camera]:
+def select_cameras(features: Mapping[str, Any], camera_keys: Sequence[str] | None) -> list[Camera]:
+    """The RGB image and video features (depth maps skipped) as cameras, all or those ``camera_keys`` names
+    (feature keys or camera names); camera names are the key's last part, made safe."""
     available: dict[str, str] = {}  # feature key -> camera name
     for key, ft in features.items():
         if not isinstance(ft, Mapping) or ft.get("dtype") not in ("image", "video"):
@@ -143,7 +148,7 @@ def _select_cameras(features: Mapping[str, Any], camera_keys: Sequence[str] | No
     if dup:
         raise SpecError("cameras", "camera features with distinct names", f"{dup} more than once in {keys}")
     return [
-        _Camera(k, _camera_spec(k, available[k], features[k]), features[k]["dtype"] == "video") for k in keys
+        Camera(k, _camera_spec(k, available[k], features[k]), features[k]["dtype"] == "video") for k in keys
     ]
 
 
@@ -162,7 +167,9 @@ def _camera_spec(key: str, name: str, ft: Mapping[str, Any]) -> CameraSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Optional:
+class OptionalColumns:
+    """Which optional columns the dataset has (:func:`optional_columns`)."""
+
     reward: bool
     done: bool
     truncated: bool
@@ -173,7 +180,7 @@ class _Optional:
     segment: bool
 
 
-def _optional_columns(features: Mapping[str, Any]) -> _Optional:
+def optional_columns(features: Mapping[str, Any]) -> OptionalColumns:
     """Which optional columns are present; a present one with an unusable dtype is an error."""
 
     def has(key: str, dtypes: frozenset[str], what: str) -> bool:
@@ -195,7 +202,7 @@ def _optional_columns(features: Mapping[str, Any]) -> _Optional:
     controller = intervention
     if has(CONTROLLER_KEY, _INT_DTYPES, "integer controller codes (policy=0, human=1, scripted=2)"):
         controller = CONTROLLER_KEY
-    return _Optional(
+    return OptionalColumns(
         reward=has(REWARD_KEY, numeric, "a numeric reward"),
         done=has(DONE_KEY, bools, "a bool done flag"),
         truncated=has(TRUNCATED_KEY, bools, "a bool truncated flag"),
@@ -207,7 +214,7 @@ def _optional_columns(features: Mapping[str, Any]) -> _Optional:
     )
 
 
-def _check_local_files(root: Path, info: Mapping[str, Any]) -> None:
+def check_local_files(root: Path, info: Mapping[str, Any]) -> None:
     """Make sure LeRobot finds everything locally: where a file is missing it would go to the Hub."""
     missing = []
     if int(info.get("total_tasks", 0)) > 0 and not (root / "meta" / "tasks.parquet").is_file():
@@ -222,7 +229,8 @@ def _check_local_files(root: Path, info: Mapping[str, Any]) -> None:
         )
 
 
-def _check_video_files(root: Path, meta: Any, cameras: Sequence[_Camera]) -> None:
+def check_video_files(root: Path, meta: Any, cameras: Sequence[Camera]) -> None:
+    """Every video camera's file of every episode is on disk (LeRobot would download a missing one)."""
     for cam in cameras:
         if not cam.video:
             continue
@@ -232,7 +240,7 @@ def _check_video_files(root: Path, meta: Any, cameras: Sequence[_Camera]) -> Non
                 raise FileNotFoundError(f"LeRobot dataset {root}: video {path} of episode {ep} is missing")
 
 
-def _load_sidecar(root: Path, total_frames: int) -> dict[str, Any] | None:
+def load_sidecar(root: Path, total_frames: int) -> dict[str, Any] | None:
     """Our export's sidecar, if present and still describing this dataset (same frame count)."""
     path = root / SIDECAR_PATH
     if not path.is_file():
@@ -255,7 +263,7 @@ def _load_sidecar(root: Path, total_frames: int) -> dict[str, Any] | None:
     return data
 
 
-def _task_names(ds: LeRobotDataset) -> list[str]:
+def dataset_tasks(ds: LeRobotDataset) -> list[str]:
     """Task strings ordered by task_index."""
     tasks = ds.meta.tasks
     if tasks is None:
@@ -264,7 +272,7 @@ def _task_names(ds: LeRobotDataset) -> list[str]:
     return [by_index[i] for i in sorted(by_index)]
 
 
-def _restore_spec(built: RobotSpec, sidecar: Mapping[str, Any] | None, spec_name: str | None) -> RobotSpec:
+def restore_spec(built: RobotSpec, sidecar: Mapping[str, Any] | None, spec_name: str | None) -> RobotSpec:
     """The exported spec when it agrees with the features (it has names, instruction, extras)."""
     if sidecar is None:
         return built
