@@ -167,20 +167,13 @@ def import_lerobot(
                 _write_plan(store, spec, plan, images, robot_id, f"{stamp}-{safe_robot}", written, codecs)
             )
         if label_db is not None:  # only now: a failure above leaves no DB rows behind
-            for plan, meta in zip(plans, metas, strict=True):
-                label_db.record_episode_open(meta, str(store.root))
-                label_db.record_episode_closed(meta)
-                source = {
-                    "format": "lerobot-v3",
-                    "repo_id": repo_id,
-                    "root": str(root),
-                    "fingerprint": fingerprint,
-                    "episode_index": plan.episode_index,
-                }
-                label_db.add_label(meta.episode_id, LABEL_KEY, source, author=LABEL_AUTHOR)
-                if len(plan.task_runs) > 1:
-                    runs = [list(r) for r in plan.task_runs]
-                    label_db.add_label(meta.episode_id, TASKS_LABEL_KEY, runs, author=LABEL_AUTHOR)
+            source = {
+                "format": "lerobot-v3",
+                "repo_id": repo_id,
+                "root": str(root),
+                "fingerprint": fingerprint,
+            }
+            _record_episodes(label_db, store, plans, metas, source)
     except BaseException as e:
         for eid in written:
             shutil.rmtree(store.episodes_dir / eid, ignore_errors=True)
@@ -189,6 +182,25 @@ def import_lerobot(
     ids = [m.episode_id for m in metas]
     log.info("imported %d episodes from %s into %s", len(ids), root, store.root)
     return ids
+
+
+def _record_episodes(
+    db: EpisodeDB,
+    store: EpisodeStore,
+    plans: Sequence[EpisodePlan],
+    metas: Sequence[EpisodeMeta],
+    source: Mapping[str, Any],
+) -> None:
+    """Record the imported episodes in ``db``, each with a ``source`` label (``source`` and its LeRobot
+    episode index) and, where its frames switch task, the task runs label."""
+    for plan, meta in zip(plans, metas, strict=True):
+        db.record_episode_open(meta, str(store.root))
+        db.record_episode_closed(meta)
+        label = {**source, "episode_index": plan.episode_index}
+        db.add_label(meta.episode_id, LABEL_KEY, label, author=LABEL_AUTHOR)
+        if len(plan.task_runs) > 1:
+            runs = [list(r) for r in plan.task_runs]
+            db.add_label(meta.episode_id, TASKS_LABEL_KEY, runs, author=LABEL_AUTHOR)
 
 
 class DuplicateImportError(ValueError):

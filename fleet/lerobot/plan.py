@@ -72,13 +72,7 @@ def plan_episodes(
     task_given: bool,
 ) -> list[EpisodePlan]:
     """Read and check every non-image column of every episode, before anything is written."""
-    keys = [STATE_KEY, ACTION_KEY, "episode_index", "frame_index", "timestamp", "task_index"]
-    keys += [k for k, on in ((REWARD_KEY, opt.reward), (DONE_KEY, opt.done)) if on]
-    keys += [k for k, on in ((TRUNCATED_KEY, opt.truncated), (SUCCESS_KEY, opt.success)) if on]
-    keys += [OUTCOME_KNOWN_KEY] if opt.outcome_known else []
-    keys += sorted({k for k in (opt.controller, opt.intervention) if k})
-    keys += [SEGMENT_KEY] if opt.segment else []
-    cols = ds.hf_dataset.select_columns(keys).with_format("numpy")[:]
+    cols = ds.hf_dataset.select_columns(_column_keys(opt)).with_format("numpy")[:]
     n = len(cols["episode_index"])
     state = _column(cols, STATE_KEY, n).astype(np.float32)
     action = _column(cols, ACTION_KEY, n).astype(np.float32)
@@ -95,22 +89,7 @@ def plan_episodes(
     success = _column(cols, SUCCESS_KEY, n)[:, 0].astype(bool) if opt.success else None
     known = _column(cols, OUTCOME_KNOWN_KEY, n)[:, 0].astype(bool) if opt.outcome_known else None
     segment = _column(cols, SEGMENT_KEY, n)[:, 0].astype(np.int64) if opt.segment else None
-    if opt.controller == CONTROLLER_KEY:
-        controller = _column(cols, CONTROLLER_KEY, n)[:, 0].astype(np.int64)
-        bad = ~np.isin(controller, [int(c) for c in Controller])
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise SpecError(
-                CONTROLLER_KEY,
-                "codes policy=0, human=1, scripted=2",
-                f"{controller[i]} at episode {episode[i]} frame {frame[i]}",
-            )
-    elif opt.controller is not None:
-        flag = _column(cols, opt.controller, n)[:, 0].astype(bool)
-        controller = np.where(flag, int(Controller.HUMAN), int(Controller.POLICY))
-    else:
-        controller = np.full(n, int(default_controller), np.int64)
-    controller = controller.astype(np.uint8)
+    controller = _controllers(cols, opt.controller, default_controller, episode, frame)
     if opt.intervention is not None:
         intervention = _column(cols, opt.intervention, n)[:, 0].astype(bool)
     else:
@@ -134,25 +113,11 @@ def plan_episodes(
             if entry is not None:
                 log.warning("episode %d: exported segments no longer match its frames; re-derived", e)
             segments = _derive_segments(ctrl, intervention[rows], seg_col)
-        ep_truncated = truncated[rows].copy()
-        ep_done = done[rows] | ep_truncated
-        if entry is not None and entry.get("end_flag_added") is True and ep_truncated[-1]:
-            ep_truncated[-1] = ep_done[-1] = False  # the export added it; the store had neither flag
-        elif entry is None and not ep_done[-1]:
-            ep_truncated[-1] = True  # the episode ended here without a terminal state
-        if entry is not None and entry.get("outcome") and entry.get("success") is not None:
-            outcome, ok = str(entry["outcome"]), bool(entry["success"])
-        elif entry is not None:  # exported while still open, or with an unknown outcome
-            outcome, ok = "unknown", False
-        elif success is not None and bool(success[rows].any()):
-            outcome, ok = "success", True
-        elif success is not None and (known is None or bool(known[rows].all())):
-            outcome, ok = "failure", False
-        else:
-            outcome, ok = "unknown", False
-        ep_tasks = task_index[rows]
-        cuts = [0, *(np.flatnonzero(np.diff(ep_tasks) != 0) + 1).tolist(), m]
-        runs = tuple((a, b, task_names.get(int(ep_tasks[a]), "")) for a, b in itertools.pairwise(cuts))
+        terminated, ep_truncated = _episode_ends(done[rows], truncated[rows], entry)
+        outcome, ok = _episode_outcome(
+            entry, None if success is None else success[rows], None if known is None else known[rows]
+        )
+        runs = _task_runs(task_index[rows], task_names)
         instruction = runs[0][2]
         if len(runs) > 1:
             log.info("episode %d has %d task runs; instruction = the first, %r", e, len(runs), instruction)
@@ -172,7 +137,7 @@ def plan_episodes(
                 state=state[rows],
                 action=action[rows],
                 reward=reward[rows],
-                terminated=ep_done & ~ep_truncated,
+                terminated=terminated,
                 truncated=ep_truncated,
                 controller=ctrl,
                 frame_time=frame[rows] / float(fps),
@@ -180,6 +145,83 @@ def plan_episodes(
             )
         )
     return plans
+
+
+def _column_keys(opt: OptionalColumns) -> list[str]:
+    """The columns to read: the required ones and every optional one the dataset has."""
+    keys = [STATE_KEY, ACTION_KEY, "episode_index", "frame_index", "timestamp", "task_index"]
+    keys += [k for k, on in ((REWARD_KEY, opt.reward), (DONE_KEY, opt.done)) if on]
+    keys += [k for k, on in ((TRUNCATED_KEY, opt.truncated), (SUCCESS_KEY, opt.success)) if on]
+    keys += [OUTCOME_KNOWN_KEY] if opt.outcome_known else []
+    keys += sorted({k for k in (opt.controller, opt.intervention) if k})
+    keys += [SEGMENT_KEY] if opt.segment else []
+    return keys
+
+
+def _controllers(
+    cols: Mapping[str, np.ndarray],
+    key: str | None,
+    default_controller: Controller,
+    episode: np.ndarray,
+    frame: np.ndarray,
+) -> np.ndarray:
+    """uint8 controller codes per row: from the ``controller`` column (codes checked), from an
+    intervention flag (True = human, False = policy), or ``default_controller`` without either."""
+    n = len(episode)
+    if key == CONTROLLER_KEY:
+        controller = _column(cols, CONTROLLER_KEY, n)[:, 0].astype(np.int64)
+        bad = ~np.isin(controller, [int(c) for c in Controller])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise SpecError(
+                CONTROLLER_KEY,
+                "codes policy=0, human=1, scripted=2",
+                f"{controller[i]} at episode {episode[i]} frame {frame[i]}",
+            )
+    elif key is not None:
+        flag = _column(cols, key, n)[:, 0].astype(bool)
+        controller = np.where(flag, int(Controller.HUMAN), int(Controller.POLICY))
+    else:
+        controller = np.full(n, int(default_controller), np.int64)
+    return controller.astype(np.uint8)
+
+
+def _episode_ends(
+    done: np.ndarray, truncated: np.ndarray, entry: Mapping[str, Any] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(terminated, truncated) of one episode from LeRobot's done / truncated flags. Our export marks a
+    last frame with neither flag truncated (the sidecar entry says so): that flag is dropped again; an
+    episode from elsewhere whose last frame is not done ended without a terminal state: truncated."""
+    ep_truncated = truncated.copy()
+    ep_done = done | ep_truncated
+    if entry is not None and entry.get("end_flag_added") is True and ep_truncated[-1]:
+        ep_truncated[-1] = ep_done[-1] = False  # the export added it; the store had neither flag
+    elif entry is None and not ep_done[-1]:
+        ep_truncated[-1] = True  # the episode ended here without a terminal state
+    return ep_done & ~ep_truncated, ep_truncated
+
+
+def _episode_outcome(
+    entry: Mapping[str, Any] | None, success: np.ndarray | None, known: np.ndarray | None
+) -> tuple[str, bool]:
+    """(outcome, success) of one episode: the sidecar's for our own exports, else the reader's rule:
+    success iff any frame has ``next.success``, failure iff not and every frame has ``outcome_known``
+    (or there is no such column), else unknown."""
+    if entry is not None and entry.get("outcome") and entry.get("success") is not None:
+        return str(entry["outcome"]), bool(entry["success"])
+    if entry is not None:  # exported while still open, or with an unknown outcome
+        return "unknown", False
+    if success is not None and bool(success.any()):
+        return "success", True
+    if success is not None and (known is None or bool(known.all())):
+        return "failure", False
+    return "unknown", False
+
+
+def _task_runs(task_index: np.ndarray, task_names: Mapping[int, str]) -> tuple[tuple[int, int, str], ...]:
+    """(start, end, LeRobot task) per run of frames with one task, in frame order."""
+    cuts = [0, *(np.flatnonzero(np.diff(task_index) != 0) + 1).tolist(), len(task_index)]
+    return tuple((a, b, task_names.get(int(task_index[a]), "")) for a, b in itertools.pairwise(cuts))
 
 
 def _check_finite(key: str, arr: np.ndarray, episode: np.ndarray, frame: np.ndarray) -> None:
