@@ -129,7 +129,7 @@ PICK_IDS = ["a-mixed", "b-demo", "c-scripted"]
 def exported(tmp_path_factory: pytest.TempPathFactory, offline_hf: None) -> tuple[EpisodeStore, Path]:
     base = tmp_path_factory.mktemp("export")
     store = build_store(base / "store")
-    from fleet.lerobot_io import export_lerobot
+    from fleet.lerobot import export_lerobot
 
     out = export_lerobot(store, base / "lerobot" / "ds", REPO_ID, task="pick", use_videos=False)
     return store, out
@@ -263,7 +263,7 @@ def test_export_reads_back_in_lerobot(exported: tuple[EpisodeStore, Path]) -> No
 def test_import_of_export_is_exact(
     exported: tuple[EpisodeStore, Path], tmp_path: Path, store_db_url: str | None
 ) -> None:
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     store, out = exported
     store2 = EpisodeStore(tmp_path / "store2", create=True)
@@ -299,7 +299,7 @@ def test_import_derives_segments_without_sidecar(exported: tuple[EpisodeStore, P
     """Without our sidecar (e.g. the dataset went through other tools), segments come from the columns."""
     import shutil
 
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     store, out = exported
     copy = tmp_path / "copy"
@@ -329,7 +329,7 @@ def test_import_derives_segments_without_sidecar(exported: tuple[EpisodeStore, P
 
 
 def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     store = EpisodeStore(tmp_path / "store", create=True)
     ids = import_lerobot(so100, store, robot_id="so100-7")
@@ -377,7 +377,7 @@ def test_import_handmade_lerobot_dataset(so100: Path, tmp_path: Path) -> None:
 
 def test_import_dagger_style_dataset(tmp_path: Path) -> None:
     """An ``intervention`` column (LeRobot's DAgger recording) splits segments; float64 actions are cast."""
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     flags = [False] * 3 + [True] * 3 + [False] * 4
     root = tmp_path / "dagger"
@@ -454,7 +454,7 @@ def _bad_dataset(root: Path, case: str) -> None:
     ],
 )
 def test_import_rejects_bad_datasets(tmp_path: Path, case: str, match: str) -> None:
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     _bad_dataset(tmp_path / "bad", case)
     store = EpisodeStore(tmp_path / "store", create=True)
@@ -466,7 +466,7 @@ def test_import_rejects_bad_datasets(tmp_path: Path, case: str, match: str) -> N
 def test_import_rejects_missing_or_incomplete(so100: Path, tmp_path: Path) -> None:
     import shutil
 
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     store = EpisodeStore(tmp_path / "store", create=True)
     with pytest.raises(FileNotFoundError, match=r"no LeRobot dataset at .*nope.* does not exist"):
@@ -485,7 +485,7 @@ def test_import_rejects_missing_or_incomplete(so100: Path, tmp_path: Path) -> No
 
 
 def test_export_rejects_bad_requests(exported: tuple[EpisodeStore, Path], tmp_path: Path) -> None:
-    from fleet.lerobot_io import export_lerobot
+    from fleet.lerobot import export_lerobot
 
     store, out = exported
     with pytest.raises(FileExistsError, match="not an empty directory"):
@@ -519,7 +519,7 @@ def test_video_export_round_trip(tmp_path: Path) -> None:
         av.codec.Codec("libsvtav1", "w")
     except Exception:
         pytest.skip("PyAV has no libsvtav1 encoder")
-    from fleet.lerobot_io import export_lerobot, import_lerobot
+    from fleet.lerobot import export_lerobot, import_lerobot
 
     store = EpisodeStore(tmp_path / "store", create=True)
     yy, xx = np.mgrid[0:32, 0:32]
@@ -564,7 +564,7 @@ def test_video_export_leaves_the_thread_off_realtime(
         av.codec.Codec("libsvtav1", "w")
     except Exception:
         pytest.skip("PyAV has no libsvtav1 encoder")
-    from fleet.lerobot_io import export_lerobot
+    from fleet.lerobot import export_lerobot
     from vla_rl.core.scheduling import realtime_policy
 
     spec = RobotSpec("one-cam", 5, 3, 10.0, "x", (CameraSpec("base", 32, 32),))
@@ -619,7 +619,7 @@ def record_style_dataset(root: Path, intervention: list[bool] | None = None) -> 
 def import_into(dataset: Path, root: Path, db_url: str | None = None) -> Path:
     """``dataset`` imported into a new store at ``root`` (HF_HOME is the caller's), its episodes and labels
     recorded in the metadata DB ``db_url`` (None: none, as ``import_lerobot`` without a DB)."""
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     db = MetadataDB(db_url) if db_url else None
     import_lerobot(dataset, EpisodeStore(root, create=True, db=db), db=db)
@@ -674,7 +674,7 @@ def test_record_style_dataset_round_trip_through_the_cli(
 ) -> None:
     import zarr
 
-    from fleet.lerobot_io import DuplicateImportError, import_lerobot
+    from fleet.lerobot import DuplicateImportError, import_lerobot
     from vla_rl.cli import main
 
     data = tmp_path / "koch_towels"
@@ -763,7 +763,7 @@ def test_record_style_dataset_round_trip_through_the_cli(
 
 @pytest.mark.parametrize("case", ["no_intervention_column", "mixed_intervention", "sim_fleet_takeovers"])
 def test_intervention_agrees_in_store_info_segments_and_export(tmp_path: Path, case: str) -> None:
-    from fleet.lerobot_io import export_lerobot, import_lerobot
+    from fleet.lerobot import export_lerobot, import_lerobot
 
     if case == "sim_fleet_takeovers":
         store = takeover_store(tmp_path / "store")
@@ -792,7 +792,7 @@ def test_intervention_agrees_in_store_info_segments_and_export(tmp_path: Path, c
 
 
 def test_unknown_outcomes_next_to_known_ones_stay_unknown(tmp_path: Path) -> None:
-    from fleet.lerobot_io import export_lerobot, import_lerobot
+    from fleet.lerobot import export_lerobot, import_lerobot
 
     record_style_dataset(tmp_path / "ds")
     store = EpisodeStore(tmp_path / "store", create=True)
@@ -825,11 +825,11 @@ def test_unknown_outcomes_next_to_known_ones_stay_unknown(tmp_path: Path) -> Non
 def test_a_failed_import_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_db_url: str | None
 ) -> None:
-    import fleet.lerobot_io as lio
+    import fleet.lerobot.importer as lio
     from vla_rl.cli import main
 
     record_style_dataset(tmp_path / "ds")
-    real = lio._read_images
+    real = lio.read_images
     calls = []
 
     def failing(ds: Any, plan: Any, cameras: Any, fps: float) -> dict[str, np.ndarray]:
@@ -838,7 +838,7 @@ def test_a_failed_import_leaves_nothing(
             raise OSError("disk went away")
         return real(ds, plan, cameras, fps)
 
-    monkeypatch.setattr(lio, "_read_images", failing)
+    monkeypatch.setattr(lio, "read_images", failing)
     with pytest.raises(OSError, match="disk went away"):
         main(
             [
@@ -890,7 +890,7 @@ def test_import_and_export_with_a_jpeg_camera(exported: tuple[EpisodeStore, Path
     """--camera-codec on import: base as JPEG (each frame exactly its JPEG round trip), wrist lossless;
     exporting that store (PNG) and importing it again gives back the JPEG store's pixels bit for bit."""
     from fleet.codecs import array_codec, decode_jpeg, encode_jpeg
-    from fleet.lerobot_io import export_lerobot, import_lerobot
+    from fleet.lerobot import export_lerobot, import_lerobot
 
     store, out = exported
     jstore = EpisodeStore(tmp_path / "jpeg", create=True)

@@ -15,7 +15,7 @@ from vla_rl_client.meta import Controller, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
-from fleet.lerobot_io import LABEL_COLUMNS, LABELS_PATH, SIDECAR_PATH, export_lerobot, read_exported_labels
+from fleet.lerobot import LABEL_COLUMNS, LABELS_PATH, SIDECAR_PATH, export_lerobot, read_exported_labels
 from fleet.store import EpisodeStore
 
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=1, control_hz=10.0, instruction="do it")

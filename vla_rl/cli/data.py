@@ -256,7 +256,7 @@ class StoreExportLerobot:
 
 
 def store_export_lerobot(a: StoreExportLerobot) -> int:
-    from fleet.lerobot_io import export_lerobot
+    from fleet.lerobot import export_lerobot
 
     store, _db = open_store(a.path, db_url=a.db)
     with user_errors(FileExistsError, ValueError, prefix="store export-lerobot: "):
@@ -298,7 +298,7 @@ class StoreImportLerobot:
 
 def store_import_lerobot(a: StoreImportLerobot) -> int:
     from fleet.codecs import CameraCodecs, CodecError
-    from fleet.lerobot_io import import_lerobot
+    from fleet.lerobot import import_lerobot
 
     with user_errors(CodecError):
         CameraCodecs.parse(a.camera_codec)  # before anything is created
