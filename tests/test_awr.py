@@ -11,6 +11,7 @@ from left_right import LR_TASK, instruction_means, mixed_base, spec_instruction_
 from vla_rl_client.meta import Controller, SegmentKind
 
 from fleet.store import EpisodeStore
+from fleet.store_index import index_store
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.flow_vla.modeling_flow_vla import ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE
 from policies.loading import load_policy
@@ -278,7 +279,7 @@ def test_a_recovery_span_label_is_cloned_like_a_takeover(
     shutil.copytree(src, store)
     db = open_db(store, store_db_url)
     es = EpisodeStore(store)
-    db.record_episodes([es.read_metadata(e) for e in es.episode_ids()], str(store))  # demos bypassed the DB
+    index_store(es, db)  # the demos bypassed the DB (the fixture's own training may have recorded some)
     eid = next(e for e in es.episode_ids() if "arm-7" in e)
     length = es.read_metadata(eid).length  # a replayed demo: its length depends on which demo it was
     assert length > 12, "the fixture's takeover episode has autonomous frames after its takeover"
@@ -300,7 +301,7 @@ def test_a_recovery_span_label_is_cloned_like_a_takeover(
 
 
 def test_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="variant: expected awr or recap"):
+    with pytest.raises(ValueError, match=r"variant: expected one of \['awr', 'recap'\]"):
         AWRConfig(base="x", store=tmp_path, out=tmp_path, variant="ppo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive_fraction"):
         AWRConfig(base="x", store=tmp_path, out=tmp_path, positive_fraction=1.5)

@@ -3,6 +3,7 @@ round-trips through JSON, secrets never go in, a bad file is one line naming the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,3 +120,59 @@ def test_a_bad_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     path.write_text(json.dumps({"port": 0, "token": "x"}))
     assert main(["hub", "serve", "--config", str(path)]) == 2
     assert "token is a secret" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- knob bounds (issue 45 item 4)
+HOSTILE = [
+    ({"batch_size": 10**12}, "batch_size: expected 1..1_048_576"),
+    ({"steps": 10**15}, "steps: expected 0..1_000_000_000"),
+    ({"threads": 100_000}, "threads: expected 0..1024"),
+    ({"lr": float("inf")}, "lr: expected a finite number"),
+    ({"lr": float("nan")}, "lr: expected a finite number"),
+    ({"steps": 1.5}, "steps: expected an integer"),
+    ({"steps": True}, "steps: expected an integer"),
+    ({"seed": -1}, "seed: expected 0..2_147_483_647"),
+    ({"device": "cuda:99"}, "device: expected one of"),
+    ({"value_steps": 10**30}, "value_steps: expected 0..1_000_000_000"),
+]
+
+
+@pytest.mark.parametrize(
+    ("knob", "message"), HOSTILE, ids=[next(iter(k)) + "-" + str(i) for i, (k, _) in enumerate(HOSTILE)]
+)
+def test_every_algorithm_refuses_hostile_knobs_naming_them(knob: dict[str, Any], message: str) -> None:
+    """The trainer configs bound their own knobs, so the CLI, the dashboard's API and the round queue (which
+    all build them) refuse the same values the same way, before anything allocates or trains."""
+    from vla_rl.train.algorithms import ALGORITHMS, make_config
+
+    for name, algo in ALGORITHMS.items():
+        fields = {f.name for f in dataclasses.fields(algo.config_class())}
+        if not set(knob) <= fields:
+            continue
+        with pytest.raises(ValueError) as e:
+            make_config(name, base="hub://org/arm@prod", store=Path("s"), out=Path("o"), **knob)
+        assert str(e.value).startswith(message), (name, str(e.value))
+
+
+def test_defaults_presets_and_rounds_stay_valid_and_round_options_are_bounded() -> None:
+    from vla_rl.rounds import RoundConfig
+    from vla_rl.train.algorithms import ALGORITHMS, make_config
+    from vla_rl.train.presets import PRESETS, preset_config
+
+    common = {"base": "hub://org/arm@prod", "store": Path("s"), "out": Path("o")}
+    for name in ALGORITHMS:
+        make_config(name, **common)
+    for name in PRESETS:
+        preset_config(name, **common)
+    train = make_config("awr", **common)
+    for bad, message in [
+        ({"eval_envs": 100_000}, "eval_envs: expected 1..256"),
+        ({"eval_episodes": 0}, "eval_episodes: expected 1..100_000"),
+        ({"repo": "../../x"}, "repo: expected org/name"),
+        ({"promote_ref": "../x"}, "promote_ref: invalid revision"),
+        ({"promote_ref": "main"}, "promote_ref: expected a tag or branch other than main"),
+        ({"margin": float("inf")}, "margin: expected a finite number"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            RoundConfig(train=train, **bad)
+        assert str(e.value).startswith(message), str(e.value)

@@ -32,11 +32,13 @@ from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
+from vla_rl.core.configs import check_values
 from vla_rl.core.seeds import EVAL
 from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
-from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
+from vla_rl.hub.naming import validate_client_revision, validate_repo_id
+from vla_rl.hub.registry import DEFAULT_REVISION, is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
 from vla_rl.train.transitions import select_episode_ids
@@ -82,6 +84,26 @@ class RoundOptions:
     eval_envs: int = 2
     """Simulator processes for the evaluation."""
 
+    def __post_init__(self) -> None:
+        check_values(self, _round_bounds)
+        if self.repo is not None:
+            try:
+                validate_repo_id(self.repo)
+            except ValueError as e:
+                raise ValueError(f"repo: expected org/name, got {self.repo!r} ({e})") from None
+        try:
+            validate_client_revision(self.promote_ref)
+        except ValueError as e:
+            raise ValueError(f"promote_ref: {e}") from None
+        if self.promote_ref == DEFAULT_REVISION:
+            raise ValueError(
+                f"promote_ref: expected a tag or branch other than {DEFAULT_REVISION} (it keeps the history)"
+            )
+
+
+def _round_bounds(name: str) -> tuple[float, float] | None:
+    return {"eval_episodes": (1, 100_000), "eval_envs": (1, 256), "eval_seed": (0, 2**31 - 1)}.get(name)
+
 
 @dataclass(kw_only=True)
 class RoundConfig(RoundOptions):
@@ -98,13 +120,12 @@ class RoundConfig(RoundOptions):
     """The named preset the train config came from, recorded with the round (informational)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         t = self.train
         if not t.base:
             raise ValueError("base: a round improves and is compared against a base checkpoint (--base REF)")
         if t.store is None:
             raise ValueError("store: a round records itself in the store's metadata DB (--store PATH)")
-        if self.eval_episodes < 1 or self.eval_envs < 1:
-            raise ValueError("eval_episodes and eval_envs: expected positive integers")
         if not -1.0 < self.margin < 1.0:
             raise ValueError(f"margin: expected a fraction in (-1, 1), got {self.margin}")
         if self.push and self.repo is None and not is_hub_ref(t.base):
@@ -471,19 +492,20 @@ class ProgressWriter:
         self.writes += 1
         self._last_write, self._pending = self.clock(), False
 
-    def _check_cancel(self) -> None:
+    def check_cancel(self) -> None:
+        """Raise RoundCancelled if ``cancel_requested`` says so (every report and phase asks first)."""
         if self.cancel_requested is not None and self.cancel_requested():
             raise RoundCancelled(f"round {self.round_id} was cancelled while running")
 
     def phase(self, phase: str, **extra: Any) -> None:
         """The round moved on to ``phase`` (raises RoundLost if the round is no longer this worker's,
         RoundCancelled if it was cancelled)."""
-        self._check_cancel()
+        self.check_cancel()
         self.state.update(phase=phase, since=time.time(), **extra)
         self._write()
 
     def __call__(self, report: Mapping[str, Any]) -> None:
-        self._check_cancel()
+        self.check_cancel()
         stage, step, total = str(report["stage"]), int(report["step"]), int(report["total_steps"])
         now = self.clock()
         t0, s0, last = self._stages.get(stage, (now, step, step))
@@ -587,7 +609,7 @@ def run_round(
         )
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
-        progress.phase("committing")  # the last point a cancel stops the round
+        progress.check_cancel()  # the last point a cancel stops the round
         if worker is not None and not db.begin_commit(round_id, worker):
             raise RoundCancelled(f"round {round_id} was cancelled while running")
         progress.cancel_requested = None  # committing: a cancel no longer applies, the round finishes

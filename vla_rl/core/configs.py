@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
 from typing import Any, Literal, Union
 
@@ -94,6 +95,51 @@ def load(cls: type, path: str | os.PathLike[str]) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     return values(cls, data, str(p))
+
+
+MAX_INT = 2**53
+"""No config integer is larger (JSON's exact integers; every knob's own bound is far below)."""
+
+Bounds = Callable[[str], tuple[float, float] | None]
+"""A field name -> the inclusive range its numbers must lie in (None: any finite value)."""
+
+
+def check_values(cfg: Any, bounds: Bounds) -> None:
+    """Every field of ``cfg`` holds what its annotation says (an int is an int: not 1.5, not a bool; a float
+    a finite number: not Infinity, not NaN; a Literal one of its values; tuples element-wise) and every
+    number lies in ``bounds(name)``: the shared validation of configs anybody outside may fill (the CLI,
+    the dashboard's API, a queued round). ValueError names the field and what was expected."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            continue  # a nested config validates itself
+        _convert(_plain(value), hints[f.name], f.name)
+        limits = bounds(f.name)
+        for x in _numbers(value):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"{f.name}: expected a finite number, got {x}")
+            if limits is not None and not limits[0] <= x <= limits[1]:
+                raise ValueError(f"{f.name}: expected {_span(limits)}, got {x}")
+            if isinstance(x, int) and abs(x) > MAX_INT:
+                raise ValueError(f"{f.name}: expected an integer of magnitude <= 2**53, got {x}")
+
+
+def _numbers(v: Any) -> list[int | float]:
+    if isinstance(v, bool):
+        return []
+    if isinstance(v, int | float):
+        return [v]
+    if isinstance(v, tuple | list):
+        return [x for item in v for x in _numbers(item)]
+    return []
+
+
+def _span(limits: tuple[float, float]) -> str:
+    lo, hi = (
+        f"{int(x):_}" if x != math.inf and x == int(x) and abs(x) >= 10_000 else f"{x:g}" for x in limits
+    )
+    return f">= {lo}" if limits[1] == math.inf else f"{lo}..{hi}"
 
 
 def save(cfg: Any, path: str | os.PathLike[str]) -> Path:

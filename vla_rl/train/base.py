@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from vla_rl.core.configs import check_values
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -76,12 +78,60 @@ class TrainerConfig:
             raise ValueError(f"base: {name} needs a base checkpoint (a folder or hub://org/name@rev)")
         if self.needs_store and self.store is None:
             raise ValueError(f"store: {name} needs an episode store (--store PATH)")
-        if self.device.split(":")[0] not in DEVICES:
-            raise ValueError(f"device: expected one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
-        if self.threads < 0:
-            raise ValueError(f"threads: expected >= 0 (0 = all cores but one), got {self.threads}")
+        check_values(self, knob_bounds)
+        kind, _, index = self.device.partition(":")
+        if kind not in DEVICES or (
+            index and not (kind == "cuda" and index.isdigit() and int(index) < MAX_GPUS)
+        ):
+            raise ValueError(
+                f"device: expected one of {', '.join(DEVICES)} (or cuda:N, N < {MAX_GPUS}), got {self.device!r}"
+            )
         if self.log_every < 1:
             raise ValueError(f"log_every: expected a positive integer, got {self.log_every}")
+
+
+MAX_GPUS = 64
+"""cuda:N beyond this is refused when a config is made; whether cuda:N exists is the worker's to say (a
+round may be queued on a machine without the GPU that runs it)."""
+_COUNT = (0, 10**9)
+
+
+def knob_bounds(name: str) -> tuple[float, float] | None:
+    """The range of a trainer knob, by name, shared by every algorithm's config: what the CLI, the
+    dashboard and the round queue accept (a hostile or mistyped value is refused naming the field, before
+    anything allocates or trains). None: any finite number."""
+    if name.endswith("seed"):
+        return (0, 2**31 - 1)
+    if name in ("batch_size", "minibatch_size"):
+        return (1, 2**20)
+    if name == "threads":
+        return (0, 1024)
+    if name in ("num_envs", "eval_envs"):
+        return (1, 1024)
+    if name in ("d_model", "critic_hidden", "value_hidden"):
+        return (1, 65536)
+    if name in (
+        "n_layers",
+        "expert_n_layers",
+        "n_heads",
+        "members",
+        "value_bins",
+        "value_folds",
+        "group_size",
+    ):
+        return (1, 1024)
+    if name in ("chunk_len", "n_exec", "image_size"):
+        return (1, 4096)
+    if name == "lr" or name.endswith("_lr"):
+        return (0, 10)
+    if name in ("max_minutes", "max_seconds", "weight_decay", "w_max", "hindsight_weight", "human_weight"):
+        return (0, math.inf)
+    if name.endswith(("steps", "episodes", "_every", "iterations")) or name in (
+        "critic_warmup", "start_online_after", "stop_at", "round_index", "next_action_cache", "update_epochs",
+        "buffer_episodes", "utd",
+    ):  # fmt: skip
+        return _COUNT
+    return None
 
 
 def check_optional_positive(cfg: Any, name: str, what: str) -> None:
