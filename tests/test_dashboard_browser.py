@@ -444,6 +444,8 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     page.wait_for_selector("table.episodes tbody tr")
     page.click("a:has-text('Train a round on this selection')")
     page.wait_for_url("**/rounds?**")
+    # the server translates the episode filter (GET /selection/from-filter): the field fills when it answers
+    page.wait_for_function("(document.querySelector(\"input[name='data']\") || {}).value")
     assert page.input_value("input[name='data']") == "robot=sim-0"
     page.wait_for_function(
         f"document.querySelector('.selection-count').textContent.includes('selects {FLEET_EPISODES} episodes')"
