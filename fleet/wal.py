@@ -15,6 +15,7 @@ import collections
 import contextlib
 import os
 import threading
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,24 @@ class WriteAheadLog:
     def read(path: Path) -> tuple[list[bytes], int]:
         """Every intact record, and the byte offset where they end (a torn tail starts there)."""
         return WriteAheadLog.parse(path.read_bytes())
+
+    @staticmethod
+    def records(path: Path, start: int, end: int) -> Iterator[bytes]:
+        """The records in bytes ``[start, end)`` of the log at ``path`` (``start`` on a record boundary), read
+        one at a time: a reader holds one record in memory, however far behind it is. Raises
+        RuntimeError at the first record that is not intact before ``end``."""
+        head_size = wire.RECORD_HEAD.size
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            while pos < end:
+                head = f.read(head_size)
+                n, crc = wire.RECORD_HEAD.unpack(head) if len(head) == head_size else (-1, 0)
+                payload = f.read(n) if 0 <= n <= end - pos - head_size else b""
+                if n < 0 or len(payload) != n or zlib.crc32(payload) != crc:
+                    raise RuntimeError(f"log {path.name}: no intact record at byte {pos} of {end}")
+                yield payload
+                pos += head_size + n
 
     @staticmethod
     def parse(data: bytes) -> tuple[list[bytes], int]:
