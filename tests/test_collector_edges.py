@@ -32,7 +32,8 @@ from fleet.objstore import StoreURLError, normalize_url
 from fleet.store import EpisodeStore
 from fleet.store.layout import block_bytes
 from fleet.store_writer import StoreWriter
-from fleet.wal import WriteAheadLog
+from fleet.wal import WAL_DIR, WriteAheadLog
+from vla_rl.cli.data import StoreVerify, store_verify
 from vla_rl.core.logs import TextFormatter
 
 SC = grpc.StatusCode
@@ -310,3 +311,44 @@ def test_the_store_writers_memory_bound_holds(tmp_path: Path) -> None:
     assert arrays <= bound + block, (arrays, bound)
     for eid in sizes:  # every frame made it: an evicted episode resumes from its commit
         assert store.read_metadata(eid).length == 48 and store.read_metadata(eid).is_closed
+
+
+# ------------------------------------------------------------------------------------------ store verify
+def test_store_verify_reports_frames_still_only_in_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Right after a stop, acknowledged frames may be only in the write-ahead log (the next start applies
+    them): verify says how many instead of a bare "consistent"."""
+    root = tmp_path / "store"
+    store = EpisodeStore(root, create=True)
+    wal_dir = root / WAL_DIR
+    wal_dir.mkdir()
+    sw = StoreWriter(root, max_buffered_bytes=64 * 1024 * 1024, wal_dir=wal_dir)
+    size = _log_episode(store, wal_dir, "part", 24)
+    assert sw.handle({"op": "data", "episode": "part", "end": size})[0]["stored"] == 16  # one chunk in Zarr
+    intact = {"none": _log_episode(store, wal_dir, "none", 40)}  # nothing applied
+    size = _log_episode(store, wal_dir, "done", 16, end=True)
+    assert sw.handle({"op": "data", "episode": "done", "end": size})[0]["closed"]
+    (wal_dir / "done.wal").unlink()  # what the collector does once the DB has the closed episode
+    with open(wal_dir / "none.wal", "ab") as f:
+        f.write(b"\x10\x00\x00\x00torn")  # a torn tail was never acknowledged: not counted
+    assert store_verify(StoreVerify(path=root, check_db=False)) == 0
+    out = capsys.readouterr().out
+    assert "are consistent, but 48 acknowledged frames of 2 open episode(s) are pending in the log" in out, (
+        out
+    )
+    assert "start the collector to apply them" in out
+    moved = tmp_path / "logs"
+    wal_dir.rename(moved)
+    intact["ended"] = _log_episode(store, moved, "ended", 8, end=True)
+    intact["part"] = (moved / "part.wal").stat().st_size
+    assert store_verify(StoreVerify(path=root, check_db=False, wal_dir=moved)) == 0
+    out = capsys.readouterr().out
+    assert "56 acknowledged frames and 1 episode end(s) of 3 open episode(s)" in out, out
+    for eid in ("part", "none", "ended"):  # applied: nothing pending
+        sw.wal_dir = moved
+        assert sw.handle({"op": "data", "episode": eid, "end": intact[eid]})[0]["error"] is None
+    sw.handle({"op": "flush", "episode": "part"})
+    sw.handle({"op": "flush", "episode": "none"})
+    assert store_verify(StoreVerify(path=root, check_db=False, wal_dir=moved)) == 0
+    assert capsys.readouterr().out.strip().endswith("are consistent")
