@@ -26,7 +26,7 @@ MAX_PATH_BYTES = 1024
 # Names Windows reserves for devices, whatever the extension or case ("nul.txt" is NUL): a client that
 # downloads the repo there cannot create the file, or writes to the device.
 _WINDOWS_DEVICES = frozenset(
-    ["CON", "PRN", "AUX", "NUL", "CONIN$", "CONOUT$"]
+    ["CON", "PRN", "AUX", "NUL"]
     + [f"{d}{n}" for d in ("COM", "LPT") for n in [*"123456789", "\u00b9", "\u00b2", "\u00b3"]]
 )
 # Unicode categories refused anywhere in a path: controls, format characters (zero-width, bidirectional
