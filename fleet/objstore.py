@@ -47,9 +47,9 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
-_URL_RE = re.compile(r"^s3:/+(?P<bucket>[^/]+)(?:/(?P<prefix>.*))?$")
+_URL_RE = re.compile(r"s3:/+(?P<bucket>[^/]+)(?:/(?P<prefix>.*))?")  # fullmatch only (`$` takes "\n")
 # S3 bucket naming rules (the subset every S3-compatible server accepts).
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 CACHE_ENV = "VLA_RL_STORE_CACHE"
 CACHE_MAX_ENV = "VLA_RL_STORE_CACHE_MAX_GB"
 DEFAULT_CACHE_MAX_GB = 20.0
@@ -74,11 +74,11 @@ def is_remote(root: str | os.PathLike[str]) -> bool:
 def normalize_url(root: str | os.PathLike[str]) -> tuple[str, str, str]:
     """``(url, bucket, prefix)`` of an ``s3://bucket/prefix`` store URL, or StoreURLError naming what is wrong."""
     text = str(root)
-    m = _URL_RE.match(text)
+    m = _URL_RE.fullmatch(text)
     if m is None:
         raise StoreURLError(f"store: expected s3://BUCKET/PREFIX, got {text!r}")
     bucket, prefix = m["bucket"], (m["prefix"] or "").strip("/")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
         raise StoreURLError(
             f"store: {bucket!r} in {text!r} is not a valid bucket name (3-63 characters: a-z, 0-9, '.', '-')"
         )

@@ -44,8 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vla_rl_client import wire
 
 from fleet.store import EpisodeStore, EpisodeWriter
+from fleet.store.layout import _BLOCKS, block_bytes
 from fleet.wal import SEGMENT_KINDS, WAL_DIR, WriteAheadLog, decode_frames, parse_message
 from vla_rl.core.scheduling import leave_realtime
 
@@ -195,28 +197,26 @@ class StoreWriter:
                 if meta.is_closed:  # closed by a writer that died before it could say so
                     report.update(applied=end or 0, stored=meta.length, closed=True)
                     return report
+                # Room for the block it is about to hold, before it is allocated.
+                self._bound_buffers(keep=None, room=block_bytes(meta.spec, meta.chunk_len))
                 writer = self.store.resume_episode(eid)
                 ep = self.open[eid] = _Open(writer, self.resume_at.pop(eid, 0))
             self.open.move_to_end(eid)
             closed = False
             if end is not None and end > ep.offset:
-                with open(self.wal_dir / f"{eid}.wal", "rb") as f:
-                    f.seek(ep.offset)
-                    records, good = WriteAheadLog.parse(f.read(end - ep.offset))
-                if ep.offset + good != end:
-                    raise RuntimeError(f"log of {eid}: no intact record at byte {ep.offset + good} of {end}")
-                for raw in records:
+                # One record in memory at a time: a writer far behind (the log holds up to max_pending_mb)
+                # read the whole backlog at once, and a copy of each record besides.
+                for raw in WriteAheadLog.records(self.wal_dir / f"{eid}.wal", ep.offset, end):
                     if self.aborted:
                         return report
                     closed = apply_record(ep.writer, raw) or closed
-                ep.offset = end
+                    ep.offset += wire.RECORD_HEAD.size + len(raw)
             if flush and not closed:
                 ep.writer.flush()
             report.update(applied=ep.offset, stored=ep.writer.committed, closed=closed)
             if closed:
-                del self.open[eid]
-            else:
-                self._bound_buffers(keep=eid)
+                del self.open[eid]  # its blocks went to the block pool, which the bound counts
+            self._bound_buffers(keep=None if closed else eid)
         except Exception as e:  # a store failure must not stop the other episodes; the log keeps the data
             report["error"] = f"{type(e).__name__}: {e}"
             # Its writer's state is unknown now: drop it, the next op resumes from the Zarr commit and
@@ -229,9 +229,18 @@ class StoreWriter:
                 self.failed[eid] = report["error"]
         return report
 
-    def _bound_buffers(self, keep: str) -> None:
-        """Flush and let go of the least recently used episodes while the blocks held exceed the bound."""
-        total = sum(_buffered(o.writer) for o in self.open.values())
+    def held_bytes(self) -> int:
+        """Frame blocks this writer holds: the open episodes' and the free ones kept for reuse (a closed
+        episode's blocks wait in the store's block pool for the next episode)."""
+        return sum(_buffered(o.writer) for o in self.open.values()) + _BLOCKS.held_bytes
+
+    def _bound_buffers(self, keep: str | None, room: int = 0) -> None:
+        """Keep the blocks held (and ``room`` more, about to be taken) within the bound: first drop the free
+        blocks kept for reuse, then flush and let go of the least recently used episodes."""
+        total = sum(_buffered(o.writer) for o in self.open.values()) + room
+        if total + _BLOCKS.held_bytes <= self.max_buffered_bytes:
+            return
+        _BLOCKS.clear()
         for eid in list(self.open):
             if total <= self.max_buffered_bytes:
                 return

@@ -15,7 +15,9 @@ import collections
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 from vla_rl_client import wire
 from vla_rl_client.codec import from_tensor
 from vla_rl_client.frame import FRAME_FIELDS
-from vla_rl_client.meta import SegmentKind
+from vla_rl_client.meta import EpisodeMeta, SegmentKind
 from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
@@ -120,6 +122,27 @@ class WriteAheadLog:
         return WriteAheadLog.parse(path.read_bytes())
 
     @staticmethod
+    def records(path: Path, start: int, end: int, *, torn_ok: bool = False) -> Iterator[bytes]:
+        """The records in bytes ``[start, end)`` of the log at ``path`` (``start`` on a record boundary), read
+        one at a time: a reader holds one record in memory, however far behind it is. At the first record
+        that is not intact before ``end``: RuntimeError, or the end when ``torn_ok`` (a torn tail, cut by a
+        kill, was never acknowledged)."""
+        head_size = wire.RECORD_HEAD.size
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            while pos < end:
+                head = f.read(head_size)
+                n, crc = wire.RECORD_HEAD.unpack(head) if len(head) == head_size else (-1, 0)
+                payload = f.read(n) if 0 <= n <= end - pos - head_size else b""
+                if n < 0 or len(payload) != n or zlib.crc32(payload) != crc:
+                    if torn_ok:
+                        return
+                    raise RuntimeError(f"log {path.name}: no intact record at byte {pos} of {end}")
+                yield payload
+                pos += head_size + n
+
+    @staticmethod
     def parse(data: bytes) -> tuple[list[bytes], int]:
         """The intact records at the start of ``data`` (log bytes from a record boundary), and where they end."""
         return wire.parse_records(data)
@@ -152,6 +175,42 @@ class WriteAheadLog:
         self.files.forget(self)
         if delete:
             self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class LogBacklog:
+    """What the write-ahead logs hold that the Zarr store does not have yet: acknowledged, durable, and
+    applied by the next collector that starts (by design: a stop cuts the store writers off)."""
+
+    episodes: int = 0
+    """Open episodes whose log is ahead of their Zarr commit."""
+    frames: int = 0
+    """Acknowledged frames only in a log."""
+    ends: int = 0
+    """Episode ends only in a log (the episode is still open in the store)."""
+
+
+def log_backlog(wal_dir: Path, committed: Callable[[str], EpisodeMeta | None]) -> LogBacklog:
+    """Scan every log in ``wal_dir`` against ``committed`` (episode id -> its committed metadata, None when
+    the store has no such episode): frames and ends past each open episode's commit. A log reads one
+    record at a time; its torn tail, never acknowledged, is not counted."""
+    episodes = frames = ends = 0
+    for path in sorted(wal_dir.glob("*.wal")):
+        meta = committed(path.stem)
+        if meta is None or meta.is_closed:
+            continue  # no episode (creation interrupted), or closed: nothing of it waits
+        top, ended = meta.length, False
+        for raw in WriteAheadLog.records(path, 0, path.stat().st_size, torn_ok=True):
+            msg, _ = parse_message(raw)
+            body = msg.WhichOneof("body")
+            if body == "frames":
+                top = max(top, msg.frames.seq + frames_declared(msg))
+            ended = ended or body == "end"
+        if top > meta.length or ended:
+            episodes += 1
+            frames += top - meta.length
+            ends += ended
+    return LogBacklog(episodes, frames, ends)
 
 
 # ------------------------------------------------------------------------------------------ decoding

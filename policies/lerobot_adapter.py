@@ -162,6 +162,7 @@ def spec_from_config(raw: Mapping[str, Any], name: str | None = None) -> tuple[R
         control_hz=DEFAULT_CONTROL_HZ,
         instruction="",
         cameras=tuple(cameras),
+        action_range=None,  # a LeRobot policy acts in the robot's own units
     )
     return spec, keys
 

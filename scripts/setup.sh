@@ -2,9 +2,13 @@
 # Set up everything vla-rl needs on a fresh Debian 12 machine, idempotently:
 #   1. system packages the simulators need (Vulkan CPU driver from bookworm-backports, OSMesa/EGL, ffmpeg)
 #   2. a Python 3.12 virtual environment with the locked dependency set (requirements/lock.txt)
-#   3. vla-rl itself and its robot-side package (packages/vla-rl-client), installed editable into it
-# The environment lives outside the clone, keyed by the lock file's hash, and `.venv` links to it,
-# so a fresh clone (CI) with an unchanged lock file is ready in seconds.
+#   3. this checkout's own environment, .venv: a small venv layered on the shared one (a .pth adds the
+#      shared site-packages after its own), with vla-rl and its robot-side package (packages/vla-rl-client)
+#      installed editable into it
+# The dependencies live outside the clone, keyed by the lock file's hash, and are shared by every checkout
+# on the machine, so a fresh clone (CI) with an unchanged lock file is ready in seconds. vla-rl itself is
+# never installed into the shared environment: there the last checkout that ran setup won, and `vla-rl`
+# in every other checkout (and every process its tests start) ran that checkout's code.
 #
 # Environment knobs:
 #   VLA_RL_VENV_ROOT   where keyed environments live   (default: ~/.cache/vla-rl/venvs)
@@ -13,7 +17,6 @@
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$repo"
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # pip on these machines warns about every package missing from the extra local indexes in pip.conf.
@@ -96,10 +99,13 @@ find_python() {
   return 1
 }
 
+# The shared environment's key: the locked dependency set and the exact interpreter.
+env_key() { (cat "$repo/requirements/lock.txt" "$repo/requirements/no-deps.txt"; "$1" -VV) | sha256sum | cut -c1-16; }
+
 setup_python() {
   local py key root venv
   py=$(find_python) || { log "Python 3.12 not found (lerobot 0.6 and zarr 3.4 need it): install it (e.g. 'pyenv install 3.12') or set VLA_RL_PYTHON"; exit 1; }
-  key=$( (cat requirements/lock.txt requirements/no-deps.txt; "$py" -VV) | sha256sum | cut -c1-16)
+  key=$(env_key "$py")
   root="${VLA_RL_VENV_ROOT:-$HOME/.cache/vla-rl/venvs}"
   venv="$root/$key"
   if [ ! -f "$venv/.complete" ]; then
@@ -115,16 +121,69 @@ setup_python() {
   else
     log "environment $venv is ready"
   fi
-  if [ -e .venv ] && [ ! -L .venv ]; then
-    log ".venv exists and is not our link; leaving it (set it aside to use the keyed environment)"
-  else
-    ln -sfn "$venv" .venv
-  fi
-  # the robot-side package first (vla-rl depends on it), then vla-rl itself; both editable
+  layer_checkout "$py" "$venv"
+  # the robot-side package first (vla-rl depends on it), then vla-rl itself; both editable, into this
+  # checkout's .venv only (pip finds the shared environment's pip and setuptools through the layer)
   quiet_pip .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e packages/vla-rl-client -e . >&2
   .venv/bin/python -c 'import vla_rl, vla_rl_client' || { log "vla_rl or vla_rl_client failed to import"; exit 1; }
 }
 
-setup_system
-setup_python
-log "done: use .venv/bin/vla-rl (or 'source .venv/bin/activate')"
+# .venv: this checkout's venv (its own interpreter links, scripts and editable installs, a few kB) with
+# the shared environment's site-packages added after its own by a .pth. Remade only when the shared
+# environment changes (a new lock); a link left by an older setup is replaced, a .venv of someone
+# else's is left alone (and used as it is).
+layer_checkout() {
+  local py=$1 deps=$2 marker=.venv/.vla-rl-deps site deps_site
+  if [ -L .venv ]; then
+    rm .venv
+  elif [ -e .venv ] && [ ! -f "$marker" ]; then
+    log ".venv exists and is not ours; using it as it is (set it aside to use the shared environment)"
+    return
+  fi
+  if [ -f "$marker" ] && [ "$(cat "$marker")" = "$deps" ] && [ -x .venv/bin/python ]; then
+    return
+  fi
+  log "layering .venv on $deps"
+  rm -rf .venv
+  "$py" -m venv --without-pip .venv
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  deps_site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cat >"$site/_vla_rl_deps.py" <<PY
+"""This checkout's .venv on top of the shared dependency environment (written by scripts/setup.sh).
+
+The shared site-packages goes after this venv's own, and its .pth files are processed, except the
+editable vla-rl / vla-rl-client an older setup may have left there: that is another checkout's code."""
+
+import os
+import site
+import sys
+
+DEPS = "$deps_site"
+
+
+def _layer() -> None:
+    if DEPS in sys.path:
+        return
+    sys.path.append(DEPS)
+    for name in sorted(os.listdir(DEPS)):
+        if name.endswith(".pth") and not name.startswith("__editable__.vla_rl"):
+            site.addpackage(DEPS, name, set())
+
+
+_layer()
+PY
+  echo "import _vla_rl_deps" >"$site/_vla_rl_deps.pth"
+  echo "$deps" >"$marker"
+}
+
+main() {
+  cd "$repo"
+  setup_system
+  setup_python
+  log "done: use .venv/bin/vla-rl (or 'source .venv/bin/activate')"
+}
+
+# Sourced (tests: env_key), it only defines the functions.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  main "$@"
+fi

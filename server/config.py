@@ -23,6 +23,7 @@ DEFAULT_LOAD_TIMEOUT_S = 600.0
 DEFAULT_MAX_FILE_MB = 64 * 1024.0  # one checkpoint file; vla_rl.hub.checkpoint.DEFAULT_MAX_FILE_BYTES in MiB
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 DEFAULT_MAX_PEER_QUEUED = 64
+DEFAULT_MAX_PEER_IN_FLIGHT = 16
 DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
 DEFAULT_MAX_NOISE_ABS = 10.0
 DEFAULT_MAX_STATE_ABS = 1e6
@@ -79,6 +80,11 @@ class ServerConfig:
     """Calls and open streams served at once; more are answered RESOURCE_EXHAUSTED."""
     max_peer_queued: int = DEFAULT_MAX_PEER_QUEUED
     """Requests one connection may have waiting for inference; more are answered RESOURCE_EXHAUSTED."""
+    max_peer_in_flight: int = DEFAULT_MAX_PEER_IN_FLIGHT
+    """Requests one connection may have in flight over all its calls and streams: read and not yet answered,
+    a reply waiting for the robot to read it included. Past it, the connection's next request waits (a
+    stream's next request is not read: flow control slows the sender), so streams that send and never read
+    cost at most this many requests' work each time their replies back up."""
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT_S
     """Seconds a stream reply may wait for the robot to read it before the stream is closed."""
     load_timeout: float = DEFAULT_LOAD_TIMEOUT_S
@@ -120,7 +126,7 @@ class ServerConfig:
             _path_or_none(name, getattr(self, name))
         if self.max_message_bytes is not None:
             _integer("max_message_bytes", self.max_message_bytes, low=MESSAGE_SLACK_BYTES)
-        for name in ("max_concurrent_rpcs", "max_peer_queued"):
+        for name in ("max_concurrent_rpcs", "max_peer_queued", "max_peer_in_flight"):
             _integer(name, getattr(self, name), low=1)
         for name in (
             "stream_write_timeout",

@@ -29,7 +29,8 @@ named where each point is made):
   regular files, each under ``max_file_mb``, and a load stops at ``load_timeout``; loads run in their
   own pool, so Promote/Rollback never wait behind them. The config's implied tensor shapes are checked
   against the safetensors header before anything is built. Requests are capped in size (derived from
-  the robot spec), in number (``max_concurrent_rpcs``, ``max_peer_queued``) and in values
+  the robot spec, reported in GetInfo), in number (``max_concurrent_rpcs``, ``max_peer_queued``, and
+  ``max_peer_in_flight`` per connection, replies not yet read included) and in values
   (``max_noise_abs``, ``max_state_abs``). Bytes that do not parse are INVALID_ARGUMENT naming the field,
   logged once per peer per ``log_interval``. When requests wait, the connections served least recently
   go first, and a stream reply the robot does not read within ``stream_write_timeout`` closes that
@@ -56,10 +57,10 @@ from vla_rl_client.proto import policy_service_pb2 as pb
 from policies.loading import load_servable
 from server.batching import BatchQueue
 from server.config import ServerConfig
-from server.guard import MIN_DERIVED_MESSAGE_BYTES, request_bytes_for
+from server.guard import MIN_DERIVED_MESSAGE_BYTES, PeerSlots, request_bytes_for
 from server.service import SERVICE_NAME, _Service, add_service
 from server.slots import ModelSlot, ServedVersion, spec_problems
-from vla_rl.core.rpc import RateLimitedLog, RequestError, SigtermFlag, require_bearer, wait_for_stop
+from vla_rl.core.rpc import RateLimitedLog, RequestError, SigtermFlag, echo, require_bearer, wait_for_stop
 from vla_rl.hub.checkpoint import CheckpointError, LoadLimits
 
 log = logging.getLogger("vla_rl.server")
@@ -112,6 +113,7 @@ class PolicyServer:
         if unknown:
             raise ValueError(f"follow names model ids that are not served: {sorted(unknown)}")
         self.ratelog = RateLimitedLog(log, config.log_interval)
+        self.peer_slots = PeerSlots(config.max_peer_in_flight)
         self.host, self.port = config.host, config.port  # port: the bound one once started
         self.tls: tuple[bytes, bytes] | None = None
         if config.tls_cert is not None and config.tls_key is not None:
@@ -144,7 +146,8 @@ class PolicyServer:
         s = self.slots.get(model_id)
         if s is None:
             raise RequestError(
-                grpc.StatusCode.NOT_FOUND, f"model_id: expected one of {sorted(self.slots)}, got {model_id!r}"
+                grpc.StatusCode.NOT_FOUND,
+                f"model_id: expected one of {sorted(self.slots)}, got {echo(model_id)}",
             )
         return s
 
@@ -361,6 +364,11 @@ class PolicyServer:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request this server takes (GetInfo reports it; 0 before it started)."""
+        return self._message_limit or 0
 
     def message_limit(self) -> int:
         """The receive limit: ``max_message_bytes`` if given, else what the served specs need."""

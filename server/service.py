@@ -19,7 +19,7 @@ from vla_rl_client.spec import SpecError
 
 from server.batching import _Pending
 from server.config import ServerConfig
-from server.guard import decode_request
+from server.guard import PeerSlots, decode_request
 from server.slots import ModelSlot
 from vla_rl.core.rpc import RateLimitedLog, RequestError, Undecodable, abort, stream_handler, unary_handler
 from vla_rl.core.version import __version__
@@ -35,6 +35,8 @@ class PolicyHost(Protocol):
     config: ServerConfig
     slots: dict[str, ModelSlot]
     ratelog: RateLimitedLog
+    peer_slots: PeerSlots
+    max_request_bytes: int
     draining: bool
     control_pool: concurrent.futures.Executor
     load_pool: concurrent.futures.Executor
@@ -126,7 +128,8 @@ class _Service(pb_grpc.PolicyServiceServicer):
 
     async def Act(self, request: pb.ActRequest, context: grpc.aio.ServicerContext) -> pb.ActResponse:
         try:
-            return await self._act(request, context)
+            async with self.s.peer_slots.hold(context.peer() or ""):
+                return await self._act(request, context)
         except RequestError as e:
             await abort(context, e)
 
@@ -154,18 +157,22 @@ class _Service(pb_grpc.PolicyServiceServicer):
         """Requests answered in order, one at a time. A bad request gets an error reply and the stream stays
         open. A robot that does not read its replies stops being served: its next request is not read while
         a reply waits in the transport, and a reply that cannot be written within stream_write_timeout_s
-        ends the stream (RESOURCE_EXHAUSTED), so it cannot take batch slots from robots that do read."""
+        ends the stream (RESOURCE_EXHAUSTED), so it cannot take batch slots from robots that do read. Each
+        request holds one of its connection's max_peer_in_flight slots until its reply is written, so a
+        connection's streams that do not read stop being served together once their writes back up."""
         write_timeout = self.s.config.stream_write_timeout
+        peer = context.peer() or ""
         async for req in request_iterator:
-            reply = await self._stream_reply(req, context)
-            try:
-                await asyncio.wait_for(context.write(reply), write_timeout)
-            except TimeoutError:
-                self.s.ratelog.warning(context.peer() or "", "slow-reader", "stream closed: replies not read")
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"replies not read for {write_timeout:g} s (stream_write_timeout_s); stream closed",
-                )
+            async with self.s.peer_slots.hold(peer):
+                reply = await self._stream_reply(req, context)
+                try:
+                    await asyncio.wait_for(context.write(reply), write_timeout)
+                except TimeoutError:
+                    self.s.ratelog.warning(peer, "slow-reader", "stream closed: replies not read")
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"replies not read for {write_timeout:g} s (stream_write_timeout_s); stream closed",
+                    )
             if self.s.draining:  # answered; the robot reopens its stream on a replica that is serving
                 return
 
@@ -180,7 +187,9 @@ class _Service(pb_grpc.PolicyServiceServicer):
             await abort(context, e)
         detailed = self.s.authorized(context.invocation_metadata())
         return pb.GetInfoResponse(
-            models=[self.s.model_info(s, detailed=detailed) for s in slots], server_version=__version__
+            models=[self.s.model_info(s, detailed=detailed) for s in slots],
+            server_version=__version__,
+            max_request_bytes=self.s.max_request_bytes,
         )
 
     # -- control

@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "episode_idle_timeout_s": 60.0,
     "max_open_logs": 64,
     "max_camera_pixels": 640 * 480,
+    "max_value_abs": 1000.0,
     "max_buffered_mb": 256.0,
     "drain_timeout_s": 2.5,
     "max_message_mb": 16.0,

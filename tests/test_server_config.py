@@ -98,6 +98,7 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         max_message_bytes=2 * 1024 * 1024,
         max_concurrent_rpcs=7,
         max_peer_queued=3,
+        max_peer_in_flight=5,
         stream_write_timeout=1.5,
         load_timeout=30.0,
         max_file_mb=12.0,

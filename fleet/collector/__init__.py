@@ -52,9 +52,12 @@ Limits (each a :class:`CollectorConfig` field and a ``vla-rl collect`` flag; a r
   collector with outcome ``aborted`` (success false); its frames are kept.
 * ``max_open_logs`` (256): log descriptors are a pool (least recently used closed, reopened on
   demand), so open episodes cost no descriptor and a restart with many logs needs none per log.
-* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``; ``max_buffered_mb`` (1024 MiB): the
-  frame blocks a store writer holds, all episodes together (past it, least recently used episodes are
-  flushed to Zarr and let go).
+* ``max_camera_pixels`` (1280 x 720) per camera of a ``Hello``, and its robot spec at most 64 KiB of JSON
+  (``vla_rl_client.spec.MAX_SPEC_JSON_CHARS``); ``max_buffered_mb`` (1024 MiB): the frame blocks a store
+  writer holds, all episodes together, the free ones it keeps for reuse included (past it, those go, then
+  least recently used episodes are flushed to Zarr and let go); it reads a log one record at a time.
+* ``max_value_abs`` (1e6): the largest |value| of a frame's state, action, proposed action or reward;
+  actions must also lie in the spec's ``action_range`` (``INVALID_ARGUMENT`` naming the field and frame).
 * A store write failing with ENOSPC / EDQUOT / EMFILE / ENFILE is retried with a backoff doubling up
   to ``store_retry_max_s`` (metric ``store_write_retries``); other store errors fail the episode.
 * ``lease_ttl_s`` (30): on an object store, the collector holds ``<prefix>/.collector-lease``

@@ -63,7 +63,7 @@ class Collector(_EpisodeIntake):
                 f"refusing to accept unauthenticated robots on {config.host}: pass a token or robot tokens"
             )
         for rid, tok in robot_tokens.items():
-            if not _ID_RE.match(rid) or not tok:
+            if not _ID_RE.fullmatch(rid) or not tok:
                 raise ValueError(f"robot_tokens: expected robot id -> non-empty token, got {rid!r}")
         self.config = config
         self.host, self.port = config.host, config.port  # port: the bound one once started (0 = any)

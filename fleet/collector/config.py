@@ -21,7 +21,7 @@ from vla_rl.core import configs
 
 MB = 1024 * 1024
 DEFAULT_PORT = 50071
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch only: `$` lets "id\n" through
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _ZSTD_LEVELS = (-(1 << 17), 22)  # zstd's fast (negative) levels up to its strongest
 
@@ -82,6 +82,9 @@ class CollectorConfig:
     """Write-ahead log file descriptors kept open (least recently used closed first, reopened on demand)."""
     max_camera_pixels: int = 1280 * 720
     """Largest camera (height x width) a robot's Hello may announce (larger: RESOURCE_EXHAUSTED)."""
+    max_value_abs: float = 1e6
+    """Largest |value| of a frame's state, action, proposed action and reward (larger: the batch is refused,
+    INVALID_ARGUMENT naming the field); actions must also lie in the robot spec's action_range."""
     max_buffered_mb: float = 1024
     """Frame MB the store writers hold in memory in all (past it, idle episodes are flushed to Zarr); a
     Hello whose one chunk (--chunk-len frames) is larger is refused."""
@@ -116,7 +119,7 @@ class CollectorConfig:
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name}: expected 0..65535 (0 = any free port), got {port}")
         for rid in self._robot_ids():
-            if not _ID_RE.match(rid):
+            if not _ID_RE.fullmatch(rid):
                 raise ValueError(
                     f"robots: expected comma-separated robot ids ({_ID_RE.pattern}), got {rid!r}"
                 )
@@ -138,6 +141,8 @@ class CollectorConfig:
             if not (value >= low and math.isfinite(value)):
                 what = " (0 = a thread in the collector's process)" if name == "store_writers" else ""
                 raise ValueError(f"{name}: expected at least {low}{what}, got {value}")
+        if not (math.isfinite(self.max_value_abs) and self.max_value_abs > 0):
+            raise ValueError(f"max_value_abs: expected a positive finite number, got {self.max_value_abs}")
         for name in ("max_pending_mb", "max_buffered_mb", "max_message_mb"):
             value = getattr(self, name)
             if not (math.isfinite(value) and round(value * MB) >= 1):

@@ -10,11 +10,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from vla_rl_client.codec import to_tensor
 from vla_rl_client.proto import collector_pb2 as pb
-from vla_rl_client.spec import RobotSpec, SpecError
+from vla_rl_client.spec import MAX_SPEC_JSON_CHARS, RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
 
 from fleet.codecs import CameraCodecs
@@ -22,6 +23,7 @@ from fleet.collector.config import _ID_RE, CollectorConfig
 from fleet.collector.metrics import HIDDEN_ROBOT, RobotAccount, _Metrics
 from fleet.collector.rpc import SC, RequestError, _episode_of, _Session, undecodable_reject
 from fleet.store import EpisodeStore
+from fleet.store.layout import block_bytes
 from fleet.wal import (
     SEGMENT_KINDS,
     LogFiles,
@@ -31,7 +33,7 @@ from fleet.wal import (
     decode_frames,
     frames_declared,
 )
-from vla_rl.core.rpc import RateLimitedLog, Undecodable
+from vla_rl.core.rpc import RateLimitedLog, Undecodable, echo
 from vla_rl.core.version import __version__
 
 log = logging.getLogger("vla_rl.collector")
@@ -77,6 +79,25 @@ def _ack(
             duplicates=duplicates,
         )
     )
+
+
+def check_values(batch: dict[str, Any], spec: RobotSpec, max_abs: float) -> None:
+    """Finite is not enough: refuse values no robot reports (beyond +-``max_abs``, the ``max_value_abs``
+    knob) and actions outside the spec's ``action_range``, before anything is logged. A 3e38 would be
+    stored, trained on and overflow every statistic over it; :class:`SpecError` names the field."""
+    spec.check_action_range(batch["action"], name="frames.action")
+    for name in ("state", "action", "proposed_action", "reward"):
+        arr = batch.get(name)
+        if arr is None or not np.size(arr):
+            continue
+        big = np.abs(arr) > max_abs  # NaN (a proposal's "none") compares False
+        if big.any():
+            at = np.argwhere(big)[0]
+            raise SpecError(
+                f"frames.{name}",
+                f"values within +-{max_abs:g} (max_value_abs)",
+                f"{float(arr[tuple(at)]):.6g} (frame {int(at[0])})",
+            )
 
 
 def _frames_in(msg: pb.RobotMessage) -> int:
@@ -213,9 +234,9 @@ class _EpisodeIntake:
 
     def _hello(self, session: _Session, msg: pb.RobotMessage) -> pb.CollectorMessage:
         h = msg.hello
-        if not _ID_RE.match(h.robot_id):
+        if not _ID_RE.fullmatch(h.robot_id):
             raise RequestError(
-                SC.INVALID_ARGUMENT, f"hello.robot_id: expected {_ID_RE.pattern}, got {h.robot_id!r}"
+                SC.INVALID_ARGUMENT, f"hello.robot_id: expected {_ID_RE.pattern}, got {echo(h.robot_id)}"
             )
         if session.identity is not None and h.robot_id != session.identity:
             raise RequestError(
@@ -232,6 +253,12 @@ class _EpisodeIntake:
             )
         if not h.task or len(h.task) > 256:
             raise RequestError(SC.INVALID_ARGUMENT, "hello.task: expected a task id (1-256 characters)")
+        if len(h.robot_spec_json) > MAX_SPEC_JSON_CHARS:
+            raise RequestError(
+                SC.RESOURCE_EXHAUSTED,
+                f"hello.robot_spec_json: {len(h.robot_spec_json)} characters; a robot spec (its names, "
+                f"instruction and extras) may have at most {MAX_SPEC_JSON_CHARS}",
+            )
         try:
             spec = RobotSpec.from_json(h.robot_spec_json)
         except (ValueError, TypeError) as e:
@@ -247,8 +274,7 @@ class _EpisodeIntake:
                     f"{self.config.max_camera_pixels}",
                 )
         # What one open episode makes a store writer hold: a chunk block of each array.
-        frame = sum(3 * c.height * c.width for c in spec.cameras) + 4 * (spec.state_dim + 2 * spec.action_dim)
-        block = self.config.chunk_len * (frame + 32)  # + reward, flags, controller, revision, timestamp
+        block = block_bytes(spec, self.config.chunk_len)
         if block > self.config.max_buffered_bytes:
             raise RequestError(
                 SC.RESOURCE_EXHAUSTED,
@@ -272,9 +298,9 @@ class _EpisodeIntake:
     def _start(self, session: _Session, msg: pb.RobotMessage) -> pb.CollectorMessage:
         s = msg.start
         eid = s.episode_id
-        if not _ID_RE.match(eid):
+        if not _ID_RE.fullmatch(eid):
             raise RequestError(
-                SC.INVALID_ARGUMENT, f"start.episode_id: expected {_ID_RE.pattern}, got {eid!r}"
+                SC.INVALID_ARGUMENT, f"start.episode_id: expected {_ID_RE.pattern}, got {echo(eid)}"
             )
         assert session.spec is not None
         with self._start_locks_guard:  # counted, so the entry goes only when no thread holds or waits
@@ -392,7 +418,7 @@ class _EpisodeIntake:
             ep = self._episodes.get(eid)
         if ep is None:
             meta = None
-            if _ID_RE.match(eid):
+            if _ID_RE.fullmatch(eid):
                 try:
                     meta = self.store.read_metadata(eid)
                 except KeyError:
@@ -408,7 +434,7 @@ class _EpisodeIntake:
                 self._count_duplicates(session.robot_id, n)
                 return _ack(msg.msg_id, eid, meta.length, len(meta.segments), True, True, n)
             raise RequestError(
-                SC.NOT_FOUND, f"{body}.episode_id: no open episode {eid!r} (send StartEpisode first)", eid
+                SC.NOT_FOUND, f"{body}.episode_id: no open episode {echo(eid)} (send StartEpisode first)", eid
             )
         if ep.robot_id != session.robot_id:
             raise RequestError(
@@ -462,6 +488,7 @@ class _EpisodeIntake:
             fb.timestamp.CopyFrom(to_tensor(np.full(n, max(time.time(), ep.last_ts), np.float64)))
             raw = None  # the log must hold the times we filled in
         batch = decode_frames(fb, ep.spec, self.config.max_batch_frames, -math.inf, cams)
+        check_values(batch, ep.spec, self.config.max_value_abs)
         n = len(batch["action"])
         dup = ep.committed - fb.seq
         if dup < n and batch["timestamp"][dup] < ep.last_ts:

@@ -269,7 +269,7 @@ def load_robot_tokens(path: str | os.PathLike[str]) -> dict[str, str]:
                 raise ValueError(f"robot_tokens_file: {path}:{i}: robot {rid.strip()!r} listed twice")
             out[rid.strip()] = tok.strip()
     for rid, tok in out.items():
-        if not _ID_RE.match(rid) or len(tok) < 16:
+        if not _ID_RE.fullmatch(rid) or len(tok) < 16:
             raise ValueError(
                 f"robot_tokens_file: {path}: robot {rid!r}: expected an id {_ID_RE.pattern} and a token "
                 "of at least 16 characters"

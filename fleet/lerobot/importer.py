@@ -150,6 +150,7 @@ def import_lerobot(
         action_names=action_names,
         state_names=state_names,
         extras={"lerobot": {"repo_id": repo_id, "root": str(root), "robot_type": info.get("robot_type")}},
+        action_range=None,  # the dataset's own units (usually raw joint targets)
     )
     spec = restore_spec(built, sidecar, spec_name)
     codecs.check(spec.camera_names)

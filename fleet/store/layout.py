@@ -29,7 +29,7 @@ from fleet.codecs import CameraCodecs, JpegCodec, encode_chunk, jpeg_codec
 STORE_FORMAT = "vla-rl-episode-store"
 COMMIT_FILE = "commit.json"
 DEFAULT_CHUNK_LEN = 64
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch only: `$` lets "id\n" through
 _MAX_REVISIONS = int(np.iinfo(np.int16).max) + 1
 OPTIONAL_ARRAYS = frozenset(["uncertainty"])
 """Arrays an episode may lack (it was recorded before they existed): read as None, not an error."""
@@ -140,6 +140,25 @@ class _BlockPool:
             if self._bytes + block.nbytes <= self.max_bytes:
                 self._free.setdefault((block.shape, block.dtype.str), []).append(block)
                 self._bytes += block.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the free blocks kept for reuse: memory the process holds though no episode uses it."""
+        with self._lock:
+            return self._bytes
+
+    def clear(self) -> None:
+        """Let every kept block go (a holder with a memory bound needs the room for live blocks)."""
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+
+def block_bytes(spec: RobotSpec, chunk_len: int) -> int:
+    """What an episode writer of ``spec`` holds for a block of ``chunk_len`` frames: one row of every array
+    per frame (the pending buffers of :class:`~fleet.store.EpisodeWriter`)."""
+    row = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in _layout(spec).values())
+    return chunk_len * row
 
 
 _BLOCKS = _BlockPool(512 * 1024 * 1024)
@@ -283,7 +302,7 @@ def outcome_known(meta: EpisodeMeta) -> bool:
 
 
 def _check_id(what: str, value: str) -> str:
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(f"{what} must match {_ID_RE.pattern}, got {value!r}")
     return value
 

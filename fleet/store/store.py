@@ -331,7 +331,7 @@ class EpisodeStore(_Verify):
         for eid in ids:
             if eid in self._closed_metas:
                 out[eid] = self._closed_metas[eid]
-            elif eid == "zarr.json" or _ID_RE.match(eid) is None:
+            elif eid == "zarr.json" or _ID_RE.fullmatch(eid) is None:
                 continue  # zarr.json and other objects beside the episode folders
             elif cache is not None and (body := read_cached(cache / eid / COMMIT_FILE)) is not None:
                 meta = EpisodeMeta.from_dict(json.loads(body))

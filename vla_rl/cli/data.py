@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tyro.conf import Positional
 
 from sim.base import ObsMode
 from vla_rl.cli.common import CliError, Command, open_store, task_arg, user_errors
 from vla_rl.core.console import human_bytes, table
+
+if TYPE_CHECKING:
+    from vla_rl_client.meta import EpisodeMeta
+
+    from fleet.store import EpisodeStore
 
 
 # ---------------------------------------------------------------------------- sim
@@ -213,6 +219,9 @@ class StoreVerify:
     """Metadata DB URL; None = the SQLite file inside the store (an s3:// store needs it, or --no-check-db)."""
     check_db: bool = True
     """Also check the metadata DB's rows (--no-check-db: the Zarr store only)."""
+    wal_dir: Path | None = None
+    """The collector's write-ahead logs (its --wal-dir; default <store>/wal): acknowledged frames still
+    only there are reported."""
 
 
 def store_verify(a: StoreVerify) -> int:
@@ -224,13 +233,41 @@ def store_verify(a: StoreVerify) -> int:
         )
     problems = store.verify(db=db if a.check_db else None)
     n = len(store.episode_ids())
+    pending = _log_pending(store, a.wal_dir)
     if problems:
         for p in problems:
             print(f"PROBLEM {p}")
-        print(f"{len(problems)} problem(s) in {n} episodes of {store.root}")
+        print(f"{len(problems)} problem(s) in {n} episodes of {store.root}{pending}")
         return 1
-    print(f"ok: {n} episodes in {store.root} are consistent")
+    print(f"ok: {n} episodes in {store.root} are consistent{pending}")
     return 0
+
+
+def _log_pending(store: EpisodeStore, wal_dir: Path | None) -> str:
+    """What a stopped collector left in its write-ahead log for the next start, as a clause of verify's
+    last line ("" when nothing): the store alone would look complete without those frames."""
+    from fleet.wal import WAL_DIR, log_backlog
+
+    if wal_dir is None and store.remote is not None:
+        return ""  # an object store's log is on the collector's machine: --wal-dir names it
+    logs = wal_dir if wal_dir is not None else store.root / WAL_DIR
+    if not logs.is_dir():
+        return ""
+
+    def committed(eid: str) -> EpisodeMeta | None:
+        try:
+            return store.read_metadata(eid)
+        except (KeyError, ValueError, FileNotFoundError):
+            return None
+
+    b = log_backlog(logs, committed)
+    if not (b.frames or b.ends):
+        return ""
+    ends = f" and {b.ends} episode end(s)" if b.ends else ""
+    return (
+        f", but {b.frames} acknowledged frames{ends} of {b.episodes} open episode(s) are pending in the log "
+        f"({logs}); start the collector to apply them"
+    )
 
 
 @dataclass

@@ -2,12 +2,19 @@
 
 Fields passed through ``extra={...}`` land as top-level keys in JSON mode and as ``key=value`` in
 text mode, so ``log.info("recorded demos", extra={"episodes": 20})`` is greppable either way.
+
+A text record is one line whatever its values hold: a value a client chose (a task, a robot id, an error
+message quoting a request) may contain a newline, and written as is it would start a line of its own that
+reads like another record. Control, line-separator and bidirectional-override characters in the message
+and the values are written as escapes (``\\n``, ``\\u202e``), and a value with a space, a quote or an
+``=`` is quoted, so ``key=value`` pairs cannot be forged either. Tracebacks keep their lines.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -16,8 +23,26 @@ from typing import Any
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
+# C0 and C1 controls, line and paragraph separators, zero-width and bidirectional formatting characters.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
+
+
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+
+
+def _escape(text: str) -> str:
+    """``text`` with every character that could break or disguise a log line written as an escape."""
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m[0]):04x}" if ord(m[0]) > 0xFF else f"\\x{ord(m[0]):02x}", text)
+
+
+def _field(value: Any) -> str:
+    """One ``key=value`` value: as is when plain, else quoted (JSON string syntax) and escaped."""
+    text = str(value)
+    if text and not _NEEDS_QUOTES.search(text) and not _UNSAFE.search(text):
+        return text
+    return _escape(json.dumps(text, ensure_ascii=False))
 
 
 class JsonFormatter(logging.Formatter):
@@ -37,8 +62,8 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        fields = " ".join(f"{k}={v}" for k, v in _extras(record).items())
-        line = f"{stamp} {record.levelname.lower():<7} {record.name}: {record.getMessage()}"
+        fields = " ".join(f"{_escape(str(k))}={_field(v)}" for k, v in _extras(record).items())
+        line = f"{stamp} {record.levelname.lower():<7} {record.name}: {_escape(record.getMessage())}"
         line = f"{line}  {fields}" if fields else line
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

@@ -3,7 +3,7 @@ warnings about one peer's bad calls at a bounded rate, bytes that do not parse a
 raised, bearer-token checks, and SIGTERM turned into a drain.
 
 * :class:`RequestError` is how a handler refuses a call: a status code and a message that names the
-  field. :func:`abort` ends a unary call with it.
+  field. :func:`abort` ends a unary call with it; :func:`echo` quotes a client's value in it, cut short.
 * :class:`RateLimitedLog` logs at most one warning per (peer, kind) per interval, with how many it held
   back: a flood of garbage from one peer costs a line per interval, not a traceback per call.
 * :func:`safe_deserializer` turns bytes that are not a valid request into :class:`Undecodable` (naming
@@ -49,10 +49,31 @@ class RequestError(Exception):
         super().__init__(f"{code.name}: {message}")
 
 
+MAX_DETAILS_CHARS = 2000
+"""The longest status message a call ends with: it travels in trailing metadata (8 KiB in all by default)."""
+
+
 async def abort(context: grpc.aio.ServicerContext, error: RequestError) -> NoReturn:
-    """End the call with ``error``'s status and message (``context.abort`` raises; this says so to types)."""
-    await context.abort(error.code, error.message)
+    """End the call with ``error``'s status and message, cut to :data:`MAX_DETAILS_CHARS` (``context.abort``
+    raises; this says so to types)."""
+    message = error.message
+    if len(message) > MAX_DETAILS_CHARS:
+        message = message[: MAX_DETAILS_CHARS - 40] + f"... ({len(message)} characters)"
+    await context.abort(error.code, message)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+ECHO_CHARS = 64
+"""The most of a client's value an error message quotes back (the rest is counted, not echoed)."""
+
+
+def echo(value: str, limit: int = ECHO_CHARS) -> str:
+    """``value`` as an error message quotes it (``repr``), cut to ``limit`` characters with how long it was: a
+    refusal names what it refused without handing back megabytes (a reply's message travels in gRPC's
+    trailing metadata, whose limit a long echo exceeds, and ends up in logs)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 class RateLimitedLog:

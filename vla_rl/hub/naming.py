@@ -9,6 +9,8 @@ real Hub's where they are stricter than ours, so a name accepted here is also ac
 from __future__ import annotations
 
 import re
+import unicodedata
+from collections.abc import Iterable
 
 # Every pattern here is used with ``fullmatch`` only (so no anchors): ``re.match`` with a trailing ``$`` would
 # accept a trailing newline ('main\n'), which then names another ref, file or folder than the one checked.
@@ -21,6 +23,17 @@ _CLIENT_REVISION = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_PATH_BYTES = 1024
+# Names Windows reserves for devices, whatever the extension or case ("nul.txt" is NUL): a client that
+# downloads the repo there cannot create the file, or writes to the device.
+_WINDOWS_DEVICES = frozenset(
+    ["CON", "PRN", "AUX", "NUL"]
+    + [f"{d}{n}" for d in ("COM", "LPT") for n in [*"123456789", "\u00b9", "\u00b2", "\u00b3"]]
+)
+# Unicode categories refused anywhere in a path: controls, format characters (zero-width, bidirectional
+# overrides and isolates, soft hyphen: they make one name look like another), surrogates, and line and
+# paragraph separators.
+_BAD_CATEGORIES = {"Cc": "control", "Cf": "invisible or bidirectional formatting", "Cs": "surrogate"}
+_BAD_CATEGORIES |= {"Zl": "line separator", "Zp": "paragraph separator"}
 
 
 def _check_name(part: str, what: str, repo_id: str) -> None:
@@ -80,8 +93,11 @@ def validate_client_revision(revision: str) -> str:
 def validate_repo_path(path: str) -> str:
     """Check a file path inside a repo (``dir/file.ext``); return it unchanged.
 
-    Refused: empty, absolute, backslashes, control characters, empty / '.' / '..' / '.git' segments, a trailing
-    '/', and more than 1024 UTF-8 bytes.
+    Refused: empty, absolute, backslashes, control, invisible and bidirectional formatting characters
+    (zero-width spaces, RLO: a name that looks like another), empty / '.' / '..' segments, '.git' in any
+    case ('.GIT' is '.git' on a case-insensitive file system), Windows device names (CON, NUL, COM1, in any
+    case and with any extension), a trailing '/', and more than 1024 UTF-8 bytes. Paths that differ only in
+    case or Unicode normalisation are refused when committed together (:func:`path_collision`).
     """
     if not isinstance(path, str) or not path:
         raise ValueError("invalid path in repo: expected a non-empty relative path like 'dir/file.ext'")
@@ -92,16 +108,52 @@ def validate_repo_path(path: str) -> str:
         problem = "absolute paths are not allowed"
     elif "\\" in path:
         problem = "backslashes are not allowed (use '/')"
-    elif any(ord(c) < 32 or ord(c) == 127 for c in path):
-        problem = "control characters are not allowed"
+    elif bad := next((c for c in path if unicodedata.category(c) in _BAD_CATEGORIES), None):
+        what = _BAD_CATEGORIES[unicodedata.category(bad)]
+        problem = f"{what} characters are not allowed (U+{ord(bad):04X})"
     else:
-        for seg in path.split("/"):
-            if seg in ("", ".", ".."):
-                problem = "empty, '.' and '..' segments are not allowed"
-                break
-            if seg == ".git":
-                problem = "'.git' segments are not allowed"
-                break
+        problem = next(filter(None, map(_segment_problem, path.split("/"))), None)
     if problem:
         raise ValueError(f"invalid path in repo {path!r}: {problem}")
     return path
+
+
+def _segment_problem(seg: str) -> str | None:
+    """Why one path segment is refused, or None. Windows ignores trailing dots and spaces and case, so
+    '.GIT', '.git.' and 'nul.txt' are refused like '.git' and 'NUL'."""
+    if seg in ("", ".", ".."):
+        return "empty, '.' and '..' segments are not allowed"
+    bare = seg.rstrip(". ")
+    if bare.casefold() == ".git":
+        return "'.git' segments are not allowed, in any case"
+    if bare.split(".")[0].rstrip(" ").upper() in _WINDOWS_DEVICES:
+        return f"{seg!r} is a device name Windows reserves (CON, PRN, AUX, NUL, COM1-9, LPT1-9)"
+    return None
+
+
+def path_key(path: str) -> str:
+    """What a case-insensitive, normalisation-insensitive file system (macOS, Windows) makes of ``path``: two
+    paths with the same key are one file there. NFD, case folding, then NFC (Unicode's canonical caseless
+    match)."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", path).casefold())
+
+
+def path_collision(paths: Iterable[str], new: Iterable[str]) -> tuple[str, str] | None:
+    """Two different paths of ``paths`` (a repo's files after a commit), or of their folders, that are one
+    file where case and Unicode normalisation do not count, one of them a path (or folder) of ``new`` (what
+    the commit adds): ``(added, other)``, or None. Older collisions are left alone."""
+    added = {prefix for p in new for prefix in _prefixes(p)}
+    seen: dict[str, set[str]] = {}
+    for p in paths:
+        for prefix in _prefixes(p):
+            seen.setdefault(path_key(prefix), set()).add(prefix)
+    for names in seen.values():
+        if len(names) > 1 and (mine := sorted(names & added)):
+            return mine[0], sorted(names - {mine[0]})[0]
+    return None
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a``, ``a/b``, ``a/b/c.txt`` for ``a/b/c.txt``: the folders on the way and the path itself."""
+    parts = path.split("/")
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]

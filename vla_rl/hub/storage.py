@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 from vla_rl.hub.naming import (
     COMMIT_SHA,
     SHA256_HEX,
+    path_collision,
     validate_ref_name,
     validate_repo_id,
     validate_repo_path,
@@ -694,6 +695,12 @@ class HubStorage:
                         raise Conflict(
                             f"{'/'.join(parts[:i])!r} is a file, so {p!r} cannot be created under it"
                         )
+            clash = path_collision(files, (op.path for op in operations if isinstance(op, AddFile)))
+            if clash is not None:
+                raise Conflict(
+                    f"invalid path in repo {clash[0]!r}: it is the same name as {clash[1]!r} where case and "
+                    "Unicode normalisation do not count (macOS, Windows): a download would keep one of them"
+                )
             commit = self._write_commit(d, head, summary, description, author, files)
             refs.branches[branch] = commit.id
             try:

@@ -19,6 +19,7 @@ import grpc.aio
 import numpy as np
 
 from vla_rl_client.policy_common import (
+    SMALL_REQUEST_BYTES,
     ActResult,
     ClientBase,
     PolicyError,
@@ -76,6 +77,7 @@ class AsyncActStream:
     ) -> ActResult:
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
         req = self._client._act_request(obs, seed, noise, self._model_id, None, "a", timeout_s=timeout)
+        await self._client.check_size(req)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
         async with self._lock:
             while True:
@@ -147,7 +149,19 @@ class AsyncPolicyClient(ClientBase):
         timeout_s: float | None = None,
     ) -> ActResult:
         req = self._act_request(obs, seed, noise, model_id, request_id, "ua")
+        await self.check_size(req)
         return await self.act_request(req, timeout_s)
+
+    async def check_size(self, req: pb.ActRequest) -> None:
+        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request the server would refuse for its size
+        (see :meth:`vla_rl_client.policy_client.PolicyClient.check_size`)."""
+        if self._server_limit is None and req.ByteSize() > SMALL_REQUEST_BYTES:
+            self._server_limit = 0  # asked once (see ClientBase._size_error)
+            with contextlib.suppress(PolicyError):
+                self._server_limit = (await self.get_info(timeout_s=self.timeout_s)).max_request_bytes
+        err = self._size_error(req, None)
+        if err is not None:
+            raise err
 
     async def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
         t0 = time.perf_counter_ns()

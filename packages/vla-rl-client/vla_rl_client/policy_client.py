@@ -113,6 +113,7 @@ class ActStream:
     ) -> ActResult:
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
         req = self._client._act_request(obs, seed, noise, self._model_id, None, "s", timeout_s=timeout)
+        self._client.check_size(req)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
         with self._lock:
             while True:
@@ -170,8 +171,18 @@ class PolicyClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ActResult:
-        """One action chunk [H, A] for ``obs`` (seeded or explicit initial noise for reproducibility)."""
-        return self.act_request(self._act_request(obs, seed, noise, model_id, request_id, "u"), timeout_s)
+        """One action chunk [H, A] for ``obs`` (seeded or explicit initial noise for reproducibility). A request
+        over the server's size limit raises :class:`PolicyError` (RESOURCE_EXHAUSTED) without being sent."""
+        req = self._act_request(obs, seed, noise, model_id, request_id, "u")
+        self.check_size(req)
+        return self.act_request(req, timeout_s)
+
+    def check_size(self, req: pb.ActRequest) -> None:
+        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request the server would refuse for its size
+        (``GetInfo.max_request_bytes``, asked once, when a request is first over 64 KiB)."""
+        err = self._size_error(req, lambda: self.get_info(timeout_s=self.timeout_s).max_request_bytes)
+        if err is not None:
+            raise err
 
     def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
         """Send a prepared ``ActRequest`` (lets tests and tools send what ``build_request`` would refuse)."""

@@ -9,6 +9,7 @@ numpy, grpcio, Pillow and the generated protobuf code only (no torch).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import json
@@ -16,7 +17,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,6 +336,27 @@ def check_reply(reply: pb.ActResponse, req: pb.ActRequest, t0: int) -> ActResult
 
 
 _ids = itertools.count()
+SMALL_REQUEST_BYTES = 64 * 1024
+"""A request this small fits any server (the least ``max_message_bytes`` it takes): no need to ask its limit."""
+
+
+def request_size_error(size: int, server_limit: int, channel_limit: int) -> PolicyError | None:
+    """Why a request of ``size`` bytes cannot be sent (RESOURCE_EXHAUSTED), or None: over the server's limit
+    (``GetInfo.max_request_bytes``; 0 = unknown) or this client's own ``max_message_bytes``. Sent anyway,
+    gRPC itself would refuse it, ending a stream."""
+    if server_limit and size > server_limit:
+        return PolicyError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request: {size} bytes, over the server's limit of {server_limit} (GetInfo.max_request_bytes, "
+            "derived from the robot spec it serves): send the cameras the spec names at its size, or as "
+            "JPEG/PNG (image_format), or raise the server's --max-message-bytes",
+        )
+    if size > channel_limit:
+        return PolicyError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request: {size} bytes, over this client's max_message_bytes ({channel_limit})",
+        )
+    return None
 
 
 class ClientBase:
@@ -371,6 +393,8 @@ class ClientBase:
         self.image_format = image_format
         self.backoff = backoff
         self.retries = 0  # calls repeated after UNAVAILABLE (and streams reopened)
+        self.max_message_bytes = max_message_bytes
+        self._server_limit: int | None = None  # GetInfo.max_request_bytes, asked once a request is large
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         opts = channel_options(
             max_message_bytes, backoff, balanced=target.balanced, authority=target.authority
@@ -409,6 +433,19 @@ class ClientBase:
             image_format=self.image_format,
             timeout_ms=0 if timeout_s is None else max(1, int(timeout_s * 1000)),
         )
+
+    def _size_error(self, req: pb.ActRequest, fetch_limit: Callable[[], int] | None) -> PolicyError | None:
+        """:func:`request_size_error` for ``req``; a large one first learns the server's limit through
+        ``fetch_limit`` (once; None: the async client has already done so). A server that cannot be asked
+        leaves it unknown (0), and is not asked again: the server's own refusal stays."""
+        size = req.ByteSize()
+        if size <= SMALL_REQUEST_BYTES:
+            return None
+        if self._server_limit is None and fetch_limit is not None:
+            self._server_limit = 0
+            with contextlib.suppress(PolicyError):
+                self._server_limit = fetch_limit()
+        return request_size_error(size, self._server_limit or 0, self.max_message_bytes)
 
     def _load_request(
         self, ref: str, model_id: str | None, force: bool, stage_only: bool

@@ -48,7 +48,7 @@ from vla_rl_client.codec import to_tensor
 from vla_rl_client.frame import Frame
 from vla_rl_client.meta import Controller, SegmentKind, new_episode_id
 from vla_rl_client.proto import collector_pb2 as pb
-from vla_rl_client.spec import RobotSpec, SpecError
+from vla_rl_client.spec import MAX_SPEC_JSON_CHARS, RobotSpec, SpecError
 
 log = logging.getLogger("vla_rl.robot_client")
 
@@ -185,6 +185,12 @@ class RobotClient:
         reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
         spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        spec_json = spec.to_json()
+        if len(spec_json) > MAX_SPEC_JSON_CHARS:  # the collector would refuse its Hello
+            raise ValueError(
+                f"spec: {len(spec_json)} characters as JSON; a robot spec (names, instruction, extras) may "
+                f"have at most {MAX_SPEC_JSON_CHARS}"
+            )
         self.address = address
         self.robot_id = robot_id
         self.spec = spec
@@ -198,7 +204,7 @@ class RobotClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._hello = pb.RobotMessage(
             hello=pb.Hello(
-                robot_id=robot_id, task=task, robot_spec_json=spec.to_json(), client_version=__version__
+                robot_id=robot_id, task=task, robot_spec_json=spec_json, client_version=__version__
             )
         ).SerializeToString()
         self._cond = threading.Condition()
@@ -324,6 +330,7 @@ class RobotClient:
         spec.check_images(cameras)
         spec.check_state(state)
         spec.check_action(action)
+        spec.check_action_range(action)
         if proposed_action is None:
             proposed = np.full(spec.action_dim, np.nan, np.float32)
         else:

@@ -4,7 +4,8 @@ A spec says what a robot observes and how it acts:
 
 * cameras: name -> H x W x 3 uint8 image,
 * state:   float32[state_dim] proprioception (plus task extras for state-only tasks),
-* action:  float32[action_dim], normalised to [-1, 1],
+* action:  float32[action_dim], normalised to [-1, 1] (``action_range``; None for a spec in the robot's own
+  units, e.g. a LeRobot dataset's joint targets),
 * control rate and the instruction text.
 
 One spec per task / robot type. Checkpoints record the spec they were trained for, and everything
@@ -21,6 +22,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+MAX_SPEC_JSON_CHARS = 64 * 1024
+"""The longest robot spec, as JSON, a collector takes in a ``Hello``: its names, instruction and extras are
+text a robot chooses, and every episode's commit record keeps a copy."""
+RANGE_SLACK = 1e-5
+"""How far (a fraction of the range's width) an action may stray outside ``action_range``: float rounding
+of a value clipped to the bound, never a real excursion."""
 
 
 class SpecError(ValueError):
@@ -66,6 +74,10 @@ class RobotSpec:
     action_names: tuple[str, ...] = ()
     state_names: tuple[str, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    action_range: tuple[float, float] | None = field(default=(-1.0, 1.0), compare=False, hash=False)
+    """The interval every executed action's dimensions lie in (the collector and the robot client refuse
+    frames outside it); None = not declared: actions in the robot's own units. A spec saved before the
+    field existed reads as None. Not part of equality: it states a bound, not another robot."""
 
     def __post_init__(self) -> None:
         if self.state_dim < 0:
@@ -85,6 +97,13 @@ class RobotSpec:
             raise ValueError(
                 f"state_names has {len(self.state_names)} entries, state_dim is {self.state_dim}"
             )
+        if self.action_range is not None:
+            lo, hi = (float(v) for v in self.action_range)
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise ValueError(
+                    f"action_range must be finite (low, high) with low < high, got {self.action_range}"
+                )
+            object.__setattr__(self, "action_range", (lo, hi))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -102,6 +121,7 @@ class RobotSpec:
         d["cameras"] = [asdict(c) for c in self.cameras]
         d["action_names"] = list(self.action_names)
         d["state_names"] = list(self.state_names)
+        d["action_range"] = None if self.action_range is None else list(self.action_range)
         return d
 
     @classmethod
@@ -117,6 +137,7 @@ class RobotSpec:
                 action_names=tuple(d.get("action_names", ())),
                 state_names=tuple(d.get("state_names", ())),
                 extras=dict(d.get("extras", {})),
+                action_range=_range(d.get("action_range")),
             )
         except KeyError as e:
             raise ValueError(f"robot spec is missing field {e.args[0]!r}") from None
@@ -157,6 +178,23 @@ class RobotSpec:
         want = (self.action_dim,) if batch is None else (batch, self.action_dim)
         _check_array(name, action, np.float32, want, finite=finite)
 
+    def check_action_range(self, action: np.ndarray, name: str = "action") -> None:
+        """Every value of ``action`` (any shape, last dim the action's) within :attr:`action_range` (when the
+        spec declares one), up to :data:`RANGE_SLACK` of its width; names the first frame outside it."""
+        if self.action_range is None or not action.size:
+            return
+        lo, hi = self.action_range
+        slack = RANGE_SLACK * (hi - lo)
+        bad = ~((action >= lo - slack) & (action <= hi + slack))
+        if bad.any():
+            where = np.argwhere(bad)[0]
+            at = f" (frame {int(where[0])})" if action.ndim > 1 else ""
+            raise SpecError(
+                name,
+                f"values within the spec's action_range [{lo:g}, {hi:g}]",
+                f"{float(action[tuple(where)]):.6g}{at}",
+            )
+
     def check_observation(self, obs: Mapping[str, Any]) -> None:
         """Check one observation ``{"cameras": {...}, "state": ...}`` against the spec."""
         if not isinstance(obs, Mapping):
@@ -165,6 +203,15 @@ class RobotSpec:
         if "state" not in obs:
             raise SpecError("state", f"float32[{self.state_dim}]", "nothing (missing)")
         self.check_state(obs["state"])
+
+
+def _range(value: Any) -> tuple[float, float] | None:
+    """``action_range`` as saved: absent or null = not declared, else a pair of numbers."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"action_range must be [low, high] or null, got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def _check_array(name: str, value: Any, dtype: type, shape: tuple[int, ...], finite: bool) -> None:

@@ -177,12 +177,14 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("models", "server_version")
+    __slots__ = ("models", "server_version", "max_request_bytes")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     server_version: str
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("model_id", "ref", "force", "stage_only")
