@@ -18,7 +18,7 @@ trains in minutes, without the internet. :func:`save_tiny_policy` writes a LeRob
 
 Default sizes (:data:`TINY_SMOLVLM`, :data:`TINY_PI`), on 64 px images: SmolVLA ~0.4M parameters
 (VLM text width 64, 4 layers, 4 heads of 16 with 2 KV heads; vision width 32, 2 layers, 16 px patches,
-4 image tokens after pixel shuffle; expert width 48), π0 ~0.15M (VLM width 64, expert width 32, 2
+4 image tokens after pixel shuffle; expert width 48), π0 ~0.2M (VLM width 64, expert width 32, 2
 layers each, 8 heads of 8 with 1 KV head as LeRobot's attention requires; vision width 32, 2 layers,
 16 image tokens). Larger "small" configurations are the same classes with other numbers.
 """
