@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -66,10 +67,12 @@ STATS = {  # non-trivial normalisation, so the processors' statistics are exerci
 B = 3
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing here may reach the internet: refuse every connection that leaves this machine."""
-    real = socket.socket.connect
+@pytest.fixture(autouse=True, scope="module")
+def _offline() -> Iterator[None]:
+    """Nothing here may reach the internet, building the folders included (module scope: set up before
+    them): every connection that leaves this machine is refused and recorded (a library that swallows
+    the error still fails the module)."""
+    real, attempts = socket.socket.connect, []
 
     def connect(self: socket.socket, address: Any) -> Any:
         host = address[0] if isinstance(address, tuple) else None
@@ -79,13 +82,17 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
             except ValueError:
                 local = host == "localhost"
             if not local:
-                raise AssertionError(f"a test tried to reach {address}")
+                attempts.append(address)
+                raise OSError(f"a test tried to reach {address}")
         return real(self, address)
 
-    monkeypatch.setattr(socket.socket, "connect", connect)
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", connect)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+    assert not attempts, f"tried to reach {attempts}"
 
 
 @pytest.fixture(autouse=True, scope="module")
