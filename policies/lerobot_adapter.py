@@ -39,7 +39,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
+from policies.lerobot_local import LocalBuild, local_build
 from vla_rl.hub.checkpoint import CheckpointError
 
 log = logging.getLogger("vla_rl.lerobot_adapter")
@@ -167,6 +168,29 @@ def spec_from_config(raw: Mapping[str, Any], name: str | None = None) -> tuple[R
     return spec, keys
 
 
+def to_lerobot_batch(
+    state_dim: int,
+    states: np.ndarray | torch.Tensor,
+    cameras: Mapping[str, np.ndarray | torch.Tensor],
+    instructions: list[str],
+    camera_keys: Mapping[str, str],
+) -> dict[str, Any]:
+    """A robot observation batch as LeRobot's own async server hands it to the pre-processor (the table in
+    the module docstring): ``observation.state`` float32 [B, S], ``observation.images.<c>`` float32
+    [B, 3, H, W] in [0, 1], ``task`` B strings."""
+    batch: dict[str, Any] = {}
+    if state_dim:
+        batch[STATE_KEY] = torch.as_tensor(
+            np.ascontiguousarray(states) if isinstance(states, np.ndarray) else states
+        )
+    for cam, key in camera_keys.items():
+        img = cameras[cam]
+        img = torch.from_numpy(np.ascontiguousarray(img)) if isinstance(img, np.ndarray) else img
+        batch[key] = (img.permute(0, 3, 1, 2).to(torch.float32) / 255.0).contiguous()
+    batch["task"] = list(instructions)
+    return batch
+
+
 @dataclass
 class LeRobotModel:
     """A loaded LeRobot policy with its pre/post-processors, run on batches of robot observations.
@@ -213,14 +237,7 @@ class LeRobotModel:
         device = self.device
         n_obs = int(getattr(self.policy.config, "n_obs_steps", 1) or 1)
         with torch.inference_mode():
-            batch: dict[str, Any] = {}
-            if self.spec.state_dim:
-                batch[STATE_KEY] = torch.from_numpy(np.ascontiguousarray(states))
-            for cam, key in self.camera_keys.items():
-                # uint8 HWC -> float CHW in [0, 1], what LeRobot's own server hands its pre-processor
-                img = torch.from_numpy(np.ascontiguousarray(cameras[cam]))
-                batch[key] = img.permute(0, 3, 1, 2).to(torch.float32).div_(255.0).contiguous()
-            batch["task"] = list(instructions)
+            batch = to_lerobot_batch(self.spec.state_dim, states, cameras, instructions, self.camera_keys)
             batch = self.preprocessor(batch)
             if n_obs > 1:  # stateless server: history = the current observation repeated
                 for key in [STATE_KEY, *self.camera_keys.values()]:
@@ -265,14 +282,33 @@ def _noise_shape(policy: Any, action_dim: int) -> tuple[int, int] | None:
     return None
 
 
-def load_lerobot(
-    folder: str | os.PathLike[str], *, commit: str, ref: str, device: torch.device | str = "cpu"
-) -> LeRobotModel:
-    """Build the LeRobot policy in ``folder`` on ``device``, with its processors, and probe it once.
+@dataclass
+class LeRobotBuild:
+    """A LeRobot policy built from its folder, with its processors: what serving and training start from."""
+
+    policy: Any  # lerobot PreTrainedPolicy, in eval mode on the requested device
+    preprocessor: Any
+    postprocessor: Any
+    spec: RobotSpec
+    camera_keys: dict[str, str]
+    lerobot_type: str
+    path: Path
+    has_processors: bool
+    local: LocalBuild  # a folder made here: its vlm/ and π0 sizes (policies.lerobot_tiny)
+    notes: list[str] = field(default_factory=list)
+
+
+def build_lerobot(
+    folder: str | os.PathLike[str],
+    device: torch.device | str = "cpu",
+    *,
+    accept: Callable[[str], None] | None = None,
+) -> LeRobotBuild:
+    """Build the LeRobot policy in ``folder`` on ``device`` with its pre/post-processors.
 
     Raises :class:`CheckpointError` (naming the file or field) for anything wrong with the folder, before
     building the model where it can: a PI0 folder without weights fails in milliseconds, not after
-    allocating 4B random parameters.
+    allocating 4B random parameters. ``accept(type)`` runs once the type is known and may refuse it.
     """
     root = Path(folder)
     raw = read_lerobot_config(root)
@@ -282,6 +318,8 @@ def load_lerobot(
     known = lerobot_policy_types()
     if ptype not in known:
         raise CheckpointError(f"{CONFIG_FILE}: type: expected one of {known}, got {ptype!r}")
+    if accept is not None:
+        accept(ptype)
     spec, camera_keys = spec_from_config(raw)
     weights = root / WEIGHTS_FILE
     if not weights.is_file():
@@ -310,7 +348,12 @@ def load_lerobot(
     if hasattr(cfg, "pretrained_backbone_weights"):
         cfg.pretrained_backbone_weights = None  # the trained weights below replace it; never download
     try:
-        policy = get_policy_class(ptype).from_pretrained(str(root), config=cfg, strict=True)
+        local = local_build(root, cfg)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        with local.context():
+            policy = get_policy_class(ptype).from_pretrained(str(root), config=cfg, strict=True)
     except (RuntimeError, ValueError, OSError, SafetensorError) as e:  # shape/key mismatch, bad tensor data
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{WEIGHTS_FILE}: does not load into a {ptype} policy: {msg}") from None
@@ -319,17 +362,19 @@ def load_lerobot(
         raise CheckpointError(
             f"could not build the {ptype} policy (needs {need}): {type(e).__name__}: {e}"
         ) from None
+    _check_loaded_shapes(policy, weights, ptype)
     policy.to(dev).eval()
     has_proc = (root / PREPROCESSOR_FILE).is_file() and (root / POSTPROCESSOR_FILE).is_file()
     notes: list[str] = []
-    override = {"device_processor": {"device": str(dev)}}
+    pre_override = {"device_processor": {"device": str(dev)}, **local.preprocessor_overrides}
+    post_override = {"device_processor": {"device": str(dev)}}
     try:
         if has_proc:
             pre, post = make_pre_post_processors(
                 policy.config,
                 pretrained_path=str(root),
-                preprocessor_overrides=override,
-                postprocessor_overrides=override,
+                preprocessor_overrides=pre_override,
+                postprocessor_overrides=post_override,
             )
         else:
             # Folders from before LeRobot 0.4 kept normalisation inside the model (their buffers would
@@ -341,26 +386,59 @@ def load_lerobot(
         raise CheckpointError(
             f"{PREPROCESSOR_FILE}: could not build the {ptype} processors: {type(e).__name__}: {e}"
         ) from None
+    return LeRobotBuild(policy, pre, post, spec, camera_keys, ptype, root, has_proc, local, notes)
+
+
+def _check_loaded_shapes(policy: Any, weights: Path, ptype: str) -> None:
+    """π0's ``from_pretrained`` reports a weight file that does not fit the model by printing a warning and
+    keeping random weights; refuse that here (only the safetensors header is read)."""
+    from safetensors import safe_open
+
+    model = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    matched = 0
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+            name = key if key in model else f"model.{key}"
+            if name not in model:
+                continue
+            shape = tuple(f.get_slice(key).get_shape())
+            if model[name] != shape:
+                raise CheckpointError(
+                    f"{WEIGHTS_FILE}: {key} has shape {list(shape)}, the {ptype} config builds "
+                    f"{list(model[name])} (a folder built with other sizes?)"
+                )
+            matched += 1
+    if not matched:
+        raise CheckpointError(f"{WEIGHTS_FILE}: none of its tensors belongs to a {ptype} policy")
+
+
+def load_lerobot(
+    folder: str | os.PathLike[str], *, commit: str, ref: str, device: torch.device | str = "cpu"
+) -> LeRobotModel:
+    """Build the LeRobot policy in ``folder`` on ``device`` (:func:`build_lerobot`) and probe it once."""
+    b = build_lerobot(folder, device)
     model = LeRobotModel(
-        policy=policy,
-        preprocessor=pre,
-        postprocessor=post,
-        spec=spec,
-        camera_keys=camera_keys,
-        lerobot_type=ptype,
-        path=root,
+        policy=b.policy,
+        preprocessor=b.preprocessor,
+        postprocessor=b.postprocessor,
+        spec=b.spec,
+        camera_keys=b.camera_keys,
+        lerobot_type=b.lerobot_type,
+        path=b.path,
         commit=commit,
         ref=ref,
-        noise_shape=_noise_shape(policy, spec.action_dim),
-        has_processors=has_proc,
-        notes=notes,
+        noise_shape=_noise_shape(b.policy, b.spec.action_dim),
+        has_processors=b.has_processors,
+        notes=b.notes,
     )
     try:
         model.probe()
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{ptype}: a blank observation fails: {type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"{b.lerobot_type}: a blank observation fails: {type(e).__name__}: {e}"
+        ) from None
     return model
 
 
@@ -388,7 +466,7 @@ def save_random_policy(
     """Save a randomly initialised LeRobot policy (and its processors) for ``spec`` the way LeRobot does.
 
     For tests and benchmarks: no pretrained backbone is downloaded. ``stats`` are normalisation statistics
-    per feature key (default: mean 0 / std 1, min -1 / max 1, i.e. identity normalisation).
+    per feature key (default: mean 0 / std 1, min -1 / max 1, q01 -1 / q99 1, i.e. identity normalisation).
     """
     from lerobot.policies.factory import get_policy_class, make_policy_config, make_pre_post_processors
 
@@ -406,6 +484,8 @@ def save_random_policy(
                 "std": torch.ones(shape),
                 "min": -torch.ones(shape),
                 "max": torch.ones(shape),
+                "q01": -torch.ones(shape),  # π0.5 normalises with quantiles
+                "q99": torch.ones(shape),
             }
 
         stats = {k: unit((3, 1, 1) if k.startswith(IMAGES_PREFIX) else f.shape) for k, f in inputs.items()}

@@ -22,6 +22,7 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, LoadLimits, load_checkpoint
 
 if TYPE_CHECKING:
+    from policies.flow_policy import FlowPolicy
     from policies.lerobot_adapter import LeRobotModel
 
 POLICY_TYPES = ("flow_vla",)
@@ -227,3 +228,26 @@ def load_servable(
     if limits is not None:
         limits.check("pulling the checkpoint")
     return _load_folder(path, ckpt.commit, str(ref), device, limits)
+
+
+def load_flow_policy(
+    ref: str | os.PathLike[str],
+    *,
+    algorithm: str = "training",
+    device: str = "auto",
+    cache_dir: Path | None = None,
+) -> FlowPolicy:
+    """A checkpoint reference as a :class:`~policies.flow_policy.FlowPolicy`, what trainers hold: our
+    checkpoint (verified as :func:`load_policy` does) or a LeRobot SmolVLA / π0 / π0.5 folder. Any other
+    LeRobot type is refused naming it: ``"<algorithm> needs a flow-matching policy; act is not one — use sft"``."""
+    from policies.flow_policy import FlowVLAFlowPolicy
+    from policies.lerobot_adapter import is_lerobot_folder
+    from policies.lerobot_flow import LeRobotFlowPolicy
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(str(ref), cache_dir=cache_dir)
+    path = Path(ckpt.path)
+    if is_lerobot_folder(path):
+        return LeRobotFlowPolicy.load(path, algorithm=algorithm, device=pick_device(device))
+    loaded = _load_folder(path, ckpt.commit, str(ref), device)
+    return FlowVLAFlowPolicy.from_checkpoint(loaded.policy, loaded.info)

@@ -53,7 +53,9 @@ from .normalize import Normalizer
 from .sampling import (
     SDESchedule,
     chain_log_prob,
+    check_num_steps,
     euler_sample,
+    initial_noise,
     learnable_noise_sample,
     noise_kernel,
     sde_kernel,
@@ -63,7 +65,6 @@ from .uncertainty import accel_score
 
 Tensor = torch.Tensor
 Method = Literal["ode", "sde", "noise"]
-MAX_NUM_STEPS = 1000  # denoising steps a sample may ask for (bounds the work one call can demand)
 ADVANTAGE_UNCONDITIONAL, ADVANTAGE_NEGATIVE, ADVANTAGE_POSITIVE = 0, 1, 2
 
 
@@ -373,6 +374,32 @@ class FlowVLAPolicy(nn.Module):
         ``noise`` ``[B, H, A]`` / ``time`` ``[B]`` fix x0 and t (tests, FPO-style paired estimates).
         Random-shift image augmentation applies in training mode. Metrics are detached tensors.
         """
+        b = self._batch_size(batch)
+        per_sample, valid = self._per_sample_loss(batch, noise, time)
+        w = weights if weights is not None else batch.get("weight")
+        if w is not None:
+            w = self._as_tensor(w).to(per_sample).reshape(b)
+            loss = (w * per_sample).mean()
+        else:
+            loss = per_sample.mean()
+        metrics = {
+            "loss": loss.detach(),
+            "mse": per_sample.mean().detach(),
+            "valid_frac": valid[..., 0].mean().detach(),
+        }
+        return loss, metrics
+
+    def per_sample_loss(
+        self, batch: Mapping[str, Any], *, noise: Tensor | None = None, time: Tensor | None = None
+    ) -> Tensor:
+        """Each sample's flow-matching loss ``[B]`` (the terms :meth:`flow_matching_loss` averages), for
+        trainers that weight samples themselves (AWR, RECAP) through :mod:`policies.flow_policy`."""
+        return self._per_sample_loss(batch, noise, time)[0]
+
+    def _per_sample_loss(
+        self, batch: Mapping[str, Any], noise: Tensor | None, time: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(mean over valid elements of (v - (x1 - x0))² per sample [B], valid mask [B, H, A])``."""
         c = self.config
         b = self._batch_size(batch)
         actions = self._tensor(batch, "action", (b, c.chunk_len, c.action_dim)).float()
@@ -390,19 +417,7 @@ class FlowVLAPolicy(nn.Module):
             valid = (~pad).to(err.dtype)[..., None].expand_as(err)
         else:
             valid = torch.ones_like(err)
-        per_sample = (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0)
-        w = weights if weights is not None else batch.get("weight")
-        if w is not None:
-            w = self._as_tensor(w).to(per_sample).reshape(b)
-            loss = (w * per_sample).mean()
-        else:
-            loss = per_sample.mean()
-        metrics = {
-            "loss": loss.detach(),
-            "mse": per_sample.mean().detach(),
-            "valid_frac": valid[..., 0].mean().detach(),
-        }
-        return loss, metrics
+        return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0), valid
 
     # ------------------------------------------------------------------ sampling
     def sample(
@@ -446,15 +461,8 @@ class FlowVLAPolicy(nn.Module):
         b, n, k = prefix.batch_size, num_samples, num_steps or c.num_inference_steps
         event = (c.chunk_len, c.action_dim)
         dtype = prefix.tokens.dtype
-        if not isinstance(k, int) or not 1 <= k <= MAX_NUM_STEPS:
-            raise ValueError(f"num_steps: expected an int in [1, {MAX_NUM_STEPS}], got {k!r}")
-        if noise is None:
-            noise = _randn((b, n, *event), generator, self.device, dtype)
-        elif noise.shape != (b, n, *event):
-            raise ValueError(f"noise: expected shape {[b, n, *event]}, got {list(noise.shape)}")
-        elif not bool(torch.isfinite(noise).all()):
-            raise ValueError("noise: expected finite values, got NaN or inf")
-        x0 = noise.to(self.device, dtype).reshape(b * n, *event)
+        check_num_steps(k)
+        x0 = initial_noise((b, n, *event), noise, generator, self.device, dtype).reshape(b * n, *event)
         flat_step_noise = None
         if step_noise is not None:
             if step_noise.shape != (b, n, k, *event):
@@ -626,13 +634,6 @@ def _image_encoder(c: FlowVLAConfig) -> nn.Module:
     if c.image_encoder == "resnet18":
         return ResNet18Encoder(c.image_tokens_grid, c.d_model, frozen=c.freeze_image_encoder)
     return ImageEncoder(c.image_encoder_width, c.image_encoder_stages, c.image_tokens_grid, c.d_model)
-
-
-def _randn(
-    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype
-) -> Tensor:
-    g_device = generator.device if generator is not None else device
-    return torch.randn(shape, generator=generator, device=g_device, dtype=dtype).to(device)
 
 
 def _flat_stochastic(

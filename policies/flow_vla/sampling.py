@@ -54,6 +54,7 @@ StepFn = Callable[[Tensor, Tensor, float], KernelStep]
 """``kernel(x_k, t_k, dt) -> KernelStep`` for ``x_{k+1}``."""
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+MAX_NUM_STEPS = 1000  # denoising steps a sample may ask for (bounds the work one call can demand)
 
 
 def time_grid(num_steps: int) -> list[float]:
@@ -61,6 +62,31 @@ def time_grid(num_steps: int) -> list[float]:
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     return [k / num_steps for k in range(num_steps + 1)]
+
+
+def check_num_steps(k: object) -> None:
+    """Refuse a denoising step count that is not an int in [1, :data:`MAX_NUM_STEPS`]."""
+    if not isinstance(k, int) or not 1 <= k <= MAX_NUM_STEPS:
+        raise ValueError(f"num_steps: expected an int in [1, {MAX_NUM_STEPS}], got {k!r}")
+
+
+def initial_noise(
+    shape: tuple[int, ...],
+    noise: Tensor | None,
+    generator: torch.Generator | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The initial x0 of ``shape``: ``noise`` checked (shape, finite) and moved, or standard normals drawn
+    from ``generator`` on its own device (a CPU generator serves a CUDA model)."""
+    if noise is None:
+        g_device = generator.device if generator is not None else device
+        return torch.randn(shape, generator=generator, device=g_device, dtype=dtype).to(device)
+    if tuple(noise.shape) != tuple(shape):
+        raise ValueError(f"noise: expected shape {list(shape)}, got {list(noise.shape)}")
+    if not bool(torch.isfinite(noise).all()):
+        raise ValueError("noise: expected finite values, got NaN or inf")
+    return noise.to(device, dtype)
 
 
 # ---------------------------------------------------------------------- SDE schedules

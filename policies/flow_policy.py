@@ -1,0 +1,348 @@
+"""One contract for flow-matching policies: what trainers, evaluation and the server hold.
+
+:class:`FlowPolicy` is implemented by our FlowVLA (:class:`FlowVLAFlowPolicy`, below) and by LeRobot's
+SmolVLA, π0 and π0.5 (:class:`policies.lerobot_flow.LeRobotFlowPolicy`); :func:`policies.loading.load_flow_policy`
+loads either from a checkpoint reference. Both are ``torch.nn.Module`` s (``parameters()``, ``train()``,
+``state_dict()`` as usual).
+
+**Time**: ours everywhere (t = 0 noise, t = 1 data, ``x_t = (1 - t) x0 + t x1``, velocity ``x1 - x0``;
+docs/algorithms.md §0). LeRobot's π0 family runs openpi's convention; its implementation converts at the
+boundary through :mod:`policies.flow_vla.conventions` and nowhere else.
+
+**Action spaces**: env units ``[..., H, A]`` (what a robot executes, ``A = action_dim``) and the model's
+normalised space ``[..., H, D]`` with ``(H, D) = event_shape``: x_t, noise, velocities, samples and
+iterates live there. ``D = A`` for FlowVLA; LeRobot's VLAs pad to ``max_action_dim``, the first A dims
+being the robot's (:meth:`FlowPolicy.logprob_mask` is False on the padding and on the unexecuted steps).
+
+**Batches**: our observation dict, ``"state"`` ``[B, S]``, ``"cameras"`` ``{name: [B, H, W, 3] uint8}``,
+``"instruction"`` (a string or B strings), plus for :meth:`FlowPolicy.loss` ``"action"`` ``[B, H, A]`` in
+env units and optionally ``"action_is_pad"`` ``[B, H]``. Each implementation normalises them itself
+(FlowVLA: its statistics; LeRobot: the folder's own pre/post-processors).
+
+**Which parameters train** (:meth:`FlowPolicy.set_trainable`, :data:`TRAINABLE_PARTS`): ``"expert"`` = the
+action expert and its projections, the VLM / trunk frozen (the CPU default for LeRobot VLAs); ``"full"`` =
+everything the model trains; ``"lora"`` is refused (``peft`` is not installed here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
+
+import torch
+from torch import nn
+from vla_rl_client.spec import RobotSpec
+
+from policies.flow_vla import FlowSample, FlowVLAPolicy, PrefixCache, euler_sample
+from policies.flow_vla.sampling import check_num_steps, initial_noise
+from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
+
+Tensor = torch.Tensor
+TrainableParts = Literal["expert", "full", "lora"]
+TRAINABLE_PARTS: tuple[str, ...] = get_args(TrainableParts)
+EXPERT_MODULES = ("expert.", "noise_head.")
+"""FlowVLA's action head: the expert (with its prefix K/V projections) and the Flow-Noise std head."""
+
+
+class FlowPolicyError(ValueError):
+    """A policy cannot do what was asked of it (a non-flow policy, an unsupported option); says which."""
+
+
+class Prefix(Protocol):
+    """An opaque per-observation encoding (FlowVLA: :class:`PrefixCache`; LeRobot: KV cache + masks)."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def repeat_interleave(self, n: int) -> Prefix: ...
+
+
+@runtime_checkable
+class FlowPolicy(Protocol):
+    """A flow-matching action policy (see the module docstring for time, spaces and batches)."""
+
+    @property
+    def chunk_len(self) -> int:
+        """H: actions predicted per call."""
+        ...
+
+    @property
+    def n_exec(self) -> int:
+        """Actions executed per call (the RL action is this sub-chunk)."""
+        ...
+
+    @property
+    def action_dim(self) -> int:
+        """A: the robot's action dims (env units)."""
+        ...
+
+    @property
+    def event_shape(self) -> tuple[int, int]:
+        """(H, D): the shape of one normalised chunk in the model's space (D >= A)."""
+        ...
+
+    @property
+    def num_inference_steps(self) -> int:
+        """K used when a sample names none."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def logprob_mask(self) -> Tensor:
+        """``[H, D]`` bool: the executed steps' robot dims, the only elements RL log-probs score."""
+        ...
+
+    def encode_prefix(self, obs: Mapping[str, Any]) -> Prefix:
+        """Encode a batch of observations once (VLM / trunk pass); reused for every step and sample."""
+        ...
+
+    def velocity(self, prefix: Prefix, x_t: Tensor, t: Tensor | float) -> Tensor:
+        """``v(x_t, t)`` ``[N, H, D]`` in our time convention for ``x_t [N, H, D]`` (N = the prefix's rows)."""
+        ...
+
+    def sample(
+        self,
+        obs_or_prefix: Mapping[str, Any] | Any,
+        *,
+        num_steps: int | None = None,
+        num_samples: int = 1,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_iterates: bool = False,
+    ) -> FlowSample:
+        """Euler ODE from ``noise`` ``[B, N, H, D]`` (or drawn from ``generator``): normalised chunks
+        ``[B, N, H, D]`` (and the K + 1 iterates when asked)."""
+        ...
+
+    def predict_action_chunk(
+        self,
+        obs: Mapping[str, Any],
+        *,
+        num_steps: int | None = None,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Env-unit chunks ``[B, H, A]`` from ``noise`` ``[B, H, D]`` (or drawn)."""
+        ...
+
+    def loss(
+        self, batch: Mapping[str, Any], *, noise: Tensor | None = None, time: Tensor | None = None
+    ) -> Tensor:
+        """Per-sample flow-matching loss ``[B]``: mean over valid (unpadded) steps and robot dims of
+        ``(v(x_t, t) - (x1 - x0))²``. ``noise`` ``[B, H, D]`` and ``time`` ``[B]`` (our convention) fix
+        x0 and t; drawn otherwise (π0's Beta time). AWR / RECAP weights multiply this."""
+        ...
+
+    def features(self, prefix: Prefix) -> Tensor:
+        """``[B, F]`` per-observation features for value heads (the pooled prefix / VLM output)."""
+        ...
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        """Env units ``[..., H, A]`` -> the model's space ``[..., H, D]`` (padding dims 0)."""
+        ...
+
+    def unnormalize_actions(self, x: Tensor) -> Tensor:
+        """The model's space ``[..., H, D]`` -> env units ``[..., H, A]`` (no clipping)."""
+        ...
+
+    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
+        """Choose which parameters train (``requires_grad``) and return them, for the optimiser."""
+        ...
+
+    def save(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        lineage: Lineage | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write the policy in its own format (FlowVLA: our checkpoint; LeRobot: its policy folder)."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+def check_trainable(parts: str) -> None:
+    """Refuse anything but ``"expert"`` / ``"full"``; ``"lora"`` names what it would need."""
+    if parts == "lora":
+        need = (
+            "the peft package, which is not installed here"
+            if importlib.util.find_spec("peft") is None
+            else "LoRA adapters, which are not wired into the flow policies yet"
+        )
+        raise FlowPolicyError(f"trainable: 'lora' needs {need}; use 'expert' or 'full'")
+    if parts not in TRAINABLE_PARTS:
+        raise FlowPolicyError(f"trainable: expected one of {list(TRAINABLE_PARTS)}, got {parts!r}")
+
+
+def euler_sample_prefix(
+    policy: FlowPolicy,
+    prefix: Prefix,
+    *,
+    num_steps: int | None,
+    num_samples: int,
+    noise: Tensor | None,
+    generator: torch.Generator | None,
+    return_iterates: bool,
+) -> FlowSample:
+    """:meth:`FlowPolicy.sample` for a policy that has only ``velocity``: Euler ODE on our time grid
+    ``t_k = k / K`` from x0 ``[B, N, H, D]``, every row of observation b using b's prefix."""
+    b, n = prefix.batch_size, num_samples
+    k = num_steps or policy.num_inference_steps
+    check_num_steps(k)
+    event = policy.event_shape
+    x0 = initial_noise((b, n, *event), noise, generator, policy.device, torch.float32)
+    rows = prefix.repeat_interleave(n)
+    res = euler_sample(
+        lambda x, t: policy.velocity(rows, x, t),
+        x0.reshape(b * n, *event),
+        k,
+        return_iterates=return_iterates,
+    )
+    iterates = res.iterates.reshape(b, n, k + 1, *event) if res.iterates is not None else None
+    return FlowSample(actions=res.actions.reshape(b, n, *event), iterates=iterates, log_prob=None, chain=None)
+
+
+def masked_mean_per_sample(err: Tensor, action_is_pad: Tensor | None) -> Tensor:
+    """``err`` ``[B, H, A]`` averaged per sample over the steps that are not padding -> ``[B]``."""
+    if action_is_pad is None:
+        return err.mean((1, 2))
+    valid = (~action_is_pad.bool()).to(err.dtype)[..., None].expand_as(err)
+    return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0)
+
+
+# ---------------------------------------------------------------------------- FlowVLA
+class FlowVLAFlowPolicy(nn.Module):
+    """Our :class:`FlowVLAPolicy` behind the contract: every method delegates to the model (its numbers
+    unchanged); the robot spec and the base checkpoint's lineage ride along for :meth:`save`."""
+
+    def __init__(self, model: FlowVLAPolicy, spec: RobotSpec, base: CheckpointInfo | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.base = base
+        self._full = {n for n, p in model.named_parameters() if p.requires_grad}  # what the config trains
+
+    @classmethod
+    def from_checkpoint(cls, model: FlowVLAPolicy, info: CheckpointInfo) -> FlowVLAFlowPolicy:
+        return cls(model, info.robot_spec, info)
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def chunk_len(self) -> int:
+        return self.model.config.chunk_len
+
+    @property
+    def n_exec(self) -> int:
+        return self.model.config.n_exec
+
+    @property
+    def action_dim(self) -> int:
+        return self.model.config.action_dim
+
+    @property
+    def event_shape(self) -> tuple[int, int]:
+        return (self.model.config.chunk_len, self.model.config.action_dim)
+
+    @property
+    def num_inference_steps(self) -> int:
+        return self.model.config.num_inference_steps
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def logprob_mask(self) -> Tensor:
+        return self.model.logprob_mask()
+
+    # ---------------------------------------------------------------- flow
+    def encode_prefix(self, obs: Mapping[str, Any]) -> PrefixCache:
+        return self.model.encode_prefix(obs)
+
+    def velocity(self, prefix: PrefixCache, x_t: Tensor, t: Tensor | float) -> Tensor:
+        return self.model.velocity(prefix, x_t, t)  # type: ignore[return-value]
+
+    def sample(
+        self,
+        obs_or_prefix: Mapping[str, Any] | PrefixCache,
+        *,
+        num_steps: int | None = None,
+        num_samples: int = 1,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_iterates: bool = False,
+    ) -> FlowSample:
+        return self.model.sample(
+            obs_or_prefix,
+            num_steps=num_steps,
+            num_samples=num_samples,
+            noise=noise,
+            generator=generator,
+            return_iterates=return_iterates,
+        )
+
+    def predict_action_chunk(
+        self,
+        obs: Mapping[str, Any],
+        *,
+        num_steps: int | None = None,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Clipped to [-1, 1] before un-normalising under min-max normalisation, as FlowVLA deploys."""
+        return self.model.predict_action_chunk(obs, num_steps=num_steps, noise=noise, generator=generator)
+
+    def loss(
+        self, batch: Mapping[str, Any], *, noise: Tensor | None = None, time: Tensor | None = None
+    ) -> Tensor:
+        return self.model.per_sample_loss(batch, noise=noise, time=time)
+
+    def features(self, prefix: PrefixCache) -> Tensor:
+        """The mean trunk token ``[B, d_model]``."""
+        return prefix.pooled()
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        return self.model.normalizer.normalize_action(actions)
+
+    def unnormalize_actions(self, x: Tensor) -> Tensor:
+        return self.model.normalizer.unnormalize_action(x)
+
+    # ---------------------------------------------------------------- training / IO
+    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
+        """``"expert"``: the action expert (with its prefix K/V projections) and the noise head; the
+        encoders, trunk and embeddings frozen. ``"full"``: everything the config trains (a frozen
+        ResNet-18 backbone stays frozen)."""
+        check_trainable(parts)
+        for name, p in self.model.named_parameters():
+            p.requires_grad = name in self._full and (parts == "full" or name.startswith(EXPERT_MODULES))
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        lineage: Lineage | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Our checkpoint (``config.json`` with hashes, ``model.safetensors``, model card); lineage
+        defaults to the base checkpoint's."""
+        model = self.model
+        base = self.base
+        if lineage is None:
+            lineage = base.lineage if base is not None else Lineage(algorithm="unknown")
+        info = CheckpointInfo(
+            policy_type="flow_vla",
+            model_config=model.config.to_dict(),
+            robot_spec=self.spec,
+            normalization=base.normalization if base is not None else model.config.normalization_stats or {},
+            lineage=lineage,
+            metrics=dict(metrics or {}),
+        )
+        save_checkpoint(folder, model.state_dict(), info)
+        return Path(folder)

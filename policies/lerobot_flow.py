@@ -1,0 +1,409 @@
+"""LeRobot's flow-matching VLAs (SmolVLA, π0, π0.5) behind the flow-policy contract (:mod:`policies.flow_policy`).
+
+A LeRobot policy folder is built as LeRobot builds it (:func:`policies.lerobot_adapter.build_lerobot`: its own
+``from_pretrained`` and its own pre/post-processors); :class:`LeRobotFlowPolicy` then drives LeRobot's public
+pieces instead of its monolithic calls:
+
+=======================  =====================================================================================
+contract                 LeRobot pieces (``policy.model`` is ``VLAFlowMatching`` / ``PI0Pytorch`` / ``PI05Pytorch``)
+=======================  =====================================================================================
+``encode_prefix``        pre-processor, image / state preparation, ``embed_prefix``, the VLM forward that fills
+                         the KV cache (what ``sample_actions`` does before its loop)
+``velocity``             ``-denoise_step(x, 1 - t)``: openpi time converted by :mod:`policies.flow_vla.conventions`
+``sample``               our Euler loop on ``velocity`` (equal to ``sample_actions(noise=...)``)
+``loss``                 ``model.forward(..., noise, 1 - t)`` (elementwise), averaged over valid steps and robot dims
+``features``             the VLM's last hidden state averaged over the valid prefix tokens
+``(un)normalize``        the folder's normaliser / un-normaliser processor steps
+``save``                 ``save_pretrained`` of the policy and both processors (+ ``vlm/`` for folders made here)
+=======================  =====================================================================================
+
+Differences from LeRobot's own ``forward(reduction="none")``, said plainly: π0 / π0.5 ignore
+``action_is_pad`` there (every step counts); here padded steps never count, as in SmolVLA and FlowVLA.
+Refused at load, naming the field: SmolVLA's ``adapt_to_pi_aloha`` and ``use_cache=False``, π0's
+``use_relative_actions`` (their conversions live outside the pieces used here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from policies.flow_policy import (
+    FlowPolicyError,
+    Prefix,
+    TrainableParts,
+    check_trainable,
+    euler_sample_prefix,
+    masked_mean_per_sample,
+)
+from policies.flow_vla import FlowSample, to_openpi_time, velocity_from_openpi
+from policies.flow_vla.sampling import initial_noise
+from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
+from policies.lerobot_local import copy_local_resources
+from vla_rl.hub.checkpoint import Lineage
+
+Tensor = torch.Tensor
+FLOW_TYPES = ("smolvla", "pi0", "pi05")
+"""LeRobot policy types that are flow-matching VLAs (an action expert on a VLM prefix)."""
+LINEAGE_FILE = "vla_rl_lineage.json"
+"""Beside a saved LeRobot folder: our lineage and metrics (LeRobot ignores the file)."""
+
+
+def require_flow_type(lerobot_type: str, algorithm: str) -> None:
+    """Refuse a LeRobot policy that is not a flow VLA, naming the type and what to use instead."""
+    if lerobot_type not in FLOW_TYPES:
+        raise FlowPolicyError(
+            f"{algorithm} needs a flow-matching policy; {lerobot_type} is not one — use sft"
+        )
+
+
+@dataclass
+class LeRobotPrefix:
+    """One batch of observations encoded by the VLM: what every denoising step reuses.
+
+    ``cache``: the transformers ``DynamicCache`` of the prefix keys / values (per VLM layer);
+    ``pad_masks`` ``[B, P]`` bool; ``hidden`` ``[B, P, W]`` the VLM's last hidden states; ``state``
+    ``[B, max_state_dim]`` for π0, whose state token is in the suffix (None otherwise).
+    """
+
+    cache: Any
+    pad_masks: Tensor
+    hidden: Tensor
+    state: Tensor | None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.pad_masks.shape[0])
+
+    def repeat_interleave(self, n: int) -> LeRobotPrefix:
+        """Each observation's prefix repeated n times (row b * n + i is observation b)."""
+        if n == 1:
+            return self
+        return LeRobotPrefix(
+            cache=_cache([(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v, _ in self.cache]),
+            pad_masks=self.pad_masks.repeat_interleave(n, 0),
+            hidden=self.hidden.repeat_interleave(n, 0),
+            state=None if self.state is None else self.state.repeat_interleave(n, 0),
+        )
+
+
+def _cache(layers: Any) -> Any:
+    """A fresh ``DynamicCache`` holding ``layers`` ((keys, values) per layer)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(tuple((k, v) for k, v, *_ in layers))
+
+
+class LeRobotFlowPolicy(nn.Module):
+    """A LeRobot SmolVLA / π0 / π0.5 as a :class:`~policies.flow_policy.FlowPolicy` (see the module docstring)."""
+
+    def __init__(self, build: LeRobotBuild) -> None:
+        super().__init__()
+        require_flow_type(build.lerobot_type, "the flow-policy contract")
+        cfg = build.policy.config
+        refused = {
+            "adapt_to_pi_aloha": getattr(cfg, "adapt_to_pi_aloha", False),
+            "use_relative_actions": getattr(cfg, "use_relative_actions", False),
+            "use_cache": not getattr(cfg, "use_cache", True),
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise FlowPolicyError(
+                    f"{build.lerobot_type} config.{name}: {getattr(cfg, name)!r} is not supported by the flow "
+                    "contract (LeRobot applies it outside the pieces used here)"
+                )
+        self.policy = build.policy
+        self.preprocessor = build.preprocessor
+        self.postprocessor = build.postprocessor
+        self.spec = build.spec
+        self.camera_keys = dict(build.camera_keys)
+        self.lerobot_type = build.lerobot_type
+        self.path = build.path
+        self.local = build.local
+        self._normalizer = _step(build.preprocessor, "NormalizerProcessorStep")
+        self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
+
+    @classmethod
+    def load(
+        cls,
+        folder: str | os.PathLike[str],
+        *,
+        algorithm: str = "training",
+        device: torch.device | str = "cpu",
+    ) -> LeRobotFlowPolicy:
+        """Build the policy in a LeRobot folder; a non-flow type (act, diffusion) is refused before building:
+        ``"<algorithm> needs a flow-matching policy; act is not one — use sft"``."""
+        return cls(build_lerobot(folder, device, accept=lambda t: require_flow_type(t, algorithm)))
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def _smol(self) -> bool:
+        return self.lerobot_type == "smolvla"
+
+    @property
+    def chunk_len(self) -> int:
+        return int(self.policy.config.chunk_size)
+
+    @property
+    def n_exec(self) -> int:
+        return int(self.policy.config.n_action_steps)
+
+    @property
+    def action_dim(self) -> int:
+        return self.spec.action_dim
+
+    @property
+    def event_shape(self) -> tuple[int, int]:
+        return (self.chunk_len, int(self.policy.config.max_action_dim))
+
+    @property
+    def num_inference_steps(self) -> int:
+        cfg = self.policy.config
+        return int(cfg.num_steps if self._smol else cfg.num_inference_steps)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def logprob_mask(self) -> Tensor:
+        m = torch.zeros(self.event_shape, dtype=torch.bool, device=self.device)
+        m[: self.n_exec, : self.action_dim] = True
+        return m
+
+    # ---------------------------------------------------------------- inputs
+    def _inputs(self, obs: Mapping[str, Any]) -> dict[str, Any]:
+        """Our observation (+ action) batch -> LeRobot's batch after the folder's pre-processor."""
+        b = _batch_size(obs)
+        instr = obs.get("instruction")
+        if instr is None:
+            raise FlowPolicyError("instruction: missing (a string or one per observation)")
+        texts = [instr] * b if isinstance(instr, str) else [str(x) for x in instr]
+        if len(texts) != b:
+            raise FlowPolicyError(f"instruction: expected {b} strings, got {len(texts)}")
+        state = None
+        if self.spec.state_dim:
+            state = _tensor(obs, "state", (b, self.spec.state_dim)).float()
+        cams = obs.get("cameras") or {}
+        for name in self.camera_keys:
+            if name not in cams:
+                raise FlowPolicyError(f"cameras.{name}: missing")
+        batch = to_lerobot_batch(self.spec.state_dim, state, cams, texts, self.camera_keys)
+        if obs.get("action") is not None:
+            batch["action"] = _tensor(obs, "action", (b, self.chunk_len, self.action_dim)).float()
+        if obs.get("action_is_pad") is not None:
+            batch["action_is_pad"] = _tensor(obs, "action_is_pad", (b, self.chunk_len)).bool()
+        return self.preprocessor(batch)
+
+    def _pieces(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor | None]:
+        """(images, image masks, tokens, token masks, padded state or None for π0.5) as the policy prepares them."""
+        from lerobot.utils.constants import OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
+
+        p = self.policy
+        images, img_masks = p.prepare_images(batch) if self._smol else p._preprocess_images(batch)
+        state = None if self.lerobot_type == "pi05" else p.prepare_state(batch)
+        return images, img_masks, batch[OBS_LANGUAGE_TOKENS], batch[OBS_LANGUAGE_ATTENTION_MASK], state
+
+    # ---------------------------------------------------------------- flow
+    def encode_prefix(self, obs: Mapping[str, Any]) -> LeRobotPrefix:
+        """The VLM pass over images, language (and SmolVLA's state token), once per observation."""
+        from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
+
+        images, img_masks, tokens, masks, state = self._pieces(self._inputs(obs))
+        m = self.policy.model
+        if self._smol:
+            embs, pad, att = m.embed_prefix(images, img_masks, tokens, masks, state=state)
+            vlm, mask = m.vlm_with_expert, make_att_2d_masks(pad, att)
+        else:
+            embs, pad, att = m.embed_prefix(images, img_masks, tokens, masks)
+            vlm, mask = m.paligemma_with_expert, prepare_attention_masks_4d(make_att_2d_masks(pad, att))
+            vlm.paligemma.model.language_model.config._attn_implementation = "eager"
+        (hidden, _), cache = vlm.forward(
+            attention_mask=mask,
+            position_ids=torch.cumsum(pad, dim=1) - 1,
+            past_key_values=None,
+            inputs_embeds=[embs, None],
+            use_cache=True,
+        )
+        return LeRobotPrefix(cache, pad, hidden, state if self.lerobot_type == "pi0" else None)
+
+    def _denoise(self, prefix: LeRobotPrefix, x: Tensor, s: Tensor) -> Tensor:
+        """LeRobot's ``denoise_step``: the openpi velocity ``u(x, s)`` (s = 1 noise)."""
+        m = self.policy.model
+        if self._smol:  # its denoise_step appends to the cache and crops it back: give it a copy
+            return m.denoise_step(
+                prefix_pad_masks=prefix.pad_masks, past_key_values=_cache(prefix.cache), x_t=x, timestep=s
+            )
+        extra = {"state": prefix.state} if self.lerobot_type == "pi0" else {}
+        return m.denoise_step(
+            prefix_pad_masks=prefix.pad_masks, past_key_values=prefix.cache, x_t=x, timestep=s, **extra
+        )
+
+    def velocity(self, prefix: LeRobotPrefix, x_t: Tensor, t: Tensor | float) -> Tensor:
+        n = x_t.shape[0]
+        if n != prefix.batch_size or tuple(x_t.shape[1:]) != self.event_shape:
+            raise FlowPolicyError(
+                f"x_t: expected [{prefix.batch_size}, {self.event_shape[0]}, {self.event_shape[1]}] "
+                f"(the prefix's rows, H, D), got {list(x_t.shape)}"
+            )
+        tt = torch.as_tensor(t, device=x_t.device, dtype=torch.float32)
+        tt = tt.expand(n) if tt.ndim == 0 else tt.reshape(n)
+        return velocity_from_openpi(lambda x, s: self._denoise(prefix, x, s))(x_t.float(), tt)
+
+    def sample(
+        self,
+        obs_or_prefix: Mapping[str, Any] | Prefix,
+        *,
+        num_steps: int | None = None,
+        num_samples: int = 1,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_iterates: bool = False,
+    ) -> FlowSample:
+        prefix = (
+            obs_or_prefix if isinstance(obs_or_prefix, LeRobotPrefix) else self.encode_prefix(obs_or_prefix)
+        )
+        return euler_sample_prefix(
+            self,
+            prefix,
+            num_steps=num_steps,
+            num_samples=num_samples,
+            noise=noise,
+            generator=generator,
+            return_iterates=return_iterates,
+        )
+
+    @torch.no_grad()
+    def predict_action_chunk(
+        self,
+        obs: Mapping[str, Any],
+        *,
+        num_steps: int | None = None,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Env units ``[B, H, A]``: the post-processor's un-normalisation, unclipped (as LeRobot serves)."""
+        s = self.sample(
+            obs, num_steps=num_steps, noise=None if noise is None else noise[:, None], generator=generator
+        )
+        return self.unnormalize_actions(s.actions[:, 0])
+
+    def loss(
+        self, batch: Mapping[str, Any], *, noise: Tensor | None = None, time: Tensor | None = None
+    ) -> Tensor:
+        if batch.get("action") is None:
+            raise FlowPolicyError("action: missing (the loss needs the demonstrated chunk)")
+        lb = self._inputs(batch)
+        images, img_masks, tokens, masks, state = self._pieces(lb)
+        actions = self.policy.prepare_action(lb)  # normalised, padded to D
+        b, device, m = actions.shape[0], actions.device, self.policy.model
+        x0 = initial_noise((b, *self.event_shape), noise, None, device, torch.float32)
+        if time is None:
+            s = m.sample_time(b, device)  # openpi time, π0's Beta(1.5, 1)
+        else:
+            s = to_openpi_time(torch.as_tensor(time, device=device, dtype=torch.float32).reshape(b))
+        args = [images, img_masks, tokens, masks] + ([] if state is None else [state])
+        err = m.forward(*args, actions, x0, s)[..., : self.action_dim]
+        return masked_mean_per_sample(err, lb.get("action_is_pad"))
+
+    def features(self, prefix: LeRobotPrefix) -> Tensor:
+        """``[B, W]``: the VLM's last hidden state averaged over the valid prefix tokens."""
+        w = prefix.pad_masks.to(prefix.hidden.dtype)[..., None]
+        return ((prefix.hidden * w).sum(1) / w.sum(1).clamp_min(1.0)).float()
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        x = _apply_step(self._normalizer, actions.to(self.device, torch.float32))
+        return nn.functional.pad(x, (0, self.event_shape[1] - self.action_dim))
+
+    def unnormalize_actions(self, x: Tensor) -> Tensor:
+        return _apply_step(self._unnormalizer, x[..., : self.action_dim])
+
+    # ---------------------------------------------------------------- training / IO
+    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
+        """``"expert"``: LeRobot's ``train_expert_only`` (the VLM frozen and kept in eval mode; the action
+        expert, the state / action / time projections train). ``"full"``: every parameter. The config's
+        flags follow, so a saved folder says what was trained."""
+        check_trainable(parts)
+        cfg, m = self.policy.config, self.policy.model
+        with_expert = m.vlm_with_expert if self._smol else m.paligemma_with_expert
+        vlm = with_expert.vlm if self._smol else with_expert.paligemma
+        expert_only = parts == "expert"
+        for p in self.policy.parameters():
+            p.requires_grad = True
+        for p in vlm.parameters():
+            p.requires_grad = not expert_only
+        if self._smol and not cfg.train_state_proj:
+            m.state_proj.requires_grad_(False)
+        for obj in (cfg, with_expert):
+            obj.train_expert_only = obj.freeze_vision_encoder = expert_only
+        self.train(self.training)  # LeRobot's train() puts a frozen VLM back in eval mode
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def save(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        lineage: Lineage | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """A LeRobot policy folder (``config.json`` with its ``type``, ``model.safetensors``, both processors)
+        that LeRobot's own ``from_pretrained`` loads, plus ``vlm/`` for folders made here and
+        :data:`LINEAGE_FILE` when a lineage or metrics are given."""
+        out = Path(folder)
+        copy_local_resources(self.local, out, self.policy, self.preprocessor)
+        self.policy.save_pretrained(out)
+        self.preprocessor.save_pretrained(out)
+        self.postprocessor.save_pretrained(out)
+        if lineage is not None or metrics:
+            record = {
+                "lineage": asdict(lineage) if lineage is not None else None,
+                "metrics": dict(metrics or {}),
+            }
+            (out / LINEAGE_FILE).write_text(json.dumps(record, indent=2, default=str))
+        return out
+
+
+# ---------------------------------------------------------------------------- helpers
+def _step(pipeline: Any, class_name: str) -> Any | None:
+    return next((s for s in getattr(pipeline, "steps", ()) if type(s).__name__ == class_name), None)
+
+
+def _apply_step(step: Any | None, action: Tensor) -> Tensor:
+    """One (un)normaliser processor step applied to actions alone (identity when the folder has none)."""
+    if step is None:
+        return action
+    from lerobot.lerobot_types import TransitionKey
+    from lerobot.processor import create_transition
+
+    return step(create_transition(action=action))[TransitionKey.ACTION]
+
+
+def _batch_size(obs: Mapping[str, Any]) -> int:
+    for key in ("state", "action"):
+        if obs.get(key) is not None:
+            return int(obs[key].shape[0])
+    for img in (obs.get("cameras") or {}).values():
+        return int(img.shape[0])
+    instr = obs.get("instruction")
+    if isinstance(instr, list | tuple):
+        return len(instr)
+    raise FlowPolicyError("observation: cannot infer the batch size (no state, camera or instruction list)")
+
+
+def _tensor(obs: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> Tensor:
+    x = obs.get(key)
+    if x is None:
+        raise FlowPolicyError(f"{key}: missing")
+    t = x if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
+    if tuple(t.shape) != shape:
+        raise FlowPolicyError(f"{key}: expected shape {list(shape)}, got {list(t.shape)}")
+    return t
