@@ -31,13 +31,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Child:
+    """One supervised process: a service (:meth:`Supervisor.start`) or a job (:meth:`Supervisor.run`)."""
+
     name: str
     argv: list[str]
     ready: Callable[[], bool]
     env: dict[str, str]
     log_path: Path
     required: bool = True
-    """False: the loop goes on without it when it cannot start or keeps dying (e.g. the dashboard)."""
+    """False: the supervisor goes on without it when it cannot start or keeps dying (an optional service)."""
     stop_order: int = 0
     """:meth:`Supervisor.stop_all` stops lower numbers first: what uses the others before what they use."""
     proc: subprocess.Popen[bytes] | None = None
@@ -47,10 +49,11 @@ class Child:
 
 @dataclass
 class Supervisor:
-    """Starts services, restarts one that dies (with backoff), runs jobs (the fleet), stops them all on the
-    way out. Each process gets its own process group (a terminal's Ctrl-C reaches ``up`` alone, which stops
-    them in order) and :func:`vla_rl.core.lifeline.supervised_env`: it acts on SIGINT even where ``up`` was
-    started ignoring it, and it stops by itself when ``up`` dies (SIGKILL, a crash)."""
+    """Starts services, restarts one that dies (with backoff), runs jobs (processes run to their end), stops
+    them all on the way out; each logs to ``logs/NAME.log``. Each process gets its own process group (a
+    terminal's Ctrl-C reaches the supervising process alone, which stops them in order) and
+    :func:`vla_rl.core.lifeline.supervised_env`: it acts on SIGINT even where the supervising process was
+    started ignoring it, and it stops by itself when that process dies (SIGKILL, a crash)."""
 
     logs: Path
     max_restarts: int = 5
@@ -151,7 +154,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=os.environ | child.env | supervised_env(),
-                process_group=0,  # Ctrl-C at a terminal reaches `up`; it stops the children in order
+                process_group=0,  # Ctrl-C at a terminal reaches the supervisor; it stops the children in order
             )
         finally:
             out.close()
@@ -221,6 +224,8 @@ class Supervisor:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
+        """While the ``with`` block runs, a thread calls :meth:`check` every second (its errors are logged);
+        an exception leaving the block (Ctrl-C) makes a restart under way give up at once."""
         stop = threading.Event()
 
         def loop() -> None:
@@ -245,8 +250,8 @@ class Supervisor:
         """Stop every service and job within ``timeout_s`` in all (plus the kills), by ``stop_order``: each
         group is SIGINTed (as a user would) once the one before it has exited, or ``stage_s`` after it was
         told to (a process's own exit can take seconds on a loaded machine: its stop is done by then), so
-        that nothing spins on a dependency already gone (the fleet and the worker first, then server and
-        collector, the registry last). Then all are waited for against the one deadline; what still runs
+        that nothing spins on a dependency already gone (``vla-rl up``: the fleet and the worker first, then
+        server and collector, the registry last). Then all are waited for against the one deadline; what still runs
         at it, or on a second Ctrl-C, is SIGKILLed."""
         self._stopping.set()  # a restart under way gives up (check() wakes from its waits)
         with self._lock:
@@ -280,12 +285,14 @@ def wait_all(procs: list[subprocess.Popen[bytes]], until: float) -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS's pick; another process may take it before use)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 right now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -295,6 +302,8 @@ def port_free(port: int) -> bool:
 
 
 def tcp_ready(port: int) -> Callable[[], bool]:
+    """Ready when something accepts TCP connections on 127.0.0.1:``port``."""
+
     def ready() -> bool:
         with socket.socket() as s:
             s.settimeout(0.5)

@@ -8,7 +8,8 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vla_rl.core.console import table
 from vla_rl.core.seeds import ONLINE
@@ -16,9 +17,13 @@ from vla_rl.core.supervisor import Supervisor, http_child, tcp_ready
 from vla_rl.up.base import seed_base
 from vla_rl.up.children import STOP_ORDER, child_argv, child_configs
 from vla_rl.up.config import UpConfig
-from vla_rl.up.report import HEADER, fleet_summary, pct
+from vla_rl.up.report import HEADER, fleet_summary, round_cells, round_line, round_row
 from vla_rl.up.threads import training_threads
 from vla_rl.up.workdir import Ports, shown_db_url, split_db_password, workdir_db, workdir_secret
+
+if TYPE_CHECKING:
+    from fleet.db import MetadataDB, RoundRecord
+    from vla_rl.rounds import RoundConfig
 
 
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
@@ -27,9 +32,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     from fleet.selection import Selection
     from sim.fleet_runner import FleetConfig
     from vla_rl.hub.registry import configure_hub, resolve
-    from vla_rl.rounds import RoundConfig, queue_round
-    from vla_rl.train.algorithms import make_config
-    from vla_rl.train.presets import preset_config
+    from vla_rl.rounds import queue_round
 
     Selection.parse(cfg.data, task=cfg.task)  # a bad --data fails now, not in every round
     work = cfg.workdir.resolve()
@@ -93,27 +96,13 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             "  stop with Ctrl-C (everything stops within seconds; run the same command again to resume)",
             flush=True,
         )
-        sup.start(
-            "server",
-            child_argv("server", children["server"], work),
-            tcp_ready(ports.server),
-            env,
-            stop_order=STOP_ORDER["server"],
+        services = (
+            ("server", tcp_ready(ports.server)),
+            ("collector", tcp_ready(ports.collector)),
+            ("worker", lambda: True),
         )
-        sup.start(
-            "collector",
-            child_argv("collector", children["collector"], work),
-            tcp_ready(ports.collector),
-            env,
-            stop_order=STOP_ORDER["collector"],
-        )
-        sup.start(
-            "worker",
-            child_argv("worker", children["worker"], work),
-            lambda: True,
-            env,
-            stop_order=STOP_ORDER["worker"],
-        )
+        for name, ready in services:
+            sup.start(name, child_argv(name, children[name], work), ready, env, stop_order=STOP_ORDER[name])
         if cfg.dashboard:
 
             def dashboard_child(port: int) -> tuple[list[str], Callable[[], bool], dict[str, str]]:
@@ -137,7 +126,6 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 state["ports"] = vars(ports)
                 state_path.write_text(json.dumps(state, indent=2))
                 print(f"  dashboard  its port was taken meanwhile: now http://127.0.0.1:{port}", flush=True)
-        table_rows: list[list[object]] = []
         with sup.watching():
             while len(db.rounds()) < cfg.rounds:
                 n = len(db.rounds()) + 1
@@ -159,86 +147,17 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     work / "logs" / f"fleet-round-{n}.log",
                     stop_order=STOP_ORDER["fleet"],
                 )
-                # the collector acknowledges into its log first: wait until the store holds the episodes
-                # and the DB has them closed (what the round selects from)
-                expected, deadline = cfg.robots * cfg.episodes, time.monotonic() + 120
-                summary = fleet_summary(db, since, "sim")
-                while summary["episodes"] < expected and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    summary = fleet_summary(db, since, "sim")
-                common: dict[str, Any] = {
-                    "base": prod,
-                    "store": store,
-                    "out": work / "rounds",
-                    "db_url": db_url,
-                    "seed": cfg.seed + n,
-                    "progress": False,
-                    "threads": training_threads(),
-                }
-                if cfg.data is not None:
-                    common["data"] = cfg.data
-                if cfg.round_steps is not None:
-                    common["steps"] = cfg.round_steps
-                train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)
-                rid = queue_round(
-                    RoundConfig(
-                        train=train,
-                        eval_episodes=cfg.eval_episodes,
-                        margin=cfg.margin,
-                        eval_envs=2,
-                        preset=cfg.preset,
-                    ),
-                    db,
-                )
-                rec = _wait_round(db, rid, cfg.round_timeout_s, sup)
-                m = rec.metrics
-                ci = m.get("ci95") or [None, None]
-                row = {
-                    "round": rid,
-                    "algo": rec.algo,
-                    "status": rec.status,
-                    "success": m.get("success"),
-                    "ci95": ci,
-                    "base_success": m.get("base_success"),
-                    "fleet": summary,
-                    "minutes": (time.monotonic() - t0) / 60,
-                    "promoted": rec.promoted,
-                    "prod_revision": resolve(prod),
-                    "error": (rec.error or "").splitlines()[0] if rec.error else None,
-                    "restarts": list(sup.events),
-                }
+                summary = _wait_fleet_episodes(db, since, cfg.robots * cfg.episodes)
+                rid = queue_round(_round_config(cfg, n, prod, store, work, db_url), db)
+                rec = _wait_round(db, rid, cfg.round_timeout_s)
+                row = round_row(rid, rec, summary, (time.monotonic() - t0) / 60, resolve(prod), sup.events)
                 rows.append(row)
-                success = (
-                    f"{m['success']:.0%} ({ci[0]:.0%}-{ci[1]:.0%})"
-                    if rec.status == "succeeded"
-                    else f"{rec.status}: {row['error']}"
-                )
-                cells = [
-                    rid,
-                    rec.algo,
-                    success if rec.status == "succeeded" else f"{rec.status} (below)",
-                    pct(m.get("base_success")),
-                    pct(summary["success"]),
-                    pct(summary["intervention_rate"]),
-                    "n/a"
-                    if summary["takeovers_per_episode"] is None
-                    else f"{summary['takeovers_per_episode']:.2f}",
-                    summary["frames"],
-                    f"{row['minutes']:.1f}",
-                    "yes" if rec.promoted else "no",
-                ]
-                table_rows.append(cells)
-                print(
-                    f"round {rid}: {rec.algo} {success}, base {pct(m.get('base_success'))}, fleet success "
-                    f"{pct(summary['success'])} with {pct(summary['intervention_rate'])} of frames by the operator, "
-                    f"promoted: {'yes' if rec.promoted else 'no'} ({row['minutes']:.1f} min)",
-                    flush=True,
-                )
+                print(round_line(row), flush=True)
                 with (work / "rounds.jsonl").open("a") as f:
                     f.write(json.dumps(row, default=str) + "\n")
-        if table_rows:
+        if rows:
             print()
-            print(table(table_rows, HEADER), flush=True)
+            print(table([round_cells(r) for r in rows], HEADER), flush=True)
         for r in rows:
             if r["status"] != "succeeded":
                 print(f"round {r['round']} {r['status']}, prod unchanged: {r['error']}", flush=True)
@@ -249,7 +168,47 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def _wait_round(db: Any, rid: int, timeout_s: float, sup: Supervisor) -> Any:
+def _wait_fleet_episodes(
+    db: MetadataDB, since: float, expected: int, timeout_s: float = 120
+) -> dict[str, Any]:
+    """The summary of the fleet's batch (robots ``sim-*``, episodes since ``since``) once the DB holds its
+    ``expected`` episodes closed, or after ``timeout_s``: the collector acknowledges into its log first, so
+    the store and the DB (what the round selects from) follow a moment later."""
+    deadline = time.monotonic() + timeout_s
+    summary = fleet_summary(db, since, "sim")
+    while summary["episodes"] < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        summary = fleet_summary(db, since, "sim")
+    return summary
+
+
+def _round_config(cfg: UpConfig, n: int, prod: str, store: Path, work: Path, db_url: str) -> RoundConfig:
+    """Round ``n``'s config: cfg's algorithm or preset trained on top of ``prod``, on the cores idle now."""
+    from vla_rl.rounds import RoundConfig
+    from vla_rl.train.algorithms import make_config
+    from vla_rl.train.presets import preset_config
+
+    common: dict[str, Any] = {
+        "base": prod,
+        "store": store,
+        "out": work / "rounds",
+        "db_url": db_url,
+        "seed": cfg.seed + n,
+        "progress": False,
+        "threads": training_threads(),
+    }
+    if cfg.data is not None:
+        common["data"] = cfg.data
+    if cfg.round_steps is not None:
+        common["steps"] = cfg.round_steps
+    train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)
+    return RoundConfig(
+        train=train, eval_episodes=cfg.eval_episodes, margin=cfg.margin, eval_envs=2, preset=cfg.preset
+    )
+
+
+def _wait_round(db: MetadataDB, rid: int, timeout_s: float) -> RoundRecord:
+    """Round ``rid``'s record once it finished (succeeded, failed or cancelled)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         rec = db.round(rid)
