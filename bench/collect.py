@@ -3,7 +3,7 @@
 Runs, on this machine and in one go:
 
 1. **rate run**: the collector (`vla-rl collect`, its own process) takes ``--robots`` synthetic robots
-   (one process each, :func:`sim.fleet_runner.synthetic_robot_main`) streaming ``--hz`` frames/s of two
+   (one process each, :func:`sim.synthetic_robot.synthetic_robot_main`) streaming ``--hz`` frames/s of two
    ``--size`` px cameras + state + action for ``--seconds``. Reports sustained frames/s and camera-frames/s,
    whether every frame produced is in the store (zero loss: store frame count = frames produced, store
    verified), ack latency p50/p99 (robot send -> durable ack), CPU of the collector and of the robots,
@@ -43,7 +43,7 @@ import psutil
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import machine, table, write_results
-from sim.fleet_runner import SyntheticRobotConfig, smooth_image_pool, synthetic_robot_main
+from sim.synthetic_robot import SyntheticRobotConfig, smooth_image_pool, synthetic_robot_main
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("VLA_RL_CACHE", Path.home() / ".cache" / "vla-rl")) / "bench"

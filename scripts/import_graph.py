@@ -235,7 +235,7 @@ ROOMS: tuple[Room, ...] = (
     Room("training", 6, ("vla_rl/train/", "vla_rl/evaluation.py", "vla_rl/evaluation_offline.py")),
     Room("rounds", 7, ("vla_rl/rounds.py", "vla_rl/round_worker.py")),
     Room("dashboard", 8, ("vla_rl/dashboard/",)),
-    Room("jobs", 9, ("vla_rl/up.py", "vla_rl/demo.py")),
+    Room("jobs", 9, ("vla_rl/up/", "vla_rl/demo.py")),
     Room("cli", 10, ("vla_rl/cli/", "vla_rl/__init__.py")),
 )
 

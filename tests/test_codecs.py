@@ -29,7 +29,7 @@ from fleet.codecs import (
 )
 from fleet.dataset import ChunkDataset
 from fleet.store import EpisodeStore
-from sim.fleet_runner import smooth_image_pool
+from sim.synthetic_robot import smooth_image_pool
 from vla_rl.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

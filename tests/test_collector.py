@@ -40,7 +40,8 @@ from fleet.collector.config import MB
 from fleet.collector.writers import _ProcessWriter
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog
-from sim.fleet_runner import SyntheticRobotConfig, read_records, synthetic_robot_main
+from sim.fleet_records import read_records
+from sim.synthetic_robot import SyntheticRobotConfig, synthetic_robot_main
 from vla_rl.cli.common import open_db
 
 TOKEN = "collector-test-token"

@@ -21,7 +21,7 @@ import pytest
 from processes import still_running
 
 from vla_rl.core.lifeline import SUPERVISOR_ENV, act_on_interrupt, install, interruptible
-from vla_rl.up import Supervisor
+from vla_rl.core.supervisor import Supervisor
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 REPO = str(Path(__file__).resolve().parents[1])
@@ -75,7 +75,7 @@ def test_a_child_started_ignoring_sigint_still_stops_on_the_supervisors_sigint(t
 _PARENT = """
 import json, sys, time
 from pathlib import Path
-from vla_rl.up import Supervisor
+from vla_rl.core.supervisor import Supervisor
 logs = Path(sys.argv[1])
 sup = Supervisor(logs)
 argv = json.loads(sys.argv[2])

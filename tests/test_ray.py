@@ -307,7 +307,8 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
     from fleet.store import EpisodeStore
     from server.config import ServerConfig
     from server.policy_server import PolicyServer
-    from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
+    from sim.fleet_records import read_records
+    from sim.fleet_runner import FleetConfig, run_sim_fleet
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec(KIN))
     config = ServerConfig(checkpoint=str(ckpt), model_id="reach", port=0, torch_threads=1, device="cpu")

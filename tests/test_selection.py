@@ -315,7 +315,7 @@ def test_the_gate_is_a_typed_result() -> None:
 
 
 def test_up_summarises_the_fleet_from_the_db(tmp_path: Path) -> None:
-    from vla_rl.up import fleet_summary
+    from vla_rl.up.report import fleet_summary
 
     db = MetadataDB.for_store(tmp_path / "store")
     store = EpisodeStore(tmp_path / "store", create=True, db=db)

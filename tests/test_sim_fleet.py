@@ -22,7 +22,8 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.config import ServerConfig
 from server.policy_server import PolicyServer
 from sim.base import ACTION_NAMES
-from sim.fleet_runner import FleetConfig, read_records, run_sim_fleet
+from sim.fleet_records import read_records
+from sim.fleet_runner import FleetConfig, run_sim_fleet
 from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
 from sim.registry import resolve_task
 from vla_rl.cli import main

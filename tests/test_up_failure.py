@@ -25,19 +25,9 @@ import pytest
 
 from fleet.store import EpisodeStore
 from vla_rl.cli.common import open_db
-from vla_rl.up import (
-    DASHBOARD_PORT,
-    Ports,
-    Supervisor,
-    _free_port,
-    _http_child,
-    _http_ready,
-    _port_free,
-    child_argv,
-    child_configs,
-    split_db_password,
-    workdir_db,
-)
+from vla_rl.core.supervisor import Supervisor, free_port, http_child, http_ready, port_free
+from vla_rl.up.children import child_argv, child_configs
+from vla_rl.up.workdir import DASHBOARD_PORT, Ports, split_db_password, workdir_db
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 ROBOTS, EPISODES = 2, 2
@@ -215,7 +205,7 @@ def test_the_db_password_goes_to_children_through_the_environment(tmp_path: Path
 
 def test_ports_are_kept_across_runs_and_the_dashboard_prefers_its_usual_port(tmp_path: Path) -> None:
     path = tmp_path / "up.json"
-    usual_free = _port_free(DASHBOARD_PORT)
+    usual_free = port_free(DASHBOARD_PORT)
     first = Ports.load_or_pick(path)
     assert len(set(vars(first).values())) == 4
     assert (first.dashboard == DASHBOARD_PORT) == usual_free
@@ -232,7 +222,7 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
     """`up` gives each HTTP child a nonce through the environment and its ready check wants the nonce's
     tag back: another process answering on the port (another `up`'s dashboard, one started without a
     nonce) is not taken for the child. Real dashboard apps on loopback and a real hub registry process."""
-    from dashboard_world import Dashboard, free_port
+    from dashboard_world import Dashboard
 
     from vla_rl.core.instance import INSTANCE_ENV, instance_tag, new_nonce
     from vla_rl.dashboard import DashboardConfig
@@ -247,16 +237,16 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
             dash[who] = Dashboard(DashboardConfig(store=store, workdir=tmp_path / who, sync_db=False))
         tag = instance_tag(nonces["ours"])
         health = {who: f"{d.url}/api/v1/health" for who, d in dash.items()}
-        assert _http_ready(health["ours"], tag)()
-        assert not _http_ready(health["theirs"], tag)()  # another up's dashboard on the port
-        assert _http_ready(health["theirs"], instance_tag(nonces["theirs"]))()
-        assert not _http_ready(health["none"], tag)()  # a dashboard started without a nonce
-        assert not _http_ready(f"http://127.0.0.1:{free_port()}/api/v1/health", tag)()  # nobody there
+        assert http_ready(health["ours"], tag)()
+        assert not http_ready(health["theirs"], tag)()  # another up's dashboard on the port
+        assert http_ready(health["theirs"], instance_tag(nonces["theirs"]))()
+        assert not http_ready(health["none"], tag)()  # a dashboard started without a nonce
+        assert not http_ready(f"http://127.0.0.1:{free_port()}/api/v1/health", tag)()  # nobody there
         body = dash["ours"].client(None).get("/api/v1/health").json()
         assert body["instance"] == tag and nonces["ours"] not in json.dumps(body)  # its hash, not itself
         assert dash["none"].client(None).get("/api/v1/health").json()["instance"] is None
         # a fresh child's check: its own nonce, handed over in the environment only
-        ready, env = _http_child(health["ours"])
+        ready, env = http_child(health["ours"])
         assert set(env) == {INSTANCE_ENV} and env[INSTANCE_ENV] not in nonces.values() and not ready()
     finally:
         for d in dash.values():
@@ -265,8 +255,8 @@ def test_a_ready_check_believes_only_its_own_childs_answer(
     monkeypatch.setenv(INSTANCE_ENV, nonces["ours"])
     hub = HubServer(tmp_path / "hub").start()
     try:
-        assert _http_ready(f"{hub.url}/api/health", tag)()
-        assert not _http_ready(f"{hub.url}/api/health", instance_tag(nonces["theirs"]))()
+        assert http_ready(f"{hub.url}/api/health", tag)()
+        assert not http_ready(f"{hub.url}/api/health", instance_tag(nonces["theirs"]))()
     finally:
         hub.stop()
 
@@ -299,10 +289,10 @@ def test_a_port_taken_before_the_dashboard_binds_it_gets_a_fresh_one(tmp_path: P
     child there once. Real HTTP children on loopback, real nonces."""
 
     def make(port: int) -> tuple[list[str], Callable[[], bool], dict[str, str]]:
-        ready, env = _http_child(f"http://127.0.0.1:{port}/api/v1/health")
+        ready, env = http_child(f"http://127.0.0.1:{port}/api/v1/health")
         return [*_py(_HTTP_CHILD), str(port)], ready, env
 
-    taken = _free_port()
+    taken = free_port()
     other_argv, other_ready, other_env = make(taken)  # "another up's dashboard"
     other = subprocess.Popen(other_argv, env=os.environ | other_env)
     sup = Supervisor(tmp_path / "logs")
@@ -321,7 +311,7 @@ def test_a_port_taken_before_the_dashboard_binds_it_gets_a_fresh_one(tmp_path: P
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
         # a child that fails for another reason (its port free) is dropped, not retried elsewhere
-        free = _free_port()
+        free = free_port()
         assert (
             sup.start_on_port("broken", free, lambda p: (_py("raise SystemExit(3)"), lambda: False, {}))
             is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vla_rl.up import threads_for, training_threads
+from vla_rl.up.threads import threads_for, training_threads
 
 
 def test_threads_follow_the_idle_cores_between_two_samples() -> None:

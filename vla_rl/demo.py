@@ -1,4 +1,4 @@
-"""``vla-rl demo``: one pass of the loop on one machine, a smaller look than ``vla-rl up`` (vla_rl/up.py).
+"""``vla-rl demo``: one pass of the loop on one machine, a smaller look than ``vla-rl up`` (vla_rl/up/).
 
     scripted demos -> episode store + metadata DB -> SFT -> push a tagged checkpoint to the embedded
     Hub-compatible registry -> pull it back by tag (hash-verified) -> evaluate in simulation

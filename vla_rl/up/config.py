@@ -1,0 +1,81 @@
+"""``vla-rl up``'s flags: :class:`UpConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class UpConfig:
+    """The whole improvement loop on this machine: registry, policy server following prod, collector,
+    round worker and a simulated fleet with its operator; rounds train on what the fleet does, and the
+    server swaps to each promoted checkpoint live. Stop it with Ctrl-C; run it again to resume."""
+
+    task: str = "maniskill/PickCube-v1"
+    """Simulated task the fleet works on."""
+    robots: int = 4
+    """Simulated robots (one process each)."""
+    operators: int = 1
+    """Robots the simulated operator can drive at once."""
+    rounds: int = 3
+    """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
+    episodes: int = 10
+    """Episodes per robot between rounds (the trigger): 40 fleet episodes a round with 4 robots. Why 10 and
+    not 5: docs/benchmarks.md, "The improvement loop"."""
+    algo: str = "awr"
+    """Round algorithm (see `vla-rl round start --help`), unless --preset names a recipe."""
+    preset: str | None = None
+    """Named round recipe (vla_rl/train/presets.py); overrides --algo."""
+    data: str | None = None
+    """What each round trains on, as selection text (e.g. `success=true`; see `vla-rl round start
+    --help`); None = every episode of the task (the base's demos and everything the fleet did)."""
+    round_steps: int | None = None
+    """Training steps of each round (over the algorithm's or the preset's); None = theirs."""
+    base_preset: str | None = None
+    """Named SFT recipe for the weak base; None = the defaults below."""
+    base_demos: int = 25
+    """Scripted demonstrations the base is trained on (the default makes the weak base a loop should start
+    from; its measured success: docs/benchmarks.md, "The improvement loop")."""
+    base_noise: float = 0.5
+    """Expert sloppiness of those demonstrations."""
+    base_steps: int | None = 1000
+    """SFT steps of the base (over the preset's); None = the preset's (or SFT's default)."""
+    eval_episodes: int = 50
+    """Held-out episodes a round evaluates candidate and base on (the same seeds every round)."""
+    margin: float = 0.0
+    """Promote only if the candidate beats the base by more than this (a fraction)."""
+    workdir: Path = Path("runs/up")
+    """Everything lives here; running again in the same workdir resumes."""
+    seed: int = 0
+    """Seeds the demos, the base, the fleet's episodes and the rounds."""
+    repo: str = "up/policy"
+    """Registry repo the checkpoints go to."""
+    progress: bool = True
+    """Progress bars for the base's training."""
+    round_timeout_s: float = 3600.0
+    """Give up waiting for one round after this long (the loop stops with an error)."""
+    dashboard: bool = True
+    """Start `vla-rl dashboard` as one of the children, where this install has that command."""
+    db: str | None = None
+    """Metadata DB URL (e.g. postgresql://host/vla_rl) that the collector, worker, rounds and dashboard
+    share; None = the SQLite file in <workdir>/store. A resumed run must name the same DB."""
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        for name in (
+            "robots",
+            "operators",
+            "rounds",
+            "episodes",
+            "base_demos",
+            "eval_episodes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.round_steps is not None and self.round_steps < 1:
+            raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s: expected > 0 seconds, got {self.round_timeout_s}")
+        if self.db is not None and not self.db.strip():
+            raise ValueError("db: expected a metadata DB URL (e.g. postgresql://host/vla_rl), got ''")

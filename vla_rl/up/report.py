@@ -1,0 +1,121 @@
+"""What ``vla-rl up`` reports per round: the fleet's batch summarised from the metadata DB, the round's
+row (printed as a line, appended to ``rounds.jsonl``, returned by :func:`vla_rl.up.run_up`) and its cells
+in the table printed at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleet.db import MetadataDB, RoundRecord
+
+
+def fleet_summary(db: MetadataDB, since: float, robot_prefix: str) -> dict[str, Any]:
+    """Success, intervention rate and takeovers of the closed episodes of robots ``robot_prefix*``
+    created since ``since``: one selection in the metadata DB (the collector records every episode there
+    once the store holds it)."""
+    from vla_rl_client.meta import SegmentKind
+
+    from fleet.selection import Selection
+
+    recs = db.select_records(Selection(robots=(f"{robot_prefix}*",), since=since))
+    frames = sum(r.length for r in recs)
+    human = sum(
+        (s.end if s.end is not None else r.length) - s.start
+        for r in recs
+        for s in r.segments
+        if s.kind == SegmentKind.INTERVENTION
+    )
+    takeovers = sum(1 for r in recs for s in r.segments if s.kind == SegmentKind.INTERVENTION)
+    n = len(recs)
+    return {
+        "episodes": n,
+        "success": sum(bool(r.success) for r in recs) / n if n else None,
+        "intervention_rate": human / frames if frames else None,
+        "takeovers_per_episode": takeovers / n if n else None,
+        "frames": frames,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+HEADER = [
+    "round",
+    "algo",
+    "autonomous success (95% CI)",
+    "base",
+    "fleet success",
+    "intervention",
+    "takeovers/ep",
+    "frames",
+    "min",
+    "promoted",
+]
+
+
+def round_row(
+    rid: int,
+    rec: RoundRecord,
+    fleet: dict[str, Any],
+    minutes: float,
+    prod_revision: str,
+    events: Sequence[str],
+) -> dict[str, Any]:
+    """The row of finished round ``rid``: its outcome (``rec``), the fleet's batch before it (``fleet``, a
+    :func:`fleet_summary`), its minutes, where ``prod`` points after it and the supervisor's events so far
+    (restarts; the first line of the round's error, if it has one)."""
+    m = rec.metrics
+    return {
+        "round": rid,
+        "algo": rec.algo,
+        "status": rec.status,
+        "success": m.get("success"),
+        "ci95": m.get("ci95") or [None, None],
+        "base_success": m.get("base_success"),
+        "fleet": fleet,
+        "minutes": minutes,
+        "promoted": rec.promoted,
+        "prod_revision": prod_revision,
+        "error": (rec.error or "").splitlines()[0] if rec.error else None,
+        "restarts": list(events),
+    }
+
+
+def _success(row: dict[str, Any]) -> str:
+    """A succeeded round's success with its 95% interval; else its status and error."""
+    if row["status"] != "succeeded":
+        return f"{row['status']}: {row['error']}"
+    lo, hi = row["ci95"]
+    return f"{row['success']:.0%} ({lo:.0%}-{hi:.0%})"
+
+
+def round_line(row: dict[str, Any]) -> str:
+    """The line printed as a round finishes."""
+    fleet = row["fleet"]
+    return (
+        f"round {row['round']}: {row['algo']} {_success(row)}, base {_pct(row['base_success'])}, fleet success "
+        f"{_pct(fleet['success'])} with {_pct(fleet['intervention_rate'])} of frames by the operator, "
+        f"promoted: {'yes' if row['promoted'] else 'no'} ({row['minutes']:.1f} min)"
+    )
+
+
+def round_cells(row: dict[str, Any]) -> list[object]:
+    """The round's cells in the table printed at the end (columns: :data:`HEADER`); a round that did not
+    succeed says so and is detailed below the table."""
+    fleet = row["fleet"]
+    takeovers = fleet["takeovers_per_episode"]
+    return [
+        row["round"],
+        row["algo"],
+        _success(row) if row["status"] == "succeeded" else f"{row['status']} (below)",
+        _pct(row["base_success"]),
+        _pct(fleet["success"]),
+        _pct(fleet["intervention_rate"]),
+        "n/a" if takeovers is None else f"{takeovers:.2f}",
+        fleet["frames"],
+        f"{row['minutes']:.1f}",
+        "yes" if row["promoted"] else "no",
+    ]
