@@ -43,7 +43,7 @@ def _cfg(tmp_path: Path, **kw: object) -> AWRPIConfig:
         ("max_episode_steps", 0, "max_episode_steps: expected a positive integer or None"),
         ("stop_at", 0, "stop_at: expected a positive integer or None"),
         ("max_minutes", 0, "max_minutes: expected a positive number of minutes or None"),
-        ("max_minutes", True, "max_minutes: expected a positive number of minutes or None"),
+        ("max_minutes", True, "max_minutes: expected a number, got True"),
         ("beta", 0.0, "beta: expected > 0"),
         ("lr", -1e-4, "lr: expected > 0"),
         ("gamma", 1.5, r"gamma: expected in \(0, 1\]"),

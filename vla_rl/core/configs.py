@@ -112,8 +112,8 @@ def check_values(cfg: Any, bounds: Bounds) -> None:
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            continue  # a nested config validates itself
+        if value is None or dataclasses.is_dataclass(value):
+            continue  # a missing value is the config's own check to name; a nested config checks itself
         _convert(_plain(value), hints[f.name], f.name)
         limits = bounds(f.name)
         for x in _numbers(value):
@@ -169,7 +169,9 @@ def _convert(v: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         if v in args:
             return v
-        raise ValueError(f"{where}: expected one of {list(args)}, got {v!r}")
+        names = [str(a) for a in args]
+        either = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise ValueError(f"{where}: expected {either}, got {v!r}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, v, where)  # type: ignore[arg-type]
     if isinstance(tp, type) and issubclass(tp, PurePath):

@@ -246,6 +246,8 @@ class AWRConfig(AdvantageConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.variant not in ("awr", "recap"):
+            raise ValueError(f"variant: expected awr or recap, got {self.variant!r}")
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")

@@ -69,7 +69,25 @@ class TrainerConfig:
     round_index: int | None = None
     """Post-training round number recorded in the checkpoint's lineage (set by rounds)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every algorithm's config starts its validation with the fields' types (here, in
+        ``TrainerConfig.__post_init__``) and ends it with the shared ranges (:func:`knob_bounds`), after
+        its own checks (whose messages are the specific ones): each subclass's ``__post_init__`` is
+        wrapped, and the ranges are checked once, in the outermost (the instance's class's)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is None:
+            return
+
+        def __post_init__(self: TrainerConfig) -> None:
+            own(self)
+            if type(self).__post_init__ is __post_init__:  # the outermost: every check above has run
+                check_values(self, knob_bounds)
+
+        cls.__post_init__ = __post_init__  # type: ignore[method-assign]
+
     def __post_init__(self) -> None:
+        check_values(self, _any_value)  # types first (1.5 steps, an infinite lr): before any other check
         name = type(self).__name__
         self.out = Path(self.out)
         if self.store is not None:
@@ -78,7 +96,6 @@ class TrainerConfig:
             raise ValueError(f"base: {name} needs a base checkpoint (a folder or hub://org/name@rev)")
         if self.needs_store and self.store is None:
             raise ValueError(f"store: {name} needs an episode store (--store PATH)")
-        check_values(self, knob_bounds)
         kind, _, index = self.device.partition(":")
         if kind not in DEVICES or (
             index and not (kind == "cuda" and index.isdigit() and int(index) < MAX_GPUS)
@@ -96,6 +113,11 @@ round may be queued on a machine without the GPU that runs it)."""
 _COUNT = (0, 10**9)
 
 
+def _any_value(name: str) -> None:
+    """No range: :func:`check_values` checks only the fields' types."""
+    return None
+
+
 def knob_bounds(name: str) -> tuple[float, float] | None:
     """The range of a trainer knob, by name, shared by every algorithm's config: what the CLI, the
     dashboard and the round queue accept (a hostile or mistyped value is refused naming the field, before
@@ -110,8 +132,9 @@ def knob_bounds(name: str) -> tuple[float, float] | None:
         return (1, 1024)
     if name in ("d_model", "critic_hidden", "value_hidden"):
         return (1, 65536)
+    if name == "n_layers":
+        return (0, 1024)  # 0: no trunk layers (a tiny model)
     if name in (
-        "n_layers",
         "expert_n_layers",
         "n_heads",
         "members",
