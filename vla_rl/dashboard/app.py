@@ -26,7 +26,7 @@ from vla_rl.dashboard.assets import BUNDLE, STATIC, AssetServer, index_page, sta
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.context import Context
-from vla_rl.dashboard.errors import ApiError, install_handlers
+from vla_rl.dashboard.errors import ApiError, SafeJSONResponse, install_handlers
 from vla_rl.dashboard.resources import Resources
 from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_queries, warm_requests
 
@@ -106,6 +106,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     app = FastAPI(
         lifespan=lifespan,
+        default_response_class=SafeJSONResponse,  # never a 500 for text a DB holds (errors.py)
         title="vla-rl dashboard",
         version=__version__,
         openapi_url=f"{API}/openapi.json",
