@@ -4,7 +4,9 @@
   (the PostgreSQL world's DB needs a password here);
 - text is checked where it comes in (valid Unicode, no control characters) and text a DB already holds
   (a lone surrogate written before the checks) is sent safely, never a 500;
-- numbers at the extremes and refs that must not move are 422 naming the field, never a 500.
+- numbers at the extremes and refs that must not move are 422 naming the field, never a 500;
+- video encodes share a bounded pool, the video cache is bounded, and a chunked body over --max-body-kb
+  is 413.
 
 The worlds are tests/test_dashboard_api.py's (a sim fleet recorded through a collector, a Hub, a policy
 server), one on the store's SQLite and one on a PostgreSQL database whose role logs in with a password.
@@ -15,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dashboard_world
@@ -29,7 +33,9 @@ from sqlalchemy.orm import Session
 from test_dashboard_api import COLLECTOR_TOKEN, REPO, TASK, TINY_ROUND, _detail, fleet_world
 
 from fleet.db.schema import LabelRow
+from fleet.store import EpisodeStore
 from vla_rl.dashboard import DashboardConfig
+from vla_rl.dashboard.frames import FrameReader, VideoCache
 
 PASSWORD = "Pw-" + uuid.uuid4().hex  # what no answer, log line or round record may carry
 # the fixtures (pytest finds them by name)
@@ -277,3 +283,79 @@ def test_numbers_at_the_extremes_and_refs_that_must_not_move_are_422(
         assert resolve(f"hub://{REPO}@main") == main
     finally:
         db.update_round(rid, promoted=False)
+
+
+# ------------------------------------------------------------------------------------------ item 5
+def test_video_encodes_share_a_bounded_pool(
+    sqlite_world: FleetWorld, sqlite_dash: Dashboard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One viewer asking for 8 videos at once: at most --video-encoders (2) ffmpeg encodes run at once."""
+    running, most, lock = 0, 0, threading.Lock()
+    encode = VideoCache._encode
+
+    def slow_encode(self: VideoCache, *a: Any) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.4)  # long enough for every request to arrive while the first ones encode
+            encode(self, *a)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(VideoCache, "_encode", slow_encode)
+    ids = [e.id for e in sqlite_world.db.episodes() if e.status == "closed" and e.length > 0][:8]
+    assert len(ids) >= 4
+    c = sqlite_dash.client("viewer")
+    answers: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda e=e: answers.append(c.get(f"/api/v1/episodes/{e}/video/top_camera.mp4").status_code)
+        )
+        for e in ids
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == [200] * len(ids) and most == 2, (answers, most)
+
+
+def test_the_video_cache_is_bounded_least_recently_used_out_first(
+    sqlite_world: FleetWorld, tmp_path: Path
+) -> None:
+    store = EpisodeStore(sqlite_world.store)
+    metas = [store.read_metadata(e.id) for e in sqlite_world.db.episodes() if e.status == "closed"][:3]
+    cache = VideoCache(tmp_path / "video", FrameReader(store), max_bytes=10**9)
+    a, b, c = (cache.get(m, "top_camera") for m in metas)
+    for i, p in enumerate((a, b, c)):
+        os.utime(p, (i + 1, i + 1))  # used in that order
+    assert cache.get(metas[0], "top_camera") == a  # a cache hit is a use: b is now the least recent
+    cache.max_bytes = a.stat().st_size + c.stat().st_size
+    assert cache.prune() == [b] and a.is_file() and c.is_file() and not b.parent.exists()
+    # an encode prunes by itself, and keeps what it just encoded even when that alone is over the bound
+    cache.max_bytes = 1
+    assert cache.get(metas[1], "top_camera") == b and b.is_file() and not a.exists() and not c.exists()
+    with pytest.raises(ValueError, match="video_encoders"):
+        DashboardConfig(store=sqlite_world.store, video_encoders=0)
+    with pytest.raises(ValueError, match="video_cache_mb"):
+        DashboardConfig(store=sqlite_world.store, video_cache_mb=0)
+
+
+def test_a_chunked_body_over_the_limit_is_413(sqlite_dash: Dashboard) -> None:
+    op = sqlite_dash.client("operator")
+
+    def chunks(n: int) -> Iterator[bytes]:
+        yield b'{"base": "'
+        for _ in range(n):
+            yield b"x" * 65536
+        yield b'"}'
+
+    r = op.post("/api/v1/rounds", content=chunks(80), headers={"content-type": "application/json"})
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert _refused(r, 413, "body").startswith("request body over the dashboard's limit")
+    # a chunked body under the limit still reaches the route (which refuses it on its merits)
+    r = op.post("/api/v1/rounds", content=chunks(1), headers={"content-type": "application/json"})
+    assert r.status_code == 422 and _detail(r)["field"] in ("base", "algo"), r.text

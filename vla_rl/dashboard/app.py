@@ -37,7 +37,10 @@ PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413 (declared by Content-Length, or counted)."""
+    """Refuse request bodies over ``max_bytes`` with 413: one that declares a larger Content-Length at
+    once; one sent without a length (chunked) is read here first, up to the limit, and handed on whole
+    (the limit is small, 4 MiB by default). Counting while the app reads it would raise inside FastAPI's
+    body parsing, which answers that with 400."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -47,27 +50,39 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(scope, receive, send)
+        if declared is not None:  # the server reads no more than it declares
+            if not declared.isdigit() or int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
+        read: list[Message] = []
         seen = 0
-
-        async def counting() -> Message:
-            nonlocal seen
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
-            return msg
+            read.append(msg)
+            if msg["type"] != "http.request":  # the client went away
+                break
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        pending = iter(read)
 
-        await self.app(scope, counting, send)
+        async def replay() -> Message:
+            return next(pending, None) or await receive()
 
-    def _message(self) -> str:
-        return f"request body over the dashboard's limit of {self.max_bytes} bytes (--max-body-kb)"
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
+        err = ApiError(
+            413,
+            "body",
+            f"request body over the dashboard's limit of {self.max_bytes} bytes (--max-body-kb)",
+            f"<= {self.max_bytes} bytes",
+        )
         await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
