@@ -24,6 +24,7 @@ import io
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -146,9 +147,10 @@ class JpegCache:
 
 
 def _used(path: Path) -> bool:
-    """Whether ``path`` is there, marking it used now (its mtime: what :meth:`VideoCache.prune` orders by)."""
+    """Whether ``path`` is there, marking it used now: its access time, what :meth:`VideoCache.prune`
+    orders by (its modification time stays the encode's)."""
     try:
-        os.utime(path)
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
     except FileNotFoundError:
         return False
     return True
@@ -216,7 +218,7 @@ class VideoCache:
                 continue
             with contextlib.suppress(FileNotFoundError):  # another request's prune took it
                 st = p.stat()
-                files.append((st.st_mtime, st.st_size, p))
+                files.append((st.st_atime, st.st_size, p))
         total = sum(size for _, size, _ in files)
         with contextlib.suppress(FileNotFoundError):
             total += keep.stat().st_size if keep is not None else 0
