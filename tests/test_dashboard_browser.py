@@ -483,7 +483,7 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     page.click("a:has-text('Train a round on this selection')")
     page.wait_for_url("**/rounds?**")
     # filled in once the server has translated the filter (GET /selection/from-filter, asynchronous)
-    page.wait_for_function("document.querySelector(\"input[name='data']\").value !== ''")
+    page.wait_for_function("(document.querySelector(\"input[name='data']\") || {}).value")
     assert page.input_value("input[name='data']") == "robot=sim-0"
     page.wait_for_function(
         f"document.querySelector('.selection-count').textContent.includes('selects {FLEET_EPISODES} episodes')"
