@@ -6,6 +6,7 @@ numbers past a 64-bit integer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,10 +114,10 @@ def test_a_rounds_stored_config_holds_no_password_and_its_worker_uses_its_own_db
     class Worker:  # the DB a worker claimed the round from, opened with its own credentials
         url = "postgresql://ana:S3cret@db:5432/vla"
 
-    db = Worker()
-    assert training_db_url(None, db) == db.url  # type: ignore[arg-type]
-    assert training_db_url("postgresql://ana@db:5432/vla", db) == db.url  # type: ignore[arg-type]
-    assert training_db_url("postgresql://bob@other/x", db) == "postgresql://bob@other/x"  # type: ignore[arg-type]
+    db: Any = Worker()
+    assert training_db_url(None, db) == db.url
+    assert training_db_url("postgresql://ana@db:5432/vla", db) == db.url
+    assert training_db_url("postgresql://bob@other/x", db) == "postgresql://bob@other/x"
     with pytest.raises(ValueError, match=r"config\.train\.data: the control character U\+000A"):
         config_to_json(
             RoundConfig(

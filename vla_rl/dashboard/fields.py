@@ -3,9 +3,9 @@
 Text a route stores (a label's key, value and note, a round's fields, a ref) goes through the one
 validator, :mod:`vla_rl.core.text` (valid Unicode, no control characters, bounded length), as pydantic
 annotations on the request models: ``Line`` (one line), ``Text`` (tabs and newlines allowed),
-``JSON_LINES`` / ``JSON_TEXT`` (every string of a JSON value). Numbers from outside that reach a query are
-bounded to what a metadata DB's 64-bit integer holds (``RowId``, ``FRAME_MAX``; a larger one made SQLite raise
-OverflowError). A ref the page asks to move is checked by :func:`movable_ref`.
+``JSON_LINES`` / ``JSON_TEXT`` (every string of a JSON value). Numbers from outside that reach a query
+are bounded to what a metadata DB's 64-bit integer holds (``RowId``, ``FRAME_MAX``; a larger one made
+SQLite raise OverflowError). A ref the page asks to move is checked by :func:`movable_ref`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import AfterValidator, ValidationInfo
 from fleet.selection import MAX_DB_INT
 from vla_rl.core.text import check_json_text, check_text
 from vla_rl.dashboard.errors import ApiError
+from vla_rl.hub.naming import validate_client_revision
 
 MAX_TEXT_CHARS = 4096
 """Longest text of any stored request field (each field's own ``max_length`` is usually tighter)."""
@@ -57,8 +58,6 @@ FRAME_MAX = MAX_DB_INT
 def movable_ref(ref: str, field: str = "ref") -> str:
     """``ref`` if Promote / Rollback may move it: a valid branch or tag name (no ``..``, no control
     characters, at most 255 characters) other than ``main``, whose history must stay; else 422."""
-    from vla_rl.hub.naming import validate_client_revision
-
     try:
         validate_client_revision(ref)
     except ValueError as e:
