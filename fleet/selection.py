@@ -40,14 +40,19 @@ store's episodes (indexing the store into its DB first). This module parses and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from vla_rl.core.text import check_text
+
 __all__ = [
     "EPISODE_SORTS",
+    "MAX_DB_INT",
     "MAX_PER_PAGE",
     "SORT_KEYS",
     "EpisodeQuery",
@@ -59,26 +64,40 @@ SORT_KEYS: tuple[str, ...] = ("created_at", "length", "robot_id", "task")
 EPISODE_SORTS: tuple[str, ...] = tuple(s for k in SORT_KEYS for s in (k, f"-{k}"))
 """The episode list's sort orders (``-`` = descending); ties are broken by episode id."""
 MAX_PER_PAGE = 500
+MAX_TEXT_CHARS = 4096
+"""Longest name or value in a selection (the dashboard's bound on a whole selection text)."""
 WILDCARD = "*"
 """A robot id ending in it matches every robot id starting with the rest."""
 
 
 def parse_time(field_name: str, value: str | float) -> float:
     """Unix seconds from a number or an ISO date/time (``2026-11-01``, ``2026-11-01T12:00:00+00:00``; a
-    date without a zone is local time, as everywhere in the CLI); ValueError naming ``field_name``."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+    date without a zone is local time, as everywhere in the CLI); ValueError naming ``field_name`` (also
+    for a number that is not finite: ``nan``, ``inf``, ``1e400``)."""
     text_value = str(value).strip()
-    try:
-        return float(text_value)
-    except ValueError:
-        pass
+    number: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value) if abs(value) < 1e300 else math.inf
+    else:
+        with contextlib.suppress(ValueError):
+            number = float(text_value)
+    if number is not None:
+        if not math.isfinite(number):
+            raise ValueError(f"{field_name}: expected finite unix seconds or an ISO date, got {text_value!r}")
+        return number
     try:
         return datetime.fromisoformat(text_value.replace("Z", "+00:00")).timestamp()
     except ValueError:
         raise ValueError(
             f"{field_name}: expected unix seconds or an ISO date (2026-11-01), got {text_value!r}"
         ) from None
+
+
+MAX_DB_INT = 2**63 - 1
+"""The largest integer a query may compare with or page by: a metadata DB's 64-bit integer (a larger one
+cannot be bound to an SQLite INTEGER parameter at all)."""
+MAX_PAGE = MAX_DB_INT // MAX_PER_PAGE
+"""The last page the episode list may be asked for (its row offset stays a 64-bit integer)."""
 
 
 def is_int(v: Any) -> bool:
@@ -252,8 +271,8 @@ class Selection:
         if self.status is not None and self.status not in ("open", "closed"):
             raise ValueError(f"status: expected open or closed, got {self.status!r}")
         for r in self.rounds:
-            if not is_int(r) or r < 1:
-                raise ValueError(f"round: expected a round number >= 1, got {r!r}")
+            if not is_int(r) or not 1 <= r <= MAX_DB_INT:
+                raise ValueError(f"round: expected a round number >= 1 (at most {MAX_DB_INT}), got {r!r}")
         for k, v in self.labels.items():
             if not isinstance(k, str) or not k.strip():
                 raise ValueError(f"label: expected key:value with a non-empty key, got {k!r}")
@@ -261,14 +280,28 @@ class Selection:
                 raise ValueError(f"label: expected key:value with a non-empty value, got {k}:{v!r}")
         for name in ("min_length", "max_length"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or v < 0):
-                raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_DB_INT):
+                raise ValueError(f"{name}: expected an integer >= 0 (at most {MAX_DB_INT}), got {v!r}")
         if self.min_length is not None and self.max_length is not None and self.max_length < self.min_length:
             raise ValueError(f"max_length: expected >= min_length ({self.min_length}), got {self.max_length}")
         if self.since is not None and self.until is not None and self.until < self.since:
             raise ValueError(f"until: expected >= since ({self.since}), got {self.until}")
-        if self.max_episodes is not None and (not is_int(self.max_episodes) or self.max_episodes < 1):
-            raise ValueError(f"max: expected a positive integer, got {self.max_episodes!r}")
+        if self.max_episodes is not None and (
+            not is_int(self.max_episodes) or not 1 <= self.max_episodes <= MAX_DB_INT
+        ):
+            raise ValueError(
+                f"max: expected a positive integer (at most {MAX_DB_INT}), got {self.max_episodes!r}"
+            )
+        self._check_texts()
+
+    def _check_texts(self) -> None:
+        """Every name and value is one line of valid Unicode (:func:`vla_rl.core.text.check_text`): a
+        selection is stored with a round and compared in SQL (a NUL is no PostgreSQL text)."""
+        names = [(n, getattr(self, n)) for n in ("task", "outcome", "status") if getattr(self, n) is not None]
+        names += [(n, v) for n in ("robots", "revisions", "flags", "exclude") for v in getattr(self, n)]
+        names += [("labels", x) for kv in self.labels.items() for x in kv]
+        for name, v in names:
+            check_text(v, _KEY_OF[name], max_chars=MAX_TEXT_CHARS)
 
     # ------------------------------------------------------------------------------ text spelling
     @classmethod
@@ -368,8 +401,8 @@ class EpisodeQuery(Selection):
         super().__post_init__()
         if self.sort not in EPISODE_SORTS:
             raise ValueError(f"sort: expected one of {', '.join(EPISODE_SORTS)}, got {self.sort!r}")
-        if not is_int(self.page) or self.page < 1:
-            raise ValueError(f"page: expected an integer >= 1, got {self.page!r}")
+        if not is_int(self.page) or not 1 <= self.page <= MAX_PAGE:
+            raise ValueError(f"page: expected an integer >= 1 (at most {MAX_PAGE}), got {self.page!r}")
         if not is_int(self.per_page) or not 1 <= self.per_page <= MAX_PER_PAGE:
             raise ValueError(f"per_page: expected an integer in 1..{MAX_PER_PAGE}, got {self.per_page!r}")
 

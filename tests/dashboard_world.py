@@ -123,7 +123,7 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------------------------------ fixtures
 # Two worlds per file: the store's SQLite, and a PostgreSQL database. Tests read ``world``: the SQLite one,
-# or with ``@BOTH`` each backend's in turn.
+# or with ``@BOTH`` each backend's in turn; ``dash`` is that world's dashboard where a file serves one.
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     """The metadata DB backend of this test's world: sqlite, unless ``@BOTH`` parametrizes it."""
@@ -133,6 +133,12 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def world(request: pytest.FixtureRequest, backend: str) -> FleetWorld:
     return request.getfixturevalue(f"{backend}_world")
+
+
+@pytest.fixture
+def dash(request: pytest.FixtureRequest, backend: str, world: FleetWorld) -> Dashboard:
+    """The served dashboard of this test's world (the file's ``sqlite_dash`` / ``postgresql_dash``)."""
+    return request.getfixturevalue(f"{backend}_dash")
 
 
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)

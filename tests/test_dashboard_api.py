@@ -54,7 +54,8 @@ REPO = "fleet/reach-cam"
 HUB_TOKEN = "dashboard-test-hub-token"
 COLLECTOR_TOKEN = "dashboard-test-collector-token"
 IMAGE = 32
-backend, world = dashboard_world.backend, dashboard_world.world  # the fixtures (pytest finds them by name)
+# the fixtures (pytest finds them by name)
+backend, world, dash = dashboard_world.backend, dashboard_world.world, dashboard_world.dash
 
 
 def camera_spec() -> RobotSpec:
@@ -154,11 +155,6 @@ def sqlite_dash(sqlite_world: FleetWorld) -> Iterator[Dashboard]:
 @pytest.fixture(scope="module")
 def postgresql_dash(postgresql_world: FleetWorld) -> Iterator[Dashboard]:
     yield from _dashboard_of(postgresql_world)
-
-
-@pytest.fixture
-def dash(request: pytest.FixtureRequest, backend: str, world: FleetWorld) -> Dashboard:
-    return request.getfixturevalue(f"{backend}_dash")
 
 
 def _detail(r: httpx.Response) -> dict[str, Any]:

@@ -404,6 +404,44 @@ def test_a_viewer_cannot_label_and_the_page_says_why(browser: Any, world: FleetW
     page.context.close()
 
 
+def test_a_link_with_another_token_asks_before_switching_identity(browser: Any, world: FleetWorld) -> None:
+    """A link carrying #token=<someone else's token> never replaces the stored one silently: the page asks,
+    naming both identities, and the header always says who you are."""
+    token_key = "localStorage.getItem('vla-rl-dashboard-token')"
+    header = "document.getElementById('session').textContent"
+    page = open_page(browser, world, "vic", f"/episodes#token={TOKENS['ops'][1]}")
+    page.wait_for_selector("#switch-dialog[open]")
+    text = page.locator("#switch-text").text_content()
+    assert "ops (operator)" in text and "vic (viewer)" in text, text
+    assert page.evaluate("location.hash") == ""  # the token left the address bar at once
+    page.wait_for_function(f"{header} === 'vic (viewer)'")  # still vic until asked
+    page.click("#switch-keep")
+    page.wait_for_function("!document.getElementById('switch-dialog').open")
+    assert page.evaluate(token_key) == TOKENS["vic"][1]
+    assert page.evaluate(header) == "vic (viewer)"
+    # the same link again, taken this time: the header follows
+    page.goto(world.dashboard + f"/episodes#token={TOKENS['ops'][1]}")
+    page.wait_for_selector("#switch-dialog[open]")
+    page.click("#switch-use")
+    page.wait_for_function(f"{header} === 'ops (operator)'")
+    assert page.evaluate(token_key) == TOKENS["ops"][1]
+    # a link whose token the dashboard rejects: said so, and nothing to switch to
+    page.evaluate("location.hash = '#token=not-a-known-token-0123456789'")
+    page.wait_for_selector("#switch-dialog[open]")
+    assert "rejects" in page.locator("#switch-text").text_content()
+    assert page.locator("#switch-use").is_hidden()
+    page.click("#switch-keep")
+    assert page.evaluate(token_key) == TOKENS["ops"][1]
+    assert page.errors == []  # type: ignore[attr-defined]
+    page.context.close()
+    # no token stored yet (the one-time URL `vla-rl dashboard` prints): taken without a question
+    page = open_page(browser, world, None, f"/#token={TOKENS['ana'][1]}")
+    page.wait_for_function(f"{header} === 'ana (labeller)'")
+    assert page.evaluate(token_key) == TOKENS["ana"][1] and page.evaluate("location.hash") == ""
+    assert not page.locator("#switch-dialog").evaluate("d => d.open")
+    page.context.close()
+
+
 # ------------------------------------------------------------------------------------------ fleet
 @BOTH_PG_SLOW
 def test_fleet_page_shows_robots_servers_and_revisions(browser: Any, world: FleetWorld) -> None:
@@ -444,7 +482,7 @@ def test_queue_a_round_from_the_episode_filter_and_cancel_it(browser: Any, world
     page.wait_for_selector("table.episodes tbody tr")
     page.click("a:has-text('Train a round on this selection')")
     page.wait_for_url("**/rounds?**")
-    # the server translates the episode filter (GET /selection/from-filter): the field fills when it answers
+    # filled in once the server has translated the filter (GET /selection/from-filter, asynchronous)
     page.wait_for_function("(document.querySelector(\"input[name='data']\") || {}).value")
     assert page.input_value("input[name='data']") == "robot=sim-0"
     page.wait_for_function(

@@ -33,7 +33,9 @@ from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from vla_rl.core.configs import check_values
+from vla_rl.core.secrets import url_without_password
 from vla_rl.core.seeds import EVAL
+from vla_rl.core.text import check_json_text
 from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
@@ -373,9 +375,28 @@ def round_db(cfg: RoundConfig) -> MetadataDB:
     return MetadataDB(cfg.train.db_url or default_url(cfg.train.store))
 
 
+MAX_CONFIG_TEXT = 4096
+"""Longest text one field of a round's stored config may hold (a selection text's bound; paths fit)."""
+
+
 def config_to_json(cfg: RoundConfig) -> dict[str, Any]:
-    """The round's row config: everything needed to run it again elsewhere (:func:`config_from_json`)."""
-    return json.loads(json.dumps({"algo": cfg.algo, **asdict(cfg)}, default=str))
+    """The round's row config: everything needed to run it again elsewhere (:func:`config_from_json`), and
+    no secret: the metadata DB's URL is kept without its password (the worker runs the round against the DB
+    it claimed it from, with its own credentials: :func:`training_db_url`). Every text in it is checked
+    (:func:`vla_rl.core.text.check_json_text`: ValueError naming the field, e.g. ``config.train.data``)."""
+    data = json.loads(json.dumps({"algo": cfg.algo, **asdict(cfg)}, default=str))
+    if data["train"].get("db_url"):
+        data["train"]["db_url"] = url_without_password(data["train"]["db_url"])
+    return check_json_text(data, "config", max_chars=MAX_CONFIG_TEXT)
+
+
+def training_db_url(stored: str | None, db: MetadataDB) -> str:
+    """The metadata DB URL a round's trainer opens: the URL of ``db``, the DB the round runs in (with the
+    credentials its worker opened it with), when the config names no DB or names that one without its
+    password (as :func:`config_to_json` stores it); else the config's own."""
+    if stored is None or url_without_password(stored) == url_without_password(db.url):
+        return db.url
+    return stored
 
 
 def config_from_json(data: dict[str, Any]) -> RoundConfig:
@@ -578,6 +599,7 @@ def run_round(
             task=task,
             round_index=round_id,
             data=data.training_data(t.data),
+            db_url=training_db_url(t.db_url, db),
         )
         progress.phase("training")
         trained = train(run, on_progress=progress)

@@ -5,7 +5,6 @@ part of :class:`~fleet.db.MetadataDB` shares (:class:`DBPart`, id chunks for ``I
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ from typing import Any
 from sqlalchemy import create_engine, event, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from vla_rl.core.secrets import shown_url
 
 _BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another process's transaction
 
@@ -73,7 +74,7 @@ def engine_for(url: str) -> Engine:
             connect_args = {"connect_timeout": 10}  # an unreachable host fails at start-up, soon
         engine = create_engine(parsed, connect_args=connect_args)
     except (ArgumentError, NoSuchModuleError, ImportError) as e:  # malformed URL, unknown backend
-        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+        shown = shown_url(url)
         raise MetadataDBError(
             f"{shown!r} is not a usable database URL ({e}); fix {_URL_SETTING}, e.g. "
             "postgresql://USER:PASSWORD@HOST:5432/DBNAME or sqlite:///PATH/metadata.db"

@@ -14,9 +14,16 @@ from sqlalchemy.orm import Session, aliased
 from fleet.db.engine import DBPart, _chunks
 from fleet.db.schema import EpisodeRow, LabelRow, SegmentRow
 from fleet.selection import is_int
+from vla_rl.core.text import check_json_text, check_text
 
 LabelSource = Literal["human", "auto"]
 LABEL_SOURCES: tuple[str, ...] = get_args(LabelSource)
+MAX_NAME_CHARS = 128
+"""Longest label key and author (their columns' size)."""
+MAX_NOTE_CHARS = 2000
+"""Longest note of a label event."""
+MAX_VALUE_TEXT_CHARS = 4096
+"""Longest text inside a label's value (a free-text value, a path an import records)."""
 OUTCOME_KEY = "outcome"
 """The episode label whose current value overrides the recorded outcome: for a selection's ``success=``
 and ``outcome=`` (:mod:`fleet.selection`), training credit, the episode list, the fleet statistics and
@@ -103,7 +110,9 @@ class LabelsPart(DBPart):
         current value is the latest one not undone (:meth:`undo_label`).
 
         Raises KeyError for an unknown episode, ValueError (naming the field) for an empty key or author,
-        a source other than human|auto, or a span outside the episode (spans need a closed episode)."""
+        a source other than human|auto, a span outside the episode (spans need a closed episode), or text
+        (key, author, note, any string in the value) that is not valid Unicode, holds a control character or
+        is too long (:data:`MAX_NAME_CHARS`, :data:`MAX_NOTE_CHARS`, :data:`MAX_VALUE_TEXT_CHARS`)."""
         return self.add_labels(
             [episode_id],
             key,
@@ -133,6 +142,7 @@ class LabelsPart(DBPart):
         episode raises KeyError naming it; a span outside any of them raises ValueError). Returns the new
         label ids in the order of ``episode_ids`` (duplicates labelled once)."""
         _check_label(key, author, source, start, end, note, segment_index)
+        check_json_text(value, "value", max_chars=MAX_VALUE_TEXT_CHARS, multiline=True)
         ids = list(dict.fromkeys(episode_ids))
         if not ids:
             raise ValueError("episode_ids: expected at least one episode id")
@@ -350,14 +360,18 @@ def _check_label(
     note: str | None,
     segment_index: int | None,
 ) -> None:
+    """What every label event is checked for before it is written (ValueError naming the field); its text
+    goes through :func:`vla_rl.core.text.check_text` (valid Unicode, no control characters, bounded)."""
     if not isinstance(key, str) or not key.strip():
         raise ValueError(f"key: expected a non-empty label key, got {key!r}")
+    check_text(key, "key", max_chars=MAX_NAME_CHARS)
     if not isinstance(author, str) or not author.strip():
         raise ValueError(f"author: expected a non-empty name (who labels), got {author!r}")
+    check_text(author, "author", max_chars=MAX_NAME_CHARS)
     if source not in LABEL_SOURCES:
         raise ValueError(f"source: expected one of {'|'.join(LABEL_SOURCES)}, got {source!r}")
-    if note is not None and not isinstance(note, str):
-        raise ValueError(f"note: expected text, got {type(note).__name__}")
+    if note is not None:
+        check_text(note, "note", max_chars=MAX_NOTE_CHARS, multiline=True)
     if segment_index is not None and (not is_int(segment_index) or segment_index < 0):
         raise ValueError(f"segment_index: expected a segment index >= 0, got {segment_index!r}")
     if (start is None) != (end is None):

@@ -7,7 +7,13 @@ of another user's process and a mode-0600 file are not. Imports nothing of ours.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+# scheme://user:PASSWORD@host... (a password ends at the first '@', as SQLAlchemy reads a URL)
+_USERINFO_PASSWORD = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*):(?P<password>[^@]*)@")
+# ?password=... / &password=... (libpq takes the password as a query parameter too)
+_QUERY_PASSWORD = re.compile(r"(?P<sep>[?&])password=[^&#]*", re.IGNORECASE)
 
 
 def env_secret(*names: str) -> str | None:
@@ -29,3 +35,19 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
     if len(lines) > 1:
         raise ValueError(f"{path}: expected the secret alone on one line, found {len(lines)} lines")
     return lines[0]
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be shown, logged or returned: a password in it (``scheme://user:PASSWORD@host``,
+    or a ``password=`` query parameter) replaced by ``***``. Any text works (nothing is parsed that could
+    fail): a URL without a password comes back unchanged."""
+    masked = _USERINFO_PASSWORD.sub(r"\g<head>:***@", url, count=1)
+    return _QUERY_PASSWORD.sub(r"\g<sep>password=***", masked)
+
+
+def url_without_password(url: str) -> str:
+    """``url`` with its password removed (not masked: what a record may keep and a reader that has the
+    credentials, e.g. a round worker's own DB connection, can match against its own URL)."""
+    bare = _USERINFO_PASSWORD.sub(r"\g<head>@", url, count=1)
+    bare = _QUERY_PASSWORD.sub(lambda m: "?" if m["sep"] == "?" else "", bare)
+    return bare.replace("?&", "?").rstrip("?")

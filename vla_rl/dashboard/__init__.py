@@ -2,7 +2,8 @@
 single-page frontend in ``static/`` (see docs/dashboard.md).
 
 Modules: ``config`` (the CLI flags), ``auth`` (bearer tokens with roles), ``errors`` (the API's error
-shape), ``resources`` (store / DB access with 503s that say how to fix them), ``hub`` (refs, resolving,
+shape and its JSON response), ``fields`` (request text, ids and refs checked at the edge),
+``resources`` (store / DB access with 503s that say how to fix them), ``hub`` (refs, resolving,
 moving), ``frames`` (camera frames and MP4s read from the Zarr store, cached), ``curves`` (a running
 round's TensorBoard scalars), and the routes: ``episodes``, ``labels``, ``rounds``, ``fleet``. Nothing
 here runs a round: rounds are queued for ``vla-rl round worker``.

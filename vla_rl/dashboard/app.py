@@ -26,7 +26,7 @@ from vla_rl.dashboard.assets import BUNDLE, STATIC, AssetServer, index_page, sta
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.context import Context
-from vla_rl.dashboard.errors import ApiError, install_handlers
+from vla_rl.dashboard.errors import ApiError, SafeJSONResponse, install_handlers
 from vla_rl.dashboard.resources import Resources
 from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_queries, warm_requests
 
@@ -37,7 +37,10 @@ PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413 (declared by Content-Length, or counted)."""
+    """Refuse request bodies over ``max_bytes`` with 413: one that declares a larger Content-Length at
+    once; one sent without a length (chunked) is read here first, up to the limit, and handed on whole
+    (the limit is small, 4 MiB by default). Counting while the app reads it would raise inside FastAPI's
+    body parsing, which answers that with 400."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -47,27 +50,39 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(scope, receive, send)
+        if declared is not None:  # the server reads no more than it declares
+            if not declared.isdigit() or int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
+        read: list[Message] = []
         seen = 0
-
-        async def counting() -> Message:
-            nonlocal seen
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
-            return msg
+            read.append(msg)
+            if msg["type"] != "http.request":  # the client went away
+                break
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        pending = iter(read)
 
-        await self.app(scope, counting, send)
+        async def replay() -> Message:
+            return next(pending, None) or await receive()
 
-    def _message(self) -> str:
-        return f"request body over the dashboard's limit of {self.max_bytes} bytes (--max-body-kb)"
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = ApiError(413, "body", self._message(), f"<= {self.max_bytes} bytes")
+        err = ApiError(
+            413,
+            "body",
+            f"request body over the dashboard's limit of {self.max_bytes} bytes (--max-body-kb)",
+            f"<= {self.max_bytes} bytes",
+        )
         await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
@@ -106,6 +121,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
 
     app = FastAPI(
         lifespan=lifespan,
+        default_response_class=SafeJSONResponse,  # never a 500 for text a DB holds (errors.py)
         title="vla-rl dashboard",
         version=__version__,
         openapi_url=f"{API}/openapi.json",

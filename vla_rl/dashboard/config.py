@@ -61,9 +61,13 @@ class DashboardConfig:
     promote_ref: str = "prod"
     """The ref the servers follow: what Promote moves and Rollback moves back."""
     max_body_kb: int = 4096
-    """Largest request body accepted (KiB); larger: 413."""
+    """Largest request body accepted (KiB), declared or sent in chunks; larger: 413."""
     frame_cache_mb: int = 256
     """Decoded camera chunks kept in memory (MiB)."""
+    video_cache_mb: int = 2048
+    """Encoded videos kept in <workdir>/video (MiB); beyond it the least recently used are removed."""
+    video_encoders: int = 2
+    """Videos encoded at once (each an ffmpeg process); more video requests wait for one."""
     sync_db: bool = True
     """On start, record the store's closed episodes that the metadata DB lacks (a store written without
     the DB, e.g. by `vla-rl sim demos`), so the episode list shows them."""
@@ -101,3 +105,7 @@ class DashboardConfig:
             raise ValueError(f"max_body_kb: expected 1..1048576, got {self.max_body_kb}")
         if not 1 <= self.frame_cache_mb <= 1024 * 1024:
             raise ValueError(f"frame_cache_mb: expected 1..1048576, got {self.frame_cache_mb}")
+        if not 1 <= self.video_cache_mb <= 1024 * 1024 * 1024:
+            raise ValueError(f"video_cache_mb: expected 1..1073741824, got {self.video_cache_mb}")
+        if not 1 <= self.video_encoders <= 64:
+            raise ValueError(f"video_encoders: expected 1..64, got {self.video_encoders}")

@@ -35,7 +35,12 @@ class Context:
         with self._lock:
             if self._reader is None or self._reader.store is not store:
                 self._reader = FrameReader(store, self.cfg.frame_cache_mb * 1024 * 1024)
-                self._video = VideoCache(self.cfg.workdir / "video", self._reader)
+                self._video = VideoCache(
+                    self.cfg.workdir / "video",
+                    self._reader,
+                    max_bytes=self.cfg.video_cache_mb * 1024 * 1024,
+                    encoders=self.cfg.video_encoders,
+                )
             return self._reader
 
     def video(self) -> VideoCache:

@@ -1,4 +1,5 @@
-"""The API's one error shape: ``{"detail": {"field", "message", "expected"}}`` with a 4xx/5xx status.
+"""The API's one error shape: ``{"detail": {"field", "message", "expected"}}`` with a 4xx/5xx status,
+and the one JSON response class every answer goes through (:class:`SafeJSONResponse`).
 
 Route code raises :class:`ApiError`; FastAPI's own validation errors, HTTP errors and the DB or store
 going away mid-request are turned into the same shape by :func:`install_handlers` (never a traceback).
@@ -14,7 +15,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vla_rl.core.text import safe_json
+
 log = logging.getLogger("vla_rl.dashboard")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text a DB already holds may carry a lone UTF-16 surrogate (stored before
+    text was checked, or by another tool), which UTF-8 cannot encode; such a string is sent with U+FFFD in
+    its place instead of failing the whole answer (an episode with one bad label used to answer 500 to
+    everyone). Clean content takes the plain path."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return super().render(safe_json(content))
 
 
 class ApiError(Exception):
@@ -30,7 +46,7 @@ class ApiError(Exception):
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return SafeJSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _loc_field(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -57,12 +73,17 @@ def install_handlers(app: FastAPI, db_down: Any) -> None:
         ctx = first.get("ctx") or {}
         if ctx:
             expected = ", ".join(f"{k} {v}" for k, v in ctx.items() if isinstance(v, str | int | float))
-        return error_response(ApiError(422, field, f"{field}: {first.get('msg')}", expected or None))
+        # a field validator's ValueError (vla_rl.dashboard.fields) already starts with the field's name
+        msg = str(first.get("msg")).removeprefix("Value error, ")
+        head = msg.partition(":")[0]
+        named = " " not in head and (field.startswith(head) or head.startswith(field))
+        message = msg if named else f"{field}: {msg}"
+        return error_response(ApiError(422, field, message, expected or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if isinstance(e.detail, dict):
-            return JSONResponse({"detail": e.detail}, status_code=e.status_code)
+            return SafeJSONResponse({"detail": e.detail}, status_code=e.status_code)
         message = str(e.detail) if e.detail else "error"
         if e.status_code == 404:
             message = f"no such page or resource: {request.url.path}"

@@ -9,16 +9,22 @@ a cached chunk that was partly committed when it was read is read again once a f
 
 :class:`VideoCache` encodes a camera as H.264 (yuv420p, ``+faststart``, a key frame every second for
 quick seeks) with the ffmpeg that ``imageio-ffmpeg`` ships, into ``<workdir>/video/<episode>/``, keyed
-by the committed length: a growing episode gets a new file, and the older ones are removed.
+by the committed length: a growing episode gets a new file, and the older ones are removed. At most
+``encoders`` encodes run at once (each is an ffmpeg process and a whole camera in memory: one viewer
+opening 8 videos started 6 at once); more requests wait for one to finish. The folder is bounded
+(``max_bytes``): after each encode, the least recently used files (a cache hit counts as a use) are
+removed until it fits again, the one just encoded always kept.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -140,6 +146,16 @@ class JpegCache:
         return jpeg
 
 
+def _used(path: Path) -> bool:
+    """Whether ``path`` is there, marking it used now: its access time, what :meth:`VideoCache.prune`
+    orders by (its modification time stays the encode's)."""
+    try:
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def encode_jpeg(frame: np.ndarray, quality: int = 85) -> bytes:
     from PIL import Image
 
@@ -149,13 +165,21 @@ def encode_jpeg(frame: np.ndarray, quality: int = 85) -> bytes:
 
 
 class VideoCache:
-    """MP4 files of whole cameras, encoded on first request (one encoder per file at a time)."""
+    """MP4 files of whole cameras, encoded on first request (one encoder per file at a time, at most
+    ``encoders`` in all), the folder kept under ``max_bytes`` (least recently used files out first)."""
 
-    def __init__(self, root: Path, reader: FrameReader) -> None:
+    def __init__(
+        self, root: Path, reader: FrameReader, max_bytes: int = 2048 * 1024 * 1024, encoders: int = 2
+    ) -> None:
+        if encoders < 1 or max_bytes < 1:
+            raise ValueError(f"encoders, max_bytes: expected >= 1, got {encoders}, {max_bytes}")
         self.root = root
         self.reader = reader
+        self.max_bytes = max_bytes
         self._locks: dict[Path, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._encoders = threading.BoundedSemaphore(encoders)
+        self.encoding = self.max_encoding = 0  # encodes running now / at most so far
 
     def path(self, meta: EpisodeMeta, camera: str) -> Path:
         return self.root / meta.episode_id / f"{camera}-{meta.length}.mp4"
@@ -163,16 +187,53 @@ class VideoCache:
     def get(self, meta: EpisodeMeta, camera: str) -> Path:
         """The cached MP4 of ``camera`` at the episode's committed length, encoding it if needed."""
         path = self.path(meta, camera)
-        if path.is_file():
+        if _used(path):
             return path
         with self._guard:
             lock = self._locks.setdefault(path, threading.Lock())
         with lock:
-            if not path.is_file():
-                self._encode(meta, camera, path)
+            if not _used(path):
+                with self._encoders:
+                    self._count(+1)
+                    try:
+                        self._encode(meta, camera, path)
+                    finally:
+                        self._count(-1)
+                self.prune(keep=path)
         with self._guard:
             self._locks.pop(path, None)
         return path
+
+    def _count(self, step: int) -> None:
+        with self._guard:
+            self.encoding += step
+            self.max_encoding = max(self.max_encoding, self.encoding)
+
+    def prune(self, keep: Path | None = None) -> list[Path]:
+        """Remove the least recently used videos until the folder holds at most ``max_bytes`` (never
+        ``keep``, nor a file being written); returns what was removed."""
+        files = []
+        for p in self.root.glob("*/*.mp4"):
+            if p.name.startswith(".") or p == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # another request's prune took it
+                st = p.stat()
+                files.append((st.st_atime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        with contextlib.suppress(FileNotFoundError):
+            total += keep.stat().st_size if keep is not None else 0
+        removed = []
+        for _, size, p in sorted(files):
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the episode's folder, once empty
+                p.parent.rmdir()
+            total -= size
+            removed.append(p)
+        if removed:
+            log.info("video cache pruned", extra={"removed": len(removed), "bytes": total})
+        return removed
 
     def _encode(self, meta: EpisodeMeta, camera: str, path: Path) -> None:
         import imageio_ffmpeg

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import fleet.flags
@@ -21,7 +21,8 @@ from fleet.selection import EpisodeQuery
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context
 from vla_rl.dashboard.episodes import episode_json, read_meta
-from vla_rl.dashboard.errors import ApiError
+from vla_rl.dashboard.errors import ApiError, SafeJSONResponse
+from vla_rl.dashboard.fields import FRAME_MAX, JSON_TEXT, Line, RowId, Text
 from vla_rl.dashboard.resources import labels_path
 from vla_rl.dashboard.startup import PhaseTimer
 
@@ -32,25 +33,32 @@ MAX_VALUE_CHARS = 2000
 
 
 class LabelRequest(BaseModel):
-    """Label one or many episodes (or a frame span of them): POST /api/v1/labels."""
+    """Label one or many episodes (or a frame span of them): POST /api/v1/labels. Every text is checked
+    (:mod:`vla_rl.dashboard.fields`: valid Unicode, no control characters) before anything else."""
 
     model_config = ConfigDict(extra="forbid")
-    episode_ids: list[str] | None = Field(None, min_length=1, max_length=MAX_BULK, description="the episodes")
+    episode_ids: list[Line] | None = Field(
+        None, min_length=1, max_length=MAX_BULK, description="the episodes"
+    )
     filter: dict[str, str | int | float | bool | list[str]] | None = Field(
         None,
         max_length=32,
         description="instead of episode_ids: an episode-list query, every match is labelled",
     )
-    key: str = Field(..., min_length=1, max_length=128)
-    value: Any = Field(..., description="one of the key's values (or text for a free-text key)")
-    start: int | None = Field(None, ge=0, description="span labels: first frame")
-    end: int | None = Field(None, ge=1, description="span labels: frame after the last (end exclusive)")
-    note: str | None = Field(None, max_length=MAX_VALUE_CHARS)
+    key: Line = Field(..., min_length=1, max_length=128)
+    value: Annotated[Any, JSON_TEXT] = Field(
+        ..., description="one of the key's values (or text for a free-text key)"
+    )
+    start: int | None = Field(None, ge=0, le=FRAME_MAX, description="span labels: first frame")
+    end: int | None = Field(
+        None, ge=1, le=FRAME_MAX, description="span labels: frame after the last (end exclusive)"
+    )
+    note: Text | None = Field(None, max_length=MAX_VALUE_CHARS)
 
 
 class UndoRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    note: str | None = Field(None, max_length=MAX_VALUE_CHARS)
+    note: Text | None = Field(None, max_length=MAX_VALUE_CHARS)
 
 
 def _field_of(message: str, default: str) -> str:
@@ -95,7 +103,7 @@ def make_router(ctx: Context) -> APIRouter:
     @r.get(
         "/episodes",
         summary="filtered, sorted, paged episode list (docs/dashboard.md for the parameters)",
-        response_class=JSONResponse,
+        response_class=SafeJSONResponse,
     )
     def episode_list(request: Request, _: Principal = viewer) -> Response:
         timer = PhaseTimer()
@@ -119,7 +127,7 @@ def make_router(ctx: Context) -> APIRouter:
         except ValueError as e:  # a round that does not exist
             raise ApiError(422, _field_of(str(e), "query"), str(e), None) from None
         # JSON types already: rendered as is (no pass through FastAPI's encoder and response model)
-        res = JSONResponse(
+        res = SafeJSONResponse(
             {"total": total, "page": q.page, "per_page": q.per_page, "items": out, "sync": sync}
         )
         timer.lap("json")
@@ -248,7 +256,7 @@ def make_router(ctx: Context) -> APIRouter:
         }
 
     @r.post("/labels/{label_id}/undo", status_code=201, summary="retract a label (appends an undo event)")
-    def undo(label_id: int, body: UndoRequest | None = None, who: Principal = labeller) -> dict[str, Any]:
+    def undo(label_id: RowId, body: UndoRequest | None = None, who: Principal = labeller) -> dict[str, Any]:
         db = ctx.res.db()
         try:
             uid = db.undo_label(label_id, author=who.name, note=body.note if body else None)

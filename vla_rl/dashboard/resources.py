@@ -19,21 +19,11 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from fleet.db import MetadataDB, MetadataDBError, default_url
 from fleet.store import EpisodeStore
+from vla_rl.core.secrets import shown_url
 from vla_rl.dashboard.config import DashboardConfig
 from vla_rl.dashboard.errors import ApiError
 
 log = logging.getLogger("vla_rl.dashboard")
-
-
-def _hide_password(url: str) -> str:
-    from sqlalchemy import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a parseable URL: show it as given, minus anything that looks like a password
-        import re
-
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 class Resources:
@@ -43,7 +33,7 @@ class Resources:
         self.cfg = cfg
         self.retry_s = retry_s
         self.db_url = cfg.db or default_url(cfg.store)
-        self.db_shown = _hide_password(self.db_url)
+        self.db_shown = shown_url(self.db_url)
         self._lock = threading.Lock()
         self._store: EpisodeStore | None = None
         self._db: MetadataDB | None = None

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -30,44 +30,49 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from fleet.db import FINISHED_STATUSES, RoundRecord
+from vla_rl.core.secrets import shown_url
 from vla_rl.dashboard import hub
 from vla_rl.dashboard.auth import Principal
 from vla_rl.dashboard.context import Context, jsonable
 from vla_rl.dashboard.errors import ApiError
+from vla_rl.dashboard.fields import JSON_LINES, Line, RowId, movable_ref
 
 log = logging.getLogger("vla_rl.dashboard")
 
 SSE_POLL_S = 0.5
 """How often the event stream looks at the round's row (the worker reports phases into it)."""
 SSE_KEEPALIVE_S = 15.0
+MAX_OPTIONS = 64
+"""Most knobs one round request may set."""
 # Set by the dashboard, not by the page: where a round reads and writes, and whether it shows a bar.
 _RESERVED = ("base", "store", "out", "data", "task", "db_url", "progress", "round_index")
 
 
 class RoundRequest(BaseModel):
-    """Queue a round (POST /api/v1/rounds)."""
+    """Queue a round (POST /api/v1/rounds). Every text is checked (:mod:`vla_rl.dashboard.fields`: valid
+    Unicode, no control characters, bounded) before anything else."""
 
     model_config = ConfigDict(extra="forbid")
-    algo: str | None = Field(
+    algo: Line | None = Field(
         None, max_length=32, description="algorithm (sft, awr, recap, qam, ...); default: the preset's"
     )
-    preset: str | None = Field(None, max_length=64, description="a named recipe (vla_rl.train.presets)")
-    base: str = Field(..., min_length=1, max_length=512, description="base checkpoint: hub://org/name@rev")
-    data: str | None = Field(
+    preset: Line | None = Field(None, max_length=64, description="a named recipe (vla_rl.train.presets)")
+    base: Line = Field(..., min_length=1, max_length=512, description="base checkpoint: hub://org/name@rev")
+    data: Line | None = Field(
         None, max_length=4096, description="selection text (None = every closed episode)"
     )
     margin: float | None = Field(
         None, description="promote only if success beats the base's by more (a fraction)"
     )
-    task: str | None = Field(None, max_length=256, description="task; default: the base checkpoint's")
-    options: dict[str, Any] = Field(
-        default_factory=dict, max_length=64, description="other trainer / round knobs"
+    task: Line | None = Field(None, max_length=256, description="task; default: the base checkpoint's")
+    options: Annotated[dict[str, Any], JSON_LINES] = Field(
+        default_factory=dict, max_length=MAX_OPTIONS, description="other trainer / round knobs"
     )
 
 
 class PromoteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ref: str | None = Field(None, max_length=128, description="the ref to move (default: --promote-ref)")
+    ref: Line | None = Field(None, max_length=128, description="the ref to move (default: --promote-ref)")
 
 
 def round_summary(r: RoundRecord) -> dict[str, Any]:
@@ -104,6 +109,16 @@ def round_summary(r: RoundRecord) -> dict[str, Any]:
             "progress": r.progress or {},
         }
     )
+
+
+def shown_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A round's config as a viewer sees it: a DB URL's password masked (a round queued before configs
+    were stored without one may still hold it)."""
+    out = jsonable(config)
+    train = out.get("train") if isinstance(out, dict) else None
+    if isinstance(train, dict) and isinstance(train.get("db_url"), str):
+        train["db_url"] = shown_url(train["db_url"])
+    return out
 
 
 def _round(ctx: Context, n: int) -> RoundRecord:
@@ -200,7 +215,9 @@ def build_round(ctx: Context, body: RoundRequest, who: Principal) -> Any:
         "out": out,
         "data": body.data or None,
         "task": task,
-        "db_url": ctx.cfg.db,
+        # no URL (its password is a secret a viewer would read back): the worker that claims the round
+        # from this DB trains against the same DB (vla_rl.rounds.training_db_url)
+        "db_url": None,
         "progress": False,
     }
     try:
@@ -337,11 +354,11 @@ def make_router(ctx: Context) -> APIRouter:
         return {"rounds": [round_summary(x) for x in reversed(ctx.res.db().rounds())]}
 
     @r.get("/rounds/{n}", summary="one round with its progress")
-    def round_detail(n: int, _: Principal = viewer) -> dict[str, Any]:
+    def round_detail(n: RowId, _: Principal = viewer) -> dict[str, Any]:
         rec = _round(ctx, n)
         return round_summary(rec) | {
             "live_curve": ctx.curves.curve(rec),
-            "config": jsonable(rec.config),
+            "config": shown_config(rec.config),
             "metrics": jsonable(rec.metrics),
             "data_snapshot": jsonable(rec.data),
         }
@@ -351,7 +368,7 @@ def make_router(ctx: Context) -> APIRouter:
         summary="Server-Sent Events: `progress` (the round's summary) until `done`",
         response_class=StreamingResponse,
     )
-    async def round_events(n: int, request: Request, _: Principal = viewer) -> StreamingResponse:
+    async def round_events(n: RowId, request: Request, _: Principal = viewer) -> StreamingResponse:
         first = await run_in_threadpool(_round, ctx, n)
 
         async def stream() -> AsyncIterator[bytes]:
@@ -397,7 +414,7 @@ def make_router(ctx: Context) -> APIRouter:
         return round_summary(rec) | {"episodes": n_episodes, "queued_by": who.name}
 
     @r.post("/rounds/{n}/cancel", summary="cancel a queued or running round")
-    def cancel(n: int, who: Principal = operator) -> dict[str, Any]:
+    def cancel(n: RowId, who: Principal = operator) -> dict[str, Any]:
         _round(ctx, n)
         try:
             rec = ctx.res.db().cancel_round(n)
@@ -406,13 +423,9 @@ def make_router(ctx: Context) -> APIRouter:
         return round_summary(rec) | {"cancelled_by": who.name}
 
     @r.post("/rounds/{n}/promote", summary="move the followed ref to the round's checkpoint")
-    def promote(n: int, body: PromoteRequest | None = None, who: Principal = operator) -> dict[str, Any]:
+    def promote(n: RowId, body: PromoteRequest | None = None, who: Principal = operator) -> dict[str, Any]:
         rec = _round(ctx, n)
-        ref = (body.ref if body and body.ref else None) or ctx.cfg.promote_ref
-        if ref == "main":
-            raise ApiError(
-                422, "ref", "ref: main cannot be moved (it keeps the history)", "a tag or branch such as prod"
-            )
+        ref = movable_ref((body.ref if body and body.ref else None) or ctx.cfg.promote_ref)
         repo = _repo_of(rec.checkpoint_ref)
         if rec.status != "succeeded" or not rec.checkpoint_revision or repo is None:
             raise ApiError(
@@ -437,6 +450,7 @@ def make_router(ctx: Context) -> APIRouter:
 
     @r.post("/refs/{ref}/rollback", summary="move the ref back to the commit it pointed at before")
     def rollback(ref: str, who: Principal = operator) -> dict[str, Any]:
+        movable_ref(ref)
         repo = policy_repo(ctx)
         current = hub.current_commit(repo, ref)
         if current is None:

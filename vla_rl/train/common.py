@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fleet.dataset import ChunkDataset
+from vla_rl.core.secrets import shown_url
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.train.transitions import TransitionBuffer
 
@@ -170,7 +171,10 @@ class RunClock:
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
+    """A run's config as JSON types, as logged (TensorBoard's ``config`` text): a DB URL's password masked."""
     d = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    if isinstance(d.get("db_url"), str):
+        d["db_url"] = shown_url(d["db_url"])
     return json.loads(json.dumps(d, default=str))
 
 

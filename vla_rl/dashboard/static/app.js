@@ -37,8 +37,9 @@ async function loadSession() {
     $("session").textContent = `${ctx.session.name} (${ctx.session.role})`;
   } catch (e) {
     ctx.session = null;
-    $("session").textContent = "";
-    if (e instanceof ApiError && e.status === 401) return false;
+    const rejected = e instanceof ApiError && e.status === 401;
+    $("session").textContent = rejected ? "not signed in" : "";
+    if (rejected) return false;
     throw e;
   }
   ctx.schema = await schemaP;
@@ -89,16 +90,65 @@ function globalKeys() {
   });
 }
 
-/** `vla-rl dashboard` prints URL#token=... when it made a one-time token: keep it, drop it from the URL. */
-function tokenFromHash() {
+/**
+ * The token a link carries (`vla-rl dashboard` prints URL#token=... when it made a one-time token), taken
+ * out of the address bar at once; null when there is none.
+ */
+function takeHashToken() {
   const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
-  if (!m) return;
-  setToken(decodeURIComponent(m[1]));
+  if (!m) return null;
   history.replaceState(null, "", location.pathname + location.search);
+  try {
+    return decodeURIComponent(m[1]).trim() || null;
+  } catch {
+    return null;
+  }
+}
+
+/** Whose token this is ({name, role}), or null when the server rejects it (401). */
+async function whoIs(token) {
+  const res = await fetch("/api/v1/session", { headers: { Authorization: `Bearer ${token}` } });
+  if (res.status === 401) return null;
+  if (!res.ok) throw new ApiError(res.status, `${res.status} ${res.statusText}`, "/session");
+  return res.json();
+}
+
+const named = (who) => (who ? `${who.name} (${who.role})` : "a token this dashboard rejects");
+
+/**
+ * A link's token when another one is stored: never taken silently (the page would act as someone else
+ * while you think you are you). The dialog names both identities; resolves true when the user switched.
+ */
+async function confirmSwitch(linked) {
+  const [now, next] = await Promise.all([whoIs(getToken()).catch(() => null), whoIs(linked).catch(() => null)]);
+  const dlg = $("switch-dialog");
+  const use = $("switch-use");
+  use.hidden = next === null;
+  use.textContent = next ? `Switch to ${next.name}` : "Switch";
+  $("switch-keep").textContent = now ? `Stay ${now.name}` : "Keep the stored token";
+  $("switch-text").textContent = next
+    ? `This link signs you in as ${named(next)}. You are signed in as ${named(now)}. Switch identity?`
+    : `This link carries a token this dashboard rejects (401); you stay signed in as ${named(now)}.`;
+  dlg.returnValue = "";
+  dlg.showModal();
+  await new Promise((resolve) => dlg.addEventListener("close", resolve, { once: true }));
+  if (dlg.returnValue !== "switch" || next === null) return false;
+  setToken(linked);
+  return true;
+}
+
+/** A link's token: kept when none is stored (a first visit), else only once the user confirms. */
+async function followLink(linked) {
+  if (!linked || linked === getToken()) return;
+  if (await confirmSwitch(linked)) {
+    ctx.ready = loadSession().catch(() => false);
+    if (await ctx.ready) render();
+  }
 }
 
 async function main() {
-  tokenFromHash();
+  const linked = takeHashToken();
+  if (linked && !getToken()) setToken(linked);
   $("token-form").addEventListener("submit", async () => {
     setToken($("token-input").value);
     $("token-input").value = "";
@@ -110,11 +160,17 @@ async function main() {
   $("help-button").addEventListener("click", () => $("help-dialog").showModal());
   window.addEventListener("vla:unauthorized", () => askToken("Your token was rejected (401): enter a valid one."));
   globalKeys();
+  window.addEventListener("hashchange", () => followLink(takeHashToken()));
 
   // the session and the label schema load while the first page starts (pages await ctx.ready)
   ctx.ready = getToken() ? loadSession().catch(() => false) : Promise.resolve(false);
+  if (!getToken()) $("session").textContent = "not signed in"; // the header always says who you are
+  // another identity in the link: asked once the stored one's session is known (the header shows it)
+  ctx.ready.then(() => followLink(linked));
   ctx.ready.then((ok) => {
-    if (!ok) askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
+    if (!ok && !(linked && linked !== getToken())) {
+      askToken(getToken() ? "Your token was rejected (401): enter a valid one." : "The dashboard needs a token (ask the operator; it is kept in this browser only).");
+    }
   });
   // the health banner's first request waits until the first page is drawn and painted (0.5 s after
   // it, or 2 s after start): it is not on the path to its first rows, and its answer would otherwise
