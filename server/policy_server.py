@@ -206,7 +206,9 @@ class PolicyServer:
                     )
                     slot.last_load_error_detail = f"{stamp}: {e.message}"
                 log.error(
-                    "checkpoint refused; still serving the previous one",
+                    "checkpoint refused; still serving the previous one"
+                    if slot is not None
+                    else "checkpoint refused; nothing to serve",
                     extra={"model_id": model_id, "ref": ref, "error": e.message},
                 )
                 raise

@@ -71,6 +71,13 @@ def test_no_registry_and_offline_mode(env: pytest.MonkeyPatch, capsys: pytest.Ca
     _one_line_error(
         ["--hub", nobody, "eval", "--checkpoint", "hub://fleet/push@prod"], capsys, "no Hub registry"
     )
+    # the policy server too: one line naming the registry and how to start one (was a 20-line traceback)
+    _one_line_error(
+        ["--hub", nobody, "serve", "--checkpoint", "hub://fleet/push@v1", "--port", "0"],
+        capsys,
+        f"no Hub registry at {nobody}",
+        "vla-rl hub serve",
+    )
     env.setenv("HF_HUB_OFFLINE", "1")
     _one_line_error(
         ["--hub", nobody, "hub", "pull", "hub://fleet/push@prod"], capsys, "HF_HUB_OFFLINE=1 blocks"
@@ -145,3 +152,16 @@ def test_lerobot_import_and_export_mistakes(
         ["store", "export-lerobot", str(store), str(taken), "--repo-id", "fleet/x"], capsys, "already exists"
     )
     assert (taken / "keep.txt").read_text() == "mine"
+
+
+def test_serve_with_nothing_to_serve_is_one_line(
+    env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first checkpoint cannot be loaded: there is nothing to serve, so the command stops with one line
+    naming --checkpoint and why (it printed a traceback after "still serving the previous one")."""
+    missing = tmp_path / "no-such-checkpoint"
+    _one_line_error(
+        ["serve", "--checkpoint", str(missing), "--port", "0"],
+        capsys,
+        f"--checkpoint {missing}: no such folder",
+    )

@@ -39,13 +39,25 @@ def serve(config: ServerConfig) -> int:
     """Run the policy server of ``config`` in the foreground; the control token comes from
     ``--token-file`` or VLA_RL_SERVER_TOKEN (never a flag: ``ps`` shows command lines to everyone)."""
     from server.policy_server import serve as run
+    from vla_rl.core.rpc import RequestError
+    from vla_rl.hub.registry import check_hub, is_hub_ref
 
     if config.token_file is not None:
         token: str | None = _read_token_file(config.token_file)
     else:
         token = env_secret("VLA_RL_SERVER_TOKEN")
     check_port(config.host, config.port)
-    run(config, token=token or None)
+    if is_hub_ref(config.checkpoint):
+        check_hub()  # no registry: one line naming it and how to start one (hub_errors), before loading
+    elif not Path(config.checkpoint).is_dir():
+        raise CliError(
+            f"--checkpoint {config.checkpoint}: no such folder (give a checkpoint or LeRobot policy folder, "
+            "or hub://org/name@rev)"
+        )
+    try:
+        run(config, token=token or None)
+    except RequestError as e:  # the first checkpoint could not be loaded: there is nothing to serve
+        raise CliError(f"--checkpoint {config.checkpoint}: {e.message}") from None
     return 0
 
 
