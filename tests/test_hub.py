@@ -245,6 +245,45 @@ def test_client_errors_map_to_hub_exceptions(hub: HubServer, api: Any, tmp_path:
 
 
 # ----- the registry ----------------------------------------------------------------------------------------
+def test_a_promoted_tag_is_never_missing_for_a_follower(hub: HubServer, tmp_path: Path, api: Any) -> None:
+    """On our registry a tag moves in one write (``"move": true`` on the tag route, our extension): a follower
+    polling the refs while ``prod`` flips between two commits always finds it (a delete + create left a
+    moment without it); a plain tag request on an existing tag is still refused (409), as the Hub does."""
+    repo, kw = "robots/flip", {"endpoint": hub.url, "token": TOKEN}
+    commits = []
+    for k in range(2):
+        _write_checkpoint(tmp_path / f"f{k}", os.urandom(1024), {"round": k})
+        commits.append(push_folder(tmp_path / f"f{k}", repo, message=f"f{k}", **kw))
+    move_ref(repo, "prod", commits[0], **kw)
+    seen, done = [], threading.Event()
+
+    def follower() -> None:
+        while not done.is_set():
+            seen.append({t.name: t.target_commit for t in api.list_repo_refs(repo).tags}.get("prod"))
+
+    t = threading.Thread(target=follower)
+    t.start()
+    try:
+        for i in range(20):
+            assert move_ref(repo, "prod", commits[(i + 1) % 2], **kw) == commits[(i + 1) % 2]
+    finally:
+        done.set()
+        t.join(30)
+    assert len(seen) > 5 and None not in seen and set(seen) <= set(commits)
+    status, _, _ = _raw(
+        hub, "POST", f"/api/models/{repo}/tag/{commits[0]}", body=b'{"tag": "prod"}', headers=_auth()
+    )
+    assert status == 409
+    status, _, _ = _raw(
+        hub,
+        "POST",
+        f"/api/models/{repo}/tag/{commits[0]}",
+        body=b'{"tag": "prod", "move": "yes"}',
+        headers=_auth(),
+    )
+    assert status == 400
+
+
 def test_concurrent_promotions_of_one_ref_all_succeed(hub: HubServer, tmp_path: Path) -> None:
     """Two round workers promoting at once: a move is delete + create, so one's delete or create meets the
     other's (404 / 409). Each mover looks again and moves again: no promotion fails, the ref ends at one

@@ -407,6 +407,24 @@ def _point_ref(api: Any, repo_id: str, name: str, sha: str, kind: str | None, at
             time.sleep(0.05 * (attempt + 1))
 
 
+def _move_tag(api: Any, repo_id: str, tag: str, sha: str) -> bool:
+    """Move ``tag`` to ``sha`` in one request where the registry can (our embedded one: ``"move": true``,
+    never missing for a follower); False where it cannot (the Hub answers 409: the tag exists), and the
+    caller deletes and creates."""
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    url = f"{api.endpoint}/api/models/{repo_id}/tag/{sha}"
+    response = get_session().post(url, headers=api._build_hf_headers(), json={"tag": tag, "move": True})
+    try:
+        hf_raise_for_status(response)
+    except HfHubHTTPError as e:
+        if e.response is not None and e.response.status_code in (400, 409):
+            return False
+        raise
+    return True
+
+
 def _point_ref_once(api: Any, repo_id: str, name: str, sha: str, kind: str | None) -> None:
     refs = api.list_repo_refs(repo_id)
     tags = {r.name: r.target_commit for r in refs.tags}
@@ -422,6 +440,8 @@ def _point_ref_once(api: Any, repo_id: str, name: str, sha: str, kind: str | Non
     if same.get(name) == sha:
         return
     if kind == "tag":
+        if name in same and _move_tag(api, repo_id, name, sha):
+            return
         if name in same:
             api.delete_tag(repo_id, tag=name)
         api.create_tag(repo_id, tag=name, revision=sha)

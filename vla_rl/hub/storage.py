@@ -712,7 +712,9 @@ class HubStorage:
                 raise
             return commit
 
-    def create_tag(self, repo_id: str, tag: str, revision: str) -> str:
+    def create_tag(self, repo_id: str, tag: str, revision: str, move: bool = False) -> str:
+        """Tag ``revision``. ``move``: an existing tag is moved there instead of refused (409), in one
+        write under the repo's lock, so it is never missing for a reader (our extension of the Hub API)."""
         try:
             validate_ref_name(tag, "tag")
         except ValueError as e:
@@ -720,7 +722,7 @@ class HubStorage:
         with self._lock(repo_id) as d:
             sha = self.resolve(repo_id, revision)
             refs = self._read_refs(d)
-            if tag in refs.tags:
+            if tag in refs.tags and not move:
                 raise Conflict(f"Tag {tag!r} already exists (at {refs.tags[tag]})")
             if tag in refs.branches:
                 raise Conflict(f"{tag!r} is already a branch name; tags and branches must not share a name")

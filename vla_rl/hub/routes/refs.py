@@ -39,7 +39,10 @@ async def create_tag(request: Request, hub: HubDep, repo_id: WritableRepo, rev: 
     tag = body.get("tag") if isinstance(body, dict) else None
     if not isinstance(tag, str):
         raise BadRequest("expected {'tag': <name>}")
-    sha = await run_in_threadpool(hub.storage.create_tag, repo_id, tag, rev)
+    move = body.get("move", False)  # our extension: move an existing tag atomically (promotion)
+    if not isinstance(move, bool):
+        raise BadRequest("move: expected true or false")
+    sha = await run_in_threadpool(hub.storage.create_tag, repo_id, tag, rev, move)
     log.info("tag", extra={"repo": repo_id, "tag": tag, "commit": sha})
     return _ref_json("tags", tag, sha)
 
