@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
 
 import pytest
 import torch
@@ -91,7 +88,8 @@ def _offline() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(socket.socket, "connect", connect)
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
+        mp.setenv("HF_HUB_OFFLINE", "1")  # this module's tests only: never at import (collection runs it
+        yield  # in every test process, and the rest of the suite talks to a local registry)
     assert not attempts, f"tried to reach {attempts}"
 
 
