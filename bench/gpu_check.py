@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from vla_rl_client.policy_client import PolicyClient
-from vla_rl_client.spec import CameraSpec
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench import inference
 from bench.common import table, write_results
@@ -323,6 +323,8 @@ def random_rows(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
 def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> None:
     """One PPO iteration's update (_update: epochs x minibatches) on sampled chunks with made-up
     advantages, as train_ppo runs it after a rollout; device vs CPU."""
+    from policies.flow_policy import FlowVLAFlowPolicy
+    from policies.flow_rl import FlowVLAStochastic
     from policies.flow_vla import SDESchedule
     from vla_rl.train.ppo import PPOConfig, _actor_params, _update
     from vla_rl.train.ppo_math import score_chain, stored_chain
@@ -342,9 +344,11 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
                 critic_warmup_iterations=0,
             )
             policy = realistic_policy(dev).eval()
-            value_fn = ValueFn(cfg, policy)
+            spec = RobotSpec("bench", 29, 4, 10.0, "x", cameras=(CameraSpec("base_camera", 64, 64),))
             emb = torch.randn(1, 384, device=dev)  # the task's (MiniLM) instruction embedding
-            sampler = Sampler(cfg, policy, value_fn, emb)
+            rl = FlowVLAStochastic(FlowVLAFlowPolicy(policy, spec), "x", embedding=emb)
+            value_fn = ValueFn(cfg, rl)
+            sampler = Sampler(cfg, rl, value_fn)
             (chunks, _), sample_s = timed(dev, lambda: sampler.act(rows))  # noqa: B023
             # the stored chains re-scored on the device must give the recorded log-probs (ratio 1)
             with torch.no_grad():
@@ -356,19 +360,17 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
                     SDESchedule("flow_sde", cfg.noise_level) if method == "sde" else None,
                     policy.config.n_exec,
                 )
-                logp, _ = score_chain(
-                    policy, policy.encode_prefix(stack_obs([c.obs for c in few], emb)), chain
-                )
+                logp, _ = score_chain(rl, rl.encode_prefix(stack_obs([c.obs for c in few])), chain)
                 recorded = torch.tensor([c.logp for c in few])
                 rescore_diff = float((logp[:, 0].cpu() - recorded).abs().max())
             adv = np.random.default_rng(1).normal(size=chunks_n)
             ret = adv + np.array([c.value for c in chunks])
-            actor_opt = torch.optim.AdamW(_actor_params(policy, cfg.train_scope), lr=cfg.actor_lr)
+            actor_opt = torch.optim.AdamW(_actor_params(rl, cfg.train_scope), lr=cfg.actor_lr)
             critic_opt = torch.optim.AdamW(value_fn.net.parameters(), lr=cfg.critic_lr)
             before = flat_params(policy)
             stats, update_s = timed(
                 dev,
-                lambda: _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, emb, 0),  # noqa: B023
+                lambda: _update(cfg, rl, value_fn, chunks, adv, ret, actor_opt, critic_opt, 0),  # noqa: B023
             )
             moved = float((flat_params(policy) - before).abs().max())
             row = {

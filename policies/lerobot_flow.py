@@ -45,7 +45,7 @@ from policies.flow_policy import (
     masked_mean_per_sample,
 )
 from policies.flow_vla import FlowSample, to_openpi_time, velocity_from_openpi
-from policies.flow_vla.sampling import initial_noise
+from policies.flow_vla.sampling import check_num_steps, initial_noise
 from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
 from policies.lerobot_local import copy_local_resources
 from vla_rl.hub.checkpoint import Lineage
@@ -168,6 +168,12 @@ class LeRobotFlowPolicy(nn.Module):
     def num_inference_steps(self) -> int:
         cfg = self.policy.config
         return int(cfg.num_steps if self._smol else cfg.num_inference_steps)
+
+    def set_num_inference_steps(self, k: int) -> None:
+        """Set K in the policy's own config (SmolVLA ``num_steps``, π0 ``num_inference_steps``), so a saved
+        folder samples with the grid it was fine-tuned on (RL) in LeRobot's code as in ours."""
+        check_num_steps(k)
+        setattr(self.policy.config, "num_steps" if self._smol else "num_inference_steps", k)
 
     @property
     def device(self) -> torch.device:

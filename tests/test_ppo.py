@@ -13,6 +13,8 @@ import torch
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from vla_rl_client.spec import RobotSpec
 
+from policies.flow_policy import FlowVLAFlowPolicy
+from policies.flow_rl import FlowVLAStochastic
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import load_policy
 from sim.registry import resolve_task
@@ -50,6 +52,14 @@ def tiny_policy(state_dim: int = 3, action_dim: int = 2, seed: int = 0, **kw: An
     )
     cfg.update(kw)
     return FlowVLAPolicy(FlowVLAConfig(**cfg)).eval()
+
+
+def as_rl(policy: FlowVLAPolicy) -> FlowVLAStochastic:
+    """The policy as PPO holds it: behind the flow contract, with noise-injected chains."""
+    c = policy.config
+    return FlowVLAStochastic(
+        FlowVLAFlowPolicy(policy, RobotSpec("toy", c.state_dim, c.action_dim, 10.0, "x")), "x"
+    )
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -182,7 +192,8 @@ def test_stored_chain_rescores_to_the_recorded_log_prob(method: str) -> None:
     cfg = PPOConfig(
         base="unused", out=Path("unused"), method=method, num_steps=4, seed=3, sde_steps=sde_steps
     )
-    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    rl = as_rl(policy)
+    sampler = Sampler(cfg, rl, ValueFn(cfg, rl))
     rng = np.random.default_rng(0)
     rows = [{"state": rng.normal(size=3).astype(np.float32), "cameras": {}} for _ in range(5)]
     chunks = []
@@ -200,7 +211,7 @@ def test_stored_chain_rescores_to_the_recorded_log_prob(method: str) -> None:
     schedule = SDESchedule("flow_sde", 0.5) if method == "sde" else None
     chain = stored_chain(iterates, stochastic, method, schedule, policy.config.n_exec)
     prefix = policy.encode_prefix({"state": np.stack([r["state"] for _ in range(3) for r in rows])})
-    logp, entropy = score_chain(policy, prefix, chain)
+    logp, entropy = score_chain(rl, prefix, chain)
     recorded = torch.tensor([c.logp for c in chunks])
     torch.testing.assert_close(logp[:, 0], recorded, atol=RECOMPUTED_ATOL, rtol=RECOMPUTED_RTOL)
     torch.testing.assert_close(policy.chain_log_prob(prefix, chain), logp.detach())
@@ -233,7 +244,8 @@ def test_ppo_updates_climb_a_reward_on_the_executed_actions(method: str) -> None
     cfg = PPOConfig(
         base="unused", out=Path("unused"), method=method, num_steps=4, seed=0, sde_steps=sde_steps
     )
-    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    rl = as_rl(policy)
+    sampler = Sampler(cfg, rl, ValueFn(cfg, rl))
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=(0.9, 0.95))
     schedule = SDESchedule("flow_sde", cfg.noise_level) if method == "sde" else None
     rng = np.random.default_rng(0)
@@ -259,7 +271,7 @@ def test_ppo_updates_climb_a_reward_on_the_executed_actions(method: str) -> None
         old = torch.tensor([c.logp for c in chunks])
         for _epoch in range(2):
             prefix = policy.encode_prefix({"state": np.stack([c.obs["state"] for c in chunks])})
-            logp, _ = score_chain(policy, prefix, chain)
+            logp, _ = score_chain(rl, prefix, chain)
             loss, _ = ppo_policy_loss(logp[:, 0], old, adv)
             opt.zero_grad()
             loss.backward()
@@ -317,9 +329,10 @@ class ScriptedEnv:
 def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
     policy = tiny_policy()
     cfg = PPOConfig(base="unused", out=Path("unused"), reward=reward, seed=1)
-    value_fn = ValueFn(cfg, policy)
+    rl = as_rl(policy)
+    value_fn = ValueFn(cfg, rl)
     torch.nn.init.normal_(value_fn.net.net[-1].weight)  # a non-trivial critic so values are distinguishable
-    sampler = Sampler(cfg, policy, value_fn, None)
+    sampler = Sampler(cfg, rl, value_fn)
     env = ScriptedEnv()
     rollout = Rollout(cfg, env, sampler)
     assert rollout.collect(6) == 12
@@ -365,7 +378,8 @@ def test_rollout_cuts_chunks_bootstraps_and_carries_over(reward: str) -> None:
 def test_grpo_groups_replay_initial_states_and_standardise_success() -> None:
     policy = tiny_policy()
     cfg = PPOConfig(base="unused", out=Path("unused"), advantage="grpo", group_size=3, seed=2)
-    sampler = Sampler(cfg, policy, ValueFn(cfg, policy), None)
+    rl = as_rl(policy)
+    sampler = Sampler(cfg, rl, ValueFn(cfg, rl))
     env = ScriptedEnv(robot1_wins_after_reset={0, 2})  # robot 1 wins in rounds 0 and 2, loses round 1
     chunks, adv, episodes, steps = collect_groups(cfg, env, sampler, seed=77)
     assert env.resets == [77, 77, 77]  # every round starts from the same initial states

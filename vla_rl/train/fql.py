@@ -50,7 +50,13 @@ from policies.critics import ChunkQEnsemble, polyak_update
 from policies.flow_vla import FlowVLAPolicy
 from policies.loading import load_policy, pick_device
 from vla_rl.train.base import TrainerConfig, TrainResult
-from vla_rl.train.common import RunClock, batch_to_policy_inputs, sample_indices, save_derived_checkpoint
+from vla_rl.train.common import (
+    RunClock,
+    batch_to_policy_inputs,
+    load_flowvla_base,
+    sample_indices,
+    save_derived_checkpoint,
+)
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step, time_budget
 from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
@@ -187,6 +193,14 @@ class FQLConfig(TrainerConfig):
             raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
 
 
+FQL_LEROBOT_GAP = (
+    "its one-step policy is a whole copy of the base deployed with FlowVLA's num_inference_steps = 1 and "
+    "its critic reads FlowVLA's normaliser and trunk tokens: distilling a LeRobot VLA's flow into one step "
+    "would fit (K = 1 is a config field there too), its copies and critic are not built"
+)
+"""Why FQL refuses a LeRobot base (:func:`vla_rl.train.common.load_flowvla_base`; docs/training.md)."""
+
+
 # ============================================================================ the learner
 class FQLLearner(ChunkCriticInputs, nn.Module):
     """Behaviour flow (base), the one-step policy, the critic ensemble and its target."""
@@ -284,7 +298,7 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
     device = pick_device(cfg.device)
     torch.set_num_threads(SINGLE.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    loaded = load_policy(cfg.base, device=str(device))
+    loaded = load_flowvla_base(cfg.base, algorithm="fql", why=FQL_LEROBOT_GAP, device=device)
     spec = loaded.spec
     task = cfg.task or spec.name
     if task != spec.name:

@@ -55,15 +55,20 @@ import logging
 import math
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from vla_rl_client.spec import RobotSpec
 
+from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
+from policies.flow_rl import LeRobotStochastic, StochasticFlowPolicy, stochastic_policy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.common import RunClock, save_derived_checkpoint
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.loop import IterationLoop, Optimiser, TrainLog, gradient_step
@@ -101,14 +106,65 @@ def _prepare_policy(cfg: PPOConfig, base: LoadedPolicy, device: torch.device) ->
     return policy.eval()  # no dropout or augmentation anywhere: rollouts and updates see the same function
 
 
-def _actor_params(policy: FlowVLAPolicy, scope: str) -> list[nn.Parameter]:
-    params = []
-    for name, p in policy.named_parameters():
-        train = scope == "all" or name.startswith(("expert.", "noise_head."))
-        p.requires_grad_(train)
-        if train:
-            params.append(p)
-    return params
+@dataclass
+class _Base:
+    """Where a run starts: the noise-injecting policy, the commit lineage names as its parent, the robot
+    spec and task, and (our checkpoint) the info a derived checkpoint copies; None for a LeRobot folder."""
+
+    policy: StochasticFlowPolicy
+    commit: str
+    spec: RobotSpec
+    task: str
+    loaded: LoadedPolicy | None
+
+
+def _load_base(cfg: PPOConfig, device: torch.device) -> _Base:
+    """Our checkpoint (rebuilt with the RL-time K and noise bounds) or a LeRobot SmolVLA / π0 / π0.5 folder
+    (K written into its config; a non-flow LeRobot type is refused naming it)."""
+    from policies.lerobot_adapter import is_lerobot_folder
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(str(cfg.base))
+    if not is_lerobot_folder(ckpt.path):
+        base = load_policy(cfg.base, device=str(device))
+        flow = FlowVLAFlowPolicy(_prepare_policy(cfg, base, device), base.spec, base.info)
+        rl = stochastic_policy(flow, base.spec.instruction)
+        return _Base(rl, base.commit, base.spec, cfg.task or base.spec.name, base)
+    from policies.lerobot_flow import LeRobotFlowPolicy
+    from sim.registry import resolve_task
+
+    if cfg.task is None:
+        raise ValueError("task: a LeRobot policy folder names no task; give the simulated task to train in")
+    task = resolve_task(cfg.task)
+    lerobot = LeRobotFlowPolicy.load(ckpt.path, algorithm=cfg.algorithm, device=device)
+    lerobot.set_num_inference_steps(cfg.num_steps)
+    rl = stochastic_policy(lerobot, task.instruction, std_range=cfg.noise_std_range)
+    return _Base(rl, ckpt.commit, lerobot.spec, task.name, None)
+
+
+@dataclass
+class _ChunkView:
+    """A flow policy as evaluation's ``ChunkPolicy``: seeded initial noise, env-unit chunks."""
+
+    policy: FlowPolicy
+    spec: RobotSpec
+
+    @property
+    def chunk_len(self) -> int:
+        return self.policy.chunk_len
+
+    @torch.no_grad()
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
+        obs = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
+        return self.policy.predict_action_chunk(obs, generator=gen).float().cpu().numpy()
+
+
+def _actor_params(policy: StochasticFlowPolicy, scope: str) -> list[nn.Parameter]:
+    """What the actor's optimiser trains; ``"auto"``: all of our FlowVLA, a LeRobot VLA's expert."""
+    if scope == "auto":
+        scope = "expert" if isinstance(policy, LeRobotStochastic) else "all"
+    return policy.actor_parameters(scope)  # type: ignore[arg-type]
 
 
 def _flatten(done: list[list[Chunk]], cfg: PPOConfig) -> tuple[list[Chunk], np.ndarray, np.ndarray]:
@@ -149,15 +205,9 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    base = load_policy(cfg.base, device=str(device))
-    task = cfg.task or base.spec.name
-    policy = _prepare_policy(cfg, base, device)
+    base = _load_base(cfg, device)
+    policy, task, spec = base.policy, base.task, base.spec
     value_fn = ValueFn(cfg, policy)
-    emb = None
-    if policy.config.uses_instruction:  # one task, one instruction: embed it once
-        from policies.flow_vla import embed_instructions
-
-        emb = embed_instructions([base.spec.instruction]).to(device)
     actor_params = _actor_params(policy, cfg.train_scope)
     critic_params = list(value_fn.net.parameters())
     betas = (0.9, 0.95)
@@ -168,7 +218,6 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     tlog = TrainLog(cfg, SINGLE, purge_step=None, config_step=0, finite_only=True)
-    spec = base.spec
     env = VectorSimEnv(
         task,
         num_envs=cfg.num_envs,
@@ -193,10 +242,10 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             "K": cfg.num_steps,
             "num_envs": cfg.num_envs,
             "env_steps": cfg.env_steps,
-            "params": policy.num_parameters(),
+            "params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         },
     )
-    sampler = Sampler(cfg, policy, value_fn, emb)
+    sampler = Sampler(cfg, policy, value_fn)
     rollout = Rollout(cfg, env, sampler) if cfg.advantage == "gae" else None
     episodes_total = 0
 
@@ -217,7 +266,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
         loop.collected(taken)
         episodes_total += len(episodes)
         lr_used = actor_opt.param_groups[0]["lr"]
-        stats = _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, emb, loop.iteration)
+        stats = _update(cfg, policy, value_fn, chunks, adv, ret, actor_opt, critic_opt, loop.iteration)
         if cfg.adaptive_kl is not None:
             lr_next = adapt_lr(lr_used, stats["approx_kl"], cfg.adaptive_kl, cfg.adaptive_lr_bounds)
             for g in actor_opt.param_groups:
@@ -243,7 +292,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
         postfix=lambda row: {"succ": f"{row['rollout_success']:.0%}", "kl": f"{row['approx_kl']:.4f}"},
         checkpoint_every=cfg.checkpoint_every,
         on_checkpoint=lambda i: _save(
-            cfg, policy, base, cfg.out / "checkpoints" / f"iter_{i:04d}", loop.env_steps, tlog.curve, {}
+            cfg, base, cfg.out / "checkpoints" / f"iter_{i:04d}", loop.env_steps, tlog.curve, {}
         ),
     )
     tlog.progress(cfg.env_steps, stage="online", desc=f"ppo {cfg.algorithm}", unit="env step")
@@ -266,9 +315,8 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     if cfg.final_eval_episodes:
         from vla_rl.evaluation import evaluate
 
-        lp = LoadedPolicy(policy=policy, info=base.info, path=cfg.out, commit="unsaved", ref=str(cfg.out))
         ev = evaluate(
-            lp,
+            _eval_view(base, cfg),
             task,
             episodes=cfg.final_eval_episodes,
             num_envs=cfg.num_envs,
@@ -277,7 +325,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             ray=cfg.ray,
         )
         metrics.update(eval_success=ev.success_rate, eval_episodes=ev.episodes, eval_seed=cfg.final_eval_seed)
-    ckpt = _save(cfg, policy, base, cfg.out / "checkpoints" / "last", env_steps, curve, metrics)
+    ckpt = _save(cfg, base, cfg.out / "checkpoints" / "last", env_steps, curve, metrics)
     torch.save(value_fn.net.state_dict(), cfg.out / "critic.pt")
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
     seconds = clock.seconds
@@ -297,34 +345,54 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     )
 
 
+def _eval_view(base: _Base, cfg: PPOConfig) -> Any:
+    """The fine-tuned policy as the evaluator runs it (our checkpoint's own loaded view, or a LeRobot VLA's)."""
+    if base.loaded is not None:
+        model = base.policy.policy.model  # type: ignore[attr-defined]
+        return LoadedPolicy(
+            policy=model, info=base.loaded.info, path=cfg.out, commit="unsaved", ref=str(cfg.out)
+        )
+    return _ChunkView(base.policy.policy, base.spec)
+
+
 def _save(
     cfg: PPOConfig,
-    policy: FlowVLAPolicy,
-    base: LoadedPolicy,
+    base: _Base,
     path: Path,
     env_steps: int,
     curve: list[dict[str, float]],
     metrics: Mapping[str, Any],
 ) -> Path:
+    """Our derived checkpoint, or a LeRobot policy folder (its ``config.json`` says the RL-time K) with our
+    lineage beside it and the Flow-Noise head (:data:`policies.flow_rl.NOISE_HEAD_FILE`)."""
     if path.exists():
         shutil.rmtree(path)
+    data = {
+        "base_ref": cfg.base,
+        "task": base.task,
+        "env_steps": env_steps,
+        "method": cfg.method,
+        "num_steps": cfg.num_steps,
+        "reward": cfg.reward,
+        "num_envs": cfg.num_envs,
+        "seed": cfg.seed,
+    }
+    metrics = {**metrics, "env_steps": env_steps, "iterations": len(curve)}
+    rl = base.policy
+    if base.loaded is None:
+        assert isinstance(rl, LeRobotStochastic)
+        lineage = Lineage(cfg.algorithm, parent_revision=base.commit, round=cfg.round_index, data=data)
+        rl.policy.save(path, lineage=lineage, metrics=metrics)
+        rl.save_noise_head(path)
+        return path
     save_derived_checkpoint(
         path,
-        policy,
-        base.info,
+        rl.policy.model,  # type: ignore[attr-defined]
+        base.loaded.info,
         algorithm=cfg.algorithm,
         parent_revision=base.commit,
-        data={
-            "base_ref": cfg.base,
-            "task": cfg.task or base.spec.name,
-            "env_steps": env_steps,
-            "method": cfg.method,
-            "num_steps": cfg.num_steps,
-            "reward": cfg.reward,
-            "num_envs": cfg.num_envs,
-            "seed": cfg.seed,
-        },
-        metrics={**metrics, "env_steps": env_steps, "iterations": len(curve)},
+        data=data,
+        metrics=metrics,
         round_index=cfg.round_index,
     )
     return path
@@ -332,14 +400,13 @@ def _save(
 
 def _update(
     cfg: PPOConfig,
-    policy: FlowVLAPolicy,
+    policy: StochasticFlowPolicy,
     value_fn: ValueFn,
     chunks: list[Chunk],
     adv: np.ndarray,
     ret: np.ndarray,
     actor_opt: torch.optim.Optimizer,
     critic_opt: torch.optim.Optimizer,
-    emb: Tensor | None,
     iteration: int,
 ) -> dict[str, float]:
     """PPO epochs over minibatches of this iteration's chunks; returns averaged diagnostics."""
@@ -378,15 +445,13 @@ def _update(
         for start in range(0, m, cfg.minibatch_size):
             mb = perm[start : start + cfg.minibatch_size]
             mb_t = torch.as_tensor(mb, device=device)
-            obs = stack_obs([chunks[i].obs for i in mb], emb)
+            obs = stack_obs([chunks[i].obs for i in mb])
             stats: dict[str, Tensor] = {}
             prefix = None
             loss = torch.zeros((), device=device)
             if train_actor:
                 prefix = policy.encode_prefix(obs)
-                chain = stored_chain(
-                    iterates[mb_t], stochastic[mb_t], cfg.method, schedule, policy.config.n_exec
-                )
+                chain = stored_chain(iterates[mb_t], stochastic[mb_t], cfg.method, schedule, policy.n_exec)
                 logp, entropy = score_chain(policy, prefix, chain)
                 pl, stats = ppo_policy_loss(
                     logp[:, 0] / norm, logp_old[mb_t] / norm, advantages[mb_t], cfg.clip, cfg.dual_clip
@@ -397,7 +462,7 @@ def _update(
                     loss = loss - cfg.entropy_coef * entropy
                     stats["entropy"] = entropy.detach()
             if not grpo:  # GRPO has no critic
-                if cfg.critic == "prefix" and (prefix is None or not cfg.critic_detach):
+                if value_fn.kind == "prefix" and (prefix is None or not cfg.critic_detach):
                     prefix = policy.encode_prefix(obs)
                 v = value_fn(obs, prefix)
                 vl = value_loss(v, v_old[mb_t], returns[mb_t], cfg.value_clip)
@@ -422,9 +487,7 @@ def _update(
     out["explained_var"] = (
         1.0 - float((returns - v_old).var()) / var if m > 1 and var > 0 and not grpo else nan
     )
-    out["noise_std"] = (
-        _mean_noise_std(policy, chunks[: cfg.minibatch_size], emb) if cfg.method == "noise" else nan
-    )
+    out["noise_std"] = _mean_noise_std(policy, chunks[: cfg.minibatch_size]) if cfg.method == "noise" else nan
     out["epochs_run"] = float(_epoch + 1)
     return out
 
@@ -434,10 +497,10 @@ def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
 
 
 @torch.no_grad()
-def _mean_noise_std(policy: FlowVLAPolicy, chunks: list[Chunk], emb: Tensor | None) -> float:
-    """Mean learned std over the executed actions of a few stored chains (is exploration collapsing?)."""
-    prefix = policy.encode_prefix(stack_obs([c.obs for c in chunks], emb))
+def _mean_noise_std(policy: StochasticFlowPolicy, chunks: list[Chunk]) -> float:
+    """Mean learned std over the executed actions' robot dims of a few stored chains (is exploration
+    collapsing?)."""
+    prefix = policy.encode_prefix(stack_obs([c.obs for c in chunks]))
     x = torch.as_tensor(np.stack([c.iterates[0] for c in chunks]), device=policy.device)
-    _, hidden = policy.velocity(prefix, x, 0.0, return_hidden=True)
-    std = policy.noise_std(hidden)[:, : policy.config.n_exec]
-    return float(std.mean())
+    _, std = policy.velocity_and_std(prefix, x, 0.0)
+    return float(std[:, : policy.n_exec, : policy.action_dim].mean())

@@ -15,10 +15,10 @@ from vla_rl.train.base import TrainerConfig, TrainResult, check_optional_positiv
 # Option sets: the Literal is the one spelling (tyro shows its choices); the tuple is derived from it.
 Method = Literal["noise", "sde"]
 Reward = Literal["sparse", "dense"]
-CriticInput = Literal["state", "prefix"]
+CriticInput = Literal["auto", "state", "prefix"]
 Discount = Literal["chunk", "step"]
 LogprobReduction = Literal["sum", "mean"]
-TrainScope = Literal["all", "expert"]
+TrainScope = Literal["auto", "all", "expert"]
 Advantage = Literal["gae", "grpo"]
 SdeSteps = Literal["one", "all"]
 METHODS, REWARDS, CRITICS, DISCOUNTS = (
@@ -40,9 +40,11 @@ class PPOConfig(TrainerConfig):
     needs_store: ClassVar[bool] = False
 
     base: str = field()  # type: ignore[assignment]
-    """Checkpoint to start from: ``hub://org/name@rev`` or a local folder (a flow_vla SFT checkpoint)."""
+    """Checkpoint to start from: ``hub://org/name@rev`` or a local folder: a flow_vla SFT checkpoint or a
+    LeRobot SmolVLA / π0 / π0.5 policy folder (docs/training.md, PPO on a LeRobot VLA)."""
     task: str | None = None
-    """Simulated task to train in; None = the base checkpoint's robot spec name."""
+    """Simulated task to train in; None = the base checkpoint's robot spec name (a LeRobot folder names no
+    task: give one)."""
 
     # ------------------------------------------------------------ noise injection
     method: Method = "noise"
@@ -135,13 +137,15 @@ class PPOConfig(TrainerConfig):
     """(min, max) actor learning rate under ``adaptive_kl``."""
     critic_warmup_iterations: int = 2
     """Iterations that train only the critic (a fresh critic's advantages are noise)."""
-    train_scope: TrainScope = "all"
-    """'all' policy weights, or 'expert': only the action expert and noise head (RLinf freezes the VLM)."""
+    train_scope: TrainScope = "auto"
+    """'all' policy weights, or 'expert': only the action expert (with its projections) and the noise head
+    (RLinf freezes the VLM). 'auto': 'all' for our FlowVLA, 'expert' for a LeRobot VLA (VLM frozen)."""
 
     # ------------------------------------------------------------ critic
-    critic: CriticInput = "state"
-    """'state': MLP on the normalised state (state-only models); 'prefix': MLP on the pooled prefix
-    tokens (π0.5-style; sees the cameras)."""
+    critic: CriticInput = "auto"
+    """'state': MLP on the normalised state (state-only models); 'prefix': MLP on the policy's prefix
+    features (π0.5-style, RLinf's value head after the VLM prefix; sees the cameras). 'auto': 'state' for
+    our FlowVLA, 'prefix' for a LeRobot VLA (whose state normaliser lives in its pre-processor)."""
     critic_hidden: tuple[int, ...] = (256, 256)
     critic_detach: bool = True
     """'prefix' critic: stop value gradients into the trunk (RLinf ``detach_critic_input``)."""

@@ -11,8 +11,9 @@ import math
 import numpy as np
 import torch
 
-from policies.flow_vla import DenoisingChain, FlowVLAPolicy, PrefixCache, SDESchedule
-from policies.flow_vla.sampling import chain_log_prob, noise_kernel
+from policies.flow_policy import Prefix
+from policies.flow_rl import StochasticFlowPolicy
+from policies.flow_vla import DenoisingChain, SDESchedule
 
 Tensor = torch.Tensor
 ArrayLike = np.ndarray | float
@@ -145,44 +146,28 @@ def chunk_discounts(steps: np.ndarray, gamma: float, discount: str) -> np.ndarra
 
 # ============================================================================ chain scoring
 def score_chain(
-    policy: FlowVLAPolicy, prefix: PrefixCache, chain: DenoisingChain
+    policy: StochasticFlowPolicy, prefix: Prefix, chain: DenoisingChain
 ) -> tuple[Tensor, Tensor | None]:
     """``(log-prob [B, N], mean Gaussian entropy per element or None)`` of stored chains under the
-    current parameters. Flow-Noise runs the same kernel as :meth:`FlowVLAPolicy.chain_log_prob` while
-    keeping the learned stds for the entropy bonus; Flow-SDE's std is fixed, so it has no entropy term."""
+    current parameters (:meth:`StochasticFlowPolicy.chain_log_prob`). Flow-Noise also keeps the learned
+    stds for the entropy bonus, averaged over the log-prob's elements (executed steps, robot dims);
+    Flow-SDE's std is fixed, so it has no entropy term."""
     if chain.method != "noise":
         return policy.chain_log_prob(prefix, chain), None
     stds: list[Tensor] = []
-
-    def velocity_and_std(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        v, hidden = policy.velocity(prefix, x, t, return_hidden=True)
-        std = policy.noise_std(hidden)
-        stds.append(std)
-        return v, std
-
-    b, n, kp1 = chain.iterates.shape[:3]
-    iterates = chain.iterates.reshape(b * n, kp1, *chain.iterates.shape[3:])
+    lp = policy.chain_log_prob(prefix, chain, stds=stds)
+    std = stds[0]  # [B * N * K, H, D], every step stochastic in Flow-Noise
     mask = policy.logprob_mask()
-    lp = chain_log_prob(
-        noise_kernel(velocity_and_std),
-        iterates,
-        stochastic_steps=chain.stochastic
-        if chain.stochastic.ndim == 1
-        else chain.stochastic.reshape(b * n, -1),
-        logprob_mask=mask,
-        include_initial=chain.include_initial,
-    )
-    std = stds[0]  # [B * N * K, H, A], every step stochastic in Flow-Noise
     ent = (0.5 * math.log(2 * math.pi * math.e) + torch.log(std)) * mask
     entropy = ent.sum() / (mask.sum() * std.shape[0])
-    return lp.reshape(b, n), entropy
+    return lp, entropy
 
 
 def stored_chain(
     iterates: Tensor, stochastic: Tensor, method: str, schedule: SDESchedule | None, n_exec: int
 ) -> DenoisingChain:
     """Rebuild the chain object of B stored transitions (``iterates [B, K + 1, H, A]``, ``stochastic
-    [B, K]``) as one sample per observation, exactly as :meth:`FlowVLAPolicy.sample` scored it."""
+    [B, K]``) as one sample per observation, exactly as :meth:`StochasticFlowPolicy.sample` scored it."""
     return DenoisingChain(
         iterates=iterates[:, None],
         method=method,  # type: ignore[arg-type]

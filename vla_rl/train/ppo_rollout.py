@@ -16,14 +16,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from policies.flow_vla import FlowVLAPolicy, PrefixCache, SDESchedule
+from policies.flow_policy import Prefix
+from policies.flow_rl import FlowVLAStochastic, StochasticFlowPolicy
+from policies.flow_vla import SDESchedule
 from sim.rollout import ChunkRecord, ChunkRollout
 from vla_rl.train.ppo_config import PPOConfig
 from vla_rl.train.ppo_math import chunk_discounts, group_advantages
 
 Tensor = torch.Tensor
 
-__all__ = ["Chunk", "Critic", "Rollout", "Sampler", "ValueFn", "collect_groups", "stack_obs"]
+__all__ = ["Chunk", "Critic", "Rollout", "Sampler", "ValueFn", "collect_groups", "critic_input", "stack_obs"]
 
 
 # ============================================================================ critic
@@ -45,24 +47,39 @@ class Critic(nn.Module):
         return self.net(x).squeeze(-1)
 
 
-class ValueFn:
-    """Binds the critic to its input: the normalised state, or the (detached) pooled prefix."""
+def critic_input(cfg: PPOConfig, policy: StochasticFlowPolicy) -> str:
+    """``cfg.critic`` with ``"auto"`` resolved: the state for our FlowVLA, the prefix features for a VLA
+    whose state has no normaliser here (LeRobot's: RLinf's π0.5 value head after the VLM prefix)."""
+    if cfg.critic != "auto":
+        return cfg.critic
+    return "state" if isinstance(policy, FlowVLAStochastic) else "prefix"
 
-    def __init__(self, cfg: PPOConfig, policy: FlowVLAPolicy) -> None:
-        self.kind, self.detach, self.policy = cfg.critic, cfg.critic_detach, policy
-        if cfg.critic == "state" and policy.config.state_dim == 0:
+
+class ValueFn:
+    """Binds the critic to its input: the normalised state, or the policy's (detached) prefix features
+    (:meth:`~policies.flow_policy.FlowPolicy.features`: FlowVLA's mean trunk token, a LeRobot VLA's mean
+    VLM output over the valid prefix tokens)."""
+
+    def __init__(self, cfg: PPOConfig, policy: StochasticFlowPolicy) -> None:
+        self.kind, self.detach, self.policy = critic_input(cfg, policy), cfg.critic_detach, policy
+        if self.kind == "state" and not isinstance(policy, FlowVLAStochastic):
+            raise ValueError(
+                f"critic: 'state' reads FlowVLA's state normaliser; a {type(policy.policy).__name__}'s value "
+                "head reads its VLM prefix: use 'prefix' (or 'auto')"
+            )
+        if self.kind == "state" and policy.state_dim == 0:
             raise ValueError("critic: 'state' needs a policy with a state input; use 'prefix'")
-        d_in = policy.config.state_dim if cfg.critic == "state" else policy.config.d_model
+        d_in = policy.state_dim if self.kind == "state" else policy.feature_dim
         self.net = Critic(d_in, cfg.critic_hidden).to(policy.device)
 
-    def __call__(self, obs: Mapping[str, Any], prefix: PrefixCache | None) -> Tensor:
+    def __call__(self, obs: Mapping[str, Any], prefix: Prefix | None) -> Tensor:
         if self.kind == "state":
             state = torch.as_tensor(obs["state"], device=self.policy.device).float()
-            return self.net(self.policy.normalizer.normalize_state(state))
+            return self.net(self.policy.normalize_state(state))
         if prefix is None:
             prefix = self.policy.encode_prefix(obs)
-        pooled = prefix.pooled()
-        return self.net(pooled.detach() if self.detach else pooled)
+        features = self.policy.features(prefix)
+        return self.net(features.detach() if self.detach else features)
 
 
 # ============================================================================ rollout storage
@@ -71,7 +88,7 @@ class Chunk:
     """One MDP step of one robot: the observation, the stored chain, and what executing it earned."""
 
     obs: dict[str, Any]  # {"state": [S], "cameras": {name: [h, w, 3]}}
-    iterates: np.ndarray  # [K + 1, H, A] normalised
+    iterates: np.ndarray  # [K + 1, H, D] in the model's normalised (padded) space
     stochastic: np.ndarray  # [K] bool
     logp: float
     value: float
@@ -91,21 +108,19 @@ def _obs_row(obs: Mapping[str, Any], i: int) -> dict[str, Any]:
     }
 
 
-def stack_obs(rows: list[dict[str, Any]], emb: Tensor | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
+def stack_obs(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stored rows as one observation batch (the policy wrapper adds the instruction)."""
+    return {
         "state": np.stack([r["state"] for r in rows]),
         "cameras": {k: np.stack([r["cameras"][k] for r in rows]) for k in rows[0]["cameras"]},
     }
-    if emb is not None:
-        out["instruction_embedding"] = emb.expand(len(rows), -1)
-    return out
 
 
 class Sampler:
     """Draws noise-injected chunks for a batch of observations and records what PPO needs."""
 
-    def __init__(self, cfg: PPOConfig, policy: FlowVLAPolicy, value_fn: ValueFn, emb: Tensor | None) -> None:
-        self.cfg, self.policy, self.value_fn, self.emb = cfg, policy, value_fn, emb
+    def __init__(self, cfg: PPOConfig, policy: StochasticFlowPolicy, value_fn: ValueFn) -> None:
+        self.cfg, self.policy, self.value_fn = cfg, policy, value_fn
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         self.rng = np.random.default_rng([cfg.seed, 1])
         self.schedule = SDESchedule("flow_sde", cfg.noise_level) if cfg.method == "sde" else None
@@ -114,7 +129,7 @@ class Sampler:
     def act(self, rows: list[dict[str, Any]]) -> tuple[list[Chunk], np.ndarray]:
         """Chunks for ``rows`` and the executed actions in env units ``[B, n_exec, A]``."""
         p, k = self.policy, self.cfg.num_steps
-        obs = stack_obs(rows, self.emb)
+        obs = stack_obs(rows)
         prefix = p.encode_prefix(obs)
         steps = None
         if self.cfg.method == "sde" and self.cfg.sde_steps == "one":
@@ -130,10 +145,8 @@ class Sampler:
         )
         assert s.chain is not None and s.log_prob is not None
         values = self.value_fn(obs, prefix).cpu().numpy()
-        actions = s.actions[:, 0]
-        if p.config.action_norm == "min_max":
-            actions = actions.clamp(-1.0, 1.0)  # as predict_action_chunk: the stored chain stays unclipped
-        env_actions = p.normalizer.unnormalize_action(actions)[:, : p.config.n_exec].cpu().numpy()
+        # as the policy deploys (FlowVLA clips under min-max); the stored chain stays unclipped
+        env_actions = p.to_env(s.actions[:, 0])[:, : p.n_exec].cpu().numpy()
         stoch = s.chain.stochastic
         stoch = stoch.expand(len(rows), 1, k) if stoch.ndim == 1 else stoch
         chunks = [
@@ -150,7 +163,7 @@ class Sampler:
 
     @torch.no_grad()
     def values(self, rows: list[dict[str, Any]]) -> np.ndarray:
-        return self.value_fn(stack_obs(rows, self.emb), None).cpu().numpy()
+        return self.value_fn(stack_obs(rows), None).cpu().numpy()
 
 
 class Rollout:
@@ -168,7 +181,7 @@ class Rollout:
         self.rollout = ChunkRollout(
             env,
             self._propose,
-            sampler.policy.config.n_exec,
+            sampler.policy.n_exec,
             seed=cfg.env_seed if seed is None else seed,
             reward_key="sparse_reward",
             on_chunks=self._finish,

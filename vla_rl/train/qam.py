@@ -61,12 +61,12 @@ from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import polyak_update
 from policies.flow_vla import FlowVLAPolicy
-from policies.loading import load_policy
 from vla_rl.train.common import (
     TRAIN_STATE,
     RunClock,
     batch_to_policy_inputs,
     instruction_table,
+    load_flowvla_base,
     load_train_state,
     save_derived_checkpoint,
 )
@@ -98,6 +98,14 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 __all__ = ["QAMConfig", "QAMLearner", "QAMResult", "train_qam"]
+
+
+QAM_LEROBOT_GAP = (
+    "its learner keeps whole copies of the policy (base, fine, the critic's frozen trunk, the base's Polyak "
+    "target) as FlowVLA modules and reads FlowVLA's normaliser and trunk tokens: the adjoint step itself "
+    "would fit a LeRobot VLA (it needs only a differentiable velocity), its copies and critic are not built"
+)
+"""Why QAM refuses a LeRobot base (:func:`vla_rl.train.common.load_flowvla_base`; docs/training.md)."""
 
 
 def _adapt_init_state(
@@ -158,7 +166,9 @@ class _QAMRun:
         self.clock = RunClock()  # the whole run's wall time, across resumes
         self.device = device
         torch.set_num_threads(dist.threads(cfg.threads))
-        self.loaded = loaded = load_policy(cfg.base, device=str(device))
+        self.loaded = loaded = load_flowvla_base(
+            cfg.base, algorithm="qam", why=QAM_LEROBOT_GAP, device=device
+        )
         base = loaded.policy
         self.spec = spec = loaded.spec
         self.task = task = cfg.task or spec.name
