@@ -45,16 +45,13 @@ from torch import nn
 
 from policies.flow_policy import FlowPolicy, FlowPolicyError, FlowVLAFlowPolicy, Prefix
 from policies.flow_vla import DenoisingChain, FlowSample, FlowVLAConfig, SDESchedule
-from policies.flow_vla.modeling_flow_vla import NoiseHead
-from policies.flow_vla.sampling import (
-    chain_log_prob,
-    check_num_steps,
-    initial_noise,
-    learnable_noise_sample,
-    noise_kernel,
-    sde_kernel,
-    sde_sample,
+from policies.flow_vla.modeling_flow_vla import (
+    NoiseHead,
+    denoising_chain,
+    stochastic_sample,
+    stored_chain_log_prob,
 )
+from policies.flow_vla.sampling import check_num_steps, initial_noise
 
 Tensor = torch.Tensor
 ChainMethod = Literal["sde", "noise"]
@@ -156,45 +153,25 @@ class StochasticFlowPolicy(nn.Module):
         b, k, event = prefix.batch_size, num_steps, self.event_shape
         check_num_steps(k)
         x0 = initial_noise((b, 1, *event), None, generator, self.device, torch.float32).reshape(b, *event)
-        mask = self.logprob_mask()
-        if method == "sde":
-            schedule = schedule or SDESchedule()
-            res = sde_sample(
-                lambda x, t: self.velocity(prefix, x, t),
-                x0,
-                k,
-                schedule,
-                stochastic_steps=stochastic_steps,
-                generator=generator,
-                logprob_mask=mask,
-                return_iterates=True,
-            )
-        elif method == "noise":
-            res = learnable_noise_sample(
-                lambda x, t: self.velocity_and_std(prefix, x, t),
-                x0,
-                k,
-                generator=generator,
-                logprob_mask=mask,
-                include_initial=True,
-                return_iterates=True,
-            )
-        else:
+        if method not in ("sde", "noise"):
             raise FlowPolicyError(f"method: expected 'sde' or 'noise', got {method!r}")
-        assert res.iterates is not None and res.log_prob is not None
-        iterates = res.iterates.reshape(b, 1, k + 1, *event)
-        stochastic = res.stochastic if res.stochastic.ndim == 1 else res.stochastic.reshape(b, 1, k)
-        chain = DenoisingChain(
-            iterates=iterates,
-            method=method,
-            stochastic=stochastic,
-            schedule=schedule if method == "sde" else None,
-            include_initial=method == "noise",
-            n_exec=self.n_exec,
+        res, schedule = stochastic_sample(
+            method,
+            lambda x, t: self.velocity(prefix, x, t),
+            lambda x, t: self.velocity_and_std(prefix, x, t),
+            x0,
+            k,
+            schedule=schedule,
+            stochastic_steps=stochastic_steps if method == "sde" else None,
+            noise=None,
+            generator=generator,
+            logprob_mask=self.logprob_mask(),
         )
+        assert res.log_prob is not None
+        chain = denoising_chain(res, method, schedule, b, 1, self.n_exec)
         return FlowSample(
             actions=res.actions.reshape(b, 1, *event),
-            iterates=iterates,
+            iterates=chain.iterates,
             log_prob=res.log_prob.reshape(b, 1),
             chain=chain,
         )
@@ -211,31 +188,19 @@ class StochasticFlowPolicy(nn.Module):
             raise FlowPolicyError(
                 f"chain: scored over n_exec={chain.n_exec}, the policy executes {self.n_exec}"
             )
-        k = kp1 - 1
-        iterates = chain.iterates.reshape(b * n, kp1, *chain.iterates.shape[3:])
-        stoch = chain.stochastic if chain.stochastic.ndim == 1 else chain.stochastic.reshape(b * n, k)
-        rows = prefix.repeat_interleave(n * k)  # row (chain, step) -> its observation
-        if chain.method == "noise":
-
-            def velocity_and_std(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-                v, std = self.velocity_and_std(rows, x, t)
-                if stds is not None:
-                    stds.append(std)
-                return v, std
-
-            kernel = noise_kernel(velocity_and_std)
-        elif chain.method == "sde":
-            kernel = sde_kernel(lambda x, t: self.velocity(rows, x, t), chain.schedule or SDESchedule())
-        else:
+        if chain.method not in ("sde", "noise"):
             raise FlowPolicyError(f"chain.method: expected 'sde' or 'noise', got {chain.method!r}")
-        lp = chain_log_prob(
-            kernel,
-            iterates,
-            stochastic_steps=stoch,
-            logprob_mask=self.logprob_mask(),
-            include_initial=chain.include_initial,
+        rows = prefix.repeat_interleave(n * (kp1 - 1))  # row (chain, step) -> its observation
+
+        def velocity_and_std(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+            v, std = self.velocity_and_std(rows, x, t)
+            if stds is not None:
+                stds.append(std)
+            return v, std
+
+        return stored_chain_log_prob(
+            chain, lambda x, t: self.velocity(rows, x, t), velocity_and_std, self.logprob_mask()
         )
-        return lp.reshape(b, n)
 
 
 # ---------------------------------------------------------------------------- FlowVLA

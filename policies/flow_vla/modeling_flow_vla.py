@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .configuration_flow_vla import MINILM_DIM, FlowVLAConfig
-from .conventions import from_openpi_time
+from .conventions import VelocityFn, from_openpi_time
 from .encoders import (
     ImageEncoder,
     InstructionEncoder,
@@ -51,6 +51,8 @@ from .encoders import (
 from .layers import MLP, Block, PrefixKV, sincos_time_embedding
 from .normalize import Normalizer
 from .sampling import (
+    NoisyVelocityFn,
+    SampleResult,
     SDESchedule,
     chain_log_prob,
     check_num_steps,
@@ -126,6 +128,95 @@ class FlowSample:
     iterates: Tensor | None
     log_prob: Tensor | None
     chain: DenoisingChain | None
+
+
+def stochastic_sample(
+    method: Literal["sde", "noise"],
+    velocity_fn: VelocityFn,
+    noisy_velocity_fn: NoisyVelocityFn,
+    x0: Tensor,
+    num_steps: int,
+    *,
+    schedule: SDESchedule | None,
+    stochastic_steps: Sequence[int] | Tensor | None,
+    noise: Tensor | None,
+    generator: torch.Generator | None,
+    logprob_mask: Tensor,
+) -> tuple[SampleResult, SDESchedule | None]:
+    """π-RL's noise-injected chain from ``x0`` ``[N, H, D]`` (iterates and log-prob over
+    ``logprob_mask``), and the SDE schedule it used (None for Flow-Noise). One place for every flow
+    policy: :meth:`FlowVLAPolicy.sample` and :class:`policies.flow_rl.StochasticFlowPolicy`."""
+    if method == "sde":
+        schedule = schedule or SDESchedule()
+        res = sde_sample(
+            velocity_fn,
+            x0,
+            num_steps,
+            schedule,
+            stochastic_steps=stochastic_steps,
+            noise=noise,
+            generator=generator,
+            logprob_mask=logprob_mask,
+            return_iterates=True,
+        )
+        return res, schedule
+    res = learnable_noise_sample(
+        noisy_velocity_fn,
+        x0,
+        num_steps,
+        noise=noise,
+        generator=generator,
+        logprob_mask=logprob_mask,
+        include_initial=True,
+        return_iterates=True,
+    )
+    return res, None
+
+
+def denoising_chain(
+    res: SampleResult,
+    method: Literal["sde", "noise"],
+    schedule: SDESchedule | None,
+    b: int,
+    n: int,
+    n_exec: int,
+) -> DenoisingChain:
+    """The stored chain of :func:`stochastic_sample`'s ``B * N`` rows, as B observations x N samples."""
+    assert res.iterates is not None
+    kp1 = res.iterates.shape[1]
+    return DenoisingChain(
+        iterates=res.iterates.reshape(b, n, kp1, *res.iterates.shape[2:]),
+        method=method,
+        stochastic=res.stochastic if res.stochastic.ndim == 1 else res.stochastic.reshape(b, n, kp1 - 1),
+        schedule=schedule,
+        include_initial=method == "noise",
+        n_exec=n_exec,
+    )
+
+
+def stored_chain_log_prob(
+    chain: DenoisingChain, velocity_fn: VelocityFn, noisy_velocity_fn: NoisyVelocityFn, logprob_mask: Tensor
+) -> Tensor:
+    """Log-likelihood ``[B, N]`` of a stored chain under the functions given (the CURRENT weights;
+    differentiable); they see the K steps of every chain as one batch of ``B * N * K`` rows, chain-major."""
+    b, n, kp1 = chain.iterates.shape[:3]
+    k = kp1 - 1
+    iterates = chain.iterates.reshape(b * n, kp1, *chain.iterates.shape[3:])
+    stoch = chain.stochastic if chain.stochastic.ndim == 1 else chain.stochastic.reshape(b * n, k)
+    if chain.method == "noise":
+        kernel = noise_kernel(noisy_velocity_fn)
+    elif chain.method == "sde":
+        kernel = sde_kernel(velocity_fn, chain.schedule or SDESchedule())
+    else:
+        raise ValueError(f"chain.method must be 'sde' or 'noise', got {chain.method!r}")
+    lp = chain_log_prob(
+        kernel,
+        iterates,
+        stochastic_steps=stoch,
+        logprob_mask=logprob_mask,
+        include_initial=chain.include_initial,
+    )
+    return lp.reshape(b, n)
 
 
 # ---------------------------------------------------------------------- heads
@@ -486,44 +577,26 @@ class FlowVLAPolicy(nn.Module):
             )
         elif method == "ode":
             res = euler_sample(lambda x, t: self.velocity(rows, x, t), x0, k, return_iterates=return_iterates)
-        elif method == "sde":
-            schedule = schedule or SDESchedule()
-            stoch = _flat_stochastic(stochastic_steps, b, n, k, self.device)
-            res = sde_sample(
+        elif method in ("sde", "noise"):
+            res, schedule = stochastic_sample(
+                method,
                 lambda x, t: self.velocity(rows, x, t),
-                x0,
-                k,
-                schedule,
-                stochastic_steps=stoch,
-                noise=flat_step_noise,
-                generator=generator,
-                logprob_mask=mask,
-                return_iterates=True,
-            )
-        elif method == "noise":
-            res = learnable_noise_sample(
                 lambda x, t: self._velocity_and_std(rows, x, t),
                 x0,
                 k,
+                schedule=schedule,
+                stochastic_steps=_flat_stochastic(stochastic_steps, b, n, k, self.device)
+                if method == "sde"
+                else None,
                 noise=flat_step_noise,
                 generator=generator,
                 logprob_mask=mask,
-                include_initial=True,
-                return_iterates=True,
             )
         else:
             raise ValueError(f"method must be 'ode', 'sde' or 'noise', got {method!r}")
         iterates = res.iterates.reshape(b, n, k + 1, *event) if res.iterates is not None else None
         if method != "ode":
-            stochastic = res.stochastic if res.stochastic.ndim == 1 else res.stochastic.reshape(b, n, k)
-            chain = DenoisingChain(
-                iterates=iterates,
-                method=method,
-                stochastic=stochastic,
-                schedule=schedule if method == "sde" else None,
-                include_initial=method == "noise",
-                n_exec=c.n_exec,
-            )
+            chain = denoising_chain(res, method, schedule, b, n, c.n_exec)  # type: ignore[arg-type]
         log_prob = res.log_prob.reshape(b, n) if res.log_prob is not None else None
         return FlowSample(
             actions=res.actions.reshape(b, n, *event),
@@ -534,28 +607,17 @@ class FlowVLAPolicy(nn.Module):
 
     def chain_log_prob(self, prefix: PrefixCache, chain: DenoisingChain) -> Tensor:
         """Log-likelihood ``[B, N]`` of a stored chain under the CURRENT parameters (differentiable)."""
-        b, n, kp1 = chain.iterates.shape[:3]
+        b = chain.iterates.shape[0]
         if b != prefix.batch_size:
             raise ValueError(f"chain batch {b} != prefix batch {prefix.batch_size}")
         if chain.n_exec != self.config.n_exec:
             raise ValueError(f"chain was scored over n_exec={chain.n_exec}, policy uses {self.config.n_exec}")
-        k = kp1 - 1
-        iterates = chain.iterates.reshape(b * n, kp1, *chain.iterates.shape[3:])
-        stoch = chain.stochastic if chain.stochastic.ndim == 1 else chain.stochastic.reshape(b * n, k)
-        if chain.method == "noise":
-            kernel = noise_kernel(lambda x, t: self._velocity_and_std(prefix, x, t))
-        elif chain.method == "sde":
-            kernel = sde_kernel(lambda x, t: self.velocity(prefix, x, t), chain.schedule or SDESchedule())
-        else:
-            raise ValueError(f"chain.method must be 'sde' or 'noise', got {chain.method!r}")
-        lp = chain_log_prob(
-            kernel,
-            iterates,
-            stochastic_steps=stoch,
-            logprob_mask=self.logprob_mask(),
-            include_initial=chain.include_initial,
+        return stored_chain_log_prob(
+            chain,
+            lambda x, t: self.velocity(prefix, x, t),
+            lambda x, t: self._velocity_and_std(prefix, x, t),
+            self.logprob_mask(),
         )
-        return lp.reshape(b, n)
 
     @torch.no_grad()
     def predict_action_chunk(
