@@ -26,16 +26,22 @@ recorded (behaviour) log-prob, so the PPO ratio stays an importance ratio.
 PPO (RLinf's objective): ratio clip 0.2, dual clip 3.0 for negative advantages, clipped value loss,
 GAE (γ, λ) = (0.99, 0.95) over chunks, advantages normalised over the batch, several epochs of
 minibatches, AdamW with separate actor / critic learning rates and gradient clipping. The critic is a
-separate small MLP (not saved in the policy checkpoint): on the normalised state (default; what learnt
-best for the state-only model) or on the pooled, detached prefix tokens (π0.5-style, for camera models).
+separate small MLP (not saved in the policy checkpoint): on the normalised state (FlowVLA's default; what
+learnt best for the state-only model) or on the policy's detached prefix features (π0.5-style, for camera
+models; the default on a LeRobot VLA, RLinf's value head after the VLM prefix).
 
 ``advantage="grpo"`` replaces the critic by GRPO: each iteration replays the same initial states
 ``group_size`` times and every chunk gets its episode's success standardised within its group.
 
+The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 policy folder: both run behind
+:class:`policies.flow_rl.StochasticFlowPolicy` (chains on the flow-policy contract's ``velocity``,
+log-probs over the robot dims only; docs/training.md, RL on LeRobot VLAs).
+
 What is shipped: a derived checkpoint (``save_derived_checkpoint``; lineage algorithm ``flow-noise`` or
 ``flow-sde``, parent = the base's commit) whose config's ``num_inference_steps`` is the K used in RL,
-because the fine-tuned velocity field is tuned for that Euler grid. Deployment runs the deterministic
-ODE as usual (the injected noise is for exploration only).
+because the fine-tuned velocity field is tuned for that Euler grid; from a LeRobot base, a LeRobot folder
+with that K in its own config, our lineage and the Flow-Noise head beside it. Deployment runs the
+deterministic ODE as usual (the injected noise is for exploration only).
 
 Output folder::
 
