@@ -29,9 +29,11 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 from vla_rl_client.spec import RobotSpec
@@ -215,6 +217,26 @@ def masked_mean_per_sample(err: Tensor, action_is_pad: Tensor | None) -> Tensor:
         return err.mean((1, 2))
     valid = (~action_is_pad.bool()).to(err.dtype)[..., None].expand_as(err)
     return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0)
+
+
+@dataclass
+class FlowChunkPolicy:
+    """A flow policy as evaluation's ``ChunkPolicy`` (:mod:`vla_rl.evaluation`): seeded initial noise,
+    env-unit chunks from :meth:`FlowPolicy.predict_action_chunk`; for trainers that hold a policy behind
+    the contract (a LeRobot VLA has no :class:`~policies.loading.LoadedPolicy`)."""
+
+    policy: FlowPolicy
+    spec: RobotSpec
+
+    @property
+    def chunk_len(self) -> int:
+        return self.policy.chunk_len
+
+    @torch.no_grad()
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
+        obs = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
+        return self.policy.predict_action_chunk(obs, generator=gen).float().cpu().numpy()
 
 
 # ---------------------------------------------------------------------------- FlowVLA

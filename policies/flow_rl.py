@@ -285,13 +285,7 @@ class LeRobotStochastic(StochasticFlowPolicy):
 
     @property
     def feature_dim(self) -> int:
-        m = self.policy.policy.model
-        vlm = (
-            m.vlm_with_expert.vlm
-            if self.policy.lerobot_type == "smolvla"
-            else m.paligemma_with_expert.paligemma
-        )
-        return int(vlm.config.text_config.hidden_size)
+        return self.policy.feature_dim
 
     def observation(self, obs: Mapping[str, Any]) -> dict[str, Any]:
         return {**obs, "instruction": self.instruction}

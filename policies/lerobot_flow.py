@@ -326,6 +326,13 @@ class LeRobotFlowPolicy(nn.Module):
         w = prefix.pad_masks.to(prefix.hidden.dtype)[..., None]
         return ((prefix.hidden * w).sum(1) / w.sum(1).clamp_min(1.0)).float()
 
+    @property
+    def feature_dim(self) -> int:
+        """F of :meth:`features`: the VLM's text width."""
+        m = self.policy.model
+        vlm = m.vlm_with_expert.vlm if self._smol else m.paligemma_with_expert.paligemma
+        return int(vlm.config.text_config.hidden_size)
+
     def normalize_actions(self, actions: Tensor) -> Tensor:
         x = _apply_step(self._normalizer, actions.to(self.device, torch.float32))
         return nn.functional.pad(x, (0, self.event_shape[1] - self.action_dim))

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from vla_rl_client.spec import RobotSpec
 
-from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
+from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy
 from policies.flow_rl import LeRobotStochastic, StochasticFlowPolicy, stochastic_policy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import LoadedPolicy, load_policy, pick_device
@@ -146,24 +146,6 @@ def _load_base(cfg: PPOConfig, device: torch.device) -> _Base:
     lerobot.set_num_inference_steps(cfg.num_steps)
     rl = stochastic_policy(lerobot, task.instruction, std_range=cfg.noise_std_range)
     return _Base(rl, ckpt.commit, lerobot.spec, task.name, None)
-
-
-@dataclass
-class _ChunkView:
-    """A flow policy as evaluation's ``ChunkPolicy``: seeded initial noise, env-unit chunks."""
-
-    policy: FlowPolicy
-    spec: RobotSpec
-
-    @property
-    def chunk_len(self) -> int:
-        return self.policy.chunk_len
-
-    @torch.no_grad()
-    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
-        obs = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
-        return self.policy.predict_action_chunk(obs, generator=gen).float().cpu().numpy()
 
 
 def _actor_params(policy: StochasticFlowPolicy, scope: str) -> list[nn.Parameter]:
@@ -358,7 +340,7 @@ def _eval_view(base: _Base, cfg: PPOConfig) -> Any:
         return LoadedPolicy(
             policy=model, info=base.loaded.info, path=cfg.out, commit="unsaved", ref=str(cfg.out)
         )
-    return _ChunkView(base.policy.policy, base.spec)
+    return FlowChunkPolicy(base.policy.policy, base.spec)
 
 
 def _save(
