@@ -3,7 +3,7 @@ configurations of SmolVLA and π0 built here (policies/lerobot_tiny.py; no downl
 of test_flow_policy_lerobot applies): the log-prob a rollout records is the chain log-prob PPO re-scores,
 and both are the Gaussian densities of the executed robot dims only (never the padding); an update moves
 the action expert and the noise head, never the frozen VLM; train_ppo runs a couple of iterations on the
-kinematic test bed with a camera and ships a LeRobot folder; QAM and FQL refuse a LeRobot base, naming why.
+kinematic test bed with a camera and ships a LeRobot folder (FQL and QAM: test_fql_lerobot.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from policies.flow_vla.sampling import sde_kernel
 from policies.lerobot_adapter import save_random_policy
 from policies.lerobot_flow import LINEAGE_FILE, LeRobotFlowPolicy
 from policies.lerobot_tiny import save_tiny_policy
-from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.ppo import PPOConfig, _actor_params, _update, train_ppo
 from vla_rl.train.ppo_math import score_chain, stored_chain
 from vla_rl.train.ppo_rollout import Sampler, ValueFn, stack_obs
@@ -50,10 +49,14 @@ K = 3
 TYPES = ("smolvla", "pi0")
 
 
+def save_folders(root: Path) -> dict[str, Path]:
+    """A tiny SmolVLA and π0 for :data:`SPEC` under ``root``."""
+    return {t: save_tiny_policy(root / t, t, SPEC, seed=1, **TINY) for t in TYPES}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ppo_vlas")
-    return {t: save_tiny_policy(root / t, t, SPEC, seed=1, **TINY) for t in TYPES}
+    return save_folders(tmp_path_factory.mktemp("ppo_vlas"))
 
 
 def rl_policy(folder: Path) -> LeRobotStochastic:
@@ -261,19 +264,3 @@ def test_lerobot_bases_are_checked_before_training(folders: dict[str, Path], tmp
     rl = rl_policy(folders["smolvla"])
     with pytest.raises(ValueError, match="critic: 'state' reads FlowVLA's state normaliser"):
         ValueFn(ppo_cfg(tmp_path, "noise", critic="state"), rl)
-
-
-@pytest.mark.parametrize(
-    ("algo", "why"), [("qam", "adjoint step itself would fit"), ("fql", "into one step")]
-)
-def test_qam_and_fql_refuse_a_lerobot_base_naming_why(
-    folders: dict[str, Path], algo: str, why: str, tmp_path: Path
-) -> None:
-    cfg = make_config(
-        algo, base=str(folders["smolvla"]), store=str(tmp_path / "store"), out=str(tmp_path / "o")
-    )
-    with pytest.raises(FlowPolicyError) as err:
-        train(cfg)
-    msg = str(err.value)
-    assert f"base: {algo} runs on our flow_vla checkpoints only" in msg and "LeRobot smolvla policy" in msg
-    assert why in msg and "use flow-noise or flow-sde" in msg

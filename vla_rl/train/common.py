@@ -219,7 +219,7 @@ def load_flowvla_base(ref: str, *, algorithm: str, why: str, device: torch.devic
     if raw is not None:
         raise FlowPolicyError(
             f"base: {algorithm} runs on our flow_vla checkpoints only; {ref} is a LeRobot {raw['type']} "
-            f"policy and {why}. On a LeRobot flow VLA use flow-noise or flow-sde (PPO; docs/training.md, "
+            f"policy and {why}. On a LeRobot flow VLA use flow-noise or flow-sde (PPO) or fql (docs/training.md, "
             "RL on LeRobot VLAs)"
         )
     return load_policy(ref, device=str(device))

@@ -27,8 +27,13 @@ One update (z ~ N(0, I), x ~ ODE_β(s, z) the base's K-step Euler ODE from z, no
    after ``critic_warmup`` updates (before it the one-step policy only distils the base);
 3. ``L_BC`` for the base (``train_base`` only).
 
-Output folder: ``<out>/checkpoints/last`` (the one-step policy, lineage algorithm "fql"), ``<out>/tb``,
-``<out>/curve.json``. Offline only, one process, no resume (a re-run starts over).
+The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder (:class:`LeRobotFQLLearner`:
+the actor's expert trains, the critic reads the VLM prefix features, losses over the robot's dims, the
+folder saved with K = 1; docs/training.md, RL on LeRobot VLAs).
+
+Output folder: ``<out>/checkpoints/last`` (the one-step policy, lineage algorithm "fql"; a LeRobot folder
+from a LeRobot base), ``<out>/tb``, ``<out>/curve.json``. Offline only, one process, no resume (a re-run
+starts over).
 """
 
 from __future__ import annotations
@@ -43,17 +48,21 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import nn
+from vla_rl_client.spec import RobotSpec
 
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
+from policies.flow_policy import FlowChunkPolicy
 from policies.flow_vla import FlowVLAPolicy
-from policies.loading import load_policy, pick_device
+from policies.lerobot_adapter import read_lerobot_config
+from policies.lerobot_flow import LeRobotFlowPolicy
+from policies.loading import LoadedPolicy, load_policy, pick_device
+from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
     RunClock,
     batch_to_policy_inputs,
-    load_flowvla_base,
     sample_indices,
     save_derived_checkpoint,
 )
@@ -193,14 +202,6 @@ class FQLConfig(TrainerConfig):
             raise ValueError(f"max_seconds: expected > 0 or None, got {self.max_seconds}")
 
 
-FQL_LEROBOT_GAP = (
-    "its one-step policy is a whole copy of the base deployed with FlowVLA's num_inference_steps = 1 and "
-    "its critic reads FlowVLA's normaliser and trunk tokens: distilling a LeRobot VLA's flow into one step "
-    "would fit (K = 1 is a config field there too), its copies and critic are not built"
-)
-"""Why FQL refuses a LeRobot base (:func:`vla_rl.train.common.load_flowvla_base`; docs/training.md)."""
-
-
 # ============================================================================ the learner
 class FQLLearner(ChunkCriticInputs, nn.Module):
     """Behaviour flow (base), the one-step policy, the critic ensemble and its target."""
@@ -210,6 +211,7 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
         pc = base.config
         self.cfg = cfg
         self.n_exec, self.horizon, self.action_dim = pc.n_exec, pc.chunk_len, pc.action_dim
+        self.event = (pc.chunk_len, pc.action_dim)
         self.clip = cfg.clip_actions and pc.action_norm == "min_max"
         mode = cfg.feature_mode
         if mode == "auto":
@@ -227,8 +229,16 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
         )
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
 
+    def executed(self, chunk: Tensor) -> Tensor:
+        """``[B, H, D]`` -> what the critic scores: the executed steps' robot dims ``[B, n_exec, A]``."""
+        return chunk[:, : self.n_exec, : self.action_dim]
+
+    def bc_loss(self, batch: Mapping[str, Any]) -> Tensor:
+        """The behaviour flow's flow-matching loss (``train_base``)."""
+        return self.base.flow_matching_loss(batch)[0]
+
     def one_step(self, obs: Mapping[str, Any], z: Tensor) -> Tensor:
-        """μ_ω(s, z) ``[B, H, A]`` (normalised, unclipped), differentiable in the actor's weights."""
+        """μ_ω(s, z) ``[B, H, D]`` (normalised, unclipped), differentiable in the actor's weights."""
         prefix = self.actor.encode_prefix(obs)
         return one_step_actions(lambda x, t: self.actor.velocity(prefix, x, t), z)
 
@@ -245,7 +255,7 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
         """All losses of one update; ``next_obs`` None only for an MC critic update."""
         cfg = self.cfg
         b = batch["state"].shape[0]
-        event = (self.horizon, self.action_dim)
+        event, robot = self.event, slice(0, self.action_dim)
         feats = self.features(batch)
         out: dict[str, Tensor] = {}
         with torch.no_grad():
@@ -254,7 +264,7 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
             else:
                 assert next_obs is not None
                 z_next = torch.randn(b, *event, device=feats.device)
-                a_next = self.clip_norm(self.one_step(next_obs, z_next))[:, : self.n_exec]
+                a_next = self.executed(self.clip_norm(self.one_step(next_obs, z_next)))
                 q_next = self.critic_target(self.features(next_obs), a_next)
                 y = critic_td_target(
                     q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
@@ -266,14 +276,15 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
 
         z = torch.randn(b, *event, device=feats.device)
         mu = self.one_step(batch, z)
-        out["loss_distill"] = distillation_loss(mu, self.base_ode(batch, z))
+        # over the robot's dims: a LeRobot VLA's padding is no action to distil (FlowVLA has none)
+        out["loss_distill"] = distillation_loss(mu[..., robot], self.base_ode(batch, z)[..., robot])
         actor = cfg.alpha * out["loss_distill"]
         if use_q:
             # Q at the policy's action trains the actor only: the critic's weights are constants here
             # (the reference evaluates the critic with its current, not its gradient, parameters)
             self.critic.requires_grad_(False)
             try:
-                q_pi = self.critic(feats, self.clip_norm(mu)[:, : self.n_exec])
+                q_pi = self.critic(feats, self.executed(self.clip_norm(mu)))
             finally:
                 self.critic.requires_grad_(True)
             out["loss_q_pi"] = fql_q_loss(q_pi, cfg.normalize_q_loss)
@@ -281,8 +292,52 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
             out["q_pi_mean"] = q_pi.mean().detach()
         out["loss_actor"] = actor
         if cfg.train_base:
-            out["loss_bc"], _ = self.base.flow_matching_loss(batch)
+            out["loss_bc"] = self.bc_loss(batch)
         return out
+
+
+class LeRobotFQLLearner(FQLLearner):
+    """FQL on a LeRobot SmolVLA / π0 / π0.5 through the flow-policy contract (docs/training.md, RL on
+    LeRobot VLAs). The one-step policy is a copy of the base whose action expert trains (the VLM frozen)
+    and whose config says K = 1, so the saved folder deploys μ_ω(s, z) in LeRobot's own code; the critic
+    reads the base's VLM prefix features (frozen: the base only ever trains its expert) and the executed
+    steps' robot dims of the normalised chunk, unclipped (LeRobot's normalisation is not bounded)."""
+
+    def __init__(self, base: LeRobotFlowPolicy, cfg: FQLConfig) -> None:
+        nn.Module.__init__(self)
+        if cfg.feature_mode == "state":
+            raise ValueError(
+                "feature_mode: 'state' reads FlowVLA's state normaliser; a LeRobot VLA's critic reads its "
+                "VLM prefix features: use 'trunk' (or 'auto')"
+            )
+        self.cfg = cfg
+        self.n_exec, self.horizon, self.action_dim = base.n_exec, base.chunk_len, base.action_dim
+        self.event = base.event_shape
+        self.clip, self.feature_mode, self.feature_net = False, "trunk", None
+        base.set_trainable("expert")
+        self.actor = copy.deepcopy(base)
+        self.actor.set_num_inference_steps(1)  # deployed as one Euler step: μ(s, z)
+        if not cfg.train_base:
+            base.requires_grad_(False)
+        self.base = base
+        self.critic = ChunkQEnsemble(
+            base.feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
+        )
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+
+    @torch.no_grad()
+    def features(self, obs: Mapping[str, Any]) -> Tensor:
+        return self.base.features(self.base.encode_prefix(obs))
+
+    def dataset_chunk(self, actions: Tensor) -> Tensor:
+        return self.executed(self.base.normalize_actions(actions.float()))
+
+    def bc_loss(self, batch: Mapping[str, Any]) -> Tensor:
+        return self.base.loss(batch).mean()
+
+    @torch.no_grad()
+    def base_ode(self, obs: Mapping[str, Any], z: Tensor) -> Tensor:
+        return self.base.sample(obs, num_steps=self.cfg.flow_steps, noise=z[:, None]).actions[:, 0]
 
 
 # ============================================================================ training
@@ -292,17 +347,46 @@ class FQLResult(TrainResult):
     """Gradient updates run."""
 
 
+@dataclass
+class _Base:
+    """The behaviour flow a run starts from: our checkpoint (``loaded``) or a LeRobot flow VLA (``policy``,
+    ``loaded`` None), its robot spec, the task whose episodes train it and the commit lineage names."""
+
+    policy: Any
+    spec: RobotSpec
+    task: str
+    commit: str
+    loaded: LoadedPolicy | None
+
+
+def _load_base(cfg: FQLConfig, device: torch.device) -> _Base:
+    """Our checkpoint (its spec names the task) or a LeRobot SmolVLA / π0 / π0.5 folder (``task`` required;
+    any other LeRobot type is refused naming it)."""
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(str(cfg.base))
+    if read_lerobot_config(ckpt.path) is not None:
+        if cfg.task is None:
+            raise ValueError(
+                "task: a LeRobot policy folder names no task; give the task whose episodes to use"
+            )
+        policy = LeRobotFlowPolicy.load(ckpt.path, algorithm="fql", device=device)
+        return _Base(policy, policy.spec, cfg.task, ckpt.commit, None)
+    loaded = load_policy(cfg.base, device=str(device))
+    task = cfg.task or loaded.spec.name
+    if task != loaded.spec.name:
+        raise ValueError(f"task: the base checkpoint is for {loaded.spec.name!r}, got {task!r}")
+    return _Base(loaded.policy, loaded.spec, task, loaded.commit, loaded)
+
+
 def train_fql(cfg: FQLConfig) -> FQLResult:
     """Run FQL offline on the store's data; returns the one-step policy's checkpoint and metrics."""
     clock = RunClock()
     device = pick_device(cfg.device)
     torch.set_num_threads(SINGLE.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    loaded = load_flowvla_base(cfg.base, algorithm="fql", why=FQL_LEROBOT_GAP, device=device)
-    spec = loaded.spec
-    task = cfg.task or spec.name
-    if task != spec.name:
-        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
+    base = _load_base(cfg, device)
+    spec, task, loaded = base.spec, base.task, base.loaded
     from fleet.db import MetadataDB
 
     selection = Selection.parse(cfg.data, task=task)
@@ -314,19 +398,19 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
         gamma=cfg.gamma,
         cameras=bool(spec.cameras),
     )
-    learner = FQLLearner(loaded.policy, cfg).to(device)
+    learner = (
+        FQLLearner(loaded.policy, cfg) if loaded is not None else LeRobotFQLLearner(base.policy, cfg)
+    ).to(device)
     learner.base.train(cfg.train_base)
     trained = {"critic": (learner.critic, cfg.critic_lr), "actor": (learner.actor, cfg.actor_lr)}
     if cfg.train_base:
         trained["base"] = (learner.base, cfg.base_lr)
-    opts = [
-        Optimiser(
-            torch.optim.Adam(module.parameters(), lr=lr), {name: list(module.parameters())}, cfg.grad_clip
-        )
-        for name, (module, lr) in trained.items()
-    ]
+    opts = []
+    for name, (module, lr) in trained.items():
+        params = [p for p in module.parameters() if p.requires_grad]  # a LeRobot VLA: its expert
+        opts.append(Optimiser(torch.optim.Adam(params, lr=lr), {name: params}, cfg.grad_clip))
     emb = None
-    if loaded.policy.config.uses_instruction:
+    if loaded is not None and loaded.policy.config.uses_instruction:
         from policies.flow_vla import embed_instructions
 
         emb = embed_instructions([spec.instruction]).to(device)
@@ -352,6 +436,10 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
             batch["instruction_embedding"] = emb.expand(len(rows), -1)
             if nxt is not None:
                 nxt["instruction_embedding"] = batch["instruction_embedding"]
+        if loaded is None:  # a LeRobot VLA tokenises the text: each frame's own instruction
+            batch["instruction"] = [buf.instructions[i] for i in raw["instruction_index"].tolist()]
+            if nxt is not None:
+                nxt["instruction"] = [buf.instructions[i] for i in raw["next.instruction_index"].tolist()]
         out = learner.losses(batch, nxt, mc, use_q=step >= max(cfg.critic_warmup, cfg.critic_mc_steps))
         gradient_step(out["loss_q"] + out["loss_actor"] + out.get("loss_bc", 0.0), opts, SINGLE)
         polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
@@ -369,30 +457,41 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
     curve = tlog.curve
     tlog.close()
     ckpt = cfg.out / "checkpoints" / "last"
-    save_derived_checkpoint(
-        ckpt,
-        learner.actor,
-        loaded.info,
-        algorithm="fql",
-        parent_revision=loaded.commit if loaded.commit else cfg.base,
-        round_index=cfg.round_index,
-        data={
-            "store": str(cfg.store),
-            "task": task,
-            "selection": selection.to_dict(),
-            "episodes": len(buf.episode_ids),
-            "frames": len(buf),
-            "reward": cfg.reward,
-        },
-        metrics={"train_steps": step, "alpha": cfg.alpha},
-    )
+    data = {
+        "store": str(cfg.store),
+        "task": task,
+        "selection": selection.to_dict(),
+        "episodes": len(buf.episode_ids),
+        "frames": len(buf),
+        "reward": cfg.reward,
+    }
+    train_metrics = {"train_steps": step, "alpha": cfg.alpha}
+    if loaded is None:
+        lineage = Lineage("fql", parent_revision=base.commit, round=cfg.round_index, data=data)
+        learner.actor.save(ckpt, lineage=lineage, metrics=train_metrics)
+    else:
+        save_derived_checkpoint(
+            ckpt,
+            learner.actor,
+            loaded.info,
+            algorithm="fql",
+            parent_revision=loaded.commit if loaded.commit else cfg.base,
+            round_index=cfg.round_index,
+            data=data,
+            metrics=train_metrics,
+        )
     (cfg.out / "curve.json").write_text(json.dumps(curve, indent=1))
     result_metrics: dict[str, Any] = {**metrics, "updates": step, "frames": len(buf)}
     if cfg.final_eval_episodes:
         from vla_rl.evaluation import evaluate
 
+        shipped = (
+            load_policy(ckpt, device=str(device))
+            if loaded is not None
+            else FlowChunkPolicy(LeRobotFlowPolicy.load(ckpt, algorithm="fql", device=device), spec)
+        )
         ev = evaluate(
-            load_policy(ckpt, device=str(device)),
+            shipped,
             task,
             episodes=cfg.final_eval_episodes,
             num_envs=cfg.num_envs,
