@@ -136,6 +136,19 @@ def write_sidecar(folder: str | os.PathLike[str], sidecar: Sidecar, policy_type:
         (out / CARD_FILE).write_text(model_card(info))
 
 
+def record_evaluation(
+    folder: str | os.PathLike[str], metrics: Mapping[str, Any], round_index: int | None
+) -> None:
+    """Add a round's evaluation ``metrics`` (and its number, in the lineage) to the folder's sidecar and
+    rewrite its model card: what a round does to its candidate before pushing it."""
+    out = Path(folder)
+    try:
+        policy_type = str(json.loads((out / "config.json").read_text())["type"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{out}: not a LeRobot policy folder ({e})") from None
+    write_sidecar(out, read_sidecar(out).with_evaluation(metrics, round_index), f"lerobot/{policy_type}")
+
+
 def check_spec_fits(spec: RobotSpec, config_spec: RobotSpec) -> None:
     """Refuse a sidecar robot spec that is not the robot the LeRobot config describes, naming the field."""
     for name in ("state_dim", "action_dim"):

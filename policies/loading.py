@@ -155,6 +155,13 @@ def build_policy(info: CheckpointInfo, state_dict: dict[str, torch.Tensor] | Non
     return policy
 
 
+def checkpoint_task(spec: RobotSpec, asked: str | None) -> str:
+    """``spec``'s task, or a ValueError naming both when ``asked`` is another."""
+    if asked is not None and asked != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {asked!r}")
+    return spec.name
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,6 +194,10 @@ class LoadedPolicy:
     @property
     def chunk_len(self) -> int:
         return self.policy.config.chunk_len
+
+    def task(self, asked: str | None) -> str:
+        """The checkpoint's task, which ``asked`` (a config's ``task``) must match when given."""
+        return checkpoint_task(self.spec, asked)
 
     @torch.no_grad()
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
@@ -276,9 +287,7 @@ class FlowCheckpoint:
         """The task to train or evaluate in: the checkpoint's, which ``asked`` (a config's ``task``) must
         match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None)."""
         if self.spec_names_task:
-            if asked is not None and asked != self.spec.name:
-                raise ValueError(f"task: the base checkpoint is for {self.spec.name!r}, not {asked!r}")
-            return self.spec.name
+            return checkpoint_task(self.spec, asked)
         if asked is None:
             raise ValueError(
                 f"task: {self.ref} is a LeRobot {self.lerobot_type} folder that names no task (no robot spec "
@@ -362,17 +371,21 @@ def _flow_checkpoint(path: Path, commit: str, ref: str, algorithm: str, device: 
 
 
 def load_chunk_policy(
-    ref: str | os.PathLike[str], device: str = "auto", cache_dir: Path | None = None
+    ref: str | os.PathLike[str],
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    *,
+    algorithm: str = "evaluation",
 ) -> LoadedPolicy | FlowCheckpoint:
     """What evaluation and rounds score: our checkpoint as :func:`load_policy` loads it (a
     :class:`LoadedPolicy`), a LeRobot SmolVLA / π0 / π0.5 folder as a :class:`FlowCheckpoint` (any other
-    LeRobot type is refused naming it). Both are :class:`vla_rl.evaluation.ChunkPolicy` s with ``spec``,
-    ``commit``, ``lineage`` and ``metrics``."""
+    LeRobot type is refused naming it and ``algorithm``). Both are :class:`vla_rl.evaluation.ChunkPolicy` s
+    with ``spec``, ``commit``, ``lineage``, ``metrics``, ``num_steps`` and ``task()``."""
     from policies.lerobot_adapter import is_lerobot_folder
     from vla_rl.hub.registry import pull
 
     ckpt = pull(str(ref), cache_dir=cache_dir)
     path = Path(ckpt.path)
     if is_lerobot_folder(path):
-        return _flow_checkpoint(path, ckpt.commit, str(ref), "evaluation", device)
+        return _flow_checkpoint(path, ckpt.commit, str(ref), algorithm, device)
     return _load_folder(path, ckpt.commit, str(ref), device)
