@@ -80,8 +80,13 @@ __all__ = [
 def require_flow_type(lerobot_type: str, algorithm: str) -> None:
     """Refuse a LeRobot policy that is not a flow VLA, naming the type and what to use instead."""
     if lerobot_type not in FLOW_TYPES:
+        instead = (
+            "fine-tune it with LeRobot's own trainer, or train our policy from scratch (init scratch)"
+            if algorithm == "sft"  # continuing a base: our SFT continues flow VLAs only
+            else "use sft"
+        )
         raise FlowPolicyError(
-            f"{algorithm} needs a flow-matching policy; {lerobot_type} is not one — use sft"
+            f"{algorithm} needs a flow-matching policy; {lerobot_type} is not one — {instead}"
         )
 
 

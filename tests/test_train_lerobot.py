@@ -8,6 +8,7 @@ weights as they were and "full" moves them, the saved folder is a LeRobot folder
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -193,12 +194,20 @@ def test_trainable_knob_is_checked_when_the_config_is_made(tmp_path: Path) -> No
 
 def test_a_lerobot_base_that_is_not_a_flow_vla_is_refused_at_config_time(tmp_path: Path) -> None:
     from vla_rl.train.awr import AWRConfig
+    from vla_rl.train.sft import SFTConfig
 
     act = tmp_path / "act"
     act.mkdir()
     (act / "config.json").write_text(json.dumps({"type": "act", "chunk_size": 4}))
     with pytest.raises(ValueError, match="base: awr needs a flow-matching policy; act is not one — use sft"):
         AWRConfig(store=tmp_path, base=str(act), out=tmp_path / "o")
+    with pytest.raises(
+        ValueError, match="base: sft needs a flow-matching policy; act is not one — fine-tune it"
+    ):
+        SFTConfig(store=tmp_path, base=str(act), out=tmp_path / "o")
+    SFTConfig(
+        store=tmp_path, base=str(act), out=tmp_path / "o", init="scratch"
+    )  # the base only compared against
 
 
 # ---------------------------------------------------------------------------- AWR
@@ -447,6 +456,18 @@ def test_a_round_on_a_lerobot_base_pushes_a_lerobot_folder_the_server_swaps_to(
         with PolicyClient(server.address, timeout_s=120, model_id="vla") as client:
             served = client.act(frame)
         assert served.commit == rec.checkpoint_revision and served.actions.shape == (ours.chunk_len, 4)
+
+        # a hub base that is not a flow VLA: the round stops, naming the algorithm and the type
+        act = tmp_path / "act"
+        act.mkdir()
+        (act / "config.json").write_text(json.dumps({"type": "act", "chunk_size": 4}))
+        push_folder(act, "fleet/act", message="an ACT policy", tag="prod")
+        act_round = RoundConfig(
+            train=dataclasses.replace(train, base="hub://fleet/act@prod"), eval_episodes=2, eval_envs=1
+        )
+        with pytest.raises(ValueError, match="awr needs a flow-matching policy; act is not one — use sft"):
+            start_round(act_round, db=MetadataDB.for_store(store))
+        assert MetadataDB.for_store(store).rounds()[-1].status == "failed"
     finally:
         if server is not None:
             server.stop()

@@ -44,7 +44,7 @@ from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalizatio
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
 from policies.loading import FlowCheckpoint
 from vla_rl.hub.checkpoint import Lineage
-from vla_rl.train.base import TrainerConfig, TrainResult
+from vla_rl.train.base import TrainerConfig, TrainResult, check_flow_base
 from vla_rl.train.common import EMA, RunClock, Throughput, autocast_for, dataset_digest, sample_indices
 from vla_rl.train.contract import (
     PolicyInputs,
@@ -159,6 +159,8 @@ class SFTConfig(TrainerConfig):
                 f"trainable: SFT from scratch trains the whole new model, got {self.trainable!r} "
                 "(a part of a base trains with init 'base')"
             )
+        if self.init != "scratch":  # a local LeRobot base that is not a flow VLA: said now, not after loading
+            check_flow_base(self.base, self.algorithm)
 
 
 @dataclass(kw_only=True)
