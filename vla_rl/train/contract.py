@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from policies.flow_policy import FlowPolicy, FlowPolicyError, FlowVLAFlowPolicy, TrainableParts
+from policies.lerobot_flow import LeRobotFlowPolicy
 from policies.loading import FlowCheckpoint, load_flow_checkpoint
 from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.base import TrainerConfig
@@ -66,13 +67,13 @@ def load_base(cfg: TrainerConfig, device: torch.device) -> FlowCheckpoint:
 
 
 def default_trainable(policy: FlowPolicy) -> TrainableParts:
-    """``full`` for FlowVLA; for a LeRobot VLA ``expert`` on a CPU, else its config's ``train_expert_only``."""
-    config = getattr(getattr(policy, "policy", None), "config", None)
-    if config is None:
+    """``full`` for FlowVLA (what its trainers always trained); for a LeRobot VLA ``expert`` on a CPU,
+    elsewhere what its config's ``train_expert_only`` says."""
+    if not isinstance(policy, LeRobotFlowPolicy):
         return "full"
     if policy.device.type == "cpu":
         return "expert"
-    return "expert" if getattr(config, "train_expert_only", True) else "full"
+    return "expert" if policy.policy.config.train_expert_only else "full"
 
 
 def trainable_parameters(cfg: TrainerConfig, policy: FlowPolicy) -> list[nn.Parameter]:
