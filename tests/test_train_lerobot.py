@@ -472,3 +472,21 @@ def test_a_round_on_a_lerobot_base_pushes_a_lerobot_folder_the_server_swaps_to(
         if server is not None:
             server.stop()
         hub.stop()
+
+
+def test_sft_init_base_continues_our_flowvla_too(store: Path, tmp_path: Path) -> None:
+    """The same continued fine-tuning on our checkpoint: the base's architecture (not the model knobs),
+    its weights as the start, its commit as the parent; ``init auto`` keeps training ours from scratch."""
+    from tiny_base import tiny_sft
+
+    from vla_rl.hub.checkpoint import read_info
+
+    base = tiny_sft(TASK, store, tmp_path / "base", steps=2, batch_size=8)
+    cont = _sft(store, base, tmp_path / "cont", steps=2, init="base", d_model=64)
+    info = read_info(cont)
+    assert info.model_config["d_model"] == 32 and info.lineage.parent_revision == pull(str(base)).commit
+    scratch = _sft(store, base, tmp_path / "scratch", steps=2, d_model=64, instruction_encoder="none")
+    assert (
+        read_info(scratch).model_config["d_model"] == 64
+        and read_info(scratch).lineage.parent_revision is None
+    )
