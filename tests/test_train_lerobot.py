@@ -188,6 +188,10 @@ def test_trainable_knob_is_checked_when_the_config_is_made(tmp_path: Path) -> No
         AWRConfig(store=tmp_path, base=str(tmp_path), out=tmp_path / "o", trainable="lora")
     with pytest.raises(ValueError, match="trainable: SFT from scratch trains the whole new model"):
         SFTConfig(store=tmp_path, out=tmp_path / "o", init="scratch", trainable="expert")
+    from vla_rl.train.algorithms import make_config
+
+    with pytest.raises(ValueError, match="trainable: fql does not choose which parts of its policy train"):
+        make_config("fql", base="b", store=tmp_path, out=tmp_path / "o", trainable="expert")
     with pytest.raises(ValueError, match="trainable: expected"):
         SFTConfig(store=tmp_path, out=tmp_path / "o", trainable="half")  # type: ignore[arg-type]
 
