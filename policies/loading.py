@@ -168,6 +168,19 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+@torch.no_grad()
+def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | None) -> np.ndarray:
+    """float32 [N, H, A] env-unit chunks of ``policy.predict_action_chunk`` (a FlowVLA or any flow policy)
+    for a batch of observations (state, cameras, instruction), its initial noise drawn from ``seed``."""
+    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
+    chunks = policy.predict_action_chunk(
+        {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
+        num_steps=num_steps,
+        generator=gen,
+    )
+    return chunks.float().cpu().numpy()
+
+
 @dataclass
 class LoadedPolicy:
     """A verified checkpoint, ready to act. Implements :class:`vla_rl.evaluation.ChunkPolicy`."""
@@ -199,16 +212,9 @@ class LoadedPolicy:
         """The checkpoint's task, which ``asked`` (a config's ``task``) must match when given."""
         return checkpoint_task(self.spec, asked)
 
-    @torch.no_grad()
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
         """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise."""
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
-        chunks = self.policy.predict_action_chunk(
-            {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
-            num_steps=self.num_steps,
-            generator=gen,
-        )
-        return chunks.float().cpu().numpy()
+        return seeded_chunks(self.policy, obs, seed, self.num_steps)
 
 
 def load_policy(
@@ -307,22 +313,15 @@ class FlowCheckpoint:
     def is_lerobot(self) -> bool:
         return self.lerobot_type is not None
 
-    @torch.no_grad()
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
         """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise (our
-        checkpoints: the very chunks :meth:`LoadedPolicy.predict_chunks` gives)."""
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
+        checkpoints: the very chunks :meth:`LoadedPolicy.predict_chunks` gives), in eval mode."""
         was_training = self.policy.training
         self.policy.train(False)
         try:
-            chunks = self.policy.predict_action_chunk(
-                {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
-                num_steps=self.num_steps,
-                generator=gen,
-            )
+            return seeded_chunks(self.policy, obs, seed, self.num_steps)
         finally:
             self.policy.train(was_training)
-        return chunks.float().cpu().numpy()
 
 
 def load_flow_checkpoint(
