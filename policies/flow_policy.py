@@ -19,6 +19,12 @@ being the robot's (:meth:`FlowPolicy.logprob_mask` is False on the padding and o
 env units and optionally ``"action_is_pad"`` ``[B, H]``. Each implementation normalises them itself
 (FlowVLA: its statistics; LeRobot: the folder's own pre/post-processors).
 
+**Advantage conditioning (RECAP)**: an observation's ``"advantage"`` (int ``[B]``: 0 unconditioned, 1
+negative, 2 positive) conditions a policy made advantage-conditioned by :meth:`FlowPolicy.condition_on_advantage`
+(FlowVLA: a learned embedding added to the trunk tokens; LeRobot: "Advantage: positive" / "negative" appended
+to the instruction). Observations that name none act as positive, with classifier-free guidance between the
+unconditioned and the positive prefix when the guidance scale saved with the policy is not 1.
+
 **Which parameters train** (:meth:`FlowPolicy.set_trainable`, :data:`TRAINABLE_PARTS`): ``"expert"`` = the
 action expert and its projections, the VLM / trunk frozen (the CPU default for LeRobot VLAs); ``"full"`` =
 everything the model trains; ``"lora"`` is refused (``peft`` is not installed here).
@@ -29,7 +35,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
@@ -38,15 +44,16 @@ import torch
 from torch import nn
 from vla_rl_client.spec import RobotSpec
 
-from policies.flow_vla import FlowSample, FlowVLAPolicy, PrefixCache, euler_sample
+from policies.flow_vla import FlowSample, FlowVLAConfig, FlowVLAPolicy, PrefixCache, euler_sample
 from policies.flow_vla.sampling import check_num_steps, initial_noise
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
 Tensor = torch.Tensor
 TrainableParts = Literal["expert", "full", "lora"]
 TRAINABLE_PARTS: tuple[str, ...] = get_args(TrainableParts)
-EXPERT_MODULES = ("expert.", "noise_head.")
-"""FlowVLA's action head: the expert (with its prefix K/V projections) and the Flow-Noise std head."""
+EXPERT_MODULES = ("expert.", "noise_head.", "advantage_embedding.")
+"""FlowVLA's action head: the expert (with its prefix K/V projections), the Flow-Noise std head, and
+RECAP's advantage embedding (new when a policy is made advantage-conditioned: it must learn)."""
 
 
 class FlowPolicyError(ValueError):
@@ -139,8 +146,17 @@ class FlowPolicy(Protocol):
         x0 and t; drawn otherwise (π0's Beta time). AWR / RECAP weights multiply this."""
         ...
 
+    def sample_time(self, n: int) -> Tensor:
+        """``[n]`` training times in our convention, drawn as the policy trains (π0's Beta(1.5, 1))."""
+        ...
+
     def features(self, prefix: Prefix) -> Tensor:
         """``[B, F]`` per-observation features for value heads (the pooled prefix / VLM output)."""
+        ...
+
+    def condition_on_advantage(self, guidance_scale: float) -> FlowPolicy:
+        """This policy advantage-conditioned (RECAP), acting with ``guidance_scale`` when deployed (saved
+        with it); the policy to train from here on (it may be this one)."""
         ...
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
@@ -325,9 +341,40 @@ class FlowVLAFlowPolicy(nn.Module):
     ) -> Tensor:
         return self.model.per_sample_loss(batch, noise=noise, time=time)
 
+    def sample_time(self, n: int) -> Tensor:
+        return self.model.sample_time(n)
+
     def features(self, prefix: PrefixCache) -> Tensor:
         """The mean trunk token ``[B, d_model]``."""
         return prefix.pooled()
+
+    def condition_on_advantage(self, guidance_scale: float) -> FlowVLAFlowPolicy:
+        """A new FlowVLA with the same weights plus RECAP's advantage embedding (fresh, as the model
+        initialises it) and ``guidance_scale`` in its config; an already conditioned model keeps its
+        embedding."""
+        return self.rebuilt(advantage_conditioning=True, guidance_scale=guidance_scale)
+
+    def rebuilt(self, **config: Any) -> FlowVLAFlowPolicy:
+        """A new FlowVLA of this config with ``config`` overriding it, carrying this one's weights (the
+        trainers' policy to update, apart from the base they score with). Building the model draws its
+        fresh initialisation from the global generator, as the trainers always did, so their later draws
+        are unchanged."""
+        try:
+            model = FlowVLAPolicy(FlowVLAConfig.from_dict(self.model.config.to_dict() | config)).to(
+                self.device
+            )
+        except ValueError as e:
+            raise FlowPolicyError(str(e)) from None
+        missing, unexpected = model.load_state_dict(self.model.state_dict(), strict=False)
+        if unexpected or set(missing) - {"advantage_embedding.weight"}:
+            raise FlowPolicyError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
+        base = replace(self.base, model_config=model.config.to_dict()) if self.base is not None else None
+        return FlowVLAFlowPolicy(model, self.spec, base)
+
+    @property
+    def lineage(self) -> Lineage | None:
+        """The checkpoint's lineage (None for a model built here)."""
+        return self.base.lineage if self.base is not None else None
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
         return self.model.normalizer.normalize_action(actions)
@@ -337,8 +384,8 @@ class FlowVLAFlowPolicy(nn.Module):
 
     # ---------------------------------------------------------------- training / IO
     def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
-        """``"expert"``: the action expert (with its prefix K/V projections) and the noise head; the
-        encoders, trunk and embeddings frozen. ``"full"``: everything the config trains (a frozen
+        """``"expert"``: the action expert (with its prefix K/V projections), the noise head and RECAP's
+        advantage embedding; the encoders, trunk and other embeddings frozen. ``"full"``: everything the config trains (a frozen
         ResNet-18 backbone stays frozen)."""
         check_trainable(parts)
         for name, p in self.model.named_parameters():

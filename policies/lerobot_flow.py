@@ -15,7 +15,15 @@ contract                 LeRobot pieces (``policy.model`` is ``VLAFlowMatching``
 ``features``             the VLM's last hidden state averaged over the valid prefix tokens
 ``(un)normalize``        the folder's normaliser / un-normaliser processor steps
 ``save``                 ``save_pretrained`` of the policy and both processors (+ ``vlm/`` for folders made here)
+                         and our metadata beside them (:mod:`policies.lerobot_sidecar`)
 =======================  =====================================================================================
+
+**Advantage conditioning (RECAP)** is text, as the π0.6 paper and LeRobot's RECAP put it: an observation's
+``"advantage"`` (int ``[B]``: 0 unconditioned, 1 negative, 2 positive; the contract's, FlowVLA takes the same)
+appends ``"Advantage: negative"`` / ``"Advantage: positive"`` to its instruction. A policy made
+advantage-conditioned (:meth:`LeRobotFlowPolicy.condition_on_advantage`, recorded in the sidecar) acts on
+positive when an observation names none, with classifier-free guidance between the unconditioned and the
+positive prompt when its guidance scale is not 1.
 
 Differences from LeRobot's own ``forward(reduction="none")``, said plainly: π0 / π0.5 ignore
 ``action_is_pad`` there (every step counts); here padded steps never count, as in SmolVLA and FlowVLA.
@@ -25,10 +33,9 @@ Refused at load, naming the field: SmolVLA's ``adapt_to_pi_aloha`` and ``use_cac
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,24 +51,42 @@ from policies.flow_policy import (
     euler_sample_prefix,
     masked_mean_per_sample,
 )
-from policies.flow_vla import FlowSample, to_openpi_time, velocity_from_openpi
+from policies.flow_vla import FlowSample, from_openpi_time, to_openpi_time, velocity_from_openpi
 from policies.flow_vla.sampling import check_num_steps, initial_noise
 from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
 from policies.lerobot_local import copy_local_resources
-from vla_rl.hub.checkpoint import Lineage
+from policies.lerobot_sidecar import (
+    LINEAGE_FILE,
+    AdvantageConditioning,
+    check_spec_fits,
+    read_sidecar,
+    write_sidecar,
+)
+from vla_rl.hub.checkpoint import CheckpointError, Lineage
 
 Tensor = torch.Tensor
 FLOW_TYPES = ("smolvla", "pi0", "pi05")
 """LeRobot policy types that are flow-matching VLAs (an action expert on a VLM prefix)."""
-LINEAGE_FILE = "vla_rl_lineage.json"
-"""Beside a saved LeRobot folder: our lineage and metrics (LeRobot ignores the file)."""
+__all__ = [
+    "FLOW_TYPES",
+    "LINEAGE_FILE",
+    "GuidedPrefix",
+    "LeRobotFlowPolicy",
+    "LeRobotPrefix",
+    "require_flow_type",
+]
 
 
 def require_flow_type(lerobot_type: str, algorithm: str) -> None:
     """Refuse a LeRobot policy that is not a flow VLA, naming the type and what to use instead."""
     if lerobot_type not in FLOW_TYPES:
+        instead = (
+            "fine-tune it with LeRobot's own trainer, or train our policy from scratch (init scratch)"
+            if algorithm == "sft"  # continuing a base: our SFT continues flow VLAs only
+            else "use sft"
+        )
         raise FlowPolicyError(
-            f"{algorithm} needs a flow-matching policy; {lerobot_type} is not one — use sft"
+            f"{algorithm} needs a flow-matching policy; {lerobot_type} is not one — {instead}"
         )
 
 
@@ -93,6 +118,23 @@ class LeRobotPrefix:
             hidden=self.hidden.repeat_interleave(n, 0),
             state=None if self.state is None else self.state.repeat_interleave(n, 0),
         )
+
+
+@dataclass
+class GuidedPrefix:
+    """Classifier-free guidance: the unconditioned and the positive prefixes of the same observations;
+    :meth:`LeRobotFlowPolicy.velocity` on it is ``(1 - scale) v(uncond) + scale v(cond)``."""
+
+    uncond: LeRobotPrefix
+    cond: LeRobotPrefix
+    scale: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.cond.batch_size
+
+    def repeat_interleave(self, n: int) -> GuidedPrefix:
+        return GuidedPrefix(self.uncond.repeat_interleave(n), self.cond.repeat_interleave(n), self.scale)
 
 
 def _cache(layers: Any) -> Any:
@@ -130,6 +172,14 @@ class LeRobotFlowPolicy(nn.Module):
         self.local = build.local
         self._normalizer = _step(build.preprocessor, "NormalizerProcessorStep")
         self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
+        try:
+            self.sidecar = read_sidecar(build.path)
+            if self.sidecar.robot_spec is not None:  # the task's spec: its name and instruction
+                check_spec_fits(self.sidecar.robot_spec, build.spec)
+                self.spec = self.sidecar.robot_spec
+        except CheckpointError as e:
+            raise FlowPolicyError(str(e)) from None
+        self.advantage: AdvantageConditioning | None = self.sidecar.advantage
 
     @classmethod
     def load(
@@ -194,6 +244,7 @@ class LeRobotFlowPolicy(nn.Module):
         texts = [instr] * b if isinstance(instr, str) else [str(x) for x in instr]
         if len(texts) != b:
             raise FlowPolicyError(f"instruction: expected {b} strings, got {len(texts)}")
+        texts = self._conditioned(texts, obs.get("advantage"))
         state = None
         if self.spec.state_dim:
             state = _tensor(obs, "state", (b, self.spec.state_dim)).float()
@@ -207,6 +258,31 @@ class LeRobotFlowPolicy(nn.Module):
         if obs.get("action_is_pad") is not None:
             batch["action_is_pad"] = _tensor(obs, "action_is_pad", (b, self.chunk_len)).bool()
         return self.preprocessor(batch)
+
+    def _conditioned(self, texts: list[str], advantage: Any) -> list[str]:
+        """RECAP's prompts: each instruction with its ``advantage`` indicator's text (positive when the
+        policy is advantage-conditioned and none is given); unchanged for a policy that is not."""
+        cond = self.advantage
+        if cond is None:
+            if advantage is not None:
+                raise FlowPolicyError(
+                    "advantage: this policy is not advantage-conditioned (condition_on_advantage first)"
+                )
+            return texts
+        if advantage is None:
+            return [cond.prompt(t, 2) for t in texts]
+        ind = torch.as_tensor(advantage).reshape(-1).tolist()
+        if len(ind) != len(texts) or any(i not in (0, 1, 2) for i in ind):
+            raise FlowPolicyError(f"advantage: expected {len(texts)} values in {{0, 1, 2}}, got {ind[:8]}")
+        return [cond.prompt(t, int(i)) for t, i in zip(texts, ind, strict=True)]
+
+    def _guided(self, obs: Mapping[str, Any]) -> GuidedPrefix | None:
+        """The unconditioned and positive prefixes when classifier-free guidance applies to ``obs``."""
+        cond = self.advantage
+        if cond is None or cond.guidance_scale == 1.0 or obs.get("advantage") is not None:
+            return None
+        uncond = self.encode_prefix({**obs, "advantage": torch.zeros(_batch_size(obs), dtype=torch.long)})
+        return GuidedPrefix(uncond, self.encode_prefix(obs), cond.guidance_scale)
 
     def _pieces(
         self, batch: Mapping[str, Any]
@@ -254,7 +330,10 @@ class LeRobotFlowPolicy(nn.Module):
             prefix_pad_masks=prefix.pad_masks, past_key_values=prefix.cache, x_t=x, timestep=s, **extra
         )
 
-    def velocity(self, prefix: LeRobotPrefix, x_t: Tensor, t: Tensor | float) -> Tensor:
+    def velocity(self, prefix: LeRobotPrefix | GuidedPrefix, x_t: Tensor, t: Tensor | float) -> Tensor:
+        if isinstance(prefix, GuidedPrefix):
+            g = prefix.scale
+            return (1.0 - g) * self.velocity(prefix.uncond, x_t, t) + g * self.velocity(prefix.cond, x_t, t)
         n = x_t.shape[0]
         if n != prefix.batch_size or tuple(x_t.shape[1:]) != self.event_shape:
             raise FlowPolicyError(
@@ -275,9 +354,12 @@ class LeRobotFlowPolicy(nn.Module):
         generator: torch.Generator | None = None,
         return_iterates: bool = False,
     ) -> FlowSample:
-        prefix = (
-            obs_or_prefix if isinstance(obs_or_prefix, LeRobotPrefix) else self.encode_prefix(obs_or_prefix)
-        )
+        """Euler on :meth:`velocity`; observations of an advantage-conditioned policy that name no
+        ``"advantage"`` are guided (:class:`GuidedPrefix`) when its guidance scale is not 1."""
+        if isinstance(obs_or_prefix, LeRobotPrefix | GuidedPrefix):
+            prefix: LeRobotPrefix | GuidedPrefix = obs_or_prefix
+        else:
+            prefix = self._guided(obs_or_prefix) or self.encode_prefix(obs_or_prefix)
         return euler_sample_prefix(
             self,
             prefix,
@@ -321,8 +403,14 @@ class LeRobotFlowPolicy(nn.Module):
         err = m.forward(*args, actions, x0, s)[..., : self.action_dim]
         return masked_mean_per_sample(err, lb.get("action_is_pad"))
 
-    def features(self, prefix: LeRobotPrefix) -> Tensor:
+    def sample_time(self, n: int) -> Tensor:
+        """LeRobot's training time (π0's Beta(1.5, 1), SmolVLA's fixed, π0's from its config) in our convention."""
+        return from_openpi_time(self.policy.model.sample_time(n, self.device))
+
+    def features(self, prefix: LeRobotPrefix | GuidedPrefix) -> Tensor:
         """``[B, W]``: the VLM's last hidden state averaged over the valid prefix tokens."""
+        if isinstance(prefix, GuidedPrefix):
+            prefix = prefix.cond
         w = prefix.pad_masks.to(prefix.hidden.dtype)[..., None]
         return ((prefix.hidden * w).sum(1) / w.sum(1).clamp_min(1.0)).float()
 
@@ -361,6 +449,20 @@ class LeRobotFlowPolicy(nn.Module):
         self.train(self.training)  # LeRobot's train() puts a frozen VLM back in eval mode
         return [p for p in self.policy.parameters() if p.requires_grad]
 
+    def condition_on_advantage(self, guidance_scale: float) -> LeRobotFlowPolicy:
+        """Make this policy advantage-conditioned (RECAP: the indicator's text in its prompt) with
+        ``guidance_scale`` for deployment; returns itself (the weights are unchanged: the text is new)."""
+        try:
+            self.advantage = AdvantageConditioning(guidance_scale=guidance_scale)
+        except ValueError as e:
+            raise FlowPolicyError(str(e)) from None
+        return self
+
+    @property
+    def lineage(self) -> Lineage | None:
+        """The folder's lineage (:data:`LINEAGE_FILE`), None for a folder from elsewhere."""
+        return self.sidecar.lineage
+
     def save(
         self,
         folder: str | os.PathLike[str],
@@ -369,19 +471,22 @@ class LeRobotFlowPolicy(nn.Module):
         metrics: Mapping[str, Any] | None = None,
     ) -> Path:
         """A LeRobot policy folder (``config.json`` with its ``type``, ``model.safetensors``, both processors)
-        that LeRobot's own ``from_pretrained`` loads, plus ``vlm/`` for folders made here and
-        :data:`LINEAGE_FILE` when a lineage or metrics are given."""
+        that LeRobot's own ``from_pretrained`` loads, plus ``vlm/`` for folders made here, and beside it
+        :data:`LINEAGE_FILE` (lineage, default the loaded folder's; metrics; the robot spec; the advantage
+        conditioning) with a ``README.md`` model card from it."""
         out = Path(folder)
         copy_local_resources(self.local, out, self.policy, self.preprocessor)
         self.policy.save_pretrained(out)
         self.preprocessor.save_pretrained(out)
         self.postprocessor.save_pretrained(out)
-        if lineage is not None or metrics:
-            record = {
-                "lineage": asdict(lineage) if lineage is not None else None,
-                "metrics": dict(metrics or {}),
-            }
-            (out / LINEAGE_FILE).write_text(json.dumps(record, indent=2, default=str))
+        sidecar = replace(
+            self.sidecar,
+            lineage=lineage if lineage is not None else self.sidecar.lineage,
+            metrics=dict(metrics or {}),
+            robot_spec=self.spec,
+            advantage=self.advantage,
+        )
+        write_sidecar(out, sidecar, f"lerobot/{self.lerobot_type}")
         return out
 
 

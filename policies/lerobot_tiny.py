@@ -48,6 +48,7 @@ from policies.lerobot_local import (
     pi_sizes,
     positive_ints,
 )
+from policies.lerobot_sidecar import Sidecar, write_sidecar
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 SMOLVLM_IMAGE_TOKENS = {
@@ -208,6 +209,7 @@ def save_tiny_policy(
     ones). ``words``: instruction words for the tokenizer (the spec's instruction is added). ``config``:
     LeRobot config overrides (``chunk_size``, ``n_action_steps``, ``max_action_dim``, ...); the image
     resolution follows ``sizes.vision.image_size``. ``stats`` as :func:`~policies.lerobot_adapter.save_random_policy`.
+    ``spec`` (its task name and instruction) is recorded beside the folder (:mod:`policies.lerobot_sidecar`).
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +225,8 @@ def save_tiny_policy(
             "num_vlm_layers": s.text.depth,
             "resize_imgs_with_padding": (s.vision.image_size, s.vision.image_size),
         }
-        return save_random_policy(out, policy_type, spec, seed=seed, stats=stats, **{**defaults, **config})
+        save_random_policy(out, policy_type, spec, seed=seed, stats=stats, **{**defaults, **config})
+        return _with_spec(out, spec)
     if policy_type not in PI_TYPES:
         raise ValueError(f"policy_type: expected 'smolvla', 'pi0' or 'pi05', got {policy_type!r}")
     s = sizes if sizes is not None else TINY_PI
@@ -237,4 +240,12 @@ def save_tiny_policy(
     (out / PI_SIZES_FILE).write_text(json.dumps(s.to_dict(), indent=2))
     defaults = {"image_resolution": (s.vision.image_size, s.vision.image_size)}
     with pi_sizes(s), _paligemma_tokenizer(tok):
-        return save_random_policy(out, policy_type, spec, seed=seed, stats=stats, **{**defaults, **config})
+        save_random_policy(out, policy_type, spec, seed=seed, stats=stats, **{**defaults, **config})
+    return _with_spec(out, spec)
+
+
+def _with_spec(folder: Path, spec: RobotSpec) -> Path:
+    """Record the task's robot spec (its name and instruction) beside the folder, so a round on it knows
+    its task (:mod:`policies.lerobot_sidecar`)."""
+    write_sidecar(folder, Sidecar(robot_spec=spec), "")
+    return folder

@@ -19,7 +19,7 @@ import torch
 from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, LoadLimits, load_checkpoint
+from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, LoadLimits, load_checkpoint
 
 if TYPE_CHECKING:
     from policies.flow_policy import FlowPolicy
@@ -155,10 +155,30 @@ def build_policy(info: CheckpointInfo, state_dict: dict[str, torch.Tensor] | Non
     return policy
 
 
+def checkpoint_task(spec: RobotSpec, asked: str | None) -> str:
+    """``spec``'s task, or a ValueError naming both when ``asked`` is another."""
+    if asked is not None and asked != spec.name:
+        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {asked!r}")
+    return spec.name
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+@torch.no_grad()
+def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | None) -> np.ndarray:
+    """float32 [N, H, A] env-unit chunks of ``policy.predict_action_chunk`` (a FlowVLA or any flow policy)
+    for a batch of observations (state, cameras, instruction), its initial noise drawn from ``seed``."""
+    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
+    chunks = policy.predict_action_chunk(
+        {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
+        num_steps=num_steps,
+        generator=gen,
+    )
+    return chunks.float().cpu().numpy()
 
 
 @dataclass
@@ -177,19 +197,24 @@ class LoadedPolicy:
         return self.info.robot_spec
 
     @property
+    def lineage(self) -> Lineage:
+        return self.info.lineage
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.info.metrics
+
+    @property
     def chunk_len(self) -> int:
         return self.policy.config.chunk_len
 
-    @torch.no_grad()
+    def task(self, asked: str | None) -> str:
+        """The checkpoint's task, which ``asked`` (a config's ``task``) must match when given."""
+        return checkpoint_task(self.spec, asked)
+
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
         """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise."""
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
-        chunks = self.policy.predict_action_chunk(
-            {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
-            num_steps=self.num_steps,
-            generator=gen,
-        )
-        return chunks.float().cpu().numpy()
+        return seeded_chunks(self.policy, obs, seed, self.num_steps)
 
 
 def load_policy(
@@ -240,14 +265,126 @@ def load_flow_policy(
     """A checkpoint reference as a :class:`~policies.flow_policy.FlowPolicy`, what trainers hold: our
     checkpoint (verified as :func:`load_policy` does) or a LeRobot SmolVLA / π0 / π0.5 folder. Any other
     LeRobot type is refused naming it: ``"<algorithm> needs a flow-matching policy; act is not one — use sft"``."""
+    return load_flow_checkpoint(ref, algorithm=algorithm, device=device, cache_dir=cache_dir).policy
+
+
+@dataclass
+class FlowCheckpoint:
+    """A :class:`~policies.flow_policy.FlowPolicy` with where it came from: what trainers start from and what
+    evaluation and rounds score (it is a :class:`vla_rl.evaluation.ChunkPolicy`). The same for our
+    checkpoints and LeRobot folders: the robot spec (a LeRobot folder's from our sidecar when it has one,
+    :mod:`policies.lerobot_sidecar`), the lineage and metrics it records, the commit it was pulled at."""
+
+    policy: FlowPolicy
+    spec: RobotSpec
+    path: Path
+    commit: str
+    ref: str
+    lineage: Lineage | None
+    metrics: dict[str, Any]
+    lerobot_type: str | None = None
+    """``smolvla`` / ``pi0`` / ``pi05`` for a LeRobot folder, None for our checkpoint."""
+    spec_names_task: bool = True
+    """``spec.name`` is the task it acts in (False: a LeRobot folder without our sidecar's robot spec,
+    whose spec is only what its config describes)."""
+    num_steps: int | None = None
+
+    def task(self, asked: str | None) -> str:
+        """The task to train or evaluate in: the checkpoint's, which ``asked`` (a config's ``task``) must
+        match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None)."""
+        if self.spec_names_task:
+            return checkpoint_task(self.spec, asked)
+        if asked is None:
+            raise ValueError(
+                f"task: {self.ref} is a LeRobot {self.lerobot_type} folder that names no task (no robot spec "
+                "in its vla_rl_lineage.json); say which (--task)"
+            )
+        return asked
+
+    @property
+    def chunk_len(self) -> int:
+        return self.policy.chunk_len
+
+    @property
+    def n_exec(self) -> int:
+        return self.policy.n_exec
+
+    @property
+    def is_lerobot(self) -> bool:
+        return self.lerobot_type is not None
+
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise (our
+        checkpoints: the very chunks :meth:`LoadedPolicy.predict_chunks` gives), in eval mode."""
+        was_training = self.policy.training
+        self.policy.train(False)
+        try:
+            return seeded_chunks(self.policy, obs, seed, self.num_steps)
+        finally:
+            self.policy.train(was_training)
+
+
+def load_flow_checkpoint(
+    ref: str | os.PathLike[str],
+    *,
+    algorithm: str = "training",
+    device: str = "auto",
+    cache_dir: Path | None = None,
+) -> FlowCheckpoint:
+    """:func:`load_flow_policy` with the checkpoint's spec, lineage, metrics and commit
+    (:class:`FlowCheckpoint`)."""
+    from vla_rl.hub.registry import pull
+
+    ckpt = pull(str(ref), cache_dir=cache_dir)
+    return _flow_checkpoint(Path(ckpt.path), ckpt.commit, str(ref), algorithm, device)
+
+
+def _flow_checkpoint(path: Path, commit: str, ref: str, algorithm: str, device: str) -> FlowCheckpoint:
     from policies.flow_policy import FlowVLAFlowPolicy
     from policies.lerobot_adapter import is_lerobot_folder
     from policies.lerobot_flow import LeRobotFlowPolicy
+
+    if is_lerobot_folder(path):
+        lr = LeRobotFlowPolicy.load(path, algorithm=algorithm, device=pick_device(device))
+        return FlowCheckpoint(
+            policy=lr,
+            spec=lr.spec,
+            path=path,
+            commit=commit,
+            ref=ref,
+            lineage=lr.lineage,
+            metrics=dict(lr.sidecar.metrics),
+            lerobot_type=lr.lerobot_type,
+            spec_names_task=lr.sidecar.robot_spec is not None,
+        )
+    loaded = _load_folder(path, commit, ref, device)
+    return FlowCheckpoint(
+        policy=FlowVLAFlowPolicy.from_checkpoint(loaded.policy, loaded.info),
+        spec=loaded.info.robot_spec,
+        path=path,
+        commit=commit,
+        ref=ref,
+        lineage=loaded.info.lineage,
+        metrics=dict(loaded.info.metrics),
+    )
+
+
+def load_chunk_policy(
+    ref: str | os.PathLike[str],
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    *,
+    algorithm: str = "evaluation",
+) -> LoadedPolicy | FlowCheckpoint:
+    """What evaluation and rounds score: our checkpoint as :func:`load_policy` loads it (a
+    :class:`LoadedPolicy`), a LeRobot SmolVLA / π0 / π0.5 folder as a :class:`FlowCheckpoint` (any other
+    LeRobot type is refused naming it and ``algorithm``). Both are :class:`vla_rl.evaluation.ChunkPolicy` s
+    with ``spec``, ``commit``, ``lineage``, ``metrics``, ``num_steps`` and ``task()``."""
+    from policies.lerobot_adapter import is_lerobot_folder
     from vla_rl.hub.registry import pull
 
     ckpt = pull(str(ref), cache_dir=cache_dir)
     path = Path(ckpt.path)
     if is_lerobot_folder(path):
-        return LeRobotFlowPolicy.load(path, algorithm=algorithm, device=pick_device(device))
-    loaded = _load_folder(path, ckpt.commit, str(ref), device)
-    return FlowVLAFlowPolicy.from_checkpoint(loaded.policy, loaded.info)
+        return _flow_checkpoint(path, ckpt.commit, str(ref), algorithm, device)
+    return _load_folder(path, ckpt.commit, str(ref), device)

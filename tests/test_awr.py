@@ -357,8 +357,8 @@ def test_awr_with_one_instruction_for_all_cannot_follow_it(
     left_right: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The old behaviour (every frame conditioned on the spec's instruction) fails the test above."""
-    from vla_rl.train import awr
+    from vla_rl.train import contract
 
-    monkeypatch.setattr(awr, "instruction_table", spec_instruction_only)
+    monkeypatch.setattr(contract, "instruction_table", spec_instruction_only)
     left, right = _awr_left_right(left_right, tmp_path)
     assert abs(left - right) < 0.5, (left, right)

@@ -8,9 +8,6 @@ built here (policies/lerobot_tiny.py): no download, and a guard refuses any conn
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +15,14 @@ from unittest import mock
 
 import pytest
 import torch
+from lerobot_offline import from_pretrained, lerobot_actions, offline, one_torch_thread
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.flow_policy import FlowPolicy, FlowPolicyError
 from policies.lerobot_adapter import save_random_policy
 from policies.lerobot_flow import FLOW_TYPES, LINEAGE_FILE, LeRobotFlowPolicy
-from policies.lerobot_local import LOCAL_VLM_DIR, PI_SIZES_FILE, pi_sizes, read_pi_sizes
+from policies.lerobot_local import LOCAL_VLM_DIR, PI_SIZES_FILE
 from policies.lerobot_tiny import save_tiny_policy
 from policies.loading import load_flow_policy
 from vla_rl.hub.checkpoint import Lineage
@@ -67,38 +65,15 @@ B = 3
 @pytest.fixture(autouse=True, scope="module")
 def _offline() -> Iterator[None]:
     """Nothing here may reach the internet, building the folders included (module scope: set up before
-    them): every connection that leaves this machine is refused and recorded (a library that swallows
-    the error still fails the module)."""
-    real, attempts = socket.socket.connect, []
-
-    def connect(self: socket.socket, address: Any) -> Any:
-        host = address[0] if isinstance(address, tuple) else None
-        if host is not None:
-            try:
-                local = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                local = host == "localhost"
-            if not local:
-                attempts.append(address)
-                raise OSError(f"a test tried to reach {address}")
-        return real(self, address)
-
-    import huggingface_hub.constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket.socket, "connect", connect)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        mp.setenv("HF_HUB_OFFLINE", "1")  # this module's tests only: never at import (collection runs it
-        yield  # in every test process, and the rest of the suite talks to a local registry)
-    assert not attempts, f"tried to reach {attempts}"
+    them)."""
+    with offline():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +279,6 @@ def test_expert_trains_with_the_vlm_frozen_and_full_trains_everything(
 def test_saved_folder_loads_in_lerobot_from_pretrained_and_acts_as_ours(
     ptype: str, folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    from lerobot.policies.factory import get_policy_class, make_pre_post_processors
-
     fp = LeRobotFlowPolicy.load(folders[ptype])
     params = fp.set_trainable("expert")
     opt = torch.optim.SGD(params, lr=0.1)  # one step, so the saved weights are not the base's
@@ -313,25 +286,14 @@ def test_saved_folder_loads_in_lerobot_from_pretrained_and_acts_as_ours(
     opt.step()
     out = fp.save(tmp_path / "round1", lineage=Lineage(algorithm="awr", round=1), metrics={"train_steps": 1})
     assert (out / LINEAGE_FILE).is_file() and (out / LOCAL_VLM_DIR).is_dir()
-    sizes = read_pi_sizes(out)
-    with pi_sizes(sizes) if sizes is not None else contextlib.nullcontext():
-        theirs = get_policy_class(ptype).from_pretrained(str(out))
+    theirs = from_pretrained(out)
     assert type(theirs).name == ptype and theirs.config.train_expert_only
-    pre, post = make_pre_post_processors(theirs.config, pretrained_path=str(out))
     obs, x0 = observations(10), noise(11, B, *fp.event_shape)
-    with torch.no_grad():
-        lerobot_actions = post(theirs.predict_action_chunk(pre(_lerobot_batch(fp, obs)), noise=x0.clone()))
-    close(fp.predict_action_chunk(obs, noise=x0), lerobot_actions)
+    actions = lerobot_actions(theirs, out, obs, x0, fp.camera_keys)
+    close(fp.predict_action_chunk(obs, noise=x0), actions)
     again = load_flow_policy(out, algorithm="awr", device="cpu")
     assert isinstance(again, LeRobotFlowPolicy)
-    close(again.predict_action_chunk(obs, noise=x0), lerobot_actions)
-
-
-def _lerobot_batch(fp: LeRobotFlowPolicy, obs: dict[str, Any]) -> dict[str, Any]:
-    """The raw batch LeRobot's own server builds (before its pre-processor)."""
-    from policies.lerobot_adapter import to_lerobot_batch
-
-    return to_lerobot_batch(3, obs["state"], obs["cameras"], obs["instruction"], fp.camera_keys)
+    close(again.predict_action_chunk(obs, noise=x0), actions)
 
 
 def test_a_lerobot_policy_that_is_not_a_flow_vla_is_refused_naming_it(tmp_path: Path) -> None:

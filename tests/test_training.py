@@ -283,12 +283,12 @@ def test_sft_follows_each_episodes_instruction(tmp_path: Path) -> None:
 def test_one_instruction_for_all_cannot_follow_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The old behaviour (every sample conditioned on the spec's instruction) fails the test above."""
     from policies.flow_vla import embed_instructions
-    from vla_rl.train import sft
+    from vla_rl.train import contract
 
     def spec_only(ds, device):  # type: ignore[no-untyped-def]
         return embed_instructions([ds.spec.instruction] * len(ds.instructions)).to(device)
 
-    monkeypatch.setattr(sft, "instruction_table", spec_only)
+    monkeypatch.setattr(contract, "instruction_table", spec_only)
     left, right = _left_right_actions(left_right_store(tmp_path / "store"), tmp_path / "run")
     assert not (left < -0.5 and right > 0.5), (left, right)
     assert abs(left - right) < 0.5, (left, right)

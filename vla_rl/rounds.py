@@ -26,12 +26,15 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
-from policies.loading import load_policy
+from policies.lerobot_adapter import is_lerobot_folder
+from policies.lerobot_sidecar import record_evaluation
+from policies.loading import load_chunk_policy
 from vla_rl.core.configs import check_values
 from vla_rl.core.secrets import url_without_password
 from vla_rl.core.seeds import EVAL
@@ -144,7 +147,7 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
     """The base's success on exactly these eval seeds, if already measured: by the round that produced
     it (recorded in its config.json) or by an earlier round that compared against the same commit.
     Evaluation is deterministic given the seeds, so re-running it would only cost time."""
-    m = base.info.metrics
+    m = base.metrics
     if (
         m.get("eval_seed") == cfg.eval_seed
         and m.get("eval_episodes") == cfg.eval_episodes
@@ -557,6 +560,20 @@ class ProgressWriter:
             log.warning("progress write failed", extra={"round": self.round_id, "error": str(e)})
 
 
+def _record_evaluation(folder: Path, metrics: Mapping[str, Any], round_id: int) -> None:
+    """Record the round's evaluation in the checkpoint itself, with the round in its lineage and a model
+    card from them: our checkpoint's ``config.json`` metrics, or a LeRobot folder's sidecar
+    (:mod:`policies.lerobot_sidecar`; LeRobot's own files stay as the trainer saved them)."""
+    if is_lerobot_folder(folder):
+        record_evaluation(folder, metrics, round_id)
+        return
+    info, weights = load_checkpoint(folder)
+    lineage = dataclasses.replace(info.lineage, round=round_id)
+    save_checkpoint(
+        folder, weights, dataclasses.replace(info, lineage=lineage, metrics={**info.metrics, **metrics})
+    )
+
+
 def _tag_exists(repo: str, tag: str) -> bool:
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
@@ -585,10 +602,11 @@ def run_round(
     progress = ProgressWriter(db, round_id, worker, cancel_requested=cancel_requested)
     try:
         progress.phase("loading base")
-        base = load_policy(t.base)
-        task = t.task or base.info.robot_spec.name
-        if task != base.info.robot_spec.name:
-            raise RoundError(f"task: the base checkpoint is for {base.info.robot_spec.name!r}, not {task!r}")
+        base = load_chunk_policy(t.base, algorithm=cfg.algo)  # ours, or a LeRobot flow VLA's folder
+        try:
+            task = base.task(t.task)
+        except ValueError as e:
+            raise RoundError(str(e)) from None
         db.update_round(round_id, base_revision=base.commit, task=task)
         # selected once (a bad or empty selection fails before any training); an offline round's
         # held-out episodes are not trained on (unless they are all there is)
@@ -608,7 +626,7 @@ def run_round(
 
         # evaluate base and candidate on the same seeds (simulation) or the same held-out episodes (offline)
         progress.phase("evaluating")
-        new = load_policy(trained.checkpoint)
+        new = load_chunk_policy(trained.checkpoint, algorithm=cfg.algo)
         gate: GateResult
         if is_sim_task(task):
             with reporting_progress(progress):
@@ -621,14 +639,7 @@ def run_round(
         if not is_sim_task(task):
             metrics["held_out_excluded_from_training"] = data.excludes_held_out
         eval_metrics = {**gate.checkpoint_metrics(), "round": round_id}
-        # record the evaluation in the checkpoint itself (config.json metrics + model card)
-        info, weights = load_checkpoint(trained.checkpoint)
-        lineage = dataclasses.replace(info.lineage, round=round_id)
-        save_checkpoint(
-            trained.checkpoint,
-            weights,
-            dataclasses.replace(info, lineage=lineage, metrics={**info.metrics, **eval_metrics}),
-        )
+        _record_evaluation(trained.checkpoint, eval_metrics, round_id)
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
         progress.check_cancel()  # the last point a cancel stops the round

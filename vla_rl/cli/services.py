@@ -311,9 +311,30 @@ def hub_pull(a: HubPull) -> int:
 
     check_hub()
     ckpt = pull(a.ref, cache_dir=a.cache_dir)
+    if (lerobot := _lerobot_summary(ckpt.path)) is not None:
+        print(f"{ckpt.path}  (commit {ckpt.commit}, {lerobot})")
+        return 0
     load_checkpoint(ckpt.path)  # verify hashes before telling anyone to use it
     print(f"{ckpt.path}  (commit {ckpt.commit}, hashes verified)")
     return 0
+
+
+def _lerobot_summary(folder: str | Path) -> str | None:
+    """``LeRobot smolvla policy folder, awr round 3`` for a LeRobot folder (its lineage from our sidecar
+    beside it, :mod:`policies.lerobot_sidecar`); None for our checkpoint."""
+    from policies.lerobot_adapter import read_lerobot_config
+    from policies.lerobot_sidecar import read_sidecar
+
+    config = read_lerobot_config(folder)
+    if config is None:
+        return None
+    lineage = read_sidecar(folder).lineage
+    made = (
+        f", {lineage.algorithm}" + (f" round {lineage.round}" if lineage.round is not None else "")
+        if lineage
+        else ""
+    )
+    return f"LeRobot {config['type']} policy folder{made}"
 
 
 # ---------------------------------------------------------------------------- dashboard

@@ -403,7 +403,7 @@ class Eval:
     Example: vla-rl eval --checkpoint runs/push/sft/checkpoints/last --episodes 50 --num-envs 2"""
 
     checkpoint: str
-    """hub://org/name@rev or a checkpoint folder."""
+    """hub://org/name@rev or a checkpoint folder: ours, or a LeRobot SmolVLA / π0 / π0.5 policy folder."""
     task: str | None = None
     """Task; None = the checkpoint's robot spec."""
     episodes: int = 20
@@ -456,7 +456,7 @@ class Eval:
 
 
 def eval_(a: Eval) -> int:
-    from policies.loading import load_policy
+    from policies.loading import LoadedPolicy, load_chunk_policy
     from vla_rl.evaluation import evaluate
     from vla_rl.hub.checkpoint import CheckpointError
 
@@ -470,10 +470,14 @@ def eval_(a: Eval) -> int:
     if is_hub_ref(a.checkpoint):
         check_hub()
     with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
-        lp = load_policy(a.checkpoint, device=a.device)
+        lp = load_chunk_policy(a.checkpoint, device=a.device)  # ours, or a LeRobot flow VLA's folder
     lp.num_steps = a.num_steps
     policy: Any = lp
     if a.taco is not None:
+        if not isinstance(lp, LoadedPolicy):
+            raise CliError(
+                f"--taco: selection scores our FlowVLA checkpoints; {a.checkpoint} is a LeRobot folder"
+            )
         from vla_rl.train.taco import taco_policy
 
         with user_errors(FileNotFoundError, ValueError, prefix="--taco: "):

@@ -45,22 +45,24 @@ from fleet.db import MetadataDB
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import CategoricalValue, ValueMLP, expectile_loss
-from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
+from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.modeling_flow_vla import (
     ADVANTAGE_NEGATIVE,
     ADVANTAGE_POSITIVE,
     ADVANTAGE_UNCONDITIONAL,
 )
-from policies.loading import load_policy
+from policies.loading import FlowCheckpoint
 from vla_rl.train.base import StepProgress, TrainerConfig, TrainResult
-from vla_rl.train.common import (
-    EMA,
-    RunClock,
-    batch_to_policy_inputs,
-    instruction_table,
-    observation_features,
-    sample_indices,
-    save_derived_checkpoint,
+from vla_rl.train.common import EMA, RunClock, sample_indices
+from vla_rl.train.contract import (
+    PolicyInputs,
+    as_policy,
+    load_base,
+    save_trained,
+    trainable_parameters,
+    trained_module,
+    value_features,
+    weighted_flow_loss,
 )
 from vla_rl.train.distributed import (
     Dist,
@@ -110,6 +112,8 @@ class AdvantageConfig(TrainerConfig):
     once: the value fit (:func:`fit_value`, :func:`cross_fitted_values`), the AWR weights
     ``w = min(exp(A / (beta * std A)), w_max)`` (:func:`awr_weights`) and the policy's optimiser. The
     subclasses inherit the fields, so their command-line flags stay flat (``--value-steps``)."""
+
+    chooses_trainable: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store with the experience (demos, fleet rollouts, human interventions)."""
@@ -288,16 +292,15 @@ def recap_indicators(
 
 
 # ---------------------------------------------------------------------------- training
-def all_features(
-    policy: FlowVLAPolicy, buf: TransitionBuffer, device: torch.device, instructions: torch.Tensor | None
-) -> torch.Tensor:
-    """Value inputs for every frame; camera policies encode the frame with its own instruction
-    (``instructions``: the embeddings of ``buf.instructions``, :func:`instruction_table`)."""
+def all_features(policy: FlowPolicy, buf: TransitionBuffer, inputs: PolicyInputs) -> torch.Tensor:
+    """Value inputs for every frame (:func:`vla_rl.train.contract.value_features`), each frame encoded
+    with its own instruction (``inputs``: :class:`~vla_rl.train.contract.PolicyInputs` of ``buf``), in
+    batches of 1024 frames (FlowVLA) or 64 (a VLA's prefix pass is larger)."""
+    chunk = 1024 if isinstance(policy, FlowVLAFlowPolicy) else 64
     feats = []
-    for start in range(0, len(buf), 1024):
-        idx = np.arange(start, min(start + 1024, len(buf)))
-        obs = batch_to_policy_inputs(buf.batch(idx, horizon=1, n_step=1), device, instructions)
-        feats.append(observation_features(policy, obs))
+    for start in range(0, len(buf), chunk):
+        idx = np.arange(start, min(start + chunk, len(buf)))
+        feats.append(value_features(policy, inputs(buf.batch(idx, horizon=1, n_step=1))))
     return torch.cat(feats)
 
 
@@ -485,12 +488,12 @@ def train_awr(cfg: AWRConfig) -> AWRResult:
 
 def _score(
     cfg: AWRConfig,
-    base: Any,
+    base: FlowCheckpoint,
     buf: TransitionBuffer,
     human: np.ndarray,
     hindsight: np.ndarray,
     device: torch.device,
-    instructions: torch.Tensor | None,
+    inputs: PolicyInputs,
     replayed: ReplayedStates,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator
@@ -509,7 +512,7 @@ def _score(
         finally:
             replayed.close()
     else:
-        feats = all_features(base.policy, buf, device, instructions)
+        feats = all_features(base.policy, buf, inputs)
     adv, metrics = value_advantages(cfg, feats, buf, human)
     if cfg.variant == "awr":
         weights = awr_weights(adv, human, cfg.beta, cfg.w_max, cfg.human_weight)
@@ -534,11 +537,9 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         cfg = dataclasses.replace(cfg, progress=False)  # one set of progress bars: rank 0's
     torch.set_num_threads(dist.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    base = load_policy(cfg.base, device=str(device))
-    spec = base.info.robot_spec
-    if cfg.task is not None and cfg.task != spec.name:
-        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {cfg.task!r}")
-    selection = Selection.parse(cfg.data, task=spec.name)
+    base = load_base(cfg, device)
+    spec, task = base.spec, base.task(cfg.task)
+    selection = Selection.parse(cfg.data, task=task)
     db = MetadataDB(cfg.db_url) if cfg.db_url else None
     buf = load_transitions(cfg.store, selection, db=db, reward=cfg.reward, gamma=cfg.gamma)
     if buf.spec.state_dim != spec.state_dim or buf.spec.camera_names != spec.camera_names:
@@ -547,18 +548,18 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     # copies and a privileged value (vla_rl/train/privileged.py)
     store = EpisodeStore(cfg.store)
     replayed = ReplayedStates(
-        spec.name, lambda e: store.read_episode(e, cameras=False), uses=cfg.replay_uses(bool(spec.cameras))
+        task, lambda e: store.read_episode(e, cameras=False), uses=cfg.replay_uses(bool(spec.cameras))
     )
     copies: list[int] = []
     if cfg.hindsight_weight:
-        layout = goal_layout(spec.name, bool(spec.cameras))
+        layout = goal_layout(task, bool(spec.cameras))
         try:
             copies = add_hindsight_copies(buf, layout, replayed.states if spec.cameras else None)
         finally:
             replayed.close()
     hindsight = np.isin(buf.array("episode"), copies)
     # each frame is conditioned on its own instruction (its episode's task string), as in SFT
-    instructions = instruction_table(buf, device) if base.policy.config.uses_instruction else None
+    inputs = PolicyInputs(base.policy, buf, device)
     # frames to clone: human interventions, and autonomous frames a person labelled `recovery` (the buffer's bc)
     human = buf.array("bc").astype(bool)
     snap = buf.snapshot()
@@ -592,19 +593,19 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
                 "give another --out (or --no-resume) for other data"
             )
     else:
-        metrics, per_frame = _score(cfg, base, buf, human, hindsight, device, instructions, replayed)
+        metrics, per_frame = _score(cfg, base, buf, human, hindsight, device, inputs, replayed)
         # every rank fitted the same value; rank 0's result is the one all train on (GPU kernels need
         # not be bit-reproducible across processes)
         per_frame = broadcast_tensor(per_frame, dist)
         metrics = broadcast_object(metrics, dist)
 
     # 3. policy extraction, starting from the base weights
-    model = _extraction_policy(cfg, base.policy, device)
+    policy = _extraction_policy(cfg, base.policy)
+    params = trainable_parameters(cfg, policy)
+    model = trained_module(policy)
     broadcast_module(model, dist)
     ema = EMA(model, cfg.ema_decay)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-    )
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     opt = Optimiser(
         optimizer,
         {"policy": list(model.parameters())},
@@ -625,24 +626,22 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     )
     if st is None:
         tlog.scalars("value", metrics, 0)
-    a_shape = (model.config.chunk_len, model.config.action_dim)
 
     def update(step: int) -> dict[str, Any]:
         """Weighted (AWR) or advantage-conditioned (RECAP) flow matching on the global batch's rows and
         random draws (as one process makes them), this rank's share."""
         idx = shard.take(sample_indices(len(buf), cfg.batch_size, cfg.seed, step))
-        batch = batch_to_policy_inputs(
-            buf.batch(idx, horizon=model.config.chunk_len, n_step=1), device, instructions
-        )
+        batch = inputs(buf.batch(idx, horizon=policy.chunk_len, n_step=1))
         sel = per_frame[idx].to(device)
+        weights = None
         if cfg.variant == "awr":
-            noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
-            loss, m = model.flow_matching_loss(batch, weights=sel, noise=noise, time=t)
-        else:
+            weights = sel
+        else:  # RECAP: the indicator (dropped to unconditioned) conditions the policy
             drop = shard.rand(device=device) < cfg.unconditional_prob
             batch["advantage"] = torch.where(drop, torch.full_like(sel, ADVANTAGE_UNCONDITIONAL), sel)
-            noise, t = shard.randn(*a_shape, device=device), shard.take(model.sample_time(cfg.batch_size))
-            loss, m = model.flow_matching_loss(batch, noise=noise, time=t)
+        noise = shard.randn(*policy.event_shape, device=device)
+        t = shard.take(policy.sample_time(cfg.batch_size))
+        loss, m = weighted_flow_loss(policy, batch, weights=weights, noise=noise, time=t)
         gradient_step(loss, [opt], dist)
         ema.update(model)
         return {"loss": m["loss"], "mse": m["mse"]}
@@ -671,7 +670,7 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
         checkpoint=Beat(cfg.checkpoint_every),
         on_checkpoint=lambda step: save(step) if step < end else None,  # the end's state follows below
     )
-    model.train()
+    policy.train()
     bar = tlog.progress(cfg.steps, initial=start, stage="train", desc=cfg.variant)
     loop.run(end, bar)
     tlog.close()
@@ -679,12 +678,11 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     metrics["final_loss"] = loop.metrics.get("loss", last_loss)
     ckpt = cfg.out / "checkpoint"
     if dist.is_main:
-        save_derived_checkpoint(
+        save_trained(
+            as_policy(ema.model, policy),
             ckpt,
-            ema.model,
-            base.info,
+            base,
             algorithm=cfg.variant,
-            parent_revision=base.commit if base.commit else cfg.base,
             data=data,  # the digest pins the exact episodes; the round's DB row lists them
             metrics={"train_steps": step, **{k: round(v, 6) for k, v in metrics.items()}},
             round_index=cfg.round_index,
@@ -701,16 +699,11 @@ def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:
     )
 
 
-def _extraction_policy(cfg: AWRConfig, base: FlowVLAPolicy, device: torch.device) -> FlowVLAPolicy:
-    """The policy that extraction trains: the base's weights, with RECAP's advantage conditioning (its
-    embedding fresh) and guidance scale."""
-    model_cfg = base.config
+def _extraction_policy(cfg: AWRConfig, base: FlowPolicy) -> FlowPolicy:
+    """The policy that extraction trains, starting from the base's weights: made advantage-conditioned for
+    RECAP with the guidance scale it deploys with (FlowVLA: a new model with a fresh advantage embedding;
+    a LeRobot VLA: the indicator's text in its prompt). FlowVLA trains a new copy in either variant, as
+    it always did (its construction's random draws keep every later draw where it was)."""
     if cfg.variant == "recap":
-        model_cfg = FlowVLAConfig.from_dict(
-            {**model_cfg.to_dict(), "advantage_conditioning": True, "guidance_scale": cfg.guidance_scale}
-        )
-    model = FlowVLAPolicy(model_cfg).to(device)
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or set(missing) - {"advantage_embedding.weight"}:
-        raise RuntimeError(f"base weights do not fit: missing {missing}, unexpected {unexpected}")
-    return model
+        return base.condition_on_advantage(cfg.guidance_scale)
+    return base.rebuilt() if isinstance(base, FlowVLAFlowPolicy) else base

@@ -35,6 +35,10 @@ Outputs::
                               the warm-started value heads (resume)
     <out>/curve.json          one row per iteration; <out>/tb/ TensorBoard
 
+**Any flow policy.** The base is our FlowVLA or a LeRobot SmolVLA / π0 / π0.5 folder, through the
+flow-policy contract (:mod:`vla_rl.train.contract`): the value reads the frozen base's features, a copy
+trains (its ``trainable`` parts), and the checkpoint is saved in the base's own format.
+
 **Resume.** The train state is written atomically after every iteration. Re-running into the same
 ``out`` continues from the last finished iteration exactly (collection seeds, batches and noise are
 functions of the run seed and the iteration / update count); episodes an interrupted iteration had
@@ -43,6 +47,7 @@ already closed stay in the online store but are not learned from (the iteration 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -60,8 +65,8 @@ from fleet.db import MetadataDB
 from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
 from fleet.store_index import store_db
-from policies.flow_vla import FlowVLAPolicy
-from policies.loading import LoadedPolicy, load_policy
+from policies.flow_policy import FlowPolicy
+from policies.loading import FlowCheckpoint
 from vla_rl.core.seeds import ONLINE
 from vla_rl.train.awr import (
     AdvantageConfig,
@@ -72,14 +77,16 @@ from vla_rl.train.awr import (
     value_head,
 )
 from vla_rl.train.base import TrainResult, check_optional_positive
-from vla_rl.train.common import (
-    EMA,
-    RunClock,
-    batch_to_policy_inputs,
-    instruction_table,
-    sample_indices,
-    save_derived_checkpoint,
-    seed_step,
+from vla_rl.train.common import EMA, RunClock, sample_indices, seed_step
+from vla_rl.train.contract import (
+    PolicyInputs,
+    as_policy,
+    load_base,
+    save_trained,
+    trainable_copy,
+    trainable_parameters,
+    trained_module,
+    weighted_flow_loss,
 )
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.hindsight import add_hindsight_copies, goal_layout
@@ -271,11 +278,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
     torch.set_num_threads(SINGLE.threads(cfg.threads))
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    base = load_policy(cfg.base, device=str(device))
-    spec = base.info.robot_spec
-    task = cfg.task or spec.name
-    if task != spec.name:
-        raise ValueError(f"task: the base checkpoint is for {spec.name!r}, not {task!r}")
+    base = load_base(cfg, device)
+    spec, task = base.spec, base.task(cfg.task)
     if not is_sim_task(task):
         raise ValueError(f"task: {task!r} is not a simulator task; awr-pi collects online (use awr offline)")
     cameras = bool(spec.cameras)
@@ -285,12 +289,12 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             f"store episodes (spec {offline.episodes[0].meta.spec.name}) do not match the base's spec"
         )
 
-    model = FlowVLAPolicy(base.policy.config).to(device)
-    model.load_state_dict(base.policy.state_dict())
+    # the policy that trains (the base stays frozen: the value's features are the base's)
+    policy = trainable_copy(base.policy)
+    params = trainable_parameters(cfg, policy)
+    model = trained_module(policy)
     ema = EMA(model, cfg.ema_decay)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-    )
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     # linear warm-up, then a constant rate
     scheduler = warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.warmup_steps + 1, 1.0)
     opt = Optimiser(optimizer, {"policy": list(model.parameters())}, cfg.grad_clip, scheduler)
@@ -359,12 +363,11 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             "online_episodes": len(online_ids),
             "env_steps": loop.env_steps,
         }
-        save_derived_checkpoint(
+        save_trained(
+            as_policy(ema.model, policy),
             ckpt,
-            ema.model,
-            base.info,
+            base,
             algorithm=cfg.algorithm,
-            parent_revision=base.commit if base.commit else cfg.base,
             data=data,
             metrics={k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()},
             round_index=cfg.round_index,
@@ -376,7 +379,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         online episodes, 3. weighted flow matching from the current weights; returns the curve row."""
         nonlocal updates, feature_dim
         it0 = time.perf_counter()
-        rep, revision = _collect(cfg, base, ema.model, online_store, env, loop, updates)
+        rep, revision = _collect(cfg, base, as_policy(ema.model, policy), online_store, env, loop, updates)
         loop.collected(rep.env_steps)
         for e in rep.episode_ids:
             online[e] = online_store.read_episode(e, cameras=cameras)
@@ -392,12 +395,12 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
             if layout is not None
             else []
         )
-        instructions = instruction_table(buf, device) if model.config.uses_instruction else None
+        inputs = PolicyInputs(policy, buf, device)
         bc = buf.array("bc").astype(bool)
         if cfg.value_input == "privileged":
             feats = torch.from_numpy(replayed.features(buf)).to(device)
         else:
-            feats = all_features(base.policy, buf, device, instructions)
+            feats = all_features(base.policy, buf, inputs)
         feature_dim = int(feats.shape[1])
         seed_step(cfg.seed, -(loop.iteration + 1))  # value heads' init: a function of (seed, iteration)
         # warm start: folds by arrival index (offline first, then online in collection order)
@@ -409,7 +412,7 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
         w[np.isin(buf.array("episode"), copies)] = cfg.hindsight_weight
         weights = torch.from_numpy(w)
         w_auto = w[~bc]
-        updates, losses = _regress(cfg, model, ema, opt, buf, weights, instructions, updates)
+        updates, losses = _regress(cfg, policy, ema, opt, buf, weights, inputs, updates)
         if not rep.episodes:
             loop.stop()  # the budget ran out inside the first episodes of this collection
         return {
@@ -500,8 +503,8 @@ def train_awr_pi(cfg: AWRPIConfig) -> TrainResult:
 
 def _collect(
     cfg: AWRPIConfig,
-    base: LoadedPolicy,
-    acting: torch.nn.Module,
+    base: FlowCheckpoint,
+    acting: FlowPolicy,
     store: EpisodeStore,
     env: Any,
     loop: IterationLoop,
@@ -512,15 +515,15 @@ def _collect(
     base's commit until the first update)."""
     from sim.demos import record_policy_episodes
 
-    revision = base.commit if updates == 0 else weights_revision(acting)
-    policy = LoadedPolicy(policy=acting, info=base.info, path=base.path, commit=revision, ref="awr-pi")
+    revision = base.commit if updates == 0 else weights_revision(trained_module(acting))
+    chunk_policy = dataclasses.replace(base, policy=acting, commit=revision, ref="awr-pi")
     rep = record_policy_episodes(
         store,
         env,
-        policy,
+        chunk_policy,
         cfg.episodes_per_iteration,
         seed=iteration_seed(cfg, loop.iteration),
-        n_exec=cfg.n_exec or base.policy.config.n_exec,
+        n_exec=cfg.n_exec or base.policy.n_exec,
         revision=revision,
         robot_prefix="awr-pi",
         progress=False,
@@ -531,26 +534,25 @@ def _collect(
 
 def _regress(
     cfg: AWRPIConfig,
-    model: FlowVLAPolicy,
+    policy: FlowPolicy,
     ema: EMA,
     opt: Optimiser,
     buf: TransitionBuffer,
     weights: torch.Tensor,
-    instructions: torch.Tensor | None,
+    inputs: PolicyInputs,
     updates: int,
 ) -> tuple[int, list[float]]:
     """Step 3: ``steps_per_iteration`` updates of weighted flow matching on ``buf`` from the current
     weights, counted on from ``updates`` (batches and noise are functions of the run seed and the update
     count); returns the new count and the updates' losses."""
-    model.train()
+    policy.train()
+    model = trained_module(policy)
     losses: list[float] = []
 
     def update(step: int) -> dict[str, float]:
         idx = sample_indices(len(buf), cfg.batch_size, cfg.seed, step)
-        batch = batch_to_policy_inputs(
-            buf.batch(idx, horizon=model.config.chunk_len, n_step=1), model.device, instructions
-        )
-        loss, _m = model.flow_matching_loss(batch, weights=weights[idx].to(model.device))
+        batch = inputs(buf.batch(idx, horizon=policy.chunk_len, n_step=1))
+        loss, _m = weighted_flow_loss(policy, batch, weights=weights[idx].to(policy.device))
         gradient_step(loss, [opt], SINGLE)
         ema.update(model)
         losses.append(float(loss.detach()))

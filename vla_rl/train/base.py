@@ -21,11 +21,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from vla_rl.core.configs import check_values
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+Trainable = Literal["expert", "full", "lora"]
+"""Which parts of a flow policy train (:data:`policies.flow_policy.TRAINABLE_PARTS`)."""
 
 
 @dataclass(kw_only=True)
@@ -40,6 +42,9 @@ class TrainerConfig:
     """Reads an episode store (all but online-only PPO)."""
     distributed: ClassVar[bool] = False
     """Runs data-parallel under torchrun (vla_rl.train.distributed): SFT, AWR / RECAP and QAM."""
+    chooses_trainable: ClassVar[bool] = False
+    """Honours the ``trainable`` knob (SFT from a base, AWR / RECAP, awr-pi); any other trainer refuses it
+    rather than ignore it."""
 
     out: Path
     """Output folder: ``checkpoints/``, the train state for resuming, TensorBoard logs, ``curve.json``."""
@@ -68,6 +73,12 @@ class TrainerConfig:
     """Show a progress bar."""
     round_index: int | None = None
     """Post-training round number recorded in the checkpoint's lineage (set by rounds)."""
+    trainable: Trainable | None = None
+    """Which parts of the policy train when fine-tuning a base (trainers whose ``chooses_trainable``:
+    SFT from a base, AWR, RECAP, awr-pi):
+    ``expert`` = the action expert and its projections (the VLM / trunk frozen), ``full`` = everything,
+    ``lora`` = LoRA adapters (refused: needs the peft package). None = the policy's default: ``full`` for
+    our FlowVLA, ``expert`` for a LeRobot VLA on a CPU (on a GPU, its config's ``train_expert_only``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every algorithm's config starts its validation with the fields' types (here, in
@@ -105,6 +116,35 @@ class TrainerConfig:
             )
         if self.log_every < 1:
             raise ValueError(f"log_every: expected a positive integer, got {self.log_every}")
+        if self.trainable is not None and not self.chooses_trainable:
+            raise ValueError(
+                f"trainable: {self.algorithm or name} does not choose which parts of its policy train "
+                f"(it trains what it always did); leave it unset, got {self.trainable!r}"
+            )
+        if self.trainable == "lora":
+            from policies.flow_policy import check_trainable  # only on this path: it imports torch
+
+            check_trainable(self.trainable)  # refused, naming what LoRA needs
+        if self.needs_base:  # SFT says its own (it may train from scratch)
+            check_flow_base(self.base, self.algorithm)
+
+
+def check_flow_base(base: str | None, algorithm: str) -> None:
+    """Refuse a local LeRobot folder whose policy is not a flow VLA, naming the algorithm and the type
+    (``"awr needs a flow-matching policy; act is not one — use sft"``), when the config is made; a hub
+    reference is checked when its round or run loads it. Reads only ``config.json``."""
+    if not base or base.startswith("hub://") or not (Path(base) / "config.json").is_file():
+        return
+    from policies.lerobot_adapter import read_lerobot_config  # only here: the policies import torch
+    from policies.lerobot_flow import require_flow_type
+
+    raw = read_lerobot_config(base)
+    if raw is None:  # our checkpoint, or not ours to judge here: loading the base says what is wrong
+        return
+    try:
+        require_flow_type(str(raw["type"]), algorithm)
+    except ValueError as e:
+        raise ValueError(f"base: {e}") from None
 
 
 MAX_GPUS = 64

@@ -2,7 +2,13 @@
 
 Conditional flow matching with π0's Beta(1.5, 1) time sampling (in the policy), AdamW, linear warmup
 then cosine decay, gradient clipping, EMA weights (those are what we ship), bf16 autocast on CUDA.
-Normalisation statistics are computed from the training data and saved inside the checkpoint. Span
+
+Two starts (``init``): **from scratch**, our FlowVLA built from the architecture knobs, its normalisation
+statistics computed from the training data and saved inside the checkpoint; or **from the base**
+(continued fine-tuning) of any flow policy through the contract (:mod:`vla_rl.train.contract`): our
+checkpoint, or a LeRobot SmolVLA / π0 / π0.5 folder (its own normalisation, its architecture; the
+``trainable`` knob says which parts train; it is saved back as a LeRobot folder). ``auto``: from the base
+when it is a LeRobot folder, else from scratch. Span
 labels of key ``segment`` apply as in every trainer (:func:`vla_rl.train.transitions.span_effects`):
 frames in an ``idle`` span (not also in a ``recovery`` one) are no samples, and no action chunk
 crosses them.
@@ -27,24 +33,27 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from fleet.dataset import ChunkDataset, labelled_instructions
 from fleet.db import MetadataDB, default_url
 from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
+from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
 from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
-from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
-from vla_rl.train.base import TrainerConfig, TrainResult
-from vla_rl.train.common import (
-    EMA,
-    RunClock,
-    Throughput,
-    autocast_for,
-    batch_to_policy_inputs,
-    dataset_digest,
-    instruction_table,
-    sample_indices,
+from policies.loading import FlowCheckpoint
+from vla_rl.hub.checkpoint import Lineage
+from vla_rl.train.base import TrainerConfig, TrainResult, check_flow_base
+from vla_rl.train.common import EMA, RunClock, Throughput, autocast_for, dataset_digest, sample_indices
+from vla_rl.train.contract import (
+    PolicyInputs,
+    as_policy,
+    load_base,
+    save_trained,
+    trainable_parameters,
+    trained_module,
+    weighted_flow_loss,
 )
 from vla_rl.train.distributed import Dist, Shard, broadcast_module, distributed
 from vla_rl.train.loop import (
@@ -66,20 +75,26 @@ log = logging.getLogger(__name__)
 class SFTConfig(TrainerConfig):
     """Every knob of an SFT run. Defaults train a ~1.5M-parameter state-only policy in minutes on CPU.
 
-    SFT trains from scratch (no ``base``) on the episodes ``data`` selects from ``store``, e.g.
-    ``data="success=true"`` for filtered behaviour cloning.
+    SFT trains on the episodes ``data`` selects from ``store``, e.g. ``data="success=true"`` for
+    filtered behaviour cloning: from scratch (the model knobs below), or on from ``base`` (``init``).
     """
 
     algorithm: ClassVar[str] = "sft"
     distributed: ClassVar[bool] = True
     needs_base: ClassVar[bool] = False
+    chooses_trainable: ClassVar[bool] = True
 
     store: Path = field()
     """Episode store holding the demonstrations."""
     task: str | None = None
     """Task id whose episodes to train on; None = the store's only task (an error if it holds several)."""
+    init: Literal["auto", "scratch", "base"] = "auto"
+    """Where training starts: ``scratch``, a new FlowVLA of the model knobs below; ``base``, the ``base``
+    checkpoint (ours or a LeRobot SmolVLA / π0 / π0.5 folder: continued fine-tuning, the model knobs
+    unused); ``auto``, ``base`` when the base is a LeRobot folder, else ``scratch`` (a round's base is then
+    only what the new policy is compared against)."""
 
-    # model (see FlowVLAConfig for what each means)
+    # model (see FlowVLAConfig for what each means; from scratch only)
     chunk_len: int = 10
     n_exec: int = 5
     d_model: int = 128
@@ -137,6 +152,15 @@ class SFTConfig(TrainerConfig):
             raise ValueError(f"image_size: expected a positive integer or None, got {self.image_size}")
         if self.amp not in ("auto", "bf16", "none"):
             raise ValueError(f"amp: expected auto|bf16|none, got {self.amp!r}")
+        if self.init == "base" and not self.base:
+            raise ValueError("base: init 'base' continues a base checkpoint; give one (--base REF)")
+        if self.init == "scratch" and self.trainable not in (None, "full"):
+            raise ValueError(
+                f"trainable: SFT from scratch trains the whole new model, got {self.trainable!r} "
+                "(a part of a base trains with init 'base')"
+            )
+        if self.init != "scratch":  # a local LeRobot base that is not a flow VLA: said now, not after loading
+            check_flow_base(self.base, self.algorithm)
 
 
 @dataclass(kw_only=True)
@@ -147,25 +171,21 @@ class SFTResult(TrainResult):
     samples_per_s: float
 
 
-def _save_policy(path: Path, model: FlowVLAPolicy, cfg: SFTConfig, ds: ChunkDataset, step: int) -> None:
-    info = CheckpointInfo(
-        policy_type="flow_vla",
-        model_config=model.config.to_dict(),
-        robot_spec=ds.spec,
-        normalization=model.config.normalization_stats or {},
-        lineage=Lineage(
-            algorithm="sft",
-            round=cfg.round_index,
-            data={
-                "store": str(cfg.store),
-                "task": ds.spec.name,
-                "selection": cfg.data,
-                **dataset_digest(ds),
-            },
-        ),
-        metrics={"train_steps": step},
-    )
-    save_checkpoint(path, model.state_dict(), info)
+def _lineage_data(cfg: SFTConfig, ds: ChunkDataset) -> dict[str, Any]:
+    return {"store": str(cfg.store), "task": ds.spec.name, "selection": cfg.data, **dataset_digest(ds)}
+
+
+def continues_base(cfg: SFTConfig) -> bool:
+    """Whether this run starts from ``cfg.base`` (:attr:`SFTConfig.init`; ``auto`` pulls the base to see
+    whether it is a LeRobot folder)."""
+    if cfg.init != "auto":
+        return cfg.init == "base"
+    if not cfg.base:
+        return False
+    from policies.lerobot_adapter import is_lerobot_folder
+    from vla_rl.hub.registry import pull
+
+    return is_lerobot_folder(pull(cfg.base).path)
 
 
 def span_keep(db: MetadataDB, episode_ids: list[str]) -> Callable[[Episode], np.ndarray]:
@@ -203,22 +223,26 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     db = MetadataDB(cfg.db_url or default_url(store.root))
     selection = Selection.parse(cfg.data, task=cfg.task or _only_task(store))
     episode_ids = select_episode_ids(store, selection, db)
+    base = load_base(cfg, device) if continues_base(cfg) else None
     ds = ChunkDataset(
         store,
-        cfg.chunk_len,
+        base.policy.chunk_len if base is not None else cfg.chunk_len,
         episode_ids=episode_ids,
         keep=span_keep(db, episode_ids),
         instructions=labelled_instructions(db.current_labels(episode_ids)),
     )
-    model_cfg = _model_config(cfg, ds)
-    torch.manual_seed(cfg.seed)
-    model = FlowVLAPolicy(model_cfg)
-    if model.load_pretrained_image_encoders():
-        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
-    model = model.to(device)
+    if base is not None:
+        _check_data_fits(base, ds)
+        policy: FlowPolicy = base.policy
+        params = trainable_parameters(cfg, policy)
+    else:
+        policy = _new_policy(cfg, ds)
+        params = [p for p in policy.parameters() if p.requires_grad]
+    model = trained_module(policy)
+    model.to(device)
     broadcast_module(model, dist)
     ema = EMA(model, cfg.ema_decay)
-    opt = _optimiser(cfg, model)
+    opt = _optimiser(cfg, model, params)
     cfg.out.mkdir(parents=True, exist_ok=True)
     state = TrainState(
         cfg.out, clock, {"model": model, "ema": ema, "optimizer": opt.optimizer, "scheduler": opt.scheduler}
@@ -228,9 +252,9 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     first_loss: float | None = st.get("first_loss") if st is not None else None
     last_loss = float(st.get("last_loss", "nan")) if st is not None else float("nan")
 
-    # Each sample is conditioned on its own episode's instruction: the distinct strings are embedded
-    # once (frozen MiniLM, one batched call) and each batch gathers its rows.
-    instructions = instruction_table(ds, device) if model_cfg.uses_instruction else None
+    # Each sample is conditioned on its own episode's instruction: FlowVLA embeds the distinct strings
+    # once (frozen MiniLM, one batched call) and each batch gathers its rows; a LeRobot VLA reads the text.
+    inputs = PolicyInputs(policy, ds, device)
 
     tlog = TrainLog(cfg, dist, purge_step=step, config_step=step)
     log.info(
@@ -239,24 +263,24 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
             "task": cfg.task,
             "episodes": len(episode_ids),
             "frames": len(ds),
-            "params": model.num_parameters(),
+            "params": sum(p.numel() for p in params),
+            "base": cfg.base if base is not None else None,
             "device": str(device),
             "steps": cfg.steps,
             "processes": dist.world,
         },
     )
-    a_shape = (model_cfg.chunk_len, model_cfg.action_dim)
     speed = Throughput()
 
     def update(step: int) -> dict[str, Any]:
         """Flow matching on the global batch's rows, noise and times (the same draws as one process),
         this rank's share."""
         rows = shard.take(sample_indices(len(ds), cfg.batch_size, cfg.seed, step))
-        batch = batch_to_policy_inputs(ds.batch(rows), device, instructions)
-        noise = shard.randn(*a_shape, device=device)
-        t = shard.take(model.sample_time(cfg.batch_size))
+        batch = inputs(ds.batch(rows))
+        noise = shard.randn(*policy.event_shape, device=device)
+        t = shard.take(policy.sample_time(cfg.batch_size))
         with autocast_for(device, cfg.amp):
-            loss, metrics = model.flow_matching_loss(batch, noise=noise, time=t)
+            loss, metrics = weighted_flow_loss(policy, batch, noise=noise, time=t)
         norms = gradient_step(loss, [opt], dist)
         ema.update(model)
         speed.add(cfg.batch_size)
@@ -274,7 +298,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         """A checkpoint of the EMA weights (copied to ``last``) and the train state."""
         loss = loop.metrics["loss"]
         ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
-        _save_policy(ckpt, ema.model, cfg, ds, step)
+        _save(as_policy(ema.model, policy), ckpt, base, cfg, ds, step)
         publish_last(ckpt)
         state.save(step=step, first_loss=run_first_loss(), last_loss=loss)
         log.info("checkpoint", extra={"step": step, "path": str(ckpt), "loss": round(loss, 5)})
@@ -289,7 +313,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         update, cfg, dist, step=step, on_log=on_log, checkpoint=checkpoint, on_checkpoint=on_checkpoint
     )
     bar = tlog.progress(cfg.steps, initial=step, stage="train", desc="sft")
-    model.train()
+    policy.train()
     step = loop.run(end, bar)
     tlog.close()
     seconds = clock.seconds
@@ -306,6 +330,42 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         first_loss=first,
         samples_per_s=samples_per_s,
     )
+
+
+def _new_policy(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAFlowPolicy:
+    """A new FlowVLA of the architecture knobs (seeded), with its pretrained image encoder when named."""
+    model_cfg = _model_config(cfg, ds)
+    torch.manual_seed(cfg.seed)
+    model = FlowVLAPolicy(model_cfg)
+    if model.load_pretrained_image_encoders():
+        log.info("pretrained image encoder", extra={"weights": model_cfg.image_encoder_weights})
+    return FlowVLAFlowPolicy(model, ds.spec)
+
+
+def _check_data_fits(base: FlowCheckpoint, ds: ChunkDataset) -> None:
+    """The episodes are of the robot the base acts for (state, action and cameras), or a ValueError."""
+    have, want = ds.spec, base.spec
+    if (have.state_dim, have.action_dim) != (want.state_dim, want.action_dim) or not set(
+        want.camera_names
+    ) <= set(have.camera_names):
+        raise ValueError(
+            f"base: {base.ref} acts for {want.name} (state {want.state_dim}, action {want.action_dim}, "
+            f"cameras {list(want.camera_names)}), the episodes are {have.name} (state {have.state_dim}, "
+            f"action {have.action_dim}, cameras {list(have.camera_names)})"
+        )
+
+
+def _save(
+    policy: FlowPolicy, ckpt: Path, base: FlowCheckpoint | None, cfg: SFTConfig, ds: ChunkDataset, step: int
+) -> None:
+    """A checkpoint in the policy's own format; a scratch run's has no parent."""
+    data, metrics = _lineage_data(cfg, ds), {"train_steps": step}
+    if base is not None:
+        save_trained(
+            policy, ckpt, base, algorithm="sft", data=data, metrics=metrics, round_index=cfg.round_index
+        )
+    else:
+        policy.save(ckpt, lineage=Lineage(algorithm="sft", round=cfg.round_index, data=data), metrics=metrics)
 
 
 def _model_config(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAConfig:
@@ -328,11 +388,13 @@ def _model_config(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAConfig:
     return FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
 
 
-def _optimiser(cfg: SFTConfig, model: FlowVLAPolicy) -> Optimiser:
-    """AdamW without weight decay on biases, norms and embeddings, warm-up then cosine decay."""
+def _optimiser(cfg: SFTConfig, model: nn.Module, params: list[nn.Parameter]) -> Optimiser:
+    """AdamW on ``params`` (the trainable ones) without weight decay on biases, norms and embeddings,
+    warm-up then cosine decay."""
     decay, no_decay = [], []
+    trained = {id(p) for p in params}
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if id(p) in trained:
             (no_decay if p.ndim < 2 or "norm" in name or "emb" in name else decay).append(p)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
