@@ -20,7 +20,6 @@ from test_flow_policy_lerobot import _offline, _one_torch_thread  # noqa: F401  
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from policies.flow_policy import FlowPolicyError
 from policies.flow_rl import NOISE_HEAD_FILE, LeRobotStochastic, stochastic_policy
 from policies.flow_vla import SDESchedule
 from policies.flow_vla.sampling import sde_kernel
@@ -258,7 +257,7 @@ def test_lerobot_bases_are_checked_before_training(folders: dict[str, Path], tmp
         train_ppo(PPOConfig(base=str(folders["smolvla"]), out=tmp_path / "a", progress=False))
     act = save_random_policy(tmp_path / "act", "act", SPEC, chunk_size=4, n_action_steps=4, dim_model=32)
     with pytest.raises(
-        FlowPolicyError, match="flow-sde needs a flow-matching policy; act is not one — use sft"
+        ValueError, match="base: flow-sde needs a flow-matching policy; act is not one — use sft"
     ):
         train_ppo(PPOConfig(base=str(act), out=tmp_path / "b", task=TASK, method="sde", progress=False))
     rl = rl_policy(folders["smolvla"])
