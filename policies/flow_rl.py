@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from policies.flow_policy import FlowPolicy, FlowPolicyError, FlowVLAFlowPolicy, Prefix
+from policies.flow_policy import FlowPolicy, FlowPolicyError, FlowVLAFlowPolicy, Prefix, TrainableParts
 from policies.flow_vla import DenoisingChain, FlowSample, FlowVLAConfig, SDESchedule
 from policies.flow_vla.modeling_flow_vla import (
     NoiseHead,
@@ -121,8 +121,8 @@ class StochasticFlowPolicy(nn.Module):
             f"critic: 'state' is not available for {type(self.policy).__name__}; use 'prefix'"
         )
 
-    def actor_parameters(self, scope: Literal["all", "expert"]) -> list[nn.Parameter]:
-        """Mark what PPO's actor trains (``requires_grad``) and return it: ``"all"`` the policy's trainable
+    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+        """Mark what PPO's actor trains (``requires_grad``) and return it: ``"full"`` the policy's trainable
         weights, ``"expert"`` the action expert with its projections (VLM / trunk frozen); the noise head
         always."""
         raise NotImplementedError
@@ -245,12 +245,12 @@ class FlowVLAStochastic(StochasticFlowPolicy):
     def normalize_state(self, state: Tensor) -> Tensor:
         return self.model.normalizer.normalize_state(state)
 
-    def actor_parameters(self, scope: Literal["all", "expert"]) -> list[nn.Parameter]:
-        """``"all"``: every weight (PPO's historical scope, frozen encoders included); ``"expert"``: the
+    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+        """``"full"``: every weight (PPO's historical scope, frozen encoders included); ``"expert"``: the
         expert and the noise head."""
         params = []
         for name, p in self.model.named_parameters():
-            train = scope == "all" or name.startswith(("expert.", "noise_head."))
+            train = scope == "full" or name.startswith(("expert.", "noise_head."))
             p.requires_grad_(train)
             if train:
                 params.append(p)
@@ -308,10 +308,10 @@ class LeRobotStochastic(StochasticFlowPolicy):
         """The post-processor's un-normalisation, unclipped (as LeRobot deploys)."""
         return self.policy.unnormalize_actions(x)
 
-    def actor_parameters(self, scope: Literal["all", "expert"]) -> list[nn.Parameter]:
-        """The contract's ``set_trainable`` (``"all"`` -> ``"full"``) plus the noise head; eval mode stays
+    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+        """The contract's ``set_trainable`` plus the noise head; eval mode stays
         (no dropout anywhere: rollouts and updates must see the same function)."""
-        params = self.policy.set_trainable("full" if scope == "all" else "expert")
+        params = self.policy.set_trainable(scope)
         self.policy.eval()
         return [*params, *self.noise_head.parameters()]
 

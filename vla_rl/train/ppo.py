@@ -70,12 +70,13 @@ import torch
 from torch import nn
 from vla_rl_client.spec import RobotSpec
 
-from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy
+from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy, TrainableParts
 from policies.flow_rl import LeRobotStochastic, StochasticFlowPolicy, stochastic_policy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import LoadedPolicy, load_policy, pick_device
 from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.common import RunClock, save_derived_checkpoint
+from vla_rl.train.contract import default_trainable
 from vla_rl.train.distributed import SINGLE
 from vla_rl.train.loop import IterationLoop, Optimiser, TrainLog, gradient_step
 from vla_rl.train.ppo_config import PPOConfig, PPOResult
@@ -148,11 +149,11 @@ def _load_base(cfg: PPOConfig, device: torch.device) -> _Base:
     return _Base(rl, ckpt.commit, lerobot.spec, task.name, None)
 
 
-def _actor_params(policy: StochasticFlowPolicy, scope: str) -> list[nn.Parameter]:
-    """What the actor's optimiser trains; ``"auto"``: all of our FlowVLA, a LeRobot VLA's expert."""
-    if scope == "auto":
-        scope = "expert" if isinstance(policy, LeRobotStochastic) else "all"
-    return policy.actor_parameters(scope)  # type: ignore[arg-type]
+def _actor_params(policy: StochasticFlowPolicy, parts: TrainableParts | None) -> list[nn.Parameter]:
+    """What the actor's optimiser trains: the config's ``trainable`` parts, by default every trainer's
+    (:func:`~vla_rl.train.contract.default_trainable`: all of our FlowVLA, a LeRobot VLA's expert on a CPU),
+    plus the noise head."""
+    return policy.actor_parameters(parts or default_trainable(policy.policy))
 
 
 def _flatten(done: list[list[Chunk]], cfg: PPOConfig) -> tuple[list[Chunk], np.ndarray, np.ndarray]:
@@ -196,7 +197,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     base = _load_base(cfg, device)
     policy, task, spec = base.policy, base.task, base.spec
     value_fn = ValueFn(cfg, policy)
-    actor_params = _actor_params(policy, cfg.train_scope)
+    actor_params = _actor_params(policy, cfg.trainable)
     critic_params = list(value_fn.net.parameters())
     betas = (0.9, 0.95)
     actor_opt = torch.optim.AdamW(actor_params, lr=cfg.actor_lr, betas=betas, weight_decay=cfg.weight_decay)

@@ -18,7 +18,6 @@ Reward = Literal["sparse", "dense"]
 CriticInput = Literal["auto", "state", "prefix"]
 Discount = Literal["chunk", "step"]
 LogprobReduction = Literal["sum", "mean"]
-TrainScope = Literal["auto", "all", "expert"]
 Advantage = Literal["gae", "grpo"]
 SdeSteps = Literal["one", "all"]
 METHODS, REWARDS, CRITICS, DISCOUNTS = (
@@ -27,7 +26,7 @@ METHODS, REWARDS, CRITICS, DISCOUNTS = (
     get_args(CriticInput),
     get_args(Discount),
 )
-LOGPROB_REDUCTIONS, TRAIN_SCOPES = get_args(LogprobReduction), get_args(TrainScope)
+LOGPROB_REDUCTIONS = get_args(LogprobReduction)
 ADVANTAGES, SDE_STEPS = get_args(Advantage), get_args(SdeSteps)
 
 
@@ -38,6 +37,7 @@ class PPOConfig(TrainerConfig):
     learning-rate and reward defaults are the ones tried on PickCube state (docs/experiment-log.md)."""
 
     needs_store: ClassVar[bool] = False
+    chooses_trainable: ClassVar[bool] = True  # `trainable`: the actor's parts; the noise head always trains
 
     base: str = field()  # type: ignore[assignment]
     """Checkpoint to start from: ``hub://org/name@rev`` or a local folder: a flow_vla SFT checkpoint or a
@@ -137,9 +137,6 @@ class PPOConfig(TrainerConfig):
     """(min, max) actor learning rate under ``adaptive_kl``."""
     critic_warmup_iterations: int = 2
     """Iterations that train only the critic (a fresh critic's advantages are noise)."""
-    train_scope: TrainScope = "auto"
-    """'all' policy weights, or 'expert': only the action expert (with its projections) and the noise head
-    (RLinf freezes the VLM). 'auto': 'all' for our FlowVLA, 'expert' for a LeRobot VLA (VLM frozen)."""
 
     # ------------------------------------------------------------ critic
     critic: CriticInput = "auto"
@@ -172,7 +169,6 @@ class PPOConfig(TrainerConfig):
         _choice(self, "critic", CRITICS)
         _choice(self, "discount", DISCOUNTS)
         _choice(self, "logprob_reduction", LOGPROB_REDUCTIONS)
-        _choice(self, "train_scope", TRAIN_SCOPES)
         _choice(self, "advantage", ADVANTAGES)
         _choice(self, "sde_steps", SDE_STEPS)
         self.ray = check_ray_address(self.ray)
