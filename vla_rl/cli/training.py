@@ -269,7 +269,9 @@ ROUND_USAGE = (
 ROUND_HELP = (
     "Select data from the store + DB, train with ALGO starting from BASE, evaluate the result and the base "
     "on the same simulated seeds, push the checkpoint to the Hub with tag round-N, and move the served ref "
-    "(--promote-ref, default prod) to it only if it beats the base by more than --margin. Every round is "
+    "(--promote-ref, default prod) to it only if it beats the base by more than --margin and a paired test "
+    "on the shared seeds says so at --gate-alpha (a promoted checkpoint's success is then measured again on "
+    "--report-episodes seeds the gate did not see). Every round is "
     "recorded in the metadata DB (vla-rl round list|show). With --queue the round is only queued, for a "
     "`vla-rl round worker` to run (vla-rl round cancel N stops it). The flags are the algorithm's own (as for "
     "`vla-rl train ALGO`) plus the round's; `vla-rl round start --algo ALGO --help` lists them.\n\n"
@@ -295,6 +297,8 @@ def _round_line(r: Any) -> str:
         )
     elif m.get("success") is not None:
         score = f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
+        if m.get("reported_success") is not None:  # the promoted checkpoint on seeds the gate did not see
+            score += f", held-out {m['reported_success']:.0%}"
     else:
         score = "-"
     flag = "promoted" if r.promoted else ("" if r.status != "succeeded" else "not promoted")
