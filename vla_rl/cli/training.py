@@ -598,6 +598,51 @@ def up(cfg: Any) -> int:
     return 0 if all(r["status"] == "succeeded" for r in rows) else 1
 
 
+@dataclass
+class RoundCanary:
+    """Decide on the canary: the candidate a round moved to --canary-ref (run it with --promote-ref
+    canary) runs on a share of the fleet (`vla-rl serve --canary REF`, `vla-rl fleet sim --canary-share`).
+    From the fleet's closed episodes each checkpoint acted in alone since then, a one-sided Fisher test on
+    autonomous successes: promote (move --prod-ref to the canary's commit) once both arms have --episodes
+    and the canary is better at --alpha, roll back (move --canary-ref to prod's commit) as soon as it is
+    worse or when it is not shown better, else wait. Exit 0 promote, 1 rollback, 3 wait."""
+
+    repo: str
+    """Hub repo whose refs the fleet follows (org/name)."""
+    store: Path
+    """Episode store (its DB holds the episodes and rounds)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+    since: float | None = None
+    """Count episodes created after this Unix time; None = the end of the round that pushed the canary."""
+    alpha: float = 0.05
+    """False-promotion rate of the test."""
+    episodes: int = 100
+    """Closed episodes an arm needs before the canary can be promoted."""
+    canary_ref: str = "canary"
+    prod_ref: str = "prod"
+    json: bool = False
+    """Machine-readable output."""
+
+
+def round_canary(a: RoundCanary) -> int:
+    from vla_rl.canary import check_canary
+    from vla_rl.cli.common import open_db
+
+    with user_errors(ValueError, prefix="round canary: "):
+        d = check_canary(
+            open_db(a.store, a.db),
+            a.repo,
+            since=a.since,
+            alpha=a.alpha,
+            episodes=a.episodes,
+            canary_ref=a.canary_ref,
+            prod_ref=a.prod_ref,
+        )
+    print(json.dumps(d.to_dict(), indent=2) if a.json else f"{d.action}: {d.why}")
+    return {"promote": 0, "rollback": 1, "wait": 3}[d.action]
+
+
 COMMANDS = [
     Command(
         ("up",),
@@ -628,5 +673,11 @@ COMMANDS = [
         config_file=True,
     ),
     Command(("round", "cancel"), "cancel a queued or running round", RoundCancel, round_cancel),
+    Command(
+        ("round", "canary"),
+        "promote or roll back the canary on the live fleet's outcomes",
+        RoundCanary,
+        round_canary,
+    ),
     Command(("eval",), "evaluate a checkpoint in simulation", Eval, eval_),
 ]
