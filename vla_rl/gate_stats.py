@@ -23,7 +23,7 @@ candidate's successes are hypergeometric:
     p = P(X >= s1) = sum_{k=s1}^{min(s, n1)} C(n1, k) C(n0, s - k) / C(n1 + n0, s)
 
 Every tail is summed in log space (``lgamma``), so the tests stay exact to float precision and fast for
-100,000 episodes. Pure functions, no simulator and no DB.
+100,000 episodes. Pure functions, no simulator and no DB. The equations: docs/algorithms.md §8.
 """
 
 from __future__ import annotations
