@@ -4,6 +4,7 @@ the episodes it counts, the refs it moves, and the per-robot model a share of th
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,7 +60,7 @@ def _ep(rev: tuple[str, ...], success: bool | None, takeover: bool = False) -> E
 def test_arm_counts_take_autonomous_successes_of_one_revision_alone() -> None:
     records = [
         _ep(("c",), True),
-        _ep(("c",), True, takeover=True),  # counted, but not as an autonomous success
+        _ep(("c", ""), True, takeover=True),  # counted (the operator's frames: no revision), not autonomous
         _ep(("c",), False),
         _ep(("p", "c"), True),  # a swap mid-episode: neither arm's
         _ep(("c",), None),  # no outcome
@@ -117,3 +118,52 @@ def test_the_server_serves_and_follows_the_canary_beside_prod() -> None:
     assert unfollowed.follow_map() == {"canary": "hub://org/arm@canary"}  # the canary always follows its ref
     with pytest.raises(ValueError, match="canary_model_id: expected a name other than --model-id"):
         ServerConfig(checkpoint="x", canary="y", canary_model_id="default")
+
+
+def test_the_canary_share_of_a_live_fleet_runs_the_canary_and_is_counted_apart(tmp_path: Path) -> None:
+    """A server serving prod and the canary (two checkpoints), a fleet of 2 with canary share 0.5: robot
+    sim-0's episodes are acted in by the canary's revision alone, sim-1's by prod's, and the canary's
+    counts read them apart from the metadata DB."""
+    from test_sim_fleet import TOKEN, task_spec, tiny_checkpoint
+
+    from fleet.collector import Collector, CollectorConfig
+    from fleet.db import MetadataDB
+    from fleet.selection import Selection
+    from server.policy_server import PolicyServer
+    from sim.fleet_runner import run_sim_fleet
+
+    prod_ckpt = tiny_checkpoint(tmp_path / "prod", task_spec(), seed=0)
+    canary_ckpt = tiny_checkpoint(tmp_path / "canary", task_spec(), seed=1)
+    config = ServerConfig(checkpoint=str(prod_ckpt), model_id="push", port=0, torch_threads=1, device="cpu")
+    server = PolicyServer(
+        config, models={"push": str(prod_ckpt), "canary": str(canary_ckpt)}, token="x"
+    ).start()
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
+    try:
+        cfg = FleetConfig(
+            progress=False,
+            robots=2,
+            canary_share=0.5,
+            model_id="push",
+            server=server.address,
+            collector=collector.address,
+            episodes=2,
+            max_episode_steps=15,
+            collector_token=TOKEN,
+        )
+        result = run_sim_fleet(cfg)
+        assert result.errors == []
+        assert collector.drain(60)
+        prod_rev, canary_rev = server.slots["push"].active.commit, server.slots["canary"].active.commit
+    finally:
+        collector.stop()
+        server.stop()
+    assert prod_rev != canary_rev
+    records = MetadataDB.for_store(tmp_path / "store").select_records(Selection())
+    by_robot = {r.robot_id: set() for r in records}
+    for r in records:
+        by_robot[r.robot_id] |= set(r.revisions) - {""}
+    assert by_robot == {"sim-0": {canary_rev}, "sim-1": {prod_rev}}
+    assert arm_counts(records, canary_rev).episodes == 2 and arm_counts(records, prod_rev).episodes == 2

@@ -67,10 +67,11 @@ class CanaryDecision:
 
 def arm_counts(records: Iterable[EpisodeRecord], revision: str) -> ArmCounts:
     """Closed episodes in which ``revision`` and no other checkpoint acted (a live swap mid-episode mixes
-    two arms: left out), and their autonomous successes."""
+    two arms: left out; the empty revision of the operator's frames does not count), and their autonomous
+    successes."""
     n = wins = 0
     for r in records:
-        if r.revisions != (revision,) or r.success is None:
+        if set(r.revisions) - {""} != {revision} or r.success is None:
             continue
         n += 1
         wins += bool(r.success) and not any(s.kind == SegmentKind.INTERVENTION for s in r.segments)
