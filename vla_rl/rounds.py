@@ -180,12 +180,9 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
         and "success_rate" in m
         and outcomes
     ):
-        return {
-            "success": m["success_rate"],
-            "ci95": m.get("success_ci95"),
-            "source": "checkpoint",
-            "outcomes": outcomes,
-        }
+        return dict(
+            success=m["success_rate"], ci95=m.get("success_ci95"), source="checkpoint", outcomes=outcomes
+        )
     for r in reversed(db.rounds(task=task)):
         rm = r.metrics
         outcomes = known_outcomes(rm, "base_outcomes", n)
@@ -196,12 +193,8 @@ def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) ->
             and rm.get("eval_episodes") == n
             and outcomes
         ):
-            return {
-                "success": rm["base_success"],
-                "ci95": rm.get("base_ci95"),
-                "source": f"round {r.id}",
-                "outcomes": outcomes,
-            }
+            found = dict(success=rm["base_success"], ci95=rm.get("base_ci95"), outcomes=outcomes)
+            return {**found, "source": f"round {r.id}"}
     return None
 
 
