@@ -164,3 +164,28 @@ def test_a_promoted_candidate_is_reported_on_the_report_seeds(monkeypatch: pytes
         is None
     )
     assert len(calls) == 1  # neither a refused candidate nor report_episodes 0 evaluates anything
+
+
+def test_the_offline_gate_needs_the_sign_test_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No simulator: the candidate's mean action MSE is lower (one episode much better), but it is better
+    on only 3 of 6 held-out episodes: the old rule promoted it, the sign test does not."""
+    from vla_rl.evaluation_offline import OfflineEvalResult
+
+    ids = [f"e{i}" for i in range(6)]
+    errors = {"base": [1.0] * 6, "new": [0.1, 0.9, 0.9, 1.1, 1.1, 1.1]}
+
+    def fake(policy: str, store: Any, episode_ids: list[str], **_: Any) -> OfflineEvalResult:
+        per = dict(zip(episode_ids, errors[policy], strict=True))
+        mse = sum(per.values()) / len(per)
+        return OfflineEvalResult(
+            list(episode_ids), 60, 4, mse, [mse], [mse], {}, {}, None, 0, 0.1, per_episode=per
+        )
+
+    monkeypatch.setattr(rounds, "evaluate_offline", fake)
+    data = SimpleNamespace(held_out=ids, store=None, selection=SimpleNamespace(task="koch"))
+    db = SimpleNamespace(current_labels=lambda ids: {})
+    old = rounds._offline_gate(_cfg(gate_alpha=1.0), db, "base", "new", data)  # type: ignore[arg-type]
+    assert old.promote and old.candidate < old.base
+    gate = rounds._offline_gate(_cfg(), db, "base", "new", data)  # type: ignore[arg-type]
+    assert not gate.promote and gate.test is not None and (gate.test.wins, gate.test.losses) == (3, 3)
+    assert "sign test p 0.656" in gate.why and gate.round_metrics()["p_value"] == pytest.approx(0.65625)
