@@ -189,3 +189,17 @@ def test_the_offline_gate_needs_the_sign_test_too(monkeypatch: pytest.MonkeyPatc
     gate = rounds._offline_gate(_cfg(), db, "base", "new", data)  # type: ignore[arg-type]
     assert not gate.promote and gate.test is not None and (gate.test.wins, gate.test.losses) == (3, 3)
     assert "sign test p 0.656" in gate.why and gate.round_metrics()["p_value"] == pytest.approx(0.65625)
+
+
+def test_up_passes_the_gate_knobs_to_its_rounds(tmp_path: Path) -> None:
+    from vla_rl.up.config import UpConfig
+    from vla_rl.up.loop import _round_config
+
+    cfg = UpConfig(gate_alpha=0.1, report_episodes=0, workdir=tmp_path)
+    rc = _round_config(cfg, 1, "hub://up/policy@prod", tmp_path / "store", tmp_path, "sqlite:///x.db")
+    assert (rc.gate_alpha, rc.report_episodes, rc.margin) == (0.1, 0, 0.0)
+    assert (UpConfig().gate_alpha, UpConfig().report_episodes) == (0.05, 20)
+    with pytest.raises(ValueError, match=r"gate_alpha: expected a false-promotion rate in \(0, 1\]"):
+        UpConfig(gate_alpha=0.0)
+    with pytest.raises(ValueError, match="report_episodes: expected 0 \\(off\\) or more episodes"):
+        UpConfig(report_episodes=-1)
