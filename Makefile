@@ -71,6 +71,7 @@ bench-all: setup
 	nice -n 19 .venv/bin/python -m bench.serve --duration 15
 	.venv/bin/python -m bench.sft --settings push-state pick-state
 	.venv/bin/python -m bench.sft --settings push-rgb --work runs/bench_sft_rgb --out bench/results/sft_rgb.json
+	.venv/bin/python -m bench.gate
 	.venv/bin/python -m bench.ppo_check
 	nice -n 19 .venv/bin/python -m bench.qam_check --label lam100 --sft-steps 1500 --sft-d-model 64 \
 		--sft-expert-layers 2 --inv-temp 100 --offline-steps 200 --env-steps 4000 --actor-lr 1e-4

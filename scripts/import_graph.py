@@ -233,7 +233,17 @@ ROOMS: tuple[Room, ...] = (
     Room("sim", 4, ("sim/",)),  # simulated robots, experts, operator, sim fleet (records into fleet/)
     Room("server", 5, ("server/",)),  # the policy server
     Room("training", 6, ("vla_rl/train/", "vla_rl/evaluation.py", "vla_rl/evaluation_offline.py")),
-    Room("rounds", 7, ("vla_rl/rounds.py", "vla_rl/round_worker.py")),
+    Room(
+        "rounds",
+        7,
+        (
+            "vla_rl/rounds.py",
+            "vla_rl/round_worker.py",
+            "vla_rl/gate.py",
+            "vla_rl/gate_stats.py",
+            "vla_rl/canary.py",
+        ),
+    ),
     Room("dashboard", 8, ("vla_rl/dashboard/",)),
     Room("jobs", 9, ("vla_rl/up/", "vla_rl/demo.py")),
     Room("cli", 10, ("vla_rl/cli/", "vla_rl/__init__.py")),

@@ -69,6 +69,12 @@ class ServerConfig:
     """Queued requests before RESOURCE_EXHAUSTED."""
     model_id: str = "default"
     """Name of the served model."""
+    canary: str | None = None
+    """A candidate's ref (e.g. hub://org/name@canary) served beside --checkpoint as model
+    --canary-model-id and followed: the share of the fleet that runs the canary asks for it
+    (vla_rl/canary.py promotes it or rolls it back on their outcomes)."""
+    canary_model_id: str = "canary"
+    """Name of the canary's model."""
     token_file: Path | None = None
     """Read the control token from this file (first line; overrides VLA_RL_SERVER_TOKEN). Keep it mode 0600."""
     device: str = "auto"
@@ -112,6 +118,13 @@ class ServerConfig:
             _text(name, getattr(self, name))
         if self.follow is not None:
             _text("follow", self.follow)
+        if self.canary is not None:
+            _text("canary", self.canary)
+            _text("canary_model_id", self.canary_model_id)
+            if self.canary_model_id == self.model_id:
+                raise ValueError(
+                    f"canary_model_id: expected a name other than --model-id ({self.model_id!r})"
+                )
         _number("follow_interval", self.follow_interval, low=0.0, strict=True)
         _integer("port", self.port, low=0)
         if self.port > 65535:
@@ -161,14 +174,19 @@ class ServerConfig:
         return int(self.max_file_mb * 1024 * 1024)
 
     def models(self) -> dict[str, str]:
-        """Model id -> checkpoint reference: the one model this config serves."""
-        return {self.model_id: self.checkpoint}
+        """Model id -> checkpoint reference: the model this config serves, and its canary if it has one."""
+        return {
+            self.model_id: self.checkpoint,
+            **({self.canary_model_id: self.canary} if self.canary else {}),
+        }
 
     def follow_map(self) -> dict[str, str]:
-        """Model id -> the ref polled for new revisions (empty: nothing followed)."""
+        """Model id -> the ref polled for new revisions (empty: nothing followed); a canary is always
+        followed (its ref moves to each candidate, and back to prod on a rollback)."""
+        canary = {self.canary_model_id: self.canary} if self.canary else {}
         if self.follow is None:
-            return {}
-        return {self.model_id: self.checkpoint if self.follow == FOLLOW_SELF else self.follow}
+            return canary
+        return {self.model_id: self.checkpoint if self.follow == FOLLOW_SELF else self.follow, **canary}
 
     # -- files
     def to_dict(self) -> dict[str, Any]:

@@ -65,6 +65,12 @@ class FleetConfig:
     """The collector's token; None = env VLA_RL_COLLECTOR_TOKEN (prefer the environment: ps shows flags)."""
     model_id: str = ""
     """Served model; empty = the only one."""
+    canary_share: float = 0.0
+    """Share of the robots that run the canary instead (robots 0 .. n-1, n = the share of --robots
+    rounded, at least 1 and leaving at least 1 on --model-id): they ask for --canary-model-id, the
+    candidate a server started with --canary serves (vla_rl/canary.py decides on their outcomes)."""
+    canary_model_id: str = "canary"
+    """The model id the canary's robots ask for."""
     max_episode_steps: int | None = None
     """Episode step limit; None = the task's."""
     record_dir: str | None = None
@@ -87,6 +93,21 @@ class FleetConfig:
         self.ray = check_ray_address(self.ray)
         if self.ray_max_restarts < 0:
             raise ValueError(f"ray_max_restarts: expected >= 0, got {self.ray_max_restarts}")
+        if not 0.0 <= self.canary_share < 1.0:
+            raise ValueError(
+                f"canary_share: expected a share of the robots in [0, 1), got {self.canary_share}"
+            )
+        if self.canary_share > 0 and self.robots < 2:
+            raise ValueError(
+                f"canary_share: a canary needs at least 2 robots (one an arm), got {self.robots}"
+            )
+
+    @property
+    def canary_robots(self) -> int:
+        """How many robots (the first ones) run the canary: 0 without one."""
+        if self.canary_share == 0:
+            return 0
+        return min(self.robots - 1, max(1, round(self.canary_share * self.robots)))
 
 
 @dataclass
@@ -162,6 +183,8 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     from sim.registry import resolve_task
 
     spec, model_id = _spec_from_server(cfg.server, cfg.model_id)
+    if cfg.canary_robots:
+        _spec_from_server(cfg.server, cfg.canary_model_id)  # served, or a KeyError naming it now
     task = resolve_task(cfg.task or spec["name"]).name
     cams = spec.get("cameras") or []
     obs_mode = "rgb" if cams else "state"
@@ -185,7 +208,7 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
                 image_size=image_size,
                 max_episode_steps=cfg.max_episode_steps,
                 token=cfg.collector_token,
-                model_id=model_id,
+                model_id=cfg.canary_model_id if i < cfg.canary_robots else model_id,
                 record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
             )
         )

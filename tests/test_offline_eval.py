@@ -150,7 +150,7 @@ def test_round_on_imported_real_data_gates_on_offline_action_mse(koch_db, tmp_pa
     knobs: dict[str, Any] = {"steps": 20, "batch_size": 16} | ({"value_steps": 20} if algo == "awr" else {})
     train = make_config(algo, base=str(base), store=store, out=tmp_path / "rounds", db_url=db_url, **knobs)
     train.progress = False
-    rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0))
+    rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0, gate_alpha=1.0))
     m = rec.metrics
     ids = EpisodeStore(store).episode_ids()
     assert rec.status == "succeeded" and rec.task == "koch"

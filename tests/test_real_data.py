@@ -148,7 +148,7 @@ def test_a_recap_round_on_an_imported_dagger_recording(dagger_db: Any, tmp_path:
         "recap", base=str(base), store=store, out=tmp_path, db_url=db_url, steps=10, value_steps=10
     )
     train.batch_size, train.progress = 16, False
-    rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0))
+    rec = start_round(RoundConfig(train=train, push=False, eval_episodes=50, margin=0.0, gate_alpha=1.0))
     _check_offline_round(rec, store, "recap")
     # 3 training episodes x 6 human frames (always positive); the autonomous ones scored by advantage
     assert rec.data["human_frames"] == 18 and 0.2 < rec.metrics["train"]["positive_frac"] < 0.4
@@ -164,7 +164,17 @@ def test_a_qam_round_on_imported_teleoperation_through_the_cli(
     store, base, db_url = teleop_db
     argv = ["round", "start", "--algo", "qam", "--base", str(base), "--store", str(store), "--no-push"]
     argv += ["--db-url", db_url] if db_url else []
-    argv += ["--out", str(tmp_path), "--no-progress", "--margin", "0", "--offline-steps", "6"]
+    argv += [
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--margin",
+        "0",
+        "--gate-alpha",
+        "1",
+        "--offline-steps",
+        "6",
+    ]
     argv += ["--critic-mc-steps", "0", "--critic-warmup", "2", "--batch-size", "8", "--members", "2"]
     argv += ["--critic-hidden", "16", "16", "--flow-steps", "3"]
     assert main(argv) == 0

@@ -56,7 +56,8 @@ def _cfg(
 ) -> RoundConfig:
     """A round of ``algo`` on ``root`` from ``base``: round options from ``kw``, the rest to the trainer."""
     names = {f.name for f in dataclasses.fields(RoundOptions)}
-    options = {"eval_episodes": 4, "eval_envs": 1, **{k: v for k, v in kw.items() if k in names}}
+    options = {"eval_episodes": 4, "eval_envs": 1, "report_episodes": 4}
+    options |= {k: v for k, v in kw.items() if k in names}
     knobs = overrides if overrides is not None else {"value_steps": 40, "steps": 40, "batch_size": 32}
     train = make_config(
         algo,
@@ -93,7 +94,7 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
     assert wrecked.base_revision == prod_before
 
     # A permissive gate promotes: prod moves to the new commit, whose card records the evaluation.
-    ok = start_round(_cfg(root, base, tmp_path, algo="recap", margin=-0.99), db=db)
+    ok = start_round(_cfg(root, base, tmp_path, algo="recap", margin=-0.99, gate_alpha=1.0), db=db)
     assert ok.promoted and resolve(base) == ok.checkpoint_revision != prod_before
     assert ok.metrics["base_eval_source"] == f"round {wrecked.id}"  # same commit + seeds: not re-run
     pulled = pull(base)
@@ -263,6 +264,7 @@ def test_round_with_a_camera_policy(tmp_path: Path) -> None:
                 algo="recap",
                 task=task,
                 margin=-0.99,
+                gate_alpha=1.0,
                 overrides={"value_steps": 10, "steps": 10, "batch_size": 8},
             ),
             db=db,

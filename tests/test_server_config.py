@@ -93,6 +93,8 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         tls_key=tmp_path / "key.pem",
         max_queue=9,
         model_id="arm",
+        canary="hub://org/arm@canary",
+        canary_model_id="arm-canary",
         token_file=tmp_path / "token",
         device="cpu",
         max_message_bytes=2 * 1024 * 1024,

@@ -40,7 +40,14 @@ def _record(status: str, metrics: dict[str, object], error: str | None = None) -
 
 
 def test_a_succeeded_rounds_row_line_and_cells() -> None:
-    metrics = {"success": 0.62, "ci95": [0.48, 0.74], "base_success": 0.4}
+    metrics = {
+        "success": 0.62,
+        "ci95": [0.48, 0.74],
+        "base_success": 0.4,
+        "p_value": 0.0213,
+        "reported_success": 0.55,
+        "reported_ci95": [0.34, 0.74],
+    }
     events = ["collector exited with code -9; restarting it (restart 1)"]
     row = round_row(3, _record("succeeded", metrics), FLEET, 5.25, "f00d", events)
     events.append("later")  # the row keeps the events as they were when the round finished
@@ -48,9 +55,7 @@ def test_a_succeeded_rounds_row_line_and_cells() -> None:
         "round": 3,
         "algo": "awr",
         "status": "succeeded",
-        "success": 0.62,
-        "ci95": [0.48, 0.74],
-        "base_success": 0.4,
+        **metrics,  # the gate's success, interval, base and p-value; the held-out success and interval
         "fleet": FLEET,
         "minutes": 5.25,
         "promoted": True,
@@ -60,12 +65,34 @@ def test_a_succeeded_rounds_row_line_and_cells() -> None:
     }
     json.dumps(row)  # rounds.jsonl holds it
     assert round_line(row) == (
-        "round 3: awr 62% (48%-74%), base 40%, fleet success 50% with 25% of frames by the operator, "
-        "promoted: yes (5.2 min)"
+        "round 3: awr success 55% (34%-74%) on held-out seeds, gate 62% vs 40% (p 0.021), fleet success 50% "
+        "with 25% of frames by the operator, promoted: yes (5.2 min)"
     )
     cells = round_cells(row)
     assert len(cells) == len(HEADER)
-    assert cells == [3, "awr", "62% (48%-74%)", "40%", "50%", "25%", "0.75", 400, "5.2", "yes"]
+    assert cells == [
+        3,
+        "awr",
+        "55% (34%-74%)",
+        "62% vs 40% (p 0.021)",
+        "50%",
+        "25%",
+        "0.75",
+        400,
+        "5.2",
+        "yes",
+    ]
+
+
+def test_a_round_not_promoted_reports_its_success_as_not_measured() -> None:
+    """The gate's numbers are shown, labelled as the gate's; the held-out success was not measured (only a
+    promoted candidate is scored again), and the table says so rather than showing the gate's number."""
+    metrics = {"success": 0.58, "ci95": [0.44, 0.71], "base_success": 0.52, "p_value": 0.125}
+    metrics |= {"reported_success": None, "report_episodes": 0}
+    row = round_row(3, _record("succeeded", metrics), FLEET, 5.0, "f00d", [])
+    assert row["reported_success"] is None and row["success"] == 0.58
+    assert round_cells(row)[2:4] == ["not measured", "58% vs 52% (p 0.12)"]
+    assert "success not measured on held-out seeds, gate 58% vs 52% (p 0.12)" in round_line(row)
 
 
 def test_a_failed_round_says_why_and_an_empty_batch_reads_n_a() -> None:

@@ -43,6 +43,8 @@ class OfflineEvalResult:
     seed: int
     seconds: float
     tasks: list[str] = field(default_factory=list)
+    per_episode: dict[str, float] = field(default_factory=dict)
+    """Episode id -> its MSE (what the gate's paired sign test compares, episode by episode)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,6 +178,7 @@ def evaluate_offline(
     valid = np.concatenate(valids)[..., None].astype(np.float64)  # [N, H, 1]
     episode = np.concatenate(ep_of)
     task_arr = np.array([tasks_of[e] for e in episode])
+    id_arr = np.array([ds.episode_ids[e] for e in episode])
     instr_arr = np.array(instr_of)
 
     def group(keys: np.ndarray) -> dict[str, float]:
@@ -197,4 +200,5 @@ def evaluate_offline(
         seed=seed,
         seconds=time.perf_counter() - t0,
         tasks=sorted(set(tasks_of)),
+        per_episode=group(id_arr),
     )

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,10 +37,19 @@ from policies.lerobot_sidecar import record_evaluation
 from policies.loading import load_chunk_policy
 from vla_rl.core.configs import check_values
 from vla_rl.core.secrets import url_without_password
-from vla_rl.core.seeds import EVAL
+from vla_rl.core.seeds import EVAL, REPORT
 from vla_rl.core.text import check_json_text
 from vla_rl.evaluation import evaluate
 from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
+from vla_rl.gate import (
+    check_report_seeds,
+    decode_outcomes,
+    encode_outcomes,
+    gate_sentence,
+    known_outcomes,
+    report_success,
+)
+from vla_rl.gate_stats import PairedTest, paired_outcomes, sign_test
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.naming import validate_client_revision, validate_repo_id
 from vla_rl.hub.registry import DEFAULT_REVISION, is_hub_ref, move_ref, parse_ref, push_folder, resolve
@@ -81,6 +90,10 @@ class RoundOptions:
     """The ref servers follow; moved to the new commit when the gate passes."""
     margin: float = 0.0
     """Promote only if new success rate - base success rate > margin (a fraction, 0.05 = 5 points)."""
+    gate_alpha: float = 0.05
+    """False-promotion rate of the gate's paired one-sided test (McNemar on the shared seeds; offline a
+    sign test on the held-out episodes): promote only if, on top of the margin, the p-value of "the
+    candidate is no better than the base" is <= this (1 = no test: the margin alone)."""
     eval_episodes: int = 50
     """Held-out simulated episodes for the candidate and the base (the same seeds)."""
     eval_seed: int = EVAL
@@ -88,9 +101,17 @@ class RoundOptions:
     episodes, :mod:`vla_rl.core.seeds`)."""
     eval_envs: int = 2
     """Simulator processes for the evaluation."""
+    report_episodes: int = 20
+    """Simulated episodes a promoted candidate is evaluated on again, on seeds the gate did not see: the
+    success the round reports (0 = not measured)."""
+    report_seed: int = REPORT
+    """First seed of that report (its own range, :mod:`vla_rl.core.seeds`; never the gate's seeds)."""
 
     def __post_init__(self) -> None:
         check_values(self, _round_bounds)
+        if not 0.0 < self.gate_alpha <= 1.0:
+            raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
+        check_report_seeds(self.eval_seed, self.eval_episodes, self.report_seed, self.report_episodes)
         if self.repo is not None:
             try:
                 validate_repo_id(self.repo)
@@ -107,7 +128,13 @@ class RoundOptions:
 
 
 def _round_bounds(name: str) -> tuple[float, float] | None:
-    return {"eval_episodes": (1, 100_000), "eval_envs": (1, 256), "eval_seed": (0, 2**31 - 1)}.get(name)
+    return {
+        "eval_episodes": (1, 100_000),
+        "eval_envs": (1, 256),
+        "eval_seed": (0, 2**31 - 1),
+        "report_episodes": (0, 100_000),
+        "report_seed": (0, 2**31 - 1),
+    }.get(name)
 
 
 @dataclass(kw_only=True)
@@ -144,25 +171,33 @@ class RoundConfig(RoundOptions):
 
 
 def _known_base_score(db: MetadataDB, base: Any, task: str, cfg: RoundConfig) -> dict[str, Any] | None:
-    """The base's success on exactly these eval seeds, if already measured: by the round that produced
-    it (recorded in its config.json) or by an earlier round that compared against the same commit.
-    Evaluation is deterministic given the seeds, so re-running it would only cost time."""
-    m = base.metrics
+    """The base's success and per-seed outcomes on exactly these eval seeds, if already measured: by the
+    round that produced it (recorded in its config.json) or by an earlier round that compared against the
+    same commit. Evaluation is deterministic given the seeds, so re-running it would only cost time (a
+    record without per-seed outcomes, from before the paired gate, is measured again)."""
+    m, n = base.metrics, cfg.eval_episodes
+    outcomes = known_outcomes(m, "eval_outcomes", n)
     if (
         m.get("eval_seed") == cfg.eval_seed
-        and m.get("eval_episodes") == cfg.eval_episodes
+        and m.get("eval_episodes") == n
         and "success_rate" in m
+        and outcomes
     ):
-        return {"success": m["success_rate"], "ci95": m.get("success_ci95"), "source": "checkpoint"}
+        return dict(
+            success=m["success_rate"], ci95=m.get("success_ci95"), source="checkpoint", outcomes=outcomes
+        )
     for r in reversed(db.rounds(task=task)):
         rm = r.metrics
+        outcomes = known_outcomes(rm, "base_outcomes", n)
         if (
             r.status == "succeeded"
             and r.base_revision == base.commit
             and rm.get("eval_seed") == cfg.eval_seed
-            and rm.get("eval_episodes") == cfg.eval_episodes
+            and rm.get("eval_episodes") == n
+            and outcomes
         ):
-            return {"success": rm["base_success"], "ci95": rm.get("base_ci95"), "source": f"round {r.id}"}
+            found = dict(success=rm["base_success"], ci95=rm.get("base_ci95"), outcomes=outcomes)
+            return {**found, "source": f"round {r.id}"}
     return None
 
 
@@ -206,7 +241,9 @@ class GateResult:
     """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
     success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
     margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
-    better; promote iff ``base - candidate > margin * base``)."""
+    better; promote iff ``base - candidate > margin * base``), and in both cases the paired one-sided
+    ``test`` (McNemar on the seeds, a sign test on the episodes: :mod:`vla_rl.gate_stats`) rejects "no
+    better" at false-promotion rate ``alpha``."""
 
     metric: Literal["success", "action_mse"]
     candidate: float
@@ -214,7 +251,18 @@ class GateResult:
     margin: float
     promote: bool
     why: str
-    """One line: both scores, the difference and what the gate needed."""
+    """One line: both scores, the difference, the paired test and what the gate needed."""
+    alpha: float = field(default=1.0, kw_only=True)
+    """The false-promotion rate the test was held to (1: no test)."""
+    test: PairedTest | None = field(default=None, kw_only=True)
+    """The paired test's counts and p-value (None: a verdict built without one)."""
+
+    def test_metrics(self) -> dict[str, Any]:
+        """The paired test as the round's DB metrics record it (empty without one)."""
+        if self.test is None:
+            return {}
+        t = self.test
+        return dict(gate_alpha=self.alpha, p_value=t.p_value, candidate_only=t.wins, base_only=t.losses)
 
     def round_metrics(self) -> dict[str, Any]:
         """The evaluation as the round's DB metrics record it."""
@@ -235,9 +283,15 @@ class SimGate(GateResult):
     """``evaluated``, ``checkpoint`` or ``round N`` (see :func:`_known_base_score`)."""
     eval_episodes: int
     eval_seed: int
+    candidate_outcomes: str | None = field(default=None, kw_only=True)
+    """Per-seed successes of the candidate on the gate's seeds (:func:`vla_rl.gate.encode_outcomes`)."""
+    base_outcomes: str | None = field(default=None, kw_only=True)
 
     def round_metrics(self) -> dict[str, Any]:
+        outcomes = {"outcomes": self.candidate_outcomes, "base_outcomes": self.base_outcomes}
         return {
+            **self.test_metrics(),
+            **{k: v for k, v in outcomes.items() if v is not None},
             "base_success": self.base,
             "base_ci95": self.base_ci95,
             "base_eval_source": self.base_source,
@@ -249,12 +303,14 @@ class SimGate(GateResult):
         }
 
     def checkpoint_metrics(self) -> dict[str, Any]:
+        outcomes = {} if self.candidate_outcomes is None else {"eval_outcomes": self.candidate_outcomes}
         return {
             "success_rate": self.candidate,
             "success_ci95": list(self.candidate_ci95),
             "eval_episodes": self.eval_episodes,
             "eval_seed": self.eval_seed,
             "base_success_rate": self.base,
+            **outcomes,
         }
 
 
@@ -271,6 +327,7 @@ class OfflineGate(GateResult):
     def round_metrics(self) -> dict[str, Any]:
         new, base = self.candidate_eval, self.base_eval
         return {
+            **self.test_metrics(),
             "eval": "offline",
             "success": None,
             "base_success": None,
@@ -316,25 +373,38 @@ def _sim_gate(
                 eval_eta_s=None,
             )
 
+    n, seed = cfg.eval_episodes, cfg.eval_seed
     base_score = _known_base_score(db, base, task, cfg)
     if base_score is None:
         evaluating("base")
         ev = evaluate(base, task, **ev_kw)  # type: ignore[arg-type]
-        base_score = {"success": ev.success_rate, "ci95": list(ev.ci95), "source": "evaluated"}
+        outcomes = encode_outcomes(ev.per_episode, seed, n)
+        base_score = {
+            "success": ev.success_rate,
+            "ci95": list(ev.ci95),
+            "source": "evaluated",
+            "outcomes": outcomes,
+        }
     evaluating("candidate")
     new_eval = evaluate(new, task, **ev_kw)  # type: ignore[arg-type]
+    new_outcomes = encode_outcomes(new_eval.per_episode, seed, n)
+    test = paired_outcomes(decode_outcomes(new_outcomes, seed), decode_outcomes(base_score["outcomes"], seed))
     delta = new_eval.success_rate - base_score["success"]
     why = (
         f"success {new_eval.success_rate:.0%} vs base {base_score['success']:.0%} "
-        f"(delta {delta:+.0%}, needs > {cfg.margin:+.0%})"
+        f"(delta {delta:+.0%}, needs > {cfg.margin:+.0%}); {gate_sentence(test, cfg.gate_alpha, 'seeds')}"
     )
     return SimGate(
         metric="success",
         candidate=new_eval.success_rate,
         base=base_score["success"],
         margin=cfg.margin,
-        promote=delta > cfg.margin,
+        promote=delta > cfg.margin and test.passes(cfg.gate_alpha),
         why=why,
+        alpha=cfg.gate_alpha,
+        test=test,
+        candidate_outcomes=new_outcomes,
+        base_outcomes=base_score["outcomes"],
         candidate_ci95=new_eval.ci95,
         base_ci95=base_score["ci95"],
         base_source=base_score["source"],
@@ -345,30 +415,48 @@ def _sim_gate(
 
 def _offline_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: RoundData) -> OfflineGate:
     """No simulator for the task: action MSE (normalised, :func:`evaluate_offline`) of candidate and base
-    on the same held-out episodes and frames; gate ``base_mse - new_mse > margin * base_mse``."""
+    on the same held-out episodes and frames; gate ``base_mse - new_mse > margin * base_mse`` and a
+    one-sided sign test on the per-episode errors at ``gate_alpha``."""
     ids = data.held_out
     kw: dict[str, Any] = dict(seed=cfg.eval_seed, labels=db.current_labels(ids))
     base_ev = evaluate_offline(base, data.store, ids, **kw)
     new_ev = evaluate_offline(new, data.store, ids, **kw)
     b, n = base_ev.action_mse, new_ev.action_mse
     improvement = (b - n) / b if b > 0 else 0.0
+    test = sign_test(new_ev.per_episode, base_ev.per_episode)
     why = (
         f"offline action MSE {n:.4f} vs base {b:.4f} on {len(ids)} held-out episodes "
         f"(relative improvement {improvement:+.1%}, needs > {cfg.margin:+.1%}; "
-        f"no simulator for {data.selection.task})"
+        f"no simulator for {data.selection.task}); {gate_sentence(test, cfg.gate_alpha, 'episodes')}"
     )
     return OfflineGate(
         metric="action_mse",
         candidate=n,
         base=b,
         margin=cfg.margin,
-        promote=b - n > cfg.margin * b,
+        promote=b - n > cfg.margin * b and test.passes(cfg.gate_alpha),
         why=why,
+        alpha=cfg.gate_alpha,
+        test=test,
         candidate_eval=new_ev,
         base_eval=base_ev,
         relative_improvement=improvement,
         eval_seed=cfg.eval_seed,
     )
+
+
+def _report(
+    cfg: RoundConfig, new: Any, task: str, gate: GateResult, progress: ProgressWriter
+) -> dict[str, Any]:
+    """The success the round reports (:mod:`vla_rl.gate`): a candidate the gate promotes is evaluated
+    again on ``report_episodes`` seeds from ``report_seed``, which the gate never saw; otherwise (or with
+    ``report_episodes`` 0) ``reported_success`` is None: not measured."""
+    if not (gate.promote and cfg.report_episodes):
+        return {"reported_success": None, "report_episodes": 0}
+    n = cfg.report_episodes
+    progress.phase("evaluating", evaluating="report", episodes_done=0, episodes_total=n, eval_eta_s=None)
+    kw = dict(episodes=n, seed=cfg.report_seed, num_envs=cfg.eval_envs, progress=cfg.train.progress)
+    return report_success(new, task, **kw)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- the round
@@ -628,17 +716,19 @@ def run_round(
         progress.phase("evaluating")
         new = load_chunk_policy(trained.checkpoint, algorithm=cfg.algo)
         gate: GateResult
+        report: dict[str, Any] = {}
         if is_sim_task(task):
             with reporting_progress(progress):
                 gate = _sim_gate(cfg, db, base, new, task, progress)
+                report = _report(cfg, new, task, gate, progress)
             progress.flush()
         else:
             gate = _offline_gate(cfg, db, base, new, data)
-        metrics = gate.round_metrics()
+        metrics = {**gate.round_metrics(), **report}
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
         if not is_sim_task(task):
             metrics["held_out_excluded_from_training"] = data.excludes_held_out
-        eval_metrics = {**gate.checkpoint_metrics(), "round": round_id}
+        eval_metrics = {**gate.checkpoint_metrics(), **report, "round": round_id}
         _record_evaluation(trained.checkpoint, eval_metrics, round_id)
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
@@ -661,7 +751,12 @@ def run_round(
             if gate.promote:
                 move_ref(repo, cfg.promote_ref, revision)
                 promoted = True
-        metrics["gate"] = {"margin": cfg.margin, "passed": gate.promote, "reason": gate.why}
+        metrics["gate"] = {
+            "margin": cfg.margin,
+            "passed": gate.promote,
+            "reason": gate.why,
+            **({"alpha": gate.alpha, "p_value": gate.test.p_value} if gate.test else {}),
+        }
         record = db.update_round(
             round_id,
             status="succeeded",

@@ -269,7 +269,9 @@ ROUND_USAGE = (
 ROUND_HELP = (
     "Select data from the store + DB, train with ALGO starting from BASE, evaluate the result and the base "
     "on the same simulated seeds, push the checkpoint to the Hub with tag round-N, and move the served ref "
-    "(--promote-ref, default prod) to it only if it beats the base by more than --margin. Every round is "
+    "(--promote-ref, default prod) to it only if it beats the base by more than --margin and a paired test "
+    "on the shared seeds says so at --gate-alpha (a promoted checkpoint's success is then measured again on "
+    "--report-episodes seeds the gate did not see). Every round is "
     "recorded in the metadata DB (vla-rl round list|show). With --queue the round is only queued, for a "
     "`vla-rl round worker` to run (vla-rl round cancel N stops it). The flags are the algorithm's own (as for "
     "`vla-rl train ALGO`) plus the round's; `vla-rl round start --algo ALGO --help` lists them.\n\n"
@@ -295,6 +297,8 @@ def _round_line(r: Any) -> str:
         )
     elif m.get("success") is not None:
         score = f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
+        if m.get("reported_success") is not None:  # the promoted checkpoint on seeds the gate did not see
+            score += f", held-out {m['reported_success']:.0%}"
     else:
         score = "-"
     flag = "promoted" if r.promoted else ("" if r.status != "succeeded" else "not promoted")
@@ -598,6 +602,51 @@ def up(cfg: Any) -> int:
     return 0 if all(r["status"] == "succeeded" for r in rows) else 1
 
 
+@dataclass
+class RoundCanary:
+    """Decide on the canary: the candidate a round moved to --canary-ref (run it with --promote-ref
+    canary) runs on a share of the fleet (`vla-rl serve --canary REF`, `vla-rl fleet sim --canary-share`).
+    From the fleet's closed episodes each checkpoint acted in alone since then, a one-sided Fisher test on
+    autonomous successes: promote (move --prod-ref to the canary's commit) once both arms have --episodes
+    and the canary is better at --alpha, roll back (move --canary-ref to prod's commit) as soon as it is
+    worse or when it is not shown better, else wait. Exit 0 promote, 1 rollback, 3 wait."""
+
+    repo: str
+    """Hub repo whose refs the fleet follows (org/name)."""
+    store: Path
+    """Episode store (its DB holds the episodes and rounds)."""
+    db: str | None = None
+    """Metadata DB URL; None = the SQLite file next to the store."""
+    since: float | None = None
+    """Count episodes created after this Unix time; None = the end of the round that pushed the canary."""
+    alpha: float = 0.05
+    """False-promotion rate of the test."""
+    episodes: int = 100
+    """Closed episodes an arm needs before the canary can be promoted."""
+    canary_ref: str = "canary"
+    prod_ref: str = "prod"
+    json: bool = False
+    """Machine-readable output."""
+
+
+def round_canary(a: RoundCanary) -> int:
+    from vla_rl.canary import check_canary
+    from vla_rl.cli.common import open_db
+
+    with user_errors(ValueError, prefix="round canary: "):
+        d = check_canary(
+            open_db(a.store, a.db),
+            a.repo,
+            since=a.since,
+            alpha=a.alpha,
+            episodes=a.episodes,
+            canary_ref=a.canary_ref,
+            prod_ref=a.prod_ref,
+        )
+    print(json.dumps(d.to_dict(), indent=2) if a.json else f"{d.action}: {d.why}")
+    return {"promote": 0, "rollback": 1, "wait": 3}[d.action]
+
+
 COMMANDS = [
     Command(
         ("up",),
@@ -628,5 +677,11 @@ COMMANDS = [
         config_file=True,
     ),
     Command(("round", "cancel"), "cancel a queued or running round", RoundCancel, round_cancel),
+    Command(
+        ("round", "canary"),
+        "promote or roll back the canary on the live fleet's outcomes",
+        RoundCanary,
+        round_canary,
+    ),
     Command(("eval",), "evaluate a checkpoint in simulation", Eval, eval_),
 ]

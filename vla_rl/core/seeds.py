@@ -17,6 +17,8 @@ held-out benchmark finals       200,000                         ``bench/* --eval
 probes, calibration             300,000                         settings are chosen on these
 SFT base selection              400,000                         ``bench/rl.py --base-band`` picks the base
                                                                 checkpoint on these (:data:`BASE_SELECTION`)
+rounds' reported success        :data:`REPORT` = 500,000        a promoted round's checkpoint, scored on
+                                                                seeds its promotion gate never saw
 online training                 :data:`ONLINE` = 1,000,000 up   awr-pi, QAM online, PPO, ``vla-rl up``'s
                                                                 simulated fleet
 ==============================  ==============================  =========================================
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["BASE_SELECTION", "EVAL", "ONLINE", "SeedOverlapError", "check_disjoint"]
+__all__ = ["BASE_SELECTION", "EVAL", "ONLINE", "REPORT", "SeedOverlapError", "check_disjoint"]
 
 EVAL = 100_000
 """First seed of evaluations (and of the rounds' promotion gate)."""
@@ -37,6 +39,8 @@ ONLINE = 1_000_000
 """First seed of online training collection; every evaluation range must stay below it."""
 BASE_SELECTION = 400_000
 """First seed of the episodes a benchmark scores SFT checkpoints on to pick a base inside a success band."""
+REPORT = 500_000
+"""First seed of the success a promoted round reports (never the gate's seeds, which chose it)."""
 
 
 class SeedOverlapError(ValueError):

@@ -45,6 +45,12 @@ class UpConfig:
     """Held-out episodes a round evaluates candidate and base on (the same seeds every round)."""
     margin: float = 0.0
     """Promote only if the candidate beats the base by more than this (a fraction)."""
+    gate_alpha: float = 0.05
+    """...and only if the gate's paired test on the shared seeds says so at this false-promotion rate
+    (1 = no test; see `vla-rl round start --help`)."""
+    report_episodes: int = 20
+    """Episodes a promoted candidate is scored on again, on seeds the gate did not see: the success the
+    table shows (0 = off: "not measured")."""
     workdir: Path = Path("runs/up")
     """Everything lives here; running again in the same workdir resumes."""
     seed: int = 0
@@ -73,6 +79,12 @@ class UpConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if not 0.0 < self.gate_alpha <= 1.0:
+            raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
+        if self.report_episodes < 0:
+            raise ValueError(
+                f"report_episodes: expected 0 (off) or more episodes, got {self.report_episodes}"
+            )
         if self.round_steps is not None and self.round_steps < 1:
             raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
         if not self.round_timeout_s > 0:

@@ -17,7 +17,7 @@ from vla_rl.core.supervisor import Supervisor, http_child, tcp_ready
 from vla_rl.up.base import seed_base
 from vla_rl.up.children import STOP_ORDER, child_argv, child_configs
 from vla_rl.up.config import UpConfig
-from vla_rl.up.report import HEADER, fleet_summary, round_cells, round_line, round_row
+from vla_rl.up.report import HEADER, NOTE, fleet_summary, round_cells, round_line, round_row
 from vla_rl.up.threads import training_threads
 from vla_rl.up.workdir import Ports, shown_db_url, split_db_password, workdir_db, workdir_secret
 
@@ -158,6 +158,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
         if rows:
             print()
             print(table([round_cells(r) for r in rows], HEADER), flush=True)
+            print(NOTE, flush=True)
         for r in rows:
             if r["status"] != "succeeded":
                 print(f"round {r['round']} {r['status']}, prod unchanged: {r['error']}", flush=True)
@@ -203,7 +204,13 @@ def _round_config(cfg: UpConfig, n: int, prod: str, store: Path, work: Path, db_
         common["steps"] = cfg.round_steps
     train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)
     return RoundConfig(
-        train=train, eval_episodes=cfg.eval_episodes, margin=cfg.margin, eval_envs=2, preset=cfg.preset
+        train=train,
+        eval_episodes=cfg.eval_episodes,
+        margin=cfg.margin,
+        gate_alpha=cfg.gate_alpha,
+        report_episodes=cfg.report_episodes,
+        eval_envs=2,
+        preset=cfg.preset,
     )
 
 

@@ -46,7 +46,7 @@ HEADER = [
     "round",
     "algo",
     "autonomous success (95% CI)",
-    "base",
+    "gate: candidate vs base (p)",
     "fleet success",
     "intervention",
     "takeovers/ep",
@@ -54,6 +54,14 @@ HEADER = [
     "min",
     "promoted",
 ]
+
+
+NOTE = (
+    "autonomous success: the promoted checkpoint on report seeds its gate never saw (not measured: not "
+    "promoted, or --report-episodes 0); gate: the success on the gate's seeds that the promotion was decided "
+    "on, and the paired test's one-sided p-value"
+)
+"""Printed under the table: what its two success columns mean."""
 
 
 def round_row(
@@ -66,7 +74,9 @@ def round_row(
 ) -> dict[str, Any]:
     """The row of finished round ``rid``: its outcome (``rec``), the fleet's batch before it (``fleet``, a
     :func:`fleet_summary`), its minutes, where ``prod`` points after it and the supervisor's events so far
-    (restarts; the first line of the round's error, if it has one)."""
+    (restarts; the first line of the round's error, if it has one). ``success``, ``ci95`` and
+    ``base_success`` are the gate's; ``reported_success`` and ``reported_ci95`` the promoted checkpoint's
+    on seeds the gate did not see (None: not measured)."""
     m = rec.metrics
     return {
         "round": rid,
@@ -75,6 +85,9 @@ def round_row(
         "success": m.get("success"),
         "ci95": m.get("ci95") or [None, None],
         "base_success": m.get("base_success"),
+        "p_value": m.get("p_value"),
+        "reported_success": m.get("reported_success"),
+        "reported_ci95": m.get("reported_ci95") or [None, None],
         "fleet": fleet,
         "minutes": minutes,
         "promoted": rec.promoted,
@@ -84,21 +97,38 @@ def round_row(
     }
 
 
-def _success(row: dict[str, Any]) -> str:
-    """A succeeded round's success with its 95% interval; else its status and error."""
+def _with_ci(rate: float | None, ci95: Sequence[float | None]) -> str:
+    lo, hi = ci95
+    if rate is None:
+        return "not measured"
+    return f"{rate:.0%}" if lo is None or hi is None else f"{rate:.0%} ({lo:.0%}-{hi:.0%})"
+
+
+def _reported(row: dict[str, Any]) -> str:
+    """A succeeded round's reported success (held-out seeds) with its 95% interval; else its status and
+    error."""
     if row["status"] != "succeeded":
         return f"{row['status']}: {row['error']}"
-    lo, hi = row["ci95"]
-    return f"{row['success']:.0%} ({lo:.0%}-{hi:.0%})"
+    return _with_ci(row.get("reported_success"), row.get("reported_ci95") or [None, None])
+
+
+def _gate(row: dict[str, Any]) -> str:
+    """The gate's numbers: candidate vs base on the gate's seeds, and the paired test's p-value."""
+    p = row.get("p_value")
+    return f"{_pct(row['success'])} vs {_pct(row['base_success'])}" + ("" if p is None else f" (p {p:.2g})")
 
 
 def round_line(row: dict[str, Any]) -> str:
     """The line printed as a round finishes."""
     fleet = row["fleet"]
+    if row["status"] == "succeeded":
+        outcome = f"success {_reported(row)} on held-out seeds, gate {_gate(row)}"
+    else:
+        outcome = f"{_reported(row)}, base {_pct(row['base_success'])}"
     return (
-        f"round {row['round']}: {row['algo']} {_success(row)}, base {_pct(row['base_success'])}, fleet success "
-        f"{_pct(fleet['success'])} with {_pct(fleet['intervention_rate'])} of frames by the operator, "
-        f"promoted: {'yes' if row['promoted'] else 'no'} ({row['minutes']:.1f} min)"
+        f"round {row['round']}: {row['algo']} {outcome}, fleet success {_pct(fleet['success'])} with "
+        f"{_pct(fleet['intervention_rate'])} of frames by the operator, promoted: "
+        f"{'yes' if row['promoted'] else 'no'} ({row['minutes']:.1f} min)"
     )
 
 
@@ -110,8 +140,8 @@ def round_cells(row: dict[str, Any]) -> list[object]:
     return [
         row["round"],
         row["algo"],
-        _success(row) if row["status"] == "succeeded" else f"{row['status']} (below)",
-        _pct(row["base_success"]),
+        _reported(row) if row["status"] == "succeeded" else f"{row['status']} (below)",
+        _gate(row) if row["status"] == "succeeded" else "n/a",
         _pct(fleet["success"]),
         _pct(fleet["intervention_rate"]),
         "n/a" if takeovers is None else f"{takeovers:.2f}",

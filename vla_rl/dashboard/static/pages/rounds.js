@@ -1,4 +1,4 @@
-// Rounds: the list (status, algorithm, base, candidate vs base success with intervals, promoted),
+// Rounds: the list (status, algorithm, base, the gate's candidate vs base success with intervals, the held-out success, promoted),
 // the start form (algorithm + preset, base from the registry's refs, data selection pre-filled from
 // the episode filter with its live count, margin), live progress over SSE (fetch streaming), cancel,
 // promote and roll back behind a confirmation.
@@ -83,7 +83,7 @@ export async function render(root, ctx) {
       rounds.length
         ? h(
             "table.rounds",
-            h("thead", h("tr", ["#", "status", "algo", "base", "candidate vs base", "promoted", "created"].map((c) => h("th", c)))),
+            h("thead", h("tr", ["#", "status", "algo", "base", "gate: candidate vs base", "held-out success", "promoted", "created"].map((c) => h("th", c)))),
             h(
               "tbody",
               rounds.map((r) =>
@@ -95,6 +95,7 @@ export async function render(root, ctx) {
                   h("td", r.algo, r.preset ? h("span.muted", ` (${r.preset})`) : null),
                   h("td.mono", { title: `${r.base_ref || ""} ${r.base_revision || ""}` }, r.base_ref || "", " ", h("span.muted", short(r.base_revision))),
                   h("td", compareCell(scores(r))),
+                  h("td", reportedCell(scores(r))),
                   h("td", r.promoted ? badge("promoted", "promoted") : "–"),
                   h("td", { title: when(r.created_at) }, ago(r.created_at)),
                 ),
@@ -421,6 +422,13 @@ function compareCell(m) {
   );
 }
 
+/** The success a promoted round reports: its checkpoint on seeds the gate never saw (vla_rl/gate.py). */
+function reportedCell(m) {
+  if (m.reported_success == null) return m.success == null ? "–" : h("span.muted", "not measured");
+  const ci = m.reported_ci95;
+  return `${pct(m.reported_success)}${ci ? ` [${pct(ci[0])}, ${pct(ci[1])}]` : ""}${m.report_episodes ? ` on ${m.report_episodes} seeds` : ""}`;
+}
+
 function drawInfo(el, r) {
   const m = { ...(r.metrics || {}), ...Object.fromEntries(Object.entries(scores(r)).filter(([, v]) => v != null)) };
   const rows = [
@@ -429,7 +437,8 @@ function drawInfo(el, r) {
     ["base", `${r.base_ref || ""} ${short(r.base_revision)}`],
     ["data", typeof r.data === "string" ? r.data || "(all)" : r.data == null ? "(all)" : JSON.stringify(r.data)],
     ["margin", r.margin != null ? String(r.margin) : "–"],
-    ["candidate vs base", compareCell(m)],
+    ["gate: candidate vs base", compareCell(m)],
+    ["held-out success", reportedCell(m)],
     ["gate", m.gate ? `${m.gate.passed ? "passed" : "not passed"}: ${m.gate.reason}` : "–"],
     ["checkpoint", r.checkpoint_ref ? `${r.checkpoint_ref} ${short(r.checkpoint_revision)}` : "–"],
     ["worker", r.worker ? `${r.worker} (attempt ${r.attempts})` : "–"],
