@@ -73,7 +73,7 @@ def _gate(
     monkeypatch: pytest.MonkeyPatch, cfg: RoundConfig, cand: set[int], base: set[int]
 ) -> rounds.SimGate:
     """The sim gate over fake evaluations: the candidate wins the seeds ``cand``, the base ``base``."""
-    new, old = object(), SimpleNamespace(info=SimpleNamespace(metrics={}), commit="c0")
+    new, old = object(), SimpleNamespace(metrics={}, commit="c0")
     fake = {id(new): cand, id(old): base}
     monkeypatch.setattr(
         rounds, "evaluate", lambda p, task, episodes, seed, **_: _eval(fake[id(p)], seed, episodes)
@@ -125,10 +125,10 @@ def test_the_base_is_reused_only_with_its_per_seed_outcomes(monkeypatch: pytest.
     rate (before the paired gate) is, since the paired test needs each seed."""
     cfg = _cfg(eval_episodes=4)
     rate_only = {"eval_seed": EVAL, "eval_episodes": 4, "success_rate": 0.5}
-    base = SimpleNamespace(info=SimpleNamespace(metrics=rate_only), commit="c0")
+    base = SimpleNamespace(metrics=rate_only, commit="c0")
     db = SimpleNamespace(rounds=lambda task=None: [])
     assert rounds._known_base_score(db, base, "toy", cfg) is None  # type: ignore[arg-type]
-    base.info.metrics = {**rate_only, "eval_outcomes": "1100"}
+    base.metrics = {**rate_only, "eval_outcomes": "1100"}
     known = rounds._known_base_score(db, base, "toy", cfg)  # type: ignore[arg-type]
     assert known is not None and known["outcomes"] == "1100" and known["source"] == "checkpoint"
 

@@ -400,7 +400,9 @@ def test_a_round_on_a_lerobot_base_pushes_a_lerobot_folder_the_server_swaps_to(
             **QUICK,
         )
         rec = start_round(
-            RoundConfig(train=train, eval_episodes=2, eval_envs=1, margin=-0.99),
+            RoundConfig(
+                train=train, eval_episodes=2, eval_envs=1, margin=-0.99, gate_alpha=1.0, report_episodes=0
+            ),
             db=MetadataDB.for_store(store),
         )
         assert rec.status == "succeeded" and rec.promoted, rec.error
