@@ -13,14 +13,20 @@
    (observation sent -> chunk received) and aggregate chunks/s, ours/LeRobot ratios; for LeRobot also how
    many chunks answered *another* client's observation (its single-slot observation queue is shared).
    Ours: one ``StreamAct`` stream per client, dynamic batching (max batch 16, adaptive wait).
-2. **Overhead.** One client, one request at a time: end-to-end round trip minus the server's measured
-   forward pass (``timing.inference_us``), for the same ACT request and for our flow VLA (3x224x224 + state,
-   K=10 denoising steps); with adaptive batching wait on, and off (the batcher waits ``max_wait_us`` = 2 ms).
+2. **Overhead.** One client, one request at a time: the client's whole call (encoding the observation,
+   gRPC both ways, decoding the chunk) minus the server's measured forward pass (``timing.inference_us``),
+   for the same ACT request and for our flow VLA (3x224x224 + state, K=10 denoising steps); with adaptive
+   batching wait on, and off (the batcher waits ``max_wait_us`` = 2 ms). Each point also reports the
+   median of every stage the reply's timing carries (client encode, network, decode, queue, batch,
+   prefix, denoise, wake, encode, client decode, TTFA) and an empty unary call's round trip on the same
+   channel, the floor gRPC Python itself sets. ``--overhead-only`` runs just these (on a fresh server,
+   ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``.
 
 The bench client unpickles LeRobot's replies: that is LeRobot's protocol (ours never unpickles anything),
 acceptable only because the LeRobot server is our own child process on loopback.
 
     nice -n 19 .venv/bin/python bench/serve.py [--duration 20] [--threads 2] [--clients 1,4,16]
+    nice -n 19 .venv/bin/python bench/serve.py --overhead-only --overhead-requests 100 --overhead-rounds 3
 """
 
 from __future__ import annotations
@@ -97,7 +103,9 @@ def obs(rng: np.random.Generator) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ servers
 def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    # this checkout's client package too: the installed one may be another checkout's (a git worktree)
+    path = os.pathsep.join((str(ROOT), str(ROOT / "packages" / "vla-rl-client")))
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=path)
     return env
 
 
@@ -354,22 +362,62 @@ def lerobot_client(
     return make
 
 
+STAGES = (
+    "client_encode_us",
+    "network_us",
+    "decode_us",
+    "queue_us",
+    "batch_us",
+    "prefix_us",
+    "denoise_us",
+    "wake_us",
+    "encode_us",
+    "client_decode_us",
+    "ttfa_us",
+)
+"""The per-stage timing every reply carries (``vla_rl_client.policy_common.Timing``), in the order a request
+lives through them; their medians are reported per overhead point."""
+
+
+def empty_call_floor(client: PolicyClient, n: int) -> float:
+    """p50 ms of an empty unary call on the same channel (the health service's Check): what gRPC Python's own
+    round trip on this machine costs, the floor under any overhead."""
+    for _ in range(3):
+        client.health()
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        client.health()
+        xs.append((time.perf_counter_ns() - t0) / 1e6)
+    return pct(xs, 50)
+
+
 def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
-    """One client, ``n`` sequential requests: round trip minus the server's forward pass."""
+    """One client, ``n`` sequential requests. The overhead is everything but the model: the client's call
+    (encoding the observation, gRPC both ways, decoding the chunk) minus the server's forward pass; also the
+    older round trip minus forward (the encoding and decoding left out), the in-server part, each stage's
+    median and an empty call's round trip on the same channel."""
     rng = np.random.default_rng(123)
     o = obs(rng)
     with PolicyClient(address, timeout_s=600, model_id=model_id) as c:
+        floor = empty_call_floor(c, n)
         s = c.stream() if mode == "stream" else None
         act = s.act if s is not None else c.act
         for _ in range(3):
             act(o, seed=0)
-        e2e, srv, inf = [], [], []
+        e2e, rtt, srv, inf = [], [], [], []
+        stages: dict[str, list[float]] = {k: [] for k in STAGES}
         for i in range(n):
+            t0 = time.perf_counter_ns()
             r = act(o, seed=i)
+            wall_us = (time.perf_counter_ns() - t0) / 1000
             t = r.timing
-            e2e.append((t.round_trip_us - t.inference_us) / 1000)
+            e2e.append((wall_us - t.inference_us) / 1000)
+            rtt.append((t.round_trip_us - t.inference_us) / 1000)
             srv.append((t.total_us - t.inference_us) / 1000)
             inf.append(t.inference_us / 1000)
+            for k in STAGES:
+                stages[k].append(getattr(t, k))
         if s is not None:
             s.close()
     return {
@@ -378,19 +426,155 @@ def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
         "requests": n,
         "overhead_p50_ms": round(pct(e2e, 50), 3),
         "overhead_p99_ms": round(pct(e2e, 99), 3),
+        "round_trip_overhead_p50_ms": round(pct(rtt, 50), 3),
         "server_overhead_p50_ms": round(pct(srv, 50), 3),
         "forward_p50_ms": round(pct(inf, 50), 1),
+        "empty_call_p50_ms": round(floor, 3),
+        "stages_p50_us": {k: round(pct(v, 50)) for k, v in stages.items()},
         "loadavg": loadavg(),
     }
 
 
+def overhead_table(overheads: list[dict[str, Any]]) -> str:
+    """The overhead points, then each one's stage medians."""
+    points = table(
+        [
+            [
+                o["model"],
+                o["mode"],
+                o["adaptive_wait"],
+                o["overhead_p50_ms"],
+                o["overhead_p99_ms"],
+                o["round_trip_overhead_p50_ms"],
+                o["server_overhead_p50_ms"],
+                o["empty_call_p50_ms"],
+                o["forward_p50_ms"],
+                o["loadavg"][0],
+            ]
+            for o in overheads
+        ],
+        [
+            "model",
+            "call",
+            "adaptive",
+            "overhead p50 ms",
+            "p99 ms",
+            "round trip - forward p50 ms",
+            "in-server p50 ms",
+            "empty call p50 ms",
+            "forward p50 ms",
+            "load",
+        ],
+    )
+    stages = table(
+        [[o["model"], o["mode"], *(o["stages_p50_us"][k] for k in STAGES)] for o in overheads],
+        ["model", "call", *(k.removesuffix("_us") for k in STAGES)],
+    )
+    return f"{points}\n\nstage medians, us:\n{stages}"
+
+
+def overhead_points(
+    models: dict[str, Path], threads: int, n: int, rounds: int, adaptive_off: bool = True
+) -> list[dict[str, Any]]:
+    """The overhead points on our server alone: ACT and the flow VLA, stream and unary, ``rounds`` times
+    interleaved (load drifts on a shared machine: each point's rounds spread over the run), then the flow
+    VLA with adaptive wait off."""
+    out: list[dict[str, Any]] = []
+    with our_server(models, threads, adaptive=True) as addr:
+        for r in range(rounds):
+            for model in ("act", "flow"):
+                for mode in ("stream", "unary"):
+                    out.append({"adaptive_wait": True, "round": r, **overhead(addr, model, n, mode)})
+    if adaptive_off:
+        with our_server({"flow": models["flow"]}, threads, adaptive=False) as address:
+            for mode in ("stream", "unary"):
+                out.append({"adaptive_wait": False, "round": 0, **overhead(address, "flow", n, mode)})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
+def compare_servers(
+    models: dict[str, Path], work: Path, threads: int, clients: list[int], duration: float
+) -> Any:
+    """LeRobot's server and ours, both up, 1/4/16 closed-loop clients each (points alternate to spread load
+    drift): the per-point records and ours/LeRobot ratios."""
+    compare: list[dict[str, Any]] = []
+    print("starting LeRobot's server and ours (both stay up; points alternate to spread load drift) ...")
+    with lerobot_server(threads, work) as le_addr, our_server(models, threads, adaptive=True) as addr:
+        lerobot_setup(le_addr, models["act"])
+        for i, n in enumerate(clients):
+            order = ["lerobot", "ours"] if i % 2 == 0 else ["ours", "lerobot"]
+            for name in order:
+                make = lerobot_client(le_addr) if name == "lerobot" else our_client(addr, "act")
+                r = run_clients(n, duration, make)
+                compare.append({"server": name, **r})
+                print(
+                    f"  {name:<8}{n:>2} clients: {r['chunks_per_s']} chunks/s p50 {r['p50_ms']} ms",
+                    flush=True,
+                )
+    ratios = []
+    for n in clients:
+        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
+        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
+        ratios.append(
+            {
+                "clients": n,
+                "throughput_ratio": _ratio(ou["chunks_per_s"], le["chunks_per_s"]),
+                "own_throughput_ratio": _ratio(ou["chunks_per_s"], le["own_chunks_per_s"]),
+                "p50_ratio": _ratio(ou["p50_ms"], le["p50_ms"]),
+                "p99_ratio": _ratio(ou["p99_ms"], le["p99_ms"]),
+            }
+        )
+    return compare, ratios
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+def compare_tables(compare: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
+    keys = ["server", "clients", "chunks_per_s", "own_chunks_per_s", "p50_ms", "p99_ms", "mean_batch"]
+    rows = [
+        [r[k] for k in keys] + [r["empty_replies"], r["errors"], "/".join(map(str, r["loadavg_start"]))]
+        for r in compare
+    ]
+    header = [
+        "server",
+        "clients",
+        "chunks/s",
+        "own chunks/s",
+        "p50 ms",
+        "p99 ms",
+        "batch",
+        "empty",
+        "err",
+        "load",
+    ]
+    rkeys = ["clients", "throughput_ratio", "own_throughput_ratio", "p50_ratio", "p99_ratio"]
+    rheader = [
+        "clients",
+        "chunks/s ours/LeRobot",
+        "vs LeRobot own-obs chunks/s",
+        "p50 ours/LeRobot",
+        "p99 ours/LeRobot",
+    ]
+    return f"{table(rows, header)}\n\n{table([[r[k] for k in rkeys] for r in ratios], rheader)}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=20.0, help="seconds per (server, clients) point")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each server process")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--overhead-requests", type=int, default=30)
+    p.add_argument(
+        "--overhead-rounds", type=int, default=1, help="interleaved repeats of each overhead point"
+    )
+    p.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="only the overhead points (default out: serve_overhead.json)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--serve-ours", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -411,130 +595,25 @@ def main() -> None:
             "lerobot_server": "lerobot.async_inference.policy_server, inference_latency=0, obs_queue_timeout=2, "
             "one Ready + SendPolicyInstructions, then SendObservations(must_go) + GetActions per request",
             "ours": "StreamAct per client, max_batch 16, max_wait_us 2000, adaptive wait",
+            "overhead": "one client: its act() call (encode, gRPC both ways, decode) minus the server's forward",
         }
     }
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         work = Path(tmp)
         print("building models ...", flush=True)
         models = make_models(work)
-        compare: list[dict[str, Any]] = []
-        overheads: list[dict[str, Any]] = []
-        print("starting LeRobot's server and ours (both stay up; points alternate to spread load drift) ...")
-        with (
-            lerobot_server(args.threads, work) as le_addr,
-            our_server(models, args.threads, adaptive=True) as addr,
-        ):
-            lerobot_setup(le_addr, models["act"])
-            for i, n in enumerate(clients):
-                order = ["lerobot", "ours"] if i % 2 == 0 else ["ours", "lerobot"]
-                for name in order:
-                    make = lerobot_client(le_addr) if name == "lerobot" else our_client(addr, "act")
-                    r = run_clients(n, args.duration, make)
-                    compare.append({"server": name, **r})
-                    print(
-                        f"  {name:<8}{n:>2} clients: {r['chunks_per_s']} chunks/s p50 {r['p50_ms']} ms",
-                        flush=True,
-                    )
-            for model in ("act", "flow"):
-                for mode in ("stream", "unary"):
-                    overheads.append(
-                        {"adaptive_wait": True, **overhead(addr, model, args.overhead_requests, mode)}
-                    )
-        print("our server, adaptive wait off ...", flush=True)
-        with our_server({"flow": models["flow"]}, args.threads, adaptive=False) as address:
-            for mode in ("stream", "unary"):
-                overheads.append(
-                    {"adaptive_wait": False, **overhead(address, "flow", args.overhead_requests, mode)}
-                )
-    ratios = []
-    for n in clients:
-        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
-        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
-        ratios.append(
-            {
-                "clients": n,
-                "throughput_ratio": round(ou["chunks_per_s"] / le["chunks_per_s"], 2)
-                if le["chunks_per_s"]
-                else None,
-                "own_throughput_ratio": round(ou["chunks_per_s"] / le["own_chunks_per_s"], 2)
-                if le["own_chunks_per_s"]
-                else None,
-                "p50_ratio": round(ou["p50_ms"] / le["p50_ms"], 2) if le["p50_ms"] else None,
-                "p99_ratio": round(ou["p99_ms"] / le["p99_ms"], 2) if le["p99_ms"] else None,
-            }
-        )
-    results.update(compare=compare, ratios=ratios, overhead=overheads)
+        if not args.overhead_only:
+            compare, ratios = compare_servers(models, work, args.threads, clients, args.duration)
+            results.update(compare=compare, ratios=ratios)
+            print()
+            print(compare_tables(compare, ratios))
+        print("overhead points ...", flush=True)
+        overheads = overhead_points(models, args.threads, args.overhead_requests, args.overhead_rounds)
+    results.update(overhead=overheads)
     results["conditions"]["loadavg_at_end"] = loadavg()
-    rows = [
-        [
-            r["server"],
-            r["clients"],
-            r["chunks_per_s"],
-            r["own_chunks_per_s"],
-            r["p50_ms"],
-            r["p99_ms"],
-            r["mean_batch"],
-            r["empty_replies"],
-            r["errors"],
-            "/".join(map(str, r["loadavg_start"])),
-        ]
-        for r in compare
-    ]
-    header = [
-        "server",
-        "clients",
-        "chunks/s",
-        "own chunks/s",
-        "p50 ms",
-        "p99 ms",
-        "batch",
-        "empty",
-        "err",
-        "load",
-    ]
     print()
-    print(table(rows, header))
-    print()
-    print(
-        table(
-            [
-                [
-                    r["clients"],
-                    r["throughput_ratio"],
-                    r["own_throughput_ratio"],
-                    r["p50_ratio"],
-                    r["p99_ratio"],
-                ]
-                for r in ratios
-            ],
-            [
-                "clients",
-                "chunks/s ours/LeRobot",
-                "vs LeRobot own-obs chunks/s",
-                "p50 ours/LeRobot",
-                "p99 ours/LeRobot",
-            ],
-        )
-    )
-    print()
-    print(
-        table(
-            [
-                [
-                    o["model"],
-                    o["mode"],
-                    o["adaptive_wait"],
-                    o["overhead_p50_ms"],
-                    o["overhead_p99_ms"],
-                    o["server_overhead_p50_ms"],
-                    o["forward_p50_ms"],
-                ]
-                for o in overheads
-            ],
-            ["model", "call", "adaptive", "overhead p50 ms", "p99 ms", "in-server p50 ms", "forward p50 ms"],
-        )
-    )
-    path = write_results("serve", results, args.out)
+    print(overhead_table(overheads))
+    path = write_results("serve_overhead" if args.overhead_only else "serve", results, args.out)
     print(f"\nresults: {path}")
 
 

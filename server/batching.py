@@ -42,6 +42,10 @@ class _Result:
     inference_us: int
     uncertainty: float = float("nan")  # NaN = not available
     uncertainty_kind: str = ""
+    batch_us: int = 0  # forming the batch (initial noise, stacking)
+    prefix_us: int = 0  # of inference_us: the model's encode_prefix; 0 = the model does not split
+    denoise_us: int = 0  # of inference_us: the rest of the forward; 0 = the model does not split
+    done_ns: int = 0  # time.perf_counter_ns() when the result was handed over (the handler's wake-up starts)
 
 
 class LatencyWindow:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
-from vla_rl_client.codec import to_tensor
+from vla_rl_client.codec import fill_tensor
 from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import SpecError
@@ -106,24 +106,28 @@ class _Service(pb_grpc.PolicyServiceServicer):
         except asyncio.CancelledError:
             item.future.cancel()
             raise
-        total_us = (time.perf_counter_ns() - t0) // 1000
-        slot.latency.add(total_us / 1000.0)
+        resumed = time.perf_counter_ns()
         reply = pb.ActResponse(
             request_id=req.request_id,
             model_id=slot.model_id,
-            actions=to_tensor(res.actions),
             commit=res.commit,
-            timing=pb.Timing(
-                queue_us=res.queue_us, decode_us=decode_us, inference_us=res.inference_us, total_us=total_us
-            ),
             batch_size=res.batch_size,
             seed=item.seed,
             explicit_noise=item.noise is not None,
             n_exec=res.n_exec,
         )
+        fill_tensor(reply.actions, res.actions)
         if res.uncertainty_kind:  # unset = not available (the field is optional)
             reply.uncertainty = res.uncertainty
             reply.uncertainty_kind = res.uncertainty_kind
+        done = time.perf_counter_ns()
+        total_us = (done - t0) // 1000
+        slot.latency.add(total_us / 1000.0)
+        timing = reply.timing
+        timing.queue_us, timing.decode_us, timing.inference_us = res.queue_us, decode_us, res.inference_us
+        timing.total_us, timing.batch_us, timing.encode_us = total_us, res.batch_us, (done - resumed) // 1000
+        timing.prefix_us, timing.denoise_us = res.prefix_us, res.denoise_us
+        timing.wake_us = max(0, resumed - res.done_ns) // 1000 if res.done_ns else 0
         return reply
 
     async def Act(self, request: pb.ActRequest, context: grpc.aio.ServicerContext) -> pb.ActResponse:

@@ -17,6 +17,7 @@ from vla_rl_client.spec import RobotSpec
 
 from policies.loading import LoadedPolicy
 from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
+from server.stage_timing import timed_prefix
 from vla_rl.core.rpc import RequestError
 from vla_rl.hub.checkpoint import CheckpointError
 
@@ -364,8 +365,10 @@ class ModelSlot:
             states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
             t0 = time.perf_counter_ns()
-            actions, scores = version.infer_scored(states, cams, [it.instruction for it in live], noise)
+            with timed_prefix(version.model) as prefix_clock:
+                actions, scores = version.infer_scored(states, cams, [it.instruction for it in live], noise)
             infer_us = (time.perf_counter_ns() - t0) // 1000
+            prefix_us, denoise_us = prefix_clock.split_us(infer_us)
             want = (len(live), version.chunk_len, version.action_dim)
             if actions.shape != want:
                 raise RequestError(
@@ -407,5 +410,9 @@ class ModelSlot:
                     inference_us=infer_us,
                     uncertainty=float(scores[i]),
                     uncertainty_kind=kind if np.isfinite(scores[i]) else "",
+                    batch_us=(t0 - start_ns) // 1000,
+                    prefix_us=prefix_us,
+                    denoise_us=denoise_us,
+                    done_ns=time.perf_counter_ns(),
                 )
             )

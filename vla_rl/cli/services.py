@@ -153,6 +153,12 @@ def client_act(a: ClientAct) -> int:
         f"timing: queue {t.queue_us} us, decode {t.decode_us} us, inference {t.inference_us} us, "
         f"total {t.total_us} us (batch of {res.batch_size})"
     )
+    print(
+        f"stages: client encode {t.client_encode_us}, network {t.network_us}, decode {t.decode_us}, "
+        f"queue {t.queue_us}, batch {t.batch_us}, prefix {t.prefix_us}, denoise {t.denoise_us}, "
+        f"wake {t.wake_us}, encode {t.encode_us}, client decode {t.client_decode_us} us; "
+        f"time to first action {t.ttfa_us} us"
+    )
     return 0
 
 

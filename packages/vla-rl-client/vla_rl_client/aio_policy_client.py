@@ -75,9 +75,11 @@ class AsyncActStream:
         noise: np.ndarray | None = None,
         timeout_s: float | None = None,
     ) -> ActResult:
+        started = time.perf_counter_ns()
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
         req = self._client._act_request(obs, seed, noise, self._model_id, None, "a", timeout_s=timeout)
-        await self._client.check_size(req)  # an over-size request would end the stream
+        data = req.SerializeToString()  # once: for the size check and the wire
+        await self._client.check_size(data)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
         async with self._lock:
             while True:
@@ -85,7 +87,7 @@ class AsyncActStream:
                     self._open()
                 t0 = time.perf_counter_ns()
                 try:
-                    await asyncio.wait_for(self._call.write(req), budget.remaining())
+                    await asyncio.wait_for(self._call.write(data), budget.remaining())
                     reply = await asyncio.wait_for(self._call.read(), budget.remaining())
                 except TimeoutError:
                     self._reset()  # a late reply could no longer be matched to its request
@@ -103,7 +105,7 @@ class AsyncActStream:
                     self._client.retries += 1
                     continue
                 break
-        return check_reply(reply, req, t0)
+        return check_reply(reply, req, t0, started)
 
     def _reset(self) -> None:
         if self._call is not None:
@@ -148,14 +150,16 @@ class AsyncPolicyClient(ClientBase):
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> ActResult:
-        req = self._act_request(obs, seed, noise, model_id, request_id, "ua")
-        await self.check_size(req)
-        return await self.act_request(req, timeout_s)
+        started = time.perf_counter_ns()
+        data = self._act_request(obs, seed, noise, model_id, request_id, "ua").SerializeToString()
+        await self.check_size(data)  # serialised once: for this check and for the wire
+        return await self.act_request(data, timeout_s, started_ns=started)
 
-    async def check_size(self, req: pb.ActRequest) -> None:
-        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request the server would refuse for its size
-        (see :meth:`vla_rl_client.policy_client.PolicyClient.check_size`)."""
-        if self._server_limit is None and req.ByteSize() > SMALL_REQUEST_BYTES:
+    async def check_size(self, req: pb.ActRequest | bytes) -> None:
+        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request (message or serialised bytes) the server
+        would refuse for its size (see :meth:`vla_rl_client.policy_client.PolicyClient.check_size`)."""
+        size = len(req) if isinstance(req, bytes) else req.ByteSize()
+        if self._server_limit is None and size > SMALL_REQUEST_BYTES:
             self._server_limit = 0  # asked once (see ClientBase._size_error)
             with contextlib.suppress(PolicyError):
                 self._server_limit = (await self.get_info(timeout_s=self.timeout_s)).max_request_bytes
@@ -163,10 +167,13 @@ class AsyncPolicyClient(ClientBase):
         if err is not None:
             raise err
 
-    async def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
+    async def act_request(
+        self, req: pb.ActRequest | bytes, timeout_s: float | None = None, *, started_ns: int | None = None
+    ) -> ActResult:
+        """Send a prepared ``ActRequest`` or its bytes, unchecked (see ``PolicyClient.act_request``)."""
         t0 = time.perf_counter_ns()
         resp = await self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
-        return parse_response(resp, t0)
+        return parse_response(resp, t0, t0 if started_ns is None else started_ns)
 
     def stream(self, model_id: str | None = None) -> AsyncActStream:
         return AsyncActStream(self, self._model(model_id))

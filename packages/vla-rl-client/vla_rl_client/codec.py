@@ -47,11 +47,23 @@ IMAGE_FORMATS = get_args(ImageFormat)
 
 def to_tensor(array: np.ndarray | Sequence[float]) -> pb.Tensor:
     """A numpy array (or nested sequence) as a wire ``Tensor``: C order, little-endian."""
+    msg = pb.Tensor()
+    fill_tensor(msg, array)
+    return msg
+
+
+def fill_tensor(msg: pb.Tensor, array: np.ndarray | Sequence[float]) -> None:
+    """Write ``array`` into the (empty) ``Tensor`` field ``msg`` of a message being built, as :func:`to_tensor`
+    encodes it. Filling the field where it lives copies the bytes once; building a ``Tensor`` and then
+    ``CopyFrom``-ing it (or passing it to a parent's constructor) copies them again each time, which for a
+    camera frame is most of a request's encoding time."""
     arr = np.asarray(array)
     if arr.dtype.name not in WIRE_DTYPES:
         raise TypeError(f"dtype {arr.dtype} cannot travel on the wire; use one of {sorted(WIRE_DTYPES)}")
     arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-    return pb.Tensor(dtype=arr.dtype.name, shape=list(arr.shape), data=arr.tobytes())
+    msg.dtype = arr.dtype.name
+    msg.shape[:] = arr.shape
+    msg.data = arr.tobytes()
 
 
 def from_tensor(
@@ -98,8 +110,18 @@ def from_tensor(
 
 def encode_image(image: np.ndarray, fmt: str = "raw", jpeg_quality: int = 90) -> pb.Image:
     """A uint8 [H, W, 3] image as a wire ``Image``: raw pixels, or JPEG (lossy) / PNG (lossless) bytes."""
+    msg = pb.Image()
+    fill_image(msg, image, fmt, jpeg_quality)
+    return msg
+
+
+def fill_image(msg: pb.Image, image: np.ndarray, fmt: str = "raw", jpeg_quality: int = 90) -> None:
+    """Write ``image`` into the (empty) ``Image`` field ``msg`` in place, as :func:`encode_image` encodes it
+    (one copy of the pixels, see :func:`fill_tensor`)."""
     if fmt == "raw":
-        return pb.Image(encoding=pb.Image.RAW, raw=to_tensor(image))
+        msg.encoding = pb.Image.RAW
+        fill_tensor(msg.raw, image)
+        return
     if fmt not in IMAGE_FORMATS:
         raise ValueError(f"image format must be one of {IMAGE_FORMATS}, got {fmt!r}")
     from PIL import Image
@@ -108,9 +130,11 @@ def encode_image(image: np.ndarray, fmt: str = "raw", jpeg_quality: int = 90) ->
     pil = Image.fromarray(np.asarray(image, dtype=np.uint8))
     if fmt == "jpeg":
         pil.save(buf, format="JPEG", quality=jpeg_quality)
-        return pb.Image(encoding=pb.Image.JPEG, encoded=buf.getvalue())
-    pil.save(buf, format="PNG")
-    return pb.Image(encoding=pb.Image.PNG, encoded=buf.getvalue())
+        msg.encoding = pb.Image.JPEG
+    else:
+        pil.save(buf, format="PNG")
+        msg.encoding = pb.Image.PNG
+    msg.encoded = buf.getvalue()
 
 
 _SOF_MARKERS = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))

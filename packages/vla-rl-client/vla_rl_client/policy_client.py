@@ -111,9 +111,11 @@ class ActStream:
         noise: np.ndarray | None = None,
         timeout_s: float | None = None,
     ) -> ActResult:
+        started = time.perf_counter_ns()
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
         req = self._client._act_request(obs, seed, noise, self._model_id, None, "s", timeout_s=timeout)
-        self._client.check_size(req)  # an over-size request would end the stream
+        data = req.SerializeToString()
+        self._client.check_size(data)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
         with self._lock:
             while True:
@@ -127,7 +129,7 @@ class ActStream:
                     self.reopened += 1
                     self._client.retries += 1
                 t0 = time.perf_counter_ns()
-                self._requests.put(req)
+                self._requests.put(data)
                 try:
                     reply = self._replies.get(timeout=budget.remaining(0.0))
                 except queue.Empty:
@@ -141,7 +143,7 @@ class ActStream:
                     self._broken = reply
                     continue  # reopen (UNAVAILABLE, within the budget) or raise, at the top
                 break
-        return check_reply(reply, req, t0)
+        return check_reply(reply, req, t0, started)
 
     def close(self) -> None:
         self._closed = True
@@ -173,22 +175,29 @@ class PolicyClient(ClientBase):
     ) -> ActResult:
         """One action chunk [H, A] for ``obs`` (seeded or explicit initial noise for reproducibility). A request
         over the server's size limit raises :class:`PolicyError` (RESOURCE_EXHAUSTED) without being sent."""
-        req = self._act_request(obs, seed, noise, model_id, request_id, "u")
-        self.check_size(req)
-        return self.act_request(req, timeout_s)
+        started = time.perf_counter_ns()
+        data = self._act_request(obs, seed, noise, model_id, request_id, "u").SerializeToString()
+        self.check_size(data)  # serialised once: for this check and for the wire
+        return self.act_request(data, timeout_s, started_ns=started)
 
-    def check_size(self, req: pb.ActRequest) -> None:
-        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request the server would refuse for its size
-        (``GetInfo.max_request_bytes``, asked once, when a request is first over 64 KiB)."""
+    def check_size(self, req: pb.ActRequest | bytes) -> None:
+        """Raise :class:`PolicyError` (RESOURCE_EXHAUSTED) for a request (message or serialised bytes) the
+        server would refuse for its size (``GetInfo.max_request_bytes``, asked once, when a request is first
+        over 64 KiB)."""
         err = self._size_error(req, lambda: self.get_info(timeout_s=self.timeout_s).max_request_bytes)
         if err is not None:
             raise err
 
-    def act_request(self, req: pb.ActRequest, timeout_s: float | None = None) -> ActResult:
-        """Send a prepared ``ActRequest`` (lets tests and tools send what ``build_request`` would refuse)."""
+    def act_request(
+        self, req: pb.ActRequest | bytes, timeout_s: float | None = None, *, started_ns: int | None = None
+    ) -> ActResult:
+        """Send a prepared ``ActRequest`` or its serialised bytes, unchecked (lets tests and tools send what
+        ``build_request`` or the size check would refuse). ``started_ns``: when the caller began building it
+        (``time.perf_counter_ns()``), so the reply's timing counts the encoding (``client_encode_us``,
+        ``ttfa_us``)."""
         t0 = time.perf_counter_ns()
         resp = self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
-        return parse_response(resp, t0)
+        return parse_response(resp, t0, t0 if started_ns is None else started_ns)
 
     def _retrying(self, call: Callable[[float], T], timeout_s: float | None) -> T:
         """``call(remaining_s)``, repeated after UNAVAILABLE with backoff until the deadline."""

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from vla_rl_client.codec import encode_image, from_tensor, to_tensor
+from vla_rl_client.codec import fill_image, fill_tensor, from_tensor
 from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
@@ -47,6 +47,7 @@ __all__ = [
     "channel_target",
     "check_reply",
     "parse_response",
+    "serialize",
 ]
 
 
@@ -249,13 +250,39 @@ def channel_credentials(tls_ca: str | os.PathLike[str] | bytes | None) -> grpc.C
 
 @dataclass(frozen=True)
 class Timing:
-    """Server-side microseconds (see ``Timing`` in the proto) plus the client's round trip."""
+    """Where one chunk's time went, in microseconds: the server's stages (``Timing`` in the proto: decode,
+    queue, batch, inference = prefix + denoise, wake, encode; all within ``total_us``) and the client's own.
+
+    ``round_trip_us`` runs from the request handed to gRPC to the reply received; ``network_us`` is the part
+    of it the server did not account for (gRPC on both ends, loopback or the network, thread wake-ups).
+    ``ttfa_us`` (time to first action) runs from the call (before the observation was encoded) to the
+    decoded chunk: ``client_encode_us`` + ``round_trip_us`` + ``client_decode_us``. Servers older than the
+    stage fields report them as 0; a request sent prepared (``act_request``) has ``client_encode_us`` 0.
+    """
 
     queue_us: int
     decode_us: int
     inference_us: int
     total_us: int
     round_trip_us: int
+    prefix_us: int = 0
+    denoise_us: int = 0
+    batch_us: int = 0
+    wake_us: int = 0
+    encode_us: int = 0
+    client_encode_us: int = 0
+    client_decode_us: int = 0
+    ttfa_us: int = 0
+
+    @property
+    def network_us(self) -> int:
+        """Round trip minus the server's own time (never negative)."""
+        return max(0, self.round_trip_us - self.total_us)
+
+    @property
+    def overhead_us(self) -> int:
+        """Everything but the model's forward: time to first action minus ``inference_us``."""
+        return max(0, self.ttfa_us - self.inference_us)
 
 
 @dataclass(frozen=True)
@@ -288,33 +315,59 @@ def build_request(
     image_format: str = "raw",
     timeout_ms: int = 0,
 ) -> pb.ActRequest:
-    """An ``ActRequest`` from ``{"state": float32[S], "cameras": {name: uint8[H, W, 3]}, "instruction": str}``."""
-    o = pb.Observation(instruction=str(obs.get("instruction") or ""))
+    """An ``ActRequest`` from ``{"state": float32[S], "cameras": {name: uint8[H, W, 3]}, "instruction": str}``.
+
+    Every array is written into its field in place (:func:`~vla_rl_client.codec.fill_tensor`): the pixels are
+    copied once, not once per enclosing message."""
+    req = pb.ActRequest(model_id=model_id, request_id=request_id, timeout_ms=timeout_ms)
+    o = req.observation
+    o.instruction = str(obs.get("instruction") or "")
     if obs.get("state") is not None:
-        o.state.CopyFrom(to_tensor(np.asarray(obs["state"])))
+        fill_tensor(o.state, np.asarray(obs["state"]))
     for name, img in (obs.get("cameras") or {}).items():
-        o.cameras[name].CopyFrom(encode_image(np.asarray(img), image_format))
-    req = pb.ActRequest(model_id=model_id, request_id=request_id, observation=o, timeout_ms=timeout_ms)
+        fill_image(o.cameras[name], np.asarray(img), image_format)
     if seed is not None:
         req.seed = int(seed)
     if noise is not None:
-        req.noise.CopyFrom(to_tensor(np.asarray(noise, dtype=np.float32)))
+        fill_tensor(req.noise, np.asarray(noise, dtype=np.float32))
     return req
 
 
 _CODES = {c.value[0]: c.value for c in grpc.StatusCode}
 
 
-def parse_response(resp: pb.ActResponse, t0: int) -> ActResult:
-    """The chunk in ``resp`` (sent at ``time.perf_counter_ns() == t0``), or its error as :class:`PolicyError`."""
+def serialize(msg: Any) -> bytes:
+    """A request for the wire: a message serialised, or bytes (serialised already) as they are."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def parse_response(resp: pb.ActResponse, t0: int, started_ns: int | None = None) -> ActResult:
+    """The chunk in ``resp`` (sent at ``time.perf_counter_ns() == t0``; the call started, before encoding, at
+    ``started_ns``, default ``t0``), or its error as :class:`PolicyError`."""
+    received = time.perf_counter_ns()
     if resp.HasField("error"):
         raise PolicyError(grpc.StatusCode(_CODES[resp.error.code]), resp.error.message)
     t = resp.timing
+    actions = from_tensor(resp.actions, "actions", dtype="float32")
+    started = t0 if started_ns is None else started_ns
+    done = time.perf_counter_ns()
     return ActResult(
-        actions=from_tensor(resp.actions, "actions", dtype="float32"),
+        actions=actions,
         commit=resp.commit,
         timing=Timing(
-            t.queue_us, t.decode_us, t.inference_us, t.total_us, (time.perf_counter_ns() - t0) // 1000
+            t.queue_us,
+            t.decode_us,
+            t.inference_us,
+            t.total_us,
+            (received - t0) // 1000,
+            prefix_us=t.prefix_us,
+            denoise_us=t.denoise_us,
+            batch_us=t.batch_us,
+            wake_us=t.wake_us,
+            encode_us=t.encode_us,
+            client_encode_us=(t0 - started) // 1000,
+            client_decode_us=(done - received) // 1000,
+            ttfa_us=(done - started) // 1000,
         ),
         batch_size=resp.batch_size,
         seed=resp.seed,
@@ -326,13 +379,15 @@ def parse_response(resp: pb.ActResponse, t0: int) -> ActResult:
     )
 
 
-def check_reply(reply: pb.ActResponse, req: pb.ActRequest, t0: int) -> ActResult:
+def check_reply(
+    reply: pb.ActResponse, req: pb.ActRequest, t0: int, started_ns: int | None = None
+) -> ActResult:
     """A stream's reply to ``req``: cannot be another request's with an in-order server; never mis-route."""
     if reply.request_id != req.request_id:
         raise PolicyError(
             grpc.StatusCode.INTERNAL, f"reply for {reply.request_id!r} to request {req.request_id!r}"
         )
-    return parse_response(reply, t0)
+    return parse_response(reply, t0, started_ns)
 
 
 _ids = itertools.count()
@@ -406,6 +461,17 @@ class ClientBase:
             else self._grpc.insecure_channel(target.target, options=opts)
         )
         self._stub = pb_grpc.PolicyServiceStub(self._channel)
+        # Act and StreamAct also take a request already serialised: a client serialises each request once,
+        # for its size check and for the wire (a camera frame's bytes are not copied twice)
+        method = f"/{pb.DESCRIPTOR.services_by_name['PolicyService'].full_name}/"
+        self._stub.Act = self._channel.unary_unary(
+            method + "Act", request_serializer=serialize, response_deserializer=pb.ActResponse.FromString
+        )
+        self._stub.StreamAct = self._channel.stream_stream(
+            method + "StreamAct",
+            request_serializer=serialize,
+            response_deserializer=pb.ActResponse.FromString,
+        )
 
     def _budget(self, timeout_s: float | None) -> RetryBudget:
         return RetryBudget(self.backoff, timeout_s or self.timeout_s)
@@ -434,11 +500,14 @@ class ClientBase:
             timeout_ms=0 if timeout_s is None else max(1, int(timeout_s * 1000)),
         )
 
-    def _size_error(self, req: pb.ActRequest, fetch_limit: Callable[[], int] | None) -> PolicyError | None:
-        """:func:`request_size_error` for ``req``; a large one first learns the server's limit through
-        ``fetch_limit`` (once; None: the async client has already done so). A server that cannot be asked
-        leaves it unknown (0), and is not asked again: the server's own refusal stays."""
-        size = req.ByteSize()
+    def _size_error(
+        self, req: pb.ActRequest | bytes, fetch_limit: Callable[[], int] | None
+    ) -> PolicyError | None:
+        """:func:`request_size_error` for ``req`` (a message or its serialised bytes); a large one first learns
+        the server's limit through ``fetch_limit`` (once; None: the async client has already done so). A
+        server that cannot be asked leaves it unknown (0), and is not asked again: the server's own refusal
+        stays."""
+        size = len(req) if isinstance(req, bytes) else req.ByteSize()
         if size <= SMALL_REQUEST_BYTES:
             return None
         if self._server_limit is None and fetch_limit is not None:

@@ -69,16 +69,26 @@ class ActRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., seed: _Optional[int] = ..., noise: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_us", "decode_us", "inference_us", "total_us")
+    __slots__ = ("queue_us", "decode_us", "inference_us", "total_us", "prefix_us", "denoise_us", "batch_us", "wake_us", "encode_us")
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     DECODE_US_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_US_FIELD_NUMBER: _ClassVar[int]
+    DENOISE_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_US_FIELD_NUMBER: _ClassVar[int]
+    WAKE_US_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_US_FIELD_NUMBER: _ClassVar[int]
     queue_us: int
     decode_us: int
     inference_us: int
     total_us: int
-    def __init__(self, queue_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+    prefix_us: int
+    denoise_us: int
+    batch_us: int
+    wake_us: int
+    encode_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ..., prefix_us: _Optional[int] = ..., denoise_us: _Optional[int] = ..., batch_us: _Optional[int] = ..., wake_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
 
 class ActError(_message.Message):
     __slots__ = ("code", "message")
