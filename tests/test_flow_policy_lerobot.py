@@ -9,8 +9,6 @@ built here (policies/lerobot_tiny.py): no download, and a guard refuses any conn
 from __future__ import annotations
 
 import contextlib
-import ipaddress
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
+from offline import no_internet
+from tiny_vlas import SPEC, STATS, one_torch_thread
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
-from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.flow_policy import FlowPolicy, FlowPolicyError
 from policies.lerobot_adapter import save_random_policy
@@ -29,14 +28,6 @@ from policies.lerobot_tiny import save_tiny_policy
 from policies.loading import load_flow_policy
 from vla_rl.hub.checkpoint import Lineage
 
-SPEC = RobotSpec(
-    name="toy/Push-v0",
-    state_dim=3,
-    action_dim=2,
-    control_hz=10.0,
-    instruction="push the red cube",
-    cameras=(CameraSpec("top", 48, 48),),
-)
 TINY = {
     "chunk_size": 6,
     "n_action_steps": 3,
@@ -44,61 +35,21 @@ TINY = {
     "max_action_dim": 8,
     "tokenizer_max_length": 32,
 }
-STATS = {  # non-trivial normalisation, so the processors' statistics are exercised
-    "observation.state": {
-        "mean": [0.5, -1.0, 2.0],
-        "std": [2.0, 0.5, 1.0],
-        "q01": [-3.0] * 3,
-        "q99": [3.0] * 3,
-    },
-    "observation.images.top": {"mean": [[[0.0]]] * 3, "std": [[[1.0]]] * 3},
-    "action": {
-        "mean": [1.0, -2.0],
-        "std": [0.5, 3.0],
-        "min": [-1.0, -8.0],
-        "max": [3.0, 4.0],
-        "q01": [-1.0, -8.0],
-        "q99": [3.0, 4.0],
-    },
-}
 B = 3
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _offline() -> Iterator[None]:
     """Nothing here may reach the internet, building the folders included (module scope: set up before
-    them): every connection that leaves this machine is refused and recorded (a library that swallows
-    the error still fails the module)."""
-    real, attempts = socket.socket.connect, []
-
-    def connect(self: socket.socket, address: Any) -> Any:
-        host = address[0] if isinstance(address, tuple) else None
-        if host is not None:
-            try:
-                local = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                local = host == "localhost"
-            if not local:
-                attempts.append(address)
-                raise OSError(f"a test tried to reach {address}")
-        return real(self, address)
-
-    import huggingface_hub.constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket.socket, "connect", connect)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        mp.setenv("HF_HUB_OFFLINE", "1")  # this module's tests only: never at import (collection runs it
-        yield  # in every test process, and the rest of the suite talks to a local registry)
-    assert not attempts, f"tried to reach {attempts}"
+    them; :func:`offline.no_internet`)."""
+    with no_internet():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
