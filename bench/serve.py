@@ -384,6 +384,84 @@ def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
     }
 
 
+def ratio_rows(compare: list[dict[str, Any]], clients: list[int]) -> list[dict[str, Any]]:
+    """Ours relative to LeRobot at each client count: chunks/s (all, and LeRobot's own-observation
+    ones), p50 and p99."""
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 2) if b else None
+
+    out = []
+    for n in clients:
+        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
+        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
+        out.append(
+            {
+                "clients": n,
+                "throughput_ratio": ratio(ou["chunks_per_s"], le["chunks_per_s"]),
+                "own_throughput_ratio": ratio(ou["chunks_per_s"], le["own_chunks_per_s"]),
+                "p50_ratio": ratio(ou["p50_ms"], le["p50_ms"]),
+                "p99_ratio": ratio(ou["p99_ms"], le["p99_ms"]),
+            }
+        )
+    return out
+
+
+def print_comparison(compare: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
+    """The per-point table and the ratio table."""
+    rows = [
+        [
+            r["server"],
+            r["clients"],
+            r["chunks_per_s"],
+            r["own_chunks_per_s"],
+            r["p50_ms"],
+            r["p99_ms"],
+            r["mean_batch"],
+            r["empty_replies"],
+            r["errors"],
+            "/".join(map(str, r["loadavg_start"])),
+        ]
+        for r in compare
+    ]
+    header = [
+        "server",
+        "clients",
+        "chunks/s",
+        "own chunks/s",
+        "p50 ms",
+        "p99 ms",
+        "batch",
+        "empty",
+        "err",
+        "load",
+    ]
+    print()
+    print(table(rows, header))
+    print()
+    print(
+        table(
+            [
+                [
+                    r["clients"],
+                    r["throughput_ratio"],
+                    r["own_throughput_ratio"],
+                    r["p50_ratio"],
+                    r["p99_ratio"],
+                ]
+                for r in ratios
+            ],
+            [
+                "clients",
+                "chunks/s ours/LeRobot",
+                "vs LeRobot own-obs chunks/s",
+                "p50 ours/LeRobot",
+                "p99 ours/LeRobot",
+            ],
+        )
+    )
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -446,76 +524,10 @@ def main() -> None:
                 overheads.append(
                     {"adaptive_wait": False, **overhead(address, "flow", args.overhead_requests, mode)}
                 )
-    ratios = []
-    for n in clients:
-        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
-        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
-        ratios.append(
-            {
-                "clients": n,
-                "throughput_ratio": round(ou["chunks_per_s"] / le["chunks_per_s"], 2)
-                if le["chunks_per_s"]
-                else None,
-                "own_throughput_ratio": round(ou["chunks_per_s"] / le["own_chunks_per_s"], 2)
-                if le["own_chunks_per_s"]
-                else None,
-                "p50_ratio": round(ou["p50_ms"] / le["p50_ms"], 2) if le["p50_ms"] else None,
-                "p99_ratio": round(ou["p99_ms"] / le["p99_ms"], 2) if le["p99_ms"] else None,
-            }
-        )
+    ratios = ratio_rows(compare, clients)
     results.update(compare=compare, ratios=ratios, overhead=overheads)
     results["conditions"]["loadavg_at_end"] = loadavg()
-    rows = [
-        [
-            r["server"],
-            r["clients"],
-            r["chunks_per_s"],
-            r["own_chunks_per_s"],
-            r["p50_ms"],
-            r["p99_ms"],
-            r["mean_batch"],
-            r["empty_replies"],
-            r["errors"],
-            "/".join(map(str, r["loadavg_start"])),
-        ]
-        for r in compare
-    ]
-    header = [
-        "server",
-        "clients",
-        "chunks/s",
-        "own chunks/s",
-        "p50 ms",
-        "p99 ms",
-        "batch",
-        "empty",
-        "err",
-        "load",
-    ]
-    print()
-    print(table(rows, header))
-    print()
-    print(
-        table(
-            [
-                [
-                    r["clients"],
-                    r["throughput_ratio"],
-                    r["own_throughput_ratio"],
-                    r["p50_ratio"],
-                    r["p99_ratio"],
-                ]
-                for r in ratios
-            ],
-            [
-                "clients",
-                "chunks/s ours/LeRobot",
-                "vs LeRobot own-obs chunks/s",
-                "p50 ours/LeRobot",
-                "p99 ours/LeRobot",
-            ],
-        )
-    )
+    print_comparison(compare, ratios)
     print()
     print(
         table(
