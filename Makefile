@@ -44,7 +44,8 @@ client: setup
 #                    its numbers are not comparable, so it writes to $(BENCH_QUICK)/, not bench/results/.
 #   make bench-all   every CPU benchmark at the settings of its numbers in bench/results/ (and the README),
 #                    overwriting them: many hours on 2 cores (rl, ppo_check, sft, qam_check dominate).
-#   make bench-gpu   bench/gpu_check.py on a CUDA machine (writes bench/results/gpu_check.json).
+#   make bench-gpu   bench/gpu_check.py and bench/gpu_vla.py (LeRobot's SmolVLA and pi0 at their published
+#                    sizes) on a CUDA machine (writes bench/results/gpu_check.json and gpu_vla.json).
 # Not run by either: bench/plot_curves.py (plots curve.json files; see its --help). `python -m bench.<name>`
 # from the repo root finds the bench package even where the editable install predates it.
 BENCH_QUICK := runs/bench-quick
@@ -69,6 +70,7 @@ bench-all: setup
 	.venv/bin/python -m bench.expert_success
 	.venv/bin/python -m bench.inference --threads 1 --repeats 15 --device cpu
 	nice -n 19 .venv/bin/python -m bench.serve --duration 15
+	.venv/bin/python -m bench.serve_vla --duration 60 --grace 300
 	.venv/bin/python -m bench.sft --settings push-state pick-state
 	.venv/bin/python -m bench.sft --settings push-rgb --work runs/bench_sft_rgb --out bench/results/sft_rgb.json
 	.venv/bin/python -m bench.gate
@@ -82,3 +84,4 @@ bench-all: setup
 
 bench-gpu: setup
 	.venv/bin/python -m bench.gpu_check --device cuda --out bench/results/gpu_check.json
+	.venv/bin/python -m bench.gpu_vla --device cuda --out bench/results/gpu_vla.json

@@ -492,6 +492,29 @@ def overhead_points(
     return out
 
 
+def ratio_rows(compare: list[dict[str, Any]], clients: list[int]) -> list[dict[str, Any]]:
+    """Ours relative to LeRobot at each client count: chunks/s (all, and LeRobot's own-observation
+    ones), p50 and p99."""
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 2) if b else None
+
+    out = []
+    for n in clients:
+        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
+        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
+        out.append(
+            {
+                "clients": n,
+                "throughput_ratio": ratio(ou["chunks_per_s"], le["chunks_per_s"]),
+                "own_throughput_ratio": ratio(ou["chunks_per_s"], le["own_chunks_per_s"]),
+                "p50_ratio": ratio(ou["p50_ms"], le["p50_ms"]),
+                "p99_ratio": ratio(ou["p99_ms"], le["p99_ms"]),
+            }
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
 def compare_servers(
     models: dict[str, Path], work: Path, threads: int, clients: list[int], duration: float
@@ -512,24 +535,7 @@ def compare_servers(
                     f"  {name:<8}{n:>2} clients: {r['chunks_per_s']} chunks/s p50 {r['p50_ms']} ms",
                     flush=True,
                 )
-    ratios = []
-    for n in clients:
-        le = next(r for r in compare if r["server"] == "lerobot" and r["clients"] == n)
-        ou = next(r for r in compare if r["server"] == "ours" and r["clients"] == n)
-        ratios.append(
-            {
-                "clients": n,
-                "throughput_ratio": _ratio(ou["chunks_per_s"], le["chunks_per_s"]),
-                "own_throughput_ratio": _ratio(ou["chunks_per_s"], le["own_chunks_per_s"]),
-                "p50_ratio": _ratio(ou["p50_ms"], le["p50_ms"]),
-                "p99_ratio": _ratio(ou["p99_ms"], le["p99_ms"]),
-            }
-        )
-    return compare, ratios
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 2) if b else None
+    return compare, ratio_rows(compare, clients)
 
 
 def compare_tables(compare: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:

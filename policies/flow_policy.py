@@ -167,6 +167,13 @@ class FlowPolicy(Protocol):
         """The model's space ``[..., H, D]`` -> env units ``[..., H, A]`` (no clipping)."""
         ...
 
+    def executable_actions(self, x: Tensor) -> Tensor:
+        """A sample in the model's space ``[..., H, D]`` -> the env-unit chunk ``[..., H, A]`` a robot
+        executes, exactly what :meth:`predict_action_chunk` returns for that sample (FlowVLA clips to the
+        data range first under min-max normalisation; LeRobot un-normalises unclipped). The policy server
+        applies it to the samples it draws itself (it keeps their iterates for the uncertainty)."""
+        ...
+
     def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
         """Choose which parameters train (``requires_grad``) and return them, for the optimiser."""
         ...
@@ -380,6 +387,13 @@ class FlowVLAFlowPolicy(nn.Module):
         return self.model.normalizer.normalize_action(actions)
 
     def unnormalize_actions(self, x: Tensor) -> Tensor:
+        return self.model.normalizer.unnormalize_action(x)
+
+    def executable_actions(self, x: Tensor) -> Tensor:
+        """Clipped to [-1, 1] under min-max normalisation, then un-normalised (``predict_action_chunk``'s
+        ``clip``)."""
+        if self.model.config.action_norm == "min_max":
+            x = x.clamp(-1.0, 1.0)
         return self.model.normalizer.unnormalize_action(x)
 
     # ---------------------------------------------------------------- training / IO

@@ -3,8 +3,12 @@
 Teams bring the models they already have: a LeRobot policy folder (``config.json`` with a ``"type"`` field,
 ``model.safetensors``, and, since LeRobot 0.4, ``policy_preprocessor.json`` / ``policy_postprocessor.json``
 pipelines with their normalisation statistics) is served through the same batching path as our own
-checkpoints. :func:`is_lerobot_folder` tells the two apart by ``config.json``; :func:`load_lerobot` builds a
-:class:`LeRobotModel` that the policy server wraps like a flow-VLA checkpoint.
+checkpoints. :func:`is_lerobot_folder` tells the two apart by ``config.json``; :func:`build_lerobot` builds
+the policy with its processors. The flow VLAs among them (SmolVLA, π0, π0.5) are served through the
+flow-policy contract (:class:`policies.lerobot_flow.LeRobotFlowPolicy`, picked by
+:func:`policies.loading.load_servable`): one prefix pass per batch, our ODE loop, ``accel`` uncertainty. The
+others (ACT, Diffusion, ...), and a flow VLA whose config the contract refuses, are served by
+:class:`LeRobotModel` (:func:`lerobot_model`), which calls the policy's own ``predict_action_chunk`` on the batch.
 
 How a robot observation maps onto LeRobot's batch (the same keys LeRobot's own async server builds):
 
@@ -416,7 +420,12 @@ def load_lerobot(
     folder: str | os.PathLike[str], *, commit: str, ref: str, device: torch.device | str = "cpu"
 ) -> LeRobotModel:
     """Build the LeRobot policy in ``folder`` on ``device`` (:func:`build_lerobot`) and probe it once."""
-    b = build_lerobot(folder, device)
+    return lerobot_model(build_lerobot(folder, device), commit=commit, ref=ref)
+
+
+def lerobot_model(b: LeRobotBuild, *, commit: str, ref: str) -> LeRobotModel:
+    """A built LeRobot policy served through its own ``predict_action_chunk``, probed once on a blank
+    observation (which sets ``chunk_len``)."""
     model = LeRobotModel(
         policy=b.policy,
         preprocessor=b.preprocessor,

@@ -428,6 +428,10 @@ class LeRobotFlowPolicy(nn.Module):
     def unnormalize_actions(self, x: Tensor) -> Tensor:
         return _apply_step(self._unnormalizer, x[..., : self.action_dim])
 
+    def executable_actions(self, x: Tensor) -> Tensor:
+        """The post-processor's un-normalisation of the robot's dims, unclipped (as LeRobot serves)."""
+        return self.unnormalize_actions(x)
+
     # ---------------------------------------------------------------- training / IO
     def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
         """``"expert"``: LeRobot's ``train_expert_only`` (the VLM frozen and kept in eval mode; the action

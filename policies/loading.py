@@ -7,10 +7,11 @@ info, the commit it came from, and ``predict_chunks`` in env units.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, LoadLimits, load_checkpoint
+
+log = logging.getLogger("vla_rl.loading")
 
 if TYPE_CHECKING:
     from policies.flow_policy import FlowPolicy
@@ -235,24 +238,65 @@ def _load_folder(
     return LoadedPolicy(policy=policy, info=info, path=path, commit=commit, ref=ref)
 
 
+@dataclass
+class LoadedFlowPolicy:
+    """A flow policy behind the contract with what serving it needs: the robot spec, the type GetInfo
+    reports, where it came from. The policy server hosts LeRobot's SmolVLA / π0 / π0.5 folders as this."""
+
+    policy: FlowPolicy
+    spec: RobotSpec
+    policy_type: str
+    path: Path
+    commit: str
+    ref: str
+    num_steps: int | None = None  # denoising steps K (None = the policy's default)
+    notes: list[str] = field(default_factory=list)
+
+
 def load_servable(
     ref: str | os.PathLike[str],
     device: str = "auto",
     cache_dir: Path | None = None,
     limits: LoadLimits | None = None,
-) -> LoadedPolicy | LeRobotModel:
-    """Like :func:`load_policy`, but a LeRobot policy folder (``config.json`` with ``"type"``) is loaded
-    through :mod:`policies.lerobot_adapter`: what the policy server hosts."""
-    from policies.lerobot_adapter import is_lerobot_folder, load_lerobot
+) -> LoadedPolicy | LoadedFlowPolicy | LeRobotModel:
+    """Like :func:`load_policy`, but a LeRobot policy folder (``config.json`` with ``"type"``) is loaded as
+    :func:`load_lerobot_servable` says: what the policy server hosts."""
+    from policies.lerobot_adapter import is_lerobot_folder
     from vla_rl.hub.registry import pull
 
     ckpt = pull(str(ref), cache_dir=cache_dir)
     path = Path(ckpt.path)
     if is_lerobot_folder(path):
-        return load_lerobot(path, commit=ckpt.commit, ref=str(ref), device=pick_device(device))
+        return load_lerobot_servable(path, commit=ckpt.commit, ref=str(ref), device=pick_device(device))
     if limits is not None:
         limits.check("pulling the checkpoint")
     return _load_folder(path, ckpt.commit, str(ref), device, limits)
+
+
+def load_lerobot_servable(
+    folder: Path, *, commit: str, ref: str, device: torch.device | str = "cpu"
+) -> LoadedFlowPolicy | LeRobotModel:
+    """A LeRobot folder to serve. A flow VLA (SmolVLA, π0, π0.5) goes through the flow-policy contract
+    (:class:`~policies.lerobot_flow.LeRobotFlowPolicy`: one prefix pass per batch, our ODE loop, its
+    iterates for the uncertainty); any other type (ACT, Diffusion), or a flow VLA whose config the
+    contract refuses (e.g. SmolVLA's ``adapt_to_pi_aloha``), through LeRobot's own
+    ``predict_action_chunk`` (:func:`~policies.lerobot_adapter.lerobot_model`), with a note saying why."""
+    from policies.flow_policy import FlowPolicyError
+    from policies.lerobot_adapter import build_lerobot, lerobot_model
+    from policies.lerobot_flow import FLOW_TYPES, LeRobotFlowPolicy
+
+    b = build_lerobot(folder, device)
+    if b.lerobot_type in FLOW_TYPES:
+        try:
+            policy = LeRobotFlowPolicy(b)
+        except FlowPolicyError as e:
+            b.notes.append(f"served through LeRobot's predict_action_chunk (no uncertainty): {e}")
+            log.warning(b.notes[-1], extra={"path": str(folder)})
+        else:
+            return LoadedFlowPolicy(
+                policy, b.spec, f"lerobot/{b.lerobot_type}", b.path, commit, ref, notes=b.notes
+            )
+    return lerobot_model(b, commit=commit, ref=ref)
 
 
 def load_flow_policy(

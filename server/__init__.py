@@ -8,7 +8,7 @@ Split by job (why it is built this way: :mod:`server.policy_server`):
 * :mod:`server.guard`: what a request may be: decoding an ``ActRequest`` with its checks, and the
   request size a robot spec needs;
 * :mod:`server.batching`: pending requests, the bounded fair queue they wait in, the latency window;
-* :mod:`server.slots`: hosted models (``ServedModel``, ``FlowVLAModel``, ``ServedVersion``) and a model
+* :mod:`server.slots`: hosted models (``ServedModel``, ``FlowPolicyModel`` / ``FlowVLAModel``, ``ServedVersion``) and a model
   id's ``ModelSlot`` (serving / previous / staged versions, swap, promote, rollback, its batcher thread);
 * :mod:`server.service`: the ``vla_rl.v1.PolicyService`` servicer;
 * :mod:`server.policy_server`: ``PolicyServer`` (load, follow, start, drain, stop) and ``serve()``.

@@ -1,6 +1,7 @@
-"""The models a server hosts: the :class:`ServedModel` protocol, our flow VLA as one (:class:`FlowVLAModel`),
-a loaded version (:class:`ServedVersion`) and a model id's slot (:class:`ModelSlot`): its serving,
-previous and staged versions, bounded queue and batcher thread."""
+"""The models a server hosts: the :class:`ServedModel` protocol, any flow policy behind the contract as one
+(:class:`FlowPolicyModel`; our checkpoints through :class:`FlowVLAModel`), a loaded version
+(:class:`ServedVersion`) and a model id's slot (:class:`ModelSlot`): its serving, previous and staged
+versions, bounded queue and batcher thread."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
-from policies.loading import LoadedPolicy
+from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
+from policies.flow_vla.uncertainty import accel_score
+from policies.loading import LoadedFlowPolicy, LoadedPolicy
 from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
 from server.stage_timing import timed_prefix
 from vla_rl.core.rpc import RequestError
@@ -48,8 +51,9 @@ def spec_problems(serving: RobotSpec, new: RobotSpec) -> list[str]:
 
 
 class ServedModel(Protocol):
-    """What the server needs from a hosted model: our flow VLA (:class:`FlowVLAModel`) or a LeRobot policy
-    (:class:`policies.lerobot_adapter.LeRobotModel`)."""
+    """What the server needs from a hosted model: a flow policy behind the contract (:class:`FlowPolicyModel`:
+    our FlowVLA, LeRobot's SmolVLA / π0 / π0.5) or another LeRobot policy
+    (:class:`policies.lerobot_adapter.LeRobotModel`: ACT, Diffusion, ...)."""
 
     ref: str
     commit: str
@@ -80,24 +84,52 @@ class ServedModel(Protocol):
 
 
 UNCERTAINTY_KIND = "accel"
-"""The score flow_vla replies carry: :func:`policies.flow_vla.uncertainty.accel_score` of the executed
-window's ODE iterates, default prefix (round(K / 2) steps), on normalised actions (no extra dim_scale)."""
+"""The score flow-policy replies carry: :func:`policies.flow_vla.uncertainty.accel_score` of the executed
+window's ODE iterates, default prefix (round(K / 2) steps), on the robot's dims of the normalised actions
+(no extra dim_scale)."""
 
 
-class FlowVLAModel:
-    """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`."""
+class FlowPolicyModel:
+    """A flow-matching policy behind the contract (:class:`~policies.flow_policy.FlowPolicy`) as a
+    :class:`ServedModel`: FlowVLA and LeRobot's flow VLAs are batched the same way.
 
-    def __init__(self, loaded: LoadedPolicy) -> None:
-        self.loaded = loaded
-        self.ref, self.commit = loaded.ref, loaded.commit
+    A batch is one :meth:`~policies.flow_policy.FlowPolicy.sample` call on the batch's observations: one
+    prefix pass (each row its own observation and instruction), then K Euler steps for the whole batch from
+    each request's own initial noise, so a row's chunk does not depend on its batch. ``sample`` gets the
+    observations, never a pre-encoded prefix, so a policy that guides itself on observations (RECAP's
+    classifier-free guidance at its saved scale, FlowVLA's ``guidance_scale``) is served guided.
+    """
 
-    spec = property(lambda self: self.loaded.spec)
-    chunk_len = property(lambda self: self.loaded.chunk_len)
-    n_exec = property(lambda self: int(self.loaded.policy.config.n_exec))
-    policy_type = property(lambda self: self.loaded.info.policy_type)
-    device = property(lambda self: self.loaded.policy.device)
-    noise_shape = property(lambda self: (self.loaded.chunk_len, self.loaded.spec.action_dim))
     uncertainty_kind = UNCERTAINTY_KIND
+
+    def __init__(
+        self,
+        policy: FlowPolicy,
+        *,
+        spec: RobotSpec,
+        policy_type: str,
+        commit: str,
+        ref: str,
+        num_steps: int | None = None,
+    ) -> None:
+        self.policy, self.spec, self.policy_type = policy, spec, policy_type
+        self.commit, self.ref, self.num_steps = commit, ref, num_steps
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedFlowPolicy) -> FlowPolicyModel:
+        return cls(
+            loaded.policy,
+            spec=loaded.spec,
+            policy_type=loaded.policy_type,
+            commit=loaded.commit,
+            ref=loaded.ref,
+            num_steps=loaded.num_steps,
+        )
+
+    chunk_len = property(lambda self: self.policy.chunk_len)
+    n_exec = property(lambda self: self.policy.n_exec)
+    device = property(lambda self: self.policy.device)
+    noise_shape = property(lambda self: self.policy.event_shape)  # (H, D): the model's padded action dims
 
     def infer(
         self,
@@ -117,11 +149,12 @@ class FlowVLAModel:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Env-unit chunks [B, H, A] and their ``accel`` uncertainty [B], from one ODE sample per row.
 
-        The same computation as ``policy.predict_action_chunk`` (Euler ODE from ``noise``, clipped to the
-        data range under min-max normalisation, unnormalised), keeping the K + 1 Euler iterates the loop
-        computes anyway: the score costs no forward pass, only a few vector norms over them.
+        The same computation as ``policy.predict_action_chunk`` (Euler ODE from ``noise``, then
+        :meth:`~policies.flow_policy.FlowPolicy.executable_actions`), keeping the K + 1 Euler iterates the
+        loop computes anyway: the score costs no forward pass, only a few vector norms over them. A
+        one-step head (FQL) has no velocity change to score: NaN.
         """
-        policy = self.loaded.policy
+        policy = self.policy
         device = policy.device
         with torch.inference_mode():
             obs = {
@@ -131,28 +164,48 @@ class FlowVLAModel:
             }
             s = policy.sample(
                 obs,
-                method="ode",
-                num_steps=self.loaded.num_steps,
+                num_steps=self.num_steps,
                 noise=None if noise is None else torch.from_numpy(noise).to(device)[:, None],
                 return_iterates=True,
             )
-            a = s.actions[:, 0]
-            if policy.config.action_norm == "min_max":
-                a = a.clamp(-1.0, 1.0)
-            actions = policy.normalizer.unnormalize_action(a)
-            assert s.iterates is not None
-            out = actions.float().cpu().numpy()
-            if s.iterates.shape[2] < 3:  # accel needs two velocity steps: a one-step head (FQL) has none
+            out = policy.executable_actions(s.actions[:, 0]).float().cpu().numpy()
+            if s.iterates is None or s.iterates.shape[2] < 3:  # accel needs two velocity steps
                 return out, np.full(len(out), np.nan, np.float32)
-            score = policy.accel(s.iterates[:, 0].float())
+            robot_dims = s.iterates[:, 0, ..., : policy.action_dim].float()
+            score = accel_score(robot_dims, n_exec=policy.n_exec)
             return out, score.float().cpu().numpy()
+
+
+class FlowVLAModel(FlowPolicyModel):
+    """A vla-rl checkpoint (:class:`LoadedPolicy`) as a :class:`ServedModel`, through the contract
+    (:class:`~policies.flow_policy.FlowVLAFlowPolicy`: the same calls, the same numbers)."""
+
+    def __init__(self, loaded: LoadedPolicy) -> None:
+        self.loaded = loaded
+        super().__init__(
+            FlowVLAFlowPolicy.from_checkpoint(loaded.policy, loaded.info),
+            spec=loaded.spec,
+            policy_type=loaded.info.policy_type,
+            commit=loaded.commit,
+            ref=loaded.ref,
+            num_steps=loaded.num_steps,
+        )
+
+
+def served_model(model: LoadedPolicy | LoadedFlowPolicy | ServedModel) -> ServedModel:
+    """What :func:`policies.loading.load_servable` returns, as the model a :class:`ServedVersion` runs."""
+    if isinstance(model, LoadedPolicy):
+        return FlowVLAModel(model)
+    if isinstance(model, LoadedFlowPolicy):
+        return FlowPolicyModel.from_loaded(model)
+    return model
 
 
 class ServedVersion:
     """One loaded, verified model (a vla-rl checkpoint or a LeRobot policy) and how to run a batch through it."""
 
-    def __init__(self, model: LoadedPolicy | ServedModel) -> None:
-        self.model: ServedModel = FlowVLAModel(model) if isinstance(model, LoadedPolicy) else model
+    def __init__(self, model: LoadedPolicy | LoadedFlowPolicy | ServedModel) -> None:
+        self.model: ServedModel = served_model(model)
         self.loaded_at = time.time()
 
     @property
@@ -210,7 +263,7 @@ class ServedVersion:
         noise: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`infer` plus each chunk's uncertainty (float32 [B], from the same pass); NaN when the
-        model cannot score its chunks (a LeRobot policy): the replies then carry no uncertainty."""
+        model cannot score its chunks (a LeRobot ACT or Diffusion): the replies then carry no uncertainty."""
         scorer = self._scorer()
         if scorer is None:
             actions = self.infer(states, cameras, instructions, noise)

@@ -16,8 +16,8 @@ from unittest import mock
 import pytest
 import torch
 from lerobot_offline import from_pretrained, lerobot_actions, offline, one_torch_thread
+from tiny_vlas import SPEC, STATS
 from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
-from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.flow_policy import FlowPolicy, FlowPolicyError
 from policies.lerobot_adapter import save_random_policy
@@ -27,37 +27,12 @@ from policies.lerobot_tiny import save_tiny_policy
 from policies.loading import load_flow_policy
 from vla_rl.hub.checkpoint import Lineage
 
-SPEC = RobotSpec(
-    name="toy/Push-v0",
-    state_dim=3,
-    action_dim=2,
-    control_hz=10.0,
-    instruction="push the red cube",
-    cameras=(CameraSpec("top", 48, 48),),
-)
 TINY = {
     "chunk_size": 6,
     "n_action_steps": 3,
     "max_state_dim": 8,
     "max_action_dim": 8,
     "tokenizer_max_length": 32,
-}
-STATS = {  # non-trivial normalisation, so the processors' statistics are exercised
-    "observation.state": {
-        "mean": [0.5, -1.0, 2.0],
-        "std": [2.0, 0.5, 1.0],
-        "q01": [-3.0] * 3,
-        "q99": [3.0] * 3,
-    },
-    "observation.images.top": {"mean": [[[0.0]]] * 3, "std": [[[1.0]]] * 3},
-    "action": {
-        "mean": [1.0, -2.0],
-        "std": [0.5, 3.0],
-        "min": [-1.0, -8.0],
-        "max": [3.0, 4.0],
-        "q01": [-1.0, -8.0],
-        "q99": [3.0, 4.0],
-    },
 }
 B = 3
 

@@ -422,6 +422,44 @@ def local_accel(version: ServedVersion, obs: dict[str, Any], seed: int) -> float
     return float(accel_score(s.iterates[:, 0], n_exec=policy.config.n_exec).item())
 
 
+def test_a_recap_checkpoint_is_served_with_its_guidance(tmp_path: Path) -> None:
+    """An advantage-conditioned (RECAP) checkpoint saved with guidance scale 2 is served guided: the server
+    hands the policy observations naming no advantage, and the policy applies classifier-free guidance
+    between its unconditioned and positive prefixes (= its own predict_action_chunk); not the positive
+    prompt alone."""
+    cfg = dict(load_checkpoint(make_checkpoint(tmp_path / "base", 3))[0].model_config)
+    cfg |= {"advantage_conditioning": True, "guidance_scale": 2.0}
+    torch.manual_seed(3)
+    policy = FlowVLAPolicy(FlowVLAConfig.from_dict(cfg))
+    with torch.no_grad():  # a trained embedding: the conditioned and unconditioned prefixes differ
+        policy.advantage_embedding.weight.normal_()
+    save_checkpoint(
+        tmp_path / "recap", policy.state_dict(), CheckpointInfo("flow_vla", cfg, SPEC, {}, Lineage("recap"))
+    )
+    obs, seed = make_obs(np.random.default_rng(7)), 5
+    srv = start_server({"recap": tmp_path / "recap"})
+    try:
+        with PolicyClient(srv.address, timeout_s=30) as c:
+            r = c.act(obs, seed=seed)
+    finally:
+        srv.stop()
+    batch = {
+        "state": torch.from_numpy(obs["state"][None]),
+        "cameras": {k: torch.from_numpy(v[None]) for k, v in obs["cameras"].items()},
+        "instruction": [SPEC.instruction],
+    }
+    noise = torch.from_numpy(initial_noise(seed, H, A))[None]
+    policy.eval()
+    with torch.no_grad():
+        guided = policy.predict_action_chunk(batch, noise=noise)[0].numpy()
+        positive = policy.predict_action_chunk(batch | {"advantage": torch.tensor([2])}, noise=noise)[
+            0
+        ].numpy()
+    np.testing.assert_allclose(r.actions, guided, atol=RECOMPUTED_ATOL)
+    assert not np.allclose(guided, positive, atol=1e-3), "guidance must change the chunk"
+    assert r.uncertainty_kind == "accel" and np.isfinite(r.uncertainty)
+
+
 def test_a_one_step_checkpoint_is_served_without_an_uncertainty(tmp_path: Path) -> None:
     """accel needs at least two denoising steps: a K = 1 head (what FQL saves) answers every request, with
     no uncertainty (NaN, kind ""), instead of failing each one."""
