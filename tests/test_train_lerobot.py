@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,6 +216,21 @@ def test_a_lerobot_base_that_is_not_a_flow_vla_is_refused_at_config_time(tmp_pat
 
 
 # ---------------------------------------------------------------------------- AWR
+def test_eval_of_a_lerobot_folder_that_names_no_task_asks_for_it(
+    bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder from elsewhere (no sidecar) has only its config's spec: `vla-rl eval` asks for --task rather
+    than call the config's name no simulator task and ask for --store."""
+    from vla_rl.cli import main as cli_main
+
+    folder = shutil.copytree(bases["smolvla"], tmp_path / "elsewhere")
+    (folder / LINEAGE_FILE).unlink()
+    capsys.readouterr()
+    assert cli_main(["eval", "--checkpoint", str(folder), "--episodes", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is a LeRobot smolvla folder that names no task" in err and "say which (--task)" in err, err
+
+
 def test_weighted_flow_loss_weights_each_sample(store: Path, bases: dict[str, Path]) -> None:
     """AWR's and the intervention-aware credit's weights reach the loss sample by sample: the loss is
     ``mean_b w_b loss_b``, and a sample weighted 0 sends no gradient."""
