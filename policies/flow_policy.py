@@ -248,11 +248,11 @@ class FlowChunkPolicy:
     def chunk_len(self) -> int:
         return self.policy.chunk_len
 
-    @torch.no_grad()
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
-        obs = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
-        return self.policy.predict_action_chunk(obs, generator=gen).float().cpu().numpy()
+        """:func:`policies.loading.seeded_chunks`: the chunks a loaded checkpoint of this policy gives."""
+        from policies.loading import seeded_chunks  # loading builds on this module
+
+        return seeded_chunks(self.policy, obs, seed, None)
 
 
 # ---------------------------------------------------------------------------- FlowVLA
