@@ -10,7 +10,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -291,7 +291,10 @@ class FlowCheckpoint:
 
     def task(self, asked: str | None) -> str:
         """The task to train or evaluate in: the checkpoint's, which ``asked`` (a config's ``task``) must
-        match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None)."""
+        match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None),
+        which the policy's spec takes as its name from then on, so a folder trained from it records its
+        task (a LeRobot folder from elsewhere otherwise saves its config's name, e.g. ``lerobot/smolvla``,
+        and the next round on it would refuse the task it was trained in)."""
         if self.spec_names_task:
             return checkpoint_task(self.spec, asked)
         if asked is None:
@@ -299,6 +302,9 @@ class FlowCheckpoint:
                 f"task: {self.ref} is a LeRobot {self.lerobot_type} folder that names no task (no robot spec "
                 "in its vla_rl_lineage.json); say which (--task)"
             )
+        self.spec = replace(self.spec, name=asked)
+        self.policy.spec = self.spec  # type: ignore[attr-defined]  (a LeRobotFlowPolicy: what it saves)
+        self.spec_names_task = True
         return asked
 
     @property

@@ -25,7 +25,7 @@ from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from fleet.store import EpisodeStore
 from policies.lerobot_flow import LINEAGE_FILE, GuidedPrefix, LeRobotFlowPolicy
 from policies.lerobot_tiny import save_tiny_policy
-from policies.loading import load_flow_policy
+from policies.loading import load_flow_checkpoint, load_flow_policy
 from vla_rl.hub.registry import pull
 
 TASK = "kinematic/Reach-v0"
@@ -156,6 +156,21 @@ def test_sft_continues_a_lerobot_base_expert_only(
     batch = _batch(LeRobotFlowPolicy.load(bases[ptype]), store)
     before, after = _fixed_loss(bases[ptype], batch), _fixed_loss(ckpt, batch)
     assert after < 0.9 * before, (before, after)
+
+
+def test_a_folder_trained_from_one_that_names_no_task_records_its_task(
+    store: Path, bases: dict[str, Path], tmp_path: Path
+) -> None:
+    """From a LeRobot folder from elsewhere (no sidecar) and --task, the trained folder names that task, so
+    the next run or round on it knows it (rather than its config's name, 'lerobot/smolvla'); another task
+    than the one a base names is refused."""
+    folder = shutil.copytree(bases["smolvla"], tmp_path / "elsewhere")
+    (folder / LINEAGE_FILE).unlink()
+    ckpt = _sft(store, folder, tmp_path / "sft", steps=1, task=TASK)
+    assert json.loads((ckpt / LINEAGE_FILE).read_text())["robot_spec"]["name"] == TASK
+    assert load_flow_checkpoint(str(ckpt), algorithm="sft", device="cpu").task(None) == TASK
+    with pytest.raises(ValueError, match=f"task: the base checkpoint is for '{TASK}', not 'kinematic/Other'"):
+        _sft(store, ckpt, tmp_path / "again", steps=1, task="kinematic/Other")
 
 
 def test_sft_full_trains_the_vlm_too(store: Path, bases: dict[str, Path], tmp_path: Path) -> None:
