@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
+from policies.flow_policy import seeded_chunks
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, LoadLimits, load_checkpoint
 
@@ -166,19 +167,6 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-@torch.no_grad()
-def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | None) -> np.ndarray:
-    """float32 [N, H, A] env-unit chunks of ``policy.predict_action_chunk`` (a FlowVLA or any flow policy)
-    for a batch of observations (state, cameras, instruction), its initial noise drawn from ``seed``."""
-    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
-    chunks = policy.predict_action_chunk(
-        {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
-        num_steps=num_steps,
-        generator=gen,
-    )
-    return chunks.float().cpu().numpy()
 
 
 @dataclass
