@@ -242,6 +242,19 @@ def masked_mean_per_sample(err: Tensor, action_is_pad: Tensor | None) -> Tensor:
     return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0)
 
 
+@torch.no_grad()
+def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | None) -> np.ndarray:
+    """float32 [N, H, A] env-unit chunks of ``policy.predict_action_chunk`` (a FlowVLA or any flow policy)
+    for a batch of observations (state, cameras, instruction), its initial noise drawn from ``seed``."""
+    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
+    chunks = policy.predict_action_chunk(
+        {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
+        num_steps=num_steps,
+        generator=gen,
+    )
+    return chunks.float().cpu().numpy()
+
+
 @dataclass
 class FlowChunkPolicy:
     """A flow policy as evaluation's ``ChunkPolicy`` (:mod:`vla_rl.evaluation`): seeded initial noise,
@@ -255,11 +268,9 @@ class FlowChunkPolicy:
     def chunk_len(self) -> int:
         return self.policy.chunk_len
 
-    @torch.no_grad()
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-        gen = torch.Generator(device=self.policy.device).manual_seed(int(seed))
-        obs = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
-        return self.policy.predict_action_chunk(obs, generator=gen).float().cpu().numpy()
+        """:func:`seeded_chunks`: the chunks a loaded checkpoint of this policy gives."""
+        return seeded_chunks(self.policy, obs, seed, None)
 
 
 # ---------------------------------------------------------------------------- FlowVLA

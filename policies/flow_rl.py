@@ -316,12 +316,15 @@ class LeRobotStochastic(StochasticFlowPolicy):
         return [*params, *self.noise_head.parameters()]
 
     def save_noise_head(self, folder: str | os.PathLike[str]) -> Path:
-        """Write the head beside a saved LeRobot folder (:data:`NOISE_HEAD_FILE`)."""
+        """Write the head beside a saved LeRobot folder (:data:`NOISE_HEAD_FILE`), through a temporary file
+        moved into place, so a later run never reads half a head."""
         from safetensors.torch import save_file
 
         path = Path(folder) / NOISE_HEAD_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
         weights = {k: v.detach().cpu().contiguous() for k, v in self.noise_head.state_dict().items()}
-        save_file(weights, str(path), metadata={"config": json.dumps(self.noise_head_config)})
+        save_file(weights, str(tmp), metadata={"config": json.dumps(self.noise_head_config)})
+        os.replace(tmp, path)
         return path
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from vla_rl_client.spec import RobotSpec
 
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, model_card
+from vla_rl.hub.storage import atomic_write
 
 LINEAGE_FILE = "vla_rl_lineage.json"
 """Beside a saved LeRobot folder: our lineage, metrics, robot spec and RECAP conditioning."""
@@ -121,9 +122,11 @@ def read_sidecar(folder: str | os.PathLike[str]) -> Sidecar:
 
 def write_sidecar(folder: str | os.PathLike[str], sidecar: Sidecar, policy_type: str) -> None:
     """Write :data:`LINEAGE_FILE` and, when the sidecar has a lineage and a robot spec, a ``README.md``
-    model card of ``policy_type`` (e.g. ``lerobot/smolvla``) from it."""
+    model card of ``policy_type`` (e.g. ``lerobot/smolvla``) from it. Each file is replaced atomically (as
+    our checkpoints' are): a round rewrites them in a folder it is about to push, and a crash must leave
+    the old file or the new one, never half of one."""
     out = Path(folder)
-    (out / LINEAGE_FILE).write_text(json.dumps(sidecar.to_dict(), indent=2, default=str))
+    atomic_write(out / LINEAGE_FILE, json.dumps(sidecar.to_dict(), indent=2, default=str).encode())
     if sidecar.lineage is not None and sidecar.robot_spec is not None:
         info = CheckpointInfo(
             policy_type=policy_type,
@@ -133,7 +136,7 @@ def write_sidecar(folder: str | os.PathLike[str], sidecar: Sidecar, policy_type:
             lineage=sidecar.lineage,
             metrics=dict(sidecar.metrics),
         )
-        (out / CARD_FILE).write_text(model_card(info))
+        atomic_write(out / CARD_FILE, model_card(info).encode())
 
 
 def record_evaluation(

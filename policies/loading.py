@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
+from policies.flow_policy import seeded_chunks
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, LoadLimits, load_checkpoint
 
@@ -169,19 +170,6 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-@torch.no_grad()
-def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | None) -> np.ndarray:
-    """float32 [N, H, A] env-unit chunks of ``policy.predict_action_chunk`` (a FlowVLA or any flow policy)
-    for a batch of observations (state, cameras, instruction), its initial noise drawn from ``seed``."""
-    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
-    chunks = policy.predict_action_chunk(
-        {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]},
-        num_steps=num_steps,
-        generator=gen,
-    )
-    return chunks.float().cpu().numpy()
 
 
 @dataclass
@@ -335,7 +323,10 @@ class FlowCheckpoint:
 
     def task(self, asked: str | None) -> str:
         """The task to train or evaluate in: the checkpoint's, which ``asked`` (a config's ``task``) must
-        match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None)."""
+        match when given; for a checkpoint that names none, ``asked`` (a ValueError asking for it if None),
+        which the policy's spec takes as its name from then on, so a folder trained from it records its
+        task (a LeRobot folder from elsewhere otherwise saves its config's name, e.g. ``lerobot/smolvla``,
+        and the next round on it would refuse the task it was trained in)."""
         if self.spec_names_task:
             return checkpoint_task(self.spec, asked)
         if asked is None:
@@ -343,6 +334,9 @@ class FlowCheckpoint:
                 f"task: {self.ref} is a LeRobot {self.lerobot_type} folder that names no task (no robot spec "
                 "in its vla_rl_lineage.json); say which (--task)"
             )
+        self.spec = replace(self.spec, name=asked)
+        self.policy.spec = self.spec  # type: ignore[attr-defined]  (a LeRobotFlowPolicy: what it saves)
+        self.spec_names_task = True
         return asked
 
     @property

@@ -93,6 +93,9 @@ def test_check_canary_moves_the_refs_its_decision_names(monkeypatch: pytest.Monk
     refs["hub://org/arm@canary"] = "p"
     with pytest.raises(ValueError, match="no candidate on the canary"):
         check_canary(db, "org/arm")  # type: ignore[arg-type]
+    monkeypatch.setattr(canary_mod, "resolve", lambda ref: pytest.fail(f"asked the Hub for {ref}"))
+    with pytest.raises(ValueError, match="alpha: expected a false-promotion rate"):
+        check_canary(db, "org/arm", alpha=0.0)  # type: ignore[arg-type]
 
 
 def test_a_share_of_the_fleet_asks_for_the_canary_model() -> None:

@@ -22,6 +22,7 @@ from test_ppo_lerobot import (  # noqa: F401  (module fixtures: no network, one 
     _one_torch_thread,
     rows,
     save_folders,
+    unnamed_copy,
 )
 
 from fleet.store import EpisodeStore
@@ -132,8 +133,11 @@ def test_fql_ships_a_one_step_lerobot_folder(folders: dict[str, Path], store: Pa
 
 
 def test_fql_needs_a_task_for_a_lerobot_folder(folders: dict[str, Path], store: Path, tmp_path: Path) -> None:
-    cfg = make_config("fql", base=str(folders["smolvla"]), store=str(store), out=str(tmp_path))
-    with pytest.raises(ValueError, match="task: a LeRobot policy folder names no task"):
+    unnamed = unnamed_copy(folders["smolvla"], tmp_path)  # from elsewhere: no sidecar naming its task
+    cfg = make_config("fql", base=str(unnamed), store=str(store), out=str(tmp_path / "o"))
+    with pytest.raises(
+        ValueError, match=r"task: .* is a LeRobot smolvla folder that names no task .*; say which \(--task\)"
+    ):
         train(cfg)
 
 

@@ -14,7 +14,8 @@ from vla_rl import gate as gate_mod
 from vla_rl import rounds
 from vla_rl.core.seeds import EVAL, ONLINE, REPORT
 from vla_rl.evaluation import EpisodeResult, EvalResult, wilson_interval
-from vla_rl.gate import decode_outcomes, encode_outcomes, known_outcomes
+from vla_rl.gate import decode_outcomes, encode_outcomes, gate_sentence, known_outcomes
+from vla_rl.gate_stats import mcnemar_one_sided
 from vla_rl.rounds import ProgressWriter, RoundConfig
 from vla_rl.train.algorithms import make_config
 
@@ -67,6 +68,16 @@ def test_outcomes_round_trip_as_text() -> None:
         encode_outcomes(ev.per_episode, 7, 5)
     with pytest.raises(ValueError, match="a string of 0 and 1"):
         decode_outcomes("10x", 0)
+
+
+def test_gate_sentence_names_the_test_of_what_it_pairs() -> None:
+    test = mcnemar_one_sided(7, 1, 42)
+    assert gate_sentence(test, 0.05, "seeds") == (
+        "paired on 50 seeds: candidate-only 7, base-only 1 (one-sided McNemar p 0.0352, needs <= 0.05)"
+    )
+    assert "(one-sided sign test p 0.0352, needs <= 0.1)" in gate_sentence(test, 0.1, "episodes")
+    with pytest.raises(ValueError, match="what: expected one of \\['episodes', 'seeds'\\], got 'frames'"):
+        gate_sentence(test, 0.05, "frames")
 
 
 def _gate(

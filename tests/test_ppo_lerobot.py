@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from policies.flow_vla.sampling import sde_kernel
 from policies.lerobot_adapter import save_random_policy
 from policies.lerobot_flow import LINEAGE_FILE, LeRobotFlowPolicy
 from policies.lerobot_tiny import save_tiny_policy
-from vla_rl.train.ppo import PPOConfig, _actor_params, _update, train_ppo
+from vla_rl.train.ppo import PPOConfig, _actor_params, _load_base, _update, train_ppo
 from vla_rl.train.ppo_math import score_chain, stored_chain
 from vla_rl.train.ppo_rollout import Sampler, ValueFn, stack_obs
 
@@ -56,6 +57,13 @@ def save_folders(root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return save_folders(tmp_path_factory.mktemp("ppo_vlas"))
+
+
+def unnamed_copy(folder: Path, root: Path) -> Path:
+    """``folder`` as a LeRobot folder from elsewhere: a copy without our sidecar, so it names no task."""
+    out = shutil.copytree(folder, root / f"unnamed-{folder.name}")
+    (out / LINEAGE_FILE).unlink()
+    return out
 
 
 def rl_policy(folder: Path) -> LeRobotStochastic:
@@ -252,9 +260,30 @@ def test_train_ppo_on_a_lerobot_folder_ships_a_lerobot_folder(
     assert moved and all("vlm." not in n and "paligemma." not in n for n in moved)
 
 
+def test_a_lerobot_base_whose_sidecar_names_its_task_needs_no_task(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A folder a round trained records its task (our sidecar's robot spec): PPO trains in it without
+    --task, as SFT / AWR do, and refuses another task naming both."""
+    folder = folders["smolvla"]  # save_tiny_policy records SPEC (task TASK) in the sidecar
+    base = _load_base(PPOConfig(base=str(folder), out=tmp_path / "a", progress=False), torch.device("cpu"))
+    assert base.task == TASK and base.loaded is None
+    other = PPOConfig(base=str(folder), out=tmp_path / "b", task="maniskill/PushCube-v1", progress=False)
+    with pytest.raises(
+        ValueError, match="task: the base checkpoint is for 'kinematic/Reach-v0', not 'maniskill"
+    ):
+        _load_base(other, torch.device("cpu"))
+
+
 def test_lerobot_bases_are_checked_before_training(folders: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="task: a LeRobot policy folder names no task"):
-        train_ppo(PPOConfig(base=str(folders["smolvla"]), out=tmp_path / "a", progress=False))
+    with pytest.raises(
+        ValueError, match=r"task: .* is a LeRobot smolvla folder that names no task .*; say which \(--task\)"
+    ):
+        train_ppo(
+            PPOConfig(
+                base=str(unnamed_copy(folders["smolvla"], tmp_path)), out=tmp_path / "a", progress=False
+            )
+        )
     act = save_random_policy(tmp_path / "act", "act", SPEC, chunk_size=4, n_action_steps=4, dim_model=32)
     with pytest.raises(
         ValueError, match="base: flow-sde needs a flow-matching policy; act is not one — use sft"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from tolerances import RECOMPUTED_ATOL, RECOMPUTED_RTOL
 from fleet.store import EpisodeStore
 from policies.lerobot_flow import LINEAGE_FILE, GuidedPrefix, LeRobotFlowPolicy
 from policies.lerobot_tiny import save_tiny_policy
-from policies.loading import load_flow_policy
+from policies.loading import load_flow_checkpoint, load_flow_policy
 from vla_rl.hub.registry import pull
 
 TASK = "kinematic/Reach-v0"
@@ -157,6 +158,21 @@ def test_sft_continues_a_lerobot_base_expert_only(
     assert after < 0.9 * before, (before, after)
 
 
+def test_a_folder_trained_from_one_that_names_no_task_records_its_task(
+    store: Path, bases: dict[str, Path], tmp_path: Path
+) -> None:
+    """From a LeRobot folder from elsewhere (no sidecar) and --task, the trained folder names that task, so
+    the next run or round on it knows it (rather than its config's name, 'lerobot/smolvla'); another task
+    than the one a base names is refused."""
+    folder = shutil.copytree(bases["smolvla"], tmp_path / "elsewhere")
+    (folder / LINEAGE_FILE).unlink()
+    ckpt = _sft(store, folder, tmp_path / "sft", steps=1, task=TASK)
+    assert json.loads((ckpt / LINEAGE_FILE).read_text())["robot_spec"]["name"] == TASK
+    assert load_flow_checkpoint(str(ckpt), algorithm="sft", device="cpu").task(None) == TASK
+    with pytest.raises(ValueError, match=f"task: the base checkpoint is for '{TASK}', not 'kinematic/Other'"):
+        _sft(store, ckpt, tmp_path / "again", steps=1, task="kinematic/Other")
+
+
 def test_sft_full_trains_the_vlm_too(store: Path, bases: dict[str, Path], tmp_path: Path) -> None:
     ckpt = _sft(store, bases["smolvla"], tmp_path / "sft", steps=2, trainable="full")
     vlm0, _ = _vlm_and_expert(bases["smolvla"])
@@ -215,6 +231,21 @@ def test_a_lerobot_base_that_is_not_a_flow_vla_is_refused_at_config_time(tmp_pat
 
 
 # ---------------------------------------------------------------------------- AWR
+def test_eval_of_a_lerobot_folder_that_names_no_task_asks_for_it(
+    bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder from elsewhere (no sidecar) has only its config's spec: `vla-rl eval` asks for --task rather
+    than call the config's name no simulator task and ask for --store."""
+    from vla_rl.cli import main as cli_main
+
+    folder = shutil.copytree(bases["smolvla"], tmp_path / "elsewhere")
+    (folder / LINEAGE_FILE).unlink()
+    capsys.readouterr()
+    assert cli_main(["eval", "--checkpoint", str(folder), "--episodes", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is a LeRobot smolvla folder that names no task" in err and "say which (--task)" in err, err
+
+
 def test_weighted_flow_loss_weights_each_sample(store: Path, bases: dict[str, Path]) -> None:
     """AWR's and the intervention-aware credit's weights reach the loss sample by sample: the loss is
     ``mean_b w_b loss_b``, and a sample weighted 0 sends no gradient."""

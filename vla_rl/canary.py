@@ -78,16 +78,21 @@ def arm_counts(records: Iterable[EpisodeRecord], revision: str) -> ArmCounts:
     return ArmCounts(revision, n, wins)
 
 
+def _check_knobs(alpha: float, episodes: int) -> None:
+    """The decision's knobs, each refused naming itself."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha: expected a false-promotion rate in (0, 1], got {alpha}")
+    if episodes < 1:
+        raise ValueError(f"episodes: expected at least 1 episode an arm before deciding, got {episodes}")
+
+
 def decide_canary(
     canary: ArmCounts, prod: ArmCounts, *, alpha: float = 0.05, episodes: int = 100
 ) -> CanaryDecision:
     """The canary's verdict (module docstring): roll back as soon as the canary is worse at ``alpha``;
     otherwise wait until both arms have ``episodes`` episodes, then promote iff it is better at ``alpha``,
     else roll back."""
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha: expected a false-promotion rate in (0, 1], got {alpha}")
-    if episodes < 1:
-        raise ValueError(f"episodes: expected at least 1 episode an arm before deciding, got {episodes}")
+    _check_knobs(alpha, episodes)
     p_better = fisher_one_sided(canary.successes, canary.episodes, prod.successes, prod.episodes)
     p_worse = fisher_one_sided(prod.successes, prod.episodes, canary.successes, canary.episodes)
     score = (
@@ -127,7 +132,9 @@ def check_canary(
     """Decide on the canary of ``repo`` from the fleet's closed episodes since ``since`` and act on it:
     promote moves ``prod_ref`` to the canary's commit, rollback moves ``canary_ref`` back to prod's (robots
     following it return to prod's checkpoint), wait moves nothing. ``since`` defaults to
-    :func:`canary_since`. A canary already at prod's commit is nothing to decide (ValueError)."""
+    :func:`canary_since`. A canary already at prod's commit is nothing to decide (ValueError). The knobs are
+    checked before the Hub is asked anything."""
+    _check_knobs(alpha, episodes)
     canary_rev, prod_rev = resolve(f"hub://{repo}@{canary_ref}"), resolve(f"hub://{repo}@{prod_ref}")
     if canary_rev == prod_rev:
         raise ValueError(f"{canary_ref}: at {prod_ref}'s commit {prod_rev[:12]}: no candidate on the canary")

@@ -22,6 +22,7 @@ __all__ = [
     "decode_outcomes",
     "encode_outcomes",
     "gate_sentence",
+    "known_outcomes",
     "report_success",
 ]
 
@@ -50,12 +51,20 @@ def known_outcomes(metrics: Mapping[str, Any], key: str, episodes: int) -> str |
     return text if isinstance(text, str) and len(text) == episodes and not set(text) - {"0", "1"} else None
 
 
+PAIRED_TEST_NAMES = {"seeds": "McNemar", "episodes": "sign test"}
+"""What a gate pairs -> the test it runs on them: simulator seeds' successes (McNemar), held-out episodes'
+errors (sign test)."""
+
+
 def gate_sentence(test: PairedTest, alpha: float, what: str) -> str:
     """The statistical half of the gate's ``why``: the discordant counts, the p-value and what it needed,
-    e.g. ``paired on 50 seeds: candidate-only 7, base-only 1 (one-sided McNemar p 0.035, needs <= 0.05)``."""
+    e.g. ``paired on 50 seeds: candidate-only 7, base-only 1 (one-sided McNemar p 0.035, needs <= 0.05)``;
+    ``what`` is a key of :data:`PAIRED_TEST_NAMES`."""
+    if what not in PAIRED_TEST_NAMES:
+        raise ValueError(f"what: expected one of {sorted(PAIRED_TEST_NAMES)}, got {what!r}")
     return (
         f"paired on {test.pairs} {what}: candidate-only {test.wins}, base-only {test.losses} "
-        f"(one-sided {'McNemar' if what == 'seeds' else 'sign test'} p {test.p_value:.3g}, needs <= {alpha:g})"
+        f"(one-sided {PAIRED_TEST_NAMES[what]} p {test.p_value:.3g}, needs <= {alpha:g})"
     )
 
 

@@ -475,6 +475,8 @@ def eval_(a: Eval) -> int:
         check_hub()
     with user_errors(CheckpointError, FileNotFoundError, ValueError, prefix=f"--checkpoint {a.checkpoint}: "):
         lp = load_chunk_policy(a.checkpoint, device=a.device)  # ours, or a LeRobot flow VLA's folder
+        if a.task is None:
+            lp.task(None)  # a LeRobot folder from elsewhere names no task: ask for --task, not for --store
     lp.num_steps = a.num_steps
     policy: Any = lp
     if a.taco is not None:

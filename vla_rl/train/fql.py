@@ -53,11 +53,9 @@ from vla_rl_client.spec import RobotSpec
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import ChunkQEnsemble, polyak_update
-from policies.flow_policy import FlowChunkPolicy
 from policies.flow_vla import FlowVLAPolicy
-from policies.lerobot_adapter import read_lerobot_config
 from policies.lerobot_flow import LeRobotFlowPolicy
-from policies.loading import LoadedPolicy, load_policy, pick_device
+from policies.loading import LoadedPolicy, load_chunk_policy, pick_device
 from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.base import TrainerConfig, TrainResult
 from vla_rl.train.common import (
@@ -360,23 +358,14 @@ class _Base:
 
 
 def _load_base(cfg: FQLConfig, device: torch.device) -> _Base:
-    """Our checkpoint (its spec names the task) or a LeRobot SmolVLA / π0 / π0.5 folder (``task`` required;
-    any other LeRobot type is refused naming it)."""
-    from vla_rl.hub.registry import pull
-
-    ckpt = pull(str(cfg.base))
-    if read_lerobot_config(ckpt.path) is not None:
-        if cfg.task is None:
-            raise ValueError(
-                "task: a LeRobot policy folder names no task; give the task whose episodes to use"
-            )
-        policy = LeRobotFlowPolicy.load(ckpt.path, algorithm="fql", device=device)
-        return _Base(policy, policy.spec, cfg.task, ckpt.commit, None)
-    loaded = load_policy(cfg.base, device=str(device))
-    task = cfg.task or loaded.spec.name
-    if task != loaded.spec.name:
-        raise ValueError(f"task: the base checkpoint is for {loaded.spec.name!r}, got {task!r}")
-    return _Base(loaded.policy, loaded.spec, task, loaded.commit, loaded)
+    """Our checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder (any other LeRobot type is refused naming
+    it), with the task its episodes come from: the checkpoint's (``cfg.task`` must match it when given;
+    :meth:`~policies.loading.FlowCheckpoint.task`), or ``cfg.task`` for a folder that names none."""
+    base = load_chunk_policy(cfg.base, device=str(device), algorithm="fql")
+    task = base.task(cfg.task)
+    if isinstance(base, LoadedPolicy):
+        return _Base(base.policy, base.spec, task, base.commit, base)
+    return _Base(base.policy, base.spec, task, base.commit, None)
 
 
 def train_fql(cfg: FQLConfig) -> FQLResult:
@@ -485,11 +474,7 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
     if cfg.final_eval_episodes:
         from vla_rl.evaluation import evaluate
 
-        shipped = (
-            load_policy(ckpt, device=str(device))
-            if loaded is not None
-            else FlowChunkPolicy(LeRobotFlowPolicy.load(ckpt, algorithm="fql", device=device), spec)
-        )
+        shipped = load_chunk_policy(ckpt, device=str(device), algorithm="fql")
         ev = evaluate(
             shipped,
             task,

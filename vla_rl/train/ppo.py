@@ -73,7 +73,7 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy, TrainableParts
 from policies.flow_rl import LeRobotStochastic, StochasticFlowPolicy, stochastic_policy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
-from policies.loading import LoadedPolicy, load_policy, pick_device
+from policies.loading import LoadedPolicy, load_chunk_policy, pick_device
 from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.common import RunClock, save_derived_checkpoint
 from vla_rl.train.contract import default_trainable
@@ -127,26 +127,21 @@ class _Base:
 
 def _load_base(cfg: PPOConfig, device: torch.device) -> _Base:
     """Our checkpoint (rebuilt with the RL-time K and noise bounds) or a LeRobot SmolVLA / π0 / π0.5 folder
-    (K written into its config; a non-flow LeRobot type is refused naming it)."""
-    from policies.lerobot_adapter import is_lerobot_folder
-    from vla_rl.hub.registry import pull
+    (K written into its config; a non-flow LeRobot type is refused naming it) in the task it names
+    (``cfg.task`` must match it; :meth:`~policies.loading.FlowCheckpoint.task`), or ``cfg.task`` for a
+    folder that names none."""
+    from sim.registry import resolve_task
 
-    ckpt = pull(str(cfg.base))
-    if not is_lerobot_folder(ckpt.path):
-        base = load_policy(cfg.base, device=str(device))
+    base = load_chunk_policy(cfg.base, device=str(device), algorithm=cfg.algorithm)
+    if isinstance(base, LoadedPolicy):
         flow = FlowVLAFlowPolicy(_prepare_policy(cfg, base, device), base.spec, base.info)
         rl = stochastic_policy(flow, base.spec.instruction)
         return _Base(rl, base.commit, base.spec, cfg.task or base.spec.name, base)
-    from policies.lerobot_flow import LeRobotFlowPolicy
-    from sim.registry import resolve_task
-
-    if cfg.task is None:
-        raise ValueError("task: a LeRobot policy folder names no task; give the simulated task to train in")
-    task = resolve_task(cfg.task)
-    lerobot = LeRobotFlowPolicy.load(ckpt.path, algorithm=cfg.algorithm, device=device)
-    lerobot.set_num_inference_steps(cfg.num_steps)
+    task = resolve_task(base.task(resolve_task(cfg.task).name if cfg.task else None))
+    lerobot = base.policy
+    lerobot.set_num_inference_steps(cfg.num_steps)  # type: ignore[attr-defined]
     rl = stochastic_policy(lerobot, task.instruction, std_range=cfg.noise_std_range)
-    return _Base(rl, ckpt.commit, lerobot.spec, task.name, None)
+    return _Base(rl, base.commit, base.spec, task.name, None)
 
 
 def _actor_params(policy: StochasticFlowPolicy, parts: TrainableParts | None) -> list[nn.Parameter]:

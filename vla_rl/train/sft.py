@@ -221,9 +221,11 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     torch.set_num_threads(dist.threads(cfg.threads))
     store = EpisodeStore(cfg.store)
     db = MetadataDB(cfg.db_url or default_url(store.root))
-    selection = Selection.parse(cfg.data, task=cfg.task or _only_task(store))
-    episode_ids = select_episode_ids(store, selection, db)
     base = load_base(cfg, device) if continues_base(cfg) else None
+    # a base acts in its own task (cfg.task must match it; a LeRobot folder from elsewhere needs cfg.task)
+    task = base.task(cfg.task) if base is not None else cfg.task or _only_task(store)
+    selection = Selection.parse(cfg.data, task=task)
+    episode_ids = select_episode_ids(store, selection, db)
     ds = ChunkDataset(
         store,
         base.policy.chunk_len if base is not None else cfg.chunk_len,
