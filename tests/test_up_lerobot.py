@@ -1,7 +1,8 @@
-"""`vla-rl up --policy smolvla` end to end at CI scale: the loop on a LeRobot flow VLA acting from a camera.
+"""`vla-rl up --policy smolvla` (and pi05) end to end at CI scale: the loop on a LeRobot flow VLA acting
+from a camera.
 
 Real processes (registry, policy server following prod, collector, round worker, dashboard, simulated
-fleet) on the kinematic test bed's 32 px top camera, a tiny SmolVLA (built here, no download), smoke-test
+fleet) on the kinematic test bed's 32 px top camera, a tiny SmolVLA / π0.5 (built here, no download), smoke-test
 budgets: the base is a LeRobot folder trained by SFT on camera demos, the fleet's episodes hold camera
 frames that the dashboard plays as video, every round's candidate is a LeRobot folder on the registry, and
 the server swaps to a promoted round (the next batch of the fleet is served by it). This checks the
@@ -74,24 +75,30 @@ def _folder_type(work: Path, ref: str) -> str:
         hub.stop()
 
 
+VLM_LAYERS = {"smolvla": 4, "pi0": 2, "pi05": 2}
+"""Text layers of each policy's small VLM (what the report line names)."""
+
+
 @pytest.mark.slow
-def test_up_runs_a_smolvla_loop_on_a_camera(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["smolvla", "pi05"])
+def test_up_runs_a_lerobot_loop_on_a_camera(policy: str, tmp_path: Path) -> None:
     work = tmp_path / "up"
-    r, played = run_watching(_up(work), tmp_path / "up", 900, lambda: _dashboard_plays_a_camera(work))
+    r, played = run_watching(_up(work, policy), tmp_path / "up", 900, lambda: _dashboard_plays_a_camera(work))
     stdout = r.stdout
     assert r.returncode == 0, stdout[-3000:] + r.stderr[-3000:]
     # the banner and the report say which policy ran, and its sizes
-    assert "  policy     smolvla (" in stdout and "M parameters: VLM text width 64 x 4 layers" in stdout
-    assert f"from the {IMAGE} px camera" in stdout and "\npolicy: smolvla (" in stdout
+    sizes = f"M parameters: VLM text width 64 x {VLM_LAYERS[policy]} layers"
+    assert f"  policy     {policy} (" in stdout and sizes in stdout
+    assert f"from the {IMAGE} px camera" in stdout and f"\npolicy: {policy} (" in stdout
     rows = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()]
-    assert [row["policy"].split()[0] for row in rows] == ["smolvla", "smolvla"]
+    assert [row["policy"].split()[0] for row in rows] == [policy, policy]
     assert played, "the dashboard never played a fleet episode's camera"
 
     db = open_db(work / "store", None)
     recs = db.rounds()
     assert [r.status for r in recs] == ["succeeded", "succeeded"] and all(r.promoted for r in recs)
-    assert _folder_type(work, "hub://up/policy@base") == "smolvla"
-    assert _folder_type(work, "hub://up/policy@round-1") == "smolvla"
+    assert _folder_type(work, "hub://up/policy@base") == policy
+    assert _folder_type(work, "hub://up/policy@round-1") == policy
 
     store = EpisodeStore(work / "store")
     fleet = [store.read_episode(e) for e in store.episode_ids()]
@@ -130,22 +137,26 @@ def test_a_resumed_run_must_name_the_same_policy(tmp_path: Path) -> None:
     assert "up: policy: this workdir's earlier run improved pi0, not flowvla" in r.stderr
 
 
-def test_the_base_starts_from_a_small_folder_of_the_architecture_on_the_camera(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["smolvla", "pi0"])
+def test_the_base_starts_from_a_small_folder_of_the_architecture_on_the_camera(
+    policy: str, tmp_path: Path
+) -> None:
     """``init_folder``: a random LeRobot folder of ``--policy``'s type for the task's robot seen from its
     camera at ``--image-size`` (made once); the report line counts its parameters from the weights file."""
     from policies.lerobot_flow import LeRobotFlowPolicy
     from vla_rl.up.lerobot import init_folder, parameter_count, policy_line
 
-    cfg = UpConfig(policy="smolvla", task="kinematic/Reach-v0", image_size=IMAGE, workdir=tmp_path)
+    cfg = UpConfig(policy=policy, task="kinematic/Reach-v0", image_size=IMAGE, workdir=tmp_path)
     folder = init_folder(cfg, tmp_path)
     config = json.loads((folder / "config.json").read_text())
-    assert config["type"] == "smolvla" and config["chunk_size"] == 10 and config["n_action_steps"] == 5
-    policy = LeRobotFlowPolicy.load(folder)
-    assert [(c.name, c.height, c.width) for c in policy.spec.cameras] == [(CAMERA, IMAGE, IMAGE)]
-    n = sum(p.numel() for p in policy.policy.state_dict().values())
+    assert config["type"] == policy and config["chunk_size"] == 10 and config["n_action_steps"] == 5
+    loaded = LeRobotFlowPolicy.load(folder)
+    assert [(c.name, c.height, c.width) for c in loaded.spec.cameras] == [(CAMERA, IMAGE, IMAGE)]
+    n = sum(p.numel() for p in loaded.policy.state_dict().values())
     assert parameter_count(folder) == n
     assert policy_line(cfg, tmp_path) == (
-        f"smolvla ({n / 1e6:.2f}M parameters: VLM text width 64 x 4 layers, vision width 32 x 2 layers) "
+        f"{policy} ({n / 1e6:.2f}M parameters: VLM text width 64 x {VLM_LAYERS[policy]} layers, vision width "
+        "32 x 2 layers) "
         f"from the {IMAGE} px camera"
     )
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
