@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from processes import still_running
+from processes import run_watching, still_running
 
 from fleet.store import EpisodeStore
 from vla_rl.cli.common import open_db
@@ -103,23 +103,9 @@ def _dashboard_lists_episodes(work: Path) -> bool:
 
 
 def test_up_runs_rounds_and_prints_a_row_per_round(work: Path, up_db: str | None) -> None:
-    out_path, err_path = (
-        work.parent / f"{work.name}.out",
-        work.parent / f"{work.name}.err",
-    )  # a full pipe blocks up
-    with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(_up(work, 1, up_db), stdout=out, stderr=err, text=True)
-        dashboard_seen = False
-        try:
-            end = time.monotonic() + 600
-            while proc.poll() is None and time.monotonic() < end:
-                dashboard_seen = dashboard_seen or _dashboard_lists_episodes(work)
-                time.sleep(1.0)
-            proc.wait(timeout=max(1.0, end - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    r = subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), err_path.read_text())
+    r, dashboard_seen = run_watching(
+        _up(work, 1, up_db), work.parent / work.name, 600, lambda: _dashboard_lists_episodes(work)
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "dashboard  http://127.0.0.1:" in r.stdout and "operator token in" in r.stdout
     assert dashboard_seen, "the dashboard child never listed the fleet's episodes"

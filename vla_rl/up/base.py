@@ -1,11 +1,14 @@
 """The deliberately weak base ``vla-rl up`` starts from: SFT on a few noisy scripted demos, pushed as
-``base`` and ``prod`` once per workdir."""
+``base`` and ``prod`` once per workdir. FlowVLA learns from scratch on the task's state; a LeRobot VLA
+(``--policy smolvla|pi0|pi05``) continues a small random folder of its architecture on the task's camera
+(:mod:`vla_rl.up.lerobot`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from vla_rl.up.config import UpConfig
+from vla_rl.up.lerobot import init_folder
 from vla_rl.up.threads import training_threads
 
 
@@ -29,8 +32,9 @@ def seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) ->
     db = MetadataDB(db_url)
     s = EpisodeStore(store, create=True, db=db)
     if not db.query_episode_ids(EpisodeQuery(robots=("demo-*",)), limit=1):
+        seen = f", {cfg.image_size} px camera" if cfg.lerobot else ""
         print(
-            f"[base] recording {cfg.base_demos} scripted demos of {cfg.task} (noise {cfg.base_noise})",
+            f"[base] recording {cfg.base_demos} scripted demos of {cfg.task} (noise {cfg.base_noise}{seen})",
             flush=True,
         )
         record_demos(
@@ -42,6 +46,7 @@ def seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) ->
             num_envs=1,
             progress=cfg.progress,
             robot_prefix="demo",
+            **({"obs": "rgb", "image_size": cfg.image_size} if cfg.lerobot else {}),
         )
     values = {
         "store": store,
@@ -54,6 +59,8 @@ def seed_base(cfg: UpConfig, work: Path, store: Path, prod: str, db_url: str) ->
     }
     if cfg.base_steps is not None:
         values["steps"] = cfg.base_steps
+    if cfg.lerobot:  # its VLM is random too: the whole policy trains
+        values |= {"base": str(init_folder(cfg, work)), "init": "base", "trainable": "full"}
     sft = preset_config(cfg.base_preset, **values) if cfg.base_preset else make_config("sft", **values)
     print(f"[base] training SFT ({sft.steps} steps)", flush=True)
     result = train(sft)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+IMAGE_MULTIPLE = 32
+"""A LeRobot policy's ``image_size`` is a multiple of this: 16 px patches, then SmolVLM's 2 x 2 pixel shuffle."""
+
 
 @dataclass
 class UpConfig:
@@ -14,6 +17,13 @@ class UpConfig:
 
     task: str = "maniskill/PickCube-v1"
     """Simulated task the fleet works on."""
+    policy: str = "flowvla"
+    """The policy the loop improves: ``flowvla`` (our FlowVLA, from the task's state) or a LeRobot flow VLA,
+    ``smolvla`` / ``pi0`` / ``pi05``: a small configuration of the published architecture built here
+    (:func:`vla_rl.up.lerobot.up_sizes`), acting from the task's camera at ``image_size`` px."""
+    image_size: int = 64
+    """Camera resolution (square, px) of a LeRobot policy's loop: the demos, the fleet and the small VLM's
+    vision tower all use it (unused by flowvla, which acts from the state)."""
     robots: int = 4
     """Simulated robots (one process each)."""
     operators: int = 1
@@ -85,9 +95,32 @@ class UpConfig:
             raise ValueError(
                 f"report_episodes: expected 0 (off) or more episodes, got {self.report_episodes}"
             )
+        self._check_policy()
         if self.round_steps is not None and self.round_steps < 1:
             raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s: expected > 0 seconds, got {self.round_timeout_s}")
         if self.db is not None and not self.db.strip():
             raise ValueError("db: expected a metadata DB URL (e.g. postgresql://host/vla_rl), got ''")
+
+    @property
+    def lerobot(self) -> bool:
+        """Whether the loop runs a LeRobot VLA (from the camera) rather than our FlowVLA (from the state)."""
+        return self.policy != "flowvla"
+
+    def _check_policy(self) -> None:
+        """``policy`` is flowvla or a LeRobot flow VLA; a LeRobot VLA's ``image_size`` fits its vision tower."""
+        if not self.lerobot:
+            return
+        from policies.lerobot_flow import FLOW_TYPES
+
+        if self.policy not in FLOW_TYPES:
+            raise ValueError(
+                f"policy: up needs a flow-matching policy; {self.policy} is not one "
+                f"(expected flowvla, {', '.join(FLOW_TYPES[:-1])} or {FLOW_TYPES[-1]})"
+            )
+        if self.image_size < 1 or self.image_size % IMAGE_MULTIPLE:
+            raise ValueError(
+                f"image_size: expected a positive multiple of {IMAGE_MULTIPLE} (the small VLM's 16 px patches, "
+                f"2 x 2 pixel shuffle), got {self.image_size}"
+            )

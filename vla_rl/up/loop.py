@@ -17,6 +17,7 @@ from vla_rl.core.supervisor import Supervisor, http_child, tcp_ready
 from vla_rl.up.base import seed_base
 from vla_rl.up.children import STOP_ORDER, child_argv, child_configs
 from vla_rl.up.config import UpConfig
+from vla_rl.up.lerobot import policy_line
 from vla_rl.up.report import HEADER, NOTE, fleet_summary, round_cells, round_line, round_row
 from vla_rl.up.threads import training_threads
 from vla_rl.up.workdir import Ports, shown_db_url, split_db_password, workdir_db, workdir_secret
@@ -43,9 +44,11 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     # a workdir of a run before --db existed (no "db" key) used the store's SQLite
     recorded = old.get("db", shown_db_url(default_url(store)) if old else None)
     db_url = workdir_db(cfg.db, recorded, store)
+    _check_same_policy(cfg, old)
     store.mkdir(exist_ok=True)  # the default SQLite file lives in it
     ports = Ports.load_or_pick(state_path)
     state = {"ports": vars(ports), "repo": cfg.repo, "task": cfg.task, "db": shown_db_url(db_url)}
+    state["policy"] = cfg.policy
     state_path.write_text(json.dumps(state, indent=2))
     tokens = {k: workdir_secret(work / "secrets" / k) for k in ("hub", "collector", "server", "dashboard")}
     hub_url = f"http://127.0.0.1:{ports.hub}"
@@ -73,6 +76,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             stop_order=STOP_ORDER["hub"],
         )
         seed_base(cfg, work, store, prod, db_url)
+        policy = policy_line(cfg, work)
         db = MetadataDB(db_url)
         done = len(db.rounds())
         if done >= cfg.rounds:
@@ -90,6 +94,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             dash = "off (--no-dashboard)"
         print(
             f"vla-rl up: {cfg.robots} robots on {cfg.task}, {cfg.rounds} rounds of {cfg.algo if not cfg.preset else cfg.preset}\n"
+            f"  policy     {policy}\n"
             f"  registry   {hub_url}   policy server 127.0.0.1:{ports.server}   collector 127.0.0.1:{ports.collector}\n"
             f"  dashboard  {dash}\n"
             f"  store      {store}   db {shown_db_url(db_url)}   logs {work / 'logs'}\n"
@@ -151,12 +156,14 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 rid = queue_round(_round_config(cfg, n, prod, store, work, db_url), db)
                 rec = _wait_round(db, rid, cfg.round_timeout_s)
                 row = round_row(rid, rec, summary, (time.monotonic() - t0) / 60, resolve(prod), sup.events)
+                row["policy"] = policy
                 rows.append(row)
                 print(round_line(row), flush=True)
                 with (work / "rounds.jsonl").open("a") as f:
                     f.write(json.dumps(row, default=str) + "\n")
         if rows:
             print()
+            print(f"policy: {policy}", flush=True)
             print(table([round_cells(r) for r in rows], HEADER), flush=True)
             print(NOTE, flush=True)
         for r in rows:
@@ -167,6 +174,17 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     finally:
         sup.stop_all()
     return rows
+
+
+def _check_same_policy(cfg: UpConfig, old: dict[str, Any]) -> None:
+    """A workdir's registry, store and rounds belong to one policy: a run naming another is refused (a
+    workdir of a run before --policy existed ran flowvla)."""
+    recorded = old.get("policy", "flowvla") if old else None
+    if recorded is not None and recorded != cfg.policy:
+        raise ValueError(
+            f"policy: this workdir's earlier run improved {recorded}, not {cfg.policy}: resume with "
+            f"--policy {recorded}, or start over in another --workdir"
+        )
 
 
 def _wait_fleet_episodes(
