@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,22 @@ def velocity_owner(policy: Any) -> Any | None:
         if owner is not None and callable(getattr(owner, "velocity", None)):
             return owner
     return None
+
+
+def own_step(eager: Callable[..., Any]) -> Callable[..., Any]:
+    """``eager(prefix, x_t, t)`` behind a function with a code object of its own, the one to compile.
+
+    Dynamo keeps compiled graphs per code object, at most ``recompile_limit`` (8) of them: compiling the
+    policy's ``velocity`` itself would pile every loaded version's buckets onto that method's one code
+    object, and after a swap or two new versions would silently run eager. A fresh code object per
+    version gives each its own cache, bounded by its buckets, freed with the version.
+    """
+
+    def step(prefix: Any, x_t: torch.Tensor, t: torch.Tensor) -> Any:
+        return eager(prefix, x_t, t)
+
+    code = step.__code__.replace()  # a copy: a new identity, so a new dynamo cache
+    return types.FunctionType(code, step.__globals__, step.__name__, None, step.__closure__)
 
 
 class CompiledVelocity:
@@ -159,7 +176,7 @@ class CompiledVelocity:
 
     def _warm_up(self, run_bucket: Callable[[int], object]) -> None:
         try:
-            self._compiled = self._compiler(self.eager, **self.options)
+            self._compiled = self._compiler(own_step(self.eager), **self.options)
             self._run_only = torch._dynamo.run(self._compiled)
             for b in self.buckets:
                 if self.failed:
