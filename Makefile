@@ -69,6 +69,8 @@ bench-all: setup
 	nice .venv/bin/python -m bench.collect
 	.venv/bin/python -m bench.expert_success
 	.venv/bin/python -m bench.inference --threads 1 --repeats 15 --device cpu
+	.venv/bin/python -m bench.compile --models flowvla-camera smolvla --device cpu
+	.venv/bin/python -m bench.compile --models flowvla-state --device cpu --out bench/results/compile_state_only.json
 	nice -n 19 .venv/bin/python -m bench.serve --duration 15
 	.venv/bin/python -m bench.serve_vla --duration 60 --grace 300
 	.venv/bin/python -m bench.sft --settings push-state pick-state

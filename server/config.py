@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from vla_rl.core import configs
 
@@ -30,6 +30,8 @@ DEFAULT_MAX_STATE_ABS = 1e6
 DEFAULT_LOG_INTERVAL_S = 10.0
 MESSAGE_SLACK_BYTES = 64 * 1024  # a request's ids, instruction and framing: the least max_message_bytes
 FOLLOW_SELF = "self"
+CompileMode = Literal["off", "auto", "on"]
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 
 
 @dataclass
@@ -112,6 +114,11 @@ class ServerConfig:
     """Where hub:// checkpoints are downloaded; None = the Hugging Face cache."""
     torch_threads: int | None = None
     """Torch CPU threads for inference (a process-wide setting); None = torch's default."""
+    compile: CompileMode = "off"
+    """Run flow policies' denoising step under torch.compile, one static graph per batch bucket (powers of
+    two up to --max-batch), compiled in the background after each load while eager serves: off; auto =
+    compile on CUDA only; on = compile on any device, with CUDA graphs on CUDA. A failure to compile
+    logs one warning and serves eager."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "host", "model_id", "device"):
@@ -153,6 +160,8 @@ class ServerConfig:
         _number("drain", self.drain, low=0.0, strict=False, unit="seconds", finite=True)
         if self.torch_threads is not None:
             _integer("torch_threads", self.torch_threads, low=1)
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {list(COMPILE_MODES)}, got {self.compile!r}")
 
     def _check_tls(self) -> None:
         """TLS needs the certificate chain and its key together, each an existing file."""

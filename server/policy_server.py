@@ -283,6 +283,9 @@ class PolicyServer:
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: warm-up failed: {e}"
             ) from None
+        version.start_compiled(
+            self.config.compile, self.config.max_batch
+        )  # background; eager serves meanwhile
         return version
 
     def authorized(self, metadata: Any) -> bool:

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -20,6 +20,8 @@ from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
 from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
+from server.compiled import CompiledVelocity, batch_buckets, bucket_for, compile_options, velocity_owner
+from server.config import CompileMode
 from server.stage_timing import timed_prefix
 from vla_rl.core.rpc import RequestError
 from vla_rl.hub.checkpoint import CheckpointError
@@ -82,6 +84,9 @@ class ServedModel(Protocol):
     # Optional: ``infer_scored(...) -> (actions [B, H, A], uncertainty float32 [B])`` from the same pass,
     # with ``uncertainty_kind`` naming the score. A model without it replies with no uncertainty.
 
+
+Batch = tuple[np.ndarray, Mapping[str, np.ndarray], list[str], np.ndarray | None]
+"""One batch's states [B, S], cameras {name: [B, H, W, 3]}, instructions and initial noise [B, H, D]."""
 
 UNCERTAINTY_KIND = "accel"
 """The score flow-policy replies carry: :func:`policies.flow_vla.uncertainty.accel_score` of the executed
@@ -207,6 +212,7 @@ class ServedVersion:
     def __init__(self, model: LoadedPolicy | LoadedFlowPolicy | ServedModel) -> None:
         self.model: ServedModel = served_model(model)
         self.loaded_at = time.time()
+        self.compiled: CompiledVelocity | None = None  # set by start_compiled
 
     @property
     def commit(self) -> str:
@@ -263,7 +269,26 @@ class ServedVersion:
         noise: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`infer` plus each chunk's uncertainty (float32 [B], from the same pass); NaN when the
-        model cannot score its chunks (a LeRobot ACT or Diffusion): the replies then carry no uncertainty."""
+        model cannot score its chunks (a LeRobot ACT or Diffusion): the replies then carry no uncertainty.
+
+        Runs the compiled denoising step when the batch's bucket is warm (:meth:`start_compiled`; the
+        batch padded to its bucket, the padding dropped), eager otherwise; a compiled batch that fails
+        disables compilation (one warning) and is rerun eager."""
+        compiled, n = self.compiled, len(states)
+        bucket = None if compiled is None else bucket_for(n, compiled.buckets)
+        if compiled is not None and bucket is not None and compiled.usable(bucket):
+            padded = pad_batch(bucket, (states, cameras, instructions, noise))
+            try:
+                with compiled.active():
+                    actions, score = self._infer_scored_eager(padded)
+                return actions[:n], score[:n]
+            except Exception as e:
+                compiled.disable(f"a compiled batch of {bucket} failed: {type(e).__name__}: {e}")
+        return self._infer_scored_eager((states, cameras, instructions, noise))
+
+    def _infer_scored_eager(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`infer_scored` on the calling thread's path (eager, or compiled inside ``active()``)."""
+        states, cameras, instructions, noise = batch
         scorer = self._scorer()
         if scorer is None:
             actions = self.infer(states, cameras, instructions, noise)
@@ -271,20 +296,55 @@ class ServedVersion:
         actions, score = scorer(states, cameras, instructions, noise)
         return actions, np.asarray(score, np.float32).reshape(len(actions))
 
+    def start_compiled(
+        self, mode: CompileMode, max_batch: int, compiler: Callable[..., Callable[..., Any]] | None = None
+    ) -> CompiledVelocity | None:
+        """Compile the denoising step for every batch bucket up to ``max_batch`` on a background thread
+        (:mod:`server.compiled`; ``compiler`` defaults to ``torch.compile``); eager serves each bucket until
+        its graph is warm. None (eager only) when ``mode`` says so on this device or the model is not a
+        flow policy."""
+        options = compile_options(mode, torch.device(self.model.device))
+        owner = velocity_owner(self.model.policy) if isinstance(self.model, FlowPolicyModel) else None
+        if options is None or owner is None:
+            return None
+        self.compiled = CompiledVelocity(owner, batch_buckets(max_batch), options, compiler)
+        self.compiled.start_warm_up(lambda b: self._infer_scored_eager(self._blank_batch(b)))
+        return self.compiled
+
+    def _blank_batch(self, rows: int) -> Batch:
+        """A batch of ``rows`` blank observations (zero state, black images, seed-0 noise)."""
+        spec = self.spec
+        states = np.zeros((rows, spec.state_dim), np.float32)
+        cams = {c.name: np.zeros((rows, *c.shape), np.uint8) for c in spec.cameras}
+        noise = self.initial_noise(0)
+        return states, cams, [spec.instruction] * rows, None if noise is None else np.stack([noise] * rows)
+
     def warm_up(self) -> None:
         """One forward pass on a blank observation: fails early (and off the serving path) on a broken
         model, and pays one-time costs (allocator, kernels) before the first robot does."""
-        spec = self.spec
-        states = np.zeros((1, spec.state_dim), np.float32)
-        cams = {c.name: np.zeros((1, *c.shape), np.uint8) for c in spec.cameras}
-        noise = self.initial_noise(0)
-        out = self.infer(states, cams, [spec.instruction], None if noise is None else noise[None])
+        out = self.infer(*self._blank_batch(1))
         if out.shape != (1, self.chunk_len, self.action_dim):
             raise CheckpointError(
                 f"warm-up: expected actions [1, {self.chunk_len}, {self.action_dim}], got {list(out.shape)}"
             )
         if not np.isfinite(out).all():
             raise CheckpointError("warm-up: the model produced NaN or inf actions on a blank observation")
+
+
+def pad_batch(rows: int, batch: Batch) -> Batch:
+    """A batch grown to ``rows`` by repeating its last row (a compiled bucket's static shape)."""
+    states, cameras, instructions, noise = batch
+
+    def grow(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, np.repeat(x[-1:], rows - len(x), 0)]) if rows > len(x) else x
+
+    extra = [instructions[-1]] * (rows - len(instructions))
+    return (
+        grow(states),
+        {k: grow(v) for k, v in cameras.items()},
+        list(instructions) + extra,
+        None if noise is None else grow(noise),
+    )
 
 
 class ModelSlot:

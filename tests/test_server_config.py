@@ -58,6 +58,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"drain": -1}, "drain: expected seconds >= 0"),
     ({"drain": float("inf")}, "drain: expected seconds >= 0"),
     ({"torch_threads": 0}, "torch_threads: expected an integer >= 1"),
+    ({"compile": "yes"}, "compile: expected one of ['off', 'auto', 'on'], got 'yes'"),
 ]
 
 
@@ -110,6 +111,7 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         drain=0.0,
         cache_dir=tmp_path / "cache",
         torch_threads=2,
+        compile="auto",
     )
     defaults = ServerConfig(checkpoint="other")
     changed = {f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(defaults, f.name)}
