@@ -33,7 +33,8 @@ def _up(work: Path, policy: str = "smolvla") -> list[str]:
         *CLI, "up", "--policy", policy, "--image-size", str(IMAGE), "--task", "kinematic/Reach-v0",
         "--robots", str(ROBOTS), "--episodes", str(EPISODES), "--rounds", "2", "--base-demos", "3",
         "--base-steps", "4", "--base-preset", "kinematic-sft", "--preset", "tiny-awr", "--round-steps", "4",
-        "--eval-episodes", "2", "--margin", "-0.99", "--workdir", str(work), "--no-progress",
+        "--eval-episodes", "2", "--margin", "-0.99", "--gate-alpha", "1", "--report-episodes", "0",
+        "--workdir", str(work), "--no-progress",
     ]  # fmt: skip
 
 
