@@ -51,8 +51,8 @@ from vla_rl.gate import (
 )
 from vla_rl.gate_stats import PairedTest, paired_outcomes, sign_test
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
-from vla_rl.hub.naming import validate_client_revision, validate_repo_id
-from vla_rl.hub.registry import DEFAULT_REVISION, is_hub_ref, move_ref, parse_ref, push_folder, resolve
+from vla_rl.hub.naming import check_round_target
+from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
 from vla_rl.train.transitions import select_episode_ids
@@ -112,19 +112,7 @@ class RoundOptions:
         if not 0.0 < self.gate_alpha <= 1.0:
             raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
         check_report_seeds(self.eval_seed, self.eval_episodes, self.report_seed, self.report_episodes)
-        if self.repo is not None:
-            try:
-                validate_repo_id(self.repo)
-            except ValueError as e:
-                raise ValueError(f"repo: expected org/name, got {self.repo!r} ({e})") from None
-        try:
-            validate_client_revision(self.promote_ref)
-        except ValueError as e:
-            raise ValueError(f"promote_ref: {e}") from None
-        if self.promote_ref == DEFAULT_REVISION:
-            raise ValueError(
-                f"promote_ref: expected a tag or branch other than {DEFAULT_REVISION} (it keeps the history)"
-            )
+        check_round_target(self.repo, self.promote_ref)
 
 
 def _round_bounds(name: str) -> tuple[float, float] | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vla_rl.hub.naming import validate_client_revision, validate_repo_id
+from vla_rl.hub.naming import check_round_target
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
 
@@ -88,17 +88,7 @@ class DashboardConfig:
             parts = urlsplit(self.hub)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"hub: expected an http(s) URL like http://127.0.0.1:8808, got {self.hub!r}")
-        if self.repo is not None:
-            try:
-                validate_repo_id(self.repo)
-            except ValueError as e:
-                raise ValueError(f"repo: expected org/name, got {self.repo!r} ({e})") from None
-        try:
-            validate_client_revision(self.promote_ref)
-        except ValueError as e:
-            raise ValueError(f"promote_ref: {e}") from None
-        if self.promote_ref == "main":
-            raise ValueError("promote_ref: expected a tag or branch other than main (main keeps the history)")
+        check_round_target(self.repo, self.promote_ref)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: expected 0..65535, got {self.port}")
         if not 1 <= self.max_body_kb <= 1024 * 1024:

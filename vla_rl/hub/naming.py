@@ -157,3 +157,19 @@ def _prefixes(path: str) -> list[str]:
     """``a``, ``a/b``, ``a/b/c.txt`` for ``a/b/c.txt``: the folders on the way and the path itself."""
     parts = path.split("/")
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def check_round_target(repo: str | None, promote_ref: str) -> None:
+    """The repository a round pushes to (``org/name``, or None: the base's) and the ref it promotes (a
+    valid tag or branch other than ``main``, which keeps the history): a ValueError naming the field."""
+    if repo is not None:
+        try:
+            validate_repo_id(repo)
+        except ValueError as e:
+            raise ValueError(f"repo: expected org/name, got {repo!r} ({e})") from None
+    try:
+        validate_client_revision(promote_ref)
+    except ValueError as e:
+        raise ValueError(f"promote_ref: {e}") from None
+    if promote_ref == "main":
+        raise ValueError("promote_ref: expected a tag or branch other than main (it keeps the history)")
