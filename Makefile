@@ -45,7 +45,8 @@ client: setup
 #   make bench-all   every CPU benchmark at the settings of its numbers in bench/results/ (and the README),
 #                    overwriting them: many hours on 2 cores (rl, ppo_check, sft, qam_check dominate).
 #   make bench-gpu   bench/gpu_check.py and bench/gpu_vla.py (LeRobot's SmolVLA and pi0 at their published
-#                    sizes) on a CUDA machine (writes bench/results/gpu_check.json and gpu_vla.json).
+#                    sizes, our FlowVLA; eager / compiled / CUDA graphs, K = 10 vs 1-2) on a CUDA machine
+#                    (writes bench/results/gpu_check.json and gpu_vla.json).
 # Not run by either: bench/plot_curves.py (plots curve.json files; see its --help). `python -m bench.<name>`
 # from the repo root finds the bench package even where the editable install predates it.
 BENCH_QUICK := runs/bench-quick

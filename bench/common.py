@@ -51,6 +51,6 @@ def write_results(name: str, results: Any, out: Path | None = None) -> Path:
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [[str(x) for x in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     line = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])

@@ -17,6 +17,13 @@ configurations (``--device cpu --quick``) to test the script itself. Per policy 
    trainable (``set_trainable("expert")``), AdamW, ``mean(w * policy.loss(batch))`` with per-sample
    weights, bf16 autocast, gradient clipping; steps/s and samples/s at ``--train-batch``, peak GPU memory.
 
+3. **modes**: the served batch (``server.slots.ServedVersion.infer_scored``, what the batcher calls) eager,
+   under ``torch.compile`` (``--compile auto``: the denoising step, one static graph per batch bucket) and
+   with CUDA graphs (``--compile on``: ``mode="reduce-overhead"``), at K = 10 and at the K = 1 / 2 a
+   distilled few-step head serves with (the same network, fewer steps: its cost per chunk), batch 1 / 4 /
+   16; each mode on a fresh load, its warm-up (compile) time and any fallback to eager recorded. Also for
+   our own FlowVLA (``flowvla``: the default size with one 64 px camera, random weights; this section only).
+
 Each section is timed and wrapped (``bench.gpu_check.run_section``): a failure is recorded and the rest
 runs; results are written after each section, so a kill keeps what was measured.
 
@@ -242,6 +249,85 @@ def check_awr(args: argparse.Namespace, fp: Any, robot: RobotSpec, out: dict[str
     )
 
 
+MODES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("eager", "off", (10, 2, 1)),
+    ("compiled", "auto", (10, 1)),
+    ("cuda graphs", "on", (10, 1)),
+)
+"""``modes``: label, the server's ``--compile`` mode, and the K values timed in it."""
+
+
+def time_served(args: argparse.Namespace, version: Any, robot: RobotSpec, n: int, k: int) -> dict[str, Any]:
+    """p50 / p90 of one served batch of ``n`` robots at K = ``k`` (``infer_scored``, as the batcher runs it)."""
+    version.model.num_steps = k
+    states, cams, texts, noise = robot_batch(robot, n, version.noise_shape)
+    device = torch.device(version.model.device)
+    times = []
+    with torch.inference_mode(), autocast(device, args.bf16):
+        for rep in range(args.warmup + args.reps):
+            (actions, _), t = timed(device, lambda: version.infer_scored(states, cams, texts, noise))
+            if rep >= args.warmup:
+                times.append(t * 1000)
+    return {
+        "batch": n,
+        "K": k,
+        **percentiles(times),
+        "chunks_per_s": round(n / statistics.median(times) * 1000, 2),
+        "finite": bool(np.isfinite(actions).all()),
+    }
+
+
+def check_modes(args: argparse.Namespace, folder: Path, robot: RobotSpec, out: dict[str, Any]) -> None:
+    """Eager vs compiled vs CUDA graphs, K = 10 vs 1 / 2, on a fresh load of ``folder`` per mode."""
+    from policies.loading import load_servable
+    from server.slots import ServedVersion
+
+    device = torch.device(args.device)
+    for label, mode, ks in MODES:
+        if mode == "on" and device.type != "cuda":
+            out[label] = {"skipped": "CUDA graphs need a CUDA device"}
+            continue
+        if mode != "off" and device.type != "cuda" and not args.compile_on_cpu:
+            out[label] = {"skipped": "compiled modes run on CUDA (--compile-on-cpu to try them here)"}
+            continue
+        version = ServedVersion(load_servable(str(folder), device=args.device))
+        entry: dict[str, Any] = {"rows": []}
+        if mode != "off":
+            t0 = time.perf_counter()
+            # on a CPU only "on" compiles ("auto" serves eager there): the same torch.compile, no graphs
+            cpu_or_mode = "on" if device.type != "cuda" else mode
+            compiled = version.start_compiled(cpu_or_mode, max(args.batches), buckets=tuple(args.batches))  # type: ignore[arg-type]
+            if compiled is None:
+                out[label] = {"skipped": f"--compile {mode} compiles nothing on {device.type}"}
+                continue
+            with autocast(device, args.bf16):
+                compiled.join()
+            entry.update(
+                warm_up_s=round(time.perf_counter() - t0, 1),
+                ready_buckets=sorted(compiled.ready),
+                fallback_reason=compiled.failed,
+            )
+        for k in ks:
+            for n in args.batches:
+                row = time_served(args, version, robot, n, k)
+                if mode != "off":
+                    row["compiled_used"] = version.compiled is not None and version.compiled.usable(n)
+                entry["rows"].append(row)
+                print(f"  {label} K={k} batch {n}: {row['p50_ms']} ms p50, {row['chunks_per_s']} chunks/s")
+        out[label] = entry
+        del version
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def build_flowvla(folder: Path) -> tuple[Path, RobotSpec]:
+    """Our FlowVLA at its default size with one 64 px camera + state (random weights)."""
+    from bench.compile import save_flowvla
+    from bench.inference import default_models
+
+    return save_flowvla(folder, default_models()["64px camera + state"])
+
+
 def bundle(out: Path) -> None:
     """Pack :data:`BUNDLE_PACKAGES` (with their dist-info) from this environment, and the PyAV stand-in,
     into ``out/site.tar.xz``."""
@@ -274,8 +360,13 @@ def main() -> None:
     p.add_argument(
         "--quick", action="store_true", help="tiny configurations, few repetitions (CPU self-test)"
     )
-    p.add_argument("--types", default="smolvla,pi0")
-    p.add_argument("--sections", default="inference,awr")
+    p.add_argument(
+        "--types", default="smolvla,pi0,flowvla", help="smolvla, pi0, pi05 (published sizes), flowvla (ours)"
+    )
+    p.add_argument("--sections", default="inference,awr,modes", help="inference, awr, modes (see above)")
+    p.add_argument(
+        "--compile-on-cpu", action="store_true", help="run the modes section's compiled rows on a CPU too"
+    )
     p.add_argument("--image", type=int, default=256, help="the robot camera's side, px")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--train-batch", type=int, default=32)
@@ -310,9 +401,22 @@ def main() -> None:
     from policies.lerobot_flow import LeRobotFlowPolicy
 
     sections = {"inference": check_inference, "awr": check_awr}
+    wanted = args.sections.split(",")
     with tempfile.TemporaryDirectory(prefix="gpu_vla_") as tmp:
         for ptype in args.types.split(","):
             t0 = time.perf_counter()
+            if ptype == "flowvla":  # ours: the modes section only (the others are LeRobot's calls)
+                folder, ours = build_flowvla(Path(tmp) / ptype)
+                results[ptype] = {
+                    "parameters": parameter_count(folder),
+                    "build_s": round(time.perf_counter() - t0, 1),
+                }
+                if "modes" in wanted:
+                    run_section(
+                        f"{ptype}/modes", lambda out, f=folder, r=ours: check_modes(args, f, r, out), results
+                    )
+                    write_results("gpu_vla", results, args.out)
+                continue
             folder = build(ptype, Path(tmp) / ptype, robot, args.quick)
             fp = LeRobotFlowPolicy.load(folder, device=args.device)
             fp.eval()
@@ -321,12 +425,13 @@ def main() -> None:
                 "build_s": round(time.perf_counter() - t0, 1),
             }
             print(f"{ptype}: {results[ptype]['parameters'] / 1e6:.1f}M parameters", flush=True)
-            for name in args.sections.split(","):
-                run_section(
-                    f"{ptype}/{name}",
-                    lambda out, name=name, fp=fp: sections[name](args, fp, robot, out),
-                    results,
+            for name in wanted:
+                run = (
+                    (lambda out, f=folder: check_modes(args, f, robot, out))
+                    if name == "modes"
+                    else (lambda out, name=name, fp=fp: sections[name](args, fp, robot, out))
                 )
+                run_section(f"{ptype}/{name}", run, results)
                 write_results("gpu_vla", results, args.out)
             del fp
             if args.device.startswith("cuda"):
@@ -344,7 +449,26 @@ def main() -> None:
         if k.endswith("/inference") and isinstance(v, dict)
         for r in v.get("batches", [])
     ]
-    print(table(rows, ["policy", "batch", "p50 ms", "p90 ms", "chunks/s", "LeRobot predict p50 ms"]))
+    if rows:
+        print(table(rows, ["policy", "batch", "p50 ms", "p90 ms", "chunks/s", "LeRobot predict p50 ms"]))
+    mode_rows = [
+        [
+            k.split("/")[0],
+            label,
+            r["K"],
+            r["batch"],
+            r["p50_ms"],
+            r["chunks_per_s"],
+            r.get("compiled_used", ""),
+        ]
+        for k, v in results.items()
+        if k.endswith("/modes") and isinstance(v, dict)
+        for label, entry in v.items()
+        if isinstance(entry, dict)
+        for r in entry.get("rows", [])
+    ]
+    if mode_rows:
+        print(table(mode_rows, ["policy", "mode", "K", "batch", "p50 ms", "chunks/s", "compiled used"]))
     path = write_results("gpu_vla", results, args.out)
     print(f"\nwrote {path}")
 

@@ -297,17 +297,22 @@ class ServedVersion:
         return actions, np.asarray(score, np.float32).reshape(len(actions))
 
     def start_compiled(
-        self, mode: CompileMode, max_batch: int, compiler: Callable[..., Callable[..., Any]] | None = None
+        self,
+        mode: CompileMode,
+        max_batch: int,
+        compiler: Callable[..., Callable[..., Any]] | None = None,
+        buckets: tuple[int, ...] | None = None,
     ) -> CompiledVelocity | None:
-        """Compile the denoising step for every batch bucket up to ``max_batch`` on a background thread
-        (:mod:`server.compiled`; ``compiler`` defaults to ``torch.compile``); eager serves each bucket until
-        its graph is warm. None (eager only) when ``mode`` says so on this device or the model is not a
-        flow policy."""
+        """Compile the denoising step for every batch bucket up to ``max_batch`` (or exactly ``buckets``)
+        on a background thread (:mod:`server.compiled`; ``compiler`` defaults to ``torch.compile``); eager
+        serves each bucket until its graph is warm. None (eager only) when ``mode`` says so on this device
+        or the model is not a flow policy."""
         options = compile_options(mode, torch.device(self.model.device))
         owner = velocity_owner(self.model.policy) if isinstance(self.model, FlowPolicyModel) else None
         if options is None or owner is None:
             return None
-        self.compiled = CompiledVelocity(owner, batch_buckets(max_batch), options, compiler)
+        chosen = tuple(sorted(set(buckets))) if buckets else batch_buckets(max_batch)
+        self.compiled = CompiledVelocity(owner, chosen, options, compiler)
         self.compiled.start_warm_up(lambda b: self._infer_scored_eager(self._blank_batch(b)))
         return self.compiled
 
