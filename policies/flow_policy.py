@@ -45,6 +45,7 @@ from torch import nn
 from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowSample, FlowVLAConfig, FlowVLAPolicy, PrefixCache, euler_sample
+from policies.flow_vla.conventions import VelocityFn
 from policies.flow_vla.sampling import check_num_steps, initial_noise
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
@@ -323,6 +324,16 @@ class FlowVLAFlowPolicy(nn.Module):
 
     def velocity(self, prefix: PrefixCache, x_t: Tensor, t: Tensor | float) -> Tensor:
         return self.model.velocity(prefix, x_t, t)  # type: ignore[return-value]
+
+    def observation_velocity(self, obs: Mapping[str, Any]) -> VelocityFn:
+        """``v(x, t)`` for ``obs`` as :meth:`sample` integrates it: classifier-free guidance between the
+        unconditioned and the positive prefix when the policy's guidance scale applies (RECAP)."""
+        guided = self.model._guided_prefixes(obs)
+        if guided is None:
+            prefix = self.encode_prefix(obs)
+            return lambda x, t: self.velocity(prefix, x, t)
+        uncond, cond, beta = *guided, self.model.config.guidance_scale
+        return lambda x, t: (1 - beta) * self.velocity(uncond, x, t) + beta * self.velocity(cond, x, t)
 
     def sample(
         self,

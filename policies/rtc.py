@@ -36,9 +36,9 @@ given, clean, at flow time 1 (per-action times); see :func:`inpaint_sample`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -161,6 +161,17 @@ def guided_velocity(velocity_fn: VelocityFn, guide: RTCGuide) -> VelocityFn:
     return v
 
 
+def observation_velocity(policy: Any, obs: Mapping[str, Any]) -> VelocityFn:
+    """``v(x, t)`` of a flow policy for a batch of observations, as its ``sample`` integrates it (one
+    prefix pass; classifier-free guidance included where the policy guides itself, through its own
+    ``observation_velocity``), for samplers of ours that wrap the velocity (RTC)."""
+    own = getattr(policy, "observation_velocity", None)
+    if own is not None:
+        return own(obs)
+    prefix = policy.encode_prefix(obs)
+    return lambda x, t: policy.velocity(prefix, x, t)
+
+
 def rtc_sample(
     velocity_fn: VelocityFn, x0: Tensor, guide: RTCGuide, num_steps: int, *, return_iterates: bool = False
 ) -> SampleResult:
@@ -211,6 +222,7 @@ __all__ = [
     "guidance_weight",
     "guided_velocity",
     "inpaint_sample",
+    "observation_velocity",
     "per_action_time",
     "prefix_mask",
     "prefix_weights",
