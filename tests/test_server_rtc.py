@@ -204,3 +204,18 @@ def test_a_queued_loop_runs_rtc_through_the_server(server: PolicyServer) -> None
                 assert np.isfinite(qp.act(make_obs(rng))).all()
                 time.sleep(0.05)
         assert qp.last is not None and qp.last.rtc is not None and qp.last.rtc.mode == "guided"
+
+
+def test_fleet_sim_and_up_take_the_rtc_knob() -> None:
+    from sim.fleet_robot import fleet_rtc
+    from sim.fleet_runner import FleetConfig
+    from vla_rl.up.config import UpConfig
+
+    assert FleetConfig().rtc == UpConfig().rtc == "auto"
+    assert not fleet_rtc("auto", "guided")  # a simulated robot waits for its chunks: no delay to hide
+    assert fleet_rtc("on", "guided") and not fleet_rtc("off", "guided")
+    with pytest.raises(ValueError, match="cannot run real-time chunking"):
+        fleet_rtc("on", "")
+    for config in (FleetConfig, UpConfig):
+        with pytest.raises(ValueError, match="rtc: expected one of"):
+            config(rtc="sometimes")  # type: ignore[arg-type]
