@@ -312,6 +312,11 @@ class FlowVLAFlowPolicy(nn.Module):
         return self.model.config.num_inference_steps
 
     @property
+    def rtc_max_delay(self) -> int:
+        """The largest executed prefix the policy was trained to take given (0: not trained for RTC)."""
+        return self.model.config.rtc_max_delay
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 

@@ -43,7 +43,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from policies.flow_vla.conventions import VelocityFn
-from policies.flow_vla.sampling import SampleResult, euler_sample
+from policies.flow_vla.sampling import SampleResult, euler_sample, per_action_time, prefix_mask
 
 Tensor = torch.Tensor
 RTCSchedule = Literal["zeros", "ones", "linear", "exp"]
@@ -180,16 +180,6 @@ def rtc_sample(
 
 
 # ------------------------------------------------------------------------------------ trained RTC
-def prefix_mask(delays: Tensor, chunk_len: int) -> Tensor:
-    """``[N, H]`` bool: True on each row's first ``delays[i]`` actions (the executed prefix)."""
-    return torch.arange(chunk_len, device=delays.device)[None, :] < delays[:, None]
-
-
-def per_action_time(t: Tensor, given: Tensor) -> Tensor:
-    """``[N, H]`` flow times: 1 (clean data) on the ``given`` actions, the row's ``t`` ``[N]`` elsewhere."""
-    return torch.where(given, torch.ones_like(given, dtype=t.dtype), t[:, None].expand(given.shape))
-
-
 def inpaint_sample(
     velocity_fn: PerActionVelocityFn,
     x0: Tensor,

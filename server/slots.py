@@ -19,7 +19,7 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
-from policies.rtc import RTCGuide, RTCSettings, observation_velocity, rtc_sample
+from policies.rtc import RTCGuide, RTCSettings, inpaint_sample, observation_velocity, rtc_sample
 from server.batching import BatchQueue, LatencyWindow, RTCReport, RTCRequest, _Pending, _Result
 from server.compiled import CompiledVelocity, batch_buckets, bucket_for, compile_options, velocity_owner
 from server.config import CompileMode
@@ -140,11 +140,23 @@ class FlowPolicyModel:
     n_exec = property(lambda self: self.policy.n_exec)
     device = property(lambda self: self.policy.device)
     noise_shape = property(lambda self: self.policy.event_shape)  # (H, D): the model's padded action dims
-    rtc_mode = "guided"  # real-time chunking: training-free guidance over the contract's velocity
+
+    @property
+    def rtc_max_delay(self) -> int:
+        """A policy trained for real-time chunking: the largest delay it takes (0: not trained so)."""
+        return int(getattr(self.policy, "rtc_max_delay", 0))
+
+    @property
+    def rtc_mode(self) -> str:
+        """ "trained" (the executed prefix given clean, as the policy trained) or "guided" (training-free
+        guidance over the contract's velocity, any flow policy)."""
+        return "trained" if self.rtc_max_delay else "guided"
 
     def rtc_report(self, req: RTCRequest) -> RTCReport:
         """How :meth:`infer_scored` applied ``req`` (the settings it used, the horizon capped at the queue)."""
         queued = min(len(req.queued), self.chunk_len)
+        if self.rtc_mode == "trained":
+            return RTCReport("trained", req.delay, queued)
         horizon = min(self.rtc_settings.execution_horizon or queued, queued)
         return RTCReport(
             self.rtc_mode, req.delay, queued, horizon, float(self.rtc_settings.max_guidance_weight)
@@ -203,12 +215,23 @@ class FlowPolicyModel:
     def _sample_rtc(
         self, obs: Mapping[str, Any], x0: torch.Tensor | None, rtc: list[RTCRequest | None]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(normalised chunks [B, H, D], their Euler iterates [B, K + 1, H, D]) with RTC's guidance on the
-        rows that ask for it (:func:`policies.rtc.rtc_sample`)."""
+        """(normalised chunks [B, H, D], their Euler iterates [B, K + 1, H, D]) with real-time chunking on
+        the rows that ask for it: the executed prefix given clean for a policy trained so
+        (:func:`policies.rtc.inpaint_sample`), else RTC's guidance (:func:`policies.rtc.rtc_sample`)."""
         policy = self.policy
         if x0 is None:
             x0 = torch.randn(len(rtc), *policy.event_shape, device=policy.device)
         queued = [None if r is None else self._normalized(r.queued) for r in rtc]
+        k = self.num_steps or policy.num_inference_steps
+        velocity = observation_velocity(policy, obs)
+        if self.rtc_mode == "trained":
+            given = torch.zeros_like(x0)
+            delays = torch.zeros(len(rtc), dtype=torch.long, device=x0.device)
+            for i, (r, q) in enumerate(zip(rtc, queued, strict=True)):
+                if r is not None and q is not None:
+                    given[i, : len(q)], delays[i] = q, min(r.delay, len(q))
+            res = inpaint_sample(velocity, x0.float(), given, delays, k, return_iterates=True)
+            return res.actions, res.iterates
         guide = RTCGuide.build(
             queued,
             [None if r is None else r.delay for r in rtc],
@@ -216,8 +239,7 @@ class FlowPolicyModel:
             self.rtc_settings,
             policy.device,
         )
-        k = self.num_steps or policy.num_inference_steps
-        res = rtc_sample(observation_velocity(policy, obs), x0.float(), guide, k, return_iterates=True)
+        res = rtc_sample(velocity, x0.float(), guide, k, return_iterates=True)
         return res.actions, res.iterates
 
     def _normalized(self, queued: np.ndarray) -> torch.Tensor:
