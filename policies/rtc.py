@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
 from policies.flow_vla.conventions import VelocityFn
@@ -179,6 +180,45 @@ def rtc_sample(
     return euler_sample(guided_velocity(velocity_fn, guide), x0, num_steps, return_iterates=return_iterates)
 
 
+def sample_rtc(
+    policy: Any,
+    obs: Mapping[str, Any],
+    x0: Tensor,
+    requests: Sequence[tuple[int, np.ndarray] | None],
+    settings: RTCSettings,
+    num_steps: int | None = None,
+) -> SampleResult:
+    """One sample per observation of a flow policy (``policies.flow_policy.FlowPolicy``) from ``x0``
+    ``[B, H, D]``, with real-time chunking on the rows whose request is ``(delay, queued)`` (queued:
+    float32 [n, A] env-unit actions): the executed prefix given clean for a policy trained so
+    (``rtc_max_delay``, :func:`inpaint_sample`), else guided (:func:`rtc_sample`); rows with None are
+    sampled plainly. Iterates included (the server scores them)."""
+    k = num_steps or policy.num_inference_steps
+    h = policy.event_shape[0]
+    queued = [None if r is None else normalized_queue(policy, r[1]) for r in requests]
+    velocity = observation_velocity(policy, obs)
+    x0 = x0.float()
+    if getattr(policy, "rtc_max_delay", 0):
+        given = torch.zeros_like(x0)
+        delays = torch.zeros(len(requests), dtype=torch.long, device=x0.device)
+        for i, (r, q) in enumerate(zip(requests, queued, strict=True)):
+            if r is not None and q is not None:
+                given[i, : len(q)], delays[i] = q, min(r[0], len(q), h)
+        return inpaint_sample(velocity, x0, given, delays, k, return_iterates=True)
+    delays = [None if r is None else r[0] for r in requests]
+    guide = RTCGuide.build(queued, delays, policy.event_shape, settings, x0.device)
+    return rtc_sample(velocity, x0, guide, k, return_iterates=True)
+
+
+def normalized_queue(policy: Any, queued: np.ndarray) -> Tensor:
+    """Queued env-unit actions [n, A] in the policy's normalised space [min(n, H), D] (normalised as a
+    chunk: padded to H with the last action, the padding dropped)."""
+    h = policy.event_shape[0]
+    q = torch.from_numpy(np.array(queued[:h], np.float32)).to(policy.device)
+    padded = torch.cat([q, q[-1:].expand(h - len(q), -1)])
+    return policy.normalize_actions(padded[None])[0, : len(q)]
+
+
 # ------------------------------------------------------------------------------------ trained RTC
 def inpaint_sample(
     velocity_fn: PerActionVelocityFn,
@@ -217,4 +257,5 @@ __all__ = [
     "prefix_mask",
     "prefix_weights",
     "rtc_sample",
+    "sample_rtc",
 ]

@@ -19,7 +19,7 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
-from policies.rtc import RTCGuide, RTCSettings, inpaint_sample, observation_velocity, rtc_sample
+from policies.rtc import RTCSettings, sample_rtc
 from server.batching import BatchQueue, LatencyWindow, RTCReport, RTCRequest, _Pending, _Result
 from server.compiled import CompiledVelocity, batch_buckets, bucket_for, compile_options, velocity_owner
 from server.config import CompileMode
@@ -216,38 +216,13 @@ class FlowPolicyModel:
         self, obs: Mapping[str, Any], x0: torch.Tensor | None, rtc: list[RTCRequest | None]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(normalised chunks [B, H, D], their Euler iterates [B, K + 1, H, D]) with real-time chunking on
-        the rows that ask for it: the executed prefix given clean for a policy trained so
-        (:func:`policies.rtc.inpaint_sample`), else RTC's guidance (:func:`policies.rtc.rtc_sample`)."""
+        the rows that ask for it (:func:`policies.rtc.sample_rtc`: trained or guided)."""
         policy = self.policy
         if x0 is None:
             x0 = torch.randn(len(rtc), *policy.event_shape, device=policy.device)
-        queued = [None if r is None else self._normalized(r.queued) for r in rtc]
-        k = self.num_steps or policy.num_inference_steps
-        velocity = observation_velocity(policy, obs)
-        if self.rtc_mode == "trained":
-            given = torch.zeros_like(x0)
-            delays = torch.zeros(len(rtc), dtype=torch.long, device=x0.device)
-            for i, (r, q) in enumerate(zip(rtc, queued, strict=True)):
-                if r is not None and q is not None:
-                    given[i, : len(q)], delays[i] = q, min(r.delay, len(q))
-            res = inpaint_sample(velocity, x0.float(), given, delays, k, return_iterates=True)
-            return res.actions, res.iterates
-        guide = RTCGuide.build(
-            queued,
-            [None if r is None else r.delay for r in rtc],
-            policy.event_shape,
-            self.rtc_settings,
-            policy.device,
-        )
-        res = rtc_sample(velocity, x0.float(), guide, k, return_iterates=True)
+        requests = [None if r is None else (r.delay, r.queued) for r in rtc]
+        res = sample_rtc(policy, obs, x0, requests, self.rtc_settings, self.num_steps)
         return res.actions, res.iterates
-
-    def _normalized(self, queued: np.ndarray) -> torch.Tensor:
-        """Queued env-unit actions [n, A] in the model's space [n, D] (normalised as a chunk: padded to
-        H with the last action, the padding dropped)."""
-        q = torch.from_numpy(np.array(queued[: self.chunk_len], np.float32)).to(self.device)
-        padded = torch.cat([q, q[-1:].expand(self.chunk_len - len(q), -1)])
-        return self.policy.normalize_actions(padded[None])[0, : len(q)]
 
 
 class FlowVLAModel(FlowPolicyModel):
