@@ -3,6 +3,7 @@ the reply says how RTC shaped the chunk, and requests RTC cannot honour are refu
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 from test_server import SPEC, H, expected, make_checkpoint, make_obs, start_server
 from tolerances import RECOMPUTED_ATOL
-from vla_rl_client.action_queue import ActionQueue, QueuedPolicy, RTCOptions
+from vla_rl_client.action_queue import ActionQueue, AsyncQueuedPolicy, QueuedPolicy, RTCOptions
+from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import ActResult, PolicyClient, PolicyError, RTCInfo, RTCInput, Timing
 
 from policies.loading import load_policy
@@ -219,3 +221,43 @@ def test_fleet_sim_and_up_take_the_rtc_knob() -> None:
     for config in (FleetConfig, UpConfig):
         with pytest.raises(ValueError, match="rtc: expected one of"):
             config(rtc="sometimes")  # type: ignore[arg-type]
+
+
+def test_streams_carry_rtc_both_ways(server: PolicyServer) -> None:
+    rng = np.random.default_rng(5)
+    queued = queued_actions(rng, 3)
+    with PolicyClient(server.address, timeout_s=30, model_id="arm") as c, c.stream() as s:
+        res = s.act(make_obs(rng), seed=2, rtc=RTCInput(1, queued))
+    assert res.rtc is not None and (res.rtc.inference_delay, res.rtc.queued) == (1, 3)
+
+    async def main() -> Any:
+        async with AsyncPolicyClient(server.address, timeout_s=30, model_id="arm") as ac:
+            s = ac.stream()
+            try:
+                return await s.act(make_obs(rng), seed=2, rtc=RTCInput(2, queued))
+            finally:
+                await s.close()
+
+    res = asyncio.run(main())
+    assert res.rtc is not None and res.rtc.inference_delay == 2
+
+
+def test_the_async_queued_policy_sends_rtc_too() -> None:
+    sent: list[RTCInput | None] = []
+
+    async def fetch(obs: dict[str, Any], rtc: RTCInput | None = None) -> ActResult:
+        sent.append(rtc)
+        return fake_reply(np.full((4, 1), float(len(sent)), np.float32), rtc)
+
+    async def main() -> list[float]:
+        aq = AsyncQueuedPolicy(fetch, ActionQueue("average", 0.5), rtc=RTCOptions(delay_steps=2))
+        got = []
+        for _ in range(5):
+            got.append(float((await aq.act({}))[0]))
+            await asyncio.sleep(0.01)
+        await aq.close()
+        return got
+
+    got = asyncio.run(main())
+    assert sent[0] is None and sent[1] is not None and sent[1].delay == 2 and len(sent[1].queued) == 2
+    assert got[:3] == [1.0, 1.0, 1.0] and got[3] == 2.0  # the RTC chunk replaced the queue
