@@ -429,6 +429,7 @@ class ModelSlot:
         self.last_failed_commit = ""
         self.followed_ref = ""
         self.served = self.batches = self.dropped_expired = self.non_finite = 0
+        self.rtc_served = 0  # answers real-time chunking shaped
         self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
         self.load_lock = threading.Lock()  # one load per model at a time
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model_id}", daemon=True)
@@ -573,6 +574,7 @@ class ModelSlot:
             return
         self.batches += 1
         self.served += len(live)
+        self.rtc_served += sum(it.rtc is not None for it in live)
         for i, it in enumerate(live):
             if not finite[i]:  # never data: a non-finite chunk is an error reply
                 self.non_finite += 1

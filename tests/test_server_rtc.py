@@ -261,3 +261,36 @@ def test_the_async_queued_policy_sends_rtc_too() -> None:
     got = asyncio.run(main())
     assert sent[0] is None and sent[1] is not None and sent[1].delay == 2 and len(sent[1].queued) == 2
     assert got[:3] == [1.0, 1.0, 1.0] and got[3] == 2.0  # the RTC chunk replaced the queue
+
+
+def test_fleet_sim_robots_ask_for_rtc_when_it_is_on(tmp_path: Path) -> None:
+    from test_sim_fleet import TOKEN, task_spec, tiny_checkpoint
+
+    from fleet.collector import Collector, CollectorConfig
+    from sim.fleet_runner import FleetConfig, run_sim_fleet
+    from sim.operator import OperatorRules
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
+    srv = start_server({"push": ckpt}, token=None)
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
+    try:
+        cfg = FleetConfig(
+            progress=False,
+            robots=1,
+            server=srv.address,
+            collector=collector.address,
+            episodes=1,
+            max_episode_steps=12,
+            rules=OperatorRules(max_takeovers=0),  # the policy drives every step
+            collector_token=TOKEN,
+            rtc="on",
+        )
+        result = run_sim_fleet(cfg)
+        assert result.errors == [] and collector.drain(60)
+    finally:
+        collector.stop()
+        srv.stop()
+    slot = srv.slots["push"]
+    assert slot.rtc_served >= 1 and slot.rtc_served < slot.served  # every chunk but each episode's first
