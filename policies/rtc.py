@@ -16,7 +16,8 @@ velocity ``v = v(x_t, t)``, each Euler step uses
 * ``x̂1 = x_t + (1 - t) v``, the one-step estimate of the final chunk (paper eq. 3);
 * ``g = W ⊙ (Y - x̂1)``, the weighted inpainting error (eq. 2's ``(Y - x̂1)ᵀ diag(W)``);
 * ``β(t) = min(β_max, (1 - t) / (t r_t²))`` with ``r_t² = (1 - t)² / (t² + (1 - t)²)`` (eq. 4's guidance
-  weight, clipped at ``max_guidance_weight``; ``β_max`` at t = 0);
+  weight, clipped at ``max_guidance_weight``, and at the number of steps K: :func:`step_cap`; ``β_max``
+  at t = 0);
 * ``v_guided = v + β(t) g``.
 
 The paper multiplies ``g`` by the Jacobian ``∂x̂1 / ∂x_t`` (a vector-Jacobian product through the
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -176,8 +177,18 @@ def observation_velocity(policy: Any, obs: Mapping[str, Any]) -> VelocityFn:
 def rtc_sample(
     velocity_fn: VelocityFn, x0: Tensor, guide: RTCGuide, num_steps: int, *, return_iterates: bool = False
 ) -> SampleResult:
-    """The Euler ODE of :func:`policies.flow_vla.sampling.euler_sample` on :func:`guided_velocity`."""
-    return euler_sample(guided_velocity(velocity_fn, guide), x0, num_steps, return_iterates=return_iterates)
+    """The Euler ODE of :func:`policies.flow_vla.sampling.euler_sample` on :func:`guided_velocity`, its
+    guidance weight capped at :func:`step_cap` (``num_steps``)."""
+    capped = replace(guide, max_guidance_weight=step_cap(guide.max_guidance_weight, num_steps))
+    return euler_sample(guided_velocity(velocity_fn, capped), x0, num_steps, return_iterates=return_iterates)
+
+
+def step_cap(max_guidance_weight: float, num_steps: int) -> float:
+    """The guidance weight a K-step sampler uses: β_max, but at most K. One Euler step moves ``x̂1`` by
+    ``β / K`` of its distance to the queued actions (identity Jacobian), so β > K overshoots them (a
+    one-step policy with LeRobot's β = 10 would land 9 errors past them); at K >= β_max (LeRobot's
+    defaults: K = 10, β = 10) nothing changes."""
+    return float(min(max_guidance_weight, num_steps))
 
 
 def sample_rtc(
@@ -258,4 +269,5 @@ __all__ = [
     "prefix_weights",
     "rtc_sample",
     "sample_rtc",
+    "step_cap",
 ]

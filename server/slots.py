@@ -19,7 +19,7 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
-from policies.rtc import RTCSettings, sample_rtc
+from policies.rtc import RTCSettings, sample_rtc, step_cap
 from server.batching import BatchQueue, LatencyWindow, RTCReport, RTCRequest, _Pending, _Result
 from server.compiled import CompiledVelocity, batch_buckets, bucket_for, compile_options, velocity_owner
 from server.config import CompileMode
@@ -148,8 +148,8 @@ class FlowPolicyModel:
 
     @property
     def rtc_mode(self) -> str:
-        """ "trained" (the executed prefix given clean, as the policy trained) or "guided" (training-free
-        guidance over the contract's velocity, any flow policy)."""
+        """The real-time chunking it runs: trained (the executed prefix given clean, as the policy
+        trained) or guided (training-free guidance over the contract's velocity, any flow policy)."""
         return "trained" if self.rtc_max_delay else "guided"
 
     def rtc_report(self, req: RTCRequest) -> RTCReport:
@@ -158,8 +158,9 @@ class FlowPolicyModel:
         if self.rtc_mode == "trained":
             return RTCReport("trained", req.delay, queued)
         horizon = min(self.rtc_settings.execution_horizon or queued, queued)
+        k = self.num_steps or self.policy.num_inference_steps
         return RTCReport(
-            self.rtc_mode, req.delay, queued, horizon, float(self.rtc_settings.max_guidance_weight)
+            self.rtc_mode, req.delay, queued, horizon, step_cap(self.rtc_settings.max_guidance_weight, k)
         )
 
     def infer(

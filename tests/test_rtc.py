@@ -21,6 +21,7 @@ from policies.rtc import (
     inpaint_sample,
     prefix_weights,
     rtc_sample,
+    step_cap,
 )
 
 H, D, K = 10, 3, 8
@@ -57,7 +58,7 @@ def test_guidance_weight_is_the_papers() -> None:
 
 
 @pytest.mark.parametrize(
-    ("delay", "queued", "horizon", "max_w"), [(3, 8, 6, 10.0), (1, 10, None, 5.0), (4, 5, 8, 2.0)]
+    ("delay", "queued", "horizon", "max_w"), [(3, 8, 6, 8.0), (1, 10, None, 5.0), (4, 5, 8, 2.0)]
 )
 def test_guided_sampling_equals_lerobots_rtc_processor(
     delay: int, queued: int, horizon: int | None, max_w: float
@@ -134,3 +135,15 @@ def test_settings_are_validated_with_the_field_named() -> None:
         RTCSettings(max_guidance_weight=0.0)
     with pytest.raises(ValueError, match="schedule"):
         RTCSettings(schedule="cosine")  # type: ignore[arg-type]
+
+
+def test_the_guidance_weight_is_capped_at_the_step_count() -> None:
+    """One Euler step with LeRobot's beta = 10 would land 9 errors past the queued actions; capped at K = 1
+    the one step lands on them (weight 1 on the executed prefix)."""
+    v = toy_velocity(4)
+    x0 = torch.randn(1, H, D, generator=torch.Generator().manual_seed(10))
+    prev = torch.randn(H, D, generator=torch.Generator().manual_seed(11))
+    guide = RTCGuide.build([prev], [3], (H, D), RTCSettings(max_guidance_weight=10.0))
+    out = rtc_sample(v, x0, guide, 1).actions
+    torch.testing.assert_close(out[0, :3], prev[:3], atol=1e-5, rtol=1e-5)
+    assert step_cap(10.0, 1) == 1.0 and step_cap(10.0, 10) == 10.0 and step_cap(5.0, 8) == 5.0

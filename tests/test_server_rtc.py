@@ -75,7 +75,7 @@ def test_robots_with_and_without_rtc_share_a_batch(ckpt: Path) -> None:
     info = results[0].rtc
     assert info is not None
     assert (info.mode, info.inference_delay, info.queued, info.execution_horizon) == ("guided", 2, H, H)
-    assert info.max_guidance_weight == pytest.approx(5.0)
+    assert info.max_guidance_weight == pytest.approx(3.0)  # 5, capped at the checkpoint's 3 denoising steps
     ref.model.rtc_settings = type(ref.model.rtc_settings)(max_guidance_weight=5.0)  # type: ignore[attr-defined]
     cams = {k: v[None] for k, v in obs[0]["cameras"].items()}
     local, _ = ref.infer_scored(
