@@ -45,10 +45,14 @@ from torch import nn
 from vla_rl_client.spec import RobotSpec
 
 from policies.flow_vla import FlowSample, FlowVLAConfig, FlowVLAPolicy, PrefixCache, euler_sample
+from policies.flow_vla.conventions import VelocityFn
 from policies.flow_vla.sampling import check_num_steps, initial_noise
+from policies.rtc import RTCSettings, sample_rtc
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
 Tensor = torch.Tensor
+RTCRequest = tuple[int, np.ndarray] | None
+"""A row's real-time chunking: (inference delay, queued env-unit actions [n, A]); None = a plain row."""
 TrainableParts = Literal["expert", "full", "lora"]
 TRAINABLE_PARTS: tuple[str, ...] = get_args(TrainableParts)
 EXPERT_MODULES = ("expert.", "noise_head.", "advantage_embedding.")
@@ -255,6 +259,21 @@ def seeded_chunks(policy: Any, obs: dict[str, Any], seed: int, num_steps: int | 
     return chunks.float().cpu().numpy()
 
 
+@torch.no_grad()
+def seeded_rtc_chunks(
+    policy: FlowPolicy, obs: dict[str, Any], seed: int, num_steps: int | None, rtc: list[RTCRequest]
+) -> np.ndarray:
+    """:func:`seeded_chunks` of a flow policy with real-time chunking on the rows whose ``rtc`` is
+    ``(delay, queued env-unit actions [n, A])`` (None: plain), LeRobot's default settings
+    (:func:`policies.rtc.sample_rtc`): the same initial noise, so rows without RTC get the same chunks."""
+    gen = torch.Generator(device=policy.device).manual_seed(int(seed))
+    b = len(rtc)
+    x0 = initial_noise((b, *policy.event_shape), None, gen, policy.device, torch.float32)
+    batch = {"state": obs["state"], "cameras": obs.get("cameras", {}), "instruction": obs["instruction"]}
+    res = sample_rtc(policy, batch, x0, rtc, RTCSettings(), num_steps)
+    return policy.executable_actions(res.actions).float().cpu().numpy()
+
+
 @dataclass
 class FlowChunkPolicy:
     """A flow policy as evaluation's ``ChunkPolicy`` (:mod:`vla_rl.evaluation`): seeded initial noise,
@@ -268,8 +287,13 @@ class FlowChunkPolicy:
     def chunk_len(self) -> int:
         return self.policy.chunk_len
 
-    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-        """:func:`seeded_chunks`: the chunks a loaded checkpoint of this policy gives."""
+    def predict_chunks(
+        self, obs: dict[str, Any], seed: int, rtc: list[RTCRequest] | None = None
+    ) -> np.ndarray:
+        """:func:`seeded_chunks`: the chunks a loaded checkpoint of this policy gives (with ``rtc``:
+        :func:`seeded_rtc_chunks`)."""
+        if rtc is not None:
+            return seeded_rtc_chunks(self.policy, obs, seed, None, rtc)
         return seeded_chunks(self.policy, obs, seed, None)
 
 
@@ -311,6 +335,11 @@ class FlowVLAFlowPolicy(nn.Module):
         return self.model.config.num_inference_steps
 
     @property
+    def rtc_max_delay(self) -> int:
+        """The largest executed prefix the policy was trained to take given (0: not trained for RTC)."""
+        return self.model.config.rtc_max_delay
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -323,6 +352,16 @@ class FlowVLAFlowPolicy(nn.Module):
 
     def velocity(self, prefix: PrefixCache, x_t: Tensor, t: Tensor | float) -> Tensor:
         return self.model.velocity(prefix, x_t, t)  # type: ignore[return-value]
+
+    def observation_velocity(self, obs: Mapping[str, Any]) -> VelocityFn:
+        """``v(x, t)`` for ``obs`` as :meth:`sample` integrates it: classifier-free guidance between the
+        unconditioned and the positive prefix when the policy's guidance scale applies (RECAP)."""
+        guided = self.model._guided_prefixes(obs)
+        if guided is None:
+            prefix = self.encode_prefix(obs)
+            return lambda x, t: self.velocity(prefix, x, t)
+        uncond, cond, beta = *guided, self.model.config.guidance_scale
+        return lambda x, t: (1 - beta) * self.velocity(uncond, x, t) + beta * self.velocity(cond, x, t)
 
     def sample(
         self,

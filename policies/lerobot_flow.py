@@ -52,6 +52,7 @@ from policies.flow_policy import (
     masked_mean_per_sample,
 )
 from policies.flow_vla import FlowSample, from_openpi_time, to_openpi_time, velocity_from_openpi
+from policies.flow_vla.conventions import VelocityFn
 from policies.flow_vla.sampling import check_num_steps, initial_noise
 from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
 from policies.lerobot_local import copy_local_resources
@@ -343,6 +344,12 @@ class LeRobotFlowPolicy(nn.Module):
         tt = torch.as_tensor(t, device=x_t.device, dtype=torch.float32)
         tt = tt.expand(n) if tt.ndim == 0 else tt.reshape(n)
         return velocity_from_openpi(lambda x, s: self._denoise(prefix, x, s))(x_t.float(), tt)
+
+    def observation_velocity(self, obs: Mapping[str, Any]) -> VelocityFn:
+        """``v(x, t)`` for ``obs`` as :meth:`sample` integrates it (guided by :class:`GuidedPrefix` when
+        the policy's guidance scale applies)."""
+        prefix = self._guided(obs) or self.encode_prefix(obs)
+        return lambda x, t: self.velocity(prefix, x, t)
 
     def sample(
         self,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
-from policies.flow_policy import seeded_chunks
+from policies.flow_policy import FlowVLAFlowPolicy, RTCRequest, seeded_chunks, seeded_rtc_chunks
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, LoadLimits, load_checkpoint
 
@@ -203,8 +203,14 @@ class LoadedPolicy:
         """The checkpoint's task, which ``asked`` (a config's ``task``) must match when given."""
         return checkpoint_task(self.spec, asked)
 
-    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
-        """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise."""
+    def predict_chunks(
+        self, obs: dict[str, Any], seed: int, rtc: list[RTCRequest] | None = None
+    ) -> np.ndarray:
+        """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise; ``rtc``:
+        real-time chunking per row (:func:`policies.flow_policy.seeded_rtc_chunks`)."""
+        if rtc is not None:
+            contract = FlowVLAFlowPolicy.from_checkpoint(self.policy, self.info)
+            return seeded_rtc_chunks(contract, obs, seed, self.num_steps, rtc)
         return seeded_chunks(self.policy, obs, seed, self.num_steps)
 
 
@@ -351,12 +357,17 @@ class FlowCheckpoint:
     def is_lerobot(self) -> bool:
         return self.lerobot_type is not None
 
-    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+    def predict_chunks(
+        self, obs: dict[str, Any], seed: int, rtc: list[RTCRequest] | None = None
+    ) -> np.ndarray:
         """float32 [N, H, A] env-unit chunks for a batch of observations; seeded initial noise (our
-        checkpoints: the very chunks :meth:`LoadedPolicy.predict_chunks` gives), in eval mode."""
+        checkpoints: the very chunks :meth:`LoadedPolicy.predict_chunks` gives), in eval mode; ``rtc``:
+        real-time chunking per row (:func:`policies.flow_policy.seeded_rtc_chunks`)."""
         was_training = self.policy.training
         self.policy.train(False)
         try:
+            if rtc is not None:
+                return seeded_rtc_chunks(self.policy, obs, seed, self.num_steps, rtc)
             return seeded_chunks(self.policy, obs, seed, self.num_steps)
         finally:
             self.policy.train(was_training)
@@ -378,7 +389,6 @@ def load_flow_checkpoint(
 
 
 def _flow_checkpoint(path: Path, commit: str, ref: str, algorithm: str, device: str) -> FlowCheckpoint:
-    from policies.flow_policy import FlowVLAFlowPolicy
     from policies.lerobot_adapter import is_lerobot_folder
     from policies.lerobot_flow import LeRobotFlowPolicy
 

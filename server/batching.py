@@ -1,5 +1,5 @@
-"""Requests waiting for a batch (:class:`_Pending`), the bounded fair queue they wait in and how a batch is
-picked from it (:class:`BatchQueue`), what the batcher hands back (:class:`_Result`) and the latency window
+"""Requests waiting for a batch (:class:`_Pending`, with its :class:`RTCRequest`), the bounded fair queue
+they wait in and how a batch is picked from it (:class:`BatchQueue`), what the batcher hands back (:class:`_Result`) and the latency window
 GetInfo reports."""
 
 from __future__ import annotations
@@ -17,6 +17,26 @@ from server.config import DEFAULT_MAX_PEER_QUEUED
 from vla_rl.core.rpc import RequestError
 
 
+@dataclass(frozen=True)
+class RTCRequest:
+    """A request's real-time chunking: ``queued`` float32 [n, A] env-unit actions still queued for the
+    steps from its observation's on, ``delay`` of them executed before the reply arrives."""
+
+    delay: int
+    queued: np.ndarray
+
+
+@dataclass(frozen=True)
+class RTCReport:
+    """How real-time chunking shaped a reply (``ActResponse.rtc``)."""
+
+    mode: str  # "guided" or "trained"
+    delay: int
+    queued: int
+    execution_horizon: int = 0  # guided only
+    max_guidance_weight: float = 0.0  # guided only
+
+
 @dataclass
 class _Pending:
     """One decoded request waiting for its batch."""
@@ -29,6 +49,7 @@ class _Pending:
     deadline: float | None  # time.monotonic() after which nobody waits for the answer
     enqueued_ns: int
     peer: str = ""  # the connection it came on: one robot, for the adaptive batching wait
+    rtc: RTCRequest | None = None  # real-time chunking asked for (None: a plain chunk)
     future: concurrent.futures.Future[_Result] = field(default_factory=concurrent.futures.Future)
 
 
@@ -46,6 +67,7 @@ class _Result:
     prefix_us: int = 0  # of inference_us: the model's encode_prefix; 0 = the model does not split
     denoise_us: int = 0  # of inference_us: the rest of the forward; 0 = the model does not split
     done_ns: int = 0  # time.perf_counter_ns() when the result was handed over (the handler's wake-up starts)
+    rtc: RTCReport | None = None  # how real-time chunking shaped the chunk (None: it did not)
 
 
 class LatencyWindow:

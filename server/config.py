@@ -28,6 +28,7 @@ DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
 DEFAULT_MAX_NOISE_ABS = 10.0
 DEFAULT_MAX_STATE_ABS = 1e6
 DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_MAX_GUIDANCE_WEIGHT = 10.0  # policies.rtc.DEFAULT_MAX_GUIDANCE_WEIGHT (kept light: no torch here)
 MESSAGE_SLACK_BYTES = 64 * 1024  # a request's ids, instruction and framing: the least max_message_bytes
 FOLLOW_SELF = "self"
 CompileMode = Literal["off", "auto", "on"]
@@ -119,6 +120,13 @@ class ServerConfig:
     two up to --max-batch), compiled in the background after each load while eager serves: off; auto =
     compile on CUDA only; on = compile on any device, with CUDA graphs on CUDA. A failure to compile
     logs one warning and serves eager."""
+    rtc_execution_horizon: int | None = None
+    """Real-time chunking (requests that send an inference delay and their queued actions; docs/serving.md):
+    the action where guidance toward the queued actions fades to nothing (capped at the queued actions);
+    None = every queued action guides."""
+    rtc_max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT
+    """Real-time chunking: the cap of the guidance weight (the RTC paper's beta; LeRobot's default 10).
+    Larger follows the queued actions more tightly early in denoising."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "host", "model_id", "device"):
@@ -162,6 +170,9 @@ class ServerConfig:
             _integer("torch_threads", self.torch_threads, low=1)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile: expected one of {list(COMPILE_MODES)}, got {self.compile!r}")
+        if self.rtc_execution_horizon is not None:
+            _integer("rtc_execution_horizon", self.rtc_execution_horizon, low=1)
+        _number("rtc_max_guidance_weight", self.rtc_max_guidance_weight, low=0.0, strict=True, finite=True)
 
     def _check_tls(self) -> None:
         """TLS needs the certificate chain and its key together, each an existing file."""

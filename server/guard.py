@@ -16,7 +16,7 @@ from vla_rl_client.codec import decode_image, from_tensor
 from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 
-from server.batching import _Pending
+from server.batching import RTCRequest, _Pending
 from server.config import MESSAGE_SLACK_BYTES, ServerConfig
 from server.slots import ServedVersion
 
@@ -28,11 +28,12 @@ MAX_REQUEST_ID_CHARS = 200
 
 def request_bytes_for(spec: RobotSpec, noise_shape: tuple[int, int] | None) -> int:
     """The largest ActRequest a robot with ``spec`` needs to send: every camera raw (or encoded, up to 2x
-    raw for incompressible JPEG/PNG), the state, explicit noise, plus
-    :data:`~server.config.MESSAGE_SLACK_BYTES` (ids, instruction, framing)."""
+    raw for incompressible JPEG/PNG), the state, explicit noise, RTC's queued actions (a chunk of them),
+    plus :data:`~server.config.MESSAGE_SLACK_BYTES` (ids, instruction, framing)."""
     pixels = sum(c.height * c.width * 3 for c in spec.cameras)
     noise = 4 * noise_shape[0] * noise_shape[1] if noise_shape else 0
-    return 2 * pixels + 4 * spec.state_dim + noise + MESSAGE_SLACK_BYTES
+    queued = 4 * noise_shape[0] * spec.action_dim if noise_shape else 0
+    return 2 * pixels + 4 * spec.state_dim + noise + queued + MESSAGE_SLACK_BYTES
 
 
 class PeerSlots:
@@ -102,6 +103,7 @@ def decode_request(
         deadline=_deadline(time_remaining, req.timeout_ms),
         enqueued_ns=0,
         peer=peer,
+        rtc=_rtc(req, version, config.max_state_abs),
     )
 
 
@@ -148,6 +150,44 @@ def _noise(req: pb.ActRequest, version: ServedVersion, max_abs: float) -> np.nda
         raise SpecError("noise", "finite values", "NaN or inf")
     _within("noise", noise, max_abs, "standard-normal values", "max_noise_abs")
     return noise
+
+
+def _rtc(req: pb.ActRequest, version: ServedVersion, max_abs: float) -> RTCRequest | None:
+    """Real-time chunking asked for (None: not asked, or nothing queued yet): ``inference_delay`` in
+    [0, chunk_len) and within a trained checkpoint's maximum, ``queued_actions`` float32 [n, action_dim]
+    with 1 <= n <= chunk_len, finite, within +-``max_abs``; only for a model that runs RTC."""
+    has_queue = bool(req.queued_actions.dtype or req.queued_actions.shape or req.queued_actions.data)
+    if not req.HasField("inference_delay"):
+        if has_queue:
+            raise SpecError("inference_delay", "a delay (control steps) with queued_actions", "none")
+        return None
+    if not version.rtc_mode:
+        raise SpecError(
+            "inference_delay",
+            f"none: {version.model.policy_type} cannot run real-time chunking (GetInfo's rtc_mode is empty)",
+            f"{req.inference_delay}",
+        )
+    h, a, delay = version.chunk_len, version.action_dim, req.inference_delay
+    if delay >= h:
+        raise SpecError("inference_delay", f"control steps in [0, {h - 1}] (chunk_len {h})", f"{delay}")
+    bound = version.rtc_max_delay
+    if bound and delay > bound:
+        raise SpecError(
+            "inference_delay",
+            f"at most {bound}: commit {version.commit} was trained for real-time chunking with delays up to "
+            f"{bound} (rtc_max_delay)",
+            f"{delay}",
+        )
+    if not has_queue:
+        return None  # nothing queued (the first request): nothing to continue
+    dims = list(req.queued_actions.shape)
+    if len(dims) != 2 or not 1 <= dims[0] <= h or dims[1] != a:
+        raise SpecError("queued_actions", f"float32 [n, {a}] with 1 <= n <= {h} (chunk_len)", f"shape {dims}")
+    queued = from_tensor(req.queued_actions, "queued_actions", dtype="float32", shape=dims)
+    if not np.isfinite(queued).all():
+        raise SpecError("queued_actions", "finite values", "NaN or inf")
+    _within("queued_actions", queued, max_abs, "values", "max_state_abs")
+    return RTCRequest(int(delay), queued)
 
 
 def _within(name: str, x: np.ndarray, max_abs: float, what: str, knob: str) -> None:

@@ -55,6 +55,7 @@ from grpc_reflection.v1alpha import reflection
 from vla_rl_client.proto import policy_service_pb2 as pb
 
 from policies.loading import load_servable
+from policies.rtc import RTCSettings
 from server.batching import BatchQueue
 from server.config import ServerConfig
 from server.guard import MIN_DERIVED_MESSAGE_BYTES, PeerSlots, request_bytes_for
@@ -277,6 +278,10 @@ class PolicyServer:
                     f"checkpoint refused: its robot spec needs requests of up to {need} bytes, over the "
                     f"server's max_message_bytes ({self._message_limit}); restart with a larger limit",
                 )
+        if version.rtc_mode:
+            version.model.rtc_settings = RTCSettings(  # type: ignore[attr-defined]
+                self.config.rtc_execution_horizon, self.config.rtc_max_guidance_weight
+            )
         try:
             version.warm_up()
         except Exception as e:
@@ -333,6 +338,8 @@ class PolicyServer:
             latency_p50_ms=p50,
             latency_p99_ms=p99,
             requests_per_s=rate,
+            rtc_mode=v.rtc_mode,
+            rtc_max_delay=v.rtc_max_delay,
         )
 
     def swap_response(self, s: ModelSlot) -> pb.SwapResponse:

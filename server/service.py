@@ -120,6 +120,10 @@ class _Service(pb_grpc.PolicyServiceServicer):
         if res.uncertainty_kind:  # unset = not available (the field is optional)
             reply.uncertainty = res.uncertainty
             reply.uncertainty_kind = res.uncertainty_kind
+        if res.rtc is not None:  # unset = real-time chunking did not shape this chunk
+            r, out = res.rtc, reply.rtc
+            out.mode, out.inference_delay, out.queued = r.mode, r.delay, r.queued
+            out.execution_horizon, out.max_guidance_weight = r.execution_horizon, r.max_guidance_weight
         done = time.perf_counter_ns()
         total_us = (done - t0) // 1000
         slot.latency.add(total_us / 1000.0)

@@ -19,7 +19,8 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
-from server.batching import BatchQueue, LatencyWindow, _Pending, _Result
+from policies.rtc import RTCSettings, sample_rtc, step_cap
+from server.batching import BatchQueue, LatencyWindow, RTCReport, RTCRequest, _Pending, _Result
 from server.compiled import CompiledVelocity, batch_buckets, bucket_for, compile_options, velocity_owner
 from server.config import CompileMode
 from server.stage_timing import timed_prefix
@@ -83,6 +84,9 @@ class ServedModel(Protocol):
 
     # Optional: ``infer_scored(...) -> (actions [B, H, A], uncertainty float32 [B])`` from the same pass,
     # with ``uncertainty_kind`` naming the score. A model without it replies with no uncertainty.
+    # Optional: ``rtc_mode`` ("guided" / "trained"), ``rtc_report(RTCRequest) -> RTCReport`` and an
+    # ``rtc=`` argument of ``infer_scored``: the model runs real-time chunking (RTC requests are refused
+    # by a model without them).
 
 
 Batch = tuple[np.ndarray, Mapping[str, np.ndarray], list[str], np.ndarray | None]
@@ -106,6 +110,7 @@ class FlowPolicyModel:
     """
 
     uncertainty_kind = UNCERTAINTY_KIND
+    rtc_settings = RTCSettings()  # how guided RTC weighs queued actions (the server sets its config's)
 
     def __init__(
         self,
@@ -136,6 +141,28 @@ class FlowPolicyModel:
     device = property(lambda self: self.policy.device)
     noise_shape = property(lambda self: self.policy.event_shape)  # (H, D): the model's padded action dims
 
+    @property
+    def rtc_max_delay(self) -> int:
+        """A policy trained for real-time chunking: the largest delay it takes (0: not trained so)."""
+        return int(getattr(self.policy, "rtc_max_delay", 0))
+
+    @property
+    def rtc_mode(self) -> str:
+        """The real-time chunking it runs: trained (the executed prefix given clean, as the policy
+        trained) or guided (training-free guidance over the contract's velocity, any flow policy)."""
+        return "trained" if self.rtc_max_delay else "guided"
+
+    def rtc_report(self, req: RTCRequest) -> RTCReport:
+        """How :meth:`infer_scored` applied ``req`` (the settings it used, the horizon capped at the queue)."""
+        queued = min(len(req.queued), self.chunk_len)
+        if self.rtc_mode == "trained":
+            return RTCReport("trained", req.delay, queued)
+        horizon = min(self.rtc_settings.execution_horizon or queued, queued)
+        k = self.num_steps or self.policy.num_inference_steps
+        return RTCReport(
+            self.rtc_mode, req.delay, queued, horizon, step_cap(self.rtc_settings.max_guidance_weight, k)
+        )
+
     def infer(
         self,
         states: np.ndarray,
@@ -151,13 +178,15 @@ class FlowPolicyModel:
         cameras: Mapping[str, np.ndarray],
         instructions: list[str],
         noise: np.ndarray | None,
+        rtc: list[RTCRequest | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Env-unit chunks [B, H, A] and their ``accel`` uncertainty [B], from one ODE sample per row.
 
         The same computation as ``policy.predict_action_chunk`` (Euler ODE from ``noise``, then
         :meth:`~policies.flow_policy.FlowPolicy.executable_actions`), keeping the K + 1 Euler iterates the
         loop computes anyway: the score costs no forward pass, only a few vector norms over them. A
-        one-step head (FQL) has no velocity change to score: NaN.
+        one-step head (FQL) has no velocity change to score: NaN. Rows with an ``rtc`` request are
+        sampled with real-time chunking (:mod:`policies.rtc`), the others as without it, in one pass.
         """
         policy = self.policy
         device = policy.device
@@ -167,18 +196,34 @@ class FlowPolicyModel:
                 "cameras": {k: torch.from_numpy(v).to(device) for k, v in cameras.items()},
                 "instruction": instructions,
             }
-            s = policy.sample(
-                obs,
-                num_steps=self.num_steps,
-                noise=None if noise is None else torch.from_numpy(noise).to(device)[:, None],
-                return_iterates=True,
-            )
-            out = policy.executable_actions(s.actions[:, 0]).float().cpu().numpy()
-            if s.iterates is None or s.iterates.shape[2] < 3:  # accel needs two velocity steps
+            x0 = None if noise is None else torch.from_numpy(noise).to(device)
+            if rtc is not None and any(r is not None for r in rtc):
+                actions, iterates = self._sample_rtc(obs, x0, rtc)
+            else:
+                s = policy.sample(
+                    obs,
+                    num_steps=self.num_steps,
+                    noise=None if x0 is None else x0[:, None],
+                    return_iterates=True,
+                )
+                actions, iterates = s.actions[:, 0], None if s.iterates is None else s.iterates[:, 0]
+            out = policy.executable_actions(actions).float().cpu().numpy()
+            if iterates is None or iterates.shape[1] < 3:  # accel needs two velocity steps
                 return out, np.full(len(out), np.nan, np.float32)
-            robot_dims = s.iterates[:, 0, ..., : policy.action_dim].float()
-            score = accel_score(robot_dims, n_exec=policy.n_exec)
+            score = accel_score(iterates[..., : policy.action_dim].float(), n_exec=policy.n_exec)
             return out, score.float().cpu().numpy()
+
+    def _sample_rtc(
+        self, obs: Mapping[str, Any], x0: torch.Tensor | None, rtc: list[RTCRequest | None]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(normalised chunks [B, H, D], their Euler iterates [B, K + 1, H, D]) with real-time chunking on
+        the rows that ask for it (:func:`policies.rtc.sample_rtc`: trained or guided)."""
+        policy = self.policy
+        if x0 is None:
+            x0 = torch.randn(len(rtc), *policy.event_shape, device=policy.device)
+        requests = [None if r is None else (r.delay, r.queued) for r in rtc]
+        res = sample_rtc(policy, obs, x0, requests, self.rtc_settings, self.num_steps)
+        return res.actions, res.iterates
 
 
 class FlowVLAModel(FlowPolicyModel):
@@ -238,6 +283,16 @@ class ServedVersion:
     def noise_shape(self) -> tuple[int, int] | None:
         return self.model.noise_shape
 
+    @property
+    def rtc_mode(self) -> str:
+        """Real-time chunking this model runs: "guided", "trained", or "" (none: RTC requests refused)."""
+        return str(getattr(self.model, "rtc_mode", ""))
+
+    @property
+    def rtc_max_delay(self) -> int:
+        """The largest inference delay a checkpoint trained for RTC takes (0 = no bound but chunk_len)."""
+        return int(getattr(self.model, "rtc_max_delay", 0))
+
     def initial_noise(self, seed: int) -> np.ndarray | None:
         shape = self.noise_shape
         return None if shape is None else initial_noise(seed, *shape)
@@ -267,6 +322,7 @@ class ServedVersion:
         cameras: Mapping[str, np.ndarray],
         instructions: list[str],
         noise: np.ndarray | None,
+        rtc: list[RTCRequest | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`infer` plus each chunk's uncertainty (float32 [B], from the same pass); NaN when the
         model cannot score its chunks (a LeRobot ACT or Diffusion): the replies then carry no uncertainty.
@@ -278,18 +334,30 @@ class ServedVersion:
         bucket = None if compiled is None else bucket_for(n, compiled.buckets)
         if compiled is not None and bucket is not None and compiled.usable(bucket):
             padded = pad_batch(bucket, (states, cameras, instructions, noise))
+            rtc_rows = None if rtc is None else [*rtc, *[None] * (bucket - n)]
             try:
                 with compiled.active():
-                    actions, score = self._infer_scored_eager(padded)
+                    actions, score = self._infer_scored_eager(padded, rtc_rows)
                 return actions[:n], score[:n]
             except Exception as e:
                 compiled.disable(f"a compiled batch of {bucket} failed: {type(e).__name__}: {e}")
-        return self._infer_scored_eager((states, cameras, instructions, noise))
+        return self._infer_scored_eager((states, cameras, instructions, noise), rtc)
 
-    def _infer_scored_eager(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    def _infer_scored_eager(
+        self, batch: Batch, rtc: list[RTCRequest | None] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`infer_scored` on the calling thread's path (eager, or compiled inside ``active()``)."""
         states, cameras, instructions, noise = batch
         scorer = self._scorer()
+        if rtc is not None and any(r is not None for r in rtc):
+            if not self.rtc_mode or scorer is None:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"inference_delay: commit {self.commit} ({self.model.policy_type}) cannot run real-time "
+                    "chunking; send no inference_delay or queued_actions",
+                )
+            actions, score = scorer(states, cameras, instructions, noise, rtc=rtc)
+            return actions, np.asarray(score, np.float32).reshape(len(actions))
         if scorer is None:
             actions = self.infer(states, cameras, instructions, noise)
             return actions, np.full(len(actions), np.nan, np.float32)
@@ -367,6 +435,7 @@ class ModelSlot:
         self.last_failed_commit = ""
         self.followed_ref = ""
         self.served = self.batches = self.dropped_expired = self.non_finite = 0
+        self.rtc_served = 0  # answers real-time chunking shaped
         self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
         self.load_lock = threading.Lock()  # one load per model at a time
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model_id}", daemon=True)
@@ -483,8 +552,12 @@ class ModelSlot:
             states = np.stack([it.state for it in live]).astype(np.float32, copy=False)
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
             t0 = time.perf_counter_ns()
+            rtc = [it.rtc for it in live] if any(it.rtc is not None for it in live) else None
+            args = (states, cams, [it.instruction for it in live], noise)
             with timed_prefix(version.model) as prefix_clock:
-                actions, scores = version.infer_scored(states, cams, [it.instruction for it in live], noise)
+                actions, scores = (
+                    version.infer_scored(*args) if rtc is None else version.infer_scored(*args, rtc)
+                )
             infer_us = (time.perf_counter_ns() - t0) // 1000
             prefix_us, denoise_us = prefix_clock.split_us(infer_us)
             want = (len(live), version.chunk_len, version.action_dim)
@@ -507,6 +580,7 @@ class ModelSlot:
             return
         self.batches += 1
         self.served += len(live)
+        self.rtc_served += sum(it.rtc is not None for it in live)
         for i, it in enumerate(live):
             if not finite[i]:  # never data: a non-finite chunk is an error reply
                 self.non_finite += 1
@@ -532,5 +606,6 @@ class ModelSlot:
                     prefix_us=prefix_us,
                     denoise_us=denoise_us,
                     done_ns=time.perf_counter_ns(),
+                    rtc=None if it.rtc is None else version.model.rtc_report(it.rtc),  # type: ignore[attr-defined]
                 )
             )

@@ -40,6 +40,7 @@ class SimRobotConfig:
     record_path: str | None = None
     torch_free: bool = True
     first_episode: int = 0  # a replaced robot (Ray) starts again at the episode it was in
+    rtc: str = "off"  # real-time chunking: FleetConfig.rtc
 
 
 @dataclass
@@ -65,6 +66,16 @@ def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> N
     segments.append({"start": t, "kind": kind, "controller": ctrl, "reason": ev.reason})
 
 
+def fleet_rtc(mode: str, server_rtc: str) -> bool:
+    """Whether a simulated robot asks for real-time chunking (``FleetConfig.rtc``). It waits for each chunk
+    (the simulation stands still meanwhile), so there is no inference delay to hide: ``auto`` is off, and
+    ``on`` guides each chunk toward what is left of the previous one (delay 0). ``on`` with a model that
+    cannot (``server_rtc`` "", GetInfo's rtc_mode) raises ValueError naming the field."""
+    from vla_rl_client.action_queue import RTCOptions
+
+    return RTCOptions(mode, 0 if mode == "on" else None, server_rtc=server_rtc).enabled  # type: ignore[arg-type]
+
+
 def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
     """Process entry point: run episodes through the policy server, stream them, report each episode."""
     leave_realtime(f"sim robot {cfg.robot_id}")
@@ -83,7 +94,7 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any)
 def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
     from vla_rl_client.frame import Frame
     from vla_rl_client.meta import new_episode_id
-    from vla_rl_client.policy_client import PolicyClient
+    from vla_rl_client.policy_client import PolicyClient, RTCInput
     from vla_rl_client.robot_client import RobotClient
 
     from sim.registry import make_env
@@ -93,6 +104,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
     operator = SimulatedOperator(env.task, rules, desk)
     policy = PolicyClient(cfg.server, timeout_s=30.0, model_id=cfg.model_id)
     stream = policy.stream()
+    rtc_on = cfg.rtc == "on" and fleet_rtc(cfg.rtc, next(iter(policy.info(cfg.model_id).values())).rtc_mode)
     client = RobotClient(cfg.collector, cfg.robot_id, env.spec, env.task, token=cfg.token)
     # Frames only: the fleet's driver writes the episode lines from the reports (see run_sim_fleet).
     record = RobotRecord(cfg.record_path, flush_frames=True)
@@ -118,9 +130,11 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                     _switch(client, segments, ev, t)
                     chunk = None
                 if not operator.driving and (chunk is None or k >= n_exec):
+                    rest = None if chunk is None or not rtc_on else chunk[k:]
                     res = stream.act(
                         {"state": obs["state"], "cameras": obs["cameras"], "instruction": obs["instruction"]},
                         seed=seed * 1000 + t,
+                        rtc=None if rest is None or not len(rest) else RTCInput(0, rest),
                     )
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
                     score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import tyro
+from vla_rl_client.action_queue import RTC_MODES, RTCMode
 
 from sim.fleet_ray import RayFleet
 from sim.fleet_records import RobotRecord
@@ -86,11 +87,17 @@ class FleetConfig:
     """With --ray: how many times each robot's actor is replaced before the fleet gives up on it."""
     progress: bool = True
     """Show a progress bar."""
+    rtc: RTCMode = "auto"
+    """Real-time chunking (docs/serving.md). A simulated robot waits for each chunk, so there is no
+    inference delay to hide: auto = off; on = each chunk is guided toward the unexecuted rest of the
+    previous one (delay 0), refused when the served model cannot (GetInfo rtc_mode)."""
 
     def __post_init__(self) -> None:
         from sim.ray_workers import check_ray_address
 
         self.ray = check_ray_address(self.ray)
+        if self.rtc not in RTC_MODES:
+            raise ValueError(f"rtc: expected one of {list(RTC_MODES)}, got {self.rtc!r}")
         if self.ray_max_restarts < 0:
             raise ValueError(f"ray_max_restarts: expected >= 0, got {self.ray_max_restarts}")
         if not 0.0 <= self.canary_share < 1.0:
@@ -210,6 +217,7 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
                 token=cfg.collector_token,
                 model_id=cfg.canary_model_id if i < cfg.canary_robots else model_id,
                 record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
+                rtc=cfg.rtc,
             )
         )
     procs: list[Any] = []

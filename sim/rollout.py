@@ -293,3 +293,26 @@ class SeededChunkProposer:
         chunks = self.predict_chunks(obs, self.seed * 1000 + self.calls)
         self.calls += 1
         return chunks
+
+
+class RTCChunkProposer(SeededChunkProposer):
+    """:class:`SeededChunkProposer` with real-time chunking: within an episode, each robot's chunk is made to
+    continue the unexecuted rest of its previous one (delay 0: the rollout waits for its chunks), through
+    ``predict_chunks(obs, seed, rtc)`` with ``rtc`` one ``(delay, queued actions [n, A])`` or None per robot.
+    ``rollout`` (set once it exists) says which robots are at an episode's first step (nothing to continue)."""
+
+    def __init__(self, predict_chunks: Callable[..., np.ndarray], seed: int, n_exec: int) -> None:
+        super().__init__(predict_chunks, seed)
+        self.n_exec = n_exec
+        self.rollout: ChunkRollout | None = None
+        self._rest: dict[int, np.ndarray] = {}
+
+    def __call__(self, robots: list[int], obs: Obs) -> np.ndarray:
+        steps = self.rollout.episode_steps if self.rollout is not None else np.zeros(max(robots) + 1)
+        rest = [self._rest.get(i) if steps[i] > 0 else None for i in robots]
+        rtc = [None if r is None or not len(r) else (0, r) for r in rest]
+        chunks = np.asarray(self.predict_chunks(obs, self.seed * 1000 + self.calls, rtc))
+        self.calls += 1
+        for j, i in enumerate(robots):
+            self._rest[i] = chunks[j, self.n_exec :].astype(np.float32)
+        return chunks

@@ -342,3 +342,16 @@ def test_cli_serve_picks_the_lerobot_adapter(
     with PolicyClient(address, timeout_s=2.0) as c:
         assert c.info()["default"].policy_type == "lerobot/act"
         assert c.act(make_obs(np.random.default_rng(6)), timeout_s=30).actions.shape == (6, 3)
+
+
+def test_rtc_is_refused_for_a_policy_that_cannot_run_it(server: PolicyServer) -> None:
+    """ACT and Diffusion are not flow policies: GetInfo's rtc_mode is empty and a request with an inference
+    delay is refused naming the field (the robot falls back to its merges)."""
+    from vla_rl_client.policy_client import RTCInput
+
+    obs = make_obs(np.random.default_rng(5))
+    with PolicyClient(server.address, timeout_s=30, backoff=None) as c:
+        assert {m: i.rtc_mode for m, i in c.info().items()} == {"act": "", "diffusion": ""}
+        with pytest.raises(PolicyError, match=r"inference_delay.*cannot run real-time chunking") as err:
+            c.act(obs, model_id="act", rtc=RTCInput(1, np.zeros((2, 3), np.float32)))
+        assert err.value.code == SC.INVALID_ARGUMENT

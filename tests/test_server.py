@@ -41,7 +41,8 @@ H, A = 4, 3
 SC = grpc.StatusCode
 
 
-def make_checkpoint(folder: Path, seed: int, spec: RobotSpec = SPEC) -> Path:
+def make_checkpoint(folder: Path, seed: int, spec: RobotSpec = SPEC, **model: Any) -> Path:
+    """A tiny FlowVLA checkpoint (``model``: more FlowVLAConfig fields)."""
     cfg = FlowVLAConfig.from_robot_spec(
         spec,
         d_model=32,
@@ -54,6 +55,7 @@ def make_checkpoint(folder: Path, seed: int, spec: RobotSpec = SPEC) -> Path:
         num_inference_steps=3,
         image_encoder_width=8,
         image_encoder_stages=2,
+        **model,
     )
     torch.manual_seed(seed)
     policy = FlowVLAPolicy(cfg)

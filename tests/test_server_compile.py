@@ -267,3 +267,20 @@ def test_a_served_chunk_from_the_compiled_path_equals_the_eager_one(ckpt: Path) 
     )
     np.testing.assert_allclose(early.actions, want[0], rtol=RECOMPUTED_RTOL, atol=RECOMPUTED_ATOL)
     np.testing.assert_allclose(late.actions, want[0], rtol=RECOMPUTED_RTOL, atol=RECOMPUTED_ATOL)
+
+
+def test_rtc_rows_run_the_compiled_step_in_their_padded_bucket(ckpt: Path) -> None:
+    """A batch mixing RTC and plain rows runs the warm graph of its bucket (the padding rows plain) and
+    gives what eager gives."""
+    from server.batching import RTCRequest
+
+    version, reference, calls = load(ckpt), load(ckpt), []
+    compiled = version.start_compiled("on", 4, compiler=counting_compiler(calls))
+    assert compiled is not None and compiled.join(60)
+    calls.clear()
+    queued = np.random.default_rng(1).uniform(-0.5, 0.5, (4, 3)).astype(np.float32)
+    rtc = [RTCRequest(1, queued), None, RTCRequest(2, queued[:3])]
+    got = version.infer_scored(*batch(3), rtc)
+    assert calls == [4] * 3  # 3 rows padded to the bucket of 4, three denoising steps
+    assert_same_chunks(got, reference.infer_scored(*batch(3), rtc))
+    assert not np.allclose(got[0][0], reference.infer_scored(*batch(3))[0][0], atol=1e-3)  # RTC applied

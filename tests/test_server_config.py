@@ -112,6 +112,8 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         cache_dir=tmp_path / "cache",
         torch_threads=2,
         compile="auto",
+        rtc_execution_horizon=6,
+        rtc_max_guidance_weight=5.0,
     )
     defaults = ServerConfig(checkpoint="other")
     changed = {f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(defaults, f.name)}

@@ -364,7 +364,8 @@ def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFix
 # ------------------------------------------------------------------------------------- 4. resource limits
 def test_message_limit_is_derived_from_the_spec(ckpts: dict[str, Path], server: PolicyServer) -> None:
     big = RobotSpec("arm", 7, 7, 10.0, "x", cameras=(CameraSpec("a", 480, 640), CameraSpec("b", 480, 640)))
-    assert request_bytes_for(big, (50, 7)) == 2 * 2 * 480 * 640 * 3 + 28 + 1400 + 64 * 1024
+    # cameras (2x raw), state, noise [50, 7], RTC's queued actions [50, 7 robot dims], slack
+    assert request_bytes_for(big, (50, 7)) == 2 * 2 * 480 * 640 * 3 + 28 + 1400 + 1400 + 64 * 1024
     assert server._message_limit == 1024 * 1024  # tiny spec: the 1 MiB floor
     with grpc.insecure_channel(server.address) as ch:
         act = pb_grpc.PolicyServiceStub(ch).Act

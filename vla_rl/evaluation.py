@@ -8,6 +8,7 @@ like with like.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 from vla_rl_client.spec import RobotSpec
 
-from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
+from sim.rollout import ChunkRollout, EpisodeRecord, RTCChunkProposer, SeededChunkProposer
 from sim.vector import VectorSimEnv
 from vla_rl.core.seeds import EVAL
 from vla_rl.train.base import StepProgress
@@ -79,6 +80,19 @@ class EvalResult:
         )
 
 
+def _proposer(policy: ChunkPolicy, seed: int, n_exec: int, rtc: str) -> SeededChunkProposer:
+    """The rollout's proposer for evaluate's ``rtc`` (checked here, before any simulator starts)."""
+    if rtc not in ("auto", "on", "off"):
+        raise ValueError(f"rtc: expected one of ['auto', 'on', 'off'], got {rtc!r}")
+    if rtc != "on":
+        return SeededChunkProposer(policy.predict_chunks, seed)
+    if "rtc" not in inspect.signature(policy.predict_chunks).parameters:
+        raise ValueError(
+            f"rtc: 'on' but {type(policy).__name__} cannot run real-time chunking; use auto or off"
+        )
+    return RTCChunkProposer(policy.predict_chunks, seed, n_exec)
+
+
 def _save_video(frames: list[np.ndarray], path: Path, fps: float) -> Path:
     import imageio.v3 as iio
 
@@ -103,17 +117,22 @@ def evaluate(
     max_episode_steps: int | None = None,
     progress: bool = True,
     ray: str | None = None,
+    rtc: str = "auto",
 ) -> EvalResult:
     """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
 
     ``n_exec`` defaults to half the chunk (receding horizon). The default seed is far from the
     demonstration seeds (which start at 0) so training episodes are not re-used as tests. ``ray``
     (``auto`` or a cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`) instead of
-    local processes: the same seeds give the same episodes.
+    local processes: the same seeds give the same episodes. ``rtc`` (``auto|on|off``): real-time
+    chunking; the rollout waits for every chunk (no inference delay to hide), so ``auto`` is off and
+    ``on`` makes each chunk continue the unexecuted rest of the robot's previous one
+    (:class:`sim.rollout.RTCChunkProposer`; a policy whose ``predict_chunks`` takes no ``rtc`` is refused).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     n_exec = n_exec or max(1, policy.chunk_len // 2)
+    proposer = _proposer(policy, seed, n_exec, rtc)
     if not 1 <= n_exec <= policy.chunk_len:
         raise ValueError(f"n_exec: expected 1..{policy.chunk_len} (the chunk length), got {n_exec}")
     spec = policy.spec
@@ -152,13 +171,9 @@ def evaluate(
             bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
 
     try:
-        rollout = ChunkRollout(
-            env,
-            SeededChunkProposer(policy.predict_chunks, seed),
-            n_exec,
-            reward_key="dense_reward",
-            on_episode=episode_ended,
-        )
+        rollout = ChunkRollout(env, proposer, n_exec, reward_key="dense_reward", on_episode=episode_ended)
+        if isinstance(proposer, RTCChunkProposer):
+            proposer.rollout = rollout
         while len(results) < episodes:
             if video_seeds & set(rollout.seeds):
                 views = env.render()

@@ -141,6 +141,13 @@ class FlowVLAConfig:
     """CFG weight β at inference: v = (1 - β) v_uncond + β v_positive. 1 = just condition on positive
     (one pass); > 1 sharpens towards better-than-average actions (two prefix passes)."""
 
+    # ---------------------------------------------------------------- real-time chunking (trained)
+    rtc_max_delay: int = 0
+    """Training-time real-time chunking: each training chunk's first d ~ U{0..rtc_max_delay} actions are
+    given clean (flow time 1 per action) and the loss is on the rest, so at inference the server feeds
+    the actions a robot executes meanwhile as that prefix (policies/rtc.py, ``inpaint_sample``) and
+    refuses larger delays. 0 = off (guided RTC serves this policy training-free)."""
+
     # ---------------------------------------------------------------- normalisation
     action_norm: ActionNorm = "min_max"
     """'min_max': each action dim's [min, max] maps to [-1, 1] (the robot-spec contract, and the range
@@ -226,6 +233,13 @@ class FlowVLAConfig:
                 "advantage_conditioning", f"must be a bool, got {self.advantage_conditioning!r}"
             )
         _number_in(self, "guidance_scale", 0.0, math.inf)
+        if isinstance(self.rtc_max_delay, bool) or not isinstance(self.rtc_max_delay, int):
+            raise ConfigError("rtc_max_delay", f"must be an int, got {self.rtc_max_delay!r}")
+        if not 0 <= self.rtc_max_delay < self.chunk_len:
+            raise ConfigError(
+                "rtc_max_delay",
+                f"must be in [0, chunk_len - 1 = {self.chunk_len - 1}], got {self.rtc_max_delay}",
+            )
         if self.action_norm not in ACTION_NORM_MODES:
             raise ConfigError("action_norm", f"must be one of {ACTION_NORM_MODES}, got {self.action_norm!r}")
         if self.normalization_stats is not None:

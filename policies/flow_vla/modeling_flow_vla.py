@@ -60,6 +60,8 @@ from .sampling import (
     initial_noise,
     learnable_noise_sample,
     noise_kernel,
+    per_action_time,
+    prefix_mask,
     sde_kernel,
     sde_sample,
 )
@@ -241,11 +243,15 @@ class ActionExpert(nn.Module):
         return tuple(p(prefix_tokens) for p in self.prefix_kv)
 
     def forward(self, kv: Sequence[tuple[Tensor, Tensor]], x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        """``x_t [N, H, A], t [N] -> (velocity [N, H, A], hidden [N, H, D])``."""
+        """``x_t [N, H, A], t [N] (or [N, H]: one flow time per action) -> (velocity [N, H, A],
+        hidden [N, H, D])``."""
         c = self.cfg
-        temb = sincos_time_embedding(t, c.d_model, c.time_min_period, c.time_max_period).to(x_t.dtype)
+        flat = t.reshape(-1)
+        temb = sincos_time_embedding(flat, c.d_model, c.time_min_period, c.time_max_period).to(x_t.dtype)
         a = self.action_in(x_t)
-        h = self.time_mlp(torch.cat([a, temb[:, None, :].expand_as(a)], dim=-1)) + self.pos
+        temb = temb.view(*t.shape, -1)
+        temb = temb[:, None, :].expand_as(a) if t.ndim == 1 else temb
+        h = self.time_mlp(torch.cat([a, temb], dim=-1)) + self.pos
         for blk, layer_kv in zip(self.blocks, kv, strict=True):
             h = blk(h, layer_kv)
         h = self.norm_out(h)
@@ -415,7 +421,8 @@ class FlowVLAPolicy(nn.Module):
         """Flow velocity (our convention, normalised actions) ``[N, H, A]`` for ``x_t [N, H, A]``.
 
         ``N`` may be a multiple of the prefix batch (rows ``b*m .. b*m + m - 1`` belong to
-        observation b): the cached prefix is repeated, never recomputed. ``t``: float, 0-d or ``[N]``.
+        observation b): the cached prefix is repeated, never recomputed. ``t``: float, 0-d, ``[N]`` or
+        ``[N, H]`` (one flow time per action: trained real-time chunking's clean prefix at t = 1).
         """
         n = x_t.shape[0]
         if n != prefix.batch_size:
@@ -497,7 +504,10 @@ class FlowVLAPolicy(nn.Module):
         x1 = self.normalizer.normalize_action(actions)
         x0 = torch.randn_like(x1) if noise is None else noise.to(x1)
         t = self.sample_time(b) if time is None else torch.as_tensor(time, device=x1.device, dtype=x1.dtype)
-        tt = t.view(-1, 1, 1)
+        given = self._rtc_prefix(b, x1.device)  # trained RTC: the executed prefix, given clean
+        if given is not None:
+            t = per_action_time(t, given)
+        tt = t.view(b, -1, 1)
         x_t = (1.0 - tt) * x0 + tt * x1
         target = x1 - x0
         prefix = self.encode_prefix(batch, augment=self.training and c.image_augment_pad > 0)
@@ -508,7 +518,17 @@ class FlowVLAPolicy(nn.Module):
             valid = (~pad).to(err.dtype)[..., None].expand_as(err)
         else:
             valid = torch.ones_like(err)
+        if given is not None:  # no loss on the given prefix: it is an input
+            valid = valid * (~given).to(err.dtype)[..., None]
         return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0), valid
+
+    def _rtc_prefix(self, b: int, device: torch.device) -> Tensor | None:
+        """``[B, H]`` bool, each sample's first d ~ U{0..rtc_max_delay} actions (trained real-time
+        chunking); None when the policy does not train for it."""
+        if not self.config.rtc_max_delay:
+            return None
+        delays = torch.randint(0, self.config.rtc_max_delay + 1, (b,), device=device)
+        return prefix_mask(delays, self.config.chunk_len)
 
     # ------------------------------------------------------------------ sampling
     def sample(

@@ -310,6 +310,17 @@ def _randn(shape: torch.Size, generator: torch.Generator | None, like: Tensor) -
     return torch.randn(shape, generator=generator, device=device, dtype=like.dtype).to(like.device)
 
 
+# ---------------------------------------------------------------------- per-action times
+def prefix_mask(delays: Tensor, chunk_len: int) -> Tensor:
+    """``[N, H]`` bool: True on each row's first ``delays[i]`` actions (the executed prefix)."""
+    return torch.arange(chunk_len, device=delays.device)[None, :] < delays[:, None]
+
+
+def per_action_time(t: Tensor, given: Tensor) -> Tensor:
+    """``[N, H]`` flow times: 1 (clean data) on the ``given`` actions, the row's ``t`` ``[N]`` elsewhere."""
+    return torch.where(given, torch.ones_like(given, dtype=t.dtype), t[:, None].expand(given.shape))
+
+
 # ---------------------------------------------------------------------- public samplers
 def euler_sample(
     velocity_fn: VelocityFn, x0: Tensor, num_steps: int, *, return_iterates: bool = False

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tyro.conf import Positional
 
@@ -452,6 +452,9 @@ class Eval:
     inference several times slower)."""
     progress: bool = True
     """Show a progress bar."""
+    rtc: Literal["auto", "on", "off"] = "auto"
+    """Real-time chunking (docs/serving.md). The rollout waits for each chunk (no inference delay to
+    hide), so auto = off; on = each chunk continues the unexecuted rest of the robot's previous one."""
 
     def __post_init__(self) -> None:
         from sim.ray_workers import check_ray_address
@@ -507,6 +510,7 @@ def eval_(a: Eval) -> int:
             num_videos=a.videos,
             progress=a.progress,
             ray=a.ray,
+            rtc=a.rtc,
         )
     print(result.summary())
     out = {"checkpoint": a.checkpoint, "commit": lp.commit, **result.to_dict()}

@@ -116,6 +116,11 @@ class SFTConfig(TrainerConfig):
     """Keep the resnet18 backbone frozen (train only its projection) instead of fine-tuning it."""
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Any other FlowVLAConfig field, e.g. {"image_encoder_width": 16}."""
+    rtc_max_delay: int = 0
+    """Training-time real-time chunking (docs/serving.md): each chunk's first d ~ U{0..rtc_max_delay}
+    actions are given clean and the loss is on the rest; saved in the checkpoint, whose server then feeds
+    a robot's executed actions as that prefix and refuses larger delays. 0 = off. FlowVLA only (from
+    scratch, or continuing a FlowVLA base)."""
 
     # optimisation
     steps: int = 3000
@@ -144,6 +149,13 @@ class SFTConfig(TrainerConfig):
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.n_exec > self.chunk_len:
             raise ValueError(f"n_exec: expected <= chunk_len ({self.chunk_len}), got {self.n_exec}")
+        if isinstance(self.rtc_max_delay, bool) or not isinstance(self.rtc_max_delay, int):
+            raise ValueError(f"rtc_max_delay: expected an integer, got {self.rtc_max_delay!r}")
+        if self.rtc_max_delay < 0 or (self.init == "scratch" and self.rtc_max_delay >= self.chunk_len):
+            raise ValueError(
+                f"rtc_max_delay: expected 0 (off) up to chunk_len - 1 ({self.chunk_len - 1}) actions, "
+                f"got {self.rtc_max_delay}"
+            )
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
         if self.lr <= 0:
@@ -236,6 +248,8 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
     if base is not None:
         _check_data_fits(base, ds)
         policy: FlowPolicy = base.policy
+        if cfg.rtc_max_delay:
+            train_with_rtc(policy, cfg.rtc_max_delay)
         params = trainable_parameters(cfg, policy)
     else:
         policy = _new_policy(cfg, ds)
@@ -344,6 +358,23 @@ def _new_policy(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAFlowPolicy:
     return FlowVLAFlowPolicy(model, ds.spec)
 
 
+def train_with_rtc(policy: FlowPolicy, max_delay: int) -> None:
+    """Make a base train (and be saved) with training-time RTC up to ``max_delay`` actions; ValueError
+    naming ``rtc_max_delay`` for a policy that cannot (a LeRobot VLA: its action expert would need
+    per-action flow times, not wired yet) or a delay of a whole chunk or more."""
+    if not isinstance(policy, FlowVLAFlowPolicy):
+        raise ValueError(
+            f"rtc_max_delay: training-time RTC needs per-action flow times, which only FlowVLA has here "
+            f"({type(policy).__name__} does not); train without it and serve guided RTC"
+        )
+    config = policy.model.config
+    if max_delay >= config.chunk_len:
+        raise ValueError(
+            f"rtc_max_delay: expected at most chunk_len - 1 ({config.chunk_len - 1}), got {max_delay}"
+        )
+    config.rtc_max_delay = max_delay
+
+
 def _check_data_fits(base: FlowCheckpoint, ds: ChunkDataset) -> None:
     """The episodes are of the robot the base acts for (state, action and cameras), or a ValueError."""
     have, want = ds.spec, base.spec
@@ -386,6 +417,7 @@ def _model_config(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAConfig:
         "image_encoder_weights": cfg.image_encoder_weights,
         "freeze_image_encoder": cfg.freeze_image_encoder,
         "normalization_stats": stats,
+        "rtc_max_delay": cfg.rtc_max_delay,
     }
     return FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
+RTCMode = Literal["auto", "on", "off"]  # vla_rl_client.action_queue.RTC_MODES (kept light: no grpc here)
 IMAGE_MULTIPLE = 32
 """A LeRobot policy's ``image_size`` is a multiple of this: 16 px patches, then SmolVLM's 2 x 2 pixel shuffle."""
 
@@ -28,6 +30,9 @@ class UpConfig:
     """Simulated robots (one process each)."""
     operators: int = 1
     """Robots the simulated operator can drive at once."""
+    rtc: RTCMode = "auto"
+    """The fleet's real-time chunking (`vla-rl fleet sim --rtc`): auto = off for simulated robots (they wait
+    for each chunk: no inference delay to hide); on = each chunk guided toward the rest of the previous."""
     rounds: int = 3
     """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
     episodes: int = 10
@@ -89,6 +94,8 @@ class UpConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.rtc not in get_args(RTCMode):
+            raise ValueError(f"rtc: expected one of {list(get_args(RTCMode))}, got {self.rtc!r}")
         if not 0.0 < self.gate_alpha <= 1.0:
             raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
         if self.report_episodes < 0:

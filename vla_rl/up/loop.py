@@ -144,6 +144,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                     collector=f"127.0.0.1:{ports.collector}",
                     seed=ONLINE + cfg.seed * 1_000_000 + n * 10_000,
                     progress=False,
+                    rtc=cfg.rtc,
                 )
                 sup.run(
                     "fleet",

@@ -19,6 +19,14 @@ numpy and no LeRobot import, for our client (sync or asyncio):
 :class:`ActionQueue` is the bookkeeping alone; :class:`QueuedPolicy` (threads) and
 :class:`AsyncQueuedPolicy` (asyncio) drive it with any ``fetch(obs) -> ActResult``, e.g.
 ``client.act`` or ``client.stream().act``.
+
+**Real-time chunking** (:class:`RTCOptions`, docs/serving.md): instead of blending overlapping chunks
+after the fact, each request carries the actions still queued and the inference delay ``d`` (control
+steps, given or estimated from the measured round trips and the control period), and the server makes
+the new chunk continue them; a chunk the server made so replaces the queue from its first unexecuted
+step (no blending). On by default where the delay is known and the server runs RTC (``mode="auto"``);
+``fetch`` is then called as ``fetch(obs, rtc=RTCInput(...))`` (``client.act`` and ``stream().act``
+take it).
 """
 
 from __future__ import annotations
@@ -26,15 +34,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-from vla_rl_client.policy_client import ActResult
+from vla_rl_client.policy_client import ActResult, RTCInput
 
-__all__ = ["AGGREGATES", "ActionQueue", "AsyncQueuedPolicy", "QueueStats", "QueuedPolicy"]
+__all__ = [
+    "AGGREGATES",
+    "RTC_MODES",
+    "ActionQueue",
+    "AsyncQueuedPolicy",
+    "QueueStats",
+    "QueuedPolicy",
+    "RTCOptions",
+]
 
 # old, new -> merged (LeRobot's AGGREGATE_FUNCTIONS, same names and weights)
 AGGREGATES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -45,6 +62,86 @@ AGGREGATES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 ALIASES = {"latest": "latest_only"}
 TEMPORAL_ENSEMBLE = "temporal_ensemble"
+RTCMode = Literal["auto", "on", "off"]
+RTC_MODES: tuple[str, ...] = get_args(RTCMode)
+RTT_WINDOW = 8  # round trips the delay estimate looks back over (the slowest of them counts)
+
+
+@dataclass(frozen=True)
+class RTCOptions:
+    """Real-time chunking for a queued policy (see the module docstring).
+
+    ``mode``: ``"auto"`` (the default) runs RTC when the delay is known (``delay_steps`` given, or
+    ``control_period_s`` to estimate it) and the server can (``server_rtc``); ``"on"`` requires both and
+    says which is missing; ``"off"`` never. ``delay_steps``: the inference delay d in control steps;
+    None = ``ceil(round trip / control_period_s)`` over the slowest of the last few round trips.
+    ``server_rtc``: the served model's ``GetInfo`` ``rtc_mode`` ("" = it cannot; None = not asked,
+    assumed able: a server without RTC answers plain chunks, merged as without it).
+    """
+
+    mode: RTCMode = "auto"
+    delay_steps: int | None = None
+    control_period_s: float | None = None
+    server_rtc: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in RTC_MODES:
+            raise ValueError(f"rtc: expected one of {list(RTC_MODES)}, got {self.mode!r}")
+        d = self.delay_steps
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"delay_steps: expected an integer >= 0 or None, got {d!r}")
+        p = self.control_period_s
+        if p is not None and not (isinstance(p, int | float) and 0 < p < math.inf):
+            raise ValueError(f"control_period_s: expected seconds > 0 or None, got {p!r}")
+        if self.mode == "on" and not self.delay_known:
+            raise ValueError("rtc: 'on' needs the inference delay: give delay_steps or control_period_s")
+        if self.mode == "on" and self.server_rtc == "":
+            raise ValueError(
+                "rtc: 'on' but the served model cannot run real-time chunking (GetInfo rtc_mode is empty); "
+                "use 'auto' or 'off'"
+            )
+
+    @property
+    def delay_known(self) -> bool:
+        return self.delay_steps is not None or self.control_period_s is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests carry RTC's inference delay and queued actions."""
+        return self.mode != "off" and self.delay_known and self.server_rtc != ""
+
+
+class _RTCState:
+    """The RTC side of a queued policy: the measured round trips and what a request carries."""
+
+    def __init__(self, options: RTCOptions | None) -> None:
+        self.options = options or RTCOptions()
+        self.rtts: list[float] = []
+
+    def delay(self, queue: ActionQueue) -> int:
+        """d: given, or the slowest recent round trip in control periods (0 before any), below a chunk."""
+        o = self.options
+        if o.delay_steps is not None:
+            d = o.delay_steps
+        else:
+            assert o.control_period_s is not None
+            d = math.ceil(max(self.rtts, default=0.0) / o.control_period_s - 1e-9)
+        return min(d, queue.chunk_len - 1) if queue.chunk_len else d
+
+    def request(self, queue: ActionQueue) -> RTCInput | None:
+        """What the next request carries (None: a plain request; nothing queued yet, or RTC off)."""
+        if not self.options.enabled or not len(queue):
+            return None
+        queued = queue.queued(queue.chunk_len)
+        return RTCInput(self.delay(queue), queued) if len(queued) else None
+
+    def measured(self, sent_at: float) -> None:
+        self.rtts = [*self.rtts[-(RTT_WINDOW - 1) :], time.monotonic() - sent_at]
+
+
+def _merge_reply(queue: ActionQueue, res: ActResult, step: int) -> None:
+    """A reply into the queue: a chunk RTC shaped replaces what it overlaps, others merge as configured."""
+    queue.add_chunk(res.actions, step, aggregate="latest_only" if res.rtc is not None else None)
 
 
 @dataclass
@@ -87,9 +184,19 @@ class ActionQueue:
         """Time to send the next observation: the queue is down to ``chunk_size_threshold`` of a chunk."""
         return self.chunk_len == 0 or len(self) / self.chunk_len <= self.chunk_size_threshold
 
-    def add_chunk(self, actions: np.ndarray, start_step: int) -> None:
-        """Merge ``actions`` [H, A], the chunk answering the observation taken at ``start_step``."""
+    def queued(self, limit: int) -> np.ndarray:
+        """float32 [n, A]: the actions queued for the steps from the current one on, without a gap, at most
+        ``limit`` ([0, 0] when none)."""
+        rows = []
+        while len(rows) < limit and (self.step + len(rows)) in self._actions:
+            rows.append(self._actions[self.step + len(rows)])
+        return np.stack(rows).astype(np.float32) if rows else np.zeros((0, 0), np.float32)
+
+    def add_chunk(self, actions: np.ndarray, start_step: int, aggregate: str | None = None) -> None:
+        """Merge ``actions`` [H, A], the chunk answering the observation taken at ``start_step``
+        (``aggregate``: this chunk's merge instead of the queue's, e.g. ``latest_only``)."""
         actions = np.asarray(actions, dtype=np.float32)
+        how = self.aggregate if aggregate is None else ALIASES.get(aggregate, aggregate)
         if actions.ndim != 2:
             raise ValueError(f"actions: expected [H, A], got shape {list(actions.shape)}")
         self.chunk_len = max(self.chunk_len, actions.shape[0])
@@ -100,13 +207,14 @@ class ActionQueue:
                 self.stats.stale_dropped += 1
                 continue
             old = self._actions.get(t)
-            if self.aggregate == TEMPORAL_ENSEMBLE:
+            if how == TEMPORAL_ENSEMBLE:
                 wsum, k = self._weights.get(t, (0.0, 0))
                 w = math.exp(-self.ensemble_coeff * k)
                 self._actions[t] = new.copy() if old is None else (old * wsum + new * w) / (wsum + w)
                 self._weights[t] = (wsum + w, k + 1)
             else:
-                self._actions[t] = new.copy() if old is None else AGGREGATES[self.aggregate](old, new)
+                self._actions[t] = new.copy() if old is None else AGGREGATES[how](old, new)
+                self._weights.pop(t, None)  # a temporal ensemble restarts after a replacement
             if old is not None:
                 self.stats.merged += 1
 
@@ -126,45 +234,55 @@ class QueuedPolicy:
     Sends ``obs`` for a new chunk (in a background thread, one request in flight) whenever the queue says
     so, and returns the next action at once, blocking only when the queue is empty (the first step, or a
     server slower than the remaining actions): at most ``wait_s``, then the fetch error is raised, so the
-    robot can stop safely rather than hang.
+    robot can stop safely rather than hang. ``rtc``: real-time chunking (:class:`RTCOptions`; the default
+    ``auto`` is off here unless a delay or control period is given).
     """
 
     def __init__(
         self,
-        fetch: Callable[[Mapping[str, Any]], ActResult],
+        fetch: Callable[..., ActResult],
         queue: ActionQueue | None = None,
         wait_s: float = 10.0,
+        rtc: RTCOptions | None = None,
     ) -> None:
         self.fetch = fetch
         self.queue = queue or ActionQueue()
         self.wait_s = wait_s
+        self.rtc = _RTCState(rtc)
         self.requests = 0
         self.last: ActResult | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="action-queue")
-        self._inflight: tuple[int, concurrent.futures.Future[ActResult]] | None = None
+        self._inflight: tuple[int, float, concurrent.futures.Future[ActResult]] | None = None
 
     def _merge(self, block: bool) -> None:
         if self._inflight is None:
             return
-        step, fut = self._inflight
+        step, sent_at, fut = self._inflight
         if not block and not fut.done():
             return
         self._inflight = None
         res = fut.result(timeout=self.wait_s)  # raises the fetch's error (PolicyError, timeout)
+        self.rtc.measured(sent_at)
         self.last = res
-        self.queue.add_chunk(res.actions, step)
+        _merge_reply(self.queue, res, step)
+
+    def _send(self, obs: Mapping[str, Any]) -> None:
+        rtc = self.rtc.request(self.queue)
+        fut = (
+            self._pool.submit(self.fetch, obs) if rtc is None else self._pool.submit(self.fetch, obs, rtc=rtc)
+        )
+        self._inflight = (self.queue.step, time.monotonic(), fut)
+        self.requests += 1
 
     def act(self, obs: Mapping[str, Any]) -> np.ndarray:
         self._merge(block=False)
         if self._inflight is None and self.queue.needs_chunk():
-            self._inflight = (self.queue.step, self._pool.submit(self.fetch, obs))
-            self.requests += 1
+            self._send(obs)
         action = self.queue.pop()
         while action is None:  # nothing for this step yet: wait for the chunk in flight
             self.queue.stats.starved += 1
             if self._inflight is None:
-                self._inflight = (self.queue.step, self._pool.submit(self.fetch, obs))
-                self.requests += 1
+                self._send(obs)
             self._merge(block=True)
             action = self.queue.pop()
         return action
@@ -184,30 +302,35 @@ class AsyncQueuedPolicy:
 
     def __init__(
         self,
-        fetch: Callable[[Mapping[str, Any]], Awaitable[ActResult]],
+        fetch: Callable[..., Awaitable[ActResult]],
         queue: ActionQueue | None = None,
         wait_s: float = 10.0,
+        rtc: RTCOptions | None = None,
     ) -> None:
         self.fetch = fetch
         self.queue = queue or ActionQueue()
         self.wait_s = wait_s
+        self.rtc = _RTCState(rtc)
         self.requests = 0
         self.last: ActResult | None = None
-        self._inflight: tuple[int, asyncio.Task[ActResult]] | None = None
+        self._inflight: tuple[int, float, asyncio.Task[ActResult]] | None = None
 
     async def _merge(self, block: bool) -> None:
         if self._inflight is None:
             return
-        step, task = self._inflight
+        step, sent_at, task = self._inflight
         if not block and not task.done():
             return
         self._inflight = None
         res = await asyncio.wait_for(task, self.wait_s)
+        self.rtc.measured(sent_at)
         self.last = res
-        self.queue.add_chunk(res.actions, step)
+        _merge_reply(self.queue, res, step)
 
     def _send(self, obs: Mapping[str, Any]) -> None:
-        self._inflight = (self.queue.step, asyncio.ensure_future(self.fetch(obs)))
+        rtc = self.rtc.request(self.queue)
+        call = self.fetch(obs) if rtc is None else self.fetch(obs, rtc=rtc)
+        self._inflight = (self.queue.step, time.monotonic(), asyncio.ensure_future(call))
         self.requests += 1
 
     async def act(self, obs: Mapping[str, Any]) -> np.ndarray:
@@ -225,5 +348,5 @@ class AsyncQueuedPolicy:
 
     async def close(self) -> None:
         if self._inflight is not None:
-            self._inflight[1].cancel()
+            self._inflight[2].cancel()
             self._inflight = None

@@ -24,6 +24,7 @@ from vla_rl_client.policy_common import (
     ClientBase,
     PolicyError,
     RetryBudget,
+    RTCInput,
     check_reply,
     parse_response,
 )
@@ -74,10 +75,14 @@ class AsyncActStream:
         seed: int | None = None,
         noise: np.ndarray | None = None,
         timeout_s: float | None = None,
+        *,
+        rtc: RTCInput | None = None,
     ) -> ActResult:
         started = time.perf_counter_ns()
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
-        req = self._client._act_request(obs, seed, noise, self._model_id, None, "a", timeout_s=timeout)
+        req = self._client._act_request(
+            obs, seed, noise, self._model_id, None, "a", timeout_s=timeout, rtc=rtc
+        )
         data = req.SerializeToString()  # once: for the size check and the wire
         await self._client.check_size(data)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
@@ -149,9 +154,10 @@ class AsyncPolicyClient(ClientBase):
         model_id: str | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        rtc: RTCInput | None = None,
     ) -> ActResult:
         started = time.perf_counter_ns()
-        data = self._act_request(obs, seed, noise, model_id, request_id, "ua").SerializeToString()
+        data = self._act_request(obs, seed, noise, model_id, request_id, "ua", rtc=rtc).SerializeToString()
         await self.check_size(data)  # serialised once: for this check and for the wire
         return await self.act_request(data, timeout_s, started_ns=started)
 

@@ -34,6 +34,8 @@ from vla_rl_client.policy_common import (
     ClientBase,
     PolicyError,
     RetryBudget,
+    RTCInfo,
+    RTCInput,
     Timing,
     build_request,
     channel_credentials,
@@ -53,6 +55,8 @@ __all__ = [
     "Backoff",
     "PolicyClient",
     "PolicyError",
+    "RTCInfo",
+    "RTCInput",
     "Timing",
     "build_request",
     "channel_credentials",
@@ -110,10 +114,14 @@ class ActStream:
         seed: int | None = None,
         noise: np.ndarray | None = None,
         timeout_s: float | None = None,
+        *,
+        rtc: RTCInput | None = None,
     ) -> ActResult:
         started = time.perf_counter_ns()
         timeout = self._client.timeout_s if timeout_s is None else timeout_s
-        req = self._client._act_request(obs, seed, noise, self._model_id, None, "s", timeout_s=timeout)
+        req = self._client._act_request(
+            obs, seed, noise, self._model_id, None, "s", timeout_s=timeout, rtc=rtc
+        )
         data = req.SerializeToString()
         self._client.check_size(data)  # an over-size request would end the stream
         budget = RetryBudget(self._client.backoff, timeout + self._MARGIN_S)
@@ -172,11 +180,13 @@ class PolicyClient(ClientBase):
         model_id: str | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        rtc: RTCInput | None = None,
     ) -> ActResult:
-        """One action chunk [H, A] for ``obs`` (seeded or explicit initial noise for reproducibility). A request
-        over the server's size limit raises :class:`PolicyError` (RESOURCE_EXHAUSTED) without being sent."""
+        """One action chunk [H, A] for ``obs`` (seeded or explicit initial noise for reproducibility; ``rtc``:
+        real-time chunking, a chunk that continues the queued actions). A request over the server's size
+        limit raises :class:`PolicyError` (RESOURCE_EXHAUSTED) without being sent."""
         started = time.perf_counter_ns()
-        data = self._act_request(obs, seed, noise, model_id, request_id, "u").SerializeToString()
+        data = self._act_request(obs, seed, noise, model_id, request_id, "u", rtc=rtc).SerializeToString()
         self.check_size(data)  # serialised once: for this check and for the wire
         return self.act_request(data, timeout_s, started_ns=started)
 

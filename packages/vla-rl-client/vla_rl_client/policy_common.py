@@ -286,6 +286,31 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class RTCInput:
+    """Real-time chunking for one request (docs/serving.md): ``queued`` float32 [n, A], the actions still
+    queued for the control steps from this observation's on (env units; None or empty: nothing queued yet,
+    so no RTC), ``delay`` of which the robot executes before the reply arrives (control steps)."""
+
+    delay: int
+    queued: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
+            raise ValueError(f"delay: expected an integer >= 0 (control steps), got {self.delay!r}")
+
+
+@dataclass(frozen=True)
+class RTCInfo:
+    """How real-time chunking shaped a reply's chunk (``ActResponse.rtc``)."""
+
+    mode: str  # "guided" or "trained"
+    inference_delay: int
+    queued: int
+    execution_horizon: int
+    max_guidance_weight: float
+
+
+@dataclass(frozen=True)
 class ActResult:
     """One action chunk and where it came from."""
 
@@ -303,6 +328,8 @@ class ActResult:
     predates the field."""
     uncertainty_kind: str = ""
     """What :attr:`uncertainty` is ("accel"); "" when it is not available."""
+    rtc: RTCInfo | None = None
+    """How real-time chunking shaped the chunk; None when it did not (not asked, or a server without it)."""
 
 
 def build_request(
@@ -314,6 +341,7 @@ def build_request(
     request_id: str = "",
     image_format: str = "raw",
     timeout_ms: int = 0,
+    rtc: RTCInput | None = None,
 ) -> pb.ActRequest:
     """An ``ActRequest`` from ``{"state": float32[S], "cameras": {name: uint8[H, W, 3]}, "instruction": str}``.
 
@@ -330,6 +358,10 @@ def build_request(
         req.seed = int(seed)
     if noise is not None:
         fill_tensor(req.noise, np.asarray(noise, dtype=np.float32))
+    if rtc is not None:
+        req.inference_delay = rtc.delay
+        if rtc.queued is not None and len(rtc.queued):
+            fill_tensor(req.queued_actions, np.ascontiguousarray(rtc.queued, dtype=np.float32))
     return req
 
 
@@ -376,7 +408,15 @@ def parse_response(resp: pb.ActResponse, t0: int, started_ns: int | None = None)
         request_id=resp.request_id,
         uncertainty=resp.uncertainty if resp.HasField("uncertainty") else float("nan"),
         uncertainty_kind=resp.uncertainty_kind if resp.HasField("uncertainty") else "",
+        rtc=_rtc_info(resp),
     )
+
+
+def _rtc_info(resp: pb.ActResponse) -> RTCInfo | None:
+    if not resp.HasField("rtc"):
+        return None
+    r = resp.rtc
+    return RTCInfo(r.mode, r.inference_delay, r.queued, r.execution_horizon, r.max_guidance_weight)
 
 
 def check_reply(
@@ -488,6 +528,7 @@ class ClientBase:
         request_id: str | None,
         prefix: str,
         timeout_s: float | None = None,
+        rtc: RTCInput | None = None,
     ) -> pb.ActRequest:
         """``build_request`` with this client's defaults; ``timeout_s`` (streams) goes along as the budget."""
         return build_request(
@@ -498,6 +539,7 @@ class ClientBase:
             request_id=request_id if request_id is not None else f"{prefix}{next(_ids)}",
             image_format=self.image_format,
             timeout_ms=0 if timeout_s is None else max(1, int(timeout_s * 1000)),
+            rtc=rtc,
         )
 
     def _size_error(

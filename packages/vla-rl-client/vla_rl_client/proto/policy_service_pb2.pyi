@@ -53,20 +53,38 @@ class Observation(_message.Message):
     def __init__(self, state: _Optional[_Union[Tensor, _Mapping]] = ..., cameras: _Optional[_Mapping[str, Image]] = ..., instruction: _Optional[str] = ...) -> None: ...
 
 class ActRequest(_message.Message):
-    __slots__ = ("model_id", "request_id", "observation", "seed", "noise", "timeout_ms")
+    __slots__ = ("model_id", "request_id", "observation", "seed", "noise", "timeout_ms", "inference_delay", "queued_actions")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     NOISE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     request_id: str
     observation: Observation
     seed: int
     noise: Tensor
     timeout_ms: int
-    def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., seed: _Optional[int] = ..., noise: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    inference_delay: int
+    queued_actions: Tensor
+    def __init__(self, model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., seed: _Optional[int] = ..., noise: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., inference_delay: _Optional[int] = ..., queued_actions: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RTCApplied(_message.Message):
+    __slots__ = ("mode", "inference_delay", "queued", "execution_horizon", "max_guidance_weight")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_HORIZON_FIELD_NUMBER: _ClassVar[int]
+    MAX_GUIDANCE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    inference_delay: int
+    queued: int
+    execution_horizon: int
+    max_guidance_weight: float
+    def __init__(self, mode: _Optional[str] = ..., inference_delay: _Optional[int] = ..., queued: _Optional[int] = ..., execution_horizon: _Optional[int] = ..., max_guidance_weight: _Optional[float] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_us", "decode_us", "inference_us", "total_us", "prefix_us", "denoise_us", "batch_us", "wake_us", "encode_us")
@@ -99,7 +117,7 @@ class ActError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ActResponse(_message.Message):
-    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error", "uncertainty", "uncertainty_kind")
+    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error", "uncertainty", "uncertainty_kind", "rtc")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +130,7 @@ class ActResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
     UNCERTAINTY_KIND_FIELD_NUMBER: _ClassVar[int]
+    RTC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     actions: Tensor
@@ -124,7 +143,8 @@ class ActResponse(_message.Message):
     error: ActError
     uncertainty: float
     uncertainty_kind: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ..., uncertainty: _Optional[float] = ..., uncertainty_kind: _Optional[str] = ...) -> None: ...
+    rtc: RTCApplied
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ..., uncertainty: _Optional[float] = ..., uncertainty_kind: _Optional[str] = ..., rtc: _Optional[_Union[RTCApplied, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -133,7 +153,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue", "adaptive_wait", "active_clients", "latency_p50_ms", "latency_p99_ms", "requests_per_s")
+    __slots__ = ("model_id", "ref", "commit", "previous_commit", "staged_commit", "followed_ref", "robot_spec_json", "chunk_len", "n_exec", "control_hz", "policy_type", "device", "last_load_error", "served", "batches", "dropped_expired", "rejected_full", "max_batch", "max_wait_us", "max_queue", "adaptive_wait", "active_clients", "latency_p50_ms", "latency_p99_ms", "requests_per_s", "rtc_mode", "rtc_max_delay")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +179,8 @@ class ModelInfo(_message.Message):
     LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTC_MODE_FIELD_NUMBER: _ClassVar[int]
+    RTC_MAX_DELAY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     ref: str
     commit: str
@@ -184,7 +206,9 @@ class ModelInfo(_message.Message):
     latency_p50_ms: float
     latency_p99_ms: float
     requests_per_s: float
-    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
+    rtc_mode: str
+    rtc_max_delay: int
+    def __init__(self, model_id: _Optional[str] = ..., ref: _Optional[str] = ..., commit: _Optional[str] = ..., previous_commit: _Optional[str] = ..., staged_commit: _Optional[str] = ..., followed_ref: _Optional[str] = ..., robot_spec_json: _Optional[str] = ..., chunk_len: _Optional[int] = ..., n_exec: _Optional[int] = ..., control_hz: _Optional[float] = ..., policy_type: _Optional[str] = ..., device: _Optional[str] = ..., last_load_error: _Optional[str] = ..., served: _Optional[int] = ..., batches: _Optional[int] = ..., dropped_expired: _Optional[int] = ..., rejected_full: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_wait_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., adaptive_wait: _Optional[bool] = ..., active_clients: _Optional[int] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., requests_per_s: _Optional[float] = ..., rtc_mode: _Optional[str] = ..., rtc_max_delay: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("models", "server_version", "max_request_bytes")

@@ -1,0 +1,92 @@
+"""Training-time real-time chunking: FlowVLA's per-action flow times, the loss with the executed prefix given
+clean, the SFT option saved in the checkpoint, and the server serving such a checkpoint in its trained mode
+(the prefix fed clean; a delay beyond the checkpoint's maximum refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from test_flow_policy import tiny_policy
+from test_server import SPEC, make_checkpoint, make_obs, start_server
+from tiny_base import demo_store, tiny_sft
+from tolerances import RECOMPUTED_ATOL
+from vla_rl_client.policy_client import PolicyClient, PolicyError, RTCInput
+
+from policies.flow_vla.configuration_flow_vla import ConfigError
+from vla_rl.hub.checkpoint import load_checkpoint
+from vla_rl.train.sft import SFTConfig, train_with_rtc
+
+
+def test_one_time_per_action_equals_the_rows_time() -> None:
+    policy = tiny_policy(chunk_len=6, n_exec=3).model
+    obs = {"state": torch.randn(3, 3), "cameras": {}, "instruction": "reach"}
+    x = torch.randn(3, 6, 2)
+    t = torch.tensor([0.1, 0.5, 0.9])
+    with torch.no_grad():
+        prefix = policy.encode_prefix(obs)
+        per_row = policy.velocity(prefix, x, t)
+        per_action = policy.velocity(prefix, x, t[:, None].expand(3, 6))
+    torch.testing.assert_close(per_action, per_row, atol=1e-6, rtol=1e-6)
+
+
+def test_the_loss_gives_the_prefix_clean_and_scores_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = tiny_policy(chunk_len=6, n_exec=3, rtc_max_delay=3).model
+    b = 2
+    given = torch.tensor([[True, True, False, False, False, False], [False] * 6])
+    monkeypatch.setattr(policy, "_rtc_prefix", lambda n, device: given)
+    batch = {"state": torch.randn(b, 3), "cameras": {}, "instruction": "reach", "action": torch.rand(b, 6, 2)}
+    noise, time = torch.randn(b, 6, 2), torch.tensor([0.3, 0.6])
+    with torch.no_grad():
+        loss = policy.per_sample_loss(batch, noise=noise, time=time)
+        x1 = policy.normalizer.normalize_action(batch["action"])
+        t = torch.where(given, torch.ones(b, 6), time[:, None].expand(b, 6))
+        x_t = (1 - t[..., None]) * noise + t[..., None] * x1
+        err = (policy.velocity(policy.encode_prefix(batch), x_t, t) - (x1 - noise)).square()
+    torch.testing.assert_close(loss[0], err[0, 2:].mean(), atol=1e-6, rtol=1e-6)  # the given 2 do not count
+    torch.testing.assert_close(loss[1], err[1].mean(), atol=1e-6, rtol=1e-6)
+
+
+def test_rtc_max_delay_is_validated_and_saved(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rtc_max_delay"):
+        tiny_policy(chunk_len=4, n_exec=2, rtc_max_delay=4)
+    with pytest.raises(ValueError, match="rtc_max_delay"):
+        SFTConfig(store=tmp_path, out=tmp_path / "o", init="scratch", chunk_len=4, n_exec=2, rtc_max_delay=4)
+    policy = tiny_policy(chunk_len=4, n_exec=2)
+    train_with_rtc(policy, 2)
+    assert policy.rtc_max_delay == 2
+    with pytest.raises(ValueError, match="rtc_max_delay"):
+        train_with_rtc(object(), 1)  # type: ignore[arg-type]
+
+
+def test_sft_records_the_maximum_delay_in_the_checkpoint(tmp_path: Path) -> None:
+    store = demo_store(tmp_path / "store", "kinematic/Reach-v0", episodes=2, noise=0.5)
+    ckpt = tiny_sft("kinematic/Reach-v0", store.root, tmp_path / "sft", 3, 8, rtc_max_delay=1)
+    assert load_checkpoint(ckpt)[0].model_config["rtc_max_delay"] == 1
+
+
+def test_the_server_feeds_the_prefix_clean_and_refuses_longer_delays(tmp_path: Path) -> None:
+    srv = start_server({"arm": make_checkpoint(tmp_path / "ckpt", 0, rtc_max_delay=2)})
+    rng = np.random.default_rng(0)
+    queued = rng.uniform(-0.5, 0.5, (3, SPEC.action_dim)).astype(np.float32)
+    try:
+        with PolicyClient(srv.address, timeout_s=30, model_id="arm", backoff=None) as c:
+            info = c.info()["arm"]
+            assert (info.rtc_mode, info.rtc_max_delay) == ("trained", 2)
+            res = c.act(make_obs(rng), seed=4, rtc=RTCInput(2, queued))
+            assert res.rtc is not None and (res.rtc.mode, res.rtc.inference_delay, res.rtc.queued) == (
+                "trained",
+                2,
+                3,
+            )
+            np.testing.assert_allclose(res.actions[:2], queued[:2], atol=RECOMPUTED_ATOL)
+            plain = c.act(make_obs(rng), seed=4)  # robots without RTC share the trained checkpoint
+            assert plain.rtc is None and np.isfinite(plain.actions).all()
+            with pytest.raises(PolicyError, match="rtc_max_delay") as e:
+                c.act(make_obs(rng), seed=4, rtc=RTCInput(3, queued))
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        srv.stop()
