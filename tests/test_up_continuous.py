@@ -12,17 +12,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
 from vla_rl_client.spec import RobotSpec
 
 from fleet.db import MetadataDB
 from fleet.selection import EpisodeQuery, Selection
+from fleet.store import EpisodeStore
 from vla_rl.up import UpConfig
-from vla_rl.up.activity import fleet_activity, overall
+from vla_rl.up.activity import fleet_activity, overall, wait_closed
 from vla_rl.up.continuous import last_snapshot, new_episodes, snapshot_data, snapshot_of, wait_for_trigger
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
+SPEC_TOY = RobotSpec(name="toy", state_dim=2, action_dim=1, control_hz=10.0, instruction="do it")
 TASK = "toy/Reach-v0"
 T0 = 1_790_000_000.0
 _ids = itertools.count()
@@ -164,21 +167,24 @@ class _FakeSup:
 def test_continuous_rounds_trigger_on_new_episodes_train_on_snapshots_and_never_overlap(
     db: MetadataDB, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loop itself, with a fleet that closes an episode every 50 ms throughout (rounds included) and
-    rounds that 'train' for 0.4 s: each round is queued after the one before finished, once 3 episodes
-    closed after that one's snapshot; its data is its own snapshot; episodes closed while it trained are
-    in the next round's data, not its own."""
+    """The loop itself, with a fleet that closes an episode every few 10 ms throughout (rounds included) and
+    rounds that 'train' for 1.5 s: each round is queued after the one before finished, once 4 episodes
+    (robots x episodes) closed after that one's snapshot; its data is its own snapshot; episodes closed
+    while it trained are in the next round's data, not its own."""
     import vla_rl.hub.registry as registry
     import vla_rl.rounds as rounds
     import vla_rl.up.loop as loop
     from vla_rl.up.workdir import Ports
 
     stop = threading.Event()
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
 
     def fleet() -> None:
-        while not stop.wait(0.05):
+        for k in itertools.count():
+            if stop.wait(0.02):
+                return
             now = time.time()
-            _add(db, _meta(now - 0.04, now, robot=f"sim-{int(now * 20) % 2}"))
+            _worked(store, f"sim-{k % 2}", now - 0.02, now)
 
     queued: list[dict[str, Any]] = []
 
@@ -188,7 +194,7 @@ def test_continuous_rounds_trigger_on_new_episodes_train_on_snapshots_and_never_
         return rid
 
     def wait_round(db_: MetadataDB, rid: int, timeout_s: float) -> Any:
-        time.sleep(0.4)  # training, while the fleet goes on
+        time.sleep(1.5)  # training, while the fleet goes on
         return db.update_round(rid, status="succeeded", finished_at=time.time())
 
     monkeypatch.setattr(rounds, "queue_round", queue_round)
@@ -237,35 +243,72 @@ class _Cfg:
         self.train = type("T", (), {"data": data})()
 
 
-def test_activity_counts_successes_work_and_takeovers_per_window(db: MetadataDB) -> None:
-    """Two robots over a 100 s window: successes counted where they closed, work time split at the
-    window's edges (a running episode counts up to the end), takeovers per hour of robot work."""
-    start, end = T0, T0 + 100
-    _add(
-        db,
-        _meta(T0 - 20, T0 + 20, robot="sim-0", takeovers=2),  # 20 s inside
-        _meta(T0 + 30, T0 + 60, robot="sim-0", success=False, takeovers=1),  # 30 s
-        _meta(T0 + 70, T0 + 130, robot="sim-0"),  # 30 s inside, closes after the window
-        _meta(T0 + 10, T0 + 50, robot="sim-1"),  # 40 s
-        _meta(T0 + 90, None, robot="sim-1"),  # running at the end: 10 s
-        _meta(T0 + 95, T0 + 100, robot="sim-1"),  # closed at the end: this window's, not the next's
-        _meta(T0 + 10, T0 + 50, robot="demo-0"),  # not the fleet's
-    )
-    a = fleet_activity(db, start, end, robots=2, robot_prefix="sim")
+def _worked(
+    store: EpisodeStore,
+    robot: str,
+    t0: float,
+    t1: float,
+    success: bool = True,
+    takeovers: int = 0,
+    close: bool = True,
+) -> Any:
+    """An episode of ``robot`` the robot worked on from ``t0`` to ``t1``: 5 frames stamped at the end of
+    each fifth, with ``takeovers`` one-frame interventions (frames 1, 3); not ``close``: its writer."""
+    w = store.create_episode(SPEC_TOY, robot_id=robot, task="toy", chunk_len=2)
+    for i in range(5):
+        human = i in (1, 3)[:takeovers]
+        if human or (i in (2, 4) and i - 1 in (1, 3)[:takeovers]):
+            w.begin_segment(*((SegmentKind.INTERVENTION, Controller.HUMAN) if human else ()))
+        w.add_frame(
+            cameras={},
+            state=np.zeros(2, np.float32),
+            action=np.zeros(1, np.float32),
+            reward=0.0,
+            terminated=i == 4,
+            truncated=False,
+            controller=Controller.HUMAN if human else Controller.POLICY,
+            timestamp=t0 + (t1 - t0) * (i + 1) / 5,
+        )
+    if not close:
+        w.flush()
+        return w
+    w.close(outcome="success" if success else "failure", success=success)
+    return None
+
+
+def test_activity_counts_successes_work_and_takeovers_per_window(tmp_path: Path) -> None:
+    """Two robots over a 100 s window, from the frames' timestamps: successes counted where their robot
+    finished them, work time split at the window's edges, takeovers per hour of robot work."""
+    db = MetadataDB.for_store(tmp_path / "store")
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    t = time.time() - 1000  # the frames are stamped in the past; the store closes them now
+    start, end = t, t + 100
+    _worked(store, "sim-0", t - 20, t + 20, takeovers=2)  # 20 s inside
+    _worked(store, "sim-0", t + 30, t + 60, success=False, takeovers=1)  # 30 s
+    _worked(store, "sim-0", t + 70, t + 130)  # 30 s inside, finished after the window
+    _worked(store, "sim-1", t + 10, t + 50)  # 40 s
+    _worked(store, "sim-1", t + 95, t + 100)  # finished at the end: this window's, not the next's
+    running = _worked(store, "sim-1", t + 100, t + 101, close=False)  # not closed yet: left out
+    _worked(store, "demo-0", t + 10, t + 50)  # not the fleet's
+    a = fleet_activity(db, store, start, end, robots=2, robot_prefix="sim")
     assert (a["episodes"], a["successes"], a["interventions"]) == (4, 3, 3)
-    assert a["busy_seconds"] == pytest.approx(135.0)
-    assert a["utilisation"] == pytest.approx(135.0 / 200.0)
+    assert a["busy_seconds"] == pytest.approx(125.0)
+    assert a["utilisation"] == pytest.approx(125.0 / 200.0)
     assert a["successes_per_hour"] == pytest.approx(3 / (100 / 3600))
-    assert a["interventions_per_robot_hour"] == pytest.approx(3 / (135 / 3600))
-    b = fleet_activity(db, end, end + 100, robots=2, robot_prefix="sim")
+    assert a["interventions_per_robot_hour"] == pytest.approx(3 / (125 / 3600))
+    b = fleet_activity(db, store, end, end + 100, robots=2, robot_prefix="sim")
     assert b["episodes"] == 1 and b["busy_seconds"] == pytest.approx(30.0)  # the rest of the spanning one
     whole = overall([a, b])
     assert whole is not None and whole["seconds"] == 200 and whole["successes"] == 4
-    assert whole["utilisation"] == pytest.approx(165.0 / 400.0)
-    assert (whole["start"], whole["end"]) == (T0, T0 + 200)
+    assert whole["utilisation"] == pytest.approx(155.0 / 400.0)
+    assert (whole["start"], whole["end"]) == (t, t + 200)
     assert overall([]) is None
-    idle = fleet_activity(db, T0 + 1000, T0 + 1000, robots=2, robot_prefix="sim")
+    idle = fleet_activity(db, store, t + 1000, t + 1000, robots=2, robot_prefix="sim")
     assert idle["utilisation"] is None and idle["successes_per_hour"] is None
+    # waiting for the episodes started in a window (the DB's creation time) to close
+    assert not wait_closed(db, t, time.time(), "sim", timeout_s=0.2)  # the running one
+    running.close(outcome="success", success=True)
+    assert wait_closed(db, t, time.time(), "sim", timeout_s=5)
 
 
 def test_continuous_is_validated_and_the_default_follows_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

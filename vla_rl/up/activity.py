@@ -5,23 +5,23 @@ stops (``--continuous``).
 
 A round's window runs from the end of the round before it (or the fleet's start) to its own end: the
 windows of one run are contiguous, so the run's numbers are their sums (:func:`overall`). An episode counts
-(a success, its takeovers) in the window it closed in; its working time counts where it was spent (an
-episode running across two windows is split between them; one still running at a window's end counts up
-to it). An episode's working time is the collector's record of it, from its creation (the robot's first
-message of the episode) to its close; a robot's reset between two episodes is not working time.
+(a success, its takeovers) in the window its robot finished it in; its working time counts where it was
+spent (an episode running across two windows is split between them). An episode's working time is what
+its frames' timestamps span (:func:`work_span`); a robot's reset between two episodes is not working
+time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-from vla_rl.up.continuous import after
 
 if TYPE_CHECKING:
     from vla_rl_client.meta import EpisodeRecord
 
     from fleet.db import MetadataDB
+    from fleet.store import EpisodeStore
 
 HOUR_S = 3600.0
 
@@ -36,41 +36,61 @@ NOTE = (
 
 
 def fleet_activity(
-    db: MetadataDB, start: float, end: float, robots: int, robot_prefix: str
+    db: MetadataDB, store: EpisodeStore, start: float, end: float, robots: int, robot_prefix: str
 ) -> dict[str, Any]:
     """The fleet's work in the wall-clock window ``[start, end]`` (unix seconds): ``robots`` robots named
-    ``robot_prefix-*``. The window, raw sums (so windows add up) and the rates derived from them."""
+    ``robot_prefix-*``, their episodes in ``store``. The window, raw sums (so windows add up) and the rates
+    derived from them. Call it once the episodes that ran in the window are closed (:func:`wait_closed`):
+    one still open is left out."""
     from fleet.selection import Selection
 
     window = {"start": start, "end": end, "seconds": max(0.0, end - start), "robots": robots}
     if end <= start:
         return rates({**window, "episodes": 0, "successes": 0, "interventions": 0, "busy_seconds": 0.0})
-    robots_sel = (f"{robot_prefix}-*",)
-    # closed in (start, end]: contiguous windows count each episode once
-    closed = db.select_records(Selection(robots=robots_sel, closed_since=after(start), closed_until=end))
-    # running at `end`: still open, or closed since (the DB hears of a close a moment after the store)
-    later = db.select_records(Selection(robots=robots_sel, until=end, closed_since=after(end)))
-    running = [
-        r
-        for r in db.episodes(status="open")
-        if r.robot_id.startswith(f"{robot_prefix}-") and start <= r.created_at <= end
-    ]
-    busy = sum(_overlap(r, start, end) for r in [*closed, *later, *running])
+    # an episode that ran in the window closed at or after the window's start
+    recs = db.select_records(Selection(robots=(f"{robot_prefix}-*",), closed_since=start))
+    spans = {r.id: work_span(store, r.id) for r in recs}
+    ended = [r for r in recs if start < spans[r.id][1] <= end]  # (start, end]: counted once
     return rates(
         {
             **window,
-            "episodes": len(closed),
-            "successes": sum(bool(r.success) for r in closed),
-            "interventions": _takeovers(closed),
-            "busy_seconds": busy,
+            "episodes": len(ended),
+            "successes": sum(bool(r.success) for r in ended),
+            "interventions": _takeovers(ended),
+            "busy_seconds": sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans.values()),
         }
     )
 
 
-def _overlap(r: EpisodeRecord, start: float, end: float) -> float:
-    """Seconds of episode ``r`` (created -> closed, or -> ``end`` while it runs) within ``[start, end]``."""
-    closed = end if r.closed_at is None else r.closed_at
-    return max(0.0, min(closed, end) - max(r.created_at, start))
+def work_span(store: EpisodeStore, episode_id: str) -> tuple[float, float]:
+    """When the robot worked on the episode, from its frames' timestamps (the robot's clock at each step):
+    its last frame's time, less the frames' span stretched by one step (the first frame is stamped after
+    the first step). Not the collector's creation and close times: a store writer closes an episode
+    seconds after the robot finished it when it is busy."""
+    ts = store.read_arrays(episode_id, ["timestamp"])["timestamp"]
+    if len(ts) == 0:
+        return 0.0, 0.0
+    first, last = float(ts[0]), float(ts[-1])
+    n = len(ts)
+    return last - (last - first) * n / max(n - 1, 1), last
+
+
+def wait_closed(db: MetadataDB, start: float, end: float, robot_prefix: str, timeout_s: float = 60.0) -> bool:
+    """Wait until every episode robots ``robot_prefix-*`` started in ``[start, end]`` is closed in the DB
+    (the robots finish what they were doing at ``end``, the store writers catch up); whether they all
+    were within ``timeout_s`` (an episode of a robot that died stays open)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        open_ = [
+            r
+            for r in db.episodes(status="open")
+            if r.robot_id.startswith(f"{robot_prefix}-") and start <= r.created_at <= end
+        ]
+        if not open_:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _takeovers(recs: Sequence[EpisodeRecord]) -> int:

@@ -17,7 +17,7 @@ from vla_rl.core.seeds import ONLINE
 from vla_rl.core.supervisor import Supervisor, http_child, tcp_ready
 from vla_rl.up.activity import HEADER as ACTIVITY_HEADER
 from vla_rl.up.activity import NOTE as ACTIVITY_NOTE
-from vla_rl.up.activity import activity_cells, fleet_activity, overall
+from vla_rl.up.activity import activity_cells, fleet_activity, overall, wait_closed
 from vla_rl.up.base import seed_base
 from vla_rl.up.children import STOP_ORDER, child_argv, child_configs
 from vla_rl.up.config import UpConfig
@@ -73,7 +73,9 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     prod = f"hub://{cfg.repo}@prod"
     nice = cfg.trainer_nice if cfg.continuous else 0
-    children = child_configs(work, store, db_url, hub_url, ports, cfg.repo, served=prod, round_nice=nice)
+    children = child_configs(
+        work, store, db_url, hub_url, ports, cfg.repo, served=prod, round_nice=nice, continuous=cfg.continuous
+    )
     try:
         hub_ready, hub_env = http_child(f"{hub_url}/api/health")
         sup.start(
@@ -193,6 +195,7 @@ class _Run:
     def finish(self, rid: int, fleet: dict[str, Any], start: float) -> dict[str, Any]:
         """Wait for round ``rid``, queued after the fleet did ``fleet`` (a summary); its row (printed,
         appended to rounds.jsonl), its window ``start`` .. now in the fleet's activity."""
+        from fleet.store import EpisodeStore
         from vla_rl.hub.registry import resolve
 
         rec = _wait_round(self.db, rid, self.cfg.round_timeout_s)
@@ -200,7 +203,9 @@ class _Run:
         row = round_row(rid, rec, fleet, (end - start) / 60, resolve(self.prod), self.sup.events)
         row["policy"] = self.policy
         row["mode"] = "continuous" if self.cfg.continuous else "batch"
-        row["activity"] = fleet_activity(self.db, start, end, self.cfg.robots, ROBOT_PREFIX)
+        wait_closed(self.db, start, end, ROBOT_PREFIX)  # the episodes running at `end` too
+        store = EpisodeStore(self.store)
+        row["activity"] = fleet_activity(self.db, store, start, end, self.cfg.robots, ROBOT_PREFIX)
         print(round_line(row), flush=True)
         with (self.work / "rounds.jsonl").open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
