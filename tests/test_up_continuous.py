@@ -21,7 +21,7 @@ from fleet.db import MetadataDB
 from fleet.selection import EpisodeQuery, Selection
 from fleet.store import EpisodeStore
 from vla_rl.up import UpConfig
-from vla_rl.up.activity import fleet_activity, overall, wait_closed
+from vla_rl.up.activity import fleet_activity, overall, rates, wait_closed
 from vla_rl.up.continuous import last_snapshot, new_episodes, snapshot_data, snapshot_of, wait_for_trigger
 
 SPEC = RobotSpec(name="toy-arm", state_dim=3, action_dim=2, control_hz=10.0, instruction="reach")
@@ -324,3 +324,22 @@ def test_continuous_is_validated_and_the_default_follows_the_cores(monkeypatch: 
     with pytest.raises(ValueError, match="data: with continuous each round selects the episodes closed"):
         UpConfig(continuous=True, data="success=true,closed_until=5")
     assert UpConfig(continuous=False, data="closed_until=5").data == "closed_until=5"
+
+
+def test_the_bench_reports_each_mode_per_round_and_overall() -> None:
+    from bench.continuous import report
+
+    def act(seconds: float, successes: int, busy: float) -> dict[str, Any]:
+        sums = {"start": 0.0, "end": seconds, "seconds": seconds, "robots": 4, "episodes": successes + 1}
+        return rates({**sums, "successes": successes, "interventions": 2, "busy_seconds": busy})
+
+    runs = [
+        {"mode": "batch", "rounds": [{"round": 1, "activity": act(600, 10, 480)}]},
+        {"mode": "continuous", "rounds": [{"round": 1, "activity": act(600, 30, 2160)}]},
+    ]
+    for run in runs:
+        run["overall"] = overall([r["activity"] for r in run["rounds"]])
+    lines = report(runs).splitlines()
+    assert len(lines) == 2 + 4  # header, rule, a round and "all" per mode
+    assert "| batch " in lines[2] and "| 60 " in lines[2] and "| 20% " in lines[2]
+    assert "| continuous " in lines[5] and "| 180 " in lines[5] and "| 90% " in lines[5]
