@@ -19,6 +19,7 @@ bench/results/continuous.json after each run and prints a table.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -56,13 +57,18 @@ def _config(mode: str, args: argparse.Namespace) -> UpConfig:
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One fresh run of ``up`` in ``mode``: its rows, its activity overall and its wall time."""
+    """One fresh run of ``up`` in ``mode`` (``--report-only``: none, the rounds its workdir holds): its
+    rows, its activity overall and its wall time."""
     cfg = _config(mode, args)
-    if cfg.workdir.exists():
-        shutil.rmtree(cfg.workdir)
-    t0 = time.monotonic()
-    rows = run_up(cfg)
-    minutes = (time.monotonic() - t0) / 60
+    minutes = None
+    if args.report_only:
+        rows = [json.loads(line) for line in (cfg.workdir / "rounds.jsonl").read_text().splitlines()]
+    else:
+        if cfg.workdir.exists():
+            shutil.rmtree(cfg.workdir)
+        t0 = time.monotonic()
+        rows = run_up(cfg)
+        minutes = (time.monotonic() - t0) / 60
     return {
         "mode": mode,
         "minutes_total": minutes,
@@ -128,6 +134,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--work", type=Path, default=Path("runs/bench_continuous"))
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report the rounds the workdirs hold (e.g. of an interrupted bench; no total time)",
+    )
     p.add_argument(
         "--out", type=Path, default=None, help="results file (default bench/results/continuous.json)"
     )
