@@ -75,6 +75,7 @@ def _config(algo: str, seed: int, args: argparse.Namespace, work: Path) -> UpCon
         progress=False,
         dashboard=False,
         round_steps=steps,
+        continuous=False,  # the loop: the fleet's batch, then the round
         **spec,
     )
     return UpConfig(**kw)

@@ -18,6 +18,8 @@ it. One grammar, two spellings:
 ``task=ID``                  the task
 ``robot=ID|ID``              robot ids; a trailing ``*`` matches any rest (``robot=sim-*``)
 ``since=T``, ``until=T``     created at or after / at or before (unix seconds or an ISO date, local time)
+``closed_since=T``, ...      ``closed_until=T``: closed at or after / at or before (open episodes never
+                             match): a snapshot of what was recorded by then (``vla-rl up --continuous``)
 ``revision=REV|REV``         a checkpoint revision that acted in the episode
 ``round=N|N``                the checkpoint post-training round N produced acted in the episode
 ``success=true|false``       the effective success (an ``outcome`` label overrides the recorded one);
@@ -150,6 +152,8 @@ KEYS: dict[str, _Key] = {
     "robot": _Key("robots", _texts),
     "since": _Key("since", parse_time),
     "until": _Key("until", parse_time),
+    "closed_since": _Key("closed_since", parse_time),
+    "closed_until": _Key("closed_until", parse_time),
     "revision": _Key("revisions", _texts),
     "round": _Key("rounds", _rounds),
     "success": _Key("success", _bool),
@@ -228,6 +232,10 @@ class Selection:
     """Unix seconds; created at or after it."""
     until: float | None = None
     """Unix seconds; created at or before it."""
+    closed_since: float | None = None
+    """Unix seconds; closed at or after it (open episodes do not match)."""
+    closed_until: float | None = None
+    """Unix seconds; closed at or before it (open episodes do not match): what was recorded by then."""
     revisions: tuple[str, ...] = ()
     """Episodes in which any of these checkpoint revisions acted."""
     rounds: tuple[int, ...] = ()
@@ -286,6 +294,14 @@ class Selection:
             raise ValueError(f"max_length: expected >= min_length ({self.min_length}), got {self.max_length}")
         if self.since is not None and self.until is not None and self.until < self.since:
             raise ValueError(f"until: expected >= since ({self.since}), got {self.until}")
+        if (
+            self.closed_since is not None
+            and self.closed_until is not None
+            and self.closed_until < self.closed_since
+        ):
+            raise ValueError(
+                f"closed_until: expected >= closed_since ({self.closed_since}), got {self.closed_until}"
+            )
         if self.max_episodes is not None and (
             not is_int(self.max_episodes) or not 1 <= self.max_episodes <= MAX_DB_INT
         ):

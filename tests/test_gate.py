@@ -207,7 +207,9 @@ def test_up_passes_the_gate_knobs_to_its_rounds(tmp_path: Path) -> None:
     from vla_rl.up.loop import _round_config
 
     cfg = UpConfig(gate_alpha=0.1, report_episodes=0, workdir=tmp_path)
-    rc = _round_config(cfg, 1, "hub://up/policy@prod", tmp_path / "store", tmp_path, "sqlite:///x.db")
+    rc = _round_config(
+        cfg, 1, "hub://up/policy@prod", tmp_path / "store", tmp_path, "sqlite:///x.db", cfg.data
+    )
     assert (rc.gate_alpha, rc.report_episodes, rc.margin) == (0.1, 0, 0.0)
     assert (UpConfig().gate_alpha, UpConfig().report_episodes) == (0.05, 20)
     with pytest.raises(ValueError, match=r"gate_alpha: expected a false-promotion rate in \(0, 1\]"):

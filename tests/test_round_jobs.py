@@ -60,7 +60,9 @@ def _fake_worker(url: str, store: str, name: str, marks: str) -> None:
     started), then records success."""
     import vla_rl.round_worker as rw
 
-    def run_claimed(db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float) -> str:
+    def run_claimed(
+        db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float, nice: int = 0
+    ) -> str:
         Path(marks, f"{round_id}-{w}").touch()
         for _ in range(7):
             db.heartbeat_round(round_id, w, progress={"phase": "training"})

@@ -196,7 +196,9 @@ def _fake_round_worker(url: str, store: str, worker: str, go: Any, out: Any) -> 
     round's work faked (heartbeat, a short sleep, succeeded): many workers, no training."""
     import vla_rl.round_worker as rw
 
-    def run_claimed(db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float) -> str:
+    def run_claimed(
+        db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float, nice: int = 0
+    ) -> str:
         db.heartbeat_round(round_id, w, progress={"phase": "training"})
         time.sleep(0.3)
         db.update_round(round_id, status="succeeded", metrics={"ran_by": w}, finished_at=time.time())

@@ -33,7 +33,7 @@ def _up(work: Path, rounds: int, db: str | None) -> list[str]:
     return [
         *CLI, "up", "--task", "kinematic/Reach-v0", "--robots", str(ROBOTS), "--episodes", str(EPISODES),
         "--rounds", str(rounds), "--base-demos", "4", "--base-steps", "20", "--base-preset", "kinematic-sft",
-        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress",
+        "--preset", "tiny-awr", "--eval-episodes", "4", "--workdir", str(work), "--no-progress", "--no-continuous",
         *(["--db", db] if db else []),
     ]  # fmt: skip
 

@@ -34,7 +34,7 @@ def _up(work: Path, policy: str = "smolvla") -> list[str]:
         "--robots", str(ROBOTS), "--episodes", str(EPISODES), "--rounds", "2", "--base-demos", "3",
         "--base-steps", "4", "--base-preset", "kinematic-sft", "--preset", "tiny-awr", "--round-steps", "4",
         "--eval-episodes", "2", "--margin", "-0.99", "--gate-alpha", "1", "--report-episodes", "0",
-        "--workdir", str(work), "--no-progress",
+        "--workdir", str(work), "--no-progress", "--no-continuous",
     ]  # fmt: skip
 
 

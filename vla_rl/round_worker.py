@@ -51,6 +51,10 @@ class WorkerConfig:
     """Claims of one round before a dead worker's round fails instead of being re-queued."""
     max_rounds: int | None = None
     """Exit after running this many rounds (None = no limit)."""
+    nice: int = 0
+    """Niceness added to each round's process (0..19), not to the worker's: its heartbeats keep their pace
+    while the round yields the cores to the processes that share the machine (``vla-rl up --continuous``:
+    the fleet, the policy server, the collector)."""
 
     def __post_init__(self) -> None:
         self.store = Path(self.store)
@@ -63,6 +67,8 @@ class WorkerConfig:
             )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts: expected >= 1, got {self.max_attempts}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice: expected a niceness in 0..19, got {self.nice}")
 
 
 def run_worker(cfg: WorkerConfig, worker: str | None = None) -> int:
@@ -80,19 +86,21 @@ def run_worker(cfg: WorkerConfig, worker: str | None = None) -> int:
                 break
             time.sleep(cfg.poll_s)
             continue
-        run_claimed(db, rec.id, rec.config, worker, cfg.heartbeat_s)
+        run_claimed(db, rec.id, rec.config, worker, cfg.heartbeat_s, nice=cfg.nice)
         ran += 1
     return ran
 
 
 def run_claimed(
-    db: MetadataDB, round_id: int, config: dict[str, Any], worker: str, heartbeat_s: float
+    db: MetadataDB, round_id: int, config: dict[str, Any], worker: str, heartbeat_s: float, nice: int = 0
 ) -> str:
-    """Run a round this worker claimed in a child process, heartbeating meanwhile; returns its final
-    status."""
+    """Run a round this worker claimed in a child process (``nice`` added to its niceness), heartbeating
+    meanwhile; returns its final status."""
     ctx = mp.get_context("spawn")
     child = ctx.Process(
-        target=_child_main, args=(db.url, round_id, config, worker, os.getpid()), name=f"round-{round_id}"
+        target=_child_main,
+        args=(db.url, round_id, config, worker, os.getpid(), nice),
+        name=f"round-{round_id}",
     )
     child.start()
     log.info("round running", extra={"round": round_id, "worker": worker, "pid": child.pid})
@@ -167,15 +175,20 @@ def _stop(child: Any, timeout_s: float = 10.0) -> None:
         child.join()
 
 
-def _child_main(db_url: str, round_id: int, config: dict[str, Any], worker: str, parent_pid: int) -> None:
+def _child_main(
+    db_url: str, round_id: int, config: dict[str, Any], worker: str, parent_pid: int, nice: int = 0
+) -> None:
     """The round's process: exits by itself when the worker that started it dies (so a re-queued round
-    never runs twice at once), records its own success or failure in the DB."""
+    never runs twice at once), records its own success or failure in the DB; ``nice`` is added to its
+    niceness first (every thread and process it starts inherits it)."""
     from vla_rl.core.logs import setup_logging
     from vla_rl.rounds import config_from_json, run_round
 
     exit_with_parent(parent_pid, code=3, interval_s=1.0, where=f"round {round_id} process")
     setup_logging("info", os.environ.get("VLA_RL_LOG_FORMAT", "text"))
     leave_realtime(f"round {round_id} process")
+    if nice:
+        os.nice(nice)
     db = MetadataDB(db_url)
     try:
         cfg = config_from_json(config)

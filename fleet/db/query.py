@@ -144,6 +144,10 @@ def _filters(q: Selection) -> list[ColumnElement[bool]]:
         w.append(EpisodeRow.created_at >= q.since)
     if q.until is not None:
         w.append(EpisodeRow.created_at <= q.until)
+    if q.closed_since is not None:
+        w.append(EpisodeRow.closed_at >= q.closed_since)
+    if q.closed_until is not None:
+        w.append(EpisodeRow.closed_at <= q.closed_until)
     if q.min_length is not None:
         w.append(EpisodeRow.length >= q.min_length)
     if q.max_length is not None:

@@ -18,12 +18,23 @@ on one gone."""
 
 
 def child_configs(
-    work: Path, store: Path, db_url: str, hub_url: str, ports: Ports, repo: str, served: str
+    work: Path,
+    store: Path,
+    db_url: str,
+    hub_url: str,
+    ports: Ports,
+    repo: str,
+    served: str,
+    round_nice: int = 0,
+    continuous: bool = False,
 ) -> dict[str, Any]:
     """The config of every service child ``up`` starts, by child name: each command's own config dataclass,
     written to WORKDIR/configs/NAME.json and read back by ``vla-rl COMMAND --config FILE``. Secrets are not
     in them (tokens and the DB password reach the children through the environment). The policy server
-    serves and follows the ref ``served``."""
+    serves and follows the ref ``served``; the worker adds ``round_nice`` to its rounds' niceness. A
+    ``continuous`` fleet never pauses, so the collector's store writers run at the fleet's priority (not
+    below it, as when a batch ends and they catch up): a writer that falls behind leaves episodes open
+    until the collector refuses new ones."""
     from fleet.collector import CollectorConfig
     from server.config import ServerConfig
     from vla_rl.dashboard.config import DashboardConfig
@@ -33,8 +44,12 @@ def child_configs(
     return {
         "hub": HubConfig(data=work / "hub", port=ports.hub, token=None),
         "server": ServerConfig(checkpoint=served, follow="self", follow_interval=2.0, port=ports.server),
-        "collector": CollectorConfig(store=store, db=db_url, port=ports.collector),
-        "worker": WorkerConfig(store=store, db_url=db_url, poll_s=1, heartbeat_s=2, stale_after_s=15),
+        "collector": CollectorConfig(
+            store=store, db=db_url, port=ports.collector, **({"store_writer_nice": 0} if continuous else {})
+        ),
+        "worker": WorkerConfig(
+            store=store, db_url=db_url, poll_s=1, heartbeat_s=2, stale_after_s=15, nice=round_nice
+        ),
         "dashboard": DashboardConfig(
             store=store,
             db=db_url,

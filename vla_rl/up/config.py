@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
 RTCMode = Literal["auto", "on", "off"]  # vla_rl_client.action_queue.RTC_MODES (kept light: no grpc here)
+CONTINUOUS_MIN_CORES = 4
+"""``--continuous`` is the default on a machine with at least this many cores: below it the trainer and the
+fleet fight over too few cores for either to keep its pace."""
+MAX_NICE = 19
+
+
+def continuous_default() -> bool:
+    """Whether this machine runs ``up`` continuously by default (:data:`CONTINUOUS_MIN_CORES`)."""
+    return (os.cpu_count() or 1) >= CONTINUOUS_MIN_CORES
+
+
 IMAGE_MULTIPLE = 32
 """A LeRobot policy's ``image_size`` is a multiple of this: 16 px patches, then SmolVLM's 2 x 2 pixel shuffle."""
 
@@ -37,7 +49,15 @@ class UpConfig:
     """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
     episodes: int = 10
     """Episodes per robot between rounds (the trigger): 40 fleet episodes a round with 4 robots. Why 10 and
-    not 5: docs/benchmarks.md, "The improvement loop"."""
+    not 5: docs/benchmarks.md, "The improvement loop". With --continuous: the round triggers once the fleet
+    closed robots x this many episodes since the previous round's snapshot."""
+    continuous: bool = field(default_factory=continuous_default)
+    """Keep the fleet working under prod while a round trains (instead of stopping it): each round trains
+    on a snapshot, the episodes closed when it was queued, and the server's swap reaches each robot at its
+    next action chunk. The default on a machine with 4 or more cores; batch (--no-continuous) below."""
+    trainer_nice: int = 5
+    """With --continuous: niceness added to each round's process, so that the robots, the policy server and
+    the collector keep their pace while it trains (0..19; 0 = as the fleet)."""
     algo: str = "awr"
     """Round algorithm (see `vla-rl round start --help`), unless --preset names a recipe."""
     preset: str | None = None
@@ -107,8 +127,24 @@ class UpConfig:
             raise ValueError(f"round_steps: expected a positive integer or None, got {self.round_steps}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s: expected > 0 seconds, got {self.round_timeout_s}")
+        if not 0 <= self.trainer_nice <= MAX_NICE:
+            raise ValueError(f"trainer_nice: expected a niceness in 0..{MAX_NICE}, got {self.trainer_nice}")
+        self._check_snapshot_keys()
         if self.db is not None and not self.db.strip():
             raise ValueError("db: expected a metadata DB URL (e.g. postgresql://host/vla_rl), got ''")
+
+    def _check_snapshot_keys(self) -> None:
+        """With --continuous each round's data is narrowed to its snapshot (``closed_until``): ``data``
+        must leave that key to the loop."""
+        if not self.continuous or self.data is None:
+            return
+        from fleet.selection import Selection
+
+        if Selection.parse(self.data).closed_until is not None:
+            raise ValueError(
+                f"data: with continuous each round selects the episodes closed before it was queued; "
+                f"leave closed_until out of the selection, got {self.data!r}"
+            )
 
     @property
     def lerobot(self) -> bool:

@@ -8,32 +8,39 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vla_rl.core.console import table
 from vla_rl.core.seeds import ONLINE
 from vla_rl.core.supervisor import Supervisor, http_child, tcp_ready
+from vla_rl.up.activity import HEADER as ACTIVITY_HEADER
+from vla_rl.up.activity import NOTE as ACTIVITY_NOTE
+from vla_rl.up.activity import activity_cells, fleet_activity, overall, wait_closed
 from vla_rl.up.base import seed_base
 from vla_rl.up.children import STOP_ORDER, child_argv, child_configs
 from vla_rl.up.config import UpConfig
+from vla_rl.up.continuous import FOREVER_EPISODES, after, last_snapshot, snapshot_data, wait_for_trigger
 from vla_rl.up.lerobot import policy_line
-from vla_rl.up.report import HEADER, NOTE, fleet_summary, round_cells, round_line, round_row
+from vla_rl.up.report import HEADER, NOTE, fleet_summary, round_cells, round_line, round_row, summarise
 from vla_rl.up.threads import training_threads
 from vla_rl.up.workdir import Ports, shown_db_url, split_db_password, workdir_db, workdir_secret
 
 if TYPE_CHECKING:
     from fleet.db import MetadataDB, RoundRecord
+    from sim.fleet_runner import FleetConfig
     from vla_rl.rounds import RoundConfig
+
+ROBOT_PREFIX = "sim"
+"""The simulated fleet's robots are ``sim-0``, ``sim-1``, ...; the base's demos are not theirs."""
 
 
 def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     """Run the loop; returns one row per round run by this call (also printed)."""
     from fleet.db import MetadataDB, default_url
     from fleet.selection import Selection
-    from sim.fleet_runner import FleetConfig
-    from vla_rl.hub.registry import configure_hub, resolve
-    from vla_rl.rounds import queue_round
+    from vla_rl.hub.registry import configure_hub
 
     Selection.parse(cfg.data, task=cfg.task)  # a bad --data fails now, not in every round
     work = cfg.workdir.resolve()
@@ -65,7 +72,10 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     sup = Supervisor(work / "logs")
     rows: list[dict[str, Any]] = []
     prod = f"hub://{cfg.repo}@prod"
-    children = child_configs(work, store, db_url, hub_url, ports, cfg.repo, served=prod)
+    nice = cfg.trainer_nice if cfg.continuous else 0
+    children = child_configs(
+        work, store, db_url, hub_url, ports, cfg.repo, served=prod, round_nice=nice, continuous=cfg.continuous
+    )
     try:
         hub_ready, hub_env = http_child(f"{hub_url}/api/health")
         sup.start(
@@ -97,6 +107,7 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
             f"  policy     {policy}\n"
             f"  registry   {hub_url}   policy server 127.0.0.1:{ports.server}   collector 127.0.0.1:{ports.collector}\n"
             f"  dashboard  {dash}\n"
+            f"  fleet      {_fleet_line(cfg)}\n"
             f"  store      {store}   db {shown_db_url(db_url)}   logs {work / 'logs'}\n"
             "  stop with Ctrl-C (everything stops within seconds; run the same command again to resume)",
             flush=True,
@@ -131,42 +142,11 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
                 state["ports"] = vars(ports)
                 state_path.write_text(json.dumps(state, indent=2))
                 print(f"  dashboard  its port was taken meanwhile: now http://127.0.0.1:{port}", flush=True)
+        run = _Run(cfg, db, sup, work, store, prod, db_url, ports, env, policy)
         with sup.watching():
-            while len(db.rounds()) < cfg.rounds:
-                n = len(db.rounds()) + 1
-                t0, since = time.monotonic(), time.time()
-                fleet = FleetConfig(
-                    robots=cfg.robots,
-                    episodes=cfg.episodes,
-                    operators=cfg.operators,
-                    task=cfg.task,
-                    server=f"127.0.0.1:{ports.server}",
-                    collector=f"127.0.0.1:{ports.collector}",
-                    seed=ONLINE + cfg.seed * 1_000_000 + n * 10_000,
-                    progress=False,
-                    rtc=cfg.rtc,
-                )
-                sup.run(
-                    "fleet",
-                    child_argv("fleet", fleet, work, file=f"fleet-round-{n}"),
-                    env,
-                    work / "logs" / f"fleet-round-{n}.log",
-                    stop_order=STOP_ORDER["fleet"],
-                )
-                summary = _wait_fleet_episodes(db, since, cfg.robots * cfg.episodes)
-                rid = queue_round(_round_config(cfg, n, prod, store, work, db_url), db)
-                rec = _wait_round(db, rid, cfg.round_timeout_s)
-                row = round_row(rid, rec, summary, (time.monotonic() - t0) / 60, resolve(prod), sup.events)
-                row["policy"] = policy
-                rows.append(row)
-                print(round_line(row), flush=True)
-                with (work / "rounds.jsonl").open("a") as f:
-                    f.write(json.dumps(row, default=str) + "\n")
+            rows = _continuous_rounds(run) if cfg.continuous else _batch_rounds(run)
         if rows:
-            print()
-            print(f"policy: {policy}", flush=True)
-            print(table([round_cells(r) for r in rows], HEADER), flush=True)
-            print(NOTE, flush=True)
+            _print_tables(cfg, rows, policy)
         for r in rows:
             if r["status"] != "succeeded":
                 print(f"round {r['round']} {r['status']}, prod unchanged: {r['error']}", flush=True)
@@ -175,6 +155,132 @@ def run_up(cfg: UpConfig) -> list[dict[str, Any]]:
     finally:
         sup.stop_all()
     return rows
+
+
+@dataclass
+class _Run:
+    """What the rounds of one ``up`` run share: its flags, metadata DB, supervisor and services."""
+
+    cfg: UpConfig
+    db: MetadataDB
+    sup: Supervisor
+    work: Path
+    store: Path
+    prod: str
+    db_url: str
+    ports: Ports
+    env: dict[str, str]
+    policy: str
+
+    def fleet(self, n: int, episodes: int) -> FleetConfig:
+        """The simulated fleet's config: ``episodes`` per robot, seeded for round ``n``."""
+        from sim.fleet_runner import FleetConfig
+
+        cfg = self.cfg
+        return FleetConfig(
+            robots=cfg.robots,
+            episodes=episodes,
+            operators=cfg.operators,
+            task=cfg.task,
+            server=f"127.0.0.1:{self.ports.server}",
+            collector=f"127.0.0.1:{self.ports.collector}",
+            seed=ONLINE + cfg.seed * 1_000_000 + n * 10_000,
+            progress=False,
+            rtc=cfg.rtc,
+        )
+
+    def round_config(self, n: int, data: str | None) -> RoundConfig:
+        """Round ``n``'s config, training on ``data``."""
+        return _round_config(self.cfg, n, self.prod, self.store, self.work, self.db_url, data)
+
+    def finish(self, rid: int, fleet: dict[str, Any], start: float) -> dict[str, Any]:
+        """Wait for round ``rid``, queued after the fleet did ``fleet`` (a summary); its row (printed,
+        appended to rounds.jsonl), its window ``start`` .. now in the fleet's activity."""
+        from fleet.store import EpisodeStore
+        from vla_rl.hub.registry import resolve
+
+        rec = _wait_round(self.db, rid, self.cfg.round_timeout_s)
+        end = time.time()
+        row = round_row(rid, rec, fleet, (end - start) / 60, resolve(self.prod), self.sup.events)
+        row["policy"] = self.policy
+        row["mode"] = "continuous" if self.cfg.continuous else "batch"
+        wait_closed(self.db, start, end, ROBOT_PREFIX)  # the episodes running at `end` too
+        store = EpisodeStore(self.store)
+        row["activity"] = fleet_activity(self.db, store, start, end, self.cfg.robots, ROBOT_PREFIX)
+        print(round_line(row), flush=True)
+        with (self.work / "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        return row
+
+
+def _batch_rounds(run: _Run) -> list[dict[str, Any]]:
+    """The rounds the batch way: per round, the fleet collects its batch under prod and stops, then the
+    round trains on everything so far."""
+    from vla_rl.rounds import queue_round
+
+    cfg, rows = run.cfg, []
+    while len(run.db.rounds()) < cfg.rounds:
+        n = len(run.db.rounds()) + 1
+        start = time.time()
+        run.sup.run(
+            "fleet",
+            child_argv("fleet", run.fleet(n, cfg.episodes), run.work, file=f"fleet-round-{n}"),
+            run.env,
+            run.work / "logs" / f"fleet-round-{n}.log",
+            stop_order=STOP_ORDER["fleet"],
+        )
+        summary = _wait_fleet_episodes(run.db, start, cfg.robots * cfg.episodes)
+        rid = queue_round(run.round_config(n, cfg.data), run.db)
+        rows.append(run.finish(rid, summary, start))
+    return rows
+
+
+def _continuous_rounds(run: _Run) -> list[dict[str, Any]]:
+    """The rounds the continuous way (:mod:`vla_rl.up.continuous`): the fleet works under prod throughout;
+    a round is queued once it closed its episodes after the previous round's snapshot, and trains on the
+    episodes closed by then."""
+    from fleet.selection import Selection
+    from vla_rl.rounds import queue_round
+
+    cfg, db, rows = run.cfg, run.db, []
+    n = len(db.rounds()) + 1
+    fleet = child_argv("fleet", run.fleet(n, FOREVER_EPISODES), run.work, file="fleet-continuous")
+    run.sup.start("fleet", fleet, lambda: True, run.env, stop_order=STOP_ORDER["fleet"])
+    start, snapshot = time.time(), last_snapshot(db)
+    while len(db.rounds()) < cfg.rounds:
+        n = len(db.rounds()) + 1
+        needed = cfg.robots * cfg.episodes
+        at = wait_for_trigger(db, snapshot, needed, ROBOT_PREFIX, cfg.round_timeout_s, run.sup.check)
+        new = Selection(robots=(f"{ROBOT_PREFIX}-*",), closed_since=after(snapshot), closed_until=at)
+        rid = queue_round(run.round_config(n, snapshot_data(cfg.data, at)), db)
+        rows.append(run.finish(rid, summarise(db.select_records(new)), start))
+        start, snapshot = rows[-1]["activity"]["end"], at
+    return rows
+
+
+def _fleet_line(cfg: UpConfig) -> str:
+    """How the fleet runs, as the start-up lines say it."""
+    every = f"a round every {cfg.robots * cfg.episodes} fleet episodes"
+    if cfg.continuous:
+        return (
+            f"continuous: it keeps working while a round trains ({every}; rounds at nice +{cfg.trainer_nice})"
+        )
+    return f"batch: it stops while a round trains ({every}; --continuous keeps it working)"
+
+
+def _print_tables(cfg: UpConfig, rows: list[dict[str, Any]], policy: str) -> None:
+    """The tables printed at the end: the rounds, then the fleet's activity per round and overall."""
+    print()
+    print(f"policy: {policy}", flush=True)
+    print(table([round_cells(r) for r in rows], HEADER), flush=True)
+    print(NOTE, flush=True)
+    print()
+    print(f"fleet ({'continuous' if cfg.continuous else 'batch'}, {cfg.robots} robots):", flush=True)
+    whole = overall([r["activity"] for r in rows])
+    assert whole is not None
+    cells = [*(activity_cells(r["round"], r["activity"]) for r in rows), activity_cells("all", whole)]
+    print(table(cells, ACTIVITY_HEADER), flush=True)
+    print(ACTIVITY_NOTE, flush=True)
 
 
 def _check_same_policy(cfg: UpConfig, old: dict[str, Any]) -> None:
@@ -195,15 +301,18 @@ def _wait_fleet_episodes(
     ``expected`` episodes closed, or after ``timeout_s``: the collector acknowledges into its log first, so
     the store and the DB (what the round selects from) follow a moment later."""
     deadline = time.monotonic() + timeout_s
-    summary = fleet_summary(db, since, "sim")
+    summary = fleet_summary(db, since, ROBOT_PREFIX)
     while summary["episodes"] < expected and time.monotonic() < deadline:
         time.sleep(0.5)
-        summary = fleet_summary(db, since, "sim")
+        summary = fleet_summary(db, since, ROBOT_PREFIX)
     return summary
 
 
-def _round_config(cfg: UpConfig, n: int, prod: str, store: Path, work: Path, db_url: str) -> RoundConfig:
-    """Round ``n``'s config: cfg's algorithm or preset trained on top of ``prod``, on the cores idle now."""
+def _round_config(
+    cfg: UpConfig, n: int, prod: str, store: Path, work: Path, db_url: str, data: str | None
+) -> RoundConfig:
+    """Round ``n``'s config: cfg's algorithm or preset trained on top of ``prod`` on ``data`` (selection
+    text; None = every episode of the task), on the cores idle now."""
     from vla_rl.rounds import RoundConfig
     from vla_rl.train.algorithms import make_config
     from vla_rl.train.presets import preset_config
@@ -217,8 +326,8 @@ def _round_config(cfg: UpConfig, n: int, prod: str, store: Path, work: Path, db_
         "progress": False,
         "threads": training_threads(),
     }
-    if cfg.data is not None:
-        common["data"] = cfg.data
+    if data is not None:
+        common["data"] = data
     if cfg.round_steps is not None:
         common["steps"] = cfg.round_steps
     train = preset_config(cfg.preset, **common) if cfg.preset else make_config(cfg.algo, **common)

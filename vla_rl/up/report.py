@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vla_rl_client.meta import EpisodeRecord
+
     from fleet.db import MetadataDB, RoundRecord
 
 
@@ -15,11 +17,15 @@ def fleet_summary(db: MetadataDB, since: float, robot_prefix: str) -> dict[str, 
     """Success, intervention rate and takeovers of the closed episodes of robots ``robot_prefix*``
     created since ``since``: one selection in the metadata DB (the collector records every episode there
     once the store holds it)."""
-    from vla_rl_client.meta import SegmentKind
-
     from fleet.selection import Selection
 
-    recs = db.select_records(Selection(robots=(f"{robot_prefix}*",), since=since))
+    return summarise(db.select_records(Selection(robots=(f"{robot_prefix}*",), since=since)))
+
+
+def summarise(recs: Sequence[EpisodeRecord]) -> dict[str, Any]:
+    """:func:`fleet_summary` of these closed episodes."""
+    from vla_rl_client.meta import SegmentKind
+
     frames = sum(r.length for r in recs)
     human = sum(
         (s.end if s.end is not None else r.length) - s.start

@@ -8,8 +8,9 @@ import time
 
 def training_threads(sample_s: float = 0.5) -> int:
     """Torch threads for the base's or a round's training: the cores idle right now (sampled over
-    ``sample_s``), at least 1, at most 4. The fleet is idle while a round trains (it collects its batch
-    before the round is queued), so on a machine of its own training takes every core; on a busy machine
+    ``sample_s``), at least 1, at most 4. In the batch loop the fleet is idle while a round trains (it collects
+    its batch before the round is queued), so on a machine of its own training takes every core; with
+    --continuous the sample sees the fleet's share taken; on a busy machine
     more threads than free cores is far slower than one (each op waits for a descheduled sibling thread;
     docs/benchmarks.md has both measured), hence the sample. The cap keeps a small policy from spreading
     over a big machine's cores."""
