@@ -58,11 +58,9 @@ from policies.lerobot_local import copy_local_resources
 from policies.lerobot_sidecar import (
     LINEAGE_FILE,
     AdvantageConditioning,
-    check_spec_fits,
-    read_sidecar,
     write_sidecar,
 )
-from vla_rl.hub.checkpoint import CheckpointError, Lineage
+from vla_rl.hub.checkpoint import Lineage
 
 Tensor = torch.Tensor
 FLOW_TYPES = ("smolvla", "pi0", "pi05")
@@ -172,13 +170,7 @@ class LeRobotFlowPolicy(nn.Module):
         self.local = build.local
         self._normalizer = _step(build.preprocessor, "NormalizerProcessorStep")
         self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
-        try:
-            self.sidecar = read_sidecar(build.path)
-            if self.sidecar.robot_spec is not None:  # the task's spec: its name and instruction
-                check_spec_fits(self.sidecar.robot_spec, build.spec)
-                self.spec = self.sidecar.robot_spec
-        except CheckpointError as e:
-            raise FlowPolicyError(str(e)) from None
+        self.sidecar = build.sidecar  # build.spec is its robot spec when it has one
         self.advantage: AdvantageConditioning | None = self.sidecar.advantage
 
     @classmethod
