@@ -235,3 +235,24 @@ def test_lerobot_vla_trains_only_adapters_and_saves_a_merged_lerobot_folder(
     with torch.no_grad():
         torch.testing.assert_close(again.predict_action_chunk(obs, noise=x0), ours, **close)
     assert (out / LINEAGE_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------- PPO's actor
+def test_ppo_actor_under_lora_trains_the_adapters_and_its_noise_head(folders: dict[str, Path]) -> None:
+    """Flow-Noise / Flow-SDE PPO with ``trainable lora``: the actor's optimiser gets the adapters and the
+    noise head (FlowVLA's inside the model, a LeRobot VLA's beside it), nothing else."""
+    from policies.flow_rl import stochastic_policy
+
+    flow = stochastic_policy(tiny_policy(), "reach")
+    params = flow.actor_parameters("lora", SETTINGS)
+    names = {n for n, p in flow.policy.model.named_parameters() if p.requires_grad}
+    assert any(n.startswith("noise_head.") for n in names) and any(".lora_" in n for n in names)
+    assert all(".lora_" in n or n.startswith("noise_head.") for n in names) and len(params) == len(names)
+
+    lerobot = stochastic_policy(LeRobotFlowPolicy.load(folders["smolvla"]), "push the red cube")
+    params = lerobot.actor_parameters("lora", SETTINGS)
+    head = list(lerobot.noise_head.parameters())
+    assert head and all(any(p is h for p in params) for h in head)
+    adapters = [p for n, p in lerobot.policy.policy.named_parameters() if p.requires_grad]
+    assert adapters and len(params) == len(adapters) + len(head)
+    assert all(".lora_" in n for n, p in lerobot.policy.policy.named_parameters() if p.requires_grad)
