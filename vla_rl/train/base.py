@@ -21,13 +21,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
+from policies.lora import LoraSettings  # imports nothing heavy
 from vla_rl.core.configs import check_values
 
-if TYPE_CHECKING:
-    from policies.lora import LoraSettings
-
+LORA_DEFAULTS = LoraSettings()
 DEVICES = ("auto", "cpu", "cuda", "mps")
 Trainable = Literal["expert", "full", "lora"]
 """Which parts of a flow policy train (:data:`policies.flow_policy.TRAINABLE_PARTS`)."""
@@ -83,11 +82,11 @@ class TrainerConfig:
     ``lora`` = LoRA adapters only (``lora_*`` below; merged into the weights when saved, so the output is an
     ordinary checkpoint or LeRobot folder). None = the policy's default: ``full`` for our FlowVLA,
     ``expert`` for a LeRobot VLA on a CPU (on a GPU, its config's ``train_expert_only``)."""
-    lora_rank: int = 16
+    lora_rank: int = LORA_DEFAULTS.rank
     """LoRA's rank r (``trainable lora`` only): the adapters' inner width."""
-    lora_alpha: float = 32.0
+    lora_alpha: float = LORA_DEFAULTS.alpha
     """LoRA's alpha (``trainable lora`` only): the update ``B A`` is scaled by ``alpha / rank``."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = LORA_DEFAULTS.dropout
     """Dropout on the adapters' input while training (``trainable lora`` only), in [0, 1)."""
     lora_targets: str | None = None
     """Which linear layers get adapters (``trainable lora`` only): a regular expression matched against
@@ -143,16 +142,13 @@ class TrainerConfig:
     def _check_lora(self) -> None:
         """The ``lora_*`` knobs: valid (:class:`~policies.lora.LoraSettings` names the field) and set only
         with ``trainable lora``; LoRA needs the peft package."""
-        from policies.lora import LoraSettings  # imports nothing heavy
-
         settings = LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
         if self.trainable != "lora":
-            default = LoraSettings()
             for name in ("rank", "alpha", "dropout", "targets"):
-                if getattr(settings, name) != getattr(default, name):
+                if getattr(settings, name) != getattr(LORA_DEFAULTS, name):
                     raise ValueError(
                         f"lora_{name}: set only with trainable 'lora' (got trainable {self.trainable!r}); "
-                        f"leave it at {getattr(default, name)!r}"
+                        f"leave it at {getattr(LORA_DEFAULTS, name)!r}"
                     )
             return
         from policies.flow_policy import check_trainable  # only on this path: it imports torch
@@ -164,8 +160,6 @@ class TrainerConfig:
         else None."""
         if self.trainable != "lora":
             return None
-        from policies.lora import LoraSettings
-
         return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
 
