@@ -155,13 +155,13 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every adapter merged into its base weight (``W + (alpha / rank) B A``,
     in the base weight's dtype) and the keys of the plain model; ``model`` is unchanged. A model without
     adapters: its state dict as it is."""
+    state = model.state_dict()
+    if lora_state(model) is None:
+        return state  # (peft is not even imported)
     import torch
     from peft.tuners.lora import LoraLayer
 
-    state = model.state_dict()
     adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    if not adapted:
-        return state
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         deltas = {f"{name}.base_layer.weight": m.get_delta_weight(ADAPTER) for name, m in adapted.items()}
