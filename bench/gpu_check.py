@@ -365,7 +365,7 @@ def ppo_update(args: argparse.Namespace, work: Path, res: dict[str, Any]) -> Non
                 rescore_diff = float((logp[:, 0].cpu() - recorded).abs().max())
             adv = np.random.default_rng(1).normal(size=chunks_n)
             ret = adv + np.array([c.value for c in chunks])
-            actor_opt = torch.optim.AdamW(_actor_params(rl, cfg.trainable), lr=cfg.actor_lr)
+            actor_opt = torch.optim.AdamW(_actor_params(rl, cfg), lr=cfg.actor_lr)
             critic_opt = torch.optim.AdamW(value_fn.net.parameters(), lr=cfg.critic_lr)
             before = flat_params(policy)
             stats, update_s = timed(

@@ -27,7 +27,9 @@ unconditioned and the positive prefix when the guidance scale saved with the pol
 
 **Which parameters train** (:meth:`FlowPolicy.set_trainable`, :data:`TRAINABLE_PARTS`): ``"expert"`` = the
 action expert and its projections, the VLM / trunk frozen (the CPU default for LeRobot VLAs); ``"full"`` =
-everything the model trains; ``"lora"`` is refused (``peft`` is not installed here).
+everything the model trains; ``"lora"`` = LoRA adapters only (:mod:`policies.lora`, placed by the
+architecture's default targets or the settings' own), merged into the weights when the policy is saved, so
+the saved checkpoint or folder is an ordinary one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from vla_rl_client.spec import RobotSpec
 from policies.flow_vla import FlowSample, FlowVLAConfig, FlowVLAPolicy, PrefixCache, euler_sample
 from policies.flow_vla.conventions import VelocityFn
 from policies.flow_vla.sampling import check_num_steps, initial_noise
+from policies.lora import LoraSettings, add_lora, lora_state, merged_state_dict
 from policies.rtc import RTCSettings, sample_rtc
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
@@ -58,6 +61,14 @@ TRAINABLE_PARTS: tuple[str, ...] = get_args(TrainableParts)
 EXPERT_MODULES = ("expert.", "noise_head.", "advantage_embedding.")
 """FlowVLA's action head: the expert (with its prefix K/V projections), the Flow-Noise std head, and
 RECAP's advantage embedding (new when a policy is made advantage-conditioned: it must learn)."""
+NEW_HEADS = ("noise_head.", "advantage_embedding.")
+"""FlowVLA's heads that an algorithm adds (fresh): trained whole under LoRA."""
+FLOW_VLA_LORA_TARGETS = (
+    r"(trunk|expert\.blocks)\.\d+\.(attn\.(qkv|out)|mlp\.(0|2))"
+    r"|expert\.(prefix_kv\.\d+\.kv|action_in|action_out|time_mlp\.(0|2))"
+)
+"""Where LoRA adapters go on FlowVLA by default: the attention and MLP projections of the trunk and the
+expert blocks, the expert's prefix K/V projections, its action in / out and time MLP."""
 
 
 class FlowPolicyError(ValueError):
@@ -178,8 +189,9 @@ class FlowPolicy(Protocol):
         applies it to the samples it draws itself (it keeps their iterates for the uncertainty)."""
         ...
 
-    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
-        """Choose which parameters train (``requires_grad``) and return them, for the optimiser."""
+    def set_trainable(self, parts: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
+        """Choose which parameters train (``requires_grad``) and return them, for the optimiser; ``"lora"``
+        adds adapters as ``lora`` says (None: the default :class:`~policies.lora.LoraSettings`)."""
         ...
 
     def save(
@@ -198,14 +210,11 @@ class FlowPolicy(Protocol):
 
 
 def check_trainable(parts: str) -> None:
-    """Refuse anything but ``"expert"`` / ``"full"``; ``"lora"`` names what it would need."""
-    if parts == "lora":
-        need = (
-            "the peft package, which is not installed here"
-            if importlib.util.find_spec("peft") is None
-            else "LoRA adapters, which are not wired into the flow policies yet"
+    """Refuse anything but :data:`TRAINABLE_PARTS`; ``"lora"`` without the ``peft`` package names it."""
+    if parts == "lora" and importlib.util.find_spec("peft") is None:
+        raise FlowPolicyError(
+            "trainable: 'lora' needs the peft package, which is not installed here; use 'expert' or 'full'"
         )
-        raise FlowPolicyError(f"trainable: 'lora' needs {need}; use 'expert' or 'full'")
     if parts not in TRAINABLE_PARTS:
         raise FlowPolicyError(f"trainable: expected one of {list(TRAINABLE_PARTS)}, got {parts!r}")
 
@@ -447,11 +456,30 @@ class FlowVLAFlowPolicy(nn.Module):
         return self.model.normalizer.unnormalize_action(x)
 
     # ---------------------------------------------------------------- training / IO
-    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
+    def set_trainable(self, parts: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """``"expert"``: the action expert (with its prefix K/V projections), the noise head and RECAP's
-        advantage embedding; the encoders, trunk and other embeddings frozen. ``"full"``: everything the config trains (a frozen
-        ResNet-18 backbone stays frozen)."""
+        advantage embedding; the encoders, trunk and other embeddings frozen. ``"full"``: everything the
+        config trains (a frozen ResNet-18 backbone stays frozen). ``"lora"``: LoRA adapters (``lora``,
+        placed by :data:`FLOW_VLA_LORA_TARGETS` unless it names targets) plus the noise head and RECAP's
+        advantage embedding, whole; merged into the weights when saved."""
         check_trainable(parts)
+        if parts == "lora":
+            heads = tuple(h for h in NEW_HEADS if any(n.startswith(h) for n in self._full))
+            try:
+                return add_lora(
+                    self.model,
+                    lora or LoraSettings(),
+                    default_targets=FLOW_VLA_LORA_TARGETS,
+                    heads=heads,
+                    what="flow_vla",
+                )[1]
+            except ValueError as e:
+                raise FlowPolicyError(str(e)) from None
+        if lora_state(self.model) is not None:
+            raise FlowPolicyError(
+                f"trainable: {parts!r} on a policy that carries LoRA adapters; save it (the adapters are "
+                "merged) and train the saved checkpoint"
+            )
         for name, p in self.model.named_parameters():
             p.requires_grad = name in self._full and (parts == "full" or name.startswith(EXPERT_MODULES))
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -469,6 +497,9 @@ class FlowVLAFlowPolicy(nn.Module):
         base = self.base
         if lineage is None:
             lineage = base.lineage if base is not None else Lineage(algorithm="unknown")
+        adapters = lora_state(model)
+        if adapters is not None:
+            lineage = replace(lineage, lora=adapters.record())
         info = CheckpointInfo(
             policy_type="flow_vla",
             model_config=model.config.to_dict(),
@@ -477,5 +508,5 @@ class FlowVLAFlowPolicy(nn.Module):
             lineage=lineage,
             metrics=dict(metrics or {}),
         )
-        save_checkpoint(folder, model.state_dict(), info)
+        save_checkpoint(folder, merged_state_dict(model), info)
         return Path(folder)

@@ -52,6 +52,7 @@ from policies.flow_vla.modeling_flow_vla import (
     stored_chain_log_prob,
 )
 from policies.flow_vla.sampling import check_num_steps, initial_noise
+from policies.lora import LoraSettings
 
 Tensor = torch.Tensor
 ChainMethod = Literal["sde", "noise"]
@@ -121,10 +122,10 @@ class StochasticFlowPolicy(nn.Module):
             f"critic: 'state' is not available for {type(self.policy).__name__}; use 'prefix'"
         )
 
-    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+    def actor_parameters(self, scope: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """Mark what PPO's actor trains (``requires_grad``) and return it: ``"full"`` the policy's trainable
-        weights, ``"expert"`` the action expert with its projections (VLM / trunk frozen); the noise head
-        always."""
+        weights, ``"expert"`` the action expert with its projections (VLM / trunk frozen), ``"lora"`` LoRA
+        adapters as ``lora`` says (the contract's ``set_trainable``); the noise head always."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- shared
@@ -245,9 +246,11 @@ class FlowVLAStochastic(StochasticFlowPolicy):
     def normalize_state(self, state: Tensor) -> Tensor:
         return self.model.normalizer.normalize_state(state)
 
-    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+    def actor_parameters(self, scope: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """``"full"``: every weight (PPO's historical scope, frozen encoders included); ``"expert"``: the
-        expert and the noise head."""
+        expert and the noise head; ``"lora"``: the contract's adapters, the noise head whole."""
+        if scope == "lora":
+            return self.policy.set_trainable(scope, lora)
         params = []
         for name, p in self.model.named_parameters():
             train = scope == "full" or name.startswith(("expert.", "noise_head."))
@@ -308,10 +311,10 @@ class LeRobotStochastic(StochasticFlowPolicy):
         """The post-processor's un-normalisation, unclipped (as LeRobot deploys)."""
         return self.policy.unnormalize_actions(x)
 
-    def actor_parameters(self, scope: TrainableParts) -> list[nn.Parameter]:
+    def actor_parameters(self, scope: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """The contract's ``set_trainable`` plus the noise head; eval mode stays
         (no dropout anywhere: rollouts and updates must see the same function)."""
-        params = self.policy.set_trainable(scope)
+        params = self.policy.set_trainable(scope, lora)
         self.policy.eval()
         return [*params, *self.noise_head.parameters()]
 

@@ -22,7 +22,9 @@ robot spec (wire)                   LeRobot batch (before the policy's pre-proce
 ==================================  ==================================================================
 
 The robot spec is derived from the policy's ``input_features`` / ``output_features``; a LeRobot config
-has no control rate, so the spec says :data:`DEFAULT_CONTROL_HZ` (LeRobot's own default fps).
+has no control rate, so the spec says :data:`DEFAULT_CONTROL_HZ` (LeRobot's own default fps). A folder with
+our sidecar (:mod:`policies.lerobot_sidecar`) that records the task's robot spec is served with that spec
+(its name, instruction and control rate), once it is checked to fit the config's dims and cameras.
 
 Limits, said plainly:
 
@@ -53,6 +55,7 @@ import torch
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from policies.lerobot_local import LocalBuild, local_build
+from policies.lerobot_sidecar import Sidecar, check_spec_fits, read_sidecar
 from vla_rl.hub.checkpoint import CheckpointError
 
 log = logging.getLogger("vla_rl.lerobot_adapter")
@@ -293,13 +296,14 @@ class LeRobotBuild:
     policy: Any  # lerobot PreTrainedPolicy, in eval mode on the requested device
     preprocessor: Any
     postprocessor: Any
-    spec: RobotSpec
+    spec: RobotSpec  # the sidecar's robot spec when it has one (the task's), else what the config describes
     camera_keys: dict[str, str]
     lerobot_type: str
     path: Path
     has_processors: bool
     local: LocalBuild  # a folder made here: its vlm/ and π0 sizes (policies.lerobot_tiny)
     notes: list[str] = field(default_factory=list)
+    sidecar: Sidecar = field(default_factory=Sidecar)  # our metadata beside the folder (empty: none)
 
 
 def build_lerobot(
@@ -325,6 +329,10 @@ def build_lerobot(
     if accept is not None:
         accept(ptype)
     spec, camera_keys = spec_from_config(raw)
+    sidecar = read_sidecar(root)
+    if sidecar.robot_spec is not None:  # the task's spec (its name, instruction, rate): what is served
+        check_spec_fits(sidecar.robot_spec, spec)
+        spec = sidecar.robot_spec
     weights = root / WEIGHTS_FILE
     if not weights.is_file():
         need = NEEDS_HUB.get(ptype)
@@ -390,7 +398,7 @@ def build_lerobot(
         raise CheckpointError(
             f"{PREPROCESSOR_FILE}: could not build the {ptype} processors: {type(e).__name__}: {e}"
         ) from None
-    return LeRobotBuild(policy, pre, post, spec, camera_keys, ptype, root, has_proc, local, notes)
+    return LeRobotBuild(policy, pre, post, spec, camera_keys, ptype, root, has_proc, local, notes, sidecar)
 
 
 def _check_loaded_shapes(policy: Any, weights: Path, ptype: str) -> None:

@@ -59,15 +59,26 @@ from policies.lerobot_local import copy_local_resources
 from policies.lerobot_sidecar import (
     LINEAGE_FILE,
     AdvantageConditioning,
-    check_spec_fits,
-    read_sidecar,
     write_sidecar,
 )
-from vla_rl.hub.checkpoint import CheckpointError, Lineage
+from policies.lora import LoraSettings, add_lora, lora_state, merged_state_dict
+from vla_rl.hub.checkpoint import Lineage
 
 Tensor = torch.Tensor
 FLOW_TYPES = ("smolvla", "pi0", "pi05")
 """LeRobot policy types that are flow-matching VLAs (an action expert on a VLM prefix)."""
+_LAYER_PROJECTIONS = r"\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+_ACTION_PROJECTIONS = r"model\.(state_proj|action_in_proj|action_out_proj|(action_)?time_mlp_(in|out))"
+LORA_TARGETS = {
+    "smolvla": rf"model\.vlm_with_expert\.(lm_expert|vlm\.model\.text_model){_LAYER_PROJECTIONS}|{_ACTION_PROJECTIONS}",
+    "pi0": rf"model\.paligemma_with_expert\.(gemma_expert\.model|paligemma\.model\.language_model)"
+    rf"{_LAYER_PROJECTIONS}|{_ACTION_PROJECTIONS}",
+}
+"""Where LoRA adapters go by default (``lora_targets`` unset): the attention (q, k, v, o) and MLP (gate, up,
+down) projections of the action expert's and of the VLM's language layers, and the state / action / time
+projections around the expert (LeRobot's own PEFT default adapts the expert's q / v and those projections);
+the vision encoder is left as it is."""
+LORA_TARGETS["pi05"] = LORA_TARGETS["pi0"]
 __all__ = [
     "FLOW_TYPES",
     "LINEAGE_FILE",
@@ -173,13 +184,7 @@ class LeRobotFlowPolicy(nn.Module):
         self.local = build.local
         self._normalizer = _step(build.preprocessor, "NormalizerProcessorStep")
         self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
-        try:
-            self.sidecar = read_sidecar(build.path)
-            if self.sidecar.robot_spec is not None:  # the task's spec: its name and instruction
-                check_spec_fits(self.sidecar.robot_spec, build.spec)
-                self.spec = self.sidecar.robot_spec
-        except CheckpointError as e:
-            raise FlowPolicyError(str(e)) from None
+        self.sidecar = build.sidecar  # build.spec is its robot spec when it has one
         self.advantage: AdvantageConditioning | None = self.sidecar.advantage
 
     @classmethod
@@ -440,25 +445,56 @@ class LeRobotFlowPolicy(nn.Module):
         return self.unnormalize_actions(x)
 
     # ---------------------------------------------------------------- training / IO
-    def set_trainable(self, parts: TrainableParts) -> list[nn.Parameter]:
+    def set_trainable(self, parts: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """``"expert"``: LeRobot's ``train_expert_only`` (the VLM frozen and kept in eval mode; the action
-        expert, the state / action / time projections train). ``"full"``: every parameter. The config's
-        flags follow, so a saved folder says what was trained."""
+        expert, the state / action / time projections train). ``"full"``: every parameter. ``"lora"``:
+        only LoRA adapters (``lora``, default :class:`~policies.lora.LoraSettings`; placed by
+        :data:`LORA_TARGETS` unless it names targets), merged into the weights when saved. The config's
+        flags follow, so a saved folder says what was trained (``train_expert_only`` when no adapter is in
+        the VLM, ``freeze_vision_encoder`` when none is in its vision encoder)."""
         check_trainable(parts)
         cfg, m = self.policy.config, self.policy.model
         with_expert = m.vlm_with_expert if self._smol else m.paligemma_with_expert
         vlm = with_expert.vlm if self._smol else with_expert.paligemma
-        expert_only = parts == "expert"
-        for p in self.policy.parameters():
-            p.requires_grad = True
-        for p in vlm.parameters():
-            p.requires_grad = not expert_only
-        if self._smol and not cfg.train_state_proj:
-            m.state_proj.requires_grad_(False)
+        vision = vlm.model.vision_model if self._smol else vlm.model.vision_tower
+        if parts == "lora":
+            params, frozen_vlm, frozen_vision = self._add_lora(lora or LoraSettings(), vlm, vision)
+        elif lora_state(self.policy) is not None:
+            raise FlowPolicyError(
+                f"trainable: {parts!r} on a policy that carries LoRA adapters; save it (the adapters are "
+                "merged) and train the saved folder"
+            )
+        else:
+            frozen_vlm = frozen_vision = parts == "expert"
+            for p in self.policy.parameters():
+                p.requires_grad = True
+            for p in vlm.parameters():
+                p.requires_grad = not frozen_vlm
+            if self._smol and not cfg.train_state_proj:
+                m.state_proj.requires_grad_(False)
+            params = [p for p in self.policy.parameters() if p.requires_grad]
         for obj in (cfg, with_expert):
-            obj.train_expert_only = obj.freeze_vision_encoder = expert_only
+            obj.train_expert_only, obj.freeze_vision_encoder = frozen_vlm, frozen_vision
         self.train(self.training)  # LeRobot's train() puts a frozen VLM back in eval mode
-        return [p for p in self.policy.parameters() if p.requires_grad]
+        return params
+
+    def _add_lora(
+        self, settings: LoraSettings, vlm: nn.Module, vision: nn.Module
+    ) -> tuple[list[nn.Parameter], bool, bool]:
+        """:func:`~policies.lora.add_lora` on the LeRobot policy: the adapters' parameters, and whether the
+        VLM and its vision encoder stay free of adapters (frozen)."""
+        try:
+            state, params = add_lora(
+                self.policy, settings, default_targets=LORA_TARGETS[self.lerobot_type], what=self.lerobot_type
+            )
+        except ValueError as e:
+            raise FlowPolicyError(str(e)) from None
+        adapted = {id(self.policy.get_submodule(name)) for name in state.layers}
+        return (
+            params,
+            not adapted & {id(x) for x in vlm.modules()},
+            not adapted & {id(x) for x in vision.modules()},
+        )
 
     def condition_on_advantage(self, guidance_scale: float) -> LeRobotFlowPolicy:
         """Make this policy advantage-conditioned (RECAP: the indicator's text in its prompt) with
@@ -487,7 +523,12 @@ class LeRobotFlowPolicy(nn.Module):
         conditioning) with a ``README.md`` model card from it."""
         out = Path(folder)
         copy_local_resources(self.local, out, self.policy, self.preprocessor)
-        self.policy.save_pretrained(out)
+        adapters = lora_state(self.policy)
+        if adapters is None:
+            self.policy.save_pretrained(out)
+        else:  # LoRA: the plain policy's weights with the adapters merged in
+            self.policy.save_pretrained(out, state_dict=merged_state_dict(self.policy))
+            lineage = replace(lineage or self.sidecar.lineage or Lineage("unknown"), lora=adapters.record())
         self.preprocessor.save_pretrained(out)
         self.postprocessor.save_pretrained(out)
         sidecar = replace(

@@ -245,8 +245,11 @@ def test_expert_trains_with_the_vlm_frozen_and_full_trains_everything(
     assert all(p.grad is None for p in vlm.parameters())
     full = fp.set_trainable("full")
     assert len(full) == len(list(fp.parameters())) and not fp.policy.config.train_expert_only
-    with pytest.raises(FlowPolicyError, match="'lora' needs"):
-        fp.set_trainable("lora")
+    with (
+        mock.patch("importlib.util.find_spec", return_value=None),
+        pytest.raises(FlowPolicyError, match="'lora' needs the peft package"),
+    ):
+        fp.set_trainable("lora")  # LoRA itself: tests/test_lora.py
 
 
 # ---------------------------------------------------------------------------- save / load

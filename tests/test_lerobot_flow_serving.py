@@ -141,6 +141,32 @@ def test_flow_vla_folders_are_served_through_the_contract(
         assert RobotSpec.from_json(info[ptype].robot_spec_json).cameras == SPEC.cameras
 
 
+def test_the_sidecar_robot_spec_is_the_one_served(server: PolicyServer, folders: dict[str, Path]) -> None:
+    """A folder whose sidecar records the task's robot spec is served with it (its name, instruction and
+    control rate; the config alone says lerobot/<type>, no instruction and LeRobot's 30 Hz), through the
+    contract and through LeRobot's own predict_action_chunk alike."""
+    assert (SPEC.name, SPEC.control_hz) != ("lerobot/smolvla", 30.0)
+    with PolicyClient(server.address, timeout_s=60) as c:
+        info = c.info()
+    for ptype in FLOW_TYPES:
+        served = RobotSpec.from_json(info[ptype].robot_spec_json)
+        assert served == SPEC, (ptype, served)
+        assert (served.name, served.instruction, served.control_hz) == (
+            SPEC.name,
+            SPEC.instruction,
+            SPEC.control_hz,
+        )
+        assert server.slots[ptype].active.spec == SPEC
+    with mock.patch.object(LeRobotFlowPolicy, "__init__", _refuse):
+        fallback = load_servable(folders["pi0"], device="cpu")
+    assert isinstance(fallback, LeRobotModel) and fallback.spec == SPEC
+    assert fallback.spec.control_hz == SPEC.control_hz
+
+
+def _refuse(self: LeRobotFlowPolicy, build: Any) -> None:
+    raise FlowPolicyError("refused by the test")
+
+
 @pytest.mark.parametrize("ptype", FLOW_TYPES)
 def test_robots_in_one_batch_get_what_a_batch_of_one_gives_them(
     ptype: str, server: PolicyServer, lerobot: dict[str, LeRobotFlowPolicy]

@@ -180,7 +180,7 @@ def test_update_moves_the_expert_and_noise_head_not_the_vlm(
     )
     value_fn = ValueFn(cfg, rl)
     assert value_fn.kind == "prefix"  # 'auto': RLinf's value head after the VLM prefix
-    actor = _actor_params(rl, cfg.trainable)  # None: the expert (on a CPU)
+    actor = _actor_params(rl, cfg)  # trainable None: the expert (on a CPU)
     model = rl.policy.policy.model
     vlm = model.vlm_with_expert.vlm
     expert = model.vlm_with_expert.lm_expert

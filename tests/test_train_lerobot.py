@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -181,6 +182,34 @@ def test_sft_full_trains_the_vlm_too(store: Path, bases: dict[str, Path], tmp_pa
     assert not json.loads((ckpt / "config.json").read_text())["train_expert_only"]
 
 
+def test_lora_sft_trains_adapters_only_and_ships_a_plain_lerobot_folder(
+    store: Path, bases: dict[str, Path], tmp_path: Path
+) -> None:
+    """``trainable lora``: the loss on the data falls; the folder is an ordinary LeRobot folder (no adapter
+    keys, the base's key set) whose vision encoder is the base's, and its lineage records the adapters."""
+    ckpt = _sft(
+        store,
+        bases["smolvla"],
+        tmp_path / "sft",
+        steps=12,
+        lr=3e-3,
+        warmup_steps=1,
+        trainable="lora",
+        lora_rank=4,
+    )
+    lineage = json.loads((ckpt / LINEAGE_FILE).read_text())["lineage"]
+    assert lineage["algorithm"] == "sft" and lineage["lora"]["rank"] == 4 and lineage["lora"]["merged"]
+    state0 = LeRobotFlowPolicy.load(bases["smolvla"]).policy.state_dict()
+    state1 = LeRobotFlowPolicy.load(ckpt).policy.state_dict()
+    assert set(state0) == set(state1)
+    vision = [k for k in state0 if ".vision_model." in k]
+    assert vision and not _changed({k: state0[k] for k in vision}, state1)
+    assert _changed(state0, state1)
+    batch = _batch(LeRobotFlowPolicy.load(bases["smolvla"]), store)
+    before, after = _fixed_loss(bases["smolvla"], batch), _fixed_loss(ckpt, batch)
+    assert after < 0.9 * before, (before, after)
+
+
 def test_trained_folder_loads_in_lerobot_and_acts_as_ours(
     store: Path, bases: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -200,8 +229,12 @@ def test_trainable_knob_is_checked_when_the_config_is_made(tmp_path: Path) -> No
     from vla_rl.train.awr import AWRConfig
     from vla_rl.train.sft import SFTConfig
 
-    with pytest.raises(ValueError, match="trainable: 'lora' needs the peft package"):
+    with (
+        mock.patch("importlib.util.find_spec", return_value=None),
+        pytest.raises(ValueError, match="trainable: 'lora' needs the peft package"),
+    ):
         AWRConfig(store=tmp_path, base=str(tmp_path), out=tmp_path / "o", trainable="lora")
+    AWRConfig(store=tmp_path, base=str(tmp_path), out=tmp_path / "o", trainable="lora")  # peft is here
     with pytest.raises(ValueError, match="trainable: SFT from scratch trains the whole new model"):
         SFTConfig(store=tmp_path, out=tmp_path / "o", init="scratch", trainable="expert")
     from vla_rl.train.algorithms import make_config

@@ -103,6 +103,9 @@ class Lineage:
     data: dict[str, Any] = field(default_factory=dict)  # data selection + snapshot (store, episodes, frames)
     created: float = field(default_factory=time.time)
     code_version: str = __version__
+    lora: dict[str, Any] | None = (
+        None  # trained with LoRA adapters (rank, alpha, ...), merged into the weights
+    )
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ def model_card(info: CheckpointInfo, title: str | None = None) -> str:
         f"- parent: {lin.parent_revision or 'none (trained from scratch)'}",
         f"- round: {lin.round if lin.round is not None else '-'}",
         f"- data: `{json.dumps(lin.data, sort_keys=True)}`",
+        *(
+            [f"- LoRA (merged into the weights): `{json.dumps(lin.lora, sort_keys=True)}`"]
+            if lin.lora
+            else []
+        ),
         f"- created: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lin.created))}",
         "",
         "## Metrics",

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from policies.lora import LoraSettings  # imports nothing heavy
 from vla_rl.core.configs import check_values
 
+LORA_DEFAULTS = LoraSettings()
 DEVICES = ("auto", "cpu", "cuda", "mps")
 Trainable = Literal["expert", "full", "lora"]
 """Which parts of a flow policy train (:data:`policies.flow_policy.TRAINABLE_PARTS`)."""
@@ -77,8 +79,20 @@ class TrainerConfig:
     """Which parts of the policy train when fine-tuning a base (trainers whose ``chooses_trainable``:
     SFT from a base, AWR, RECAP, awr-pi, Flow-Noise / Flow-SDE PPO, whose noise head always trains):
     ``expert`` = the action expert and its projections (the VLM / trunk frozen), ``full`` = everything,
-    ``lora`` = LoRA adapters (refused: needs the peft package). None = the policy's default: ``full`` for
-    our FlowVLA, ``expert`` for a LeRobot VLA on a CPU (on a GPU, its config's ``train_expert_only``)."""
+    ``lora`` = LoRA adapters only (``lora_*`` below; merged into the weights when saved, so the output is an
+    ordinary checkpoint or LeRobot folder). None = the policy's default: ``full`` for our FlowVLA,
+    ``expert`` for a LeRobot VLA on a CPU (on a GPU, its config's ``train_expert_only``)."""
+    lora_rank: int = LORA_DEFAULTS.rank
+    """LoRA's rank r (``trainable lora`` only): the adapters' inner width."""
+    lora_alpha: float = LORA_DEFAULTS.alpha
+    """LoRA's alpha (``trainable lora`` only): the update ``B A`` is scaled by ``alpha / rank``."""
+    lora_dropout: float = LORA_DEFAULTS.dropout
+    """Dropout on the adapters' input while training (``trainable lora`` only), in [0, 1)."""
+    lora_targets: str | None = None
+    """Which linear layers get adapters (``trainable lora`` only): a regular expression matched against
+    full module names, e.g. ``.*lm_expert.*\\.(q|v)_proj``. None = the architecture's default: the attention
+    and MLP projections of the action expert and of the VLM's language layers (FlowVLA: of the trunk and
+    expert blocks) and the action / state / time projections."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every algorithm's config starts its validation with the fields' types (here, in
@@ -121,12 +135,32 @@ class TrainerConfig:
                 f"trainable: {self.algorithm or name} does not choose which parts of its policy train "
                 f"(it trains what it always did); leave it unset, got {self.trainable!r}"
             )
-        if self.trainable == "lora":
-            from policies.flow_policy import check_trainable  # only on this path: it imports torch
-
-            check_trainable(self.trainable)  # refused, naming what LoRA needs
+        self._check_lora()
         if self.needs_base:  # SFT says its own (it may train from scratch)
             check_flow_base(self.base, self.algorithm)
+
+    def _check_lora(self) -> None:
+        """The ``lora_*`` knobs: valid (:class:`~policies.lora.LoraSettings` names the field) and set only
+        with ``trainable lora``; LoRA needs the peft package."""
+        settings = LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+        if self.trainable != "lora":
+            for name in ("rank", "alpha", "dropout", "targets"):
+                if getattr(settings, name) != getattr(LORA_DEFAULTS, name):
+                    raise ValueError(
+                        f"lora_{name}: set only with trainable 'lora' (got trainable {self.trainable!r}); "
+                        f"leave it at {getattr(LORA_DEFAULTS, name)!r}"
+                    )
+            return
+        from policies.flow_policy import check_trainable  # only on this path: it imports torch
+
+        check_trainable(self.trainable)  # refused when peft is not installed
+
+    def lora_settings(self) -> LoraSettings | None:
+        """The ``lora_*`` knobs as :class:`~policies.lora.LoraSettings` when ``trainable`` is ``lora``,
+        else None."""
+        if self.trainable != "lora":
+            return None
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
 
 def check_flow_base(base: str | None, algorithm: str) -> None:

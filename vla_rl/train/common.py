@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fleet.dataset import ChunkDataset
+from policies.lora import lora_state, merged_state_dict
 from vla_rl.core.secrets import shown_url
 from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 from vla_rl.train.transitions import TransitionBuffer
@@ -191,19 +192,25 @@ def save_derived_checkpoint(
     round_index: int | None = None,
 ) -> CheckpointInfo:
     """Save a post-trained copy of ``base``: same policy type, spec and normalisation, new weights and
-    a lineage naming the algorithm and the parent it was trained from."""
+    a lineage naming the algorithm and the parent it was trained from (LoRA adapters merged into the
+    weights, and recorded in the lineage)."""
     config = getattr(model, "config", None)
+    adapters = lora_state(model)
     info = CheckpointInfo(
         policy_type=base.policy_type,
         model_config=config.to_dict() if config is not None else base.model_config,
         robot_spec=base.robot_spec,
         normalization=base.normalization,
         lineage=Lineage(
-            algorithm=algorithm, parent_revision=parent_revision, round=round_index, data=dict(data or {})
+            algorithm=algorithm,
+            parent_revision=parent_revision,
+            round=round_index,
+            data=dict(data or {}),
+            lora=adapters.record() if adapters is not None else None,
         ),
         metrics=dict(metrics or {}),
     )
-    return save_checkpoint(path, model.state_dict(), info)
+    return save_checkpoint(path, merged_state_dict(model), info)
 
 
 def load_flowvla_base(ref: str, *, algorithm: str, why: str, device: torch.device) -> Any:

@@ -9,7 +9,8 @@ things with it, here once:
   algorithm (``"awr needs a flow-matching policy; act is not one — use sft"``);
 * **choose what trains** (:func:`trainable_parameters`): the config's ``trainable`` knob, by default
   ``full`` for FlowVLA (what every trainer always trained) and ``expert`` for a LeRobot VLA on a CPU (on a
-  GPU, what the folder's own config says: ``train_expert_only``);
+  GPU, what the folder's own config says: ``train_expert_only``); ``lora`` with the config's ``lora_*``
+  settings (the adapters are merged into the weights when the policy is saved);
 * **feed it** (:class:`PolicyInputs`): dataset / buffer batches (LeRobot's key names) become the contract's
   observation batches, each sample with its own instruction (text; FlowVLA also gets the frozen
   embeddings, computed once per distinct instruction, as before);
@@ -81,7 +82,7 @@ def trainable_parameters(cfg: TrainerConfig, policy: FlowPolicy) -> list[nn.Para
     for the optimiser; a refused choice raises a ValueError naming the field."""
     parts = cfg.trainable or default_trainable(policy)
     try:
-        params = policy.set_trainable(parts)
+        params = policy.set_trainable(parts, cfg.lora_settings())
     except FlowPolicyError as e:
         raise ValueError(f"{e} ({cfg.algorithm})") from None
     if not params:

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from vla_rl_client.spec import RobotSpec
 
-from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy, TrainableParts
+from policies.flow_policy import FlowChunkPolicy, FlowVLAFlowPolicy
 from policies.flow_rl import LeRobotStochastic, StochasticFlowPolicy, stochastic_policy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, SDESchedule
 from policies.loading import LoadedPolicy, load_chunk_policy, pick_device
@@ -144,11 +144,11 @@ def _load_base(cfg: PPOConfig, device: torch.device) -> _Base:
     return _Base(rl, base.commit, base.spec, task.name, None)
 
 
-def _actor_params(policy: StochasticFlowPolicy, parts: TrainableParts | None) -> list[nn.Parameter]:
-    """What the actor's optimiser trains: the config's ``trainable`` parts, by default every trainer's
-    (:func:`~vla_rl.train.contract.default_trainable`: all of our FlowVLA, a LeRobot VLA's expert on a CPU),
-    plus the noise head."""
-    return policy.actor_parameters(parts or default_trainable(policy.policy))
+def _actor_params(policy: StochasticFlowPolicy, cfg: PPOConfig) -> list[nn.Parameter]:
+    """What the actor's optimiser trains: the config's ``trainable`` parts (LoRA with its ``lora_*``
+    settings), by default every trainer's (:func:`~vla_rl.train.contract.default_trainable`: all of our
+    FlowVLA, a LeRobot VLA's expert on a CPU), plus the noise head."""
+    return policy.actor_parameters(cfg.trainable or default_trainable(policy.policy), cfg.lora_settings())
 
 
 def _flatten(done: list[list[Chunk]], cfg: PPOConfig) -> tuple[list[Chunk], np.ndarray, np.ndarray]:
@@ -192,7 +192,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     base = _load_base(cfg, device)
     policy, task, spec = base.policy, base.task, base.spec
     value_fn = ValueFn(cfg, policy)
-    actor_params = _actor_params(policy, cfg.trainable)
+    actor_params = _actor_params(policy, cfg)
     critic_params = list(value_fn.net.parameters())
     betas = (0.9, 0.95)
     actor_opt = torch.optim.AdamW(actor_params, lr=cfg.actor_lr, betas=betas, weight_decay=cfg.weight_decay)
