@@ -59,14 +59,15 @@ def test_flow_map_and_rollout_losses_hand_computed_over_the_robot_dims() -> None
     end = mid + 0.5 * v(mid, 0.5)
     by_hand_roll = (end - x1)[..., :2].square().mean()
     torch.testing.assert_close(rollout_loss(v, x0, x1, 2, dims), by_hand_roll)
-    out = distill_losses(v, iterates, 2, dims, map_weight=0.5, rollout_weight=2.0)
+    out = distill_losses(v, points, dims, map_weight=0.5, rollout_weight=2.0)
     torch.testing.assert_close(out["loss"], 0.5 * by_hand_map + 2.0 * by_hand_roll)
     # with a field acting dim by dim, what the padding dim holds changes nothing
     diagonal = lambda x, t: 0.5 * x + 1.0  # noqa: E731
     padded = iterates.clone()
     padded[..., 2] += 10.0
     losses = [
-        distill_losses(diagonal, x, 2, dims, map_weight=1.0, rollout_weight=1.0) for x in (iterates, padded)
+        distill_losses(diagonal, teacher_grid_points(x, 2), dims, map_weight=1.0, rollout_weight=1.0)
+        for x in (iterates, padded)
     ]
     torch.testing.assert_close(losses[0]["loss"], losses[1]["loss"])
 
@@ -75,7 +76,7 @@ def test_one_student_step_is_fqls_distillation_of_the_teachers_chunk() -> None:
     v = _velocity()
     torch.manual_seed(1)
     iterates = torch.randn(3, 11, 2, 3)  # K_T = 10
-    out = distill_losses(v, iterates, 1, 3, map_weight=1.0, rollout_weight=1.0)
+    out = distill_losses(v, teacher_grid_points(iterates, 1), 3, map_weight=1.0, rollout_weight=1.0)
     z, chunk = iterates[:, 0], iterates[:, -1]
     expected = distillation_loss(one_step_actions(v, z), chunk)
     torch.testing.assert_close(out["loss_map"], expected)
@@ -86,7 +87,9 @@ def test_one_student_step_is_fqls_distillation_of_the_teachers_chunk() -> None:
 def test_the_teacher_side_carries_no_gradient() -> None:
     w = torch.tensor(0.7, requires_grad=True)
     iterates = torch.randn(2, 5, 2, 3, requires_grad=True)
-    out = distill_losses(lambda x, t: w * x, iterates, 2, 3, map_weight=1.0, rollout_weight=1.0)
+    out = distill_losses(
+        lambda x, t: w * x, teacher_grid_points(iterates, 2), 3, map_weight=1.0, rollout_weight=1.0
+    )
     out["loss"].backward()
     assert w.grad is not None and float(w.grad.abs()) > 0
     # only the student's inputs (z = x_0 and X_1 = x_2) reach the teacher's iterates; the chunk X_2 = x_4 is
@@ -136,32 +139,35 @@ def _gap(policy: Any, teacher: Any, obs: dict[str, Any], z: torch.Tensor, k: int
     return float((mine - ref).square().mean())
 
 
+@pytest.mark.parametrize(("k", "pairs_per_frame"), [(2, 0), (1, 4)])
 def test_distill_ships_an_ordinary_checkpoint_closer_to_the_teacher(
-    base: tuple[Path, Path], tmp_path: Path
+    base: tuple[Path, Path], tmp_path: Path, k: int, pairs_per_frame: int
 ) -> None:
+    """Fresh pairs every update (K = 2) or a pool labelled once (K = 1): the student's K steps land nearer
+    the teacher's ten than the parent's own K steps do, and it ships as an ordinary checkpoint."""
     store, parent = base
     cfg = make_config(
-        "distill", base=str(parent), store=str(store), out=str(tmp_path / "run"), student_steps=2, steps=150,
+        "distill", base=str(parent), store=str(store), out=str(tmp_path / "run"), student_steps=k, steps=150,
         warmup_steps=10, batch_size=32, lr=1e-3, threads=1, progress=False, round_index=3,
+        pairs_per_frame=pairs_per_frame,
     )  # fmt: skip
     res = train(cfg)
     assert res.metrics["loss_rollout"] < res.metrics["first_loss_rollout"]
     info = read_info(res.checkpoint)
-    assert info.model_config["num_inference_steps"] == 2
+    assert info.model_config["num_inference_steps"] == k
     teacher = load_policy(parent)
     assert info.lineage.algorithm == "distill" and info.lineage.parent_revision == teacher.commit
     assert info.lineage.round == 3
-    assert (info.lineage.data["teacher_steps"], info.lineage.data["student_steps"]) == (10, 2)
-    student = load_policy(res.checkpoint)  # the ordinary loader: K = 2 from its config, nothing else
-    assert student.policy.config.num_inference_steps == 2
+    assert (info.lineage.data["teacher_steps"], info.lineage.data["student_steps"]) == (10, k)
+    student = load_policy(res.checkpoint)  # the ordinary loader: K from its config, nothing else
+    assert student.policy.config.num_inference_steps == k
     assert json.loads((tmp_path / "run" / "curve.json").read_text())
     torch.manual_seed(7)
     c = student.policy.config
     obs = {"state": torch.randn(64, c.state_dim), "cameras": {}}
     z = torch.randn(64, c.chunk_len, c.action_dim)
-    # the student's two steps land nearer the teacher's ten than the parent's own two steps do
     distilled, naive = (
         _gap(student.policy, teacher.policy, obs, z),
-        _gap(teacher.policy, teacher.policy, obs, z, 2),
+        _gap(teacher.policy, teacher.policy, obs, z, k),
     )
     assert distilled < naive

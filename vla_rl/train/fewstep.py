@@ -12,7 +12,9 @@ config: ``num_steps`` / ``num_inference_steps``).
 ``data``) and noise z ~ N(0, I), and runs the parent's deterministic K_T-step ODE from z with no gradient:
 its iterates x^T_j at t = j / K_T. The student's grid t_k = k / K_S falls on teacher iterates (K_T / K_S
 teacher steps per student step), so the teacher's flow map over each student step is known:
-``X_k = x^T_{k K_T / K_S}`` (X_0 = z, X_{K_S} = the parent's chunk on z).
+``X_k = x^T_{k K_T / K_S}`` (X_0 = z, X_{K_S} = the parent's chunk on z). With ``pairs_per_frame`` N > 0
+every frame is labelled N times once, before training, and the updates draw from that pool (a teacher
+pass per pair rather than per update: several times cheaper on a CPU).
 
 **Objective** (Δ = 1 / K_S, errors over the robot's action dims: a LeRobot VLA's padding is no action)::
 
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from fleet.selection import Selection
@@ -140,18 +143,12 @@ def rollout_loss(velocity: VelocityFn, z: Tensor, target: Tensor, student_steps:
 
 
 def distill_losses(
-    velocity: VelocityFn,
-    iterates: Tensor,
-    student_steps: int,
-    dims: int,
-    *,
-    map_weight: float,
-    rollout_weight: float,
+    velocity: VelocityFn, points: Tensor, dims: int, *, map_weight: float, rollout_weight: float
 ) -> dict[str, Tensor]:
-    """``loss_map``, ``loss_rollout`` and their weighted sum ``loss`` for the teacher's iterates ``[B, K_T + 1,
-    H, D]`` from the noise ``iterates[:, 0]``; with one student step the two terms are the same number, so
-    the velocity is evaluated once."""
-    points = teacher_grid_points(iterates, student_steps)
+    """``loss_map``, ``loss_rollout`` and their weighted sum ``loss`` for the teacher's points ``X``
+    ``[B, K_S + 1, H, D]`` at the student's grid (:func:`teacher_grid_points`; ``X_0`` the noise); with one
+    student step the two terms are the same number, so the velocity is evaluated once."""
+    student_steps = points.shape[1] - 1
     out = {"loss_map": flow_map_loss(velocity, points, dims)}
     if student_steps == 1:
         out["loss_rollout"] = out["loss_map"]
@@ -181,6 +178,11 @@ class DistillConfig(TrainerConfig):
     """w_roll: weight of the end-to-end rollout regression L_roll."""
     fm_weight: float = 0.0
     """w_fm: weight of the flow-matching loss on the data's actions (an anchor; 0 = off)."""
+    pairs_per_frame: int = 0
+    """0: every update labels its batch with the teacher from fresh noise (the objective as written). N > 0:
+    label every frame of the data N times (fresh noise each) once, before training, and draw the updates'
+    pairs from that fixed pool: a teacher pass per pair instead of per update (several times cheaper on a
+    CPU; the pool must be large enough not to be memorised)."""
     steps: int = 2000
     """Gradient updates."""
     batch_size: int = 128
@@ -199,6 +201,10 @@ class DistillConfig(TrainerConfig):
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.teacher_steps is not None:
             check_grids(self.teacher_steps, self.student_steps)
+        if self.pairs_per_frame < 0:
+            raise ValueError(
+                f"pairs_per_frame: expected >= 0 (0 = fresh pairs every update), got {self.pairs_per_frame}"
+            )
         for name in ("map_weight", "rollout_weight", "fm_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
@@ -234,22 +240,14 @@ def teacher_iterates(teacher: FlowPolicy, obs: Mapping[str, Any], z: Tensor, tea
 
 
 def student_losses(
-    student: FlowPolicy,
-    teacher: FlowPolicy,
-    batch: Mapping[str, Any],
-    z: Tensor,
-    cfg: DistillConfig,
-    teacher_steps: int,
+    student: FlowPolicy, batch: Mapping[str, Any], points: Tensor, cfg: DistillConfig
 ) -> dict[str, Tensor]:
     """One update's losses (:func:`distill_losses`, plus ``loss_fm`` when ``fm_weight``) on a batch of
-    observations with their actions and the noise ``z`` ``[B, H, D]``."""
-    obs = {k: v for k, v in batch.items() if k not in ACTION_KEYS}  # a prefix reads no actions
-    iterates = teacher_iterates(teacher, obs, z, teacher_steps)
-    prefix = student.encode_prefix(obs)
+    observations with their actions and the teacher's points ``[B, K_S + 1, H, D]`` on them."""
+    prefix = student.encode_prefix(observations(batch))
     out = distill_losses(
         lambda x, t: student.velocity(prefix, x, t),
-        iterates,
-        cfg.student_steps,
+        points,
         student.action_dim,
         map_weight=cfg.map_weight,
         rollout_weight=cfg.rollout_weight,
@@ -258,6 +256,53 @@ def student_losses(
         out["loss_fm"] = weighted_flow_loss(student, batch)[0]
         out["loss"] = out["loss"] + cfg.fm_weight * out["loss_fm"]
     return out
+
+
+def observations(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch without its actions: what a prefix reads."""
+    return {k: v for k, v in batch.items() if k not in ACTION_KEYS}
+
+
+class TeacherPairs:
+    """Where an update's (observation, teacher points) pairs come from: labelled by the teacher for each
+    batch from fresh noise (``pairs_per_frame`` 0), or drawn from a pool labelled once, every frame
+    ``pairs_per_frame`` times."""
+
+    def __init__(
+        self, teacher: FlowPolicy, buf: Any, inputs: PolicyInputs, cfg: DistillConfig, teacher_steps: int
+    ) -> None:
+        self.teacher, self.buf, self.inputs, self.cfg, self.k_t = teacher, buf, inputs, cfg, teacher_steps
+        self.horizon = teacher.chunk_len
+        self.pool_rows: np.ndarray | None = None
+        self.pool_points: Tensor | None = None
+        if cfg.pairs_per_frame:
+            self._label_pool()
+
+    def label(self, batch: Mapping[str, Any]) -> Tensor:
+        """The teacher's points at the student's grid from fresh noise, for a batch of observations."""
+        z = torch.randn(batch["state"].shape[0], *self.teacher.event_shape, device=self.teacher.device)
+        return teacher_grid_points(
+            teacher_iterates(self.teacher, observations(batch), z, self.k_t), self.cfg.student_steps
+        )
+
+    def _label_pool(self, chunk: int = 256) -> None:
+        rows = np.repeat(np.arange(len(self.buf)), self.cfg.pairs_per_frame)
+        points = []
+        for i in range(0, len(rows), chunk):
+            batch = self.inputs(self.buf.batch(rows[i : i + chunk], horizon=self.horizon, n_step=1))
+            points.append(self.label(batch).cpu())
+        self.pool_rows, self.pool_points = rows, torch.cat(points)
+
+    def __call__(self, step: int) -> tuple[dict[str, Any], Tensor]:
+        """Update ``step``'s batch (observations with their actions) and the teacher's points on it."""
+        cfg = self.cfg
+        if self.pool_rows is None or self.pool_points is None:
+            rows = sample_indices(len(self.buf), cfg.batch_size, cfg.seed, step)
+            batch = self.inputs(self.buf.batch(rows, horizon=self.horizon, n_step=1))
+            return batch, self.label(batch)
+        pick = sample_indices(len(self.pool_rows), cfg.batch_size, cfg.seed, step)
+        batch = self.inputs(self.buf.batch(self.pool_rows[pick], horizon=self.horizon, n_step=1))
+        return batch, self.pool_points[pick].to(self.teacher.device)
 
 
 def train_distill(cfg: DistillConfig) -> DistillResult:
@@ -306,11 +351,11 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         },
     )
 
+    pairs = TeacherPairs(teacher, buf, inputs, cfg, k_t)
+
     def update(step: int) -> dict[str, Tensor]:
-        rows = sample_indices(len(buf), cfg.batch_size, cfg.seed, step)
-        batch = inputs(buf.batch(rows, horizon=student.chunk_len, n_step=1))
-        z = torch.randn(len(rows), *student.event_shape, device=device)
-        out = student_losses(student, teacher, batch, z, cfg, k_t)
+        batch, points = pairs(step)
+        out = student_losses(student, batch, points, cfg)
         gradient_step(out["loss"], [opt], SINGLE)
         return out
 
@@ -332,6 +377,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         "frames": len(buf),
         "teacher_steps": k_t,
         "student_steps": cfg.student_steps,
+        "pairs_per_frame": cfg.pairs_per_frame,
     }
     ckpt = cfg.out / "checkpoints" / "last"
     student.train(False)
