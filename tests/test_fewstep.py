@@ -110,6 +110,7 @@ def test_grids_and_config_checks_name_the_field(tmp_path: Path) -> None:
         ({"student_steps": 3, "teacher_steps": 10}, "student_steps: expected a divisor"),
         ({"student_steps": 0}, "student_steps: expected a positive integer"),
         ({"fm_weight": -1.0}, "fm_weight: expected >= 0"),
+        ({"pairs_per_frame": 10**6}, r"pairs_per_frame: expected 0\.\.1024"),
         ({"map_weight": 0.0, "rollout_weight": 0.0}, "map_weight: the student learns from the teacher only"),
         ({"steps": 50}, r"warmup_steps: expected fewer than steps \(50\)"),
         ({"lr": 0.0}, "lr: expected > 0"),

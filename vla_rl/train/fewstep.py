@@ -159,6 +159,11 @@ def distill_losses(
 
 
 # ============================================================================ config
+MAX_PAIRS_PER_FRAME = 1024
+"""The pool holds frames x pairs_per_frame teacher chunks in memory: bounded so that a mistyped value is
+refused when the config is made, not when the pool fills the machine."""
+
+
 @dataclass(kw_only=True)
 class DistillConfig(TrainerConfig):
     """Every knob of a few-step distillation run (the module docstring has the objective)."""
@@ -201,9 +206,10 @@ class DistillConfig(TrainerConfig):
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.teacher_steps is not None:
             check_grids(self.teacher_steps, self.student_steps)
-        if self.pairs_per_frame < 0:
+        if not 0 <= self.pairs_per_frame <= MAX_PAIRS_PER_FRAME:
             raise ValueError(
-                f"pairs_per_frame: expected >= 0 (0 = fresh pairs every update), got {self.pairs_per_frame}"
+                f"pairs_per_frame: expected 0..{MAX_PAIRS_PER_FRAME} (0 = fresh pairs every update), "
+                f"got {self.pairs_per_frame}"
             )
         for name in ("map_weight", "rollout_weight", "fm_weight"):
             if getattr(self, name) < 0:
