@@ -53,9 +53,19 @@ DISTILL = {"steps": 600, "batch_size": 64, "warmup_steps": 50, "pairs_per_frame"
 of 64, sized for a loaded 2-core CPU."""
 
 
+def parent_steps(name: str, args: argparse.Namespace) -> int:
+    """The parent's SFT updates: ``bench/sft.py``'s for the setting unless ``--parent-steps NAME=N``."""
+    for item in args.parent_steps:
+        setting, _, n = item.partition("=")
+        if setting == name:
+            return int(n)
+    return int(SETTINGS[name]["steps"])
+
+
 def prepare_parent(name: str, args: argparse.Namespace) -> Path:
     """Demos and the SFT parent of setting ``name`` (cached); returns the parent's checkpoint."""
     s = SETTINGS[name]
+    steps = parent_steps(name, args)
     root = args.work / name
     store = root / "store"
 
@@ -82,18 +92,23 @@ def prepare_parent(name: str, args: argparse.Namespace) -> Path:
                 task=s["task"],
                 store=store,
                 out=root / "parent",
-                steps=s["steps"],
+                steps=steps,
                 batch_size=s["batch_size"],
                 seed=0,
                 threads=1,
-                checkpoint_every=s["steps"],
+                checkpoint_every=steps,
                 progress=False,
                 resume=False,
             )
         )
-        return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0}
+        return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0, "steps": steps}
 
-    return Path(cached(root / "parent.json", parent)["checkpoint"])
+    done = cached(root / "parent.json", parent)
+    if done.get("steps", SETTINGS[name]["steps"]) != steps:
+        raise SystemExit(
+            f"{root / 'parent.json'}: the cached parent ran {done.get('steps')} SFT updates, not {steps}"
+        )
+    return Path(done["checkpoint"])
 
 
 def train_student(name: str, parent: Path, k: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -227,7 +242,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 and all(r <= TARGET_TIME_RATIO for r in row["time_ratio"].values()),
             }
         rows.append(row)
-    return {"setting": name, "task": task, "rows": rows}
+    return {"setting": name, "task": task, "parent_sft_steps": parent_steps(name, args), "rows": rows}
 
 
 def _table(rows: list[dict[str, Any]], batches: list[int]) -> str:
@@ -258,6 +273,13 @@ def main() -> None:
     p.add_argument("--settings", nargs="+", default=["push-state", "pick-state"], choices=list(SETTINGS))
     p.add_argument("--demos", type=int, default=50)
     p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument(
+        "--parent-steps",
+        nargs="*",
+        default=[],
+        metavar="SETTING=N",
+        help="a parent's SFT updates where not bench/sft.py's (e.g. pick-state=1000: a shorter run on a busy CPU)",
+    )
     p.add_argument("--student-steps", type=int, nargs="+", default=[1, 2])
     p.add_argument(
         "--distill",
