@@ -108,6 +108,27 @@ def test_gate_refuses_a_worse_checkpoint_then_promotes(setup, tmp_path: Path) ->
     assert [r.id for r in db.rounds(task=TASK)][-2:] == [wrecked.id, ok.id]
 
 
+def test_a_distill_round_is_gated_against_its_parent(setup, tmp_path: Path) -> None:
+    """A few-step student is a round's output like any other: served with its own K by the gate, scored
+    against its K = 10 parent on the same seeds, and held back when worse (a wrecking learning rate)."""
+    _hub, root, base = setup
+    prod_before = resolve(base)
+    wrecked = start_round(
+        _cfg(
+            root, base, tmp_path, algo="distill",
+            overrides={"student_steps": 1, "steps": 20, "warmup_steps": 1, "lr": 0.5, "batch_size": 32},
+        ),
+        db=MetadataDB.for_store(root),
+    )  # fmt: skip
+    m = wrecked.metrics
+    assert wrecked.status == "succeeded" and m["base_success"] > 0
+    assert m["success"] < m["base_success"] and not m["gate"]["passed"]
+    assert not wrecked.promoted and resolve(base) == prod_before
+    info = read_info(pull(wrecked.checkpoint_ref).path)
+    assert info.lineage.algorithm == "distill" and info.lineage.parent_revision == prod_before
+    assert info.model_config["num_inference_steps"] == 1 and info.lineage.round == wrecked.id
+
+
 def test_failed_round_is_recorded(setup, tmp_path: Path, db_url: str) -> None:
     _hub, root, base = setup
     db = MetadataDB.for_store(root) if db_url.startswith("sqlite") else MetadataDB(db_url)

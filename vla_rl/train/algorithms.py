@@ -91,6 +91,12 @@ ALGORITHMS: dict[str, Algorithm] = {
             "vla_rl.train.fql:FQLConfig",
             "vla_rl.train.fql:train_fql",
         ),
+        Algorithm(
+            "distill",
+            "few-step head: distil the base's K-step sampler into a K = 1 or 2 student (--student-steps)",
+            "vla_rl.train.fewstep:DistillConfig",
+            "vla_rl.train.fewstep:train_distill",
+        ),
         Algorithm("flow-noise", "π-RL Flow-Noise PPO, online in simulation", *_PPO, {"method": "noise"}),
         Algorithm("flow-sde", "π-RL Flow-SDE PPO, online in simulation", *_PPO, {"method": "sde"}),
     )

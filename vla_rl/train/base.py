@@ -45,7 +45,7 @@ class TrainerConfig:
     distributed: ClassVar[bool] = False
     """Runs data-parallel under torchrun (vla_rl.train.distributed): SFT, AWR / RECAP and QAM."""
     chooses_trainable: ClassVar[bool] = False
-    """Honours the ``trainable`` knob (SFT from a base, AWR / RECAP, awr-pi, Flow-Noise / Flow-SDE PPO); any
+    """Honours the ``trainable`` knob (SFT from a base, AWR / RECAP, awr-pi, distill, Flow-Noise / Flow-SDE PPO); any
     other trainer refuses it rather than ignore it."""
 
     out: Path
@@ -77,7 +77,7 @@ class TrainerConfig:
     """Post-training round number recorded in the checkpoint's lineage (set by rounds)."""
     trainable: Trainable | None = None
     """Which parts of the policy train when fine-tuning a base (trainers whose ``chooses_trainable``:
-    SFT from a base, AWR, RECAP, awr-pi, Flow-Noise / Flow-SDE PPO, whose noise head always trains):
+    SFT from a base, AWR, RECAP, awr-pi, distill, Flow-Noise / Flow-SDE PPO, whose noise head always trains):
     ``expert`` = the action expert and its projections (the VLM / trunk frozen), ``full`` = everything,
     ``lora`` = LoRA adapters only (``lora_*`` below; merged into the weights when saved, so the output is an
     ordinary checkpoint or LeRobot folder). None = the policy's default: ``full`` for our FlowVLA,

@@ -144,13 +144,19 @@ def trained_module(policy: FlowPolicy) -> nn.Module:
     return policy.model if isinstance(policy, FlowVLAFlowPolicy) else policy  # type: ignore[return-value]
 
 
-def trainable_copy(policy: FlowPolicy) -> FlowPolicy:
+def trainable_copy(policy: FlowPolicy, *, num_inference_steps: int | None = None) -> FlowPolicy:
     """A copy of ``policy`` to train while the original stays as it is (the frozen base whose features
     the value reads): FlowVLA rebuilt from its config (:meth:`~policies.flow_policy.FlowVLAFlowPolicy.rebuilt`,
-    as the trainers always built it, so the run's random draws are unchanged), any other policy deep-copied."""
+    as the trainers always built it, so the run's random draws are unchanged), any other policy deep-copied.
+    ``num_inference_steps``: the copy's K (saved in its config, so it deploys with it; None keeps the
+    original's)."""
     if isinstance(policy, FlowVLAFlowPolicy):
-        return policy.rebuilt()
-    return copy.deepcopy(policy)
+        k = {} if num_inference_steps is None else {"num_inference_steps": num_inference_steps}
+        return policy.rebuilt(**k)
+    out = copy.deepcopy(policy)
+    if num_inference_steps is not None:
+        out.set_num_inference_steps(num_inference_steps)  # type: ignore[attr-defined]
+    return out
 
 
 def as_policy(module: nn.Module, like: FlowPolicy) -> FlowPolicy:

@@ -1,0 +1,27 @@
+"""bench/fewstep.py's paired difference of a student against its parent, on hand-made outcomes (the slow
+bench itself is not run)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.fewstep import paired_difference
+
+
+def test_paired_difference_in_points_with_its_interval_and_discordant_counts() -> None:
+    parent = {str(s): s < 8 for s in range(10)}  # 80%
+    student = {str(s): s < 8 for s in range(10)}
+    student["0"], student["9"], student["1"] = False, True, False  # parent-only 0 and 1, student-only 9: 70%
+    d = paired_difference(student, parent)
+    assert d["points"] == pytest.approx(-10.0)
+    assert (d["student_only"], d["parent_only"]) == (1, 2)
+    diffs = [-1.0, -1.0, 1.0] + [0.0] * 7
+    mean = sum(diffs) / 10
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 9)
+    lo, hi = d["ci95_points"]
+    assert lo == pytest.approx(100 * (mean - 1.96 * sd / math.sqrt(10)))
+    assert hi == pytest.approx(100 * (mean + 1.96 * sd / math.sqrt(10)))
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_difference({"1": True}, {"2": True})
