@@ -238,3 +238,42 @@ def test_a_lerobot_policy_starts_sft_from_the_small_folder_up_builds(policy: str
     )
     assert info["config"]["chunk_size"] == 10 and info["config"]["trainable_in_sft"] == "full"
     json.dumps(info)  # the results JSON holds it as is
+
+
+@pytest.mark.slow
+def test_a_smolvla_run_trains_and_evaluates_the_lerobot_vla_at_every_stage(tmp_path: Path) -> None:
+    """bench/rl.py --policy smolvla end to end on the kinematic bed's 32 px camera (smoke budgets): the
+    SFT checkpoints are SmolVLA folders, the chosen one is scored on the selection seeds, the fleet's
+    rollouts and awr-pi start from it, awr-pi ships a SmolVLA folder, both are evaluated on the held-out
+    seeds, and the JSON records the policy; the cached base of one policy is not reused for another."""
+    import subprocess
+    import sys
+
+    from vla_rl.up.lerobot import parameter_count
+
+    out, work = tmp_path / "rl.json", tmp_path / "work"
+    awr_pi = {"env_steps": 30, "episodes_per_iteration": 2, "num_envs": 1, "max_episode_steps": 10,
+              "steps_per_iteration": 3, "value_steps": 4, "batch_size": 8}  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "bench.rl", "--policy", "smolvla", "--task", "kinematic/Reach-v0", "--obs", "rgb",
+        "--image-size", "32", "--seeds", "0", "--demos", "3", "--sft-steps", "6", "--sft", '{"batch_size": 8}',
+        "--base-band", "0", "1", "--base-probe-episodes", "2", "--rollouts", "2", "--algos", "awr-pi",
+        "--awr-pi", json.dumps(awr_pi), "--env-steps", "30", "--eval-episodes", "2", "--eval-seed", "200000",
+        "--work", str(work), "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["policy"]["name"] == "smolvla"
+    assert res["policy"]["parameters"] == parameter_count(work / "seed0" / "init")
+    seed = res["per_seed"][0]
+    base = Path(seed["sft"]["selection"]["checkpoint"])
+    assert base.name == "step_000006" and json.loads((base / "config.json").read_text())["type"] == "smolvla"
+    assert seed["rollouts"]["base"] == str(base) and seed["rollouts"]["frames"] > 0
+    assert seed["awr-pi"]["config"]["base"] == str(base)
+    assert json.loads((Path(seed["awr-pi"]["checkpoint"]) / "config.json").read_text())["type"] == "smolvla"
+    assert 0 <= seed["sft"]["success"] <= 1 and 0 <= seed["awr-pi"]["success"] <= 1
+
+    flow = [*cmd[:4], "flowvla", *cmd[5:]]
+    other = subprocess.run(flow, capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "the cached SFT base is a smolvla, not --policy flowvla" in other.stderr
