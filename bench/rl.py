@@ -7,9 +7,10 @@ cached training is reused only with the knobs it ran with):
    ``--obs rgb --image-size 64`` for pixels + proprioception);
 2. SFT base for ``--sft-steps``: our FlowVLA from scratch, or with ``--policy smolvla|pi0|pi05`` (camera
    tasks) the small configuration of that LeRobot architecture ``vla-rl up --policy`` builds, every part
-   training (its VLM is random); every later stage runs on it through the flow-policy contract. With ``--base-band LO HI`` the base is the most-trained SFT checkpoint
-   whose success on ``--base-probe-episodes`` selection seeds (400000+, never evaluated) lies in the band
-   (the issue's "base at 30-60%" as a rule, not a reroll); evaluate on ``--eval-episodes`` held-out seeds;
+   training (its VLM is random); every later stage runs on it through the flow-policy contract. With
+   ``--base-band LO HI`` the base is the most-trained SFT checkpoint whose success on
+   ``--base-probe-episodes`` selection seeds (400000+, never evaluated) lies in the band (the issue's
+   "base at 30-60%" as a rule, not a reroll); evaluate on ``--eval-episodes`` held-out seeds;
 3. the fleet's experience: ``--rollouts`` autonomous episodes of the SFT base (controller policy,
    revision = the base), stored next to the demos;
 4. each algorithm starts from the SFT base on that data (and, for online ones, the same env-step
@@ -58,6 +59,8 @@ POLICIES = ("flowvla", "smolvla", "pi0", "pi05")
 """``--policy``: our FlowVLA (from scratch), or the small LeRobot flow VLA of ``vla-rl up --policy``."""
 INIT_DIR = "init"
 """<work>/seedN/init: the random LeRobot folder a ``--policy`` other than flowvla starts its SFT from."""
+LEROBOT_SFT_TRAINABLE = "full"
+"""What SFT trains of a LeRobot base: everything, its VLM being random (as ``vla-rl up`` trains its base)."""
 
 
 def _cached(path: Path, fn: Any) -> dict[str, Any]:
@@ -227,11 +230,11 @@ def _rollout_seed(seed: int) -> int:
 def lerobot_start(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """The SFT knobs that make the base a ``--policy`` LeRobot VLA: continue the random small folder
     ``vla-rl up --policy`` builds (<work>/init, seeded by the run's seed) with every part training, as
-    ``vla-rl up`` trains its base. None for flowvla (SFT builds a FlowVLA from scratch)."""
+    ``vla-rl up`` trains its base. Nothing for flowvla (SFT builds a FlowVLA from scratch)."""
     if args.policy == "flowvla":
         return {}
     folder = save_init_folder(work / INIT_DIR, args.policy, args.task, args.image_size, seed)
-    return {"base": str(folder), "init": "base", "trainable": "full"}
+    return {"base": str(folder), "init": "base", "trainable": LEROBOT_SFT_TRAINABLE}
 
 
 def policy_info(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,7 +251,7 @@ def policy_info(args: argparse.Namespace) -> dict[str, Any]:
             "sizes": dataclasses.asdict(tiny_sizes(args.policy, args.image_size)),
             **UP_CHUNK,
             "image_size": args.image_size,
-            "trainable_in_sft": "full",
+            "trainable_in_sft": LEROBOT_SFT_TRAINABLE,
         },
     }
 
