@@ -5,9 +5,12 @@ cached training is reused only with the knobs it ran with):
 
 1. record ``--demos`` scripted demonstrations at ``--noise`` (PickCube state by default; ``--task``,
    ``--obs rgb --image-size 64`` for pixels + proprioception);
-2. SFT base for ``--sft-steps``; with ``--base-band LO HI`` the base is the most-trained SFT checkpoint
-   whose success on ``--base-probe-episodes`` selection seeds (400000+, never evaluated) lies in the band
-   (the issue's "base at 30-60%" as a rule, not a reroll); evaluate on ``--eval-episodes`` held-out seeds;
+2. SFT base for ``--sft-steps``: our FlowVLA from scratch, or with ``--policy smolvla|pi0|pi05`` (camera
+   tasks) the small configuration of that LeRobot architecture ``vla-rl up --policy`` builds, every part
+   training (its VLM is random); every later stage runs on it through the flow-policy contract. With
+   ``--base-band LO HI`` the base is the most-trained SFT checkpoint whose success on
+   ``--base-probe-episodes`` selection seeds (400000+, never evaluated) lies in the band (the issue's
+   "base at 30-60%" as a rule, not a reroll); evaluate on ``--eval-episodes`` held-out seeds;
 3. the fleet's experience: ``--rollouts`` autonomous episodes of the SFT base (controller policy,
    revision = the base), stored next to the demos;
 4. each algorithm starts from the SFT base on that data (and, for online ones, the same env-step
@@ -20,6 +23,7 @@ online algorithms).
     python bench/rl.py                                  # all algorithms, 3 seeds (hours on 2 cores)
     python bench/rl.py --seeds 0 --algos awr recap      # one seed, offline algorithms only
     python -m bench.rl --merge A.json B.json --out AB.json   # seeds run apart, one table
+    python -m bench.rl --policy smolvla --task maniskill/PushCube-v1 --obs rgb --image-size 64 ...
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 
 from bench.common import RESULTS, table, write_results
 from fleet.store import EpisodeStore
-from policies.loading import load_policy
+from policies.loading import load_chunk_policy
 from sim.demos import record_demos, record_rollouts
 from vla_rl.core.seeds import BASE_SELECTION, EVAL, SeedOverlapError, check_disjoint
 from vla_rl.evaluation import evaluate
@@ -45,10 +49,18 @@ from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig
 from vla_rl.train.common import config_dict
 from vla_rl.train.sft import SFTConfig, train_sft
+from vla_rl.up.config import IMAGE_MULTIPLE
+from vla_rl.up.lerobot import UP_CHUNK, parameter_count, save_init_folder, tiny_sizes
 
 OFFLINE = ("awr", "recap", "qam", "fql")
 ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all", "awr-pi")
 ALL = OFFLINE + ONLINE
+POLICIES = ("flowvla", "smolvla", "pi0", "pi05")
+"""``--policy``: our FlowVLA (from scratch), or the small LeRobot flow VLA of ``vla-rl up --policy``."""
+INIT_DIR = "init"
+"""<work>/seedN/init: the random LeRobot folder a ``--policy`` other than flowvla starts its SFT from."""
+LEROBOT_SFT_TRAINABLE = "full"
+"""What SFT trains of a LeRobot base: everything, its VLM being random (as ``vla-rl up`` trains its base)."""
 
 
 def _cached(path: Path, fn: Any) -> dict[str, Any]:
@@ -63,7 +75,7 @@ def _cached(path: Path, fn: Any) -> dict[str, Any]:
 
 def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = EVAL) -> dict[str, Any]:
     """Success of a checkpoint on the held-out episode seeds ``seed .. seed + episodes - 1``."""
-    ev = evaluate(load_policy(ckpt), task, episodes=episodes, num_envs=2, seed=seed, progress=False)
+    ev = evaluate(load_chunk_policy(ckpt), task, episodes=episodes, num_envs=2, seed=seed, progress=False)
     return {"success": ev.success_rate, "ci95": list(ev.ci95), "mean_length": ev.mean_length}
 
 
@@ -215,6 +227,35 @@ def _rollout_seed(seed: int) -> int:
     return 50_000 + seed * 10_000
 
 
+def lerobot_start(work: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The SFT knobs that make the base a ``--policy`` LeRobot VLA: continue the random small folder
+    ``vla-rl up --policy`` builds (<work>/init, seeded by the run's seed) with every part training, as
+    ``vla-rl up`` trains its base. Nothing for flowvla (SFT builds a FlowVLA from scratch)."""
+    if args.policy == "flowvla":
+        return {}
+    folder = save_init_folder(work / INIT_DIR, args.policy, args.task, args.image_size, seed)
+    return {"base": str(folder), "init": "base", "trainable": LEROBOT_SFT_TRAINABLE}
+
+
+def policy_info(args: argparse.Namespace) -> dict[str, Any]:
+    """What the results JSON records of the policy: its name, and for a LeRobot VLA its parameter count
+    (of the first seed's initial folder: every seed builds the same sizes) and the config it was built
+    with (VLM sizes, action chunk, camera resolution)."""
+    if args.policy == "flowvla":
+        return {"name": "flowvla"}
+    folder = args.work / f"seed{args.seeds[0]}" / INIT_DIR
+    return {
+        "name": args.policy,
+        "parameters": parameter_count(folder),
+        "config": {
+            "sizes": dataclasses.asdict(tiny_sizes(args.policy, args.image_size)),
+            **UP_CHUNK,
+            "image_size": args.image_size,
+            "trainable_in_sft": LEROBOT_SFT_TRAINABLE,
+        },
+    }
+
+
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = args.work / f"seed{seed}"
@@ -256,12 +297,19 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 seed=seed,
                 threads=1,
                 progress=not args.no_progress,
+                **lerobot_start(work, seed, args),
                 **{"batch_size": 128, **args.sft},
             )
         )
-        return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0}
+        made = {} if args.policy == "flowvla" else {"policy": args.policy}
+        return {"checkpoint": str(r.checkpoint), "seconds": time.perf_counter() - t0, **made}
 
     base = _cached(work / "sft.json", sft)
+    if base.get("policy", "flowvla") != args.policy:
+        raise SystemExit(
+            f"{work / 'sft.json'}: the cached SFT base is a {base.get('policy', 'flowvla')}, not --policy "
+            f"{args.policy}; give this policy its own --work"
+        )
     base_ckpt, base_name, selection = Path(base["checkpoint"]), "sft", {}
     if args.base_band:
         sel = _selection_seeds(args)
@@ -289,7 +337,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     )
 
     def rollouts() -> dict[str, Any]:
-        lp = load_policy(base_ckpt)
+        lp = load_chunk_policy(base_ckpt)
         rep = record_rollouts(
             EpisodeStore(store_path),
             lp,
@@ -445,6 +493,13 @@ def main() -> None:
         "plus proprioception (every later stage follows the policy's spec)",
     )
     p.add_argument("--image-size", type=int, default=64, help="camera height = width in pixels (--obs rgb)")
+    p.add_argument(
+        "--policy",
+        default="flowvla",
+        choices=POLICIES,
+        help="the SFT base: our FlowVLA from scratch, or the small SmolVLA / pi0 / pi0.5 configuration "
+        "`vla-rl up --policy` builds (camera tasks: --obs rgb, --image-size a multiple of 32), trained whole",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--algos", nargs="+", default=list(ALL), choices=ALL)
     p.add_argument("--demos", type=int, default=30)
@@ -539,6 +594,14 @@ def main() -> None:
             p.error("--merge: give the merged file's path with --out")
         merge(args.merge, args.out)
         return
+    if args.policy != "flowvla":
+        if args.obs != "rgb":
+            p.error(f"--policy {args.policy}: a LeRobot VLA acts from the camera; add --obs rgb")
+        if args.image_size < 1 or args.image_size % IMAGE_MULTIPLE:
+            p.error(
+                f"--image-size: expected a positive multiple of {IMAGE_MULTIPLE} for --policy {args.policy} "
+                f"(16 px patches, then a 2 x 2 pixel shuffle), got {args.image_size}"
+            )
     if args.base_band:
         lo, hi = args.base_band
         if not 0 <= lo <= hi <= 1:
@@ -564,6 +627,7 @@ def main() -> None:
         {
             "task": args.task,
             "obs": args.obs if args.obs == "state" else f"rgb {args.image_size} px + proprioception",
+            "policy": policy_info(args),
             "budgets": {
                 "demos": args.demos,
                 "noise": args.noise,
@@ -618,17 +682,22 @@ def _table(per_seed: list[dict[str, Any]], algos: list[str]) -> tuple[list[str],
     return header, rows
 
 
+def _protocol(results: dict[str, Any], key: str) -> Any:
+    """``results[key]``, the policy of files written before it was recorded being FlowVLA."""
+    return results.get(key, {"name": "flowvla"}) if key == "policy" else results[key]
+
+
 def merge(paths: list[Path], out: Path) -> Path:
     """One results JSON (and plot) from runs of the same protocol on other seeds, e.g. seeds trained in
     parallel processes or sessions: their ``per_seed`` rows joined, the table recomputed, and each
     source's file and machine kept under ``merged_from`` (a merged source contributes its own sources, so
-    seeds added in a later session merge into the earlier table). The task, observation, budgets and overrides
+    seeds added in a later session merge into the earlier table). The task, observation, policy, budgets and overrides
     must agree; a seed may appear once."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     first = docs[0]["results"]
     for path, doc in zip(paths[1:], docs[1:], strict=True):
-        for key in ("task", "obs", "budgets", "overrides"):
-            if doc["results"][key] != first[key]:
+        for key in ("task", "obs", "policy", "budgets", "overrides"):
+            if _protocol(doc["results"], key) != _protocol(first, key):
                 raise SystemExit(
                     f"merge: {path}'s {key} differs from {paths[0]}'s; only runs of one protocol merge"
                 )
@@ -642,7 +711,7 @@ def merge(paths: list[Path], out: Path) -> Path:
     written = write_results(
         "rl",
         {
-            **{k: first[k] for k in ("task", "obs", "budgets", "overrides")},
+            **{k: _protocol(first, k) for k in ("task", "obs", "policy", "budgets", "overrides")},
             "per_seed": per_seed,
             "table": {"header": header, "rows": rows},
             "seconds": sum(d["results"].get("seconds", 0.0) for d in docs),

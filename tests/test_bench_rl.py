@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,122 @@ def test_a_banded_run_starts_from_the_chosen_checkpoint_and_records_the_choice(t
     )
     assert bad.returncode == 2 and "--base-band: expected 0 <= LO <= HI <= 1" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_merge_refuses_runs_of_another_policy(tmp_path: Path) -> None:
+    """A SmolVLA run and a FlowVLA run of the same budgets are two protocols; a file written before the
+    policy was recorded is a FlowVLA run."""
+    from bench.common import write_results
+    from bench.rl import merge
+
+    def run(name: str, seed: int, policy: dict[str, object] | None) -> Path:
+        row = {
+            "seed": seed,
+            "sft": {"success": 0.4, "seconds": 1.0},
+            "awr-pi": {"success": 0.6, "seconds": 1.0},
+        }
+        results = {"task": "t", "obs": "rgb 64 px + proprioception", "budgets": {}, "overrides": {},
+                   "per_seed": [row], "seconds": 2.0, **({"policy": policy} if policy else {})}  # fmt: skip
+        return write_results("rl", results, out=tmp_path / name)
+
+    smol = {"name": "smolvla", "parameters": 440_000, "config": {"image_size": 64}}
+    with pytest.raises(SystemExit, match=r"b\.json's policy differs"):
+        merge([run("a.json", 0, smol), run("b.json", 1, None)], tmp_path / "x.json")
+    old = json.loads(
+        merge([run("c.json", 0, None), run("d.json", 1, None)], tmp_path / "cd.json").read_text()
+    )
+    assert old["results"]["policy"] == {"name": "flowvla"}
+    both = json.loads(
+        merge([run("e.json", 0, smol), run("f.json", 1, smol)], tmp_path / "ef.json").read_text()
+    )
+    assert both["results"]["policy"] == smol
+
+
+def test_policy_flag_needs_the_camera_at_a_multiple_of_32_px(tmp_path: Path) -> None:
+    """``--policy smolvla`` on a state task or at a resolution the small VLM cannot patch is a usage error
+    naming the flag, before anything is recorded."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "bench.rl", "--policy", "smolvla", "--task", "kinematic/Reach-v0",
+           "--seeds", "0", "--work", str(tmp_path / "work")]  # fmt: skip
+    state = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert state.returncode == 2 and "--policy smolvla: a LeRobot VLA acts from the camera" in state.stderr
+    odd = subprocess.run(
+        [*cmd, "--obs", "rgb", "--image-size", "48"], capture_output=True, text=True, timeout=120
+    )
+    assert odd.returncode == 2 and "--image-size: expected a positive multiple of 32" in odd.stderr
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("policy", ["flowvla", "smolvla"])
+def test_a_lerobot_policy_starts_sft_from_the_small_folder_up_builds(policy: str, tmp_path: Path) -> None:
+    """``--policy smolvla``: SFT continues <work>/seedN/init, the random small SmolVLA ``vla-rl up`` builds
+    (same sizes, same chunk), every part training; the JSON records the name, the parameter count of that
+    folder and its config. FlowVLA keeps SFT from scratch and records only its name."""
+    from argparse import Namespace
+
+    from bench.rl import lerobot_start, policy_info
+    from vla_rl.up.lerobot import UP_CHUNK, parameter_count
+
+    args = Namespace(policy=policy, task="kinematic/Reach-v0", image_size=32, work=tmp_path, seeds=[3])
+    start = lerobot_start(tmp_path / "seed3", 3, args)
+    if policy == "flowvla":
+        assert start == {} and policy_info(args) == {"name": "flowvla"}
+        assert not (tmp_path / "seed3").exists()
+        return
+    folder = tmp_path / "seed3" / "init"
+    assert start == {"base": str(folder), "init": "base", "trainable": "full"}
+    config = json.loads((folder / "config.json").read_text())
+    assert config["type"] == "smolvla"
+    assert (config["chunk_size"], config["n_action_steps"]) == (
+        UP_CHUNK["chunk_size"],
+        UP_CHUNK["n_action_steps"],
+    )
+    info = policy_info(args)
+    assert info["name"] == "smolvla" and info["parameters"] == parameter_count(folder) > 100_000
+    assert (
+        info["config"]["sizes"]["vision"]["image_size"] == 32
+        and info["config"]["sizes"]["text"]["width"] == 64
+    )
+    assert info["config"]["chunk_size"] == 10 and info["config"]["trainable_in_sft"] == "full"
+    json.dumps(info)  # the results JSON holds it as is
+
+
+@pytest.mark.slow
+def test_a_smolvla_run_trains_and_evaluates_the_lerobot_vla_at_every_stage(tmp_path: Path) -> None:
+    """bench/rl.py --policy smolvla end to end on the kinematic bed's 32 px camera (smoke budgets): the
+    SFT checkpoints are SmolVLA folders, the chosen one is scored on the selection seeds, the fleet's
+    rollouts and awr-pi start from it, awr-pi ships a SmolVLA folder, both are evaluated on the held-out
+    seeds, and the JSON records the policy; the cached base of one policy is not reused for another."""
+    import subprocess
+    import sys
+
+    from vla_rl.up.lerobot import parameter_count
+
+    out, work = tmp_path / "rl.json", tmp_path / "work"
+    awr_pi = {"env_steps": 30, "episodes_per_iteration": 2, "num_envs": 1, "max_episode_steps": 10,
+              "steps_per_iteration": 3, "value_steps": 4, "batch_size": 8}  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "bench.rl", "--policy", "smolvla", "--task", "kinematic/Reach-v0", "--obs", "rgb",
+        "--image-size", "32", "--seeds", "0", "--demos", "3", "--sft-steps", "6", "--sft", '{"batch_size": 8}',
+        "--base-band", "0", "1", "--base-probe-episodes", "2", "--rollouts", "2", "--algos", "awr-pi",
+        "--awr-pi", json.dumps(awr_pi), "--env-steps", "30", "--eval-episodes", "2", "--eval-seed", "200000",
+        "--work", str(work), "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["policy"]["name"] == "smolvla"
+    assert res["policy"]["parameters"] == parameter_count(work / "seed0" / "init")
+    seed = res["per_seed"][0]
+    base = Path(seed["sft"]["selection"]["checkpoint"])
+    assert base.name == "step_000006" and json.loads((base / "config.json").read_text())["type"] == "smolvla"
+    assert seed["rollouts"]["base"] == str(base) and seed["rollouts"]["frames"] > 0
+    assert seed["awr-pi"]["config"]["base"] == str(base)
+    assert json.loads((Path(seed["awr-pi"]["checkpoint"]) / "config.json").read_text())["type"] == "smolvla"
+    assert 0 <= seed["sft"]["success"] <= 1 and 0 <= seed["awr-pi"]["success"] <= 1
+
+    flow = [*cmd[:4], "flowvla", *cmd[5:]]
+    other = subprocess.run(flow, capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "the cached SFT base is a smolvla, not --policy flowvla" in other.stderr

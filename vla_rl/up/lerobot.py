@@ -26,33 +26,44 @@ INIT_DIR = "init"
 
 
 def up_sizes(cfg: UpConfig) -> SmolVLMSizes | PiSizes:
-    """The sizes of ``cfg.policy``'s small VLM: the test configurations (``TINY_SMOLVLM`` / ``TINY_PI``),
+    """The sizes of ``cfg.policy``'s small VLM (:func:`tiny_sizes` at ``cfg.image_size``)."""
+    return tiny_sizes(cfg.policy, cfg.image_size)
+
+
+def tiny_sizes(policy: str, image_size: int) -> SmolVLMSizes | PiSizes:
+    """The sizes of ``policy``'s small VLM: the test configurations (``TINY_SMOLVLM`` / ``TINY_PI``),
     which SFT trains in minutes on a 2-core CPU (docs/up.md states them), with the vision tower at
-    ``cfg.image_size``. Imported here, not at module level: ``policies.lerobot_tiny`` loads torch, and the
+    ``image_size``. Imported here, not at module level: ``policies.lerobot_tiny`` loads torch, and the
     CLI imports this package for its flags."""
     from policies.lerobot_local import TINY_PI
     from policies.lerobot_tiny import TINY_SMOLVLM
 
-    sizes = TINY_SMOLVLM if cfg.policy == "smolvla" else TINY_PI
-    vision = dataclasses.replace(sizes.vision, image_size=cfg.image_size)
+    sizes = TINY_SMOLVLM if policy == "smolvla" else TINY_PI
+    vision = dataclasses.replace(sizes.vision, image_size=image_size)
     return dataclasses.replace(sizes, vision=vision)
 
 
 def init_folder(cfg: UpConfig, work: Path) -> Path:
     """WORKDIR/init: a random ``cfg.policy`` folder for ``cfg.task``'s robot seen from its camera at
     ``cfg.image_size`` (made once; an earlier run's is reused)."""
+    return save_init_folder(work / INIT_DIR, cfg.policy, cfg.task, cfg.image_size, cfg.seed)
+
+
+def save_init_folder(folder: Path, policy: str, task: str, image_size: int, seed: int) -> Path:
+    """``folder``: a random small ``policy`` folder (:func:`tiny_sizes`, chunks of :data:`UP_CHUNK`) for
+    ``task``'s robot seen from its camera at ``image_size``, the start of a LeRobot base's SFT; made once,
+    a folder that already holds one is reused. The one way ``vla-rl up`` and ``bench/rl.py`` build it."""
     import sim
     from policies.lerobot_tiny import save_tiny_policy
 
-    folder = work / INIT_DIR
     if (folder / "config.json").is_file():
         return folder
-    env = sim.make(cfg.task, obs="rgb", image_size=cfg.image_size, num_envs=1, seed=cfg.seed)
+    env = sim.make(task, obs="rgb", image_size=image_size, num_envs=1, seed=seed)
     try:
         spec = env.spec
     finally:
         env.close()
-    return save_tiny_policy(folder, cfg.policy, spec, sizes=up_sizes(cfg), seed=cfg.seed, **UP_CHUNK)
+    return save_tiny_policy(folder, policy, spec, sizes=tiny_sizes(policy, image_size), seed=seed, **UP_CHUNK)
 
 
 def parameter_count(folder: Path) -> int:
