@@ -6,6 +6,8 @@ round trip, and a fit from a store on a real (tiny) flow policy that the server-
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from policies.failure import (
     find_predictor,
     head_inputs,
 )
+from vla_rl.cli import main
 from vla_rl.train import failure
 
 P, H = int(Controller.POLICY), int(Controller.HUMAN)
@@ -221,14 +224,26 @@ def _fleet_store(root: Path, spec: RobotSpec, n: int = 40) -> EpisodeStore:
     return store
 
 
-def test_fit_from_a_store_writes_an_artefact_the_server_finds(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EpisodeStore]:
+    """The tiny Reach SFT base (2 steps: its features are what matter, not its actions) and a hand-built
+    fleet store of 40 episodes in its spec."""
     from tiny_base import demo_store
 
-    demos = demo_store(tmp_path / "demos", "kinematic/Reach-v0", episodes=2, noise=0.3)
-    ckpt = tiny_sft("kinematic/Reach-v0", demos.root, tmp_path / "sft", steps=2, batch_size=8)
-    spec = EpisodeStore(demos.root).read_metadata(demos.episode_ids()[0]).spec
-    store = _fleet_store(tmp_path / "fleet", spec)
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("failure")
+    demos = demo_store(root / "demos", "kinematic/Reach-v0", episodes=2, noise=0.3)
+    ckpt = tiny_sft("kinematic/Reach-v0", demos.root, root / "sft", steps=2, batch_size=8)
+    spec = demos.read_metadata(demos.episode_ids()[0]).spec
+    return Path(ckpt), _fleet_store(root / "fleet", spec)
+
+
+def test_fit_from_a_store_writes_an_artefact_the_server_finds(
+    fleet: tuple[Path, EpisodeStore], tmp_path: Path
+) -> None:
+    base, store = fleet
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base, ckpt)
     cfg = failure.FailureFitConfig(
         base=str(ckpt), store=store.root, horizon_s=0.3, steps=300, lr=1e-2, alpha=0.2, calib_fraction=0.5
     )
@@ -238,7 +253,7 @@ def test_fit_from_a_store_writes_an_artefact_the_server_finds(tmp_path: Path) ->
     # the held-out check counts alarms at least lead_s = 1 s (20 frames) before the event: none in
     # 12-frame episodes
     assert summary["heldout_flagged"] == 0 and summary["heldout_failing_episodes"] > 0
-    folder = Path(ckpt) / FAILURE_DIR
+    folder = ckpt / FAILURE_DIR
     meta = json.loads((folder / "failure.json").read_text())
     assert meta["lineage"]["policy_ref"] == str(ckpt) and meta["lineage"]["summary"]["rows"] > 0
     assert len(meta["lineage"]["policy_weights_sha256"]) == 64
@@ -251,6 +266,20 @@ def test_fit_from_a_store_writes_an_artefact_the_server_finds(tmp_path: Path) ->
     )
     assert zero["heldout_flagged"] == zero["heldout_failing_episodes"] > 0
     # other weights: the lookup refuses it, naming why
-    (Path(ckpt) / "model.safetensors").write_bytes(b"not the weights")
+    (ckpt / "model.safetensors").write_bytes(b"not the weights")
     pred, note = find_predictor(ckpt, feature_dim=32)
     assert pred is None and "other policy weights" in note
+
+
+def test_the_cli_fits_and_says_what_is_wrong(
+    fleet: tuple[Path, EpisodeStore], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, store = fleet
+    out = tmp_path / "pred"
+    args = ["failure", "fit", "--base", str(base), "--store", str(store.root), "--out", str(out)]
+    assert main([*args, "--steps", "20", "--alpha", "0.2", "--calib-fraction", "0.5"]) == 0
+    assert "failure predictor on" in capsys.readouterr().out and (out / "failure.safetensors").is_file()
+    assert main([*args, "--alpha", "0.05", "--steps", "5"]) == 2  # 12 held-out episodes: too few successes
+    err = capsys.readouterr().err
+    assert re.search(r"^error: calibration: \d+ held-out episodes succeeded without help", err)
+    assert "needs at least 19" in err and "Traceback" not in err
