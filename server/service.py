@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -120,6 +121,8 @@ class _Service(pb_grpc.PolicyServiceServicer):
         if res.uncertainty_kind:  # unset = not available (the field is optional)
             reply.uncertainty = res.uncertainty
             reply.uncertainty_kind = res.uncertainty_kind
+        if math.isfinite(res.failure):  # unset = no failure predictor served
+            reply.failure, reply.failure_alarm = res.failure, res.failure_alarm
         done = time.perf_counter_ns()
         total_us = (done - t0) // 1000
         slot.latency.add(total_us / 1000.0)

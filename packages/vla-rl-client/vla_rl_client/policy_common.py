@@ -303,6 +303,11 @@ class ActResult:
     predates the field."""
     uncertainty_kind: str = ""
     """What :attr:`uncertainty` is ("accel"); "" when it is not available."""
+    failure: float = float("nan")
+    """The learned failure predictor's P(failure or takeover soon) for this chunk (docs/algorithms.md §6c);
+    NaN when the served checkpoint has no predictor (or the server predates the field)."""
+    failure_alarm: bool = False
+    """:attr:`failure` is above the predictor's calibrated threshold: time to ask for help."""
 
 
 def build_request(
@@ -376,6 +381,8 @@ def parse_response(resp: pb.ActResponse, t0: int, started_ns: int | None = None)
         request_id=resp.request_id,
         uncertainty=resp.uncertainty if resp.HasField("uncertainty") else float("nan"),
         uncertainty_kind=resp.uncertainty_kind if resp.HasField("uncertainty") else "",
+        failure=resp.failure if resp.HasField("failure") else float("nan"),
+        failure_alarm=resp.failure_alarm if resp.HasField("failure") else False,
     )
 
 
