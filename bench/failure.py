@@ -28,6 +28,7 @@ Prints a markdown table and writes bench/results/failure.json (``--out`` for ano
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,58 @@ EPISODES: dict[str, dict[str, int]] = {
     "kinematic/Reach-v0": dict(train_episodes=300, calib_episodes=150, episodes=300),
     "maniskill/PickCube-v1": dict(train_episodes=150, calib_episodes=80, episodes=120),
 }
+
+
+def episode_json(ep: Episode) -> dict[str, Any]:
+    """An episode as plain JSON (arrays as lists), for the rollout cache."""
+    return {
+        "seed": ep.seed,
+        "max_steps": ep.max_steps,
+        "privileged": [{k: np.asarray(v).tolist() for k, v in p.items()} for p in ep.privileged],
+        "dense": ep.dense,
+        "chunk_scores": {str(t): v for t, v in ep.chunk_scores.items()},
+        "success": ep.success,
+        "length": ep.length,
+        "chunk_features": {str(t): np.asarray(v).tolist() for t, v in ep.chunk_features.items()},
+    }
+
+
+def episode_from_json(d: dict[str, Any]) -> Episode:
+    return Episode(
+        seed=int(d["seed"]),
+        max_steps=int(d["max_steps"]),
+        privileged=[{k: np.asarray(v) for k, v in p.items()} for p in d["privileged"]],
+        dense=[float(x) for x in d["dense"]],
+        chunk_scores={int(t): float(v) for t, v in d["chunk_scores"].items()},
+        success=bool(d["success"]),
+        length=int(d["length"]),
+        chunk_features={int(t): np.asarray(v, np.float32) for t, v in d["chunk_features"].items()},
+    )
+
+
+def rollout_sets(
+    args: argparse.Namespace, version: ServedVersion, task: str, n: dict[str, int], work: Path
+) -> dict[str, list[Episode]]:
+    """The train / calibration / evaluation rollouts, from ``work/rollouts.json`` with ``--reuse`` when
+    it holds the same counts (the analysis can then be rerun, e.g. at another alpha), else rolled out
+    and cached there."""
+    cache = work / "rollouts.json"
+    if args.reuse and cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved["episodes"] == n:
+            return {k: [episode_from_json(e) for e in v] for k, v in saved["sets"].items()}
+    group = preset_value(args, task, "group")
+    sets = {}
+    for name, seed, key in (
+        ("train", TRAIN_SEED, "train_episodes"),
+        ("calib", CALIB_SEED, "calib_episodes"),
+        ("eval", EVAL_SEED, "episodes"),
+    ):
+        sets[name] = rollout(version, task, [seed + i for i in range(n[key])], group, features=True)
+        print(f"{name}: {n[key]} episodes, {sum(e.success for e in sets[name])} successful", flush=True)
+    payload = {"episodes": n, "sets": {k: [episode_json(e) for e in v] for k, v in sets.items()}}
+    cache.write_text(json.dumps(payload))
+    return sets
 
 
 def decisions(ep: Episode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,28 +197,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = args.work / task.replace("/", "_")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    args.sft = {**preset_value(argparse.Namespace(), task, "sft"), **args.sft_override}
     ckpt = base_checkpoint(args, task, work)
     timings["demos_and_sft_s"] = time.perf_counter() - t0
     version = ServedVersion(load_policy(ckpt, device="cpu"))
     hz = float(version.spec.control_hz)
     lead_steps = round(args.lead_s * hz)
-    group = preset_value(args, task, "group")
 
     t0 = time.perf_counter()
-    sets = {}
-    for name, seed in (("train", TRAIN_SEED), ("calib", CALIB_SEED), ("eval", EVAL_SEED)):
-        count = n[
-            "train_episodes" if name == "train" else "calib_episodes" if name == "calib" else "episodes"
-        ]
-        sets[name] = rollout(version, task, [seed + i for i in range(count)], group, features=True)
-        print(f"{name}: {count} episodes, {sum(e.success for e in sets[name])} successful", flush=True)
+    sets = rollout_sets(args, version, task, n, work)
     timings["rollouts_s"] = time.perf_counter() - t0
     train, calib, evals = sets["train"], sets["calib"], sets["eval"]
     dim = len(next(iter(train[0].chunk_features.values())))
 
     t0 = time.perf_counter()
     ok = [e for e in calib if e.success]
-    cal = calibrate_cusum([list(e.chunk_scores.values()) for e in ok], alpha=args.alpha, k=args.k)
+    try:
+        cal = calibrate_cusum([list(e.chunk_scores.values()) for e in ok], alpha=args.alpha, k=args.k)
+    except ValueError as e:
+        raise SystemExit(
+            f"{e}: {len(ok)}/{len(calib)} calibration episodes succeeded; run more (--calib-episodes, then "
+            "--reuse keeps the base), a larger --alpha, or a stronger base (--sft-steps)"
+        ) from None
     detectors: dict[str, list[int | None]] = {
         "accel CUSUM": [
             first_takeover(e, task, OperatorRules(stall_steps=0, drift_radius=0.0, **cal)) for e in evals
@@ -205,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "demos": preset_value(args, task, "demos"),
             "noise": preset_value(args, task, "noise"),
             "sft_steps": preset_value(args, task, "sft_steps"),
+            "sft": args.sft,
             "episodes": n,
             "seeds": {"train": TRAIN_SEED, "calib": CALIB_SEED, "eval": EVAL_SEED},
             "alpha": args.alpha,
@@ -278,6 +332,13 @@ def main() -> None:
     p.add_argument("--demos", type=int, default=None)
     p.add_argument("--noise", type=float, default=None)
     p.add_argument("--sft-steps", type=int, default=None)
+    p.add_argument(
+        "--sft",
+        dest="sft_override",
+        type=json.loads,
+        default={},
+        help='SFT fields over the preset\'s, as JSON (e.g. \'{"d_model": 64, "batch_size": 64}\')',
+    )
     p.add_argument("--train-episodes", type=int, default=None, help="fit episodes (seeds from 100000)")
     p.add_argument(
         "--calib-episodes", type=int, default=None, help="calibration episodes (seeds from 200000)"
@@ -294,7 +355,9 @@ def main() -> None:
     p.add_argument("--stall-steps", type=int, default=OperatorRules().stall_steps)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path, default=Path("runs/bench_failure"))
-    p.add_argument("--reuse", action="store_true", help="reuse the SFT checkpoint in --work if present")
+    p.add_argument(
+        "--reuse", action="store_true", help="reuse the SFT checkpoint and the rollouts in --work if present"
+    )
     p.add_argument("--out", type=Path, default=None, help="results file (default bench/results/failure.json)")
     args = p.parse_args()
     t0 = time.perf_counter()

@@ -4,11 +4,19 @@ a policy, no simulator; a few seconds)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
 
-from bench.failure import early_stats, fit_predictor, predictor_first_alarm, training_rows
+from bench.failure import (
+    early_stats,
+    episode_from_json,
+    episode_json,
+    fit_predictor,
+    predictor_first_alarm,
+    training_rows,
+)
 from bench.uncertainty import Episode
 
 HZ = 10.0
@@ -53,3 +61,15 @@ def test_the_fitted_predictor_flags_the_separable_failures_within_alpha() -> Non
     alarms = [predictor_first_alarm(head, e, h, HZ, use_time=False) for e in evals]
     d = early_stats(evals, alarms, lead_steps=2, hz=HZ)
     assert d["flag_early_rate"] == 1.0 and d["false_alarm_rate"] <= 0.2
+
+
+def test_the_rollout_cache_round_trips() -> None:
+    ep = _episode(0, False)
+    ep.privileged = [{"tcp_pos": np.array([0.1, 0.2, 0.3]), "gripper_closed": np.array(1.0)}]
+    ep.dense = [0.5]
+    back = episode_from_json(json.loads(json.dumps(episode_json(ep))))
+    assert (back.seed, back.success, back.length, back.max_steps) == (0, False, 20, 20)
+    assert back.chunk_scores == ep.chunk_scores and back.dense == [0.5]
+    np.testing.assert_allclose(back.privileged[0]["tcp_pos"], [0.1, 0.2, 0.3])
+    for t, f in ep.chunk_features.items():
+        np.testing.assert_allclose(back.chunk_features[t], f, atol=1e-7)
