@@ -227,24 +227,27 @@ def episode_rows(
     frames = np.flatnonzero(~human)[::stride]
     unc = ep.uncertainty if ep.uncertainty is not None else np.full(ep.length, np.nan, np.float32)
     instructions = labelled_instructions({ep.meta.episode_id: dict(labels)})(ep)
-    feats = [torch.zeros(0)]
-    for a in range(0, len(frames), batch):
-        rows = frames[a : a + batch]
-        obs = {
-            "state": torch.from_numpy(np.ascontiguousarray(ep.state[rows])),
-            "cameras": {k: torch.from_numpy(np.ascontiguousarray(v[rows])) for k, v in ep.cameras.items()},
+    device = policy.device
+
+    def observation(rows: np.ndarray) -> dict[str, Any]:
+        return {
+            "state": torch.from_numpy(np.ascontiguousarray(ep.state[rows])).to(device),
+            "cameras": {
+                k: torch.from_numpy(np.ascontiguousarray(v[rows])).to(device) for k, v in ep.cameras.items()
+            },
             "instruction": [instructions[i] for i in rows],
         }
-        obs = {**obs, "state": obs["state"].to(policy.device)}
-        obs["cameras"] = {k: v.to(policy.device) for k, v in obs["cameras"].items()}
-        feats.append(decision_features(policy, obs))
+
+    feats = [
+        decision_features(policy, observation(frames[a : a + batch])) for a in range(0, len(frames), batch)
+    ]
     return EpisodeRows(
         episode_id=ep.meta.episode_id,
         frames=frames,
         y=y[frames],
         event=event[frames],
         time_s=(frames / hz).astype(np.float32),
-        features=torch.cat(feats[1:]) if len(feats) > 1 else torch.zeros(0, 0),
+        features=torch.cat(feats) if feats else torch.zeros(0, 0),
         uncertainty=forward_fill(unc)[frames],
         clean_success=bool(success) and not human.any(),
         control_hz=hz,
