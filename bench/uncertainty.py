@@ -35,6 +35,7 @@ import torch
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from fleet.uncertainty import calibrate_cusum, cusum_path
+from policies.failure import decision_features
 from policies.loading import load_policy
 from server.slots import ServedVersion, initial_noise
 from sim.demos import record_demos
@@ -76,17 +77,21 @@ class Episode:
     chunk_scores: dict[int, float] = field(default_factory=dict)  # step a chunk was produced -> score
     success: bool = False
     length: int = 0
+    chunk_features: dict[int, np.ndarray] = field(default_factory=dict)  # same steps -> features(prefix)
 
 
-def rollout(version: ServedVersion, task: str, seeds: list[int], group: int) -> list[Episode]:
-    """The policy alone on ``seeds``, ``group`` episodes in lock-step (one batched inference per step)."""
+def rollout(
+    version: ServedVersion, task: str, seeds: list[int], group: int, features: bool = False
+) -> list[Episode]:
+    """The policy alone on ``seeds``, ``group`` episodes in lock-step (one batched inference per step);
+    ``features``: keep each decision's ``features(prefix)`` too (one more prefix pass per decision)."""
     out: list[Episode] = []
     for start in range(0, len(seeds), group):
-        out += _rollout_group(version, task, seeds[start : start + group])
+        out += _rollout_group(version, task, seeds[start : start + group], features)
     return out
 
 
-def _rollout_group(version: ServedVersion, task: str, seeds: list[int]) -> list[Episode]:
+def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features: bool) -> list[Episode]:
     envs = [make_env(task, obs="state") for _ in seeds]
     try:
         eps = [Episode(s, env.max_episode_steps) for s, env in zip(seeds, envs, strict=True)]
@@ -107,9 +112,12 @@ def _rollout_group(version: ServedVersion, task: str, seeds: list[int]) -> list[
                 states = np.stack([obs[i]["state"] for i in need]).astype(np.float32)
                 noise = np.stack([initial_noise(seeds[i] * 1000 + t, *version.noise_shape) for i in need])  # type: ignore[misc]
                 acts, scores = version.infer_scored(states, {}, [spec.instruction] * len(need), noise)
+                feats = _features(version, states, spec.instruction) if features else None
                 for j, i in enumerate(need):
                     chunks[i], k[i] = acts[j], 0
                     eps[i].chunk_scores[t] = float(scores[j])
+                    if feats is not None:
+                        eps[i].chunk_features[t] = feats[j]
             for i in sorted(active):
                 action = np.clip(chunks[i][k[i]], -1.0, 1.0).astype(np.float32)  # type: ignore[index]
                 k[i] += 1
@@ -122,6 +130,13 @@ def _rollout_group(version: ServedVersion, task: str, seeds: list[int]) -> list[
     finally:
         for env in envs:
             env.close()
+
+
+def _features(version: ServedVersion, states: np.ndarray, instruction: str) -> np.ndarray:
+    """``features(prefix)`` [B, F] of a batch of state-only observations (the served flow policy's)."""
+    policy = version.model.policy  # type: ignore[attr-defined]
+    obs = {"state": torch.from_numpy(states), "cameras": {}, "instruction": [instruction] * len(states)}
+    return decision_features(policy, obs).numpy()
 
 
 def first_takeover(ep: Episode, task: str, rules: OperatorRules) -> int | None:
@@ -163,40 +178,50 @@ def detector_stats(eps: list[Episode], steps: list[int | None]) -> dict[str, Any
     }
 
 
+def preset_value(args: argparse.Namespace, task: str, name: str) -> Any:
+    """``--name`` when given, else the task's preset (the kinematic one for other tasks)."""
+    value = getattr(args, name, None)
+    return value if value is not None else PRESETS.get(task, PRESETS["kinematic/Reach-v0"])[name]
+
+
+def base_checkpoint(args: argparse.Namespace, task: str, work: Path) -> Path:
+    """The policy under test: ``--demos`` scripted demos at ``--noise`` and an SFT of the task's preset
+    on them, in ``work`` (with ``--reuse``, the one a previous run left there)."""
+    saved = work / "checkpoint.txt"
+    if args.reuse and saved.exists():
+        return Path(saved.read_text().strip())
+    pick = lambda name: preset_value(args, task, name)  # noqa: E731
+    store = EpisodeStore(work / "demos", create=True)
+    record_demos(store, task, episodes=pick("demos"), noise=pick("noise"), seed=0, num_envs=1, progress=False)
+    result = train_sft(
+        SFTConfig(
+            task=task,
+            store=work / "demos",
+            out=work / "sft",
+            steps=pick("sft_steps"),
+            seed=0,
+            threads=args.threads,
+            checkpoint_every=pick("sft_steps"),
+            progress=False,
+            resume=False,
+            **dict(pick("sft")),
+        )
+    )
+    ckpt = Path(result.checkpoint)
+    saved.write_text(str(ckpt))
+    return ckpt
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     task = resolve_task(args.task).name
     preset = PRESETS.get(task, PRESETS["kinematic/Reach-v0"])
-    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+    pick = lambda name: preset_value(args, task, name)  # noqa: E731
     work = args.work / task.replace("/", "_")
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    saved = work / "checkpoint.txt"
-    if args.reuse and saved.exists():
-        ckpt = Path(saved.read_text().strip())
-    else:
-        store = EpisodeStore(work / "demos", create=True)
-        record_demos(
-            store, task, episodes=pick("demos"), noise=pick("noise"), seed=0, num_envs=1, progress=False
-        )
-        sft = dict(preset["sft"])
-        result = train_sft(
-            SFTConfig(
-                task=task,
-                store=work / "demos",
-                out=work / "sft",
-                steps=pick("sft_steps"),
-                seed=0,
-                threads=args.threads,
-                checkpoint_every=pick("sft_steps"),
-                progress=False,
-                resume=False,
-                **sft,
-            )
-        )
-        ckpt = Path(result.checkpoint)
-        saved.write_text(str(ckpt))
+    ckpt = base_checkpoint(args, task, work)
     timings["demos_and_sft_s"] = time.perf_counter() - t0
     version = ServedVersion(load_policy(ckpt, device="cpu"))
 

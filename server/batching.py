@@ -63,6 +63,8 @@ class _Result:
     inference_us: int
     uncertainty: float = float("nan")  # NaN = not available
     uncertainty_kind: str = ""
+    failure: float = float("nan")  # the failure predictor's score; NaN = none served
+    failure_alarm: bool = False
     batch_us: int = 0  # forming the batch (initial noise, stacking)
     prefix_us: int = 0  # of inference_us: the model's encode_prefix; 0 = the model does not split
     denoise_us: int = 0  # of inference_us: the rest of the forward; 0 = the model does not split

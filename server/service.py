@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -124,6 +125,8 @@ class _Service(pb_grpc.PolicyServiceServicer):
             r, out = res.rtc, reply.rtc
             out.mode, out.inference_delay, out.queued = r.mode, r.delay, r.queued
             out.execution_horizon, out.max_guidance_weight = r.execution_horizon, r.max_guidance_weight
+        if math.isfinite(res.failure):  # unset = no failure predictor served
+            reply.failure, reply.failure_alarm = res.failure, res.failure_alarm
         done = time.perf_counter_ns()
         total_us = (done - t0) // 1000
         slot.latency.add(total_us / 1000.0)

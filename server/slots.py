@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
+from policies.failure import FAILURE_DIR, FailurePredictor, decision_features, find_predictor
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla.uncertainty import accel_score
 from policies.loading import LoadedFlowPolicy, LoadedPolicy
@@ -191,11 +193,7 @@ class FlowPolicyModel:
         policy = self.policy
         device = policy.device
         with torch.inference_mode():
-            obs = {
-                "state": torch.from_numpy(states).to(device),
-                "cameras": {k: torch.from_numpy(v).to(device) for k, v in cameras.items()},
-                "instruction": instructions,
-            }
+            obs = self._observation(states, cameras, instructions)
             x0 = None if noise is None else torch.from_numpy(noise).to(device)
             if rtc is not None and any(r is not None for r in rtc):
                 actions, iterates = self._sample_rtc(obs, x0, rtc)
@@ -224,6 +222,23 @@ class FlowPolicyModel:
         requests = [None if r is None else (r.delay, r.queued) for r in rtc]
         res = sample_rtc(policy, obs, x0, requests, self.rtc_settings, self.num_steps)
         return res.actions, res.iterates
+
+    def features(
+        self, states: np.ndarray, cameras: Mapping[str, np.ndarray], instructions: list[str]
+    ) -> np.ndarray:
+        """The policy's ``features(prefix)`` ``[B, F]`` of a batch (one more prefix pass, no denoising):
+        what the failure predictor reads."""
+        return decision_features(self.policy, self._observation(states, cameras, instructions)).numpy()
+
+    def _observation(
+        self, states: np.ndarray, cameras: Mapping[str, np.ndarray], instructions: list[str]
+    ) -> dict[str, Any]:
+        device = self.policy.device
+        return {
+            "state": torch.from_numpy(states).to(device),
+            "cameras": {k: torch.from_numpy(v).to(device) for k, v in cameras.items()},
+            "instruction": instructions,
+        }
 
 
 class FlowVLAModel(FlowPolicyModel):
@@ -258,6 +273,40 @@ class ServedVersion:
         self.model: ServedModel = served_model(model)
         self.loaded_at = time.time()
         self.compiled: CompiledVelocity | None = None  # set by start_compiled
+        self.failure: FailurePredictor | None = None
+        """The checkpoint's failure predictor (``failure/``, :mod:`policies.failure`), when it has one
+        fit on these weights; its score and alarm ride with every chunk next to ``uncertainty``."""
+        self.failure_note = ""
+        """Why a ``failure/`` artefact in the checkpoint folder is not served ("" when none is there)."""
+        path = getattr(model, "path", None)
+        if path is not None and isinstance(self.model, FlowPolicyModel):
+            self._load_failure(Path(path))
+
+    def _load_failure(self, checkpoint: Path) -> None:
+        """Load ``checkpoint/failure/`` when present and fit for this model (a blank batch's features
+        give the width); a predictor that does not fit is logged and left out: the policy serves."""
+        if not (checkpoint / FAILURE_DIR).is_dir():
+            return
+        states, cams, instructions, _ = self._blank_batch(1)
+        dim = self.model.features(states, cams, instructions).shape[1]  # type: ignore[attr-defined]
+        self.failure, self.failure_note = find_predictor(checkpoint, dim)
+        if self.failure_note:
+            log.warning(self.failure_note, extra={"commit": self.commit, "path": str(checkpoint)})
+
+    def failure_scores(
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        uncertainty: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The failure predictor's ``p`` float32 ``[B]`` and alarms bool ``[B]`` for a batch whose chunks
+        scored ``uncertainty`` (one more prefix pass); None when no predictor is served."""
+        if self.failure is None:
+            return None
+        feats = self.model.features(states, cameras, instructions)  # type: ignore[attr-defined]
+        p = self.failure.score(feats, uncertainty)
+        return p, self.failure.alarms(p)
 
     @property
     def commit(self) -> str:
@@ -553,11 +602,13 @@ class ModelSlot:
             cams = {c.name: np.stack([it.cameras[c.name] for it in live]) for c in version.spec.cameras}
             t0 = time.perf_counter_ns()
             rtc = [it.rtc for it in live] if any(it.rtc is not None for it in live) else None
-            args = (states, cams, [it.instruction for it in live], noise)
+            instructions = [it.instruction for it in live]
+            args = (states, cams, instructions, noise)
             with timed_prefix(version.model) as prefix_clock:
                 actions, scores = (
                     version.infer_scored(*args) if rtc is None else version.infer_scored(*args, rtc)
                 )
+                failure = version.failure_scores(states, cams, instructions, scores)
             infer_us = (time.perf_counter_ns() - t0) // 1000
             prefix_us, denoise_us = prefix_clock.split_us(infer_us)
             want = (len(live), version.chunk_len, version.action_dim)
@@ -602,6 +653,8 @@ class ModelSlot:
                     inference_us=infer_us,
                     uncertainty=float(scores[i]),
                     uncertainty_kind=kind if np.isfinite(scores[i]) else "",
+                    failure=float("nan") if failure is None else float(failure[0][i]),
+                    failure_alarm=failure is not None and bool(failure[1][i]),
                     batch_us=(t0 - start_ns) // 1000,
                     prefix_us=prefix_us,
                     denoise_us=denoise_us,

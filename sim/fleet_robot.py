@@ -138,7 +138,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                     )
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
                     score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)
-                    ev = operator.observe_chunk(t, res.uncertainty)  # the uncertainty alarm, if on
+                    ev = operator.observe_chunk(t, res.uncertainty, res.failure_alarm)  # alarms, if on
                     if ev is not None:  # the robot asks for help instead of executing this chunk
                         _switch(client, segments, ev, t)
                         chunk = None

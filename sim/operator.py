@@ -18,6 +18,9 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
   statistics and ``h`` come from held-out *successful* episodes (:func:`fleet.uncertainty.calibrate_cusum`:
   split conformal on their peak CUSUM; the CUSUM functions live in :mod:`fleet.uncertainty`); S restarts at 0 each episode and after each handback. Scores that are not
   available (NaN: a LeRobot policy) leave S unchanged.
+* **failure predictor** (off by default, ``failure_alarm``): the policy server's learned failure predictor
+  alarmed on the new chunk (``ActResult.failure_alarm``, docs/algorithms.md §6c); checked like the
+  uncertainty alarm, before the chunk is executed.
 
 A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
 which keeps it at least ``min_autonomous_steps``. The operator works within a budget per episode: at most
@@ -72,6 +75,9 @@ class OperatorRules:
     """Reference mean of per-chunk scores (from held-out successful episodes)."""
     uncertainty_std: float = 1.0
     """Reference std of per-chunk scores (> 0)."""
+    failure_alarm: bool = False
+    """Take over when the policy server's learned failure predictor alarms on a chunk (its calibrated
+    threshold; the checkpoint must carry a predictor, else the alarm never comes)."""
 
     def __post_init__(self) -> None:
         for name in ("stall_steps", "drive_steps", "min_autonomous_steps", "max_takeovers"):
@@ -204,15 +210,20 @@ class SimulatedOperator:
             reason = "spot check"
         return self._take_over(reason)
 
-    def observe_chunk(self, t: int, uncertainty: float) -> Event | None:
-        """The policy produced a new chunk at step ``t`` with this uncertainty (NaN = not available):
-        update the CUSUM; a takeover (reason ``uncertainty: ...``) when the alarm fires, before the chunk
-        is executed. Call only while the policy is in control, after :meth:`observe` of the same step."""
+    def observe_chunk(self, t: int, uncertainty: float, failure_alarm: bool = False) -> Event | None:
+        """The policy produced a new chunk at step ``t`` with this uncertainty (NaN = not available) and
+        the server's failure-predictor alarm: update the CUSUM; a takeover (reason ``uncertainty: ...``, or
+        ``failure predictor: ...`` under ``rules.failure_alarm``) when an alarm fires, before the chunk is
+        executed. Call only while the policy is in control, after :meth:`observe` of the same step."""
         if self.driving:
             return None
         x = float(uncertainty)
         self.scores.append(x)
         r = self.rules
+        if r.failure_alarm and failure_alarm:
+            event = self._take_over("failure predictor: alarm on this chunk")
+            if event is not None:
+                return event
         if not r.uncertainty_alarm:
             return None
         self.cusum = cusum_step(self.cusum, x, r.uncertainty_mean, r.uncertainty_std, r.uncertainty_k)

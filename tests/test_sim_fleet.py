@@ -161,6 +161,20 @@ def test_operator_takes_over_when_the_uncertainty_alarm_fires() -> None:
     assert op.cusum == 0.0 and op.scores == [] and not op.driving
 
 
+def test_operator_takes_over_on_the_failure_predictors_alarm() -> None:
+    near = _priv((0.0, 0.0, 0.1))
+    off = SimulatedOperator(TASK, OperatorRules(stall_steps=0))
+    off.reset(0, max_steps=50)
+    assert all(off.observe_chunk(t, 1.0, failure_alarm=True) is None for t in range(5))  # off by default
+    op = SimulatedOperator(TASK, OperatorRules(stall_steps=0, min_autonomous_steps=1, failure_alarm=True))
+    op.reset(0, max_steps=50)
+    assert op.observe(0, near, 0.5) is None and op.observe_chunk(0, 1.0) is None  # no alarm, no takeover
+    assert op.observe(1, near, 0.5) is None
+    ev = op.observe_chunk(1, float("nan"), failure_alarm=True)
+    assert ev is not None and ev.kind == "takeover" and ev.reason.startswith("failure predictor")
+    assert op.driving and op.observe_chunk(2, 1.0, failure_alarm=True) is None  # no chunks while driving
+
+
 # ------------------------------------------------------------------------------------------ the fleet
 def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vla_rl.cli import data, labels, services, taco, training
+from vla_rl.cli import data, failure, labels, services, taco, training
 from vla_rl.cli.common import CliError, Command, hub_errors, parse, parse_config
 from vla_rl.cli.common import user_errors as _user_errors
 from vla_rl.core import lifeline
@@ -35,6 +35,7 @@ COMMANDS: list[Command] = [
     *data.COMMANDS,
     *labels.COMMANDS,
     *taco.COMMANDS,
+    *failure.COMMANDS,
     *training.COMMANDS[2:],
     *services.COMMANDS,
 ]
@@ -43,6 +44,7 @@ GROUPS = {
     "store": "inspect, check, import and export episode stores",
     "label": "automatic labels (HELP segment critic)",
     "taco": "test-time chunk selection by pseudo-counts (TACO)",
+    "failure": "the learned failure / takeover predictor (ask for help before failing)",
     "train": "train policies (one subcommand per algorithm)",
     "round": "post-training rounds: train on fleet data, evaluate, push, promote",
     "client": "talk to a policy server",

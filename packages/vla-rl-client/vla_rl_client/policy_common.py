@@ -330,6 +330,11 @@ class ActResult:
     """What :attr:`uncertainty` is ("accel"); "" when it is not available."""
     rtc: RTCInfo | None = None
     """How real-time chunking shaped the chunk; None when it did not (not asked, or a server without it)."""
+    failure: float = float("nan")
+    """The learned failure predictor's P(failure or takeover soon) for this chunk (docs/algorithms.md §6c);
+    NaN when the served checkpoint has no predictor (or the server predates the field)."""
+    failure_alarm: bool = False
+    """:attr:`failure` is above the predictor's calibrated threshold: time to ask for help."""
 
 
 def build_request(
@@ -409,6 +414,8 @@ def parse_response(resp: pb.ActResponse, t0: int, started_ns: int | None = None)
         uncertainty=resp.uncertainty if resp.HasField("uncertainty") else float("nan"),
         uncertainty_kind=resp.uncertainty_kind if resp.HasField("uncertainty") else "",
         rtc=_rtc_info(resp),
+        failure=resp.failure if resp.HasField("failure") else float("nan"),
+        failure_alarm=resp.failure_alarm if resp.HasField("failure") else False,
     )
 
 

@@ -117,7 +117,7 @@ class ActError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ActResponse(_message.Message):
-    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error", "uncertainty", "uncertainty_kind", "rtc")
+    __slots__ = ("request_id", "model_id", "actions", "commit", "timing", "batch_size", "seed", "explicit_noise", "n_exec", "error", "uncertainty", "uncertainty_kind", "rtc", "failure", "failure_alarm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,8 @@ class ActResponse(_message.Message):
     UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
     UNCERTAINTY_KIND_FIELD_NUMBER: _ClassVar[int]
     RTC_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_ALARM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     actions: Tensor
@@ -144,7 +146,9 @@ class ActResponse(_message.Message):
     uncertainty: float
     uncertainty_kind: str
     rtc: RTCApplied
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ..., uncertainty: _Optional[float] = ..., uncertainty_kind: _Optional[str] = ..., rtc: _Optional[_Union[RTCApplied, _Mapping]] = ...) -> None: ...
+    failure: float
+    failure_alarm: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., commit: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., explicit_noise: _Optional[bool] = ..., n_exec: _Optional[int] = ..., error: _Optional[_Union[ActError, _Mapping]] = ..., uncertainty: _Optional[float] = ..., uncertainty_kind: _Optional[str] = ..., rtc: _Optional[_Union[RTCApplied, _Mapping]] = ..., failure: _Optional[float] = ..., failure_alarm: _Optional[bool] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("model_id",)

@@ -1,0 +1,75 @@
+"""bench/failure.py's rows, fit, threshold and early-flag statistics on hand-made episodes (no training of
+a policy, no simulator; a few seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from bench.failure import (
+    early_stats,
+    episode_from_json,
+    episode_json,
+    fit_predictor,
+    predictor_first_alarm,
+    training_rows,
+)
+from bench.uncertainty import Episode
+
+HZ = 10.0
+
+
+def _episode(seed: int, success: bool, length: int = 20, rng: np.random.Generator | None = None) -> Episode:
+    """Decisions every 2 steps; a failing episode's feature 0 climbs towards its end, a successful
+    one's stays at 0 (plus noise)."""
+    rng = rng or np.random.default_rng(seed)
+    steps = range(0, length, 2)
+    level = (lambda t: t / length) if not success else (lambda t: 0.0)
+    feats = {t: np.array([level(t) + 0.02 * rng.normal(), rng.normal()], np.float32) for t in steps}
+    ep = Episode(seed, length, [], [], {t: 0.5 for t in steps}, success, length)
+    ep.chunk_features = feats
+    return ep
+
+
+def test_rows_label_the_window_before_a_failed_ending() -> None:
+    x, y = training_rows([_episode(0, False), _episode(1, True)], horizon_steps=5, hz=HZ, use_time=True)
+    assert x.shape == (20, 4) and x[:10, 3].tolist() == pytest.approx([t / HZ for t in range(0, 20, 2)])
+    # failing: decisions at 16, 18 are within 5 steps of the end (20); 0..14 are left out; success: all 0
+    assert y.tolist() == [-1] * 8 + [1, 1] + [0] * 10
+
+
+def test_early_stats_count_the_lead_and_false_alarms() -> None:
+    eps = [_episode(0, False), _episode(1, False), _episode(2, True), _episode(3, True)]
+    d = early_stats(eps, [4, 15, None, 6], lead_steps=10, hz=HZ)
+    assert (d["flagged_early"], d["failures"], d["flagged_any"]) == (1, 2, 2)
+    assert (d["false_alarms"], d["successes"]) == (1, 2) and d["lead_s_median"] == pytest.approx(1.05)
+    lo, hi = d["flag_early_ci95"]
+    assert lo < 0.5 < hi
+
+
+def test_the_fitted_predictor_flags_the_separable_failures_within_alpha() -> None:
+    rng = np.random.default_rng(0)
+    train = [_episode(i, i % 2 == 0, rng=rng) for i in range(40)]
+    calib = [_episode(100 + i, i % 2 == 0, rng=rng) for i in range(40)]
+    args = argparse.Namespace(horizon_s=1.0, hidden=[16], steps=300, lr=1e-2, alpha=0.1)
+    head, h, losses = fit_predictor(args, train, calib, HZ, use_time=False, dim=2)
+    assert 0 < h < 1 and losses[-1] < losses[0]
+    evals = [_episode(200 + i, i % 2 == 0, rng=rng) for i in range(40)]
+    alarms = [predictor_first_alarm(head, e, h, HZ, use_time=False) for e in evals]
+    d = early_stats(evals, alarms, lead_steps=2, hz=HZ)
+    assert d["flag_early_rate"] == 1.0 and d["false_alarm_rate"] <= 0.2
+
+
+def test_the_rollout_cache_round_trips() -> None:
+    ep = _episode(0, False)
+    ep.privileged = [{"tcp_pos": np.array([0.1, 0.2, 0.3]), "gripper_closed": np.array(1.0)}]
+    ep.dense = [0.5]
+    back = episode_from_json(json.loads(json.dumps(episode_json(ep))))
+    assert (back.seed, back.success, back.length, back.max_steps) == (0, False, 20, 20)
+    assert back.chunk_scores == ep.chunk_scores and back.dense == [0.5]
+    np.testing.assert_allclose(back.privileged[0]["tcp_pos"], [0.1, 0.2, 0.3])
+    for t, f in ep.chunk_features.items():
+        np.testing.assert_allclose(back.chunk_features[t], f, atol=1e-7)
