@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS, table, write_results
+from bench.common import cached as _cached
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from sim.demos import record_demos, record_rollouts
@@ -49,16 +50,6 @@ from vla_rl.train.sft import SFTConfig, train_sft
 OFFLINE = ("awr", "recap", "qam", "fql")
 ONLINE = ("qam-o2o", "flow-noise", "flow-sde", "flow-sde-all", "awr-pi")
 ALL = OFFLINE + ONLINE
-
-
-def _cached(path: Path, fn: Any) -> dict[str, Any]:
-    """Run ``fn()`` unless ``path`` holds its JSON result from an earlier run."""
-    if path.exists():
-        return json.loads(path.read_text())
-    res = fn()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2, default=str))
-    return res
 
 
 def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = EVAL) -> dict[str, Any]:
