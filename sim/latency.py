@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
-from vla_rl_client.action_queue import ActionQueue
+from vla_rl_client.action_queue import AGGREGATES, ALIASES, TEMPORAL_ENSEMBLE, ActionQueue
 
 from sim.base import GRIPPER_OPEN
 from sim.rollout import ChunkRecord, ChunkRollout, EpisodeRecord, Obs, Proposer, VectorEnv, select_robots
@@ -197,16 +197,23 @@ class LatencyOptions:
     """Send the next request when the queue is down to this share of a chunk (1: as often as possible)."""
     ensemble_coeff: float = 0.01
     when_starved: WhenStarved = "still"
-    control_hz: float = 20.0
+    control_hz: float | None = None
+    """Control rate the delays are counted in; None: the env's (its spec's ``control_hz``, else 20 Hz)."""
     gripper: int | None = 3
     """Index of the gripper command, which standing still keeps (open before the episode's first action;
     None: every dimension goes to 0)."""
 
     def __post_init__(self) -> None:
-        self.make_queue()  # validates merge and chunk_size_threshold with the queue's own errors
+        merges = [*AGGREGATES, *ALIASES, TEMPORAL_ENSEMBLE]
+        if self.merge not in merges:
+            raise ValueError(f"merge: expected one of {merges}, got {self.merge!r}")
+        if not 0.0 <= self.chunk_size_threshold <= 1.0:
+            raise ValueError(
+                f"chunk_size_threshold: expected a share of a chunk in [0, 1], got {self.chunk_size_threshold}"
+            )
         if self.when_starved not in WHEN_STARVED:
             raise ValueError(f"when_starved: expected one of {list(WHEN_STARVED)}, got {self.when_starved!r}")
-        if not self.control_hz > 0:
+        if self.control_hz is not None and not self.control_hz > 0:
             raise ValueError(f"control_hz: expected a positive rate, got {self.control_hz}")
 
     def make_queue(self) -> _StepQueue:
@@ -242,7 +249,8 @@ class LatencyStats:
     stale_dropped: int = 0
     """Actions that arrived after their step had been executed."""
     jumps: list[float] = field(default_factory=list)
-    """||first action executed after a chunk joined - the action executed before it|| at each boundary."""
+    """||first action executed after a chunk joined - the action executed before it|| at each boundary
+    (not at the episode's first chunk; after starved steps, "before it" is the starved step's action)."""
 
     @property
     def mean_jump(self) -> float:
@@ -288,6 +296,8 @@ class _Robot:
     inflight: tuple[int, np.ndarray] | None = None
     """(arrival step, the chunk stamped with its sending step ``arrival - network_steps``)."""
     last: np.ndarray | None = None
+    acted: bool = False
+    """A queued action has executed: later chunks join at a boundary (the first chunk has none)."""
 
 
 def stack_rows(rows: list[Obs]) -> Obs:
@@ -336,8 +346,16 @@ class LatencyRollout(ChunkRollout):
             on_episode=on_episode,
         )
 
+    @property
+    def control_hz(self) -> float:
+        """The rate delays are counted in: the options', else the env spec's, else 20 Hz."""
+        if self.options.control_hz is not None:
+            return self.options.control_hz
+        spec = getattr(self.env, "spec", None)
+        return float(spec.control_hz) if spec is not None else 20.0
+
     def _start_episode(self, i: int, obs: Obs) -> _Robot:
-        lat = self.options.latency.draw(self.seeds[i], self.options.control_hz)
+        lat = self.options.latency.draw(self.seeds[i], self.control_hz)
         stats = LatencyStats(lat.network_ms, lat.observation_ms, lat.network_steps, lat.observation_steps)
         history: deque[Obs] = deque([obs], maxlen=lat.observation_steps + 1)
         return _Robot(lat, self.options.make_queue(), history, stats)
@@ -418,8 +436,10 @@ class LatencyRollout(ChunkRollout):
             if action is None:
                 action = self._starved_action(r)
                 r.queue.step += 1  # the world moved on: actions for this step are stale from now
-            elif boundary[i] and r.last is not None:
-                r.stats.jumps.append(float(np.linalg.norm(action - r.last)))
+            else:
+                if boundary[i] and r.acted and r.last is not None:
+                    r.stats.jumps.append(float(np.linalg.norm(action - r.last)))
+                r.acted = True
             r.last = action
             self.queues[i].append(action)
             self.chunks[i] = ChunkRecord(

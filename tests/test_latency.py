@@ -71,8 +71,10 @@ def test_bad_specs_say_what_was_expected(spec: str, match: str) -> None:
 
 
 def test_bad_options_name_the_field() -> None:
-    with pytest.raises(ValueError, match="aggregate: expected one of"):
+    with pytest.raises(ValueError, match="merge: expected one of"):
         LatencyOptions(merge="median")
+    with pytest.raises(ValueError, match="chunk_size_threshold: expected"):
+        LatencyOptions(chunk_size_threshold=1.5)
     with pytest.raises(ValueError, match="when_starved: expected one of"):
         LatencyOptions(when_starved="coast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="control_hz"):
@@ -136,7 +138,7 @@ def test_starved_steps_stand_still_or_hold_the_last_action() -> None:
     assert ep.latency is not None and ep.latency.network_steps == 3
     assert ep.latency.starved == 3 + 3 * 2 and ep.latency.stale_dropped == 3 * 3
     assert ep.latency.requests == 4 and ep.latency.chunks == 3  # the fourth was in flight at the end
-    assert ep.latency.jumps == pytest.approx([3.0, 33.0, 63.0])
+    assert ep.latency.jumps == pytest.approx([33.0, 63.0])  # from standing still; none at the first chunk
 
 
 def test_standing_still_keeps_the_gripper() -> None:
@@ -149,10 +151,10 @@ def test_standing_still_keeps_the_gripper() -> None:
 
 def test_jumps_are_measured_where_a_chunk_joined() -> None:
     _, _, [ep] = _run("const:100ms", 8, [(8, "truncated")])
-    # executed [0, 0, 2, 3, 22, 23, 42, 43]: chunks joined at steps 2, 4 and 6
+    # executed [0, 0, 2, 3, 22, 23, 42, 43]: the first chunk joined at step 2, the next ones at 4 and 6
     assert ep.latency is not None
-    assert ep.latency.jumps == pytest.approx([2.0, 19.0, 19.0])
-    assert ep.latency.mean_jump == pytest.approx(40 / 3) and ep.latency.max_jump == pytest.approx(19.0)
+    assert ep.latency.jumps == pytest.approx([19.0, 19.0])
+    assert ep.latency.mean_jump == pytest.approx(19.0) and ep.latency.max_jump == pytest.approx(19.0)
 
 
 def test_each_episode_starts_a_new_queue_and_its_own_draws() -> None:
@@ -189,3 +191,55 @@ def test_a_context_proposer_gets_the_delay_and_the_queued_actions() -> None:
     assert [(c.step, c.delay_steps) for c in seen] == [(0, 2), (2, 2), (4, 2)]
     assert seen[0].queued.size == 0
     np.testing.assert_array_equal(seen[1].queued[:, 0], [2, 3])  # what runs while the request is out
+
+
+# ---------------------------------------------------------------- training rollouts with latency
+class SlopePolicy:
+    """Chunks whose action k is ``[0.1 (k + 1), 0, 0, -1]`` for every robot (a kinematic Reach spec)."""
+
+    chunk_len = 4
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        chunk = np.zeros((self.chunk_len, self.spec.action_dim), np.float32)
+        chunk[:, 0] = 0.1 * np.arange(1, self.chunk_len + 1)
+        chunk[:, -1] = -1.0
+        return np.repeat(chunk[None], len(obs["state"]), axis=0)
+
+
+def test_recorded_rollouts_hold_what_the_robot_executed_under_latency(tmp_path: Any) -> None:
+    import sim
+    from fleet.store import EpisodeStore
+    from sim.demos import record_rollouts
+
+    with sim.make_env("kinematic/Reach-v0") as env:
+        spec = env.spec
+    store = EpisodeStore(tmp_path / "store", create=True)
+    options = LatencyOptions(LatencySpec.parse("const:100ms"), merge="latest_only")
+    rep = record_rollouts(
+        store,
+        SlopePolicy(spec),
+        "kinematic/Reach-v0",
+        episodes=1,
+        max_episode_steps=8,
+        progress=False,
+        latency=options,
+    )
+    ep = store.read_episode(rep.episode_ids[0], cameras=False)
+    # two steps standing still (gripper open) while the first chunk is out, then its actions for steps 2, 3
+    np.testing.assert_allclose(ep.action[:, 0], [0, 0, 0.3, 0.4, 0.3, 0.4, 0.3, 0.4], atol=1e-6)
+    np.testing.assert_allclose(ep.action[:, -1], [1, 1, -1, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(ep.proposed_action, ep.action)
+
+
+def test_awr_pi_names_a_bad_latency_knob() -> None:
+    from vla_rl.train.awr_pi import AWRPIConfig
+
+    base = {"task": "kinematic/Reach-v0", "base": "b", "store": "s", "out": "o"}
+    assert AWRPIConfig(**base, latency="exp:100ms").latency_options() is not None  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="latency / latency_merge: delay: expected one of"):
+        AWRPIConfig(**base, latency="gauss:1ms")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="latency / latency_merge: merge: expected"):
+        AWRPIConfig(**base, latency="0", latency_merge="median")  # type: ignore[arg-type]
