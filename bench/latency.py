@@ -148,9 +148,10 @@ def run_cell(
         reason = rtc_unavailable(method, policy)
         if reason is not None:
             return row | {"available": False, "reason": reason}
-        raise NotImplementedError(f"{method}: the RTC policy is available; wire RTCProposer into evaluate")
+    # RTC's chunk already continues what executes meanwhile: it replaces the rest of the queue
+    method_options = MERGES.get(method, MERGES["latest_only"])
     options = LatencyOptions(
-        spec, merge=MERGES[method].merge, chunk_size_threshold=MERGES[method].chunk_size_threshold
+        spec, merge=method_options.merge, chunk_size_threshold=method_options.chunk_size_threshold
     )
     ev = evaluate(
         policy,
@@ -160,6 +161,7 @@ def run_cell(
         seed=EVAL_SEED,
         progress=False,
         latency=options,
+        propose=RTCProposer(policy, RTC[method], EVAL_SEED) if method in RTC else None,
     )
     assert ev.latency is not None
     return row | {

@@ -243,3 +243,34 @@ def test_awr_pi_names_a_bad_latency_knob() -> None:
         AWRPIConfig(**base, latency="gauss:1ms")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="latency / latency_merge: merge: expected"):
         AWRPIConfig(**base, latency="0", latency_merge="median")  # type: ignore[arg-type]
+
+
+def test_evaluation_asks_a_given_context_proposer() -> None:
+    import sim
+    from vla_rl.evaluation import evaluate
+
+    with sim.make_env("kinematic/Reach-v0") as env:
+        policy = SlopePolicy(env.spec)
+    seen: list[RequestContext] = []
+
+    class RTCLike:
+        wants_context = True
+
+        def __call__(
+            self, robots: list[int], obs: dict[str, Any], context: list[RequestContext]
+        ) -> np.ndarray:
+            seen.extend(context)
+            return policy.predict_chunks(obs, 0)
+
+    options = LatencyOptions(LatencySpec.parse("const:100ms"), merge="latest_only")
+    res = evaluate(
+        policy,
+        "kinematic/Reach-v0",
+        episodes=1,
+        num_envs=1,
+        max_episode_steps=6,
+        progress=False,
+        latency=options,
+        propose=RTCLike(),
+    )
+    assert res.episodes == 1 and [(c.step, c.delay_steps) for c in seen] == [(0, 2), (2, 2), (4, 2)]

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 from vla_rl_client.spec import RobotSpec
 
-from sim.latency import LatencyOptions, LatencyRollout, LatencyStats
-from sim.rollout import ChunkRollout, EpisodeRecord, SeededChunkProposer
+from sim.latency import ContextProposer, LatencyOptions, LatencyRollout, LatencyStats
+from sim.rollout import ChunkRollout, EpisodeRecord, Proposer, SeededChunkProposer
 from sim.vector import VectorSimEnv
 from vla_rl.core.seeds import EVAL
 from vla_rl.train.base import StepProgress
@@ -141,6 +141,7 @@ def evaluate(
     progress: bool = True,
     ray: str | None = None,
     latency: LatencyOptions | None = None,
+    propose: Proposer | ContextProposer | None = None,
 ) -> EvalResult:
     """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
 
@@ -149,6 +150,8 @@ def evaluate(
     (``auto`` or a cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`) instead of
     local processes: the same seeds give the same episodes. ``latency``: run in the latency world
     (:mod:`sim.latency`; ``n_exec`` is then unused: the queue's threshold decides when a robot asks).
+    ``propose``: ask this proposer for chunks instead of ``policy.predict_chunks`` (seeded per call); with
+    ``latency`` it may be a :class:`sim.latency.ContextProposer` (real-time chunking's requests).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -193,9 +196,9 @@ def evaluate(
             bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
 
     try:
-        proposer = SeededChunkProposer(policy.predict_chunks, seed)
+        proposer = propose or SeededChunkProposer(policy.predict_chunks, seed)
         rollout = (
-            ChunkRollout(env, proposer, n_exec, reward_key="dense_reward", on_episode=episode_ended)
+            ChunkRollout(env, proposer, n_exec, reward_key="dense_reward", on_episode=episode_ended)  # type: ignore[arg-type]
             if latency is None
             else LatencyRollout(env, proposer, latency, reward_key="dense_reward", on_episode=episode_ended)
         )
