@@ -43,6 +43,7 @@ from sim.base import GRIPPER_OPEN
 from sim.rollout import ChunkRecord, ChunkRollout, EpisodeRecord, Obs, Proposer, VectorEnv, select_robots
 
 __all__ = [
+    "ContextProposer",
     "Delay",
     "EpisodeLatency",
     "LatencyOptions",
@@ -50,6 +51,7 @@ __all__ = [
     "LatencySpec",
     "LatencyStats",
     "RequestContext",
+    "stack_rows",
     "to_steps",
 ]
 
@@ -317,7 +319,7 @@ def stack_rows(rows: list[Obs]) -> Obs:
 class LatencyRollout(ChunkRollout):
     """A :class:`~sim.rollout.ChunkRollout` in the latency world (see the module docstring): one action
     per chunk record, the robot's queue and requests kept here. ``propose`` is the driver's proposer, or
-    a :class:`ContextProposer`. ``episode_stats()`` of a finished episode is in its record's ``latency``."""
+    a :class:`ContextProposer`. A finished episode's :class:`LatencyStats` is its record's ``latency``."""
 
     def __init__(
         self,
