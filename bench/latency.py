@@ -18,12 +18,14 @@ why not.
     python -m bench.latency                                     # every setting, 50 episodes a cell
     python -m bench.latency --settings push-state --episodes 10 --latencies 0 100   # a quick look
     python -m bench.latency --train-only                        # train (or find) the checkpoints only
+    python -m bench.latency --merge a.json b.json               # one result file and plot from several runs
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import math
 import time
 from pathlib import Path
@@ -240,6 +242,26 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return table(out, header)
 
 
+def merge(paths: list[Path], out: Path) -> Path:
+    """One result file (and plot) from runs of separate settings, e.g. sized differently or run in turn:
+    their rows in order, each source's arguments, checkpoints and machine under ``merged_from``."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    rows = [r for d in docs for r in d["results"]["rows"]]
+    sources = [
+        {
+            "file": p.name,
+            "machine": d["machine"],
+            "args": d["results"]["args"],
+            "checkpoints": d["results"]["checkpoints"],
+        }
+        for p, d in zip(paths, docs, strict=True)
+    ]
+    print(summary(rows))
+    written = write_results("latency", {"rows": rows, "merged_from": sources, "complete": True}, out)
+    print(f"\nwrote {written}\nplot {plot(rows, out.with_suffix('.png'))}")
+    return written
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -258,7 +280,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--train-only", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "latency.json")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these result files into --out")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     torch.set_num_threads(args.threads)
     meta: dict[str, Any] = {"args": vars(args) | {"work": str(args.work), "out": str(args.out)}}
     checkpoints = {name: train_checkpoint(name, args.work, args.demos, args.noise) for name in args.settings}

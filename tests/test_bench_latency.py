@@ -3,12 +3,14 @@ the RTC proposer's request, the table and the plot."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.latency import RTCProposer, plot, rtc_unavailable, run_cell, summary
+from bench.common import write_results
+from bench.latency import RTCProposer, merge, plot, rtc_unavailable, run_cell, summary
 from sim.latency import RequestContext
 
 
@@ -48,8 +50,8 @@ def test_rtc_proposer_sends_each_robots_delay_and_queued_actions() -> None:
     assert seed == 7000 and delays == [2, 3] and left[0] is queued
 
 
-def test_table_and_plot(tmp_path: Path) -> None:
-    rows = [
+def _rows() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = [
         {
             "setting": "push-state",
             "method": m,
@@ -74,6 +76,27 @@ def test_table_and_plot(tmp_path: Path) -> None:
             "reason": "why",
         }
     )
+    return rows
+
+
+def test_table_and_plot(tmp_path: Path) -> None:
+    rows = _rows()
     text = summary(rows)
     assert "50% (20%-80%, n=10)" in text and "| why" in text and "| -" in text
     assert plot(rows, tmp_path / "latency.png").stat().st_size > 1000
+
+
+def test_runs_of_separate_settings_merge_into_one_file(tmp_path: Path) -> None:
+    push = _rows()
+    pick = [dict(r, setting="pick-state") for r in _rows()]
+    paths = [
+        write_results("latency", {"args": {"n": i}, "checkpoints": {}, "rows": rows}, tmp_path / f"{i}.json")
+        for i, rows in enumerate((push, pick))
+    ]
+    out = merge(paths, tmp_path / "latency.json")
+    doc = json.loads(out.read_text())["results"]
+    assert doc["rows"] == json.loads(json.dumps(push + pick)) and [m["args"] for m in doc["merged_from"]] == [
+        {"n": 0},
+        {"n": 1},
+    ]
+    assert (tmp_path / "latency.png").stat().st_size > 1000
