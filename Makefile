@@ -76,6 +76,10 @@ bench-all: setup
 	.venv/bin/python -m bench.serve_vla --duration 60 --grace 300
 	.venv/bin/python -m bench.sft --settings push-state pick-state
 	.venv/bin/python -m bench.sft --settings push-rgb --work runs/bench_sft_rgb --out bench/results/sft_rgb.json
+	.venv/bin/python -m bench.latency --settings push-state --episodes 20 --out runs/bench_latency/push.json
+	.venv/bin/python -m bench.latency --settings pick-state --episodes 10 --latencies 0 300 100 \
+		--out runs/bench_latency/pick.json
+	.venv/bin/python -m bench.latency --merge runs/bench_latency/push.json runs/bench_latency/pick.json
 	.venv/bin/python -m bench.gate
 	.venv/bin/python -m bench.ppo_check
 	nice -n 19 .venv/bin/python -m bench.qam_check --label lam100 --sft-steps 1500 --sft-d-model 64 \

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,16 @@ def write_results(name: str, results: Any, out: Path | None = None) -> Path:
         json.dumps({"bench": name, "machine": machine(), "results": results}, indent=2, default=str)
     )
     return path
+
+
+def cached(path: Path, fn: Callable[[], Any]) -> Any:
+    """``fn()``'s JSON-able result, computed once: read from ``path`` when an earlier run left it there."""
+    if path.exists():
+        return json.loads(path.read_text())
+    res = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2, default=str))
+    return res
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:

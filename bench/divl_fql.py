@@ -18,13 +18,13 @@ intervals wide; read differences smaller than the intervals as none.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.common import cached as _cached
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
@@ -42,15 +42,6 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "qam-divl": ("qam", {"value": "divl"}),
     "fql": ("fql", {}),
 }
-
-
-def _cached(path: Path, fn: Any) -> dict[str, Any]:
-    if path.exists():
-        return json.loads(path.read_text())
-    res = fn()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2, default=str))
-    return res
 
 
 def _eval(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS, table, write_results
+from bench.common import cached as _cached
 from fleet.store import EpisodeStore
 from policies.loading import load_chunk_policy
 from sim.demos import record_demos, record_rollouts
@@ -61,16 +62,6 @@ INIT_DIR = "init"
 """<work>/seedN/init: the random LeRobot folder a ``--policy`` other than flowvla starts its SFT from."""
 LEROBOT_SFT_TRAINABLE = "full"
 """What SFT trains of a LeRobot base: everything, its VLM being random (as ``vla-rl up`` trains its base)."""
-
-
-def _cached(path: Path, fn: Any) -> dict[str, Any]:
-    """Run ``fn()`` unless ``path`` holds its JSON result from an earlier run."""
-    if path.exists():
-        return json.loads(path.read_text())
-    res = fn()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2, default=str))
-    return res
 
 
 def evaluate_checkpoint(ckpt: Path, task: str, episodes: int, seed: int = EVAL) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sim.experts import make_expert
+from sim.latency import LatencyOptions, LatencyRollout
 from sim.rollout import ChunkRollout, SeededChunkProposer, StepRecord
 from sim.vector import VectorSimEnv
 
@@ -187,6 +188,7 @@ def record_rollouts(
     robot_prefix: str = "sim",
     progress: bool = True,
     replayable: bool = False,
+    latency: LatencyOptions | None = None,
 ) -> DemoReport:
     """Run ``policy`` (a :class:`vla_rl.evaluation.ChunkPolicy`: ``predict_chunks(obs, seed)``,
     ``spec``, ``chunk_len``) autonomously and write every frame to ``store``: controller ``policy``,
@@ -195,6 +197,7 @@ def record_rollouts(
     Receding horizon: each robot executes the first ``n_exec`` actions of a chunk (default H/2), then
     asks again. Episode seeds follow the vector env's sequence, so the same call writes the same frames.
     ``replayable``: every episode replays exactly from its seed (:class:`sim.base.EnvOptions`).
+    ``latency``: act in the latency world instead (:mod:`sim.latency`; the frames hold what executed).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -219,6 +222,7 @@ def record_rollouts(
             revision=revision,
             robot_prefix=robot_prefix,
             progress=progress,
+            latency=latency,
         )
     finally:
         env.close()
@@ -241,6 +245,7 @@ def record_policy_episodes(
     robot_prefix: str = "sim",
     progress: bool = True,
     max_env_steps: int | None = None,
+    latency: LatencyOptions | None = None,
 ) -> DemoReport:
     """:func:`record_rollouts` in an open ``env`` (kept open for the next call, e.g. by an online trainer):
     reset it to the seed sequence ``seed`` and record ``episodes`` autonomous episodes of ``policy``.
@@ -248,6 +253,8 @@ def record_policy_episodes(
     ``max_env_steps``: stop once the simulators took this many steps (``num_envs`` per vector step); the
     episodes still running then are closed with outcome ``aborted`` and not counted. ``report.env_steps``
     counts every simulated step, also those of robots idling while the last episodes finish.
+    ``latency``: the robots act in the latency world (:mod:`sim.latency`; ``n_exec`` unused), and each
+    frame's action (and proposal) is the action the robot executed.
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
@@ -278,8 +285,11 @@ def record_policy_episodes(
         open_writer(i) if i < started else None for i in range(env.num_envs)
     ]
     try:
-        rollout = ChunkRollout(
-            env, SeededChunkProposer(policy.predict_chunks, seed), n_exec, seed=seed, on_step=write
+        proposer = SeededChunkProposer(policy.predict_chunks, seed)
+        rollout = (
+            ChunkRollout(env, proposer, n_exec, seed=seed, on_step=write)
+            if latency is None
+            else LatencyRollout(env, proposer, latency, seed=seed, on_step=write)
         )
         while report.episodes < episodes and (max_env_steps is None or report.env_steps < max_env_steps):
             rollout.step()

@@ -137,6 +137,10 @@ class EpisodeRecord:
     final_obs: Obs
     info: dict[str, Any]
     """The robot's info of the episode's last step."""
+    latency: Any = None
+    """What latency did to the episode: a :class:`sim.latency.LatencyStats` from
+    :class:`sim.latency.LatencyRollout`, None without latency (not imported: sim.latency builds on this
+    module)."""
 
 
 @dataclass(frozen=True)

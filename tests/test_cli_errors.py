@@ -165,3 +165,17 @@ def test_serve_with_nothing_to_serve_is_one_line(
         capsys,
         f"--checkpoint {missing}: no such folder",
     )
+
+
+def test_eval_latency_mistakes_are_one_line_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["eval", "--checkpoint", "no/such/checkpoint"]
+    _one_line_error(
+        [*base, "--latency", "gauss:10ms"], capsys, "--latency: delay: expected one of const:100ms"
+    )
+    _one_line_error([*base, "--latency", "const:100"], capsys, "expected a duration such as 100ms")
+    _one_line_error(
+        [*base, "--latency", "0", "--merge", "median"], capsys, "--latency: merge: expected one of"
+    )
+    _one_line_error(
+        [*base, "--latency", "0", "--when-starved", "coast"], capsys, "when_starved: expected one of"
+    )

@@ -13,6 +13,7 @@ from vla_rl_client.spec import RobotSpec
 
 import sim
 from sim.experts import PushExpert
+from sim.latency import LatencyOptions, LatencySpec
 from vla_rl.evaluation import evaluate, wilson_interval
 
 TASK = "maniskill/PushCube-v1"
@@ -95,3 +96,26 @@ def test_constant_policy_fails_and_times_out(push_spec: RobotSpec) -> None:
     assert res.successes == 0 and res.mean_length == 12
     with pytest.raises(ValueError, match="n_exec"):
         evaluate(ConstantPolicy(push_spec), TASK, episodes=1, n_exec=9, progress=False)
+
+
+def test_latency_world_reports_jumps_and_starved_steps(push_spec: RobotSpec) -> None:
+    options = LatencyOptions(LatencySpec.parse("const:100ms"), merge="latest_only")
+    res = evaluate(
+        StatePushPolicy(push_spec),
+        TASK,
+        episodes=2,
+        num_envs=1,
+        seed=900,
+        max_episode_steps=16,
+        progress=False,
+        latency=options,
+    )
+    assert res.latency is not None and res.latency["merge"] == "latest_only"
+    assert res.latency["spec"] == "net=const:100ms,obs=const:0ms"
+    for ep in res.per_episode:
+        assert ep.latency is not None and ep.latency["network_steps"] == 2
+        # 2 starved steps waiting for each episode's first chunk; chunks of 4 asked at 2 left arrive in time
+        assert ep.latency["starved"] == 2 and ep.latency["requests"] >= ep.length // 2 - 1
+        assert len(ep.latency["jumps"]) == ep.latency["chunks"] - 1 and min(ep.latency["jumps"]) >= 0
+    assert res.latency["starved_per_episode"] == 2.0
+    assert "action jump at chunk boundaries" in res.summary()

@@ -4,6 +4,10 @@ The policy predicts an H-step action chunk; each robot executes the first ``n_ex
 again (docs/architecture.md "Contracts"). Episodes are exactly the seeds ``seed .. seed + episodes - 1``, so two
 checkpoints evaluated with the same seed face the same initial states — the promotion gate compares
 like with like.
+
+With ``latency`` (:class:`sim.latency.LatencyOptions`) the robots run in the latency world instead: each
+keeps executing its action queue while a request is in flight, chunks join the queue with the chosen
+merge, and every episode also reports its action jump at chunk boundaries and its starved steps.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 from vla_rl_client.spec import RobotSpec
 
-from sim.rollout import ChunkRollout, EpisodeRecord, RTCChunkProposer, SeededChunkProposer
+from sim.latency import ContextProposer, LatencyOptions, LatencyRollout, LatencyStats
+from sim.rollout import ChunkRollout, EpisodeRecord, Proposer, RTCChunkProposer, SeededChunkProposer
 from sim.vector import VectorSimEnv
 from vla_rl.core.seeds import EVAL
 from vla_rl.train.base import StepProgress
@@ -53,6 +58,28 @@ class EpisodeResult:
     success: bool
     length: int
     dense_return: float
+    latency: dict[str, Any] | None = None
+    """With latency: the episode's :class:`sim.latency.LatencyStats` (delays, starved steps, jumps)."""
+
+
+def latency_summary(per: list[EpisodeResult], options: LatencyOptions) -> dict[str, Any]:
+    """The latency world's settings and its per-episode numbers averaged: the mean action jump at chunk
+    boundaries (over every boundary), the mean of each episode's largest jump, starved steps per episode."""
+    stats = [e.latency for e in per if e.latency is not None]
+    jumps = [j for s in stats for j in s["jumps"]]
+    maxes = [s["max_jump"] for s in stats if s["jumps"]]
+    return {
+        "spec": str(options.latency),
+        "merge": options.merge,
+        "chunk_size_threshold": options.chunk_size_threshold,
+        "when_starved": options.when_starved,
+        "mean_jump": float(np.mean(jumps)) if jumps else float("nan"),
+        "mean_max_jump": float(np.mean(maxes)) if maxes else float("nan"),
+        "starved_per_episode": float(np.mean([s["starved"] for s in stats])),
+        "requests_per_episode": float(np.mean([s["requests"] for s in stats])),
+        "mean_network_ms": float(np.mean([s["network_ms"] for s in stats])),
+        "mean_observation_ms": float(np.mean([s["observation_ms"] for s in stats])),
+    }
 
 
 @dataclass
@@ -68,15 +95,25 @@ class EvalResult:
     seconds: float
     per_episode: list[EpisodeResult] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
+    latency: dict[str, Any] | None = None
+    """With latency: :func:`latency_summary` (None: the receding-horizon driver, no latency)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         lo, hi = self.ci95
-        return (
+        line = (
             f"{self.task}: success {self.successes}/{self.episodes} = {self.success_rate:.0%} "
             f"(95% CI {lo:.0%}-{hi:.0%}), mean length {self.mean_length:.1f}, {self.seconds:.0f} s"
+        )
+        if self.latency is None:
+            return line
+        lat = self.latency
+        return (
+            f"{line}\nlatency {lat['spec']}, merge {lat['merge']}: action jump at chunk boundaries "
+            f"mean {lat['mean_jump']:.3f} (largest per episode {lat['mean_max_jump']:.3f}), "
+            f"{lat['starved_per_episode']:.1f} starved steps per episode"
         )
 
 
@@ -118,6 +155,8 @@ def evaluate(
     progress: bool = True,
     ray: str | None = None,
     rtc: str = "auto",
+    latency: LatencyOptions | None = None,
+    propose: Proposer | ContextProposer | None = None,
 ) -> EvalResult:
     """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
 
@@ -128,11 +167,20 @@ def evaluate(
     chunking; the rollout waits for every chunk (no inference delay to hide), so ``auto`` is off and
     ``on`` makes each chunk continue the unexecuted rest of the robot's previous one
     (:class:`sim.rollout.RTCChunkProposer`; a policy whose ``predict_chunks`` takes no ``rtc`` is refused).
+    ``latency``: run in the latency world
+    (:mod:`sim.latency`; ``n_exec`` is then unused: the queue's threshold decides when a robot asks).
+    ``propose``: ask this proposer for chunks instead of ``policy.predict_chunks`` (seeded per call); with
+    ``latency`` it may be a :class:`sim.latency.ContextProposer` (real-time chunking's requests).
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     n_exec = n_exec or max(1, policy.chunk_len // 2)
     proposer = _proposer(policy, seed, n_exec, rtc)
+    if latency is not None and rtc == "on":
+        raise ValueError(
+            "rtc: 'on' is for the waiting rollout; in the latency world real-time chunking's requests come "
+            "from a ContextProposer (propose=...), so pass rtc='off' or 'auto' with latency"
+        )
     if not 1 <= n_exec <= policy.chunk_len:
         raise ValueError(f"n_exec: expected 1..{policy.chunk_len} (the chunk length), got {n_exec}")
     spec = policy.spec
@@ -166,12 +214,20 @@ def evaluate(
     def episode_ended(ep: EpisodeRecord) -> None:
         assert ep.seed is not None
         if ep.seed < limit and ep.seed not in results:
-            results[ep.seed] = EpisodeResult(ep.seed, ep.success, int(ep.info["elapsed_steps"]), ep.reward)
+            stats = ep.latency.to_dict() if isinstance(ep.latency, LatencyStats) else None
+            length = int(ep.info["elapsed_steps"])
+            results[ep.seed] = EpisodeResult(ep.seed, ep.success, length, ep.reward, stats)
             bar.update(1)
             bar.set_postfix(success=f"{np.mean([r.success for r in results.values()]):.0%}")
 
     try:
-        rollout = ChunkRollout(env, proposer, n_exec, reward_key="dense_reward", on_episode=episode_ended)
+        if propose is not None:
+            proposer = propose
+        rollout = (
+            ChunkRollout(env, proposer, n_exec, reward_key="dense_reward", on_episode=episode_ended)  # type: ignore[arg-type]
+            if latency is None
+            else LatencyRollout(env, proposer, latency, reward_key="dense_reward", on_episode=episode_ended)
+        )
         if isinstance(proposer, RTCChunkProposer):
             proposer.rollout = rollout
         while len(results) < episodes:
@@ -205,6 +261,7 @@ def evaluate(
         seconds=time.perf_counter() - t0,
         per_episode=per,
         videos=videos,
+        latency=None if latency is None else latency_summary(per, latency),
     )
     log.info(
         "evaluated",

@@ -445,6 +445,19 @@ class Eval:
     """Where videos go."""
     out: Path | None = None
     """Write the results as JSON here."""
+    latency: str | None = None
+    """Run with latency as a robot feels it (sim/latency.py): the robot keeps executing its action queue
+    while a request is in flight. A network delay drawn per episode (const:100ms, uniform:50ms-200ms,
+    exp:100ms, exp:100ms:400ms for a cap) or net=DELAY,obs=DELAY (obs: the observation's own lag);
+    0 = none but still through the queue. None = the receding-horizon driver (--n-exec)."""
+    merge: str = "weighted_average"
+    """With --latency: how a new chunk joins the queue: weighted_average, latest_only, temporal_ensemble,
+    average, conservative."""
+    chunk_size_threshold: float = 0.5
+    """With --latency: ask for the next chunk when the queue is down to this share of a chunk."""
+    when_starved: str = "still"
+    """With --latency: what the robot does when its queue runs dry: still (stands still, gripper kept)
+    or hold (repeats its last action)."""
     device: str = "auto"
     """auto (CUDA if present), cpu, cuda, cuda:1, ..."""
     threads: int = 1
@@ -461,6 +474,22 @@ class Eval:
 
         self.ray = check_ray_address(self.ray)
 
+    def latency_options(self) -> Any:
+        """The latency world of --latency and its knobs (None without --latency)."""
+        if self.latency is None:
+            return None
+        from sim.latency import LatencyOptions, LatencySpec
+
+        with user_errors(ValueError, prefix="--latency: "):
+            spec = LatencySpec.parse(self.latency)
+        with user_errors(ValueError, prefix="--latency: "):
+            return LatencyOptions(
+                spec,
+                merge=self.merge,
+                chunk_size_threshold=self.chunk_size_threshold,
+                when_starved=self.when_starved,  # type: ignore[arg-type]
+            )
+
 
 def eval_(a: Eval) -> int:
     from policies.loading import LoadedPolicy, load_chunk_policy
@@ -469,6 +498,7 @@ def eval_(a: Eval) -> int:
 
     if a.threads < 1:
         raise CliError(f"--threads: expected a positive integer, got {a.threads}")
+    latency = a.latency_options()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -511,6 +541,7 @@ def eval_(a: Eval) -> int:
             progress=a.progress,
             ray=a.ray,
             rtc=a.rtc,
+            latency=latency,
         )
     print(result.summary())
     out = {"checkpoint": a.checkpoint, "commit": lp.commit, **result.to_dict()}

@@ -56,7 +56,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -102,6 +102,9 @@ from vla_rl.train.loop import (
 from vla_rl.train.privileged import ReplayedStates
 from vla_rl.train.transitions import TransitionBuffer, select_episode_ids
 
+if TYPE_CHECKING:
+    from sim.latency import LatencyOptions
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AWRPIConfig", "iteration_seed", "train_awr_pi", "weights_revision"]
@@ -131,6 +134,13 @@ class AWRPIConfig(AdvantageConfig):
     """First episode seed of online collection; every evaluation range stays below it (:mod:`vla_rl.core.seeds`)."""
     n_exec: int | None = None
     """Actions executed per chunk; None = the policy's ``n_exec``."""
+    latency: str | None = None
+    """Collect with latency as a robot feels it (:mod:`sim.latency`): a per-episode network delay such as
+    const:100ms, uniform:50ms-200ms, exp:100ms, or net=DELAY,obs=DELAY; the robot keeps executing its
+    action queue while a request is in flight and the frames hold what it executed. None = receding horizon."""
+    latency_merge: str = "weighted_average"
+    """With ``latency``: how a new chunk joins the robot's queue (weighted_average, latest_only,
+    temporal_ensemble, ...)."""
     value_steps: int = 1000
     """Gradient steps per value fit (one fit per fold, every iteration)."""
     value_warm_start: bool = False
@@ -168,6 +178,18 @@ class AWRPIConfig(AdvantageConfig):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer or None, got {getattr(self, name)}")
         check_optional_positive(self, "max_minutes", "a positive number of minutes")
+        self.latency_options()  # a bad spec or merge fails here, naming the knob
+
+    def latency_options(self) -> LatencyOptions | None:
+        """The latency world collection runs in (None: the receding-horizon driver)."""
+        if self.latency is None:
+            return None
+        from sim.latency import LatencyOptions, LatencySpec
+
+        try:
+            return LatencyOptions(LatencySpec.parse(self.latency), merge=self.latency_merge)
+        except ValueError as e:
+            raise ValueError(f"latency / latency_merge: {e}") from None
 
     def collection_seeds(self) -> range:
         """A superset of the episode seeds this run collects from: a full iteration takes at least
@@ -528,6 +550,7 @@ def _collect(
         robot_prefix="awr-pi",
         progress=False,
         max_env_steps=cfg.env_steps - loop.env_steps,
+        latency=cfg.latency_options(),
     )
     return rep, revision
 
