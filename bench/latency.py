@@ -11,9 +11,12 @@ under ``--work``, so an interrupted run resumes.
 
 Methods: the queue's merges ``latest_only``, ``weighted_average`` (LeRobot's default, 0.3 old + 0.7 new),
 ``temporal_ensemble`` (ACT's, asking for a chunk as often as one can be in flight: threshold 1), all
-asking at half a chunk otherwise; ``rtc-guided`` and ``rtc-trained`` (real-time chunking: the request
-carries the delay and the queued actions) run when this build's policy takes them, else their rows say
-why not.
+asking at half a chunk otherwise; ``rtc-guided`` and ``rtc-trained``, real-time chunking
+(:mod:`policies.rtc`): each request carries the robot's delay in control steps and the actions it will
+execute meanwhile into ``predict_chunks(obs, seed, rtc)``, and the chunk replaces the rest of the queue.
+``rtc-guided`` runs on the SFT checkpoint (guided sampling); ``rtc-trained`` on the same recipe trained
+with ``rtc_max_delay`` = the largest latency in steps (a second cached stage, ``--no-rtc-train`` skips
+it); a row that cannot run says why.
 
     python -m bench.latency                                     # every setting, 50 episodes a cell
     python -m bench.latency --settings push-state --episodes 10 --latencies 0 100   # a quick look
@@ -39,7 +42,7 @@ from bench.sft import SETTINGS
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from sim.demos import record_demos
-from sim.latency import LatencyOptions, LatencySpec, RequestContext
+from sim.latency import LatencyOptions, LatencySpec, RequestContext, to_steps
 from vla_rl.evaluation import evaluate
 from vla_rl.train.sft import SFTConfig, train_sft
 
@@ -53,41 +56,50 @@ MERGES: dict[str, LatencyOptions] = {
     "weighted_average": LatencyOptions(merge="weighted_average"),
     "temporal_ensemble": LatencyOptions(merge="temporal_ensemble", chunk_size_threshold=1.0),
 }
-RTC = {"rtc-guided": "guided", "rtc-trained": "trained"}
+RTC = ("rtc-guided", "rtc-trained")
 METHODS = (*MERGES, *RTC)
-RTC_ARGS = ("inference_delay", "prev_chunk_left_over")
-"""What a policy's ``predict_chunks`` must take for the RTC rows (LeRobot's RTC argument names)."""
 
 
-def train_checkpoint(name: str, work: Path, demos: int, noise: float) -> dict[str, Any]:
+def train_checkpoint(
+    name: str, work: Path, demos: int, noise: float, rtc_max_delay: int = 0
+) -> dict[str, Any]:
     """Record ``demos`` noisy expert demonstrations for setting ``name`` and train SFT on them; cached in
-    ``work/name/sft.json`` (the checkpoint path, loss and minutes), so reruns evaluate the same policy."""
+    ``work/name/sft.json`` (the checkpoint path, loss and minutes), so reruns evaluate the same policy.
+    ``rtc_max_delay`` > 0: the same recipe on the same demonstrations (the plain stage's store, recorded
+    first) with training-time real-time chunking, ``rtc-trained``'s checkpoint; cached in
+    ``work/name/sft-rtc.json``."""
     s = SETTINGS[name]
     root = work / name
+    demo_report = train_checkpoint(name, work, demos, noise) if rtc_max_delay else None
+    stem = "sft-rtc" if rtc_max_delay else "sft"
 
     def train() -> dict[str, Any]:
-        store = EpisodeStore(root / "store", create=True)
-        report = record_demos(
-            store,
-            s["task"],
-            episodes=demos,
-            noise=noise,
-            seed=DEMO_SEED,
-            obs=s["obs"],
-            image_size=s.get("image_size", 128),
-            num_envs=2,
-            progress=False,
-        )
+        if demo_report is None:
+            report = record_demos(
+                EpisodeStore(root / "store", create=True),
+                s["task"],
+                episodes=demos,
+                noise=noise,
+                seed=DEMO_SEED,
+                obs=s["obs"],
+                image_size=s.get("image_size", 128),
+                num_envs=2,
+                progress=False,
+            )
+            frames, expert = report.frames, report.success_rate
+        else:
+            frames, expert = demo_report["demo_frames"], demo_report["expert_success"]
         cfg = SFTConfig(
             task=s["task"],
             store=root / "store",
-            out=root / "sft",
+            out=root / stem,
             steps=s["steps"],
             batch_size=s["batch_size"],
             seed=0,
             checkpoint_every=s["steps"],
             progress=False,
             resume=False,
+            rtc_max_delay=rtc_max_delay,
         )
         t0 = time.perf_counter()
         result = train_sft(cfg)
@@ -95,46 +107,54 @@ def train_checkpoint(name: str, work: Path, demos: int, noise: float) -> dict[st
             "checkpoint": str(result.checkpoint),
             "demos": demos,
             "noise": noise,
-            "demo_frames": report.frames,
-            "expert_success": report.success_rate,
+            "demo_frames": frames,
+            "expert_success": expert,
             "steps": s["steps"],
+            "rtc_max_delay": rtc_max_delay,
             "final_loss": result.final_loss,
             "train_minutes": round((time.perf_counter() - t0) / 60, 2),
         }
 
-    return cached(root / "sft.json", train)
+    return cached(root / f"{stem}.json", train)
+
+
+def trained_rtc_delay(policy: Any) -> int:
+    """The checkpoint's training-time RTC delay (``rtc_max_delay``; 0: trained without RTC)."""
+    if hasattr(policy, "rtc_max_delay"):
+        return int(policy.rtc_max_delay)
+    config = getattr(getattr(policy, "policy", None), "config", None)
+    return int(getattr(config, "rtc_max_delay", 0))
 
 
 def rtc_unavailable(method: str, policy: Any) -> str | None:
-    """Why ``method`` (an RTC row) cannot run with ``policy`` in this build; None when it can: the policy's
-    ``predict_chunks`` takes :data:`RTC_ARGS` and, for ``rtc-trained``, says it was trained for RTC
-    (``rtc_trained``)."""
-    params = inspect.signature(policy.predict_chunks).parameters
-    missing = [a for a in RTC_ARGS if a not in params]
-    if missing:
-        return f"not available in this build: the policy's predict_chunks takes no {', '.join(missing)}"
-    if method == "rtc-trained" and not getattr(policy, "rtc_trained", False):
-        return "not available in this build: no checkpoint trained with RTC's delays"
+    """Why ``method`` (an RTC row) cannot run with ``policy``; None when it can. The policy's
+    ``predict_chunks`` must take ``rtc`` (:func:`policies.flow_policy.seeded_rtc_chunks`), and its
+    checkpoint picks the RTC path (:func:`policies.rtc.sample_rtc`): guided for one trained without RTC,
+    the given prefix for one trained with ``rtc_max_delay``, so each row needs its own checkpoint."""
+    if "rtc" not in inspect.signature(policy.predict_chunks).parameters:
+        return "not available in this build: the policy's predict_chunks takes no rtc"
+    delay = trained_rtc_delay(policy)
+    if method == "rtc-trained" and not delay:
+        return "no checkpoint trained with RTC (rtc_max_delay) in this run"
+    if method == "rtc-guided" and delay:
+        return f"the checkpoint was trained with RTC (rtc_max_delay {delay}): its RTC is not guided"
     return None
 
 
 class RTCProposer:
-    """The latency world's proposer for an RTC policy: each request carries the robot's delay in steps and
-    the actions it will execute meanwhile (:class:`sim.latency.RequestContext`); seeded per call as
-    :class:`sim.rollout.SeededChunkProposer`."""
+    """The latency world's proposer for an RTC policy: each robot's request carries its delay in control
+    steps and the actions it will execute meanwhile, env units (:class:`sim.latency.RequestContext`),
+    into ``predict_chunks(obs, seed, rtc)``; a robot with nothing queued (an episode's first request) is
+    sampled plainly. Seeded per call as :class:`sim.rollout.SeededChunkProposer`."""
 
     wants_context = True
 
-    def __init__(self, policy: Any, mode: str, seed: int) -> None:
-        self.policy, self.mode, self.seed, self.calls = policy, mode, seed, 0
+    def __init__(self, policy: Any, seed: int) -> None:
+        self.policy, self.seed, self.calls = policy, seed, 0
 
     def __call__(self, robots: list[int], obs: dict[str, Any], context: list[RequestContext]) -> np.ndarray:
-        chunks = self.policy.predict_chunks(
-            obs,
-            self.seed * 1000 + self.calls,
-            inference_delay=[c.delay_steps for c in context],
-            prev_chunk_left_over=[c.queued for c in context],
-        )
+        rtc = [(c.delay_steps, c.queued) if len(c.queued) else None for c in context]
+        chunks = self.policy.predict_chunks(obs, self.seed * 1000 + self.calls, rtc)
         self.calls += 1
         return np.asarray(chunks)
 
@@ -163,7 +183,7 @@ def run_cell(
         seed=EVAL_SEED,
         progress=False,
         latency=options,
-        propose=RTCProposer(policy, RTC[method], EVAL_SEED) if method in RTC else None,
+        propose=RTCProposer(policy, EVAL_SEED) if method in RTC else None,
     )
     assert ev.latency is not None
     return row | {
@@ -242,19 +262,33 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return table(out, header)
 
 
+def cell_key(row: dict[str, Any]) -> tuple[str, str, float]:
+    """A row's cell: (setting, method, latency in ms)."""
+    return row["setting"], row["method"], float(row["latency_ms"])
+
+
 def merge(paths: list[Path], out: Path) -> Path:
     """One result file (and plot) from runs of separate settings, e.g. sized differently or run in turn:
-    their rows in order, each source's arguments, checkpoints and machine under ``merged_from``."""
+    their rows in order, a later file's cell replacing an earlier one's in place (so a rerun of a few
+    cells, e.g. RTC rows, merges into an earlier merged file), each source's arguments, checkpoints and
+    machine under ``merged_from`` (a merged file's own sources kept as they were)."""
     docs = [json.loads(p.read_text()) for p in paths]
-    rows = [r for d in docs for r in d["results"]["rows"]]
+    cells: dict[tuple[str, str, float], dict[str, Any]] = {}
+    for d in docs:
+        cells.update({cell_key(r): r for r in d["results"]["rows"]})
+    rows = list(cells.values())
     sources = [
-        {
-            "file": p.name,
-            "machine": d["machine"],
-            "args": d["results"]["args"],
-            "checkpoints": d["results"]["checkpoints"],
-        }
+        source
         for p, d in zip(paths, docs, strict=True)
+        for source in d["results"].get("merged_from")
+        or [
+            {
+                "file": p.name,
+                "machine": d["machine"],
+                "args": d["results"]["args"],
+                "checkpoints": d["results"]["checkpoints"],
+            }
+        ]
     ]
     print(summary(rows))
     written = write_results("latency", {"rows": rows, "merged_from": sources, "complete": True}, out)
@@ -279,6 +313,11 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("runs/bench_latency"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--train-only", action="store_true")
+    p.add_argument(
+        "--no-rtc-train",
+        action="store_true",
+        help="no rtc_max_delay checkpoint (its rtc-trained rows then say why not)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "latency.json")
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these result files into --out")
     args = p.parse_args()
@@ -289,18 +328,26 @@ def main() -> None:
     meta: dict[str, Any] = {"args": vars(args) | {"work": str(args.work), "out": str(args.out)}}
     checkpoints = {name: train_checkpoint(name, args.work, args.demos, args.noise) for name in args.settings}
     meta["checkpoints"] = checkpoints
+    plain = {name: load_policy(Path(checkpoints[name]["checkpoint"])) for name in args.settings}
+    if "rtc-trained" in args.methods and not args.no_rtc_train:
+        for name in args.settings:
+            delay = min(to_steps(max(args.latencies), plain[name].spec.control_hz), plain[name].chunk_len - 1)
+            checkpoints[f"{name}/rtc"] = train_checkpoint(name, args.work, args.demos, args.noise, delay)
     if args.train_only:
         print(checkpoints)
         return
     rows: list[dict[str, Any]] = []
     for name in args.settings:
-        policy = load_policy(Path(checkpoints[name]["checkpoint"]))
         episodes = (
             args.rgb_episodes if SETTINGS[name]["obs"] == "rgb" and args.rgb_episodes else args.episodes
         )
         for method in args.methods:
+            trained = checkpoints.get(f"{name}/rtc") if method == "rtc-trained" else None
+            policy = load_policy(Path(trained["checkpoint"])) if trained else plain[name]
             for ms in args.latencies:
                 cell = args.work / name / "cells" / f"{method}_{ms:g}ms_{episodes}ep.json"
+                if cell.exists() and not json.loads(cell.read_text()).get("available"):
+                    cell.unlink()  # why a row could not run is this build's and this run's: ask again
                 row = cached(cell, lambda: run_cell(name, policy, method, ms, episodes, args.num_envs))  # noqa: B023
                 print(row, flush=True)
                 rows.append(row)
