@@ -1,5 +1,6 @@
 """bench/latency.py's pieces: which RTC rows a policy can run (and why not), the RTC proposer's request,
-an RTC cell on a tiny checkpoint in the kinematic world, the table, the plot and merging result files."""
+an RTC cell on a tiny checkpoint in the kinematic world, the rtc_max_delay training stage, the table,
+the plot and merging result files."""
 
 from __future__ import annotations
 
@@ -13,8 +14,18 @@ from test_server import make_checkpoint
 
 import sim
 from bench.common import write_results
-from bench.latency import RTCProposer, merge, plot, rtc_unavailable, run_cell, summary
+from bench.latency import (
+    RTCProposer,
+    merge,
+    plot,
+    rtc_unavailable,
+    run_cell,
+    summary,
+    train_checkpoint,
+    trained_rtc_delay,
+)
 from bench.sft import SETTINGS
+from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from sim.latency import RequestContext
 
@@ -149,3 +160,16 @@ def test_a_rerun_of_some_cells_merges_into_a_merged_file(tmp_path: Path) -> None
     doc = json.loads(merge([merged, second], tmp_path / "latency.json").read_text())["results"]
     assert doc["rows"] == json.loads(json.dumps([*push[:-1], rerun, new]))  # replaced in place, then added
     assert [m["args"] for m in doc["merged_from"]] == [{"n": 0}, {"n": 1}]
+
+
+def test_the_rtc_trained_stage_reuses_the_demonstrations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(SETTINGS, "tiny", TINY | {"steps": 2, "batch_size": 4})
+    trained = train_checkpoint("tiny", tmp_path, demos=2, noise=0.1, rtc_max_delay=2)
+    plain = json.loads((tmp_path / "tiny" / "sft.json").read_text())
+    assert trained["rtc_max_delay"] == 2 and plain["rtc_max_delay"] == 0
+    assert trained["demo_frames"] == plain["demo_frames"]
+    assert len(EpisodeStore(tmp_path / "tiny" / "store").episode_ids()) == 2  # recorded once
+    assert trained_rtc_delay(load_policy(Path(trained["checkpoint"]), device="cpu")) == 2
+    assert trained_rtc_delay(load_policy(Path(plain["checkpoint"]), device="cpu")) == 0
