@@ -283,6 +283,7 @@ def test_algorithms_lists_every_trainer_and_preset_with_their_knobs(dash: Dashbo
         "fql": (True, False),
         "flow-noise": (False, True),
         "flow-sde": (False, True),
+        "distill": (True, False),
     }
     assert algos["sft"]["needs_base"] is False and algos["awr"]["needs_base"] is True
     assert algos["recap"]["summary"] == ALGORITHMS["recap"].summary and algos["recap"]["fixed"] == {
