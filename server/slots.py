@@ -224,11 +224,19 @@ class FlowPolicyModel:
         return res.actions, res.iterates
 
     def features(
-        self, states: np.ndarray, cameras: Mapping[str, np.ndarray], instructions: list[str]
+        self,
+        states: np.ndarray,
+        cameras: Mapping[str, np.ndarray],
+        instructions: list[str],
+        prefix: Any | None = None,
     ) -> np.ndarray:
-        """The policy's ``features(prefix)`` ``[B, F]`` of a batch (one more prefix pass, no denoising):
-        what the failure predictor reads."""
-        return decision_features(self.policy, self._observation(states, cameras, instructions)).numpy()
+        """The policy's ``features(prefix)`` ``[B, F]`` of a batch: what the failure predictor reads. From
+        ``prefix`` when the forward already encoded this batch (its first B rows: a compiled bucket pads),
+        else one more prefix pass (no denoising)."""
+        if prefix is None:
+            return decision_features(self.policy, self._observation(states, cameras, instructions)).numpy()
+        with torch.inference_mode():
+            return self.policy.features(prefix)[: len(states)].float().cpu().numpy()
 
     def _observation(
         self, states: np.ndarray, cameras: Mapping[str, np.ndarray], instructions: list[str]
@@ -299,12 +307,14 @@ class ServedVersion:
         cameras: Mapping[str, np.ndarray],
         instructions: list[str],
         uncertainty: np.ndarray,
+        prefix: Any | None = None,
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The failure predictor's ``p`` float32 ``[B]`` and alarms bool ``[B]`` for a batch whose chunks
-        scored ``uncertainty`` (one more prefix pass); None when no predictor is served."""
+        scored ``uncertainty``, from the forward's own ``prefix`` when given (else one more prefix pass);
+        None when no predictor is served."""
         if self.failure is None:
             return None
-        feats = self.model.features(states, cameras, instructions)  # type: ignore[attr-defined]
+        feats = self.model.features(states, cameras, instructions, prefix)  # type: ignore[attr-defined]
         p = self.failure.score(feats, uncertainty)
         return p, self.failure.alarms(p)
 
@@ -608,7 +618,9 @@ class ModelSlot:
                 actions, scores = (
                     version.infer_scored(*args) if rtc is None else version.infer_scored(*args, rtc)
                 )
-                failure = version.failure_scores(states, cams, instructions, scores)
+                failure = version.failure_scores(
+                    states, cams, instructions, scores, prefix_clock.sole_prefix()
+                )
             infer_us = (time.perf_counter_ns() - t0) // 1000
             prefix_us, denoise_us = prefix_clock.split_us(infer_us)
             want = (len(live), version.chunk_len, version.action_dim)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
@@ -21,6 +21,17 @@ class PrefixClock:
     def __init__(self) -> None:
         self.ns = 0
         self.calls = 0
+        self.last: tuple[Any, Any] | None = None
+        """(observation, prefix) of the last ``encode_prefix`` call."""
+
+    def sole_prefix(self) -> Any | None:
+        """The batch's prefix when the forward encoded it exactly once from the observation as the robots
+        sent it (no advantage conditioning), so a reader of ``features(prefix)`` (the failure predictor)
+        can reuse it instead of a second pass; None otherwise (classifier-free guidance encodes twice)."""
+        if self.calls != 1 or self.last is None:
+            return None
+        obs, prefix = self.last
+        return None if not isinstance(obs, Mapping) or "advantage" in obs else prefix
 
     def split_us(self, inference_us: int) -> tuple[int, int]:
         """(prefix_us, denoise_us) of a forward that took ``inference_us``: the prefix's share, capped at the
@@ -56,7 +67,9 @@ def timed_prefix(model: Any) -> Iterator[PrefixClock]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter_ns()
         try:
-            return inner(*args, **kwargs)
+            prefix = inner(*args, **kwargs)
+            clock.last = (args[0] if args else kwargs.get("obs"), prefix)
+            return prefix
         finally:
             clock.ns += time.perf_counter_ns() - t0
             clock.calls += 1

@@ -28,6 +28,7 @@ from policies.failure import (
 )
 from policies.loading import load_policy
 from server.slots import ServedVersion
+from server.stage_timing import timed_prefix
 
 torch.set_num_threads(1)
 ATOL = 1e-5
@@ -119,3 +120,26 @@ def test_an_artefact_fit_on_other_weights_is_not_served(
     finally:
         srv.stop()
     assert r.actions.shape[0] > 0 and np.isnan(r.failure) and not r.failure_alarm
+
+
+def test_the_score_reuses_the_forward_prefix(tmp_path: Path) -> None:
+    """The batcher scores failure from the prefix the forward encoded (one prefix pass per batch, not two),
+    and that score equals the one from a fresh pass."""
+    folder = make_checkpoint(tmp_path / "a", 0)
+    _with_predictor(folder)
+    version = ServedVersion(load_policy(folder, device="cpu"))
+    rng = np.random.default_rng(4)
+    obs = [make_obs(rng) for _ in range(3)]
+    states = np.stack([o["state"] for o in obs])
+    cams = {k: np.stack([o["cameras"][k] for o in obs]) for k in obs[0]["cameras"]}
+    instructions = [SPEC.instruction] * 3
+    noise = np.stack([version.initial_noise(s) for s in (1, 2, 3)])
+    with timed_prefix(version.model) as clock:
+        _, scores = version.infer_scored(states, cams, instructions, noise)
+        prefix = clock.sole_prefix()
+        reused = version.failure_scores(states, cams, instructions, scores, prefix)
+    assert prefix is not None and clock.calls == 1
+    fresh = version.failure_scores(states, cams, instructions, scores)
+    assert reused is not None and fresh is not None
+    np.testing.assert_allclose(reused[0], fresh[0], atol=ATOL)
+    np.testing.assert_array_equal(reused[1], fresh[1])
