@@ -78,7 +78,6 @@ from vla_rl.train.loop import (
     TrainLog,
     UpdateLoop,
     gradient_step,
-    time_budget,
     warmup_cosine_schedule,
 )
 from vla_rl.train.transitions import load_transitions
@@ -365,14 +364,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         gradient_step(out["loss"], [opt], SINGLE)
         return out
 
-    loop = UpdateLoop.over_steps(
-        update, cfg, SINGLE, on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step)
-    )
-    step = loop.run(
-        cfg.steps,
-        tlog.progress(cfg.steps, stage="train", desc="distill"),
-        time_budget(clock, cfg.max_seconds, SINGLE),
-    )
+    loop = UpdateLoop.run_single(update, cfg, tlog, clock, "distill")
+    step = loop.step
     curve = tlog.curve
     tlog.close()
     data = {

@@ -65,7 +65,7 @@ from vla_rl.train.common import (
     save_derived_checkpoint,
 )
 from vla_rl.train.distributed import SINGLE
-from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step, time_budget
+from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step
 from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
     REWARD_KINDS,
@@ -434,14 +434,8 @@ def train_fql(cfg: FQLConfig) -> FQLResult:
         polyak_update(learner.critic_target, learner.critic, 1.0 if mc else cfg.tau)
         return out
 
-    loop = UpdateLoop.over_steps(
-        update, cfg, SINGLE, on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step)
-    )
-    step = loop.run(
-        cfg.steps,
-        tlog.progress(cfg.steps, stage="train", desc="fql"),
-        time_budget(clock, cfg.max_seconds, SINGLE),
-    )
+    loop = UpdateLoop.run_single(update, cfg, tlog, clock, "fql")
+    step = loop.step
     metrics = loop.metrics
     curve = tlog.curve
     tlog.close()

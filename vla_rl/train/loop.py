@@ -331,6 +331,24 @@ class UpdateLoop:
             on_checkpoint=on_checkpoint,
         )
 
+    @classmethod
+    def run_single(
+        cls, update: Callable[[int], Scalars], cfg: Any, tlog: TrainLog, clock: RunClock, desc: str
+    ) -> UpdateLoop:
+        """Run a one-process schedule of ``cfg.steps`` updates (FQL, few-step distillation) to its end or
+        to ``cfg.max_seconds``: each logged beat a ``train`` row of ``tlog``, counted on its progress bar
+        (``desc``); returns the loop (its :attr:`step` and :attr:`metrics`)."""
+        dist = Dist()
+        loop = cls.over_steps(
+            update, cfg, dist, on_log=lambda step, metrics: tlog.row("train", {"step": step, **metrics}, step)
+        )
+        loop.run(
+            cfg.steps,
+            tlog.progress(cfg.steps, stage="train", desc=desc),
+            time_budget(clock, cfg.max_seconds, dist),
+        )
+        return loop
+
     def one(self) -> dict[str, float]:
         """Run update :attr:`step` and its beats; returns its averaged scalars."""
         seed_step(self.seed, self.step)

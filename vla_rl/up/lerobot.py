@@ -32,7 +32,7 @@ def up_sizes(cfg: UpConfig) -> SmolVLMSizes | PiSizes:
 
 def tiny_sizes(policy: str, image_size: int) -> SmolVLMSizes | PiSizes:
     """The sizes of ``policy``'s small VLM: the test configurations (``TINY_SMOLVLM`` / ``TINY_PI``),
-    which SFT trains in minutes on a 2-core CPU (docs/up.md states them), with the vision tower at
+    which SFT trains in minutes on a 2-core CPU (docs/policy.md states them), with the vision tower at
     ``image_size``. Imported here, not at module level: ``policies.lerobot_tiny`` loads torch, and the
     CLI imports this package for its flags."""
     from policies.lerobot_local import TINY_PI
