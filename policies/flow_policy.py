@@ -125,7 +125,9 @@ class FlowPolicy(Protocol):
         ...
 
     def velocity(self, prefix: Prefix, x_t: Tensor, t: Tensor | float) -> Tensor:
-        """``v(x_t, t)`` ``[N, H, D]`` in our time convention for ``x_t [N, H, D]`` (N = the prefix's rows)."""
+        """``v(x_t, t)`` ``[N, H, D]`` in our time convention for ``x_t [N, H, D]`` (N = the prefix's rows);
+        ``t`` a scalar, ``[N]``, or ``[N, H]`` (one flow time per action: trained RTC; LeRobot's π0.5 takes
+        rows of one time only)."""
         ...
 
     def sample(

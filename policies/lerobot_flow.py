@@ -9,9 +9,11 @@ contract                 LeRobot pieces (``policy.model`` is ``VLAFlowMatching``
 =======================  =====================================================================================
 ``encode_prefix``        pre-processor, image / state preparation, ``embed_prefix``, the VLM forward that fills
                          the KV cache (what ``sample_actions`` does before its loop)
-``velocity``             ``-denoise_step(x, 1 - t)``: openpi time converted by :mod:`policies.flow_vla.conventions`
+``velocity``             ``-denoise_step(x, 1 - t)``: openpi time converted by :mod:`policies.flow_vla.conventions`;
+                         one time per action (``t`` ``[B, H]``) through :mod:`policies.lerobot_times`
 ``sample``               our Euler loop on ``velocity`` (equal to ``sample_actions(noise=...)``)
 ``loss``                 ``model.forward(..., noise, 1 - t)`` (elementwise), averaged over valid steps and robot dims
+                         (trained RTC: the executed prefix given clean, :meth:`LeRobotFlowPolicy.loss`)
 ``features``             the VLM's last hidden state averaged over the valid prefix tokens
 ``(un)normalize``        the folder's normaliser / un-normaliser processor steps
 ``save``                 ``save_pretrained`` of the policy and both processors (+ ``vlm/`` for folders made here)
@@ -24,6 +26,11 @@ appends ``"Advantage: negative"`` / ``"Advantage: positive"`` to its instruction
 advantage-conditioned (:meth:`LeRobotFlowPolicy.condition_on_advantage`, recorded in the sidecar) acts on
 positive when an observation names none, with classifier-free guidance between the unconditioned and the
 positive prompt when its guidance scale is not 1.
+
+**Training-time real-time chunking** (``rtc_max_delay``, SmolVLA and π0; :mod:`policies.lerobot_times`
+says why not π0.5): each training chunk's first d ~ U{0..rtc_max_delay} actions are given clean at their own
+flow time and the loss is on the rest, as FlowVLA trains; the value is recorded in the sidecar, and the
+server serves such a folder in trained mode (:func:`policies.rtc.sample_rtc`).
 
 Differences from LeRobot's own ``forward(reduction="none")``, said plainly: π0 / π0.5 ignore
 ``action_is_pad`` there (every step counts); here padded steps never count, as in SmolVLA and FlowVLA.
@@ -53,7 +60,7 @@ from policies.flow_policy import (
 )
 from policies.flow_vla import FlowSample, from_openpi_time, to_openpi_time, velocity_from_openpi
 from policies.flow_vla.conventions import VelocityFn
-from policies.flow_vla.sampling import check_num_steps, initial_noise
+from policies.flow_vla.sampling import check_num_steps, initial_noise, random_prefix
 from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
 from policies.lerobot_local import copy_local_resources
 from policies.lerobot_sidecar import (
@@ -61,6 +68,7 @@ from policies.lerobot_sidecar import (
     AdvantageConditioning,
     write_sidecar,
 )
+from policies.lerobot_times import check_per_action_times, per_action_suffix
 from policies.lora import LoraSettings, add_lora, lora_state, merged_state_dict
 from vla_rl.hub.checkpoint import Lineage
 
@@ -186,6 +194,8 @@ class LeRobotFlowPolicy(nn.Module):
         self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
         self.sidecar = build.sidecar  # build.spec is its robot spec when it has one
         self.advantage: AdvantageConditioning | None = self.sidecar.advantage
+        self._rtc_max_delay = 0
+        self.set_rtc_max_delay(self.sidecar.rtc_max_delay)
 
     @classmethod
     def load(
@@ -234,6 +244,28 @@ class LeRobotFlowPolicy(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.policy.parameters()).device
+
+    @property
+    def rtc_max_delay(self) -> int:
+        """The largest executed prefix the policy was trained to take given (0: not trained for RTC)."""
+        return self._rtc_max_delay
+
+    def set_rtc_max_delay(self, max_delay: int) -> None:
+        """Train (and be saved, in the sidecar) with training-time RTC up to ``max_delay`` actions (0: off);
+        FlowPolicyError naming ``rtc_max_delay`` for π0.5
+        (:func:`~policies.lerobot_times.check_per_action_times`) or a delay outside [0, chunk_len - 1]."""
+        if (
+            isinstance(max_delay, bool)
+            or not isinstance(max_delay, int)
+            or not 0 <= max_delay < self.chunk_len
+        ):
+            raise FlowPolicyError(
+                f"rtc_max_delay: expected an integer in [0, chunk_len - 1 = {self.chunk_len - 1}], "
+                f"got {max_delay!r}"
+            )
+        if max_delay:
+            check_per_action_times(self.lerobot_type)
+        self._rtc_max_delay = max_delay
 
     def logprob_mask(self) -> Tensor:
         m = torch.zeros(self.event_shape, dtype=torch.bool, device=self.device)
@@ -347,8 +379,24 @@ class LeRobotFlowPolicy(nn.Module):
                 f"(the prefix's rows, H, D), got {list(x_t.shape)}"
             )
         tt = torch.as_tensor(t, device=x_t.device, dtype=torch.float32)
+        if tt.ndim == 2:
+            return self._per_action_velocity(prefix, x_t, tt)
         tt = tt.expand(n) if tt.ndim == 0 else tt.reshape(n)
         return velocity_from_openpi(lambda x, s: self._denoise(prefix, x, s))(x_t.float(), tt)
+
+    def _per_action_velocity(self, prefix: LeRobotPrefix, x_t: Tensor, t: Tensor) -> Tensor:
+        """The velocity at one flow time per action (``t`` ``[B, H]``, trained RTC's prefix at 1): the
+        action tokens embedded per action (:func:`~policies.lerobot_times.per_action_suffix`). π0.5 takes
+        rows of one time only (its expert is conditioned once per chunk)."""
+        if tuple(t.shape) != tuple(x_t.shape[:2]):
+            raise FlowPolicyError(
+                f"t: expected [{x_t.shape[0]}] or {list(x_t.shape[:2])}, got {list(t.shape)}"
+            )
+        if self.lerobot_type == "pi05" and bool((t == t[:, :1]).all()):
+            return self.velocity(prefix, x_t, t[:, 0])
+        s = to_openpi_time(t)
+        with per_action_suffix(self.policy.model, self.lerobot_type, s):
+            return -self._denoise(prefix, x_t.float(), s[:, -1])
 
     def observation_velocity(self, obs: Mapping[str, Any]) -> VelocityFn:
         """``v(x, t)`` for ``obs`` as :meth:`sample` integrates it (guided by :class:`GuidedPrefix` when
@@ -412,8 +460,26 @@ class LeRobotFlowPolicy(nn.Module):
         else:
             s = to_openpi_time(torch.as_tensor(time, device=device, dtype=torch.float32).reshape(b))
         args = [images, img_masks, tokens, masks] + ([] if state is None else [state])
-        err = m.forward(*args, actions, x0, s)[..., : self.action_dim]
-        return masked_mean_per_sample(err, lb.get("action_is_pad"))
+        pad = lb.get("action_is_pad")
+        given = self._rtc_prefix(b, device)
+        if given is None:
+            err = m.forward(*args, actions, x0, s)[..., : self.action_dim]
+            return masked_mean_per_sample(err, pad)
+        # trained RTC: the prefix clean (openpi time 0: x_t = actions there, which LeRobot's forward makes of
+        # noise = actions), the rest at the row's time, embedded per action; no loss on the prefix (an input)
+        x0 = torch.where(given[..., None], actions, x0)
+        with per_action_suffix(
+            m, self.lerobot_type, torch.where(given, torch.zeros_like(given, dtype=s.dtype), s[:, None])
+        ):
+            err = m.forward(*args, actions, x0, s)[..., : self.action_dim]
+        return masked_mean_per_sample(err, given if pad is None else given | pad.bool())
+
+    def _rtc_prefix(self, b: int, device: torch.device) -> Tensor | None:
+        """``[B, H]`` bool: each sample's executed prefix given clean (trained RTC); None when the policy
+        does not train for it."""
+        if not self.rtc_max_delay:
+            return None
+        return random_prefix(self.rtc_max_delay, b, self.chunk_len, device)
 
     def sample_time(self, n: int) -> Tensor:
         """LeRobot's training time (π0's Beta(1.5, 1), SmolVLA's fixed, π0's from its config) in our convention."""
@@ -537,6 +603,7 @@ class LeRobotFlowPolicy(nn.Module):
             metrics=dict(metrics or {}),
             robot_spec=self.spec,
             advantage=self.advantage,
+            rtc_max_delay=self.rtc_max_delay,
         )
         write_sidecar(out, sidecar, f"lerobot/{self.lerobot_type}")
         return out

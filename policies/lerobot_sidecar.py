@@ -1,16 +1,23 @@
-"""Our metadata beside a LeRobot policy folder: lineage, metrics, the task's robot spec, RECAP conditioning.
+"""Our metadata beside a LeRobot policy folder: lineage, metrics, the task's robot spec, RECAP conditioning,
+training-time real-time chunking.
 
 A LeRobot folder (``config.json`` with its ``type``, ``model.safetensors``, the processors) has no place for
 what a round knows about it: which algorithm trained it from which parent, on which data, how it scored,
-which task (robot spec, with its name and instruction) it acts in, and whether it was trained
-advantage-conditioned (RECAP) with which guidance scale. That lives in :data:`LINEAGE_FILE` beside it
-(LeRobot ignores the file, so ``PreTrainedPolicy.from_pretrained`` still loads the folder), and a
-``README.md`` model card is written from it, as for our own checkpoints (:func:`vla_rl.hub.checkpoint.model_card`).
+which task (robot spec, with its name and instruction) it acts in, whether it was trained
+advantage-conditioned (RECAP) with which guidance scale, and the largest executed prefix it was trained to
+take given clean (``rtc_max_delay``, training-time RTC; 0: not trained so). That lives in
+:data:`LINEAGE_FILE` beside it (LeRobot ignores the file, so ``PreTrainedPolicy.from_pretrained`` still
+loads the folder), and a ``README.md`` model card is written from it, as for our own checkpoints
+(:func:`vla_rl.hub.checkpoint.model_card`).
 
 The file is JSON::
 
     {"lineage": {...} | null, "metrics": {...}, "robot_spec": {...} | null,
-     "advantage": {"guidance_scale": 1.0, "negative": "Advantage: negative", "positive": "Advantage: positive"} | null}
+     "advantage": {"guidance_scale": 1.0, "negative": "Advantage: negative",
+                   "positive": "Advantage: positive"} | null,
+     "rtc_max_delay": 0}
+
+(``rtc_max_delay`` absent, as in folders written before it existed: 0.)
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, mode
 from vla_rl.hub.storage import atomic_write
 
 LINEAGE_FILE = "vla_rl_lineage.json"
-"""Beside a saved LeRobot folder: our lineage, metrics, robot spec and RECAP conditioning."""
+"""Beside a saved LeRobot folder: our lineage, metrics, robot spec, RECAP conditioning and RTC delay."""
 CARD_FILE = "README.md"
 MAX_SIDECAR_BYTES = 1 << 20
 ADVANTAGE_TEXTS = {"negative": "Advantage: negative", "positive": "Advantage: positive"}
@@ -71,6 +78,14 @@ class Sidecar:
     metrics: dict[str, Any] = field(default_factory=dict)
     robot_spec: RobotSpec | None = None
     advantage: AdvantageConditioning | None = None
+    rtc_max_delay: int = 0
+    """Training-time real-time chunking: the largest executed prefix (actions) the policy was trained to
+    take given clean; the server then serves it in trained mode and refuses larger delays. 0: not so."""
+
+    def __post_init__(self) -> None:
+        n = self.rtc_max_delay
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"rtc_max_delay: expected an integer >= 0, got {n!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +93,7 @@ class Sidecar:
             "metrics": dict(self.metrics),
             "robot_spec": self.robot_spec.to_dict() if self.robot_spec is not None else None,
             "advantage": asdict(self.advantage) if self.advantage is not None else None,
+            "rtc_max_delay": self.rtc_max_delay,
         }
 
     @classmethod
@@ -92,6 +108,7 @@ class Sidecar:
                 metrics=dict(metrics),
                 robot_spec=RobotSpec.from_dict(spec) if spec is not None else None,
                 advantage=AdvantageConditioning(**adv) if adv is not None else None,
+                rtc_max_delay=d.get("rtc_max_delay", 0),
             )
         except (TypeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{LINEAGE_FILE}: {e}") from None

@@ -61,7 +61,7 @@ from .sampling import (
     learnable_noise_sample,
     noise_kernel,
     per_action_time,
-    prefix_mask,
+    random_prefix,
     sde_kernel,
     sde_sample,
 )
@@ -527,8 +527,7 @@ class FlowVLAPolicy(nn.Module):
         chunking); None when the policy does not train for it."""
         if not self.config.rtc_max_delay:
             return None
-        delays = torch.randint(0, self.config.rtc_max_delay + 1, (b,), device=device)
-        return prefix_mask(delays, self.config.chunk_len)
+        return random_prefix(self.config.rtc_max_delay, b, self.config.chunk_len, device)
 
     # ------------------------------------------------------------------ sampling
     def sample(

@@ -316,6 +316,13 @@ def prefix_mask(delays: Tensor, chunk_len: int) -> Tensor:
     return torch.arange(chunk_len, device=delays.device)[None, :] < delays[:, None]
 
 
+def random_prefix(max_delay: int, batch: int, chunk_len: int, device: torch.device | str) -> Tensor:
+    """``[batch, chunk_len]`` bool: each row's first d ~ U{0..max_delay} actions, the executed prefix a
+    policy trained for real-time chunking takes given clean (``rtc_max_delay``)."""
+    delays = torch.randint(0, max_delay + 1, (batch,), device=device)
+    return prefix_mask(delays, chunk_len)
+
+
 def per_action_time(t: Tensor, given: Tensor) -> Tensor:
     """``[N, H]`` flow times: 1 (clean data) on the ``given`` actions, the row's ``t`` ``[N]`` elsewhere."""
     return torch.where(given, torch.ones_like(given, dtype=t.dtype), t[:, None].expand(given.shape))

@@ -119,8 +119,9 @@ class SFTConfig(TrainerConfig):
     rtc_max_delay: int = 0
     """Training-time real-time chunking (docs/serving.md): each chunk's first d ~ U{0..rtc_max_delay}
     actions are given clean and the loss is on the rest; saved in the checkpoint, whose server then feeds
-    a robot's executed actions as that prefix and refuses larger delays. 0 = off. FlowVLA only (from
-    scratch, or continuing a FlowVLA base)."""
+    a robot's executed actions as that prefix and refuses larger delays. 0 = off. FlowVLA (from scratch,
+    or continuing a FlowVLA base), or continuing a LeRobot SmolVLA / π0 base (recorded in its sidecar);
+    not π0.5 (its expert takes one flow time per chunk)."""
 
     # optimisation
     steps: int = 3000
@@ -359,20 +360,25 @@ def _new_policy(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAFlowPolicy:
 
 
 def train_with_rtc(policy: FlowPolicy, max_delay: int) -> None:
-    """Make a base train (and be saved) with training-time RTC up to ``max_delay`` actions; ValueError
-    naming ``rtc_max_delay`` for a policy that cannot (a LeRobot VLA: its action expert would need
-    per-action flow times, not wired yet) or a delay of a whole chunk or more."""
-    if not isinstance(policy, FlowVLAFlowPolicy):
+    """Make a base train (and be saved) with training-time RTC up to ``max_delay`` actions: FlowVLA's
+    config, a LeRobot VLA's sidecar (:meth:`~policies.lerobot_flow.LeRobotFlowPolicy.set_rtc_max_delay`).
+    ValueError naming ``rtc_max_delay`` for a policy whose expert cannot take per-action flow times (π0.5)
+    or a delay of a whole chunk or more."""
+    if isinstance(policy, FlowVLAFlowPolicy):
+        config = policy.model.config
+        if max_delay >= config.chunk_len:
+            raise ValueError(
+                f"rtc_max_delay: expected at most chunk_len - 1 ({config.chunk_len - 1}), got {max_delay}"
+            )
+        config.rtc_max_delay = max_delay
+        return
+    setter = getattr(policy, "set_rtc_max_delay", None)
+    if setter is None:
         raise ValueError(
-            f"rtc_max_delay: training-time RTC needs per-action flow times, which only FlowVLA has here "
-            f"({type(policy).__name__} does not); train without it and serve guided RTC"
+            f"rtc_max_delay: training-time RTC needs per-action flow times, which {type(policy).__name__} "
+            "does not take; train without it and serve guided RTC"
         )
-    config = policy.model.config
-    if max_delay >= config.chunk_len:
-        raise ValueError(
-            f"rtc_max_delay: expected at most chunk_len - 1 ({config.chunk_len - 1}), got {max_delay}"
-        )
-    config.rtc_max_delay = max_delay
+    setter(max_delay)
 
 
 def _check_data_fits(base: FlowCheckpoint, ds: ChunkDataset) -> None:
