@@ -1,0 +1,127 @@
+"""Robots' help requests in the metadata DB (fleet.db.help), on SQLite and PostgreSQL: the queue's order,
+bounded fields, one claim per request under a race, resolving, expiry."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fleet.db import HelpConflict, MetadataDB
+
+
+@pytest.fixture
+def db(db_url: str) -> MetadataDB:
+    d = MetadataDB(db_url)
+    yield d
+    d.close()
+
+
+def test_the_queue_is_ordered_by_urgency_then_age(db: MetadataDB) -> None:
+    a = db.open_help("r1", "ep-1", "uncertainty: CUSUM 4.1 > 3.5", 1.0, now=100.0)
+    b = db.open_help("r2", "ep-2", "failure predictor", 3.0, now=110.0)
+    c = db.open_help("r3", "ep-3", "asked", 1.0, now=90.0)
+    assert [r.id for r in db.help_queue()] == [b.id, c.id, a.id]
+    # asking again for the same episode does not queue twice; a higher urgency raises the queued one
+    again = db.open_help("r1", "ep-1", "uncertainty: CUSUM 9", 5.0, now=120.0)
+    assert again.id == a.id and again.urgency == 5.0 and again.created_at == 100.0
+    assert [r.id for r in db.help_queue()] == [a.id, b.id, c.id]
+    assert db.help_queue()[0].waited_s(130.0) == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"robot_id": "bad id"}, "robot_id"),
+        ({"episode_id": "x" * 129}, "episode_id"),
+        ({"reason": "r" * 257}, "reason"),
+        ({"reason": ""}, "reason"),
+        ({"reason": "two\nlines"}, "reason"),
+        ({"urgency": float("nan")}, "urgency"),
+        ({"urgency": 1e9}, "urgency"),
+        ({"urgency": True}, "urgency"),
+    ],
+)
+def test_fields_out_of_bounds_are_refused_naming_the_field(db: MetadataDB, kwargs: dict, field: str) -> None:
+    args = {"robot_id": "r1", "episode_id": "ep-1", "reason": "help", "urgency": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        db.open_help(**args)
+    assert db.help_queue() == []
+
+
+def test_claim_resolve_and_what_the_robot_sees(db: MetadataDB) -> None:
+    low = db.open_help("r1", "ep-1", "asked", 1.0, now=100.0)
+    high = db.open_help("r2", "ep-2", "failure predictor", 2.0, now=101.0)
+    got = db.claim_help("ana", now=105.0)  # the next one: the most urgent
+    assert (got.id, got.status, got.claimed_by, got.waited_s(999.0)) == (high.id, "claimed", "ana", 4.0)
+    assert db.help_request(high.id).status == "claimed"  # what the robot polls
+    with pytest.raises(HelpConflict, match="claimed by ana"):
+        db.claim_help("bo", high.id)
+    with pytest.raises(HelpConflict, match="claimed by ana, not bo"):
+        db.resolve_help(high.id, by="bo")
+    done = db.resolve_help(high.id, by="ana", note="regrasped", now=130.0)
+    assert (done.status, done.note, done.closed_at) == ("resolved", "regrasped", 130.0)
+    with pytest.raises(HelpConflict, match="already resolved"):
+        db.resolve_help(high.id, by="ana")
+    assert [r.id for r in db.help_queue()] == [low.id]
+    # the robot itself may withdraw its request
+    assert db.resolve_help(low.id, by="r1").status == "resolved"
+    with pytest.raises(HelpConflict, match="no open help request"):
+        db.claim_help("ana")
+    with pytest.raises(KeyError):
+        db.claim_help("ana", 9999)
+    with pytest.raises(ValueError, match=r"^operator: expected"):
+        db.claim_help("x" * 65)
+
+
+def test_two_people_never_claim_the_same_request(db_url: str) -> None:
+    """Eight people (each with their own connection) click "take" on the same request at once, and then
+    on "next" for three requests: each request goes to exactly one of them."""
+    setup = MetadataDB(db_url)
+    first = setup.open_help("r1", "ep-1", "asked", 1.0)
+    dbs = [MetadataDB(db_url) for _ in range(8)]
+    barrier = threading.Barrier(len(dbs))
+    won: list[tuple[str, int]] = []
+    lost: list[str] = []
+
+    def claim(i: int, request_id: int | None) -> None:
+        barrier.wait()
+        try:
+            got = dbs[i].claim_help(f"op{i}", request_id)
+            won.append((got.claimed_by or "", got.id))
+        except HelpConflict as e:
+            lost.append(str(e))
+
+    def race(request_id: int | None) -> None:
+        threads = [threading.Thread(target=claim, args=(i, request_id)) for i in range(len(dbs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    race(first.id)
+    assert len(won) == 1 and len(lost) == 7, (won, lost)
+    assert setup.help_request(first.id).claimed_by == won[0][0]
+    won.clear()
+    lost.clear()
+    ids = {setup.open_help(f"r{i}", f"ep-{i}", "asked", float(i)).id for i in range(2, 5)}
+    race(None)
+    assert sorted(i for _, i in won) == sorted(ids) and len(lost) == 5, (won, lost)
+    for r in ids:
+        assert setup.help_request(r).claimed_by in {w for w, _ in won}
+    for d in [setup, *dbs]:
+        d.close()
+
+
+def test_unclaimed_requests_expire(db: MetadataDB) -> None:
+    old = db.open_help("r1", "ep-1", "asked", 1.0, now=100.0)
+    taken = db.open_help("r2", "ep-2", "asked", 1.0, now=100.0)
+    fresh = db.open_help("r3", "ep-3", "asked", 1.0, now=190.0)
+    db.claim_help("ana", taken.id)
+    assert db.expire_help(60.0, now=200.0) == 1
+    assert db.help_request(old.id).status == "expired"
+    assert {r.id for r in db.help_queue()} == {taken.id, fresh.id}
+    # a new request for the same episode opens once the old one is closed
+    assert db.open_help("r1", "ep-1", "asked", 1.0).id != old.id
+    with pytest.raises(ValueError, match=r"^max_open_s"):
+        db.expire_help(0)
