@@ -4,9 +4,13 @@ bounded fields, one claim per request under a race, resolving, expiry."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
+import grpc
 import pytest
+from vla_rl_client.help_client import HelpClient, HelpError
 
+from fleet.collector import Collector, CollectorConfig
 from fleet.db import HelpConflict, MetadataDB
 
 
@@ -125,3 +129,60 @@ def test_unclaimed_requests_expire(db: MetadataDB) -> None:
     assert db.open_help("r1", "ep-1", "asked", 1.0).id != old.id
     with pytest.raises(ValueError, match=r"^max_open_s"):
         db.expire_help(0)
+
+
+def test_a_robot_holds_a_bounded_number_of_requests(db: MetadataDB) -> None:
+    for i in range(4):
+        db.open_help("r1", f"ep-{i}", "asked", 1.0)
+    with pytest.raises(HelpConflict, match=r"^robot_id: r1 already has 4 help requests"):
+        db.open_help("r1", "ep-9", "asked", 1.0)
+    assert db.open_help("r1", "ep-0", "asked", 2.0).urgency == 2.0  # its own again: no new one
+    assert db.open_help("r2", "ep-9", "asked", 1.0).status == "open"
+
+
+# ---------------------------------------------------------------------------- through the collector
+def test_a_robot_asks_through_the_collector_and_learns_it_was_claimed(
+    tmp_path: Path, store_db_url: str | None
+) -> None:
+    """Loopback gRPC into a real collector and DB (SQLite beside the store, or PostgreSQL): ask, ask again
+    (same request), poll while open, an operator claims it in the DB, the robot sees who, withdraws."""
+    tokens = {"arm-a": "a" * 20, "arm-b": "b" * 20}
+    cfg = CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16, db=store_db_url)
+    with Collector(cfg, robot_tokens=tokens) as c:
+        with HelpClient(c.address, "arm-a", token=tokens["arm-a"]) as arm_a:
+            req = arm_a.ask("arm-a-ep1", "failure predictor: 0.83 > 0.61", 0.83)
+            assert req.status == "open" and not req.claimed
+            assert arm_a.ask("arm-a-ep1", "failure predictor: 0.9", 0.9).request_id == req.request_id
+            assert arm_a.status(req.request_id).status == "open"
+            (queued,) = c.db.help_queue()
+            assert (queued.robot_id, queued.episode_id, queued.urgency) == ("arm-a", "arm-a-ep1", 0.9)
+            c.db.claim_help("ana", req.request_id)
+            seen = arm_a.status(req.request_id)
+            assert seen.claimed and seen.claimed_by == "ana" and seen.claimed_at > 0
+            # bounded fields: the collector names the field it refuses
+            with pytest.raises(HelpError, match="INVALID_ARGUMENT: episode_id: expected an id") as e:
+                arm_a.ask("bad episode", "asked", 1.0)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(ValueError, match=r"^reason: expected 1 to 256"):
+                arm_a.ask("arm-a-ep2", "x" * 300, 1.0)
+            with pytest.raises(HelpError, match="NOT_FOUND: request_id: no help request 999"):
+                arm_a.status(999)
+            done = arm_a.withdraw(req.request_id)
+            assert (done.status, done.note, done.closed) == ("resolved", "withdrawn by the robot", True)
+        # a robot's credential speaks for that robot only, and reads only its own requests
+        with HelpClient(c.address, "arm-a", token=tokens["arm-b"]) as impostor:
+            with pytest.raises(
+                HelpError, match="PERMISSION_DENIED: robot_id: this credential is robot 'arm-b'"
+            ):
+                impostor.ask("arm-a-ep3", "asked", 1.0)
+            with pytest.raises(HelpError, match="PERMISSION_DENIED: request_id"):
+                impostor.status(req.request_id)
+        stranger = HelpClient(c.address, "arm-a", token="wrong-token-wrong-token")
+        with stranger, pytest.raises(HelpError, match="UNAUTHENTICATED"):
+            stranger.ask("arm-a-ep3", "asked", 1.0)
+        # bytes that are not a HelpAsk: refused, the stream-less call answers INVALID_ARGUMENT
+        with grpc.insecure_channel(c.address) as ch:
+            call = ch.unary_unary("/vla_rl.fleet.v1.Collector/RequestHelp")
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"\xff\xff\xff", metadata=(("authorization", f"Bearer {tokens['arm-a']}"),), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

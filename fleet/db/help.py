@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from fleet.db.engine import DBPart
@@ -32,6 +32,8 @@ MAX_REASON_CHARS = 256
 MAX_NOTE_CHARS = 256
 MAX_OPERATOR_CHARS = 64
 MAX_URGENCY = 1e6
+MAX_ACTIVE_PER_ROBOT = 4
+"""Open or claimed requests one robot may hold at once (for different episodes)."""
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # robot and episode ids (the collector's)
 
 
@@ -110,11 +112,19 @@ class HelpPart(DBPart):
     """Help requests (``MetadataDB``'s help methods; see the module docstring)."""
 
     def open_help(
-        self, robot_id: str, episode_id: str, reason: str, urgency: float, *, now: float | None = None
+        self,
+        robot_id: str,
+        episode_id: str,
+        reason: str,
+        urgency: float,
+        *,
+        now: float | None = None,
+        max_active: int = MAX_ACTIVE_PER_ROBOT,
     ) -> HelpRequest:
         """Open a request, or return the robot's request for this episode that is still open or claimed
         (a robot that asks again, or resends after a reconnect, does not queue twice; a higher urgency
-        raises the one queued). ValueError naming the field out of bounds."""
+        raises the one queued). ValueError naming the field out of bounds; HelpConflict when the robot
+        already has ``max_active`` requests open or claimed (for other episodes)."""
         check_help_fields(robot_id, episode_id, reason, urgency)
         now = time.time() if now is None else now
         with Session(self.engine) as s, s.begin():
@@ -125,6 +135,16 @@ class HelpPart(DBPart):
             )
             row = s.scalars(q.with_for_update()).first()
             if row is None:
+                active = s.scalar(
+                    select(func.count()).where(
+                        HelpRequestRow.robot_id == robot_id, HelpRequestRow.status.in_(ACTIVE_STATUSES)
+                    )
+                )
+                if (active or 0) >= max_active:
+                    raise HelpConflict(
+                        f"robot_id: {robot_id} already has {active} help requests open or claimed "
+                        f"(at most {max_active}); withdraw one first"
+                    )
                 row = HelpRequestRow(
                     robot_id=robot_id,
                     episode_id=episode_id,
