@@ -19,6 +19,7 @@ route("/episodes", () => import("./pages/episodes.js"));
 route("/episodes/:id", () => import("./pages/episode.js"));
 route("/rounds", () => import("./pages/rounds.js"));
 route("/rounds/:n", () => import("./pages/rounds.js"));
+route("/help", () => import("./pages/help.js"));
 
 const $ = (id) => document.getElementById(id);
 
