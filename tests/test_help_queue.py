@@ -186,3 +186,38 @@ def test_a_robot_asks_through_the_collector_and_learns_it_was_claimed(
             with pytest.raises(grpc.RpcError) as err:
                 call(b"\xff\xff\xff", metadata=(("authorization", f"Bearer {tokens['arm-a']}"),), timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_sim_robots_hook_asks_once_per_episode_and_keeps_a_claimed_request(tmp_path: Path) -> None:
+    """sim.help_hook: the failure predictor's alarm asks with its score as urgency, the uncertainty alarm
+    with the standardised score; one request per episode; a claimed request outlives the episode."""
+    from types import SimpleNamespace
+
+    from sim.help_hook import HelpAsker, alarm
+    from sim.operator import OperatorRules
+
+    rules = OperatorRules(uncertainty_h=2.0, uncertainty_mean=0.5, uncertainty_std=0.25)
+    calm = SimpleNamespace(rules=rules, cusum=1.0)
+    alarmed = SimpleNamespace(rules=rules, cusum=2.5)
+    chunk = SimpleNamespace(failure=float("nan"), failure_alarm=False, uncertainty=1.5)
+    assert alarm(chunk, calm) is None
+    assert alarm(chunk, alarmed) == ("uncertainty: CUSUM 2.50 > 2.00", pytest.approx(4.0))
+    failing = SimpleNamespace(failure=0.87, failure_alarm=True, uncertainty=0.5)
+    assert alarm(failing, calm) == ("failure predictor: 0.87 on this chunk", pytest.approx(0.87))
+
+    with Collector(CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16)) as c:
+        asker = HelpAsker(c.address, "sim-0", None)
+        asker.on_chunk("sim-0-ep1", chunk, calm)
+        assert c.db.help_queue() == []
+        asker.on_chunk("sim-0-ep1", failing, calm)
+        asker.on_chunk("sim-0-ep1", chunk, alarmed)  # the episode asked already
+        (req,) = c.db.help_queue()
+        assert (req.episode_id, req.urgency) == ("sim-0-ep1", pytest.approx(0.87))
+        c.db.claim_help("ana", req.id)
+        asker.end_episode()  # claimed: a person has it, the robot does not withdraw it
+        assert c.db.help_request(req.id).status == "claimed"
+        asker.on_chunk("sim-0-ep2", chunk, alarmed)
+        asker.end_episode()  # nobody took it: withdrawn
+        assert [r.status for r in c.db.help_queue(statuses=("resolved",))] == ["resolved"]
+        assert asker.asked == 2
+        asker.close()
