@@ -100,6 +100,10 @@ class EpisodeFlagRow(Base):
     calibration_revision: Mapped[str | None] = mapped_column(String(128))
     calibration_n: Mapped[int | None]
     calibrated: Mapped[bool | None]
+    # the threshold a fleet-calibrated check (stillness, jerk, length_outlier) was judged by and how many
+    # other episodes of the task it rested on (NULL for other checks and results before migration 0007)
+    threshold: Mapped[float | None]
+    reference_n: Mapped[int | None]
 
 
 class RoundRow(Base):
