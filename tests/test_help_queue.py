@@ -167,6 +167,8 @@ def test_a_robot_asks_through_the_collector_and_learns_it_was_claimed(
                 arm_a.ask("arm-a-ep2", "x" * 300, 1.0)
             with pytest.raises(HelpError, match="NOT_FOUND: request_id: no help request 999"):
                 arm_a.status(999)
+            with pytest.raises(HelpError, match=r"INVALID_ARGUMENT: request_id: expected 1 \.\. "):
+                arm_a.status(2**64 - 1)
             done = arm_a.withdraw(req.request_id)
             assert (done.status, done.note, done.closed) == ("resolved", "withdrawn by the robot", True)
         # a robot's credential speaks for that robot only, and reads only its own requests

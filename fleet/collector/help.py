@@ -8,6 +8,7 @@ import grpc
 from vla_rl_client.proto import collector_pb2 as pb
 
 from fleet.db import HelpConflict, HelpRequest, MetadataDB
+from fleet.selection import MAX_DB_INT
 from vla_rl.core.rpc import RequestError
 
 SC = grpc.StatusCode
@@ -54,6 +55,10 @@ def get_help(
 ) -> pb.HelpState:
     """Where a request stands; with ``withdraw``, resolve it first (by the robot; a request already
     closed is returned as it is). NOT_FOUND: no such request; PERMISSION_DENIED: another robot's."""
+    if not 1 <= query.request_id <= MAX_DB_INT:
+        raise RequestError(
+            SC.INVALID_ARGUMENT, f"request_id: expected 1 .. {MAX_DB_INT}, got {query.request_id}"
+        )
     got = db.help_request(query.request_id)
     if got is None:
         raise RequestError(SC.NOT_FOUND, f"request_id: no help request {query.request_id}")

@@ -243,14 +243,19 @@ class HelpPart(DBPart):
 
     def expire_help(self, max_open_s: float, *, now: float | None = None) -> int:
         """Open requests older than ``max_open_s`` become ``expired`` (nobody took them in time: the robot
-        carried on or its episode ended). Returns how many."""
+        carried on or its episode ended). Returns how many. Takes a write lock only when there is something
+        to expire."""
         if not max_open_s > 0:
             raise ValueError(f"max_open_s: expected a number > 0, got {max_open_s!r}")
         now = time.time() if now is None else now
+        stale = (HelpRequestRow.status == "open", HelpRequestRow.created_at < now - max_open_s)
+        with Session(self._reader) as s:  # a read first: the page polls, and most polls expire nothing
+            if not s.scalar(select(func.count()).where(*stale)):
+                return 0
         with Session(self.engine) as s, s.begin():
             done = s.execute(
                 update(HelpRequestRow)
-                .where(HelpRequestRow.status == "open", HelpRequestRow.created_at < now - max_open_s)
+                .where(*stale)
                 .values(status="expired", closed_at=now, note=f"nobody claimed it within {max_open_s:g} s")
             )
             return int(done.rowcount)  # type: ignore[attr-defined]
