@@ -132,5 +132,9 @@ def test_the_page_shows_new_requests_live_and_takes_the_next_robot(
         link = page.locator(f"tr[data-request='{first.request_id}'] a.help-episode")
         link.click()
         page.wait_for_url("**/episodes/arm-1-ep")
+        page.keyboard.press("g")
+        page.keyboard.press("h")  # back to the queue from the keyboard
+        page.wait_for_url("**/help")
+        page.wait_for_selector(f"tr[data-request='{first.request_id}']")
     assert errors == []
     ctx.close()

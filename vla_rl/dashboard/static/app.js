@@ -77,7 +77,7 @@ function globalKeys() {
     }
     if (g) {
       g = false;
-      const to = { f: "/", e: "/episodes", r: "/rounds" }[ev.key];
+      const to = { f: "/", e: "/episodes", r: "/rounds", h: "/help" }[ev.key];
       if (to) {
         navigate(to);
         ev.preventDefault();
