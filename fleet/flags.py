@@ -35,6 +35,11 @@ the episode list filters on them in SQL.
   so an episode whose takeover came from the alarm may stay under ``h`` here (its ``takeovers`` flag
   says why).
 
+``stillness``, ``jerk`` and ``length_outlier`` are also judged against the task's own recent episodes
+(:mod:`fleet.flag_fleet`): raised only above the ``fleet_quantile`` (0.95) of the same metric over the
+task's other newest ``fleet_window`` episodes as well as above the fixed threshold above (a floor), once the
+task has ``fleet_min_episodes`` (20) others; each result stores the threshold it was judged by.
+
 A new check: a function of the episode (and the task's lengths) returning a :class:`fleet.db.Flag`,
 an entry in :data:`CHECKS` and its name in :data:`FLAG_NAMES`; :func:`refresh_flags` then computes it
 for every closed episode that lacks it, old ones included (flags are rows: no migration).
@@ -59,6 +64,7 @@ import numpy as np
 from vla_rl_client.meta import Controller, EpisodeMeta
 
 from fleet.db import Flag, MetadataDB
+from fleet.flag_fleet import FLEET_CHECKS, judge_batch, needs_rejudging
 from fleet.store import Episode, EpisodeStore
 from fleet.uncertainty import calibrate_cusum, conformal_threshold, cusum_path, min_calibration_episodes
 
@@ -103,6 +109,13 @@ class FlagThresholds:
     """Fixed reference std of a chunk's score (> 0)."""
     uncertainty_h: float = 3.52
     """Fixed threshold: peak CUSUM above this raises ``high_uncertainty`` (in reference stds; > 0)."""
+    fleet_quantile: float = 0.95
+    """``stillness``, ``jerk``, ``length_outlier`` are raised only above this quantile of the same metric
+    over the task's other recent episodes too (:mod:`fleet.flag_fleet`; in (0, 1))."""
+    fleet_window: int = 500
+    """... over the task's newest this many closed episodes."""
+    fleet_min_episodes: int = 20
+    """... once the task has this many other episodes (fewer: the fixed thresholds alone judge)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -134,6 +147,18 @@ class FlagThresholds:
             raise ValueError(
                 f"uncertainty_max_calibration: expected at least {min_calibration_episodes(a)} "
                 f"(what alpha {a} needs), got {n}"
+            )
+        q = self.fleet_quantile
+        if not _is_number(q) or not 0 < q < 1:
+            raise ValueError(f"fleet_quantile: expected a number in (0, 1), got {q!r}")
+        for name, low in (("fleet_window", 2), ("fleet_min_episodes", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 100_000:
+                raise ValueError(f"{name}: expected an integer in [{low}, 100000], got {v!r}")
+        if self.fleet_min_episodes > self.fleet_window:
+            raise ValueError(
+                f"fleet_min_episodes: expected at most fleet_window ({self.fleet_window}), "
+                f"got {self.fleet_min_episodes}"
             )
         if not isinstance(self.uncertainty_fallback, bool):
             raise ValueError(
@@ -492,9 +517,12 @@ def compute_flags(
 
 
 def _to_compute(db: MetadataDB, ids: Sequence[str], th: FlagThresholds) -> dict[str, list[str]]:
-    """The checks each episode lacks or has out of date (:func:`needs_recalibration`), by episode."""
+    """The checks each episode lacks or has out of date (:func:`needs_recalibration`, and for the checks
+    judged against the fleet :func:`fleet.flag_fleet.needs_rejudging`), by episode."""
     have = db.flags(ids, raised_only=False)
     counts: dict[str, tuple[int, float]] | None = None
+    tasks = db.episode_tasks([e for e in ids if have.get(e)]) if any(have.values()) else {}
+    task_counts = db.task_closed_counts(tasks.values())
     out: dict[str, list[str]] = {}
     for eid in ids:
         known = have.get(eid, {})
@@ -504,6 +532,8 @@ def _to_compute(db: MetadataDB, ids: Sequence[str], th: FlagThresholds) -> dict[
             counts = db.calibration_counts() if counts is None else counts
             if needs_recalibration(f, counts, th):
                 names.append("high_uncertainty")
+        count = task_counts.get(tasks.get(eid, ""))
+        names += [n for n in FLEET_CHECKS if n in known and needs_rejudging(known[n], count, th)]
         if names:
             out[eid] = names
     return out
@@ -560,6 +590,7 @@ def refresh_flags(
             cal = calibrations[rev]
         results[eid] = compute_flags(ep, lengths[task_of[eid]], todo[eid], th, cal)
     if results:
+        results = judge_batch(results, task_of, db, th)
         if pause is not None:
             pause()
         db.set_flags(results)

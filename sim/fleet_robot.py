@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sim.fleet_records import RobotRecord
+from sim.help_hook import HelpAsker
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl.core.lifeline import exit_with_parent
 from vla_rl.core.scheduling import leave_realtime
@@ -41,6 +42,7 @@ class SimRobotConfig:
     torch_free: bool = True
     first_episode: int = 0  # a replaced robot (Ray) starts again at the episode it was in
     rtc: str = "off"  # real-time chunking: FleetConfig.rtc
+    help_requests: bool = False  # open help requests when an alarm fires: FleetConfig.help_requests
 
 
 @dataclass
@@ -106,6 +108,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
     stream = policy.stream()
     rtc_on = cfg.rtc == "on" and fleet_rtc(cfg.rtc, next(iter(policy.info(cfg.model_id).values())).rtc_mode)
     client = RobotClient(cfg.collector, cfg.robot_id, env.spec, env.task, token=cfg.token)
+    helper = HelpAsker(cfg.collector, cfg.robot_id, cfg.token) if cfg.help_requests else None
     # Frames only: the fleet's driver writes the episode lines from the reports (see run_sim_fleet).
     record = RobotRecord(cfg.record_path, flush_frames=True)
     last_ts = 0.0
@@ -139,6 +142,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
                     score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)
                     ev = operator.observe_chunk(t, res.uncertainty, res.failure_alarm)  # alarms, if on
+                    if helper is not None:
+                        helper.on_chunk(eid, res, operator)
                     if ev is not None:  # the robot asks for help instead of executing this chunk
                         _switch(client, segments, ev, t)
                         chunk = None
@@ -175,6 +180,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
             success = bool(info["success"])
             outcome = "success" if success else ("timeout" if truncated else "failure")
             operator.end_episode()
+            if helper is not None:
+                helper.end_episode()
             client.end_episode(outcome, success)
             # Done means stored: an episode is reported (and so counted and recorded as ended, by the
             # driver) only once the collector acknowledged its end. A robot killed before that re-runs it
@@ -212,6 +219,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
             )
     finally:
         record.close()
+        if helper is not None:
+            helper.close()
         stream.close()
         policy.close()
         env.close()

@@ -91,6 +91,10 @@ class FleetConfig:
     """Real-time chunking (docs/serving.md). A simulated robot waits for each chunk, so there is no
     inference delay to hide: auto = off; on = each chunk is guided toward the unexecuted rest of the
     previous one (delay 0), refused when the served model cannot (GetInfo rtc_mode)."""
+    help_requests: bool = False
+    """Each robot opens a help request in the dashboard's help queue (collector RequestHelp) the first time
+    an alarm fires in an episode (the failure predictor's, or the uncertainty CUSUM's: --failure-alarm,
+    --uncertainty-h), and withdraws it at the episode's end if nobody claimed it (sim/help_hook.py)."""
 
     def __post_init__(self) -> None:
         from sim.ray_workers import check_ray_address
@@ -218,6 +222,7 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
                 model_id=cfg.canary_model_id if i < cfg.canary_robots else model_id,
                 record_path=str(Path(cfg.record_dir) / f"{rid}.jsonl") if cfg.record_dir else None,
                 rtc=cfg.rtc,
+                help_requests=cfg.help_requests,
             )
         )
     procs: list[Any] = []

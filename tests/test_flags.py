@@ -3,6 +3,8 @@ refresh_flags over a real store + metadata DB (SQLite and PostgreSQL), cached an
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from vla_rl_client.meta import Controller, EpisodeMeta, Segment, SegmentKind
@@ -503,3 +505,69 @@ def test_the_recalibration_decision_does_not_read_the_detail_text() -> None:
         )
         independent = Flag("high_uncertainty", 0.0, detail, False, at, calibrated=False)
         assert calibration_basis(independent) is None and not needs_recalibration(independent, counts)
+
+
+# ------------------------------------------------------------------------------------------ fleet-judged
+def _jittery(rng: np.random.Generator, t: int = 60) -> np.ndarray:
+    return _smooth(t) + rng.normal(0, 0.02, (t, 2))  # jerk ratio ~1.7-1.9: above the fixed 1.2 every time
+
+
+def test_jerk_is_judged_against_the_fleet_so_it_marks_the_outlier_not_everyone(tmp_path, db_url: str) -> None:
+    """A fleet whose episodes are all equally jerky: the fixed rule raises ``jerk`` on every one (noise);
+    judged against the task's episodes only a few are raised, and an episode far jerkier than its peers
+    (alternating actions, ratio 2) still is. The first episodes are judged by the fixed rule (too few to
+    calibrate) and judged again once the task has enough."""
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    rng = np.random.default_rng(0)
+    first = [_record(store, _jittery(rng)) for _ in range(10)]
+    refresh_flags(store, db)
+    early = db.flags(first)
+    assert all("jerk" in early[e] for e in first)  # too few others: the fixed threshold, as before
+    f = early[first[0]]["jerk"]
+    assert (f.calibrated, f.reference_n, f.threshold) == (False, 9, 1.2)
+    assert f.detail.endswith("fixed threshold 1.2 (only 9 other episodes of toy; 20 calibrate)")
+
+    rest = [_record(store, _jittery(rng)) for _ in range(30)]
+    alternating = _smooth(60) + 0.05 * np.where(np.arange(60) % 2 == 0, 1.0, -1.0)[:, None]
+    outlier = _record(store, alternating)
+    jittery = first + rest
+    assert all(jerk(store.read_episode(e, cameras=False)).raised for e in jittery)  # the fixed rule: all
+    got = refresh_flags(store, db)
+    assert set(first) <= set(got)  # judged again, now that the task can calibrate
+    raised = db.flags([*jittery, outlier])
+    assert "jerk" in raised[outlier]
+    n_jerky = sum("jerk" in raised[e] for e in jittery)
+    assert n_jerky <= 3, n_jerky  # the 95th percentile of 40 others: a couple at most
+    f = raised[outlier]["jerk"]
+    assert f.calibrated is True and f.reference_n == 40 and 1.7 < f.threshold < 2.0
+    assert "95th percentile" in f.detail and "of 40 other episodes of toy (floor 1.2)" in f.detail
+    assert f.to_dict()["threshold"] == f.threshold  # what the API sends with the badge
+    again = db.flags([first[0]], raised_only=False)[first[0]]["jerk"]
+    assert again.calibrated is True and again.reference_n == 40
+    # cached: nothing to judge again until the task doubles
+    assert refresh_flags(store, db) == {}
+    # the other metric checks are judged the same way; takeovers is a fact and stays raised
+    assert {"stillness", "length_outlier"} <= set(db.flags([outlier], raised_only=False)[outlier])
+    assert db.flags([outlier], raised_only=False)[outlier]["stillness"].calibrated is True
+
+
+def test_fleet_quantile_and_when_a_result_is_judged_again() -> None:
+    from fleet.flag_fleet import fleet_quantile, needs_rejudging
+
+    assert fleet_quantile(list(range(1, 101)), 0.95) == 95.0
+    assert fleet_quantile([3.0], 0.95) == 3.0
+    th = FlagThresholds()
+    old = Flag("jerk", 1.5, "d", computed_at=10.0)  # stored before thresholds were kept
+    assert needs_rejudging(old, (5, 11.0), th)
+    provisional = Flag("jerk", 1.5, "d", computed_at=10.0, threshold=1.2, reference_n=9, calibrated=False)
+    assert not needs_rejudging(provisional, (15, 11.0), th)  # still too few: the same answer
+    assert needs_rejudging(provisional, (21, 11.0), th)
+    assert not needs_rejudging(provisional, (21, 9.0), th)  # nothing closed since
+    calibrated = dataclasses.replace(provisional, reference_n=40, calibrated=True)
+    assert not needs_rejudging(calibrated, (60, 11.0), th) and needs_rejudging(calibrated, (81, 11.0), th)
+    assert not needs_rejudging(Flag("takeovers", 1.0, "d"), (81, 11.0), th)
+    with pytest.raises(ValueError, match=r"^fleet_quantile: expected a number in \(0, 1\)"):
+        FlagThresholds(fleet_quantile=1.0)
+    with pytest.raises(ValueError, match=r"^fleet_min_episodes: expected at most fleet_window"):
+        FlagThresholds(fleet_window=10, fleet_min_episodes=20)

@@ -8,6 +8,7 @@ are real ManiSkill processes in state mode with short episodes.
 from __future__ import annotations
 
 import collections
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from test_uncertainty import reference_cusum
 from vla_rl_client.spec import RobotSpec
 
 from fleet.collector import Collector, CollectorConfig
+from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.config import ServerConfig
@@ -269,3 +271,44 @@ def test_fleet_and_collect_cli_errors(
     assert "max_fraction" in capsys.readouterr().err
     assert main(["collect", "--store", str(tmp_path / "s"), "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "pass a token" in capsys.readouterr().err
+
+
+def test_sim_fleet_opens_help_requests_when_its_alarm_fires(tmp_path: Path) -> None:
+    """--help-requests: each episode whose uncertainty alarm fired opens one help request (through the
+    real collector into the metadata DB), withdrawn at the episode's end since nobody claimed it."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
+    config = ServerConfig(checkpoint=str(ckpt), model_id="push", port=0, torch_threads=1, device="cpu")
+    server = PolicyServer(config, token="x").start()
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
+    try:
+        rules = OperatorRules(stall_steps=0, drift_radius=0.0, uncertainty_k=0.0, uncertainty_h=1e-3)
+        cfg = FleetConfig(
+            progress=False,
+            robots=2,
+            server=server.address,
+            collector=collector.address,
+            episodes=2,
+            max_episode_steps=12,
+            rules=rules,
+            collector_token=TOKEN,
+            help_requests=True,
+        )
+        result = run_sim_fleet(cfg)
+        assert result.errors == []
+        assert collector.drain(60)
+        asked = collector.db.help_queue(statuses=("open", "claimed", "resolved", "expired"))
+    finally:
+        collector.stop()
+        server.stop()
+    episodes = {e.id: e for e in MetadataDB.for_store(tmp_path / "store").episodes()}
+    assert len(episodes) == 4
+    # every episode's first chunk crosses the threshold: one request each, none twice
+    assert sorted(r.episode_id for r in asked) == sorted(episodes)
+    for r in asked:
+        assert r.robot_id == episodes[r.episode_id].robot_id and r.reason.startswith("uncertainty: CUSUM")
+        assert math.isfinite(r.urgency)
+        assert (r.status, r.note) == ("resolved", "withdrawn by the robot")
+    # off by default: FleetConfig() opens none
+    assert FleetConfig().help_requests is False

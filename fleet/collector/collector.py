@@ -21,6 +21,7 @@ from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec
 from vla_rl_client.wire import keep_freed_memory
 
+from fleet.collector import help as help_calls
 from fleet.collector.config import _ID_RE, _LOOPBACK, CollectorConfig
 from fleet.collector.episodes import ABORTED, _Episode, _EpisodeIntake
 from fleet.collector.metrics import RobotAccount, _Metrics
@@ -612,6 +613,13 @@ class Collector(_EpisodeIntake):
                 )
             )
         return out
+
+    # -------------------------------------------------------------- help queue
+    def request_help(self, ask: pb.HelpAsk, identity: str | None) -> pb.HelpState:
+        return help_calls.request_help(self.db, ask, identity, self.allowed_robots)
+
+    def get_help(self, query: pb.HelpQuery, identity: str | None) -> pb.HelpState:
+        return help_calls.get_help(self.db, query, identity, self.allowed_robots)
 
     def disconnected(self, session: _Session) -> None:
         if session.robot_id:

@@ -132,6 +132,10 @@ class _Handler(Protocol):
 
     def stats(self, only: str | None = None) -> pb.StatsResponse: ...
 
+    def request_help(self, ask: pb.HelpAsk, identity: str | None) -> pb.HelpState: ...
+
+    def get_help(self, query: pb.HelpQuery, identity: str | None) -> pb.HelpState: ...
+
     def disconnected(self, session: _Session) -> None: ...
 
 
@@ -148,6 +152,8 @@ class _Service:
             {
                 "Stream": rpc.stream_handler(self.Stream, None, pb.CollectorMessage),
                 "GetStats": rpc.unary_handler(self.GetStats, pb.StatsRequest, pb.StatsResponse),
+                "RequestHelp": rpc.unary_handler(self.RequestHelp, pb.HelpAsk, pb.HelpState),
+                "GetHelp": rpc.unary_handler(self.GetHelp, pb.HelpQuery, pb.HelpState),
             },
         )
 
@@ -204,6 +210,27 @@ class _Service:
         except rpc.RequestError as e:
             await rpc.abort(context, e)
         return self.c.stats(only=identity)
+
+    async def RequestHelp(
+        self, request: pb.HelpAsk | rpc.Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.HelpState:
+        """Open a help request (:mod:`fleet.collector.help`); the DB write runs off the event loop."""
+        return await self._help(self.c.request_help, request, context)
+
+    async def GetHelp(
+        self, request: pb.HelpQuery | rpc.Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.HelpState:
+        """Poll (or withdraw) a help request."""
+        return await self._help(self.c.get_help, request, context)
+
+    async def _help(self, fn: Any, request: Any, context: grpc.aio.ServicerContext) -> pb.HelpState:
+        try:
+            identity = self.c.authorize(context.invocation_metadata())
+            if isinstance(request, rpc.Undecodable):
+                raise self.c.undecodable_request(context.peer() or "", identity, request)
+            return await asyncio.to_thread(fn, request, identity)
+        except rpc.RequestError as e:
+            await rpc.abort(context, e)
 
 
 @functools.cache

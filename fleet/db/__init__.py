@@ -13,7 +13,7 @@ once; a DB already at head costs one query.
 Timestamps are unix seconds (float), like the store's.
 
 The package splits the DB by job: ``schema`` (the ORM rows), ``engine`` (opening one), ``migrate`` (the
-schema upgrade), ``episodes``, ``labels``, ``flags``, ``stats``, ``rounds`` (rounds and their job queue),
+schema upgrade), ``episodes``, ``labels``, ``flags``, ``stats``, ``rounds`` (rounds and their job queue), ``help`` (robots' help requests),
 ``query`` (a :class:`fleet.selection.Selection` in SQL); :class:`MetadataDB` (``metadata``) is composed from
 their parts. Import from here: ``from fleet.db import MetadataDB``.
 """
@@ -21,6 +21,7 @@ their parts. Import from here: ``from fleet.db import MetadataDB``.
 from fleet.db.engine import MetadataDBError, default_url
 from fleet.db.episodes import EpisodeSummary
 from fleet.db.flags import Flag
+from fleet.db.help import HELP_STATUSES, HelpConflict, HelpRequest, HelpStatus
 from fleet.db.labels import LABEL_SOURCES, OUTCOME_KEY, Label, LabelSource, effective_outcome
 from fleet.db.metadata import MetadataDB
 from fleet.db.migrate import SCHEMA_HEAD, _alembic_config, upgrade_schema
@@ -37,6 +38,7 @@ from fleet.db.schema import (
     EpisodeFlagRow,
     EpisodeRevisionRow,
     EpisodeRow,
+    HelpRequestRow,
     LabelRow,
     RoundJobRow,
     RoundRow,
@@ -46,6 +48,7 @@ from fleet.db.stats import RevisionStats, RobotStats, TimelinePoint
 
 __all__ = [
     "FINISHED_STATUSES",
+    "HELP_STATUSES",
     "LABEL_SOURCES",
     "OUTCOME_KEY",
     "ROUND_STATUSES",
@@ -56,6 +59,10 @@ __all__ = [
     "EpisodeRow",
     "EpisodeSummary",
     "Flag",
+    "HelpConflict",
+    "HelpRequest",
+    "HelpRequestRow",
+    "HelpStatus",
     "Label",
     "LabelRow",
     "LabelSource",

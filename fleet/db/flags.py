@@ -30,14 +30,22 @@ class Flag:
     # The calibration basis of a ``high_uncertainty`` result (:func:`fleet.flags.needs_recalibration`
     # decides on these, never on ``detail``, which is for people):
     calibrated: bool | None = None
-    """True: judged by ``calibration_revision``'s calibration on ``calibration_n`` successful episodes;
+    """``high_uncertainty``: True: judged by ``calibration_revision``'s calibration on ``calibration_n`` successful episodes;
     False: not (with a revision: it had only ``calibration_n`` of them, too few, a provisional result; without
     one: judged by no revision's calibration, e.g. no scores); None: no basis recorded (another check, or a
-    result stored before the metadata DB kept it)."""
+    result stored before the metadata DB kept it). A check judged against the fleet
+    (:mod:`fleet.flag_fleet`): True: by the task's quantile (``threshold``, ``reference_n``); False: by the
+    fixed threshold (too few episodes of the task)."""
     calibration_revision: str | None = None
     """The checkpoint revision whose calibration the result depends on (None: none)."""
     calibration_n: int | None = None
     """How many of that revision's successful episodes the calibration had (None: no revision)."""
+    threshold: float | None = None
+    """A fleet-judged check's (:mod:`fleet.flag_fleet`): the value the score had to pass (None: other checks,
+    or a result stored before the metadata DB kept it)."""
+    reference_n: int | None = None
+    """... and how many other episodes of the task that threshold rested on (``calibrated`` False: too few,
+    the fixed threshold judged it)."""
 
     def __post_init__(self) -> None:
         if (self.calibration_revision is None) != (self.calibration_n is None):
@@ -49,7 +57,14 @@ class Flag:
             raise ValueError("calibrated: expected true or false with a calibration_revision, got None")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"score": self.score, "detail": self.detail}
+        out: dict[str, Any] = {"score": self.score, "detail": self.detail}
+        if self.threshold is not None:
+            out |= {
+                "threshold": self.threshold,
+                "reference_n": self.reference_n,
+                "calibrated": self.calibrated,
+            }
+        return out
 
 
 _CALIBRATION = Selection(status="closed", outcome="success", intervention=False)
@@ -96,6 +111,8 @@ class FlagsPart(DBPart):
                         calibration_revision=f.calibration_revision,
                         calibration_n=f.calibration_n,
                         calibrated=f.calibrated,
+                        threshold=f.threshold,
+                        reference_n=f.reference_n,
                     )
                     for f in fs
                 )
@@ -129,6 +146,44 @@ class FlagsPart(DBPart):
         )
         with Session(self._reader) as s:
             return list(s.scalars(q))
+
+    def episode_tasks(self, episode_ids: Iterable[str]) -> dict[str, str]:
+        """``{episode_id: task}`` of the closed episodes among ``episode_ids`` (a primary-key lookup)."""
+        out: dict[str, str] = {}
+        with Session(self._reader) as s:
+            for chunk in _chunks(list(dict.fromkeys(episode_ids))):
+                q = select(EpisodeRow.id, EpisodeRow.task).where(
+                    EpisodeRow.id.in_(chunk), EpisodeRow.status == "closed"
+                )
+                out.update({eid: task for eid, task in s.execute(q)})
+        return out
+
+    def task_closed_counts(self, tasks: Iterable[str]) -> dict[str, tuple[int, float]]:
+        """Per task: how many closed episodes it has and the newest one's ``closed_at`` (when a flag judged
+        against the task's episodes is out of date, :func:`fleet.flag_fleet.needs_rejudging`)."""
+        wanted = sorted(set(tasks))
+        if not wanted:
+            return {}
+        q = (
+            select(EpisodeRow.task, func.count(), func.max(EpisodeRow.closed_at))
+            .where(EpisodeRow.status == "closed", EpisodeRow.task.in_(wanted))
+            .group_by(EpisodeRow.task)
+        )
+        with Session(self._reader) as s:
+            return {task: (int(n), float(newest or 0.0)) for task, n, newest in s.execute(q)}
+
+    def flag_scores(self, name: str, task: str, limit: int) -> list[tuple[str, float]]:
+        """``(episode_id, score)`` of the stored ``name`` results of the task's newest ``limit`` closed
+        episodes that have one, newest first (the fleet's distribution of that check's metric)."""
+        q = (
+            select(EpisodeFlagRow.episode_id, EpisodeFlagRow.score)
+            .join(EpisodeRow, EpisodeRow.id == EpisodeFlagRow.episode_id)
+            .where(EpisodeFlagRow.name == name, EpisodeRow.task == task, EpisodeRow.status == "closed")
+            .order_by(EpisodeRow.created_at.desc(), EpisodeRow.id)
+            .limit(limit)
+        )
+        with Session(self._reader) as s:
+            return [(eid, float(score)) for eid, score in s.execute(q)]
 
     def closed_lacking_flags(self, names: Sequence[str]) -> list[str]:
         """Ids of closed episodes without a stored result for at least one check in ``names``, newest
@@ -167,5 +222,7 @@ def _read_flags(s: Session, episode_ids: Iterable[str], raised_only: bool) -> di
                 calibrated=None if r.calibrated is None else bool(r.calibrated),
                 calibration_revision=r.calibration_revision,
                 calibration_n=r.calibration_n,
+                threshold=r.threshold,
+                reference_n=r.reference_n,
             )
     return out

@@ -10,13 +10,14 @@ from sqlalchemy.engine import Engine
 from fleet.db.engine import default_url, engine_for
 from fleet.db.episodes import EpisodesPart
 from fleet.db.flags import FlagsPart
+from fleet.db.help import HelpPart
 from fleet.db.labels import LabelsPart
 from fleet.db.migrate import upgrade_schema
 from fleet.db.rounds import RoundsPart
 from fleet.db.stats import StatsPart
 
 
-class MetadataDB(EpisodesPart, LabelsPart, FlagsPart, StatsPart, RoundsPart):
+class MetadataDB(EpisodesPart, LabelsPart, FlagsPart, StatsPart, RoundsPart, HelpPart):
     """Episodes, segments and labels. Safe to use from several processes (each opens its own).
 
     One class composed from per-job parts (mixins over the same engine, :class:`~fleet.db.engine.DBPart`):

@@ -31,7 +31,7 @@ def _alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
-SCHEMA_HEAD = "0005"
+SCHEMA_HEAD = "0007"
 """The newest migration in fleet/migrations/versions (tests/test_metadata_db.py checks it): opening a DB
 at this revision needs no Alembic import, only one query."""
 

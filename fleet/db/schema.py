@@ -100,6 +100,10 @@ class EpisodeFlagRow(Base):
     calibration_revision: Mapped[str | None] = mapped_column(String(128))
     calibration_n: Mapped[int | None]
     calibrated: Mapped[bool | None]
+    # the threshold a fleet-calibrated check (stillness, jerk, length_outlier) was judged by and how many
+    # other episodes of the task it rested on (NULL for other checks and results before migration 0007)
+    threshold: Mapped[float | None]
+    reference_n: Mapped[int | None]
 
 
 class RoundRow(Base):
@@ -141,3 +145,23 @@ class RoundJobRow(Base):
     progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     committing_at: Mapped[float | None] = mapped_column(default=None)
     """When the round started pushing / promoting: past it, a cancel no longer applies (migration 0005)."""
+
+
+class HelpRequestRow(Base):
+    """A robot's request for an operator (``fleet.db.help``): opened by the robot through the collector,
+    claimed by one person, then resolved (or expired while nobody took it)."""
+
+    __tablename__ = "help_requests"
+    __table_args__ = (Index("ix_help_requests_status_urgency", "status", "urgency"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    robot_id: Mapped[str] = mapped_column(String(128), index=True)
+    episode_id: Mapped[str] = mapped_column(String(128), index=True)
+    reason: Mapped[str] = mapped_column(String(256))
+    urgency: Mapped[float]
+    status: Mapped[str] = mapped_column(String(16), index=True)  # open | claimed | resolved | expired
+    created_at: Mapped[float] = mapped_column(index=True)
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    claimed_at: Mapped[float | None]
+    closed_at: Mapped[float | None]
+    note: Mapped[str | None] = mapped_column(String(256))  # how it was resolved / why it expired

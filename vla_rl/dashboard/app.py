@@ -1,6 +1,6 @@
 """``create_app(DashboardConfig)``: the FastAPI app: JSON API under /api/v1, the page and its assets.
 
-Routes: ``/`` and the page's own routes (/episodes, /episodes/{id}, /rounds, /rounds/{n}, /fleet) all
+Routes: ``/`` and the page's own routes (/episodes, /episodes/{id}, /rounds, /rounds/{n}, /fleet, /help) all
 answer ``static/index.html`` (the frontend routes itself); ``/static/*`` are its assets, with cache
 headers; ``/api/v1/*`` is the API (docs/dashboard.md), its OpenAPI schema at /api/v1/openapi.json.
 Request bodies are bounded (``max_body_kb``; larger: 413).
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vla_rl.core.instance import own_instance_tag
 from vla_rl.core.version import __version__
-from vla_rl.dashboard import episodes, fleet, labels, rounds
+from vla_rl.dashboard import episodes, fleet, helpqueue, labels, rounds
 from vla_rl.dashboard.assets import BUNDLE, STATIC, AssetServer, index_page, static_version
 from vla_rl.dashboard.auth import Principal, TokenTable, generated, load_tokens
 from vla_rl.dashboard.config import DashboardConfig
@@ -33,7 +33,7 @@ from vla_rl.dashboard.startup import GateRequests, run_sync, warm_imports, warm_
 log = logging.getLogger("vla_rl.dashboard")
 
 API = "/api/v1"
-PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "/fleet", "/flagged")
+PAGES = ("/", "/episodes", "/episodes/{episode_id}", "/rounds", "/rounds/{n}", "/fleet", "/flagged", "/help")
 
 
 class BodyLimit:
@@ -156,6 +156,7 @@ def create_app(cfg: DashboardConfig, tokens: TokenTable | None = None) -> FastAP
     api.include_router(episodes.make_router(ctx))
     api.include_router(rounds.make_router(ctx))
     api.include_router(fleet.make_router(ctx))
+    api.include_router(helpqueue.make_router(ctx))
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     def unknown(path: str) -> None:

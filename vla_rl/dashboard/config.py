@@ -68,6 +68,8 @@ class DashboardConfig:
     """Encoded videos kept in <workdir>/video (MiB); beyond it the least recently used are removed."""
     video_encoders: int = 2
     """Videos encoded at once (each an ffmpeg process); more video requests wait for one."""
+    help_expire_s: float = 600.0
+    """A robot's help request nobody claimed for this long (seconds) is expired on the help queue."""
     sync_db: bool = True
     """On start, record the store's closed episodes that the metadata DB lacks (a store written without
     the DB, e.g. by `vla-rl sim demos`), so the episode list shows them."""
@@ -97,5 +99,7 @@ class DashboardConfig:
             raise ValueError(f"frame_cache_mb: expected 1..1048576, got {self.frame_cache_mb}")
         if not 1 <= self.video_cache_mb <= 1024 * 1024 * 1024:
             raise ValueError(f"video_cache_mb: expected 1..1073741824, got {self.video_cache_mb}")
+        if not 1 <= self.help_expire_s <= 7 * 86400:
+            raise ValueError(f"help_expire_s: expected 1..604800 seconds, got {self.help_expire_s}")
         if not 1 <= self.video_encoders <= 64:
             raise ValueError(f"video_encoders: expected 1..64, got {self.video_encoders}")

@@ -45,6 +45,9 @@ class UpConfig:
     rtc: RTCMode = "auto"
     """The fleet's real-time chunking (`vla-rl fleet sim --rtc`): auto = off for simulated robots (they wait
     for each chunk: no inference delay to hide); on = each chunk guided toward the rest of the previous."""
+    help_requests: bool = True
+    """The fleet's robots open a help request in the dashboard's help queue when an alarm fires (`vla-rl
+    fleet sim --help-requests`: the server's failure predictor, when the checkpoint carries one)."""
     rounds: int = 3
     """Post-training rounds to run (counting rounds of earlier runs in this workdir); then it exits."""
     episodes: int = 10

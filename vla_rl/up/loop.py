@@ -187,6 +187,7 @@ class _Run:
             seed=ONLINE + cfg.seed * 1_000_000 + n * 10_000,
             progress=False,
             rtc=cfg.rtc,
+            help_requests=cfg.help_requests,
         )
 
     def round_config(self, n: int, data: str | None) -> RoundConfig:

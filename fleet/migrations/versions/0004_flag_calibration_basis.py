@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import op
+
+from fleet.migrations import add_missing_columns, drop_columns
 
 revision: str = "0004"
 down_revision: str | Sequence[str] | None = "0003"
@@ -33,15 +34,8 @@ _COLUMNS = (
 
 
 def upgrade() -> None:
-    have = {c["name"] for c in sa.inspect(op.get_bind()).get_columns("episode_flags")}
-    missing = [(n, t) for n, t in _COLUMNS if n not in have]
-    if missing:
-        with op.batch_alter_table("episode_flags") as batch:
-            for name, type_ in missing:
-                batch.add_column(sa.Column(name, type_, nullable=True))
+    add_missing_columns("episode_flags", _COLUMNS)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("episode_flags") as batch:
-        for name, _type in reversed(_COLUMNS):
-            batch.drop_column(name)
+    drop_columns("episode_flags", _COLUMNS)

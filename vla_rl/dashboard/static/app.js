@@ -19,6 +19,7 @@ route("/episodes", () => import("./pages/episodes.js"));
 route("/episodes/:id", () => import("./pages/episode.js"));
 route("/rounds", () => import("./pages/rounds.js"));
 route("/rounds/:n", () => import("./pages/rounds.js"));
+route("/help", () => import("./pages/help.js"));
 
 const $ = (id) => document.getElementById(id);
 
@@ -76,7 +77,7 @@ function globalKeys() {
     }
     if (g) {
       g = false;
-      const to = { f: "/", e: "/episodes", r: "/rounds" }[ev.key];
+      const to = { f: "/", e: "/episodes", r: "/rounds", h: "/help" }[ev.key];
       if (to) {
         navigate(to);
         ev.preventDefault();

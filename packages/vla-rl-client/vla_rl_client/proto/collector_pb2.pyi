@@ -210,3 +210,37 @@ class StatsResponse(_message.Message):
     robots: _containers.RepeatedCompositeFieldContainer[RobotStats]
     prometheus_text: str
     def __init__(self, robots: _Optional[_Iterable[_Union[RobotStats, _Mapping]]] = ..., prometheus_text: _Optional[str] = ...) -> None: ...
+
+class HelpAsk(_message.Message):
+    __slots__ = ("robot_id", "episode_id", "reason", "urgency")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    URGENCY_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    episode_id: str
+    reason: str
+    urgency: float
+    def __init__(self, robot_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., reason: _Optional[str] = ..., urgency: _Optional[float] = ...) -> None: ...
+
+class HelpQuery(_message.Message):
+    __slots__ = ("request_id", "withdraw")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAW_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    withdraw: bool
+    def __init__(self, request_id: _Optional[int] = ..., withdraw: _Optional[bool] = ...) -> None: ...
+
+class HelpState(_message.Message):
+    __slots__ = ("request_id", "status", "claimed_by", "claimed_at", "note")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_AT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    status: str
+    claimed_by: str
+    claimed_at: float
+    note: str
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[str] = ..., claimed_by: _Optional[str] = ..., claimed_at: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,16 @@ class CollectorStub:
                 request_serializer=collector__pb2.StatsRequest.SerializeToString,
                 response_deserializer=collector__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RequestHelp = channel.unary_unary(
+                '/vla_rl.fleet.v1.Collector/RequestHelp',
+                request_serializer=collector__pb2.HelpAsk.SerializeToString,
+                response_deserializer=collector__pb2.HelpState.FromString,
+                _registered_method=True)
+        self.GetHelp = channel.unary_unary(
+                '/vla_rl.fleet.v1.Collector/GetHelp',
+                request_serializer=collector__pb2.HelpQuery.SerializeToString,
+                response_deserializer=collector__pb2.HelpState.FromString,
+                _registered_method=True)
 
 
 class CollectorServicer:
@@ -62,6 +72,19 @@ class CollectorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestHelp(self, request, context):
+        """Help queue (the metadata DB's help_requests; an operator claims requests on the dashboard).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetHelp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CollectorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +97,16 @@ def add_CollectorServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=collector__pb2.StatsRequest.FromString,
                     response_serializer=collector__pb2.StatsResponse.SerializeToString,
+            ),
+            'RequestHelp': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestHelp,
+                    request_deserializer=collector__pb2.HelpAsk.FromString,
+                    response_serializer=collector__pb2.HelpState.SerializeToString,
+            ),
+            'GetHelp': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHelp,
+                    request_deserializer=collector__pb2.HelpQuery.FromString,
+                    response_serializer=collector__pb2.HelpState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +163,60 @@ class Collector:
             '/vla_rl.fleet.v1.Collector/GetStats',
             collector__pb2.StatsRequest.SerializeToString,
             collector__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestHelp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vla_rl.fleet.v1.Collector/RequestHelp',
+            collector__pb2.HelpAsk.SerializeToString,
+            collector__pb2.HelpState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHelp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vla_rl.fleet.v1.Collector/GetHelp',
+            collector__pb2.HelpQuery.SerializeToString,
+            collector__pb2.HelpState.FromString,
             options,
             channel_credentials,
             insecure,
