@@ -28,6 +28,10 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
    ``L_AM = mean_B Σ_i ||(2/σ_i)(v_θ − v̄_β)(x_i, t_i) + σ_i ã_i||²``, i.e.
    ``v_θ → v̄_β − (σ_i²/2)·ã_i``.
 
+The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder; on the latter QAM runs offline
+with the frozen base's VLM shared by the fine copy (:mod:`vla_rl.train.qam_lerobot`, which says what
+``trainable`` does there) and ships a LeRobot folder.
+
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
 Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
 :class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment, driven by
@@ -39,7 +43,8 @@ the kinematic benchmark: docs/benchmarks.md, QAM online as policy iteration).
 
 Output folder::
 
-    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with policies.loading)
+    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with policies.loading; a
+                              LeRobot folder from a LeRobot base)
     <out>/train_state.pt      models, optimisers, step, env steps, online episodes (resume)
     <out>/tb/                 TensorBoard (losses, Q statistics, rollout / eval success)
     <out>/curve.json          the learning curve (also returned in QAMResult)
