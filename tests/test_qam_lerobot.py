@@ -8,6 +8,7 @@ configurations of test_ppo_lerobot (no download, the same connection guard):
   fine policy a VLM of its own;
 * a few QAM updates on kinematic camera demos ship a LeRobot folder (our lineage beside it) that LeRobot's
   own ``from_pretrained`` loads and that acts as ours, with the expert moved and the VLM as it was;
+* online (qam-o2o) the fine policy acts in the simulator and re-anchors;
 * what QAM does not do on a LeRobot base is refused naming the field.
 """
 
@@ -229,11 +230,41 @@ def test_qam_ships_a_lerobot_folder_that_lerobot_loads_and_acts_as_ours(
     torch.testing.assert_close(ours, theirs, atol=RECOMPUTED_ATOL, rtol=RECOMPUTED_RTOL)
 
 
+def test_qam_online_on_a_lerobot_vla_acts_from_the_camera_and_reanchors(
+    folders: dict[str, Path], store: Path, tmp_path: Path
+) -> None:
+    """qam-o2o: the fine SmolVLA acts in the simulator (its camera, the instruction text), finished
+    episodes join the replay, the re-anchored prior is the fine policy (its VLM still the shared one)."""
+    cfg = make_config(
+        "qam", base=str(folders["smolvla"]), store=str(store), out=str(tmp_path / "run"), task=TASK,
+        offline_steps=2, env_steps=6, num_envs=1, max_episode_steps=3, batch_size=4, critic_mc_steps=1,
+        critic_warmup=1, flow_steps=K, members=2, critic_hidden=(32, 32), reanchor_every=2, eval_every=4,
+        eval_every_episodes=1, threads=1, progress=False,
+    )  # fmt: skip
+    res = train(cfg)
+    assert res.env_steps == 6 and res.steps == 8 and res.metrics["online_episodes"] == 2
+    assert 0.0 <= res.metrics["online_success"] <= 1.0
+    assert [row for row in res.curve if "eval_success" in row]
+    assert json.loads((res.checkpoint / LINEAGE_FILE).read_text())["lineage"]["data"]["online_episodes"] == 2
+
+    learner = learner_for(folders["smolvla"], tmp_path)
+    with torch.no_grad():
+        for p in learner.actor_parameters():
+            p.add_(0.05)
+    learner.reanchor()
+    fine, base = learner.fine.state_dict(), learner.base.state_dict()
+    assert all(torch.equal(fine[k], base[k]) for k in fine)
+    assert all(
+        a is b for a, b in zip(learner.base.vlm.parameters(), learner.fine.vlm.parameters(), strict=True)
+    )
+    assert not any(p.requires_grad for p in learner.base.parameters())
+
+
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [
-        ({"env_steps": 4}, "env_steps: QAM on a LeRobot VLA trains offline only"),
-        ({"next_action_cache": 2}, "next_action_cache: QAM on a LeRobot VLA trains offline only"),
+        ({"next_action_cache": 2}, "next_action_cache: not implemented for a LeRobot base"),
+        ({"reanchor_every": 2, "trainable": "lora"}, "reanchor_every: a LoRA fine policy cannot become"),
         ({"train_base": True}, "train_base: QAM keeps a LeRobot base frozen"),
         ({"feature_mode": "state"}, "feature_mode: 'state' reads FlowVLA's state normaliser"),
     ],

@@ -28,8 +28,8 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
    ``L_AM = mean_B Σ_i ||(2/σ_i)(v_θ − v̄_β)(x_i, t_i) + σ_i ã_i||²``, i.e.
    ``v_θ → v̄_β − (σ_i²/2)·ã_i``.
 
-The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder; on the latter QAM runs offline
-with the frozen base's VLM shared by the fine copy (:mod:`vla_rl.train.qam_lerobot`, which says what
+The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder; on the latter the frozen
+base's VLM is shared by the fine copy (:mod:`vla_rl.train.qam_lerobot`, which says what
 ``trainable`` does there) and ships a LeRobot folder.
 
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
@@ -185,7 +185,7 @@ class _QAMRun:
         torch.set_num_threads(dist.threads(cfg.threads))
         self.loaded = loaded = _load_base(cfg, device)
         self.lerobot = isinstance(loaded, FlowCheckpoint)
-        """A LeRobot flow VLA base (:mod:`vla_rl.train.qam_lerobot`; offline only)."""
+        """A LeRobot flow VLA base (:mod:`vla_rl.train.qam_lerobot`)."""
         base = loaded.policy
         if self.lerobot:
             self.task = task = loaded.task(cfg.task)  # a folder from elsewhere takes cfg.task as its own

@@ -26,9 +26,11 @@ Adjoint matching runs over the whole padded event ``[H, D]`` (the flow's state):
 reward (the critic never reads them), so their target is the base's velocity plus what the lean adjoint
 carries into them through the base's Jacobian.
 
-Not implemented on a LeRobot base (refused naming the field): the online phase and what it needs
-(``env_steps``, ``next_action_cache``, ``reanchor_every``, ``eval_every``), ``train_base``. A final
-evaluation in simulation (``final_eval_episodes``) runs.
+Offline and online (qam-o2o) as on FlowVLA: the fine policy acts in the simulator from its camera with the
+simulator's instruction text, LeRobot's un-normalised (unclipped) actions; evaluations (``eval_every``,
+``final_eval_episodes``) score it as LeRobot deploys it; ``reanchor_every`` copies the fine policy's
+weights into the base (not with ``lora``). Not implemented on a LeRobot base (refused naming the field):
+``train_base``, ``next_action_cache``.
 """
 
 from __future__ import annotations
@@ -48,20 +50,21 @@ from vla_rl.train.qam_math import ObsEncoding, QAMLearner
 
 Tensor = torch.Tensor
 
-__all__ = ["LEROBOT_OFFLINE_ONLY", "LeRobotQAMLearner", "check_lerobot_qam"]
-
-LEROBOT_OFFLINE_ONLY = ("env_steps", "next_action_cache", "reanchor_every", "eval_every")
-"""QAM knobs that must stay 0 on a LeRobot base: the online phase is FlowVLA's only."""
+__all__ = ["LeRobotQAMLearner", "check_lerobot_qam"]
 
 
 def check_lerobot_qam(cfg: QAMConfig) -> None:
     """Refuse the knobs QAM does not implement on a LeRobot base, naming the field."""
-    for name in LEROBOT_OFFLINE_ONLY:
-        if getattr(cfg, name):
-            raise ValueError(
-                f"{name}: QAM on a LeRobot VLA trains offline only (its online phase drives FlowVLA "
-                f"policies); expected 0, got {getattr(cfg, name)}"
-            )
+    if cfg.next_action_cache:
+        raise ValueError(
+            "next_action_cache: not implemented for a LeRobot base (its table is sampled from FlowVLA "
+            f"inputs); expected 0, got {cfg.next_action_cache}"
+        )
+    if cfg.reanchor_every and cfg.trainable == "lora":
+        raise ValueError(
+            "reanchor_every: a LoRA fine policy cannot become the prior (its adapters are not the base's "
+            f"weights); expected 0 with trainable 'lora', got {cfg.reanchor_every}"
+        )
     if cfg.train_base:
         raise ValueError(
             "train_base: QAM keeps a LeRobot base frozen (the fine policy shares its VLM and the adjoint "
@@ -105,6 +108,12 @@ class LeRobotQAMLearner(LeRobotCriticInputs, QAMLearner):
             raise ValueError(f"trainable: {parts!r} leaves nothing of the fine policy to train")
         self.build_critic(base.feature_dim, value_support)
 
+    reads_instruction_text = True
+
+    def env_actions(self, chunk: Tensor) -> Tensor:
+        """The post-processor's un-normalisation of the robot's dims, unclipped (as LeRobot serves)."""
+        return self.base.unnormalize_actions(chunk)
+
     def actor_parameters(self) -> list[nn.Parameter]:
         """The fine policy's trainable parameters (``trainable``): never the shared prefix encoder."""
         return list(self._actor_params)
@@ -127,10 +136,6 @@ class LeRobotQAMLearner(LeRobotCriticInputs, QAMLearner):
 
     def grid_prefix(self, prefix: LeRobotPrefix, k: int) -> LeRobotPrefix:
         return prefix.repeat_interleave(k)
-
-    @torch.no_grad()
-    def reanchor(self) -> None:
-        raise NotImplementedError("reanchor_every: not on a LeRobot base (offline only)")
 
 
 def _frozen_prefix(policy: LeRobotFlowPolicy, obs: Mapping[str, Any]) -> LeRobotPrefix:

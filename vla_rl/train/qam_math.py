@@ -269,6 +269,13 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
         return self.base_target if self.base_target is not None else self.base
 
     # ------------------------------------------------------------------ policy-specific steps
+    reads_instruction_text = False
+    """The policy tokenises its observations' ``instruction`` text (FlowVLA reads frozen embeddings)."""
+
+    def env_actions(self, chunk: Tensor) -> Tensor:
+        """Normalised chunks ``[B, H, D]`` -> env units ``[B, H, A]`` (what the robot executes)."""
+        return self.base.normalizer.unnormalize_action(chunk)
+
     def actor_parameters(self) -> list[nn.Parameter]:
         """What the actor's optimiser updates: the whole fine policy."""
         return list(self.fine.parameters())
