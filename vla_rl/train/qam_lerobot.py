@@ -80,6 +80,7 @@ class LeRobotQAMLearner(LeRobotCriticInputs, QAMLearner):
 
     base: LeRobotFlowPolicy  # type: ignore[assignment]
     fine: LeRobotFlowPolicy  # type: ignore[assignment]
+    reads_instruction_text = True
 
     def __init__(
         self, base: LeRobotFlowPolicy, cfg: QAMConfig, value_support: tuple[float, float] = (-1.0, 0.0)
@@ -107,8 +108,6 @@ class LeRobotQAMLearner(LeRobotCriticInputs, QAMLearner):
         if not self._actor_params:
             raise ValueError(f"trainable: {parts!r} leaves nothing of the fine policy to train")
         self.build_critic(base.feature_dim, value_support)
-
-    reads_instruction_text = True
 
     def env_actions(self, chunk: Tensor) -> Tensor:
         """The post-processor's un-normalisation of the robot's dims, unclipped (as LeRobot serves)."""
