@@ -495,9 +495,7 @@ class LeRobotFlowPolicy(nn.Module):
     @property
     def feature_dim(self) -> int:
         """F of :meth:`features`: the VLM's text width."""
-        m = self.policy.model
-        vlm = m.vlm_with_expert.vlm if self._smol else m.paligemma_with_expert.paligemma
-        return int(vlm.config.text_config.hidden_size)
+        return int(self.vlm.config.text_config.hidden_size)
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
         x = _apply_step(self._normalizer, actions.to(self.device, torch.float32))
@@ -511,6 +509,18 @@ class LeRobotFlowPolicy(nn.Module):
         return self.unnormalize_actions(x)
 
     # ---------------------------------------------------------------- training / IO
+    @property
+    def vlm(self) -> nn.Module:
+        """The VLM (vision encoder and language model) whose KV cache :meth:`encode_prefix` fills."""
+        m = self.policy.model
+        return m.vlm_with_expert.vlm if self._smol else m.paligemma_with_expert.paligemma
+
+    def prefix_modules(self) -> list[nn.Module]:
+        """Every module with parameters that :meth:`encode_prefix` reads: the VLM, and SmolVLA's state
+        projection (its state token is in the prefix; π0's is in the suffix, π0.5 has none). With these
+        frozen, a prefix is a constant of the trainable weights and can be shared by copies of the policy."""
+        return [self.vlm, self.policy.model.state_proj] if self._smol else [self.vlm]
+
     def set_trainable(self, parts: TrainableParts, lora: LoraSettings | None = None) -> list[nn.Parameter]:
         """``"expert"``: LeRobot's ``train_expert_only`` (the VLM frozen and kept in eval mode; the action
         expert, the state / action / time projections train). ``"full"``: every parameter. ``"lora"``:
@@ -521,7 +531,7 @@ class LeRobotFlowPolicy(nn.Module):
         check_trainable(parts)
         cfg, m = self.policy.config, self.policy.model
         with_expert = m.vlm_with_expert if self._smol else m.paligemma_with_expert
-        vlm = with_expert.vlm if self._smol else with_expert.paligemma
+        vlm = self.vlm
         vision = vlm.model.vision_model if self._smol else vlm.model.vision_tower
         if parts == "lora":
             params, frozen_vlm, frozen_vision = self._add_lora(lora or LoraSettings(), vlm, vision)

@@ -1,8 +1,8 @@
-"""FQL and QAM on LeRobot's flow VLAs (vla_rl/train/fql.py's LeRobotFQLLearner; QAM refuses), on the
-tiny SmolVLA / π0 configurations of test_ppo_lerobot (no download, the same connection guard): FQL's
-losses count the robot's dims only and train the expert, never the VLM; a few FQL updates on kinematic
-camera demos ship a LeRobot folder that deploys the one-step policy (K = 1) in LeRobot's own config; QAM
-refuses a LeRobot base naming why.
+"""FQL on LeRobot's flow VLAs (vla_rl/train/fql.py's LeRobotFQLLearner), on the tiny SmolVLA / π0
+configurations of test_ppo_lerobot (no download, the same connection guard): FQL's losses count the robot's
+dims only and train the expert, never the VLM (which the one-step policy shares with the base); a few FQL
+updates on kinematic camera demos ship a LeRobot folder that deploys the one-step policy (K = 1) in
+LeRobot's own config. QAM on LeRobot VLAs: tests/test_qam_lerobot.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from test_ppo_lerobot import (  # noqa: F401  (module fixtures: no network, one 
 )
 
 from fleet.store import EpisodeStore
-from policies.flow_policy import FlowPolicyError
 from policies.lerobot_flow import LINEAGE_FILE, LeRobotFlowPolicy
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.fql import FQLConfig, LeRobotFQLLearner
@@ -77,6 +76,8 @@ def test_fql_losses_count_robot_dims_and_train_only_the_expert(
     learner = LeRobotFQLLearner(LeRobotFlowPolicy.load(folders[ptype]), fql_cfg(tmp_path, train_base=True))
     assert learner.event == (4, 6) and learner.action_dim == 4  # padded to max_action_dim 6
     assert learner.actor.num_inference_steps == 1 and learner.base.num_inference_steps != 1
+    vlm = list(learner.base.vlm.parameters())
+    assert vlm and all(a is b for a, b in zip(vlm, learner.actor.vlm.parameters(), strict=True))  # held once
     data = batch()
     torch.manual_seed(0)
     out = learner.losses(data, None, mc=True, use_q=True)
@@ -139,14 +140,3 @@ def test_fql_needs_a_task_for_a_lerobot_folder(folders: dict[str, Path], store: 
         ValueError, match=r"task: .* is a LeRobot smolvla folder that names no task .*; say which \(--task\)"
     ):
         train(cfg)
-
-
-def test_qam_refuses_a_lerobot_base_naming_why(folders: dict[str, Path], tmp_path: Path) -> None:
-    cfg = make_config(
-        "qam", base=str(folders["smolvla"]), store=str(tmp_path / "store"), out=str(tmp_path / "o")
-    )
-    with pytest.raises(FlowPolicyError) as err:
-        train(cfg)
-    msg = str(err.value)
-    assert "base: qam runs on our flow_vla checkpoints only" in msg and "LeRobot smolvla policy" in msg
-    assert "adjoint step itself would fit" in msg and "use flow-noise or flow-sde (PPO) or fql" in msg

@@ -571,6 +571,13 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
             QAMConfig(**base, **kw)  # type: ignore[arg-type]
 
 
+def test_trainable_on_a_flowvla_base_is_unset_or_full(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
+    """``trainable`` picks a LeRobot base's trained parts (tests/test_qam_lerobot.py); FlowVLA's fine copy
+    trains whole, so any other choice is refused naming the field."""
+    with pytest.raises(ValueError, match="trainable: QAM trains the whole fine copy of a flow_vla base"):
+        train_qam(_cfg(tiny_base, tmp_path / "o", trainable="expert"))
+
+
 def test_cli_train_qam_names_a_missing_base(tiny_base: tuple[Path, Path], tmp_path: Path) -> None:
     import subprocess
     import sys

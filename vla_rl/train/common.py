@@ -213,25 +213,6 @@ def save_derived_checkpoint(
     return save_checkpoint(path, merged_state_dict(model), info)
 
 
-def load_flowvla_base(ref: str, *, algorithm: str, why: str, device: torch.device) -> Any:
-    """:func:`policies.loading.load_policy` for a trainer that runs on our FlowVLA only; a LeRobot policy
-    folder is refused first, with ``why`` (what the trainer would need that a LeRobot VLA does not give)
-    and what trains one instead, rather than a checkpoint-format error."""
-    from policies.flow_policy import FlowPolicyError
-    from policies.lerobot_adapter import read_lerobot_config
-    from policies.loading import load_policy
-    from vla_rl.hub.registry import pull
-
-    raw = read_lerobot_config(pull(ref).path)
-    if raw is not None:
-        raise FlowPolicyError(
-            f"base: {algorithm} runs on our flow_vla checkpoints only; {ref} is a LeRobot {raw['type']} "
-            f"policy and {why}. On a LeRobot flow VLA use flow-noise or flow-sde (PPO) or fql (docs/training.md, "
-            "RL on LeRobot VLAs)"
-        )
-    return load_policy(ref, device=str(device))
-
-
 # ---------------------------------------------------------------------------- progress
 class Throughput:
     """Samples per second over the last logging window."""

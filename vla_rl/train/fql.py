@@ -65,6 +65,7 @@ from vla_rl.train.common import (
     save_derived_checkpoint,
 )
 from vla_rl.train.distributed import SINGLE
+from vla_rl.train.lerobot_rl import LeRobotCriticInputs, check_feature_mode, copy_sharing
 from vla_rl.train.loop import Optimiser, TrainLog, UpdateLoop, gradient_step
 from vla_rl.train.qam_math import ChunkCriticInputs, critic_loss, critic_td_target
 from vla_rl.train.transitions import (
@@ -227,10 +228,6 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
         )
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
 
-    def executed(self, chunk: Tensor) -> Tensor:
-        """``[B, H, D]`` -> what the critic scores: the executed steps' robot dims ``[B, n_exec, A]``."""
-        return chunk[:, : self.n_exec, : self.action_dim]
-
     def bc_loss(self, batch: Mapping[str, Any]) -> Tensor:
         """The behaviour flow's flow-matching loss (``train_base``)."""
         return self.base.flow_matching_loss(batch)[0]
@@ -294,26 +291,23 @@ class FQLLearner(ChunkCriticInputs, nn.Module):
         return out
 
 
-class LeRobotFQLLearner(FQLLearner):
+class LeRobotFQLLearner(LeRobotCriticInputs, FQLLearner):
     """FQL on a LeRobot SmolVLA / π0 / π0.5 through the flow-policy contract (docs/training.md, RL on
-    LeRobot VLAs). The one-step policy is a copy of the base whose action expert trains (the VLM frozen)
-    and whose config says K = 1, so the saved folder deploys μ_ω(s, z) in LeRobot's own code; the critic
-    reads the base's VLM prefix features (frozen: the base only ever trains its expert) and the executed
-    steps' robot dims of the normalised chunk, unclipped (LeRobot's normalisation is not bounded)."""
+    LeRobot VLAs). The one-step policy is a copy of the base whose action expert trains (the VLM frozen,
+    and shared with the base rather than duplicated) and whose config says K = 1, so the saved folder
+    deploys μ_ω(s, z) in LeRobot's own code; the critic reads the base's VLM prefix features (frozen: the
+    base only ever trains its expert) and the executed steps' robot dims of the normalised chunk,
+    unclipped (LeRobot's normalisation is not bounded): :class:`~vla_rl.train.lerobot_rl.LeRobotCriticInputs`."""
 
     def __init__(self, base: LeRobotFlowPolicy, cfg: FQLConfig) -> None:
         nn.Module.__init__(self)
-        if cfg.feature_mode == "state":
-            raise ValueError(
-                "feature_mode: 'state' reads FlowVLA's state normaliser; a LeRobot VLA's critic reads its "
-                "VLM prefix features: use 'trunk' (or 'auto')"
-            )
+        check_feature_mode(cfg.feature_mode)
         self.cfg = cfg
         self.n_exec, self.horizon, self.action_dim = base.n_exec, base.chunk_len, base.action_dim
         self.event = base.event_shape
         self.clip, self.feature_mode, self.feature_net = False, "trunk", None
         base.set_trainable("expert")
-        self.actor = copy.deepcopy(base)
+        self.actor = copy_sharing(base, [base.vlm])  # the frozen VLM, held once
         self.actor.set_num_inference_steps(1)  # deployed as one Euler step: μ(s, z)
         if not cfg.train_base:
             base.requires_grad_(False)
@@ -322,13 +316,6 @@ class LeRobotFQLLearner(FQLLearner):
             base.feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
         )
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
-
-    @torch.no_grad()
-    def features(self, obs: Mapping[str, Any]) -> Tensor:
-        return self.base.features(self.base.encode_prefix(obs))
-
-    def dataset_chunk(self, actions: Tensor) -> Tensor:
-        return self.executed(self.base.normalize_actions(actions.float()))
 
     def bc_loss(self, batch: Mapping[str, Any]) -> Tensor:
         return self.base.loss(batch).mean()

@@ -28,6 +28,10 @@ The target policy is π*(a|s) ∝ π_β(a|s)·exp(λ·Q(s, a)), λ = ``inv_temp`
    ``L_AM = mean_B Σ_i ||(2/σ_i)(v_θ − v̄_β)(x_i, t_i) + σ_i ã_i||²``, i.e.
    ``v_θ → v̄_β − (σ_i²/2)·ã_i``.
 
+The base is our FlowVLA checkpoint or a LeRobot SmolVLA / π0 / π0.5 folder; on the latter the frozen
+base's VLM is shared by the fine copy (:mod:`vla_rl.train.qam_lerobot`, which says what
+``trainable`` does there) and ships a LeRobot folder.
+
 Offline: updates on a :class:`~vla_rl.train.transitions.TransitionBuffer` built from the episode store.
 Offline-to-online: the same replay seeded with the offline data; the fine policy acts in a
 :class:`sim.vector.VectorSimEnv` (each chunk's first ``n_exec`` actions, like deployment, driven by
@@ -39,7 +43,8 @@ the kinematic benchmark: docs/benchmarks.md, QAM online as policy iteration).
 
 Output folder::
 
-    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with policies.loading)
+    <out>/checkpoints/last/   the fine policy (lineage algorithm "qam"; loads with policies.loading; a
+                              LeRobot folder from a LeRobot base)
     <out>/train_state.pt      models, optimisers, step, env steps, online episodes (resume)
     <out>/tb/                 TensorBoard (losses, Q statistics, rollout / eval success)
     <out>/curve.json          the learning curve (also returned in QAMResult)
@@ -61,15 +66,17 @@ from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.critics import polyak_update
 from policies.flow_vla import FlowVLAPolicy
+from policies.lerobot_flow import LeRobotFlowPolicy
+from policies.loading import FlowCheckpoint, LoadedPolicy, load_chunk_policy
 from vla_rl.train.common import (
     TRAIN_STATE,
     RunClock,
     batch_to_policy_inputs,
     instruction_table,
-    load_flowvla_base,
     load_train_state,
     save_derived_checkpoint,
 )
+from vla_rl.train.contract import PolicyInputs, save_trained
 from vla_rl.train.distributed import (
     Dist,
     Shard,
@@ -90,6 +97,7 @@ from vla_rl.train.loop import (
     time_budget,
 )
 from vla_rl.train.qam_config import QAMConfig, QAMResult
+from vla_rl.train.qam_lerobot import LeRobotQAMLearner, check_lerobot_qam
 from vla_rl.train.qam_math import QAMLearner
 from vla_rl.train.qam_online import FineEvalView, NextActionCache, OnlineRollouts, add_episode, replay_indices
 from vla_rl.train.transitions import load_transitions, next_observation
@@ -100,12 +108,21 @@ Tensor = torch.Tensor
 __all__ = ["QAMConfig", "QAMLearner", "QAMResult", "train_qam"]
 
 
-QAM_LEROBOT_GAP = (
-    "its learner keeps whole copies of the policy (base, fine, the critic's frozen trunk, the base's Polyak "
-    "target) as FlowVLA modules and reads FlowVLA's normaliser and trunk tokens: the adjoint step itself "
-    "would fit a LeRobot VLA (it needs only a differentiable velocity), its copies and critic are not built"
-)
-"""Why QAM refuses a LeRobot base (:func:`vla_rl.train.common.load_flowvla_base`; docs/training.md)."""
+def _load_base(cfg: QAMConfig, device: torch.device) -> LoadedPolicy | FlowCheckpoint:
+    """Our FlowVLA checkpoint (a :class:`LoadedPolicy`) or a LeRobot SmolVLA / π0 / π0.5 folder (a
+    :class:`FlowCheckpoint`, any other LeRobot type refused naming QAM), as FQL loads its base; the
+    ``trainable`` knob is checked against it (FlowVLA's fine policy trains whole)."""
+    loaded = load_chunk_policy(cfg.base, device=str(device), algorithm="qam")
+    if isinstance(loaded, LoadedPolicy):
+        if cfg.trainable not in (None, "full"):
+            raise ValueError(
+                f"trainable: QAM trains the whole fine copy of a flow_vla base; expected unset or 'full', "
+                f"got {cfg.trainable!r} (expert / lora apply to a LeRobot base)"
+            )
+        return loaded
+    loaded.policy.train(False)
+    check_lerobot_qam(cfg)
+    return loaded
 
 
 def _adapt_init_state(
@@ -166,14 +183,17 @@ class _QAMRun:
         self.clock = RunClock()  # the whole run's wall time, across resumes
         self.device = device
         torch.set_num_threads(dist.threads(cfg.threads))
-        self.loaded = loaded = load_flowvla_base(
-            cfg.base, algorithm="qam", why=QAM_LEROBOT_GAP, device=device
-        )
+        self.loaded = loaded = _load_base(cfg, device)
+        self.lerobot = isinstance(loaded, FlowCheckpoint)
+        """A LeRobot flow VLA base (:mod:`vla_rl.train.qam_lerobot`)."""
         base = loaded.policy
-        self.spec = spec = loaded.spec
-        self.task = task = cfg.task or spec.name
-        if task != spec.name:
-            raise ValueError(f"task: the base checkpoint is for {spec.name!r}, got {task!r}")
+        if self.lerobot:
+            self.task = task = loaded.task(cfg.task)  # a folder from elsewhere takes cfg.task as its own
+        else:
+            self.task = task = cfg.task or loaded.spec.name
+            if task != loaded.spec.name:
+                raise ValueError(f"task: the base checkpoint is for {loaded.spec.name!r}, got {task!r}")
+        self.spec = loaded.spec
         _check_sim_needs(cfg, task)
         self._load_data()
         self.learner = learner = self._build_learner(base)
@@ -258,12 +278,17 @@ class _QAMRun:
         self.episode_ids = list(self.buffer.episode_ids)
         self.offline_frames = len(self.buffer)
 
-    def _build_learner(self, base: FlowVLAPolicy) -> QAMLearner:
+    def _build_learner(self, base: FlowVLAPolicy | LeRobotFlowPolicy) -> QAMLearner:
         """The learner (seeded), its optimisers and the embeddings of the replay's instructions."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         support = divl_support(torch.from_numpy(self.buffer.array("mc_return")), DIVLConfig().support_margin)
-        learner = QAMLearner(base, cfg, support, instructions=len(self.buffer.instructions)).to(self.device)
+        if isinstance(base, LeRobotFlowPolicy):
+            learner: QAMLearner = LeRobotQAMLearner(base, cfg, support).to(self.device)
+        else:
+            learner = QAMLearner(base, cfg, support, instructions=len(self.buffer.instructions)).to(
+                self.device
+            )
         learner.base.eval()  # no dropout / augmentation noise in the prior (train_base re-enables train mode)
         if cfg.train_base:
             learner.base.train()
@@ -272,14 +297,14 @@ class _QAMRun:
             "value": list(learner.value_head.parameters()) if learner.value_head is not None else [],
         }
         self.opt_critic = torch.optim.Adam(itertools.chain(*critic.values()), lr=cfg.critic_lr)
-        self.opt_actor = torch.optim.Adam(learner.fine.parameters(), lr=cfg.actor_lr)
+        self.opt_actor = torch.optim.Adam(learner.actor_parameters(), lr=cfg.actor_lr)
         self.opt_base = (
             torch.optim.Adam(learner.base.parameters(), lr=cfg.base_lr) if cfg.train_base else None
         )
         # each module's gradient is clipped on its own, so a large L_AM never shrinks the critic's step
         self.optimisers = [
             Optimiser(self.opt_critic, critic, cfg.grad_clip),
-            Optimiser(self.opt_actor, {"actor": list(learner.fine.parameters())}, cfg.grad_clip),
+            Optimiser(self.opt_actor, {"actor": learner.actor_parameters()}, cfg.grad_clip),
         ]
         if self.opt_base is not None:
             self.optimisers.append(
@@ -290,10 +315,18 @@ class _QAMRun:
         sim_code = self.buffer.instruction_code(self.spec.instruction)
         self.instructions: Tensor | None = None
         self.instruction_emb: Tensor | None = None
-        if base.config.uses_instruction:
+        # a LeRobot VLA tokenises each frame's own instruction text (the contract's inputs)
+        self.texts = PolicyInputs(base, self.buffer, self.device) if self.lerobot else None
+        if not self.lerobot and base.config.uses_instruction:
             self.instructions = instruction_table(self.buffer, self.device)
             self.instruction_emb = self.instructions[sim_code : sim_code + 1]
         return learner
+
+    def _inputs(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """Replay rows (LeRobot key names) -> the policy's inputs on the device."""
+        if self.texts is not None:
+            return self.texts(raw)
+        return batch_to_policy_inputs(raw, self.device, self.instructions)
 
     def _restore(self) -> list[dict[str, Any]] | None:
         """Continue from ``out``'s train state (resume) or another run's (``init_from``), if any; returns
@@ -343,25 +376,38 @@ class _QAMRun:
             return
         cfg, step, env_steps = self.cfg, self.step, self.env_steps
         ckpt = cfg.out / "checkpoints" / f"step_{step:06d}"
-        save_derived_checkpoint(
-            ckpt,
-            self.learner.fine,
-            self.loaded.info,
-            algorithm="qam",
-            parent_revision=self.loaded.commit,
-            round_index=cfg.round_index,
-            data={
-                "store": str(cfg.store),
-                "task": self.task,
-                "selection": self.selection.to_dict(),
-                "offline_episodes": len(self.episode_ids),
-                "offline_frames": self.offline_frames,
-                "online_episodes": len(self.online_episodes),
-                "env_steps": env_steps,
-                "reward": cfg.reward,
-            },
-            metrics={"train_steps": step, "env_steps": env_steps, "inv_temp": cfg.inv_temp},
-        )
+        data = {
+            "store": str(cfg.store),
+            "task": self.task,
+            "selection": self.selection.to_dict(),
+            "offline_episodes": len(self.episode_ids),
+            "offline_frames": self.offline_frames,
+            "online_episodes": len(self.online_episodes),
+            "env_steps": env_steps,
+            "reward": cfg.reward,
+        }
+        metrics = {"train_steps": step, "env_steps": env_steps, "inv_temp": cfg.inv_temp}
+        if isinstance(self.loaded, FlowCheckpoint):  # a LeRobot folder with our lineage, as FQL saves it
+            save_trained(
+                self.learner.fine,
+                ckpt,
+                self.loaded,
+                algorithm="qam",
+                data=data,
+                metrics=metrics,
+                round_index=cfg.round_index,
+            )
+        else:
+            save_derived_checkpoint(
+                ckpt,
+                self.learner.fine,
+                self.loaded.info,
+                algorithm="qam",
+                parent_revision=self.loaded.commit,
+                round_index=cfg.round_index,
+                data=data,
+                metrics=metrics,
+            )
         publish_last(ckpt)
         self.state.save(
             step=step,
@@ -379,8 +425,13 @@ class _QAMRun:
         """Success rate of the fine policy on ``episodes`` held-out episodes."""
         from vla_rl.evaluation import evaluate
 
+        view: Any = (
+            dataclasses.replace(self.loaded, policy=self.learner.fine, commit="training")
+            if isinstance(self.loaded, FlowCheckpoint)
+            else FineEvalView(self.learner, self.loaded)
+        )
         res = evaluate(
-            FineEvalView(self.learner, self.loaded),
+            view,
             self.task,
             episodes=episodes,
             num_envs=self.cfg.num_envs,
@@ -395,7 +446,7 @@ class _QAMRun:
         cfg, lr = self.cfg, self.learner
         rows = self.shard.take(replay_indices(len(self.buffer), self.offline_frames, cfg, self.step))
         raw = self.buffer.batch(rows, horizon=lr.horizon, n_step=lr.n_exec)
-        batch = batch_to_policy_inputs(raw, self.device, self.instructions)
+        batch = self._inputs(raw)
         for key in ("reward_n", "bootstrap", "valid", "mc_return"):
             batch[key] = raw[key].to(self.device)
         return raw, batch
@@ -406,10 +457,8 @@ class _QAMRun:
         if mc:
             return self.learner.mc_losses(batch)
         # the TD target needs the observation n steps on; the MC warm start does not
-        nxt = batch_to_policy_inputs(
-            {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]},
-            self.device,
-            self.instructions,
+        nxt = self._inputs(
+            {**next_observation(raw), "action": raw["action"], "action_is_pad": raw["action_is_pad"]}
         )
         a_next = self.next_cache.lookup(raw["next_index"], self.step) if self.next_cache is not None else None
         return self.learner.losses(batch, nxt, train_actor, a_next, self.shard)

@@ -27,6 +27,10 @@ class QAMConfig(TrainerConfig):
 
     algorithm: ClassVar[str] = "qam"
     distributed: ClassVar[bool] = True
+    chooses_trainable: ClassVar[bool] = True
+    """``trainable`` picks what of a LeRobot base's fine copy trains (:mod:`vla_rl.train.qam_lerobot`:
+    ``expert`` by default, sharing the frozen VLM with the base; ``full`` / ``lora`` on a VLM copy of its
+    own); a flow_vla base's fine copy trains whole (unset or ``full``)."""
 
     store: Path = field()
     """Episode store holding the offline data (demos, earlier rollouts)."""

@@ -11,6 +11,7 @@ one update (:meth:`QAMLearner.losses`); the training loop is :mod:`vla_rl.train.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ VelocityFn = Callable[[Tensor, float], Tensor]
 
 __all__ = [
     "ChunkCriticInputs",
+    "ObsEncoding",
     "QAMLearner",
     "adjoint_matching_loss",
     "am_velocity_target",
@@ -154,6 +156,11 @@ def critic_loss(q: Tensor, target: Tensor, valid: Tensor) -> Tensor:
 
 
 # ============================================================================ the learner
+def _without_grad(fn: Callable[[Any], Any], arg: Any) -> Any:
+    with torch.no_grad():
+        return fn(arg)
+
+
 class ChunkCriticInputs:
     """What a chunked critic reads, shared by :class:`QAMLearner` and ``fql.FQLLearner``: needs ``base``
     (its normaliser), ``feature_net`` (the frozen trunk, or None: the state), ``clip`` and ``n_exec``."""
@@ -162,9 +169,15 @@ class ChunkCriticInputs:
     feature_net: FlowVLAPolicy | None
     clip: bool
     n_exec: int
+    action_dim: int
 
     def clip_norm(self, a: Tensor) -> Tensor:
         return a.clamp(-1.0, 1.0) if self.clip else a
+
+    def executed(self, chunk: Tensor) -> Tensor:
+        """``[B, H, D]`` -> what the critic scores: the executed steps' robot dims ``[B, n_exec, A]``
+        (D = A for FlowVLA; a LeRobot VLA pads its actions to D)."""
+        return chunk[:, : self.n_exec, : self.action_dim]
 
     @torch.no_grad()
     def features(self, obs: Mapping[str, Any]) -> Tensor:
@@ -177,8 +190,36 @@ class ChunkCriticInputs:
         return self.clip_norm(self.base.normalizer.normalize_action(actions.float()))[:, : self.n_exec]
 
 
+class ObsEncoding:
+    """One observation batch as an update reads it, each piece computed once, on first use (so a
+    learner's calls keep their order): the critic's features, the fine policy's prefix (differentiable)
+    and the adjoint base's (no gradient). A learner whose fine and base policies share their prefix
+    encoder gives the same prefix for both: one encode."""
+
+    def __init__(
+        self, features: Callable[[], Tensor], fine_prefix: Callable[[], Any], base_prefix: Callable[[], Any]
+    ) -> None:
+        self._features, self._fine, self._base = features, fine_prefix, base_prefix
+
+    @functools.cached_property
+    def features(self) -> Tensor:
+        return self._features()
+
+    @functools.cached_property
+    def fine_prefix(self) -> Any:
+        return self._fine()
+
+    @functools.cached_property
+    def base_prefix(self) -> Any:
+        return self._base()
+
+
 class QAMLearner(ChunkCriticInputs, nn.Module):
-    """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target."""
+    """Base (behaviour) flow, its target, the fine flow, the critic ensemble and its target.
+
+    The policy-specific steps are methods a learner for another flow policy overrides
+    (:class:`vla_rl.train.qam_lerobot.LeRobotQAMLearner`): :meth:`encode`, :meth:`ode`,
+    :meth:`sampling_inputs`, :meth:`grid_prefix` and :meth:`actor_parameters`; the losses are the same."""
 
     def __init__(
         self,
@@ -193,6 +234,7 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
         pc = base.config
         self.cfg = cfg
         self.n_exec, self.horizon, self.action_dim = pc.n_exec, pc.chunk_len, pc.action_dim
+        self.event = (pc.chunk_len, pc.action_dim)
         self.clip = cfg.clip_actions and pc.action_norm == "min_max"
         mode = cfg.feature_mode
         if mode == "auto":
@@ -208,7 +250,11 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
         self.feature_net = copy.deepcopy(base).requires_grad_(False) if mode == "trunk" else None
         self.fine = copy.deepcopy(base).requires_grad_(True)
         self.fine.config.num_inference_steps = cfg.flow_steps
-        feature_dim = pc.state_dim if mode == "state" else pc.d_model
+        self.build_critic(pc.state_dim if mode == "state" else pc.d_model, value_support)
+
+    def build_critic(self, feature_dim: int, value_support: tuple[float, float]) -> None:
+        """The critic ensemble on (features, executed sub-chunk), its Polyak target and the DIVL value."""
+        cfg = self.cfg
         self.critic = ChunkQEnsemble(
             feature_dim, self.n_exec * self.action_dim, cfg.members, cfg.critic_hidden
         )
@@ -222,6 +268,42 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
     def adjoint_base(self) -> FlowVLAPolicy:
         return self.base_target if self.base_target is not None else self.base
 
+    # ------------------------------------------------------------------ policy-specific steps
+    reads_instruction_text = False
+    """The policy tokenises its observations' ``instruction`` text (FlowVLA reads frozen embeddings)."""
+
+    def env_actions(self, chunk: Tensor) -> Tensor:
+        """Normalised chunks ``[B, H, D]`` -> env units ``[B, H, A]`` (what the robot executes)."""
+        return self.base.normalizer.unnormalize_action(chunk)
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        """What the actor's optimiser updates: the whole fine policy."""
+        return list(self.fine.parameters())
+
+    def encode(self, obs: Mapping[str, Any]) -> ObsEncoding:
+        """``obs`` for the critic (features) and the adjoint step (the fine and the base prefix)."""
+        return ObsEncoding(
+            lambda: self.features(obs),
+            lambda: self.fine.encode_prefix(obs),
+            lambda: _without_grad(self.adjoint_base.encode_prefix, obs),
+        )
+
+    def sampling_inputs(self, obs: Mapping[str, Any]) -> tuple[Any, Any, Callable[[], Tensor]]:
+        """What :meth:`ode` samples the base and the fine policy from at ``obs``, and the critic's
+        features (called after sampling): FlowVLA samples from the observations (an advantage-conditioned
+        policy guides them, a prefix it would not)."""
+        return obs, obs, lambda: self.features(obs)
+
+    def ode(self, policy: Any, obs_or_prefix: Any, noise: Tensor) -> Tensor:
+        """``policy``'s normalised chunks ``[B, H, D]`` from ``noise`` by its Euler ODE, K = ``flow_steps``."""
+        s = policy.sample(obs_or_prefix, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
+        return s.actions[:, 0]
+
+    def grid_prefix(self, prefix: Any, k: int) -> Any:
+        """The prefix for velocities on ``[B·K]`` rows (row b·K + i is observation b): FlowVLA's velocity
+        repeats a prefix itself."""
+        return prefix
+
     @torch.no_grad()
     def reanchor(self) -> None:
         """The fine policy becomes the prior: copy its weights into the base (and the base's target)."""
@@ -233,8 +315,7 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
     @torch.no_grad()
     def sample_fine(self, obs_or_prefix: Mapping[str, Any] | PrefixCache, noise: Tensor) -> Tensor:
         """Normalised, clipped chunks ``[B, H, A]`` from the fine policy (Euler ODE, K steps)."""
-        s = self.fine.sample(obs_or_prefix, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None])
-        return self.clip_norm(s.actions[:, 0])
+        return self.clip_norm(self.ode(self.fine, obs_or_prefix, noise))
 
     @torch.no_grad()
     def q_gain(self, obs: Mapping[str, Any], shard: Shard | None = None) -> Tensor:
@@ -242,15 +323,13 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
         Positive means adjoint matching moved the fine policy uphill on the critic. ``shard``: the
         rank's rows of a global batch (noise drawn for all of it; None = one process, ``obs`` is all)."""
         shard = shard or Shard(SINGLE, obs["state"].shape[0])
-        noise = shard.randn(self.horizon, self.action_dim, device=obs["state"].device)
-        base = self.adjoint_base.sample(
-            obs, method="ode", num_steps=self.cfg.flow_steps, noise=noise[:, None]
-        )
-        a_base = self.clip_norm(base.actions[:, 0])
-        a_fine = self.sample_fine(obs, noise)
-        feats = self.features(obs)
-        q_fine = self.critic_target(feats, a_fine[:, : self.n_exec]).mean(0)
-        q_base = self.critic_target(feats, a_base[:, : self.n_exec]).mean(0)
+        noise = shard.randn(*self.event, device=obs["state"].device)
+        base_in, fine_in, features = self.sampling_inputs(obs)
+        a_base = self.clip_norm(self.ode(self.adjoint_base, base_in, noise))
+        a_fine = self.sample_fine(fine_in, noise)
+        feats = features()
+        q_fine = self.critic_target(feats, self.executed(a_fine)).mean(0)
+        q_base = self.critic_target(feats, self.executed(a_base)).mean(0)
         return (q_fine - q_base).mean()
 
     # ------------------------------------------------------------------ losses
@@ -288,23 +367,25 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
         ``shard``: under torchrun, which rows of the global batch ``batch`` holds (every noise tensor is
         drawn for the global batch and sliced, as :mod:`vla_rl.train.distributed` explains); None = one
         process, ``batch`` is the whole batch."""
-        cfg, k = self.cfg, self.cfg.flow_steps
+        cfg = self.cfg
         b = batch["state"].shape[0]
         shard = shard or Shard(SINGLE, b)
-        event = (self.horizon, self.action_dim)
+        event = self.event
         out: dict[str, Tensor] = {}
 
         # ---- critic: chunked n-step TD with a pessimistic target ensemble
-        feats = self.features(batch)
+        enc = self.encode(batch)
+        feats = enc.features
         with torch.no_grad():
             if self.value_head is not None:  # DIVL: in-sample, no next action
                 v_next = self.value_head(self.features(next_obs))
                 y = divl_td_target(v_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec)
             else:
                 a_next = next_chunk
+                _, fine_in, next_features = self.sampling_inputs(next_obs)
                 if a_next is None:
-                    a_next = self.sample_fine(next_obs, shard.randn(*event, device=feats.device))
-                q_next = self.critic_target(self.features(next_obs), a_next[:, : self.n_exec])
+                    a_next = self.sample_fine(fine_in, shard.randn(*event, device=feats.device))
+                q_next = self.critic_target(next_features(), self.executed(a_next))
                 y = critic_td_target(
                     q_next, batch["reward_n"], batch["bootstrap"], cfg.gamma, self.n_exec, cfg.rho
                 )
@@ -323,34 +404,43 @@ class QAMLearner(ChunkCriticInputs, nn.Module):
 
         # ---- adjoint matching for the fine policy
         if train_actor:
-            fine_prefix = self.fine.encode_prefix(batch)
-            with torch.no_grad():
-                base_prefix = self.adjoint_base.encode_prefix(batch)
-
-            def fine_v(x: Tensor, t: float) -> Tensor:
-                return self.fine.velocity(fine_prefix, x, t)
-
-            def base_v(x: Tensor, t: float) -> Tensor:
-                return self.adjoint_base.velocity(base_prefix, x, t)
-
-            x0 = shard.randn(*event, device=feats.device)
-            eps = shard.randn(k - 1, *event, device=feats.device)
-            iterates = simulate_fine_sde(fine_v, base_v, x0, k, eps)
-
-            def q_fn(chunk: Tensor) -> Tensor:
-                return self.critic_target(feats, chunk)
-
-            adj_k = terminal_adjoint(
-                q_fn, iterates[:, -1], self.n_exec, cfg.inv_temp, self.clip, cfg.actor_rho
-            )
-            adj = lean_adjoint(base_v, iterates, adj_k, k)[:, :k]
-            xs = iterates[:, :k].reshape(b * k, *event)
-            ts = (torch.arange(k, device=xs.device, dtype=xs.dtype) / k).repeat(b)
-            with torch.no_grad():
-                v_base = self.adjoint_base.velocity(base_prefix, xs, ts).reshape(b, k, *event)
-            v_fine = self.fine.velocity(fine_prefix, xs, ts).reshape(b, k, *event)
-            sigma = memoryless_sigma(k, xs.device)
-            out["loss_am"] = adjoint_matching_loss(v_fine, v_base, adj, sigma)
-            out["adjoint_norm"] = adj_k.flatten(1).norm(dim=1).mean().detach()
-            out["final_action_abs"] = iterates[:, -1, : self.n_exec].abs().mean().detach()
+            out.update(self.adjoint_losses(enc, shard))
         return out
+
+    def adjoint_losses(self, enc: ObsEncoding, shard: Shard) -> dict[str, Tensor]:
+        """L_AM for the batch ``enc`` encodes (docs/algorithms.md §2): the fine policy's memoryless SDE,
+        the terminal adjoint of the target critic at the final iterate, the lean adjoint back through the
+        base, and the regression of v_θ on the K grid points; with its diagnostics."""
+        cfg, k, event = self.cfg, self.cfg.flow_steps, self.event
+        fine_prefix, base_prefix = enc.fine_prefix, enc.base_prefix
+        feats = enc.features
+        b = feats.shape[0]
+
+        def fine_v(x: Tensor, t: float) -> Tensor:
+            return self.fine.velocity(fine_prefix, x, t)
+
+        def base_v(x: Tensor, t: float) -> Tensor:
+            return self.adjoint_base.velocity(base_prefix, x, t)
+
+        x0 = shard.randn(*event, device=feats.device)
+        eps = shard.randn(k - 1, *event, device=feats.device)
+        iterates = simulate_fine_sde(fine_v, base_v, x0, k, eps)
+
+        def q_fn(chunk: Tensor) -> Tensor:
+            return self.critic_target(feats, chunk[..., : self.action_dim])
+
+        adj_k = terminal_adjoint(q_fn, iterates[:, -1], self.n_exec, cfg.inv_temp, self.clip, cfg.actor_rho)
+        adj = lean_adjoint(base_v, iterates, adj_k, k)[:, :k]
+        xs = iterates[:, :k].reshape(b * k, *event)
+        ts = (torch.arange(k, device=xs.device, dtype=xs.dtype) / k).repeat(b)
+        grid_base = self.grid_prefix(base_prefix, k)
+        grid_fine = grid_base if fine_prefix is base_prefix else self.grid_prefix(fine_prefix, k)
+        with torch.no_grad():
+            v_base = self.adjoint_base.velocity(grid_base, xs, ts).reshape(b, k, *event)
+        v_fine = self.fine.velocity(grid_fine, xs, ts).reshape(b, k, *event)
+        sigma = memoryless_sigma(k, xs.device)
+        return {
+            "loss_am": adjoint_matching_loss(v_fine, v_base, adj, sigma),
+            "adjoint_norm": adj_k.flatten(1).norm(dim=1).mean().detach(),
+            "final_action_abs": self.executed(iterates[:, -1]).abs().mean().detach(),
+        }

@@ -79,15 +79,17 @@ class OnlineRollouts:
     def _propose(self, robots: list[int], obs: Mapping[str, Any]) -> np.ndarray:
         """Env-unit chunks ``[len(robots), H, A]`` from the fine policy (ODE, noise from ``self.gen``)."""
         lr, device = self.learner, self.learner.base.device
-        inputs = {
+        inputs: dict[str, Any] = {
             "state": torch.as_tensor(obs["state"], device=device),
             "cameras": {k: torch.as_tensor(v, device=device) for k, v in obs["cameras"].items()},
         }
         if self.instruction_emb is not None:
             inputs["instruction_embedding"] = self.instruction_emb.expand(len(robots), -1)
-        noise = torch.randn(len(robots), lr.horizon, lr.action_dim, generator=self.gen).to(device)
+        if lr.reads_instruction_text:
+            inputs["instruction"] = [self.spec.instruction] * len(robots)
+        noise = torch.randn(len(robots), *lr.event, generator=self.gen).to(device)
         lr.fine.eval()
-        chunks = lr.base.normalizer.unnormalize_action(lr.sample_fine(inputs, noise)).cpu().numpy()
+        chunks = lr.env_actions(lr.sample_fine(inputs, noise)).cpu().numpy()
         lr.fine.train()
         return chunks
 
