@@ -25,9 +25,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
 from fleet.selection import Selection
@@ -40,8 +40,11 @@ from vla_rl.core.secrets import url_without_password
 from vla_rl.core.seeds import EVAL, REPORT
 from vla_rl.core.text import check_json_text
 from vla_rl.evaluation import evaluate
-from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
+from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.gate import (
+    GateResult,
+    OfflineGate,
+    SimGate,
     check_report_seeds,
     decode_outcomes,
     encode_outcomes,
@@ -49,7 +52,7 @@ from vla_rl.gate import (
     known_outcomes,
     report_success,
 )
-from vla_rl.gate_stats import PairedTest, paired_outcomes, sign_test
+from vla_rl.gate_stats import paired_outcomes, sign_test
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.naming import check_round_target
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
@@ -222,125 +225,6 @@ def round_data(cfg: RoundConfig, db: MetadataDB, task: str) -> RoundData:
     ids = select_episode_ids(store, selection, db)
     held = [] if is_sim_task(task) else held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
     return RoundData(selection, store, ids, held)
-
-
-@dataclass(frozen=True)
-class GateResult:
-    """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
-    success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
-    margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
-    better; promote iff ``base - candidate > margin * base``), and in both cases the paired one-sided
-    ``test`` (McNemar on the seeds, a sign test on the episodes: :mod:`vla_rl.gate_stats`) rejects "no
-    better" at false-promotion rate ``alpha``."""
-
-    metric: Literal["success", "action_mse"]
-    candidate: float
-    base: float
-    margin: float
-    promote: bool
-    why: str
-    """One line: both scores, the difference, the paired test and what the gate needed."""
-    alpha: float = field(default=1.0, kw_only=True)
-    """The false-promotion rate the test was held to (1: no test)."""
-    test: PairedTest | None = field(default=None, kw_only=True)
-    """The paired test's counts and p-value (None: a verdict built without one)."""
-
-    def test_metrics(self) -> dict[str, Any]:
-        """The paired test as the round's DB metrics record it (empty without one)."""
-        if self.test is None:
-            return {}
-        t = self.test
-        return dict(gate_alpha=self.alpha, p_value=t.p_value, candidate_only=t.wins, base_only=t.losses)
-
-    def round_metrics(self) -> dict[str, Any]:
-        """The evaluation as the round's DB metrics record it."""
-        raise NotImplementedError
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        """The evaluation as the candidate's ``config.json`` metrics record it."""
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class SimGate(GateResult):
-    """Simulation: success rates with 95% intervals; the base's may be reused (``base_source``)."""
-
-    candidate_ci95: tuple[float, float]
-    base_ci95: Any
-    base_source: str
-    """``evaluated``, ``checkpoint`` or ``round N`` (see :func:`_known_base_score`)."""
-    eval_episodes: int
-    eval_seed: int
-    candidate_outcomes: str | None = field(default=None, kw_only=True)
-    """Per-seed successes of the candidate on the gate's seeds (:func:`vla_rl.gate.encode_outcomes`)."""
-    base_outcomes: str | None = field(default=None, kw_only=True)
-
-    def round_metrics(self) -> dict[str, Any]:
-        outcomes = {"outcomes": self.candidate_outcomes, "base_outcomes": self.base_outcomes}
-        return {
-            **self.test_metrics(),
-            **{k: v for k, v in outcomes.items() if v is not None},
-            "base_success": self.base,
-            "base_ci95": self.base_ci95,
-            "base_eval_source": self.base_source,
-            "success": self.candidate,
-            "ci95": list(self.candidate_ci95),
-            "delta": self.candidate - self.base,
-            "eval_episodes": self.eval_episodes,
-            "eval_seed": self.eval_seed,
-        }
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        outcomes = {} if self.candidate_outcomes is None else {"eval_outcomes": self.candidate_outcomes}
-        return {
-            "success_rate": self.candidate,
-            "success_ci95": list(self.candidate_ci95),
-            "eval_episodes": self.eval_episodes,
-            "eval_seed": self.eval_seed,
-            "base_success_rate": self.base,
-            **outcomes,
-        }
-
-
-@dataclass(frozen=True)
-class OfflineGate(GateResult):
-    """No simulator: both evaluated offline on the same held-out episodes and frames."""
-
-    candidate_eval: OfflineEvalResult
-    base_eval: OfflineEvalResult
-    relative_improvement: float
-    """``(base - candidate) / base`` (0 when the base's error is 0)."""
-    eval_seed: int
-
-    def round_metrics(self) -> dict[str, Any]:
-        new, base = self.candidate_eval, self.base_eval
-        return {
-            **self.test_metrics(),
-            "eval": "offline",
-            "success": None,
-            "base_success": None,
-            "action_mse": self.candidate,
-            "base_action_mse": self.base,
-            "action_mse_per_dim": new.per_dim,
-            "base_action_mse_per_dim": base.per_dim,
-            "action_mse_per_task": new.per_task,
-            "action_mse_per_step": new.per_step,
-            "val_loss": new.val_loss,
-            "base_val_loss": base.val_loss,
-            "relative_improvement": self.relative_improvement,
-            "eval_episode_ids": new.episode_ids,
-            "eval_frames": new.frames,
-            "eval_seed": self.eval_seed,
-        }
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        return {
-            "offline_action_mse": self.candidate,
-            "offline_val_loss": self.candidate_eval.val_loss,
-            "offline_eval_episode_ids": self.candidate_eval.episode_ids,
-            "offline_eval_seed": self.eval_seed,
-            "base_offline_action_mse": self.base,
-        }
 
 
 def _sim_gate(
