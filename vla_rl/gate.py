@@ -106,11 +106,13 @@ class GateResult:
     """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
     success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
     margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
-    better; promote iff ``base - candidate > margin * base``), and in both cases the paired one-sided
+    better; promote iff ``base - candidate > margin * base``) or ``estimated_success`` (a learned
+    success estimate of each policy's chunks on the same held-out episodes, higher is better; promote iff
+    ``candidate - base > margin``, :mod:`vla_rl.gate_success`), and in every case the paired one-sided
     ``test`` (McNemar on the seeds, a sign test on the episodes: :mod:`vla_rl.gate_stats`) rejects "no
     better" at false-promotion rate ``alpha``."""
 
-    metric: Literal["success", "action_mse"]
+    metric: Literal["success", "action_mse", "estimated_success"]
     candidate: float
     base: float
     margin: float
@@ -196,8 +198,8 @@ class OfflineGate(GateResult):
             "eval": "offline",
             "success": None,
             "base_success": None,
-            "action_mse": self.candidate,
-            "base_action_mse": self.base,
+            "action_mse": new.action_mse,
+            "base_action_mse": base.action_mse,
             "action_mse_per_dim": new.per_dim,
             "base_action_mse_per_dim": base.per_dim,
             "action_mse_per_task": new.per_task,
@@ -212,9 +214,9 @@ class OfflineGate(GateResult):
 
     def checkpoint_metrics(self) -> dict[str, Any]:
         return {
-            "offline_action_mse": self.candidate,
+            "offline_action_mse": self.candidate_eval.action_mse,
             "offline_val_loss": self.candidate_eval.val_loss,
             "offline_eval_episode_ids": self.candidate_eval.episode_ids,
             "offline_eval_seed": self.eval_seed,
-            "base_offline_action_mse": self.base,
+            "base_offline_action_mse": self.base_eval.action_mse,
         }

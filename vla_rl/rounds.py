@@ -12,8 +12,9 @@ themselves (see ``vla-rl serve --follow``).
 
 A task that is not a simulator task (real robot data, e.g. a LeRobot import) has no success rate: both
 are then evaluated offline (:func:`vla_rl.evaluation_offline.evaluate_offline`) on the same held-out
-episodes (:func:`round_data`), and the gate is on the normalised action MSE (:class:`GateResult`):
-``base_mse - new_mse > margin * base_mse``.
+episodes (:func:`round_data`). Where the store holds outcomes, the gate is on a success estimate learned
+from them (:mod:`vla_rl.gate_success`: ``new - base > margin``); otherwise on the normalised action MSE
+(:class:`GateResult`): ``base_mse - new_mse > margin * base_mse`` (``offline_gate`` picks).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from vla_rl.gate import (
     report_success,
 )
 from vla_rl.gate_stats import paired_outcomes, sign_test
+from vla_rl.gate_success import OFFLINE_GATES, fit_round_estimator, success_gate
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.naming import check_round_target
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
@@ -109,9 +111,17 @@ class RoundOptions:
     success the round reports (0 = not measured)."""
     report_seed: int = REPORT
     """First seed of that report (its own range, :mod:`vla_rl.core.seeds`; never the gate's seeds)."""
+    offline_gate: str = "auto"
+    """Gate of a task with no simulator: ``success`` (a success estimate learned from the store's
+    outcomes, :mod:`vla_rl.gate_success`; refused without outcome labels), ``action_mse``, or ``auto``
+    (success where the training episodes hold successes and failures, else action MSE)."""
 
     def __post_init__(self) -> None:
         check_values(self, _round_bounds)
+        if self.offline_gate not in OFFLINE_GATES:
+            raise ValueError(
+                f"offline_gate: expected one of {list(OFFLINE_GATES)}, got {self.offline_gate!r}"
+            )
         if not 0.0 < self.gate_alpha <= 1.0:
             raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
         check_report_seeds(self.eval_seed, self.eval_episodes, self.report_seed, self.report_episodes)
@@ -208,6 +218,12 @@ class RoundData:
     def excludes_held_out(self) -> bool:
         """The held-out episodes are left out of training (unless they are all the selection holds)."""
         return bool(self.held_out) and len(self.held_out) < len(self.episode_ids)
+
+    @property
+    def training_ids(self) -> list[str]:
+        """The episodes the round trains on: the selection less the held-out ones (unless that is all)."""
+        held = set(self.held_out) if self.excludes_held_out else set()
+        return [e for e in self.episode_ids if e not in held]
 
     def training_data(self, given: str | None) -> str | None:
         """The trainer's selection text: ``given``, with the held-out episodes added to its ``exclude``."""
@@ -315,6 +331,25 @@ def _offline_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: R
         relative_improvement=improvement,
         eval_seed=cfg.eval_seed,
     )
+
+
+def _no_sim_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: RoundData) -> GateResult:
+    """The gate of a task with no simulator, as ``offline_gate`` picks (:mod:`vla_rl.gate_success`)."""
+    note = ""
+    if cfg.offline_gate != "action_mse":
+        try:
+            estimator = fit_round_estimator(base, data.store, data.training_ids, db, seed=cfg.train.seed)
+        except ValueError as e:
+            if cfg.offline_gate == "success":
+                raise RoundError(f"offline_gate success: {e}") from None
+            note = "; not on estimated success: the training episodes hold no successes and failures to learn from"
+        else:
+            kw = dict(margin=cfg.margin, alpha=cfg.gate_alpha, seed=cfg.eval_seed, task=data.selection.task)
+            return success_gate(
+                base, new, estimator=estimator, store=data.store, held_out=data.held_out, db=db, **kw
+            )
+    gate = _offline_gate(cfg, db, base, new, data)
+    return dataclasses.replace(gate, why=gate.why + note) if note else gate
 
 
 def _report(
@@ -595,7 +630,7 @@ def run_round(
                 report = _report(cfg, new, task, gate, progress)
             progress.flush()
         else:
-            gate = _offline_gate(cfg, db, base, new, data)
+            gate = _no_sim_gate(cfg, db, base, new, data)
         metrics = {**gate.round_metrics(), **report}
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
         if not is_sim_task(task):
