@@ -301,7 +301,9 @@ def test_a_round_on_imported_data_gates_on_estimated_success_end_to_end(
     train = make_config("sft", base=str(base), store=store, out=tmp_path / "r", steps=10, batch_size=16)
     train.progress = False
     # no outcome labels: an explicit success gate is refused naming what is missing; auto gates on MSE
-    with pytest.raises(RoundError, match=r"outcome labels: .* 0 episodes known to succeed"):
+    with pytest.raises(
+        RoundError, match=r"outcome labels: .*\(0 episodes known to succeed, 0 to fail, 3 of unknown"
+    ):
         start_round(RoundConfig(train=train, push=False, offline_gate="success"))
     auto = start_round(RoundConfig(train=train, push=False, gate_alpha=1.0))
     assert auto.metrics["gate"]["reason"].startswith("offline action MSE")

@@ -114,6 +114,8 @@ def camera_summary(images: Mapping[str, np.ndarray], grid: int, n: int) -> np.nd
     for grid 0). Parameter-free, so no policy owns it."""
     if not images or grid == 0:
         return np.zeros((n, 0), np.float32)
+    if n == 0:
+        return np.zeros((0, len(images) * grid * grid * 3), np.float32)
     out = []
     for name in sorted(images):
         img = torch.as_tensor(np.asarray(images[name])).float().permute(0, 3, 1, 2) / 255.0
@@ -229,8 +231,8 @@ def check_outcomes(rows: OutcomeRows) -> None:
     k = rows.known
     missing = "successful" if not pos else "failing"
     raise ValueError(
-        f"outcome labels: the {len(rows.episode_ids)} training episodes hold {pos} frames of successful "
-        f"and {neg} of failing autonomous stretches ({k.get('success', 0)} episodes known to succeed, "
+        f"outcome labels: the {len(rows.episode_ids)} training episodes hold {pos} frames labelled success "
+        f"and {neg} labelled failure ({k.get('success', 0)} episodes known to succeed, "
         f"{k.get('failure', 0)} to fail, {k.get('unknown', 0)} of unknown outcome); a success estimate needs "
         f"both, and no {missing} ones are there. Record episode outcomes (the collector's success, a LeRobot "
         "dataset's next.success), label episodes' outcome on the dashboard (label key 'outcome'), or "
