@@ -327,6 +327,10 @@ def test_a_round_on_imported_data_gates_on_estimated_success_end_to_end(
     assert m["gate"]["passed"] is (m["estimated_success"] - m["base_estimated_success"] > 0.0)
     info = read_info(rec.checkpoint_ref)
     assert info.metrics["offline_estimated_success"] == pytest.approx(m["estimated_success"])
+    from vla_rl.cli.training import _round_line
+
+    line = _round_line(rec)  # `round list` shows the gate's estimate beside the action MSE
+    assert "estimated success" in line and "action MSE" in line
 
     # and AWR weighs the (teleoperated) frames by the estimator: RA-BC on real data
     awr = make_config(
