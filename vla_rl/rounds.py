@@ -342,7 +342,7 @@ def _no_sim_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: Ro
         except ValueError as e:
             if cfg.offline_gate == "success":
                 raise RoundError(f"offline_gate success: {e}") from None
-            note = "; not on estimated success: the training episodes hold no successes and failures to learn from"
+            note = f"; not on estimated success: {str(e).split(';')[0]}"
         else:
             kw = dict(margin=cfg.margin, alpha=cfg.gate_alpha, seed=cfg.eval_seed, task=data.selection.task)
             return success_gate(
