@@ -12,8 +12,9 @@ With ``chunk_score`` (e.g. a learned success estimate, :mod:`vla_rl.train.succes
 is also scored against its recorded observation, and the mean score is reported per episode and over
 the episodes (each episode counting alike).
 
-This is what a post-training round reports, and gates on, when its task is not a simulator task
-(real robot data, e.g. a LeRobot import): see :func:`vla_rl.rounds.run_round`.
+This is what a post-training round reports when its task is not a simulator task (real robot data,
+e.g. a LeRobot import), and gates on: the action MSE, or the success estimate where the store holds
+outcomes (:mod:`vla_rl.gate_success`); see :func:`vla_rl.rounds.run_round`.
 """
 
 from __future__ import annotations
