@@ -331,6 +331,11 @@ def test_a_round_on_imported_data_gates_on_estimated_success_end_to_end(
 
     line = _round_line(rec)  # `round list` shows the gate's estimate beside the action MSE
     assert "estimated success" in line and "action MSE" in line
+    from vla_rl.dashboard.rounds import round_summary
+
+    shown = round_summary(rec)  # ... and so does the dashboard's rounds page
+    assert shown["estimated_success"] == m["estimated_success"] and shown["action_mse"] == m["action_mse"]
+    assert shown["estimated_success_ci95"] == [lo, hi]
 
     # and AWR weighs the (teleoperated) frames by the estimator: RA-BC on real data
     awr = make_config(
