@@ -345,3 +345,42 @@ def test_a_round_on_imported_data_gates_on_estimated_success_end_to_end(
     rec = start_round(RoundConfig(train=awr, push=False, gate_alpha=1.0))
     assert rec.status == "succeeded" and rec.metrics["train"]["estimator_success_rows"] > 0
     assert rec.metrics["train"]["weight_mean"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_camera_inputs_pool_the_policys_cameras_only(tmp_path: Path) -> None:
+    """The observation's camera summary is a fixed colour grid of the cameras asked for (a policy's own):
+    a camera the policy does not read adds no input."""
+    from vla_rl_client.spec import CameraSpec
+
+    from vla_rl.train.success import camera_summary
+
+    spec = RobotSpec(
+        name="cam-arm",
+        state_dim=2,
+        action_dim=2,
+        control_hz=10.0,
+        instruction="reach",
+        cameras=(CameraSpec("top", 8, 8), CameraSpec("wrist", 8, 8)),
+    )
+    store = EpisodeStore(tmp_path / "s", create=True)
+    top = np.zeros((4, 8, 8, 3), np.uint8)
+    top[:, :4, :4, 0] = 255  # the top-left quarter of the red channel lit
+    w = store.create_episode(spec, robot_id="r", task="toy", instruction="reach", episode_id="c")
+    w.begin_segment("autonomous", "policy")
+    frames = {
+        "state": np.ones((4, 2), np.float32),
+        "action": np.zeros((4, 2), np.float32),
+        "reward": np.zeros(4, np.float32),
+        "terminated": np.zeros(4, bool),
+        "truncated": np.zeros(4, bool),
+        "controller": np.zeros(4, np.uint8),
+        "timestamp": np.arange(4, dtype=np.float64),
+        "cameras": {"top": top, "wrist": np.full((4, 8, 8, 3), 9, np.uint8)},
+    }
+    w.add_frames(frames)
+    w.close(outcome="success", success=True)
+    both = outcome_rows(store, ["c"], fake_db(), horizon=H, camera_grid=2)
+    only_top = outcome_rows(store, ["c"], fake_db(), horizon=H, camera_grid=2, cameras=["top"])
+    assert both.obs.shape == (4, 2 + 2 * 2 * 2 * 3) and only_top.obs.shape == (4, 2 + 2 * 2 * 3)
+    np.testing.assert_allclose(only_top.obs[0, 2:], camera_summary({"top": top[:1]}, 2, 1)[0])
+    assert only_top.obs[0, 2] == pytest.approx(1.0) and only_top.obs[0, 3:].max() == pytest.approx(0.0)

@@ -92,7 +92,10 @@ def fit_round_estimator(
     """The estimator of a round: fit on ``episode_ids`` (its training episodes) with chunks of the base's
     length and, for a camera policy, a 4 x 4 summary of each camera (ValueError without outcomes)."""
     cfg = SuccessFitConfig(horizon=int(base.chunk_len), camera_grid=4 if base.spec.cameras else 0, seed=seed)
-    rows = outcome_rows(store, episode_ids, db, horizon=cfg.horizon, camera_grid=cfg.camera_grid)
+    cams = list(base.spec.camera_names)
+    rows = outcome_rows(
+        store, episode_ids, db, horizon=cfg.horizon, camera_grid=cfg.camera_grid, cameras=cams
+    )
     return fit_success_estimator(rows, cfg)
 
 

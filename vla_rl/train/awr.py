@@ -568,7 +568,8 @@ def _estimator_weighting(
     stored = set(store.episode_ids())
     ids = [e for e in buf.episode_ids if e in stored]  # hindsight copies are not stored episodes
     fit = SuccessFitConfig(horizon=chunk_len, camera_grid=4 if buf.use_cameras else 0, seed=cfg.seed)
-    rows = outcome_rows(store, ids, db, horizon=fit.horizon, camera_grid=fit.camera_grid)
+    cams = list(buf.spec.camera_names)
+    rows = outcome_rows(store, ids, db, horizon=fit.horizon, camera_grid=fit.camera_grid, cameras=cams)
     est, summary = fit_success_estimator(rows, fit)
     weights, raw = buffer_weights(est, buf, cfg.weighting, cfg.w_max)
     weights[hindsight] = cfg.hindsight_weight

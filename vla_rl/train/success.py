@@ -163,10 +163,15 @@ def _unknown_ending(credit: np.ndarray, cut: np.ndarray) -> np.ndarray:
 
 
 def episode_outcome_rows(
-    ep: Episode, labels: Mapping[str, Any], spans: Sequence[Any], horizon: int, camera_grid: int
+    ep: Episode,
+    labels: Mapping[str, Any],
+    spans: Sequence[Any],
+    horizon: int,
+    camera_grid: int,
+    cameras: Sequence[str] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool | None]:
     """One episode's rows (arrays as :class:`OutcomeRows`'s, without ``episode``) and its outcome
-    (True / False, None when unknown)."""
+    (True / False, None when unknown); ``cameras``: those the summary pools (None: every one recorded)."""
     known = outcome_known(ep.meta) or OUTCOME_KEY in labels
     _, success = effective_outcome(ep.meta.outcome, ep.meta.success, labels)
     span_list = [(str(lb.value), lb.start, lb.end) for lb in spans if lb.key == SPAN_KEY]
@@ -181,7 +186,8 @@ def episode_outcome_rows(
     progress = np.full(t, np.nan, np.float32)
     if known and success:
         progress[:] = np.arange(t) / max(t - 1, 1)
-    cams = {k: v[frames] for k, v in ep.cameras.items()} if camera_grid else {}
+    names = [k for k in ep.cameras if cameras is None or k in cameras] if camera_grid else []
+    cams = {k: ep.cameras[k][frames] for k in names}
     summary = camera_summary(cams, camera_grid, len(frames))
     obs = np.concatenate([ep.state[frames].astype(np.float32), summary], 1)
     rows = {
@@ -201,8 +207,11 @@ def outcome_rows(
     *,
     horizon: int,
     camera_grid: int = 4,
+    cameras: Sequence[str] | None = None,
 ) -> OutcomeRows:
-    """The labelled rows of ``episode_ids`` under their current DB labels (module docstring)."""
+    """The labelled rows of ``episode_ids`` under their current DB labels (module docstring); ``cameras``:
+    those the observation's summary pools (None: every one recorded; a policy's own, so that its
+    requests' cameras give the same inputs)."""
     labels = db.current_labels(episode_ids) if db is not None else {}
     spans = db.current_spans(episode_ids) if db is not None else {}
     parts, kept, known = [], [], {"success": 0, "failure": 0, "unknown": 0}
@@ -211,7 +220,7 @@ def outcome_rows(
         if not ep.length:
             continue
         rows, outcome = episode_outcome_rows(
-            ep, labels.get(eid, {}), spans.get(eid, []), horizon, camera_grid
+            ep, labels.get(eid, {}), spans.get(eid, []), horizon, camera_grid, cameras
         )
         known[{True: "success", False: "failure", None: "unknown"}[outcome]] += 1
         rows["episode"] = np.full(len(rows["y"]), len(kept), np.int64)
