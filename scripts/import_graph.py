@@ -241,6 +241,7 @@ ROOMS: tuple[Room, ...] = (
             "vla_rl/round_worker.py",
             "vla_rl/gate.py",
             "vla_rl/gate_stats.py",
+            "vla_rl/gate_success.py",
             "vla_rl/canary.py",
         ),
     ),

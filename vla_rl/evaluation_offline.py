@@ -8,14 +8,19 @@ repeated, as in training) and padded steps do not count. Reported: MSE overall, 
 per chunk step, per task and per instruction, plus the flow-matching validation loss on the same frames
 (seeded noise and time) when the policy is a flow VLA. Everything is deterministic given ``seed``.
 
-This is what a post-training round reports, and gates on, when its task is not a simulator task
-(real robot data, e.g. a LeRobot import): see :func:`vla_rl.rounds.run_round`.
+With ``chunk_score`` (e.g. a learned success estimate, :mod:`vla_rl.train.success`), each predicted chunk
+is also scored against its recorded observation, and the mean score is reported per episode and over
+the episodes (each episode counting alike).
+
+This is what a post-training round reports when its task is not a simulator task (real robot data,
+e.g. a LeRobot import), and gates on: the action MSE, or the success estimate where the store holds
+outcomes (:mod:`vla_rl.gate_success`); see :func:`vla_rl.rounds.run_round`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +50,10 @@ class OfflineEvalResult:
     tasks: list[str] = field(default_factory=list)
     per_episode: dict[str, float] = field(default_factory=dict)
     """Episode id -> its MSE (what the gate's paired sign test compares, episode by episode)."""
+    score: float | None = None
+    """Mean ``chunk_score`` over the episodes (each episode's frames averaged first); None without one."""
+    per_episode_score: dict[str, float] = field(default_factory=dict)
+    """Episode id -> the mean ``chunk_score`` of its frames."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,12 +117,15 @@ def evaluate_offline(
     batch_size: int = 64,
     val_loss: bool = True,
     labels: Mapping[str, Mapping[str, Any]] | None = None,
+    chunk_score: Callable[[Mapping[str, Any], np.ndarray], np.ndarray] | None = None,
 ) -> OfflineEvalResult:
     """Predict each frame's chunk of ``episode_ids`` from its recorded observation and compare it with the
     recorded next ``policy.chunk_len`` actions (see the module docstring). ``max_frames`` evaluates a
     seeded subsample of the frames instead of all. Chunks are predicted in batches with seed
     ``seed + batch number``. ``labels`` (the episodes' current DB labels, ``MetadataDB.current_labels``):
-    a LeRobot episode whose task changes mid-way conditions each frame on its own task, as in training."""
+    a LeRobot episode whose task changes mid-way conditions each frame on its own task, as in training.
+    ``chunk_score(obs, predicted chunks [B, H, A]) -> [B]``: a score of each predicted chunk (module
+    docstring)."""
     t0 = time.perf_counter()
     if not episode_ids:
         raise ValueError("episode_ids: expected at least one episode to evaluate on")
@@ -144,7 +156,7 @@ def evaluate_offline(
     norm = action_normalizer(policy)
     model = getattr(policy, "policy", None)
     want_loss = val_loss and hasattr(model, "flow_matching_loss")
-    errs, valids, ep_of, instr_of, losses = [], [], [], [], []
+    errs, valids, ep_of, instr_of, losses, scores = [], [], [], [], [], []
     for bi, start in enumerate(range(0, len(idx), batch_size)):
         b = ds.batch(idx[start : start + batch_size])
         instr = [ds.instruction(int(i)) for i in idx[start : start + batch_size]]
@@ -154,6 +166,8 @@ def evaluate_offline(
             "instruction": instr,
         }
         pred = np.asarray(policy.predict_chunks(obs, seed=seed + bi), dtype=np.float64)
+        if chunk_score is not None:
+            scores.append(np.asarray(chunk_score(obs, pred), np.float64))
         target = b["action"].numpy().astype(np.float64)
         if norm is not None:
             pred, target = (pred - norm[0]) / norm[1], (target - norm[0]) / norm[1]
@@ -201,4 +215,14 @@ def evaluate_offline(
         seconds=time.perf_counter() - t0,
         tasks=sorted(set(tasks_of)),
         per_episode=group(id_arr),
+        **_episode_scores(scores, id_arr),
     )
+
+
+def _episode_scores(scores: list[np.ndarray], episode: np.ndarray) -> dict[str, Any]:
+    """``score`` and ``per_episode_score`` of :class:`OfflineEvalResult` (empty without scores)."""
+    if not scores:
+        return {}
+    s = np.concatenate(scores)
+    per = {str(e): float(s[episode == e].mean()) for e in sorted(set(episode.tolist()))}
+    return {"score": float(np.mean(list(per.values()))), "per_episode_score": per}

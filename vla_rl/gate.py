@@ -1,6 +1,7 @@
 """What a round's promotion gate needs around its statistics (:mod:`vla_rl.gate_stats`): per-seed outcomes
 kept in a form the DB and a checkpoint's ``config.json`` can hold, the gate's sentence, and the success a
-round *reports*, measured on seeds the gate never saw.
+round *reports*, measured on seeds the gate never saw; and the gate's typed verdicts (:class:`GateResult`:
+:class:`SimGate` in simulation, :class:`OfflineGate` on recorded episodes).
 
 Why a separate report: the gate's number is the one the promotion was decided on. Among candidates,
 those promoted are the ones whose gate seeds happened to go well, so the gate's success of a promoted
@@ -12,12 +13,17 @@ reports is an unbiased estimate of the checkpoint's success.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from vla_rl.evaluation import EpisodeResult, evaluate
+from vla_rl.evaluation_offline import OfflineEvalResult
 from vla_rl.gate_stats import PairedTest
 
 __all__ = [
+    "GateResult",
+    "OfflineGate",
+    "SimGate",
     "check_report_seeds",
     "decode_outcomes",
     "encode_outcomes",
@@ -93,3 +99,124 @@ def report_success(
         "report_episodes": episodes,
         "report_seed": seed,
     }
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
+    success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
+    margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
+    better; promote iff ``base - candidate > margin * base``) or ``estimated_success`` (a learned
+    success estimate of each policy's chunks on the same held-out episodes, higher is better; promote iff
+    ``candidate - base > margin``, :mod:`vla_rl.gate_success`), and in every case the paired one-sided
+    ``test`` (McNemar on the seeds, a sign test on the episodes: :mod:`vla_rl.gate_stats`) rejects "no
+    better" at false-promotion rate ``alpha``."""
+
+    metric: Literal["success", "action_mse", "estimated_success"]
+    candidate: float
+    base: float
+    margin: float
+    promote: bool
+    why: str
+    """One line: both scores, the difference, the paired test and what the gate needed."""
+    alpha: float = field(default=1.0, kw_only=True)
+    """The false-promotion rate the test was held to (1: no test)."""
+    test: PairedTest | None = field(default=None, kw_only=True)
+    """The paired test's counts and p-value (None: a verdict built without one)."""
+
+    def test_metrics(self) -> dict[str, Any]:
+        """The paired test as the round's DB metrics record it (empty without one)."""
+        if self.test is None:
+            return {}
+        t = self.test
+        return dict(gate_alpha=self.alpha, p_value=t.p_value, candidate_only=t.wins, base_only=t.losses)
+
+    def round_metrics(self) -> dict[str, Any]:
+        """The evaluation as the round's DB metrics record it."""
+        raise NotImplementedError
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        """The evaluation as the candidate's ``config.json`` metrics record it."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SimGate(GateResult):
+    """Simulation: success rates with 95% intervals; the base's may be reused (``base_source``)."""
+
+    candidate_ci95: tuple[float, float]
+    base_ci95: Any
+    base_source: str
+    """``evaluated``, ``checkpoint`` or ``round N`` (see :func:`_known_base_score`)."""
+    eval_episodes: int
+    eval_seed: int
+    candidate_outcomes: str | None = field(default=None, kw_only=True)
+    """Per-seed successes of the candidate on the gate's seeds (:func:`vla_rl.gate.encode_outcomes`)."""
+    base_outcomes: str | None = field(default=None, kw_only=True)
+
+    def round_metrics(self) -> dict[str, Any]:
+        outcomes = {"outcomes": self.candidate_outcomes, "base_outcomes": self.base_outcomes}
+        return {
+            **self.test_metrics(),
+            **{k: v for k, v in outcomes.items() if v is not None},
+            "base_success": self.base,
+            "base_ci95": self.base_ci95,
+            "base_eval_source": self.base_source,
+            "success": self.candidate,
+            "ci95": list(self.candidate_ci95),
+            "delta": self.candidate - self.base,
+            "eval_episodes": self.eval_episodes,
+            "eval_seed": self.eval_seed,
+        }
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        outcomes = {} if self.candidate_outcomes is None else {"eval_outcomes": self.candidate_outcomes}
+        return {
+            "success_rate": self.candidate,
+            "success_ci95": list(self.candidate_ci95),
+            "eval_episodes": self.eval_episodes,
+            "eval_seed": self.eval_seed,
+            "base_success_rate": self.base,
+            **outcomes,
+        }
+
+
+@dataclass(frozen=True)
+class OfflineGate(GateResult):
+    """No simulator: both evaluated offline on the same held-out episodes and frames."""
+
+    candidate_eval: OfflineEvalResult
+    base_eval: OfflineEvalResult
+    relative_improvement: float
+    """``(base - candidate) / base`` (0 when the base's error is 0)."""
+    eval_seed: int
+
+    def round_metrics(self) -> dict[str, Any]:
+        new, base = self.candidate_eval, self.base_eval
+        return {
+            **self.test_metrics(),
+            "eval": "offline",
+            "success": None,
+            "base_success": None,
+            "action_mse": new.action_mse,
+            "base_action_mse": base.action_mse,
+            "action_mse_per_dim": new.per_dim,
+            "base_action_mse_per_dim": base.per_dim,
+            "action_mse_per_task": new.per_task,
+            "action_mse_per_step": new.per_step,
+            "val_loss": new.val_loss,
+            "base_val_loss": base.val_loss,
+            "relative_improvement": self.relative_improvement,
+            "eval_episode_ids": new.episode_ids,
+            "eval_frames": new.frames,
+            "eval_seed": self.eval_seed,
+        }
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
+        return {
+            "offline_action_mse": self.candidate_eval.action_mse,
+            "offline_val_loss": self.candidate_eval.val_loss,
+            "offline_eval_episode_ids": self.candidate_eval.episode_ids,
+            "offline_eval_seed": self.eval_seed,
+            "base_offline_action_mse": self.base_eval.action_mse,
+        }

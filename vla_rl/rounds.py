@@ -12,8 +12,9 @@ themselves (see ``vla-rl serve --follow``).
 
 A task that is not a simulator task (real robot data, e.g. a LeRobot import) has no success rate: both
 are then evaluated offline (:func:`vla_rl.evaluation_offline.evaluate_offline`) on the same held-out
-episodes (:func:`round_data`), and the gate is on the normalised action MSE (:class:`GateResult`):
-``base_mse - new_mse > margin * base_mse``.
+episodes (:func:`round_data`). Where the store holds outcomes, the gate is on a success estimate learned
+from them (:mod:`vla_rl.gate_success`: ``new - base > margin``); otherwise on the normalised action MSE
+(:class:`GateResult`): ``base_mse - new_mse > margin * base_mse`` (``offline_gate`` picks).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fleet.db import MetadataDB, RoundLost, RoundRecord, default_url, worker_id
 from fleet.selection import Selection
@@ -40,8 +41,11 @@ from vla_rl.core.secrets import url_without_password
 from vla_rl.core.seeds import EVAL, REPORT
 from vla_rl.core.text import check_json_text
 from vla_rl.evaluation import evaluate
-from vla_rl.evaluation_offline import OfflineEvalResult, evaluate_offline, held_out_episodes, is_sim_task
+from vla_rl.evaluation_offline import evaluate_offline, held_out_episodes, is_sim_task
 from vla_rl.gate import (
+    GateResult,
+    OfflineGate,
+    SimGate,
     check_report_seeds,
     decode_outcomes,
     encode_outcomes,
@@ -49,7 +53,8 @@ from vla_rl.gate import (
     known_outcomes,
     report_success,
 )
-from vla_rl.gate_stats import PairedTest, paired_outcomes, sign_test
+from vla_rl.gate_stats import paired_outcomes, sign_test
+from vla_rl.gate_success import OFFLINE_GATES, fit_round_estimator, success_gate
 from vla_rl.hub.checkpoint import load_checkpoint, save_checkpoint
 from vla_rl.hub.naming import check_round_target
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
@@ -106,9 +111,17 @@ class RoundOptions:
     success the round reports (0 = not measured)."""
     report_seed: int = REPORT
     """First seed of that report (its own range, :mod:`vla_rl.core.seeds`; never the gate's seeds)."""
+    offline_gate: str = "auto"
+    """Gate of a task with no simulator: ``success`` (a success estimate learned from the store's
+    outcomes, :mod:`vla_rl.gate_success`; refused without outcome labels), ``action_mse``, or ``auto``
+    (success where the training episodes hold successes and failures, else action MSE)."""
 
     def __post_init__(self) -> None:
         check_values(self, _round_bounds)
+        if self.offline_gate not in OFFLINE_GATES:
+            raise ValueError(
+                f"offline_gate: expected one of {list(OFFLINE_GATES)}, got {self.offline_gate!r}"
+            )
         if not 0.0 < self.gate_alpha <= 1.0:
             raise ValueError(f"gate_alpha: expected a false-promotion rate in (0, 1], got {self.gate_alpha}")
         check_report_seeds(self.eval_seed, self.eval_episodes, self.report_seed, self.report_episodes)
@@ -206,6 +219,12 @@ class RoundData:
         """The held-out episodes are left out of training (unless they are all the selection holds)."""
         return bool(self.held_out) and len(self.held_out) < len(self.episode_ids)
 
+    @property
+    def training_ids(self) -> list[str]:
+        """The episodes the round trains on: the selection less the held-out ones (unless that is all)."""
+        held = set(self.held_out) if self.excludes_held_out else set()
+        return [e for e in self.episode_ids if e not in held]
+
     def training_data(self, given: str | None) -> str | None:
         """The trainer's selection text: ``given``, with the held-out episodes added to its ``exclude``."""
         return self.selection.with_excluded(self.held_out).to_text() if self.excludes_held_out else given
@@ -222,125 +241,6 @@ def round_data(cfg: RoundConfig, db: MetadataDB, task: str) -> RoundData:
     ids = select_episode_ids(store, selection, db)
     held = [] if is_sim_task(task) else held_out_episodes(ids, min(cfg.eval_episodes, max(1, len(ids) // 5)))
     return RoundData(selection, store, ids, held)
-
-
-@dataclass(frozen=True)
-class GateResult:
-    """The promotion gate's verdict on a candidate against its base: ``metric`` is ``success`` (the
-    success rate on the same simulator seeds, higher is better; promote iff ``candidate - base >
-    margin``) or ``action_mse`` (the normalised action MSE on the same held-out episodes, lower is
-    better; promote iff ``base - candidate > margin * base``), and in both cases the paired one-sided
-    ``test`` (McNemar on the seeds, a sign test on the episodes: :mod:`vla_rl.gate_stats`) rejects "no
-    better" at false-promotion rate ``alpha``."""
-
-    metric: Literal["success", "action_mse"]
-    candidate: float
-    base: float
-    margin: float
-    promote: bool
-    why: str
-    """One line: both scores, the difference, the paired test and what the gate needed."""
-    alpha: float = field(default=1.0, kw_only=True)
-    """The false-promotion rate the test was held to (1: no test)."""
-    test: PairedTest | None = field(default=None, kw_only=True)
-    """The paired test's counts and p-value (None: a verdict built without one)."""
-
-    def test_metrics(self) -> dict[str, Any]:
-        """The paired test as the round's DB metrics record it (empty without one)."""
-        if self.test is None:
-            return {}
-        t = self.test
-        return dict(gate_alpha=self.alpha, p_value=t.p_value, candidate_only=t.wins, base_only=t.losses)
-
-    def round_metrics(self) -> dict[str, Any]:
-        """The evaluation as the round's DB metrics record it."""
-        raise NotImplementedError
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        """The evaluation as the candidate's ``config.json`` metrics record it."""
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class SimGate(GateResult):
-    """Simulation: success rates with 95% intervals; the base's may be reused (``base_source``)."""
-
-    candidate_ci95: tuple[float, float]
-    base_ci95: Any
-    base_source: str
-    """``evaluated``, ``checkpoint`` or ``round N`` (see :func:`_known_base_score`)."""
-    eval_episodes: int
-    eval_seed: int
-    candidate_outcomes: str | None = field(default=None, kw_only=True)
-    """Per-seed successes of the candidate on the gate's seeds (:func:`vla_rl.gate.encode_outcomes`)."""
-    base_outcomes: str | None = field(default=None, kw_only=True)
-
-    def round_metrics(self) -> dict[str, Any]:
-        outcomes = {"outcomes": self.candidate_outcomes, "base_outcomes": self.base_outcomes}
-        return {
-            **self.test_metrics(),
-            **{k: v for k, v in outcomes.items() if v is not None},
-            "base_success": self.base,
-            "base_ci95": self.base_ci95,
-            "base_eval_source": self.base_source,
-            "success": self.candidate,
-            "ci95": list(self.candidate_ci95),
-            "delta": self.candidate - self.base,
-            "eval_episodes": self.eval_episodes,
-            "eval_seed": self.eval_seed,
-        }
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        outcomes = {} if self.candidate_outcomes is None else {"eval_outcomes": self.candidate_outcomes}
-        return {
-            "success_rate": self.candidate,
-            "success_ci95": list(self.candidate_ci95),
-            "eval_episodes": self.eval_episodes,
-            "eval_seed": self.eval_seed,
-            "base_success_rate": self.base,
-            **outcomes,
-        }
-
-
-@dataclass(frozen=True)
-class OfflineGate(GateResult):
-    """No simulator: both evaluated offline on the same held-out episodes and frames."""
-
-    candidate_eval: OfflineEvalResult
-    base_eval: OfflineEvalResult
-    relative_improvement: float
-    """``(base - candidate) / base`` (0 when the base's error is 0)."""
-    eval_seed: int
-
-    def round_metrics(self) -> dict[str, Any]:
-        new, base = self.candidate_eval, self.base_eval
-        return {
-            **self.test_metrics(),
-            "eval": "offline",
-            "success": None,
-            "base_success": None,
-            "action_mse": self.candidate,
-            "base_action_mse": self.base,
-            "action_mse_per_dim": new.per_dim,
-            "base_action_mse_per_dim": base.per_dim,
-            "action_mse_per_task": new.per_task,
-            "action_mse_per_step": new.per_step,
-            "val_loss": new.val_loss,
-            "base_val_loss": base.val_loss,
-            "relative_improvement": self.relative_improvement,
-            "eval_episode_ids": new.episode_ids,
-            "eval_frames": new.frames,
-            "eval_seed": self.eval_seed,
-        }
-
-    def checkpoint_metrics(self) -> dict[str, Any]:
-        return {
-            "offline_action_mse": self.candidate,
-            "offline_val_loss": self.candidate_eval.val_loss,
-            "offline_eval_episode_ids": self.candidate_eval.episode_ids,
-            "offline_eval_seed": self.eval_seed,
-            "base_offline_action_mse": self.base,
-        }
 
 
 def _sim_gate(
@@ -431,6 +331,25 @@ def _offline_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: R
         relative_improvement=improvement,
         eval_seed=cfg.eval_seed,
     )
+
+
+def _no_sim_gate(cfg: RoundConfig, db: MetadataDB, base: Any, new: Any, data: RoundData) -> GateResult:
+    """The gate of a task with no simulator, as ``offline_gate`` picks (:mod:`vla_rl.gate_success`)."""
+    note = ""
+    if cfg.offline_gate != "action_mse":
+        try:
+            estimator = fit_round_estimator(base, data.store, data.training_ids, db, seed=cfg.train.seed)
+        except ValueError as e:
+            if cfg.offline_gate == "success":
+                raise RoundError(f"offline_gate success: {e}") from None
+            note = f"; not on estimated success: {str(e).split(';')[0]}"
+        else:
+            kw = dict(margin=cfg.margin, alpha=cfg.gate_alpha, seed=cfg.eval_seed, task=data.selection.task)
+            return success_gate(
+                base, new, estimator=estimator, store=data.store, held_out=data.held_out, db=db, **kw
+            )
+    gate = _offline_gate(cfg, db, base, new, data)
+    return dataclasses.replace(gate, why=gate.why + note) if note else gate
 
 
 def _report(
@@ -711,7 +630,7 @@ def run_round(
                 report = _report(cfg, new, task, gate, progress)
             progress.flush()
         else:
-            gate = _offline_gate(cfg, db, base, new, data)
+            gate = _no_sim_gate(cfg, db, base, new, data)
         metrics = {**gate.round_metrics(), **report}
         metrics.update(train_seconds=round(trained.seconds, 1), train=trained.metrics, curve=trained.curve)
         if not is_sim_task(task):

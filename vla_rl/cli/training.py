@@ -295,6 +295,11 @@ def _round_line(r: Any) -> str:
             f"action MSE {m['action_mse']:.4f} (base {m['base_action_mse']:.4f}, "
             f"{-m['relative_improvement']:+.1%})"
         )
+        if m.get("gate_metric") == "estimated_success":  # ... or on a success estimate from the outcomes
+            score = (
+                f"estimated success {m['estimated_success']:.0%} (base {m['base_estimated_success']:.0%}, "
+                f"{m['estimated_delta']:+.0%}), {score}"
+            )
     elif m.get("success") is not None:
         score = f"success {m['success']:.0%} (base {m['base_success']:.0%}, {m['delta']:+.0%})"
         if m.get("reported_success") is not None:  # the promoted checkpoint on seeds the gate did not see

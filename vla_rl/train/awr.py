@@ -21,6 +21,11 @@ its advantage, and re-train the flow policy to prefer better-than-average action
      to "unconditional" with ``unconditional_prob``) and acts conditioned on positive at deployment,
      optionally with classifier-free guidance (``guidance_scale``).
 
+**Estimator weights** (``weighting="success"`` / ``"progress"``, ``variant="awr"``): instead of steps 1
+and 2, a success / progress estimator is fit on the selected episodes' outcomes
+(:mod:`vla_rl.train.success`) and every frame, demonstrations included, is weighted RA-BC / SARM style
+by its chunk's estimated success or its estimated progress over the chunk (:func:`_estimator_weighting`).
+
 **Intervention-aware credit.** Human-controlled frames never get an advantage from an outcome: they
 are kept as positive behaviour cloning (AWR weight ``human_weight``; RECAP indicator positive). So are
 the frames of a ``recovery`` span label (the buffer's ``bc`` array, :mod:`vla_rl.train.transitions`).
@@ -41,6 +46,7 @@ import numpy as np
 import torch
 from vla_rl_client.meta import Controller
 
+from fleet import store_index
 from fleet.db import MetadataDB
 from fleet.selection import Selection
 from fleet.store import EpisodeStore
@@ -85,6 +91,13 @@ from vla_rl.train.loop import (
     warmup_cosine_schedule,
 )
 from vla_rl.train.privileged import ReplayedStates
+from vla_rl.train.success import (
+    WEIGHTINGS,
+    SuccessFitConfig,
+    buffer_weights,
+    fit_success_estimator,
+    outcome_rows,
+)
 from vla_rl.train.transitions import RewardKind, TransitionBuffer, load_transitions
 
 log = logging.getLogger(__name__)
@@ -233,6 +246,12 @@ class AWRConfig(AdvantageConfig):
     """RECAP: probability of dropping the indicator during training (learns the unconditional policy)."""
     guidance_scale: float = 1.0
     """RECAP: CFG weight saved into the checkpoint for deployment (1 = condition on positive)."""
+    weighting: str = "advantage"
+    """AWR's sample weights: ``advantage`` (the value's, steps 1 and 2), or a success estimator's learned
+    from the selected episodes' outcomes (no value is fit; every frame is weighted, demonstrations too):
+    ``success``: w = P(success | o_t, a_t:t+H) / mean; ``progress``: w = max(phi(o_t+H) - phi(o_t), 0) /
+    mean; both clipped at ``w_max`` (:func:`vla_rl.train.success.estimator_weights`). For real data,
+    where outcomes are labelled but there is no simulator to score rollouts."""
 
     # bookkeeping
     checkpoint_every: int = 500
@@ -261,6 +280,13 @@ class AWRConfig(AdvantageConfig):
             raise ValueError(f"unconditional_prob: expected in [0, 1), got {self.unconditional_prob}")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale: expected >= 0, got {self.guidance_scale}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting: expected one of {list(WEIGHTINGS)}, got {self.weighting!r}")
+        if self.weighting != "advantage" and self.variant != "awr":
+            raise ValueError(
+                f"weighting: {self.weighting!r} weights AWR's samples; variant {self.variant!r} conditions on "
+                "advantages (use weighting advantage, or variant awr)"
+            )
 
 
 AWRResult = TrainResult
@@ -499,6 +525,9 @@ def _score(
     """Steps 1 and 2: the cross-fitted value and every frame's AWR weight or RECAP indicator
     (``hindsight`` frames, a subset of ``human``'s frames to clone: weight ``hindsight_weight``;
     ``replayed``: the episodes' full simulator state, V's input with ``value_input = "privileged"``)."""
+    if cfg.weighting != "advantage":
+        replayed.close()
+        return _estimator_weighting(cfg, buf, hindsight, int(base.policy.chunk_len))
     if not (~human).any():
         raise ValueError(
             f"the selected episodes hold no autonomous frames to score ({len(buf)} frames, all human or "
@@ -527,6 +556,33 @@ def _score(
     indicators, eps = recap_indicators(adv, human, cfg.positive_fraction)
     metrics.update(threshold=eps, positive_frac=float((indicators[~human] == ADVANTAGE_POSITIVE).mean()))
     return metrics, torch.from_numpy(indicators)
+
+
+def _estimator_weighting(
+    cfg: AWRConfig, buf: TransitionBuffer, hindsight: np.ndarray, chunk_len: int
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Every frame's weight from a success / progress estimator fit on the selected episodes' outcomes
+    (``weighting``; hindsight copies keep ``hindsight_weight``); ValueError without outcome labels."""
+    store = EpisodeStore(cfg.store)
+    db = store_index.store_db(store, MetadataDB(cfg.db_url) if cfg.db_url else None)
+    stored = set(store.episode_ids())
+    ids = [e for e in buf.episode_ids if e in stored]  # hindsight copies are not stored episodes
+    fit = SuccessFitConfig(horizon=chunk_len, camera_grid=4 if buf.use_cameras else 0, seed=cfg.seed)
+    cams = list(buf.spec.camera_names)
+    rows = outcome_rows(store, ids, db, horizon=fit.horizon, camera_grid=fit.camera_grid, cameras=cams)
+    est, summary = fit_success_estimator(rows, fit)
+    weights, raw = buffer_weights(est, buf, cfg.weighting, cfg.w_max)
+    weights[hindsight] = cfg.hindsight_weight
+    metrics = {
+        "estimator_success_rows": float(summary["success_rows"]),
+        "estimator_failure_rows": float(summary["failure_rows"]),
+        "estimator_loss": summary["success_loss" if cfg.weighting == "success" else "progress_loss"],
+        "raw_score_mean": float(raw.mean()),
+        "weight_mean": float(weights.mean()),
+        "weight_max": float(weights.max()),
+        "effective_sample_frac": float(weights.sum() ** 2 / (len(weights) * (weights**2).sum())),
+    }
+    return metrics, torch.from_numpy(weights)
 
 
 def _train_awr(cfg: AWRConfig, dist: Dist, device: torch.device) -> AWRResult:

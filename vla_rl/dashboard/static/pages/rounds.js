@@ -406,7 +406,10 @@ function scores(r) {
 /** Candidate vs base success with their 95% intervals, as text and a small SVG. */
 function compareCell(m) {
   if (m.success == null && m.action_mse == null) return "–";
-  if (m.success == null) return `action MSE ${num(m.action_mse, 4)} vs base ${num(m.base_action_mse, 4)}`;
+  const mse = `action MSE ${num(m.action_mse, 4)} vs base ${num(m.base_action_mse, 4)}`;
+  if (m.success == null && m.estimated_success != null)  // no simulator: gated on the learned success estimate
+    return `estimated success ${pct(m.estimated_success)} vs base ${pct(m.base_estimated_success)} · ${mse}`;
+  if (m.success == null) return mse;
   const W = 120;
   const bar = (v, ci, y, cls) => [
     ci ? h("line", { x1: ci[0] * W, x2: ci[1] * W, y1: y, y2: y, class: `ci ${cls}` }) : null,
