@@ -46,7 +46,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -55,7 +55,8 @@ from sim.base import Privileged
 from sim.experts import ScriptedExpert, make_expert
 from sim.help_desk import HelpDesk
 
-OPERATOR_MODES = ("omniscient", "requests")
+OperatorMode = Literal["omniscient", "requests"]
+OPERATOR_MODES: tuple[str, ...] = get_args(OperatorMode)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class OperatorRules:
     failure_alarm: bool = False
     """Take over when the policy server's learned failure predictor alarms on a chunk (its calibrated
     threshold; the checkpoint must carry a predictor, else the alarm never comes)."""
-    mode: str = "omniscient"
+    mode: OperatorMode = "omniscient"
     """omniscient = the rules above, reading the simulator's state (stall, drift), every robot watched;
     requests = no simulator state: robots ask for help on their alarms (uncertainty, failure predictor)
     and spot checks, and a help desk of --operators answers them by urgency after --reaction-s."""

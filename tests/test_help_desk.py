@@ -93,7 +93,7 @@ def test_desk_and_rules_validation_name_the_field() -> None:
     with pytest.raises(ValueError, match="robot"):
         HelpDesk(robots=2).ask(2, 1.0, now=0.0)
     with pytest.raises(ValueError, match="mode"):
-        OperatorRules(mode="psychic")
+        OperatorRules(mode="psychic")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode: 'requests' needs"):
         OperatorRules(mode="requests")  # no alarm and no spot checks: nobody ever asks
     with pytest.raises(ValueError, match="reaction_s"):
