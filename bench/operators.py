@@ -208,6 +208,12 @@ def signals(
     hz = float(version.spec.control_hz)
     dim = len(next(iter(train[0].chunk_features.values())))
     head, h, losses = fit_predictor(args, train, calib, hz, False, dim)
+    if h >= 1.0 - 1e-6:
+        print(
+            f"warning: the predictor saturates on successful calibration episodes (threshold {h}): it will "
+            "never alarm; fit a smaller head (--hidden, --steps)",
+            flush=True,
+        )
     predictor = FailurePredictor(head, h, args.alpha, {"fit": "bench/operators.py"})
     version.failure = predictor
     info = {
@@ -347,8 +353,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.1, help="conformal level of both alarms")
     p.add_argument("--k", type=float, default=0.25, help="CUSUM allowance in reference stds")
     p.add_argument("--horizon-s", type=float, default=1.0, help="the predictor's positive window")
-    p.add_argument("--hidden", type=int, nargs="+", default=[64, 64])
-    p.add_argument("--steps", type=int, default=1000, help="predictor updates")
+    p.add_argument("--hidden", type=int, nargs="+", default=[16], help="the predictor's MLP")
+    p.add_argument(
+        "--steps", type=int, default=300, help="predictor updates (few: a saturated head's threshold is 1)"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", type=Path, default=Path("runs/bench_operators"))
