@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sim.fleet_records import RobotRecord
+from sim.help_desk import HelpDesk
 from sim.help_hook import HelpAsker
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl.core.lifeline import exit_with_parent
@@ -59,6 +60,8 @@ class EpisodeReport:
     seconds: float
     busy_waits: int = 0
     segments: list[dict[str, Any]] = field(default_factory=list)
+    requests: int = 0
+    """Help requests the robot opened (the operator's requests mode)."""
 
 
 def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> None:
@@ -78,7 +81,7 @@ def fleet_rtc(mode: str, server_rtc: str) -> bool:
     return RTCOptions(mode, 0 if mode == "on" else None, server_rtc=server_rtc).enabled  # type: ignore[arg-type]
 
 
-def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, reports: Any) -> None:
     """Process entry point: run episodes through the policy server, stream them, report each episode."""
     leave_realtime(f"sim robot {cfg.robot_id}")
     # a fleet killed without stopping its robots (SIGKILL, `vla-rl up` gone) must not leave them driving
@@ -93,7 +96,7 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any)
         reports.put(("done", cfg.robot_id, None))
 
 
-def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> None:
+def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, reports: Any) -> None:
     from vla_rl_client.frame import Frame
     from vla_rl_client.meta import new_episode_id
     from vla_rl_client.policy_client import PolicyClient, RTCInput
@@ -103,7 +106,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
 
     rules = OperatorRules(**cfg.rules)
     env = make_env(cfg.task, obs=cfg.obs, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps)  # type: ignore[arg-type]
-    operator = SimulatedOperator(env.task, rules, desk)
+    operator = SimulatedOperator(env.task, rules, desk, robot=cfg.index)
     policy = PolicyClient(cfg.server, timeout_s=30.0, model_id=cfg.model_id)
     stream = policy.stream()
     rtc_on = cfg.rtc == "on" and fleet_rtc(cfg.rtc, next(iter(policy.info(cfg.model_id).values())).rtc_mode)
@@ -141,7 +144,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                     )
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
                     score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)
-                    ev = operator.observe_chunk(t, res.uncertainty, res.failure_alarm)  # alarms, if on
+                    ev = operator.observe_chunk(t, res.uncertainty, res.failure_alarm, res.failure)  # alarms
                     if helper is not None:
                         helper.on_chunk(eid, res, operator)
                     if ev is not None:  # the robot asks for help instead of executing this chunk
@@ -209,6 +212,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | None, reports: Any) -> 
                             time.perf_counter() - t0,
                             desk.busy_waits if desk else 0,
                             segments,
+                            operator.requests,
                         )
                     ),
                 )

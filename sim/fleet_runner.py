@@ -27,6 +27,7 @@ from vla_rl_client.action_queue import RTC_MODES, RTCMode
 from sim.fleet_ray import RayFleet
 from sim.fleet_records import RobotRecord
 from sim.fleet_robot import SimRobotConfig, sim_robot_main
+from sim.help_desk import DeskStats, HelpDesk, operator_metrics
 from sim.operator import OperatorDesk, OperatorRules
 from vla_rl.core import console
 from vla_rl.core.configs import SECRET
@@ -41,7 +42,9 @@ class FleetConfig:
     frame, segment and outcome to the collector. A simulated operator (the task's privileged scripted
     expert) takes over when the policy stalls (--stall-steps), drifts (--drift-radius) or at random
     (--spot-check-prob), drives for --drive-steps and hands back, within a budget per episode. The collector
-    token is read from VLA_RL_COLLECTOR_TOKEN.
+    token is read from VLA_RL_COLLECTOR_TOKEN. With --mode requests the operator sees no simulator state:
+    robots ask for help on their alarms (--uncertainty-h, --failure-alarm) and spot checks, and --operators
+    operators answer the requests by urgency, each --reaction-s after picking one (sim/help_desk.py).
     Example: vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 --collector 127.0.0.1:50071"""
 
     robots: int = 4
@@ -59,7 +62,8 @@ class FleetConfig:
     """First episode seed: robot i's j-th episode is ``seed + i * 100000 + j``. The default starts in the
     training range, away from every evaluation's seeds (:mod:`vla_rl.core.seeds`)."""
     operators: int = 1
-    """Robots the operator can drive at once."""
+    """Robots the operator can drive at once (--mode requests: operators at the help desk, one robot
+    each)."""
     rules: Annotated[OperatorRules, tyro.conf.OmitArgPrefixes] = field(default_factory=OperatorRules)
     """When the simulated operator takes over and for how long."""
     collector_token: str | None = field(default=None, repr=False, metadata=SECRET)
@@ -102,6 +106,12 @@ class FleetConfig:
         self.ray = check_ray_address(self.ray)
         if self.rtc not in RTC_MODES:
             raise ValueError(f"rtc: expected one of {list(RTC_MODES)}, got {self.rtc!r}")
+        if self.operators < 1:
+            raise ValueError(f"operators: expected >= 1, got {self.operators}")
+        if self.ray and self.rules.requests:
+            raise ValueError(
+                "rules.mode: 'requests' (the help desk) runs the robots as local processes; drop --ray"
+            )
         if self.ray_max_restarts < 0:
             raise ValueError(f"ray_max_restarts: expected >= 0, got {self.ray_max_restarts}")
         if not 0.0 <= self.canary_share < 1.0:
@@ -160,6 +170,24 @@ class FleetResult:
     operator_busy_waits: int
     replaced: dict[str, int] = field(default_factory=dict)
     """Robots whose Ray actor died and was replaced, and how often (``--ray`` only)."""
+    desk: DeskStats | None = None
+    """The help desk's counters (``--mode requests`` only)."""
+    control_hz: float = 0.0
+    """The robots' control rate (converts operator-driven frames to seconds)."""
+
+    def operator_metrics(self, operators: int) -> dict[str, Any]:
+        """The operators' numbers for this run (:func:`sim.help_desk.operator_metrics`): robot time is the
+        episodes' wall time; operator busy time is the desk's (requests mode) or, omniscient, the frames
+        under operator control at :attr:`control_hz`."""
+        robot_s = sum(e["seconds"] for e in self.episodes)
+        busy_s = (
+            self.desk.busy_s
+            if self.desk
+            else sum(e["human_steps"] for e in self.episodes) / max(self.control_hz, 1e-9)
+        )
+        return operator_metrics(
+            self.episodes, max(robot_s, 1e-9), max(self.seconds, 1e-9), operators, busy_s, self.desk
+        )
 
     def table(self) -> str:
         rows = [
@@ -197,6 +225,7 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     if cfg.canary_robots:
         _spec_from_server(cfg.server, cfg.canary_model_id)  # served, or a KeyError naming it now
     task = resolve_task(cfg.task or spec["name"]).name
+    hz = float(spec.get("control_hz") or 0.0)
     cams = spec.get("cameras") or []
     obs_mode = "rgb" if cams else "state"
     image_size = int(cams[0]["height"]) if cams else 128
@@ -233,7 +262,11 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
         reports: Any = ray_fleet.reports
     else:
         ctx = mp.get_context("spawn")
-        desk = OperatorDesk(cfg.operators, ctx)
+        desk = (
+            HelpDesk(cfg.robots, cfg.operators, cfg.rules.reaction_s, ctx)
+            if cfg.rules.requests
+            else OperatorDesk(cfg.operators, ctx)
+        )
         reports = ctx.Queue()
         for i, rc in enumerate(robot_cfgs):
             p = ctx.Process(
@@ -328,7 +361,8 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
             if p.is_alive():
                 p.kill()
         busy = desk.busy_waits
+        desk_stats = desk.stats() if isinstance(desk, HelpDesk) else None
         if ray_fleet:
             ray_fleet.close()
     replaced = dict(ray_fleet.replaced) if ray_fleet else {}
-    return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, busy, replaced)
+    return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, busy, replaced, desk_stats, hz)

@@ -22,6 +22,15 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
   alarmed on the new chunk (``ActResult.failure_alarm``, docs/algorithms.md §6c); checked like the
   uncertainty alarm, before the chunk is executed.
 
+**Modes** (``mode``): the rules above are the ``omniscient`` operator (the default, today's baseline): the
+stall and drift rules read the simulator's privileged state and it watches every robot. In the
+``requests`` mode the operator sees no simulator state: the robot *asks* for help when one of its alarms
+fires (the uncertainty CUSUM, urgency ``S / h``; the failure predictor, urgency its ``p``) or a spot check
+picks it (urgency 0), and a :class:`sim.help_desk.HelpDesk` of N operators answers the requests in order of
+urgency, each operator reaching its robot ``reaction_s`` seconds after picking the request; stall and
+drift are not checked. While a request waits the policy keeps driving. Once taken over, the operator
+drives with the scripted expert in both modes (it stands in for a person's teleoperation).
+
 A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
 which keeps it at least ``min_autonomous_steps``. The operator works within a budget per episode: at most
 ``max_takeovers`` takeovers and ``max_fraction`` of the episode's step limit under its control. It can be
@@ -34,15 +43,20 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from fleet.uncertainty import cusum_path, cusum_step
 from sim.base import Privileged
 from sim.experts import ScriptedExpert, make_expert
+from sim.help_desk import HelpDesk
+
+OperatorMode = Literal["omniscient", "requests"]
+OPERATOR_MODES: tuple[str, ...] = get_args(OperatorMode)
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,12 @@ class OperatorRules:
     failure_alarm: bool = False
     """Take over when the policy server's learned failure predictor alarms on a chunk (its calibrated
     threshold; the checkpoint must carry a predictor, else the alarm never comes)."""
+    mode: OperatorMode = "omniscient"
+    """omniscient = the rules above, reading the simulator's state (stall, drift), every robot watched;
+    requests = no simulator state: robots ask for help on their alarms (uncertainty, failure predictor)
+    and spot checks, and a help desk of --operators answers them by urgency after --reaction-s."""
+    reaction_s: float = 0.0
+    """requests mode: seconds from an operator picking a request to taking the robot over."""
 
     def __post_init__(self) -> None:
         for name in ("stall_steps", "drive_steps", "min_autonomous_steps", "max_takeovers"):
@@ -96,6 +116,20 @@ class OperatorRules:
             raise ValueError("uncertainty_h and uncertainty_k: expected >= 0")
         if not (math.isfinite(self.uncertainty_std) and self.uncertainty_std > 0):
             raise ValueError(f"uncertainty_std: expected a finite number > 0, got {self.uncertainty_std}")
+        if self.mode not in OPERATOR_MODES:
+            raise ValueError(f"mode: expected one of {list(OPERATOR_MODES)}, got {self.mode!r}")
+        if not (math.isfinite(self.reaction_s) and self.reaction_s >= 0):
+            raise ValueError(f"reaction_s: expected a finite number of seconds >= 0, got {self.reaction_s}")
+        if self.requests and not (self.uncertainty_alarm or self.failure_alarm or self.spot_check_prob):
+            raise ValueError(
+                "mode: 'requests' needs a way for robots to ask for help: uncertainty_h > 0, "
+                "failure_alarm or spot_check_prob > 0"
+            )
+
+    @property
+    def requests(self) -> bool:
+        """The operator answers help requests only (sees no simulator state)."""
+        return self.mode == "requests"
 
     @property
     def uncertainty_alarm(self) -> bool:
@@ -151,23 +185,39 @@ class Event:
 
 
 class SimulatedOperator:
-    """One robot's view of the operator: decides takeovers, drives, hands back (see the module docstring)."""
+    """One robot's view of the operator: decides takeovers, drives, hands back (see the module docstring).
+
+    ``robot`` is this robot's index at a :class:`~sim.help_desk.HelpDesk` (``requests`` mode; without a
+    desk the robot gets an operator of its own). ``now`` arguments are the desk's clock in seconds (None =
+    ``time.monotonic()``); the omniscient mode ignores them."""
 
     def __init__(
-        self, task: str, rules: OperatorRules | None = None, desk: OperatorDesk | None = None
+        self,
+        task: str,
+        rules: OperatorRules | None = None,
+        desk: OperatorDesk | HelpDesk | Any | None = None,
+        robot: int = 0,
     ) -> None:
         self.task = task
         self.rules = rules or OperatorRules()
+        if self.rules.requests:
+            desk = desk if desk is not None else HelpDesk(1, 1, self.rules.reaction_s)
+            if not isinstance(desk, HelpDesk):
+                raise TypeError(f"desk: the requests mode needs a HelpDesk, got {type(desk).__name__}")
+        elif isinstance(desk, HelpDesk):
+            raise TypeError("desk: a HelpDesk answers requests; set rules.mode = 'requests'")
         self.desk = desk
+        self.robot = robot
         self.expert: ScriptedExpert = make_expert(task, noise=self.rules.noise, seed=0)
         self.rng = np.random.default_rng(0)
         self.driving = False
+        self.asking = False  # requests mode: a request of this robot is open at the desk
         self.reset(0, 1)
 
-    def reset(self, seed: int, max_steps: int) -> None:
+    def reset(self, seed: int, max_steps: int, now: float | None = None) -> None:
         """A new episode (``max_steps`` = its step limit, for the time budget)."""
-        if self.driving:
-            self._release()
+        if self.driving or self.asking:
+            self._release(now)
         self.rng = np.random.default_rng(seed)
         self.expert.reset(seed)
         self.max_steps = max_steps
@@ -180,21 +230,33 @@ class SimulatedOperator:
         self.reasons: list[str] = []
         self.cusum = 0.0  # the uncertainty CUSUM S over the chunks the policy produced
         self.scores: list[float] = []  # per-chunk uncertainty seen this episode (for reports)
+        self.requests = 0  # help requests this robot opened this episode (requests mode)
+        self.pending: tuple[float, str] = (0.0, "")  # the open request's urgency and reason
 
     @property
     def budget_steps(self) -> int:
         return int(self.rules.max_fraction * self.max_steps)
 
-    def observe(self, t: int, priv: Privileged, dense_reward: float) -> Event | None:
-        """Look at the robot before step ``t``; returns a change of control, if any."""
+    def observe(
+        self, t: int, priv: Privileged, dense_reward: float, now: float | None = None
+    ) -> Event | None:
+        """Look at the robot before step ``t``; returns a change of control, if any. The requests mode
+        reads neither ``priv`` nor ``dense_reward`` here (it sees no simulator state)."""
         r = self.rules
         if self.driving:
             if self.human_steps >= self.budget_steps:
-                return self._handback(t, dense_reward, f"operator budget used ({self.human_steps} steps)")
+                reason = f"operator budget used ({self.human_steps} steps)"
+                return self._handback(t, dense_reward, reason, now)
             if r.drive_steps and self.driven >= r.drive_steps:
-                return self._handback(t, dense_reward, f"drove {self.driven} steps")
+                return self._handback(t, dense_reward, f"drove {self.driven} steps", now)
             return None
         self.since_handback += 1
+        if r.requests:
+            if self._alarm():  # still alarmed: ask again (a waiting request keeps its place)
+                self._ask(self.cusum / r.uncertainty_h, self._alarm_reason(), now)
+            elif r.spot_check_prob and self.rng.random() < r.spot_check_prob:
+                self._ask(0.0, "spot check", now)
+            return self._answered(now)
         if dense_reward > self.best + r.progress_eps:
             self.best = dense_reward
             self.last_progress = t
@@ -210,16 +272,34 @@ class SimulatedOperator:
             reason = "spot check"
         return self._take_over(reason)
 
-    def observe_chunk(self, t: int, uncertainty: float, failure_alarm: bool = False) -> Event | None:
+    def observe_chunk(
+        self,
+        t: int,
+        uncertainty: float,
+        failure_alarm: bool = False,
+        failure: float = float("nan"),
+        now: float | None = None,
+    ) -> Event | None:
         """The policy produced a new chunk at step ``t`` with this uncertainty (NaN = not available) and
-        the server's failure-predictor alarm: update the CUSUM; a takeover (reason ``uncertainty: ...``, or
-        ``failure predictor: ...`` under ``rules.failure_alarm``) when an alarm fires, before the chunk is
-        executed. Call only while the policy is in control, after :meth:`observe` of the same step."""
+        the server's failure-predictor alarm (and score ``failure``: the request's urgency): update the
+        CUSUM; a takeover (reason ``uncertainty: ...``, or ``failure predictor: ...`` under
+        ``rules.failure_alarm``) when an alarm fires, before the chunk is executed; in the requests mode,
+        a help request, and a takeover only when the desk's operator has reached the robot. Call only while
+        the policy is in control, after :meth:`observe` of the same step."""
         if self.driving:
             return None
         x = float(uncertainty)
         self.scores.append(x)
         r = self.rules
+        if r.requests:
+            if r.failure_alarm and failure_alarm:
+                p = float(failure) if math.isfinite(failure) else 1.0
+                self._ask(p, f"failure predictor: alarm on this chunk (p {p:.2f})", now)
+            if r.uncertainty_alarm:
+                self.cusum = cusum_step(self.cusum, x, r.uncertainty_mean, r.uncertainty_std, r.uncertainty_k)
+                if self._alarm():
+                    self._ask(self.cusum / r.uncertainty_h, self._alarm_reason(), now)
+            return self._answered(now)
         if r.failure_alarm and failure_alarm:
             event = self._take_over("failure predictor: alarm on this chunk")
             if event is not None:
@@ -241,14 +321,23 @@ class SimulatedOperator:
         target = priv["obj_pos"] if "obj_pos" in priv else priv["goal_pos"]
         return float(np.linalg.norm(np.asarray(priv["tcp_pos"]) - np.asarray(target)))
 
-    def _take_over(self, reason: str | None) -> Event | None:
+    def _may_take_over(self) -> bool:
+        """Not too soon after a handback, and within the episode's budget."""
         r = self.rules
-        if reason is None or self.since_handback < r.min_autonomous_steps:
-            return None
-        if self.takeovers >= r.max_takeovers or self.human_steps >= self.budget_steps:
+        return (
+            self.since_handback >= r.min_autonomous_steps
+            and self.takeovers < r.max_takeovers
+            and self.human_steps < self.budget_steps
+        )
+
+    def _take_over(self, reason: str | None) -> Event | None:
+        if reason is None or not self._may_take_over():
             return None
         if self.desk is not None and not self.desk.try_acquire():
             return None  # every seat is busy: the policy keeps going, ask again next step
+        return self._start(reason)
+
+    def _start(self, reason: str) -> Event:
         self.driving = True
         self.takeovers += 1
         self.driven = 0
@@ -258,25 +347,49 @@ class SimulatedOperator:
         self.reasons.append(reason)
         return Event("takeover", reason)
 
+    def _ask(self, urgency: float, reason: str, now: float | None) -> None:
+        """Requests mode: open (or raise the urgency of) this robot's help request, budget permitting."""
+        if not self._may_take_over():
+            return
+        if not self.asking:
+            self.asking, self.requests, self.pending = True, self.requests + 1, (urgency, reason)
+        elif urgency > self.pending[0]:
+            self.pending = (urgency, reason)
+        self.desk.ask(self.robot, urgency, self._clock(now))  # type: ignore[union-attr]
+
+    def _answered(self, now: float | None) -> Event | None:
+        """Requests mode: the takeover, once the desk's operator has reached this robot."""
+        if not self.asking or not self.desk.poll(self.robot, self._clock(now)):  # type: ignore[union-attr]
+            return None
+        self.asking = False
+        return self._start(self.pending[1])
+
     def act(self, priv: Privileged) -> np.ndarray:
         """The operator's action for this step (call only while :attr:`driving`)."""
         self.driven += 1
         self.human_steps += 1
         return self.expert.act(priv)
 
-    def end_episode(self) -> None:
-        if self.driving:
-            self._release()
+    def end_episode(self, now: float | None = None) -> None:
+        """The episode ended: hand back, and withdraw a request still open (unanswered)."""
+        if self.driving or self.asking:
+            self._release(now)
 
-    def _handback(self, t: int, dense_reward: float, reason: str) -> Event:
-        self._release()
+    def _handback(self, t: int, dense_reward: float, reason: str, now: float | None) -> Event:
+        self._release(now)
         self.since_handback = 0
         self.best = dense_reward  # judge the policy from where the operator left it
         self.last_progress = t
         self.cusum = 0.0  # and its uncertainty from here on
         return Event("handback", reason)
 
-    def _release(self) -> None:
-        self.driving = False
-        if self.desk is not None:
+    def _release(self, now: float | None) -> None:
+        self.driving = self.asking = False
+        if isinstance(self.desk, HelpDesk):
+            self.desk.release(self.robot, self._clock(now))
+        elif self.desk is not None:
             self.desk.release()
+
+    @staticmethod
+    def _clock(now: float | None) -> float:
+        return time.monotonic() if now is None else now

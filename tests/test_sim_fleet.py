@@ -8,7 +8,9 @@ are real ManiSkill processes in state mode with short episodes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -178,7 +180,10 @@ def test_operator_takes_over_on_the_failure_predictors_alarm() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the fleet
-def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@contextlib.contextmanager
+def fleet_services(tmp_path: Path) -> Iterator[tuple[PolicyServer, Collector]]:
+    """A policy server on a tiny random checkpoint (model id ``push``) and a collector into
+    ``tmp_path/store``, stopped on exit."""
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
     config = ServerConfig(checkpoint=str(ckpt), model_id="push", port=0, torch_threads=1, device="cpu")
     server = PolicyServer(config, token="x").start()
@@ -186,6 +191,14 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
     ).start()
     try:
+        yield server, collector
+    finally:
+        collector.stop()
+        server.stop()
+
+
+def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with fleet_services(tmp_path) as (server, collector):
         # the uncertainty alarm on, with a threshold the random policy's first chunk crosses (its score
         # rides with the chunk from the server): every episode starts with an "uncertainty" takeover
         rules = OperatorRules(
@@ -211,9 +224,6 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         assert result.errors == []
         assert collector.drain(60)
         commit = server.slots["push"].active.commit
-    finally:
-        collector.stop()
-        server.stop()
     assert {r: s.episodes for r, s in result.robots.items()} == {"sim-0": 2, "sim-1": 2}
     frames, episodes = read_records(sorted((tmp_path / "records").glob("*.jsonl")))
     store = EpisodeStore(tmp_path / "store")
@@ -259,6 +269,42 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
     assert main(["store", "info", str(tmp_path / "store")]) == 0
     out = capsys.readouterr().out
     assert "intervention rate (frames)" in out and "sim-0" in out and "sim-1" in out
+
+
+def test_sim_fleet_help_desk_answers_requests(tmp_path: Path) -> None:
+    """The requests mode through the real fleet: robots ask on their uncertainty alarm (every chunk of the
+    random policy crosses this h), one operator answers them, the desk's counters add up."""
+    with fleet_services(tmp_path) as (server, collector):
+        rules = OperatorRules(
+            mode="requests",
+            reaction_s=0.05,
+            drive_steps=4,
+            max_fraction=0.6,
+            uncertainty_k=0.0,
+            uncertainty_h=1e-3,
+        )
+        cfg = FleetConfig(
+            progress=False,
+            robots=2,
+            server=server.address,
+            collector=collector.address,
+            episodes=1,
+            max_episode_steps=15,
+            rules=rules,
+            collector_token=TOKEN,
+        )
+        result = run_sim_fleet(cfg)
+        assert result.errors == [] and collector.drain(60)
+    desk = result.desk
+    assert desk is not None and desk.capacity == 1 and desk.reaction_s == pytest.approx(0.05)
+    assert desk.answered >= 1 and desk.requests == desk.answered + desk.unanswered
+    assert sum(e["requests"] for e in result.episodes) == desk.requests
+    assert sum(e["takeovers"] for e in result.episodes) == desk.answered
+    reasons = [r for e in result.episodes for r in e["reasons"]]
+    assert reasons and all(r.startswith("uncertainty: CUSUM") for r in reasons)
+    m = result.operator_metrics(cfg.operators)
+    assert m["requests"] == desk.requests and m["mean_wait_s"] >= 0.05 - 1e-9
+    assert 0 < m["operator_utilisation"] <= 1
 
 
 def test_fleet_and_collect_cli_errors(

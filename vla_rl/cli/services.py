@@ -250,6 +250,17 @@ def fleet_sim(a: Any) -> int:
         f"{human}/{steps} frames ({human / max(steps, 1):.0%}); robots waited for a busy operator "
         f"{result.operator_busy_waits} times"
     )
+    if result.desk is not None and result.episodes:
+        m = result.operator_metrics(cfg.operators)
+        wait = "-" if m["mean_wait_s"] is None else f"{m['mean_wait_s']:.1f} s"
+        print(
+            f"help desk ({cfg.operators} operators, reaction {cfg.rules.reaction_s:g} s): {m['requests']} "
+            f"requests, {m['requests_unanswered']} unanswered, mean wait {wait}; "
+            f"{m['failures_without_takeover']}/{m['failures']} failures never taken over; "
+            f"{m['interventions_per_robot_hour']:.1f} interventions per robot-hour, "
+            f"{m['successful_episodes_per_operator_hour']:.1f} successful episodes per operator-hour, "
+            f"operators busy {m['operator_utilisation']:.0%}"
+        )
     for e in result.errors:
         print(f"error: {e}", file=sys.stderr)
     return 1 if result.errors else 0
