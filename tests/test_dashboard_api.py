@@ -763,6 +763,50 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
         assert unscored == [None] * len(calm)
 
 
+def test_failure_score_flag_is_listed_filtered_and_plotted(tmp_path: Path) -> None:
+    """An episode the failure predictor was sure about gets the ``failure_score`` badge and the flag filter
+    finds it alone; a calm one and one without scores do not; the series carries the scores (null where
+    there are none)."""
+    from vla_rl_client.meta import Controller
+
+    spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
+    store = EpisodeStore(tmp_path / "store", create=True, db=MetadataDB.for_store(tmp_path / "store"))
+    calm = np.repeat(np.float32([0.1, 0.2, 0.15, 0.3, 0.2]), 2)
+    sure = calm.copy()
+    sure[6:8] = 0.93
+    ids = {}
+    for name, p in (("sure", sure), ("calm", calm), ("unscored", None)):
+        w = store.create_episode(spec, robot_id="arm-1", task=TASK, episode_id=f"ep-{name}")
+        x = np.linspace(0, 3, len(calm), dtype=np.float32)
+        w.add_frames(
+            {
+                "cameras": {},
+                "state": np.zeros((len(x), 2), np.float32),
+                "action": 0.5 * np.stack([np.sin(x), np.cos(x)], 1),
+                "controller": Controller.POLICY,
+                "revision": "rev-1",
+                "failure": p,
+            }
+        )
+        ids[name] = w.close("failure").episode_id
+    cfg = DashboardConfig(store=tmp_path / "store", workdir=tmp_path / "w")
+    for d in serve_dashboard(cfg):
+        c = d.client("viewer")
+        _wait(lambda c=c: not c.get("/api/v1/health").json()["sync"]["running"], 60, "the start-up sync")
+        everything = c.get("/api/v1/episodes", params={"per_page": 20}).json()["items"]
+        flags = {x["id"]: sorted(x["flags"]) for x in everything}
+        assert flags == {ids["sure"]: ["failure_score"], ids["calm"]: [], ids["unscored"]: []}
+        got = c.get("/api/v1/episodes", params={"flag": "failure_score"}).json()["items"]
+        assert [x["id"] for x in got] == [ids["sure"]]
+        f = got[0]["flags"]["failure_score"]
+        assert f["score"] == pytest.approx(0.93, abs=1e-5)
+        assert f["detail"].startswith("peak failure score 0.93 (frame 6); fixed threshold 0.5")
+        series = c.get(f"/api/v1/episodes/{ids['sure']}/series").json()
+        np.testing.assert_allclose(series["failure"], sure, atol=1e-5)
+        unscored = c.get(f"/api/v1/episodes/{ids['unscored']}/series").json()["failure"]
+        assert unscored == [None] * len(calm)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_unreachable_store_and_db_answer_503_naming_them(tmp_path: Path, backend: str) -> None:
     missing = tmp_path / "no-store"
