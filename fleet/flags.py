@@ -40,10 +40,10 @@ the episode list filters on them in SQL.
   before the store kept them, human-only, a checkpoint without a predictor) are not raised: "no failure
   score recorded" (score 0).
 
-``stillness``, ``jerk``, ``length_outlier`` and ``failure_score`` are also judged against the task's own recent episodes
-(:mod:`fleet.flag_fleet`): raised only above the ``fleet_quantile`` (0.95) of the same metric over the
-task's other newest ``fleet_window`` episodes as well as above the fixed threshold above (a floor), once the
-task has ``fleet_min_episodes`` (20) others; each result stores the threshold it was judged by.
+``stillness``, ``jerk``, ``length_outlier`` and ``failure_score`` are also judged against the task's own
+recent episodes (:mod:`fleet.flag_fleet`): raised only above the ``fleet_quantile`` (0.95) of the same metric
+over the task's other newest ``fleet_window`` episodes as well as above the fixed threshold above (a floor),
+once the task has ``fleet_min_episodes`` (20) others; each result stores the threshold it was judged by.
 
 A new check: a function of the episode (and the task's lengths) returning a :class:`fleet.db.Flag`,
 an entry in :data:`CHECKS` and its name in :data:`FLAG_NAMES`; :func:`refresh_flags` then computes it
@@ -124,8 +124,8 @@ class FlagThresholds:
     failure_floor: float = 0.5
     """A peak failure score above this raises ``failure_score`` (a probability: in (0, 1))."""
     fleet_quantile: float = 0.95
-    """``stillness``, ``jerk``, ``length_outlier``, ``failure_score`` are raised only above this quantile of the same metric
-    over the task's other recent episodes too (:mod:`fleet.flag_fleet`; in (0, 1))."""
+    """``stillness``, ``jerk``, ``length_outlier``, ``failure_score`` are raised only above this quantile of
+    the same metric over the task's other recent episodes too (:mod:`fleet.flag_fleet`; in (0, 1))."""
     fleet_window: int = 500
     """... over the task's newest this many closed episodes."""
     fleet_min_episodes: int = 20

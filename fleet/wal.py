@@ -362,7 +362,9 @@ def decode_frames(
     if msg.HasField("failure"):  # unset (an older robot, or nothing scored): NaN for every frame
         f = tensor("failure", "float32", (n,))
         if not failure_scores_valid(f):
-            raise SpecError("frames.failure", "scores in [0, 1], or NaN for no score", "a value outside")
+            raise SpecError(
+                "frames.failure", "scores in [0, 1], or NaN for no score", "a value outside [0, 1]"
+            )
         out["failure"] = f
     revs = list(msg.revision)
     if len(revs) not in (0, 1, n):

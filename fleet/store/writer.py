@@ -207,7 +207,8 @@ class EpisodeWriter:
         Keys: ``cameras`` ({name: uint8 [N,H,W,3]}), ``state`` [N,S], ``action`` [N,A] (float32) and,
         optionally, ``proposed_action`` ([N,A] float32, all-NaN rows = none), ``reward`` [N],
         ``terminated``/``truncated`` (bool [N]), ``controller`` (one value or [N]), ``revision`` (one
-        string or N strings), ``timestamp`` ([N] float), ``uncertainty`` ([N] float, NaN = no score), ``failure`` ([N] float in [0, 1], NaN = no score).
+        string or N strings), ``timestamp`` ([N] float), ``uncertainty`` ([N] float, NaN = no score),
+        ``failure`` ([N] float in [0, 1], NaN = no score).
         The whole batch is checked before any frame is buffered.
         """
         action = batch.get("action")
