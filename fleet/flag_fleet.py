@@ -2,14 +2,14 @@
 
 A fixed threshold on a metric flags whatever a policy does all the time: on a fresh fleet a jittery policy
 gets ``jerk`` on nearly every episode, which points an operator at nothing. So the metric checks
-(:data:`FLEET_CHECKS`: ``stillness``, ``jerk``, ``length_outlier``) are judged by the task's own recent
-episodes: an episode is raised when its check passes the fixed threshold (now a floor, the check's own
-rule, :class:`fleet.flags.FlagThresholds`) **and** its score is above the ``fleet_quantile`` (0.95) of the
-same metric over the task's other newest ``fleet_window`` (500) closed episodes (the ``q``-quantile taken
-as the ``ceil(q m)``-th smallest of their ``m`` scores). On a fleet where every episode is equally jerky,
-about 5% are raised; an episode far above its peers is raised however noisy the peers are. The check's
-threshold (``max(floor, quantile)``), how many episodes it rested on and whether it was calibrated are
-stored with the result (``Flag.threshold``, ``reference_n``, ``calibrated``), and its detail says so.
+(:data:`FLEET_CHECKS`: ``stillness``, ``jerk``, ``length_outlier``, ``failure_score``) are judged by the
+task's own recent episodes: an episode is raised when its check passes the fixed threshold (now a floor, the
+check's own rule, :class:`fleet.flags.FlagThresholds`) **and** its score is above the ``fleet_quantile``
+(0.95) of the same metric over the task's other newest ``fleet_window`` (500) closed episodes (the
+``q``-quantile taken as the ``ceil(q m)``-th smallest of their ``m`` scores). On a fleet where every episode
+is equally jerky, about 5% are raised; an episode far above its peers is raised however noisy the peers are.
+The check's threshold (``max(floor, quantile)``), how many episodes it rested on and whether it was calibrated
+are stored with the result (``Flag.threshold``, ``reference_n``, ``calibrated``), and its detail says so.
 
 With fewer than ``fleet_min_episodes`` (20) other episodes of the task the fixed threshold alone judges
 (``calibrated`` False, as before calibration existed). A stored result is judged again once its task has
@@ -39,7 +39,12 @@ class FlagThresholds(Protocol):
     fleet_min_episodes: int
 
 
-FLEET_CHECKS: dict[str, str] = {"stillness": "still_s", "jerk": "jerk_ratio", "length_outlier": "length_z"}
+FLEET_CHECKS: dict[str, str] = {
+    "stillness": "still_s",
+    "jerk": "jerk_ratio",
+    "length_outlier": "length_z",
+    "failure_score": "failure_floor",
+}
 """The checks judged against the fleet, and the :class:`~fleet.flags.FlagThresholds` field of each one's
 fixed threshold (the floor)."""
 

@@ -34,11 +34,16 @@ the episode list filters on them in SQL.
   cannot score) are not raised: "no uncertainty recorded". The operator acts on the alarm *before* executing the chunk that fires it,
   so an episode whose takeover came from the alarm may stay under ``h`` here (its ``takeovers`` flag
   says why).
+* ``failure_score``: the peak of the learned failure predictor's per-chunk score (the policy server's
+  ``failure``, P(failure or takeover soon), stored per frame: :attr:`fleet.store.Episode.failure`) over the
+  episode's policy-controlled frames; raised above ``failure_floor``. Episodes without scores (recorded
+  before the store kept them, human-only, a checkpoint without a predictor) are not raised: "no failure
+  score recorded" (score 0).
 
-``stillness``, ``jerk`` and ``length_outlier`` are also judged against the task's own recent episodes
-(:mod:`fleet.flag_fleet`): raised only above the ``fleet_quantile`` (0.95) of the same metric over the
-task's other newest ``fleet_window`` episodes as well as above the fixed threshold above (a floor), once the
-task has ``fleet_min_episodes`` (20) others; each result stores the threshold it was judged by.
+``stillness``, ``jerk``, ``length_outlier`` and ``failure_score`` are also judged against the task's own
+recent episodes (:mod:`fleet.flag_fleet`): raised only above the ``fleet_quantile`` (0.95) of the same metric
+over the task's other newest ``fleet_window`` episodes as well as above the fixed threshold above (a floor),
+once the task has ``fleet_min_episodes`` (20) others; each result stores the threshold it was judged by.
 
 A new check: a function of the episode (and the task's lengths) returning a :class:`fleet.db.Flag`,
 an entry in :data:`CHECKS` and its name in :data:`FLAG_NAMES`; :func:`refresh_flags` then computes it
@@ -70,7 +75,14 @@ from fleet.uncertainty import calibrate_cusum, conformal_threshold, cusum_path, 
 
 log = logging.getLogger(__name__)
 
-FLAG_NAMES: tuple[str, ...] = ("stillness", "jerk", "length_outlier", "takeovers", "high_uncertainty")
+FLAG_NAMES: tuple[str, ...] = (
+    "stillness",
+    "jerk",
+    "length_outlier",
+    "takeovers",
+    "high_uncertainty",
+    "failure_score",
+)
 
 
 @dataclass(frozen=True)
@@ -109,9 +121,11 @@ class FlagThresholds:
     """Fixed reference std of a chunk's score (> 0)."""
     uncertainty_h: float = 3.52
     """Fixed threshold: peak CUSUM above this raises ``high_uncertainty`` (in reference stds; > 0)."""
+    failure_floor: float = 0.5
+    """A peak failure score above this raises ``failure_score`` (a probability: in (0, 1))."""
     fleet_quantile: float = 0.95
-    """``stillness``, ``jerk``, ``length_outlier`` are raised only above this quantile of the same metric
-    over the task's other recent episodes too (:mod:`fleet.flag_fleet`; in (0, 1))."""
+    """``stillness``, ``jerk``, ``length_outlier``, ``failure_score`` are raised only above this quantile of
+    the same metric over the task's other recent episodes too (:mod:`fleet.flag_fleet`; in (0, 1))."""
     fleet_window: int = 500
     """... over the task's newest this many closed episodes."""
     fleet_min_episodes: int = 20
@@ -148,6 +162,9 @@ class FlagThresholds:
                 f"uncertainty_max_calibration: expected at least {min_calibration_episodes(a)} "
                 f"(what alpha {a} needs), got {n}"
             )
+        f = self.failure_floor
+        if not _is_number(f) or not 0 < f < 1:
+            raise ValueError(f"failure_floor: expected a number in (0, 1), got {f!r}")
         q = self.fleet_quantile
         if not _is_number(q) or not 0 < q < 1:
             raise ValueError(f"fleet_quantile: expected a number in (0, 1), got {q!r}")
@@ -229,6 +246,19 @@ def takeovers(ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS) -> Flag:
     why = f": {', '.join(reasons)}" if reasons else ""
     detail = f"{len(human)} takeover{'s' if len(human) > 1 else ''} ({frames} human frames){why}"
     return Flag("takeovers", float(len(human)), detail, raised=True)
+
+
+def failure_score(ep: Episode, th: FlagThresholds = DEFAULT_THRESHOLDS) -> Flag:
+    """The peak learned failure score over the episode's policy-controlled frames (each frame carries its
+    chunk's score, so this is the peak per-chunk score)."""
+    p = np.full(ep.length, np.nan) if ep.failure is None else np.asarray(ep.failure, np.float64)
+    p = np.where(np.asarray(ep.controller) == int(Controller.POLICY), p, np.nan)
+    if not np.isfinite(p).any():
+        return Flag("failure_score", 0.0, "no failure score recorded", raised=False)
+    t = int(np.nanargmax(p))
+    peak = float(p[t])
+    detail = f"peak failure score {peak:.2f} (frame {t})"
+    return Flag("failure_score", peak, detail, raised=peak > th.failure_floor)
 
 
 def episode_uncertainty(ep: Episode) -> np.ndarray | None:
@@ -496,6 +526,7 @@ CHECKS: dict[str, Callable[[Episode, Sequence[int], FlagThresholds, RevisionCali
     "length_outlier": lambda ep, lengths, th, _cal: length_outlier(ep, lengths, th),
     "takeovers": lambda ep, _lengths, th, _cal: takeovers(ep, th),
     "high_uncertainty": lambda ep, _lengths, th, cal: high_uncertainty(ep, th, cal),
+    "failure_score": lambda ep, _lengths, th, _cal: failure_score(ep, th),
 }
 
 

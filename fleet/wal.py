@@ -30,6 +30,8 @@ from vla_rl_client.proto import collector_pb2 as pb
 from vla_rl_client.spec import RobotSpec, SpecError
 from vla_rl_client.wire import WireTensor
 
+from fleet.store.layout import failure_scores_valid
+
 WAL_DIR = "wal"  # under the store's root
 SEGMENT_KINDS = {  # SegmentMarker.kind -> the store's kind
     pb.AUTONOMOUS: SegmentKind.AUTONOMOUS,
@@ -357,6 +359,13 @@ def decode_frames(
         if np.isinf(u).any():
             raise SpecError("frames.uncertainty", "finite scores, or NaN for no score", "inf")
         out["uncertainty"] = u
+    if msg.HasField("failure"):  # unset (an older robot, or nothing scored): NaN for every frame
+        f = tensor("failure", "float32", (n,))
+        if not failure_scores_valid(f):
+            raise SpecError(
+                "frames.failure", "scores in [0, 1], or NaN for no score", "a value outside [0, 1]"
+            )
+        out["failure"] = f
     revs = list(msg.revision)
     if len(revs) not in (0, 1, n):
         raise SpecError("frames.revision", f"no, one or {n} strings", f"{len(revs)} strings")

@@ -127,7 +127,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
             )
             segments = [{"start": 0, "kind": "autonomous", "controller": 0}]
             chunk: np.ndarray | None = None
-            k, n_exec, commit, score = 0, 1, "", float("nan")
+            k, n_exec, commit, score, p_fail = 0, 1, "", float("nan"), float("nan")
             t = 0
             terminated = truncated = False
             while not (terminated or truncated):
@@ -144,6 +144,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
                     )
                     chunk, k, n_exec, commit = res.actions, 0, max(1, res.n_exec), res.commit
                     score = res.uncertainty  # stored with every frame acted from this chunk (NaN: none)
+                    p_fail = res.failure  # likewise the failure predictor's score (NaN: no predictor)
                     ev = operator.observe_chunk(t, res.uncertainty, res.failure_alarm, res.failure)  # alarms
                     if helper is not None:
                         helper.on_chunk(eid, res, operator)
@@ -153,13 +154,13 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
                 if operator.driving:
                     action = operator.act(info["privileged"])
                     proposed = np.full(env.spec.action_dim, np.nan, np.float32)
-                    ctrl, revision, unc = 1, "", float("nan")
+                    ctrl, revision, unc, fail = 1, "", float("nan"), float("nan")
                 else:
                     assert chunk is not None
                     proposed = np.asarray(chunk[k], np.float32)
                     k += 1
                     action = np.clip(proposed, -1.0, 1.0).astype(np.float32)
-                    ctrl, revision, unc = 0, commit, score
+                    ctrl, revision, unc, fail = 0, commit, score, p_fail
                 next_obs, reward, terminated, truncated, next_info = env.step(action)
                 ts = max(time.time(), last_ts)
                 last_ts = ts
@@ -175,6 +176,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
                     revision=revision,
                     timestamp=ts,
                     uncertainty=unc,
+                    failure=fail,
                 )
                 client.add(frame)
                 record.frame(eid, t, frame.digest(), ctrl, len(segments) - 1)

@@ -265,6 +265,66 @@ def test_uncertainty_round_trip_rejects_and_old_style_batches(collector: Collect
     assert store.verify(db=collector.db) == []
 
 
+def test_failure_round_trip_rejects_and_old_style_batches(collector: Collector) -> None:
+    """Per-frame learned failure scores travel robot -> collector -> store (NaN kept for unscored frames);
+    a bad score is refused naming the field, by the client and by the collector; a batch without the field
+    (an older client) is stored as all NaN."""
+    client = RobotClient(collector.address, "arm-f", SPEC, "test/task", token=TOKEN, max_batch_frames=4)
+    rng = np.random.default_rng(4)
+    scores = np.repeat(rng.uniform(0, 1, 15).astype(np.float32), 2)  # one score per 2-frame chunk
+    scores[10:16] = np.nan  # a human's frames: no chunk
+    cam = {"front": np.zeros((16, 16, 3), np.uint8)}
+    eid = client.start_episode()
+    for i in range(30):
+        if i == 10:
+            client.begin_segment("intervention", "human", reason="test")
+        if i == 16:
+            client.begin_segment("autonomous", "policy", reason="handback")
+        p = None if np.isnan(scores[i]) else float(scores[i])
+        client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), uncertainty=0.5, failure=p)
+    for bad, text in (
+        (1.5, r"^failure: expected a score in \[0, 1\]"),
+        ("x", r"^failure: expected a number"),
+    ):
+        with pytest.raises(SpecError, match=text):
+            client.add_frame(cam, np.zeros(5, np.float32), np.zeros(3, np.float32), failure=bad)
+    client.end_episode("success")
+    assert client.close(30) and client.stats.rejects == 0
+
+    send, recv, close = raw_stream(collector.address)
+    send(hello())
+    assert recv().WhichOneof("body") == "welcome"
+    send(pb.RobotMessage(start=pb.StartEpisode(episode_id="old-style")))
+    assert recv().ack.committed == 0
+    send(segment("old-style", 0, 0))
+    assert recv().ack.segments == 1
+    for bad_t, text in (
+        (np.zeros(2, np.float64), "frames.failure: expected dtype float32"),
+        (np.zeros(3, np.float32), "frames.failure: expected a tensor of at most 8 non-negative dims"),
+        (np.array([0.5, 1.5], np.float32), "frames.failure: expected scores in [0, 1], or NaN"),
+        (np.array([np.inf, 0.5], np.float32), "frames.failure: expected scores in [0, 1], or NaN"),
+    ):
+        send(batch("old-style", 0, 2, failure=bad_t))
+        r = recv()
+        assert r.WhichOneof("body") == "reject" and r.reject.code == SC.INVALID_ARGUMENT.value[0], r
+        assert text in r.reject.message, r.reject.message
+    send(batch("old-style", 0, 4, uncertainty=np.full(4, 0.3, np.float32)))  # no failure field at all
+    assert recv().ack.committed == 4
+    send(pb.RobotMessage(end=pb.EndEpisode(episode_id="old-style", length=4, outcome="success")))
+    assert recv().ack.ended
+    close()
+    assert collector.drain(30)
+    store = collector.store
+    ep = store.read_episode(eid, cameras=False)
+    assert ep.failure is not None and ep.failure.dtype == np.float32
+    np.testing.assert_allclose(ep.failure, scores, rtol=1e-6)  # NaN where NaN was sent
+    assert np.isnan(ep.failure[10:16]).all() and np.isfinite(ep.failure[:10]).all()
+    old = store.read_episode("old-style", cameras=False)
+    assert old.failure is not None and len(old.failure) == 4 and np.isnan(old.failure).all()
+    np.testing.assert_allclose(old.uncertainty, 0.3, rtol=1e-6)
+    assert store.verify(db=collector.db) == []
+
+
 @SQLITE_ONLY
 def test_auth_required(collector: Collector, tmp_path: Path) -> None:
     for token in (None, "wrong"):

@@ -700,13 +700,31 @@ def test_revision_stats_skip_the_empty_revision(tmp_path: Path, db_url: str) -> 
     assert sum(p.episodes for p in timeline) == 3
 
 
+def _scored_episode(store: EpisodeStore, name: str, t: int, outcome: str, **scores: np.ndarray | None) -> str:
+    """A closed, policy-driven episode ``ep-NAME`` of ``t`` frames (smooth actions, revision ``rev-1``)
+    with the given per-frame scores (``uncertainty=...``, ``failure=...``)."""
+    from vla_rl_client.meta import Controller
+
+    spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
+    w = store.create_episode(spec, robot_id="arm-1", task=TASK, episode_id=f"ep-{name}")
+    x = np.linspace(0, 3, t, dtype=np.float32)
+    w.add_frames(
+        {
+            "cameras": {},
+            "state": np.zeros((t, 2), np.float32),
+            "action": 0.5 * np.stack([np.sin(x), np.cos(x)], 1),
+            "controller": Controller.POLICY,
+            "revision": "rev-1",
+            **scores,
+        }
+    )
+    return w.close(outcome).episode_id
+
+
 def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) -> None:
     """An episode with a burst of high chunk scores gets the ``high_uncertainty`` badge and the flag
     filter finds it alone; a calm one and one without scores do not; the series carries the scores (null
     where there are none)."""
-    from vla_rl_client.meta import Controller
-
-    spec = RobotSpec(name=TASK, state_dim=2, action_dim=2, control_hz=10.0, instruction="reach")
     store = EpisodeStore(tmp_path / "store", create=True, db=MetadataDB.for_store(tmp_path / "store"))
     calm = np.repeat(np.float32([0.55, 0.62, 0.58, 0.65, 0.6, 0.57, 0.63, 0.59, 0.61, 0.56]), 2)
     burst = calm.copy()
@@ -724,19 +742,7 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
         ("calm", calm, "success"),
         ("unscored", None, "success"),
     ):
-        w = store.create_episode(spec, robot_id="arm-1", task=TASK, episode_id=f"ep-{name}")
-        x = np.linspace(0, 3, len(calm), dtype=np.float32)
-        w.add_frames(
-            {
-                "cameras": {},
-                "state": np.zeros((len(x), 2), np.float32),
-                "action": 0.5 * np.stack([np.sin(x), np.cos(x)], 1),
-                "controller": Controller.POLICY,
-                "revision": "rev-1",
-                "uncertainty": u,
-            }
-        )
-        ids[name] = w.close(outcome).episode_id
+        ids[name] = _scored_episode(store, name, len(calm), outcome, uncertainty=u)
     cfg = DashboardConfig(store=tmp_path / "store", workdir=tmp_path / "w")
     for d in serve_dashboard(cfg):
         c = d.client("viewer")
@@ -760,6 +766,35 @@ def test_high_uncertainty_flag_is_listed_filtered_and_plotted(tmp_path: Path) ->
         series = c.get(f"/api/v1/episodes/{ids['burst']}/series").json()
         np.testing.assert_allclose(series["uncertainty"], burst, atol=1e-5)
         unscored = c.get(f"/api/v1/episodes/{ids['unscored']}/series").json()["uncertainty"]
+        assert unscored == [None] * len(calm)
+
+
+def test_failure_score_flag_is_listed_filtered_and_plotted(tmp_path: Path) -> None:
+    """An episode the failure predictor was sure about gets the ``failure_score`` badge and the flag filter
+    finds it alone; a calm one and one without scores do not; the series carries the scores (null where
+    there are none)."""
+    store = EpisodeStore(tmp_path / "store", create=True, db=MetadataDB.for_store(tmp_path / "store"))
+    calm = np.repeat(np.float32([0.1, 0.2, 0.15, 0.3, 0.2]), 2)
+    sure = calm.copy()
+    sure[6:8] = 0.93
+    ids = {}
+    for name, p in (("sure", sure), ("calm", calm), ("unscored", None)):
+        ids[name] = _scored_episode(store, name, len(calm), "failure", failure=p)
+    cfg = DashboardConfig(store=tmp_path / "store", workdir=tmp_path / "w")
+    for d in serve_dashboard(cfg):
+        c = d.client("viewer")
+        _wait(lambda c=c: not c.get("/api/v1/health").json()["sync"]["running"], 60, "the start-up sync")
+        everything = c.get("/api/v1/episodes", params={"per_page": 20}).json()["items"]
+        flags = {x["id"]: sorted(x["flags"]) for x in everything}
+        assert flags == {ids["sure"]: ["failure_score"], ids["calm"]: [], ids["unscored"]: []}
+        got = c.get("/api/v1/episodes", params={"flag": "failure_score"}).json()["items"]
+        assert [x["id"] for x in got] == [ids["sure"]]
+        f = got[0]["flags"]["failure_score"]
+        assert f["score"] == pytest.approx(0.93, abs=1e-5)
+        assert f["detail"].startswith("peak failure score 0.93 (frame 6); fixed threshold 0.5")
+        series = c.get(f"/api/v1/episodes/{ids['sure']}/series").json()
+        np.testing.assert_allclose(series["failure"], sure, atol=1e-5)
+        unscored = c.get(f"/api/v1/episodes/{ids['unscored']}/series").json()["failure"]
         assert unscored == [None] * len(calm)
 
 

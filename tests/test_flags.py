@@ -18,6 +18,7 @@ from fleet.flags import (
     calibration_basis,
     compute_flags,
     episode_uncertainty,
+    failure_score,
     high_uncertainty,
     jerk,
     length_outlier,
@@ -33,7 +34,10 @@ SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruc
 
 
 def _episode(
-    action: np.ndarray, segments: tuple[Segment, ...] = (), uncertainty: np.ndarray | None = None
+    action: np.ndarray,
+    segments: tuple[Segment, ...] = (),
+    uncertainty: np.ndarray | None = None,
+    failure: np.ndarray | None = None,
 ) -> Episode:
     t = len(action)
     meta = EpisodeMeta(
@@ -70,6 +74,7 @@ def _episode(
         revision=z.astype(np.int16),
         timestamp=z,
         uncertainty=None if uncertainty is None else np.asarray(uncertainty, np.float32),
+        failure=None if failure is None else np.asarray(failure, np.float32),
     )
 
 
@@ -192,6 +197,9 @@ def test_thresholds_are_validated() -> None:
         FlagThresholds(uncertainty_k=-0.1)
     with pytest.raises(ValueError, match="uncertainty_mean: expected a finite number"):
         FlagThresholds(uncertainty_mean=float("nan"))
+    for bad in (0.0, 1.0, "high"):
+        with pytest.raises(ValueError, match=r"^failure_floor: expected a number in \(0, 1\)"):
+            FlagThresholds(failure_floor=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="flag: unknown check 'colour'"):
         compute_flags(_episode(_smooth(5)), [], names=["colour"])
 
@@ -571,3 +579,60 @@ def test_fleet_quantile_and_when_a_result_is_judged_again() -> None:
         FlagThresholds(fleet_quantile=1.0)
     with pytest.raises(ValueError, match=r"^fleet_min_episodes: expected at most fleet_window"):
         FlagThresholds(fleet_window=10, fleet_min_episodes=20)
+
+
+# ------------------------------------------------------------------------------------------ failure score
+def test_failure_score_is_the_peak_over_the_policys_frames() -> None:
+    p = _per_frame([0.1, 0.3, 0.8, 0.2, 0.1])
+    p[:2] = np.nan  # the first chunk unscored
+    f = failure_score(_episode(_smooth(10), failure=p))
+    assert f.raised and f.score == pytest.approx(0.8) and f.detail == "peak failure score 0.80 (frame 4)"
+    calm = failure_score(_episode(_smooth(10), failure=_per_frame([0.1, 0.3, 0.4, 0.2, 0.1])))
+    assert not calm.raised and calm.score == pytest.approx(0.4)
+    assert not failure_score(_episode(_smooth(10), failure=p), FlagThresholds(failure_floor=0.9)).raised
+    human = dataclasses.replace(
+        _episode(_smooth(10), failure=p), controller=np.array([0] * 4 + [1] * 6, np.uint8)
+    )
+    assert failure_score(human).score == pytest.approx(0.3)  # a human's frames are not the policy's
+    for none in (None, np.full(10, np.nan)):  # recorded before the store kept it / nothing scored
+        f = failure_score(_episode(_smooth(10), failure=none))
+        assert (f.raised, f.score, f.detail) == (False, 0.0, "no failure score recorded")
+
+
+def _failing(store: EpisodeStore, chunks: list[float] | None) -> str:
+    """A policy-driven episode with these per-chunk failure scores (None: none recorded), in one batch."""
+    t = 2 * len(chunks) if chunks is not None else 20
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
+    w.add_frames(
+        {
+            "cameras": {},
+            "state": np.zeros((t, 2), np.float32),
+            "action": _smooth(t).astype(np.float32),
+            "controller": Controller.POLICY,
+            "revision": "r",
+            "failure": None if chunks is None else _per_frame(chunks),
+        }
+    )
+    return w.close(outcome="success", success=True).episode_id
+
+
+def test_failure_score_is_judged_against_the_fleet(tmp_path, db_url: str) -> None:
+    """A policy whose predictor is always somewhat worried (peaks 0.55-0.75, above the 0.5 floor): the fixed
+    rule raises every episode; judged against the task's episodes only the few above its 95th percentile
+    are, and an episode the predictor was sure would fail is. An episode without scores is never raised."""
+    db = MetadataDB(db_url)
+    store = EpisodeStore(tmp_path / "store", create=True, db=db)
+    rng = np.random.default_rng(1)
+    worried = [_failing(store, [*rng.uniform(0.3, 0.55, 8), rng.uniform(0.55, 0.75)]) for _ in range(30)]
+    sure = _failing(store, [0.2, 0.4, 0.97, 0.5])
+    unscored = _failing(store, None)
+    assert all(failure_score(store.read_episode(e, cameras=False)).raised for e in worried)  # the fixed rule
+    refresh_flags(store, db)
+    raised = db.flags([*worried, sure, unscored])
+    assert "failure_score" in raised[sure] and raised[unscored] == {}
+    assert sum("failure_score" in raised[e] for e in worried) <= 3
+    f = raised[sure]["failure_score"]
+    assert f.score == pytest.approx(0.97) and f.calibrated is True and f.reference_n == 31
+    assert 0.55 < f.threshold < 0.75 and "of 31 other episodes of toy (floor 0.5)" in f.detail
+    none = db.flags([unscored], raised_only=False)[unscored]["failure_score"]
+    assert not none.raised and none.detail.startswith("no failure score recorded")

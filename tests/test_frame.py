@@ -28,6 +28,7 @@ def _frame(rng: np.random.Generator, i: int, **over: object) -> Frame:
         "revision": f"rev-{i % 3}",
         "timestamp": 100.0 + i,
         "uncertainty": 0.25 * i if i % 3 else None,
+        "failure": 0.125 * i if i % 2 else None,
     }
     return Frame(**{**fields, **over})  # type: ignore[arg-type]
 
@@ -51,6 +52,10 @@ def test_a_stored_frame_reads_back_as_the_frame_added(tmp_path: Path) -> None:
             assert got.uncertainty is not None and np.isnan(got.uncertainty)
         else:
             assert got.uncertainty == pytest.approx(f.uncertainty)
+        if f.failure is None:
+            assert got.failure is not None and np.isnan(got.failure)
+        else:
+            assert got.failure == pytest.approx(f.failure)
     assert set(frames[0].fields()) == FRAME_FIELDS == {f.name for f in dataclasses.fields(Frame)}
 
 

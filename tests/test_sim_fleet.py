@@ -22,6 +22,7 @@ from vla_rl_client.spec import RobotSpec
 from fleet.collector import Collector, CollectorConfig
 from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
+from policies.failure import FAILURE_DIR, FailureHead, FailureHeadConfig, FailurePredictor
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from server.config import ServerConfig
 from server.policy_server import PolicyServer
@@ -181,10 +182,15 @@ def test_operator_takes_over_on_the_failure_predictors_alarm() -> None:
 
 # ------------------------------------------------------------------------------------------ the fleet
 @contextlib.contextmanager
-def fleet_services(tmp_path: Path) -> Iterator[tuple[PolicyServer, Collector]]:
-    """A policy server on a tiny random checkpoint (model id ``push``) and a collector into
+def fleet_services(tmp_path: Path, failure: bool = False) -> Iterator[tuple[PolicyServer, Collector]]:
+    """A policy server on a tiny random checkpoint (model id ``push``; ``failure``: with a random failure
+    predictor over its features, so every chunk carries a learned failure score) and a collector into
     ``tmp_path/store``, stopped on exit."""
     ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec())
+    if failure:
+        torch.manual_seed(5)
+        head = FailureHead(FailureHeadConfig(feature_dim=32, hidden=(8,)))
+        FailurePredictor(head, 0.5, 0.05, {}).save(ckpt / FAILURE_DIR)
     config = ServerConfig(checkpoint=str(ckpt), model_id="push", port=0, torch_threads=1, device="cpu")
     server = PolicyServer(config, token="x").start()
     collector = Collector(
@@ -198,7 +204,7 @@ def fleet_services(tmp_path: Path) -> Iterator[tuple[PolicyServer, Collector]]:
 
 
 def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with fleet_services(tmp_path) as (server, collector):
+    with fleet_services(tmp_path, failure=True) as (server, collector):
         # the uncertainty alarm on, with a threshold the random policy's first chunk crosses (its score
         # rides with the chunk from the server): every episode starts with an "uncertainty" takeover
         rules = OperatorRules(
@@ -246,6 +252,10 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
         # every policy frame carries its chunk's score from the server (flow_vla: accel); human ones none
         assert ep.uncertainty is not None
         assert np.isfinite(ep.uncertainty[~human]).all() and np.isnan(ep.uncertainty[human]).all()
+        # ... and its learned failure score (the checkpoint has a predictor), in [0, 1]
+        assert ep.failure is not None and np.isnan(ep.failure[human]).all()
+        p = ep.failure[~human]
+        assert np.isfinite(p).all() and ((p >= 0) & (p <= 1)).all()
         revs = np.array(ep.meta.revisions)[ep.revision]
         assert (revs[~human] == commit).all() and (revs[human] == "").all()
         for i in range(ep.length):

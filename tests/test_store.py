@@ -46,12 +46,14 @@ Frames = dict[str, Any]
 
 def make_frames(n: int, seed: int) -> Frames:
     """Deterministic frames (an add_frames batch); every 4th frame has no proposed action and no
-    uncertainty score."""
+    uncertainty or failure score."""
     rng = np.random.default_rng(seed)
     proposed = rng.uniform(-1, 1, (n, SPEC.action_dim)).astype(np.float32)
     proposed[::4] = np.nan
     uncertainty = rng.uniform(0.2, 1.5, n).astype(np.float32)
     uncertainty[::4] = np.nan
+    failure = rng.uniform(0, 1, n).astype(np.float32)
+    failure[::4] = np.nan
     return {
         "cameras": {c.name: rng.integers(0, 256, (n, *c.shape), dtype=np.uint8) for c in SPEC.cameras},
         "state": rng.standard_normal((n, SPEC.state_dim), dtype=np.float32),
@@ -64,6 +66,7 @@ def make_frames(n: int, seed: int) -> Frames:
         "revision": [f"rev-{k}" if k else "" for k in rng.integers(0, 3, n)],
         "timestamp": 1.7e9 + np.cumsum(rng.uniform(0.01, 0.1, n)),
         "uncertainty": uncertainty,
+        "failure": failure,
     }
 
 
@@ -87,6 +90,7 @@ def add_singly(w: EpisodeWriter, frames: Frames, i: int, j: int) -> None:
             revision=frames["revision"][t],
             timestamp=float(frames["timestamp"][t]),
             uncertainty=None if np.isnan(frames["uncertainty"][t]) else float(frames["uncertainty"][t]),
+            failure=None if np.isnan(frames["failure"][t]) else float(frames["failure"][t]),
         )
 
 
@@ -107,6 +111,7 @@ def assert_frames_equal(ep: Episode, frames: Frames, n: int) -> None:
         "controller",
         "timestamp",
         "uncertainty",
+        "failure",
     ):
         got = getattr(ep, key)
         assert got.dtype == np.asarray(exp[key]).dtype, key
@@ -463,6 +468,10 @@ BAD_FRAMES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("revision", _with(revision=3)),
     ("uncertainty", _with(uncertainty=float("inf"))),
     ("uncertainty", _with(uncertainty="high")),
+    ("failure", _with(failure=1.5)),
+    ("failure", _with(failure=-0.1)),
+    ("failure", _with(failure=float("inf"))),
+    ("failure", _with(failure="likely")),
 ]
 
 
@@ -490,6 +499,8 @@ def test_bad_frames_are_rejected_naming_the_field_and_change_nothing(tmp_path: P
         ("timestamp", take(frames, 31, 40) | {"timestamp": frames["timestamp"][31:40][::-1].copy()}),
         ("revision", take(frames, 31, 40) | {"revision": ["a"] * 8}),
         ("uncertainty", take(frames, 31, 40) | {"uncertainty": frames["uncertainty"][31:39]}),
+        ("failure", take(frames, 31, 40) | {"failure": frames["failure"][31:39]}),
+        ("failure", take(frames, 31, 40) | {"failure": np.full(9, 2.0, np.float32)}),
         ("cameras.base_camera", take(frames, 31, 40) | {"cameras": take(frames, 30, 40)["cameras"]}),
     ]
     for field_name, batch in bad_batches:
@@ -554,6 +565,38 @@ def test_episodes_recorded_before_uncertainty_read_none_verify_and_resume(tmp_pa
     assert isinstance(arr, zarr.Array)
     arr[3] = np.inf
     assert store.verify() == ["new: uncertainty has inf in committed frames"]
+
+
+def test_episodes_recorded_before_failure_read_nan_verify_and_resume(tmp_path: Path) -> None:
+    """``failure`` is optional: an episode without the array (written before it existed) reads as all NaN,
+    verifies clean and is resumed without it; one with the array verifies its scores are in [0, 1]."""
+    import shutil
+
+    store = EpisodeStore(tmp_path, create=True)
+    frames = make_frames(40, seed=7)
+    w = store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="old")
+    w.add_frames(take(frames, 0, 20))
+    w.flush()
+    del w  # the writer went away with the episode open
+    shutil.rmtree(store.episodes_dir / "old" / "failure")  # recorded by an older version
+    r = store.resume_episode("old")
+    r.add_frames(take(frames, 20, 40))  # its failure scores are dropped: no array to hold them
+    r.close()
+    ep = store.read_episode("old")
+    assert ep.failure is not None and ep.failure.dtype == np.float32 and len(ep.failure) == 40
+    f5 = ep.frame(5).failure
+    assert np.isnan(ep.failure).all() and f5 is not None and np.isnan(f5)
+    np.testing.assert_array_equal(ep.uncertainty, frames["uncertainty"])  # the other score is kept
+    assert not (store.episodes_dir / "old" / "failure").exists() and store.verify() == []
+    with store.create_episode(SPEC, robot_id="r0", task=TASK, chunk_len=16, episode_id="new") as w:
+        w.add_frames(take(frames, 0, 40))
+    got = store.read_episode("new")
+    assert got.failure is not None and got.failure.tobytes() == frames["failure"].tobytes()
+    assert got.frame(1).failure == pytest.approx(float(frames["failure"][1]))
+    arr = zarr.open_group(store.episodes_dir / "new", mode="r+")["failure"]
+    assert isinstance(arr, zarr.Array)
+    arr[3] = 1.5
+    assert store.verify() == ["new: failure has scores outside [0, 1] in committed frames"]
 
 
 # ---------------------------------------------------------------------- metadata DB

@@ -16,11 +16,14 @@ Layout::
         revision                          int16   [T]  (index into the revisions table)
         timestamp                         float64 [T]  (unix seconds)
         uncertainty                       float32 [T]  (the policy's per-chunk score, NaN = none; optional)
+        failure                           float32 [T]  (the failure predictor's per-chunk score in [0, 1],
+                                                        NaN = none; optional)
 
-``uncertainty`` is *optional*: episodes recorded before it existed have no such array, read it as None
-(:attr:`Episode.uncertainty`), pass ``verify`` without it, and, resumed by a newer writer, stay without
-it (their scores are dropped, not back-filled). Every episode created now has it (all NaN when nothing
-was scored).
+``uncertainty`` and ``failure`` are *optional*: episodes recorded before they existed have no such
+array, pass ``verify`` without it, and, resumed by a newer writer, stay without it (their scores are
+dropped, not back-filled). A missing ``uncertainty`` reads as None (:attr:`Episode.uncertainty`), a
+missing ``failure`` as all NaN (:attr:`Episode.failure`). Every episode created now has both (all NaN
+when nothing was scored).
 
 One group per episode means concurrent writers of *different* episodes, even in different processes,
 never touch the same array (two processes appending to one zarr array corrupt it).

@@ -31,8 +31,14 @@ COMMIT_FILE = "commit.json"
 DEFAULT_CHUNK_LEN = 64
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch only: `$` lets "id\n" through
 _MAX_REVISIONS = int(np.iinfo(np.int16).max) + 1
-OPTIONAL_ARRAYS = frozenset(["uncertainty"])
+OPTIONAL_ARRAYS = frozenset(["uncertainty", "failure"])
 """Arrays an episode may lack (it was recorded before they existed): read as None, not an error."""
+
+
+def failure_scores_valid(scores: np.ndarray) -> bool:
+    """Whether every per-frame ``failure`` score is a probability in [0, 1] or NaN (no score)."""
+    s = np.asarray(scores)
+    return bool((np.isnan(s) | ((s >= 0) & (s <= 1))).all())
 
 
 @dataclass
@@ -54,6 +60,10 @@ class Episode:
     uncertainty: np.ndarray | None = None
     """float32 [T]: the policy's score of the chunk each frame's action came from (NaN: none);
     None for an episode recorded before the store kept it."""
+    failure: np.ndarray | None = None
+    """float32 [T]: the learned failure predictor's score (in [0, 1]) of the chunk each frame's action came
+    from (NaN: none). The store reads it as all NaN for an episode recorded before it kept the score;
+    None only for an episode built by hand without it."""
 
     @property
     def length(self) -> int:
@@ -73,6 +83,7 @@ class Episode:
             revision=self.meta.revisions[int(self.revision[i])],
             timestamp=float(self.timestamp[i]),
             uncertainty=None if self.uncertainty is None else float(self.uncertainty[i]),
+            failure=None if self.failure is None else float(self.failure[i]),
         )
 
     @property
@@ -98,6 +109,7 @@ def _layout(spec: RobotSpec) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
         revision=((), np.dtype(np.int16)),
         timestamp=((), np.dtype(np.float64)),
         uncertainty=((), np.dtype(np.float32)),
+        failure=((), np.dtype(np.float32)),
     )
     return out
 
@@ -187,7 +199,11 @@ def _episode_template(
         group = zarr.open_group(root, mode="w-")
         for key, (shape, dtype) in _layout(spec).items():
             fill: float | int | bool = (
-                math.nan if key in ("proposed_action", "uncertainty") else False if dtype == np.bool_ else 0
+                math.nan
+                if key in ("proposed_action", "uncertainty", "failure")
+                else False
+                if dtype == np.bool_
+                else 0
             )
             extra: dict[str, Any] = {}
             codec = camera_codecs.of(key.removeprefix("cameras/")) if key.startswith("cameras/") else None

@@ -406,6 +406,7 @@ class EpisodeStore(_Verify):
             revision=data["revision"],
             timestamp=data["timestamp"],
             uncertainty=data.get("uncertainty"),
+            failure=data["failure"] if "failure" in data else np.full(n, np.nan, np.float32),
         )
 
     def iter_episodes(

@@ -12,7 +12,7 @@ import zarr
 from vla_rl_client.meta import Controller, EpisodeDB, EpisodeMeta
 
 from fleet.objstore import ObjectStore
-from fleet.store.layout import COMMIT_FILE, OPTIONAL_ARRAYS, _array, _layout
+from fleet.store.layout import COMMIT_FILE, OPTIONAL_ARRAYS, _array, _layout, failure_scores_valid
 
 log = logging.getLogger("fleet.store")  # one logger for the whole store, as before the split
 
@@ -114,6 +114,8 @@ class _Verify:
             out.append("proposed_action has partly NaN rows")
         if "uncertainty" in v and np.isinf(v["uncertainty"]).any():
             out.append("uncertainty has inf in committed frames")
+        if "failure" in v and not failure_scores_valid(v["failure"]):
+            out.append("failure has scores outside [0, 1] in committed frames")
         if meta.is_closed and (meta.outcome is None or meta.success is None or meta.closed is None):
             out.append("closed without outcome/success/closed time")
         if db is not None and meta.is_closed:

@@ -30,6 +30,7 @@ from fleet.store.layout import (
     _put_atomic,
     _scalars,
     _write_pool,
+    failure_scores_valid,
 )
 
 
@@ -196,7 +197,7 @@ class EpisodeWriter:
         all-NaN row: no proposal). ``controller`` defaults to the current segment's controller,
         ``revision`` is the checkpoint revision that produced the action ("" for none), ``timestamp``
         defaults to now and may not go backwards. ``uncertainty`` is the policy's score of the chunk
-        the action came from (None or NaN: none).
+        the action came from, ``failure`` the failure predictor's (in [0, 1]); None or NaN: none.
         """
         return self._add(frame.fields(), None)
 
@@ -206,7 +207,8 @@ class EpisodeWriter:
         Keys: ``cameras`` ({name: uint8 [N,H,W,3]}), ``state`` [N,S], ``action`` [N,A] (float32) and,
         optionally, ``proposed_action`` ([N,A] float32, all-NaN rows = none), ``reward`` [N],
         ``terminated``/``truncated`` (bool [N]), ``controller`` (one value or [N]), ``revision`` (one
-        string or N strings), ``timestamp`` ([N] float), ``uncertainty`` ([N] float, NaN = no score).
+        string or N strings), ``timestamp`` ([N] float), ``uncertainty`` ([N] float, NaN = no score),
+        ``failure`` ([N] float in [0, 1], NaN = no score).
         The whole batch is checked before any frame is buffered.
         """
         action = batch.get("action")
@@ -262,6 +264,13 @@ class EpisodeWriter:
             unc = _scalars("uncertainty", unc, n, "fiu").astype(np.float32).reshape(rows)
             if np.isinf(unc).any():
                 raise SpecError("uncertainty", "finite scores, or NaN for none", "inf")
+        fail = frame.get("failure")
+        if fail is None:
+            fail = np.full(rows, np.nan, np.float32)
+        else:
+            fail = _scalars("failure", fail, n, "fiu").astype(np.float32).reshape(rows)
+            if not failure_scores_valid(fail):
+                raise SpecError("failure", "scores in [0, 1], or NaN for none", "a value outside [0, 1]")
 
         # Everything is valid: buffer (copies, so callers may reuse their arrays).
         if not self._segments:
@@ -283,6 +292,7 @@ class EpisodeWriter:
             revision=rev_idx,
             timestamp=ts,
             uncertainty=unc,
+            failure=fail,
         )
         self._reserve(self._n_pending + rows)
         at = self._n_pending

@@ -119,6 +119,8 @@ def make_router(ctx: Context) -> APIRouter:
             "truncated": ep.truncated.astype(bool).tolist(),
             # the policy's per-chunk score on each frame (null: not scored); None: not recorded
             "uncertainty": None if ep.uncertainty is None else _floats(ep.uncertainty),
+            # the failure predictor's per-chunk score on each frame (null: not scored)
+            "failure": None if ep.failure is None else _floats(ep.failure),
         }
 
     @r.get(

@@ -2,7 +2,8 @@
 stores, defined once.
 
     frame = Frame(cameras=obs["cameras"], state=obs["state"], action=executed, proposed_action=proposed,
-                  reward=r, revision=result.commit, uncertainty=result.uncertainty)
+                  reward=r, revision=result.commit, uncertainty=result.uncertainty,
+                  failure=result.failure)
     client.add(frame)            # or client.add_frame(cameras=..., state=..., action=..., ...)
     frame.digest()               # a content hash, equal to the digest of the frame the store holds
 
@@ -53,6 +54,9 @@ class Frame:
     uncertainty: float | None = None
     """The policy server's score of the chunk the action came from (``ActResult.uncertainty``); None or
     NaN: none (e.g. a human's frame)."""
+    failure: float | None = None
+    """The learned failure predictor's score of the chunk the action came from (``ActResult.failure``, a
+    probability in [0, 1]); None or NaN: none (a human's frame, a checkpoint without a predictor)."""
 
     def fields(self) -> dict[str, Any]:
         """Field name -> value, shallow (the arrays themselves, not copies)."""
@@ -61,7 +65,7 @@ class Frame:
     def digest(self) -> str:
         """A content hash of the frame, computed the same way from what a robot sent and what a store
         holds (cameras, state, action, proposal, reward, flags, controller, time; not the revision or the
-        score). Needs a known ``controller`` and ``timestamp``, which the store fills in otherwise."""
+        scores). Needs a known ``controller`` and ``timestamp``, which the store fills in otherwise."""
         if self.controller is None or self.timestamp is None:
             missing = "controller" if self.controller is None else "timestamp"
             raise ValueError(f"{missing}: a frame's digest needs it (the store fills it in when it is None)")

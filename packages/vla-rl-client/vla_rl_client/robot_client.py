@@ -3,7 +3,8 @@
     client = RobotClient("127.0.0.1:50071", robot_id="arm-7", spec=spec, task="maniskill/PushCube-v1")
     eid = client.start_episode()                      # segment 0: autonomous, policy in control
     client.add_frame(cameras=..., state=..., action=..., proposed_action=..., reward=r, revision=commit,
-                     uncertainty=result.uncertainty)   # the score of the chunk the action came from
+                     uncertainty=result.uncertainty,   # the scores of the chunk the action came from
+                     failure=result.failure)
     client.begin_segment("intervention", "human", reason="no progress for 10 steps")
     ...
     client.end_episode("success")
@@ -32,6 +33,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -62,6 +64,17 @@ _KIND = {
 _END = object()
 _FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _failure_score(value: Any) -> float:
+    """A frame's ``failure`` score as a float: a probability in [0, 1], or NaN for none (None or NaN)."""
+    try:
+        p = float("nan") if value is None else float(value)
+    except (TypeError, ValueError):
+        raise SpecError("failure", "a number in [0, 1] or None", repr(value)[:80]) from None
+    if not (math.isnan(p) or 0.0 <= p <= 1.0):
+        raise SpecError("failure", "a score in [0, 1], or None / NaN for none", repr(value)[:80])
+    return p
 
 
 class BufferFull(RuntimeError):
@@ -321,8 +334,9 @@ class RobotClient:
         """Validate and buffer one frame; returns its sequence number (index in the episode).
 
         ``frame.uncertainty``: the policy server's score of the chunk the action came from
-        (``ActResult.uncertainty``; None or NaN: none, e.g. a human's frame). A batch without any score
-        does not send the field.
+        (``ActResult.uncertainty``; None or NaN: none, e.g. a human's frame). ``frame.failure``: the learned
+        failure predictor's score of that chunk (``ActResult.failure``, in [0, 1]; None or NaN: none). A
+        batch without any score of a kind does not send that field.
         """
         cameras, state, action = frame.cameras, frame.state, frame.action
         proposed_action, reward, uncertainty = frame.proposed_action, frame.reward, frame.uncertainty
@@ -350,6 +364,7 @@ class RobotClient:
             raise SpecError(
                 "uncertainty", "a finite float32 score, or None / NaN for none", repr(uncertainty)
             )
+        p_fail = _failure_score(frame.failure)
         frame_bytes = sum(int(c.nbytes) for c in cameras.values()) + state.nbytes + 2 * action.nbytes + 32
         deadline = time.monotonic() + self.block_s
         with self._cond:
@@ -386,6 +401,7 @@ class RobotClient:
                     frame.revision,
                     ts,
                     score,
+                    p_fail,
                 )
             )
             ep.batch_bytes += frame_bytes
@@ -535,7 +551,7 @@ class RobotClient:
             return
         n = len(frames)
         seq = ep.frames - n
-        reward, terminated, truncated, controller, revs, times, scores = zip(*frames, strict=True)
+        reward, terminated, truncated, controller, revs, times, scores, fails = zip(*frames, strict=True)
         fb = pb.FrameBatch(episode_id=ep.id, seq=seq)
         for key, buf in self._vec_buf.items():
             getattr(fb, key).CopyFrom(to_tensor(buf[:n]))
@@ -544,9 +560,11 @@ class RobotClient:
         fb.truncated.CopyFrom(to_tensor(np.array(truncated, np.bool_)))
         fb.controller.CopyFrom(to_tensor(np.array(controller, np.uint8)))
         fb.timestamp.CopyFrom(to_tensor(np.array(times, np.float64)))
-        unc = np.array(scores, np.float32)
-        if not np.isnan(unc).all():  # unset = no score for any frame: old collectors never see the field
-            fb.uncertainty.CopyFrom(to_tensor(unc))
+        # Unset = no score for any frame: old collectors never see the fields.
+        for name, values in (("uncertainty", scores), ("failure", fails)):
+            col = np.array(values, np.float32)
+            if not np.isnan(col).all():
+                getattr(fb, name).CopyFrom(to_tensor(col))
         if any(revs):
             fb.revision.extend(revs if len(set(revs)) > 1 else revs[:1])
         # The pixels bypass protobuf: one copy, from the batch buffers into the message (packages/vla-rl-client/vla_rl_client/wire.py).

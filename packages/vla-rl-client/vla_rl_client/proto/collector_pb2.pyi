@@ -49,7 +49,7 @@ class StartEpisode(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., instruction: _Optional[str] = ...) -> None: ...
 
 class FrameBatch(_message.Message):
-    __slots__ = ("episode_id", "seq", "cameras", "state", "action", "proposed_action", "reward", "terminated", "truncated", "controller", "revision", "timestamp", "uncertainty")
+    __slots__ = ("episode_id", "seq", "cameras", "state", "action", "proposed_action", "reward", "terminated", "truncated", "controller", "revision", "timestamp", "uncertainty", "failure")
     class CamerasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class FrameBatch(_message.Message):
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     seq: int
     cameras: _containers.MessageMap[str, _policy_service_pb2.Tensor]
@@ -83,7 +84,8 @@ class FrameBatch(_message.Message):
     revision: _containers.RepeatedScalarFieldContainer[str]
     timestamp: _policy_service_pb2.Tensor
     uncertainty: _policy_service_pb2.Tensor
-    def __init__(self, episode_id: _Optional[str] = ..., seq: _Optional[int] = ..., cameras: _Optional[_Mapping[str, _policy_service_pb2.Tensor]] = ..., state: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., action: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., proposed_action: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., reward: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., controller: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., revision: _Optional[_Iterable[str]] = ..., timestamp: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., uncertainty: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    failure: _policy_service_pb2.Tensor
+    def __init__(self, episode_id: _Optional[str] = ..., seq: _Optional[int] = ..., cameras: _Optional[_Mapping[str, _policy_service_pb2.Tensor]] = ..., state: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., action: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., proposed_action: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., reward: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., controller: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., revision: _Optional[_Iterable[str]] = ..., timestamp: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., uncertainty: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ..., failure: _Optional[_Union[_policy_service_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SegmentMarker(_message.Message):
     __slots__ = ("episode_id", "index", "start", "kind", "controller", "reason")

@@ -291,6 +291,12 @@ export async function render(root, ctx) {
       p.setData({ series: [{ name: "uncertainty", values: unc, color: "#e15759", width: 1.5 }] });
       plots.push(p);
     }
+    const fail = flat(pick("failure"));
+    if (fail && fail.some((v) => v !== null)) {
+      const p = new LinePlot(row, { title: "learned failure score (per chunk)", height: 120, onSeek: seek, legend: false, xMax: length - 1 });
+      p.setData({ series: [{ name: "failure", values: fail, color: "#b07aa1", width: 1.5 }] });
+      plots.push(p);
+    }
     if (st && st[0]) {
       const p = new LinePlot(row, { title: `state (${st[0].length} dims)`, height: 120, onSeek: seek, legend: false, xMax: length - 1 });
       p.setData({ series: st[0].map((_, d) => ({ values: st.map((r) => (r ? r[d] : null)), color: colour(null, d), width: 1 })) });
