@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from pg_cluster import PostgresCluster, start_cluster
@@ -125,3 +127,20 @@ def cli_server() -> Iterator[Callable[..., str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Debian chromium for the dashboard's browser tests (one per test module)."""
+    from dashboard_world import CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", pytrace=False
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()

@@ -190,3 +190,7 @@ def serve_dashboard(cfg: DashboardConfig) -> Iterator[Dashboard]:
         yield d
     finally:
         d.stop()
+
+
+CHROMIUM = "/usr/bin/chromium"
+"""Debian's chromium, which the browser tests drive headless (scripts/setup.sh installs it)."""

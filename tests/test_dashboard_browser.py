@@ -44,7 +44,6 @@ from vla_rl.hub.registry import push_folder, resolve
 from vla_rl.train.sft import SFTConfig, train_sft
 
 torch.set_num_threads(1)
-CHROMIUM = "/usr/bin/chromium"
 CLI = [sys.executable, "-m", "vla_rl.cli"]
 TASK = "kinematic/Reach-v0"
 REPO = "fleet/reach"
@@ -211,20 +210,6 @@ def screenshot(page: Any, world: FleetWorld, name: str) -> None:
     if world.db_url is None:
         IMG.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(IMG / name), full_page=True)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", pytrace=False
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 def open_page(

@@ -17,8 +17,6 @@ from vla_rl_client.help_client import HelpClient
 from fleet.collector import Collector, CollectorConfig
 from vla_rl.dashboard import DashboardConfig
 
-CHROMIUM = "/usr/bin/chromium"
-
 
 @pytest.fixture
 def desk(tmp_path: Path, store_db_url: str | None) -> Iterator[tuple[Collector, Dashboard]]:
@@ -76,20 +74,6 @@ def test_the_api_orders_hands_out_and_closes_requests(desk: tuple[Collector, Das
         assert [x["id"] for x in viewer.get("/api/v1/help").json()["requests"]] == [high.request_id]
         closed = viewer.get("/api/v1/help", params={"closed": "true"}).json()["requests"]
         assert {x["status"] for x in closed} == {"claimed", "resolved"}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: run scripts/setup.sh (it installs Debian's chromium)", pytrace=False
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.mark.parametrize("store_db_url", ["sqlite"], indirect=True)

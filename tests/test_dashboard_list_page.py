@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dashboard_world import TOKENS, Dashboard
+from dashboard_world import CHROMIUM, TOKENS, Dashboard
 from vla_rl_client.meta import Controller
 from vla_rl_client.spec import RobotSpec
 
@@ -28,7 +28,6 @@ from fleet.db import MetadataDB
 from fleet.store import EpisodeStore
 from vla_rl.dashboard import DashboardConfig
 
-CHROMIUM = "/usr/bin/chromium"
 SPEC = RobotSpec(name="toy", state_dim=2, action_dim=2, control_hz=10.0, instruction="do it")
 NAME, TOKEN = TOKENS["labeller"]
 EVIL = '<img class="pwn" src="x" onerror="window.pwned = 1">'
@@ -81,16 +80,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Meta
         yield dash.url, db, newest
     finally:
         dash.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 # Before the page's own scripts: note whether the rows were in the DOM when the filters form arrived.
