@@ -237,3 +237,42 @@ def test_the_server_serves_a_trained_lerobot_folder_in_trained_mode(
                 assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         srv.stop()
+
+
+def test_compiled_buckets_serve_trained_rtc_rows_as_eager_does(
+    task: tuple[Path, RobotSpec], trained: dict[str, Path]
+) -> None:
+    """A served version with its denoising step compiled (dynamo's real graph capture on a backend that
+    runs the captured graph): plain batches run the warm graphs, and a batch mixing trained-RTC rows (per
+    action flow times, a shape the graphs were not captured for) with plain ones gives eager's chunks, the
+    executed prefix kept."""
+    from test_server_compile import graph_counting_compiler
+
+    from policies.loading import load_servable
+    from server.batching import RTCRequest
+    from server.slots import ServedVersion
+
+    spec, cam = task[1], task[1].cameras[0]
+    rng = np.random.default_rng(3)
+    rows = 3
+    states = rng.normal(size=(rows, spec.state_dim)).astype(np.float32)
+    cams = {cam.name: rng.integers(0, 256, (rows, cam.height, cam.width, 3), dtype=np.uint8)}
+    queued = rng.uniform(-0.5, 0.5, (3, spec.action_dim)).astype(np.float32)
+    rtc = [RTCRequest(MAX_DELAY, queued), None, RTCRequest(1, queued)]
+    version, reference = (ServedVersion(load_servable(trained["smolvla"], device="cpu")) for _ in range(2))
+    assert version.rtc_mode == "trained"
+    noise = np.stack([version.initial_noise(s) for s in range(rows)])
+    batch = (states, cams, ["reach the target"] * rows, noise)
+    runs: list[int] = []
+    compiled = version.start_compiled("on", 4, compiler=graph_counting_compiler(runs))
+    assert compiled is not None and compiled.join(300) and compiled.ready == {1, 2, 4}, compiled.failed
+    before = len(runs)
+    plain = version.infer_scored(*batch)
+    assert len(runs) > before  # the plain batch ran the warm graph of bucket 4
+    np.testing.assert_allclose(plain[0], reference.infer_scored(*batch)[0], atol=RECOMPUTED_ATOL, rtol=1e-4)
+    got = version.infer_scored(*batch, rtc)
+    assert not compiled.failed  # the per-action rows took the eager path, compiling was not abandoned
+    want = reference.infer_scored(*batch, rtc)
+    np.testing.assert_allclose(got[0], want[0], atol=RECOMPUTED_ATOL, rtol=1e-4)
+    np.testing.assert_allclose(got[0][0, :MAX_DELAY], queued[:MAX_DELAY], atol=RECOMPUTED_ATOL)
+    np.testing.assert_allclose(got[0][1], plain[0][1], atol=RECOMPUTED_ATOL, rtol=1e-4)  # a plain row
