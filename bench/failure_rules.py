@@ -15,8 +15,9 @@ rollouts and the same fit / calibration / evaluation split as bench/failure.py (
   a better encoder could reach on these episodes (the *ceiling* row).
 
 **Rules** over the per-decision score ``p_t``, each calibrated split conformally on the calibration set's
-successful episodes (the peak of the rule's statistic over an episode, :func:`fleet.uncertainty.conformal_threshold`
-at ``--alpha``), so every row's false-alarm rate targets the same level:
+successful episodes (the peak of the rule's statistic over an episode,
+:func:`fleet.uncertainty.conformal_threshold` at ``--alpha``), so every row's false-alarm rate targets the
+same level:
 
 * ``peak``: ``p_t > h`` (today's rule);
 * ``k of m``: the k-th largest of the last m scores ``> h`` (persistence);
