@@ -28,7 +28,13 @@ from policies.loading import load_policy
 from server.slots import ServedVersion
 from sim.operator import OperatorRules
 from vla_rl.hub.registry import pull, push_folder, resolve
-from vla_rl.rounds import RoundConfig, fit_round_predictor, start_round
+from vla_rl.rounds import (
+    RoundConfig,
+    config_from_json,
+    config_to_json,
+    fit_round_predictor,
+    start_round,
+)
 from vla_rl.train.algorithms import make_config
 
 torch.set_num_threads(1)
@@ -140,3 +146,7 @@ def test_the_round_options_name_a_bad_predictor_setting(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=said):
             RoundConfig(train=train, push=False, **{field: value})  # type: ignore[arg-type]
+    # a queued round's row carries the options to the worker that runs it (JSON: the widths as a list)
+    cfg = RoundConfig(train=train, failure_predictor=True, failure_hidden=(8, 4), failure_alpha=0.1)
+    back = config_from_json(json.loads(json.dumps(config_to_json(cfg))))
+    assert (back.failure_predictor, back.failure_hidden, back.failure_alpha) == (True, (8, 4), 0.1)
