@@ -88,13 +88,19 @@ def _state_row(p: dict[str, Any]) -> np.ndarray:
 
 
 def fit_scorer(
-    train: list[Episode], kind: str, hidden: tuple[int, ...], steps: int, horizon_s: float, hz: float
+    train: list[Episode],
+    kind: str,
+    hidden: tuple[int, ...],
+    steps: int,
+    horizon_s: float,
+    hz: float,
+    seed: int = 0,
 ) -> Callable[[Episode], Path_]:
     """Fit a head on ``train``'s decisions (labels as bench/failure.py) and return ``ep -> (steps, p)``."""
     horizon = max(1, round(horizon_s * hz))
     x, y = training_rows(train, horizon, hz, False, inputs=lambda ep: decision_inputs(ep, kind, hz))
     cfg = FailureHeadConfig(x.shape[1] - 1, hidden, horizon_s, False)
-    head, _ = fit_head(x, y, cfg, steps=steps, batch_size=256, lr=1e-3, seed=0)
+    head, _ = fit_head(x, y, cfg, steps=steps, batch_size=256, lr=1e-3, seed=seed)
     return lambda ep: _scores(head, ep, kind, hz)
 
 
@@ -236,13 +242,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{input_name}, {head_name}: {rule_name}",
                     evaluate_rule(rule, calib_ok, evals, args.alpha),
                 )
+    spread = seed_spread(args, train, calib_ok, evals, lead_steps)
     return {
         "task": TASK,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "episodes": {k: len(v) for k, v in sets.items()},
         "calibration_successes": len(calib_ok),
         "rows": rows,
+        "seed_spread": spread,
     }
+
+
+def seed_spread(
+    args: argparse.Namespace, train: list[Episode], calib_ok: list[Episode], evals: list[Episode], lead: int
+) -> dict[str, list[list[int]]]:
+    """The served inputs' heads refit with ``--seeds`` initialisations and batch orders: for each head
+    and rule (peak, 2 of 2, CUSUM k=1), ``[flagged early, false alarms]`` per seed (how much of a row is
+    the seed)."""
+    hz, out = args.control_hz, {}
+    for head_name, (hidden, steps) in HEADS.items():
+        for seed in range(args.seeds):
+            scorer = fit_scorer(train, "features", hidden, steps, args.horizon_s, hz, seed=seed)
+            rules = {
+                "peak": scorer,
+                "2 of 2": k_of_m(scorer, 2, 2),
+                "CUSUM k=1": logit_cusum(scorer, calib_ok, 1.0),
+            }
+            for rule_name, rule in rules.items():
+                d = early_stats(evals, evaluate_rule(rule, calib_ok, evals, args.alpha)["alarms"], lead, hz)
+                out.setdefault(f"{head_name}: {rule_name}", []).append(
+                    [d["flagged_early"], d["false_alarms"]]
+                )
+    return out
 
 
 def _ref(cal: dict[str, float]) -> tuple[float, float]:
@@ -284,6 +315,7 @@ def main() -> None:
     p.add_argument("--k", type=float, default=0.25, help="accel CUSUM allowance")
     p.add_argument("--stall-steps", type=int, default=OperatorRules().stall_steps)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seeds", type=int, default=4, help="head seeds of the seed-spread rows")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     t0 = time.perf_counter()
