@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +129,18 @@ def episode_inputs(ep: Episode, hz: float, use_time: bool) -> tuple[np.ndarray, 
 
 
 def training_rows(
-    eps: list[Episode], horizon_steps: int, hz: float, use_time: bool
+    eps: list[Episode],
+    horizon_steps: int,
+    hz: float,
+    use_time: bool,
+    inputs: Callable[[Episode], tuple[np.ndarray, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """Every decision of ``eps`` with its label (autonomous episodes: the failing stretch is the whole
-    failed episode, its event the end)."""
+    failed episode, its event the end); ``inputs``: an episode's ``(steps, x)`` other than the served
+    inputs (:func:`episode_inputs`)."""
     xs, ys = [], []
     for ep in eps:
-        steps, x = episode_inputs(ep, hz, use_time)
+        steps, x = episode_inputs(ep, hz, use_time) if inputs is None else inputs(ep)
         y, _ = failure_labels(np.zeros(ep.length, np.uint8), ep.success, horizon_steps)
         xs.append(x)
         ys.append(y[steps])

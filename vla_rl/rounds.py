@@ -5,6 +5,9 @@ call the same function). Every round is a row in the metadata DB's ``rounds`` ta
 starts: its config, the data it trained on, its metrics, the checkpoint it pushed and whether it was
 promoted, or the error that stopped it.
 
+With ``failure_predictor`` the round also fits the learned failure predictor for its candidate on its
+own data and pushes it inside the candidate's folder (:func:`fit_round_predictor`).
+
 Promotion gate: the new checkpoint and the base are evaluated in simulation on the *same* seeds; the
 served ref (``promote_ref``, e.g. ``prod``) moves to the new commit only if its success rate beats
 the base's by more than ``margin``. Servers following that ref pick the new checkpoint up by
@@ -115,8 +118,22 @@ class RoundOptions:
     """Gate of a task with no simulator: ``success`` (a success estimate learned from the store's
     outcomes, :mod:`vla_rl.gate_success`; refused without outcome labels), ``action_mse``, or ``auto``
     (success where the training episodes hold successes and failures, else action MSE)."""
+    failure_predictor: bool = False
+    """Also fit the learned failure predictor (:mod:`vla_rl.train.failure`) for the candidate, on the
+    round's own data (windows before takeovers and failed endings positive, successful autonomous stretches
+    negative, the dashboard's labels folded in), and ship it inside the pushed folder (``failure/``, with
+    its lineage): a server following the Hub serves its score from the swap on. A fleet whose data cannot
+    calibrate one (too few held-out successes) gets the round without it; its metrics say why."""
+    failure_hidden: tuple[int, ...] = (16,)
+    """The predictor head's MLP widths (docs/benchmarks.md, "Learned failure predictor": a wide head
+    saturates under the per-decision alarm)."""
+    failure_steps: int = 300
+    """The predictor head's AdamW updates."""
+    failure_alpha: float = 0.05
+    """The predictor's target false-alarm rate on successful episodes (its conformal level)."""
 
     def __post_init__(self) -> None:
+        self.failure_hidden = tuple(self.failure_hidden)
         check_values(self, _round_bounds)
         if self.offline_gate not in OFFLINE_GATES:
             raise ValueError(
@@ -135,6 +152,9 @@ def _round_bounds(name: str) -> tuple[float, float] | None:
         "eval_seed": (0, 2**31 - 1),
         "report_episodes": (0, 100_000),
         "report_seed": (0, 2**31 - 1),
+        "failure_hidden": (1, 4096),
+        "failure_steps": (1, 1_000_000),
+        "failure_alpha": (1e-6, 1 - 1e-6),
     }.get(name)
 
 
@@ -569,6 +589,39 @@ def _record_evaluation(folder: Path, metrics: Mapping[str, Any], round_id: int) 
     )
 
 
+def fit_round_predictor(cfg: RoundConfig, run: TrainerConfig, checkpoint: Path) -> dict[str, Any]:
+    """Fit the failure predictor for the round's candidate ``checkpoint`` on the data ``run`` trained on
+    (its store, selection, task and DB) into ``checkpoint/failure``
+    (:func:`vla_rl.train.failure.train_failure`, as ``vla-rl failure fit`` does); returns its summary with
+    ``fitted``, or ``fitted: False`` and the reason when the data cannot fit or calibrate one (the round
+    goes on without it)."""
+    import torch
+
+    from policies.failure import FAILURE_DIR
+    from vla_rl.train.failure import FailureFitConfig, train_failure
+
+    assert run.store is not None
+    fit = FailureFitConfig(
+        base=str(checkpoint),
+        store=run.store,
+        out=checkpoint / FAILURE_DIR,
+        data=run.data,
+        task=run.task,
+        db_url=run.db_url,
+        hidden=cfg.failure_hidden,
+        steps=cfg.failure_steps,
+        alpha=cfg.failure_alpha,
+        seed=run.seed,
+        threads=torch.get_num_threads(),  # the round's own setting, left as it is
+    )
+    try:
+        summary = train_failure(fit)
+    except ValueError as e:
+        log.warning("failure predictor not fitted", extra={"checkpoint": str(checkpoint), "error": str(e)})
+        return {"fitted": False, "error": str(e)}
+    return {"fitted": True, **{k: v for k, v in summary.items() if k != "out"}}
+
+
 def _tag_exists(repo: str, tag: str) -> bool:
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
@@ -637,6 +690,9 @@ def run_round(
             metrics["held_out_excluded_from_training"] = data.excludes_held_out
         eval_metrics = {**gate.checkpoint_metrics(), **report, "round": round_id}
         _record_evaluation(trained.checkpoint, eval_metrics, round_id)
+        if cfg.failure_predictor:  # after the card: the predictor pins the weights it reads by their sha256
+            progress.phase("fitting failure predictor")
+            metrics["failure_predictor"] = fit_round_predictor(cfg, run, trained.checkpoint)
 
         checkpoint_ref, revision, promoted = str(trained.checkpoint), None, False
         progress.check_cancel()  # the last point a cancel stops the round
