@@ -150,3 +150,13 @@ def test_the_round_options_name_a_bad_predictor_setting(tmp_path: Path) -> None:
     cfg = RoundConfig(train=train, failure_predictor=True, failure_hidden=(8, 4), failure_alpha=0.1)
     back = config_from_json(json.loads(json.dumps(config_to_json(cfg))))
     assert (back.failure_predictor, back.failure_hidden, back.failure_alpha) == (True, (8, 4), 0.1)
+
+
+def test_up_passes_the_failure_predictor_knob_to_its_rounds(tmp_path: Path) -> None:
+    from vla_rl.up.config import UpConfig
+    from vla_rl.up.loop import _round_config
+
+    for on in (False, True):
+        cfg = UpConfig(failure_predictor=on, workdir=tmp_path)
+        rc = _round_config(cfg, 1, "hub://up/policy@prod", tmp_path / "s", tmp_path, "sqlite:///x.db", None)
+        assert rc.failure_predictor is on

@@ -86,6 +86,10 @@ class UpConfig:
     gate_alpha: float = 0.05
     """...and only if the gate's paired test on the shared seeds says so at this false-promotion rate
     (1 = no test; see `vla-rl round start --help`)."""
+    failure_predictor: bool = False
+    """Each round also fits the learned failure predictor on the fleet's episodes (takeovers and failed
+    endings) and ships it in the candidate (`vla-rl round start --failure-predictor`); the server then
+    returns its score with every chunk, and help requests use its alarm."""
     report_episodes: int = 20
     """Episodes a promoted candidate is scored on again, on seeds the gate did not see: the success the
     table shows (0 = off: "not measured")."""

@@ -338,6 +338,7 @@ def _round_config(
         margin=cfg.margin,
         gate_alpha=cfg.gate_alpha,
         report_episodes=cfg.report_episodes,
+        failure_predictor=cfg.failure_predictor,
         eval_envs=2,
         preset=cfg.preset,
     )
