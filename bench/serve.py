@@ -408,13 +408,12 @@ Calls = list[tuple[float, Timing]]
 """Each request's wall time (µs, the whole ``act()`` call) and its reply's timing."""
 
 
-def sync_calls(address: str, model_id: str, n: int, mode: str, o: dict[str, Any]) -> tuple[Calls, float]:
-    """``n`` sequential ``act()`` calls of the blocking client (``mode``: stream, loop-stream = a stream on the
-    caller's thread, ``caller_loop``, or unary calls), after 3 warm-up ones, and the empty-call floor on
-    the same channel."""
+def sync_calls(address: str, model_id: str, n: int, stream: bool, o: dict[str, Any]) -> tuple[Calls, float]:
+    """``n`` sequential ``act()`` calls of the blocking client (a stream or unary calls), after 3 warm-up
+    ones, and the empty-call floor on the same channel."""
     with PolicyClient(address, timeout_s=600, model_id=model_id) as c:
         floor = empty_call_floor(c, n)
-        s = c.stream(caller_loop=mode == "loop-stream") if mode.endswith("stream") else None
+        s = c.stream() if stream else None
         act = s.act if s is not None else c.act
         calls: Calls = []
         for i in range(-3, n):
@@ -453,9 +452,9 @@ async def aio_calls(
 ACTIVITY_WINDOW_S = 1.0
 """``server.batching.BatchQueue``'s default ``activity_window_s``."""
 
-MODES = ("stream", "unary", "loop-stream", "aio-stream", "aio-unary")
-"""The client paths an overhead point can measure: the blocking client's stream and unary calls, its stream
-on the caller's thread (``stream(caller_loop=True)``), and the asyncio client's (``aio-``)."""
+MODES = ("stream", "unary", "aio-stream", "aio-unary")
+"""The client paths an overhead point can measure: the blocking client's stream and unary calls, and the
+asyncio client's (``aio-``)."""
 
 
 def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
@@ -471,7 +470,7 @@ def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
     if mode.startswith("aio-"):
         calls, floor = asyncio.run(aio_calls(address, model_id, n, stream, o))
     else:
-        calls, floor = sync_calls(address, model_id, n, mode, o)
+        calls, floor = sync_calls(address, model_id, n, stream, o)
     e2e = [(wall_us - t.inference_us) / 1000 for wall_us, t in calls]
     rtt = [(t.round_trip_us - t.inference_us) / 1000 for _, t in calls]
     srv = [(t.total_us - t.inference_us) / 1000 for _, t in calls]

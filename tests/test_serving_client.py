@@ -23,7 +23,7 @@ import torch
 from test_server import SPEC, TOKEN, H, expected, local_accel, make_checkpoint, make_obs, start_server
 from tolerances import RECOMPUTED_ATOL
 from vla_rl_client.action_queue import AGGREGATES, ActionQueue, AsyncQueuedPolicy, QueuedPolicy
-from vla_rl_client.aio_policy_client import AsyncPolicyClient, CallerLoopActStream
+from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
 from policies.loading import load_policy
@@ -108,42 +108,6 @@ def test_async_client_act_stream_info_and_errors(
     asyncio.run(main())
 
 
-def test_caller_loop_stream(server: PolicyServer, reference: dict[str, ServedVersion]) -> None:
-    """``stream(caller_loop=True)``: the blocking stream's interface on the caller's own thread: chunks for
-    each observation, a bad request refused with the stream kept, threads taking turns, a clear error
-    inside a running event loop and after close."""
-    obs = make_obs(np.random.default_rng(0))
-    want = expected(reference["a"], obs, 5)
-    with PolicyClient(server.address, timeout_s=10) as c, c.stream(caller_loop=True) as s:
-        assert isinstance(s, CallerLoopActStream)
-        first = s.act(obs, seed=5)
-        np.testing.assert_allclose(first.actions, want, atol=RECOMPUTED_ATOL)
-        assert first.timing.round_trip_us >= first.timing.total_us > 0 and first.timing.client_encode_us > 0
-        with pytest.raises(PolicyError) as err:
-            s.act({**obs, "state": np.zeros(3, np.float32)})
-        assert err.value.code == SC.INVALID_ARGUMENT and "observation.state" in err.value.message
-        got: list[np.ndarray] = []
-        threads = [threading.Thread(target=lambda: got.append(s.act(obs, seed=5).actions)) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(got) == 3 and s.reopened == 0
-        for actions in got:
-            np.testing.assert_allclose(actions, want, atol=RECOMPUTED_ATOL)
-
-        async def inside_a_loop() -> None:
-            s.act(obs, seed=5)
-
-        with pytest.raises(RuntimeError, match="use AsyncPolicyClient"):
-            asyncio.run(inside_a_loop())
-        np.testing.assert_allclose(s.act(obs, seed=5).actions, want, atol=RECOMPUTED_ATOL)  # still fine
-    with pytest.raises(PolicyError) as err:
-        s.act(obs, seed=5)
-    assert err.value.code == SC.UNAVAILABLE
-    s.close()  # twice: nothing happens
-
-
 # ---------------------------------------------------------------------------------------------- adaptive wait
 def test_lone_client_does_not_pay_max_wait(ckpts: dict[str, Path]) -> None:
     """max_wait_us = 300 ms: with adaptive wait a lone robot's request goes at once; without, it waits."""
@@ -206,11 +170,9 @@ def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path],
 
     c = PolicyClient(f"127.0.0.1:{port}", timeout_s=10, backoff=FAST)
     s = c.stream()
-    own = c.stream(caller_loop=True)
     try:
         want = c.act(obs, seed=3).actions
         np.testing.assert_allclose(s.act(obs, seed=3).actions, want, atol=RECOMPUTED_ATOL)
-        np.testing.assert_allclose(own.act(obs, seed=3).actions, want, atol=RECOMPUTED_ATOL)
         srv.stop()
         # server gone and not coming back within the budget: an error at the deadline, not a hang
         t0 = time.monotonic()
@@ -225,11 +187,7 @@ def test_reconnect_with_backoff_when_the_server_restarts(ckpts: dict[str, Path],
         t.join()
         np.testing.assert_allclose(s.act(obs, seed=3, timeout_s=30).actions, want, atol=RECOMPUTED_ATOL)
         assert s.reopened >= 1
-        retries = c.retries  # the caller-loop stream reopens too, and counts its retries on the client
-        np.testing.assert_allclose(own.act(obs, seed=3, timeout_s=30).actions, want, atol=RECOMPUTED_ATOL)
-        assert own.reopened >= 1 and c.retries > retries
     finally:
-        own.close()
         s.close()
         c.close()
         if "srv" in box:

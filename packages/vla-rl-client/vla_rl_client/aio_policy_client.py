@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -31,7 +30,7 @@ from vla_rl_client.policy_common import (
 )
 from vla_rl_client.proto import policy_service_pb2 as pb
 
-__all__ = ["AsyncActStream", "AsyncPolicyClient", "CallerLoopActStream"]
+__all__ = ["AsyncActStream", "AsyncPolicyClient"]
 
 T = TypeVar("T")
 
@@ -235,75 +234,3 @@ class AsyncPolicyClient(ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class CallerLoopActStream:
-    """A blocking ``StreamAct`` stream (the interface of :class:`vla_rl_client.policy_client.ActStream`) that
-    runs an :class:`AsyncActStream` on a private event loop, on the caller's own thread.
-
-    gRPC Python's blocking streams hand every request to a request-iterator thread and every reply to a
-    reader thread; here the caller's thread writes the request and reads the reply itself (gRPC's poller
-    thread still wakes it), one thread hand-off per request instead of three. Made by
-    ``PolicyClient.stream(caller_loop=True)`` with the client's settings (its own channel). Calls from
-    several threads take turns; a thread that already runs an event loop should use
-    :class:`AsyncPolicyClient` itself.
-    """
-
-    def __init__(self, settings: Mapping[str, Any], model_id: str, on_retries: Callable[[int], None]) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._lock = threading.Lock()
-        self._on_retries = on_retries
-        self._closed = False
-
-        async def make() -> AsyncPolicyClient:
-            return AsyncPolicyClient(**settings)  # its channel belongs to the running (private) loop
-
-        self._client = self._run(make())
-        self._stream = self._client.stream(model_id)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # none: this thread may run the private one
-            with self._lock:
-                return self._loop.run_until_complete(coro)
-        coro.close()
-        raise RuntimeError(
-            "CallerLoopActStream: called from a running event loop; use AsyncPolicyClient there"
-        )
-
-    @property
-    def reopened(self) -> int:
-        return self._stream.reopened
-
-    def act(
-        self,
-        obs: Mapping[str, Any],
-        seed: int | None = None,
-        noise: np.ndarray | None = None,
-        timeout_s: float | None = None,
-        *,
-        rtc: RTCInput | None = None,
-    ) -> ActResult:
-        """As :meth:`AsyncActStream.act`, blocking; its retries count on the client that made the stream."""
-        if self._closed:
-            raise PolicyError(grpc.StatusCode.UNAVAILABLE, "stream closed")
-        before = self._client.retries
-        try:
-            return self._run(self._stream.act(obs, seed, noise, timeout_s, rtc=rtc))
-        finally:
-            self._on_retries(self._client.retries - before)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._run(self._stream.close())
-        self._run(self._client.close())
-        self._loop.close()
-
-    def __enter__(self) -> CallerLoopActStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -62,9 +62,6 @@ __all__ = [
     "channel_credentials",
     "channel_options",
 ]
-
-if TYPE_CHECKING:
-    from vla_rl_client.aio_policy_client import CallerLoopActStream
 
 T = TypeVar("T")
 
@@ -223,20 +220,8 @@ class PolicyClient(ClientBase):
             time.sleep(budget.delay_or_raise(err))
             self.retries += 1
 
-    def stream(
-        self, model_id: str | None = None, *, caller_loop: bool = False
-    ) -> ActStream | CallerLoopActStream:
-        """One robot's ``StreamAct`` stream. ``caller_loop``: the stream runs on the caller's own thread
-        (:class:`~vla_rl_client.aio_policy_client.CallerLoopActStream`, a channel of its own) instead of
-        gRPC's request-iterator and reply-reader threads: fewer thread hand-offs per request."""
-        if caller_loop:
-            from vla_rl_client.aio_policy_client import CallerLoopActStream
-
-            return CallerLoopActStream(self._settings, self._model(model_id), self._count_retries)
+    def stream(self, model_id: str | None = None) -> ActStream:
         return ActStream(self._stub, self, self._model(model_id))
-
-    def _count_retries(self, n: int) -> None:
-        self.retries += n
 
     def info(self, model_id: str = "", timeout_s: float | None = None) -> dict[str, pb.ModelInfo]:
         """Served models by id: commit, spec JSON, chunk length, n_exec, last load error, counters."""

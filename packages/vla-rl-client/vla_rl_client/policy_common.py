@@ -487,17 +487,6 @@ class ClientBase:
         backoff: Backoff | None = DEFAULT_BACKOFF,
     ) -> None:
         target = channel_target(address)
-        # what built this client: the blocking client's caller-loop stream builds its asyncio twin from it
-        self._settings: dict[str, Any] = dict(
-            address=address,
-            token=token,
-            timeout_s=timeout_s,
-            model_id=model_id,
-            image_format=image_format,
-            max_message_bytes=max_message_bytes,
-            tls_ca=tls_ca,
-            backoff=backoff,
-        )
         self.address = address
         self.target = target.target
         self.balanced = target.balanced
