@@ -20,7 +20,10 @@
    median of every stage the reply's timing carries (client encode, network, decode, queue, batch,
    prefix, denoise, wake, encode, client decode, TTFA) and an empty unary call's round trip on the same
    channel, the floor gRPC Python itself sets. ``--overhead-only`` runs just these (on a fresh server,
-   ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``.
+   ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``. ``--overhead-models``
+   adds a tiny flow VLA (d_model 32, K=2), ``--overhead-modes`` the asyncio client's stream and unary
+   calls, and ``--overhead-inline-ab`` measures every point also on a second server with
+   ``lone_inline_ms`` 0 (a lone robot's forward on the batcher thread), alternating which goes first.
 
 The bench client unpickles LeRobot's replies: that is LeRobot's protocol (ours never unpickles anything),
 acceptable only because the LeRobot server is our own child process on loopback.
