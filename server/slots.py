@@ -584,10 +584,11 @@ class ModelSlot:
         anyway (:meth:`BatchQueue.claim_lone`), no batch is running and the serving version's last forward
         took at most ``max_forward_us``: it skips the hand-off to the batcher thread and the wake-up back.
         True = ``item.future`` is answered; False = nothing was done (queue it with :meth:`submit`)."""
+        last = self.active.forward_us  # read unlocked: a crowd's batches are slow, refused without a lock
+        if last is None or last > max_forward_us:
+            return False
         with self.queue.cond:  # no batch is taken (nor a version swapped) while this decides
             version = self.active
-            if version.forward_us is None or version.forward_us > max_forward_us:
-                return False
             if not self._forward.acquire(blocking=False):
                 return False
             if not self.queue.claim_lone(item.peer):
