@@ -20,7 +20,10 @@
    median of every stage the reply's timing carries (client encode, network, decode, queue, batch,
    prefix, denoise, wake, encode, client decode, TTFA) and an empty unary call's round trip on the same
    channel, the floor gRPC Python itself sets. ``--overhead-only`` runs just these (on a fresh server,
-   ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``.
+   ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``. ``--overhead-models``
+   adds a tiny flow VLA (d_model 32, K=2), ``--overhead-modes`` the asyncio client's stream and unary
+   calls, and ``--overhead-inline-ab`` measures every point also on a second server with
+   ``lone_inline_ms`` 0 (a lone robot's forward on the batcher thread), alternating which goes first.
 
 The bench client unpickles LeRobot's replies: that is LeRobot's protocol (ours never unpickles anything),
 acceptable only because the LeRobot server is our own child process on loopback.
@@ -32,6 +35,7 @@ acceptable only because the LeRobot server is our own child process on loopback.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import os
@@ -49,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vla_rl_client.policy_client import PolicyClient, PolicyError
+from vla_rl_client.aio_policy_client import AsyncPolicyClient
+from vla_rl_client.policy_client import PolicyClient, PolicyError, Timing
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.common import table, write_results
@@ -81,16 +86,21 @@ def make_models(folder: Path) -> dict[str, Path]:
     from policies.lerobot_adapter import save_random_policy
     from vla_rl.hub.checkpoint import CheckpointInfo, Lineage, save_checkpoint
 
-    act = save_random_policy(folder / "act", "act", SPEC, seed=0)
-    cfg = FlowVLAConfig.from_robot_spec(SPEC, instruction_encoder="none", num_inference_steps=10)
-    torch.manual_seed(0)
-    flow = folder / "flow_vla"
-    save_checkpoint(
-        flow,
-        FlowVLAPolicy(cfg).state_dict(),
-        CheckpointInfo("flow_vla", cfg.to_dict(), SPEC, {}, Lineage("bench")),
-    )
-    return {"act": act, "flow": flow}
+    out = {"act": save_random_policy(folder / "act", "act", SPEC, seed=0)}
+    # the bench's flow VLA (K = 10) and a tiny one (d_model 32, K = 2): a short forward, for the overhead
+    for name, size in (
+        ("flow", {"num_inference_steps": 10}),
+        ("tiny", {"num_inference_steps": 2, "d_model": 32}),
+    ):
+        cfg = FlowVLAConfig.from_robot_spec(SPEC, instruction_encoder="none", **size)
+        torch.manual_seed(0)
+        out[name] = folder / name
+        save_checkpoint(
+            out[name],
+            FlowVLAPolicy(cfg).state_dict(),
+            CheckpointInfo("flow_vla", cfg.to_dict(), SPEC, {}, Lineage("bench")),
+        )
+    return out
 
 
 def obs(rng: np.random.Generator) -> dict[str, Any]:
@@ -125,6 +135,7 @@ def serve_ours_main(args: argparse.Namespace) -> None:
         max_batch=16,
         max_wait_us=2000,
         adaptive_wait=not args.no_adaptive,
+        **({} if args.lone_inline_ms is None else {"lone_inline_ms": args.lone_inline_ms}),
     )
     srv = PolicyServer(config, models=models).start()
     stop = threading.Event()
@@ -151,10 +162,14 @@ def wait_until_serving(
 
 
 @contextlib.contextmanager
-def our_server(models: dict[str, Path], threads: int, adaptive: bool) -> Iterator[str]:
+def our_server(
+    models: dict[str, Path], threads: int, adaptive: bool, lone_inline_ms: float | None = None
+) -> Iterator[str]:
+    """Our server in a child process (``lone_inline_ms``: that setting of it; None = its default)."""
     port = free_port()
     cmd = [sys.executable, __file__, "--serve-ours", ",".join(f"{k}={v}" for k, v in models.items())]
     cmd += ["--port", str(port), "--threads", str(threads)] + ([] if adaptive else ["--no-adaptive"])
+    cmd += [] if lone_inline_ms is None else ["--lone-inline-ms", str(lone_inline_ms)]
     proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
@@ -392,34 +407,78 @@ def empty_call_floor(client: PolicyClient, n: int) -> float:
     return pct(xs, 50)
 
 
-def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
-    """One client, ``n`` sequential requests. The overhead is everything but the model: the client's call
-    (encoding the observation, gRPC both ways, decoding the chunk) minus the server's forward pass; also the
-    older round trip minus forward (the encoding and decoding left out), the in-server part, each stage's
-    median and an empty call's round trip on the same channel."""
-    rng = np.random.default_rng(123)
-    o = obs(rng)
+Calls = list[tuple[float, Timing]]
+"""Each request's wall time (µs, the whole ``act()`` call) and its reply's timing."""
+
+
+def sync_calls(address: str, model_id: str, n: int, stream: bool, o: dict[str, Any]) -> tuple[Calls, float]:
+    """``n`` sequential ``act()`` calls of the blocking client (a stream or unary calls), after 3 warm-up
+    ones, and the empty-call floor on the same channel."""
     with PolicyClient(address, timeout_s=600, model_id=model_id) as c:
         floor = empty_call_floor(c, n)
-        s = c.stream() if mode == "stream" else None
+        s = c.stream() if stream else None
         act = s.act if s is not None else c.act
-        for _ in range(3):
-            act(o, seed=0)
-        e2e, rtt, srv, inf = [], [], [], []
-        stages: dict[str, list[float]] = {k: [] for k in STAGES}
-        for i in range(n):
+        calls: Calls = []
+        for i in range(-3, n):
             t0 = time.perf_counter_ns()
-            r = act(o, seed=i)
-            wall_us = (time.perf_counter_ns() - t0) / 1000
-            t = r.timing
-            e2e.append((wall_us - t.inference_us) / 1000)
-            rtt.append((t.round_trip_us - t.inference_us) / 1000)
-            srv.append((t.total_us - t.inference_us) / 1000)
-            inf.append(t.inference_us / 1000)
-            for k in STAGES:
-                stages[k].append(getattr(t, k))
+            r = act(o, seed=max(i, 0))
+            calls.append(((time.perf_counter_ns() - t0) / 1000, r.timing))
         if s is not None:
             s.close()
+    return calls[3:], floor
+
+
+async def aio_calls(
+    address: str, model_id: str, n: int, stream: bool, o: dict[str, Any]
+) -> tuple[Calls, float]:
+    """:func:`sync_calls` with the asyncio client, on this thread's own event loop: requests are written and
+    replies read on the caller's loop, with no request-iterator or reply-reader thread (gRPC's completion
+    queue poller thread still wakes the loop when a reply arrives)."""
+    async with AsyncPolicyClient(address, timeout_s=600, model_id=model_id) as c:
+        floor: list[float] = []
+        for _ in range(-3, n):
+            t0 = time.perf_counter_ns()
+            await c.health()
+            floor.append((time.perf_counter_ns() - t0) / 1e6)
+        s = c.stream() if stream else None
+        act = s.act if s is not None else c.act
+        calls: Calls = []
+        for i in range(-3, n):
+            t0 = time.perf_counter_ns()
+            r = await act(o, seed=max(i, 0))
+            calls.append(((time.perf_counter_ns() - t0) / 1000, r.timing))
+        if s is not None:
+            await s.close()
+    return calls[3:], pct(floor[3:], 50)
+
+
+ACTIVITY_WINDOW_S = 1.0
+"""``server.batching.BatchQueue``'s default ``activity_window_s``."""
+
+MODES = ("stream", "unary", "aio-stream", "aio-unary")
+"""The client paths an overhead point can measure: the blocking client's stream and unary calls, and the
+asyncio client's (``aio-``)."""
+
+
+def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
+    """One client, ``n`` sequential requests (``mode``: one of :data:`MODES`). The overhead is everything but
+    the model: the client's call (encoding the observation, gRPC both ways, decoding the chunk) minus the
+    server's forward pass; also the older round trip minus forward (the encoding and decoding left out),
+    the in-server part, each stage's median and an empty call's round trip on the same channel."""
+    o = obs(np.random.default_rng(123))
+    stream = mode.endswith("stream")
+    # the previous point's connection must be forgotten first (the server's 1 s activity window), or this
+    # lone client waits max_wait_us for it (adaptive wait) and is not served as a lone robot
+    time.sleep(ACTIVITY_WINDOW_S + 0.2)
+    if mode.startswith("aio-"):
+        calls, floor = asyncio.run(aio_calls(address, model_id, n, stream, o))
+    else:
+        calls, floor = sync_calls(address, model_id, n, stream, o)
+    e2e = [(wall_us - t.inference_us) / 1000 for wall_us, t in calls]
+    rtt = [(t.round_trip_us - t.inference_us) / 1000 for _, t in calls]
+    srv = [(t.total_us - t.inference_us) / 1000 for _, t in calls]
+    inf = [t.inference_us / 1000 for _, t in calls]
+    stages = {k: [getattr(t, k) for _, t in calls] for k in STAGES}
     return {
         "model": model_id,
         "mode": mode,
@@ -443,6 +502,7 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
                 o["model"],
                 o["mode"],
                 o["adaptive_wait"],
+                o["lone_inline"],
                 o["overhead_p50_ms"],
                 o["overhead_p99_ms"],
                 o["round_trip_overhead_p50_ms"],
@@ -457,6 +517,7 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
             "model",
             "call",
             "adaptive",
+            "lone inline",
             "overhead p50 ms",
             "p99 ms",
             "round trip - forward p50 ms",
@@ -467,29 +528,61 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
         ],
     )
     stages = table(
-        [[o["model"], o["mode"], *(o["stages_p50_us"][k] for k in STAGES)] for o in overheads],
-        ["model", "call", *(k.removesuffix("_us") for k in STAGES)],
+        [
+            [o["model"], o["mode"], o["lone_inline"], *(o["stages_p50_us"][k] for k in STAGES)]
+            for o in overheads
+        ],
+        ["model", "call", "lone inline", *(k.removesuffix("_us") for k in STAGES)],
     )
-    return f"{points}\n\nstage medians, us:\n{stages}"
+    return (
+        f"{points}\n\nstage medians, us:\n{stages}\n\nper point over the rounds:\n{round_medians(overheads)}"
+    )
 
 
 def overhead_points(
-    models: dict[str, Path], threads: int, n: int, rounds: int, adaptive_off: bool = True
+    models: dict[str, Path],
+    threads: int,
+    n: int,
+    rounds: int,
+    *,
+    adaptive_off: bool = True,
+    model_ids: tuple[str, ...] = ("act", "flow"),
+    modes: tuple[str, ...] = ("stream", "unary"),
+    inline_ab: bool = False,
 ) -> list[dict[str, Any]]:
-    """The overhead points on our server alone: ACT and the flow VLA, stream and unary, ``rounds`` times
-    interleaved (load drifts on a shared machine: each point's rounds spread over the run), then the flow
-    VLA with adaptive wait off."""
+    """The overhead points on our server alone: each of ``model_ids`` and ``modes`` (:data:`MODES`),
+    ``rounds`` times interleaved (load drifts on a shared machine: each point's rounds spread over the run),
+    then the flow VLA with adaptive wait off. ``inline_ab``: a second server with ``lone_inline_ms`` 0 (a
+    lone robot's forward on the batcher thread) runs beside the first, and every point is measured on both,
+    alternating which goes first (an interleaved A/B)."""
     out: list[dict[str, Any]] = []
-    with our_server(models, threads, adaptive=True) as addr:
+    with contextlib.ExitStack() as stack:
+        servers = [(True, stack.enter_context(our_server(models, threads, adaptive=True)))]
+        if inline_ab:
+            servers.append((False, stack.enter_context(our_server(models, threads, True, lone_inline_ms=0))))
         for r in range(rounds):
-            for model in ("act", "flow"):
-                for mode in ("stream", "unary"):
-                    out.append({"adaptive_wait": True, "round": r, **overhead(addr, model, n, mode)})
+            for model in model_ids:
+                for mode in modes:
+                    for inline, addr in servers[:: -1 if r % 2 else 1]:
+                        point = overhead(addr, model, n, mode)
+                        out.append({"adaptive_wait": True, "lone_inline": inline, "round": r, **point})
     if adaptive_off:
         with our_server({"flow": models["flow"]}, threads, adaptive=False) as address:
             for mode in ("stream", "unary"):
-                out.append({"adaptive_wait": False, "round": 0, **overhead(address, "flow", n, mode)})
+                point = overhead(address, "flow", n, mode)
+                out.append({"adaptive_wait": False, "lone_inline": False, "round": 0, **point})
     return out
+
+
+def round_medians(overheads: list[dict[str, Any]]) -> str:
+    """Per point (model, call, adaptive wait, lone inline): its rounds' overhead p50s and their median."""
+    rounds: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
+    for o in overheads:
+        rounds[(o["model"], o["mode"], o["adaptive_wait"], o["lone_inline"])].append(o["overhead_p50_ms"])
+    rows = [
+        [*k, " / ".join(f"{x:.2f}" for x in v), round(statistics.median(v), 3)] for k, v in rounds.items()
+    ]
+    return table(rows, ["model", "call", "adaptive", "lone inline", "rounds' p50 ms", "median"])
 
 
 def ratio_rows(compare: list[dict[str, Any]], clients: list[int]) -> list[dict[str, Any]]:
@@ -581,10 +674,21 @@ def main() -> None:
         action="store_true",
         help="only the overhead points (default out: serve_overhead.json)",
     )
+    p.add_argument("--overhead-models", default="act,flow", help="of act, flow, tiny (the overhead points)")
+    p.add_argument("--overhead-modes", default="stream,unary", help=f"of {', '.join(MODES)}")
+    p.add_argument(
+        "--overhead-inline-ab",
+        action="store_true",
+        help="every overhead point also on a server with lone_inline_ms 0, interleaved",
+    )
+    p.add_argument(
+        "--no-overhead-adaptive-off", action="store_true", help="skip the adaptive-wait-off points"
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--serve-ours", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-adaptive", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lone-inline-ms", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_ours:
         serve_ours_main(args)
@@ -614,7 +718,16 @@ def main() -> None:
             print()
             print(compare_tables(compare, ratios))
         print("overhead points ...", flush=True)
-        overheads = overhead_points(models, args.threads, args.overhead_requests, args.overhead_rounds)
+        overheads = overhead_points(
+            models,
+            args.threads,
+            args.overhead_requests,
+            args.overhead_rounds,
+            adaptive_off=not args.no_overhead_adaptive_off,
+            model_ids=tuple(args.overhead_models.split(",")),
+            modes=tuple(args.overhead_modes.split(",")),
+            inline_ab=args.overhead_inline_ab,
+        )
     results.update(overhead=overheads)
     results["conditions"]["loadavg_at_end"] = loadavg()
     print()

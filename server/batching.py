@@ -199,6 +199,21 @@ class BatchQueue:
         self._forget_idle_peers()
         return all(self._queued_peers[p] for p in self._last_seen)
 
+    def claim_lone(self, peer: str) -> bool:
+        """Whether a request from ``peer`` may skip the queue and run at once: adaptive wait is on, nothing
+        is queued and no other connection was active within ``activity_window_s`` (the batch it would
+        get is itself alone). If so it counts as served, as if :meth:`take` had picked it."""
+        with self.cond:
+            if not self.adaptive_wait or self._queue or self._closed:
+                return False
+            self._forget_idle_peers()
+            if any(p != peer for p in self._last_seen):
+                return False
+            now = time.monotonic()
+            self._last_seen[peer] = now
+            self._usage[peer] = (self._usage_of(peer, now) + 1.0, now)
+            return True
+
     def take(self) -> list[_Pending] | None:
         """The next batch (blocks until a request waits); None once closed."""
         with self.cond:

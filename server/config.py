@@ -28,6 +28,7 @@ DEFAULT_STREAM_WRITE_TIMEOUT_S = 10.0
 DEFAULT_MAX_NOISE_ABS = 10.0
 DEFAULT_MAX_STATE_ABS = 1e6
 DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_LONE_INLINE_MS = 100.0  # a lone robot's forward runs on the event loop up to this long
 DEFAULT_MAX_GUIDANCE_WEIGHT = 10.0  # policies.rtc.DEFAULT_MAX_GUIDANCE_WEIGHT (kept light: no torch here)
 MESSAGE_SLACK_BYTES = 64 * 1024  # a request's ids, instruction and framing: the least max_message_bytes
 FOLLOW_SELF = "self"
@@ -64,6 +65,11 @@ class ServerConfig:
     """Longest a batch waits to fill."""
     adaptive_wait: bool = True
     """Stop waiting once every active robot is in the batch (--no-adaptive-wait: always wait --max-wait-us)."""
+    lone_inline_ms: float = DEFAULT_LONE_INLINE_MS
+    """With adaptive wait, a lone robot's request (no other robot active on any served model, nothing
+    queued, no batch running) is run on the server's event loop instead of the batcher thread, saving two
+    thread wake-ups, when the model's last forward took at most this many ms: meanwhile the event loop
+    answers nothing else (health checks and GetInfo wait up to that long). 0 = always the batcher thread."""
     tls_cert: Path | None = None
     """PEM certificate chain: serve over TLS."""
     tls_key: Path | None = None
@@ -149,6 +155,9 @@ class ServerConfig:
         _integer("max_queue", self.max_queue, low=1)
         if not isinstance(self.adaptive_wait, bool):
             raise ValueError(f"adaptive_wait: expected true or false, got {self.adaptive_wait!r}")
+        _number(
+            "lone_inline_ms", self.lone_inline_ms, low=0.0, strict=False, unit="milliseconds", finite=True
+        )
         self._check_tls()
         for name in ("token_file", "cache_dir"):
             _path_or_none(name, getattr(self, name))

@@ -8,8 +8,10 @@ named where each point is made):
   shared "latest observation" slot.
 * **Nothing blocks the event loop.** The service runs on ``grpc.aio``: streams cost no threads (LeRobot's
   4-thread pool starves at 16 clients), and the model runs in one batcher thread per model, whose result
-  reaches the handler through a future. Checkpoint loads run in another thread pool, so a reload never
-  stalls inference (openpi #717).
+  reaches the handler through a future. The one exception is a lone robot (``lone_inline_ms``): its
+  request, a batch of one anyway, runs on the event loop and skips the two thread hand-offs, as long as
+  the model's forward is short enough not to hold up anything else for long. Checkpoint loads run in
+  another thread pool, so a reload never stalls inference (openpi #717).
 * **Backpressure and deadlines.** The queue is bounded: a full queue answers RESOURCE_EXHAUSTED at once
   instead of growing latency without bound. A request whose deadline (the call's, or ``timeout_ms`` on a
   stream) has passed while it waited is dropped before inference: nobody is waiting for it.

@@ -80,6 +80,14 @@ class _Service(pb_grpc.PolicyServiceServicer):
         self.s.ratelog.warning(peer, "undecodable", "undecodable request", error=req.message)
         return RequestError(grpc.StatusCode.INVALID_ARGUMENT, req.message)
 
+    def _served_lone(self, slot: ModelSlot, item: _Pending) -> bool:
+        """Run ``item`` here, on the event loop, when it is the only robot the server is serving
+        (:meth:`ModelSlot.serve_lone`, ``lone_inline_ms``); False = it goes to the batcher."""
+        max_ms = self.s.config.lone_inline_ms
+        if max_ms <= 0 or any(s.active_clients() for s in self.s.slots.values() if s is not slot):
+            return False
+        return slot.serve_lone(item, int(max_ms * 1000))
+
     async def _act(
         self, req: pb.ActRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.ActResponse:
@@ -101,12 +109,15 @@ class _Service(pb_grpc.PolicyServiceServicer):
             ) from None
         decode_us = (time.perf_counter_ns() - t0) // 1000
         item.enqueued_ns = time.perf_counter_ns()
-        slot.submit(item)
-        try:
-            res = await asyncio.wrap_future(item.future)
-        except asyncio.CancelledError:
-            item.future.cancel()
-            raise
+        if self._served_lone(slot, item):
+            res = item.future.result()  # answered already (raises the RequestError it was refused with)
+        else:
+            slot.submit(item)
+            try:
+                res = await asyncio.wrap_future(item.future)
+            except asyncio.CancelledError:
+                item.future.cancel()
+                raise
         resumed = time.perf_counter_ns()
         reply = pb.ActResponse(
             request_id=req.request_id,

@@ -286,6 +286,9 @@ class ServedVersion:
         fit on these weights; its score and alarm ride with every chunk next to ``uncertainty``."""
         self.failure_note = ""
         """Why a ``failure/`` artefact in the checkpoint folder is not served ("" when none is there)."""
+        self.forward_us: int | None = None
+        """The last batch's forward pass through this version (µs); None before the first. Whether a lone
+        request may run on the event loop depends on it (:meth:`ModelSlot.serve_lone`)."""
         path = getattr(model, "path", None)
         if path is not None and isinstance(self.model, FlowPolicyModel):
             self._load_failure(Path(path))
@@ -497,6 +500,7 @@ class ModelSlot:
         self.rtc_served = 0  # answers real-time chunking shaped
         self.latency = LatencyWindow()  # answered requests (GetInfo's p50 / p99 / requests per second)
         self.load_lock = threading.Lock()  # one load per model at a time
+        self._forward = threading.Lock()  # one batch at a time: the batcher's or a lone request's
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model_id}", daemon=True)
 
     @property
@@ -559,34 +563,65 @@ class ModelSlot:
     def _take_batch(self) -> tuple[list[_Pending], ServedVersion] | None:
         with self.queue.cond:
             batch = self.queue.take()
+            if batch is None:
+                return None
+            self._forward.acquire()  # released once the batch is answered; serve_lone skips a busy slot
             # the version is read once per batch, in the same hold of the lock: swaps land between batches
-            return None if batch is None else (batch, self.active)
+            return batch, self.active
 
     def _run(self) -> None:
         while True:
             taken = self._take_batch()
             if taken is None:
                 return
-            batch, version = taken
-            start_ns = time.perf_counter_ns()
-            now = time.monotonic()
-            live: list[_Pending] = []
-            for item in batch:
-                if not item.future.set_running_or_notify_cancel():
-                    continue  # the caller gave up (cancelled) while queued
-                if item.deadline is not None and now >= item.deadline:
-                    self.dropped_expired += 1
-                    item.future.set_exception(
-                        RequestError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"deadline passed after {(start_ns - item.enqueued_ns) // 1000} us in the queue; "
-                            "dropped before inference",
-                        )
+            try:
+                self._serve(*taken)
+            finally:
+                self._forward.release()
+
+    def serve_lone(self, item: _Pending, max_forward_us: int) -> bool:
+        """Answer ``item`` on the calling thread (the server's event loop) when it would be a batch of its own
+        anyway (:meth:`BatchQueue.claim_lone`), no batch is running and the serving version's last forward
+        took at most ``max_forward_us``: it skips the hand-off to the batcher thread and the wake-up back.
+        True = ``item.future`` is answered; False = nothing was done (queue it with :meth:`submit`)."""
+        last = self.active.forward_us  # read unlocked: a crowd's batches are slow, refused without a lock
+        if last is None or last > max_forward_us:
+            return False
+        with self.queue.cond:  # no batch is taken (nor a version swapped) while this decides
+            version = self.active
+            if not self._forward.acquire(blocking=False):
+                return False
+            if not self.queue.claim_lone(item.peer):
+                self._forward.release()
+                return False
+        try:
+            self._serve([item], version)
+        finally:
+            self._forward.release()
+        return True
+
+    def _serve(self, batch: list[_Pending], version: ServedVersion) -> None:
+        """Answer ``batch`` through ``version``: requests cancelled or past their deadline are dropped,
+        the rest run as one batch (:meth:`_run_batch`)."""
+        start_ns = time.perf_counter_ns()
+        now = time.monotonic()
+        live: list[_Pending] = []
+        for item in batch:
+            if not item.future.set_running_or_notify_cancel():
+                continue  # the caller gave up (cancelled) while queued
+            if item.deadline is not None and now >= item.deadline:
+                self.dropped_expired += 1
+                item.future.set_exception(
+                    RequestError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline passed after {(start_ns - item.enqueued_ns) // 1000} us in the queue; "
+                        "dropped before inference",
                     )
-                    continue
-                live.append(item)
-            if live:
-                self._run_batch(live, version, start_ns)
+                )
+                continue
+            live.append(item)
+        if live:
+            self._run_batch(live, version, start_ns)
 
     def _run_batch(self, live: list[_Pending], version: ServedVersion, start_ns: int) -> None:
         shape = version.noise_shape
@@ -622,6 +657,7 @@ class ModelSlot:
                     states, cams, instructions, scores, prefix_clock.sole_prefix()
                 )
             infer_us = (time.perf_counter_ns() - t0) // 1000
+            version.forward_us = infer_us
             prefix_us, denoise_us = prefix_clock.split_us(infer_us)
             want = (len(live), version.chunk_len, version.action_dim)
             if actions.shape != want:

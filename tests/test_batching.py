@@ -92,3 +92,17 @@ def test_close_wakes_take_and_returns_what_waited() -> None:
     assert q2.close() == [item] and q2.take() is None
     with pytest.raises(RequestError, match="shutting down"):
         q2.submit(_item("a"))
+
+
+def test_claim_lone_only_for_the_one_active_connection_with_nothing_queued() -> None:
+    q = _queue(activity_window_s=60.0)
+    assert q.claim_lone("a") and q.active_clients() == 1  # counted as active (and served)
+    assert q.claim_lone("a")
+    assert not q.claim_lone("b")  # "a" is still active: b's request may get company
+    q.submit(_item("a"))
+    assert not q.claim_lone("a")  # something queued: it goes to the batcher
+    assert [p.peer for p in q.take() or []] == ["a"]
+    assert not _queue(adaptive_wait=False).claim_lone("a")  # a fixed wait is kept
+    closed = _queue()
+    closed.close()
+    assert not closed.claim_lone("a")

@@ -39,6 +39,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"max_wait_us": -1}, "max_wait_us: expected an integer >= 0"),
     ({"max_queue": 0}, "max_queue: expected an integer >= 1"),
     ({"adaptive_wait": "yes"}, "adaptive_wait: expected true or false"),
+    ({"lone_inline_ms": -1.0}, "lone_inline_ms: expected milliseconds >= 0"),
+    ({"lone_inline_ms": float("inf")}, "lone_inline_ms: expected milliseconds >= 0"),
     ({"tls_cert": Path("/nonexistent/cert.pem")}, "tls_key: expected both tls_cert"),
     ({"tls_key": Path("/nonexistent/key.pem")}, "tls_cert: expected both tls_cert"),
     ({"model_id": ""}, "model_id: expected a non-empty string"),
@@ -114,6 +116,7 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         compile="auto",
         rtc_execution_horizon=6,
         rtc_max_guidance_weight=5.0,
+        lone_inline_ms=5.0,
     )
     defaults = ServerConfig(checkpoint="other")
     changed = {f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(defaults, f.name)}

@@ -5,6 +5,7 @@ encoding the clients use (byte-identical to the nested messages it replaced, exa
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,59 @@ def test_a_client_sends_serialised_bytes_as_they_are(server: PolicyServer, tmp_p
         a = c.act_request(req).actions
         b = c.act_request(req.SerializeToString()).actions
     np.testing.assert_array_equal(a, b)
+
+
+def _forward_threads(srv: PolicyServer, model_id: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that run ``model_id``'s forward passes from now on (appended per batch)."""
+    version, names = srv.slots[model_id].active, []
+    infer = version.infer_scored
+
+    def recorded(*args: object) -> object:
+        names.append(threading.current_thread().name)
+        return infer(*args)
+
+    monkeypatch.setattr(version, "infer_scored", recorded)
+    return names
+
+
+def test_a_lone_robot_is_served_on_the_event_loop_and_a_crowd_by_the_batcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one robot (after one forward through the batcher has timed the model) the request runs on the
+    event loop's thread; once a second robot is active, each request goes to the batcher thread again."""
+    srv = start_server({"arm": make_checkpoint(tmp_path / "a", 0)}, lone_inline_ms=60_000)
+    try:
+        srv.slots["arm"].queue.activity_window_s = 60.0  # "active" cannot lapse on a slow machine
+        ran = _forward_threads(srv, "arm", monkeypatch)
+        obs = make_obs(np.random.default_rng(0))
+        with PolicyClient(srv.address, timeout_s=30) as one, PolicyClient(srv.address, timeout_s=30) as two:
+            first = one.act(obs, seed=1)  # untimed model: the batcher
+            lone = one.act(obs, seed=1)
+            with one.stream() as s:
+                check_timing(s.act(obs, seed=2).timing)
+            crowd = [two.act(obs, seed=1), one.act(obs, seed=1)]
+        loop, batcher = srv._thread.name, srv.slots["arm"]._thread.name  # type: ignore[union-attr]
+        assert ran == [batcher, loop, loop, batcher, batcher]
+        check_timing(lone.timing)
+        for r in (lone, *crowd):  # the same chunk whichever thread ran it
+            np.testing.assert_allclose(r.actions, first.actions, atol=1e-5)
+        assert srv.slots["arm"].served == 5 and srv.slots["arm"].queue.active_clients() == 2
+    finally:
+        srv.stop()
+
+
+def test_no_lone_requests_on_the_event_loop_when_switched_off_or_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lone_inline_ms`` 0, a forward slower than it, or adaptive wait off: every forward on the batcher."""
+    obs = make_obs(np.random.default_rng(0))
+    for config in ({"lone_inline_ms": 0}, {"lone_inline_ms": 1e-3}, {"adaptive_wait": False}):
+        srv = start_server({"arm": make_checkpoint(tmp_path / "a", 0)}, max_wait_us=0, **config)
+        try:
+            ran = _forward_threads(srv, "arm", monkeypatch)
+            with PolicyClient(srv.address, timeout_s=30) as c:
+                for i in range(3):
+                    c.act(obs, seed=i)
+            assert ran == [srv.slots["arm"]._thread.name] * 3, config
+        finally:
+            srv.stop()
