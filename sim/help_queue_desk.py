@@ -12,7 +12,8 @@ queue in shared memory). Here every step goes through the collector into the met
   ``UPDATE ... WHERE status = 'open'`` as the page's "Take next robot", so a person and a simulated
   operator never both get one), and are free again once their request is closed;
 * the robot polls its request (:meth:`QueueDesk.poll`, ``GetHelp``): claimed, it hands control over
-  ``reaction_s`` after it first saw the claim (the operator reading the request and taking the controls);
+  ``reaction_s`` after the claim (the operator reading the request and taking the controls; with the
+  operators in another process, after the robot first saw the claim);
 * the operator's hands are the task's scripted expert, which drives the robot's own simulator, so they run
   in the robot's process: when they hand back (or the episode ends), the robot's desk resolves the request
   *as the operator that claimed it* (``ResolveHelp``; the fleet's shared credential may, a robot's own
@@ -58,7 +59,7 @@ class _Asking:
     request_id: int = 0
     urgency: float = 0.0
     asked_at: float = 0.0
-    seen_at: float = 0.0  # when this robot first saw the claim (its reaction starts then)
+    seen_at: float = 0.0  # when the claim was made, or (operators elsewhere) first seen: the reaction starts
     polled_at: float = -1e18
     claimed_by: str = ""
 
@@ -116,6 +117,14 @@ class SimOperators:
                 if self.errors == 1 or self.errors % 100 == 0:
                     log.warning("simulated operators: help queue call failed", extra={"error": str(e)})
         return claimed
+
+    def picked_at(self, request_id: int) -> float | None:
+        """When one of these operators claimed ``request_id`` (their clock); None: none of them holds it."""
+        with self._lock:
+            for held in self.held:
+                if held is not None and held[0] == request_id:
+                    return held[1]
+        return None
 
     def _free_closed(self, now: float) -> None:
         for k, held in enumerate(self.held):
@@ -230,8 +239,9 @@ class QueueDesk:
             except HelpError as e:
                 self._failed("help request not polled", robot, e)
                 return False
-            if st.claimed:
-                a.state, a.seen_at, a.claimed_by = REACTING, now, st.claimed_by
+            if st.claimed:  # the reaction runs from the claim (in-process operators: known) or from now
+                picked = self.operators.picked_at(a.request_id) if self.operators else None
+                a.state, a.seen_at, a.claimed_by = REACTING, now if picked is None else picked, st.claimed_by
             elif st.closed:  # expired on the page, or closed by someone else: nobody came
                 self._counts["unanswered"] += 1
                 self._asking[robot] = _Asking()

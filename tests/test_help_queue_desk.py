@@ -41,7 +41,7 @@ def lockstep(address: str, capacity: int = 1, reaction_s: float = 0.5) -> tuple[
 
 def test_claim_poll_drive_resolve_by_the_simulated_operator(collector: Collector) -> None:
     """Lock-step (operators dispatched on every call): the most urgent request is claimed first, the robot
-    takes over reaction_s after it saw the claim, the handback resolves the request as the operator, the
+    takes over reaction_s after the claim, the handback resolves the request as the operator, the
     freed operator takes the next one; a request whose episode ended first is withdrawn (unanswered)."""
     desk, ops = lockstep(collector.address)
     db = collector.db
@@ -50,8 +50,8 @@ def test_claim_poll_drive_resolve_by_the_simulated_operator(collector: Collector
     desk.ask(2, 5.0, now=0.2, reason="failure predictor: 0.9", episode_id="arm-2-ep")
     first = db.help_request(desk.request_id(0))
     assert (first.status, first.claimed_by) == ("claimed", "sim-operator-0")  # the only one open at 0.0
-    assert not desk.poll(0, now=0.3) and desk.state(0) == REACTING  # saw the claim at 0.3
-    assert not desk.poll(0, now=0.7) and desk.poll(0, now=0.8) and not desk.poll(0, now=0.9)
+    assert not desk.poll(0, now=0.3) and desk.state(0) == REACTING  # claimed at 0.0, seen at 0.3
+    assert not desk.poll(0, now=0.45) and desk.poll(0, now=0.5) and not desk.poll(0, now=0.6)
     assert desk.state(0) == DRIVING and desk.state(2) == QUEUED
     desk.release(0, now=1.5, note="handed back: drove 15 steps")
     done = db.help_request(first.id)
@@ -76,7 +76,7 @@ def test_claim_poll_drive_resolve_by_the_simulated_operator(collector: Collector
     s = desk.stats()
     assert (s.requests, s.answered, s.unanswered, s.capacity) == (3, 1, 2, 1)
     # queued while busy: robot 2's request, claimed once the operator was free (robot 1's never was)
-    assert s.wait_s == pytest.approx(0.8) and s.queued_while_busy == 1
+    assert s.wait_s == pytest.approx(0.5) and s.queued_while_busy == 1
     assert s.busy_s == pytest.approx((1.5 - 0.0) + (1.8 - 1.5))  # from each claim to its close
     assert all(r.status == "resolved" for r in db.help_queue(statuses=ALL))
     desk.close()
@@ -233,3 +233,19 @@ def test_validation_names_the_field(collector: Collector) -> None:
         SimOperators(collector.address, 1, max_hold_s=0)
     with pytest.raises(ValueError, match="robot"):
         QueueDesk(collector.address, ROBOTS).ask(3, 1.0, now=0.0)
+
+
+def test_with_the_operators_elsewhere_the_reaction_runs_from_the_claim_seen(collector: Collector) -> None:
+    """The fleet's robots do not share the operators' process: the reaction starts when the robot first
+    sees the claim (its own clock), and polls are spaced by poll_s."""
+    ops = SimOperators(collector.address, 1, token=TOKEN)
+    desk = QueueDesk(collector.address, ROBOTS, token=TOKEN, reaction_s=0.5, poll_s=1.0)
+    desk.ask(0, 1.0, now=10.0, episode_id="arm-0-ep")
+    assert not desk.poll(0, now=10.0) and desk.state(0) == QUEUED  # polled: still open
+    assert ops.dispatch(100.0) == [desk.request_id(0)]
+    assert not desk.poll(0, now=10.5) and desk.state(0) == QUEUED  # within poll_s: not asked again
+    assert not desk.poll(0, now=11.0) and desk.state(0) == REACTING  # sees the claim at 11.0
+    assert not desk.poll(0, now=11.4) and desk.poll(0, now=11.5)
+    assert desk.stats().wait_s == pytest.approx(1.5)
+    desk.close()
+    ops.stop()
