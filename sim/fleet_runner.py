@@ -258,11 +258,6 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     ray_fleet: RayFleet | None = None
     # the requests mode: the robots ask in the help queue, simulated operators claim from it (any process)
     queue_desk = help_queue_desk(cfg, [rc.robot_id for rc in robot_cfgs])
-    operators = (
-        SimOperators(cfg.collector, cfg.operators, token=cfg.collector_token).start()
-        if queue_desk is not None
-        else None
-    )
     if cfg.ray:
         ray_fleet = RayFleet(cfg.ray, robot_cfgs, cfg.operators, cfg.ray_max_restarts, queue_desk)
         desk: Any = ray_fleet
@@ -288,6 +283,11 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     ended = (
         {r: RobotRecord(str(Path(cfg.record_dir) / f"{r}.episodes.jsonl")) for r in summaries}
         if cfg.record_dir
+        else None
+    )
+    operators = (
+        SimOperators(cfg.collector, cfg.operators, token=cfg.collector_token).start()
+        if queue_desk is not None
         else None
     )
     t0 = time.perf_counter()
