@@ -68,7 +68,8 @@ class SimOperators:
     """``capacity`` simulated operators working the help queue through the collector (module docstring).
 
     :meth:`dispatch` is one round: seats whose request was closed are freed, free seats claim the next open
-    requests. Call it from a loop (:meth:`start`: a thread, the fleet) or on every desk call (bench
+    requests. ``queued_while_busy`` counts the claims of requests asked before their seat was last freed
+    (they found the operators busy; a request withdrawn while it waited is not seen here). Call it from a loop (:meth:`start`: a thread, the fleet) or on every desk call (bench
     lock-step). A seat held longer than ``max_hold_s`` (its robot never handed back: the robot died) is
     resolved by its operator and freed."""
 
@@ -197,7 +198,7 @@ class QueueDesk:
         self.operators = operators
         self.capacity = operators.capacity if operators else 0
         self._asking = [_Asking() for _ in robot_ids]
-        self._counts = {"requests": 0, "answered": 0, "unanswered": 0, "errors": 0}
+        self._counts = {"requests": 0, "answered": 0, "unanswered": 0, "errors": 0, "queued_while_busy": 0}
         self.wait_s = 0.0
         self._clients: dict[int, HelpClient] = {}
         self._hands: dict[str, OperatorClient] = {}
@@ -225,6 +226,12 @@ class QueueDesk:
                 return
             a.state, a.request_id, a.asked_at, a.polled_at = QUEUED, got.request_id, now, -1e18
             self._counts["requests"] += 1
+            a.urgency = float(urgency)
+            self._dispatch(now)
+            # in-process operators: a request none of them took at once found every one busy
+            if self.operators is not None and self.operators.picked_at(a.request_id) is None:
+                self._counts["queued_while_busy"] += 1
+            return
         a.urgency = float(urgency)
         self._dispatch(now)
 
@@ -288,7 +295,9 @@ class QueueDesk:
         return self._robot(robot).request_id
 
     def stats(self) -> DeskStats:
-        """This process's robots' counters, and the in-process operators' busy time and queueing."""
+        """This process's robots' counters, and the in-process operators' busy time (none: 0, the fleet's
+        driver adds its operators' own). ``queued_while_busy`` counts, as the shared-memory desk does, the
+        requests that found every operator busy when asked (in-process operators only)."""
         ops = self.operators
         return DeskStats(
             capacity=self.capacity,
@@ -298,7 +307,7 @@ class QueueDesk:
             unanswered=self._counts["unanswered"],
             wait_s=self.wait_s,
             busy_s=ops.busy_s if ops else 0.0,
-            queued_while_busy=ops.queued_while_busy if ops else 0,
+            queued_while_busy=self._counts["queued_while_busy"],
         )
 
     @property

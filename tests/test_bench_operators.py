@@ -50,3 +50,4 @@ def test_quick_bench_compares_the_operators(tmp_path: Path) -> None:
     for mode in ("accel alarm", "learned predictor"):
         assert {k: q["modes"][mode][k] for k in same} == {k: r["modes"][mode][k] for k in same}, mode
         assert q["modes"][mode]["mean_wait_s"] == pytest.approx(r["modes"][mode]["mean_wait_s"], nan_ok=True)
+        assert q["modes"][mode]["desk"] == pytest.approx(r["modes"][mode]["desk"], nan_ok=True), mode

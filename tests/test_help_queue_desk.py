@@ -75,8 +75,9 @@ def test_claim_poll_drive_resolve_by_the_simulated_operator(collector: Collector
     desk.poll(0, now=2.0)  # a round: the operator sees its request closed
     s = desk.stats()
     assert (s.requests, s.answered, s.unanswered, s.capacity) == (3, 1, 2, 1)
-    # queued while busy: robot 2's request, claimed once the operator was free (robot 1's never was)
-    assert s.wait_s == pytest.approx(0.5) and s.queued_while_busy == 1
+    # queued while busy: robots 1 and 2 asked while the operator was on robot 0; of those two, the
+    # operators' own count sees only the request they claimed later (robot 2's)
+    assert s.wait_s == pytest.approx(0.5) and s.queued_while_busy == 2 and ops.queued_while_busy == 1
     assert s.busy_s == pytest.approx((1.5 - 0.0) + (1.8 - 1.5))  # from each claim to its close
     assert all(r.status == "resolved" for r in db.help_queue(statuses=ALL))
     desk.close()
