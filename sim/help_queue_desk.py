@@ -221,19 +221,17 @@ class QueueDesk:
             got = self._client(robot).ask(episode, (reason or "asked")[:MAX_REASON], float(urgency))
         except (HelpError, ValueError) as e:
             return self._failed("help request failed", robot, e)
-        if a.state == IDLE:
+        new = a.state == IDLE
+        if new:
             if got.status != "open":  # a person still holds this episode's earlier request: not again
                 return
             a.state, a.request_id, a.asked_at, a.polled_at = QUEUED, got.request_id, now, -1e18
             self._counts["requests"] += 1
-            a.urgency = float(urgency)
-            self._dispatch(now)
-            # in-process operators: a request none of them took at once found every one busy
-            if self.operators is not None and self.operators.picked_at(a.request_id) is None:
-                self._counts["queued_while_busy"] += 1
-            return
         a.urgency = float(urgency)
         self._dispatch(now)
+        # in-process operators: a new request none of them took at once found every one busy
+        if new and self.operators is not None and self.operators.picked_at(a.request_id) is None:
+            self._counts["queued_while_busy"] += 1
 
     def poll(self, robot: int, now: float) -> bool:
         """True once, at the first call where the operator has reached ``robot`` (its takeover starts)."""
