@@ -18,7 +18,11 @@
      ``--operators`` seats, no queue, no reaction time (:class:`sim.operator.OperatorDesk`);
    * **accel alarm** / **learned predictor**: the requests mode (:mod:`sim.help_desk`): no simulator
      state, robots ask when their alarm fires (plus ``--spot-check-prob``), ``--operators`` operators answer
-     by urgency, ``--reaction-s`` after picking a request.
+     by urgency, ``--reaction-s`` after picking a request. ``--desk memory`` (the default) keeps the queue
+     in shared memory (:class:`sim.help_desk.HelpDesk`); ``--desk queue`` runs it through the product's help
+     queue (:mod:`sim.help_queue_desk`: a collector on loopback and its metadata DB, the requests claimed and
+     resolved by simulated operators ``sim-operator-K`` as a person on the dashboard would), dispatched in
+     lock-step with the simulation.
 
    Time is the simulated clock (steps / control rate): robot-hours are the episodes' steps, operator-hours
    the operators times the run's duration (until the last robot finished its episodes).
@@ -32,7 +36,9 @@ Prints a table and writes bench/results/operators.json (``--out`` for another fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,11 +51,13 @@ import torch
 from bench.common import table, write_results
 from bench.failure import fit_predictor, rollout_sets
 from bench.uncertainty import EVAL_SEED, base_checkpoint, preset_value
+from fleet.collector import Collector, CollectorConfig
 from fleet.uncertainty import calibrate_cusum
 from policies.failure import FailurePredictor
 from policies.loading import load_policy
 from server.slots import ServedVersion, initial_noise
-from sim.help_desk import HelpDesk, operator_metrics
+from sim.help_desk import Desk, HelpDesk, operator_metrics
+from sim.help_queue_desk import QueueDesk, SimOperators
 from sim.operator import OperatorDesk, OperatorRules, SimulatedOperator
 from sim.registry import resolve_task
 from sim.vector import VectorSimEnv
@@ -87,16 +95,14 @@ def run_fleet(
 ) -> dict[str, Any]:
     """``args.robots`` robots for ``args.episodes`` episodes each under ``rules``; the desk's metrics."""
     n, hz, n_exec = args.robots, float(version.spec.control_hz), max(1, version.n_exec)
-    desk: HelpDesk | OperatorDesk = (
-        HelpDesk(n, args.operators, rules.reaction_s) if rules.requests else OperatorDesk(args.operators)
-    )
     instruction = version.spec.instruction
-    with VectorSimEnv(task, num_envs=n, seed=EVAL_SEED, obs="state") as env:
+    with contextlib.ExitStack() as stack, VectorSimEnv(task, num_envs=n, seed=EVAL_SEED, obs="state") as env:
+        desk = make_desk(rules, args, stack)
         obs, info = env.reset(seed=EVAL_SEED)
         robots = [Robot(SimulatedOperator(task, rules, desk, robot=i)) for i in range(n)]
         for i, r in enumerate(robots):
             r.seed = int(info["episode_seed"][i])
-            r.operator.reset(r.seed, env.max_episode_steps, now=0.0)
+            r.operator.reset(r.seed, env.max_episode_steps, now=0.0, episode_id=episode_id(i, r.seed))
         dense = np.full(n, np.nan)
         step = 0
         while any(len(r.done) < args.episodes for r in robots):
@@ -130,14 +136,37 @@ def run_fleet(
                 if terminated[i] or truncated[i]:
                     _end_episode(r, bool(info["success"][i]), int(info["episode_seed"][i]), step / hz, args)
                     dense[i] = np.nan
+        stats = desk.stats() if isinstance(desk, Desk) else None
     episodes = [e for r in robots for e in r.done]
-    stats = desk.stats() if isinstance(desk, HelpDesk) else None
     busy_s = stats.busy_s if stats else sum(e["human_steps"] for e in episodes) / hz
     metrics = operator_metrics(
         episodes, sum(e["steps"] for e in episodes) / hz, step / hz, args.operators, busy_s, stats
     )
     reasons = Counter(reason.split(":")[0] for e in episodes for reason in e["reasons"])
     return {**metrics, "reasons": dict(reasons), "desk": stats.to_dict() if stats else None}
+
+
+def episode_id(robot: int, seed: int) -> str:
+    """What robot ``robot``'s episode on ``seed`` is called at the help queue (there is no store here)."""
+    return f"bench-{robot}-{seed}"
+
+
+def make_desk(rules: OperatorRules, args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """The row's desk: the omniscient operator's seats, or the requests mode's help desk (``--desk``): in
+    shared memory, or the product's help queue behind a collector on loopback (its store and DB in a
+    temporary folder, gone with ``stack``) worked in lock-step by simulated operators."""
+    if not rules.requests:
+        return OperatorDesk(args.operators)
+    if args.desk == "memory":
+        return HelpDesk(args.robots, args.operators, rules.reaction_s)
+    store = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-operators-"))) / "store"
+    collector = stack.enter_context(Collector(CollectorConfig(store=store, port=0, chunk_len=16)))
+    operators = SimOperators(collector.address, args.operators)
+    stack.callback(operators.stop)
+    robot_ids = [f"bench-{i}" for i in range(args.robots)]
+    desk = QueueDesk(collector.address, robot_ids, reaction_s=rules.reaction_s, operators=operators)
+    stack.callback(desk.close)
+    return desk
 
 
 def _new_chunks(
@@ -175,7 +204,7 @@ def _end_episode(r: Robot, success: bool, next_seed: int, now: float, args: argp
     )
     r.seed, r.t, r.chunk, r.k = next_seed, 0, None, 0
     if len(r.done) < args.episodes:
-        op.reset(next_seed, op.max_steps, now=now)
+        op.reset(next_seed, op.max_steps, now=now, episode_id=episode_id(op.robot, next_seed))
 
 
 def mode_rules(mode: str, cal: dict[str, float], args: argparse.Namespace) -> OperatorRules:
@@ -261,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "train_episodes": args.train_episodes,
             "calib_episodes": args.calib_episodes,
             "reaction_s": args.reaction_s,
+            "desk": args.desk,
             "spot_check_prob": args.spot_check_prob,
             "alpha": args.alpha,
             "cusum_k": args.k,
@@ -310,7 +340,8 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{r['task']}: {s['robots']} robots, {s['operators']} operators, {s['episodes_per_robot']} "
-            f"episodes each on seeds {s['eval_seeds'][0]}-{s['eval_seeds'][1]}, reaction {s['reaction_s']:g} s",
+            f"episodes each on seeds {s['eval_seeds'][0]}-{s['eval_seeds'][1]}, reaction {s['reaction_s']:g} s, "
+            f"help desk: {s.get('desk', 'memory')}",
             "",
             table(rows, head),
         ]
@@ -342,6 +373,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--episodes", type=int, default=4, help="held-out episodes per robot and row")
     p.add_argument("--reaction-s", type=float, default=0.5, help="from picking a request to the takeover")
     p.add_argument("--spot-check-prob", type=float, default=0.0, help="random requests per robot-step")
+    p.add_argument(
+        "--desk",
+        choices=("memory", "queue"),
+        default="memory",
+        help="the requests rows' help desk: shared memory, or the product's help queue (collector + DB)",
+    )
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--train-episodes", type=int, default=60, help="fit episodes (seeds from 100000)")
     p.add_argument("--calib-episodes", type=int, default=40, help="calibration episodes (from 200000)")

@@ -26,9 +26,19 @@ class RobotActor:
 class RayFleet:
     """The robots of ``vla-rl fleet sim --ray``: one Ray actor each (restarted by Ray up to
     ``max_restarts`` times), a desk actor, and a Ray queue for the reports. ``address`` is where Ray runs
-    (:func:`sim.ray_workers.connect`); ``operators`` the robots the operator desk can drive at once."""
+    (:func:`sim.ray_workers.connect`); ``operators`` the robots the operator desk can drive at once.
+    ``help_desk``: the requests mode's help queue desk (:class:`sim.help_queue_desk.QueueDesk`), handed to
+    every robot as it is (it reaches the queue through the collector, from any node) instead of the desk
+    actor's seats."""
 
-    def __init__(self, address: str, robots: list[SimRobotConfig], operators: int, max_restarts: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        robots: list[SimRobotConfig],
+        operators: int,
+        max_restarts: int,
+        help_desk: Any = None,
+    ) -> None:
         from ray.util.queue import Queue
 
         from sim.ray_workers import DeskActor, RayDesk, connect, remote_class
@@ -38,6 +48,7 @@ class RayFleet:
         self.reports = Queue(actor_options={"num_cpus": 0})
         self.desk = remote_class(DeskActor, num_cpus=0).remote(operators)
         self._desk_view = RayDesk
+        self.help_desk = help_desk
         robot_cls = remote_class(RobotActor, num_cpus=1, max_restarts=max_restarts, max_task_retries=0)
         self.actors = {rid: robot_cls.remote() for rid in self.robots}
         self.replaced: dict[str, int] = {}
@@ -46,7 +57,8 @@ class RayFleet:
             self._run(rid)
 
     def _run(self, rid: str) -> None:
-        ref = self.actors[rid].run.remote(self.robots[rid], self._desk_view(self.desk, rid), self.reports)
+        desk = self.help_desk if self.help_desk is not None else self._desk_view(self.desk, rid)
+        ref = self.actors[rid].run.remote(self.robots[rid], desk, self.reports)
         self.runs[ref] = rid
 
     @property

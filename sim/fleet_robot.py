@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sim.fleet_records import RobotRecord
-from sim.help_desk import HelpDesk
+from sim.help_desk import Desk
 from sim.help_hook import HelpAsker
 from sim.operator import Event, OperatorDesk, OperatorRules, SimulatedOperator
 from vla_rl.core.lifeline import exit_with_parent
@@ -62,6 +62,9 @@ class EpisodeReport:
     segments: list[dict[str, Any]] = field(default_factory=list)
     requests: int = 0
     """Help requests the robot opened (the operator's requests mode)."""
+    desk: dict[str, Any] | None = None
+    """The requests mode on the help queue: this robot's desk counters so far (:class:`sim.help_desk.
+    DeskStats`, summed over its episodes)."""
 
 
 def _switch(client: Any, segments: list[dict[str, Any]], ev: Event, t: int) -> None:
@@ -81,7 +84,7 @@ def fleet_rtc(mode: str, server_rtc: str) -> bool:
     return RTCOptions(mode, 0 if mode == "on" else None, server_rtc=server_rtc).enabled  # type: ignore[arg-type]
 
 
-def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, reports: Any) -> None:
+def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | Desk | None, reports: Any) -> None:
     """Process entry point: run episodes through the policy server, stream them, report each episode."""
     leave_realtime(f"sim robot {cfg.robot_id}")
     # a fleet killed without stopping its robots (SIGKILL, `vla-rl up` gone) must not leave them driving
@@ -96,7 +99,7 @@ def sim_robot_main(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, re
         reports.put(("done", cfg.robot_id, None))
 
 
-def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, reports: Any) -> None:
+def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | Desk | None, reports: Any) -> None:
     from vla_rl_client.frame import Frame
     from vla_rl_client.meta import new_episode_id
     from vla_rl_client.policy_client import PolicyClient, RTCInput
@@ -111,7 +114,9 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
     stream = policy.stream()
     rtc_on = cfg.rtc == "on" and fleet_rtc(cfg.rtc, next(iter(policy.info(cfg.model_id).values())).rtc_mode)
     client = RobotClient(cfg.collector, cfg.robot_id, env.spec, env.task, token=cfg.token)
-    helper = HelpAsker(cfg.collector, cfg.robot_id, cfg.token) if cfg.help_requests else None
+    # the requests mode asks through its desk; the flag adds a request per alarmed episode to the others
+    asks = cfg.help_requests and not rules.requests
+    helper = HelpAsker(cfg.collector, cfg.robot_id, cfg.token) if asks else None
     # Frames only: the fleet's driver writes the episode lines from the reports (see run_sim_fleet).
     record = RobotRecord(cfg.record_path, flush_frames=True)
     last_ts = 0.0
@@ -120,8 +125,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
             t0 = time.perf_counter()
             seed = cfg.seed + cfg.index * 100_000 + e
             obs, info = env.reset(seed=seed)
-            operator.reset(seed, env.max_episode_steps)
             eid = new_episode_id(cfg.robot_id)
+            operator.reset(seed, env.max_episode_steps, episode_id=eid)
             client.start_episode(
                 eid, instruction=obs["instruction"], kind="autonomous", controller="policy", reason="policy"
             )
@@ -215,6 +220,7 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
                             desk.busy_waits if desk else 0,
                             segments,
                             operator.requests,
+                            desk.stats().to_dict() if rules.requests and desk is not None else None,
                         )
                     ),
                 )
@@ -227,6 +233,8 @@ def _sim_robot(cfg: SimRobotConfig, desk: OperatorDesk | HelpDesk | None, report
         record.close()
         if helper is not None:
             helper.close()
+        if hasattr(desk, "close"):
+            desk.close()  # type: ignore[union-attr]
         stream.close()
         policy.close()
         env.close()

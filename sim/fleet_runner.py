@@ -27,7 +27,8 @@ from vla_rl_client.action_queue import RTC_MODES, RTCMode
 from sim.fleet_ray import RayFleet
 from sim.fleet_records import RobotRecord
 from sim.fleet_robot import SimRobotConfig, sim_robot_main
-from sim.help_desk import DeskStats, HelpDesk, operator_metrics
+from sim.help_desk import DeskStats, operator_metrics
+from sim.help_queue_desk import QueueDesk, SimOperators
 from sim.operator import OperatorDesk, OperatorRules
 from vla_rl.core import console
 from vla_rl.core.configs import SECRET
@@ -43,8 +44,10 @@ class FleetConfig:
     expert) takes over when the policy stalls (--stall-steps), drifts (--drift-radius) or at random
     (--spot-check-prob), drives for --drive-steps and hands back, within a budget per episode. The collector
     token is read from VLA_RL_COLLECTOR_TOKEN. With --mode requests the operator sees no simulator state:
-    robots ask for help on their alarms (--uncertainty-h, --failure-alarm) and spot checks, and --operators
-    operators answer the requests by urgency, each --reaction-s after picking one (sim/help_desk.py).
+    robots ask for help on their alarms (--uncertainty-h, --failure-alarm) and spot checks in the product's
+    help queue (the collector, the dashboard's help queue page), and --operators simulated operators
+    (sim-operator-0, ...) claim the requests by urgency, as a person does on the page, take the robot over
+    --reaction-s after claiming one and resolve it when they hand back (sim/help_queue_desk.py).
     Example: vla-rl fleet sim --robots 4 --episodes 20 --server 127.0.0.1:50061 --collector 127.0.0.1:50071"""
 
     robots: int = 4
@@ -62,8 +65,8 @@ class FleetConfig:
     """First episode seed: robot i's j-th episode is ``seed + i * 100000 + j``. The default starts in the
     training range, away from every evaluation's seeds (:mod:`vla_rl.core.seeds`)."""
     operators: int = 1
-    """Robots the operator can drive at once (--mode requests: operators at the help desk, one robot
-    each)."""
+    """Robots the operator can drive at once (--mode requests: simulated operators working the help queue,
+    one robot each)."""
     rules: Annotated[OperatorRules, tyro.conf.OmitArgPrefixes] = field(default_factory=OperatorRules)
     """When the simulated operator takes over and for how long."""
     collector_token: str | None = field(default=None, repr=False, metadata=SECRET)
@@ -98,7 +101,8 @@ class FleetConfig:
     help_requests: bool = False
     """Each robot opens a help request in the dashboard's help queue (collector RequestHelp) the first time
     an alarm fires in an episode (the failure predictor's, or the uncertainty CUSUM's: --failure-alarm,
-    --uncertainty-h), and withdraws it at the episode's end if nobody claimed it (sim/help_hook.py)."""
+    --uncertainty-h), and withdraws it at the episode's end if nobody claimed it (sim/help_hook.py). The
+    requests mode (--mode requests) always asks through the help queue: this flag adds nothing there."""
 
     def __post_init__(self) -> None:
         from sim.ray_workers import check_ray_address
@@ -108,10 +112,6 @@ class FleetConfig:
             raise ValueError(f"rtc: expected one of {list(RTC_MODES)}, got {self.rtc!r}")
         if self.operators < 1:
             raise ValueError(f"operators: expected >= 1, got {self.operators}")
-        if self.ray and self.rules.requests:
-            raise ValueError(
-                "rules.mode: 'requests' (the help desk) runs the robots as local processes; drop --ray"
-            )
         if self.ray_max_restarts < 0:
             raise ValueError(f"ray_max_restarts: expected >= 0, got {self.ray_max_restarts}")
         if not 0.0 <= self.canary_share < 1.0:
@@ -256,17 +256,15 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
         )
     procs: list[Any] = []
     ray_fleet: RayFleet | None = None
+    # the requests mode: the robots ask in the help queue, simulated operators claim from it (any process)
+    queue_desk = help_queue_desk(cfg, [rc.robot_id for rc in robot_cfgs])
     if cfg.ray:
-        ray_fleet = RayFleet(cfg.ray, robot_cfgs, cfg.operators, cfg.ray_max_restarts)
+        ray_fleet = RayFleet(cfg.ray, robot_cfgs, cfg.operators, cfg.ray_max_restarts, queue_desk)
         desk: Any = ray_fleet
         reports: Any = ray_fleet.reports
     else:
         ctx = mp.get_context("spawn")
-        desk = (
-            HelpDesk(cfg.robots, cfg.operators, cfg.rules.reaction_s, ctx)
-            if cfg.rules.requests
-            else OperatorDesk(cfg.operators, ctx)
-        )
+        desk = queue_desk or OperatorDesk(cfg.operators, ctx)
         reports = ctx.Queue()
         for i, rc in enumerate(robot_cfgs):
             p = ctx.Process(
@@ -285,6 +283,11 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
     ended = (
         {r: RobotRecord(str(Path(cfg.record_dir) / f"{r}.episodes.jsonl")) for r in summaries}
         if cfg.record_dir
+        else None
+    )
+    operators = (
+        SimOperators(cfg.collector, cfg.operators, token=cfg.collector_token).start()
+        if queue_desk is not None
         else None
     )
     t0 = time.perf_counter()
@@ -360,9 +363,42 @@ def run_sim_fleet(cfg: FleetConfig) -> FleetResult:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        busy = desk.busy_waits
-        desk_stats = desk.stats() if isinstance(desk, HelpDesk) else None
+        desk_stats = None
+        if operators is not None:
+            operators.stop()
+            desk_stats = queue_stats(cfg, episodes, operators)
+            busy = desk_stats.queued_while_busy
+        else:
+            busy = desk.busy_waits
         if ray_fleet:
             ray_fleet.close()
     replaced = dict(ray_fleet.replaced) if ray_fleet else {}
     return FleetResult(summaries, episodes, errors, time.perf_counter() - t0, busy, replaced, desk_stats, hz)
+
+
+def help_queue_desk(cfg: FleetConfig, robot_ids: list[str]) -> QueueDesk | None:
+    """The robots' side of the help queue in the requests mode (None: the omniscient operator)."""
+    if not cfg.rules.requests:
+        return None
+    token = cfg.collector_token
+    return QueueDesk(cfg.collector, robot_ids, token=token, reaction_s=cfg.rules.reaction_s, poll_s=0.02)
+
+
+def queue_stats(cfg: FleetConfig, episodes: list[dict[str, Any]], operators: SimOperators) -> DeskStats:
+    """The desk's counters of a requests-mode run: each robot's (the newest it reported: they add up over
+    its episodes) summed, with the simulated operators' busy time and queueing."""
+    newest: dict[str, dict[str, Any]] = {}
+    for e in episodes:
+        if e.get("desk"):
+            newest[e["robot_id"]] = e["desk"]
+    total = {k: sum(d[k] for d in newest.values()) for k in ("requests", "answered", "unanswered", "wait_s")}
+    return DeskStats(
+        capacity=cfg.operators,
+        reaction_s=cfg.rules.reaction_s,
+        requests=int(total["requests"]),
+        answered=int(total["answered"]),
+        unanswered=int(total["unanswered"]),
+        wait_s=float(total["wait_s"]),
+        busy_s=operators.busy_s,
+        queued_while_busy=operators.queued_while_busy,
+    )

@@ -21,6 +21,11 @@ desk, so the robots' own step loop drives it and no desk thread is needed.
 
 The state lives in shared memory behind one lock (a ``multiprocessing`` context's raw arrays), so one desk
 can be handed to robot processes at start, as :class:`sim.operator.OperatorDesk` is.
+
+:class:`Desk` is what a robot's :class:`sim.operator.SimulatedOperator` calls; it has two backends: this
+shared-memory one (one machine's processes; bench/operators.py's lock-step default) and
+:class:`sim.help_queue_desk.QueueDesk`, the product's help queue (the collector and the metadata DB, the
+dashboard's help queue page), where simulated operators claim and resolve requests as a person does.
 """
 
 from __future__ import annotations
@@ -29,13 +34,38 @@ import math
 import multiprocessing as mp
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 IDLE, QUEUED, REACTING, DRIVING = 0, 1, 2, 3
 """A robot's state at the desk: no open request, waiting in the queue, an operator on its way, driven."""
 
 # the desk-wide counters, by index in the shared array
 _REQUESTS, _ANSWERED, _UNANSWERED, _WAIT_S, _BUSY_S, _SEATS, _QUEUED_BUSY = range(7)
+
+
+def check_desk(robots: int, capacity: int, reaction_s: float) -> None:
+    """ValueError naming the first of a desk's sizes out of bounds."""
+    if robots < 1:
+        raise ValueError(f"robots: expected >= 1, got {robots}")
+    if capacity < 1:
+        raise ValueError(f"capacity: expected >= 1 operator, got {capacity}")
+    if not (math.isfinite(reaction_s) and reaction_s >= 0):
+        raise ValueError(f"reaction_s: expected a finite number of seconds >= 0, got {reaction_s}")
+
+
+@runtime_checkable
+class Desk(Protocol):
+    """A help desk as a robot's operator sees it (the requests mode): ask, learn the operator arrived,
+    hand back. ``now`` is the desk's clock in seconds; ``reason``, ``episode_id`` and ``note`` are what the
+    product's queue shows (the shared-memory desk does not keep them)."""
+
+    def ask(self, robot: int, urgency: float, now: float, reason: str = "", episode_id: str = "") -> None: ...
+
+    def poll(self, robot: int, now: float) -> bool: ...
+
+    def release(self, robot: int, now: float, note: str = "") -> None: ...
+
+    def stats(self) -> DeskStats: ...
 
 
 @dataclass(frozen=True)
@@ -70,12 +100,7 @@ class HelpDesk:
     """``capacity`` operators answering the help requests of ``robots`` robots (see the module docstring)."""
 
     def __init__(self, robots: int, capacity: int = 1, reaction_s: float = 0.0, ctx: Any = None) -> None:
-        if robots < 1:
-            raise ValueError(f"robots: expected >= 1, got {robots}")
-        if capacity < 1:
-            raise ValueError(f"capacity: expected >= 1 operator, got {capacity}")
-        if not (math.isfinite(reaction_s) and reaction_s >= 0):
-            raise ValueError(f"reaction_s: expected a finite number of seconds >= 0, got {reaction_s}")
+        check_desk(robots, capacity, reaction_s)
         ctx = ctx or mp.get_context("spawn")
         self.robots, self.capacity, self.reaction_s = robots, capacity, float(reaction_s)
         self._lock = ctx.Lock()
@@ -86,7 +111,7 @@ class HelpDesk:
         self._counters = ctx.RawArray("d", 7)
 
     # ------------------------------------------------------------------ the robots' side
-    def ask(self, robot: int, urgency: float, now: float) -> None:
+    def ask(self, robot: int, urgency: float, now: float, reason: str = "", episode_id: str = "") -> None:
         """Robot ``robot`` asks for help with this urgency at ``now``. A robot already waiting keeps its
         place (its request's age) and takes the higher urgency; one already being answered is unchanged."""
         self._check(robot)
@@ -116,7 +141,7 @@ class HelpDesk:
             self._counters[_WAIT_S] += now - self._asked_at[robot]
             return True
 
-    def release(self, robot: int, now: float) -> None:
+    def release(self, robot: int, now: float, note: str = "") -> None:
         """The operator hands ``robot`` back (or the robot gives up its request): the operator is free.
         A request still waiting, or an operator still on its way, counts as unanswered."""
         self._check(robot)

@@ -26,9 +26,10 @@ Rules (:class:`OperatorRules`), checked before each step while the policy is in 
 stall and drift rules read the simulator's privileged state and it watches every robot. In the
 ``requests`` mode the operator sees no simulator state: the robot *asks* for help when one of its alarms
 fires (the uncertainty CUSUM, urgency ``S / h``; the failure predictor, urgency its ``p``) or a spot check
-picks it (urgency 0), and a :class:`sim.help_desk.HelpDesk` of N operators answers the requests in order of
-urgency, each operator reaching its robot ``reaction_s`` seconds after picking the request; stall and
-drift are not checked. While a request waits the policy keeps driving. Once taken over, the operator
+picks it (urgency 0), and a help desk of N operators (:class:`sim.help_desk.Desk`: the product's help
+queue, :class:`sim.help_queue_desk.QueueDesk`, or the shared-memory :class:`sim.help_desk.HelpDesk`)
+answers the requests in order of urgency, each operator reaching its robot ``reaction_s`` seconds after
+picking the request; stall and drift are not checked. While a request waits the policy keeps driving. Once taken over, the operator
 drives with the scripted expert in both modes (it stands in for a person's teleoperation).
 
 A takeover lasts ``drive_steps`` steps (or until the episode ends), then control goes back to the policy,
@@ -53,7 +54,7 @@ import numpy as np
 from fleet.uncertainty import cusum_path, cusum_step
 from sim.base import Privileged
 from sim.experts import ScriptedExpert, make_expert
-from sim.help_desk import HelpDesk
+from sim.help_desk import Desk, HelpDesk
 
 OperatorMode = Literal["omniscient", "requests"]
 OPERATOR_MODES: tuple[str, ...] = get_args(OperatorMode)
@@ -187,25 +188,25 @@ class Event:
 class SimulatedOperator:
     """One robot's view of the operator: decides takeovers, drives, hands back (see the module docstring).
 
-    ``robot`` is this robot's index at a :class:`~sim.help_desk.HelpDesk` (``requests`` mode; without a
-    desk the robot gets an operator of its own). ``now`` arguments are the desk's clock in seconds (None =
+    ``robot`` is this robot's index at a :class:`~sim.help_desk.Desk` (``requests`` mode; without a
+    desk the robot gets an operator of its own, a shared-memory :class:`~sim.help_desk.HelpDesk`). ``now`` arguments are the desk's clock in seconds (None =
     ``time.monotonic()``); the omniscient mode ignores them."""
 
     def __init__(
         self,
         task: str,
         rules: OperatorRules | None = None,
-        desk: OperatorDesk | HelpDesk | Any | None = None,
+        desk: OperatorDesk | Desk | Any | None = None,
         robot: int = 0,
     ) -> None:
         self.task = task
         self.rules = rules or OperatorRules()
         if self.rules.requests:
             desk = desk if desk is not None else HelpDesk(1, 1, self.rules.reaction_s)
-            if not isinstance(desk, HelpDesk):
-                raise TypeError(f"desk: the requests mode needs a HelpDesk, got {type(desk).__name__}")
-        elif isinstance(desk, HelpDesk):
-            raise TypeError("desk: a HelpDesk answers requests; set rules.mode = 'requests'")
+            if not isinstance(desk, Desk):
+                raise TypeError(f"desk: the requests mode needs a help desk, got {type(desk).__name__}")
+        elif isinstance(desk, Desk):
+            raise TypeError("desk: a help desk answers requests; set rules.mode = 'requests'")
         self.desk = desk
         self.robot = robot
         self.expert: ScriptedExpert = make_expert(task, noise=self.rules.noise, seed=0)
@@ -214,10 +215,12 @@ class SimulatedOperator:
         self.asking = False  # requests mode: a request of this robot is open at the desk
         self.reset(0, 1)
 
-    def reset(self, seed: int, max_steps: int, now: float | None = None) -> None:
-        """A new episode (``max_steps`` = its step limit, for the time budget)."""
+    def reset(self, seed: int, max_steps: int, now: float | None = None, episode_id: str = "") -> None:
+        """A new episode (``max_steps`` = its step limit, for the time budget; ``episode_id``: what its
+        help requests name, at the product's help queue)."""
         if self.driving or self.asking:
-            self._release(now)
+            self._release(now, "a new episode began")
+        self.episode_id = episode_id
         self.rng = np.random.default_rng(seed)
         self.expert.reset(seed)
         self.max_steps = max_steps
@@ -355,7 +358,7 @@ class SimulatedOperator:
             self.asking, self.requests, self.pending = True, self.requests + 1, (urgency, reason)
         elif urgency > self.pending[0]:
             self.pending = (urgency, reason)
-        self.desk.ask(self.robot, urgency, self._clock(now))  # type: ignore[union-attr]
+        self.desk.ask(self.robot, urgency, self._clock(now), reason, self.episode_id)  # type: ignore[union-attr]
 
     def _answered(self, now: float | None) -> Event | None:
         """Requests mode: the takeover, once the desk's operator has reached this robot."""
@@ -373,20 +376,21 @@ class SimulatedOperator:
     def end_episode(self, now: float | None = None) -> None:
         """The episode ended: hand back, and withdraw a request still open (unanswered)."""
         if self.driving or self.asking:
-            self._release(now)
+            ended = f"the episode ended after {self.driven} operator steps" if self.driving else ""
+            self._release(now, ended or "the episode ended")
 
     def _handback(self, t: int, dense_reward: float, reason: str, now: float | None) -> Event:
-        self._release(now)
+        self._release(now, f"handed back: {reason}")
         self.since_handback = 0
         self.best = dense_reward  # judge the policy from where the operator left it
         self.last_progress = t
         self.cusum = 0.0  # and its uncertainty from here on
         return Event("handback", reason)
 
-    def _release(self, now: float | None) -> None:
+    def _release(self, now: float | None, note: str) -> None:
         self.driving = self.asking = False
-        if isinstance(self.desk, HelpDesk):
-            self.desk.release(self.robot, self._clock(now))
+        if isinstance(self.desk, Desk):
+            self.desk.release(self.robot, self._clock(now), note)
         elif self.desk is not None:
             self.desk.release()
 

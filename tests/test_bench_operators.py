@@ -40,3 +40,14 @@ def test_quick_bench_compares_the_operators(tmp_path: Path) -> None:
     other = {**r, "settings": {**r["settings"], "robots": 12}, "modes": {}}
     with pytest.raises(SystemExit, match="robots"):
         merge(other, [out])
+
+    # the requests rows through the product's help queue (a collector and its DB, simulated operators
+    # claiming in lock-step) decide as the shared-memory desk did: same requests, takeovers, outcomes
+    asks = ["--modes", "accel alarm", "learned predictor", "--reuse", "--desk", "queue"]
+    q = main(["--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "q.json"), *asks])
+    assert q["settings"]["desk"] == "queue" and r["settings"]["desk"] == "memory"
+    same = ("successes", "takeovers", "requests", "requests_unanswered", "failures_without_takeover")
+    for mode in ("accel alarm", "learned predictor"):
+        assert {k: q["modes"][mode][k] for k in same} == {k: r["modes"][mode][k] for k in same}, mode
+        assert q["modes"][mode]["mean_wait_s"] == pytest.approx(r["modes"][mode]["mean_wait_s"], nan_ok=True)
+        assert q["modes"][mode]["desk"] == pytest.approx(r["modes"][mode]["desk"], nan_ok=True), mode

@@ -1,6 +1,7 @@
 """The help queue end to end: robots ask through a real collector (loopback gRPC), the dashboard's API
 lists and hands out their requests (SQLite and PostgreSQL), and the page in headless Chromium shows a new
-request without a reload, takes the next robot with one click and links to its episode."""
+request without a reload, takes the next robot with one click and links to its episode, and shows a
+simulated operator's claim and resolution (sim/help_queue_desk.py) as they happen."""
 
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def test_the_api_orders_hands_out_and_closes_requests(desk: tuple[Collector, Das
         assert [x["id"] for x in viewer.get("/api/v1/help").json()["requests"]] == [high.request_id]
         closed = viewer.get("/api/v1/help", params={"closed": "true"}).json()["requests"]
         assert {x["status"] for x in closed} == {"claimed", "resolved"}
+        recent = viewer.get("/api/v1/help").json()["recent"]  # closed last, newest first
+        assert [(x["id"], x["claimed_by"], x["note"]) for x in recent] == [
+            (low.request_id, TOKENS["operator"][0], "regrasped")
+        ]
 
 
 @pytest.mark.parametrize("store_db_url", ["sqlite"], indirect=True)
@@ -120,5 +125,50 @@ def test_the_page_shows_new_requests_live_and_takes_the_next_robot(
         page.keyboard.press("h")  # back to the queue from the keyboard
         page.wait_for_url("**/help")
         page.wait_for_selector(f"tr[data-request='{first.request_id}']")
+    assert errors == []
+    ctx.close()
+
+
+@pytest.mark.parametrize("store_db_url", ["sqlite"], indirect=True)
+def test_the_page_shows_a_simulated_operators_claim_and_resolution(
+    browser: Any, desk: tuple[Collector, Dashboard]
+) -> None:
+    """A robot asks through the queue desk, a simulated operator claims it through the collector: the page
+    shows it claimed by sim-operator-0 without a reload; the operator's hands hand back and the request
+    moves to "Closed last" with what happened; a person's "Take next" finds nothing left to take."""
+    from sim.help_queue_desk import QueueDesk, SimOperators
+
+    c, d = desk
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    ctx.add_init_script(
+        f"localStorage.setItem('vla-rl-dashboard-token', {json.dumps(TOKENS['operator'][1])})"
+    )
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(15_000)
+    page.goto(d.url + "/")
+    page.click("nav a[href='/help']")
+    page.wait_for_url("**/help")
+    page.wait_for_selector("text=No robot is asking for help.")
+    ops = SimOperators(c.address, 1)
+    robots = QueueDesk(c.address, ["arm-1"], operators=ops)
+    try:
+        robots.ask(0, 2.5, now=0.0, reason="failure predictor: 0.83 on this chunk", episode_id="arm-1-ep")
+        rid = robots.request_id(0)
+        row = page.wait_for_selector(f"table.help tr[data-request='{rid}'][data-status='claimed']")
+        assert "claimed by sim-operator-0" in row.text_content()  # (a row with no button for this person)
+        assert page.locator("div.err-slot").inner_text() == ""
+        assert page.locator(".help-held").count() == 0  # not the person's
+        assert robots.poll(0, now=0.1)  # the robot learns it was claimed; the operator drives
+        robots.release(0, now=1.0, note="handed back: drove 15 steps")
+        page.wait_for_selector(f"table.help tr[data-request='{rid}']", state="detached")
+        done = page.wait_for_selector(f"table.help-closed tr[data-closed='{rid}'][data-status='resolved']")
+        assert done.query_selector(".help-by").text_content() == "sim-operator-0"
+        assert done.query_selector(".help-note").text_content() == "handed back: drove 15 steps"
+        assert page.is_disabled("#help-take-next")  # nothing open for a person to take
+    finally:
+        robots.close()
+        ops.stop()
     assert errors == []
     ctx.close()

@@ -98,8 +98,8 @@ def test_desk_and_rules_validation_name_the_field() -> None:
         OperatorRules(mode="requests")  # no alarm and no spot checks: nobody ever asks
     with pytest.raises(ValueError, match="reaction_s"):
         OperatorRules(mode="requests", failure_alarm=True, reaction_s=math.nan)
-    with pytest.raises(ValueError, match=r"rules\.mode"):
-        FleetConfig(ray="auto", rules=OperatorRules(mode="requests", failure_alarm=True))
+    # the requests mode works the help queue through the collector, so Ray actors can ask too
+    assert FleetConfig(ray="auto", rules=OperatorRules(mode="requests", failure_alarm=True)).ray == "auto"
     with pytest.raises(ValueError, match="operators"):
         FleetConfig(operators=0)
     assert FleetConfig().rules.mode == "omniscient"  # the default is unchanged

@@ -223,3 +223,61 @@ def test_the_sim_robots_hook_asks_once_per_episode_and_keeps_a_claimed_request(t
         assert [r.status for r in c.db.help_queue(statuses=("resolved",))] == ["resolved"]
         assert asker.asked == 2
         asker.close()
+
+
+def test_an_operator_claims_and_resolves_through_the_collector(
+    tmp_path: Path, store_db_url: str | None
+) -> None:
+    """ClaimHelp / ResolveHelp (vla_rl_client.help_client.OperatorClient): the shared credential claims the
+    next request, the robot learns who, the operator resolves it; a robot's own credential may not act as an
+    operator; nothing open -> None."""
+    from vla_rl_client.help_client import OperatorClient
+
+    shared, tokens = "s" * 24, {"arm-a": "a" * 20}
+    cfg = CollectorConfig(store=tmp_path / "s", port=0, chunk_len=16, db=store_db_url)
+    with Collector(cfg, token=shared, robot_tokens=tokens) as c:
+        with (
+            HelpClient(c.address, "arm-a", token=tokens["arm-a"]) as arm,
+            OperatorClient(c.address, "sim-operator-0", token=shared) as op,
+            OperatorClient(c.address, "sim-operator-1", token=shared) as other,
+        ):
+            assert op.claim_next() is None
+            low = arm.ask("arm-a-ep1", "asked", 1.0)
+            high = arm.ask("arm-a-ep2", "failure predictor: 0.9", 2.0)
+            got = op.claim_next()
+            assert got is not None and (got.request_id, got.status, got.claimed_by) == (
+                high.request_id,
+                "claimed",
+                "sim-operator-0",
+            )
+            assert (got.robot_id, got.episode_id, got.urgency) == ("arm-a", "arm-a-ep2", 2.0)
+            assert got.created_at > 0 and got.claimed_at >= got.created_at
+            assert arm.status(high.request_id).claimed_by == "sim-operator-0"
+            with pytest.raises(
+                HelpError, match=r"FAILED_PRECONDITION: request_id: .* claimed by sim-operator-0"
+            ):
+                other.claim(high.request_id)
+            with pytest.raises(HelpError, match=r"FAILED_PRECONDITION: .*claimed by sim-operator-0, not"):
+                other.resolve(high.request_id)
+            done = op.resolve(high.request_id, "drove 15 steps")
+            assert (done.status, done.note) == ("resolved", "drove 15 steps")
+            assert c.db.help_request(high.request_id).note == "drove 15 steps"
+            with pytest.raises(HelpError, match=r"FAILED_PRECONDITION: request_id: .*already resolved"):
+                op.resolve(high.request_id)
+            with pytest.raises(HelpError, match="NOT_FOUND: request_id: no help request 999"):
+                op.claim(999)
+            with pytest.raises(HelpError, match=r"INVALID_ARGUMENT: request_id: expected 1 \.\. "):
+                op.resolve(0)
+            with pytest.raises(HelpError, match="INVALID_ARGUMENT: operator: expected at most 64"):
+                OperatorClient(c.address, "x" * 65, token=shared).claim_next()
+            with pytest.raises(HelpError, match="INVALID_ARGUMENT: operator: 'arm-a' is the robot"):
+                OperatorClient(c.address, "arm-a", token=shared).resolve(low.request_id)
+        # a robot's own credential never acts as an operator
+        with OperatorClient(c.address, "sim-operator-0", token=tokens["arm-a"]) as robot_as_op:
+            with pytest.raises(HelpError, match="PERMISSION_DENIED: operator: this credential is robot"):
+                robot_as_op.claim_next()
+            with pytest.raises(HelpError, match="PERMISSION_DENIED"):
+                robot_as_op.resolve(low.request_id)
+        assert c.db.help_request(low.request_id).status == "open"
+        with pytest.raises(ValueError, match="operator"):
+            OperatorClient(c.address, " ")

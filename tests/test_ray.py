@@ -387,6 +387,49 @@ def test_fleet_sim_on_ray_replaces_a_killed_robot(ray_head: str, tmp_path: Path)
         assert store.read_metadata(eid).length == sum(f["episode"] == eid for f in frames)
 
 
+def test_fleet_sim_on_ray_answers_the_help_queue(ray_head: str, tmp_path: Path) -> None:
+    """--mode requests with --ray: the robot actors ask in the collector's help queue and the simulated
+    operator claims and resolves there (the shared-memory desk could not reach another node)."""
+    from test_sim_fleet import TOKEN, task_spec, tiny_checkpoint
+
+    from fleet.collector import Collector, CollectorConfig
+    from server.config import ServerConfig
+    from server.policy_server import PolicyServer
+    from sim.fleet_runner import FleetConfig, run_sim_fleet
+    from sim.operator import OperatorRules
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", task_spec(KIN))
+    config = ServerConfig(checkpoint=str(ckpt), model_id="reach", port=0, torch_threads=1, device="cpu")
+    server = PolicyServer(config, token="x").start()
+    collector = Collector(
+        CollectorConfig(store=tmp_path / "store", port=0, chunk_len=16), token=TOKEN
+    ).start()
+    rules = OperatorRules(mode="requests", drive_steps=3, uncertainty_k=0.0, uncertainty_h=1e-3)
+    try:
+        cfg = FleetConfig(
+            progress=False,
+            robots=2,
+            server=server.address,
+            collector=collector.address,
+            episodes=2,
+            max_episode_steps=15,
+            collector_token=TOKEN,
+            rules=rules,
+            ray=ray_head,
+        )
+        result = run_sim_fleet(cfg)
+        assert collector.drain(60)
+        rows = collector.db.help_queue(statuses=("open", "claimed", "resolved", "expired"))
+    finally:
+        collector.stop()
+        server.stop()
+    assert result.errors == []
+    desk = result.desk
+    assert desk is not None and desk.answered >= 1 and desk.requests == len(rows)
+    assert {r.robot_id for r in rows} <= {"sim-0", "sim-1"} and all(r.status == "resolved" for r in rows)
+    assert any(r.claimed_by == "sim-operator-0" and r.note.startswith("handed back") for r in rows)
+
+
 # ---------------------------------------------------------------------------- trainers
 def _weights_close(a: Path, b: Path) -> None:
     from vla_rl.hub.checkpoint import load_checkpoint

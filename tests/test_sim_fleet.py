@@ -282,8 +282,9 @@ def test_sim_fleet_store_matches_what_robots_did(tmp_path: Path, capsys: pytest.
 
 
 def test_sim_fleet_help_desk_answers_requests(tmp_path: Path) -> None:
-    """The requests mode through the real fleet: robots ask on their uncertainty alarm (every chunk of the
-    random policy crosses this h), one operator answers them, the desk's counters add up."""
+    """The requests mode through the real fleet and the product's help queue: robots ask on their
+    uncertainty alarm (every chunk of the random policy crosses this h) in the collector's DB, one simulated
+    operator claims and resolves them there, the desk's counters add up and match the DB's rows."""
     with fleet_services(tmp_path) as (server, collector):
         rules = OperatorRules(
             mode="requests",
@@ -305,6 +306,7 @@ def test_sim_fleet_help_desk_answers_requests(tmp_path: Path) -> None:
         )
         result = run_sim_fleet(cfg)
         assert result.errors == [] and collector.drain(60)
+        rows = collector.db.help_queue(statuses=("open", "claimed", "resolved", "expired"))
     desk = result.desk
     assert desk is not None and desk.capacity == 1 and desk.reaction_s == pytest.approx(0.05)
     assert desk.answered >= 1 and desk.requests == desk.answered + desk.unanswered
@@ -315,6 +317,15 @@ def test_sim_fleet_help_desk_answers_requests(tmp_path: Path) -> None:
     m = result.operator_metrics(cfg.operators)
     assert m["requests"] == desk.requests and m["mean_wait_s"] >= 0.05 - 1e-9
     assert 0 < m["operator_utilisation"] <= 1
+    # what the dashboard's help queue shows: each request once, every one closed; those the simulated
+    # operator reached were claimed and resolved by it, with what happened
+    assert len(rows) == desk.requests and all(r.status == "resolved" for r in rows)
+    taken = [r for r in rows if r.claimed_by == "sim-operator-0"]
+    assert len(taken) >= desk.answered
+    # (a claim that crossed the robot's withdrawal at its episode's end reads "withdrawn by the robot")
+    notes = ("handed back: ", "the episode ended", "withdrawn by the robot")
+    assert all(r.note.startswith(notes) for r in taken), [r.note for r in rows]
+    assert any(r.note.startswith("handed back: drove 4 steps") for r in taken)
 
 
 def test_fleet_and_collect_cli_errors(

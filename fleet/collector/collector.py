@@ -621,6 +621,12 @@ class Collector(_EpisodeIntake):
     def get_help(self, query: pb.HelpQuery, identity: str | None) -> pb.HelpState:
         return help_calls.get_help(self.db, query, identity, self.allowed_robots)
 
+    def claim_help(self, claim: pb.HelpClaim, identity: str | None) -> pb.HelpState:
+        return help_calls.claim_help(self.db, claim, identity)
+
+    def resolve_help(self, done: pb.HelpResolve, identity: str | None) -> pb.HelpState:
+        return help_calls.resolve_help(self.db, done, identity)
+
     def disconnected(self, session: _Session) -> None:
         if session.robot_id:
             self._connected[session.robot_id] -= 1

@@ -1,6 +1,9 @@
-"""The collector's help-queue calls (``RequestHelp``, ``GetHelp``): a robot opens a help request in the
-metadata DB (:mod:`fleet.db.help`), polls it to learn an operator claimed it, and withdraws it when it no
-longer needs help. A per-robot credential speaks only for its own robot and its own requests."""
+"""The collector's help-queue calls: a robot opens a help request in the metadata DB (:mod:`fleet.db.help`,
+``RequestHelp``), polls it to learn an operator claimed it, and withdraws it when it no longer needs help
+(``GetHelp``); an operator takes one (``ClaimHelp``: the next, most urgent, or the one named) and closes it
+once the robot is back under its policy (``ResolveHelp``), the same conditional DB updates the dashboard's
+help queue makes for a person. A per-robot credential speaks only for its own robot and its own requests,
+and never as an operator: claiming and resolving need the collector's shared credential."""
 
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ def help_state(r: HelpRequest) -> pb.HelpState:
         claimed_by=r.claimed_by or "",
         claimed_at=r.claimed_at or 0.0,
         note=r.note or "",
+        robot_id=r.robot_id,
+        episode_id=r.episode_id,
+        urgency=r.urgency,
+        created_at=r.created_at,
     )
 
 
@@ -69,3 +76,54 @@ def get_help(
         except HelpConflict:
             got = db.help_request(query.request_id) or got  # closed meanwhile: say how
     return help_state(got)
+
+
+def _as_operator(identity: str | None) -> None:
+    if identity is not None:
+        raise RequestError(
+            SC.PERMISSION_DENIED,
+            f"operator: this credential is robot {identity!r}'s; claiming and resolving help requests needs "
+            "the collector's shared credential",
+        )
+
+
+def _request_id(rid: int, *, zero_ok: bool) -> int | None:
+    if (rid == 0 and zero_ok) or 1 <= rid <= MAX_DB_INT:
+        return rid or None
+    low = 0 if zero_ok else 1
+    raise RequestError(SC.INVALID_ARGUMENT, f"request_id: expected {low} .. {MAX_DB_INT}, got {rid}")
+
+
+def claim_help(db: MetadataDB, claim: pb.HelpClaim, identity: str | None) -> pb.HelpState:
+    """The operator takes the named request, or the next one (``request_id`` 0). NOT_FOUND: no such request,
+    or nothing open to take next; FAILED_PRECONDITION: the named one is not open (the message names who has
+    it); INVALID_ARGUMENT: ``operator`` out of bounds."""
+    _as_operator(identity)
+    rid = _request_id(claim.request_id, zero_ok=True)
+    try:
+        return help_state(db.claim_help(claim.operator, rid))
+    except ValueError as e:
+        raise RequestError(SC.INVALID_ARGUMENT, str(e)) from None
+    except KeyError:
+        raise RequestError(SC.NOT_FOUND, f"request_id: no help request {rid}") from None
+    except HelpConflict as e:
+        code = SC.NOT_FOUND if rid is None else SC.FAILED_PRECONDITION
+        raise RequestError(code, f"request_id: {e}") from None
+
+
+def resolve_help(db: MetadataDB, done: pb.HelpResolve, identity: str | None) -> pb.HelpState:
+    """The operator who claimed the request closes it. NOT_FOUND: no such request; FAILED_PRECONDITION:
+    already closed, or claimed by someone else; INVALID_ARGUMENT: ``operator`` or ``note`` out of bounds."""
+    _as_operator(identity)
+    rid = _request_id(done.request_id, zero_ok=False)
+    got = db.help_request(rid)  # type: ignore[arg-type]
+    if got is None:
+        raise RequestError(SC.NOT_FOUND, f"request_id: no help request {rid}")
+    if done.operator == got.robot_id:  # resolving as the robot is GetHelp(withdraw), not an operator's call
+        raise RequestError(SC.INVALID_ARGUMENT, f"operator: {done.operator!r} is the robot that asked")
+    try:
+        return help_state(db.resolve_help(got.id, by=done.operator, note=done.note))
+    except ValueError as e:
+        raise RequestError(SC.INVALID_ARGUMENT, str(e)) from None
+    except HelpConflict as e:
+        raise RequestError(SC.FAILED_PRECONDITION, f"request_id: {e}") from None

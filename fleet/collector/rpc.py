@@ -136,6 +136,10 @@ class _Handler(Protocol):
 
     def get_help(self, query: pb.HelpQuery, identity: str | None) -> pb.HelpState: ...
 
+    def claim_help(self, claim: pb.HelpClaim, identity: str | None) -> pb.HelpState: ...
+
+    def resolve_help(self, done: pb.HelpResolve, identity: str | None) -> pb.HelpState: ...
+
     def disconnected(self, session: _Session) -> None: ...
 
 
@@ -154,6 +158,8 @@ class _Service:
                 "GetStats": rpc.unary_handler(self.GetStats, pb.StatsRequest, pb.StatsResponse),
                 "RequestHelp": rpc.unary_handler(self.RequestHelp, pb.HelpAsk, pb.HelpState),
                 "GetHelp": rpc.unary_handler(self.GetHelp, pb.HelpQuery, pb.HelpState),
+                "ClaimHelp": rpc.unary_handler(self.ClaimHelp, pb.HelpClaim, pb.HelpState),
+                "ResolveHelp": rpc.unary_handler(self.ResolveHelp, pb.HelpResolve, pb.HelpState),
             },
         )
 
@@ -222,6 +228,18 @@ class _Service:
     ) -> pb.HelpState:
         """Poll (or withdraw) a help request."""
         return await self._help(self.c.get_help, request, context)
+
+    async def ClaimHelp(
+        self, request: pb.HelpClaim | rpc.Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.HelpState:
+        """An operator takes a help request (the shared credential only)."""
+        return await self._help(self.c.claim_help, request, context)
+
+    async def ResolveHelp(
+        self, request: pb.HelpResolve | rpc.Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.HelpState:
+        """The operator who claimed a help request closes it (the shared credential only)."""
+        return await self._help(self.c.resolve_help, request, context)
 
     async def _help(self, fn: Any, request: Any, context: grpc.aio.ServicerContext) -> pb.HelpState:
         try:

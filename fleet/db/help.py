@@ -183,6 +183,18 @@ class HelpPart(DBPart):
             rows = [_record(r) for r in s.scalars(q)]
         return sorted(rows, key=lambda r: statuses.index(r.status))  # stable: keeps urgency, age
 
+    def recently_closed_help(self, limit: int = 10) -> list[HelpRequest]:
+        """The ``limit`` requests closed last (resolved or expired), newest close first: what the operators
+        (people or simulated ones) did, for the help queue page."""
+        q = (
+            select(HelpRequestRow)
+            .where(HelpRequestRow.status.in_(("resolved", "expired")))
+            .order_by(HelpRequestRow.closed_at.desc(), HelpRequestRow.id.desc())
+            .limit(limit)
+        )
+        with Session(self._reader) as s:
+            return [_record(r) for r in s.scalars(q)]
+
     def claim_help(
         self, operator: str, request_id: int | None = None, *, now: float | None = None
     ) -> HelpRequest:

@@ -254,7 +254,8 @@ def fleet_sim(a: Any) -> int:
         m = result.operator_metrics(cfg.operators)
         wait = "-" if m["mean_wait_s"] is None else f"{m['mean_wait_s']:.1f} s"
         print(
-            f"help desk ({cfg.operators} operators, reaction {cfg.rules.reaction_s:g} s): {m['requests']} "
+            f"help queue at {cfg.collector} ({cfg.operators} simulated operators, sim-operator-0.., reaction "
+            f"{cfg.rules.reaction_s:g} s): {m['requests']} "
             f"requests, {m['requests_unanswered']} unanswered, mean wait {wait}; "
             f"{m['failures_without_takeover']}/{m['failures']} failures never taken over; "
             f"{m['interventions_per_robot_hour']:.1f} interventions per robot-hour, "

@@ -1,7 +1,7 @@
 """Help-queue routes: the robots that asked for an operator (:mod:`fleet.db.help`), and taking one.
 
 ``GET /help`` lists open and claimed requests (most urgent first, then oldest) with how long each robot
-has waited; the page polls it. Requests nobody claimed within ``--help-expire-s`` are expired first.
+has waited, and the ones closed last (``recent``: who took them, how they ended); the page polls it. Requests nobody claimed within ``--help-expire-s`` are expired first.
 ``POST /help/claim`` takes the next request (or the one named) for the caller: one conditional update in
 the DB, so of two people clicking at once exactly one gets it and the other a 409 naming who has it.
 ``POST /help/{id}/resolve`` closes a request the caller claimed. Both writes need the operator role.
@@ -27,6 +27,8 @@ log = logging.getLogger("vla_rl.dashboard")
 
 MAX_LISTED = 200
 """Most requests one answer lists (a queue longer than that is a fleet on fire; the count says so)."""
+RECENT = 10
+"""Closed requests ``GET /help`` sends along (``recent``, newest close first)."""
 
 
 class ClaimRequest(BaseModel):
@@ -65,6 +67,7 @@ def make_router(ctx: Context) -> APIRouter:
         items = db.help_queue(statuses=statuses, limit=MAX_LISTED)
         return {
             "requests": [request_view(x, now) for x in items],
+            "recent": [request_view(x, now) for x in db.recently_closed_help(RECENT)],
             "open": sum(x.status == "open" for x in items),
             "expire_s": ctx.cfg.help_expire_s,
             "now": now,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 RTCMode = Literal["auto", "on", "off"]  # vla_rl_client.action_queue.RTC_MODES (kept light: no grpc here)
 CONTINUOUS_MIN_CORES = 4
@@ -41,7 +41,18 @@ class UpConfig:
     robots: int = 4
     """Simulated robots (one process each)."""
     operators: int = 1
-    """Robots the simulated operator can drive at once."""
+    """Robots the simulated operator can drive at once (--operator-mode requests: simulated operators
+    working the help queue, one robot each)."""
+    operator_mode: Literal["omniscient", "requests"] = "omniscient"
+    """The simulated operator (`vla-rl fleet sim --mode`): omniscient = takes over when a robot stalls or
+    drifts (it reads the simulator's state); requests = sees no simulator state: robots ask in the help
+    queue when the served failure predictor alarms (a checkpoint that carries one) or at random
+    (--spot-check-prob), and --operators simulated operators (sim-operator-0, ...) claim the most urgent
+    request, drive the robot and resolve it there, as a person does on the dashboard's help queue page."""
+    reaction_s: float = 0.5
+    """--operator-mode requests: seconds from a simulated operator claiming a request to taking over."""
+    spot_check_prob: float = 0.0
+    """--operator-mode requests: chance per robot step of asking for a look at random."""
     rtc: RTCMode = "auto"
     """The fleet's real-time chunking (`vla-rl fleet sim --rtc`): auto = off for simulated robots (they wait
     for each chunk: no inference delay to hide); on = each chunk guided toward the rest of the previous."""
@@ -121,6 +132,7 @@ class UpConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        self._check_operator()
         if self.rtc not in get_args(RTCMode):
             raise ValueError(f"rtc: expected one of {list(get_args(RTCMode))}, got {self.rtc!r}")
         if not 0.0 < self.gate_alpha <= 1.0:
@@ -139,6 +151,28 @@ class UpConfig:
         self._check_snapshot_keys()
         if self.db is not None and not self.db.strip():
             raise ValueError("db: expected a metadata DB URL (e.g. postgresql://host/vla_rl), got ''")
+
+    def _check_operator(self) -> None:
+        """The operator's mode and its requests-mode knobs, checked as the fleet's rules check them."""
+        if self.operator_mode not in ("omniscient", "requests"):
+            raise ValueError(
+                f"operator_mode: expected 'omniscient' or 'requests', got {self.operator_mode!r}"
+            )
+        self.operator_rules()  # ValueError naming reaction_s or spot_check_prob
+
+    def operator_rules(self) -> Any:
+        """The fleet's :class:`sim.operator.OperatorRules`: the omniscient default, or the requests mode on
+        the failure predictor's alarm and spot checks."""
+        from sim.operator import OperatorRules
+
+        if self.operator_mode == "omniscient":
+            return OperatorRules()
+        return OperatorRules(
+            mode="requests",
+            failure_alarm=True,
+            reaction_s=self.reaction_s,
+            spot_check_prob=self.spot_check_prob,
+        )
 
     def _check_snapshot_keys(self) -> None:
         """With --continuous each round's data is narrowed to its snapshot (``closed_until``): ``data``

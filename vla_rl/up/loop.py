@@ -181,6 +181,7 @@ class _Run:
             robots=cfg.robots,
             episodes=episodes,
             operators=cfg.operators,
+            rules=cfg.operator_rules(),
             task=cfg.task,
             server=f"127.0.0.1:{self.ports.server}",
             collector=f"127.0.0.1:{self.ports.collector}",
@@ -262,6 +263,8 @@ def _continuous_rounds(run: _Run) -> list[dict[str, Any]]:
 def _fleet_line(cfg: UpConfig) -> str:
     """How the fleet runs, as the start-up lines say it."""
     every = f"a round every {cfg.robots * cfg.episodes} fleet episodes"
+    if cfg.operator_mode == "requests":
+        every += f"; {cfg.operators} simulated operators answer the help queue"
     if cfg.continuous:
         return (
             f"continuous: it keeps working while a round trains ({every}; rounds at nice +{cfg.trainer_nice})"

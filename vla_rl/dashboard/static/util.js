@@ -2,7 +2,8 @@
 
 /** h("div.cls#id", {attrs, onclick}, ...children): build an element. */
 export function h(spec, attrs = {}, ...children) {
-  if (attrs instanceof Node || typeof attrs !== "object" || Array.isArray(attrs)) {
+  // null (an optional child left out) is a child too: typeof null is "object"
+  if (attrs === null || attrs instanceof Node || typeof attrs !== "object" || Array.isArray(attrs)) {
     children.unshift(attrs);
     attrs = {};
   }

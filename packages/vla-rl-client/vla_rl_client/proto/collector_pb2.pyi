@@ -234,15 +234,41 @@ class HelpQuery(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., withdraw: _Optional[bool] = ...) -> None: ...
 
 class HelpState(_message.Message):
-    __slots__ = ("request_id", "status", "claimed_by", "claimed_at", "note")
+    __slots__ = ("request_id", "status", "claimed_by", "claimed_at", "note", "robot_id", "episode_id", "urgency", "created_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_BY_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_AT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    URGENCY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     status: str
     claimed_by: str
     claimed_at: float
     note: str
-    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[str] = ..., claimed_by: _Optional[str] = ..., claimed_at: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+    robot_id: str
+    episode_id: str
+    urgency: float
+    created_at: float
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[str] = ..., claimed_by: _Optional[str] = ..., claimed_at: _Optional[float] = ..., note: _Optional[str] = ..., robot_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., urgency: _Optional[float] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class HelpClaim(_message.Message):
+    __slots__ = ("operator", "request_id")
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    operator: str
+    request_id: int
+    def __init__(self, operator: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class HelpResolve(_message.Message):
+    __slots__ = ("operator", "request_id", "note")
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    operator: str
+    request_id: int
+    note: str
+    def __init__(self, operator: _Optional[str] = ..., request_id: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...

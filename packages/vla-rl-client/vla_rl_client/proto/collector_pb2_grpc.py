@@ -54,6 +54,16 @@ class CollectorStub:
                 request_serializer=collector__pb2.HelpQuery.SerializeToString,
                 response_deserializer=collector__pb2.HelpState.FromString,
                 _registered_method=True)
+        self.ClaimHelp = channel.unary_unary(
+                '/vla_rl.fleet.v1.Collector/ClaimHelp',
+                request_serializer=collector__pb2.HelpClaim.SerializeToString,
+                response_deserializer=collector__pb2.HelpState.FromString,
+                _registered_method=True)
+        self.ResolveHelp = channel.unary_unary(
+                '/vla_rl.fleet.v1.Collector/ResolveHelp',
+                request_serializer=collector__pb2.HelpResolve.SerializeToString,
+                response_deserializer=collector__pb2.HelpState.FromString,
+                _registered_method=True)
 
 
 class CollectorServicer:
@@ -85,6 +95,18 @@ class CollectorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimHelp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveHelp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CollectorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +128,16 @@ def add_CollectorServicer_to_server(servicer, server):
             'GetHelp': grpc.unary_unary_rpc_method_handler(
                     servicer.GetHelp,
                     request_deserializer=collector__pb2.HelpQuery.FromString,
+                    response_serializer=collector__pb2.HelpState.SerializeToString,
+            ),
+            'ClaimHelp': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimHelp,
+                    request_deserializer=collector__pb2.HelpClaim.FromString,
+                    response_serializer=collector__pb2.HelpState.SerializeToString,
+            ),
+            'ResolveHelp': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveHelp,
+                    request_deserializer=collector__pb2.HelpResolve.FromString,
                     response_serializer=collector__pb2.HelpState.SerializeToString,
             ),
     }
@@ -216,6 +248,60 @@ class Collector:
             target,
             '/vla_rl.fleet.v1.Collector/GetHelp',
             collector__pb2.HelpQuery.SerializeToString,
+            collector__pb2.HelpState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimHelp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vla_rl.fleet.v1.Collector/ClaimHelp',
+            collector__pb2.HelpClaim.SerializeToString,
+            collector__pb2.HelpState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveHelp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vla_rl.fleet.v1.Collector/ResolveHelp',
+            collector__pb2.HelpResolve.SerializeToString,
             collector__pb2.HelpState.FromString,
             options,
             channel_credentials,

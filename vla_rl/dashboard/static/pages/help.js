@@ -1,7 +1,8 @@
 // Help queue: robots that asked for an operator (their alarm fired, or they asked), most urgent first,
 // then oldest, with how long each has waited. Polls every 2 s (nothing to reload). "Take next" claims the
 // request at the head of the queue, "Take" a chosen one (operator role); the robot polls its request and
-// hands control over. Each row links to the robot's episode page (cameras and timeline).
+// hands control over. Each row links to the robot's episode page (cameras and timeline). Below, the requests
+// closed last: who took each (a person, or a simulated operator "sim-operator-K") and how it ended.
 import { api, ApiError } from "../api.js";
 import { badge, clear, h, showError } from "../util.js";
 
@@ -22,7 +23,8 @@ export async function render(root, ctx) {
   const takeNext = h("button#help-take-next.primary", { type: "button" }, "Take next robot");
   const count = h("span.muted.help-count", "");
   const list = h("section.card.help-list", h("p.muted", "loading…"));
-  root.append(h("h1", "Help queue"), err, h("div.help-bar", takeNext, " ", count), mine, list);
+  const recent = h("section.card.help-recent");
+  root.append(h("h1", "Help queue"), err, h("div.help-bar", takeNext, " ", count), mine, list, recent);
   let stopped = false;
   let timer = null;
   let busy = false;
@@ -98,6 +100,31 @@ export async function render(root, ctx) {
             h("tbody", reqs.map(row)),
           )
         : h("p.muted", "No robot is asking for help."),
+    );
+    const closed = res.recent || [];
+    clear(
+      recent,
+      closed.length ? h("h2", "Closed last") : null,
+      closed.length
+        ? h(
+            "table.help-closed",
+            h("thead", h("tr", ["robot", "taken by", "status", "how it ended", "episode"].map((c) => h("th", c)))),
+            h(
+              "tbody",
+              closed.map((r) =>
+                h(
+                  "tr",
+                  { dataset: { closed: String(r.id), status: r.status } },
+                  h("td", r.robot_id),
+                  h("td.help-by", r.claimed_by || "nobody"),
+                  h("td", r.status),
+                  h("td.help-note", r.note || ""),
+                  h("td", h("a.help-episode", { href: r.episode_url }, "cameras & timeline")),
+                ),
+              ),
+            ),
+          )
+        : null,
     );
   }
 
