@@ -69,6 +69,16 @@ class FleetWorld:
     def db(self) -> MetadataDB:
         return MetadataDB(self.db_url) if self.db_url else MetadataDB.for_store(self.store)
 
+    def number_rounds_past(self, first: int) -> None:
+        """A PostgreSQL world shares the SQLite world's Hub repo, whose ``round-N`` tags that run already
+        pushed: number this database's rounds from ``first`` + 1 on (two fleets on one repo must not reuse
+        round numbers). Nothing to do on the SQLite world."""
+        if self.db_url and self.db_url.startswith("postgresql"):
+            from sqlalchemy import text
+
+            with self.db.engine.begin() as conn:
+                conn.execute(text(f"SELECT setval(pg_get_serial_sequence('rounds', 'id'), {int(first)})"))
+
 
 def start_registry(root: Path, token: str) -> HubServer:
     """A Hub registry on ``root/hub`` that this process's hub client is configured for (the settings are

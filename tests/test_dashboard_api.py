@@ -38,7 +38,6 @@ from dashboard_world import (
     stop_world,
 )
 from PIL import Image
-from sqlalchemy import text
 from test_sim_fleet import tiny_checkpoint  # a random camera policy: weak, so the operator has work
 from vla_rl_client.spec import RobotSpec
 
@@ -978,11 +977,7 @@ def test_round_from_the_api_runs_in_a_worker_streams_progress_and_ships(
     from vla_rl.round_worker import WorkerConfig, run_worker
 
     op = dash.client("operator")
-    if world.db_url and world.db_url.startswith("postgresql"):
-        # this world shares the SQLite world's Hub repo, whose round-N tags that run already pushed: number
-        # this database's rounds past them (two fleets on one repo must not reuse round numbers)
-        with world.db.engine.begin() as conn:
-            conn.execute(text("SELECT setval(pg_get_serial_sequence('rounds', 'id'), 1000)"))
+    world.number_rounds_past(1000)
     knobs = {**TINY_ROUND, "steps": 150}  # long enough for the stream (polling twice a second) to see steps
     r = op.post(
         "/api/v1/rounds",

@@ -6,7 +6,8 @@ What a labeller, a viewer and an operator do: open an episode, play it, scrub, m
 from the keyboard, reload and see it, find it in the DB with its author; bulk-label 20 episodes from
 a filter; a viewer is refused (403) and the page says why; an operator queues a round from the page,
 cancels one, and (slow) watches one finish in a real round worker, promotes it, and a policy server
-started with --follow serves the new commit. The tests write the README's screenshots to docs/img/.
+started with --follow serves the new commit. The tests take the README's screenshots on the way; they land
+in docs/img/ only when ``VLA_RL_SCREENSHOTS=1`` is set (a test run leaves the checkout as it found it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ REPO = "fleet/reach"
 HUB_TOKEN = "hub-token-for-dashboard-tests"
 COLLECTOR_TOKEN = "collector-token-for-dashboard"
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
+"""Where ``VLA_RL_SCREENSHOTS=1`` writes the README's screenshots (otherwise the world's own folder)."""
 TOKENS = {
     "ana": ("labeller", "ana-labeller-token-0123456789"),
     "vic": ("viewer", "vic-viewer-token-0123456789"),
@@ -206,10 +208,13 @@ def postgresql_world(
 
 
 def screenshot(page: Any, world: FleetWorld, name: str) -> None:
-    """The README's screenshot ``docs/img/NAME`` (from the SQLite world's run only)."""
+    """The README's screenshot ``NAME`` (from the SQLite world's run only): into docs/img/ with
+    ``VLA_RL_SCREENSHOTS=1``, into the world's temporary folder otherwise."""
     if world.db_url is None:
-        IMG.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(IMG / name), full_page=True)
+        folder = IMG if os.environ.get("VLA_RL_SCREENSHOTS") == "1" else world.root / "screenshots"
+        folder.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(folder / name), full_page=True)
+        assert (folder / name).stat().st_size > 10_000  # a page was drawn, not a blank
 
 
 def open_page(
@@ -516,8 +521,13 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
     browser: Any, world: FleetWorld, cli_server: Any
 ) -> None:
     """A real round worker trains the round queued from the page; the page follows its progress over SSE
-    until it succeeds; Promote (confirmed) moves prod; a server following prod swaps to the new commit."""
+    until it succeeds; Promote (confirmed) moves prod; a server following prod swaps to the new commit.
+    (The two backends' worlds share one hub, so the PostgreSQL run starts from the prod the SQLite run
+    promoted.)"""
     from vla_rl_client.policy_client import PolicyClient
+
+    prod_before = resolve(f"hub://{REPO}@prod")
+    world.number_rounds_past(1000)
 
     addr = cli_server(
         "--checkpoint",
@@ -531,7 +541,7 @@ def test_a_round_started_from_the_page_finishes_is_promoted_and_served(
         env={"VLA_RL_HUB": world.hub.url, "OMP_NUM_THREADS": "1"},
     )
     with PolicyClient(addr) as c:
-        assert next(iter(c.info().values())).commit == world.base_commit
+        assert next(iter(c.info().values())).commit == prod_before
     worker = subprocess.Popen(
         [*CLI, "round", "worker", "--store", str(world.store), "--poll-s", "0.5", "--heartbeat-s", "1"]
         + (["--db-url", world.db_url] if world.db_url else []),
