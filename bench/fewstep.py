@@ -6,7 +6,8 @@ Per setting (PushCube state, PickCube state, and the 64 px PushCube camera task)
 1. record ``--demos`` scripted demonstrations at ``--noise`` (seeds 0+, as ``bench/sft.py``);
 2. the parent: SFT from those demos with ``bench/sft.py``'s recipe, served at K = 10;
 3. the students: ``distill`` (:mod:`vla_rl.train.fewstep`) from the parent on the demos' observations, one
-   run per K in ``--student-steps`` (1 and 2 by default), through the algorithm table as a round runs it;
+   run per K in ``--student-steps`` (1 and 2 by default) and per ``--variant`` (other knobs, e.g. the
+   student's own episodes: ``dagger_rounds``), through the algorithm table as a round runs it;
 4. every checkpoint is scored on the SAME held-out seeds (``--eval-seed``, 200000+: no setting is chosen on
    them) with a 95% interval, and its inference time per chunk is measured at batch 1 and 16 (the
    checkpoint's own K, the median of interleaved calls so the parent and students share the machine's load).
@@ -39,6 +40,7 @@ from bench.sft import SETTINGS
 from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from sim.demos import record_demos
+from vla_rl.core.seeds import check_disjoint
 from vla_rl.evaluation import evaluate
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.sft import SFTConfig, train_sft
@@ -111,21 +113,43 @@ def prepare_parent(name: str, args: argparse.Namespace) -> Path:
     return Path(done["checkpoint"])
 
 
-def train_student(name: str, parent: Path, k: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The K = ``k`` student of ``parent`` (cached; a cached run with other knobs is refused), trained as a
-    round trains it: ``distill`` through the algorithm table on the setting's demo store."""
+def variants(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The students' knob sets per variant name: "" the plain one (``DISTILL`` with ``--distill``), then
+    each ``--variant NAME=JSON`` (its knobs over the plain ones)."""
+    out: dict[str, dict[str, Any]] = {"": DISTILL | args.distill}
+    for item in args.variant:
+        name, _, knobs_json = item.partition("=")
+        if not name or not name.isidentifier():
+            raise SystemExit(f"--variant {item!r}: expected NAME=JSON with NAME a plain word")
+        out[name] = out[""] | json.loads(knobs_json)
+    return out
+
+
+def student_tag(k: int, variant: str) -> str:
+    """The student's name in the table and its files: ``K=1``, or ``K=1 dagger`` for a variant."""
+    return f"K={k}" + (f" {variant}" if variant else "")
+
+
+def train_student(
+    name: str, parent: Path, k: int, args: argparse.Namespace, variant: str = ""
+) -> dict[str, Any]:
+    """The K = ``k`` student of ``parent`` with the knobs of ``variant`` (:func:`variants`; cached, a cached
+    run with other knobs is refused), trained as a round trains it: ``distill`` through the algorithm
+    table on the setting's demo store."""
     root = args.work / name
+    stem = f"distill-k{k}" + (f"-{variant}" if variant else "")
     cfg = make_config(
         "distill",
         base=str(parent),
         store=root / "store",
-        out=root / f"distill-k{k}",
+        out=root / stem,
         student_steps=k,
         threads=1,
         progress=False,
-        **(DISTILL | args.distill),
+        **variants(args)[variant],
     )
-    path = root / f"distill-k{k}.json"
+    check_disjoint(range(args.eval_seed, args.eval_seed + args.eval_episodes), {stem: cfg.collection_seeds()})
+    path = root / f"{stem}.json"
 
     def run() -> dict[str, Any]:
         r = train(cfg)
@@ -202,15 +226,20 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     task = SETTINGS[name]["task"]
     parent = prepare_parent(name, args)
     ckpts = {"parent": parent}
-    students = {}
+    students: dict[str, dict[str, Any]] = {}
+    student_k: dict[str, int] = {}
     for k in args.student_steps:
-        students[k] = train_student(name, parent, k, args)
-        ckpts[f"K={k}"] = Path(students[k]["checkpoint"])
+        for variant in variants(args):
+            tag = student_tag(k, variant)
+            students[tag] = train_student(name, parent, k, args, variant)
+            student_k[tag] = k
+            ckpts[tag] = Path(students[tag]["checkpoint"])
     if args.train_only:
         return {"setting": name, "students": students}
     evals = {
         tag: cached(
-            args.work / name / f"{tag.replace('=', '')}.eval-{args.eval_seed}-{args.eval_episodes}.json",
+            args.work / name / f"{tag.replace('=', '').replace(' ', '-')}.eval-{args.eval_seed}-"
+            f"{args.eval_episodes}.json",
             lambda c=c: score(c, task, args),
         )
         for tag, c in ckpts.items()
@@ -222,22 +251,24 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {
             "setting": name,
             "policy": tag,
-            "K": k_parent if tag == "parent" else int(tag.split("=")[1]),
+            "K": k_parent if tag == "parent" else student_k[tag],
             "success": evals[tag]["success"],
             "ci95": evals[tag]["ci95"],
             "ms": {str(b): round(times[tag][b], 3) for b in args.batches},
             "time_ratio": {str(b): round(times[tag][b] / times["parent"][b], 3) for b in args.batches},
         }
         if tag != "parent":
-            k = row["K"]
+            trained = students[tag]
             diff = paired_difference(evals[tag]["per_seed"], evals["parent"]["per_seed"])
             row |= {
                 "vs_parent": diff,
-                "train_seconds": round(students[k]["seconds"], 1),
+                "train_seconds": round(trained["seconds"], 1),
+                "distill": trained.get("config", {}),
                 "distill_loss_first_last": [
-                    students[k]["metrics"].get("first_loss_rollout"),
-                    students[k]["metrics"].get("loss_rollout"),
+                    trained["metrics"].get("first_loss_rollout"),
+                    trained["metrics"].get("loss_rollout"),
                 ],
+                "dagger_success": trained["metrics"].get("dagger_success", []),
                 "target_met": diff["points"] >= -TARGET_POINTS
                 and all(r <= TARGET_TIME_RATIO for r in row["time_ratio"].values()),
             }
@@ -286,6 +317,14 @@ def main() -> None:
         type=json.loads,
         default={},
         help='DistillConfig overrides of DISTILL as JSON, e.g. \'{"steps": 1000, "pairs_per_frame": 0}\'',
+    )
+    p.add_argument(
+        "--variant",
+        nargs="*",
+        default=[],
+        metavar="NAME=JSON",
+        help="a further student per K with these DistillConfig knobs over the plain ones, "
+        'e.g. dagger=\'{"dagger_rounds": 2}\' (the table\'s "K=1 dagger")',
     )
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--eval-seed", type=int, default=HELD_OUT, help="first held-out episode seed")

@@ -3,11 +3,12 @@ bench itself is not run)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
-from bench.fewstep import paired_difference
+from bench.fewstep import DISTILL, paired_difference, student_tag, variants
 
 
 def test_paired_difference_in_points_with_its_interval_and_discordant_counts() -> None:
@@ -25,3 +26,16 @@ def test_paired_difference_in_points_with_its_interval_and_discordant_counts() -
     assert hi == pytest.approx(100 * (mean + 1.96 * sd / math.sqrt(10)))
     with pytest.raises(ValueError, match="same seeds"):
         paired_difference({"1": True}, {"2": True})
+
+
+def test_variants_lay_their_knobs_over_the_plain_students() -> None:
+    args = argparse.Namespace(
+        distill={"steps": 1200, "pairs_per_frame": 0}, variant=['dagger={"dagger_rounds": 2, "steps": 900}']
+    )
+    out = variants(args)
+    assert list(out) == ["", "dagger"]
+    assert out[""] == DISTILL | {"steps": 1200, "pairs_per_frame": 0}
+    assert out["dagger"] == out[""] | {"dagger_rounds": 2, "steps": 900}
+    assert (student_tag(1, ""), student_tag(2, "dagger")) == ("K=1", "K=2 dagger")
+    with pytest.raises(SystemExit, match="expected NAME=JSON"):
+        variants(argparse.Namespace(distill={}, variant=['{"steps": 5}']))
