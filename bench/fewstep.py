@@ -37,13 +37,17 @@ from bench.inference import obs_batch
 from bench.rl import _cached as cached
 from bench.rl import check_cached_knobs, knobs
 from bench.sft import SETTINGS
+from fleet.selection import Selection
 from fleet.store import EpisodeStore
-from policies.loading import load_policy
+from policies.loading import load_flow_checkpoint, load_policy
 from sim.demos import record_demos
 from vla_rl.core.seeds import check_disjoint
 from vla_rl.evaluation import evaluate
 from vla_rl.train.algorithms import make_config, train
+from vla_rl.train.contract import PolicyInputs
+from vla_rl.train.fewstep import observations
 from vla_rl.train.sft import SFTConfig, train_sft
+from vla_rl.train.transitions import load_transitions
 
 HELD_OUT = 200_000
 TARGET_POINTS = 3.0
@@ -221,6 +225,47 @@ def chunk_times(
     return out
 
 
+@torch.no_grad()
+def chunk_gaps(
+    parent: Path, students: dict[str, Path], stores: dict[str, Path], task: str, frames: int = 1024
+) -> dict[str, dict[str, float]]:
+    """Per store (name -> folder) and student: the mean squared distance of the student's deployed chunk
+    from the parent's (its own K) on the same noise, in the normalised action space over the robot's
+    dims, on up to ``frames`` of the store's frames (fixed draws): how completely the distillation took
+    where the demonstrator went and where a student went. ``parent K=1`` is the undistilled baseline."""
+    load = lambda c: load_flow_checkpoint(str(c), algorithm="distill", device="cpu")  # noqa: E731
+    base = load(parent)
+    teacher = base.policy
+    policies = {"parent K=1": teacher} | {t: load(c).policy for t, c in students.items()}
+    out: dict[str, dict[str, float]] = {}
+    for name, folder in stores.items():
+        buf = load_transitions(
+            EpisodeStore(folder), Selection.parse(None, task=task), cameras=bool(base.spec.cameras)
+        )
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randperm(len(buf), generator=g)[:frames].numpy()
+        raw = buf.batch(rows, horizon=teacher.chunk_len, n_step=1)
+        obs = observations(PolicyInputs(teacher, buf, torch.device("cpu"))(raw))
+        z = torch.randn(len(rows), *teacher.event_shape, generator=g)[:, None]
+        ref = teacher.sample(obs, noise=z).actions[:, 0, ..., : teacher.action_dim]
+        out[name] = {"frames": len(buf)}
+        for tag, pol in policies.items():
+            chunk = pol.sample(obs, num_steps=1 if tag == "parent K=1" else None, noise=z).actions
+            out[name][tag] = float((chunk[:, 0, ..., : teacher.action_dim] - ref).square().mean())
+    return out
+
+
+def gap_stores(root: Path, students: dict[str, Path]) -> dict[str, Path]:
+    """The stores :func:`chunk_gaps` reads: the demos, and each student's own on-policy episodes where it
+    recorded some (``dagger_rounds``: ``<run>/dagger_store``)."""
+    stores = {"demos": root / "store"}
+    for tag, ckpt in students.items():
+        own = ckpt.parents[1] / "dagger_store"
+        if own.exists():
+            stores[f"{tag}'s own episodes"] = own
+    return stores
+
+
 def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Parent and students of one setting, scored on the same held-out seeds and timed together."""
     task = SETTINGS[name]["task"]
@@ -273,7 +318,15 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 and all(r <= TARGET_TIME_RATIO for r in row["time_ratio"].values()),
             }
         rows.append(row)
-    return {"setting": name, "task": task, "parent_sft_steps": parent_steps(name, args), "rows": rows}
+    studs = {tag: c for tag, c in ckpts.items() if tag != "parent"}
+    gaps = chunk_gaps(parent, studs, gap_stores(args.work / name, studs), task)
+    return {
+        "setting": name,
+        "task": task,
+        "parent_sft_steps": parent_steps(name, args),
+        "rows": rows,
+        "chunk_gap": gaps,
+    }
 
 
 def _table(rows: list[dict[str, Any]], batches: list[int]) -> str:

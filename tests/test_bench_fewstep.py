@@ -1,14 +1,16 @@
 """bench/fewstep.py's paired difference of a student against its parent, on hand-made outcomes (the slow
-bench itself is not run)."""
+bench itself is not run), its variants' knobs, and the chunk gap on a tiny base."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
+from tiny_base import tiny_base
 
-from bench.fewstep import DISTILL, paired_difference, student_tag, variants
+from bench.fewstep import DISTILL, chunk_gaps, gap_stores, paired_difference, student_tag, variants
 
 
 def test_paired_difference_in_points_with_its_interval_and_discordant_counts() -> None:
@@ -39,3 +41,16 @@ def test_variants_lay_their_knobs_over_the_plain_students() -> None:
     assert (student_tag(1, ""), student_tag(2, "dagger")) == ("K=1", "K=2 dagger")
     with pytest.raises(SystemExit, match="expected NAME=JSON"):
         variants(argparse.Namespace(distill={}, variant=['{"steps": 5}']))
+
+
+def test_chunk_gaps_measure_the_distance_from_the_parents_chunk(tmp_path: Path) -> None:
+    task = "kinematic/Reach-v0"
+    store, ckpt = tiny_base(tmp_path, task, episodes=2, noise=0.5, steps=10, batch_size=16)
+    stores = gap_stores(tmp_path, {"same": ckpt})
+    assert stores == {"demos": tmp_path / "store"}
+    (ckpt.parents[1] / "dagger_store").mkdir()
+    assert gap_stores(tmp_path, {"same": ckpt})["same's own episodes"] == ckpt.parents[1] / "dagger_store"
+    gaps = chunk_gaps(ckpt, {"same": ckpt}, {"demos": store.root}, task, frames=64)
+    assert gaps["demos"]["frames"] > 0
+    assert gaps["demos"]["same"] == pytest.approx(0.0, abs=1e-12)  # the parent is its own K-step chunk
+    assert gaps["demos"]["parent K=1"] > 1e-4  # one Euler step is not ten
