@@ -42,7 +42,7 @@ from fleet.store import EpisodeStore
 from policies.loading import load_flow_checkpoint, load_policy
 from sim.demos import record_demos
 from vla_rl.core.seeds import check_disjoint
-from vla_rl.evaluation import evaluate
+from vla_rl.evaluation import evaluate, wilson_interval
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.contract import PolicyInputs
 from vla_rl.train.fewstep import observations
@@ -266,6 +266,37 @@ def gap_stores(root: Path, students: dict[str, Path]) -> dict[str, Path]:
     return stores
 
 
+def eval_path(root: Path, tag: str, seed: int, episodes: int) -> Path:
+    """Where a checkpoint's evaluation on ``episodes`` seeds from ``seed`` is cached."""
+    return root / f"{tag.replace('=', '').replace(' ', '-')}.eval-{seed}-{episodes}.json"
+
+
+def pooled(root: Path, tags: list[str], runs: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The cached evaluations of several runs ((first seed, episodes) each, disjoint seeds) pooled per
+    checkpoint in ``tags`` ("parent" first): success over all their episodes with its Wilson interval, and
+    each student's paired difference from the parent over the same seeds."""
+    per_seed: dict[str, dict[str, bool]] = {tag: {} for tag in tags}
+    for tag in tags:
+        for seed, episodes in runs:
+            got = json.loads(eval_path(root, tag, seed, episodes).read_text())["per_seed"]
+            if set(got) & set(per_seed[tag]):
+                raise ValueError(f"pooled: the runs' seeds overlap ({seed}, {episodes} episodes)")
+            per_seed[tag] |= got
+    rows = []
+    for tag in tags:
+        wins = sum(per_seed[tag].values())
+        row: dict[str, Any] = {
+            "policy": tag,
+            "episodes": len(per_seed[tag]),
+            "success": wins / len(per_seed[tag]),
+            "ci95": list(wilson_interval(wins, len(per_seed[tag]))),
+        }
+        if tag != "parent":
+            row["vs_parent"] = paired_difference(per_seed[tag], per_seed["parent"])
+        rows.append(row)
+    return rows
+
+
 def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Parent and students of one setting, scored on the same held-out seeds and timed together."""
     task = SETTINGS[name]["task"]
@@ -283,8 +314,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"setting": name, "students": students}
     evals = {
         tag: cached(
-            args.work / name / f"{tag.replace('=', '').replace(' ', '-')}.eval-{args.eval_seed}-"
-            f"{args.eval_episodes}.json",
+            eval_path(args.work / name, tag, args.eval_seed, args.eval_episodes),
             lambda c=c: score(c, task, args),
         )
         for tag, c in ckpts.items()
@@ -387,12 +417,26 @@ def main() -> None:
     p.add_argument("--parents-only", action="store_true", help="record demos and train the parents, no more")
     p.add_argument("--train-only", action="store_true", help="train parents and students, evaluate nothing")
     p.add_argument("--work", type=Path, default=Path("runs/bench_fewstep"))
+    p.add_argument(
+        "--pool",
+        nargs="*",
+        default=[],
+        metavar="SEED:EPISODES",
+        help="no run: pool the cached evaluations of these runs (disjoint seed ranges) per checkpoint",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.parents_only:
         for name in args.settings:
             print(name, prepare_parent(name, args), flush=True)
+        return
+    if args.pool:
+        runs = [(int(a), int(b)) for a, _, b in (item.partition(":") for item in args.pool)]
+        tags = ["parent"] + [student_tag(k, v) for k in args.student_steps for v in variants(args)]
+        res = {name: pooled(args.work / name, tags, runs) for name in args.settings}
+        write_results("fewstep_pooled", {"args": {"pool": args.pool}, "settings": res}, args.out)
+        print(json.dumps(res, indent=1))
         return
     meta = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     meta |= {"target": {"points": TARGET_POINTS, "time_ratio": TARGET_TIME_RATIO}}
