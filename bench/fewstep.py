@@ -19,6 +19,9 @@ per student.
     python -m bench.fewstep                                   # state tasks (about an hour on 2 cores)
     python -m bench.fewstep --settings push-state --eval-episodes 20   # a quick look
     python -m bench.fewstep --parents-only                    # record demos and train parents, no more
+    python -m bench.fewstep --settings pick-state --student-steps 1 \
+        --variant 'dagger={"dagger_rounds": 3}'              # a further student on its own states too
+    python -m bench.fewstep ... --pool 200100:200 200300:200  # pool cached evaluations, run nothing
 """
 
 from __future__ import annotations
