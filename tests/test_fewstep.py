@@ -11,11 +11,16 @@ import pytest
 import torch
 from tiny_base import tiny_base
 
+from fleet.selection import Selection
+from fleet.store import EpisodeStore
 from policies.loading import load_policy
 from vla_rl.hub.checkpoint import read_info
 from vla_rl.train.algorithms import ALGORITHMS, make_config, train
+from vla_rl.train.contract import PolicyInputs, load_base, trainable_copy
 from vla_rl.train.fewstep import (
     DistillConfig,
+    OnPolicyFrames,
+    TeacherPairs,
     check_grids,
     distill_losses,
     flow_map_loss,
@@ -23,6 +28,7 @@ from vla_rl.train.fewstep import (
     teacher_grid_points,
 )
 from vla_rl.train.fql import distillation_loss, one_step_actions
+from vla_rl.train.transitions import load_transitions
 
 torch.set_num_threads(1)  # small nets on a shared machine: extra threads only contend
 
@@ -115,12 +121,22 @@ def test_grids_and_config_checks_name_the_field(tmp_path: Path) -> None:
         ({"steps": 50}, r"warmup_steps: expected fewer than steps \(50\)"),
         ({"lr": 0.0}, "lr: expected > 0"),
         ({"max_seconds": -1.0}, "max_seconds: expected a number of seconds > 0"),
+        ({"dagger_rounds": -1}, r"dagger_rounds: expected 0 \(off\) \.\. steps - 1 \(1999\)"),
+        ({"dagger_rounds": 3, "steps": 3, "warmup_steps": 1}, r"dagger_rounds: expected 0 \(off\)"),
+        ({"dagger_episodes": 0}, "dagger_episodes: expected a positive integer"),
+        ({"num_envs": 0}, "num_envs: expected a positive integer"),
+        ({"online_seed": 200_000}, "online_seed: expected >= 1000000"),
+        ({"dagger_rounds": 1, "fm_weight": 0.5}, "fm_weight: the on-policy episodes' actions"),
     ]:
         with pytest.raises(ValueError) as e:
             DistillConfig(**common, **bad)  # type: ignore[arg-type]
         assert e.match(message), str(e.value)
     cfg = make_config("distill", **common, student_steps=2)
     assert isinstance(cfg, DistillConfig) and cfg.algorithm == "distill" and "distill" in ALGORITHMS
+    assert cfg.collection_starts() == [] and len(cfg.collection_seeds()) == 0
+    cfg = DistillConfig(**common, steps=100, warmup_steps=10, dagger_rounds=3, dagger_episodes=5, num_envs=2)
+    assert cfg.collection_starts() == [25, 50, 75]
+    assert cfg.collection_seeds() == range(1_000_000, 1_000_021)
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +188,51 @@ def test_distill_ships_an_ordinary_checkpoint_closer_to_the_teacher(
         _gap(teacher.policy, teacher.policy, obs, z, k),
     )
     assert distilled < naive
+
+
+def test_on_policy_episodes_join_what_the_teacher_labels(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """``dagger_rounds``: the student's own episodes (its K, the online seeds) are recorded and their
+    frames appended to the buffer; a pool labels them too, every frame ``pairs_per_frame`` times."""
+    store, parent = base
+    cfg = DistillConfig(
+        base=str(parent), store=store, out=tmp_path / "run", steps=20, warmup_steps=2, batch_size=8,
+        dagger_rounds=1, dagger_episodes=3, num_envs=1, pairs_per_frame=2, threads=1,
+    )  # fmt: skip
+    device = torch.device("cpu")
+    loaded = load_base(cfg, device)
+    student = trainable_copy(loaded.policy, num_inference_steps=1)
+    buf = load_transitions(EpisodeStore(store), Selection.parse(None, task=TASK), cameras=False)
+    demo_frames = len(buf)
+    pairs = TeacherPairs(loaded.policy, buf, PolicyInputs(student, buf, device), cfg, 10)
+    assert pairs.pool_rows is not None and len(pairs.pool_rows) == 2 * demo_frames
+    frames = OnPolicyFrames(cfg, loaded, TASK, buf)
+    try:
+        frames.collect(student)
+    finally:
+        frames.close()
+    assert len(frames.episode_ids) == 3 and len(frames.success) == 1 and len(buf) > demo_frames
+    recorded = EpisodeStore(tmp_path / "run" / "dagger_store")
+    for e in frames.episode_ids:
+        ep = recorded.read_episode(e, cameras=False)
+        assert ep.length > 0 and (
+            ep.meta.episode_seed is None or ep.meta.episode_seed in cfg.collection_seeds()
+        )
+    pairs.frames_added(PolicyInputs(student, buf, device))
+    assert pairs.pool_points is not None and len(pairs.pool_points) == len(pairs.pool_rows) == 2 * len(buf)
+    assert sorted(set(pairs.pool_rows.tolist())) == list(range(len(buf)))
+    batch, points = pairs(0)
+    assert batch["state"].shape[0] == 8 and points.shape == (8, 2, *student.event_shape)
+
+
+def test_distill_with_on_policy_episodes_records_them(base: tuple[Path, Path], tmp_path: Path) -> None:
+    store, parent = base
+    res = train(
+        make_config(
+            "distill", base=str(parent), store=str(store), out=str(tmp_path / "run"), student_steps=1,
+            steps=30, warmup_steps=2, batch_size=16, threads=1, progress=False, dagger_rounds=2,
+            dagger_episodes=2, num_envs=1,
+        )
+    )  # fmt: skip
+    assert res.metrics["dagger_episodes"] == 4 and len(res.metrics["dagger_success"]) == 2
+    assert read_info(res.checkpoint).lineage.data["dagger_episodes"] == 4
+    assert len(EpisodeStore(tmp_path / "run" / "dagger_store").episode_ids()) == 4

@@ -34,18 +34,29 @@ pass per pair rather than per update: several times cheaper on a CPU).
   little data. Off by default: at the student's grid times its target, the instantaneous velocity, is not
   the secant the student must learn, so it pulls against the objective.
 
+**The student's own states** (``dagger_rounds`` R > 0, DAgger-style): the store's frames are where the
+parent's demonstrator went, not where a slightly different student goes; on a contact-rich task its
+small errors near the grasp take it into states no demo shows, where nothing taught it the parent's
+actions. The updates then run in R + 1 phases; before each phase after the first the student as it is
+(deterministic, its own K_S) drives ``dagger_episodes`` simulator episodes (online-range seeds:
+:meth:`DistillConfig.collection_seeds`), recorded in ``<out>/dagger_store``, and their frames join the
+observations the teacher labels (only their observations: the teacher says what to do there). A task
+without a simulator refuses it.
+
 The student starts from the parent (at t = 0 a flow's velocity points at the data mean, so the copy's
 one-step chunk starts near E[a | s] and far from the parent's: a from-scratch learning rate, as FQL's
 actor, with a warm-up and a cosine decay to a tenth). What trains follows ``trainable`` (FlowVLA: all of
 it; a LeRobot VLA on a CPU: its action expert).
 
 Output: ``<out>/checkpoints/last`` (the student; lineage algorithm "distill", parent the base's commit,
-data naming K_T and K_S), ``<out>/tb``, ``<out>/curve.json``. One process, no resume (a re-run starts
+data naming K_T, K_S and the on-policy episodes), ``<out>/tb``, ``<out>/curve.json``, with
+``dagger_rounds`` ``<out>/dagger_store``. One process, no resume (a re-run starts
 over). A round gates the student against its parent like any round's output (docs/training.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -60,9 +71,10 @@ from fleet.selection import Selection
 from fleet.store import EpisodeStore
 from policies.flow_policy import FlowPolicy
 from policies.flow_vla import euler_sample
-from policies.loading import pick_device
+from policies.loading import FlowCheckpoint, pick_device
+from vla_rl.core.seeds import ONLINE
 from vla_rl.train.base import TrainerConfig, TrainResult, check_optional_positive
-from vla_rl.train.common import RunClock, sample_indices
+from vla_rl.train.common import RunClock, sample_indices, seed_step
 from vla_rl.train.contract import (
     ACTION_KEYS,
     PolicyInputs,
@@ -187,6 +199,21 @@ class DistillConfig(TrainerConfig):
     label every frame of the data N times (fresh noise each) once, before training, and draw the updates'
     pairs from that fixed pool: a teacher pass per pair instead of per update (several times cheaper on a
     CPU; the pool must be large enough not to be memorised)."""
+    dagger_rounds: int = 0
+    """On-policy observations (DAgger): 0 = off, the teacher labels the store's frames only. R > 0: the
+    updates run in R + 1 equal phases, and before each phase after the first the student as it then is
+    (its own K_S-step sampler) drives ``dagger_episodes`` simulator episodes of the task into
+    ``<out>/dagger_store``; their frames join the observations the teacher labels (their actions are never
+    a target: the teacher says what to do there). A few-step student drifts from the parent's states
+    where its chunks differ from the parent's (on a contact-rich task, around the grasp), into states the
+    demos never show; this distils the parent there as well."""
+    dagger_episodes: int = 20
+    """Episodes of each on-policy collection (``dagger_rounds`` > 0)."""
+    num_envs: int = 2
+    """Simulator processes of the on-policy collections."""
+    online_seed: int = ONLINE
+    """First episode seed of the on-policy collections (:meth:`collection_seeds`): the online-training
+    range, far from every evaluation's seeds (:mod:`vla_rl.core.seeds`)."""
     steps: int = 2000
     """Gradient updates."""
     batch_size: int = 128
@@ -200,7 +227,7 @@ class DistillConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("student_steps", "steps", "batch_size"):
+        for name in ("student_steps", "steps", "batch_size", "dagger_episodes", "num_envs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.teacher_steps is not None:
@@ -226,6 +253,36 @@ class DistillConfig(TrainerConfig):
                 f"warmup_steps: expected fewer than steps ({self.steps}), got {self.warmup_steps}"
             )
         check_optional_positive(self, "max_seconds", "a number of seconds > 0")
+        self._check_dagger()
+
+    def _check_dagger(self) -> None:
+        if not 0 <= self.dagger_rounds < self.steps:
+            raise ValueError(
+                f"dagger_rounds: expected 0 (off) .. steps - 1 ({self.steps - 1}), so every phase "
+                f"between two collections has an update; got {self.dagger_rounds}"
+            )
+        if self.online_seed < ONLINE:
+            raise ValueError(
+                f"online_seed: expected >= {ONLINE} (the online-training seeds, away from every "
+                f"evaluation's), got {self.online_seed}"
+            )
+        if self.dagger_rounds and self.fm_weight > 0:
+            raise ValueError(
+                "fm_weight: the on-policy episodes' actions are the student's own, no target to regress; "
+                f"expected 0 with dagger_rounds > 0, got {self.fm_weight}"
+            )
+
+    def collection_seeds(self) -> range:
+        """The episode seeds the on-policy collections may use (empty without ``dagger_rounds``):
+        collection r (1..R) starts at ``online_seed + (r - 1) (E + N)`` and starts at most E + N - 1
+        episodes."""
+        stride = self.dagger_episodes + self.num_envs
+        return range(self.online_seed, self.online_seed + self.dagger_rounds * stride)
+
+    def collection_starts(self) -> list[int]:
+        """The updates before which the student is rolled out: the starts of phases 2..R + 1 of
+        ``steps`` updates cut into R + 1 (near) equal phases."""
+        return [self.steps * r // (self.dagger_rounds + 1) for r in range(1, self.dagger_rounds + 1)]
 
 
 # ============================================================================ training
@@ -280,7 +337,16 @@ class TeacherPairs:
         self.horizon = teacher.chunk_len
         self.pool_rows: np.ndarray | None = None
         self.pool_points: Tensor | None = None
+        self.labelled = 0
+        """Frames of ``buf`` in the pool (every one of them ``pairs_per_frame`` times)."""
         if cfg.pairs_per_frame:
+            self._label_pool()
+
+    def frames_added(self, inputs: PolicyInputs) -> None:
+        """``buf`` grew (on-policy frames appended): read its batches through ``inputs`` (which knows the
+        new frames' instructions) and, with a pool, label the new frames into it."""
+        self.inputs = inputs
+        if self.cfg.pairs_per_frame:
             self._label_pool()
 
     def label(self, batch: Mapping[str, Any]) -> Tensor:
@@ -291,12 +357,15 @@ class TeacherPairs:
         )
 
     def _label_pool(self, chunk: int = 256) -> None:
-        rows = np.repeat(np.arange(len(self.buf)), self.cfg.pairs_per_frame)
-        points = []
+        """Label the frames not yet in the pool (from :attr:`labelled` on) and append them to it."""
+        rows = np.repeat(np.arange(self.labelled, len(self.buf)), self.cfg.pairs_per_frame)
+        points = [] if self.pool_points is None else [self.pool_points]
         for i in range(0, len(rows), chunk):
             batch = self.inputs(self.buf.batch(rows[i : i + chunk], horizon=self.horizon, n_step=1))
             points.append(self.label(batch).cpu())
-        self.pool_rows, self.pool_points = rows, torch.cat(points)
+        old = np.zeros(0, np.int64) if self.pool_rows is None else self.pool_rows
+        self.pool_rows, self.pool_points = np.concatenate([old, rows]), torch.cat(points)
+        self.labelled = len(self.buf)
 
     def __call__(self, step: int) -> tuple[dict[str, Any], Tensor]:
         """Update ``step``'s batch (observations with their actions) and the teacher's points on it."""
@@ -308,6 +377,77 @@ class TeacherPairs:
         pick = sample_indices(len(self.pool_rows), cfg.batch_size, cfg.seed, step)
         batch = self.inputs(self.buf.batch(self.pool_rows[pick], horizon=self.horizon, n_step=1))
         return batch, self.pool_points[pick].to(self.teacher.device)
+
+
+class OnPolicyFrames:
+    """``dagger_rounds``: the student's own episodes in the simulator, their frames appended to the buffer
+    the teacher labels. The environment opens at the first collection and stays open until :meth:`close`."""
+
+    def __init__(self, cfg: DistillConfig, base: FlowCheckpoint, task: str, buf: Any) -> None:
+        from vla_rl.evaluation_offline import is_sim_task
+
+        if cfg.dagger_rounds and not is_sim_task(task):
+            raise ValueError(
+                f"dagger_rounds: the student's own episodes need a simulator, and task {task!r} has none; "
+                "expected 0"
+            )
+        self.cfg, self.base, self.task, self.buf = cfg, base, task, buf
+        self.env: Any = None
+        self.store: EpisodeStore | None = None
+        self.collected = 0
+        self.episode_ids: list[str] = []
+        self.success: list[float] = []
+        """Each collection's success rate: the student's, as it was then."""
+
+    def collect(self, student: FlowPolicy) -> None:
+        """Collection :attr:`collected` + 1: ``dagger_episodes`` episodes of ``student`` (deterministic, its
+        own K), written to ``<out>/dagger_store`` and appended to the buffer."""
+        from sim.demos import record_policy_episodes
+
+        cfg, cameras = self.cfg, bool(self.base.spec.cameras)
+        if self.env is None:
+            from sim.vector import VectorSimEnv
+
+            self.env = VectorSimEnv(
+                self.task,
+                num_envs=cfg.num_envs,
+                seed=cfg.online_seed,
+                obs="rgb" if cameras else "state",
+                image_size=self.base.spec.cameras[0].height if cameras else 128,
+            )
+            root = cfg.out / "dagger_store"
+            self.store = EpisodeStore(root, create=not root.exists())
+        assert self.store is not None
+        revision = f"distill-student:{self.collected + 1}"
+        student.train(False)
+        try:
+            rep = record_policy_episodes(
+                self.store,
+                self.env,
+                dataclasses.replace(self.base, policy=student, commit=revision, ref="distill"),
+                cfg.dagger_episodes,
+                seed=cfg.collection_seeds()[self.collected * (cfg.dagger_episodes + cfg.num_envs)],
+                n_exec=self.base.policy.n_exec,
+                revision=revision,
+                robot_prefix="distill",
+                progress=False,
+            )
+        finally:
+            student.train(True)
+        for e in rep.episode_ids:
+            self.buf.add_stored_episode(self.store.read_episode(e, cameras=cameras))
+        self.collected += 1
+        self.episode_ids += rep.episode_ids
+        self.success.append(rep.success_rate)
+        log.info(
+            "distill on-policy episodes",
+            extra={"collection": self.collected, "success_rate": rep.success_rate, "frames": len(self.buf)},
+        )
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
 
 
 def train_distill(cfg: DistillConfig) -> DistillResult:
@@ -357,14 +497,23 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     )
 
     pairs = TeacherPairs(teacher, buf, inputs, cfg, k_t)
+    on_policy = OnPolicyFrames(cfg, base, task, buf)
+    starts = set(cfg.collection_starts())
 
     def update(step: int) -> dict[str, Tensor]:
+        if step in starts:
+            on_policy.collect(student)
+            pairs.frames_added(PolicyInputs(student, buf, device))
+            seed_step(cfg.seed, step)  # the update's draws as without the collection before it
         batch, points = pairs(step)
         out = student_losses(student, batch, points, cfg)
         gradient_step(out["loss"], [opt], SINGLE)
         return out
 
-    loop = UpdateLoop.run_single(update, cfg, tlog, clock, "distill")
+    try:
+        loop = UpdateLoop.run_single(update, cfg, tlog, clock, "distill")
+    finally:
+        on_policy.close()
     step = loop.step
     curve = tlog.curve
     tlog.close()
@@ -377,6 +526,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         "teacher_steps": k_t,
         "student_steps": cfg.student_steps,
         "pairs_per_frame": cfg.pairs_per_frame,
+        "dagger_episodes": len(on_policy.episode_ids),
     }
     ckpt = cfg.out / "checkpoints" / "last"
     student.train(False)
@@ -396,6 +546,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         "first_loss_rollout": first.get("loss_rollout", float("nan")),
         "updates": step,
         "frames": len(buf),
+        "dagger_episodes": len(on_policy.episode_ids),
+        "dagger_success": on_policy.success,
     }
     seconds = clock.seconds
     log.info("distill done", extra={"checkpoint": str(ckpt), "seconds": round(seconds, 1), "updates": step})
