@@ -63,6 +63,7 @@ from vla_rl.hub.naming import check_round_target
 from vla_rl.hub.registry import is_hub_ref, move_ref, parse_ref, push_folder, resolve
 from vla_rl.train.algorithms import make_config, train
 from vla_rl.train.base import TrainerConfig, reporting_progress
+from vla_rl.train.failure import FailureFitConfig
 from vla_rl.train.transitions import select_episode_ids
 
 log = logging.getLogger(__name__)
@@ -124,11 +125,11 @@ class RoundOptions:
     negative, the dashboard's labels folded in), and ship it inside the pushed folder (``failure/``, with
     its lineage): a server following the Hub serves its score from the swap on. A fleet whose data cannot
     calibrate one (too few held-out successes) gets the round without it; its metrics say why."""
-    failure_hidden: tuple[int, ...] = (16,)
-    """The predictor head's MLP widths (docs/benchmarks.md, "Learned failure predictor": a wide head
-    saturates under the per-decision alarm)."""
-    failure_steps: int = 300
-    """The predictor head's AdamW updates."""
+    failure_hidden: tuple[int, ...] = FailureFitConfig.hidden
+    """The predictor head's MLP widths (``vla-rl failure fit``'s default: a wide head saturates under the
+    per-decision alarm)."""
+    failure_steps: int = FailureFitConfig.steps
+    """The predictor head's AdamW updates (``vla-rl failure fit``'s default)."""
     failure_alpha: float = 0.05
     """The predictor's target false-alarm rate on successful episodes (its conformal level)."""
 
@@ -598,7 +599,7 @@ def fit_round_predictor(cfg: RoundConfig, run: TrainerConfig, checkpoint: Path) 
     import torch
 
     from policies.failure import FAILURE_DIR
-    from vla_rl.train.failure import FailureFitConfig, train_failure
+    from vla_rl.train.failure import train_failure
 
     assert run.store is not None
     fit = FailureFitConfig(

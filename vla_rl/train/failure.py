@@ -96,12 +96,14 @@ class FailureFitConfig:
     lead_s: float = 1.0
     """The held-out check: a failing calibration episode counts as flagged when the alarm comes at least
     this many seconds before its event."""
-    hidden: tuple[int, ...] = (64, 64)
-    """Head MLP widths."""
+    hidden: tuple[int, ...] = (16,)
+    """Head MLP widths. Small by default: a wide head fits the fit set's successes so well that the
+    conformal threshold on the calibration successes' peaks lands at 1.0 and it never alarms under the
+    server's per-decision rule (docs/benchmarks.md, "Learned failure predictor")."""
     use_time: bool = False
     """Feed seconds-since-episode-start too (the policy server cannot serve such a head: offline use)."""
-    steps: int = 2000
-    """Adam updates."""
+    steps: int = 300
+    """Adam updates (few, for the same reason as ``hidden``)."""
     batch_size: int = 256
     """Rows per update."""
     lr: float = 1e-3
