@@ -405,7 +405,7 @@ def test_a_round_never_pushes_its_tag_twice(base: tuple[Path, Path], tmp_path: P
         with pytest.raises(RoundError, match=f"round-{rid} already exists"):
             run_round(cfg, rid, db, "w")
         rec = db.round(rid)
-        assert rec.status == "failed" and "never tags twice" in rec.error
+        assert rec.status == "failed" and "never tags twice" in rec.error and "--repo" in rec.error
         assert resolve("hub://fleet/reach@prod") == prod  # prod untouched though the gate would pass
     finally:
         hub.stop()

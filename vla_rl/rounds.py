@@ -706,7 +706,9 @@ def run_round(
             progress.phase("pushing")
             if _tag_exists(repo, tag):  # an earlier attempt of this round pushed it, then its worker died
                 raise RoundError(
-                    f"{tag} already exists in {repo} (pushed by an earlier attempt); a round never tags twice"
+                    f"{tag} already exists in {repo}: pushed by an earlier attempt of this round, or another "
+                    "fleet (another metadata DB, whose round ids restart at 1) pushes its rounds to this repo; "
+                    "a round never tags twice: give each fleet its own repo (round start --repo org/name)"
                 )
             revision = push_folder(
                 trained.checkpoint, repo, message=f"round {round_id}: {cfg.algo} on {task}", tag=tag
