@@ -406,6 +406,24 @@ def test_a_round_never_pushes_its_tag_twice(base: tuple[Path, Path], tmp_path: P
             run_round(cfg, rid, db, "w")
         rec = db.round(rid)
         assert rec.status == "failed" and "never tags twice" in rec.error and "--repo" in rec.error
+        assert not (tmp_path / "r" / f"round-{rid}").exists()  # checked before training, not after it
         assert resolve("hub://fleet/reach@prod") == prod  # prod untouched though the gate would pass
+
+        # another fleet takes the next round's tag while this round trains: the push-time check catches it
+        rid2 = queue_round(cfg, db)
+        taken: list[bool] = []
+
+        def take_tag_once() -> bool:  # asked at every progress report
+            if not taken and (tmp_path / "r" / f"round-{rid2}").exists():  # training has begun
+                push_folder(ckpt, "fleet/reach", message="another fleet", tag=f"round-{rid2}")
+                taken.append(True)
+            return False
+
+        assert db.claim_round("w") is not None
+        with pytest.raises(RoundError, match=f"round-{rid2} already exists"):
+            run_round(cfg, rid2, db, "w", cancel_requested=take_tag_once)
+        assert taken and (tmp_path / "r" / f"round-{rid2}").exists()  # it trained, then refused to push
+        assert db.round(rid2).status == "failed"
+        assert resolve("hub://fleet/reach@prod") == prod
     finally:
         hub.stop()

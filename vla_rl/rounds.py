@@ -633,6 +633,22 @@ def _tag_exists(repo: str, tag: str) -> bool:
     return True
 
 
+def _round_tag(cfg: RoundConfig, round_id: int) -> tuple[str, str]:
+    """The repo and tag round ``round_id`` pushes to; raises :class:`RoundError` when the tag already exists
+    (a round never tags twice). Checked before training, so a taken tag costs seconds, not a round's
+    training, and again just before the push (another fleet may have pushed it meanwhile)."""
+    assert cfg.train.base is not None
+    repo = cfg.repo or parse_ref(cfg.train.base).repo_id
+    tag = f"round-{round_id}"
+    if _tag_exists(repo, tag):  # an earlier attempt of this round pushed it, then its worker died
+        raise RoundError(
+            f"{tag} already exists in {repo}: pushed by an earlier attempt of this round, or another "
+            "fleet (another metadata DB, whose round ids restart at 1) pushes its rounds to this repo; "
+            "a round never tags twice: give each fleet its own repo (round start --repo org/name)"
+        )
+    return repo, tag
+
+
 def run_round(
     cfg: RoundConfig,
     round_id: int,
@@ -657,6 +673,8 @@ def run_round(
         except ValueError as e:
             raise RoundError(str(e)) from None
         db.update_round(round_id, base_revision=base.commit, task=task)
+        if cfg.push:
+            _round_tag(cfg, round_id)  # a taken tag fails now, not after the training
         # selected once (a bad or empty selection fails before any training); an offline round's
         # held-out episodes are not trained on (unless they are all there is)
         data = round_data(cfg, db, task)
@@ -701,15 +719,8 @@ def run_round(
             raise RoundCancelled(f"round {round_id} was cancelled while running")
         progress.cancel_requested = None  # committing: a cancel no longer applies, the round finishes
         if cfg.push:
-            repo = cfg.repo or parse_ref(t.base).repo_id
-            tag = f"round-{round_id}"
             progress.phase("pushing")
-            if _tag_exists(repo, tag):  # an earlier attempt of this round pushed it, then its worker died
-                raise RoundError(
-                    f"{tag} already exists in {repo}: pushed by an earlier attempt of this round, or another "
-                    "fleet (another metadata DB, whose round ids restart at 1) pushes its rounds to this repo; "
-                    "a round never tags twice: give each fleet its own repo (round start --repo org/name)"
-                )
+            repo, tag = _round_tag(cfg, round_id)
             revision = push_folder(
                 trained.checkpoint, repo, message=f"round {round_id}: {cfg.algo} on {task}", tag=tag
             )
