@@ -212,7 +212,7 @@ def _record(
     revision: str = "r",
     outcome: str = "success",
 ) -> str:
-    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=64)
     for i, a in enumerate(actions):
         if human is not None and i == human[0]:
             w.begin_segment(SegmentKind.INTERVENTION, Controller.HUMAN, reason="stall")
@@ -244,7 +244,7 @@ def test_refresh_flags_computes_missing_checks_once(tmp_path, db_url: str) -> No
     taken = _record(store, _smooth(40), human=(10, 20))
     unsure = _record(store, _smooth(40), uncertainty=_per_frame([*CALM, 1.2, 1.3, 1.25, *CALM[:7]]))
     calm = _record(store, _smooth(40), uncertainty=_per_frame(CALM * 2))
-    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)  # still open: skipped
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=64)  # still open: skipped
     opened = w.episode_id
     # two scored episodes of revision "r" cannot calibrate it: judged by the fixed reference, as asked
     fallback = FlagThresholds(uncertainty_fallback=True)
@@ -335,7 +335,7 @@ def _calm_chunks(rng: np.random.Generator, mean: float, n: int = 10) -> list[flo
 def _scored(store: EpisodeStore, chunks: list[float], revision: str, outcome: str = "success") -> str:
     """A policy-driven episode, two frames per chunk, written in one batch (fast)."""
     u = _per_frame(chunks)
-    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=64)
     w.add_frames(
         {
             "cameras": {},
@@ -602,7 +602,7 @@ def test_failure_score_is_the_peak_over_the_policys_frames() -> None:
 def _failing(store: EpisodeStore, chunks: list[float] | None) -> str:
     """A policy-driven episode with these per-chunk failure scores (None: none recorded), in one batch."""
     t = 2 * len(chunks) if chunks is not None else 20
-    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=2)
+    w = store.create_episode(SPEC, robot_id="arm-1", task="toy", chunk_len=64)
     w.add_frames(
         {
             "cameras": {},
