@@ -138,6 +138,7 @@ def serve_ours_main(args: argparse.Namespace) -> None:
         max_wait_us=2000,
         adaptive_wait=not args.no_adaptive,
         unix_socket=args.unix_socket,
+        local_socket=args.local_socket,
         **({} if args.lone_inline_ms is None else {"lone_inline_ms": args.lone_inline_ms}),
     )
     srv = PolicyServer(config, models=models).start()
@@ -171,14 +172,17 @@ def our_server(
     adaptive: bool,
     lone_inline_ms: float | None = None,
     unix_socket: Path | None = None,
+    local_socket: Path | None = None,
 ) -> Iterator[str]:
     """Our server in a child process (``lone_inline_ms``: that setting of it; None = its default), on
-    loopback TCP and, given ``unix_socket``, on that socket too (``unix://`` + the path)."""
+    loopback TCP and, given ``unix_socket``, on that socket too (``unix://`` + the path), and given
+    ``local_socket``, its local transport there."""
     port = free_port()
     cmd = [sys.executable, __file__, "--serve-ours", ",".join(f"{k}={v}" for k, v in models.items())]
     cmd += ["--port", str(port), "--threads", str(threads)] + ([] if adaptive else ["--no-adaptive"])
     cmd += [] if lone_inline_ms is None else ["--lone-inline-ms", str(lone_inline_ms)]
     cmd += [] if unix_socket is None else ["--unix-socket", str(unix_socket)]
+    cmd += [] if local_socket is None else ["--local-socket", str(local_socket)]
     proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
@@ -483,21 +487,29 @@ def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
         calls, floor = asyncio.run(aio_calls(address, model_id, n, stream, o))
     else:
         calls, floor = sync_calls(address, model_id, n, stream, o)
+    return {
+        "model": model_id,
+        "mode": mode,
+        "requests": n,
+        **call_stats(calls),
+        "empty_call_p50_ms": round(floor, 3),
+    }
+
+
+def call_stats(calls: Calls) -> dict[str, Any]:
+    """What an overhead point reports of its calls: the overhead (the whole call minus the forward) p50 and
+    p99, the round trip minus the forward, the in-server part, the forward, each stage's median, the load."""
     e2e = [(wall_us - t.inference_us) / 1000 for wall_us, t in calls]
     rtt = [(t.round_trip_us - t.inference_us) / 1000 for _, t in calls]
     srv = [(t.total_us - t.inference_us) / 1000 for _, t in calls]
     inf = [t.inference_us / 1000 for _, t in calls]
     stages = {k: [getattr(t, k) for _, t in calls] for k in STAGES}
     return {
-        "model": model_id,
-        "mode": mode,
-        "requests": n,
         "overhead_p50_ms": round(pct(e2e, 50), 3),
         "overhead_p99_ms": round(pct(e2e, 99), 3),
         "round_trip_overhead_p50_ms": round(pct(rtt, 50), 3),
         "server_overhead_p50_ms": round(pct(srv, 50), 3),
         "forward_p50_ms": round(pct(inf, 50), 1),
-        "empty_call_p50_ms": round(floor, 3),
         "stages_p50_us": {k: round(pct(v, 50)) for k, v in stages.items()},
         "loadavg": loadavg(),
     }
@@ -727,6 +739,7 @@ def main() -> None:
     p.add_argument("--no-adaptive", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lone-inline-ms", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--unix-socket", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local-socket", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_ours:
         serve_ours_main(args)

@@ -11,6 +11,7 @@ before anything heavy loads.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -67,6 +68,11 @@ class ServerConfig:
     replaced; any other file, or a socket a server listens on, is refused. Plaintext: the file mode guards it."""
     tcp: bool = True
     """Listen on --host/--port (--no-tcp: only on --unix-socket)."""
+    local_socket: Path | None = None
+    """Also answer action requests on this Unix socket without gRPC (robots on this host, with
+    vla_rl_client.local_client.LocalPolicyClient): the same requests, checks, batching and replies as a
+    StreamAct stream, about half the serving overhead; GetInfo, health and the control calls stay on gRPC.
+    The same folder and file rules as --unix-socket; another path."""
     max_batch: int = 16
     """Largest batch per forward pass."""
     max_wait_us: int = 2000
@@ -193,12 +199,20 @@ class ServerConfig:
         _number("rtc_max_guidance_weight", self.rtc_max_guidance_weight, low=0.0, strict=True, finite=True)
 
     def _check_listeners(self) -> None:
-        """TCP, the Unix socket or both; TLS only over TCP (the socket's file mode guards it instead)."""
+        """TCP, the Unix socket or both (the local socket beside them, on its own path); TLS only over TCP
+        (a socket's file mode guards it instead)."""
         if not isinstance(self.tcp, bool):
             raise ValueError(f"tcp: expected true or false, got {self.tcp!r}")
         path = _path_or_none("unix_socket", self.unix_socket)
         if path is not None:
             check_socket_path_text(path)  # a SocketPathError, a ValueError naming the field
+        local = _path_or_none("local_socket", self.local_socket)
+        if local is not None:
+            check_socket_path_text(local, "local_socket")
+            if path is not None and os.path.abspath(local) == os.path.abspath(path):
+                raise ValueError(
+                    f"local_socket: expected a path other than unix_socket's, got {local} for both"
+                )
         if not self.tcp and path is None:
             raise ValueError(
                 "tcp: expected TCP or a unix_socket to listen on; --no-tcp needs --unix-socket PATH"

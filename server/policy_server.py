@@ -62,6 +62,7 @@ from policies.rtc import RTCSettings
 from server.batching import BatchQueue
 from server.config import ServerConfig
 from server.guard import MIN_DERIVED_MESSAGE_BYTES, PeerSlots, request_bytes_for
+from server.local_transport import LocalTransport
 from server.service import SERVICE_NAME, _Service, add_service
 from server.slots import ModelSlot, ServedVersion, spec_problems
 from server.unix_socket import prepare_socket_path, restrict_socket, unix_target
@@ -121,6 +122,7 @@ class PolicyServer:
         self.peer_slots = PeerSlots(config.max_peer_in_flight)
         self.host, self.port = config.host, config.port  # port: the bound one once started
         self.unix_socket: Path | None = None  # the bound socket's absolute path once started
+        self._local: LocalTransport | None = None  # the --local-socket transport once started
         self.tls: tuple[bytes, bytes] | None = None
         if config.tls_cert is not None and config.tls_key is not None:
             self.tls = (config.tls_key.read_bytes(), config.tls_cert.read_bytes())
@@ -386,6 +388,11 @@ class PolicyServer:
         return f"{self.host}:{self.port}"
 
     @property
+    def local_socket(self) -> Path | None:
+        """The local transport's socket (``LocalPolicyClient(path)``) once it listens; None without one."""
+        return None if self._local is None else self._local.path
+
+    @property
     def unix_address(self) -> str | None:
         """``unix:///path`` of the server's Unix socket once it listens there; None without one."""
         return None if self.unix_socket is None else unix_target(self.unix_socket)
@@ -419,13 +426,18 @@ class PolicyServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._aio
         )
-        # the socket's path is checked before anything binds: a refused path leaves no TCP port bound
+        # the sockets' paths are checked before anything binds: a refused path leaves no TCP port bound
         unix = None if self.config.unix_socket is None else prepare_socket_path(self.config.unix_socket)
+        local = self.config.local_socket
+        local = None if local is None else prepare_socket_path(local, "local_socket")
         if self.config.tcp:
             self.port = self._listen_tcp(self._aio)
         if unix is not None:
             self.unix_socket = self._listen_unix(self._aio, unix)
         await self._aio.start()
+        if local is not None:
+            self._local = LocalTransport(self, local)
+            await self._local.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -485,6 +497,8 @@ class PolicyServer:
             ready.set()
             await self._stop_requested.wait()
             assert self._aio is not None
+            if self._local is not None:
+                await self._local.stop(self._grace_s)
             await self._health.enter_graceful_shutdown()
             await self._aio.stop(self._grace_s)
 
@@ -497,6 +511,7 @@ class PolicyServer:
             raise failure[0]
         where = [f"{self.host}:{self.port}"] if self.config.tcp else []
         where += [self.unix_address] if self.unix_address else []
+        where += [f"{self.local_socket} (local frames)"] if self.local_socket else []
         log.info("policy server listening", extra={"address": ", ".join(where), "models": sorted(self.slots)})
         return self
 

@@ -64,6 +64,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tcp": "no"}, "tcp: expected true or false"),
     ({"tcp": False}, "tcp: expected TCP or a unix_socket to listen on"),
     ({"unix_socket": "/run/p.sock"}, "unix_socket: expected a path"),
+    ({"local_socket": "/run/l.sock"}, "local_socket: expected a path"),
     ({"unix_socket": Path("/run/x/../p.sock")}, "unix_socket: expected a path without '..'"),
     ({"unix_socket": Path("/run/" + "x" * 110)}, "unix_socket: expected a path of at most 107 bytes"),
     (
@@ -127,6 +128,7 @@ def test_to_dict_from_dict_round_trip_every_field(tmp_path: Path) -> None:
         rtc_max_guidance_weight=5.0,
         lone_inline_ms=5.0,
         unix_socket=tmp_path / "run" / "policy.sock",
+        local_socket=tmp_path / "run" / "local.sock",
     )
     defaults = ServerConfig(checkpoint="other")
     changed = {f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(defaults, f.name)}

@@ -48,11 +48,12 @@ def serve(config: ServerConfig) -> int:
         token = env_secret("VLA_RL_SERVER_TOKEN")
     if config.tcp:
         check_port(config.host, config.port)
-    if config.unix_socket is not None:
-        from server.unix_socket import SocketPathError, prepare_socket_path
+    from server.unix_socket import SocketPathError, prepare_socket_path
 
-        with user_errors(SocketPathError):
-            prepare_socket_path(config.unix_socket, field="--unix-socket")
+    for flag, path in (("--unix-socket", config.unix_socket), ("--local-socket", config.local_socket)):
+        if path is not None:
+            with user_errors(SocketPathError):
+                prepare_socket_path(path, field=flag)
     if is_hub_ref(config.checkpoint):
         check_hub()  # no registry: one line naming it and how to start one (hub_errors), before loading
     elif not Path(config.checkpoint).is_dir():
