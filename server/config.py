@@ -71,7 +71,7 @@ class ServerConfig:
     local_socket: Path | None = None
     """Also answer action requests on this Unix socket without gRPC (robots on this host, with
     vla_rl_client.local_client.LocalPolicyClient): the same requests, checks, batching and replies as a
-    StreamAct stream, about half the serving overhead; GetInfo, health and the control calls stay on gRPC.
+    StreamAct stream, without gRPC's threads on either end; GetInfo, health and the control calls stay on gRPC.
     The same folder and file rules as --unix-socket; another path."""
     max_batch: int = 16
     """Largest batch per forward pass."""

@@ -6,8 +6,8 @@ The policy service's own messages travel as frames on a Unix domain socket: afte
 request is a 4-byte little-endian length and a serialised ``ActRequest``,
 and every reply the same with an ``ActResponse``, in order. The server answers them on its event loop with
 the same handler as a gRPC stream (the same checks, model routing, batching and timing fields). What is
-gone is gRPC's machinery on both ends (its C core, completion-queue threads, HTTP/2): about half of a
-lone robot's serving overhead (docs/benchmarks.md). Only inference travels this way; ``GetInfo``, health
+gone is gRPC's machinery on both ends (its C core, completion-queue threads, HTTP/2), where a request
+spent most of its time between the two processes. Only inference travels this way; ``GetInfo``, health
 and the control calls (with their token) stay on gRPC.
 
 Like :class:`~vla_rl_client.policy_client.ActStream`: every call has a deadline, a request the server
