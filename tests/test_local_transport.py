@@ -135,12 +135,24 @@ def test_connections_beyond_the_limit_are_refused(ckpts: dict[str, Path], tmp_pa
 
 def test_reconnects_after_a_restart_and_socket_rules(ckpts: dict[str, Path], tmp_path: Path) -> None:
     path = tmp_path / "s" / "l.sock"
+    path.parent.mkdir(mode=0o700)
+    obs = make_obs(np.random.default_rng(0))
+    with LocalPolicyClient(
+        path, timeout_s=0.3, model_id="arm"
+    ) as c:  # nothing there: retried, then UNAVAILABLE
+        with pytest.raises(PolicyError) as err:
+            c.act(obs, seed=2)
+        assert err.value.code == SC.UNAVAILABLE and c.retries > 0, err.value
+        with socket.socket(socket.AF_UNIX) as stale:
+            stale.bind(str(path))  # a socket nobody listens on: refused, the same
+            with pytest.raises(PolicyError) as err:
+                c.act(obs, seed=2)
+            assert err.value.code == SC.UNAVAILABLE, err.value
     with pytest.raises(ValueError, match="local_socket: expected a path other than unix_socket's"):
         ServerConfig(checkpoint="x", unix_socket=path, local_socket=path)
     with pytest.raises(ValueError, match=r"local_socket: expected a path without '\.\.'"):
         ServerConfig(checkpoint="x", local_socket=tmp_path / ".." / "l.sock")
-    srv = start_server({"arm": ckpts["arm"]}, local_socket=path)
-    obs = make_obs(np.random.default_rng(0))
+    srv = start_server({"arm": ckpts["arm"]}, local_socket=path)  # the stale socket replaced
     with LocalPolicyClient(path, timeout_s=30, model_id="arm") as c:
         first = c.act(obs, seed=2).actions
         srv.stop()

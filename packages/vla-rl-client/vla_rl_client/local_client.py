@@ -171,13 +171,15 @@ class LocalPolicyClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(budget.remaining())
-            sock.connect(str(self.path))
+            sock.connect(str(self.path))  # no server there (yet): OSError, UNAVAILABLE in _exchange
             sock.sendall(MAGIC)
             greeting = _recv(sock, len(MAGIC))
             if greeting == MAGIC:
                 (self._server_limit,) = HEADER.unpack(_recv(sock, HEADER.size))
-        except ConnectionError:
+        except ConnectionError as e:
             sock.close()
+            if isinstance(e, ConnectionRefusedError):
+                raise
             raise PolicyError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"local socket {self.path}: closed at the greeting; not a policy server's --local-socket "
