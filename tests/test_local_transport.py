@@ -166,3 +166,19 @@ def test_reconnects_after_a_restart_and_socket_rules(ckpts: dict[str, Path], tmp
     path.parent.chmod(0o755)
     with pytest.raises(ValueError, match="open to other users"):
         start_server({"arm": ckpts["arm"]}, local_socket=path)
+
+
+def test_a_draining_server_closes_after_each_reply(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "s" / "l.sock"
+    srv = start_server({"arm": ckpts["arm"]}, local_socket=path)
+    try:
+        obs = make_obs(np.random.default_rng(0))
+        with LocalPolicyClient(path, timeout_s=10) as c:
+            c.act(obs, seed=0)
+            srv.drain()
+            c.act(obs, seed=1)  # answered; then the server closes the connection
+            assert c.retries == 0
+            c.act(obs, seed=2)  # served again on a new connection (no replica to move to here)
+            assert c.retries == 1
+    finally:
+        srv.stop()
