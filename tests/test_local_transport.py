@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_server import make_checkpoint, make_obs, start_server
 from test_server_timing import check_timing
+from vla_rl_client.action_queue import QueuedPolicy
 from vla_rl_client.local_client import HEADER, MAGIC, LocalPolicyClient
 from vla_rl_client.policy_client import PolicyClient, PolicyError
 from vla_rl_client.proto import policy_service_pb2 as pb
@@ -73,6 +74,10 @@ def test_same_chunks_routing_and_timing_as_grpc(server: PolicyServer) -> None:
         assert err.value.code == SC.INVALID_ARGUMENT and "observation.state" in err.value.message
         assert c.act(obs, seed=1, model_id="arm").actions.shape == (4, 3)
         assert c.retries == 0, "one connection throughout"
+    # a control loop's queue takes it as its fetch, as it takes PolicyClient.act
+    with LocalPolicyClient(path, timeout_s=10, model_id="arm") as c, QueuedPolicy(c.act) as qp:
+        actions = [qp.act(obs) for _ in range(5)]
+    assert all(a.shape == (3,) and np.isfinite(a).all() for a in actions) and qp.requests >= 2
 
 
 def test_frames_it_refuses(server: PolicyServer, ckpts: dict[str, Path]) -> None:
