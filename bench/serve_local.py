@@ -10,6 +10,8 @@ One server process hosts the bench's flow VLA and the tiny one on loopback TCP, 
 (``--unix-socket``) and the local socket; each round measures every (model, transport) point in turn,
 alternating the order, with one client making sequential requests (gRPC: ``PolicyClient.stream()``). The
 overhead is the client's whole call minus the server's forward, as in ``bench/serve.py``'s overhead points.
+``--clients N`` then runs N closed-loop robots on the flow VLA over gRPC and over the local transport in
+turn (two rounds, alternating): chunks/s, latency and the mean batch, to check that batching works alike.
 
     nice -n 10 .venv/bin/python bench/serve_local.py --requests 100 --rounds 6
 """
@@ -22,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,9 @@ from bench.serve import (
     loadavg,
     make_models,
     obs,
+    our_client,
     our_server,
+    run_clients,
 )
 
 TRANSPORTS = ("grpc-tcp", "grpc-unix", "local")
@@ -65,6 +70,51 @@ def point(transport: str, addr: dict[str, str], model: str, n: int) -> dict[str,
         with PolicyClient(addr[transport], timeout_s=600, model_id=model) as pc, pc.stream() as s:
             calls = timed_calls(s.act, o, n)
     return {"model": model, "transport": transport, "requests": n, **call_stats(calls)}
+
+
+def local_client(
+    path: str, model_id: str
+) -> Callable[[int], tuple[Callable[[int], dict[str, Any]], Callable[[], None]]]:
+    """:func:`bench.serve.our_client`'s closed-loop robot, on the local transport."""
+
+    def make(k: int) -> tuple[Callable[[int], dict[str, Any]], Callable[[], None]]:
+        o = obs(np.random.default_rng(k))
+        c = LocalPolicyClient(path, timeout_s=600, model_id=model_id)
+
+        def request(i: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            r = c.act(o, seed=i)
+            return {
+                "latency_ms": (time.perf_counter() - t0) * 1000,
+                "batch": r.batch_size,
+                "inference_ms": r.timing.inference_us / 1000,
+                "commit": r.commit,
+            }
+
+        return request, c.close
+
+    return make
+
+
+def crowd(addr: dict[str, str], clients: int, duration: float, rounds: int) -> list[dict[str, Any]]:
+    """``clients`` closed-loop robots on the flow VLA for ``duration`` s, over gRPC (TCP stream) and the local
+    transport in turn, ``rounds`` times alternating: whether batching works the same over both."""
+    out = []
+    for r in range(rounds):
+        for transport in ("grpc-tcp", "local")[:: -1 if r % 2 else 1]:
+            make = (
+                local_client(addr["local"], "flow")
+                if transport == "local"
+                else our_client(addr[transport], "flow")
+            )
+            res = run_clients(clients, duration, make)
+            out.append({"round": r, "transport": transport, **res})
+            print(
+                f"  {clients} clients {transport}: {res['chunks_per_s']} chunks/s, p50 {res['p50_ms']} ms, "
+                f"batch {res['mean_batch']}, errors {res['errors']}",
+                flush=True,
+            )
+    return out
 
 
 def summary(points: list[dict[str, Any]]) -> str:
@@ -98,6 +148,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="interleaved repeats of every point")
     p.add_argument("--models", default="tiny,flow", help="of flow, tiny")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server")
+    p.add_argument(
+        "--clients", type=int, default=0, help="then this many closed-loop robots per transport (0: no)"
+    )
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per crowd point")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     wanted = args.models.split(",")
@@ -122,6 +176,7 @@ def main() -> None:
                         print(
                             f"  round {r} {model} {transport}: {points[-1]['overhead_p50_ms']} ms", flush=True
                         )
+            crowds = crowd(addr, args.clients, args.duration, 2) if args.clients else []
     print(summary(points))
     results = {
         "conditions": {
@@ -136,6 +191,7 @@ def main() -> None:
             "local: LocalPolicyClient on the server's --local-socket (length-prefixed frames, no gRPC)",
         },
         "points": points,
+        "crowd": crowds,
     }
     print(f"\nresults: {write_results('serve_local', results, args.out)}")
 
