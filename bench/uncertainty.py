@@ -222,24 +222,14 @@ def work_dir(args: argparse.Namespace, task: str) -> Path:
 
 def base_checkpoint(args: argparse.Namespace, task: str, work: Path) -> Path:
     """The policy under test: ``--demos`` scripted demos at ``--noise`` and an SFT of the task's preset
-    on them, in ``work`` (with ``--reuse``, the one a previous run left there)."""
+    on them, in ``work`` (with ``--reuse``, the one a previous run left there, or its demos when it
+    stopped before the SFT ended)."""
     saved = work / "checkpoint.txt"
     if args.reuse and saved.exists():
         return Path(saved.read_text().strip())
     pick = lambda name: preset_value(args, task, name)  # noqa: E731
-    store = EpisodeStore(work / "demos", create=True)
-    camera = getattr(args, "obs", "state") == "rgb"
-    record_demos(
-        store,
-        task,
-        episodes=pick("demos"),
-        noise=pick("noise"),
-        seed=0,
-        obs="rgb" if camera else "state",
-        image_size=args.image_size if camera else 128,
-        num_envs=1,
-        progress=False,
-    )
+    if not (args.reuse and _recorded(work / "demos", pick("demos"))):
+        _record(args, task, work / "demos", pick("demos"), pick("noise"))
     result = train_sft(
         SFTConfig(
             task=task,
@@ -257,6 +247,28 @@ def base_checkpoint(args: argparse.Namespace, task: str, work: Path) -> Path:
     ckpt = Path(result.checkpoint)
     saved.write_text(str(ckpt))
     return ckpt
+
+
+def _recorded(root: Path, episodes: int) -> bool:
+    """Whether ``root`` holds a store of ``episodes`` demos (a previous run recorded them all)."""
+    return (root / "zarr.json").exists() and len(EpisodeStore(root).episode_ids()) == episodes
+
+
+def _record(args: argparse.Namespace, task: str, root: Path, episodes: int, noise: float) -> None:
+    """``episodes`` scripted demos at ``noise`` (seeds from 0) into a new store at ``root``, from the
+    camera at ``--image-size`` for ``--obs rgb``."""
+    camera = getattr(args, "obs", "state") == "rgb"
+    record_demos(
+        EpisodeStore(root, create=True),
+        task,
+        episodes=episodes,
+        noise=noise,
+        seed=0,
+        obs="rgb" if camera else "state",
+        image_size=args.image_size if camera else 128,
+        num_envs=1,
+        progress=False,
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

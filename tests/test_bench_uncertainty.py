@@ -36,9 +36,12 @@ def test_replay_finds_each_rules_first_takeover_and_stats() -> None:
     assert auroc([2.0, 3.0], [1.0, 2.0]) == pytest.approx(0.875)
 
 
-def test_a_camera_policy_is_rolled_out_from_its_camera_frames(tmp_path: Path) -> None:
+def test_a_camera_policy_is_rolled_out_from_its_camera_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--obs rgb``: the demos and the base see the camera, the rollout feeds the policy each decision's
-    frames, and a decision's features are the served model's ``features`` of that very observation."""
+    frames, and a decision's features are the served model's ``features`` of that very observation; a
+    rerun with ``reuse`` that finds the demos but no base trains on them without recording again."""
     from tiny_base import TINY_POLICY
 
     from bench.uncertainty import base_checkpoint, rollout, work_dir
@@ -73,3 +76,10 @@ def test_a_camera_policy_is_rolled_out_from_its_camera_frames(tmp_path: Path) ->
         obs["state"][None], {k: np.zeros_like(v) for k, v in cams.items()}, [version.spec.instruction]
     )  # type: ignore[attr-defined]
     assert not np.allclose(blind[0], want[0], atol=1e-5)  # the frames, not a blank, reached the policy
+
+    import bench.uncertainty
+
+    (tmp_path / "checkpoint.txt").unlink()
+    args.reuse = True
+    monkeypatch.setattr(bench.uncertainty, "record_demos", lambda *a, **k: pytest.fail("recorded again"))
+    assert base_checkpoint(args, TASK, tmp_path).exists()
