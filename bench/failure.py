@@ -22,6 +22,7 @@ episodes >= 1 s before the failure at <= 5% false alarms on successful ones).
 Prints a markdown table and writes bench/results/failure.json (``--out`` for another file).
 
     python -m bench.failure --task PickCube           # maniskill/PickCube-v1, state observations
+    python -m bench.failure --task PickCube --obs rgb --image-size 64   # from the 64 px camera
     python -m bench.failure                           # kinematic/Reach-v0 (quick)
 """
 
@@ -42,11 +43,15 @@ from bench.uncertainty import (
     CALIB_SEED,
     EVAL_SEED,
     Episode,
+    add_obs_args,
     auroc,
     base_checkpoint,
+    check_obs_args,
     first_takeover,
+    preset,
     preset_value,
     rollout,
+    work_dir,
 )
 from fleet.uncertainty import calibrate_cusum, cusum_path
 from policies.failure import FailureHead, FailureHeadConfig, head_inputs
@@ -62,6 +67,16 @@ EPISODES: dict[str, dict[str, int]] = {
     "kinematic/Reach-v0": dict(train_episodes=300, calib_episodes=150, episodes=300),
     "maniskill/PickCube-v1": dict(train_episodes=150, calib_episodes=80, episodes=120),
 }
+CAMERA_EPISODES: dict[str, dict[str, int]] = {
+    "maniskill/PickCube-v1": dict(train_episodes=120, calib_episodes=80, episodes=120),
+    "maniskill/PushCube-v1": dict(train_episodes=120, calib_episodes=80, episodes=120),
+}
+"""``--obs rgb``'s set sizes (a camera rollout costs more per step; other tasks: the state sizes)."""
+
+
+def set_sizes(task: str, obs: str) -> dict[str, int]:
+    state = EPISODES.get(task, EPISODES["kinematic/Reach-v0"])
+    return CAMERA_EPISODES.get(task, state) if obs == "rgb" else state
 
 
 def episode_json(ep: Episode) -> dict[str, Any]:
@@ -198,12 +213,12 @@ def fit_predictor(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     task = resolve_task(args.task).name
-    sizes = EPISODES.get(task, EPISODES["kinematic/Reach-v0"])
+    sizes = set_sizes(task, args.obs)
     n = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
-    work = args.work / task.replace("/", "_")
+    work = work_dir(args, task)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    args.sft = {**preset_value(argparse.Namespace(), task, "sft"), **args.sft_override}
+    args.sft = {**preset(task, args.obs)["sft"], **args.sft_override}
     ckpt = base_checkpoint(args, task, work)
     timings["demos_and_sft_s"] = time.perf_counter() - t0
     version = ServedVersion(load_policy(ckpt, device="cpu"))
@@ -265,6 +280,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "noise": preset_value(args, task, "noise"),
             "sft_steps": preset_value(args, task, "sft_steps"),
             "sft": args.sft,
+            "obs": args.obs,
+            "image_size": args.image_size if args.obs == "rgb" else None,
             "episodes": n,
             "seeds": {"train": TRAIN_SEED, "calib": CALIB_SEED, "eval": EVAL_SEED},
             "alpha": args.alpha,
@@ -351,6 +368,7 @@ def main() -> None:
     )
     p.add_argument("--episodes", type=int, default=None, help="evaluated episodes (seeds from 300000)")
     p.add_argument("--group", type=int, default=None, help="episodes run in lock-step")
+    add_obs_args(p)
     p.add_argument("--alpha", type=float, default=0.05, help="conformal level of every detector")
     p.add_argument("--lead-s", type=float, default=1.0, help="a failure counts as flagged this early")
     p.add_argument("--horizon-s", type=float, default=2.0, help="the predictor's positive window")
@@ -366,6 +384,7 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="results file (default bench/results/failure.json)")
     args = p.parse_args()
+    check_obs_args(p, args)
     t0 = time.perf_counter()
     r = run(args)
     r["seconds"]["total_s"] = time.perf_counter() - t0

@@ -32,6 +32,7 @@ score (every failure here is a time-out, so it flags all of them; its false alar
 running then; not calibrated: it has no threshold to move).
 
     python -m bench.failure_rules --work runs/failpred/pick53 --out bench/results/failure_rules_pickcube.json
+    python -m bench.failure_rules --task PushCube --obs rgb --image-size 64 --work runs/failcam  # a camera run
 """
 
 from __future__ import annotations
@@ -48,17 +49,17 @@ import torch
 
 from bench.common import table, write_results
 from bench.failure import early_stats, episode_from_json, training_rows
-from bench.uncertainty import Episode, auroc, first_takeover
+from bench.uncertainty import Episode, add_obs_args, auroc, check_obs_args, first_takeover, work_dir
 from fleet.uncertainty import calibrate_cusum, conformal_threshold, cusum_path
 from policies.failure import FailureHead, FailureHeadConfig
 from sim.operator import OperatorRules
+from sim.registry import resolve_task
 from vla_rl.train.failure import fit_head
 
 Path_ = tuple[np.ndarray, np.ndarray]
 """An episode's decision steps and the rule's statistic at each."""
 Rule = Callable[[Episode], Path_]
 
-TASK = "maniskill/PickCube-v1"
 PRIVILEGED = ("tcp_pos", "obj_pos", "goal_pos")
 
 
@@ -201,7 +202,8 @@ INPUTS = {
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    cache = args.work / TASK.replace("/", "_") / "rollouts.json"
+    task = resolve_task(args.task).name
+    cache = work_dir(args, task) / "rollouts.json"
     saved = json.loads(cache.read_text())
     sets = {k: [episode_from_json(e) for e in v] for k, v in saved["sets"].items()}
     train, calib, evals = sets["train"], sets["calib"], sets["eval"]
@@ -224,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     add("accel CUSUM", evaluate_rule(accel, calib_ok, evals, args.alpha))
     stall = OperatorRules(stall_steps=args.stall_steps, drift_radius=0.0)
-    add("stall rule", {"alarms": [first_takeover(e, TASK, stall) for e in evals], "peaks": None})
+    add("stall rule", {"alarms": [first_takeover(e, task, stall) for e in evals], "peaks": None})
     add("time only", evaluate_rule(time_only(lead_steps), calib_ok, evals, args.alpha, threshold=0.5))
     for head_name, (hidden, steps) in HEADS.items():
         for input_name, kind in INPUTS.items():
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     spread = seed_spread(args, train, calib_ok, evals, lead_steps)
     return {
-        "task": TASK,
+        "task": task,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "episodes": {k: len(v) for k, v in sets.items()},
         "calibration_successes": len(calib_ok),
@@ -308,6 +310,8 @@ def main() -> None:
     p.add_argument(
         "--work", type=Path, default=Path("runs/failpred/pick53"), help="bench/failure.py's --work"
     )
+    p.add_argument("--task", default="maniskill/PickCube-v1", help="bench/failure.py's --task")
+    add_obs_args(p)
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--lead-s", type=float, default=1.0)
     p.add_argument("--horizon-s", type=float, default=2.0)
@@ -318,6 +322,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=4, help="head seeds of the seed-spread rows")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    check_obs_args(p, args)
     t0 = time.perf_counter()
     r = run(args)
     r["seconds"] = time.perf_counter() - t0

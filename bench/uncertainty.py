@@ -19,6 +19,11 @@ bench/results/uncertainty.json.
 
     python bench/uncertainty.py                      # kinematic/Reach-v0, a few minutes on 2 cores
     python bench/uncertainty.py --task PickCube      # maniskill/PickCube-v1 (slower: ~70 sim steps/s)
+    python bench/uncertainty.py --task PickCube --obs rgb --image-size 64   # from the 64 px camera
+
+``--obs rgb``: the demos, the policy and the rollouts see the task's camera(s) at ``--image-size`` pixels
+plus the proprioception the camera mode keeps (:data:`CAMERA_PRESETS`); the work folder gets an
+``_rgb<size>`` suffix so a camera run never reuses a state run's base or rollouts.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ import torch
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from fleet.uncertainty import calibrate_cusum, cusum_path
-from policies.failure import decision_features
 from policies.loading import load_policy
 from server.slots import ServedVersion, initial_noise
 from sim.demos import record_demos
 from sim.operator import OperatorRules, SimulatedOperator
 from sim.registry import make_env, resolve_task
+from vla_rl.train.ppo_rollout import stack_obs
 from vla_rl.train.sft import SFTConfig, train_sft
 
 CALIB_SEED, EVAL_SEED = 200_000, 300_000
@@ -64,6 +69,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         sft=dict(instruction_encoder="none", batch_size=128),
     ),
 }
+PIXEL_SFT: dict[str, Any] = dict(instruction_encoder="none", batch_size=64)
+"""A 64 px base's SFT fields, as bench/rl.py's pixel rows train them."""
+CAMERA_PRESETS: dict[str, dict[str, Any]] = {
+    # PickCube from pixels needs more demos and steps than from state (50 demos x 2,000 steps gave 2-5%:
+    # docs/experiment-log.md); PushCube's 50-demo, 1,500-step pixel base lands at 50-60%
+    "maniskill/PickCube-v1": {
+        **PRESETS["maniskill/PickCube-v1"],
+        "demos": 150,
+        "sft_steps": 3000,
+        "sft": PIXEL_SFT,
+    },
+    "maniskill/PushCube-v1": {
+        **PRESETS["maniskill/PickCube-v1"],
+        "demos": 50,
+        "sft_steps": 1500,
+        "sft": PIXEL_SFT,
+    },
+}
+"""``--obs rgb`` presets (other tasks: the state preset's, seen through the camera)."""
 
 
 @dataclass
@@ -92,7 +116,11 @@ def rollout(
 
 
 def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features: bool) -> list[Episode]:
-    envs = [make_env(task, obs="state") for _ in seeds]
+    spec = version.spec
+    # the observations the policy was trained on: its cameras at their size, or the state alone
+    obs_mode = "rgb" if spec.cameras else "state"
+    image_size = spec.cameras[0].height if spec.cameras else 128
+    envs = [make_env(task, obs=obs_mode, image_size=image_size) for _ in seeds]
     try:
         eps = [Episode(s, env.max_episode_steps) for s, env in zip(seeds, envs, strict=True)]
         obs, infos = zip(*(env.reset(seed=s) for env, s in zip(envs, seeds, strict=True)), strict=True)
@@ -100,7 +128,6 @@ def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features
         chunks: list[np.ndarray | None] = [None] * len(envs)
         k = [0] * len(envs)
         active = set(range(len(envs)))
-        spec = version.spec
         n_exec = max(1, version.n_exec)
         t = 0
         while active:
@@ -109,10 +136,12 @@ def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features
                 eps[i].dense.append(float(infos[i]["dense_reward"]))
             need = sorted(i for i in active if chunks[i] is None or k[i] >= n_exec)
             if need:
-                states = np.stack([obs[i]["state"] for i in need]).astype(np.float32)
+                batch = stack_obs([obs[i] for i in need])
+                states, cams = batch["state"].astype(np.float32), batch["cameras"]
+                instructions = [spec.instruction] * len(need)
                 noise = np.stack([initial_noise(seeds[i] * 1000 + t, *version.noise_shape) for i in need])  # type: ignore[misc]
-                acts, scores = version.infer_scored(states, {}, [spec.instruction] * len(need), noise)
-                feats = _features(version, states, spec.instruction) if features else None
+                acts, scores = version.infer_scored(states, cams, instructions, noise)
+                feats = version.model.features(states, cams, instructions) if features else None  # type: ignore[attr-defined]
                 for j, i in enumerate(need):
                     chunks[i], k[i] = acts[j], 0
                     eps[i].chunk_scores[t] = float(scores[j])
@@ -130,13 +159,6 @@ def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features
     finally:
         for env in envs:
             env.close()
-
-
-def _features(version: ServedVersion, states: np.ndarray, instruction: str) -> np.ndarray:
-    """``features(prefix)`` [B, F] of a batch of state-only observations (the served flow policy's)."""
-    policy = version.model.policy  # type: ignore[attr-defined]
-    obs = {"state": torch.from_numpy(states), "cameras": {}, "instruction": [instruction] * len(states)}
-    return decision_features(policy, obs).numpy()
 
 
 def first_takeover(ep: Episode, task: str, rules: OperatorRules) -> int | None:
@@ -178,21 +200,36 @@ def detector_stats(eps: list[Episode], steps: list[int | None]) -> dict[str, Any
     }
 
 
+def preset(task: str, obs: str = "state") -> dict[str, Any]:
+    """The task's preset for ``obs`` (``state`` or ``rgb``); the kinematic one for tasks without one."""
+    state = PRESETS.get(task, PRESETS["kinematic/Reach-v0"])
+    return CAMERA_PRESETS.get(task, state) if obs == "rgb" else state
+
+
 def preset_value(args: argparse.Namespace, task: str, name: str) -> Any:
-    """``--name`` when given, else the task's preset (the kinematic one for other tasks)."""
+    """``--name`` when given, else the task's preset for ``--obs`` (:func:`preset`)."""
     value = getattr(args, name, None)
-    return value if value is not None else PRESETS.get(task, PRESETS["kinematic/Reach-v0"])[name]
+    return value if value is not None else preset(task, getattr(args, "obs", "state"))[name]
+
+
+def work_dir(args: argparse.Namespace, task: str) -> Path:
+    """The run's folder under ``--work``: the task's name, with ``_rgb<size>`` for a camera run."""
+    name = task.replace("/", "_")
+    if getattr(args, "obs", "state") == "rgb":
+        name += f"_rgb{args.image_size}"
+    return Path(args.work) / name
 
 
 def base_checkpoint(args: argparse.Namespace, task: str, work: Path) -> Path:
     """The policy under test: ``--demos`` scripted demos at ``--noise`` and an SFT of the task's preset
-    on them, in ``work`` (with ``--reuse``, the one a previous run left there)."""
+    on them, in ``work`` (with ``--reuse``, the one a previous run left there, or its demos when it
+    stopped before the SFT ended)."""
     saved = work / "checkpoint.txt"
     if args.reuse and saved.exists():
         return Path(saved.read_text().strip())
     pick = lambda name: preset_value(args, task, name)  # noqa: E731
-    store = EpisodeStore(work / "demos", create=True)
-    record_demos(store, task, episodes=pick("demos"), noise=pick("noise"), seed=0, num_envs=1, progress=False)
+    if not (args.reuse and _recorded(work / "demos", pick("demos"))):
+        _record(args, task, work / "demos", pick("demos"), pick("noise"))
     result = train_sft(
         SFTConfig(
             task=task,
@@ -212,12 +249,33 @@ def base_checkpoint(args: argparse.Namespace, task: str, work: Path) -> Path:
     return ckpt
 
 
+def _recorded(root: Path, episodes: int) -> bool:
+    """Whether ``root`` holds a store of ``episodes`` demos (a previous run recorded them all)."""
+    return (root / "zarr.json").exists() and len(EpisodeStore(root).episode_ids()) == episodes
+
+
+def _record(args: argparse.Namespace, task: str, root: Path, episodes: int, noise: float) -> None:
+    """``episodes`` scripted demos at ``noise`` (seeds from 0) into a new store at ``root``, from the
+    camera at ``--image-size`` for ``--obs rgb``."""
+    camera = getattr(args, "obs", "state") == "rgb"
+    record_demos(
+        EpisodeStore(root, create=True),
+        task,
+        episodes=episodes,
+        noise=noise,
+        seed=0,
+        obs="rgb" if camera else "state",
+        image_size=args.image_size if camera else 128,
+        num_envs=1,
+        progress=False,
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     task = resolve_task(args.task).name
-    preset = PRESETS.get(task, PRESETS["kinematic/Reach-v0"])
     pick = lambda name: preset_value(args, task, name)  # noqa: E731
-    work = args.work / task.replace("/", "_")
+    work = work_dir(args, task)
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
@@ -275,7 +333,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "demos": pick("demos"),
             "noise": pick("noise"),
             "sft_steps": pick("sft_steps"),
-            "sft": preset["sft"],
+            "sft": pick("sft"),
+            "obs": args.obs,
+            "image_size": args.image_size if args.obs == "rgb" else None,
             "calib_episodes": pick("calib_episodes"),
             "calib_seeds": [CALIB_SEED, CALIB_SEED + pick("calib_episodes") - 1],
             "episodes": pick("episodes"),
@@ -350,6 +410,22 @@ def report(r: dict[str, Any]) -> str:
     )
 
 
+def add_obs_args(p: argparse.ArgumentParser) -> None:
+    """``--obs`` and ``--image-size``: what the demos record and so what the policy sees."""
+    p.add_argument(
+        "--obs",
+        choices=["state", "rgb"],
+        default="state",
+        help="the simulator state, or the task's camera(s) + proprioception (a camera preset)",
+    )
+    p.add_argument("--image-size", type=int, default=64, help="camera height = width in pixels (--obs rgb)")
+
+
+def check_obs_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.obs == "rgb" and args.image_size < 8:
+        p.error(f"--image-size: expected at least 8 pixels, got {args.image_size}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="kinematic/Reach-v0", help="kinematic/Reach-v0 or PickCube (ManiSkill)")
@@ -359,6 +435,7 @@ def main() -> None:
     p.add_argument("--calib-episodes", type=int, default=None, help="held-out episodes (seeds from 200000)")
     p.add_argument("--episodes", type=int, default=None, help="evaluated episodes (seeds from 300000)")
     p.add_argument("--group", type=int, default=None, help="episodes run in lock-step")
+    add_obs_args(p)
     p.add_argument("--alpha", type=float, default=0.1, help="conformal level: target false-alarm rate")
     p.add_argument("--k", type=float, default=0.25, help="CUSUM allowance in reference stds")
     p.add_argument("--stall-steps", type=int, default=OperatorRules().stall_steps)
@@ -369,6 +446,7 @@ def main() -> None:
         "--out", type=Path, default=None, help="results file (default bench/results/uncertainty.json)"
     )
     args = p.parse_args()
+    check_obs_args(p, args)
     t0 = time.perf_counter()
     r = run(args)
     r["seconds"]["total_s"] = time.perf_counter() - t0

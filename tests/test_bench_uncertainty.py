@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -31,3 +34,52 @@ def test_replay_finds_each_rules_first_takeover_and_stats() -> None:
     assert (d["flagged_failures"], d["failures"], d["false_alarms"], d["successes"]) == (1, 1, 0, 1)
     assert d["lead_steps_median"] == 12 - 6 and d["lead_fraction_mean"] == pytest.approx(0.5)
     assert auroc([2.0, 3.0], [1.0, 2.0]) == pytest.approx(0.875)
+
+
+def test_a_camera_policy_is_rolled_out_from_its_camera_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--obs rgb``: the demos and the base see the camera, the rollout feeds the policy each decision's
+    frames, and a decision's features are the served model's ``features`` of that very observation; a
+    rerun with ``reuse`` that finds the demos but no base trains on them without recording again."""
+    from tiny_base import TINY_POLICY
+
+    from bench.uncertainty import base_checkpoint, rollout, work_dir
+    from policies.loading import load_policy
+    from server.slots import ServedVersion
+    from sim.registry import make_env
+
+    args = argparse.Namespace(
+        obs="rgb",
+        image_size=32,
+        reuse=False,
+        threads=1,
+        demos=2,
+        noise=0.5,
+        sft_steps=3,
+        sft=TINY_POLICY,
+        work=tmp_path,
+    )
+    assert work_dir(args, TASK).name == "kinematic_Reach-v0_rgb32"
+    assert work_dir(argparse.Namespace(work=tmp_path), TASK).name == "kinematic_Reach-v0"
+    version = ServedVersion(load_policy(base_checkpoint(args, TASK, tmp_path), device="cpu"))
+    assert version.spec.camera_names == ("top_camera",) and version.spec.cameras[0].height == 32
+    (ep,) = rollout(version, TASK, [7], group=1, features=True)
+    assert ep.length >= 1 and sorted(ep.chunk_features) == sorted(ep.chunk_scores)
+    assert all(np.isfinite(s) for s in ep.chunk_scores.values())
+    with make_env(TASK, obs="rgb", image_size=32) as env:
+        obs, _ = env.reset(seed=7)
+    cams = {k: v[None] for k, v in obs["cameras"].items()}
+    want = version.model.features(obs["state"][None], cams, [version.spec.instruction])  # type: ignore[attr-defined]
+    np.testing.assert_allclose(ep.chunk_features[0], want[0], atol=1e-5)
+    blind = version.model.features(
+        obs["state"][None], {k: np.zeros_like(v) for k, v in cams.items()}, [version.spec.instruction]
+    )  # type: ignore[attr-defined]
+    assert not np.allclose(blind[0], want[0], atol=1e-5)  # the frames, not a blank, reached the policy
+
+    import bench.uncertainty
+
+    (tmp_path / "checkpoint.txt").unlink()
+    args.reuse = True
+    monkeypatch.setattr(bench.uncertainty, "record_demos", lambda *a, **k: pytest.fail("recorded again"))
+    assert base_checkpoint(args, TASK, tmp_path).exists()
