@@ -178,7 +178,7 @@ class LoadSampler:
         xs = self.samples
         if not xs:
             return {"min": None, "mean": None, "max": None, "samples": 0}
-        return {"min": min(xs), "mean": round(statistics.fmean(xs), 2), "max": max(xs), "samples": len(xs)}
+        return {"min": min(xs), "mean": statistics.fmean(xs), "max": max(xs), "samples": len(xs)}
 
 
 def run_one(algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -294,7 +294,8 @@ def report(runs: list[dict[str, Any]]) -> tuple[str, str]:
     return table(per_round, header), table(summary, s_header)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's flags (``python -m bench.loop --help``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="maniskill/PickCube-v1")
     p.add_argument(
@@ -331,8 +332,11 @@ def main() -> None:
         help="run nothing: report the rounds the workdirs hold (e.g. of an interrupted bench; no total time)",
     )
     p.add_argument("--out", type=Path, default=None, help="results file (default bench/results/loop.json)")
-    args = p.parse_args()
+    return p
 
+
+def main() -> None:
+    args = parser().parse_args()
     runs: list[dict[str, Any]] = []
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     path = None
