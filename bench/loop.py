@@ -38,7 +38,8 @@ an interrupted bench) and prints a markdown table.
         --base-steps 20 --base-preset kinematic-sft --round-steps 20 --eval-episodes 4 --out /tmp/l.json
     # the loop on a small LeRobot SmolVLA from a 64 px camera (docs/benchmarks.md, `up --policy smolvla`)
     python -m bench.loop --policy smolvla --task maniskill/PushCube-v1 --image-size 64 --robots 2 \\
-        --episodes 10 --rounds 3 --eval-episodes 50 --algos awr --seeds 1 2 --out bench/results/loop_smolvla.json
+        --episodes 10 --rounds 3 --eval-episodes 50 --report-episodes 50 --algos awr --seeds 1 2 \\
+        --out bench/results/loop_smolvla.json
 
 ``--policy`` and ``--image-size`` pass through to `up` (``flowvla`` acts from the state and ignores the
 image size; ``smolvla`` / ``pi0`` / ``pi05`` act from the task's camera). Each run also records the
