@@ -7,8 +7,13 @@ The whole loop runs as `up` runs it (registry, policy server following prod, col
 simulated fleet + operator, each its own process). Per round it reports:
 
 * autonomous success on the held-out eval seeds (100000 + i, the same every round, never a fleet or demo
-  seed) of the round's candidate with its 95% Wilson interval, and of ``prod`` after the round (the
-  candidate if promoted, else what prod was): round 0 is the base;
+  seed) of the round's candidate with its 95% Wilson interval: the gate's number, the one the promotion
+  was decided on;
+* ``prod``'s success after the round: round 0 is the base on the gate's seeds (the base was not selected
+  on them); a promoted round's is its candidate's on the report's seeds, which the gate never saw (a
+  promotion picks the lucky draws of the gate's seeds, so the gate's number overstates what it promoted);
+  a round not promoted keeps what prod was. Where a round has no report (``--report-episodes 0``, or a run
+  from before the report existed) its gate number stands in, and ``prod_measured_on`` says so;
 * the fleet's success with the operator, its intervention rate (share of frames the operator drove) and
   takeovers per episode, over the fleet batch collected *before* the round (under the previous prod);
 * the round's wall time (fleet batch + training + evaluation), and the run's total (base included).
@@ -31,6 +36,15 @@ an interrupted bench) and prints a markdown table.
     python -m bench.loop --algos awr --seeds 0             # one run (what docs/benchmarks.md reports)
     python -m bench.loop --task kinematic/Reach-v0 --robots 2 --episodes 2 --rounds 1 --base-demos 4 \\
         --base-steps 20 --base-preset kinematic-sft --round-steps 20 --eval-episodes 4 --out /tmp/l.json
+    # the loop on a small LeRobot SmolVLA from a 64 px camera (docs/benchmarks.md, `up --policy smolvla`)
+    python -m bench.loop --policy smolvla --task maniskill/PushCube-v1 --image-size 64 --robots 2 \\
+        --episodes 10 --rounds 3 --eval-episodes 50 --report-episodes 50 --algos awr --seeds 1 2 \\
+        --out bench/results/loop_smolvla.json
+
+``--policy`` and ``--image-size`` pass through to `up` (``flowvla`` acts from the state and ignores the
+image size; ``smolvla`` / ``pi0`` / ``pi05`` act from the task's camera). Each run also records the
+machine's 1-minute load average, sampled while it ran: on a shared machine the minutes mean little
+without it.
 """
 
 from __future__ import annotations
@@ -38,13 +52,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_results
+from policies.lerobot_flow import FLOW_TYPES
 from vla_rl.up import UpConfig, run_up
 
 ALGOS: dict[str, dict[str, Any]] = {
@@ -63,6 +80,8 @@ def _config(algo: str, seed: int, args: argparse.Namespace, work: Path) -> UpCon
         steps = args.round_steps
     kw: dict[str, Any] = dict(
         task=args.task,
+        policy=args.policy,
+        image_size=args.image_size,
         robots=args.robots,
         rounds=args.rounds,
         episodes=args.episodes,
@@ -70,6 +89,7 @@ def _config(algo: str, seed: int, args: argparse.Namespace, work: Path) -> UpCon
         base_steps=args.base_steps,
         base_preset=args.base_preset,
         eval_episodes=args.eval_episodes,
+        report_episodes=args.report_episodes,
         workdir=work,
         seed=seed,
         progress=False,
@@ -81,14 +101,31 @@ def _config(algo: str, seed: int, args: argparse.Namespace, work: Path) -> UpCon
     return UpConfig(**kw)
 
 
-def summarise_run(rows: list[dict[str, Any]], minutes: float | None) -> dict[str, Any]:
-    """Per-round prod success (round 0 = the base) and the issue's targets for one run of `up`;
-    ``minutes`` = the whole run (base included), None where unknown (--report-only)."""
-    base = rows[0].get("base_success") if rows else None
-    prod = [base]
+def prod_after(rows: list[dict[str, Any]]) -> tuple[list[float | None], list[str]]:
+    """``prod``'s autonomous success after each round (index 0: the base) and what each number was
+    measured on: ``gate`` (the base's, or a promoted candidate's without a report), ``report`` (a promoted
+    candidate's on seeds its gate never saw) or ``none`` (unknown). A round not promoted, or not
+    succeeded, keeps what prod was."""
+    prod: list[float | None] = [rows[0].get("base_success") if rows else None]
+    source = ["gate" if prod[0] is not None else "none"]
     for r in rows:
-        ok = r["status"] == "succeeded" and r.get("success") is not None
-        prod.append(r["success"] if ok and r["promoted"] else prod[-1])
+        if not (r["status"] == "succeeded" and r.get("success") is not None and r["promoted"]):
+            prod.append(prod[-1])
+            source.append(source[-1])
+        elif r.get("reported_success") is not None:
+            prod.append(r["reported_success"])
+            source.append("report")
+        else:
+            prod.append(r["success"])
+            source.append("gate")
+    return prod, source
+
+
+def summarise_run(rows: list[dict[str, Any]], minutes: float | None) -> dict[str, Any]:
+    """Per-round prod success (round 0 = the base; :func:`prod_after`) and the issue's targets for one run
+    of `up`; ``minutes`` = the whole run (base included), None where unknown (--report-only)."""
+    prod, source = prod_after(rows)
+    base = prod[0]
     interventions = [r["fleet"]["intervention_rate"] for r in rows]
     known = [p for p in prod if p is not None]
     met = {
@@ -101,12 +138,48 @@ def summarise_run(rows: list[dict[str, Any]], minutes: float | None) -> dict[str
     return {
         "base_success": base,
         "prod_success": prod,
+        "prod_measured_on": source,
         "gain": prod[-1] - prod[0] if len(known) == len(prod) else None,
         "fleet_intervention_rate": interventions,
         "minutes": minutes,
         "minutes_rounds": sum(r["minutes"] for r in rows),
         "targets": met,
     }
+
+
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every ``every_s`` seconds in a daemon thread while a
+    run goes on (``with LoadSampler() as load: ...``; then ``load.summary()``)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s: expected > 0 seconds, got {every_s}")
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="load-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, Any]:
+        """Min, mean and max of the samples (None where none was taken) and how many."""
+        xs = self.samples
+        if not xs:
+            return {"min": None, "mean": None, "max": None, "samples": 0}
+        return {"min": min(xs), "mean": statistics.fmean(xs), "max": max(xs), "samples": len(xs)}
 
 
 def run_one(algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -116,19 +189,35 @@ def run_one(algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"{work} exists and is not an up workdir; pick another --work")
         shutil.rmtree(work)
     cfg = _config(algo, seed, args, work)
-    minutes = None
+    minutes, load = None, None
     if not args.report_only:
         t0 = time.monotonic()
-        run_up(cfg)
-        minutes = (time.monotonic() - t0) / 60
+        with LoadSampler() as sampler:
+            run_up(cfg)
+        minutes, load = (time.monotonic() - t0) / 60, sampler.summary()
     # every round of the workdir (with --resume, earlier runs' too), the last record of each
     by_round = {r["round"]: r for r in map(json.loads, (work / "rounds.jsonl").read_text().splitlines())}
     rows = [by_round[k] for k in sorted(by_round)]
-    return {"algo": algo, "seed": seed, "config": vars(cfg), "rounds": rows, **summarise_run(rows, minutes)}
+    return {
+        "algo": algo,
+        "seed": seed,
+        "config": vars(cfg),
+        "load_1min": load,
+        "rounds": rows,
+        **summarise_run(rows, minutes),
+    }
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _with_ci(rate: float | None, ci95: list[float | None] | None) -> str:
+    """``rate`` with its 95% interval, or "n/a" where not measured."""
+    lo, hi = ci95 or (None, None)
+    if rate is None:
+        return "n/a"
+    return _pct(rate) if lo is None or hi is None else f"{_pct(rate)} ({_pct(lo)}-{_pct(hi)})"
 
 
 def report(runs: list[dict[str, Any]]) -> tuple[str, str]:
@@ -136,20 +225,18 @@ def report(runs: list[dict[str, Any]]) -> tuple[str, str]:
     per_round = []
     for run in runs:
         per_round.append(
-            [run["algo"], run["seed"], 0, "base", _pct(run["base_success"]), "", "", "", "", "", ""]
+            [run["algo"], run["seed"], 0, "base", "", _pct(run["base_success"]), "", "", "", "", "", ""]
         )
         for i, r in enumerate(run["rounds"], 1):
-            lo, hi = r.get("ci95") or (None, None)
-            cand = (
-                f"{_pct(r['success'])} ({_pct(lo)}-{_pct(hi)})" if r["status"] == "succeeded" else r["status"]
-            )
+            ok = r["status"] == "succeeded"
             f = r["fleet"]
             per_round.append(
                 [
                     run["algo"],
                     run["seed"],
                     i,
-                    cand,
+                    _with_ci(r["success"], r.get("ci95")) if ok else r["status"],
+                    _with_ci(r.get("reported_success"), r.get("reported_ci95")) if ok else "",
                     _pct(run["prod_success"][i]),
                     "yes" if r["promoted"] else "no",
                     _pct(f["success"]),
@@ -163,7 +250,8 @@ def report(runs: list[dict[str, Any]]) -> tuple[str, str]:
         "algo",
         "seed",
         "round",
-        "candidate autonomous success (95% CI)",
+        "candidate at the gate (95% CI)",
+        "held-out report (95% CI)",
         "prod after",
         "promoted",
         "fleet success (before)",
@@ -207,9 +295,20 @@ def report(runs: list[dict[str, Any]]) -> tuple[str, str]:
     return table(per_round, header), table(summary, s_header)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's flags (``python -m bench.loop --help``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="maniskill/PickCube-v1")
+    p.add_argument(
+        "--policy",
+        default=UpConfig.policy,
+        choices=["flowvla", *FLOW_TYPES],
+        help="the policy the loop improves (`vla-rl up --policy`): flowvla from the state, or a small LeRobot "
+        "flow VLA from the camera",
+    )
+    p.add_argument(
+        "--image-size", type=int, default=UpConfig.image_size, help="camera px of a LeRobot policy's loop"
+    )
     p.add_argument("--robots", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--episodes", type=int, default=UpConfig.episodes, help="episodes per robot per round")
@@ -219,7 +318,13 @@ def main() -> None:
     p.add_argument("--base-steps", type=int, default=UpConfig.base_steps)
     p.add_argument("--base-preset", default=None, help="SFT recipe of the base (e.g. kinematic-sft)")
     p.add_argument("--round-steps", type=int, default=None, help="training steps of every round's algorithm")
-    p.add_argument("--eval-episodes", type=int, default=UpConfig.eval_episodes)
+    p.add_argument("--eval-episodes", type=int, default=UpConfig.eval_episodes, help="the gate's episodes")
+    p.add_argument(
+        "--report-episodes",
+        type=int,
+        default=UpConfig.report_episodes,
+        help="episodes a promoted candidate is scored on again, on seeds its gate never saw (prod's number)",
+    )
     p.add_argument("--work", type=Path, default=Path("runs/bench_loop"))
     p.add_argument("--resume", action="store_true", help="resume workdirs of an earlier bench run")
     p.add_argument(
@@ -228,8 +333,11 @@ def main() -> None:
         help="run nothing: report the rounds the workdirs hold (e.g. of an interrupted bench; no total time)",
     )
     p.add_argument("--out", type=Path, default=None, help="results file (default bench/results/loop.json)")
-    args = p.parse_args()
+    return p
 
+
+def main() -> None:
+    args = parser().parse_args()
     runs: list[dict[str, Any]] = []
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     path = None

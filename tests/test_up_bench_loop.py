@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.loop import ALGOS, report, summarise_run
+import bench.loop
+from bench.loop import ALGOS, LoadSampler, parser, prod_after, report, run_one, summarise_run
+from vla_rl.up import UpConfig
 
 
 def _row(n: int, success: float | None, base: float, promoted: bool, intervention: float) -> dict[str, Any]:
@@ -60,6 +63,62 @@ def test_report_has_a_row_per_round_and_a_summary_per_algorithm() -> None:
     per_round, summary = report(runs)
     assert per_round.count("\n") == 2 + 2 * len(ALGOS) - 1  # header, rule, (base + 1 round) per run
     assert "45% (35%-55%)" in per_round and "30% -> 45%" in summary and "+15 pts" in summary
+
+
+def test_prod_after_a_promotion_is_the_held_out_report_not_the_gate() -> None:
+    """The gate's number picked the promotion (a lucky draw is promoted more often): prod's number is the
+    report's, on seeds the gate never saw; the gate's stands in only where no report was measured."""
+    reported = {**_row(1, 0.60, 0.30, True, 0.30), "reported_success": 0.45, "reported_ci95": [0.3, 0.6]}
+    rows = [reported, _row(2, 0.40, 0.45, False, 0.25), _row(3, 0.70, 0.45, True, 0.20)]
+    prod, source = prod_after(rows)
+    assert prod == [0.30, 0.45, 0.45, 0.70] and source == ["gate", "report", "report", "gate"]
+    s = summarise_run(rows, minutes=30.0)
+    assert s["prod_success"] == prod and s["prod_measured_on"] == source
+    assert s["gain"] == pytest.approx(0.40) and not s["targets"]["rises_every_round"]
+    per_round, _ = report([{"algo": "awr", "seed": 1, "rounds": rows, **s}])
+    assert "60% (50%-70%)" in per_round and "45% (30%-60%)" in per_round  # the gate's and the report's
+
+
+def test_prod_after_with_no_rounds_is_unknown() -> None:
+    assert prod_after([]) == ([None], ["none"])
+
+
+def test_the_load_sampler_takes_samples_while_a_run_goes_on() -> None:
+    with LoadSampler(every_s=0.01) as load:
+        deadline = time.monotonic() + 5
+        while len(load.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    s = load.summary()
+    assert s["samples"] >= 4 and 0 <= s["min"] <= s["mean"] <= s["max"]  # 3 in the loop, 1 at the end
+    assert LoadSampler().summary() == {"min": None, "mean": None, "max": None, "samples": 0}
+    with pytest.raises(ValueError, match="every_s"):
+        LoadSampler(every_s=0)
+
+
+def test_the_lerobot_camera_loop_passes_through_to_up_and_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--policy / --image-size / --report-episodes reach `up`'s config, and the run's record carries them."""
+    seen: list[UpConfig] = []
+
+    def fake_run_up(cfg: UpConfig) -> None:
+        seen.append(cfg)
+        row = {**_row(1, 0.5, 0.3, True, 0.3), "reported_success": 0.4, "reported_ci95": [0.3, 0.5]}
+        (cfg.workdir / "rounds.jsonl").parent.mkdir(parents=True, exist_ok=True)
+        (cfg.workdir / "rounds.jsonl").write_text(json.dumps(row) + "\n")
+
+    monkeypatch.setattr(bench.loop, "run_up", fake_run_up)
+    argv = ["--policy", "smolvla", "--image-size", "96", "--task", "maniskill/PushCube-v1", "--robots", "2",
+            "--rounds", "1", "--eval-episodes", "50", "--report-episodes", "30", "--work", str(tmp_path)]  # fmt: skip
+    run = run_one("awr", 1, parser().parse_args(argv))
+    (cfg,) = seen
+    assert (cfg.policy, cfg.image_size, cfg.report_episodes, cfg.eval_episodes) == ("smolvla", 96, 30, 50)
+    assert cfg.seed == 1 and cfg.workdir == tmp_path / "awr-seed1" and not cfg.continuous
+    assert run["config"]["policy"] == "smolvla" and run["config"]["image_size"] == 96
+    assert run["prod_success"] == [0.3, 0.4] and run["load_1min"]["samples"] >= 1
+    assert parser().parse_args([]).policy == "flowvla"  # the default loop is unchanged
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--policy", "act"])
 
 
 @pytest.mark.slow
