@@ -673,11 +673,11 @@ def run_round(
         except ValueError as e:
             raise RoundError(str(e)) from None
         db.update_round(round_id, base_revision=base.commit, task=task)
-        if cfg.push:
-            _round_tag(cfg, round_id)  # a taken tag fails now, not after the training
         # selected once (a bad or empty selection fails before any training); an offline round's
         # held-out episodes are not trained on (unless they are all there is)
         data = round_data(cfg, db, task)
+        if cfg.push:
+            _round_tag(cfg, round_id)  # a taken tag fails now, not after the training
         run = dataclasses.replace(
             t,
             out=t.out / f"round-{round_id}",
