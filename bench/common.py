@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,3 +67,38 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     line = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every ``every_s`` seconds in a daemon thread while a
+    run goes on (``with LoadSampler() as load: ...``; then ``load.summary()``)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s: expected > 0 seconds, got {every_s}")
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="load-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, Any]:
+        """Min, mean and max of the samples (None where none was taken) and how many."""
+        xs = self.samples
+        if not xs:
+            return {"min": None, "mean": None, "max": None, "samples": 0}
+        return {"min": min(xs), "mean": statistics.fmean(xs), "max": max(xs), "samples": len(xs)}

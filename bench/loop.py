@@ -52,15 +52,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import table, write_results
+from bench.common import LoadSampler, table, write_results
 from policies.lerobot_flow import FLOW_TYPES
 from vla_rl.up import UpConfig, run_up
 
@@ -145,41 +143,6 @@ def summarise_run(rows: list[dict[str, Any]], minutes: float | None) -> dict[str
         "minutes_rounds": sum(r["minutes"] for r in rows),
         "targets": met,
     }
-
-
-class LoadSampler:
-    """The machine's 1-minute load average, sampled every ``every_s`` seconds in a daemon thread while a
-    run goes on (``with LoadSampler() as load: ...``; then ``load.summary()``)."""
-
-    def __init__(self, every_s: float = 30.0) -> None:
-        if not every_s > 0:
-            raise ValueError(f"every_s: expected > 0 seconds, got {every_s}")
-        self.every_s = every_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="load-sampler", daemon=True)
-
-    def _loop(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(self.every_s):
-                return
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append(os.getloadavg()[0])
-
-    def summary(self) -> dict[str, Any]:
-        """Min, mean and max of the samples (None where none was taken) and how many."""
-        xs = self.samples
-        if not xs:
-            return {"min": None, "mean": None, "max": None, "samples": 0}
-        return {"min": min(xs), "mean": statistics.fmean(xs), "max": max(xs), "samples": len(xs)}
 
 
 def run_one(algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:

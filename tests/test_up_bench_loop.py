@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import bench.loop
-from bench.loop import ALGOS, LoadSampler, parser, prod_after, report, run_one, summarise_run
+from bench.loop import ALGOS, parser, prod_after, report, run_one, summarise_run
 from vla_rl.up import UpConfig
 
 
@@ -81,18 +80,6 @@ def test_prod_after_a_promotion_is_the_held_out_report_not_the_gate() -> None:
 
 def test_prod_after_with_no_rounds_is_unknown() -> None:
     assert prod_after([]) == ([None], ["none"])
-
-
-def test_the_load_sampler_takes_samples_while_a_run_goes_on() -> None:
-    with LoadSampler(every_s=0.01) as load:
-        deadline = time.monotonic() + 5
-        while len(load.samples) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    s = load.summary()
-    assert s["samples"] >= 4 and 0 <= s["min"] <= s["mean"] <= s["max"]  # 3 in the loop, 1 at the end
-    assert LoadSampler().summary() == {"min": None, "mean": None, "max": None, "samples": 0}
-    with pytest.raises(ValueError, match="every_s"):
-        LoadSampler(every_s=0)
 
 
 def test_the_lerobot_camera_loop_passes_through_to_up_and_is_recorded(
