@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from bench.common import machine, table, write_results
+from bench.common import LoadSampler, loadavg, machine, table, write_results
 from sim.synthetic_robot import SyntheticRobotConfig, smooth_image_pool, synthetic_robot_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,11 +208,11 @@ def run_collector_phase(
     th0 = thread_cpu([cproc, *writers0])
     rq0 = run_queue_wait([cproc])
     psutil.cpu_percent(None)
-    load0 = os.getloadavg()
+    load0 = loadavg()
     for p in procs:
         p.join(seconds + 600)
     t1 = time.perf_counter()
-    load1 = os.getloadavg()
+    load1 = loadavg()
     writers1 = cproc.children(recursive=True)
     c1, w1 = cpu_seconds([cproc]), cpu_seconds(writers0)
     th1 = thread_cpu([cproc, *writers0])
@@ -298,9 +298,9 @@ def run_collector_phase(
         # for a CPU (other processes had it): > 0.3 or so means acks wait on the scheduler, not on work
         "intake_run_queue_wait_per_run_s": round((rq1[1] - rq0[1]) / max(rq1[0] - rq0[0], 1e-9), 2),
         "machine_cpu_percent": machine_cpu,
-        "load_avg_1m_before": round(load0[0], 2),
-        "load_avg_before": [round(x, 2) for x in load0],
-        "load_avg_after": [round(x, 2) for x in load1],
+        "load_avg_1m_before": load0[0],
+        "load_avg_before": load0,
+        "load_avg_after": load1,
         "camera_codec": camera_codec,
         "bytes_on_disk": size,
         "bytes_raw": raw,
@@ -461,24 +461,27 @@ def main() -> None:
         )
         print(json.dumps(phases[-1]), flush=True)
 
-    phase("rate", args.hz, args.seconds, 1 << 30)
-    if args.lockstep_seconds > 0:
-        print(
-            f"lockstep run: every robot's episodes start and end together, {args.lockstep_seconds:g} s",
-            flush=True,
-        )
-        phase("rate-lockstep", args.hz, args.lockstep_seconds, 1 << 30, lockstep=True)
-    if args.capacity_seconds > 0:
-        print(f"capacity run: {args.robots} robots unthrottled for {args.capacity_seconds:g} s", flush=True)
-        phase("capacity", 0.0, args.capacity_seconds, 64 << 20)
-    lerobot: list[dict[str, Any]] = []
-    if args.lerobot_frames > 0:
-        for videos in (True, False):
-            print(f"LeRobot {'video' if videos else 'images'}: {args.lerobot_frames} frames", flush=True)
-            lerobot.append(
-                run_lerobot(work, images, spec, args.lerobot_frames, args.frames_per_episode, videos)
+    with LoadSampler() as load:
+        phase("rate", args.hz, args.seconds, 1 << 30)
+        if args.lockstep_seconds > 0:
+            print(
+                f"lockstep run: every robot's episodes start and end together, {args.lockstep_seconds:g} s",
+                flush=True,
             )
-            print(json.dumps(lerobot[-1]), flush=True)
+            phase("rate-lockstep", args.hz, args.lockstep_seconds, 1 << 30, lockstep=True)
+        if args.capacity_seconds > 0:
+            print(
+                f"capacity run: {args.robots} robots unthrottled for {args.capacity_seconds:g} s", flush=True
+            )
+            phase("capacity", 0.0, args.capacity_seconds, 64 << 20)
+        lerobot: list[dict[str, Any]] = []
+        if args.lerobot_frames > 0:
+            for videos in (True, False):
+                print(f"LeRobot {'video' if videos else 'images'}: {args.lerobot_frames} frames", flush=True)
+                lerobot.append(
+                    run_lerobot(work, images, spec, args.lerobot_frames, args.frames_per_episode, videos)
+                )
+                print(json.dumps(lerobot[-1]), flush=True)
 
     rows = []
     for p in phases:
@@ -542,6 +545,7 @@ def main() -> None:
             "collector": phases,
             "lerobot": lerobot,
             "ratios": ratios,
+            "load": load.summary(),
         },
         args.out,
     )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -30,7 +29,7 @@ from vla_rl_client.wire import keep_freed_memory
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from bench.collect import CAMERAS, frame_pool, free_port
-from bench.common import table, write_results
+from bench.common import LoadSampler, loadavg, table, write_results
 from fleet.store import EpisodeStore
 from fleet.wal import WriteAheadLog, decode_frames, parse_message
 
@@ -82,17 +81,9 @@ def codec_table(work: Path, imgs: list[dict[str, np.ndarray]], chunk_len: int) -
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--frames", type=int, default=480)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument(
-        "--chunk-len", type=int, default=128, help="frames per Zarr chunk (the collector's default)"
-    )
-    ap.add_argument("--zstd-level", type=int, default=-3, help="camera zstd level of the store stage")
-    ap.add_argument("--codecs", action=argparse.BooleanOptionalAction, default=True, help="codec table")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def stages(args: argparse.Namespace) -> dict[str, Any]:
+    """Each stage's CPU ms per robot-frame, the codec table and fsync's wall time per batch (printed as
+    tables too)."""
     keep_freed_memory()  # as the collector and the synthetic robots do
     size = 224
     pools = np.load(frame_pool("rendered", size))
@@ -177,16 +168,26 @@ def main() -> None:
     print(f"store writes: {store_wall:.3f} ms wall per frame (write threads overlap)")
     if codec_rows:
         print(table(codec_rows, ["camera codec", "CPU ms per camera pair", "bytes / raw (both cameras)"]))
-    print(f"\nload average: {os.getloadavg()}")
+    return {"stages_cpu_ms_per_frame": res, "codecs": codec_rows, "fsync_ms_per_batch": fsync_wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=480)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument(
+        "--chunk-len", type=int, default=128, help="frames per Zarr chunk (the collector's default)"
+    )
+    ap.add_argument("--zstd-level", type=int, default=-3, help="camera zstd level of the store stage")
+    ap.add_argument("--codecs", action=argparse.BooleanOptionalAction, default=True, help="codec table")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    with LoadSampler() as load:
+        out = stages(args)
+    print(f"\nload average: {loadavg()}")
     write_results(
         "collect_stages",
-        {
-            "stages_cpu_ms_per_frame": res,
-            "codecs": codec_rows,
-            "fsync_ms_per_batch": fsync_wall,
-            "load_avg": os.getloadavg(),
-            "args": vars(args),
-        },
+        {**out, "load_avg": loadavg(), "load": load.summary(), "args": vars(args)},
         args.out,
     )
 

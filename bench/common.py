@@ -1,4 +1,9 @@
-"""Shared bits for bench scripts: machine description, result files, and tables."""
+"""Shared bits for bench scripts: machine description, result files, tables, and the machine's load.
+
+Every bench records its run's load the same way: a ``load`` field in its results, the
+:meth:`LoadSampler.summary` of the 1-minute load average sampled while it ran (on a shared machine the
+numbers mean little without it); :func:`loadavg` is the 1/5/15-minute triple at one instant, for the
+before / after fields some results also keep."""
 
 from __future__ import annotations
 
@@ -67,6 +72,11 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     line = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def loadavg() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages now, rounded to 2 decimals."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 class LoadSampler:

@@ -17,7 +17,6 @@ chunks for the same noise. Prints a markdown table and writes bench/results/comp
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 from vla_rl_client.spec import RobotSpec
 
-from bench.common import table, write_results
+from bench.common import LoadSampler, loadavg, table, write_results
 from bench.inference import default_models
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
 from policies.loading import load_servable, pick_device
@@ -84,10 +83,6 @@ def batch(version: ServedVersion, rows: int, seed: int) -> tuple[Any, ...]:
     cams = {c.name: rng.integers(0, 256, (rows, *c.shape), dtype=np.uint8) for c in spec.cameras}
     noise = np.stack([version.initial_noise(seed + i) for i in range(rows)])
     return states, cams, [spec.instruction] * rows, noise
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def measure(name: str, ref: Path, device: str, batches: list[int], repeats: int) -> dict[str, Any]:
@@ -145,7 +140,7 @@ def main() -> None:
     device = str(pick_device(args.device))
     load_before = loadavg()
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with LoadSampler() as load, tempfile.TemporaryDirectory() as tmp:
         models = {MODELS[m][0]: MODELS[m][1](Path(tmp) / m) for m in args.models}
         for name, (ref, _) in models.items():
             results.append(measure(name, ref, device, sorted(args.batches), args.repeats))
@@ -184,6 +179,7 @@ def main() -> None:
         "repeats": args.repeats,
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
+        "load": load.summary(),
         "models": results,
     }
     print(f"load average before {load_before}, after {summary['loadavg_after']}")

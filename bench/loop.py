@@ -165,7 +165,8 @@ def run_one(algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "algo": algo,
         "seed": seed,
         "config": vars(cfg),
-        "load_1min": load,
+        "load": load,
+        "load_1min": load,  # the same summary, by the name earlier results gave it
         "rounds": rows,
         **summarise_run(rows, minutes),
     }

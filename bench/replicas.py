@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from vla_rl_client.policy_client import Backoff, PolicyClient, PolicyError
 
-from bench.common import table, write_results
+from bench.common import LoadSampler, loadavg, table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "vla_rl.cli"]
@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with LoadSampler() as load, tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "ckpt")
         reps = [Replica(ckpt, args.drain, Path(tmp), f"r{i}") for i in range(2)]
         stop = threading.Event()
@@ -173,7 +173,7 @@ def main() -> None:
         marks: dict[str, float] = {}
         extra: dict[str, Any] = {}
         threads: list[threading.Thread] = []
-        extra["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        extra["loadavg_before"] = loadavg()
         try:
             extra["start_s"] = [round(r.start(), 2) for r in reps]
             target = ",".join(r.address for r in reps)
@@ -211,7 +211,7 @@ def main() -> None:
             extra["drain_exit_s"] = round(time.monotonic() - t_term, 2)
             extra["drain_exit_code"] = rc
             marks["end"] = time.monotonic()
-            extra["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+            extra["loadavg_after"] = loadavg()
         finally:
             stop.set()
             for t in threads:
@@ -221,7 +221,12 @@ def main() -> None:
     names = ["steady", "killed", "rejoined", "draining"]
     ends = [marks[n] for n in names[1:]] + [marks["end"]]
     phases = {n: phase_stats(log, marks[n], e, args.robots) for n, e in zip(names, ends, strict=True)}
-    results = {"config": vars(args) | {"out": str(args.out)}, "phases": phases, **extra}
+    results = {
+        "config": vars(args) | {"out": str(args.out)},
+        "phases": phases,
+        **extra,
+        "load": load.summary(),
+    }
     path = write_results("replicas", results, args.out)
     keys = ["requests", "failed", "chunks_per_s", "p50_ms", "p99_ms", "max_ms", "longest_gap_ms"]
     print(table([[n, *(v[k] for k in keys)] for n, v in phases.items()], ["phase", *keys]))

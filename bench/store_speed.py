@@ -40,6 +40,7 @@ import torch
 import zarr
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
+from bench.common import LoadSampler, loadavg
 from fleet.dataset import ChunkDataset
 from fleet.store import EpisodeStore
 
@@ -319,8 +320,59 @@ def machine_info(workdir: Path) -> dict[str, Any]:
         "torch": torch.__version__,
         "workdir": str(workdir),
         "workdir_free_gb": shutil.disk_usage(workdir).free / 1e9,
-        "load_avg_1m_at_start": os.getloadavg()[0],  # other work on the machine skews every number
+        "load_avg_1m_at_start": loadavg()[0],  # other work on the machine skews every number
     }
+
+
+def bench_store(
+    results: dict[str, Any], workdir: Path, args: argparse.Namespace, rng: np.random.Generator
+) -> list[tuple[Any, ...]]:
+    """The write runs (each API, images and vectors, against the raw disk) and the read runs, into
+    ``results["runs"]``; the write table's rows."""
+    rows = []
+    for config, images, frames in (("images", True, args.frames), ("vectors", False, 10 * args.frames)):
+        spec = make_spec(images)
+        pool = make_pool(spec, rng)
+        root = workdir / config
+        for api, batched, fsync in (
+            ("add_frame", False, False),
+            ("add_frames", True, False),
+            ("add_frames+fsync", True, True),
+        ):
+            wr = bench_write(root, spec, pool, frames, args.seconds, batched, fsync)
+            raw = bench_raw_disk(workdir / "raw.bin", wr["payload_bytes"])
+            wr["raw_disk"] = raw
+            wr["store_over_raw"] = wr["mb_per_s"] / raw["mb_per_s"]
+            results["runs"][f"{config}/{api}"] = wr
+            rows.append(
+                (
+                    f"{config}/{api}",
+                    wr["frames"],
+                    wr["frames_per_s"],
+                    wr["mb_per_s"],
+                    raw["mb_per_s"],
+                    wr["store_over_raw"],
+                    wr["compression_ratio"],
+                )
+            )
+        results["runs"][f"{config}/read"] = bench_read(root, spec)
+    return rows
+
+
+def print_store(results: dict[str, Any], rows: list[tuple[Any, ...]]) -> None:
+    """The write and read tables."""
+    print(
+        f"{'write run':<26}{'frames':>8}{'frames/s':>11}{'MB/s':>9}{'raw MB/s':>10}{'store/raw':>11}{'compr.':>8}"
+    )
+    for name, n, fps, mbs, raw_mbs, ratio, comp in rows:
+        print(f"{name:<26}{n:>8}{fps:>11.0f}{mbs:>9.1f}{raw_mbs:>10.1f}{ratio:>11.2f}{comp:>8.2f}")
+    print(f"\n{'read run':<26}{'frames':>8}{'load fr/s':>11}{'load MB/s':>11}{'samples/s':>11}")
+    for config in ("images", "vectors"):
+        rd = results["runs"][f"{config}/read"]
+        print(
+            f"{config + '/ChunkDataset':<26}{rd['frames']:>8}{rd['load_frames_per_s']:>11.0f}"
+            f"{rd['load_mb_per_s']:>11.1f}{rd['samples_per_s']:>11.0f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,58 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="store_speed_", dir=args.workdir))
     rng = np.random.default_rng(0)
     results: dict[str, Any] = {"machine": machine_info(workdir), "chunk_len": CHUNK_LEN, "runs": {}}
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     try:
-        if args.only == "codecs":
+        with LoadSampler() as load:
+            if args.only != "codecs":
+                rows = bench_store(results, workdir, args, rng)
             results["codecs"] = bench_codecs(workdir, args.codec_frames, repeats=args.codec_repeats)
-            print_codecs(results["codecs"])
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2) + "\n")
-            print(f"\nwrote {args.out}")
-            return 0
-        for config, images, frames in (("images", True, args.frames), ("vectors", False, 10 * args.frames)):
-            spec = make_spec(images)
-            pool = make_pool(spec, rng)
-            root = workdir / config
-            for api, batched, fsync in (
-                ("add_frame", False, False),
-                ("add_frames", True, False),
-                ("add_frames+fsync", True, True),
-            ):
-                wr = bench_write(root, spec, pool, frames, args.seconds, batched, fsync)
-                raw = bench_raw_disk(workdir / "raw.bin", wr["payload_bytes"])
-                wr["raw_disk"] = raw
-                wr["store_over_raw"] = wr["mb_per_s"] / raw["mb_per_s"]
-                results["runs"][f"{config}/{api}"] = wr
-                rows.append(
-                    (
-                        f"{config}/{api}",
-                        wr["frames"],
-                        wr["frames_per_s"],
-                        wr["mb_per_s"],
-                        raw["mb_per_s"],
-                        wr["store_over_raw"],
-                        wr["compression_ratio"],
-                    )
-                )
-            rd = bench_read(root, spec)
-            results["runs"][f"{config}/read"] = rd
-        results["codecs"] = bench_codecs(workdir, args.codec_frames, repeats=args.codec_repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    results["load"] = load.summary()
 
-    print(
-        f"{'write run':<26}{'frames':>8}{'frames/s':>11}{'MB/s':>9}{'raw MB/s':>10}{'store/raw':>11}{'compr.':>8}"
-    )
-    for name, n, fps, mbs, raw_mbs, ratio, comp in rows:
-        print(f"{name:<26}{n:>8}{fps:>11.0f}{mbs:>9.1f}{raw_mbs:>10.1f}{ratio:>11.2f}{comp:>8.2f}")
-    print(f"\n{'read run':<26}{'frames':>8}{'load fr/s':>11}{'load MB/s':>11}{'samples/s':>11}")
-    for config in ("images", "vectors"):
-        rd = results["runs"][f"{config}/read"]
-        print(
-            f"{config + '/ChunkDataset':<26}{rd['frames']:>8}{rd['load_frames_per_s']:>11.0f}"
-            f"{rd['load_mb_per_s']:>11.1f}{rd['samples_per_s']:>11.0f}"
-        )
+    if args.only != "codecs":
+        print_store(results, rows)
     print_codecs(results["codecs"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -230,7 +230,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from bench.common import table, write_results
+    from bench.common import LoadSampler, loadavg, table, write_results
 
     if args.device.startswith("cuda"):
         import torch
@@ -246,7 +246,7 @@ def main() -> None:
         single = [max(args.procs) * max(args.threads, 1)]
     settings += [(1, t) for t in single or [] if (1, t) not in settings]
     rows, results = [], []
-    with tempfile.TemporaryDirectory(prefix="train_ddp_") as tmp:
+    with LoadSampler() as load, tempfile.TemporaryDirectory(prefix="train_ddp_") as tmp:
         work = args.work or Path(tmp)
         _prepare(work)
         for algo in args.algos:
@@ -284,8 +284,11 @@ def main() -> None:
     print(
         table(rows, ["algo", "processes", "threads each", "global batch", "samples/s", "x first", "wall s"])
     )
-    load = os.getloadavg()
-    path = write_results("train_ddp", {"settings": results, "load_average_1_5_15": load}, args.out)
+    path = write_results(
+        "train_ddp",
+        {"settings": results, "load_average_1_5_15": loadavg(), "load": load.summary()},
+        args.out,
+    )
     print(f"results: {path}")
 
 

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pytest
 
-from bench.common import LoadSampler
+from bench.common import LoadSampler, loadavg
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SAMPLED = [
+    "collect",
+    "collect_stages",
+    "compile",
+    "dashboard",
+    "loop",
+    "replicas",
+    "store_speed",
+    "train_ddp",
+]
+"""The benches that record their run's load (bench/serve.py keeps its own ``loadavg`` for now)."""
 
 
 def test_the_load_sampler_takes_samples_while_a_run_goes_on() -> None:
@@ -19,3 +34,22 @@ def test_the_load_sampler_takes_samples_while_a_run_goes_on() -> None:
     assert LoadSampler().summary() == {"min": None, "mean": None, "max": None, "samples": 0}
     with pytest.raises(ValueError, match="every_s"):
         LoadSampler(every_s=0)
+
+
+def test_loadavg_is_the_rounded_1_5_15_minute_triple() -> None:
+    load = loadavg()
+    assert len(load) == 3 and all(x >= 0 and round(x, 2) == x for x in load)
+
+
+def test_every_bench_reads_the_load_through_bench_common() -> None:
+    """One way to read the machine's load: no bench calls os.getloadavg itself (serve.py and serve_local.py
+    aside), and each bench that records it writes the sampler's summary as ``load``."""
+    ad_hoc = [
+        p.name
+        for p in BENCH.glob("*.py")
+        if p.name not in ("common.py", "serve.py", "serve_local.py") and "getloadavg" in p.read_text()
+    ]
+    assert ad_hoc == []
+    for name in SAMPLED:
+        src = (BENCH / f"{name}.py").read_text()
+        assert "LoadSampler()" in src and re.search(r'"load"(: |\] = )load\b', src), name

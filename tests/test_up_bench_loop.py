@@ -103,6 +103,7 @@ def test_the_lerobot_camera_loop_passes_through_to_up_and_is_recorded(
     assert cfg.seed == 1 and cfg.workdir == tmp_path / "awr-seed1" and not cfg.continuous
     assert run["config"]["policy"] == "smolvla" and run["config"]["image_size"] == 96
     assert run["prod_success"] == [0.3, 0.4] and run["load_1min"]["samples"] >= 1
+    assert run["load"] == run["load_1min"]  # every bench's `load` field; the earlier name kept
     assert parser().parse_args([]).policy == "flowvla"  # the default loop is unchanged
     with pytest.raises(SystemExit):
         parser().parse_args(["--policy", "act"])
