@@ -48,6 +48,7 @@ from bench.uncertainty import (
     base_checkpoint,
     check_obs_args,
     first_takeover,
+    for_task,
     preset,
     preset_value,
     rollout,
@@ -71,12 +72,8 @@ CAMERA_EPISODES: dict[str, dict[str, int]] = {
     "maniskill/PickCube-v1": dict(train_episodes=120, calib_episodes=80, episodes=120),
     "maniskill/PushCube-v1": dict(train_episodes=120, calib_episodes=80, episodes=120),
 }
-"""``--obs rgb``'s set sizes (a camera rollout costs more per step; other tasks: the state sizes)."""
-
-
-def set_sizes(task: str, obs: str) -> dict[str, int]:
-    state = EPISODES.get(task, EPISODES["kinematic/Reach-v0"])
-    return CAMERA_EPISODES.get(task, state) if obs == "rgb" else state
+"""``--obs rgb``'s set sizes (a camera rollout costs more per step; other tasks: the state sizes;
+:func:`bench.uncertainty.for_task` picks)."""
 
 
 def episode_json(ep: Episode) -> dict[str, Any]:
@@ -213,7 +210,7 @@ def fit_predictor(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     task = resolve_task(args.task).name
-    sizes = set_sizes(task, args.obs)
+    sizes = for_task(task, args.obs, EPISODES, CAMERA_EPISODES)
     n = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
     work = work_dir(args, task)
     timings: dict[str, float] = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,10 +201,17 @@ def detector_stats(eps: list[Episode], steps: list[int | None]) -> dict[str, Any
     }
 
 
+def for_task[T](task: str, obs: str, state: Mapping[str, T], camera: Mapping[str, T]) -> T:
+    """``task``'s entry for ``obs`` (``state`` or ``rgb``) of a per-task table and its camera variant:
+    ``camera``'s for ``rgb`` where it names the task, else ``state``'s (the kinematic Reach one for a task
+    it does not name). The presets here and bench/failure.py's set sizes are looked up so."""
+    entry = state.get(task, state["kinematic/Reach-v0"])
+    return camera.get(task, entry) if obs == "rgb" else entry
+
+
 def preset(task: str, obs: str = "state") -> dict[str, Any]:
     """The task's preset for ``obs`` (``state`` or ``rgb``); the kinematic one for tasks without one."""
-    state = PRESETS.get(task, PRESETS["kinematic/Reach-v0"])
-    return CAMERA_PRESETS.get(task, state) if obs == "rgb" else state
+    return for_task(task, obs, PRESETS, CAMERA_PRESETS)
 
 
 def preset_value(args: argparse.Namespace, task: str, name: str) -> Any:

@@ -8,7 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.uncertainty import Episode, auroc, detector_stats, first_takeover
+from bench.uncertainty import (
+    CAMERA_PRESETS,
+    PRESETS,
+    Episode,
+    auroc,
+    detector_stats,
+    first_takeover,
+    for_task,
+    preset,
+)
 from sim.operator import OperatorRules
 
 TASK = "kinematic/Reach-v0"
@@ -34,6 +43,14 @@ def test_replay_finds_each_rules_first_takeover_and_stats() -> None:
     assert (d["flagged_failures"], d["failures"], d["false_alarms"], d["successes"]) == (1, 1, 0, 1)
     assert d["lead_steps_median"] == 12 - 6 and d["lead_fraction_mean"] == pytest.approx(0.5)
     assert auroc([2.0, 3.0], [1.0, 2.0]) == pytest.approx(0.875)
+
+
+def test_a_task_table_is_read_for_the_observation_mode() -> None:
+    state, camera = {"kinematic/Reach-v0": 1, "a": 2, "b": 3}, {"b": 30, "c": 40}
+    assert [for_task(t, "state", state, camera) for t in ("a", "b", "c")] == [2, 3, 1]
+    assert [for_task(t, "rgb", state, camera) for t in ("a", "b", "c", "d")] == [2, 30, 40, 1]
+    assert preset("maniskill/PickCube-v1", "rgb") is CAMERA_PRESETS["maniskill/PickCube-v1"]
+    assert preset("maniskill/PushCube-v1") is PRESETS["kinematic/Reach-v0"]
 
 
 def test_a_camera_policy_is_rolled_out_from_its_camera_frames(
