@@ -37,12 +37,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from vla_rl_client.spec import RobotSpec
 
 from bench.common import table, write_results
 from fleet.store import EpisodeStore
 from fleet.uncertainty import calibrate_cusum, cusum_path
 from policies.loading import load_policy
 from server.slots import ServedVersion, initial_noise
+from sim.base import ObsMode
 from sim.demos import record_demos
 from sim.operator import OperatorRules, SimulatedOperator
 from sim.registry import make_env, resolve_task
@@ -116,11 +118,27 @@ def rollout(
     return out
 
 
+def policy_obs(spec: RobotSpec) -> tuple[ObsMode, int]:
+    """The simulator observations a policy with ``spec`` acts from: ``("rgb", size)``, its cameras at their
+    own size, or ``("state", 128)`` for a policy without cameras. The simulator renders every camera
+    square at one size, so a policy whose cameras are not all ``size`` x ``size`` cannot be fed its own
+    frames: refused, naming each camera's size (rendering at one camera's size would feed the others
+    frames of the wrong size)."""
+    if not spec.cameras:
+        return "state", 128
+    size = spec.cameras[0].height
+    if any((c.height, c.width) != (size, size) for c in spec.cameras):
+        sizes = ", ".join(f"{c.name} {c.height}x{c.width}" for c in spec.cameras)
+        raise ValueError(
+            f"cameras: the simulator renders every camera square at one size, but {spec.name}'s policy "
+            f"takes {sizes}"
+        )
+    return "rgb", size
+
+
 def _rollout_group(version: ServedVersion, task: str, seeds: list[int], features: bool) -> list[Episode]:
     spec = version.spec
-    # the observations the policy was trained on: its cameras at their size, or the state alone
-    obs_mode = "rgb" if spec.cameras else "state"
-    image_size = spec.cameras[0].height if spec.cameras else 128
+    obs_mode, image_size = policy_obs(spec)  # what the policy was trained on
     envs = [make_env(task, obs=obs_mode, image_size=image_size) for _ in seeds]
     try:
         eps = [Episode(s, env.max_episode_steps) for s, env in zip(seeds, envs, strict=True)]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vla_rl_client.spec import CameraSpec, RobotSpec
 
 from bench.uncertainty import (
     CAMERA_PRESETS,
@@ -16,7 +17,9 @@ from bench.uncertainty import (
     detector_stats,
     first_takeover,
     for_task,
+    policy_obs,
     preset,
+    rollout,
 )
 from sim.operator import OperatorRules
 
@@ -51,6 +54,32 @@ def test_a_task_table_is_read_for_the_observation_mode() -> None:
     assert [for_task(t, "rgb", state, camera) for t in ("a", "b", "c", "d")] == [2, 30, 40, 1]
     assert preset("maniskill/PickCube-v1", "rgb") is CAMERA_PRESETS["maniskill/PickCube-v1"]
     assert preset("maniskill/PushCube-v1") is PRESETS["kinematic/Reach-v0"]
+
+
+def _spec(*cameras: CameraSpec) -> RobotSpec:
+    return RobotSpec("arm", state_dim=3, action_dim=2, control_hz=10, instruction="reach", cameras=cameras)
+
+
+def test_a_policy_is_fed_each_camera_at_its_own_size_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rollout renders at the policy's camera size; a policy whose cameras differ in size (or are not
+    square) is refused before any simulator starts: one render size would feed some camera wrongly."""
+    import bench.uncertainty
+
+    assert policy_obs(_spec()) == ("state", 128)
+    assert policy_obs(_spec(CameraSpec("top", 32, 32), CameraSpec("wrist", 32, 32))) == ("rgb", 32)
+    made: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        bench.uncertainty, "make_env", lambda task, obs, image_size: made.append((obs, image_size))
+    )
+    for cams, sizes in (
+        ((CameraSpec("top", 32, 32), CameraSpec("wrist", 64, 64)), "top 32x32, wrist 64x64"),
+        ((CameraSpec("top", 64, 64), CameraSpec("wrist", 32, 32)), "top 64x64, wrist 32x32"),
+        ((CameraSpec("top", 32, 48),), "top 32x48"),
+    ):
+        version = argparse.Namespace(spec=_spec(*cams))
+        with pytest.raises(ValueError, match=f"cameras: the simulator renders .* takes {sizes}$"):
+            rollout(version, TASK, [0], group=1)  # type: ignore[arg-type]
+    assert made == []
 
 
 def test_a_camera_policy_is_rolled_out_from_its_camera_frames(
