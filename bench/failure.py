@@ -6,7 +6,8 @@ episodes >= 1 s before the failure at <= 5% false alarms on successful ones).
    (:func:`bench.uncertainty.base_checkpoint`, the same presets as bench/uncertainty.py);
 2. roll it out alone (the policy server's scored inference, :func:`bench.uncertainty.rollout`, keeping each
    decision's ``features(prefix)``) on ``--train-episodes`` (seeds from 100000), ``--calib-episodes``
-   (200000) and ``--episodes`` (300000): three disjoint sets;
+   (200000) and ``--episodes`` (300000): three disjoint sets, each cached in ``--work`` as it finishes
+   (:func:`rollout_sets`: ``--reuse`` resumes a run from the sets it cached);
 3. **fit** the predictor (:func:`vla_rl.train.failure.fit_head`) on the training episodes' decisions,
    labelled as a store's rows are (:func:`vla_rl.train.failure.failure_labels`: a failed episode's
    decisions within ``--horizon-s`` of its end positive, a successful episode's negative); once on
@@ -61,6 +62,7 @@ from server.slots import ServedVersion
 from sim.operator import OperatorRules
 from sim.registry import resolve_task
 from vla_rl.evaluation import wilson_interval
+from vla_rl.hub.storage import atomic_write
 from vla_rl.train.failure import calibrate_threshold, failure_labels, first_alarm, fit_head
 
 TRAIN_SEED = 100_000
@@ -103,29 +105,68 @@ def episode_from_json(d: dict[str, Any]) -> Episode:
     )
 
 
+SETS: tuple[tuple[str, int, str], ...] = (
+    ("train", TRAIN_SEED, "train_episodes"),
+    ("calib", CALIB_SEED, "calib_episodes"),
+    ("eval", EVAL_SEED, "episodes"),
+)
+"""The rollout sets in the order they are rolled out: name, first seed, and the count's key."""
+
+
 def rollout_sets(
     args: argparse.Namespace, version: ServedVersion, task: str, n: dict[str, int], work: Path
 ) -> dict[str, list[Episode]]:
-    """The train / calibration / evaluation rollouts, from ``work/rollouts.json`` with ``--reuse`` when
-    it holds the same counts (the analysis can then be rerun, e.g. at another alpha), else rolled out
-    and cached there."""
-    cache = work / "rollouts.json"
-    if args.reuse and cache.exists():
-        saved = json.loads(cache.read_text())
-        if saved["episodes"] == n:
-            return {k: [episode_from_json(e) for e in v] for k, v in saved["sets"].items()}
+    """The train / calibration / evaluation rollouts. Each set is cached in ``work/rollouts_<set>.json``
+    as soon as it is rolled out, so a run killed in a later set loses only that one; with ``--reuse`` a
+    set whose cache holds the same policy (its commit) and seeds is read back instead of rolled out again
+    (an interrupted run resumes; the analysis can be rerun, e.g. at another alpha). ``rollouts.json``,
+    where earlier runs cached the three sets at once, is still read with ``--reuse`` when it holds the same
+    counts, and removed once a set is rolled out anew (it then no longer describes this policy's sets)."""
+    combined = work / "rollouts.json"
+    if args.reuse and (old := _combined_cache(combined, n)) is not None:
+        return old
     group = preset_value(args, task, "group")
     sets = {}
-    for name, seed, key in (
-        ("train", TRAIN_SEED, "train_episodes"),
-        ("calib", CALIB_SEED, "calib_episodes"),
-        ("eval", EVAL_SEED, "episodes"),
-    ):
-        sets[name] = rollout(version, task, [seed + i for i in range(n[key])], group, features=True)
-        print(f"{name}: {n[key]} episodes, {sum(e.success for e in sets[name])} successful", flush=True)
-    payload = {"episodes": n, "sets": {k: [episode_json(e) for e in v] for k, v in sets.items()}}
-    cache.write_text(json.dumps(payload))
+    for name, seed, key in SETS:
+        seeds = [seed + i for i in range(n[key])]
+        cache = work / f"rollouts_{name}.json"
+        cached = _cached_set(cache, version.commit, seeds) if args.reuse else None
+        if cached is None:
+            sets[name] = rollout(version, task, seeds, group, features=True)
+            payload = {
+                "commit": version.commit,
+                "seeds": [seeds[0], len(seeds)],
+                "episodes": [episode_json(e) for e in sets[name]],
+            }
+            atomic_write(cache, json.dumps(payload).encode())
+            combined.unlink(missing_ok=True)
+        else:
+            sets[name] = cached
+        how = "rolled out" if cached is None else f"read from {cache.name}"
+        print(
+            f"{name}: {n[key]} episodes, {sum(e.success for e in sets[name])} successful ({how})", flush=True
+        )
     return sets
+
+
+def _cached_set(path: Path, commit: str, seeds: list[int]) -> list[Episode] | None:
+    """The episodes ``path`` caches, if they are the policy ``commit``'s on exactly ``seeds``."""
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if saved["commit"] != commit or saved["seeds"] != [seeds[0], len(seeds)]:
+        return None
+    return [episode_from_json(e) for e in saved["episodes"]]
+
+
+def _combined_cache(path: Path, n: dict[str, int]) -> dict[str, list[Episode]] | None:
+    """The three sets of an earlier run's ``rollouts.json``, if it holds the counts ``n``."""
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if saved["episodes"] != n:
+        return None
+    return {k: [episode_from_json(e) for e in v] for k, v in saved["sets"].items()}
 
 
 def decisions(ep: Episode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -377,7 +418,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path, default=Path("runs/bench_failure"))
     p.add_argument(
-        "--reuse", action="store_true", help="reuse the SFT checkpoint and the rollouts in --work if present"
+        "--reuse",
+        action="store_true",
+        help="reuse the SFT checkpoint and the rollout sets (each set's own cache) in --work if present",
     )
     p.add_argument("--out", type=Path, default=None, help="results file (default bench/results/failure.json)")
     args = p.parse_args()

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from bench.failure import (
+    CALIB_SEED,
+    EVAL_SEED,
+    TRAIN_SEED,
     early_stats,
     episode_from_json,
     episode_json,
     fit_predictor,
     predictor_first_alarm,
+    rollout_sets,
     training_rows,
 )
 from bench.uncertainty import Episode
@@ -73,3 +79,56 @@ def test_the_rollout_cache_round_trips() -> None:
     np.testing.assert_allclose(back.privileged[0]["tcp_pos"], [0.1, 0.2, 0.3])
     for t, f in ep.chunk_features.items():
         np.testing.assert_allclose(back.chunk_features[t], f, atol=1e-7)
+
+
+def test_each_rollout_set_is_cached_as_it_finishes_and_a_rerun_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed in the held-out set keeps the two sets it finished: a rerun with ``reuse`` rolls out
+    only the missing one. Another policy (commit) or other seeds roll out again; without ``reuse``
+    everything is rolled out; an earlier run's all-in-one ``rollouts.json`` is still read."""
+    import bench.failure
+
+    rolled: list[int] = []
+    killed = [True]
+
+    def fake_rollout(version: Any, task: str, seeds: list[int], group: int, features: bool) -> list[Episode]:
+        rolled.append(seeds[0])
+        if seeds[0] == EVAL_SEED and killed[0]:
+            raise KeyboardInterrupt
+        return [_episode(s, s % 2 == 0) for s in seeds]
+
+    monkeypatch.setattr(bench.failure, "rollout", fake_rollout)
+    args = argparse.Namespace(reuse=False, group=1, obs="state")
+    a, b = argparse.Namespace(commit="local:a"), argparse.Namespace(commit="local:b")
+    n = {"train_episodes": 3, "calib_episodes": 2, "episodes": 4}
+
+    def run(version: Any, **counts: int) -> dict[str, list[Episode]]:
+        rolled.clear()
+        return rollout_sets(args, version, "kinematic/Reach-v0", {**n, **counts}, tmp_path)  # type: ignore[arg-type]
+
+    with pytest.raises(KeyboardInterrupt):
+        run(a)
+    assert rolled == [TRAIN_SEED, CALIB_SEED, EVAL_SEED]
+    killed[0], args.reuse = False, True
+    sets = run(a)
+    assert rolled == [EVAL_SEED]  # the train and calibration sets came from their caches
+    assert [e.seed for e in sets["train"]] == [TRAIN_SEED + i for i in range(3)]
+    assert [e.success for e in sets["calib"]] == [CALIB_SEED % 2 == 0, (CALIB_SEED + 1) % 2 == 0]
+    assert len(sets["eval"]) == 4 and sets["train"][1].chunk_scores == _episode(1, False).chunk_scores
+    run(a)
+    assert rolled == []
+    run(a, episodes=5)
+    assert rolled == [EVAL_SEED]  # other seeds
+    run(b)
+    assert rolled == [TRAIN_SEED, CALIB_SEED, EVAL_SEED]  # another policy
+    args.reuse = False
+    run(b)
+    assert rolled == [TRAIN_SEED, CALIB_SEED, EVAL_SEED]
+
+    old = {k: [episode_json(_episode(i, True)) for i in range(2)] for k in ("train", "calib", "eval")}
+    (tmp_path / "rollouts.json").write_text(json.dumps({"episodes": n, "sets": old}))
+    args.reuse = True
+    assert [e.seed for e in run(b)["eval"]] == [0, 1] and rolled == []
+    run(b, episodes=5)
+    assert rolled == [EVAL_SEED] and not (tmp_path / "rollouts.json").exists()
