@@ -298,6 +298,10 @@ class FlowChunkPolicy:
     def chunk_len(self) -> int:
         return self.policy.chunk_len
 
+    @property
+    def n_exec(self) -> int:
+        return self.policy.n_exec
+
     def predict_chunks(
         self, obs: dict[str, Any], seed: int, rtc: list[RTCRequest] | None = None
     ) -> np.ndarray:

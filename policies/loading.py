@@ -199,6 +199,11 @@ class LoadedPolicy:
     def chunk_len(self) -> int:
         return self.policy.config.chunk_len
 
+    @property
+    def n_exec(self) -> int:
+        """Actions executed per chunk: the checkpoint's, as the policy server serves it."""
+        return self.policy.config.n_exec
+
     def task(self, asked: str | None) -> str:
         """The checkpoint's task, which ``asked`` (a config's ``task``) must match when given."""
         return checkpoint_task(self.spec, asked)

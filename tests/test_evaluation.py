@@ -3,8 +3,10 @@ mechanics themselves are tested once, in test_rollout.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -12,9 +14,10 @@ import pytest
 from vla_rl_client.spec import RobotSpec
 
 import sim
+from policies.loading import LoadedPolicy
 from sim.experts import PushExpert
 from sim.latency import LatencyOptions, LatencySpec
-from vla_rl.evaluation import evaluate, wilson_interval
+from vla_rl.evaluation import default_n_exec, evaluate, wilson_interval
 
 TASK = "maniskill/PushCube-v1"
 
@@ -50,6 +53,19 @@ class ConstantPolicy:
 
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
         return np.zeros((len(obs["state"]), self.chunk_len, self.spec.action_dim), dtype=np.float32)
+
+
+@dataclass
+class DeployedPolicy(ConstantPolicy):
+    """A checkpoint that records its ``n_exec`` (what the policy server replies with and the fleet
+    executes); counts its calls."""
+
+    n_exec: int = 3
+    calls: int = 0
+
+    def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
+        self.calls += 1
+        return super().predict_chunks(obs, seed)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +135,29 @@ def test_latency_world_reports_jumps_and_starved_steps(push_spec: RobotSpec) -> 
         assert len(ep.latency["jumps"]) == ep.latency["chunks"] - 1 and min(ep.latency["jumps"]) >= 0
     assert res.latency["starved_per_episode"] == 2.0
     assert "action jump at chunk boundaries" in res.summary()
+
+
+def test_evaluation_executes_the_checkpoints_n_exec_unless_told_otherwise() -> None:
+    """Gates and benchmarks measure the policy as the fleet runs it: with no ``n_exec``, a policy's own
+    (a checkpoint's, as served); an explicit one is honoured; one recording none executes half its chunk."""
+    task = "kinematic/Reach-v0"
+    with sim.make_env(task) as env:
+        spec = env.spec
+    kw: dict[str, Any] = dict(episodes=1, num_envs=1, seed=3, max_episode_steps=9, progress=False)
+    policy = DeployedPolicy(spec)  # chunk 8, n_exec 3
+    res = evaluate(policy, task, **kw)
+    assert res.n_exec == 3 and policy.calls == math.ceil(res.per_episode[0].length / 3)
+    told = DeployedPolicy(spec)
+    res = evaluate(told, task, n_exec=1, **kw)
+    assert res.n_exec == 1 and told.calls == res.per_episode[0].length
+    assert evaluate(ConstantPolicy(spec), task, **kw).n_exec == 4
+
+
+def test_a_loaded_checkpoint_defaults_to_its_own_n_exec() -> None:
+    config = SimpleNamespace(chunk_len=10, n_exec=3)
+    loaded = LoadedPolicy(policy=SimpleNamespace(config=config), info=None, path=Path(), commit="", ref="")  # type: ignore[arg-type]
+    assert loaded.n_exec == 3 and default_n_exec(loaded) == 3
+    assert (
+        default_n_exec(SimpleNamespace(chunk_len=10)) == 5
+        and default_n_exec(SimpleNamespace(chunk_len=1)) == 1
+    )  # type: ignore[arg-type]

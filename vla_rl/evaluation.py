@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class ChunkPolicy(Protocol):
-    """Anything that maps a batch of observations to action chunks (env units, float32 [N, H, A])."""
+    """Anything that maps a batch of observations to action chunks (env units, float32 [N, H, A]). A
+    checkpoint's policy also has ``n_exec``, the actions the fleet executes per chunk
+    (:func:`default_n_exec`)."""
 
     spec: RobotSpec
     chunk_len: int
@@ -117,6 +119,14 @@ class EvalResult:
         )
 
 
+def default_n_exec(policy: ChunkPolicy) -> int:
+    """The actions each robot executes per chunk when evaluation is not told: the policy's own ``n_exec``
+    where it records one (a checkpoint's: what the policy server replies with and the fleet executes, so
+    gates and benchmarks measure the policy as it is deployed), else half the chunk (receding horizon)."""
+    n = getattr(policy, "n_exec", None)
+    return int(n) if n else max(1, policy.chunk_len // 2)
+
+
 def _proposer(policy: ChunkPolicy, seed: int, n_exec: int, rtc: str) -> SeededChunkProposer:
     """The rollout's proposer for evaluate's ``rtc`` (checked here, before any simulator starts)."""
     if rtc not in ("auto", "on", "off"):
@@ -160,7 +170,8 @@ def evaluate(
 ) -> EvalResult:
     """Roll ``policy`` out for the seeds ``seed .. seed + episodes - 1`` and report success and length.
 
-    ``n_exec`` defaults to half the chunk (receding horizon). The default seed is far from the
+    ``n_exec`` defaults to the policy's own (:func:`default_n_exec`: a checkpoint executes as the fleet
+    runs it; half the chunk for a policy that records none). The default seed is far from the
     demonstration seeds (which start at 0) so training episodes are not re-used as tests. ``ray``
     (``auto`` or a cluster address) runs the simulators as Ray actors (:mod:`sim.ray_workers`) instead of
     local processes: the same seeds give the same episodes. ``rtc`` (``auto|on|off``): real-time
@@ -174,7 +185,7 @@ def evaluate(
     """
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
-    n_exec = n_exec or max(1, policy.chunk_len // 2)
+    n_exec = n_exec or default_n_exec(policy)
     proposer = _proposer(policy, seed, n_exec, rtc)
     if latency is not None and rtc == "on":
         raise ValueError(

@@ -206,7 +206,7 @@ class FineEvalView:
             policy=learner.fine, info=loaded.info, path=loaded.path, commit="training", ref=loaded.ref
         )
         self._lp.num_steps = learner.cfg.flow_steps
-        self.spec, self.chunk_len = loaded.spec, learner.horizon
+        self.spec, self.chunk_len, self.n_exec = loaded.spec, learner.horizon, learner.n_exec
 
     def predict_chunks(self, obs: dict[str, Any], seed: int) -> np.ndarray:
         was = self._lp.policy.training

@@ -258,6 +258,10 @@ class BestOfNPolicy:
     def chunk_len(self) -> int:
         return self.loaded.chunk_len
 
+    @property
+    def n_exec(self) -> int:
+        return self.loaded.n_exec
+
     @torch.no_grad()
     def sample(self, obs: Mapping[str, Any], seed: int) -> Tensor:
         """Normalised, clipped chunks ``[B, N, H, A]`` (the samples :meth:`predict_chunks` ranks)."""
