@@ -181,9 +181,12 @@ def test_a_draining_server_closes_after_each_reply(ckpts: dict[str, Path], tmp_p
         with LocalPolicyClient(path, timeout_s=10) as c:
             c.act(obs, seed=0)
             srv.drain()
-            c.act(obs, seed=1)  # answered; then the server closes the connection
-            assert c.retries == 0
+            # answered (on a new connection if the server saw the drain before it went back to reading the
+            # connection that answered seed 0); then the server closes the connection
+            c.act(obs, seed=1)
+            after_first = c.retries
+            assert after_first <= 1
             c.act(obs, seed=2)  # served again on a new connection (no replica to move to here)
-            assert c.retries == 1
+            assert c.retries == after_first + 1
     finally:
         srv.stop()
