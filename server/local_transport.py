@@ -57,45 +57,85 @@ class _FrameContext:
         return ()
 
 
+class _Connection:
+    """One robot's connection: its writer, and whether a request of it is being answered (``stop()`` lets
+    that one finish; an idle connection is closed at once)."""
+
+    __slots__ = ("busy", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.busy = False
+
+
 class LocalTransport:
     """Serve ``host``'s policy service as frames on the socket at ``path`` (absolute, checked by
-    :func:`server.unix_socket.prepare_socket_path`); :meth:`start` and :meth:`stop` on the server's loop."""
+    :func:`server.unix_socket.prepare_socket_path`).
+
+    Everything here runs on the server's event loop: :meth:`start` binds the loop, :meth:`stop` must be
+    awaited on it (it raises elsewhere), and it returns only once every connection's task has ended, so no
+    stream, transport or future of this transport outlives the loop (asyncio's objects are not thread-safe;
+    one touched from another thread, or after its loop closed, can corrupt the interpreter)."""
 
     def __init__(self, host: PolicyHost, path: Path) -> None:
         self.host = host
         self.path = path
         self.service = _Service(host)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
+        self._stopping = False
         self._ids = itertools.count()
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._server = await asyncio.start_unix_server(self._connection, path=str(self.path))
         restrict_socket(self.path)
 
     async def stop(self, grace_s: float) -> None:
-        """Take no more connections, close the open ones (a request being answered finishes first, up to
-        ``grace_s``), remove the socket."""
+        """Take no more connections and end the open ones: an idle one at once, one answering a request
+        after its reply (up to ``grace_s``, then cancelled); every connection task awaited; the socket
+        removed."""
         if self._server is None:
             return
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("LocalTransport.stop: call it on the server's event loop")
+        self._stopping = True
         self._server.close()
-        for w in list(self._writers):
-            w.close()
+        for task, conn in list(self._connections.items()):
+            if not conn.busy:
+                task.cancel()
+        tasks = list(self._connections)
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._server.wait_closed(), grace_s)
+        self._server = None
         self.path.unlink(missing_ok=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._stopping:  # accepted just before the listening socket closed
+            writer.close()
+            return
+        conn = _Connection(writer)
+        self._connections[task] = conn
         peer = f"local:{next(self._ids)}"
-        self._writers.add(writer)
         try:
             if await self._greeted(reader, writer):
-                await self._serve(reader, writer, peer, crowded=len(self._writers) > self._max_connections)
+                crowded = len(self._connections) > self._max_connections
+                await self._serve(reader, conn, peer, crowded=crowded)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the robot went away
         finally:
-            self._writers.discard(writer)
+            del self._connections[task]
             writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
 
     @property
     def _max_connections(self) -> int:
@@ -118,15 +158,17 @@ class LocalTransport:
         return True
 
     async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, *, crowded: bool
+        self, reader: asyncio.StreamReader, conn: _Connection, peer: str, *, crowded: bool
     ) -> None:
         """Requests in order, one at a time, until the robot goes away, a frame is too large, a reply is not
-        read in time or the server drains; ``crowded`` (too many connections): the first request is answered
-        RESOURCE_EXHAUSTED and the connection closed."""
+        read in time or the server drains or stops; ``crowded`` (too many connections): the first request is
+        answered RESOURCE_EXHAUSTED and the connection closed."""
         ctx = _FrameContext(peer)
+        writer = conn.writer
         write_timeout = self.host.config.stream_write_timeout
         while True:
             (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            conn.busy = True
             limit = self.host.max_request_bytes
             if size > limit:  # its bytes are not read: answered, and the connection closed
                 await self._last_word(
@@ -154,7 +196,9 @@ class LocalTransport:
                         peer, "slow-reader", "local connection closed: replies not read"
                     )
                     return
-            if self.host.draining:  # answered; the robot reconnects (to a replica that is serving)
+            conn.busy = False
+            # answered; the robot reconnects (to a replica that is serving)
+            if self.host.draining or self._stopping:
                 return
 
     @staticmethod

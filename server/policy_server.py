@@ -497,10 +497,12 @@ class PolicyServer:
             ready.set()
             await self._stop_requested.wait()
             assert self._aio is not None
-            if self._local is not None:
-                await self._local.stop(self._grace_s)
-            await self._health.enter_graceful_shutdown()
-            await self._aio.stop(self._grace_s)
+            try:  # the local transport's connections end here, on this loop, before it closes
+                if self._local is not None:
+                    await self._local.stop(self._grace_s)
+            finally:
+                await self._health.enter_graceful_shutdown()
+                await self._aio.stop(self._grace_s)
 
         self._thread = threading.Thread(target=lambda: asyncio.run(main()), name="policy-server", daemon=True)
         self._thread.start()

@@ -4,6 +4,8 @@ greeting, the number of connections), reconnecting after a restart, and the sock
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import socket
 import stat
@@ -190,3 +192,42 @@ def test_a_draining_server_closes_after_each_reply(ckpts: dict[str, Path], tmp_p
             assert c.retries == after_first + 1
     finally:
         srv.stop()
+
+
+def test_stop_answers_the_request_in_flight_and_ends_every_connection(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "s" / "l.sock"
+    srv = start_server({"arm": ckpts["arm"]}, local_socket=path)
+    transport = srv._local
+    assert transport is not None
+    answer = transport.service._stream_reply
+
+    async def slow_reply(req: pb.ActRequest, ctx: object) -> pb.ActResponse:
+        await asyncio.sleep(0.5)
+        return await answer(req, ctx)  # type: ignore[arg-type]
+
+    obs = make_obs(np.random.default_rng(0))
+    with (
+        LocalPolicyClient(path, timeout_s=10, model_id="arm", backoff=None) as c,
+        _raw(path) as idle,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        c.act(obs, seed=0)
+        idle.sendall(MAGIC)
+        assert idle.recv(len(MAGIC) + HEADER.size)[: len(MAGIC)] == MAGIC  # greeted, then idle
+        with pytest.raises(
+            RuntimeError, match="event loop"
+        ):  # off the server's loop: refused, nothing touched
+            asyncio.run(transport.stop(1.0))
+        transport.service._stream_reply = slow_reply  # type: ignore[method-assign]
+        in_flight = pool.submit(c.act, obs, seed=1)
+        deadline = time.monotonic() + 10
+        while not any(conn.busy for conn in transport._connections.values()):
+            assert time.monotonic() < deadline, "the request never reached the server"
+            time.sleep(0.01)
+        srv.stop(grace_s=5.0)
+        assert in_flight.result(10).actions.shape == (4, 3), "answered before its connection closed"
+        assert c.retries == 0
+        assert idle.recv(1) == b"", "the idle connection closed"
+    assert not transport._connections and not srv._thread.is_alive() and not path.exists()
