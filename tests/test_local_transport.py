@@ -21,6 +21,7 @@ from test_server_timing import check_timing
 from vla_rl_client.action_queue import QueuedPolicy
 from vla_rl_client.local_client import HEADER, MAGIC, LocalPolicyClient
 from vla_rl_client.policy_client import PolicyClient, PolicyError
+from vla_rl_client.policy_common import build_request
 from vla_rl_client.proto import policy_service_pb2 as pb
 
 from server.config import ServerConfig
@@ -125,6 +126,27 @@ def test_frames_it_refuses(server: PolicyServer, ckpts: dict[str, Path]) -> None
         grpc_only.stop()
 
 
+def test_requests_sent_together_are_answered_one_by_one_in_order(server: PolicyServer) -> None:
+    path = server.local_socket
+    assert path is not None
+    reqs = [
+        build_request(make_obs(np.random.default_rng(k)), model_id="arm", seed=k, request_id=f"r{k}")
+        for k in range(3)
+    ]
+    with _raw(path) as s:
+        s.sendall(MAGIC)
+        f = s.makefile("rb")
+        assert f.read(len(MAGIC) + HEADER.size)[: len(MAGIC)] == MAGIC
+        frames = [req.SerializeToString() for req in reqs]
+        s.sendall(b"".join(HEADER.pack(len(d)) + d for d in frames))  # in one write: read as it comes
+        for req in reqs:
+            (size,) = HEADER.unpack(f.read(HEADER.size))
+            reply = pb.ActResponse.FromString(f.read(size))
+            assert (reply.request_id, reply.seed) == (req.request_id, req.seed) and not reply.HasField(
+                "error"
+            )
+
+
 def test_connections_beyond_the_limit_are_refused(ckpts: dict[str, Path], tmp_path: Path) -> None:
     srv = start_server({"arm": ckpts["arm"]}, local_socket=tmp_path / "s" / "l.sock", max_concurrent_rpcs=1)
     try:
@@ -223,7 +245,7 @@ def test_stop_answers_the_request_in_flight_and_ends_every_connection(
         transport.service._stream_reply = slow_reply  # type: ignore[method-assign]
         in_flight = pool.submit(c.act, obs, seed=1)
         deadline = time.monotonic() + 10
-        while not any(conn.busy for conn in transport._connections.values()):
+        while not any(conn.busy for conn in transport._connections):
             assert time.monotonic() < deadline, "the request never reached the server"
             time.sleep(0.01)
         srv.stop(grace_s=5.0)
