@@ -19,7 +19,7 @@ import pytest
 from test_server import make_checkpoint, make_obs, start_server
 from test_server_timing import check_timing
 from vla_rl_client.action_queue import QueuedPolicy
-from vla_rl_client.local_client import HEADER, MAGIC, LocalPolicyClient, raw_camera_parts
+from vla_rl_client.local_client import HEADER, MAGIC, LocalPolicyClient
 from vla_rl_client.policy_client import PolicyClient, PolicyError
 from vla_rl_client.policy_common import build_request
 from vla_rl_client.proto import policy_service_pb2 as pb
@@ -81,22 +81,6 @@ def test_same_chunks_routing_and_timing_as_grpc(server: PolicyServer) -> None:
     with LocalPolicyClient(path, timeout_s=10, model_id="arm") as c, QueuedPolicy(c.act) as qp:
         actions = [qp.act(obs) for _ in range(5)]
     assert all(a.shape == (3,) and np.isfinite(a).all() for a in actions) and qp.requests >= 2
-
-
-def test_raw_cameras_travel_as_views_of_the_arrays() -> None:
-    """The client sends a raw camera's pixels from the caller's array; the bytes parse to the very request
-    build_request builds (two cameras, one not contiguous, sizes whose lengths take several varint bytes)."""
-    rng = np.random.default_rng(0)
-    big = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
-    cams = {"front": big, "wrist": big[::2, ::2]}
-    obs = {"state": np.arange(5, dtype=np.float32), "cameras": cams, "instruction": "pick the cube"}
-    fields = {"model_id": "arm", "seed": 3, "request_id": "l9", "timeout_ms": 500}
-    rest = build_request({**obs, "cameras": {}}, **fields).SerializeToString()
-    wire = rest + b"".join(bytes(p) for p in raw_camera_parts(cams))
-    assert pb.ActRequest.FromString(wire) == build_request(obs, **fields)
-    assert isinstance(raw_camera_parts({"front": big})[1], memoryview)
-    with pytest.raises(TypeError, match="cannot travel on the wire"):
-        raw_camera_parts({"front": big.astype(np.complex64)})
 
 
 def test_frames_it_refuses(server: PolicyServer, ckpts: dict[str, Path]) -> None:
