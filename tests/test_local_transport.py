@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import socket
 import stat
@@ -145,6 +146,41 @@ def test_requests_sent_together_are_answered_one_by_one_in_order(server: PolicyS
             assert (reply.request_id, reply.seed) == (req.request_id, req.seed) and not reply.HasField(
                 "error"
             )
+
+
+def test_a_robot_that_does_not_read_its_replies_is_dropped(
+    ckpts: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s" / "l.sock"
+    srv = start_server({"arm": ckpts["arm"]}, local_socket=path, stream_write_timeout=0.5)
+    transport = srv._local
+    assert transport is not None and srv._loop is not None
+
+    async def small_buffers() -> None:  # on the server's loop: its buffers fill after a few replies
+        for conn in transport._connections:
+            conn._transport.set_write_buffer_limits(high=1)  # type: ignore[union-attr]
+            sock = conn._transport.get_extra_info("socket")  # type: ignore[union-attr]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    frame = build_request(make_obs(np.random.default_rng(0)), model_id="arm", seed=1).SerializeToString()
+    try:
+        with _raw(path) as s:
+            s.sendall(MAGIC)
+            assert s.recv(len(MAGIC) + HEADER.size)[: len(MAGIC)] == MAGIC
+            asyncio.run_coroutine_threadsafe(small_buffers(), srv._loop).result(5)
+            s.setblocking(False)
+            deadline, pending = time.monotonic() + 60, b""
+            while transport.connections:  # requests sent whole, replies never read
+                assert time.monotonic() < deadline, "still served"
+                pending = pending or HEADER.pack(len(frame)) + frame
+                with contextlib.suppress(BlockingIOError):
+                    pending = pending[s.send(pending) :]
+                time.sleep(0.002)
+        assert any("replies not read" in r.getMessage() for r in caplog.records)
+        with LocalPolicyClient(path, timeout_s=10, model_id="arm") as c:  # the others are served as before
+            assert c.act(make_obs(np.random.default_rng(0)), seed=1).actions.shape == (4, 3)
+    finally:
+        srv.stop()
 
 
 def test_connections_beyond_the_limit_are_refused(ckpts: dict[str, Path], tmp_path: Path) -> None:
