@@ -31,9 +31,9 @@ CLI = [sys.executable, "-m", "vla_rl.cli"]
 # long belongs here; one missing only costs wall time.
 LONG_FILES = (
     "test_sim.py",
-    "test_round_queue.py",
     "test_qam.py",
     "test_up.py",
+    "test_round_queue.py",
     "test_rounds.py",
     "test_lerobot_io.py",
     "test_success_gate.py",
