@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,50 @@ from pg_cluster import PostgresCluster, start_cluster
 from vla_rl.core.scheduling import leave_realtime
 
 CLI = [sys.executable, "-m", "vla_rl.cli"]
+
+
+# The files that take longest (a minute or more each on 2 cores), longest first. `make test` runs whole files
+# per xdist worker (--dist loadfile), handed out in collection order as workers run dry; xdist's own order
+# (most tests first) leaves a long file with few tests (test_up.py) for last, when the other worker has
+# nothing left to do. These start first, so the many short files fill in at the end. A file that grows
+# long belongs here; one missing only costs wall time.
+LONG_FILES = (
+    "test_sim.py",
+    "test_qam.py",
+    "test_up.py",
+    "test_round_queue.py",
+    "test_rounds.py",
+    "test_lerobot_io.py",
+    "test_success_gate.py",
+    "test_store.py",
+    "test_rtc_trained_lerobot.py",
+    "test_up_failure.py",
+    "test_dashboard_api.py",
+    "test_s3_store.py",
+    "test_demos_cli.py",
+    "test_help_queue_desk.py",
+    "test_metadata_db.py",
+    "test_hindsight.py",
+    "test_replay.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the file order :func:`pytest_collection_modifyitems` sets (xdist would re-sort it by count)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in :data:`LONG_FILES` first, in its order; then the rest, most tests first (xdist's own order).
+    Each file's tests stay together and in their order, so module fixtures are built once."""
+    count = Counter(item.path.name for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        return (LONG_FILES.index(name), 0) if name in LONG_FILES else (len(LONG_FILES), -count[name])
+
+    items.sort(key=rank)
 
 
 def _free_port() -> int:

@@ -20,13 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from pg_cluster import PostgresCluster
+from queue_workers import fake_worker
 from test_round_queue import _wait, base  # noqa: F401 - base is a fixture
 
 from fleet.db import MetadataDB
@@ -55,26 +55,6 @@ def _tiny_round(store: Path, ckpt: Path | str, out: Path, steps: int = 5, **kw: 
     return RoundConfig(train=train, eval_episodes=2, eval_envs=1, **kw)
 
 
-def _fake_worker(url: str, store: str, name: str, marks: str) -> None:
-    """The real worker loop with each round's work faked: it heartbeats for ~2 s (leaving a mark that it
-    started), then records success."""
-    import vla_rl.round_worker as rw
-
-    def run_claimed(
-        db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float, nice: int = 0
-    ) -> str:
-        Path(marks, f"{round_id}-{w}").touch()
-        for _ in range(7):
-            db.heartbeat_round(round_id, w, progress={"phase": "training"})
-            time.sleep(heartbeat_s)
-        db.update_round(round_id, status="succeeded", metrics={"ran_by": w}, finished_at=time.time())
-        return "succeeded"
-
-    rw.run_claimed = run_claimed
-    cfg = rw.WorkerConfig(store=Path(store), db_url=url, poll_s=0.2, heartbeat_s=0.3, stale_after_s=1.5)
-    rw.run_worker(cfg, name)
-
-
 def _stop_all(procs: list[Any]) -> None:
     for p in procs:
         if p.is_alive() if hasattr(p, "is_alive") else p.poll() is None:
@@ -98,7 +78,7 @@ def test_three_worker_processes_six_rounds_one_killed(
     marks.mkdir()
     ctx = mp.get_context("spawn")
     procs = {
-        f"w{i}": ctx.Process(target=_fake_worker, args=(url, str(store), f"w{i}", str(marks)))
+        f"w{i}": ctx.Process(target=fake_worker, args=(url, str(store), f"w{i}", str(marks)))
         for i in range(3)
     }
     for p in procs.values():

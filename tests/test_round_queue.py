@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 from pg_cluster import PostgresCluster
+from queue_workers import claim_all, fake_round_worker
 
 from fleet.db import MetadataDB, RoundLost
 from fleet.store import EpisodeStore
@@ -165,14 +166,6 @@ def test_a_result_recorded_between_heartbeats_is_not_a_lost_round(
     assert finished_by(db, b, "w2") is None
 
 
-def _claim_all(url: str, worker: str, out: Any) -> None:
-    db = MetadataDB(url)
-    got = []
-    while (r := db.claim_round(worker)) is not None:
-        got.append(r.id)
-    out.put(got)
-
-
 def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_path: Path, db_url: str) -> None:
     store, ckpt = base
     url = db_url  # on PostgreSQL, FOR UPDATE SKIP LOCKED does the work
@@ -180,7 +173,7 @@ def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_pat
     ids = [queue_round(_round(store, ckpt, tmp_path), db) for _ in range(24)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_claim_all, args=(url, f"w{i}", out)) for i in range(3)]
+    procs = [ctx.Process(target=claim_all, args=(url, f"w{i}", out)) for i in range(3)]
     for p in procs:
         p.start()
     claimed = [out.get(timeout=120) for _ in procs]
@@ -189,25 +182,6 @@ def test_concurrent_claims_take_each_round_once(base: tuple[Path, Path], tmp_pat
     flat = [i for got in claimed for i in got]
     assert sorted(flat) == ids, claimed  # every round exactly once
     assert all(r.attempts == 1 for r in db.rounds())
-
-
-def _fake_round_worker(url: str, store: str, worker: str, go: Any, out: Any) -> None:
-    """The real worker loop (:func:`run_worker`: re-queue stale rounds, claim, run, repeat) with each
-    round's work faked (heartbeat, a short sleep, succeeded): many workers, no training."""
-    import vla_rl.round_worker as rw
-
-    def run_claimed(
-        db: MetadataDB, round_id: int, config: dict[str, Any], w: str, heartbeat_s: float, nice: int = 0
-    ) -> str:
-        db.heartbeat_round(round_id, w, progress={"phase": "training"})
-        time.sleep(0.3)
-        db.update_round(round_id, status="succeeded", metrics={"ran_by": w}, finished_at=time.time())
-        return "succeeded"
-
-    rw.run_claimed = run_claimed
-    go.wait(120)
-    n = rw.run_worker(rw.WorkerConfig(store=Path(store), db_url=url, once=True, heartbeat_s=1), worker)
-    out.put((worker, n))
 
 
 def test_three_workers_run_six_queued_rounds_each_once(
@@ -219,7 +193,7 @@ def test_three_workers_run_six_queued_rounds_each_once(
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Barrier(3)
     procs = [
-        ctx.Process(target=_fake_round_worker, args=(db_url, str(store), f"w{i}", go, out)) for i in range(3)
+        ctx.Process(target=fake_round_worker, args=(db_url, str(store), f"w{i}", go, out)) for i in range(3)
     ]
     for p in procs:
         p.start()

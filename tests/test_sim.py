@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -70,8 +72,11 @@ def test_options_are_validated() -> None:
     assert sim.resolve_task("Lift").name == "robosuite/Lift"
 
 
-def _expert_success(task: str, episodes: int, noise: float) -> float:
-    wins = 0
+@functools.cache
+def _expert_wins(task: str, episodes: int, noise: float) -> tuple[bool, ...]:
+    """Whether the expert succeeded in each of ``episodes`` episodes (seeds 1000, 1001, ..., one simulator,
+    in order). Cached: the first n of a run are the n-episode run, so tests share one."""
+    wins = []
     with sim.make_env(task) as env:
         for ep in range(episodes):
             _, info = env.reset(seed=1000 + ep)
@@ -80,17 +85,25 @@ def _expert_success(task: str, episodes: int, noise: float) -> float:
             while not done:
                 _, _, terminated, truncated, info = env.step(expert.act(info["privileged"]))
                 done = terminated or truncated
-            wins += info["success"]
-    return wins / episodes
+            wins.append(bool(info["success"]))
+    return tuple(wins)
+
+
+def _expert_success(task: str, episodes: int, noise: float) -> float:
+    return sum(_expert_wins(task, episodes, noise)) / episodes
+
+
+EXPERT_EPISODES = 20
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_expert_succeeds_at_noise_zero(task: str) -> None:
-    assert _expert_success(task, 20, noise=0.0) >= 0.9
+    assert _expert_success(task, EXPERT_EPISODES, noise=0.0) >= 0.9
 
 
 def test_noise_knob_makes_demos_worse() -> None:
-    clean = _expert_success("maniskill/PickCube-v1", 10, noise=0.0)
+    # the first 10 of the noise-zero test's episodes (the same run, cached)
+    clean = sum(_expert_wins("maniskill/PickCube-v1", EXPERT_EPISODES, 0.0)[:10]) / 10
     sloppy = _expert_success("maniskill/PickCube-v1", 10, noise=1.5)
     assert clean == 1.0
     assert sloppy <= 0.6, f"noise=1.5 should make the expert clearly worse, got {sloppy:.0%}"
