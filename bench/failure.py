@@ -130,12 +130,12 @@ def rollout_sets(
     for name, seed, key in SETS:
         seeds = [seed + i for i in range(n[key])]
         cache = work / f"rollouts_{name}.json"
-        cached = _cached_set(cache, version.commit, seeds) if args.reuse else None
+        cached = _cached_set(cache, version.commit, seed, len(seeds)) if args.reuse else None
         if cached is None:
             sets[name] = rollout(version, task, seeds, group, features=True)
             payload = {
                 "commit": version.commit,
-                "seeds": [seeds[0], len(seeds)],
+                "seeds": [seed, len(seeds)],
                 "episodes": [episode_json(e) for e in sets[name]],
             }
             atomic_write(cache, json.dumps(payload).encode())
@@ -149,12 +149,13 @@ def rollout_sets(
     return sets
 
 
-def _cached_set(path: Path, commit: str, seeds: list[int]) -> list[Episode] | None:
-    """The episodes ``path`` caches, if they are the policy ``commit``'s on exactly ``seeds``."""
+def _cached_set(path: Path, commit: str, first_seed: int, count: int) -> list[Episode] | None:
+    """The episodes ``path`` caches, if they are the policy ``commit``'s on exactly the ``count`` seeds from
+    ``first_seed`` (a set of 0 episodes, as bench/operators' quick run asks for, included)."""
     if not path.exists():
         return None
     saved = json.loads(path.read_text())
-    if saved["commit"] != commit or saved["seeds"] != [seeds[0], len(seeds)]:
+    if saved["commit"] != commit or saved["seeds"] != [first_seed, count]:
         return None
     return [episode_from_json(e) for e in saved["episodes"]]
 

@@ -132,3 +132,30 @@ def test_each_rollout_set_is_cached_as_it_finishes_and_a_rerun_resumes(
     assert [e.seed for e in run(b)["eval"]] == [0, 1] and rolled == []
     run(b, episodes=5)
     assert rolled == [EVAL_SEED] and not (tmp_path / "rollouts.json").exists()
+
+
+def test_an_empty_rollout_set_is_cached_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set of 0 episodes (bench/operators' quick run asks for no calibration set) is rolled out as an
+    empty list, cached under its first seed, and read back with ``reuse`` like any other set."""
+    import bench.failure
+
+    calls: list[tuple[int, ...]] = []
+
+    def fake_rollout(version: Any, task: str, seeds: list[int], group: int, features: bool) -> list[Episode]:
+        calls.append(tuple(seeds))
+        return [_episode(s, True) for s in seeds]
+
+    monkeypatch.setattr(bench.failure, "rollout", fake_rollout)
+    args = argparse.Namespace(reuse=True, group=1, obs="state")
+    n = {"train_episodes": 2, "calib_episodes": 0, "episodes": 1}
+    version = argparse.Namespace(commit="local:a")
+    sets = rollout_sets(args, version, "kinematic/Reach-v0", n, tmp_path)  # type: ignore[arg-type]
+    assert sets["calib"] == [] and len(sets["train"]) == 2 and len(sets["eval"]) == 1
+    assert json.loads((tmp_path / "rollouts_calib.json").read_text())["seeds"] == [CALIB_SEED, 0]
+    calls.clear()
+    again = rollout_sets(args, version, "kinematic/Reach-v0", n, tmp_path)  # type: ignore[arg-type]
+    assert (
+        calls == []
+        and again["calib"] == []
+        and [e.seed for e in again["train"]] == [TRAIN_SEED, TRAIN_SEED + 1]
+    )
