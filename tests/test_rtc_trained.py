@@ -15,8 +15,11 @@ from test_server import SPEC, make_checkpoint, make_obs, start_server
 from tiny_base import demo_store, tiny_sft
 from tolerances import RECOMPUTED_ATOL
 from vla_rl_client.policy_client import PolicyClient, PolicyError, RTCInput
+from vla_rl_client.spec import CameraSpec
 
+from policies.flow_policy import FlowVLAFlowPolicy
 from policies.flow_vla.configuration_flow_vla import ConfigError
+from policies.rtc import RTCSettings, sample_rtc
 from vla_rl.hub.checkpoint import load_checkpoint
 from vla_rl.train.sft import SFTConfig, train_with_rtc
 
@@ -48,6 +51,59 @@ def test_the_loss_gives_the_prefix_clean_and_scores_the_rest(monkeypatch: pytest
         err = (policy.velocity(policy.encode_prefix(batch), x_t, t) - (x1 - noise)).square()
     torch.testing.assert_close(loss[0], err[0, 2:].mean(), atol=1e-6, rtol=1e-6)  # the given 2 do not count
     torch.testing.assert_close(loss[1], err[1].mean(), atol=1e-6, rtol=1e-6)
+
+
+def _camera_policy(**kw) -> FlowVLAFlowPolicy:
+    """A tiny FlowVLA with one 16x16 camera besides the state (put it in eval mode to turn off the
+    random-shift augmentation the loss applies in training mode)."""
+    cams = (CameraSpec("front", 16, 16),)
+    return tiny_policy(
+        cameras=cams, image_encoder="conv", image_encoder_width=8, image_encoder_stages=2, **kw
+    )
+
+
+def _camera_batch(b: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    image = torch.randint(0, 256, (b, 16, 16, 3), generator=g, dtype=torch.uint8)
+    return {"state": torch.randn(b, 3, generator=g), "cameras": {"front": image}, "instruction": "push"}
+
+
+def test_a_camera_policy_takes_per_action_times_and_scores_only_after_the_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The camera branch feeds the expert the same per-action times as the state one: one time per action
+    equal to the row's is the row's time, and the loss gives the prefix clean and scores the rest."""
+    policy = _camera_policy(chunk_len=6, n_exec=3, rtc_max_delay=3).model.eval()
+    b = 2
+    given = torch.tensor([[True, True, True, False, False, False], [False] * 6])
+    monkeypatch.setattr(policy, "_rtc_prefix", lambda n, device: given)
+    batch = {**_camera_batch(b), "action": torch.rand(b, 6, 2) * 2 - 1}
+    noise, time = torch.randn(b, 6, 2), torch.tensor([0.2, 0.7])
+    with torch.no_grad():
+        loss = policy.per_sample_loss(batch, noise=noise, time=time)
+        prefix = policy.encode_prefix(batch)
+        x1 = policy.normalizer.normalize_action(batch["action"])
+        t = torch.where(given, torch.ones(b, 6), time[:, None].expand(b, 6))
+        x_t = (1 - t[..., None]) * noise + t[..., None] * x1
+        err = (policy.velocity(prefix, x_t, t) - (x1 - noise)).square()
+        per_row = policy.velocity(prefix, x_t, time)
+    torch.testing.assert_close(policy.velocity(prefix, x_t, time[:, None].expand(b, 6)), per_row)
+    torch.testing.assert_close(loss[0], err[0, 3:].mean(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss[1], err[1].mean(), atol=1e-6, rtol=1e-6)
+
+
+def test_a_camera_policy_trained_for_rtc_samples_as_a_plain_one_at_no_delay() -> None:
+    """Trained RTC at delay 0 (queued actions present but none given) is the plain sampler exactly, with
+    cameras: what ``vla-rl eval`` and a 0 ms latency world ask of such a checkpoint."""
+    policy = _camera_policy(chunk_len=6, n_exec=3, rtc_max_delay=3)
+    policy.model.eval()
+    obs = _camera_batch(3, seed=1)
+    x0 = torch.randn(3, 6, 2)
+    queued = np.full((4, 2), 0.25, np.float32)
+    with torch.no_grad():
+        plain = policy.model.sample(obs, noise=x0[:, None]).actions[:, 0]
+        trained = sample_rtc(policy, obs, x0, [(0, queued), None, (0, queued)], RTCSettings()).actions
+    torch.testing.assert_close(trained, plain, atol=1e-6, rtol=1e-6)
 
 
 def test_rtc_max_delay_is_validated_and_saved(tmp_path: Path) -> None:
