@@ -16,11 +16,13 @@ asking at half a chunk otherwise; ``rtc-guided`` and ``rtc-trained``, real-time 
 execute meanwhile into ``predict_chunks(obs, seed, rtc)``, and the chunk replaces the rest of the queue.
 ``rtc-guided`` runs on the SFT checkpoint (guided sampling); ``rtc-trained`` on the same recipe trained
 with ``rtc_max_delay`` = the largest latency in steps (a second cached stage, ``--no-rtc-train`` skips
-it); a row that cannot run says why.
+it; ``--rtc-zero-delay-prob P`` trains it with d = 0 drawn with probability P, ``rtc_zero_delay_prob``, as
+a stage and cells of their own, its rows labelled ``rtc-trained (p0 P)``); a row that cannot run says why.
 
     python -m bench.latency                                     # every setting, 50 episodes a cell
     python -m bench.latency --settings push-state --episodes 10 --latencies 0 100   # a quick look
     python -m bench.latency --train-only                        # train (or find) the checkpoints only
+    python -m bench.latency --methods rtc-trained --rtc-zero-delay-prob 0.5   # trained RTC, d = 0 half the time
     python -m bench.latency --merge a.json b.json               # one result file and plot from several runs
 """
 
@@ -60,18 +62,30 @@ RTC = ("rtc-guided", "rtc-trained")
 METHODS = (*MERGES, *RTC)
 
 
+def rtc_variant(zero_delay_prob: float | None) -> str:
+    """What names a trained-RTC checkpoint's delay distribution in its stage, cell files and rows: "" for
+    the uniform one (``rtc_zero_delay_prob`` None, the names runs had before the option), else
+    ``-zero<p>``, so a cached uniform stage or cell is never taken for a mixed one."""
+    return "" if zero_delay_prob is None else f"-zero{zero_delay_prob:g}"
+
+
 def train_checkpoint(
-    name: str, work: Path, demos: int, noise: float, rtc_max_delay: int = 0
+    name: str,
+    work: Path,
+    demos: int,
+    noise: float,
+    rtc_max_delay: int = 0,
+    rtc_zero_delay_prob: float | None = None,
 ) -> dict[str, Any]:
     """Record ``demos`` noisy expert demonstrations for setting ``name`` and train SFT on them; cached in
     ``work/name/sft.json`` (the checkpoint path, loss and minutes), so reruns evaluate the same policy.
     ``rtc_max_delay`` > 0: the same recipe on the same demonstrations (the plain stage's store, recorded
     first) with training-time real-time chunking, ``rtc-trained``'s checkpoint; cached in
-    ``work/name/sft-rtc.json``."""
+    ``work/name/sft-rtc.json`` (``sft-rtc-zero<p>.json`` with ``rtc_zero_delay_prob`` p, :func:`rtc_variant`)."""
     s = SETTINGS[name]
     root = work / name
     demo_report = train_checkpoint(name, work, demos, noise) if rtc_max_delay else None
-    stem = "sft-rtc" if rtc_max_delay else "sft"
+    stem = f"sft-rtc{rtc_variant(rtc_zero_delay_prob)}" if rtc_max_delay else "sft"
 
     def train() -> dict[str, Any]:
         if demo_report is None:
@@ -100,6 +114,7 @@ def train_checkpoint(
             progress=False,
             resume=False,
             rtc_max_delay=rtc_max_delay,
+            rtc_zero_delay_prob=rtc_zero_delay_prob,
         )
         t0 = time.perf_counter()
         result = train_sft(cfg)
@@ -111,6 +126,7 @@ def train_checkpoint(
             "expert_success": expert,
             "steps": s["steps"],
             "rtc_max_delay": rtc_max_delay,
+            "rtc_zero_delay_prob": rtc_zero_delay_prob,
             "final_loss": result.final_loss,
             "train_minutes": round((time.perf_counter() - t0) / 60, 2),
         }
@@ -211,18 +227,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4), squeeze=False)
     for ax, name in zip(axes[0], settings, strict=True):
-        for method in METHODS:
+        for label in dict.fromkeys(method_label(r) for r in rows):
             pts = sorted(
                 (r["latency_ms"], r["success_rate"], *r["ci95"])
                 for r in rows
-                if r["setting"] == name and r["method"] == method and r.get("available")
+                if r["setting"] == name and method_label(r) == label and r.get("available")
             )
             if not pts:
                 continue
             x, y, lo, hi = (np.array(v, dtype=float) for v in zip(*pts, strict=True))
-            ax.errorbar(
-                x, 100 * y, yerr=[100 * (y - lo), 100 * (hi - y)], marker="o", capsize=3, label=method
-            )
+            ax.errorbar(x, 100 * y, yerr=[100 * (y - lo), 100 * (hi - y)], marker="o", capsize=3, label=label)
         ax.set_title(f"{name} ({SETTINGS[name]['task']})")
         ax.set_xlabel("network latency (ms)")
         ax.set_ylabel("success (%)")
@@ -244,13 +258,13 @@ def summary(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         if not r.get("available"):
-            out.append([r["setting"], r["method"], r["latency_ms"], r["reason"], "", "", ""])
+            out.append([r["setting"], method_label(r), r["latency_ms"], r["reason"], "", "", ""])
             continue
         lo, hi = r["ci95"]
         out.append(
             [
                 r["setting"],
-                r["method"],
+                method_label(r),
                 r["latency_ms"],
                 f"{r['success_rate']:.0%} ({lo:.0%}-{hi:.0%}, n={r['episodes']})",
                 _fmt(r["mean_jump"], ".3f"),
@@ -262,9 +276,16 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return table(out, header)
 
 
+def method_label(row: dict[str, Any]) -> str:
+    """A row's method as tables and plots name it: ``rtc-trained (p0 0.5)`` for a trained-RTC row of a
+    checkpoint trained with ``rtc_zero_delay_prob`` 0.5, else its method."""
+    p = row.get("rtc_zero_delay_prob")
+    return row["method"] if p is None else f"{row['method']} (p0 {p:g})"
+
+
 def cell_key(row: dict[str, Any]) -> tuple[str, str, float]:
-    """A row's cell: (setting, method, latency in ms)."""
-    return row["setting"], row["method"], float(row["latency_ms"])
+    """A row's cell: (setting, method label, latency in ms)."""
+    return row["setting"], method_label(row), float(row["latency_ms"])
 
 
 def merge(paths: list[Path], out: Path) -> Path:
@@ -318,6 +339,13 @@ def main() -> None:
         action="store_true",
         help="no rtc_max_delay checkpoint (its rtc-trained rows then say why not)",
     )
+    p.add_argument(
+        "--rtc-zero-delay-prob",
+        type=float,
+        default=None,
+        help="train the rtc-trained checkpoint with d = 0 at this probability, else U{1..max} "
+        "(rtc_zero_delay_prob; default: d ~ U{0..max})",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "latency.json")
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these result files into --out")
     args = p.parse_args()
@@ -332,7 +360,9 @@ def main() -> None:
     if "rtc-trained" in args.methods and not args.no_rtc_train:
         for name in args.settings:
             delay = min(to_steps(max(args.latencies), plain[name].spec.control_hz), plain[name].chunk_len - 1)
-            checkpoints[f"{name}/rtc"] = train_checkpoint(name, args.work, args.demos, args.noise, delay)
+            checkpoints[f"{name}/rtc"] = train_checkpoint(
+                name, args.work, args.demos, args.noise, delay, args.rtc_zero_delay_prob
+            )
     if args.train_only:
         print(checkpoints)
         return
@@ -344,11 +374,16 @@ def main() -> None:
         for method in args.methods:
             trained = checkpoints.get(f"{name}/rtc") if method == "rtc-trained" else None
             policy = load_policy(Path(trained["checkpoint"])) if trained else plain[name]
+            variant = rtc_variant(args.rtc_zero_delay_prob) if method == "rtc-trained" else ""
+            extra = {"rtc_zero_delay_prob": args.rtc_zero_delay_prob} if variant else {}
             for ms in args.latencies:
-                cell = args.work / name / "cells" / f"{method}_{ms:g}ms_{episodes}ep.json"
+                cell = args.work / name / "cells" / f"{method}{variant}_{ms:g}ms_{episodes}ep.json"
                 if cell.exists() and not json.loads(cell.read_text()).get("available"):
                     cell.unlink()  # why a row could not run is this build's and this run's: ask again
-                row = cached(cell, lambda: run_cell(name, policy, method, ms, episodes, args.num_envs))  # noqa: B023
+                row = cached(
+                    cell,
+                    lambda: run_cell(name, policy, method, ms, episodes, args.num_envs) | extra,  # noqa: B023
+                )
                 print(row, flush=True)
                 rows.append(row)
                 write_results("latency", meta | {"rows": rows, "complete": False}, args.out)

@@ -355,6 +355,11 @@ class FlowVLAFlowPolicy(nn.Module):
         return self.model.config.rtc_max_delay
 
     @property
+    def rtc_zero_delay_prob(self) -> float | None:
+        """How often its training delay was 0 (None: d ~ U{0..rtc_max_delay}); lineage, not serving."""
+        return self.model.config.rtc_zero_delay_prob
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 

@@ -28,8 +28,9 @@ positive when an observation names none, with classifier-free guidance between t
 positive prompt when its guidance scale is not 1.
 
 **Training-time real-time chunking** (``rtc_max_delay``, SmolVLA and π0; :mod:`policies.lerobot_times`
-says why not π0.5): each training chunk's first d ~ U{0..rtc_max_delay} actions are given clean at their own
-flow time and the loss is on the rest, as FlowVLA trains; the value is recorded in the sidecar, and the
+says why not π0.5): each training chunk's first d ~ U{0..rtc_max_delay} actions (or d = 0 with probability
+``rtc_zero_delay_prob``, else U{1..rtc_max_delay}) are given clean at their own flow time and the loss is on
+the rest, as FlowVLA trains; both values are recorded in the sidecar, and the
 server serves such a folder in trained mode (:func:`policies.rtc.sample_rtc`).
 
 Differences from LeRobot's own ``forward(reduction="none")``, said plainly: π0 / π0.5 ignore
@@ -59,6 +60,7 @@ from policies.flow_policy import (
     masked_mean_per_sample,
 )
 from policies.flow_vla import FlowSample, from_openpi_time, to_openpi_time, velocity_from_openpi
+from policies.flow_vla.configuration_flow_vla import zero_delay_prob_problem
 from policies.flow_vla.conventions import VelocityFn
 from policies.flow_vla.sampling import check_num_steps, initial_noise, random_prefix
 from policies.lerobot_adapter import LeRobotBuild, build_lerobot, to_lerobot_batch
@@ -194,8 +196,8 @@ class LeRobotFlowPolicy(nn.Module):
         self._unnormalizer = _step(build.postprocessor, "UnnormalizerProcessorStep")
         self.sidecar = build.sidecar  # build.spec is its robot spec when it has one
         self.advantage: AdvantageConditioning | None = self.sidecar.advantage
-        self._rtc_max_delay = 0
-        self.set_rtc_max_delay(self.sidecar.rtc_max_delay)
+        self._rtc_max_delay, self._rtc_zero_delay_prob = 0, None
+        self.set_rtc_max_delay(self.sidecar.rtc_max_delay, self.sidecar.rtc_zero_delay_prob)
 
     @classmethod
     def load(
@@ -250,10 +252,17 @@ class LeRobotFlowPolicy(nn.Module):
         """The largest executed prefix the policy was trained to take given (0: not trained for RTC)."""
         return self._rtc_max_delay
 
-    def set_rtc_max_delay(self, max_delay: int) -> None:
-        """Train (and be saved, in the sidecar) with training-time RTC up to ``max_delay`` actions (0: off);
+    @property
+    def rtc_zero_delay_prob(self) -> float | None:
+        """How often a training delay is 0 (None: d ~ U{0..rtc_max_delay}; FlowVLAConfig's field)."""
+        return self._rtc_zero_delay_prob
+
+    def set_rtc_max_delay(self, max_delay: int, zero_delay_prob: float | None = None) -> None:
+        """Train (and be saved, in the sidecar) with training-time RTC up to ``max_delay`` actions (0: off),
+        a delay of 0 drawn with ``zero_delay_prob`` (None: uniformly, ``rtc_zero_delay_prob``);
         FlowPolicyError naming ``rtc_max_delay`` for π0.5
-        (:func:`~policies.lerobot_times.check_per_action_times`) or a delay outside [0, chunk_len - 1]."""
+        (:func:`~policies.lerobot_times.check_per_action_times`) or a delay outside [0, chunk_len - 1],
+        naming ``rtc_zero_delay_prob`` for a probability outside [0, 1) or one without a delay."""
         if (
             isinstance(max_delay, bool)
             or not isinstance(max_delay, int)
@@ -263,9 +272,13 @@ class LeRobotFlowPolicy(nn.Module):
                 f"rtc_max_delay: expected an integer in [0, chunk_len - 1 = {self.chunk_len - 1}], "
                 f"got {max_delay!r}"
             )
+        problem = zero_delay_prob_problem(zero_delay_prob, max_delay)
+        if problem is not None:
+            raise FlowPolicyError(f"rtc_zero_delay_prob: {problem}")
         if max_delay:
             check_per_action_times(self.lerobot_type)
         self._rtc_max_delay = max_delay
+        self._rtc_zero_delay_prob = None if zero_delay_prob is None else float(zero_delay_prob)
 
     def logprob_mask(self) -> Tensor:
         m = torch.zeros(self.event_shape, dtype=torch.bool, device=self.device)
@@ -479,7 +492,7 @@ class LeRobotFlowPolicy(nn.Module):
         does not train for it."""
         if not self.rtc_max_delay:
             return None
-        return random_prefix(self.rtc_max_delay, b, self.chunk_len, device)
+        return random_prefix(self.rtc_max_delay, b, self.chunk_len, device, self.rtc_zero_delay_prob)
 
     def sample_time(self, n: int) -> Tensor:
         """LeRobot's training time (π0's Beta(1.5, 1), SmolVLA's fixed, π0's from its config) in our convention."""
@@ -614,6 +627,7 @@ class LeRobotFlowPolicy(nn.Module):
             robot_spec=self.spec,
             advantage=self.advantage,
             rtc_max_delay=self.rtc_max_delay,
+            rtc_zero_delay_prob=self.rtc_zero_delay_prob,
         )
         write_sidecar(out, sidecar, f"lerobot/{self.lerobot_type}")
         return out

@@ -5,7 +5,8 @@ A LeRobot folder (``config.json`` with its ``type``, ``model.safetensors``, the 
 what a round knows about it: which algorithm trained it from which parent, on which data, how it scored,
 which task (robot spec, with its name and instruction) it acts in, whether it was trained
 advantage-conditioned (RECAP) with which guidance scale, and the largest executed prefix it was trained to
-take given clean (``rtc_max_delay``, training-time RTC; 0: not trained so). That lives in
+take given clean (``rtc_max_delay``, training-time RTC; 0: not trained so) with how often its training
+delay was 0 (``rtc_zero_delay_prob``, lineage only). That lives in
 :data:`LINEAGE_FILE` beside it (LeRobot ignores the file, so ``PreTrainedPolicy.from_pretrained`` still
 loads the folder), and a ``README.md`` model card is written from it, as for our own checkpoints
 (:func:`vla_rl.hub.checkpoint.model_card`).
@@ -15,9 +16,10 @@ The file is JSON::
     {"lineage": {...} | null, "metrics": {...}, "robot_spec": {...} | null,
      "advantage": {"guidance_scale": 1.0, "negative": "Advantage: negative",
                    "positive": "Advantage: positive"} | null,
-     "rtc_max_delay": 0}
+     "rtc_max_delay": 0, "rtc_zero_delay_prob": null}
 
-(``rtc_max_delay`` absent, as in folders written before it existed: 0.)
+(``rtc_max_delay`` absent, as in folders written before it existed: 0; ``rtc_zero_delay_prob`` absent:
+null, the uniform delay.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from vla_rl_client.spec import RobotSpec
 
+from policies.flow_vla.configuration_flow_vla import zero_delay_prob_problem
 from vla_rl.hub.checkpoint import CheckpointError, CheckpointInfo, Lineage, model_card
 from vla_rl.hub.storage import atomic_write
 
@@ -81,11 +84,17 @@ class Sidecar:
     rtc_max_delay: int = 0
     """Training-time real-time chunking: the largest executed prefix (actions) the policy was trained to
     take given clean; the server then serves it in trained mode and refuses larger delays. 0: not so."""
+    rtc_zero_delay_prob: float | None = None
+    """How often a training delay was 0 (``FlowVLAConfig.rtc_zero_delay_prob``; None: d ~ U{0..max});
+    recorded for lineage, serving does not read it."""
 
     def __post_init__(self) -> None:
         n = self.rtc_max_delay
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"rtc_max_delay: expected an integer >= 0, got {n!r}")
+        problem = zero_delay_prob_problem(self.rtc_zero_delay_prob, n)
+        if problem is not None:
+            raise ValueError(f"rtc_zero_delay_prob: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +103,7 @@ class Sidecar:
             "robot_spec": self.robot_spec.to_dict() if self.robot_spec is not None else None,
             "advantage": asdict(self.advantage) if self.advantage is not None else None,
             "rtc_max_delay": self.rtc_max_delay,
+            "rtc_zero_delay_prob": self.rtc_zero_delay_prob,
         }
 
     @classmethod
@@ -109,6 +119,7 @@ class Sidecar:
                 robot_spec=RobotSpec.from_dict(spec) if spec is not None else None,
                 advantage=AdvantageConditioning(**adv) if adv is not None else None,
                 rtc_max_delay=d.get("rtc_max_delay", 0),
+                rtc_zero_delay_prob=d.get("rtc_zero_delay_prob"),
             )
         except (TypeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{LINEAGE_FILE}: {e}") from None

@@ -17,6 +17,7 @@ from bench.common import write_results
 from bench.latency import (
     RTCProposer,
     merge,
+    method_label,
     plot,
     rtc_unavailable,
     run_cell,
@@ -173,3 +174,25 @@ def test_the_rtc_trained_stage_reuses_the_demonstrations(
     assert len(EpisodeStore(tmp_path / "tiny" / "store").episode_ids()) == 2  # recorded once
     assert trained_rtc_delay(load_policy(Path(trained["checkpoint"]), device="cpu")) == 2
     assert trained_rtc_delay(load_policy(Path(plain["checkpoint"]), device="cpu")) == 0
+
+
+def test_a_mixed_delay_rtc_stage_is_its_own_stage_and_its_rows_their_own_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rtc_zero_delay_prob`` names a stage of its own (a cached uniform one is never reused for it), is
+    recorded beside ``rtc_max_delay``, and its rows keep cells of their own through a merge."""
+    monkeypatch.setitem(SETTINGS, "tiny", TINY | {"steps": 2, "batch_size": 4})
+    uniform = train_checkpoint("tiny", tmp_path, demos=2, noise=0.1, rtc_max_delay=2)
+    mixed = train_checkpoint("tiny", tmp_path, demos=2, noise=0.1, rtc_max_delay=2, rtc_zero_delay_prob=0.5)
+    assert (tmp_path / "tiny" / "sft-rtc-zero0.5.json").exists() and mixed["checkpoint"] != uniform[
+        "checkpoint"
+    ]
+    assert (uniform["rtc_zero_delay_prob"], mixed["rtc_zero_delay_prob"]) == (None, 0.5)
+    config = load_policy(Path(mixed["checkpoint"]), device="cpu").policy.config
+    assert (config.rtc_max_delay, config.rtc_zero_delay_prob) == (2, 0.5)
+    rtc = _rows()[0] | {"method": "rtc-trained"}
+    rows = [rtc, rtc | {"rtc_zero_delay_prob": 0.5, "success_rate": 0.75}]
+    assert method_label(rows[1]) == "rtc-trained (p0 0.5)" and "rtc-trained (p0 0.5)" in summary(rows)
+    path = write_results("latency", {"args": {}, "checkpoints": {}, "rows": rows}, tmp_path / "0.json")
+    merged = json.loads(merge([path], tmp_path / "latency.json").read_text())["results"]
+    assert merged["rows"] == json.loads(json.dumps(rows))  # both kept: not the same cell

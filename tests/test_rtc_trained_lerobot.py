@@ -154,6 +154,23 @@ def test_rtc_max_delay_is_validated_and_kept_by_save(tmp_path: Path) -> None:
     assert _tiny(tmp_path / "plain", "smolvla").rtc_max_delay == 0
 
 
+def test_the_zero_delay_probability_is_validated_drawn_and_kept_by_save(tmp_path: Path) -> None:
+    fp = _tiny(tmp_path, "smolvla")
+    for bad in (1.0, -0.5, True):
+        with pytest.raises(FlowPolicyError, match="rtc_zero_delay_prob"):
+            fp.set_rtc_max_delay(MAX_DELAY, bad)  # type: ignore[arg-type]
+    with pytest.raises(FlowPolicyError, match="rtc_zero_delay_prob"):
+        fp.set_rtc_max_delay(0, 0.5)  # no training-time RTC to draw a delay for
+    assert fp.rtc_zero_delay_prob is None
+    fp.set_rtc_max_delay(MAX_DELAY, 0.75)
+    torch.manual_seed(0)
+    given = fp._rtc_prefix(4000, torch.device("cpu"))
+    assert abs(float((~given[:, 0]).float().mean()) - 0.75) < 0.03  # d = 0 at p: the first action scored
+    out = fp.save(tmp_path / "saved")
+    assert json.loads((out / LINEAGE_FILE).read_text())["rtc_zero_delay_prob"] == 0.75
+    assert LeRobotFlowPolicy.load(out).rtc_zero_delay_prob == 0.75
+
+
 def test_the_sidecar_reads_rtc_max_delay_and_refuses_a_bad_one(tmp_path: Path) -> None:
     from policies.lerobot_sidecar import Sidecar, read_sidecar
     from vla_rl.hub.checkpoint import CheckpointError
@@ -163,6 +180,15 @@ def test_the_sidecar_reads_rtc_max_delay_and_refuses_a_bad_one(tmp_path: Path) -
     for bad in (-1, 1.5, "2", True):
         (tmp_path / LINEAGE_FILE).write_text(json.dumps({"rtc_max_delay": bad}))
         with pytest.raises(CheckpointError, match="rtc_max_delay"):
+            read_sidecar(tmp_path)
+    assert Sidecar.from_dict({"rtc_max_delay": 3}).rtc_zero_delay_prob is None  # written before it
+    both = Sidecar(rtc_max_delay=3, rtc_zero_delay_prob=0.5)
+    assert Sidecar.from_dict(both.to_dict()) == both
+    for bad_prob in (1.5, "0.5"):
+        (tmp_path / LINEAGE_FILE).write_text(
+            json.dumps({"rtc_max_delay": 3, "rtc_zero_delay_prob": bad_prob})
+        )
+        with pytest.raises(CheckpointError, match="rtc_zero_delay_prob"):
             read_sidecar(tmp_path)
 
 

@@ -147,6 +147,12 @@ class FlowVLAConfig:
     given clean (flow time 1 per action) and the loss is on the rest, so at inference the server feeds
     the actions a robot executes meanwhile as that prefix (policies/rtc.py, ``inpaint_sample``) and
     refuses larger delays. 0 = off (guided RTC serves this policy training-free)."""
+    rtc_zero_delay_prob: float | None = None
+    """How often a training delay is 0 (with ``rtc_max_delay``): None = d ~ U{0..rtc_max_delay}; p in
+    [0, 1) = d = 0 with probability p, else d ~ U{1..rtc_max_delay}. Action h is trained only when d <= h,
+    so the uniform draw trains action 0 (what a plain evaluation and every episode's first chunk execute)
+    in only 1 / (rtc_max_delay + 1) of the samples; a larger p trains it more at the cost of the delayed
+    cases. Training only: inference is the same (:func:`policies.flow_vla.sampling.sample_delays`)."""
 
     # ---------------------------------------------------------------- normalisation
     action_norm: ActionNorm = "min_max"
@@ -240,6 +246,11 @@ class FlowVLAConfig:
                 "rtc_max_delay",
                 f"must be in [0, chunk_len - 1 = {self.chunk_len - 1}], got {self.rtc_max_delay}",
             )
+        problem = zero_delay_prob_problem(self.rtc_zero_delay_prob, self.rtc_max_delay)
+        if problem is not None:
+            raise ConfigError("rtc_zero_delay_prob", problem)
+        if self.rtc_zero_delay_prob is not None:
+            self.rtc_zero_delay_prob = float(self.rtc_zero_delay_prob)
         if self.action_norm not in ACTION_NORM_MODES:
             raise ConfigError("action_norm", f"must be one of {ACTION_NORM_MODES}, got {self.action_norm!r}")
         if self.normalization_stats is not None:
@@ -349,6 +360,18 @@ def _int_at_least(cfg: FlowVLAConfig, name: str, low: int) -> None:
         raise ConfigError(name, f"must be an int, got {v!r}")
     if v < low:
         raise ConfigError(name, f"must be >= {low}, got {v}")
+
+
+def zero_delay_prob_problem(prob: object, max_delay: int) -> str | None:
+    """Why ``prob`` is no ``rtc_zero_delay_prob`` for a policy trained with ``rtc_max_delay`` =
+    ``max_delay`` (what was expected), or None when it is one."""
+    if prob is None:
+        return None
+    if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob < 1:
+        return f"expected None (d ~ U{{0..rtc_max_delay}}) or a probability in [0, 1), got {prob!r}"
+    if not max_delay:
+        return f"expected None without training-time RTC (rtc_max_delay 0), got {prob!r}"
+    return None
 
 
 def _number_in(

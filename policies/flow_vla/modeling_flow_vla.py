@@ -523,11 +523,12 @@ class FlowVLAPolicy(nn.Module):
         return (err * valid).sum((1, 2)) / valid.sum((1, 2)).clamp_min(1.0), valid
 
     def _rtc_prefix(self, b: int, device: torch.device) -> Tensor | None:
-        """``[B, H]`` bool, each sample's first d ~ U{0..rtc_max_delay} actions (trained real-time
-        chunking); None when the policy does not train for it."""
-        if not self.config.rtc_max_delay:
+        """``[B, H]`` bool, each sample's first d actions (trained real-time chunking; d drawn as
+        ``rtc_max_delay`` and ``rtc_zero_delay_prob`` say); None when the policy does not train for it."""
+        c = self.config
+        if not c.rtc_max_delay:
             return None
-        return random_prefix(self.config.rtc_max_delay, b, self.config.chunk_len, device)
+        return random_prefix(c.rtc_max_delay, b, c.chunk_len, device, c.rtc_zero_delay_prob)
 
     # ------------------------------------------------------------------ sampling
     def sample(

@@ -316,11 +316,30 @@ def prefix_mask(delays: Tensor, chunk_len: int) -> Tensor:
     return torch.arange(chunk_len, device=delays.device)[None, :] < delays[:, None]
 
 
-def random_prefix(max_delay: int, batch: int, chunk_len: int, device: torch.device | str) -> Tensor:
-    """``[batch, chunk_len]`` bool: each row's first d ~ U{0..max_delay} actions, the executed prefix a
-    policy trained for real-time chunking takes given clean (``rtc_max_delay``)."""
-    delays = torch.randint(0, max_delay + 1, (batch,), device=device)
-    return prefix_mask(delays, chunk_len)
+def sample_delays(
+    max_delay: int, batch: int, device: torch.device | str, zero_delay_prob: float | None = None
+) -> Tensor:
+    """``[batch]`` training delays (``rtc_max_delay``, ``rtc_zero_delay_prob``): d ~ U{0..max_delay} when
+    ``zero_delay_prob`` is None; else d = 0 with that probability, otherwise d ~ U{1..max_delay}. Action h
+    is scored only in rows with d <= h, so the uniform draw scores action 0 (what a plain sampler and every
+    episode's first chunk execute) in 1 / (max_delay + 1) of the rows; the mixture scores it in
+    ``zero_delay_prob`` of them."""
+    if zero_delay_prob is None:
+        return torch.randint(0, max_delay + 1, (batch,), device=device)
+    delays = torch.randint(1, max_delay + 1, (batch,), device=device)
+    return delays.masked_fill(torch.rand(batch, device=device) < zero_delay_prob, 0)
+
+
+def random_prefix(
+    max_delay: int,
+    batch: int,
+    chunk_len: int,
+    device: torch.device | str,
+    zero_delay_prob: float | None = None,
+) -> Tensor:
+    """``[batch, chunk_len]`` bool: each row's first d actions (d from :func:`sample_delays`), the executed
+    prefix a policy trained for real-time chunking takes given clean (``rtc_max_delay``)."""
+    return prefix_mask(sample_delays(max_delay, batch, device, zero_delay_prob), chunk_len)
 
 
 def per_action_time(t: Tensor, given: Tensor) -> Tensor:

@@ -41,7 +41,11 @@ from fleet.selection import Selection
 from fleet.store import Episode, EpisodeStore
 from policies.flow_policy import FlowPolicy, FlowVLAFlowPolicy
 from policies.flow_vla import FlowVLAConfig, FlowVLAPolicy, compute_normalization_stats
-from policies.flow_vla.configuration_flow_vla import ImageEncoderKind, InstructionEncoder
+from policies.flow_vla.configuration_flow_vla import (
+    ImageEncoderKind,
+    InstructionEncoder,
+    zero_delay_prob_problem,
+)
 from policies.loading import FlowCheckpoint
 from vla_rl.hub.checkpoint import Lineage
 from vla_rl.train.base import TrainerConfig, TrainResult, check_flow_base
@@ -122,6 +126,12 @@ class SFTConfig(TrainerConfig):
     a robot's executed actions as that prefix and refuses larger delays. 0 = off. FlowVLA (from scratch,
     or continuing a FlowVLA base), or continuing a LeRobot SmolVLA / π0 base (recorded in its sidecar);
     not π0.5 (its expert takes one flow time per chunk)."""
+    rtc_zero_delay_prob: float | None = None
+    """With ``rtc_max_delay``: how often a training delay is 0. None = d ~ U{0..rtc_max_delay}, as runs
+    before this option; p in [0, 1) = d = 0 with probability p, else d ~ U{1..rtc_max_delay}. Action h
+    is trained only when d <= h, so the uniform draw trains the first action (all a plain evaluation and
+    every episode's first chunk execute at delay 0) in 1 / (rtc_max_delay + 1) of the samples; a larger p
+    trains it more, the delayed cases less (docs/training.md). Saved in the checkpoint beside it."""
 
     # optimisation
     steps: int = 3000
@@ -157,6 +167,9 @@ class SFTConfig(TrainerConfig):
                 f"rtc_max_delay: expected 0 (off) up to chunk_len - 1 ({self.chunk_len - 1}) actions, "
                 f"got {self.rtc_max_delay}"
             )
+        problem = zero_delay_prob_problem(self.rtc_zero_delay_prob, self.rtc_max_delay)
+        if problem is not None:
+            raise ValueError(f"rtc_zero_delay_prob: {problem}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay: expected in [0, 1), got {self.ema_decay}")
         if self.lr <= 0:
@@ -250,7 +263,7 @@ def _train_sft(cfg: SFTConfig, dist: Dist, device: torch.device) -> SFTResult:
         _check_data_fits(base, ds)
         policy: FlowPolicy = base.policy
         if cfg.rtc_max_delay:
-            train_with_rtc(policy, cfg.rtc_max_delay)
+            train_with_rtc(policy, cfg.rtc_max_delay, cfg.rtc_zero_delay_prob)
         params = trainable_parameters(cfg, policy)
     else:
         policy = _new_policy(cfg, ds)
@@ -359,18 +372,22 @@ def _new_policy(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAFlowPolicy:
     return FlowVLAFlowPolicy(model, ds.spec)
 
 
-def train_with_rtc(policy: FlowPolicy, max_delay: int) -> None:
-    """Make a base train (and be saved) with training-time RTC up to ``max_delay`` actions: FlowVLA's
+def train_with_rtc(policy: FlowPolicy, max_delay: int, zero_delay_prob: float | None = None) -> None:
+    """Make a base train (and be saved) with training-time RTC up to ``max_delay`` actions, a delay of 0
+    drawn with ``zero_delay_prob`` (None: uniformly; :attr:`SFTConfig.rtc_zero_delay_prob`): FlowVLA's
     config, a LeRobot VLA's sidecar (:meth:`~policies.lerobot_flow.LeRobotFlowPolicy.set_rtc_max_delay`).
     ValueError naming ``rtc_max_delay`` for a policy whose expert cannot take per-action flow times (π0.5)
-    or a delay of a whole chunk or more."""
+    or a delay of a whole chunk or more, naming ``rtc_zero_delay_prob`` for a probability it cannot be."""
     if isinstance(policy, FlowVLAFlowPolicy):
         config = policy.model.config
         if max_delay >= config.chunk_len:
             raise ValueError(
                 f"rtc_max_delay: expected at most chunk_len - 1 ({config.chunk_len - 1}), got {max_delay}"
             )
-        config.rtc_max_delay = max_delay
+        problem = zero_delay_prob_problem(zero_delay_prob, max_delay)
+        if problem is not None:
+            raise ValueError(f"rtc_zero_delay_prob: {problem}")
+        config.rtc_max_delay, config.rtc_zero_delay_prob = max_delay, zero_delay_prob
         return
     setter = getattr(policy, "set_rtc_max_delay", None)
     if setter is None:
@@ -378,7 +395,7 @@ def train_with_rtc(policy: FlowPolicy, max_delay: int) -> None:
             f"rtc_max_delay: training-time RTC needs per-action flow times, which {type(policy).__name__} "
             "does not take; train without it and serve guided RTC"
         )
-    setter(max_delay)
+    setter(max_delay, zero_delay_prob)
 
 
 def _check_data_fits(base: FlowCheckpoint, ds: ChunkDataset) -> None:
@@ -424,6 +441,7 @@ def _model_config(cfg: SFTConfig, ds: ChunkDataset) -> FlowVLAConfig:
         "freeze_image_encoder": cfg.freeze_image_encoder,
         "normalization_stats": stats,
         "rtc_max_delay": cfg.rtc_max_delay,
+        "rtc_zero_delay_prob": cfg.rtc_zero_delay_prob,
     }
     return FlowVLAConfig.from_robot_spec(ds.spec, **(model_kw | cfg.model_overrides))
 
