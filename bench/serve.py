@@ -23,9 +23,7 @@
    ``--overhead-rounds`` interleaved repeats) and writes ``serve_overhead.json``. ``--overhead-models``
    adds a tiny flow VLA (d_model 32, K=2), ``--overhead-modes`` the asyncio client's stream and unary
    calls, and ``--overhead-inline-ab`` measures every point also on a second server with
-   ``lone_inline_ms`` 0 (a lone robot's forward on the batcher thread), alternating which goes first;
-   ``--overhead-unix-ab`` measures every point over loopback TCP and over the same server's Unix socket
-   (``--unix-socket``: a robot on the server's host), alternating.
+   ``lone_inline_ms`` 0 (a lone robot's forward on the batcher thread), alternating which goes first.
 
 The bench client unpickles LeRobot's replies: that is LeRobot's protocol (ours never unpickles anything),
 acceptable only because the LeRobot server is our own child process on loopback.
@@ -137,8 +135,6 @@ def serve_ours_main(args: argparse.Namespace) -> None:
         max_batch=16,
         max_wait_us=2000,
         adaptive_wait=not args.no_adaptive,
-        unix_socket=args.unix_socket,
-        local_socket=args.local_socket,
         **({} if args.lone_inline_ms is None else {"lone_inline_ms": args.lone_inline_ms}),
     )
     srv = PolicyServer(config, models=models).start()
@@ -167,22 +163,13 @@ def wait_until_serving(
 
 @contextlib.contextmanager
 def our_server(
-    models: dict[str, Path],
-    threads: int,
-    adaptive: bool,
-    lone_inline_ms: float | None = None,
-    unix_socket: Path | None = None,
-    local_socket: Path | None = None,
+    models: dict[str, Path], threads: int, adaptive: bool, lone_inline_ms: float | None = None
 ) -> Iterator[str]:
-    """Our server in a child process (``lone_inline_ms``: that setting of it; None = its default), on
-    loopback TCP and, given ``unix_socket``, on that socket too (``unix://`` + the path), and given
-    ``local_socket``, its local transport there."""
+    """Our server in a child process (``lone_inline_ms``: that setting of it; None = its default)."""
     port = free_port()
     cmd = [sys.executable, __file__, "--serve-ours", ",".join(f"{k}={v}" for k, v in models.items())]
     cmd += ["--port", str(port), "--threads", str(threads)] + ([] if adaptive else ["--no-adaptive"])
     cmd += [] if lone_inline_ms is None else ["--lone-inline-ms", str(lone_inline_ms)]
-    cmd += [] if unix_socket is None else ["--unix-socket", str(unix_socket)]
-    cmd += [] if local_socket is None else ["--local-socket", str(local_socket)]
     proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
@@ -487,29 +474,21 @@ def overhead(address: str, model_id: str, n: int, mode: str) -> dict[str, Any]:
         calls, floor = asyncio.run(aio_calls(address, model_id, n, stream, o))
     else:
         calls, floor = sync_calls(address, model_id, n, stream, o)
-    return {
-        "model": model_id,
-        "mode": mode,
-        "requests": n,
-        **call_stats(calls),
-        "empty_call_p50_ms": round(floor, 3),
-    }
-
-
-def call_stats(calls: Calls) -> dict[str, Any]:
-    """What an overhead point reports of its calls: the overhead (the whole call minus the forward) p50 and
-    p99, the round trip minus the forward, the in-server part, the forward, each stage's median, the load."""
     e2e = [(wall_us - t.inference_us) / 1000 for wall_us, t in calls]
     rtt = [(t.round_trip_us - t.inference_us) / 1000 for _, t in calls]
     srv = [(t.total_us - t.inference_us) / 1000 for _, t in calls]
     inf = [t.inference_us / 1000 for _, t in calls]
     stages = {k: [getattr(t, k) for _, t in calls] for k in STAGES}
     return {
+        "model": model_id,
+        "mode": mode,
+        "requests": n,
         "overhead_p50_ms": round(pct(e2e, 50), 3),
         "overhead_p99_ms": round(pct(e2e, 99), 3),
         "round_trip_overhead_p50_ms": round(pct(rtt, 50), 3),
         "server_overhead_p50_ms": round(pct(srv, 50), 3),
         "forward_p50_ms": round(pct(inf, 50), 1),
+        "empty_call_p50_ms": round(floor, 3),
         "stages_p50_us": {k: round(pct(v, 50)) for k, v in stages.items()},
         "loadavg": loadavg(),
     }
@@ -524,7 +503,6 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
                 o["mode"],
                 o["adaptive_wait"],
                 o["lone_inline"],
-                o["transport"],
                 o["overhead_p50_ms"],
                 o["overhead_p99_ms"],
                 o["round_trip_overhead_p50_ms"],
@@ -540,7 +518,6 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
             "call",
             "adaptive",
             "lone inline",
-            "transport",
             "overhead p50 ms",
             "p99 ms",
             "round trip - forward p50 ms",
@@ -552,16 +529,10 @@ def overhead_table(overheads: list[dict[str, Any]]) -> str:
     )
     stages = table(
         [
-            [
-                o["model"],
-                o["mode"],
-                o["lone_inline"],
-                o["transport"],
-                *(o["stages_p50_us"][k] for k in STAGES),
-            ]
+            [o["model"], o["mode"], o["lone_inline"], *(o["stages_p50_us"][k] for k in STAGES)]
             for o in overheads
         ],
-        ["model", "call", "lone inline", "transport", *(k.removesuffix("_us") for k in STAGES)],
+        ["model", "call", "lone inline", *(k.removesuffix("_us") for k in STAGES)],
     )
     return (
         f"{points}\n\nstage medians, us:\n{stages}\n\nper point over the rounds:\n{round_medians(overheads)}"
@@ -578,54 +549,40 @@ def overhead_points(
     model_ids: tuple[str, ...] = ("act", "flow"),
     modes: tuple[str, ...] = ("stream", "unary"),
     inline_ab: bool = False,
-    transport_ab: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The overhead points on our server alone: each of ``model_ids`` and ``modes`` (:data:`MODES`),
     ``rounds`` times interleaved (load drifts on a shared machine: each point's rounds spread over the run),
     then the flow VLA with adaptive wait off. ``inline_ab``: a second server with ``lone_inline_ms`` 0 (a
     lone robot's forward on the batcher thread) runs beside the first, and every point is measured on both,
-    alternating which goes first (an interleaved A/B). ``transport_ab`` (a socket path): the first server
-    also listens there, and every point is measured over loopback TCP and over the Unix socket of the same
-    warm server, alternating which goes first."""
+    alternating which goes first (an interleaved A/B)."""
     out: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(our_server(models, threads, adaptive=True, unix_socket=transport_ab))
-        servers = [(True, "tcp", first)]
-        if transport_ab is not None:
-            servers.append((True, "unix", f"unix://{transport_ab}"))
+        servers = [(True, stack.enter_context(our_server(models, threads, adaptive=True)))]
         if inline_ab:
-            second = stack.enter_context(our_server(models, threads, True, lone_inline_ms=0))
-            servers.append((False, "tcp", second))
+            servers.append((False, stack.enter_context(our_server(models, threads, True, lone_inline_ms=0))))
         for r in range(rounds):
             for model in model_ids:
                 for mode in modes:
-                    for inline, transport, addr in servers[:: -1 if r % 2 else 1]:
+                    for inline, addr in servers[:: -1 if r % 2 else 1]:
                         point = overhead(addr, model, n, mode)
-                        out.append(
-                            {"adaptive_wait": True, "lone_inline": inline, "transport": transport, "round": r}
-                            | point
-                        )
+                        out.append({"adaptive_wait": True, "lone_inline": inline, "round": r, **point})
     if adaptive_off:
         with our_server({"flow": models["flow"]}, threads, adaptive=False) as address:
             for mode in ("stream", "unary"):
                 point = overhead(address, "flow", n, mode)
-                out.append(
-                    {"adaptive_wait": False, "lone_inline": False, "transport": "tcp", "round": 0} | point
-                )
+                out.append({"adaptive_wait": False, "lone_inline": False, "round": 0, **point})
     return out
 
 
 def round_medians(overheads: list[dict[str, Any]]) -> str:
-    """Per point (model, call, adaptive wait, lone inline, transport): its rounds' overhead p50s and their
-    median."""
+    """Per point (model, call, adaptive wait, lone inline): its rounds' overhead p50s and their median."""
     rounds: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
     for o in overheads:
-        key = (o["model"], o["mode"], o["adaptive_wait"], o["lone_inline"], o.get("transport", "tcp"))
-        rounds[key].append(o["overhead_p50_ms"])
+        rounds[(o["model"], o["mode"], o["adaptive_wait"], o["lone_inline"])].append(o["overhead_p50_ms"])
     rows = [
         [*k, " / ".join(f"{x:.2f}" for x in v), round(statistics.median(v), 3)] for k, v in rounds.items()
     ]
-    return table(rows, ["model", "call", "adaptive", "lone inline", "transport", "rounds' p50 ms", "median"])
+    return table(rows, ["model", "call", "adaptive", "lone inline", "rounds' p50 ms", "median"])
 
 
 def ratio_rows(compare: list[dict[str, Any]], clients: list[int]) -> list[dict[str, Any]]:
@@ -725,12 +682,6 @@ def main() -> None:
         help="every overhead point also on a server with lone_inline_ms 0, interleaved",
     )
     p.add_argument(
-        "--overhead-unix-ab",
-        action="store_true",
-        help="the server also listens on a Unix socket: every overhead point over loopback TCP and over the "
-        "socket (unix:///path, a robot on the server's host), interleaved",
-    )
-    p.add_argument(
         "--no-overhead-adaptive-off", action="store_true", help="skip the adaptive-wait-off points"
     )
     p.add_argument("--out", type=Path, default=None)
@@ -738,8 +689,6 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-adaptive", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lone-inline-ms", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--unix-socket", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--local-socket", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_ours:
         serve_ours_main(args)
@@ -778,7 +727,6 @@ def main() -> None:
             model_ids=tuple(args.overhead_models.split(",")),
             modes=tuple(args.overhead_modes.split(",")),
             inline_ab=args.overhead_inline_ab,
-            transport_ab=work / "sock" / "policy.sock" if args.overhead_unix_ab else None,
         )
     results.update(overhead=overheads)
     results["conditions"]["loadavg_at_end"] = loadavg()

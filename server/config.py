@@ -11,12 +11,10 @@ before anything heavy loads.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from server.unix_socket import check_socket_path_text
 from vla_rl.core import configs
 
 DEFAULT_PORT = 50061
@@ -61,18 +59,6 @@ class ServerConfig:
     """Bind address."""
     port: int = DEFAULT_PORT
     """gRPC port."""
-    unix_socket: Path | None = None
-    """Also listen on this Unix domain socket, for robots on this host (they connect to unix:///PATH: the
-    same services and token checks, without the TCP/IP stack). Its folder must be this user's and closed to
-    others (created mode 0700 if missing); the socket is made mode 0600. A stale socket at the path is
-    replaced; any other file, or a socket a server listens on, is refused. Plaintext: the file mode guards it."""
-    tcp: bool = True
-    """Listen on --host/--port (--no-tcp: only on --unix-socket)."""
-    local_socket: Path | None = None
-    """Also answer action requests on this Unix socket without gRPC (robots on this host, with
-    vla_rl_client.local_client.LocalPolicyClient): the same requests, checks, batching and replies as a
-    StreamAct stream, without gRPC's threads on either end; GetInfo, health and the control calls stay on gRPC.
-    The same folder and file rules as --unix-socket; another path."""
     max_batch: int = 16
     """Largest batch per forward pass."""
     max_wait_us: int = 2000
@@ -164,7 +150,6 @@ class ServerConfig:
         _integer("port", self.port, low=0)
         if self.port > 65535:
             raise ValueError(f"port: expected 0..65535 (0 = any free port), got {self.port}")
-        self._check_listeners()
         _integer("max_batch", self.max_batch, low=1)
         _integer("max_wait_us", self.max_wait_us, low=0)
         _integer("max_queue", self.max_queue, low=1)
@@ -197,31 +182,6 @@ class ServerConfig:
         if self.rtc_execution_horizon is not None:
             _integer("rtc_execution_horizon", self.rtc_execution_horizon, low=1)
         _number("rtc_max_guidance_weight", self.rtc_max_guidance_weight, low=0.0, strict=True, finite=True)
-
-    def _check_listeners(self) -> None:
-        """TCP, the Unix socket or both (the local socket beside them, on its own path); TLS only over TCP
-        (a socket's file mode guards it instead)."""
-        if not isinstance(self.tcp, bool):
-            raise ValueError(f"tcp: expected true or false, got {self.tcp!r}")
-        path = _path_or_none("unix_socket", self.unix_socket)
-        if path is not None:
-            check_socket_path_text(path)  # a SocketPathError, a ValueError naming the field
-        local = _path_or_none("local_socket", self.local_socket)
-        if local is not None:
-            check_socket_path_text(local, "local_socket")
-            if path is not None and os.path.abspath(local) == os.path.abspath(path):
-                raise ValueError(
-                    f"local_socket: expected a path other than unix_socket's, got {local} for both"
-                )
-        if not self.tcp and path is None:
-            raise ValueError(
-                "tcp: expected TCP or a unix_socket to listen on; --no-tcp needs --unix-socket PATH"
-            )
-        if not self.tcp and self.tls_cert is not None:
-            raise ValueError(
-                "tls_cert: TLS is served over TCP only, and --no-tcp turns TCP off (the Unix socket is "
-                "plaintext, guarded by its file mode)"
-            )
 
     def _check_tls(self) -> None:
         """TLS needs the certificate chain and its key together, each an existing file."""

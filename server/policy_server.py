@@ -48,7 +48,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -62,10 +61,8 @@ from policies.rtc import RTCSettings
 from server.batching import BatchQueue
 from server.config import ServerConfig
 from server.guard import MIN_DERIVED_MESSAGE_BYTES, PeerSlots, request_bytes_for
-from server.local_transport import LocalTransport
 from server.service import SERVICE_NAME, _Service, add_service
 from server.slots import ModelSlot, ServedVersion, spec_problems
-from server.unix_socket import prepare_socket_path, restrict_socket, unix_target
 from vla_rl.core.rpc import RateLimitedLog, RequestError, SigtermFlag, echo, require_bearer, wait_for_stop
 from vla_rl.hub.checkpoint import CheckpointError, LoadLimits
 
@@ -121,8 +118,6 @@ class PolicyServer:
         self.ratelog = RateLimitedLog(log, config.log_interval)
         self.peer_slots = PeerSlots(config.max_peer_in_flight)
         self.host, self.port = config.host, config.port  # port: the bound one once started
-        self.unix_socket: Path | None = None  # the bound socket's absolute path once started
-        self._local: LocalTransport | None = None  # the --local-socket transport once started
         self.tls: tuple[bytes, bytes] | None = None
         if config.tls_cert is not None and config.tls_key is not None:
             self.tls = (config.tls_key.read_bytes(), config.tls_cert.read_bytes())
@@ -382,20 +377,7 @@ class PolicyServer:
     # -- lifecycle
     @property
     def address(self) -> str:
-        """Where clients connect: ``host:port``, or ``unix:///path`` when the server listens on its socket only."""
-        if not self.config.tcp and self.unix_socket is not None:
-            return unix_target(self.unix_socket)
         return f"{self.host}:{self.port}"
-
-    @property
-    def local_socket(self) -> Path | None:
-        """The local transport's socket (``LocalPolicyClient(path)``) once it listens; None without one."""
-        return None if self._local is None else self._local.path
-
-    @property
-    def unix_address(self) -> str | None:
-        """``unix:///path`` of the server's Unix socket once it listens there; None without one."""
-        return None if self.unix_socket is None else unix_target(self.unix_socket)
 
     @property
     def max_request_bytes(self) -> int:
@@ -426,45 +408,22 @@ class PolicyServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._aio
         )
-        # the sockets' paths are checked before anything binds: a refused path leaves no TCP port bound
-        unix = None if self.config.unix_socket is None else prepare_socket_path(self.config.unix_socket)
-        local = self.config.local_socket
-        local = None if local is None else prepare_socket_path(local, "local_socket")
-        if self.config.tcp:
-            self.port = self._listen_tcp(self._aio)
-        if unix is not None:
-            self.unix_socket = self._listen_unix(self._aio, unix)
-        await self._aio.start()
-        if local is not None:
-            self._local = LocalTransport(self, local)
-            await self._local.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    def _listen_tcp(self, aio: grpc.aio.Server) -> int:
-        """Bind ``host:port`` (TLS when configured); the bound port."""
         if self.tls is not None:
-            port = aio.add_secure_port(f"{self.host}:{self.port}", grpc.ssl_server_credentials([self.tls]))
+            creds = grpc.ssl_server_credentials([self.tls])
+            port = self._aio.add_secure_port(f"{self.host}:{self.port}", creds)
         else:
             if self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
                 log.warning(
                     "control token sent in clear text: bind 127.0.0.1 or give --tls-cert/--tls-key",
                     extra={"host": self.host},
                 )
-            port = aio.add_insecure_port(f"{self.host}:{self.port}")
+            port = self._aio.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:
             raise OSError(f"could not bind the policy server to {self.host}:{self.port}")
-        return port
-
-    @staticmethod
-    def _listen_unix(aio: grpc.aio.Server, path: Path) -> Path:
-        """Bind the Unix socket at ``path`` (absolute, checked by :func:`prepare_socket_path`), mode 0600."""
-        try:
-            aio.add_insecure_port(unix_target(path))
-        except RuntimeError:
-            raise OSError(f"unix_socket: could not bind the policy server to {path}") from None
-        restrict_socket(path)
-        return path
+        self.port = port
+        await self._aio.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def _load_initial(self) -> None:
         for model_id, ref in self._initial.items():
@@ -497,12 +456,8 @@ class PolicyServer:
             ready.set()
             await self._stop_requested.wait()
             assert self._aio is not None
-            try:  # the local transport's connections end here, on this loop, before it closes
-                if self._local is not None:
-                    await self._local.stop(self._grace_s)
-            finally:
-                await self._health.enter_graceful_shutdown()
-                await self._aio.stop(self._grace_s)
+            await self._health.enter_graceful_shutdown()
+            await self._aio.stop(self._grace_s)
 
         self._thread = threading.Thread(target=lambda: asyncio.run(main()), name="policy-server", daemon=True)
         self._thread.start()
@@ -511,10 +466,7 @@ class PolicyServer:
         if failure:
             self._shutdown_models()
             raise failure[0]
-        where = [f"{self.host}:{self.port}"] if self.config.tcp else []
-        where += [self.unix_address] if self.unix_address else []
-        where += [f"{self.local_socket} (local frames)"] if self.local_socket else []
-        log.info("policy server listening", extra={"address": ", ".join(where), "models": sorted(self.slots)})
+        log.info("policy server listening", extra={"address": self.address, "models": sorted(self.slots)})
         return self
 
     def drain(self, timeout_s: float = 5.0) -> None:

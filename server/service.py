@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import grpc
 from vla_rl_client.codec import fill_tensor
-from vla_rl_client.policy_common import CONNECTION_METADATA_KEY
 from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 from vla_rl_client.spec import SpecError
@@ -29,20 +28,6 @@ from vla_rl.core.version import __version__
 log = logging.getLogger("vla_rl.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
-MAX_CONNECTION_ID_CHARS = 64
-
-
-def connection_of(context: grpc.aio.ServicerContext) -> str:
-    """The connection (one robot) a call came on: its peer address, and over a Unix socket, where every
-    client's peer reads ``unix:``, the channel id the client sends (``CONNECTION_METADATA_KEY``). A Unix
-    client without one shares the key ``unix:`` with the others that send none."""
-    peer = context.peer() or ""
-    if not peer.startswith("unix:"):
-        return peer
-    for key, value in context.invocation_metadata() or ():
-        if key == CONNECTION_METADATA_KEY and isinstance(value, str):
-            return f"{peer}#{value[:MAX_CONNECTION_ID_CHARS]}"
-    return peer
 
 
 class PolicyHost(Protocol):
@@ -86,12 +71,12 @@ class _Service(pb_grpc.PolicyServiceServicer):
             slot.active,
             self.s.config,
             time_remaining=context.time_remaining(),
-            peer=connection_of(context),
+            peer=context.peer() or "",
         )
         return slot, item
 
     def _refuse_undecodable(self, req: Undecodable, context: grpc.aio.ServicerContext) -> RequestError:
-        peer = connection_of(context)
+        peer = context.peer() or ""
         self.s.ratelog.warning(peer, "undecodable", "undecodable request", error=req.message)
         return RequestError(grpc.StatusCode.INVALID_ARGUMENT, req.message)
 
@@ -117,7 +102,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             raise
         except Exception as e:  # a decoder bug must cost one request, never the stream or a traceback flood
             self.s.ratelog.warning(
-                connection_of(context), "decode-error", "request decoding failed", exc_info=True
+                context.peer() or "", "decode-error", "request decoding failed", exc_info=True
             )
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"observation: could not be decoded ({type(e).__name__})"
@@ -165,7 +150,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
 
     async def Act(self, request: pb.ActRequest, context: grpc.aio.ServicerContext) -> pb.ActResponse:
         try:
-            async with self.s.peer_slots.hold(connection_of(context)):
+            async with self.s.peer_slots.hold(context.peer() or ""):
                 return await self._act(request, context)
         except RequestError as e:
             await abort(context, e)
@@ -180,7 +165,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
             code, message = e.code, e.message
         except Exception:  # a bug here must not end the robot's stream
             self.s.ratelog.warning(
-                connection_of(context), "stream-error", "stream request failed", exc_info=True
+                context.peer() or "", "stream-error", "stream request failed", exc_info=True
             )
             code, message = grpc.StatusCode.INTERNAL, "request failed inside the server (logged)"
         ids = ("", "") if isinstance(req, Undecodable) else (req.request_id, req.model_id)
@@ -198,7 +183,7 @@ class _Service(pb_grpc.PolicyServiceServicer):
         request holds one of its connection's max_peer_in_flight slots until its reply is written, so a
         connection's streams that do not read stop being served together once their writes back up."""
         write_timeout = self.s.config.stream_write_timeout
-        peer = connection_of(context)
+        peer = context.peer() or ""
         async for req in request_iterator:
             async with self.s.peer_slots.hold(peer):
                 reply = await self._stream_reply(req, context)

@@ -54,8 +54,7 @@ class FleetConfig:
     """Simulated robots (one process each)."""
     server: str = "127.0.0.1:50061"
     """Policy server address: host:port, or replicas as a comma-separated list (a:1,b:2) or
-    dns:///name:port; each robot's stream goes to a replica that reports SERVING and moves when it goes;
-    unix:///path for a server's --unix-socket on this host."""
+    dns:///name:port; each robot's stream goes to a replica that reports SERVING and moves when it goes."""
     collector: str = "127.0.0.1:50071"
     """Collector address."""
     task: str | None = None

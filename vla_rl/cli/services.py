@@ -46,14 +46,7 @@ def serve(config: ServerConfig) -> int:
         token: str | None = _read_token_file(config.token_file)
     else:
         token = env_secret("VLA_RL_SERVER_TOKEN")
-    if config.tcp:
-        check_port(config.host, config.port)
-    from server.unix_socket import SocketPathError, prepare_socket_path
-
-    for flag, path in (("--unix-socket", config.unix_socket), ("--local-socket", config.local_socket)):
-        if path is not None:
-            with user_errors(SocketPathError):
-                prepare_socket_path(path, field=flag)
+    check_port(config.host, config.port)
     if is_hub_ref(config.checkpoint):
         check_hub()  # no registry: one line naming it and how to start one (hub_errors), before loading
     elif not Path(config.checkpoint).is_dir():
@@ -77,7 +70,7 @@ class ClientAct:
 
     server: str = "127.0.0.1:50061"
     """Policy server address: host:port, replicas as a comma-separated list (a:1,b:2) or dns:///name:port
-    (round-robin over the replicas that report SERVING), or unix:///path (a server's --unix-socket)."""
+    (round-robin over the replicas that report SERVING)."""
     task: str | None = None
     """Task; None = the served model's robot spec."""
     model_id: str = ""

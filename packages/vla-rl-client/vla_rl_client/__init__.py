@@ -17,8 +17,7 @@ Clients (built only on the contracts):
 
 - :mod:`vla_rl_client.policy_client`: ``PolicyClient``, the synchronous policy-server client (one server
   or balanced replicas); :mod:`vla_rl_client.aio_policy_client` its asyncio twin; both share
-  :mod:`vla_rl_client.policy_common`; :mod:`vla_rl_client.local_client` ``LocalPolicyClient``, action chunks
-  from a server on the same host without gRPC (its ``--local-socket``)
+  :mod:`vla_rl_client.policy_common`
 - :mod:`vla_rl_client.action_queue`: a steady action stream from chunks for a control loop
 - :mod:`vla_rl_client.robot_client`: ``RobotClient``, streams episodes to the fleet collector
 

@@ -67,7 +67,7 @@ class AsyncActStream:
         self.reopened = 0
 
     def _open(self) -> None:
-        self._call = self._client._stub.StreamAct(metadata=self._client._act_metadata)
+        self._call = self._client._stub.StreamAct()
 
     async def act(
         self,
@@ -178,9 +178,7 @@ class AsyncPolicyClient(ClientBase):
     ) -> ActResult:
         """Send a prepared ``ActRequest`` or its bytes, unchecked (see ``PolicyClient.act_request``)."""
         t0 = time.perf_counter_ns()
-        resp = await self._retrying(
-            lambda t: self._stub.Act(req, timeout=t, metadata=self._act_metadata), timeout_s
-        )
+        resp = await self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
         return parse_response(resp, t0, t0 if started_ns is None else started_ns)
 
     def stream(self, model_id: str | None = None) -> AsyncActStream:

@@ -93,9 +93,7 @@ class ActStream:
     def _open(self) -> None:
         self._requests: queue.Queue[Any] = queue.Queue()
         self._replies: queue.Queue[pb.ActResponse | PolicyError] = queue.Queue()
-        self._call = self._stub.StreamAct(
-            iter(self._requests.get, self._END), metadata=self._client._act_metadata
-        )
+        self._call = self._stub.StreamAct(iter(self._requests.get, self._END))
         self._reader = threading.Thread(
             target=self._read, args=(self._call, self._replies), name="act-stream-reader", daemon=True
         )
@@ -208,9 +206,7 @@ class PolicyClient(ClientBase):
         (``time.perf_counter_ns()``), so the reply's timing counts the encoding (``client_encode_us``,
         ``ttfa_us``)."""
         t0 = time.perf_counter_ns()
-        resp = self._retrying(
-            lambda t: self._stub.Act(req, timeout=t, metadata=self._act_metadata), timeout_s
-        )
+        resp = self._retrying(lambda t: self._stub.Act(req, timeout=t), timeout_s)
         return parse_response(resp, t0, t0 if started_ns is None else started_ns)
 
     def _retrying(self, call: Callable[[float], T], timeout_s: float | None) -> T:

@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import random
-import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +30,6 @@ from vla_rl_client.proto import policy_service_pb2 as pb
 from vla_rl_client.proto import policy_service_pb2_grpc as pb_grpc
 
 __all__ = [
-    "CONNECTION_METADATA_KEY",
     "DEFAULT_BACKOFF",
     "HEALTH_SERVICE",
     "RETRYABLE",
@@ -120,15 +118,9 @@ HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
 SERVING once it serves and NOT_SERVING when it drains)."""
 
 _SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock")
-_LOCAL_SCHEMES = ("unix", "unix-abstract")
-CONNECTION_METADATA_KEY = "vla-rl-connection"
-"""Metadata a client sends with its inference calls over a Unix socket: a random id of its channel. A TCP
-connection's peer address tells robots apart; every client of a Unix socket has the same one (``unix:``),
-so the server tells them apart (its adaptive batching wait, per-connection limits) by this id instead."""
 _BALANCED_SCHEMES = ("dns", "ipv4", "ipv6")
 ADDRESS_HELP = (
-    "host:port, a comma-separated list of them (replicas), unix:///path (a server's Unix socket on this "
-    "host), or a gRPC target such as dns:///name:port"
+    "host:port, a comma-separated list of them (replicas), or a gRPC target such as dns:///name:port"
 )
 
 
@@ -177,8 +169,7 @@ def channel_target(address: str) -> ChannelTarget:
     * ``a:1,b:2``: replicas, through gRPC's static resolver (``ipv4:``/``ipv6:``; a host name in the list is
       looked up once, here) and balanced.
     * ``dns:///name:port`` (every address the name resolves to, re-resolved by gRPC), ``ipv4:...`` and
-      ``ipv6:...``: balanced; ``unix:///path`` (a server on this host: ``vla-rl serve --unix-socket``) and
-      other schemes: as given.
+      ``ipv6:...``: balanced; ``unix:`` and other schemes: as given.
     """
     address = address.strip() if isinstance(address, str) else address
     if not isinstance(address, str) or not address:
@@ -507,9 +498,6 @@ class ClientBase:
         self.max_message_bytes = max_message_bytes
         self._server_limit: int | None = None  # GetInfo.max_request_bytes, asked once a request is large
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        # inference calls over a Unix socket name their channel (CONNECTION_METADATA_KEY); None elsewhere
-        local = target.target.split(":", 1)[0] in _LOCAL_SCHEMES
-        self._act_metadata = ((CONNECTION_METADATA_KEY, secrets.token_hex(8)),) if local else None
         opts = channel_options(
             max_message_bytes, backoff, balanced=target.balanced, authority=target.authority
         )
