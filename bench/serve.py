@@ -57,7 +57,7 @@ from vla_rl_client.aio_policy_client import AsyncPolicyClient
 from vla_rl_client.policy_client import PolicyClient, PolicyError, Timing
 from vla_rl_client.spec import CameraSpec, RobotSpec
 
-from bench.common import table, write_results
+from bench.common import loadavg, table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,10 +72,6 @@ def free_port() -> int:
 
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ------------------------------------------------------------------------------------------------ models
